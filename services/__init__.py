@@ -1,0 +1,1 @@
+"""tandem's services and command line."""

@@ -1,0 +1,1 @@
+"""The engine: a Llama-family model on a paged KV cache, its block manager, sampler and step loop."""

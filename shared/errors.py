@@ -1,0 +1,10 @@
+"""Errors that carry the name of the offending field, so every entry point can answer clearly."""
+
+
+class InvalidRequestError(ValueError):
+    """A request field has a value the engine refuses. `param` names the field (OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.message = message
