@@ -1,0 +1,97 @@
+"""The KV block manager: integer block ids only, never tensors.
+
+A pool of `num_blocks` ids. A sequence owns a list of ids (its block table) covering its tokens:
+token i lives in block `block_ids[i // block_size]` at offset `i % block_size`. Blocks are
+reference-counted so that a block may be shared (a forked sequence, a reused prefix); it returns
+to the free pool when its last holder frees it.
+
+Invariants (checked by `check_invariants`, which the tests call after every operation):
+- every id is either free (refcount 0, in the free queue exactly once) or used (refcount > 0);
+- the free queue and the used set partition range(num_blocks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+
+class NoFreeBlocksError(RuntimeError):
+    """The pool cannot supply the blocks asked for; nothing was allocated."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free_ids: deque[int] = deque(range(num_blocks))
+        self._ref_counts = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free_ids)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks_for(self, block_ids: list[int], num_tokens: int) -> int:
+        """Blocks a table holding `block_ids` must gain to hold `num_tokens` tokens."""
+        return max(0, self.num_blocks_for(num_tokens) - len(block_ids))
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free_ids)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Takes `num_blocks` free ids (refcount 1 each); all or nothing."""
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate {num_blocks} blocks")
+        if num_blocks > len(self._free_ids):
+            raise NoFreeBlocksError(
+                f"need {num_blocks} blocks, {len(self._free_ids)} free of {self.num_blocks}"
+            )
+        ids = [self._free_ids.popleft() for _ in range(num_blocks)]
+        for block_id in ids:
+            self._ref_counts[block_id] = 1
+        return ids
+
+    def grow(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        """Extends a block table in place so it holds `num_tokens` tokens; returns the new ids."""
+        new_ids = self.allocate(self.num_new_blocks_for(block_ids, num_tokens))
+        block_ids.extend(new_ids)
+        return new_ids
+
+    def share(self, block_ids: Iterable[int]) -> None:
+        """Adds a holder to blocks already in use (fork, prefix reuse)."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} is free and cannot be shared")
+            self._ref_counts[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drops one holder of each block; a block with no holder left returns to the pool."""
+        for block_id in block_ids:
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise ValueError(f"block {block_id} freed twice")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free_ids.append(block_id)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def check_invariants(self) -> None:
+        free = set(self._free_ids)
+        assert len(free) == len(self._free_ids), "a block id is in the free queue twice"
+        for block_id, count in enumerate(self._ref_counts):
+            assert count >= 0, f"block {block_id} has a negative refcount"
+            assert (count == 0) == (block_id in free), f"block {block_id}: refcount {count}"

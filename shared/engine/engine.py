@@ -1,0 +1,254 @@
+"""The in-process engine: continuous batching over the paged model, one step at a time.
+
+`step()` reads as three calls: the scheduler picks this step's chunks, the model runs them in one
+forward, and post-processing samples a token for every sequence whose prompt (or recompute) is now
+complete, checks the stop conditions and retires finished sequences. This loop is the colocated
+baseline and the bare engine the served cluster is measured against.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence as SequenceOf
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import KVCache, num_blocks_for_budget
+from shared.engine.model import LlamaModel
+from shared.engine.sampling import Sampler, SamplingParams, SamplingRow
+from shared.engine.scheduler import ScheduledChunk, StepScheduler
+from shared.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from shared.engine.step_batch import SequenceChunk, build_step_batch
+from shared.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_bytes: int = 1 << 30  # sizes the block pool unless num_blocks is given
+    num_blocks: int | None = None
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 512  # tokens in one step (the chunked-prefill budget)
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config or EngineConfig()
+        mc = model.config
+        self.max_model_len = min(
+            self.config.max_model_len or mc.max_position_embeddings, model.max_positions
+        )
+        num_blocks = self.config.num_blocks or num_blocks_for_budget(
+            mc, self.config.block_size, model.dtype, self.config.kv_cache_bytes
+        )
+        self.kv_cache = KVCache(mc, num_blocks, self.config.block_size, model.dtype, model.device)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.scheduler = StepScheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self._sequences: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: SequenceOf[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        self._validate_prompt(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._sequences:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request; its blocks return to the pool. False if it is not in the engine."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def _validate_prompt(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"the prompt has {num_prompt} tokens; the model's context is "
+                f"{self.max_model_len} tokens, which leaves no room to generate",
+            )
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context of {self.max_model_len} tokens",
+            )
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_prompt + params.max_tokens > capacity:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"the prompt plus max_tokens ({num_prompt + params.max_tokens} tokens) can never "
+                f"fit the KV cache of {capacity} tokens",
+            )
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits = self._run(chunks)
+        return self._postprocess(chunks, logits)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        batch = build_step_batch(
+            [
+                SequenceChunk(
+                    token_ids=c.sequence.token_ids_slice(
+                        c.sequence.num_computed_tokens, c.sequence.num_computed_tokens + c.num_tokens
+                    ),
+                    start_position=c.sequence.num_computed_tokens,
+                    block_ids=c.sequence.block_ids,
+                )
+                for c in chunks
+            ],
+            self.config.block_size,
+            self.model.device,
+        )
+        return self.model.step(batch, self.kv_cache)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        sampled_rows, rows = [], []
+        for index, chunk in enumerate(chunks):
+            seq = chunk.sequence
+            seq.num_computed_tokens += chunk.num_tokens
+            if seq.num_computed_tokens == seq.num_tokens:  # its last token ran: sample the next
+                sampled_rows.append(index)
+                rows.append(self._sampling_row(seq))
+        if not rows:
+            return []
+        sampled = self.sampler(logits[sampled_rows], rows)
+        outputs = []
+        for i, index in enumerate(sampled_rows):
+            seq = chunks[index].sequence
+            token = sampled.token_ids[i]
+            seq.output_token_ids.append(token)
+            out = RequestOutput(seq.request_id, [token])
+            if sampled.logprobs[i] is not None:
+                lp = TokenLogprobs(sampled.logprobs[i], sampled.top_logprobs[i])
+                seq.output_logprobs.append(lp)
+                out.new_logprobs.append(lp)
+            status = self._stop_status(seq, token)
+            if status is not None:
+                self.scheduler.finish(seq, status)
+                del self._sequences[seq.request_id]
+                out.finish_reason = status.finish_reason
+            outputs.append(out)
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        suppressed: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            suppressed = tuple(params.stop_token_ids) + (
+                () if params.ignore_eos else tuple(self.eos_token_ids)
+            )
+        return SamplingRow(
+            params=params,
+            generator=seq.generator,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            suppressed_token_ids=suppressed,
+        )
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens and (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    # -- convenience ----------------------------------------------------------------------------
+
+    def run_until_done(self) -> Iterator[RequestOutput]:
+        while self.has_unfinished:
+            yield from self.step()
+
+    def generate(
+        self, prompts: SequenceOf[SequenceOf[int]], params: SamplingParams | SequenceOf[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Runs prompts to completion with continuous batching; results in prompt order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        sequences = {rid: self._sequences[rid] for rid in ids}
+        finish = {}
+        for out in self.run_until_done():
+            if out.finished:
+                finish[out.request_id] = out.finish_reason
+        return [
+            GenerationResult(
+                rid,
+                sequences[rid].prompt_token_ids,
+                sequences[rid].output_token_ids,
+                sequences[rid].output_logprobs,
+                finish[rid],
+            )
+            for rid in ids
+        ]

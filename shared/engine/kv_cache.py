@@ -1,0 +1,51 @@
+"""The paged KV cache: per-layer block pools of keys and values.
+
+Layer l's keys live in `key_caches[l]`, shaped [num_blocks, block_size, num_kv_heads, head_dim]
+(values alike); block ids come from the `BlockManager`, which never sees these tensors. Sizing
+from a memory budget lives here so the decode worker and the in-process engine agree on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.model_config import ModelConfig
+
+
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block id costs across all layers, keys and values."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * config.num_kv_heads * config.head_dim * element_size
+    return per_layer * config.num_layers
+
+
+def num_blocks_for_budget(
+    config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int
+) -> int:
+    num_blocks = budget_bytes // bytes_per_block(config, block_size, dtype)
+    if num_blocks < 1:
+        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size}")
+    return int(num_blocks)
+
+
+class KVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # One allocation per kind; per-layer views index into it (contiguous per layer).
+        self._keys = torch.zeros(shape, dtype=dtype, device=device)
+        self._values = torch.zeros(shape, dtype=dtype, device=device)
+        self.key_caches = list(self._keys.unbind(0))
+        self.value_caches = list(self._values.unbind(0))
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.key_caches[index], self.value_caches[index]

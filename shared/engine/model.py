@@ -1,0 +1,190 @@
+"""A Llama-family decoder written against the paged KV cache.
+
+One forward runs a `StepBatch` (prompt chunks and decode tokens flattened together): each layer
+projects q, k and v in one matmul, rotates q and k, writes the new k and v into the cache at the
+batch's slots, attends through the block tables (`kernels.paged_attention`), and runs the SwiGLU
+MLP with gate and up fused into one matmul. Only each sequence's last token reaches the LM head.
+
+Weights are held as plain tensors (no autograd, no nn.Linear) and loaded from transformers' names
+by `load_hf_weights`, which fuses q/k/v and gate/up as it goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.kv_write import write_kv
+from kernels.paged_attention import paged_attention
+from shared.engine.kv_cache import KVCache
+from shared.engine.model_config import ModelConfig
+from shared.engine.rope import RotaryEmbedding
+from shared.engine.step_batch import StepBatch
+
+
+@dataclass
+class DecoderLayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, intermediate]
+    down_bias: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalize in float32 whatever the activation dtype, as transformers does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layers: list[DecoderLayerWeights],
+        embed_tokens: torch.Tensor,
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        max_positions: int | None = None,
+    ):
+        self.config = config
+        self.layers = layers
+        self.embed_tokens = embed_tokens
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.dtype = embed_tokens.dtype
+        self.device = embed_tokens.device
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.rotary = RotaryEmbedding(
+            config.rope_parameters,
+            config.head_dim,
+            self.max_positions,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._q_size = config.num_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+        self._scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Runs one step; returns float32 logits [num_seqs, vocab] of each sequence's last token."""
+        hidden = self.forward(batch, kv_cache)
+        last = hidden.index_select(0, batch.last_token_indices)
+        last = rms_norm(last, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] after the last layer, before the final norm."""
+        hidden = F.embedding(batch.token_ids, self.embed_tokens)
+        for index, layer in enumerate(self.layers):
+            key_cache, value_cache = kv_cache.layer(index)
+            hidden = hidden + self._attention(layer, hidden, batch, key_cache, value_cache)
+            hidden = hidden + self._mlp(layer, hidden)
+        return hidden
+
+    def _attention(
+        self,
+        layer: DecoderLayerWeights,
+        hidden: torch.Tensor,
+        batch: StepBatch,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        c = self.config
+        x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        q = q.view(num_tokens, c.num_heads, c.head_dim)
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k = self.rotary(batch.positions, q, k)
+        write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        out = paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            batch.block_tables,
+            batch.context_lens,
+            batch.query_start_loc,
+            scale=self._scale,
+            max_query_len=batch.max_query_len,
+            max_context_len=batch.max_context_len,
+        )
+        return F.linear(out.reshape(num_tokens, self._q_size), layer.o, layer.o_bias)
+
+    def _mlp(self, layer: DecoderLayerWeights, hidden: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+
+def load_hf_weights(
+    config: ModelConfig,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+) -> LlamaModel:
+    """Builds the model from transformers' parameter names (`model.layers.0.self_attn.q_proj...`)."""
+    w = {name: t for name, t in named_tensors}
+    missing: list[str] = []
+
+    def take(name: str, required: bool = True) -> torch.Tensor | None:
+        tensor = w.pop(name, None)
+        if tensor is None:
+            if required:
+                missing.append(name)
+            return None
+        return tensor.to(dtype=dtype, device=device).contiguous()
+
+    def fused(*names: str, required: bool = True) -> torch.Tensor | None:
+        parts = [take(n, required) for n in names]
+        return None if any(p is None for p in parts) else torch.cat(parts, dim=0).contiguous()
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        layers.append(
+            DecoderLayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=fused(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+                qkv_bias=fused(
+                    attn + "q_proj.bias",
+                    attn + "k_proj.bias",
+                    attn + "v_proj.bias",
+                    required=config.qkv_bias,
+                ),
+                o=take(attn + "o_proj.weight"),
+                o_bias=take(attn + "o_proj.bias", required=config.o_bias),
+                post_attention_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                gate_up_bias=fused(
+                    mlp + "gate_proj.bias", mlp + "up_proj.bias", required=config.mlp_bias
+                ),
+                down=take(mlp + "down_proj.weight"),
+                down_bias=take(mlp + "down_proj.bias", required=config.mlp_bias),
+            )
+        )
+    embed = take("model.embed_tokens.weight")
+    final_norm = take("model.norm.weight")
+    lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
+    if lm_head is None:
+        lm_head = embed
+    # Rotary inverse frequencies are recomputed from the config, never loaded.
+    leftovers = [n for n in w if not n.endswith("rotary_emb.inv_freq")]
+    if missing or leftovers:
+        raise ValueError(f"weights do not match the config: missing {missing}, unused {leftovers}")
+    return LlamaModel(config, layers, embed, final_norm, lm_head, max_positions)

@@ -1,0 +1,99 @@
+"""The shape of a Llama-family model, read from a Hugging Face config.
+
+Llama, SmolLM, Mistral and Qwen2 share one decoder: RMSNorm, rotary embeddings, grouped-query
+attention and a SwiGLU MLP. They differ in a handful of fields, which this dataclass names. Anything
+the forward in `model.py` does not implement is refused here, by name, rather than run wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # Qwen2 puts a bias on the q, k and v projections (not on o); Llama's `attention_bias` on all four.
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # Rotary parameters in transformers' v5 form: at least `rope_theta` and `rope_type`.
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters.get("rope_theta", 10000.0))
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
+        """Builds the config from a transformers `PretrainedConfig` (v5 `rope_parameters` form)."""
+        c = hf_config
+        num_heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
+        attention_bias = bool(getattr(c, "attention_bias", False))
+        is_qwen2 = c.model_type == "qwen2"
+        if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        return cls(
+            model_type=c.model_type,
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(c.rms_norm_eps),
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            rope_parameters=dict(_rope_parameters(c)),
+            bos_token_id=getattr(c, "bos_token_id", None),
+            eos_token_ids=_as_tuple(getattr(c, "eos_token_id", None)),
+        )
+
+
+def _rope_parameters(c: Any) -> dict[str, Any]:
+    params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(c, "rope_theta", 10000.0)
+    return params
+
+
+def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)

@@ -1,0 +1,372 @@
+"""Sampling: one step's logits in, one token per sequence out.
+
+Per row, in this order: suppressed tokens (e.g. EOS under `min_tokens`) go to -inf; the repetition
+penalty scales logits of tokens seen in the prompt or output; frequency and presence penalties are
+subtracted for tokens in the output. A greedy row then takes the argmax. Any other row is divided
+by its temperature and filtered: top-k, then top-p on the renormalized survivors, then min-p; the
+token is drawn from what is left.
+
+The draw is an exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is distributed
+as p (q_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is i with probability
+p_i). Each row draws exactly `vocab` exponentials from its own CPU generator per step, whatever it
+keeps, so a seeded request yields the same tokens whatever else shares the batch, wherever it sits
+in it and on whichever device the logits live. Filtering runs batched; only the draws loop over
+rows. A batch of greedy rows without penalties or suppression takes one vectorized argmax.
+
+Logprobs describe the model's own distribution, log_softmax of the raw logits before penalties,
+temperature and filtering (vLLM's default), and are computed only for the rows that ask.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+_MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts no larger value
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def _as_int(name: str, value: object) -> int:
+    # bool is an int subclass, but `max_tokens: true` is a client bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be finite, got {value!r}")
+    return float(value)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(name, message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens. Validated when built; numbers are normalized
+    (ints given for floats become floats, `stop_token_ids` becomes a tuple)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._normalize_types()
+        self._check_ranges()
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+    def _normalize_types(self) -> None:
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            self._set(name, _as_int(name, getattr(self, name)))
+        for name in _FLOAT_FIELDS:
+            self._set(name, _as_float(name, getattr(self, name)))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                self._set(name, _as_int(name, getattr(self, name)))
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        ids = self.stop_token_ids
+        _check(isinstance(ids, (list, tuple)), "stop_token_ids", "must be a list of token ids")
+        self._set("stop_token_ids", tuple(_as_int("stop_token_ids", i) for i in ids))
+
+    def _check_ranges(self) -> None:
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(
+            self.top_k in (-1, 0) or self.top_k >= 1,
+            "top_k",
+            f"must be >= 1, or 0 or -1 for no limit, got {self.top_k}",
+        )
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
+        penalty = self.repetition_penalty
+        _check(penalty > 0, "repetition_penalty", f"must be > 0, got {penalty}")
+        seed = self.seed
+        _check(seed is None or 0 <= seed <= _MAX_SEED, "seed", f"must be in [0, 2**64), got {seed}")
+        n = self.logprobs
+        _check(
+            n is None or 0 <= n <= MAX_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {n}",
+        )
+        ids = self.stop_token_ids
+        _check(all(i >= 0 for i in ids), "stop_token_ids", f"ids must be >= 0, got {list(ids)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's own RNG: a CPU generator seeded with `params.seed`, or freshly from the OS
+    when there is none; None for a greedy request, which draws nothing."""
+    if params.greedy:
+        return None
+    generator = torch.Generator(device="cpu")
+    if params.seed is None:
+        generator.seed()  # non-deterministic, and leaves torch's global RNG alone
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs about one sequence in the batch. Token ids may also be given as
+    1-D long tensors, which saves a conversion per step for long prompts."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # from make_generator; None only when greedy
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    suppressed_token_ids: Sequence[int] = ()  # logit -> -inf this step (EOS under min_tokens)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Its token is the argmax of the raw logits."""
+        params = self.params
+        return params.greedy and not params.has_penalties and len(self.suppressed_token_ids) == 0
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # the chosen token's logprob; None where not asked
+    # top-n (token id, logprob) best first; [] when logprobs=0, None where not asked
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def _long_tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """A penalized copy of one row's logits [vocab]: repetition (HF/vLLM: a seen token's logit is
+    divided by the penalty if positive, else multiplied), then frequency and presence (OpenAI:
+    minus frequency * count + presence * (count > 0), counting the output only)."""
+    out = logits.clone()
+    output_ids = _long_tensor(output_token_ids, logits.device)
+    if params.repetition_penalty != 1.0:
+        prompt_ids = _long_tensor(prompt_token_ids, logits.device)
+        seen = torch.cat([prompt_ids, output_ids]).unique()  # each id penalized once
+        values = out[seen]
+        penalty = params.repetition_penalty
+        out[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids.numel() > 0:
+        ids, counts = output_ids.unique(return_counts=True)
+        out[ids] -= params.frequency_penalty * counts.to(out.dtype) + params.presence_penalty
+    return out
+
+
+def _keep_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens survive top-k, then top-p of the renormalized survivors, judged among the
+    `num_candidates` best of each row (never fewer than a row's k). Returns the keep mask
+    [rows, vocab] and, per row, whether it is final: the row's top-k lies among the candidates,
+    or the candidates hold at least top_p of its mass, so no token outside them could be kept."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    limited = k < vocab
+    size = min(vocab, max([num_candidates, *k[limited].tolist()]))
+    values, ids = logits.topk(size, dim=-1)  # best first; exactly k kept, ties broken by topk
+    in_top_k = torch.arange(size, device=logits.device) < k.unsqueeze(1)
+    # log of the softmax denominator over each row's top-k survivors
+    log_norm = values.masked_fill(~in_top_k, -math.inf).logsumexp(dim=-1)
+    if not bool(limited.all()):
+        log_norm = torch.where(limited, log_norm, logits.logsumexp(dim=-1))
+    probs = (values - log_norm.unsqueeze(1)).exp().masked_fill(~in_top_k, 0.0)
+    # Keep a token while the mass strictly before it is short of top_p: the smallest prefix
+    # reaching top_p, never empty (the first token has nothing before it). top_p = 1 keeps
+    # all, whatever the rounding of the cumulative sum.
+    cumulative = probs.cumsum(dim=-1)
+    mass_before = cumulative - probs
+    mass_before[:, 0] = 0.0
+    keep = in_top_k & ((mass_before < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1))
+    final = limited | (cumulative[:, -1] >= top_p)
+    keep_all = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, keep)
+    return keep_all, final
+
+
+def _mask_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int
+) -> torch.Tensor:
+    """-inf outside each row's top-k, then outside the top-p of the renormalized survivors.
+    The best `num_candidates` tokens (a partial sort) usually decide; rows whose top-p set may
+    reach beyond them are judged again over the whole vocabulary (a full sort)."""
+    keep, final = _keep_top_k_top_p(logits, top_k, top_p, num_candidates)
+    if not bool(final.all()):
+        redo = (~final).nonzero().squeeze(1)
+        vocab = logits.shape[-1]
+        keep[redo], _ = _keep_top_k_top_p(logits[redo], top_k[redo], top_p[redo], vocab)
+    return logits.masked_fill(~keep, -math.inf)
+
+
+def filter_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    num_candidates: int = 1024,
+) -> torch.Tensor:
+    """The distribution a row samples from: softmax(logits / temperature) restricted to the
+    top-k, then to the top-p of what is left, then to tokens with prob >= min_p * max prob;
+    renormalized. `logits` is [rows, vocab]; the others are per-row [rows] tensors, top_k <= 0
+    meaning no limit. Temperatures must be > 0 (greedy rows never come here).
+    `num_candidates` tunes speed only: top-p first looks among that many best tokens."""
+    scaled = logits.float() / temperature.unsqueeze(1)
+    vocab = logits.shape[-1]
+    filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+    if bool(filtered.all()):
+        scaled = _mask_top_k_top_p(scaled, top_k, top_p, num_candidates)
+    elif bool(filtered.any()):
+        rows = filtered.nonzero().squeeze(1)
+        scaled[rows] = _mask_top_k_top_p(scaled[rows], top_k[rows], top_p[rows], num_candidates)
+    probs = scaled.softmax(dim=-1)
+    if bool((min_p > 0).any()):
+        # Ratios to the max are unchanged by renormalization, so min-p may come last.
+        floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row drawn from `probs` [rows, vocab], row i's randomness from generators[i]
+    alone: exactly `vocab` uniform draws per row, on the CPU, whatever the device."""
+    noise = torch.empty(probs.shape, dtype=torch.float32)
+    for row_noise, generator in zip(noise, generators, strict=True):
+        row_noise.uniform_(generator=generator)
+    # -log(u) is Exp(1) (cheaper here than exponential_). The floor keeps it finite, so a kept
+    # token (p > 0) always beats a dropped one (p / q = 0).
+    noise.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
+    return (probs / noise.to(probs.device)).argmax(dim=-1)
+
+
+def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Logits after suppression and penalties; a copy, the caller's tensor stays untouched."""
+    work = logits.clone()
+    for i, row in enumerate(rows):
+        if len(row.suppressed_token_ids) > 0:
+            work[i, _long_tensor(row.suppressed_token_ids, logits.device)] = -math.inf
+        if row.params.has_penalties:
+            work[i] = apply_penalties(
+                work[i], row.params, row.prompt_token_ids, row.output_token_ids
+            )
+    return work
+
+
+def _filter_params(rows: Sequence[SamplingRow], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per-row (temperature, top_k, top_p, min_p) tensors, as filter_probs takes them."""
+    params = [row.params for row in rows]
+
+    def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+
+    return (
+        column("temperature", torch.float32),
+        column("top_k", torch.long),
+        column("top_p", torch.float32),
+        column("min_p", torch.float32),
+    )
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    work = _processed_logits(logits, rows)
+    token_ids = work.argmax(dim=-1)  # the answer for greedy rows; the others are overwritten
+    random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if random_rows:
+        chosen = [rows[i] for i in random_rows]
+        if any(row.generator is None for row in chosen):
+            raise ValueError("a non-greedy SamplingRow needs a generator (make_generator)")
+        index = torch.tensor(random_rows, device=logits.device)
+        probs = filter_probs(work[index], *_filter_params(chosen, logits.device))
+        token_ids[index] = _race(probs, [row.generator for row in chosen])
+    return token_ids
+
+
+def _with_logprobs(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+) -> SamplerOutput:
+    num_rows = len(rows)
+    logprobs: list[float | None] = [None] * num_rows
+    top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_rows
+    asked = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if asked:
+        index = torch.tensor(asked, device=logits.device)
+        all_logprobs = torch.log_softmax(logits[index].float(), dim=-1)  # raw: the model's own
+        chosen = all_logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
+        max_n = min(max(rows[i].params.logprobs for i in asked), logits.shape[-1])
+        top_values, top_ids = all_logprobs.topk(max_n, dim=-1)  # sorted, best first
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        for j, i in enumerate(asked):
+            n = rows[i].params.logprobs
+            logprobs[i] = chosen[j]
+            top_logprobs[i] = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+    return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+
+
+class Sampler:
+    """Chooses the next token of every row of a batch; see the module docstring."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """`logits` is [len(rows), vocab], read only. Logprobs are of the raw logits."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if all(row.is_plain_greedy for row in rows):
+            token_ids = logits.argmax(dim=-1)  # the decode hot path: no per-row work
+        else:
+            token_ids = _sample(logits, rows)
+        return _with_logprobs(logits, rows, token_ids)

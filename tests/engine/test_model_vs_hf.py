@@ -1,0 +1,156 @@
+"""Our paged forward against transformers' own, on tiny random models, float32."""
+
+import pytest
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import KVCache
+from shared.engine.step_batch import SequenceChunk, build_step_batch
+from tests.helpers import our_model_from_hf, tiny_hf_model
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_llama():
+    return tiny_hf_model("llama")
+
+
+@pytest.fixture(scope="module")
+def llama(hf_llama):
+    return our_model_from_hf(hf_llama)
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of one unpadded sequence: [len, vocab]."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+class PagedRunner:
+    """Drives our model over several sequences, chunk by chunk, with real block tables."""
+
+    def __init__(self, model, block_size: int, num_blocks: int = 256):
+        self.model = model
+        self.block_size = block_size
+        self.cache = KVCache(model.config, num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size)
+        # Shuffle the pool so tables are not contiguous runs of ids.
+        ids = list(self.blocks._free_ids)
+        torch.manual_seed(1)
+        self.blocks._free_ids.clear()
+        self.blocks._free_ids.extend(ids[i] for i in torch.randperm(len(ids)).tolist())
+        self.tables: dict[int, list[int]] = {}
+        self.computed: dict[int, int] = {}
+
+    def run(self, chunks: dict[int, list[int]]) -> torch.Tensor:
+        seq_chunks = []
+        for seq, tokens in chunks.items():
+            table = self.tables.setdefault(seq, [])
+            start = self.computed.get(seq, 0)
+            self.blocks.grow(table, start + len(tokens))
+            seq_chunks.append(SequenceChunk(tokens, start, table))
+            self.computed[seq] = start + len(tokens)
+        batch = build_step_batch(seq_chunks, self.block_size)
+        return self.model.step(batch, self.cache)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_single_prompt(hf_llama, llama, block_size):
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    ours = PagedRunner(llama, block_size).run({0: prompt})
+    expected = hf_logits(hf_llama, prompt)[-1]
+    assert (ours[0] - expected).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_batch_of_different_lengths_then_decode(hf_llama, llama, block_size):
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 5, 16, 17, 40)]
+    runner = PagedRunner(llama, block_size)
+    logits = runner.run(dict(enumerate(prompts)))
+    for step in range(4):
+        for i, prompt in enumerate(prompts):
+            expected = hf_logits(hf_llama, prompt)[-1]
+            assert (logits[i] - expected).abs().max().item() < TOLERANCE, (step, i)
+        next_tokens = logits.argmax(-1).tolist()
+        for prompt, token in zip(prompts, next_tokens, strict=True):
+            prompt.append(token)
+        logits = runner.run({i: [t] for i, t in enumerate(next_tokens)})
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 33])
+def test_chunked_prefill_equals_whole(hf_llama, llama, block_size, chunk_size):
+    prompt = torch.randint(3, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected_all = hf_logits(hf_llama, prompt + [5, 6, 7])
+    runner = PagedRunner(llama, block_size)
+    for start in range(0, len(prompt), chunk_size):
+        chunk = prompt[start : start + chunk_size]
+        logits = runner.run({0: chunk})
+        position = start + len(chunk) - 1
+        assert (logits[0] - expected_all[position]).abs().max().item() < TOLERANCE, position
+    for offset, token in enumerate([5, 6, 7]):  # decode steps after the chunked prompt
+        logits = runner.run({0: [token]})
+        expected = expected_all[len(prompt) + offset]
+        assert (logits[0] - expected).abs().max().item() < TOLERANCE
+
+
+def test_mixed_step_prefill_chunks_with_decodes(hf_llama, llama):
+    """One step holds a decode token of one sequence and prompt chunks of two others."""
+    gen = torch.Generator().manual_seed(4)
+    a, b, c = (torch.randint(3, 256, (n,), generator=gen).tolist() for n in (20, 45, 9))
+    runner = PagedRunner(llama, 16)
+    runner.run({0: a})
+    logits = runner.run({0: [11], 1: b[:30], 2: c})
+    assert (logits[0] - hf_logits(hf_llama, a + [11])[-1]).abs().max() < TOLERANCE
+    assert (logits[1] - hf_logits(hf_llama, b[:30])[-1]).abs().max() < TOLERANCE
+    assert (logits[2] - hf_logits(hf_llama, c)[-1]).abs().max() < TOLERANCE
+    logits = runner.run({1: b[30:], 2: [12]})
+    assert (logits[0] - hf_logits(hf_llama, b)[-1]).abs().max() < TOLERANCE
+    assert (logits[1] - hf_logits(hf_llama, c + [12])[-1]).abs().max() < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("qwen2", {}),  # q/k/v bias
+        ("mistral", {"sliding_window": None}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 10000.0,
+                }
+            },
+        ),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 128,
+                    "rope_theta": 10000.0,
+                }
+            },
+        ),
+    ],
+)
+def test_family_variants(model_type, overrides):
+    hf = tiny_hf_model(model_type, seed=5, **overrides)
+    ours = our_model_from_hf(hf)
+    prompt = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    runner = PagedRunner(ours, 16)
+    expected = hf_logits(hf, prompt)
+    logits = runner.run({0: prompt[:100]})
+    assert (logits[0] - expected[99]).abs().max().item() < TOLERANCE
+    logits = runner.run({0: prompt[100:]})
+    assert (logits[0] - expected[-1]).abs().max().item() < TOLERANCE

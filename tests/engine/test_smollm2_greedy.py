@@ -1,0 +1,58 @@
+"""The real SmolLM2: our greedy tokens equal transformers' `generate`, token for token."""
+
+import pytest
+import torch
+
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 100.",
+]
+PLAIN_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the mountains,",
+    "Les fleurs du printemps sont",
+]
+NUM_TOKENS = 64
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
+    return tokenizer(text).input_ids
+
+
+def test_greedy_equals_transformers_generate(smollm2, smollm2_hf):
+    tokenizer = smollm2.tokenizer
+    prompts = [encode(tokenizer, p, True) for p in CHAT_PROMPTS]
+    prompts += [encode(tokenizer, p, False) for p in PLAIN_PROMPTS]
+    # A small step budget forces chunked prefill and mixes prompt chunks with decode steps.
+    engine = LLMEngine(
+        smollm2.model, EngineConfig(num_blocks=512, max_num_batched_tokens=48, max_num_seqs=8)
+    )
+    results = engine.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0))
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            hf = smollm2_hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NUM_TOKENS,
+                do_sample=False,
+            )
+        expected = hf[0, len(prompt) :].tolist()
+        assert result.token_ids == expected, tokenizer.decode(prompt)
+    assert engine.block_manager.num_free_blocks == 512

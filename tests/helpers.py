@@ -1,0 +1,39 @@
+"""Shared factories for the tests: tiny random Llama-family models and their transformers twins."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.engine.model import LlamaModel, load_hf_weights
+from shared.engine.model_config import ModelConfig
+
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    # Larger than the usual 0.02 so that logits differ enough between tokens to catch mistakes.
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
+    """A transformers causal LM with random weights (float32, eval mode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**TINY_LLAMA, **overrides})
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def our_model_from_hf(hf_model) -> LlamaModel:
+    config = ModelConfig.from_hf(hf_model.config)
+    return load_hf_weights(config, hf_model.state_dict().items())
