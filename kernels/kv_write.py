@@ -5,8 +5,9 @@ as `[num_blocks * block_size, num_kv_heads, head_dim]`, its rows are slots: the 
 lives at block `s // block_size`, offset `s % block_size`, so writing is a row scatter driven by
 `slot_mapping`. A negative slot marks a padding token that is not written.
 
-`write_kv` checks its inputs once, then runs the Triton kernel on CUDA (one program per token copying
-all its heads) or the pure-torch reference elsewhere; the reference is also the kernel's test oracle.
+`write_kv` checks its inputs once, then runs the Triton kernel on CUDA (one program per token,
+copying all its heads) or the pure-torch reference elsewhere; the reference is also the kernel's
+test oracle.
 """
 
 import torch
@@ -25,8 +26,8 @@ def write_kv(
 ) -> None:
     """Write `key`/`value` `[num_tokens, num_kv_heads, head_dim]` into the caches at `slot_mapping`.
 
-    `use_triton=None` picks the Triton kernel exactly when the tensors are on CUDA; tests pass True to
-    run it on CPU tensors under TRITON_INTERPRET=1.
+    `use_triton=None` picks the Triton kernel exactly when the tensors are on CUDA; tests pass True
+    to run it on CPU tensors under TRITON_INTERPRET=1.
     """
     _check_inputs(key, value, key_cache, value_cache, slot_mapping)
     if use_triton is None:
@@ -44,7 +45,7 @@ def write_kv_reference(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Pure-torch write: one `index_copy_` per cache on its slot view, padding tokens filtered out."""
+    """Pure-torch write: one `index_copy_` per cache on its slot view, padding tokens dropped."""
     num_kv_heads, head_dim = key_cache.shape[2:]
     keep = slot_mapping >= 0
     if not bool(keep.all()):
@@ -74,15 +75,16 @@ def _write_kv_kernel(
     # projection) with a unit stride along head_dim; the caches are contiguous.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # a padding token: nothing to write
+        return
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, DIM_PAD)[None, :]
-    # A negative slot is padding: masking every lane skips the token without a branch.
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (slot >= 0)
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     dest = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
-    k = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head + dims, mask=mask)
-    v = tl.load(value_ptr + token * value_stride_token + heads * value_stride_head + dims, mask=mask)
-    tl.store(key_cache_ptr + dest, k, mask=mask)
-    tl.store(value_cache_ptr + dest, v, mask=mask)
+    key_src = token * key_stride_token + heads * key_stride_head + dims
+    value_src = token * value_stride_token + heads * value_stride_head + dims
+    tl.store(key_cache_ptr + dest, tl.load(key_ptr + key_src, mask=mask), mask=mask)
+    tl.store(value_cache_ptr + dest, tl.load(value_ptr + value_src, mask=mask), mask=mask)
 
 
 def _write_kv_triton(

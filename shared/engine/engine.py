@@ -32,6 +32,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (the chunked-prefill budget)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    # Prefill role: a finished sequence keeps its blocks until `release()`, so its KV can be
+    # exported to a decode worker first.
+    retain_finished: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -85,6 +88,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self._sequences: dict[str, Sequence] = {}
+        self._retained: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
     # -- requests -----------------------------------------------------------------------------
@@ -104,12 +108,61 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        block_ids: list[int],
+        generator_state: torch.Tensor | None = None,
+    ) -> None:
+        """Admits a sequence whose prompt KV is already in `block_ids` (written by the caller).
+
+        The blocks were reserved from this engine's block manager and now belong to the sequence.
+        Its last output token has not run yet; it joins the running batch at the next step.
+        """
+        if request_id in self._sequences:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if not output_token_ids:
+            raise ValueError("a prefilled sequence carries at least its first sampled token")
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq.output_token_ids = list(output_token_ids)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        if len(block_ids) * self.block_manager.block_size < seq.num_computed_tokens:
+            raise ValueError("the reserved blocks cannot hold the transferred KV")
+        seq.block_ids = block_ids
+        if generator_state is not None and seq.generator is not None:
+            seq.generator.set_state(generator_state)
+        self._sequences[request_id] = seq
+        self.scheduler.add_running(seq)
+
     def abort(self, request_id: str) -> bool:
         """Cancels a request; its blocks return to the pool. False if it is not in the engine."""
+        self.release(request_id)
         seq = self._sequences.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return True
+
+    def retained(self, request_id: str) -> Sequence:
+        """A finished sequence still holding its blocks (`retain_finished`)."""
+        return self._retained[request_id]
+
+    def export_kv(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of a retained sequence's computed tokens, [layers, blocks, ...]."""
+        seq = self._retained[request_id]
+        num_blocks = self.block_manager.num_blocks_for(seq.num_computed_tokens)
+        return self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
+
+    def release(self, request_id: str) -> bool:
+        """Frees a retained sequence's blocks."""
+        seq = self._retained.pop(request_id, None)
+        if seq is None:
+            return False
+        self.block_manager.free(seq.block_ids)
+        seq.block_ids = []
         return True
 
     @property
@@ -192,11 +245,21 @@ class LLMEngine:
                 out.new_logprobs.append(lp)
             status = self._stop_status(seq, token)
             if status is not None:
-                self.scheduler.finish(seq, status)
-                del self._sequences[seq.request_id]
+                self._finish(seq, status)
                 out.finish_reason = status.finish_reason
             outputs.append(out)
         return outputs
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        del self._sequences[seq.request_id]
+        if self.config.retain_finished:
+            block_ids = list(seq.block_ids)
+            self.block_manager.share(block_ids)  # keep them past the scheduler's free
+            self.scheduler.finish(seq, status)
+            seq.block_ids = block_ids
+            self._retained[seq.request_id] = seq
+        else:
+            self.scheduler.finish(seq, status)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params

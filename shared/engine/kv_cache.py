@@ -49,3 +49,20 @@ class KVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.key_caches[index], self.value_caches[index]
+
+    def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the blocks' keys and values, each [num_layers, len(block_ids), block, heads, dim]."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self._keys.device)
+        return self._keys.index_select(1, index), self._values.index_select(1, index)
+
+    def write_blocks(self, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes keys and values shaped as `read_blocks` returns them into the given blocks."""
+        expected = (self._keys.shape[0], len(block_ids), *self._keys.shape[2:])
+        for name, tensor in (("keys", keys), ("values", values)):
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"{name} shape {tuple(tensor.shape)} != expected {expected}")
+            if tensor.dtype != self.dtype:
+                raise ValueError(f"{name} dtype {tensor.dtype} != cache dtype {self.dtype}")
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self._keys.device)
+        self._keys.index_copy_(1, index, keys.to(self._keys.device))
+        self._values.index_copy_(1, index, values.to(self._values.device))

@@ -8,10 +8,15 @@ token is drawn from what is left.
 
 The draw is an exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is distributed
 as p (q_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is i with probability
-p_i). Each row draws exactly `vocab` exponentials from its own CPU generator per step, whatever it
-keeps, so a seeded request yields the same tokens whatever else shares the batch, wherever it sits
-in it and on whichever device the logits live. Filtering runs batched; only the draws loop over
-rows. A batch of greedy rows without penalties or suppression takes one vectorized argmax.
+p_i). Each row draws exactly `vocab` uniforms (q = -log u) from its own CPU generator per step,
+whatever it keeps, and every filter computes each row from that row alone, so a seeded request
+yields the same tokens whatever else shares the batch and wherever it sits in it. Filtering runs
+batched; only the draws loop over rows. A batch of greedy rows without penalties or suppression
+takes one vectorized argmax, the decode loop's hot path.
+
+Top-k and top-p need the best tokens in order. A partial sort of the best 1024 settles almost
+every row (its top-k lies within them, or they hold top_p of the mass); only the rest, flat
+distributions under a high top_p, pay for a full sort of the vocabulary.
 
 Logprobs describe the model's own distribution, log_softmax of the raw logits before penalties,
 temperature and filtering (vLLM's default), and are computed only for the rows that ask.
@@ -213,28 +218,32 @@ def _keep_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Which tokens survive top-k, then top-p of the renormalized survivors, judged among the
-    `num_candidates` best of each row (never fewer than a row's k). Returns the keep mask
-    [rows, vocab] and, per row, whether it is final: the row's top-k lies among the candidates,
-    or the candidates hold at least top_p of its mass, so no token outside them could be kept."""
+    `num_candidates` best of each row. Returns the keep mask [rows, vocab] and, per row, whether
+    it is final: the row's top-k lies among the candidates, or it has no top-k and the
+    candidates hold at least top_p of the mass, so that no token outside them could be kept.
+    Each row's answer depends on that row alone, never on the others in the batch."""
     vocab = logits.shape[-1]
+    size = min(num_candidates, vocab)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    limited = k < vocab
-    size = min(vocab, max([num_candidates, *k[limited].tolist()]))
     values, ids = logits.topk(size, dim=-1)  # best first; exactly k kept, ties broken by topk
     in_top_k = torch.arange(size, device=logits.device) < k.unsqueeze(1)
-    # log of the softmax denominator over each row's top-k survivors
-    log_norm = values.masked_fill(~in_top_k, -math.inf).logsumexp(dim=-1)
-    if not bool(limited.all()):
-        log_norm = torch.where(limited, log_norm, logits.logsumexp(dim=-1))
-    probs = (values - log_norm.unsqueeze(1)).exp().masked_fill(~in_top_k, 0.0)
+    # Unnormalized probabilities, 1 for the best token; `total` is the softmax denominator in
+    # the same units, over the top-k survivors (known when they all lie among the candidates)
+    # or over the whole row (no top-k).
+    weights = (values - values[:, :1]).exp().masked_fill(~in_top_k, 0.0)
+    cumulative = weights.cumsum(dim=-1)
+    within = k <= size
+    total = cumulative.gather(1, (k.clamp(max=size) - 1).unsqueeze(1)).squeeze(1)
+    if not bool(within.all()):
+        whole_row = (logits.logsumexp(dim=-1) - values[:, 0]).exp()
+        total = torch.where(within, total, whole_row)
     # Keep a token while the mass strictly before it is short of top_p: the smallest prefix
-    # reaching top_p, never empty (the first token has nothing before it). top_p = 1 keeps
-    # all, whatever the rounding of the cumulative sum.
-    cumulative = probs.cumsum(dim=-1)
-    mass_before = cumulative - probs
-    mass_before[:, 0] = 0.0
-    keep = in_top_k & ((mass_before < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1))
-    final = limited | (cumulative[:, -1] >= top_p)
+    # reaching top_p, never empty (nothing comes before the first). top_p = 1 keeps all,
+    # whatever the rounding of the cumulative sum.
+    mass_before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
+    threshold = (top_p * total).unsqueeze(1)
+    keep = in_top_k & ((mass_before < threshold) | (top_p >= 1).unsqueeze(1))
+    final = within | ((k == vocab) & (cumulative[:, -1] >= top_p * total))
     keep_all = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, keep)
     return keep_all, final
 
@@ -243,13 +252,14 @@ def _mask_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, num_candidates: int
 ) -> torch.Tensor:
     """-inf outside each row's top-k, then outside the top-p of the renormalized survivors.
-    The best `num_candidates` tokens (a partial sort) usually decide; rows whose top-p set may
+    The best `num_candidates` tokens (a partial sort) usually decide; rows whose kept set may
     reach beyond them are judged again over the whole vocabulary (a full sort)."""
     keep, final = _keep_top_k_top_p(logits, top_k, top_p, num_candidates)
     if not bool(final.all()):
         redo = (~final).nonzero().squeeze(1)
         vocab = logits.shape[-1]
-        keep[redo], _ = _keep_top_k_top_p(logits[redo], top_k[redo], top_p[redo], vocab)
+        redo_keep, _ = _keep_top_k_top_p(logits[redo], top_k[redo], top_p[redo], vocab)
+        keep[redo] = redo_keep
     return logits.masked_fill(~keep, -math.inf)
 
 

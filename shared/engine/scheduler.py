@@ -45,6 +45,11 @@ class StepScheduler:
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
 
+    def add_running(self, sequence: Sequence) -> None:
+        """Admits a sequence that already holds its blocks (its KV came from elsewhere)."""
+        sequence.status = SequenceStatus.RUNNING
+        self.running.append(sequence)
+
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledChunk] = []
@@ -106,5 +111,5 @@ class StepScheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq.block_ids)
-        seq.block_ids.clear()
+        seq.block_ids = []
         seq.status = status

@@ -163,25 +163,29 @@ def test_make_generator() -> None:
     assert unseeded[0].initial_seed() != unseeded[1].initial_seed()
 
 
-TARGET = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=1234)
 NEIGHBOURS = [
     SamplingParams(temperature=0),
     SamplingParams(seed=1234),  # same seed, different params, its own generator
-    SamplingParams(temperature=1.3, top_k=1200, top_p=0.5),  # unseeded, wide top-k
+    SamplingParams(temperature=1.3, top_k=1200, top_p=0.5),  # unseeded, top-k past the candidates
     SamplingParams(temperature=0.5, frequency_penalty=1.0, repetition_penalty=1.2),
     SamplingParams(min_p=0.2, seed=7, logprobs=3),
 ]
 
 
-def target_tokens(position: int, neighbours: list[SamplingParams], vocab: int = 1500) -> list:
-    """TARGET's tokens over 10 steps, at `position` in a batch with `neighbours` around it."""
+def target_tokens(
+    target: SamplingParams, scale: float, position: int, neighbours: list[SamplingParams]
+) -> list[int]:
+    """The target's tokens over 8 steps, at `position` in a batch with `neighbours` around it;
+    its logits are the same at each step whatever the batch, the neighbours' are not."""
+    vocab = 1500
     rows = [make_row(p, prompt=[1, 2, 3]) for p in neighbours]
-    rows.insert(position, make_row(TARGET, prompt=[1, 2, 3]))
+    rows.insert(position, make_row(target, prompt=[1, 2, 3]))
     batch_noise = torch.Generator().manual_seed(len(neighbours) * 100 + position)
     tokens = []
-    for step in range(10):
+    for step in range(8):
         logits = 4 * torch.randn(len(rows), vocab, generator=batch_noise)
-        logits[position] = 4 * torch.randn(vocab, generator=torch.Generator().manual_seed(step))
+        own = torch.randn(vocab, generator=torch.Generator().manual_seed(step))
+        logits[position] = scale * own
         token_ids = Sampler()(logits, rows).token_ids
         for row, token in zip(rows, token_ids, strict=True):
             row.output_token_ids.append(token)
@@ -189,14 +193,21 @@ def target_tokens(position: int, neighbours: list[SamplingParams], vocab: int = 
     return tokens
 
 
-def test_seed_reproduces_whatever_the_batch() -> None:
-    alone = target_tokens(0, [])
+@pytest.mark.parametrize(
+    ("target", "scale"),
+    [
+        (SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=1234), 4.0),
+        # flat logits: the top-p set outgrows the 1024 candidates, the full sort decides
+        (SamplingParams(temperature=1.0, top_p=0.9, seed=99), 0.5),
+    ],
+)
+def test_seed_reproduces_whatever_the_batch(target: SamplingParams, scale: float) -> None:
+    alone = target_tokens(target, scale, 0, [])
     assert len(set(alone)) > 1  # it does sample
-    assert target_tokens(0, NEIGHBOURS) == alone
-    assert target_tokens(3, NEIGHBOURS) == alone
-    assert target_tokens(5, NEIGHBOURS) == alone
-    assert target_tokens(1, NEIGHBOURS[2:4]) == alone
-    assert target_tokens(7, NEIGHBOURS + NEIGHBOURS[::-1]) == alone
+    assert target_tokens(target, scale, 0, NEIGHBOURS) == alone
+    assert target_tokens(target, scale, 5, NEIGHBOURS) == alone
+    assert target_tokens(target, scale, 1, NEIGHBOURS[2:4]) == alone
+    assert target_tokens(target, scale, 7, NEIGHBOURS + NEIGHBOURS[::-1]) == alone
 
 
 def test_different_seeds_differ() -> None:

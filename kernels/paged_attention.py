@@ -1,0 +1,397 @@
+"""Causal attention of a step's new tokens over the paged KV cache.
+
+A batch flattens the new tokens of its sequences in order; sequence i owns query rows
+`query_start_loc[i]:query_start_loc[i+1]`, which are the last q_i of its `context_lens[i]` tokens
+(their K/V are already in the cache), and a query at position p sees the keys at positions 0..p.
+Row i of `block_tables` lists sequence i's cache blocks in order; entries past its last block are
+padding, and cache slots past its context may hold anything (even NaN) and never reach the output.
+
+The pure-torch reference is the CPU path and the test oracle. It splits the batch into a decode
+group (q_i == 1) and a prefill group (q_i > 1, possibly after cached context). Each group gathers
+its sequences' blocks into a padded `[seqs, blocks * block_size, kv_heads, head_dim]` copy (one
+`index_select`, then positions past each context zeroed) and runs one masked
+`scaled_dot_product_attention`. Decode folds each kv head's group of query heads into the query
+axis, so GQA is a plain batched attention over K/V that are never repeated; prefill pads every
+sequence's queries to the longest, masks causally, and drops the padded rows.
+
+The Triton kernel covers decode batches (every q_i == 1) on CUDA: one program per (sequence, kv
+head) serves that kv head's group of query heads, walking the context in tiles through the block
+table with an online softmax (running max and sum) accumulated in float32.
+"""
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
+# Elements of one [group, tile, head_dim] product held by a Triton program at a time.
+_TILE_ELEMENTS = 8192
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """Attention output `[num_tokens, num_heads, head_dim]` in the query's dtype.
+
+    `use_triton=None` picks the Triton decode kernel exactly for decode batches on CUDA; tests pass
+    True to run it on CPU tensors under TRITON_INTERPRET=1.
+    """
+    _check_inputs(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
+    )
+    if use_triton is None:
+        use_triton = query.is_cuda and max_query_len == 1
+    if not use_triton:
+        return paged_attention_reference(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            query_start_loc,
+            scale=scale,
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
+        )
+    if max_query_len != 1:
+        raise ValueError(f"the Triton kernel does decode only, got max_query_len {max_query_len}")
+    if not _is_power_of_two(query.shape[2]):
+        raise ValueError(f"the Triton kernel needs a power-of-two head_dim, got {query.shape[2]}")
+    return _paged_decode_attention_triton(
+        query, key_cache, value_cache, block_tables, context_lens, scale
+    )
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    max_query_len: int,
+    max_context_len: int,
+) -> torch.Tensor:
+    """Pure-torch paged attention, vectorized per group (decode, prefill); see the module doc."""
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    if max_query_len == 1:  # pure decode: query row i is sequence i's one new token
+        key, value = _gather_context(
+            key_cache, value_cache, block_tables, context_lens, max_context_len
+        )
+        return _attend_decode(query, key, value, context_lens, scale)
+
+    # A mixed batch: sizing each group to its own longest context costs a sync, but saves padding.
+    output = query.new_empty(query.shape)
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    is_decode = query_lens == 1
+    decode_ids, prefill_ids = is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0]
+    if decode_ids.numel() > 0:
+        rows = query_start_loc[decode_ids].long()
+        contexts = context_lens[decode_ids]
+        key, value = _gather_context(
+            key_cache, value_cache, block_tables[decode_ids], contexts, int(contexts.max())
+        )
+        output[rows] = _attend_decode(query[rows], key, value, contexts, scale)
+    if prefill_ids.numel() > 0:
+        starts = query_start_loc[prefill_ids].long()
+        contexts = context_lens[prefill_ids]
+        key, value = _gather_context(
+            key_cache, value_cache, block_tables[prefill_ids], contexts, int(contexts.max())
+        )
+        rows, out = _attend_prefill(
+            query, starts, query_lens[prefill_ids], key, value, contexts, scale, max_query_len
+        )
+        output[rows] = out
+    return output
+
+
+def _gather_context(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's K and V as `[num_seqs, padded_len, num_kv_heads, head_dim]`, positions past
+    its context zeroed, so that stale or NaN padding cannot reach the output through 0 * NaN."""
+    num_seqs = block_tables.shape[0]
+    block_size = key_cache.shape[1]
+    num_blocks = -(-max_context_len // block_size)
+    # Only the columns that some sequence uses; whole blocks copy faster than single rows.
+    block_ids = block_tables[:, :num_blocks].reshape(-1)
+    padded_len = num_blocks * block_size
+    padding = torch.arange(padded_len, device=context_lens.device) >= context_lens[:, None]
+    padding = padding[:, :, None, None]
+    gathered = []
+    for cache in (key_cache, value_cache):
+        context = cache.index_select(0, block_ids).view(num_seqs, padded_len, *cache.shape[2:])
+        gathered.append(context.masked_fill_(padding, 0))
+    return gathered[0], gathered[1]
+
+
+def _attend_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence: query `[seqs, heads, dim]`, key/value from `_gather_context`."""
+    num_seqs, num_heads, head_dim = query.shape
+    padded_len, num_kv_heads = key.shape[1:3]
+    # The query heads sharing a kv head become that kv head's rows of queries.
+    grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    visible = torch.arange(padded_len, device=query.device) < context_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        grouped,
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+    )
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _attend_prefill(
+    query: torch.Tensor,
+    starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each sequence's run of queries (rows `starts[i]` on, `query_lens[i]`
+    long) over its gathered context. Returns the query rows computed and their outputs."""
+    num_seqs = starts.shape[0]
+    num_heads, head_dim = query.shape[1:]
+    offsets = torch.arange(max_query_len, device=query.device)
+    is_real = offsets < query_lens[:, None]
+    # Padded rows repeat the first row: they stay in bounds, see at least one key, and are dropped.
+    rows = torch.where(is_real, starts[:, None] + offsets, starts[:, None])
+    padded = query.index_select(0, rows.reshape(-1)).view(num_seqs, max_query_len, num_heads, -1)
+    positions = (context_lens - query_lens)[:, None] + offsets
+    visible = torch.arange(key.shape[1], device=query.device) <= positions[:, :, None]
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attn_mask=visible[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return rows[is_real], out.transpose(1, 2)[is_real]
+
+
+@triton.jit
+def _paged_decode_attention_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    scale_log2,  # softmax scale times log2(e): the kernel exponentiates with exp2
+    query_stride_seq,
+    query_stride_head,
+    out_stride_seq,
+    out_stride_head,
+    block_tables_stride,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP_SIZE + group
+    is_head = group < GROUP_SIZE
+    q_offsets = seq * query_stride_seq + heads[:, None] * query_stride_head + dims[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=is_head[:, None], other=0.0).to(tl.float32)
+    q = q * scale_log2
+    context_len = tl.load(context_lens_ptr + seq)
+
+    # Online softmax in base 2: running max, running sum of exp2, and the unnormalized output.
+    running_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    running_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    # Every tile starts below context_len, so it holds a visible key and the max stays finite.
+    for start in range(0, context_len, TILE):
+        positions = start + tl.arange(0, TILE)
+        visible = positions < context_len
+        table_offsets = seq * block_tables_stride + positions // BLOCK_SIZE
+        block_ids = tl.load(block_tables_ptr + table_offsets, mask=visible, other=0)
+        slots = block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+        kv_offsets = (slots * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + dims[None, :]
+        # Masked loads read 0 for invisible slots, so NaN garbage there never enters the sums.
+        k = tl.load(key_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0).to(tl.float32)
+        v = tl.load(value_cache_ptr + kv_offsets, mask=visible[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        correction = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probs, axis=1)
+        acc = acc * correction[:, None] + tl.sum(probs[:, :, None] * v[None, :, :], axis=1)
+        running_max = new_max
+
+    # An empty context (never scheduled) gives zeros instead of 0 / 0.
+    acc = acc / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    out_offsets = seq * out_stride_seq + heads[:, None] * out_stride_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=is_head[:, None])
+
+
+def _paged_decode_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group_size = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group_size)
+    tile = max(1, min(64, _TILE_ELEMENTS // (group_pad * head_dim)))
+    output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return output
+    _paged_decode_attention_kernel[(num_seqs, num_kv_heads)](
+        output,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        GROUP_SIZE=group_size,
+        GROUP_PAD=group_pad,
+        TILE=triton.next_power_of_2(tile),
+    )
+    return output
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    max_query_len: int,
+    max_context_len: int,
+) -> None:
+    """Raise ValueError naming the first problem. Only shapes, dtypes and layouts are checked:
+    reading the index tensors' values would cost a device sync on every layer."""
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+        )
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads, cache_head_dim = key_cache.shape[1:]
+    if head_dim != cache_head_dim:
+        raise ValueError(f"query head_dim {head_dim} differs from the cache's {cache_head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if query.dtype not in _DTYPES or {key_cache.dtype, value_cache.dtype} != {query.dtype}:
+        raise ValueError(
+            "query and the caches must share one dtype among float32, float16 and bfloat16, got "
+            f"{query.dtype}, {key_cache.dtype} and {value_cache.dtype}"
+        )
+    _check_index_tensors(block_tables, context_lens, query_start_loc)
+    tensors = (query, key_cache, value_cache, block_tables, context_lens, query_start_loc)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    if query.stride(2) != 1 or block_tables.stride(1) != 1 or context_lens.stride(0) != 1:
+        raise ValueError(
+            "query, block_tables and context_lens must have unit stride along their last dim"
+        )
+    num_seqs = block_tables.shape[0]
+    if max_query_len == 1 and num_tokens != num_seqs:
+        raise ValueError(
+            f"a decode batch (max_query_len 1) needs one query per sequence, got {num_tokens} "
+            f"queries for {num_seqs} sequences"
+        )
+    if max_context_len > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"max_context_len {max_context_len} exceeds block_tables' capacity of "
+            f"{block_tables.shape[1]} blocks of {block_size}"
+        )
+
+
+def _check_index_tensors(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> None:
+    named = {
+        "block_tables": block_tables,
+        "context_lens": context_lens,
+        "query_start_loc": query_start_loc,
+    }
+    for name, tensor in named.items():
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+    num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
+    if block_tables.dim() != 2:
+        raise ValueError(
+            f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}"
+        )
+    if context_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"context_lens must be [num_seqs] = [{num_seqs}], got {tuple(context_lens.shape)}"
+        )
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}], "
+            f"got {tuple(query_start_loc.shape)}"
+        )
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0

@@ -1,0 +1,153 @@
+"""Engine benchmark: our paged forward against transformers' own, side by side in one run.
+
+On the real model, with a fixed number of threads, it measures:
+- prefill: tokens/s for one prompt of `--prompt-len` tokens (ours: one step; transformers: one
+  forward with its default cache);
+- decode: the time of one step at each batch size with `--context` tokens of context per sequence
+  (ours: the whole engine step, i.e. batch building, forward and greedy sampling; transformers:
+  forward with its DynamicCache plus argmax). The caches are filled with random K/V rather than by
+  running the prompts, which costs the same per step and keeps the run short.
+
+Medians over `--repeats` runs after a warm-up. Results print as a table and optionally as JSON.
+
+    .venv/bin/python loadtest/engine_bench.py [--threads 2] [--batch-sizes 1,8,32,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_cache import KVCache
+from shared.engine.loader import load_model
+from shared.engine.sampling import Sampler, SamplingParams, SamplingRow
+from shared.engine.step_batch import SequenceChunk, build_step_batch
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ours_prefill(model, prompt_len: int, repeats: int) -> float:
+    block_size = 16
+    num_blocks = -(-prompt_len // block_size)
+    cache = KVCache(model.config, num_blocks, block_size)
+    tokens = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
+    batch = build_step_batch([SequenceChunk(tokens, 0, list(range(num_blocks)))], block_size)
+    return median_seconds(lambda: model.step(batch, cache), repeats)
+
+
+def hf_prefill(hf_model, prompt_len: int, repeats: int) -> float:
+    ids = torch.randint(0, hf_model.config.vocab_size, (1, prompt_len))
+    return median_seconds(lambda: hf_model(ids, use_cache=True), repeats)
+
+
+def ours_decode(model, batch_size: int, context: int, repeats: int) -> float:
+    """One engine decode step (batch build, forward, greedy sampling) at `context` tokens each."""
+    block_size = 16
+    steps = repeats + 2
+    blocks_per_seq = -(-(context + steps) // block_size)
+    manager = BlockManager(batch_size * blocks_per_seq, block_size)
+    cache = KVCache(model.config, manager.num_blocks, block_size)
+    for tensor in cache.key_caches + cache.value_caches:
+        tensor.normal_()
+    tables = [manager.allocate(blocks_per_seq) for _ in range(batch_size)]
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(params, None, [], []) for _ in range(batch_size)]
+    state = {"position": context, "tokens": [7] * batch_size}
+
+    def step() -> None:
+        position = state["position"]
+        chunks = [SequenceChunk([t], position, table) for t, table in zip(state["tokens"], tables)]
+        batch = build_step_batch(chunks, block_size)
+        logits = model.step(batch, cache)
+        state["tokens"] = sampler(logits, rows).token_ids
+        state["position"] = position + 1
+
+    return median_seconds(step, repeats)
+
+
+def hf_decode(hf_model, batch_size: int, context: int, repeats: int) -> float:
+    from transformers import DynamicCache
+
+    c = hf_model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    cache = DynamicCache()
+    for layer in range(c.num_hidden_layers):
+        shape = (batch_size, c.num_key_value_heads, context, head_dim)
+        cache.update(torch.randn(shape), torch.randn(shape), layer)
+    state = {"tokens": torch.full((batch_size, 1), 7)}
+
+    def step() -> None:
+        out = hf_model(state["tokens"], past_key_values=cache, use_cache=True)
+        state["tokens"] = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return median_seconds(step, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch-sizes", default="1,8,32,64")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(args.model)
+    hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    results: dict = {"threads": args.threads, "context": args.context, "decode": []}
+    with torch.inference_mode():
+        ours_s = ours_prefill(loaded.model, args.prompt_len, max(2, args.repeats // 2))
+        hf_s = hf_prefill(hf_model, args.prompt_len, max(2, args.repeats // 2))
+        results["prefill"] = {
+            "prompt_len": args.prompt_len,
+            "ours_tokens_per_s": args.prompt_len / ours_s,
+            "hf_tokens_per_s": args.prompt_len / hf_s,
+        }
+        print(f"prefill {args.prompt_len} tokens: ours {args.prompt_len / ours_s:7.1f} tok/s   "
+              f"transformers {args.prompt_len / hf_s:7.1f} tok/s")
+        print(f"{'batch':>5} {'ours ms':>9} {'hf ms':>9} {'hf/ours':>8} {'ours tok/s':>11}")
+        for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+            ours = ours_decode(loaded.model, batch_size, args.context, args.repeats)
+            hf = hf_decode(hf_model, batch_size, args.context, args.repeats)
+            row = {
+                "batch_size": batch_size,
+                "ours_ms": ours * 1e3,
+                "hf_ms": hf * 1e3,
+                "ours_tokens_per_s": batch_size / ours,
+                "hf_tokens_per_s": batch_size / hf,
+            }
+            results["decode"].append(row)
+            print(f"{batch_size:>5} {ours * 1e3:9.1f} {hf * 1e3:9.1f} {hf / ours:8.2f} "
+                  f"{batch_size / ours:11.1f}")
+    by_batch = {r["batch_size"]: r for r in results["decode"]}
+    if 1 in by_batch and 32 in by_batch:
+        ratio = by_batch[32]["ours_tokens_per_s"] / by_batch[1]["ours_tokens_per_s"]
+        results["batch32_over_batch1_throughput"] = ratio
+        print(f"batch-32 decode throughput / batch-1: {ratio:.1f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Service configuration: one frozen dataclass per service, from flags or environment variables.
+
+Every field `some_field` of a config dataclass becomes the flag `--some-field` and the environment
+variable `TANDEM_SOME_FIELD` (docker-compose sets only environment variables). A flag beats the
+environment, which beats the default. Values are parsed by the field's annotated type (int, float,
+str, bool, optional variants, tuple[str, ...] as a comma-separated list) and the dataclass validates
+itself in `__post_init__`, so a bad value fails at start-up with the name of the setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+ENV_PREFIX = "TANDEM_"
+C = TypeVar("C")
+
+
+class ConfigError(ValueError):
+    """A setting has a value the service refuses; the message names flag and variable."""
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Adds one flag per field; defaults stay None so the environment and defaults can apply."""
+    for field in dataclasses.fields(cls):
+        help_text = field.metadata.get("help", "")
+        parser.add_argument(
+            flag_name(field.name),
+            dest=field.name,
+            default=None,
+            help=f"{help_text} (env {env_name(field.name)}; default {_default_text(field)})",
+        )
+
+
+def config_from_args(
+    cls: type[C], args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> C:
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        raw = getattr(args, field.name, None) if args is not None else None
+        source = flag_name(field.name)
+        if raw is None and env_name(field.name) in environ:
+            raw, source = environ[env_name(field.name)], env_name(field.name)
+        if raw is None:
+            continue
+        try:
+            values[field.name] = parse_value(raw, hints[field.name])
+        except ValueError as error:
+            raise ConfigError(f"{source}: {error}") from None
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error)) from None
+
+
+def parse_value(raw: Any, annotation: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        if raw.strip().lower() in ("", "none", "null"):
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return parse_value(raw, inner)
+    if annotation is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected a boolean (true/false), got {raw!r}")
+    if annotation is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {raw!r}") from None
+    if annotation is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"expected a number, got {raw!r}") from None
+    if typing.get_origin(annotation) is tuple:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    return raw
+
+
+def _default_text(field: dataclasses.Field) -> str:
+    if field.default is not dataclasses.MISSING:
+        return repr(field.default)
+    if field.default_factory is not dataclasses.MISSING:
+        return repr(field.default_factory())
+    return "required"
+
+
+def setting(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
+    """A dataclass field with a help text for its flag."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def require_positive(config: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} ({flag_name(name)} / {env_name(name)}) must be > 0, got {value}")
+
+
+def require_address(config: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(
+                f"{name} ({flag_name(name)} / {env_name(name)}) must be a tcp://, ipc:// or "
+                f"inproc:// address, got {value!r}"
+            )

@@ -1,0 +1,147 @@
+"""The in-process engine on a tiny random model: batching, chunking, preemption, handoff, errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.sampling import SamplingParams
+from shared.errors import InvalidRequestError
+from tests.helpers import our_model_from_hf, tiny_hf_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return our_model_from_hf(tiny_hf_model("llama", seed=11))
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 60, (count,), generator=gen).tolist()
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def one_by_one(model, batch, params) -> list[list[int]]:
+    outputs = []
+    for prompt in batch:
+        engine = LLMEngine(model, EngineConfig(num_blocks=64, max_num_batched_tokens=4096))
+        outputs.append(engine.generate([prompt], params)[0].token_ids)
+    return outputs
+
+
+def test_continuous_batching_with_staggered_arrivals_equals_one_by_one(model):
+    batch = prompts(10)
+    expected = one_by_one(model, batch, GREEDY)
+    engine = LLMEngine(model, EngineConfig(num_blocks=128, max_num_batched_tokens=40, max_num_seqs=4))
+    results: dict[str, list[int]] = {}
+    pending = list(enumerate(batch))
+    while pending or engine.has_unfinished:
+        if pending:  # one new arrival per step, joining a running batch
+            index, prompt = pending.pop(0)
+            engine.add_request(prompt, GREEDY, request_id=str(index))
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [results[str(i)] for i in range(len(batch))] == expected
+    assert engine.block_manager.num_free_blocks == 128
+
+
+def test_preemption_by_recompute_loses_no_token(model):
+    batch = prompts(6, seed=1)
+    params = dataclasses.replace(GREEDY, max_tokens=30)
+    expected = one_by_one(model, batch, params)
+    # 12 blocks of 16 cannot hold six sequences of up to 90 tokens: some must be preempted.
+    engine = LLMEngine(model, EngineConfig(num_blocks=12, max_num_batched_tokens=64))
+    results = engine.generate(batch, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in results] == expected
+    assert engine.block_manager.num_free_blocks == 12
+
+
+def test_seeded_sampling_is_reproducible_across_batches(model):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = LLMEngine(model, EngineConfig(num_blocks=64)).generate([[5, 6, 7]], params)[0]
+    others = prompts(5, seed=2)
+    mixed = LLMEngine(model, EngineConfig(num_blocks=128)).generate(
+        others[:2] + [[5, 6, 7]] + others[2:],
+        [SamplingParams(max_tokens=8, temperature=1.0)] * 2 + [params] + [GREEDY] * 3,
+    )[2]
+    assert mixed.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=9, temperature=0.8, seed=7)])
+def test_prefill_export_then_decode_equals_colocated(model, params):
+    prompt = prompts(1, seed=3)[0]
+    expected = LLMEngine(model, EngineConfig(num_blocks=64)).generate([prompt], params)[0].token_ids
+
+    prefill = LLMEngine(model, EngineConfig(num_blocks=64, retain_finished=True))
+    first_only = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+    (result,) = prefill.generate([prompt], first_only)
+    keys, values = prefill.export_kv(result.request_id)
+    state = prefill.retained(result.request_id).generator
+    prefill.release(result.request_id)
+    assert prefill.block_manager.num_free_blocks == 64
+
+    decode = LLMEngine(model, EngineConfig(num_blocks=64))
+    block_ids = decode.block_manager.allocate(keys.shape[1])
+    decode.kv_cache.write_blocks(block_ids, keys, values)
+    decode.add_prefilled(
+        "r", prompt, result.token_ids, params, block_ids, state.get_state() if state else None
+    )
+    tokens = list(result.token_ids)
+    for out in decode.run_until_done():
+        tokens.extend(out.new_token_ids)
+    assert tokens == expected
+    assert decode.block_manager.num_free_blocks == 64
+
+
+def test_abort_returns_blocks(model):
+    engine = LLMEngine(model, EngineConfig(num_blocks=32))
+    engine.add_request(list(range(3, 40)), GREEDY, request_id="a")
+    engine.step()
+    assert engine.block_manager.num_free_blocks < 32
+    assert engine.abort("a") and not engine.abort("a")
+    assert engine.block_manager.num_free_blocks == 32 and not engine.has_unfinished
+
+
+def test_stop_token_and_eos(model):
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    free_run = engine.generate([[9, 10, 11]], GREEDY)[0].token_ids
+    stop_at = free_run[3]
+    params = dataclasses.replace(GREEDY, stop_token_ids=(stop_at,))
+    result = engine.generate([[9, 10, 11]], params)[0]
+    assert result.token_ids == free_run[: free_run.index(stop_at) + 1]
+    assert result.finish_reason == "stop"
+    min_params = dataclasses.replace(params, min_tokens=12)
+    assert stop_at not in engine.generate([[9, 10, 11]], min_params)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt,params,field",
+    [
+        ([], GREEDY, "prompt"),
+        ([5] * 600, GREEDY, "prompt"),  # longer than the tiny model's 512-token context
+        ([5] * 500, dataclasses.replace(GREEDY, max_tokens=20), "max_tokens"),
+        ([5, 300], GREEDY, "prompt"),  # token id outside the vocabulary
+    ],
+)
+def test_wrong_input_names_the_field(model, prompt, params, field):
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request(prompt, params)
+    assert error.value.param == field
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", -1), ("temperature", -0.5)])
+def test_wrong_sampling_values_name_the_field(field, value):
+    with pytest.raises(InvalidRequestError) as error:
+        SamplingParams(**{field: value})
+    assert error.value.param == field
+
+
+def test_prompt_that_can_never_fit_the_pool_is_refused(model):
+    engine = LLMEngine(model, EngineConfig(num_blocks=2, block_size=16))
+    with pytest.raises(InvalidRequestError, match="never"):
+        engine.add_request([5] * 30, GREEDY)
