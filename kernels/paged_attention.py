@@ -139,15 +139,18 @@ def _gather_context(
     num_seqs = block_tables.shape[0]
     block_size = key_cache.shape[1]
     num_blocks = -(-max_context_len // block_size)
-    # Only the columns that some sequence uses; whole blocks copy faster than single rows.
-    block_ids = block_tables[:, :num_blocks].reshape(-1)
     padded_len = num_blocks * block_size
-    padding = torch.arange(padded_len, device=context_lens.device) >= context_lens[:, None]
-    padding = padding[:, :, None, None]
+    # Only the columns that some sequence uses; whole blocks copy far faster than single slots.
+    block_ids = block_tables[:, :num_blocks].reshape(-1)
+    # Padding is a few rows per sequence: zeroing them by index is far cheaper than a masked pass
+    # over the whole copy (torch's broadcast masked_fill_ is a slow path on CPU).
+    positions = torch.arange(padded_len, device=context_lens.device)
+    padding_rows = (positions >= context_lens[:, None]).view(-1).nonzero()[:, 0]
     gathered = []
     for cache in (key_cache, value_cache):
-        context = cache.index_select(0, block_ids).view(num_seqs, padded_len, *cache.shape[2:])
-        gathered.append(context.masked_fill_(padding, 0))
+        context = cache.index_select(0, block_ids).view(num_seqs * padded_len, -1)
+        context.index_fill_(0, padding_rows, 0)
+        gathered.append(context.view(num_seqs, padded_len, *cache.shape[2:]))
     return gathered[0], gathered[1]
 
 

@@ -5,24 +5,51 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services import generate
+from shared.config import ConfigError
 
+import importlib
+
+# Subcommand name -> module with HELP, add_arguments(parser) and run(args). Imported lazily so that
+# `tandem scheduler` does not pay for torch and `tandem --help` stays quick.
 SUBCOMMANDS = {
-    "generate": generate,
+    "up": "services.up",
+    "gateway": "services.gateway.service",
+    "scheduler": "services.scheduler.service",
+    "prefill": "services.prefill.service",
+    "decode": "services.decode.service",
+    "generate": "services.generate",
+}
+HELPS = {
+    "up": "start a whole local cluster (gateway, scheduler, prefill and decode workers)",
+    "gateway": "run the gateway (OpenAI HTTP API and RPC front door)",
+    "scheduler": "run the scheduler",
+    "prefill": "run a prefill worker",
+    "decode": "run a decode worker",
+    "generate": "generate text for one prompt with the in-process engine",
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in SUBCOMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.__doc__))
+    for name, module_name in SUBCOMMANDS.items():
+        subparser = sub.add_parser(name, help=HELPS[name])
+        if name in argv:  # only the chosen subcommand's module is imported
+            module = importlib.import_module(module_name)
+            subparser.description = module.__doc__
+            module.add_arguments(subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return SUBCOMMANDS[args.command].run(args) or 0
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command])
+    try:
+        return module.run(args) or 0
+    except ConfigError as error:
+        print(f"tandem {args.command}: configuration error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from shared.engine.loader import DEFAULT_MODEL, load_model
 from shared.engine.sampling import SamplingParams
 from shared.errors import InvalidRequestError
 
-HELP = "generate text for one prompt with the in-process engine"
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,1 @@
+"""The decode worker: receives KV, runs continuous batching, streams tokens to gateways."""

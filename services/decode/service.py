@@ -1,0 +1,284 @@
+"""`tandem decode`: the decode worker.
+
+It owns a paged KV pool. The scheduler asks it to RESERVE blocks for a request before the prompt
+is prefilled; the reservation is a lease that lapses if the KV does not arrive in time. When a
+prefill worker's KV_TRANSFER arrives on the KV ROUTER socket, the K/V is written into the reserved
+blocks, the sequence joins the running batch at the next step, and the prefill worker gets a
+KV_ACK. Every step runs one token for every running sequence (iteration-level batching) and sends
+each gateway one TOKENS message with its requests' new tokens. Finished sequences leave at once,
+their blocks return to the pool, and the scheduler hears REQUEST_DONE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from services.worker.config import WorkerConfig
+from services.worker.link import SchedulerLink
+from services.worker.streams import GatewayStreams, group_by_gateway
+from shared import wire
+from shared.config import ConfigError, add_config_arguments, config_from_args
+from shared.engine.block_manager import NoFreeBlocksError
+from shared.engine.engine import LLMEngine
+from shared.engine.loader import load_model
+from shared.errors import InvalidRequestError
+from shared.logs import configure_logging, get_logger
+from shared.wire_convert import sampling_params, token_delta
+
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, WorkerConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("decode")
+    config = config_from_args(WorkerConfig, args)
+    if config.address is None:
+        raise ConfigError("a decode worker needs --address / TANDEM_ADDRESS (its KV ROUTER)")
+    DecodeWorker(config).serve_forever()
+    return 0
+
+
+@dataclass
+class Reservation:
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass
+class Route:
+    gateway_address: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class DecodeWorker:
+    def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.peer_id = config.resolved_peer_id("decode")
+        self.log = get_logger(peer_id=self.peer_id)
+        self.loaded = load_model(config.model)
+        self.engine = LLMEngine(self.loaded.model, config.engine_config())
+        self.blocks = self.engine.block_manager
+        self.context = context or zmq.Context.instance()
+        self.kv_socket = self.context.socket(zmq.ROUTER)
+        self.kv_socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self.kv_socket.setsockopt(zmq.LINGER, 0)
+        self.kv_socket.bind(config.address)
+        self.link = SchedulerLink(
+            self.context,
+            config.scheduler_address,
+            wire.Hello(
+                schema_version=wire.SCHEMA_VERSION,
+                role="decode",
+                peer_id=self.peer_id,
+                model=config.model,
+                address=config.advertise_address or config.address,
+                num_kv_blocks=self.blocks.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+            ),
+        )
+        self.streams = GatewayStreams(self.context)
+        self.reservations: dict[str, Reservation] = {}
+        self.routes: dict[str, Route] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(self.link.socket, zmq.POLLIN)
+        self.poller.register(self.kv_socket, zmq.POLLIN)
+        self.steps_completed = 0
+        self._stopping = False
+
+    def stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        self.link.handshake()
+        self.log.info("decode worker ready", blocks=self.blocks.num_blocks, address=self.config.address)
+        try:
+            while not self._stopping:
+                self.run_once()
+        finally:
+            self.close()
+
+    def run_once(self) -> None:
+        now = time.monotonic()
+        busy = self.engine.has_unfinished
+        timeout_ms = 0 if busy else min(self.link.seconds_to_heartbeat(now), 0.1) * 1000
+        for sock, _ in self.poller.poll(timeout_ms):
+            self._drain(sock)
+        if self.engine.has_unfinished:
+            self._step()
+        now = time.monotonic()
+        self._expire_reservations(now)
+        if self.link.heartbeat_due(now):
+            self.link.send_heartbeat(self._heartbeat(), now)
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        is_router = sock is self.kv_socket
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes if is_router else None
+            try:
+                message = wire.decode(frames[1:] if is_router else frames)
+            except wire.WireError as error:
+                self.log.warning("dropped malformed message", error=str(error))
+                continue
+            self._handle(message, identity)
+
+    def _handle(self, message: wire.Message, identity: bytes | None) -> None:
+        match message:
+            case wire.Reserve():
+                self._reserve(message)
+            case wire.KvTransfer() if identity is not None:
+                ack = self._admit(message)
+                wire.send_to(self.kv_socket, identity, ack)
+            case wire.Cancel():
+                self._cancel(message.request_id, message.reason)
+            case wire.HelloAck():
+                pass
+            case _:
+                self.log.warning("dropped unexpected message", type=type(message).__name__)
+
+    def _reserve(self, reserve: wire.Reserve) -> None:
+        ok = reserve.request_id not in self.reservations and reserve.request_id not in self.routes
+        if ok:
+            try:
+                block_ids = self.blocks.allocate(self.blocks.num_blocks_for(reserve.num_tokens))
+                self.reservations[reserve.request_id] = Reservation(
+                    block_ids, time.monotonic() + reserve.lease_s
+                )
+            except NoFreeBlocksError:
+                ok = False
+        self.link.send(
+            wire.ReserveReply(
+                request_id=reserve.request_id, ok=ok, num_free_blocks=self.blocks.num_free_blocks
+            )
+        )
+
+    def _admit(self, transfer: wire.KvTransfer) -> wire.KvAck:
+        request_id = transfer.request_id
+        reservation = self.reservations.pop(request_id, None)
+        error = self._transfer_error(transfer, reservation)
+        if error is None:
+            num_blocks = transfer.keys.shape[1]
+            # Blocks beyond the transferred ones stay with the sequence for its next tokens.
+            self.engine.kv_cache.write_blocks(
+                reservation.block_ids[:num_blocks], transfer.keys, transfer.values
+            )
+            try:
+                self.engine.add_prefilled(
+                    request_id,
+                    list(transfer.prompt_token_ids),
+                    list(transfer.output_token_ids),
+                    sampling_params(transfer.sampling),
+                    reservation.block_ids,
+                    transfer.generator_state,
+                )
+            except (InvalidRequestError, ValueError) as exc:
+                error = str(exc)
+        if error is not None:
+            if reservation is not None and request_id not in self.routes:
+                self.blocks.free(reservation.block_ids)
+            self.log.warning("kv refused", request_id=request_id, error=error)
+            return wire.KvAck(request_id=request_id, ok=False, error=error)
+        self.routes[request_id] = Route(
+            transfer.gateway_address, len(transfer.prompt_token_ids), 0
+        )
+        self.log.info("kv received", request_id=request_id, tokens=transfer.num_tokens)
+        return wire.KvAck(request_id=request_id, ok=True, error=None)
+
+    def _transfer_error(self, transfer: wire.KvTransfer, reservation: Reservation | None) -> str | None:
+        if reservation is None:
+            return "no reservation (it lapsed or was cancelled)"
+        if transfer.block_size != self.config.block_size:
+            return f"block size {transfer.block_size} != this worker's {self.config.block_size}"
+        cache = self.engine.kv_cache
+        expected = (
+            len(cache.key_caches),
+            self.blocks.num_blocks_for(transfer.num_tokens),
+            *cache.key_caches[0].shape[1:],
+        )
+        if tuple(transfer.keys.shape) != expected or tuple(transfer.values.shape) != expected:
+            return f"KV shape {tuple(transfer.keys.shape)} != expected {expected}"
+        if transfer.keys.dtype != cache.dtype or transfer.values.dtype != cache.dtype:
+            return f"KV dtype {transfer.keys.dtype} != cache dtype {cache.dtype}"
+        if expected[1] > len(reservation.block_ids):
+            return "the KV is larger than the reservation"
+        if transfer.num_tokens != len(transfer.prompt_token_ids) + len(transfer.output_token_ids) - 1:
+            return "num_tokens does not match the prompt and output"
+        return None
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        reservation = self.reservations.pop(request_id, None)
+        if reservation is not None:
+            self.blocks.free(reservation.block_ids)
+        if self.routes.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+        self.log.info("decode cancelled", request_id=request_id, reason=reason)
+
+    def _expire_reservations(self, now: float) -> None:
+        for request_id, reservation in list(self.reservations.items()):
+            if now > reservation.deadline:
+                del self.reservations[request_id]
+                self.blocks.free(reservation.block_ids)
+                self.log.warning("reservation lapsed", request_id=request_id)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        self.steps_completed += 1
+        streamed = []
+        for output in outputs:
+            route = self.routes.get(output.request_id)
+            if route is None:
+                continue
+            route.num_output_tokens += len(output.new_token_ids)
+            streamed.append((route.gateway_address, token_delta(output, output.finish_reason)))
+            if output.finished:
+                del self.routes[output.request_id]
+                self.link.send(
+                    wire.RequestDone(
+                        request_id=output.request_id,
+                        peer_id=self.peer_id,
+                        phase="decode",
+                        finish_reason=output.finish_reason,
+                        num_prompt_tokens=route.num_prompt_tokens,
+                        num_output_tokens=route.num_output_tokens,
+                    )
+                )
+        self.streams.send(group_by_gateway(streamed))
+
+    def _heartbeat(self) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            peer_id=self.peer_id,
+            num_waiting=len(self.engine.scheduler.waiting),
+            num_running=len(self.engine.scheduler.running),
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_total_blocks=self.blocks.num_blocks,
+            steps_completed=self.steps_completed,
+            sent_at=time.time(),
+        )
+
+    def close(self) -> None:
+        self.kv_socket.close(linger=0)
+        self.streams.close()
+        self.link.close()
+        self.log.info("decode worker stopped")

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway: request parsing, detokenization, streaming."""

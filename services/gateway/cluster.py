@@ -1,0 +1,194 @@
+"""The gateway's side of the cluster: submit requests, receive their token streams, cancel.
+
+Two sockets: a DEALER to the scheduler (HELLO, SUBMIT and its reply, CANCEL, cluster status, and
+errors for requests the scheduler had to fail) and a PULL bound at the gateway's stream address,
+where workers push TOKENS. Each in-flight request has an asyncio queue its HTTP or RPC handler
+reads. If the scheduler's status messages stop (it restarted), the gateway says HELLO again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from shared import wire
+from shared.logs import get_logger
+
+
+class SubmitRefused(Exception):
+    def __init__(self, status_code: int, message: str, retry_after_s: float | None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class ClusterView:
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_queued: int = 0
+    num_in_flight: int = 0
+    received_at: float = 0.0
+
+
+class ClusterClient:
+    def __init__(
+        self,
+        scheduler_address: str,
+        stream_bind: str,
+        stream_address: str,
+        peer_id: str,
+        model: str,
+        status_timeout_s: float = 3.0,
+    ):
+        self.scheduler_address = scheduler_address
+        self.stream_bind = stream_bind
+        self.stream_address = stream_address
+        self.peer_id = peer_id
+        self.model = model
+        self.status_timeout_s = status_timeout_s
+        self.view = ClusterView()
+        self.log = get_logger(peer_id=peer_id)
+        self._streams: dict[str, asyncio.Queue[wire.TokenDelta]] = {}
+        self._replies: dict[str, asyncio.Future[wire.SubmitReply]] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.context = zmq.asyncio.Context()
+        self.scheduler = self.context.socket(zmq.DEALER)
+        self.scheduler.setsockopt(zmq.LINGER, 0)
+        self.scheduler.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self.scheduler.connect(self.scheduler_address)
+        self.stream = self.context.socket(zmq.PULL)
+        self.stream.setsockopt(zmq.LINGER, 0)
+        self.stream.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self.stream.setsockopt(zmq.RCVHWM, 100_000)
+        self.stream.bind(self.stream_bind)
+        await self._hello()
+        self._tasks = [
+            asyncio.create_task(self._read_scheduler()),
+            asyncio.create_task(self._read_stream()),
+            asyncio.create_task(self._watch_scheduler()),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.scheduler.close(linger=0)
+        self.stream.close(linger=0)
+        self.context.term()
+
+    @property
+    def ready(self) -> bool:
+        fresh = time.monotonic() - self.view.received_at < self.status_timeout_s
+        return fresh and self.view.num_prefill > 0 and self.view.num_decode > 0
+
+    async def _hello(self) -> None:
+        await wire.async_send(
+            self.scheduler,
+            wire.Hello(
+                schema_version=wire.SCHEMA_VERSION,
+                role="gateway",
+                peer_id=self.peer_id,
+                model=self.model,
+                address=self.stream_address,
+                num_kv_blocks=0,
+                block_size=0,
+                max_num_seqs=0,
+            ),
+        )
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def submit(self, submit: wire.Submit, timeout_s: float = 10.0) -> asyncio.Queue:
+        """Queues a request; returns the queue its TokenDeltas arrive on. Raises SubmitRefused."""
+        queue: asyncio.Queue[wire.TokenDelta] = asyncio.Queue()
+        self._streams[submit.request_id] = queue
+        reply_future = asyncio.get_running_loop().create_future()
+        self._replies[submit.request_id] = reply_future
+        try:
+            await wire.async_send(self.scheduler, submit)
+            reply = await asyncio.wait_for(reply_future, timeout_s)
+        except TimeoutError:
+            self._streams.pop(submit.request_id, None)
+            raise SubmitRefused(503, "the scheduler did not answer", 1.0) from None
+        except BaseException:
+            self._streams.pop(submit.request_id, None)
+            raise
+        finally:
+            self._replies.pop(submit.request_id, None)
+        if not reply.accepted:
+            self._streams.pop(submit.request_id, None)
+            raise SubmitRefused(reply.status_code, reply.message or "refused", reply.retry_after_s)
+        return queue
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            await wire.async_send(self.scheduler, wire.Cancel(request_id=request_id, reason=reason))
+
+    def finished(self, request_id: str) -> None:
+        """The handler saw the last delta; later deltas (none expected) are dropped."""
+        self._streams.pop(request_id, None)
+
+    # -- readers ------------------------------------------------------------------------------
+
+    async def _read_scheduler(self) -> None:
+        while True:
+            frames = await self.scheduler.recv_multipart(copy=False)
+            try:
+                message = wire.decode(frames)
+            except wire.WireError as error:
+                self.log.warning("dropped malformed message", error=str(error))
+                continue
+            match message:
+                case wire.SubmitReply():
+                    future = self._replies.get(message.request_id)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+                case wire.ClusterStatus():
+                    self.view = ClusterView(
+                        message.num_prefill,
+                        message.num_decode,
+                        message.num_queued,
+                        message.num_in_flight,
+                        time.monotonic(),
+                    )
+                case wire.Tokens():
+                    self._route(message)
+                case wire.HelloAck():
+                    if not message.accepted:
+                        self.log.error("scheduler refused this gateway", error=message.error)
+                case _:
+                    self.log.warning("dropped unexpected message", type=type(message).__name__)
+
+    async def _read_stream(self) -> None:
+        while True:
+            frames = await self.stream.recv_multipart(copy=False)
+            try:
+                message = wire.decode(frames)
+            except wire.WireError as error:
+                self.log.warning("dropped malformed stream message", error=str(error))
+                continue
+            if isinstance(message, wire.Tokens):
+                self._route(message)
+            else:
+                self.log.warning("dropped unexpected stream message", type=type(message).__name__)
+
+    def _route(self, tokens: wire.Tokens) -> None:
+        for delta in tokens.deltas:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    async def _watch_scheduler(self) -> None:
+        """Says HELLO again whenever the scheduler's status goes quiet (it may have restarted)."""
+        while True:
+            await asyncio.sleep(self.status_timeout_s / 2)
+            if time.monotonic() - self.view.received_at > self.status_timeout_s:
+                await self._hello()

@@ -1,0 +1,158 @@
+"""Turning generated token ids into text as they arrive, and cutting the text at stop strings.
+
+Incremental detokenization (vLLM's prefix/read offsets): the tokens are split by two offsets,
+`prefix_offset <= read_offset`. Everything before `read_offset` has been emitted; the tokens in
+[prefix_offset, read_offset) are the last emitted piece, decoded again as context. Each step
+decodes only the window from `prefix_offset` to the end and emits what it adds to the context's
+text, so a step costs the size of the window, not of the whole output. The context matters for
+tokenizers whose decoding of a token depends on its neighbours (SentencePiece drops a leading
+space at the start of a text); for byte-level BPE it is simply a clean boundary.
+
+A byte-level token may hold part of a UTF-8 character (an emoji or a CJK character is often two
+or three tokens); decoding such a tail gives U+FFFD. While the window's text ends in U+FFFD its
+new text is held back and the window grows, until the character is complete; `flush()` emits
+whatever is left at the end. Invariant: the emitted pieces, concatenated, equal the decoding of
+all tokens at once, and `prefix_offset` always sits on a character boundary (it is only moved to
+a `read_offset` whose text did not end in a partial character).
+
+Stop strings are matched on the emitted text. The matcher holds back the longest tail that could
+still grow into a stop string, and cuts the text before the first stop string to be completed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers.decoders import ByteLevel
+
+_PARTIAL = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
+
+
+class IncrementalDetokenizer:
+    """Decodes one sequence's output tokens as they come; see the module docstring."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._token_ids: list[int] = []
+        self._prefix_offset = 0  # start of the decode window, on a character boundary
+        self._read_offset = 0  # tokens before it have been emitted
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._pieces)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The new text that `token_ids` complete; "" while they end inside a character."""
+        self._token_ids.extend(token_ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Whatever is held back, a partial character included; call it at the end."""
+        return self._advance(final=True)
+
+    def _decode(self, start: int, end: int) -> str:
+        window = self._token_ids[start:end]
+        return self._tokenizer.decode(window, skip_special_tokens=self._skip_special_tokens)
+
+    def _advance(self, final: bool) -> str:
+        context = self._decode(self._prefix_offset, self._read_offset)
+        window = self._decode(self._prefix_offset, len(self._token_ids))
+        # Nothing new (e.g. only skipped special tokens), or a character not yet complete.
+        if len(window) <= len(context):
+            return ""
+        new_text = window[len(context) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self._pieces.append(new_text)
+        return new_text
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's map from the printable characters byte-level BPE writes tokens in to bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + i): b for i, b in enumerate(others)})
+    return alphabet
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for: with byte-level BPE, exactly its bytes, even when they
+    are part of a character; otherwise the UTF-8 of its decoded text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(getattr(backend, "decoder", None), ByteLevel):
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        alphabet = _byte_level_alphabet()
+        if all(char in alphabet for char in piece):  # special tokens may hold other characters
+            return bytes(alphabet[char] for char in piece)
+    return tokenizer.decode([token_id]).encode()
+
+
+class StopStringMatcher:
+    """Cuts a stream of text before the first stop string to be completed.
+
+    Feeding the same text in any pieces gives the same output: the text up to the stop string
+    whose end comes first (on a tie, the one that starts first), or all of it."""
+
+    def __init__(self, stops: Sequence[str]):
+        if any(not stop for stop in stops):
+            raise ValueError("stop strings must not be empty")
+        self._stops = tuple(dict.fromkeys(stops))
+        self._held = ""  # the longest tail that is a proper prefix of some stop string
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def feed(self, new_text: str) -> tuple[str, bool]:
+        """(text safe to emit now, stopped). After a stop, everything is dropped."""
+        if self._stopped:
+            return "", True
+        text = self._held + new_text
+        cut = self._first_stop(text)
+        if cut is not None:
+            self._stopped, self._held = True, ""
+            return text[:cut], True
+        keep = self._partial_stop_len(text)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of generation: it never became a stop string."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the stop string completed first in `text` starts. A stop found here ends in
+        the new text: one inside the held tail would have been found by an earlier feed."""
+        best: tuple[int, int] | None = None  # (end, start)
+        for stop in self._stops:
+            start = text.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best):
+                best = (start + len(stop), start)
+        return None if best is None else best[1]
+
+    def _partial_stop_len(self, text: str) -> int:
+        """The length of the longest tail of `text` that a stop string starts with."""
+        longest = 0
+        for stop in self._stops:
+            # Only tails shorter than the stop, and longer than the best so far, can matter.
+            start = max(len(text) - len(stop) + 1, 0)
+            start = text.find(stop[0], start)
+            while 0 <= start < len(text) - longest:
+                if stop.startswith(text[start:]):
+                    longest = len(text) - start
+                    break
+                start = text.find(stop[0], start + 1)
+        return longest

@@ -1,0 +1,655 @@
+"""The OpenAI wire format: request bodies in, validated `GenerationRequest`s out; results in,
+response and stream-chunk dicts out, in exactly the shapes of OpenAI's API.
+
+Parsing is strict, so that a client's mistake is answered at once with a 400 naming the field
+(OpenAI's `param`) rather than silently changing the output. Every key of the body is one of:
+a field tandem implements (checked for type and range), a known OpenAI field tandem does not
+implement (refused unless its value asks for nothing, e.g. `echo: false`), a harmless field that
+changes no output (accepted and ignored), or an unknown field (refused, so typos surface).
+JSON null means "not given" for every optional field, as in OpenAI's API. Bools are never taken
+for numbers, nor numbers for bools.
+
+The default `max_tokens` depends on the prompt's length, known only after tokenization, so
+parsing keeps the client's sampling fields as they came (already validated by building a
+`SamplingParams` once) and `GenerationRequest.sampling_params()` builds the final parameters
+when the caller knows the number of prompt tokens.
+
+No sockets and no tokenizer here: the gateway's HTTP layer and detokenizer live elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal, NoReturn
+
+from shared.engine.sampling import MAX_LOGPROBS, SamplingParams
+from shared.errors import InvalidRequestError
+
+ERROR_TYPES = frozenset(
+    {
+        "invalid_request_error",
+        "not_found_error",
+        "rate_limit_error",
+        "service_unavailable",
+        "authentication_error",
+        "server_error",
+    }
+)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 1024  # capped further by the room the context leaves
+MAX_N = 8
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_USER_CHARS = 256
+MAX_TEMPERATURE = 2.0  # OpenAI's range; SamplingParams alone would accept any temperature >= 0
+
+# Client fields handed to SamplingParams as they are; it checks their types and ranges.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+)
+_COMMON_FIELDS = frozenset(
+    {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "logprobs"}
+    | {"priority"}  # tandem's extension, as are top_k, min_p, ... in _SAMPLING_FIELDS
+    | set(_SAMPLING_FIELDS)
+)
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+# Fields that change nothing tandem produces: accepted and ignored.
+_IGNORED_FIELDS = frozenset(
+    {"store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key"}
+)
+# Known OpenAI fields tandem does not implement, each with the values that ask for nothing
+# (null always does); any other value is refused rather than silently ignored.
+_UNSUPPORTED_FIELDS: Mapping[str, tuple[Any, ...]] = MappingProxyType(
+    {
+        "logit_bias": ({},),
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "functions": ([],),
+        "function_call": ("none",),
+        "response_format": ({"type": "text"},),
+        "suffix": ("",),
+        "best_of": (1,),
+        "echo": (False,),
+        "audio": (),
+        "modalities": (["text"],),
+        "prediction": (),
+        "reasoning_effort": (),
+        "web_search_options": (),
+    }
+)
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+_MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    """An error answered to the client: HTTP `status` and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
+        assert error_type in ERROR_TYPES, error_type
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = error_type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+def model_not_found(model: str) -> ApiError:
+    message = f"The model `{model}` does not exist."
+    return ApiError(404, message, "not_found_error", "model", "model_not_found")
+
+
+def from_invalid_request(error: InvalidRequestError) -> ApiError:
+    return bad_request(error.param, error.message)
+
+
+def _fail(param: str | None, message: str) -> NoReturn:
+    raise bad_request(param, message)
+
+
+# --- the parsed request ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated completion or chat request. Exactly one of `prompt_text`,
+    `prompt_token_ids` (completions) and `messages` (chat) is set."""
+
+    model: str
+    chat: bool
+    prompt_text: str | None
+    prompt_token_ids: list[int] | None
+    messages: list[dict[str, str]] | None  # [{"role", "content"}], content always a string
+    max_tokens: int | None  # None: not given, the default depends on the prompt's length
+    max_tokens_param: str  # the field it came from, named in errors: chat may use another
+    sampling_kwargs: Mapping[str, Any]  # SamplingParams fields the client gave, but max_tokens
+    stop: tuple[str, ...]
+    n: int
+    stream: bool
+    include_usage: bool  # stream a last chunk with the usage (stream_options.include_usage)
+    logprobs: int | None  # None: not asked; 0: the chosen token's only; k: also the top k
+    user: str | None
+    priority: int
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """The final parameters once the prompt is tokenized. Without `max_tokens` the output
+        may fill the context, up to the endpoint's default; an explicit one that does not fit
+        beside the prompt is refused, as is a prompt that leaves no room at all."""
+        room = max_model_len - num_prompt_tokens
+        if room < 1:
+            _fail(
+                self.prompt_param,
+                f"the prompt is {num_prompt_tokens} tokens, which leaves no room for output "
+                f"in this model's context of {max_model_len} tokens",
+            )
+        if self.max_tokens is None:
+            default = CHAT_DEFAULT_MAX_TOKENS if self.chat else COMPLETION_DEFAULT_MAX_TOKENS
+            max_tokens = min(default, room)
+        elif self.max_tokens > room:
+            _fail(
+                self.max_tokens_param,
+                f"this model's context is {max_model_len} tokens, but {num_prompt_tokens} "
+                f"prompt tokens and {self.max_tokens} output tokens were asked for",
+            )
+        else:
+            max_tokens = self.max_tokens
+        return _sampling_params(self.sampling_kwargs, max_tokens)
+
+
+def _sampling_params(kwargs: Mapping[str, Any], max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=max_tokens, **kwargs)
+    except InvalidRequestError as error:
+        raise from_invalid_request(error) from None
+
+
+# --- field readers: JSON null is "not given"; each failure names the field -----------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(body: Mapping[str, Any], name: str, low: int, high: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value):
+        _fail(name, f"must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        _fail(name, f"must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    return value
+
+
+def _bool_field(body: Mapping[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        _fail(name, f"must be a boolean, got {value!r}")
+    return value
+
+
+def _str_field(body: Mapping[str, Any], name: str, max_chars: int) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > max_chars:
+        _fail(name, f"must be a string of at most {max_chars} characters")
+    return value
+
+
+def _asks_for_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
+    # Compared with the type too: `echo: 0` or `best_of: true` is a client bug, not a default.
+    return value is None or any(type(value) is type(h) and value == h for h in harmless)
+
+
+def _check_fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        _fail(None, "the request body must be a JSON object")
+    for name, value in body.items():
+        if name in allowed or name in _IGNORED_FIELDS:
+            continue
+        if name in _UNSUPPORTED_FIELDS:
+            if not _asks_for_nothing(value, _UNSUPPORTED_FIELDS[name]):
+                _fail(name, f"`{name}` is not supported by this server")
+        else:
+            _fail(name, f"unknown field `{name}`")
+    return body
+
+
+def _check_model(body: Mapping[str, Any], served_model: str) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        _fail("model", "`model` is required and must be a string")
+    if model != served_model:
+        raise model_not_found(model)
+    return model
+
+
+# --- the prompt --------------------------------------------------------------------------------
+
+
+def _parse_prompt(value: Any, max_model_len: int) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids); batched prompts are refused."""
+    if isinstance(value, str) and value:
+        return value, None
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        if min(value) < 0:
+            _fail("prompt", "token ids must be >= 0")
+        if len(value) >= max_model_len:
+            _fail("prompt", f"the prompt is {len(value)} tokens; the context is {max_model_len}")
+        return None, list(value)
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0]:
+        return value[0], None
+    if isinstance(value, list) and len(value) > 1:
+        _fail("prompt", "batched prompts are not supported: send one prompt per request")
+    _fail("prompt", "must be a non-empty string, a non-empty list of token ids, or [string]")
+
+
+def _parse_messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        _fail("messages", "must be a non-empty list of messages")
+    return [_parse_message(message, f"messages[{i}]") for i, message in enumerate(value)]
+
+
+def _parse_message(message: Any, where: str) -> dict[str, str]:
+    if not isinstance(message, dict):
+        _fail(where, "a message must be an object with `role` and `content`")
+    for name in message:
+        if name not in _MESSAGE_FIELDS:
+            _fail(f"{where}.{name}", f"unknown field `{name}`")
+    if message.get("tool_calls"):
+        _fail(f"{where}.tool_calls", "tool calls are not supported by this server")
+    for name in ("name", "tool_call_id"):  # accepted, unused: no tools, no speaker names
+        if message.get(name) is not None and not isinstance(message[name], str):
+            _fail(f"{where}.{name}", "must be a string")
+    role = message.get("role")
+    if role not in _ROLES:
+        _fail(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
+    content = _parse_content(message.get("content"), f"{where}.content")
+    # Open models' chat templates know system/user/assistant/tool; for OpenAI, `developer` is
+    # the new name of `system`.
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _parse_content(content: Any, where: str) -> str:
+    """A string, or text parts joined with newlines (as vLLM does)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        _fail(where, "must be a string or a non-empty list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        is_text = isinstance(part, dict) and part.get("type") == "text" and len(part) == 2
+        if not is_text or not isinstance(part.get("text"), str):
+            _fail(
+                f"{where}[{j}]", 'only text parts, {"type": "text", "text": string}, are supported'
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# --- the other fields --------------------------------------------------------------------------
+
+
+def _parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS:
+        _fail("stop", f"must be a string or a list of at most {MAX_STOPS} strings")
+    for stop in stops:
+        if not isinstance(stop, str) or not 1 <= len(stop) <= MAX_STOP_CHARS:
+            _fail("stop", f"each stop must be a string of 1 to {MAX_STOP_CHARS} characters")
+    return tuple(stops)
+
+
+def _parse_max_tokens(
+    body: Mapping[str, Any], names: Sequence[str], max_model_len: int
+) -> tuple[int | None, str]:
+    """(max_tokens or None, the field it came from). Every name is checked; the last given
+    wins (chat's `max_completion_tokens` supersedes the deprecated `max_tokens`)."""
+    chosen: tuple[int | None, str] = (None, names[0])
+    for name in names:
+        value = _int_field(body, name, 1, None)
+        if value is not None:
+            if value >= max_model_len:
+                _fail(name, f"must be < {max_model_len}, the model's context length")
+            chosen = (value, name)
+    return chosen
+
+
+def _parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = bool(_bool_field(body, "stream"))
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        _fail("stream_options", "only allowed when `stream` is true")
+    if not isinstance(options, dict):
+        _fail("stream_options", "must be an object")
+    for name, value in options.items():
+        if name not in _STREAM_OPTIONS:
+            _fail(f"stream_options.{name}", f"unknown field `{name}`")
+        if value is not None and not isinstance(value, bool):
+            _fail(f"stream_options.{name}", f"must be a boolean, got {value!r}")
+    return stream, bool(options.get("include_usage"))
+
+
+def _parse_chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    wanted = _bool_field(body, "logprobs")
+    top = _int_field(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        _fail("top_logprobs", "requires `logprobs` to be true")
+    return (top or 0) if wanted else None
+
+
+def _build(
+    body: Mapping[str, Any],
+    model: str,
+    max_model_len: int,
+    *,
+    chat: bool,
+    max_tokens: tuple[int | None, str],
+    logprobs: int | None,
+    prompt_text: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    messages: list[dict[str, str]] | None = None,
+) -> GenerationRequest:
+    """The fields both endpoints share; the sampling fields are checked here by building a
+    SamplingParams once (with the largest max_tokens the request could get)."""
+    temperature = body.get("temperature")
+    is_number = _is_int(temperature) or isinstance(temperature, float)
+    if is_number and not 0 <= temperature <= MAX_TEMPERATURE:
+        _fail("temperature", f"must be in [0, {MAX_TEMPERATURE}], got {temperature}")
+    sampling_kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    if logprobs is not None:
+        sampling_kwargs["logprobs"] = logprobs
+    _sampling_params(sampling_kwargs, max_tokens[0] or max_model_len - 1)
+    stream, include_usage = _parse_stream(body)
+    priority = _int_field(body, "priority", -(2**31), 2**31 - 1)  # bounded: it is sorted on
+    return GenerationRequest(
+        model=model,
+        chat=chat,
+        prompt_text=prompt_text,
+        prompt_token_ids=prompt_token_ids,
+        messages=messages,
+        max_tokens=max_tokens[0],
+        max_tokens_param=max_tokens[1],
+        sampling_kwargs=MappingProxyType(sampling_kwargs),
+        stop=_parse_stop(body.get("stop")),
+        n=_int_field(body, "n", 1, MAX_N) or 1,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        user=_str_field(body, "user", MAX_USER_CHARS),
+        priority=priority or 0,
+    )
+
+
+def parse_completion_request(body: Any, served_model: str, max_model_len: int) -> GenerationRequest:
+    """A /v1/completions body, validated; raises ApiError (400, or 404 for another model)."""
+    body = _check_fields(body, _COMPLETION_FIELDS)
+    model = _check_model(body, served_model)
+    prompt_text, prompt_token_ids = _parse_prompt(body.get("prompt"), max_model_len)
+    return _build(
+        body,
+        model,
+        max_model_len,
+        chat=False,
+        max_tokens=_parse_max_tokens(body, ("max_tokens",), max_model_len),
+        logprobs=_int_field(body, "logprobs", 0, MAX_LOGPROBS),
+        prompt_text=prompt_text,
+        prompt_token_ids=prompt_token_ids,
+    )
+
+
+def parse_chat_request(body: Any, served_model: str, max_model_len: int) -> GenerationRequest:
+    """A /v1/chat/completions body, validated; raises ApiError (400, or 404 for another model)."""
+    body = _check_fields(body, _CHAT_FIELDS)
+    model = _check_model(body, served_model)
+    names = ("max_tokens", "max_completion_tokens")
+    return _build(
+        body,
+        model,
+        max_model_len,
+        chat=True,
+        max_tokens=_parse_max_tokens(body, names, max_model_len),
+        logprobs=_parse_chat_logprobs(body),
+        messages=_parse_messages(body.get("messages")),
+    )
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length"]
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same floor
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token as the client sees it, with its logprob; `top` holds the best alternatives,
+    best first (themselves TokenLogprobs with no `top`)."""
+
+    text: str
+    token_bytes: bytes  # the token's own bytes: part of a character when it splits one
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One finished choice of a non-streamed response."""
+
+    index: int
+    text: str
+    finish_reason: FinishReason
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # None: not asked
+
+
+def _logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape. `text_offset` is where the first token starts in the
+    choice's text (non-zero for later stream chunks); offsets add up the tokens' texts. When two
+    alternatives share a text (two halves of different characters), the better one is kept."""
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token.text)
+    top_logprobs = []
+    for token in tokens:
+        top: dict[str, float] = {}
+        for alternative in token.top:
+            top.setdefault(alternative.text, _logprob(alternative.logprob))
+        top_logprobs.append(top)
+    return {
+        "tokens": [token.text for token in tokens],
+        "token_logprobs": [_logprob(token.logprob) for token in tokens],
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def _chat_token(token: TokenLogprob) -> dict[str, Any]:
+    logprob = _logprob(token.logprob)
+    return {"token": token.text, "logprob": logprob, "bytes": list(token.token_bytes)}
+
+
+def chat_logprobs(tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+    content = [
+        {**_chat_token(token), "top_logprobs": [_chat_token(top) for top in token.top]}
+        for token in tokens
+    ]
+    return {"content": content}
+
+
+def _envelope(
+    object_type: str, response_id: str, model: str, created: int, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": object_type,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+
+
+def _completion_choice(choice: ChoiceResult) -> dict[str, Any]:
+    logprobs = None if choice.logprobs is None else completion_logprobs(choice.logprobs)
+    return {
+        "index": choice.index,
+        "text": choice.text,
+        "logprobs": logprobs,
+        "finish_reason": choice.finish_reason,
+    }
+
+
+def _chat_choice(choice: ChoiceResult) -> dict[str, Any]:
+    logprobs = None if choice.logprobs is None else chat_logprobs(choice.logprobs)
+    return {
+        "index": choice.index,
+        "message": {"role": "assistant", "content": choice.text},
+        "logprobs": logprobs,
+        "finish_reason": choice.finish_reason,
+    }
+
+
+def completion_response(
+    response_id: str,
+    model: str,
+    created: int,
+    choices: Sequence[ChoiceResult],
+    usage: dict[str, int],
+) -> dict[str, Any]:
+    body = [_completion_choice(choice) for choice in choices]
+    return {**_envelope("text_completion", response_id, model, created, body), "usage": usage}
+
+
+def chat_response(
+    response_id: str,
+    model: str,
+    created: int,
+    choices: Sequence[ChoiceResult],
+    usage: dict[str, int],
+) -> dict[str, Any]:
+    body = [_chat_choice(choice) for choice in choices]
+    return {**_envelope("chat.completion", response_id, model, created, body), "usage": usage}
+
+
+def completion_chunk(
+    response_id: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: FinishReason | None,
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One streamed piece of a choice; `logprobs` comes from completion_logprobs()."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _envelope("text_completion", response_id, model, created, [choice])
+
+
+def chat_chunk(
+    response_id: str,
+    model: str,
+    created: int,
+    index: int,
+    delta_content: str | None,
+    finish_reason: FinishReason | None,
+    logprobs: dict[str, Any] | None,
+    role_first: bool = False,
+) -> dict[str, Any]:
+    """One streamed piece of a choice. The choice's first chunk carries the role; the last may
+    carry no content, only the finish reason. `logprobs` comes from chat_logprobs()."""
+    delta: dict[str, str] = {"role": "assistant"} if role_first else {}
+    if delta_content is not None:
+        delta["content"] = delta_content
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _envelope("chat.completion.chunk", response_id, model, created, [choice])
+
+
+def usage_chunk(
+    response_id: str, model: str, created: int, usage: dict[str, int], *, chat: bool
+) -> dict[str, Any]:
+    """The last chunk of a stream asked with include_usage: no choices, only the usage."""
+    object_type = "chat.completion.chunk" if chat else "text_completion"
+    return {**_envelope(object_type, response_id, model, created, []), "usage": usage}
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event. A dict is sent as compact JSON (which never holds a newline); a
+    string's lines each get their own `data:` field, as the SSE format requires."""
+    if isinstance(data, str):
+        payload = data
+    else:
+        payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return ("".join(f"data: {line}\n" for line in payload.split("\n")) + "\n").encode()

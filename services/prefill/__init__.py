@@ -1,0 +1,1 @@
+"""The prefill worker: runs prompts, samples the first token, ships the KV to a decode worker."""

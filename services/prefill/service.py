@@ -1,0 +1,279 @@
+"""`tandem prefill`: the prefill worker.
+
+It takes PREFILL_JOBs from the scheduler into its engine, which batches and chunks prompts under
+the step's token budget. When a prompt completes, the engine samples the first token, which goes
+to the gateway at once (the time to first token), and the sequence's blocks are retained: their
+K/V is copied out, the blocks freed, and the copy sent to the decode worker the scheduler named.
+The copy is kept alive until the decode worker acknowledges; then the scheduler is told the
+prefill phase is over. A transfer not acknowledged in time is abandoned and reported, so the
+scheduler re-routes the request. A request that finishes at its first token (end of sequence, or
+max_tokens of 1) ends here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from services.worker.config import WorkerConfig
+from services.worker.link import SchedulerLink
+from services.worker.streams import GatewayStreams, group_by_gateway
+from shared import wire
+from shared.config import add_config_arguments, config_from_args
+from shared.engine.engine import LLMEngine, RequestOutput
+from shared.engine.loader import load_model
+from shared.errors import InvalidRequestError
+from shared.logs import configure_logging, get_logger
+from shared.wire_convert import sampling_params, token_delta
+
+
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, WorkerConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("prefill")
+    config = config_from_args(WorkerConfig, args)
+    PrefillWorker(config).serve_forever()
+    return 0
+
+
+@dataclass
+class PendingTransfer:
+    job: wire.PrefillJob
+    message: wire.KvTransfer  # holds the K/V copy alive until the ack
+    deadline: float
+    num_output_tokens: int
+
+
+class PrefillWorker:
+    def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.peer_id = config.resolved_peer_id("prefill")
+        self.log = get_logger(peer_id=self.peer_id)
+        self.loaded = load_model(config.model)
+        self.engine = LLMEngine(self.loaded.model, config.engine_config(retain_finished=True))
+        self.context = context or zmq.Context.instance()
+        self.link = SchedulerLink(
+            self.context,
+            config.scheduler_address,
+            wire.Hello(
+                schema_version=wire.SCHEMA_VERSION,
+                role="prefill",
+                peer_id=self.peer_id,
+                model=config.model,
+                address=None,
+                num_kv_blocks=self.engine.block_manager.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+            ),
+        )
+        self.streams = GatewayStreams(self.context)
+        self.jobs: dict[str, wire.PrefillJob] = {}
+        self.transfers: dict[str, PendingTransfer] = {}
+        self._decode_sockets: dict[str, zmq.Socket] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(self.link.socket, zmq.POLLIN)
+        self.steps_completed = 0
+        self._stopping = False
+
+    def stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        self.link.handshake()
+        self.log.info("prefill worker ready", blocks=self.engine.block_manager.num_blocks)
+        try:
+            while not self._stopping:
+                self.run_once()
+        finally:
+            self.close()
+
+    def run_once(self) -> None:
+        now = time.monotonic()
+        busy = self.engine.has_unfinished
+        timeout_ms = 0 if busy else min(self.link.seconds_to_heartbeat(now), 0.1) * 1000
+        for sock, _ in self.poller.poll(timeout_ms):
+            self._drain(sock)
+        if self.engine.has_unfinished:
+            self._step()
+        now = time.monotonic()
+        self._expire_transfers(now)
+        if self.link.heartbeat_due(now):
+            self.link.send_heartbeat(self._heartbeat(), now)
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = wire.decode(frames)
+            except wire.WireError as error:
+                self.log.warning("dropped malformed message", error=str(error))
+                continue
+            self._handle(message)
+
+    def _handle(self, message: wire.Message) -> None:
+        match message:
+            case wire.PrefillJob():
+                self._accept_job(message)
+            case wire.Cancel():
+                self._cancel(message.request_id, message.reason)
+            case wire.KvAck():
+                self._on_ack(message)
+            case wire.HelloAck():
+                pass  # a repeated handshake answer
+            case _:
+                self.log.warning("dropped unexpected message", type=type(message).__name__)
+
+    def _accept_job(self, job: wire.PrefillJob) -> None:
+        log = self.log.bind(request_id=job.request_id)
+        try:
+            params = sampling_params(job.sampling)
+            # Only the first token is sampled here; the decode worker generates the rest.
+            first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            self.engine.add_request(
+                list(job.prompt_token_ids) + list(job.output_token_ids), first_only, job.request_id
+            )
+        except InvalidRequestError as error:
+            log.warning("prefill job refused", error=str(error))
+            self._fail(job, str(error))
+            return
+        self.jobs[job.request_id] = job
+        log.info("prefill started", prompt_tokens=len(job.prompt_token_ids))
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        self.engine.abort(request_id)
+        self.jobs.pop(request_id, None)
+        self.transfers.pop(request_id, None)
+        self.log.info("prefill cancelled", request_id=request_id, reason=reason)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        self.steps_completed += 1
+        streamed = []
+        for output in outputs:
+            job = self.jobs.pop(output.request_id, None)
+            if job is None:  # cancelled while its step ran
+                self.engine.release(output.request_id)
+                continue
+            streamed.append((job.gateway_address, self._first_token(job, output)))
+        self.streams.send(group_by_gateway(streamed))
+
+    def _first_token(self, job: wire.PrefillJob, output: RequestOutput) -> wire.TokenDelta:
+        """Streams the first token; hands the KV on unless the request is over already."""
+        num_generated = len(job.output_token_ids) + 1
+        finished = output.finish_reason == "stop" or num_generated >= job.sampling.max_tokens
+        if finished:
+            reason = "stop" if output.finish_reason == "stop" else "length"
+            self.engine.release(job.request_id)
+            self._report(job, reason, num_generated)
+            return token_delta(output, reason)
+        self._send_kv(job, output)
+        return token_delta(output)
+
+    def _send_kv(self, job: wire.PrefillJob, output: RequestOutput) -> None:
+        seq = self.engine.retained(job.request_id)
+        keys, values = self.engine.export_kv(job.request_id)
+        generator = seq.generator.get_state() if seq.generator is not None else None
+        self.engine.release(job.request_id)
+        message = wire.KvTransfer(
+            request_id=job.request_id,
+            prompt_token_ids=list(job.prompt_token_ids),
+            output_token_ids=list(job.output_token_ids) + list(output.new_token_ids),
+            sampling=job.sampling,
+            gateway_address=job.gateway_address,
+            num_tokens=seq.num_computed_tokens,
+            block_size=self.config.block_size,
+            keys=keys,
+            values=values,
+            generator_state=generator,
+        )
+        wire.send(self._decode_socket(job.decode_address), message)
+        self.transfers[job.request_id] = PendingTransfer(
+            job, message, time.monotonic() + self.config.transfer_timeout_s, len(message.output_token_ids)
+        )
+        self.log.info("kv sent", request_id=job.request_id, decode=job.decode_peer_id,
+                      bytes=keys.numel() * keys.element_size() * 2)
+
+    def _decode_socket(self, address: str) -> zmq.Socket:
+        sock = self._decode_sockets.get(address)
+        if sock is None:
+            sock = self.context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+            sock.connect(address)
+            self.poller.register(sock, zmq.POLLIN)
+            self._decode_sockets[address] = sock
+        return sock
+
+    def _on_ack(self, ack: wire.KvAck) -> None:
+        transfer = self.transfers.pop(ack.request_id, None)
+        if transfer is None:
+            return
+        if ack.ok:
+            self._report(transfer.job, None, transfer.num_output_tokens)
+        else:
+            self.log.warning("kv refused", request_id=ack.request_id, error=ack.error)
+            self._report(transfer.job, "error", transfer.num_output_tokens)
+
+    def _expire_transfers(self, now: float) -> None:
+        for request_id, transfer in list(self.transfers.items()):
+            if now > transfer.deadline:
+                del self.transfers[request_id]
+                self.log.warning("kv transfer timed out", request_id=request_id)
+                self._report(transfer.job, "error", transfer.num_output_tokens)
+
+    def _report(self, job: wire.PrefillJob, finish_reason: str | None, num_output: int) -> None:
+        self.link.send(
+            wire.RequestDone(
+                request_id=job.request_id,
+                peer_id=self.peer_id,
+                phase="prefill",
+                finish_reason=finish_reason,
+                num_prompt_tokens=len(job.prompt_token_ids),
+                num_output_tokens=num_output,
+            )
+        )
+
+    def _fail(self, job: wire.PrefillJob, error: str) -> None:
+        delta = wire.TokenDelta(request_id=job.request_id, token_ids=[], finish_reason="error", error=error)
+        self.streams.send({job.gateway_address: [delta]})
+        # Not "error", which asks the scheduler to re-route: this request can never run.
+        self._report(job, "rejected", 0)
+
+    def _heartbeat(self) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            peer_id=self.peer_id,
+            num_waiting=len(self.engine.scheduler.waiting),
+            num_running=len(self.engine.scheduler.running),
+            num_free_blocks=self.engine.block_manager.num_free_blocks,
+            num_total_blocks=self.engine.block_manager.num_blocks,
+            steps_completed=self.steps_completed,
+            sent_at=time.time(),
+        )
+
+    def close(self) -> None:
+        for sock in self._decode_sockets.values():
+            sock.close(linger=0)
+        self.streams.close()
+        self.link.close()
+        self.log.info("prefill worker stopped")

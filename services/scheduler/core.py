@@ -1,0 +1,328 @@
+"""The scheduler's decisions, as a pure state machine: events in, messages out, the clock passed in.
+
+A request moves through phases:
+
+    QUEUED ──RESERVE sent──▶ RESERVING ──blocks reserved──▶ PREFILLING ──KV acknowledged──▶ DECODING
+       ▲                         │                              │
+       └──── refused, timed out, or a worker left ◀─────────────┘
+
+Admission bounds the queue by requests and by prompt tokens (past either, 429 with Retry-After) and
+refuses a prompt no decode worker could ever hold (400). The queue is first-come-first-served.
+Dispatch takes the head of the queue when a prefill worker exists and a decode worker has room,
+asks that decode worker to reserve blocks for the prompt, and once it confirms, hands the prompt to
+the prefill worker that has the fewest requests in hand, naming the decode target. A request whose
+reservation is refused, or whose worker stops sending heartbeats before its KV reached the decode
+worker, goes back to the head of the queue; one whose decode worker dies mid-stream is failed with
+an error to its gateway. Cancels are forwarded to every worker holding state for the request.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.scheduler.registry import WorkerRegistry, WorkerState
+from shared import wire
+
+
+class Phase(enum.IntEnum):
+    QUEUED = 0
+    RESERVING = 1
+    PREFILLING = 2
+    DECODING = 3
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 20
+    heartbeat_timeout_s: float = 3.0
+    reserve_timeout_s: float = 5.0
+    prefill_timeout_s: float = 300.0  # prompt compute plus KV transfer, on a CPU
+    retry_after_s: float = 1.0
+
+
+@dataclass
+class TrackedRequest:
+    submit: wire.Submit
+    gateway_peer_id: str
+    phase: Phase = Phase.QUEUED
+    decode_peer_id: str | None = None
+    prefill_peer_id: str | None = None
+    phase_deadline: float = float("inf")
+    num_blocks: int = 0  # blocks reserved on the decode worker
+
+    @property
+    def request_id(self) -> str:
+        return self.submit.request_id
+
+
+@dataclass
+class GatewayState:
+    peer_id: str
+    identity: bytes
+    address: str | None
+
+
+@dataclass
+class Outgoing:
+    identity: bytes
+    message: object
+
+
+@dataclass
+class ClusterScheduler:
+    limits: SchedulerLimits
+    registry: WorkerRegistry = field(init=False)
+    gateways: dict[str, GatewayState] = field(default_factory=dict)
+    requests: dict[str, TrackedRequest] = field(default_factory=dict)
+    queue: deque[str] = field(default_factory=deque)
+    num_queued_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.registry = WorkerRegistry(self.limits.heartbeat_timeout_s)
+
+    # -- peers --------------------------------------------------------------------------------
+
+    def on_hello(self, identity: bytes, hello: wire.Hello, now: float) -> list[Outgoing]:
+        if hello.role == "gateway":
+            self.gateways[hello.peer_id] = GatewayState(hello.peer_id, identity, hello.address)
+        else:
+            old = self.registry.remove(hello.peer_id)
+            out = self._drop_worker(old) if old is not None else []
+            self.registry.add(
+                WorkerState(
+                    peer_id=hello.peer_id,
+                    role=hello.role,
+                    identity=identity,
+                    address=hello.address,
+                    num_total_blocks=hello.num_kv_blocks,
+                    block_size=hello.block_size,
+                    max_num_seqs=hello.max_num_seqs,
+                    last_heartbeat=now,
+                    num_free_blocks=hello.num_kv_blocks,
+                )
+            )
+            return out + self.dispatch(now)
+        return []
+
+    def on_heartbeat(self, heartbeat: wire.Heartbeat, now: float) -> list[Outgoing]:
+        worker = self.registry.get(heartbeat.peer_id)
+        if worker is None:
+            return []
+        worker.last_heartbeat = now
+        worker.num_free_blocks = heartbeat.num_free_blocks
+        worker.num_running = heartbeat.num_running
+        worker.num_waiting = heartbeat.num_waiting
+        worker.steps_completed = heartbeat.steps_completed
+        # The heartbeat's free-block count already reflects every reservation made so far.
+        worker.num_promised_blocks = 0
+        return self.dispatch(now)
+
+    def tick(self, now: float) -> list[Outgoing]:
+        """Takes silent workers out of rotation and re-routes requests whose phase timed out."""
+        out: list[Outgoing] = []
+        for worker in self.registry.expired(now):
+            self.registry.remove(worker.peer_id)
+            out += self._drop_worker(worker)
+        for request in list(self.requests.values()):
+            if request.phase in (Phase.RESERVING, Phase.PREFILLING) and now > request.phase_deadline:
+                out += self._requeue(request, cancel_reason="timed out")
+        return out + self.dispatch(now)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def on_submit(self, identity: bytes, submit: wire.Submit, now: float) -> list[Outgoing]:
+        refusal = self._admission_refusal(submit)
+        if refusal is not None:
+            status, message, retry_after = refusal
+            reply = wire.SubmitReply(
+                request_id=submit.request_id,
+                accepted=False,
+                status_code=status,
+                message=message,
+                retry_after_s=retry_after,
+            )
+            return [Outgoing(identity, reply)]
+        request = TrackedRequest(submit, submit.gateway_peer_id)
+        self.requests[submit.request_id] = request
+        self.queue.append(submit.request_id)
+        self.num_queued_tokens += len(submit.prompt_token_ids)
+        accepted = wire.SubmitReply(
+            request_id=submit.request_id, accepted=True, status_code=200, message=None,
+            retry_after_s=None,
+        )
+        return [Outgoing(identity, accepted)] + self.dispatch(now)
+
+    def _admission_refusal(self, submit: wire.Submit) -> tuple[int, str, float | None] | None:
+        if submit.request_id in self.requests:
+            return 400, f"request id {submit.request_id!r} is already in flight", None
+        prefill, decode = self.registry.by_role("prefill"), self.registry.by_role("decode")
+        if not prefill or not decode:
+            return 503, "no prefill or no decode worker is registered", self.limits.retry_after_s
+        needed = len(submit.prompt_token_ids) + submit.sampling.max_tokens
+        capacity = max(w.num_total_blocks * w.block_size for w in decode)
+        if needed > capacity:
+            return 400, (
+                f"prompt plus max_tokens ({needed} tokens) can never fit a decode worker's KV "
+                f"cache ({capacity} tokens)"
+            ), None
+        too_many = len(self.queue) >= self.limits.max_queued_requests
+        too_long = self.num_queued_tokens + len(submit.prompt_token_ids) > self.limits.max_queued_tokens
+        if too_many or too_long:
+            return 429, "the queue is full; retry later", self.limits.retry_after_s
+        return None
+
+    def on_cancel(self, cancel: wire.Cancel, now: float) -> list[Outgoing]:
+        request = self.requests.get(cancel.request_id)
+        if request is None:
+            return []
+        return self._forget(request, cancel_reason=cancel.reason)
+
+    def on_reserve_reply(self, reply: wire.ReserveReply, now: float) -> list[Outgoing]:
+        request = self.requests.get(reply.request_id)
+        worker = self.registry.get(request.decode_peer_id) if request else None
+        if request is None or request.phase != Phase.RESERVING or worker is None:
+            return []
+        if not reply.ok:
+            worker.num_free_blocks = reply.num_free_blocks
+            return self._requeue(request, cancel_reason=None) + self.dispatch(now)
+        prefill = self.registry.pick_prefill()
+        if prefill is None:
+            return self._requeue(request, cancel_reason="no prefill worker")
+        request.phase = Phase.PREFILLING
+        request.prefill_peer_id = prefill.peer_id
+        request.phase_deadline = now + self.limits.prefill_timeout_s
+        prefill.request_ids.add(request.request_id)
+        submit = request.submit
+        job = wire.PrefillJob(
+            request_id=submit.request_id,
+            prompt_token_ids=submit.prompt_token_ids,
+            sampling=submit.sampling,
+            gateway_address=self.gateways[request.gateway_peer_id].address,
+            decode_peer_id=worker.peer_id,
+            decode_address=worker.address,
+            output_token_ids=[],
+        )
+        return [Outgoing(prefill.identity, job)]
+
+    def on_request_done(self, done: wire.RequestDone, now: float) -> list[Outgoing]:
+        request = self.requests.get(done.request_id)
+        if request is None:
+            return []
+        if done.phase == "prefill":
+            prefill = self.registry.get(done.peer_id)
+            if prefill is not None:
+                prefill.request_ids.discard(done.request_id)
+            if done.finish_reason is None:  # KV handed to the decode worker, which now owns it
+                request.phase = Phase.DECODING
+                request.prefill_peer_id = None
+                return self.dispatch(now)
+            if done.finish_reason == "error":  # the transfer failed: try again elsewhere
+                return self._requeue(request, cancel_reason="transfer failed") + self.dispatch(now)
+            # Finished at its first token: the decode reservation is no longer needed.
+            return self._forget(request, cancel_reason="finished in prefill") + self.dispatch(now)
+        self._forget(request, cancel_reason=None)
+        return self.dispatch(now)
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def dispatch(self, now: float) -> list[Outgoing]:
+        out: list[Outgoing] = []
+        while self.queue and self.registry.by_role("prefill"):
+            request = self.requests[self.queue[0]]
+            # Room for the prompt and the first decode step; later growth is the worker's affair.
+            num_tokens = len(request.submit.prompt_token_ids) + 1
+            decode = self.registry.pick_decode(num_tokens)
+            if decode is None:
+                break
+            self.queue.popleft()
+            self.num_queued_tokens -= len(request.submit.prompt_token_ids)
+            request.phase = Phase.RESERVING
+            request.decode_peer_id = decode.peer_id
+            request.num_blocks = decode.blocks_for(num_tokens)
+            request.phase_deadline = now + self.limits.reserve_timeout_s
+            decode.num_promised_blocks += request.num_blocks
+            decode.request_ids.add(request.request_id)
+            reserve = wire.Reserve(
+                request_id=request.request_id,
+                num_tokens=num_tokens,
+                lease_s=self.limits.prefill_timeout_s,
+            )
+            out.append(Outgoing(decode.identity, reserve))
+        return out
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _cancel_on_workers(self, request: TrackedRequest, reason: str) -> list[Outgoing]:
+        out = []
+        for peer_id in (request.prefill_peer_id, request.decode_peer_id):
+            worker = self.registry.get(peer_id) if peer_id else None
+            if worker is not None:
+                worker.request_ids.discard(request.request_id)
+                out.append(Outgoing(worker.identity, wire.Cancel(request_id=request.request_id, reason=reason)))
+        return out
+
+    def _requeue(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
+        """Back to the head of the queue, releasing whatever workers hold for it."""
+        out = self._cancel_on_workers(request, cancel_reason) if cancel_reason else []
+        if cancel_reason is None and request.decode_peer_id:
+            worker = self.registry.get(request.decode_peer_id)
+            if worker is not None:
+                worker.request_ids.discard(request.request_id)
+        request.phase = Phase.QUEUED
+        request.decode_peer_id = request.prefill_peer_id = None
+        request.phase_deadline = float("inf")
+        self.queue.appendleft(request.request_id)
+        self.num_queued_tokens += len(request.submit.prompt_token_ids)
+        return out
+
+    def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
+        self.requests.pop(request.request_id, None)
+        if request.phase == Phase.QUEUED:
+            self.queue.remove(request.request_id)
+            self.num_queued_tokens -= len(request.submit.prompt_token_ids)
+            return []
+        if cancel_reason is not None:
+            return self._cancel_on_workers(request, cancel_reason)
+        for peer_id in (request.prefill_peer_id, request.decode_peer_id):
+            worker = self.registry.get(peer_id) if peer_id else None
+            if worker is not None:
+                worker.request_ids.discard(request.request_id)
+        return []
+
+    def _drop_worker(self, worker: WorkerState) -> list[Outgoing]:
+        """A worker left: re-route what can be, fail what cannot."""
+        out: list[Outgoing] = []
+        for request_id in list(worker.request_ids):
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.phase == Phase.DECODING:
+                self.requests.pop(request_id)
+                out += self._fail(request, f"decode worker {worker.peer_id} stopped responding")
+            else:
+                if request.decode_peer_id == worker.peer_id:
+                    request.decode_peer_id = None
+                if request.prefill_peer_id == worker.peer_id:
+                    request.prefill_peer_id = None
+                out += self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
+        return out
+
+    def _fail(self, request: TrackedRequest, message: str) -> list[Outgoing]:
+        gateway = self.gateways.get(request.gateway_peer_id)
+        if gateway is None:
+            return []
+        delta = wire.TokenDelta(
+            request_id=request.request_id, token_ids=[], finish_reason="error", error=message
+        )
+        return [Outgoing(gateway.identity, wire.Tokens(deltas=[delta]))]
+
+    def cluster_status(self) -> wire.ClusterStatus:
+        return wire.ClusterStatus(
+            num_prefill=len(self.registry.by_role("prefill")),
+            num_decode=len(self.registry.by_role("decode")),
+            num_queued=len(self.queue),
+            num_in_flight=len(self.requests),
+        )

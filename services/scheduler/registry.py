@@ -1,0 +1,76 @@
+"""The worker registry: who is in the cluster, their load, and whether they are alive.
+
+Workers introduce themselves with HELLO and then send heartbeats with their load. A worker whose
+last heartbeat is older than the timeout is taken out of rotation (and its work re-routed by the
+caller). The scheduler's own view of a decode worker's free blocks is the last heartbeat's figure
+minus the blocks it has since promised to requests (reservations the worker has not yet reported),
+so two requests dispatched between heartbeats cannot both count on the same blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WorkerState:
+    peer_id: str
+    role: str  # "prefill" or "decode"
+    identity: bytes  # the ROUTER identity messages to this worker go to
+    address: str | None  # a decode worker's KV address
+    num_total_blocks: int
+    block_size: int
+    max_num_seqs: int
+    last_heartbeat: float
+    num_free_blocks: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    steps_completed: int = 0
+    # Requests assigned to this worker that it holds state for.
+    request_ids: set[str] = field(default_factory=set)
+    # Blocks promised since the last heartbeat (decode only).
+    num_promised_blocks: int = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def num_available_blocks(self) -> int:
+        return self.num_free_blocks - self.num_promised_blocks
+
+
+class WorkerRegistry:
+    def __init__(self, heartbeat_timeout_s: float):
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.workers: dict[str, WorkerState] = {}
+
+    def add(self, worker: WorkerState) -> None:
+        self.workers[worker.peer_id] = worker
+
+    def remove(self, peer_id: str) -> WorkerState | None:
+        return self.workers.pop(peer_id, None)
+
+    def get(self, peer_id: str) -> WorkerState | None:
+        return self.workers.get(peer_id)
+
+    def by_role(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def expired(self, now: float) -> list[WorkerState]:
+        return [
+            w for w in self.workers.values() if now - w.last_heartbeat > self.heartbeat_timeout_s
+        ]
+
+    def pick_decode(self, num_tokens: int) -> WorkerState | None:
+        """The decode worker with the most available blocks, if any can hold `num_tokens`."""
+        candidates = [
+            w
+            for w in self.by_role("decode")
+            if w.num_available_blocks >= w.blocks_for(num_tokens)
+            and len(w.request_ids) < w.max_num_seqs
+        ]
+        return max(candidates, key=lambda w: (w.num_available_blocks, -len(w.request_ids)), default=None)
+
+    def pick_prefill(self) -> WorkerState | None:
+        """The prefill worker with the fewest requests in hand."""
+        return min(self.by_role("prefill"), key=lambda w: len(w.request_ids), default=None)

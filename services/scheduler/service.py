@@ -1,0 +1,170 @@
+"""`tandem scheduler`: the scheduler process, a ROUTER socket around the pure `ClusterScheduler`.
+
+Gateways and workers connect DEALER sockets to the scheduler's ROUTER. The loop reads whatever
+arrived, hands each message to the core with the current time, sends what the core answers, and
+ticks the core (heartbeat expiry, timeouts, dispatch) and the gateways' cluster status on a timer.
+A malformed message is logged and dropped; it never stops the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
+from shared import wire
+from shared.config import add_config_arguments, config_from_args, require_address, require_positive, setting
+from shared.logs import configure_logging, get_logger
+
+
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    address: str = setting("ipc:///tmp/tandem/scheduler.sock", "ROUTER address to bind")
+    heartbeat_interval_s: float = setting(0.5, "how often workers send heartbeats")
+    heartbeat_timeout_s: float = setting(3.0, "silence after which a worker is out of rotation")
+    max_queued_requests: int = setting(1024, "queued requests beyond which 429 is answered")
+    max_queued_tokens: int = setting(1 << 20, "queued prompt tokens beyond which 429 is answered")
+    reserve_timeout_s: float = setting(5.0, "time a decode worker has to confirm a reservation")
+    prefill_timeout_s: float = setting(300.0, "time a prefill and its KV transfer may take")
+    model: str = setting("smollm2", "the model every peer must serve")
+
+    def __post_init__(self) -> None:
+        require_address(self, "address")
+        require_positive(
+            self,
+            "heartbeat_interval_s",
+            "heartbeat_timeout_s",
+            "max_queued_requests",
+            "max_queued_tokens",
+            "reserve_timeout_s",
+            "prefill_timeout_s",
+        )
+
+    def limits(self) -> SchedulerLimits:
+        return SchedulerLimits(
+            max_queued_requests=self.max_queued_requests,
+            max_queued_tokens=self.max_queued_tokens,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            reserve_timeout_s=self.reserve_timeout_s,
+            prefill_timeout_s=self.prefill_timeout_s,
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, SchedulerConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("scheduler")
+    SchedulerService(config_from_args(SchedulerConfig, args)).serve_forever()
+    return 0
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerConfig, context: zmq.Context | None = None):
+        self.config = config
+        self.core = ClusterScheduler(config.limits())
+        self.context = context or zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.socket.bind(config.address)
+        self.log = get_logger()
+        self._stopping = False
+
+    def stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        self.log.info("scheduler listening", address=self.config.address)
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        next_tick = 0.0
+        try:
+            while not self._stopping:
+                timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
+                if poller.poll(timeout_ms):
+                    self._drain()
+                now = time.monotonic()
+                if now >= next_tick:
+                    self._send(self.core.tick(now))
+                    self._broadcast_status()
+                    next_tick = now + self.config.heartbeat_interval_s / 2
+        finally:
+            self.socket.close(linger=0)
+            self.log.info("scheduler stopped")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity, body = frames[0].bytes, frames[1:]
+            try:
+                message = wire.decode(body)
+            except wire.WireError as error:
+                self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
+                continue
+            self._send(self._handle(identity, message, time.monotonic()))
+
+    def _handle(self, identity: bytes, message: wire.Message, now: float) -> list[Outgoing]:
+        core = self.core
+        match message:
+            case wire.Hello():
+                return self._hello(identity, message, now)
+            case wire.Heartbeat():
+                return core.on_heartbeat(message, now)
+            case wire.Submit():
+                self.log.info("request queued", request_id=message.request_id,
+                              prompt_tokens=len(message.prompt_token_ids))
+                return core.on_submit(identity, message, now)
+            case wire.Cancel():
+                self.log.info("request cancelled", request_id=message.request_id, reason=message.reason)
+                return core.on_cancel(message, now)
+            case wire.ReserveReply():
+                return core.on_reserve_reply(message, now)
+            case wire.RequestDone():
+                self.log.info("request phase done", request_id=message.request_id,
+                              phase=message.phase, finish_reason=message.finish_reason)
+                return core.on_request_done(message, now)
+        self.log.warning("dropped unexpected message", type=type(message).__name__)
+        return []
+
+    def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> list[Outgoing]:
+        error = None
+        if hello.schema_version != wire.SCHEMA_VERSION:
+            error = f"schema version {hello.schema_version} != scheduler's {wire.SCHEMA_VERSION}"
+        elif hello.model != self.config.model:
+            error = f"model {hello.model!r} != cluster model {self.config.model!r}"
+        ack = wire.HelloAck(
+            schema_version=wire.SCHEMA_VERSION,
+            accepted=error is None,
+            error=error,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+        )
+        if error is not None:
+            self.log.warning("peer refused", peer_id=hello.peer_id, error=error)
+            return [Outgoing(identity, ack)]
+        self.log.info("peer joined", peer_id=hello.peer_id, role=hello.role, address=hello.address)
+        return [Outgoing(identity, ack), *self.core.on_hello(identity, hello, now)]
+
+    def _broadcast_status(self) -> None:
+        status = self.core.cluster_status()
+        self._send([Outgoing(g.identity, status) for g in self.core.gateways.values()])
+
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        for item in outgoing:
+            try:
+                wire.send_to(self.socket, item.identity, item.message)
+            except zmq.ZMQError as error:
+                self.log.warning("send failed", error=str(error))

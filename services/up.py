@@ -1,0 +1,179 @@
+"""`tandem up`: a whole local cluster as child processes, ready when this prints its URL.
+
+One scheduler, one gateway, N prefill and M decode workers, talking over ipc:// sockets in a
+private run directory. The machine's cores are split between the workers (torch threads). Each
+child's log lines are streamed with its name in front. Ctrl-C or SIGTERM stops the children
+(SIGTERM, then SIGKILL after a grace period) and removes the run directory; the children also get
+SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG), so no orphan survives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
+    parser.add_argument("--host", default="127.0.0.1", help="the gateway's HTTP host")
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
+    parser.add_argument("--rpc-port", type=int, default=None, help="RPC front door TCP port")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_thread: threading.Thread | None = None
+
+
+@dataclass
+class LocalCluster:
+    """The children of one `tandem up`; also used by the end-to-end tests."""
+
+    args: argparse.Namespace
+    run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tandem-"))
+    children: list[Child] = field(default_factory=list)
+    echo_logs: bool = True
+
+    def address(self, name: str) -> str:
+        return f"ipc://{self.run_dir}/{name}.sock"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.args.host}:{self.args.port}"
+
+    def start(self) -> None:
+        resolve_model_dir(self.args.model)  # convert a GGUF once, before workers race to it
+        num_workers = self.args.prefill + self.args.decode
+        threads = max(1, (os.cpu_count() or 1) // num_workers)
+        common = ["--scheduler-address", self.address("scheduler")]
+        self._spawn("scheduler", ["scheduler", "--address", self.address("scheduler"),
+                                  "--model", self.args.model])
+        worker = ["--model", self.args.model, "--threads", str(threads),
+                  "--kv-cache-bytes", str(self.args.kv_cache_bytes),
+                  "--max-num-seqs", str(self.args.max_num_seqs), *common]
+        for i in range(self.args.prefill):
+            self._spawn(f"prefill-{i}", ["prefill", "--peer-id", f"prefill-{i}", *worker])
+        for i in range(self.args.decode):
+            self._spawn(f"decode-{i}", ["decode", "--peer-id", f"decode-{i}",
+                                        "--address", self.address(f"decode-{i}"), *worker])
+        gateway = ["gateway", "--host", self.args.host, "--port", str(self.args.port),
+                   "--model", self.args.model, "--stream-address", self.address("gateway-stream"),
+                   *common]
+        if self.args.rpc_port:
+            gateway += ["--rpc-address", f"tcp://{self.args.host}:{self.args.rpc_port}"]
+        self._spawn("gateway", gateway)
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        env = dict(os.environ, TANDEM_LOG_FORMAT="json" if not self.echo_logs else "console")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+        child = Child(name, process)
+        child.log_thread = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        child.log_thread.start()
+        self.children.append(child)
+
+    def _pump(self, child: Child) -> None:
+        assert child.process.stdout is not None
+        for line in iter(child.process.stdout.readline, b""):
+            if self.echo_logs:
+                sys.stderr.write(f"[{child.name:>9}] {line.decode(errors='replace')}")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [c.name for c in self.children if c.process.poll() is not None]
+            if dead:
+                raise RuntimeError(f"cluster process(es) exited during start-up: {', '.join(dead)}")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the cluster was not ready within {timeout_s:.0f} s")
+
+    def dead_children(self) -> list[str]:
+        return [c.name for c in self.children if c.process.poll() is not None]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.terminate()
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.setpgrp()  # Ctrl-C reaches only `tandem up`, which stops the children in order
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(args)
+    stopping = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start()
+        cluster.wait_ready(args.ready_timeout)
+        print(_banner(cluster), flush=True)
+        while not stopping.wait(0.5):
+            dead = cluster.dead_children()
+            if dead:
+                print(f"tandem up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+                return 1
+        return 0
+    except (RuntimeError, TimeoutError) as error:
+        print(f"tandem up: {error}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+
+
+def _banner(cluster: LocalCluster) -> str:
+    return f"""
+tandem is ready at {cluster.url}  (Ctrl-C stops it)
+
+  curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{cluster.args.model}", "prompt": "The capital of France is", "max_tokens": 16}}'
+"""

@@ -1,0 +1,1 @@
+"""What prefill and decode workers share: configuration, the scheduler link, token streams."""

@@ -1,0 +1,51 @@
+"""The worker configuration, one dataclass for both roles (the role is the command)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from shared.config import require_address, require_positive, setting
+from shared.engine.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    scheduler_address: str = setting("ipc:///tmp/tandem/scheduler.sock", "the scheduler's ROUTER")
+    address: str | None = setting(None, "decode: the KV ROUTER address to bind")
+    advertise_address: str | None = setting(
+        None, "decode: the KV address peers connect to, when it differs from the bound one"
+    )
+    peer_id: str | None = setting(None, "unique name of this worker (default: role-host-pid)")
+    model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2'")
+    kv_cache_bytes: int = setting(512 << 20, "bytes of KV cache")
+    block_size: int = setting(16, "tokens per KV block")
+    max_num_seqs: int = setting(64, "most sequences in one step")
+    max_num_batched_tokens: int = setting(512, "most tokens in one step (chunked-prefill budget)")
+    threads: int | None = setting(None, "torch threads (default: torch's choice)")
+    transfer_timeout_s: float = setting(30.0, "prefill: how long a KV transfer may wait for its ack")
+
+    def __post_init__(self) -> None:
+        require_address(self, "scheduler_address", "address", "advertise_address")
+        require_positive(
+            self,
+            "kv_cache_bytes",
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "threads",
+            "transfer_timeout_s",
+        )
+
+    def engine_config(self, **overrides) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_bytes,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            **overrides,
+        )
+
+    def resolved_peer_id(self, role: str) -> str:
+        return self.peer_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

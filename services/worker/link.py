@@ -1,0 +1,59 @@
+"""A worker's link to the scheduler: HELLO handshake, heartbeats, messages both ways.
+
+The DEALER socket reconnects by itself if the scheduler restarts; the link then says HELLO again
+when the scheduler's first message shows it does not know us (there is no such message yet: the
+handshake happens at start, and heartbeats carry on after a reconnect).
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from shared import wire
+
+
+class HandshakeError(RuntimeError):
+    """The scheduler refused this worker, or did not answer."""
+
+
+class SchedulerLink:
+    def __init__(self, context: zmq.Context, address: str, hello: wire.Hello):
+        self.hello = hello
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.heartbeat_interval_s = 0.5
+        self._next_heartbeat = 0.0
+
+    def handshake(self, timeout_s: float = 60.0) -> None:
+        """Says HELLO until the scheduler answers (it may start after us)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            wire.send(self.socket, self.hello)
+            if self.socket.poll(1000):
+                message = wire.recv(self.socket)
+                if isinstance(message, wire.HelloAck):
+                    if not message.accepted:
+                        raise HandshakeError(f"scheduler refused this worker: {message.error}")
+                    self.heartbeat_interval_s = message.heartbeat_interval_s
+                    return
+        raise HandshakeError(f"no answer from the scheduler within {timeout_s:.0f} s")
+
+    def send(self, message: wire.Message) -> None:
+        wire.send(self.socket, message)
+
+    def heartbeat_due(self, now: float) -> bool:
+        return now >= self._next_heartbeat
+
+    def send_heartbeat(self, heartbeat: wire.Heartbeat, now: float) -> None:
+        wire.send(self.socket, heartbeat)
+        self._next_heartbeat = now + self.heartbeat_interval_s
+
+    def seconds_to_heartbeat(self, now: float) -> float:
+        return max(0.0, self._next_heartbeat - now)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)

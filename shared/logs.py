@@ -1,0 +1,37 @@
+"""structlog set-up shared by every service: JSON lines, or a readable console renderer on a TTY.
+
+Every line about a request carries `request_id`, so one grep follows a request through the cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import structlog
+
+
+def configure_logging(service: str, level: str | None = None) -> None:
+    level_name = (level or os.environ.get("TANDEM_LOG_LEVEL") or "INFO").upper()
+    renderer = (
+        structlog.dev.ConsoleRenderer(colors=False)
+        if sys.stderr.isatty() and os.environ.get("TANDEM_LOG_FORMAT") != "json"
+        else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, 20)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(service=service)
+
+
+def get_logger(**bindings):
+    return structlog.get_logger().bind(**bindings)

@@ -1,0 +1,35 @@
+"""Conversions between wire types and engine types, in one place for every service."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shared import wire
+from shared.engine.engine import RequestOutput
+from shared.engine.sampling import SamplingParams
+
+_FIELDS = [f.name for f in dataclasses.fields(wire.SamplingSpec)]
+
+
+def sampling_params(spec: wire.SamplingSpec) -> SamplingParams:
+    """Raises InvalidRequestError (naming the field) for values the engine refuses."""
+    values = {name: getattr(spec, name) for name in _FIELDS}
+    values["stop_token_ids"] = tuple(values["stop_token_ids"])
+    return SamplingParams(**values)
+
+
+def sampling_spec(params: SamplingParams) -> wire.SamplingSpec:
+    values = {name: getattr(params, name) for name in _FIELDS}
+    values["stop_token_ids"] = list(values["stop_token_ids"])
+    return wire.SamplingSpec(**values)
+
+
+def token_delta(output: RequestOutput, finish_reason: str | None = None) -> wire.TokenDelta:
+    has_logprobs = bool(output.new_logprobs)
+    return wire.TokenDelta(
+        request_id=output.request_id,
+        token_ids=list(output.new_token_ids),
+        logprobs=[lp.logprob for lp in output.new_logprobs] if has_logprobs else None,
+        top_logprobs=[list(lp.top or []) for lp in output.new_logprobs] if has_logprobs else None,
+        finish_reason=finish_reason,
+    )
