@@ -67,7 +67,7 @@ class IncrementalDetokenizer:
         context = self._decode(self._prefix_offset, self._read_offset)
         window = self._decode(self._prefix_offset, len(self._token_ids))
         # Nothing new (e.g. only skipped special tokens), or a character not yet complete.
-        if len(window) <= len(context):
+        if len(window) <= len(context) or (window.endswith(_PARTIAL) and not final):
             return ""
         new_text = window[len(context) :]
         self._prefix_offset = self._read_offset

@@ -411,7 +411,7 @@ def _build(
         sampling_kwargs["logprobs"] = logprobs
     _sampling_params(sampling_kwargs, max_tokens[0] or max_model_len - 1)
     stream, include_usage = _parse_stream(body)
-    priority = _int_field(body, "priority", -(2**31), 2**31 - 1)  # bounded: it is sorted on
+    priority = _int_field(body, "priority", -(2**31), 2**31 - 1)  # an int32, as vLLM takes it
     return GenerationRequest(
         model=model,
         chat=chat,

@@ -1,0 +1,196 @@
+"""The gateway's HTTP API: OpenAI's completions, chat completions and models, plus health.
+
+Handlers parse and validate the body (`openai_protocol`), tokenize and run the request through
+the cluster (`generation`), and answer either one JSON response or a stream of server-sent
+events ending with `data: [DONE]`. Every error has OpenAI's shape. A client that disconnects
+cancels its request everywhere: a stream's generator is closed by the server, and a non-streaming
+handler watches the connection while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.gateway.generation import ChoiceEvent, Generation, Generator
+from services.gateway.openai_protocol import (
+    SSE_DONE,
+    ApiError,
+    ChoiceResult,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    parse_chat_request,
+    parse_completion_request,
+    sse_event,
+    usage_chunk,
+    usage_dict,
+)
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    headers = {}
+    retry_after = getattr(error, "retry_after_s", None)
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after)))
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastAPI:
+    app = FastAPI(title="tandem", lifespan=lifespan)
+    model = generator.model_name
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_: Request, error: ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        view = generator.cluster.view
+        body = {
+            "ready": generator.cluster.ready,
+            "prefill_workers": view.num_prefill,
+            "decode_workers": view.num_decode,
+            "queued": view.num_queued,
+            "in_flight": view.num_in_flight,
+        }
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        entry = {"id": model, "object": "model", "created": 0, "owned_by": "tandem",
+                 "max_model_len": generator.max_model_len}
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _read_json(request, max_body_bytes)
+        parsed = parse_completion_request(body, model, generator.max_model_len)
+        return await _serve(request, generator, generator.prepare(parsed, "cmpl"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _read_json(request, max_body_bytes)
+        parsed = parse_chat_request(body, model, generator.max_model_len)
+        return await _serve(request, generator, generator.prepare(parsed, "chatcmpl"))
+
+    return app
+
+
+async def _read_json(request: Request, max_body_bytes: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise ApiError(413, f"the request body exceeds {max_body_bytes} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:
+            raise ApiError(413, f"the request body exceeds {max_body_bytes} bytes")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"the body is not valid JSON: {error}") from None
+
+
+def _tenant(request: Request, generation: Generation) -> str:
+    return generation.request.user or "default"
+
+
+async def _serve(request: Request, generator: Generator, generation: Generation) -> Response:
+    events = generator.events(generation, _tenant(request, generation))
+    if generation.request.stream:
+        first = await _first_event(events)  # refusals (429, 503) still answer with a status
+        return StreamingResponse(
+            _sse(generation, first, events), media_type="text/event-stream"
+        )
+    task = asyncio.create_task(_collect(generation, events))
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    return JSONResponse(task.result())
+
+
+async def _first_event(events: AsyncIterator[ChoiceEvent]) -> ChoiceEvent | None:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+
+
+async def _sse(
+    generation: Generation, first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent]
+) -> AsyncIterator[bytes]:
+    req = generation.request
+    chat = req.chat
+    role_sent: set[int] = set()
+    num_tokens = 0
+    try:
+        pending = [first] if first is not None else []
+        async for event in _chain(pending, events):
+            num_tokens += len(event.token_ids)
+            yield sse_event(_chunk(generation, event, role_sent))
+        if req.include_usage:
+            usage = usage_dict(generation.num_prompt_tokens, num_tokens)
+            yield sse_event(usage_chunk(generation.request_id, req.model, generation.created, usage, chat=chat))
+    except ApiError as error:
+        yield sse_event(error.body())
+    finally:
+        await events.aclose()
+    yield SSE_DONE
+
+
+async def _chain(first: list[ChoiceEvent], rest: AsyncIterator[ChoiceEvent]) -> AsyncIterator[ChoiceEvent]:
+    for event in first:
+        yield event
+    async for event in rest:
+        yield event
+
+
+def _chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]) -> dict[str, Any]:
+    req = generation.request
+    if req.chat:
+        logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
+        first = event.index not in role_sent
+        role_sent.add(event.index)
+        return chat_chunk(generation.request_id, req.model, generation.created, event.index,
+                          event.text, event.finish_reason, logprobs, role_first=first)
+    logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
+    return completion_chunk(generation.request_id, req.model, generation.created, event.index,
+                            event.text, event.finish_reason, logprobs)
+
+
+async def _collect(generation: Generation, events: AsyncIterator[ChoiceEvent]) -> dict[str, Any]:
+    req = generation.request
+    texts = [""] * req.n
+    token_ids: list[list[int]] = [[] for _ in range(req.n)]
+    logprobs: list[list | None] = [[] if req.logprobs is not None else None for _ in range(req.n)]
+    finish: list[str] = ["length"] * req.n
+    async for event in events:
+        texts[event.index] += event.text
+        token_ids[event.index] += event.token_ids
+        if event.logprobs is not None and logprobs[event.index] is not None:
+            logprobs[event.index] += event.logprobs
+        if event.finish_reason is not None:
+            finish[event.index] = event.finish_reason
+    choices = [
+        ChoiceResult(i, texts[i], finish[i], token_ids[i], logprobs[i]) for i in range(req.n)
+    ]
+    usage = usage_dict(generation.num_prompt_tokens, sum(len(t) for t in token_ids))
+    build = chat_response if req.chat else completion_response
+    return build(generation.request_id, req.model, generation.created, choices, usage)

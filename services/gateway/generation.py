@@ -1,0 +1,196 @@
+"""One request through the cluster, as the gateway sees it: tokenize, submit, stream text back.
+
+Shared by the HTTP API and the RPC front door. A request with `n` choices becomes `n` cluster
+requests (seeded ones get seeds seed, seed+1, ...). Each choice's tokens are detokenized
+incrementally and passed through its stop-string matcher; a stop string ends that choice and
+cancels its cluster request. Leaving the `events` iterator early (a client that disconnected)
+cancels every choice still running, so its queue entry, prefill job and KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from services.gateway.cluster import ClusterClient, SubmitRefused
+from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
+from services.gateway.openai_protocol import ApiError, GenerationRequest, TokenLogprob, bad_request
+from shared import wire
+from shared.engine.sampling import SamplingParams
+from shared.wire_convert import sampling_spec
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str  # new text, safe to show (no half character, no part of a stop string)
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None = None  # "stop" or "length" on the choice's last event
+
+
+@dataclass
+class ChoiceText:
+    """One choice's text pipeline: tokens -> whole characters -> text up to a stop string."""
+
+    detokenizer: IncrementalDetokenizer
+    matcher: StopStringMatcher
+
+
+@dataclass
+class Generation:
+    """A validated, tokenized request, ready to run."""
+
+    request: GenerationRequest
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    created: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class Generator:
+    def __init__(self, cluster: ClusterClient, tokenizer, model_name: str, max_model_len: int):
+        self.cluster = cluster
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
+
+    def prepare(self, request: GenerationRequest, id_prefix: str) -> Generation:
+        prompt_ids = self.tokenize(request)
+        params = request.sampling_params(len(prompt_ids), self.max_model_len)
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        return Generation(request, prompt_ids, params, request_id, int(time.time()))
+
+    def tokenize(self, request: GenerationRequest) -> list[int]:
+        if request.messages is not None:
+            ids = self.tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        elif request.prompt_token_ids is not None:
+            ids = request.prompt_token_ids
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise bad_request("prompt", f"token ids must be in [0, {self.vocab_size})")
+        else:
+            ids = self.tokenizer(request.prompt_text).input_ids
+        if not ids:
+            raise bad_request(request.prompt_param, "the prompt is empty")
+        return list(ids)
+
+    async def events(self, generation: Generation, tenant: str) -> AsyncIterator[ChoiceEvent]:
+        request = generation.request
+        choice_ids = [f"{generation.request_id}-{i}" for i in range(request.n)]
+        queues: list[asyncio.Queue] = []
+        running = set(range(request.n))
+        texts = [
+            ChoiceText(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(request.stop))
+            for _ in range(request.n)
+        ]
+        try:
+            for index, choice_id in enumerate(choice_ids):
+                params = generation.params
+                if params.seed is not None:
+                    params = dataclasses.replace(params, seed=params.seed + index)
+                queues.append(await self._submit(generation, choice_id, params, tenant))
+            async for index, delta in _merge(queues):
+                event = self._advance(texts[index], index, delta)
+                if event.finish_reason is not None:
+                    running.discard(index)
+                    self.cluster.finished(choice_ids[index])
+                    if delta.finish_reason is None:  # a stop string ended it early
+                        await self.cluster.cancel(choice_ids[index], "stop string")
+                yield event
+                if not running:
+                    return
+        finally:
+            for index in running:
+                await self.cluster.cancel(choice_ids[index], "client gone")
+
+    async def _submit(
+        self, generation: Generation, choice_id: str, params: SamplingParams, tenant: str
+    ) -> asyncio.Queue:
+        submit = wire.Submit(
+            request_id=choice_id,
+            prompt_token_ids=generation.prompt_token_ids,
+            sampling=sampling_spec(params),
+            tenant=tenant,
+            priority=generation.request.priority,
+            gateway_peer_id=self.cluster.peer_id,
+            arrival_time=time.time(),
+        )
+        try:
+            return await self.cluster.submit(submit)
+        except SubmitRefused as refused:
+            raise _refusal_error(refused) from None
+
+    def _advance(self, choice: ChoiceText, index: int, delta: wire.TokenDelta) -> ChoiceEvent:
+        detokenizer, matcher = choice.detokenizer, choice.matcher
+        if delta.error is not None:
+            raise ApiError(500, f"generation failed: {delta.error}", "server_error")
+        text, stopped = matcher.feed(detokenizer.push(delta.token_ids))
+        finish = delta.finish_reason
+        if stopped:
+            finish = "stop"
+        elif finish is not None:
+            tail, stopped = matcher.feed(detokenizer.flush())
+            text += tail if stopped else tail + matcher.flush()
+            finish = "stop" if stopped else finish
+        if finish == "abort":
+            raise ApiError(500, "the request was aborted by the cluster", "server_error")
+        return ChoiceEvent(
+            index, text, list(delta.token_ids), self._logprobs(delta), finish if finish else None
+        )
+
+    def _logprobs(self, delta: wire.TokenDelta) -> list[TokenLogprob] | None:
+        if delta.logprobs is None:
+            return None
+        tops = delta.top_logprobs or [[] for _ in delta.token_ids]
+        return [
+            TokenLogprob(
+                text=self.tokenizer.decode([token]),
+                token_bytes=token_bytes(self.tokenizer, token),
+                logprob=logprob,
+                top=tuple(
+                    TokenLogprob(
+                        self.tokenizer.decode([t]), token_bytes(self.tokenizer, t), lp
+                    )
+                    for t, lp in top
+                ),
+            )
+            for token, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)
+        ]
+
+
+def _refusal_error(refused: SubmitRefused) -> ApiError:
+    kinds = {429: "rate_limit_error", 503: "service_unavailable", 400: "invalid_request_error"}
+    error = ApiError(refused.status_code, refused.message, kinds.get(refused.status_code, "server_error"))
+    error.retry_after_s = refused.retry_after_s
+    return error
+
+
+async def _merge(queues: list[asyncio.Queue]) -> AsyncIterator[tuple[int, wire.TokenDelta]]:
+    """Deltas of every choice as they come, tagged with the choice's index."""
+    if len(queues) == 1:
+        while True:
+            yield 0, await queues[0].get()
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, queue: asyncio.Queue) -> None:
+        while True:
+            merged.put_nowait((index, await queue.get()))
+
+    tasks = [asyncio.create_task(pump(i, q)) for i, q in enumerate(queues)]
+    try:
+        while True:
+            yield await merged.get()
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,75 @@
+"""`tandem gateway`: the OpenAI HTTP API (uvicorn on uvloop) and its link to the cluster."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+
+import uvicorn
+
+from services.gateway.app import build_app
+from services.gateway.cluster import ClusterClient
+from services.gateway.generation import Generator
+from shared.config import add_config_arguments, config_from_args, require_address, require_positive, setting
+from shared.engine.loader import resolve_model_dir
+from shared.logs import configure_logging, get_logger
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = setting("127.0.0.1", "HTTP host to bind")
+    port: int = setting(8000, "HTTP port")
+    scheduler_address: str = setting("ipc:///tmp/tandem/scheduler.sock", "the scheduler's ROUTER")
+    stream_address: str = setting("ipc:///tmp/tandem/gateway-stream.sock", "token-stream PULL to bind")
+    advertise_stream_address: str | None = setting(
+        None, "the stream address workers connect to, when it differs from the bound one"
+    )
+    model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2' (for its tokenizer)")
+    peer_id: str | None = setting(None, "unique name of this gateway (default: gateway-host-pid)")
+    max_body_bytes: int = setting(8 << 20, "largest accepted HTTP request body")
+    max_model_len: int | None = setting(None, "context length (default: the model's)")
+
+    def __post_init__(self) -> None:
+        require_address(self, "scheduler_address", "stream_address", "advertise_stream_address")
+        require_positive(self, "port", "max_body_bytes", "max_model_len")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, GatewayConfig)
+
+
+def build_gateway(config: GatewayConfig):
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory, name = resolve_model_dir(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    max_model_len = config.max_model_len or AutoConfig.from_pretrained(directory).max_position_embeddings
+    peer_id = config.peer_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
+    cluster = ClusterClient(
+        config.scheduler_address,
+        config.stream_address,
+        config.advertise_stream_address or config.stream_address,
+        peer_id,
+        config.model,
+    )
+    generator = Generator(cluster, tokenizer, name, max_model_len)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await cluster.start()
+        get_logger().info("gateway ready", port=config.port, model=name)
+        yield
+        await cluster.close()
+
+    return build_app(generator, config.max_body_bytes, lifespan=lifespan)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("gateway")
+    config = config_from_args(GatewayConfig, args)
+    app = build_gateway(config)
+    uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level="warning")
+    return 0
