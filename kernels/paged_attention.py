@@ -148,7 +148,7 @@ def _gather_context(
     padding_rows = (positions >= context_lens[:, None]).view(-1).nonzero()[:, 0]
     gathered = []
     for cache in (key_cache, value_cache):
-        context = cache.index_select(0, block_ids).view(num_seqs * padded_len, -1)
+        context = cache.index_select(0, block_ids).view(num_seqs * padded_len, cache[0, 0].numel())
         context.index_fill_(0, padding_rows, 0)
         gathered.append(context.view(num_seqs, padded_len, *cache.shape[2:]))
     return gathered[0], gathered[1]
@@ -195,7 +195,8 @@ def _attend_prefill(
     is_real = offsets < query_lens[:, None]
     # Padded rows repeat the first row: they stay in bounds, see at least one key, and are dropped.
     rows = torch.where(is_real, starts[:, None] + offsets, starts[:, None])
-    padded = query.index_select(0, rows.reshape(-1)).view(num_seqs, max_query_len, num_heads, -1)
+    padded = query.index_select(0, rows.reshape(-1))
+    padded = padded.view(num_seqs, max_query_len, num_heads, head_dim)
     positions = (context_lens - query_lens)[:, None] + offsets
     visible = torch.arange(key.shape[1], device=query.device) <= positions[:, :, None]
     out = F.scaled_dot_product_attention(

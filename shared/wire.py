@@ -338,6 +338,8 @@ class ClusterStatus(Message):
     num_decode: int  # live decode workers
     num_queued: int  # requests waiting for a prefill worker
     num_in_flight: int  # requests admitted and not yet finished
+    num_decode_free_blocks: int = 0  # free KV blocks over all decode workers (last heartbeats)
+    num_decode_total_blocks: int = 0  # KV blocks over all decode workers
 
 
 MESSAGE_CLASSES: dict[MessageType, type[Message]] = {

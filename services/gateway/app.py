@@ -66,6 +66,8 @@ def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastA
             "decode_workers": view.num_decode,
             "queued": view.num_queued,
             "in_flight": view.num_in_flight,
+            "decode_free_blocks": view.num_decode_free_blocks,
+            "decode_total_blocks": view.num_decode_total_blocks,
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 

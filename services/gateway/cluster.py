@@ -33,6 +33,8 @@ class ClusterView:
     num_decode: int = 0
     num_queued: int = 0
     num_in_flight: int = 0
+    num_decode_free_blocks: int = 0
+    num_decode_total_blocks: int = 0
     received_at: float = 0.0
 
 
@@ -153,11 +155,13 @@ class ClusterClient:
                         future.set_result(message)
                 case wire.ClusterStatus():
                     self.view = ClusterView(
-                        message.num_prefill,
-                        message.num_decode,
-                        message.num_queued,
-                        message.num_in_flight,
-                        time.monotonic(),
+                        num_prefill=message.num_prefill,
+                        num_decode=message.num_decode,
+                        num_queued=message.num_queued,
+                        num_in_flight=message.num_in_flight,
+                        num_decode_free_blocks=message.num_decode_free_blocks,
+                        num_decode_total_blocks=message.num_decode_total_blocks,
+                        received_at=time.monotonic(),
                     )
                 case wire.Tokens():
                     self._route(message)

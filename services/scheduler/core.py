@@ -320,9 +320,12 @@ class ClusterScheduler:
         return [Outgoing(gateway.identity, wire.Tokens(deltas=[delta]))]
 
     def cluster_status(self) -> wire.ClusterStatus:
+        decode = self.registry.by_role("decode")
         return wire.ClusterStatus(
             num_prefill=len(self.registry.by_role("prefill")),
-            num_decode=len(self.registry.by_role("decode")),
+            num_decode=len(decode),
+            num_decode_free_blocks=sum(w.num_free_blocks for w in decode),
+            num_decode_total_blocks=sum(w.num_total_blocks for w in decode),
             num_queued=len(self.queue),
             num_in_flight=len(self.requests),
         )

@@ -1,0 +1,92 @@
+"""One local cluster for all end-to-end tests, started with `tandem up` as real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningCluster:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def ready_info(self) -> dict:
+        return httpx.get(self.url + "/ready", timeout=5).json()
+
+    def wait_blocks_free(self, timeout_s: float = 20.0) -> dict:
+        """Waits until every decode block is free again (as the workers' heartbeats report)."""
+        deadline = time.monotonic() + timeout_s
+        info = self.ready_info()
+        while time.monotonic() < deadline:
+            info = self.ready_info()
+            if info["in_flight"] == 0 and info["decode_free_blocks"] == info["decode_total_blocks"]:
+                return info
+            time.sleep(0.3)
+        return info
+
+
+def start_cluster(tmp_path: Path, *extra: str, timeout_s: float = 300.0) -> RunningCluster:
+    port = free_port()
+    log_path = tmp_path / "cluster.log"
+    log = log_path.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(port), *extra],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, TANDEM_LOG_LEVEL="INFO"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tandem up exited:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return RunningCluster(url, process, log_path)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    raise TimeoutError(f"cluster not ready:\n{log_path.read_text()[-4000:]}")
+
+
+def stop_cluster(cluster: RunningCluster) -> None:
+    cluster.process.send_signal(signal.SIGTERM)
+    cluster.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> RunningCluster:
+    running = start_cluster(
+        tmp_path_factory.mktemp("cluster"), "--prefill", "1", "--decode", "2",
+        "--kv-cache-bytes", str(256 << 20),
+    )
+    yield running
+    stop_cluster(running)
+
+
+@pytest.fixture(scope="session")
+def openai_client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=300)

@@ -1,0 +1,195 @@
+"""End to end through the `openai` package against a `tandem up` cluster on the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+
+
+def engine_greedy(smollm2, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    engine = LLMEngine(smollm2.model, EngineConfig(num_blocks=64))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return engine.generate([prompt_ids], params)[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt", ["The capital of France is", "def add(a, b):\n", "Once upon a time"]
+)
+def test_greedy_completion_equals_the_engine(openai_client, smollm2, prompt):
+    response = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    expected_ids = engine_greedy(smollm2, smollm2.tokenizer(prompt).input_ids, 24)
+    expected = smollm2.tokenizer.decode(expected_ids, skip_special_tokens=True)
+    assert response.choices[0].text == expected
+    assert response.usage.completion_tokens == len(expected_ids)
+    assert response.usage.prompt_tokens == len(smollm2.tokenizer(prompt).input_ids)
+
+
+def test_greedy_chat_equals_tandem_generate(openai_client, smollm2):
+    question = "What is the capital of France?"
+    response = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0
+    )
+    generated = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "--chat", "--prompt", question,
+         "--max-tokens", "32", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    expected = json.loads(generated.stdout)
+    assert response.choices[0].message.content == expected["text"]
+    assert response.usage.completion_tokens == len(expected["token_ids"])
+    assert response.choices[0].message.role == "assistant"
+
+
+def test_concurrent_streams_of_mixed_lengths_complete_exactly(cluster):
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+
+    async def one(i: int) -> tuple[int, int, int]:
+        prompt = " ".join(words[: 1 + i % 10]) * (1 + i % 7)
+        max_tokens = 1 + (i * 7) % 24
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        usage, finish = None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        assert finish == "length"
+        return i, max_tokens, usage.completion_tokens
+
+    async def run_all():
+        return await asyncio.gather(*(one(i) for i in range(64)))
+
+    results = asyncio.run(run_all())
+    assert len(results) == 64
+    for _, max_tokens, completion_tokens in results:
+        assert completion_tokens == max_tokens
+    info = cluster.wait_blocks_free()
+    assert info["decode_free_blocks"] == info["decode_total_blocks"]
+
+
+def test_requests_spread_over_both_decode_workers(cluster, openai_client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> str:
+        return openai_client.completions.create(
+            model=MODEL, prompt=f"Count to {i}:", max_tokens=8, temperature=0
+        ).choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(one, range(8)))
+    log = cluster.log()
+    assert "[ decode-0]" in log and "[ decode-1]" in log
+    kv_received = {
+        name: sum(1 for line in log.splitlines() if line.startswith(f"[{name:>9}]") and "kv received" in line)
+        for name in ("decode-0", "decode-1")
+    }
+    assert all(count > 0 for count in kv_received.values()), kv_received
+
+
+def test_stop_string_is_applied_and_not_returned(openai_client):
+    free = openai_client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0
+    ).choices[0].text
+    stop = free.split()[1]  # a word from the middle of the greedy output
+    response = openai_client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert response.choices[0].text == free[: free.index(stop)]
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_non_ascii_prompt_and_output(openai_client):
+    response = openai_client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Écris une phrase en français avec des accents: é, è, à. 日本"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    text = response.choices[0].message.content
+    assert text and "\ufffd" not in text
+
+
+def test_n_equals_two(openai_client):
+    response = openai_client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, temperature=0.8, seed=3, n=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in response.choices) == [0, 1]
+    assert response.usage.completion_tokens == 10
+
+
+def test_logprobs_present_and_finite(openai_client):
+    response = openai_client.completions.create(
+        model=MODEL, prompt="One, two, three,", max_tokens=4, temperature=0, logprobs=2
+    )
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == response.usage.completion_tokens
+    assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
+    chat = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=1,
+    )
+    content = chat.choices[0].logprobs.content
+    assert content and all(math.isfinite(t.logprob) for t in content)
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 9000}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": "gpt-5", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
+    ],
+)
+def test_errors_have_openai_shape(cluster, body, status, param):
+    response = httpx.post(cluster.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+
+
+def test_body_that_is_not_json(cluster):
+    response = httpx.post(cluster.url + "/v1/completions", content=b"{nope", timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_models_lists_the_served_model(openai_client):
+    assert [m.id for m in openai_client.models.list().data] == [MODEL]
+
+
+def test_disconnect_mid_stream_frees_blocks(cluster):
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 400, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as response:
+        lines = 0
+        for line in response.iter_lines():
+            lines += bool(line.startswith("data:"))
+            if lines >= 3:
+                break  # leaving the block closes the connection mid-stream
+    info = cluster.wait_blocks_free()
+    assert info["in_flight"] == 0
+    assert info["decode_free_blocks"] == info["decode_total_blocks"]
