@@ -373,28 +373,23 @@ def _check_inputs(
 def _check_index_tensors(
     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor
 ) -> None:
-    named = {
-        "block_tables": block_tables,
-        "context_lens": context_lens,
-        "query_start_loc": query_start_loc,
-    }
-    for name, tensor in named.items():
-        if tensor.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
-    num_seqs = block_tables.shape[0] if block_tables.dim() == 2 else -1
     if block_tables.dim() != 2:
         raise ValueError(
             f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}"
         )
-    if context_lens.shape != (num_seqs,):
-        raise ValueError(
-            f"context_lens must be [num_seqs] = [{num_seqs}], got {tuple(context_lens.shape)}"
-        )
-    if query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(
-            f"query_start_loc must be [num_seqs + 1] = [{num_seqs + 1}], "
-            f"got {tuple(query_start_loc.shape)}"
-        )
+    num_seqs = block_tables.shape[0]
+    expected_shapes = {
+        "block_tables": (block_tables, block_tables.shape),
+        "context_lens": (context_lens, (num_seqs,)),
+        "query_start_loc": (query_start_loc, (num_seqs + 1,)),
+    }
+    for name, (tensor, shape) in expected_shapes.items():
+        if tensor.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {tensor.dtype}")
+        if tensor.shape != shape:
+            raise ValueError(
+                f"{name} must be {list(shape)} for {num_seqs} sequences, got {list(tensor.shape)}"
+            )
 
 
 def _is_power_of_two(n: int) -> bool:
