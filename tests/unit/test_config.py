@@ -1,0 +1,44 @@
+"""Service configuration from flags and environment variables, and its refusals."""
+
+import argparse
+
+import pytest
+
+from services.gateway.service import GatewayConfig
+from services.scheduler.service import SchedulerConfig
+from services.worker.config import WorkerConfig
+from shared.config import ConfigError, add_config_arguments, config_from_args
+
+
+def parse(cls, argv, environ=None):
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, cls)
+    return config_from_args(cls, parser.parse_args(argv), environ or {})
+
+
+def test_flag_beats_environment_beats_default():
+    assert parse(WorkerConfig, []).block_size == 16
+    assert parse(WorkerConfig, [], {"TANDEM_BLOCK_SIZE": "32"}).block_size == 32
+    assert parse(WorkerConfig, ["--block-size", "8"], {"TANDEM_BLOCK_SIZE": "32"}).block_size == 8
+
+
+def test_optional_and_bool_values():
+    config = parse(WorkerConfig, [], {"TANDEM_THREADS": "none", "TANDEM_ADDRESS": "tcp://0.0.0.0:7000"})
+    assert config.threads is None and config.address == "tcp://0.0.0.0:7000"
+
+
+@pytest.mark.parametrize(
+    "cls,argv,environ,needle",
+    [
+        (WorkerConfig, ["--block-size", "abc"], {}, "--block-size: expected an integer"),
+        (WorkerConfig, [], {"TANDEM_KV_CACHE_BYTES": "-5"}, "kv_cache_bytes"),
+        (WorkerConfig, ["--address", "localhost:5000"], {}, "tcp://, ipc:// or inproc://"),
+        (SchedulerConfig, ["--heartbeat-timeout-s", "0"], {}, "heartbeat_timeout_s"),
+        (SchedulerConfig, [], {"TANDEM_MAX_QUEUED_REQUESTS": "1.5"}, "TANDEM_MAX_QUEUED_REQUESTS"),
+        (GatewayConfig, ["--port", "-1"], {}, "port"),
+        (GatewayConfig, ["--scheduler-address", "http://x"], {}, "scheduler_address"),
+    ],
+)
+def test_bad_values_name_the_setting(cls, argv, environ, needle):
+    with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
+        parse(cls, argv, environ)

@@ -1,0 +1,180 @@
+"""The scheduler's pure core, driven by hand-made messages and a hand-held clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
+from shared import wire
+
+
+def hello(peer_id: str, role: str, blocks: int = 100, address: str | None = None) -> wire.Hello:
+    return wire.Hello(
+        schema_version=wire.SCHEMA_VERSION,
+        role=role,
+        peer_id=peer_id,
+        model="m",
+        address=address or (f"ipc://{peer_id}" if role != "prefill" else None),
+        num_kv_blocks=0 if role == "gateway" else blocks,
+        block_size=0 if role == "gateway" else 16,
+        max_num_seqs=0 if role == "gateway" else 8,
+    )
+
+
+def submit(request_id: str, prompt_len: int = 20, max_tokens: int = 8) -> wire.Submit:
+    return wire.Submit(
+        request_id=request_id,
+        prompt_token_ids=[5] * prompt_len,
+        sampling=wire.SamplingSpec(max_tokens=max_tokens),
+        tenant="t",
+        priority=0,
+        gateway_peer_id="g",
+        arrival_time=0.0,
+    )
+
+
+def heartbeat(peer_id: str, free: int = 100) -> wire.Heartbeat:
+    return wire.Heartbeat(
+        peer_id=peer_id, num_waiting=0, num_running=0, num_free_blocks=free,
+        num_total_blocks=100, steps_completed=0, sent_at=0.0,
+    )
+
+
+def sent(outgoing, kind):
+    return [o for o in outgoing if isinstance(o.message, kind)]
+
+
+@pytest.fixture
+def core() -> ClusterScheduler:
+    c = ClusterScheduler(SchedulerLimits(max_queued_requests=4, max_queued_tokens=1000))
+    c.on_hello(b"G", hello("g", "gateway"), 0.0)
+    c.on_hello(b"P", hello("p", "prefill"), 0.0)
+    c.on_hello(b"D", hello("d", "decode"), 0.0)
+    return c
+
+
+def run_to_decoding(core: ClusterScheduler, request_id: str, now: float = 0.0):
+    out = core.on_submit(b"G", submit(request_id), now)
+    (reserve,) = sent(out, wire.Reserve)
+    out = core.on_reserve_reply(
+        wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=90), now
+    )
+    (job,) = sent(out, wire.PrefillJob)
+    assert job.message.decode_peer_id == "d" and job.message.gateway_address == "ipc://g"
+    core.on_request_done(
+        wire.RequestDone(request_id=request_id, peer_id="p", phase="prefill", finish_reason=None,
+                         num_prompt_tokens=20, num_output_tokens=1), now,
+    )
+    assert core.requests[request_id].phase == Phase.DECODING
+
+
+def test_request_goes_reserve_prefill_decode_done(core):
+    run_to_decoding(core, "r1")
+    core.on_request_done(
+        wire.RequestDone(request_id="r1", peer_id="d", phase="decode", finish_reason="length",
+                         num_prompt_tokens=20, num_output_tokens=8), 1.0,
+    )
+    assert not core.requests and not core.registry.get("d").request_ids
+
+
+def test_no_worker_answers_503():
+    c = ClusterScheduler(SchedulerLimits())
+    out = c.on_submit(b"G", submit("r"), 0.0)
+    assert out[0].message.status_code == 503 and out[0].message.retry_after_s
+
+
+def test_full_queue_answers_429_before_any_work(core):
+    # Without a decode reply nothing leaves RESERVING; the decode worker has room for only 1.
+    core.registry.get("d").max_num_seqs = 1
+    replies = [core.on_submit(b"G", submit(f"r{i}"), 0.0)[0].message for i in range(6)]
+    assert [r.status_code for r in replies] == [200, 200, 200, 200, 200, 429]
+    assert replies[-1].retry_after_s is not None
+
+
+def test_prompt_that_never_fits_answers_400(core):
+    reply = core.on_submit(b"G", submit("big", prompt_len=100 * 16, max_tokens=1), 0.0)[0].message
+    assert reply.status_code == 400 and "never fit" in reply.message
+
+
+def test_refused_reservation_requeues_and_tries_later(core):
+    core.on_submit(b"G", submit("r"), 0.0)
+    out = core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0), 0.0)
+    assert not sent(out, wire.Reserve)  # the worker reported no room
+    assert core.requests["r"].phase == Phase.QUEUED
+    out = core.on_heartbeat(heartbeat("d", free=100), 0.5)
+    assert sent(out, wire.Reserve)
+
+
+def test_silent_worker_leaves_rotation_and_its_work_is_rerouted(core):
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    core.on_hello(b"P2", hello("p2", "prefill"), 1.0)
+    core.on_heartbeat(heartbeat("d"), 2.5)
+    core.on_heartbeat(heartbeat("p2"), 2.5)
+    out = core.tick(3.5)  # p (holding the prefill job) has been silent for 3.5 s > 3 s
+    assert core.registry.get("p") is None
+    # The decode reservation is released and the request dispatched again.
+    assert sent(out, wire.Cancel) and sent(out, wire.Reserve)
+    assert core.requests["r"].phase == Phase.RESERVING
+
+
+def test_decode_worker_lost_mid_stream_fails_request_with_error(core):
+    run_to_decoding(core, "r")
+    core.on_heartbeat(heartbeat("p"), 3.0)
+    out = core.tick(3.5)
+    (tokens,) = sent(out, wire.Tokens)
+    assert tokens.identity == b"G" and tokens.message.deltas[0].error
+    assert "r" not in core.requests
+
+
+def test_late_joining_worker_is_used_at_once():
+    c = ClusterScheduler(SchedulerLimits())
+    c.on_hello(b"G", hello("g", "gateway"), 0.0)
+    c.on_hello(b"P", hello("p", "prefill"), 0.0)
+    c.on_hello(b"D", hello("d", "decode", blocks=1), 0.0)
+    c.on_submit(b"G", submit("fits", prompt_len=10, max_tokens=4), 0.0)
+    c.on_submit(b"G", submit("waits", prompt_len=10, max_tokens=4), 0.0)
+    assert c.requests["waits"].phase == Phase.QUEUED  # d's only block is promised
+    out = c.on_hello(b"D2", hello("d2", "decode"), 1.0)
+    (reserve,) = sent(out, wire.Reserve)
+    assert reserve.identity == b"D2" and reserve.message.request_id == "waits"
+
+
+def test_transfer_failure_reroutes(core):
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    out = core.on_request_done(
+        wire.RequestDone(request_id="r", peer_id="p", phase="prefill", finish_reason="error",
+                         num_prompt_tokens=20, num_output_tokens=1), 1.0,
+    )
+    assert sent(out, wire.Cancel)  # the old reservation goes
+    assert sent(out, wire.Reserve)  # and a new one is asked for
+    assert core.requests["r"].phase == Phase.RESERVING
+
+
+def test_reservation_timeout_requeues(core):
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_heartbeat(heartbeat("d"), 5.0)
+    core.on_heartbeat(heartbeat("p"), 5.0)
+    out = core.tick(5.5)  # reserve_timeout_s = 5
+    assert sent(out, wire.Cancel) and sent(out, wire.Reserve)
+
+
+@pytest.mark.parametrize("phase_steps", [0, 1, 2])
+def test_cancel_reaches_every_party(core, phase_steps):
+    core.on_submit(b"G", submit("r"), 0.0)
+    if phase_steps >= 1:
+        core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    out = core.on_cancel(wire.Cancel(request_id="r", reason="client gone"), 1.0)
+    targets = {o.identity for o in sent(out, wire.Cancel)}
+    assert targets == ({b"D", b"P"} if phase_steps >= 1 else {b"D"})
+    assert "r" not in core.requests
+    assert not core.registry.get("d").request_ids and not core.registry.get("p").request_ids
+
+
+def test_cancel_of_queued_request_frees_its_queue_slot(core):
+    core.registry.get("d").max_num_seqs = 0  # nothing dispatches
+    core.on_submit(b"G", submit("r"), 0.0)
+    assert core.queue and core.num_queued_tokens == 20
+    assert core.on_cancel(wire.Cancel(request_id="r", reason="x"), 0.0) == []
+    assert not core.queue and core.num_queued_tokens == 0
