@@ -10,9 +10,11 @@ The pure-torch reference is the CPU path and the test oracle. It splits the batc
 group (q_i == 1) and a prefill group (q_i > 1, possibly after cached context). Each group gathers
 its sequences' blocks into a padded `[seqs, blocks * block_size, kv_heads, head_dim]` copy (one
 `index_select`, then positions past each context zeroed) and runs one masked
-`scaled_dot_product_attention`. Decode folds each kv head's group of query heads into the query
-axis, so GQA is a plain batched attention over K/V that are never repeated; prefill pads every
-sequence's queries to the longest, masks causally, and drops the padded rows.
+`scaled_dot_product_attention` with `enable_gqa`, so K/V are never repeated per query head.
+Prefill pads every sequence's queries to the longest, masks causally, and drops the padded rows.
+(Measured on 2 CPU threads at SmolLM2's shapes: for decode batches of 8 to 64, `enable_gqa` beat
+folding a kv head's query heads into the query axis by 5-15%, and explicit matmul + softmax, per kv
+head or batched, by 15% or more. The gather is a memory-bound copy: at batch 32 it moves ~25 MB.)
 
 The Triton kernel covers decode batches (every q_i == 1) on CUDA: one program per (sequence, kv
 head) serves that kv head's group of query heads, walking the context in tiles through the block
@@ -45,6 +47,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention output `[num_tokens, num_heads, head_dim]` in the query's dtype.
 
+    Every context length must be at least 1 (a sequence attends to its own new token at least);
+    index values are not checked, as that would sync the device on every layer.
+
     `use_triton=None` picks the Triton decode kernel exactly for decode batches on CUDA; tests pass
     True to run it on CPU tensors under TRITON_INTERPRET=1.
     """
@@ -74,8 +79,6 @@ def paged_attention(
         )
     if max_query_len != 1:
         raise ValueError(f"the Triton kernel does decode only, got max_query_len {max_query_len}")
-    if not _is_power_of_two(query.shape[2]):
-        raise ValueError(f"the Triton kernel needs a power-of-two head_dim, got {query.shape[2]}")
     return _paged_decode_attention_triton(
         query, key_cache, value_cache, block_tables, context_lens, scale
     )
@@ -96,13 +99,14 @@ def paged_attention_reference(
     """Pure-torch paged attention, vectorized per group (decode, prefill); see the module doc."""
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    if max_query_len == 1:  # pure decode: query row i is sequence i's one new token
+    if max_query_len == 1:  # pure decode: query row i is sequence i's one new token, no sync
         key, value = _gather_context(
             key_cache, value_cache, block_tables, context_lens, max_context_len
         )
         return _attend_decode(query, key, value, context_lens, scale)
 
-    # A mixed batch: sizing each group to its own longest context costs a sync, but saves padding.
+    # Prefill or mixed: splitting by query length and sizing each group to its own longest context
+    # costs device syncs (free on CPU) but keeps decode rows from being padded to a prompt's length.
     output = query.new_empty(query.shape)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     is_decode = query_lens == 1
@@ -162,19 +166,16 @@ def _attend_decode(
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence: query `[seqs, heads, dim]`, key/value from `_gather_context`."""
-    num_seqs, num_heads, head_dim = query.shape
-    padded_len, num_kv_heads = key.shape[1:3]
-    # The query heads sharing a kv head become that kv head's rows of queries.
-    grouped = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    visible = torch.arange(padded_len, device=query.device) < context_lens[:, None]
+    visible = torch.arange(key.shape[1], device=query.device) < context_lens[:, None]
     out = F.scaled_dot_product_attention(
-        grouped,
+        query[:, :, None, :],
         key.transpose(1, 2),
         value.transpose(1, 2),
         attn_mask=visible[:, None, None, :],
         scale=scale,
+        enable_gqa=True,
     )
-    return out.reshape(num_seqs, num_heads, head_dim)
+    return out[:, :, 0, :]
 
 
 def _attend_prefill(
@@ -281,9 +282,12 @@ def _paged_decode_attention_triton(
     scale: float,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
+    if not _is_power_of_two(head_dim):
+        raise ValueError(f"the Triton kernel needs a power-of-two head_dim, got {head_dim}")
     _, block_size, num_kv_heads, _ = key_cache.shape
     group_size = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group_size)
+    # A power of two, as head_dim (checked) and group_pad are.
     tile = max(1, min(64, _TILE_ELEMENTS // (group_pad * head_dim)))
     output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
@@ -306,7 +310,7 @@ def _paged_decode_attention_triton(
         HEAD_DIM=head_dim,
         GROUP_SIZE=group_size,
         GROUP_PAD=group_pad,
-        TILE=triton.next_power_of_2(tile),
+        TILE=tile,
     )
     return output
 

@@ -212,9 +212,7 @@ def test_triton_decode_matches_reference(
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_decode_in_half_precision(dtype: torch.dtype):
-    batch = make_batch(
-        DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype
-    )
+    batch = make_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
     out = paged_attention(*batch.args(), **batch.kwargs(), use_triton=True)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), naive_attention(batch).float(), atol=1e-2, rtol=1e-2)
@@ -236,8 +234,10 @@ def _good_batch() -> Batch:
         (lambda b: {"query": b.query.double()}, "dtype"),
         (lambda b: {"value_cache": b.value_cache.half()}, "dtype"),
         (lambda b: {"value_cache": b.value_cache[:-1]}, "key_cache and value_cache"),
-        (lambda b: {"key_cache": b.key_cache.transpose(0, 1).contiguous().transpose(0, 1)},
-         "must be contiguous"),
+        (
+            lambda b: {"key_cache": b.key_cache.transpose(0, 1).contiguous().transpose(0, 1)},
+            "must be contiguous",
+        ),
         (lambda b: {"query": b.query[:-1]}, "one query per sequence"),
         (lambda b: {"max_context_len": 10_000}, "max_context_len"),
     ],
@@ -253,4 +253,10 @@ def test_bad_inputs_raise_value_error(change, message: str):
 def test_triton_refuses_prefill():
     batch = make_batch(PREFILL, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
     with pytest.raises(ValueError, match="decode only"):
+        paged_attention(*batch.args(), **batch.kwargs(), use_triton=True)
+
+
+def test_triton_refuses_a_head_dim_that_is_not_a_power_of_two():
+    batch = make_batch(DECODE, num_heads=2, num_kv_heads=2, head_dim=24, block_size=16)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
         paged_attention(*batch.args(), **batch.kwargs(), use_triton=True)
