@@ -25,7 +25,8 @@ import torch
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
 from shared.engine.loader import load_model
-from shared.engine.sampling import Sampler, SamplingParams, SamplingRow
+from shared.engine.sampling import Sampler, SamplingRow
+from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_batch import SequenceChunk, build_step_batch
 
 

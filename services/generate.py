@@ -9,7 +9,7 @@ import time
 
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.loader import DEFAULT_MODEL, load_model
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError
 
 

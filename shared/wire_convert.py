@@ -6,7 +6,7 @@ import dataclasses
 
 from shared import wire
 from shared.engine.engine import RequestOutput
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 
 _FIELDS = [f.name for f in dataclasses.fields(wire.SamplingSpec)]
 

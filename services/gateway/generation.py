@@ -20,7 +20,7 @@ from services.gateway.cluster import ClusterClient, SubmitRefused
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
 from services.gateway.openai_protocol import ApiError, GenerationRequest, TokenLogprob, bad_request
 from shared import wire
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 from shared.wire_convert import sampling_spec
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal, NoReturn
 
-from shared.engine.sampling import MAX_LOGPROBS, SamplingParams
+from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from shared.errors import InvalidRequestError
 
 ERROR_TYPES = frozenset(

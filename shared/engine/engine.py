@@ -17,7 +17,8 @@ import torch
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache, num_blocks_for_budget
 from shared.engine.model import LlamaModel
-from shared.engine.sampling import Sampler, SamplingParams, SamplingRow
+from shared.engine.sampling import Sampler, SamplingRow
+from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import ScheduledChunk, StepScheduler
 from shared.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from shared.engine.step_batch import SequenceChunk, build_step_batch

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.engine.sampling import SamplingParams, make_generator
+from shared.engine.sampling_params import SamplingParams, make_generator
 
 
 class SequenceStatus(enum.IntEnum):

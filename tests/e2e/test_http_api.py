@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from shared.engine.engine import EngineConfig, LLMEngine
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shared.engine.engine import EngineConfig, LLMEngine
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError
 from tests.helpers import our_model_from_hf, tiny_hf_model
 

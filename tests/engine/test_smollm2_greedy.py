@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shared.engine.engine import EngineConfig, LLMEngine
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

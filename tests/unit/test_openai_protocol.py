@@ -31,7 +31,7 @@ from services.gateway.openai_protocol import (
     usage_chunk,
     usage_dict,
 )
-from shared.engine.sampling import SamplingParams
+from shared.engine.sampling_params import SamplingParams
 
 MODEL = "smollm2"
 MAX_LEN = 2048

@@ -11,14 +11,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from shared.engine.sampling import (
-    Sampler,
-    SamplingParams,
-    SamplingRow,
-    apply_penalties,
-    filter_probs,
-    make_generator,
-)
+from shared.engine.sampling import Sampler, SamplingRow, apply_penalties, filter_probs
+from shared.engine.sampling_params import SamplingParams, make_generator
 from shared.errors import InvalidRequestError
 
 # A hand-made distribution with distinct probabilities; sorted: 1, 3, 4, 2, 5, 0.

@@ -1,0 +1,142 @@
+"""A request's sampling parameters, validated where they are built, and its random generator.
+
+Every refusal raises `InvalidRequestError` naming the field, so the HTTP API, the RPC front door and
+the engine all answer a bad value the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+_MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts no larger value
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def _as_int(name: str, value: object) -> int:
+    # bool is an int subclass, but `max_tokens: true` is a client bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(name, f"must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidRequestError(name, f"must be finite, got {value!r}")
+    return float(value)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(name, message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens. Validated when built; numbers are normalized
+    (ints given for floats become floats, `stop_token_ids` becomes a tuple)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._normalize_types()
+        self._check_ranges()
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+    def _normalize_types(self) -> None:
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            self._set(name, _as_int(name, getattr(self, name)))
+        for name in _FLOAT_FIELDS:
+            self._set(name, _as_float(name, getattr(self, name)))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                self._set(name, _as_int(name, getattr(self, name)))
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        ids = self.stop_token_ids
+        _check(isinstance(ids, (list, tuple)), "stop_token_ids", "must be a list of token ids")
+        self._set("stop_token_ids", tuple(_as_int("stop_token_ids", i) for i in ids))
+
+    def _check_ranges(self) -> None:
+        _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(
+            self.top_k in (-1, 0) or self.top_k >= 1,
+            "top_k",
+            f"must be >= 1, or 0 or -1 for no limit, got {self.top_k}",
+        )
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
+        penalty = self.repetition_penalty
+        _check(penalty > 0, "repetition_penalty", f"must be > 0, got {penalty}")
+        seed = self.seed
+        _check(seed is None or 0 <= seed <= _MAX_SEED, "seed", f"must be in [0, 2**64), got {seed}")
+        n = self.logprobs
+        _check(
+            n is None or 0 <= n <= MAX_LOGPROBS,
+            "logprobs",
+            f"must be in [0, {MAX_LOGPROBS}], got {n}",
+        )
+        ids = self.stop_token_ids
+        _check(all(i >= 0 for i in ids), "stop_token_ids", f"ids must be >= 0, got {list(ids)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's own RNG: a CPU generator seeded with `params.seed`, or freshly from the OS
+    when there is none; None for a greedy request, which draws nothing."""
+    if params.greedy:
+        return None
+    generator = torch.Generator(device="cpu")
+    if params.seed is None:
+        generator.seed()  # non-deterministic, and leaves torch's global RNG alone
+    else:
+        generator.manual_seed(params.seed)
+    return generator
