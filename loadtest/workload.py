@@ -1,0 +1,235 @@
+"""Benchmark workloads: long-tailed prompt and output lengths, burst or Poisson arrivals, as JSONL.
+
+Each length is drawn from a log-normal whose median sits at the geometric middle of its range and
+whose 99th percentile sits at the top of the range; the rare draws outside are clipped. So most
+requests are short and a few are long, the shape of real traffic (the default: prompts of 8 to
+1,024 tokens with a median near 90, outputs of 1 to 256 tokens with a median of 16).
+
+A prompt is a window of exactly the target number of tokens cut from `corpus.txt` (natural
+English prose, read round and round), starting at a sentence start chosen by the seed. Its token
+ids are stored with it and are what the replay sends (the completions API takes a list of ids as
+`prompt`), so the server sees exactly the target length; the decoded text is kept for people and
+for text-only clients, and a generator check keeps its re-tokenized length within one token.
+
+Arrival times are all 0 (a burst) or a Poisson process at `rate` requests per second. Every
+random choice comes from its own stream seeded by (seed, purpose), so a different rate leaves the
+prompts and lengths unchanged.
+
+    .venv/bin/python -m loadtest.workload --out loadtest/workloads/mixed64.jsonl [--rate 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import random
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CORPUS_PATH = Path(__file__).with_name("corpus.txt")
+DEFAULT_PROMPT_RANGE = (8, 1024)
+DEFAULT_OUTPUT_RANGE = (1, 256)
+Z_99 = 2.326  # the standard normal's 99th percentile
+# A sentence starts at the text's start, after a line break, or after ". " (and "!", "?").
+_SENTENCE_START = re.compile(r"(?:\A|\n|(?<=[.!?]) )([A-Z])")
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    prompt: str
+    max_tokens: int
+    arrival_time: float  # seconds after the run starts
+    prompt_token_ids: list[int] | None = None  # exact; sent instead of `prompt` when present
+    ignore_eos: bool = True  # every request generates exactly max_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else None
+
+    def to_json(self) -> str:
+        fields: dict[str, Any] = {
+            "prompt": self.prompt,
+            "max_tokens": self.max_tokens,
+            "ignore_eos": self.ignore_eos,
+            "arrival_time": self.arrival_time,
+        }
+        if self.prompt_token_ids is not None:
+            fields["prompt_token_ids"] = self.prompt_token_ids
+        return json.dumps(fields, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> WorkloadRequest:
+        data: dict[str, Any] = json.loads(line)
+        ids = data.get("prompt_token_ids")
+        return cls(
+            prompt=data["prompt"],
+            max_tokens=int(data["max_tokens"]),
+            arrival_time=float(data.get("arrival_time", 0.0)),
+            prompt_token_ids=[int(t) for t in ids] if ids is not None else None,
+            ignore_eos=bool(data.get("ignore_eos", True)),
+        )
+
+
+def write_workload(path: str | Path, requests: Iterable[WorkloadRequest]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for request in requests:
+            f.write(request.to_json() + "\n")
+
+
+def read_workload(path: str | Path) -> list[WorkloadRequest]:
+    with open(path, encoding="utf-8") as f:
+        return [WorkloadRequest.from_json(line) for line in f if line.strip()]
+
+
+# --- random draws ------------------------------------------------------------------------------
+
+
+def stream(seed: int, purpose: str) -> random.Random:
+    # String seeds are hashed with SHA-512 by `random`, so they are stable across runs/platforms.
+    return random.Random(f"tandem-workload:{seed}:{purpose}")
+
+
+def long_tailed_lengths(rng: random.Random, num: int, low: int, high: int) -> list[int]:
+    """Log-normal draws: median sqrt(low * high), 99th percentile at `high`, clipped to range."""
+    if not 1 <= low <= high:
+        raise ValueError(f"need 1 <= low <= high, got {low}, {high}")
+    median = math.sqrt(low * high)
+    sigma = math.log(high / median) / Z_99
+    draws = (rng.lognormvariate(math.log(median), sigma) for _ in range(num))
+    return [min(high, max(low, round(x))) for x in draws]
+
+
+def arrival_times(rng: random.Random, num: int, rate: float | None) -> list[float]:
+    """All 0 for a burst; otherwise a Poisson process (exponential gaps) at `rate` per second."""
+    if rate is None:
+        return [0.0] * num
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    times, clock = [], 0.0
+    for _ in range(num):
+        clock += rng.expovariate(rate)
+        times.append(round(clock, 6))
+    return times
+
+
+# --- prompts from the corpus -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Corpus:
+    token_ids: list[int]
+    sentence_starts: list[int]  # indices into token_ids of tokens that begin a sentence
+
+
+def tokenize_corpus(tokenizer: Any, text: str) -> Corpus:
+    """Tokenizes the whole text once; sentence starts are found through the offset mapping."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    token_char_starts = [start for start, _ in offsets]
+    starts = []
+    for match in _SENTENCE_START.finditer(text):
+        # The token holding the capital letter; a byte-level BPE token such as " The" also
+        # spans the space before it.
+        index = bisect.bisect_right(token_char_starts, match.start(1)) - 1
+        if index >= 0 and match.start(1) < offsets[index][1] and index not in starts[-1:]:
+            starts.append(index)
+    if not starts:
+        raise ValueError("the corpus has no sentence starts")
+    return Corpus(ids, starts)
+
+
+def corpus_window(corpus: Corpus, start: int, num_tokens: int) -> list[int]:
+    """`num_tokens` ids from `start`, wrapping around the end of the corpus."""
+    size = len(corpus.token_ids)
+    return [corpus.token_ids[(start + i) % size] for i in range(num_tokens)]
+
+
+def build_prompt(
+    tokenizer: Any, corpus: Corpus, rng: random.Random, num_tokens: int, attempts: int = 20
+) -> tuple[str, list[int]]:
+    """A prompt of exactly `num_tokens` ids whose text re-tokenizes to within one token of it."""
+    for _ in range(attempts):
+        ids = corpus_window(corpus, rng.choice(corpus.sentence_starts), num_tokens)
+        text = tokenizer.decode(ids)
+        if abs(len(tokenizer.encode(text, add_special_tokens=False)) - num_tokens) <= 1:
+            return text, ids
+    raise ValueError(f"no window of {num_tokens} tokens round-trips through the text")
+
+
+def build_workload(
+    tokenizer: Any,
+    num: int = 64,
+    seed: int = 0,
+    rate: float | None = None,
+    prompt_range: tuple[int, int] = DEFAULT_PROMPT_RANGE,
+    output_range: tuple[int, int] = DEFAULT_OUTPUT_RANGE,
+    corpus_text: str | None = None,
+) -> list[WorkloadRequest]:
+    corpus = tokenize_corpus(tokenizer, corpus_text or CORPUS_PATH.read_text(encoding="utf-8"))
+    prompt_lens = long_tailed_lengths(stream(seed, "prompt-lengths"), num, *prompt_range)
+    output_lens = long_tailed_lengths(stream(seed, "output-lengths"), num, *output_range)
+    arrivals = arrival_times(stream(seed, "arrivals"), num, rate)
+    starts = stream(seed, "prompt-starts")
+    requests = []
+    for prompt_len, max_tokens, arrival in zip(prompt_lens, output_lens, arrivals, strict=True):
+        text, ids = build_prompt(tokenizer, corpus, starts, prompt_len)
+        requests.append(WorkloadRequest(text, max_tokens, arrival, ids))
+    return requests
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def parse_range(value: str) -> tuple[int, int]:
+    low, high = (int(part) for part in value.split(","))
+    return low, high
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="the JSONL file to write")
+    parser.add_argument("--num", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=None, help="Poisson rate (req/s); else burst")
+    parser.add_argument(
+        "--prompt-range",
+        type=parse_range,
+        default=DEFAULT_PROMPT_RANGE,
+        help="LOW,HIGH prompt tokens (default 8,1024)",
+    )
+    parser.add_argument(
+        "--output-range",
+        type=parse_range,
+        default=DEFAULT_OUTPUT_RANGE,
+        help="LOW,HIGH output tokens (default 1,256)",
+    )
+    parser.add_argument("--model", default=None, help="whose tokenizer (default: smollm2)")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from shared.engine.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model)[0])
+    requests = build_workload(
+        tokenizer, args.num, args.seed, args.rate, args.prompt_range, args.output_range
+    )
+    write_workload(args.out, requests)
+    prompt_lens = sorted(r.num_prompt_tokens or 0 for r in requests)
+    output_lens = sorted(r.max_tokens for r in requests)
+    print(
+        f"wrote {len(requests)} requests to {args.out}: prompt tokens median "
+        f"{prompt_lens[len(prompt_lens) // 2]} max {prompt_lens[-1]} total {sum(prompt_lens)}; "
+        f"output tokens median {output_lens[len(output_lens) // 2]} max {output_lens[-1]} "
+        f"total {sum(output_lens)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
