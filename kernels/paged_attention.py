@@ -21,6 +21,10 @@ head) serves that kv head's group of query heads, walking the context in tiles t
 table with an online softmax (running max and sum) accumulated in float32.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -44,6 +48,7 @@ def paged_attention(
     max_query_len: int,
     max_context_len: int,
     use_triton: bool | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Attention output `[num_tokens, num_heads, head_dim]` in the query's dtype.
 
@@ -76,6 +81,7 @@ def paged_attention(
             scale=scale,
             max_query_len=max_query_len,
             max_context_len=max_context_len,
+            plan=plan,
         )
     if max_query_len != 1:
         raise ValueError(f"the Triton kernel does decode only, got max_query_len {max_query_len}")
@@ -95,83 +101,170 @@ def paged_attention_reference(
     scale: float,
     max_query_len: int,
     max_context_len: int,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Pure-torch paged attention, vectorized per group (decode, prefill); see the module doc."""
+    """Pure-torch paged attention, vectorized per group (decode, prefill); see the module doc.
+
+    `plan` (from `plan_attention` on the same batch) saves rebuilding the gather indices and
+    masks: they depend only on the batch, so a model builds them once per step, not per layer.
+    """
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    if max_query_len == 1:  # pure decode: query row i is sequence i's one new token, no sync
-        key, value = _gather_context(
-            key_cache, value_cache, block_tables, context_lens, max_context_len
+    if plan is None:
+        plan = plan_attention(
+            block_tables,
+            context_lens,
+            query_start_loc,
+            block_size=key_cache.shape[1],
+            max_query_len=max_query_len,
+            max_context_len=max_context_len,
         )
-        return _attend_decode(query, key, value, context_lens, scale)
-
-    # Prefill or mixed: splitting by query length and sizing each group to its own longest context
-    # costs device syncs (free on CPU) but keeps decode rows from being padded to a prompt's length.
+    if plan.prefill is None and plan.decode is not None and plan.decode.query_rows is None:
+        return _attend_decode(query, key_cache, value_cache, plan.decode, scale)
     output = query.new_empty(query.shape)
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    is_decode = query_lens == 1
-    decode_ids, prefill_ids = is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0]
-    if decode_ids.numel() > 0:
-        rows = query_start_loc[decode_ids].long()
-        contexts = context_lens[decode_ids]
-        key, value = _gather_context(
-            key_cache, value_cache, block_tables[decode_ids], contexts, int(contexts.max())
+    if plan.decode is not None:
+        rows = plan.decode.query_rows
+        output[rows] = _attend_decode(query[rows], key_cache, value_cache, plan.decode, scale)
+    if plan.prefill is not None:
+        output[plan.prefill.output_rows] = _attend_prefill(
+            query, key_cache, value_cache, plan.prefill, scale
         )
-        output[rows] = _attend_decode(query[rows], key, value, contexts, scale)
-    if prefill_ids.numel() > 0:
-        starts = query_start_loc[prefill_ids].long()
-        contexts = context_lens[prefill_ids]
-        key, value = _gather_context(
-            key_cache, value_cache, block_tables[prefill_ids], contexts, int(contexts.max())
-        )
-        rows, out = _attend_prefill(
-            query, starts, query_lens[prefill_ids], key, value, contexts, scale, max_query_len
-        )
-        output[rows] = out
     return output
 
 
-def _gather_context(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended in one padded batch: how to gather their context, and the mask."""
+
+    block_ids: torch.Tensor  # [num_seqs * num_blocks]: the blocks to gather, sequence by sequence
+    num_seqs: int
+    padded_len: int  # num_blocks * block_size: gathered positions per sequence
+    padding_rows: torch.Tensor  # rows of the flat gather past each context, zeroed after the copy
+    mask: torch.Tensor  # boolean SDPA mask, True where a query may see a key
+    query_rows: torch.Tensor | None  # decode: its rows of the query (None: all, in order);
+    #                                  prefill: rows gathered into the padded [seqs, max_q] query
+    output_rows: torch.Tensor | None  # prefill: the real query rows, in padded order
+    real: torch.Tensor | None  # prefill: [seqs, max_q], which padded query rows are real
+    max_query_len: int
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    decode: AttentionGroup | None  # sequences with one new token
+    prefill: AttentionGroup | None  # sequences with a run of new tokens (prompt or chunk)
+
+
+def plan_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    block_size: int,
+    max_query_len: int,
     max_context_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's K and V as `[num_seqs, padded_len, num_kv_heads, head_dim]`, positions past
-    its context zeroed, so that stale or NaN padding cannot reach the output through 0 * NaN."""
+) -> AttentionPlan:
+    """The batch-only part of the reference: computed once per step, used by every layer."""
+    if max_query_len == 1:  # pure decode: query row i is sequence i's new token, no sync
+        group = _group(block_tables, context_lens, block_size, max_context_len, None, 1)
+        return AttentionPlan(decode=group, prefill=None)
+    # Prefill or mixed: splitting by query length and sizing each group to its own longest context
+    # costs device syncs (free on CPU) but keeps decode rows from being padded to a prompt's length.
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    is_decode = query_lens == 1
+    decode_ids, prefill_ids = is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0]
+    decode = prefill = None
+    if decode_ids.numel() > 0:
+        contexts = context_lens[decode_ids]
+        rows = query_start_loc[decode_ids].long()
+        decode = _group(
+            block_tables[decode_ids], contexts, block_size, int(contexts.max()), rows, 1
+        )
+    if prefill_ids.numel() > 0:
+        contexts = context_lens[prefill_ids]
+        prefill = _group(
+            block_tables[prefill_ids],
+            contexts,
+            block_size,
+            int(contexts.max()),
+            query_start_loc[prefill_ids].long(),
+            max_query_len,
+            query_lens[prefill_ids],
+        )
+    return AttentionPlan(decode=decode, prefill=prefill)
+
+
+def _group(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    max_context_len: int,
+    starts: torch.Tensor | None,
+    max_query_len: int,
+    query_lens: torch.Tensor | None = None,
+) -> AttentionGroup:
     num_seqs = block_tables.shape[0]
-    block_size = key_cache.shape[1]
     num_blocks = -(-max_context_len // block_size)
     padded_len = num_blocks * block_size
+    device = context_lens.device
     # Only the columns that some sequence uses; whole blocks copy far faster than single slots.
     block_ids = block_tables[:, :num_blocks].reshape(-1)
-    # Padding is a few rows per sequence: zeroing them by index is far cheaper than a masked pass
-    # over the whole copy (torch's broadcast masked_fill_ is a slow path on CPU).
-    positions = torch.arange(padded_len, device=context_lens.device)
-    padding_rows = (positions >= context_lens[:, None]).view(-1).nonzero()[:, 0]
+    # Stale or NaN cache rows past a context must not reach the output through 0 * NaN, so they
+    # are zeroed in the copy. They are a few rows per sequence: zeroing them by index is far
+    # cheaper than a masked pass over the whole copy (broadcast masked_fill_ is slow on CPU).
+    key_positions = torch.arange(padded_len, device=device)
+    padding_rows = (key_positions >= context_lens[:, None]).view(-1).nonzero()[:, 0]
+    if query_lens is None:  # decode
+        mask = (key_positions < context_lens[:, None])[:, None, None, :]
+        return AttentionGroup(
+            block_ids, num_seqs, padded_len, padding_rows, mask, starts, None, None, 1
+        )
+    offsets = torch.arange(max_query_len, device=device)
+    real = offsets < query_lens[:, None]
+    # Padded query rows repeat the first row: they stay in bounds, see a key, and are dropped.
+    rows = torch.where(real, starts[:, None] + offsets, starts[:, None])
+    positions = (context_lens - query_lens)[:, None] + offsets
+    mask = (key_positions <= positions[:, :, None])[:, None]
+    return AttentionGroup(
+        block_ids,
+        num_seqs,
+        padded_len,
+        padding_rows,
+        mask,
+        rows.reshape(-1),
+        rows[real],
+        real,
+        max_query_len,
+    )
+
+
+def _gather_context(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, group: AttentionGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's K and V as `[num_seqs, padded_len, num_kv_heads, head_dim]`, positions
+    past its context zeroed."""
     gathered = []
     for cache in (key_cache, value_cache):
-        context = cache.index_select(0, block_ids).view(num_seqs * padded_len, cache[0, 0].numel())
-        context.index_fill_(0, padding_rows, 0)
-        gathered.append(context.view(num_seqs, padded_len, *cache.shape[2:]))
+        context = cache.index_select(0, group.block_ids)
+        flat = context.view(group.num_seqs * group.padded_len, cache[0, 0].numel())
+        flat.index_fill_(0, group.padding_rows, 0)
+        gathered.append(context.view(group.num_seqs, group.padded_len, *cache.shape[2:]))
     return gathered[0], gathered[1]
 
 
 def _attend_decode(
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    context_lens: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: AttentionGroup,
     scale: float,
 ) -> torch.Tensor:
-    """One query per sequence: query `[seqs, heads, dim]`, key/value from `_gather_context`."""
-    visible = torch.arange(key.shape[1], device=query.device) < context_lens[:, None]
+    """One query per sequence: query `[seqs, heads, dim]`."""
+    key, value = _gather_context(key_cache, value_cache, group)
     out = F.scaled_dot_product_attention(
         query[:, :, None, :],
         key.transpose(1, 2),
         value.transpose(1, 2),
-        attn_mask=visible[:, None, None, :],
+        attn_mask=group.mask,
         scale=scale,
         enable_gqa=True,
     )
@@ -180,35 +273,26 @@ def _attend_decode(
 
 def _attend_prefill(
     query: torch.Tensor,
-    starts: torch.Tensor,
-    query_lens: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    context_lens: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: AttentionGroup,
     scale: float,
-    max_query_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of each sequence's run of queries (rows `starts[i]` on, `query_lens[i]`
-    long) over its gathered context. Returns the query rows computed and their outputs."""
-    num_seqs = starts.shape[0]
+) -> torch.Tensor:
+    """Causal attention of each sequence's run of queries over its gathered context; returns the
+    outputs of the real query rows, in `group.output_rows` order."""
+    key, value = _gather_context(key_cache, value_cache, group)
     num_heads, head_dim = query.shape[1:]
-    offsets = torch.arange(max_query_len, device=query.device)
-    is_real = offsets < query_lens[:, None]
-    # Padded rows repeat the first row: they stay in bounds, see at least one key, and are dropped.
-    rows = torch.where(is_real, starts[:, None] + offsets, starts[:, None])
-    padded = query.index_select(0, rows.reshape(-1))
-    padded = padded.view(num_seqs, max_query_len, num_heads, head_dim)
-    positions = (context_lens - query_lens)[:, None] + offsets
-    visible = torch.arange(key.shape[1], device=query.device) <= positions[:, :, None]
+    padded = query.index_select(0, group.query_rows)
+    padded = padded.view(group.num_seqs, group.max_query_len, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),
-        attn_mask=visible[:, None],
+        attn_mask=group.mask,
         scale=scale,
         enable_gqa=True,
     )
-    return rows[is_real], out.transpose(1, 2)[is_real]
+    return out.transpose(1, 2)[group.real]
 
 
 @triton.jit

@@ -5,8 +5,9 @@ On the real model, with a fixed number of threads, it measures:
   forward with its default cache);
 - decode: the time of one step at each batch size with `--context` tokens of context per sequence
   (ours: the whole engine step, i.e. batch building, forward and greedy sampling; transformers:
-  forward with its DynamicCache plus argmax). The caches are filled with random K/V rather than by
-  running the prompts, which costs the same per step and keeps the run short.
+  forward with its DynamicCache plus argmax), the two run in alternation. The caches are filled
+  with random K/V rather than by running the prompts, which costs the same per step and keeps the
+  run short.
 
 Medians over `--repeats` runs after a warm-up. Results print as a table and optionally as JSON.
 
@@ -31,30 +32,38 @@ from shared.engine.step_batch import SequenceChunk, build_step_batch
 
 
 def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return paired_medians([fn], repeats)[0]
+
+
+def paired_medians(fns, repeats: int) -> list[float]:
+    """Median time of each function, run in alternation after a warm-up, so that a noisy,
+    shared machine slows each of them alike (the ratios are what we report)."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return [statistics.median(samples) for samples in times]
 
 
-def ours_prefill(model, prompt_len: int, repeats: int) -> float:
+def ours_prefill(model, prompt_len: int):
     block_size = 16
     num_blocks = -(-prompt_len // block_size)
     cache = KVCache(model.config, num_blocks, block_size)
     tokens = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
     batch = build_step_batch([SequenceChunk(tokens, 0, list(range(num_blocks)))], block_size)
-    return median_seconds(lambda: model.step(batch, cache), repeats)
+    return lambda: model.step(batch, cache)
 
 
-def hf_prefill(hf_model, prompt_len: int, repeats: int) -> float:
+def hf_prefill(hf_model, prompt_len: int):
     ids = torch.randint(0, hf_model.config.vocab_size, (1, prompt_len))
-    return median_seconds(lambda: hf_model(ids, use_cache=True), repeats)
+    return lambda: hf_model(ids, use_cache=True)
 
 
-def ours_decode(model, batch_size: int, context: int, repeats: int) -> float:
+def ours_decode(model, batch_size: int, context: int, repeats: int):
     """One engine decode step (batch build, forward, greedy sampling) at `context` tokens each."""
     block_size = 16
     steps = repeats + 2
@@ -71,16 +80,19 @@ def ours_decode(model, batch_size: int, context: int, repeats: int) -> float:
 
     def step() -> None:
         position = state["position"]
-        chunks = [SequenceChunk([t], position, table) for t, table in zip(state["tokens"], tables)]
+        chunks = [
+            SequenceChunk([t], position, table)
+            for t, table in zip(state["tokens"], tables, strict=True)
+        ]
         batch = build_step_batch(chunks, block_size)
         logits = model.step(batch, cache)
         state["tokens"] = sampler(logits, rows).token_ids
         state["position"] = position + 1
 
-    return median_seconds(step, repeats)
+    return step
 
 
-def hf_decode(hf_model, batch_size: int, context: int, repeats: int) -> float:
+def hf_decode(hf_model, batch_size: int, context: int):
     from transformers import DynamicCache
 
     c = hf_model.config
@@ -95,7 +107,7 @@ def hf_decode(hf_model, batch_size: int, context: int, repeats: int) -> float:
         out = hf_model(state["tokens"], past_key_values=cache, use_cache=True)
         state["tokens"] = out.logits[:, -1].argmax(-1, keepdim=True)
 
-    return median_seconds(step, repeats)
+    return step
 
 
 def main() -> None:
@@ -117,8 +129,10 @@ def main() -> None:
     hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
     results: dict = {"threads": args.threads, "context": args.context, "decode": []}
     with torch.inference_mode():
-        ours_s = ours_prefill(loaded.model, args.prompt_len, max(2, args.repeats // 2))
-        hf_s = hf_prefill(hf_model, args.prompt_len, max(2, args.repeats // 2))
+        ours_s, hf_s = paired_medians(
+            [ours_prefill(loaded.model, args.prompt_len), hf_prefill(hf_model, args.prompt_len)],
+            max(3, args.repeats // 2),
+        )
         results["prefill"] = {
             "prompt_len": args.prompt_len,
             "ours_tokens_per_s": args.prompt_len / ours_s,
@@ -128,8 +142,13 @@ def main() -> None:
               f"transformers {args.prompt_len / hf_s:7.1f} tok/s")
         print(f"{'batch':>5} {'ours ms':>9} {'hf ms':>9} {'hf/ours':>8} {'ours tok/s':>11}")
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-            ours = ours_decode(loaded.model, batch_size, args.context, args.repeats)
-            hf = hf_decode(hf_model, batch_size, args.context, args.repeats)
+            ours, hf = paired_medians(
+                [
+                    ours_decode(loaded.model, batch_size, args.context, args.repeats),
+                    hf_decode(hf_model, batch_size, args.context),
+                ],
+                args.repeats,
+            )
             row = {
                 "batch_size": batch_size,
                 "ours_ms": ours * 1e3,

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
 from shared.engine.kv_cache import KVCache
 from shared.engine.model_config import ModelConfig
-from shared.engine.rope import RotaryEmbedding
+from shared.engine.rope import RotaryEmbedding, apply_rotary
 from shared.engine.step_batch import StepBatch
 
 
@@ -39,7 +39,19 @@ class DecoderLayerWeights:
     down_bias: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one step shares, computed once per step rather than per layer."""
+
+    batch: StepBatch
+    cos: torch.Tensor  # [tokens, 1, head_dim]
+    sin: torch.Tensor
+    attention_plan: AttentionPlan | None  # the CPU reference's gather indices and masks
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op; identical to the float32 path below
+        return F.rms_norm(x, weight.shape, weight, eps)
     # Normalize in float32 whatever the activation dtype, as transformers does.
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -87,21 +99,37 @@ class LlamaModel:
     def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the last layer, before the final norm."""
         hidden = F.embedding(batch.token_ids, self.embed_tokens)
+        context = self._step_context(batch, kv_cache)
         for index, layer in enumerate(self.layers):
             key_cache, value_cache = kv_cache.layer(index)
-            hidden = hidden + self._attention(layer, hidden, batch, key_cache, value_cache)
+            hidden = hidden + self._attention(layer, hidden, context, key_cache, value_cache)
             hidden = hidden + self._mlp(layer, hidden)
         return hidden
+
+    def _step_context(self, batch: StepBatch, kv_cache: KVCache) -> StepContext:
+        cos, sin = self.rotary.lookup(batch.positions)
+        plan = None
+        if not batch.token_ids.is_cuda:  # the Triton path plans nothing
+            plan = plan_attention(
+                batch.block_tables,
+                batch.context_lens,
+                batch.query_start_loc,
+                block_size=kv_cache.block_size,
+                max_query_len=batch.max_query_len,
+                max_context_len=batch.max_context_len,
+            )
+        return StepContext(batch, cos, sin, plan)
 
     def _attention(
         self,
         layer: DecoderLayerWeights,
         hidden: torch.Tensor,
-        batch: StepBatch,
+        context: StepContext,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> torch.Tensor:
         c = self.config
+        batch = context.batch
         x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
@@ -109,7 +137,7 @@ class LlamaModel:
         q = q.view(num_tokens, c.num_heads, c.head_dim)
         k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
         v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        q, k = apply_rotary(q, k, context.cos, context.sin)
         write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         out = paged_attention(
             q,
@@ -121,6 +149,7 @@ class LlamaModel:
             scale=self._scale,
             max_query_len=batch.max_query_len,
             max_context_len=batch.max_context_len,
+            plan=context.attention_plan,
         )
         return F.linear(out.reshape(num_tokens, self._q_size), layer.o, layer.o_bias)
 
