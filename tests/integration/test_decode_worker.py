@@ -1,0 +1,163 @@
+"""The decode worker's protocol: reservations as leases, KV admission and refusal, streaming."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from services.decode.service import DecodeWorker
+from services.worker.config import WorkerConfig
+from shared import wire
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.loader import load_model
+from shared.engine.sampling_params import SamplingParams
+from shared.wire_convert import sampling_spec
+from tests.integration.conftest import FakeScheduler, WorkerThread
+
+PROMPT = [5, 17, 33, 9, 101, 7, 64, 12, 3, 99, 41, 8, 55, 21, 13, 77, 3, 250]
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_model_dir):
+    context = zmq.Context()
+    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/s.sock")
+    gateway = context.socket(zmq.PULL)
+    gateway.bind(f"ipc://{tmp_path}/g.sock")
+    config = WorkerConfig(
+        scheduler_address=f"ipc://{tmp_path}/s.sock",
+        address=f"ipc://{tmp_path}/d.sock",
+        peer_id="d",
+        model=str(tiny_model_dir),
+        kv_cache_bytes=1 << 20,
+        block_size=4,
+    )
+    worker = WorkerThread(DecodeWorker(config, context)).start()
+    scheduler.expect(wire.Heartbeat)
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(config.address)
+    yield scheduler, gateway, peer, worker.worker, f"ipc://{tmp_path}/g.sock", tiny_model_dir
+    worker.stop()
+    peer.close()
+    gateway.close()
+    scheduler.socket.close()
+    context.term()
+
+
+def prefilled_transfer(model_dir, request_id, gateway_address, params, prompt=PROMPT):
+    """What a prefill worker would send: the prompt's KV and the first token, computed here."""
+    loaded = load_model(model_dir)
+    engine = LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4, retain_finished=True))
+    (result,) = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    keys, values = engine.export_kv(result.request_id)
+    return wire.KvTransfer(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        output_token_ids=result.token_ids,
+        sampling=sampling_spec(params),
+        gateway_address=gateway_address,
+        num_tokens=len(prompt),
+        block_size=4,
+        keys=keys,
+        values=values,
+    ), loaded
+
+
+def total_blocks(worker) -> int:
+    return worker.blocks.num_blocks
+
+
+def test_reserve_transfer_decode_and_stream(setup):
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    transfer, loaded = prefilled_transfer(model_dir, "r1", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="r1", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, transfer)
+    ack = wire.recv(peer) if peer.poll(10_000) else None
+    assert ack is not None and ack.ok, ack
+    tokens = list(transfer.output_token_ids)
+    while True:
+        assert gateway.poll(10_000), "no tokens streamed"
+        delta = wire.recv(gateway).deltas[0]
+        tokens += delta.token_ids
+        if delta.finish_reason:
+            break
+    expected = LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4)).generate(
+        [PROMPT], params
+    )[0].token_ids
+    assert tokens == expected and delta.finish_reason == "length"
+    done = scheduler.expect(wire.RequestDone)
+    assert done.phase == "decode" and done.num_output_tokens == 5
+    heartbeat = scheduler.expect(wire.Heartbeat, where=lambda h: h.num_running == 0)
+    assert heartbeat.num_free_blocks == total_blocks(worker)
+
+
+def test_kv_without_reservation_is_refused(setup):
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    transfer, _ = prefilled_transfer(model_dir, "nores", gateway_address, SamplingParams())
+    wire.send(peer, transfer)
+    assert peer.poll(10_000)
+    ack = wire.recv(peer)
+    assert not ack.ok and "no reservation" in ack.error
+
+
+def test_lapsed_lease_frees_blocks_and_refuses_late_kv(setup):
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    scheduler.send(wire.Reserve(request_id="slow", num_tokens=40, lease_s=0.3))
+    reply = scheduler.expect(wire.ReserveReply)
+    assert reply.ok and reply.num_free_blocks == total_blocks(worker) - 10
+    time.sleep(0.6)
+    heartbeat = scheduler.expect(
+        wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
+    )
+    assert heartbeat.num_free_blocks == total_blocks(worker)
+    transfer, _ = prefilled_transfer(model_dir, "slow", gateway_address, SamplingParams())
+    wire.send(peer, transfer)
+    assert peer.poll(10_000) and not wire.recv(peer).ok
+
+
+def test_reservation_beyond_the_pool_is_refused(setup):
+    scheduler, *_rest = setup
+    worker = _rest[2]
+    scheduler.send(
+        wire.Reserve(request_id="huge", num_tokens=4 * total_blocks(worker) + 1, lease_s=5)
+    )
+    assert not scheduler.expect(wire.ReserveReply).ok
+
+
+def test_cancel_of_a_reservation_frees_it(setup):
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    scheduler.send(wire.Reserve(request_id="c", num_tokens=20, lease_s=60))
+    assert scheduler.expect(wire.ReserveReply).ok
+    scheduler.send(wire.Cancel(request_id="c", reason="test"))
+    heartbeat = scheduler.expect(
+        wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
+    )
+    assert heartbeat.num_free_blocks == total_blocks(worker)
+
+
+def test_wrong_shaped_kv_is_refused_and_blocks_return(setup):
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    transfer, _ = prefilled_transfer(model_dir, "bad", gateway_address, SamplingParams())
+    scheduler.send(wire.Reserve(request_id="bad", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    broken = wire.KvTransfer(
+        **{
+            **{f: getattr(transfer, f) for f in ("request_id", "prompt_token_ids",
+                                                 "output_token_ids", "sampling",
+                                                 "gateway_address", "num_tokens", "block_size")},
+            "keys": transfer.keys[:, :, :, :1].contiguous(),
+            "values": transfer.values[:, :, :, :1].contiguous(),
+        }
+    )
+    wire.send(peer, broken)
+    assert peer.poll(10_000)
+    ack = wire.recv(peer)
+    assert not ack.ok and "shape" in ack.error
+    heartbeat = scheduler.expect(
+        wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
+    )
+    assert heartbeat.num_free_blocks == total_blocks(worker)

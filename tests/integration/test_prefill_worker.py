@@ -1,0 +1,102 @@
+"""The prefill worker's protocol: first token to the gateway, KV to the decode target, and a
+transfer that is never acknowledged is abandoned and reported for re-routing."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from services.prefill.service import PrefillWorker
+from services.worker.config import WorkerConfig
+from shared import wire
+from tests.integration.conftest import FakeScheduler, WorkerThread
+
+PROMPT = [5, 17, 33, 9, 101, 7, 64, 12, 3, 99, 41]
+
+
+@pytest.fixture
+def setup(tmp_path, tiny_model_dir):
+    context = zmq.Context()
+    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/s.sock")
+    gateway = context.socket(zmq.PULL)
+    gateway.bind(f"ipc://{tmp_path}/g.sock")
+    decode = context.socket(zmq.ROUTER)  # plays the decode worker's KV socket
+    decode.bind(f"ipc://{tmp_path}/d.sock")
+    config = WorkerConfig(
+        scheduler_address=f"ipc://{tmp_path}/s.sock",
+        peer_id="p",
+        model=str(tiny_model_dir),
+        kv_cache_bytes=1 << 20,
+        block_size=4,
+        transfer_timeout_s=0.5,
+    )
+    worker = WorkerThread(PrefillWorker(config, context)).start()
+    scheduler.expect(wire.Heartbeat)
+    yield scheduler, gateway, decode, tmp_path
+    worker.stop()
+    for sock in (gateway, decode, scheduler.socket):
+        sock.close(linger=0)
+    context.term()
+
+
+def job(tmp_path, request_id: str, max_tokens: int = 8, **sampling) -> wire.PrefillJob:
+    return wire.PrefillJob(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        sampling=wire.SamplingSpec(max_tokens=max_tokens, temperature=0.0, **sampling),
+        gateway_address=f"ipc://{tmp_path}/g.sock",
+        decode_peer_id="d",
+        decode_address=f"ipc://{tmp_path}/d.sock",
+    )
+
+
+def test_first_token_streams_and_kv_reaches_decode(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    scheduler.send(job(tmp_path, "r1", ignore_eos=True))
+    assert gateway.poll(10_000)
+    first = wire.recv(gateway).deltas[0]
+    assert first.request_id == "r1" and len(first.token_ids) == 1 and first.finish_reason is None
+    assert decode.poll(10_000)
+    identity, transfer = wire.recv_from(decode)
+    assert transfer.num_tokens == len(PROMPT)
+    assert transfer.output_token_ids == first.token_ids
+    assert transfer.keys.shape[1] == 3 and transfer.keys.shape == transfer.values.shape
+    wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
+    done = scheduler.expect(wire.RequestDone)
+    assert done.phase == "prefill" and done.finish_reason is None
+
+
+def test_unacknowledged_transfer_is_abandoned_and_reported(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    scheduler.send(job(tmp_path, "lost", ignore_eos=True))
+    assert decode.poll(10_000)  # the KV arrives, but no ack is ever sent
+    done = scheduler.expect(wire.RequestDone, timeout_s=10)
+    assert done.request_id == "lost" and done.finish_reason == "error"
+
+
+def test_request_over_at_its_first_token_ends_in_prefill(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    scheduler.send(job(tmp_path, "one", max_tokens=1))
+    assert gateway.poll(10_000)
+    delta = wire.recv(gateway).deltas[0]
+    assert delta.finish_reason == "length"
+    done = scheduler.expect(wire.RequestDone)
+    assert done.finish_reason == "length"
+    assert not decode.poll(300)  # no KV was sent
+
+
+def test_invalid_job_gets_an_error_to_the_gateway(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    bad = wire.PrefillJob(
+        request_id="bad",
+        prompt_token_ids=[5, 10_000],  # outside the tiny model's vocabulary
+        sampling=wire.SamplingSpec(max_tokens=4),
+        gateway_address=f"ipc://{tmp_path}/g.sock",
+        decode_peer_id="d",
+        decode_address=f"ipc://{tmp_path}/d.sock",
+    )
+    scheduler.send(bad)
+    assert gateway.poll(10_000)
+    delta = wire.recv(gateway).deltas[0]
+    assert delta.finish_reason == "error" and "prompt" in delta.error
+    assert scheduler.expect(wire.RequestDone).finish_reason == "rejected"
