@@ -152,7 +152,7 @@ class DecodeWorker:
             case wire.Cancel():
                 self._cancel(message.request_id, message.reason)
             case wire.HelloAck():
-                pass
+                self.link.on_hello_ack(message, self.log)
             case _:
                 self.log.warning("dropped unexpected message", type=type(message).__name__)
 

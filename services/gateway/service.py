@@ -13,6 +13,7 @@ import uvicorn
 from services.gateway.app import build_app
 from services.gateway.cluster import ClusterClient
 from services.gateway.generation import Generator
+from services.gateway.rpc import RpcServer
 from shared.config import add_config_arguments, config_from_args, require_address, require_positive, setting
 from shared.engine.loader import resolve_model_dir
 from shared.logs import configure_logging, get_logger
@@ -31,9 +32,12 @@ class GatewayConfig:
     peer_id: str | None = setting(None, "unique name of this gateway (default: gateway-host-pid)")
     max_body_bytes: int = setting(8 << 20, "largest accepted HTTP request body")
     max_model_len: int | None = setting(None, "context length (default: the model's)")
+    rpc_address: str | None = setting(None, "ZeroMQ RPC ROUTER to bind (default: no RPC door)")
 
     def __post_init__(self) -> None:
-        require_address(self, "scheduler_address", "stream_address", "advertise_stream_address")
+        require_address(
+            self, "scheduler_address", "stream_address", "advertise_stream_address", "rpc_address"
+        )
         require_positive(self, "port", "max_body_bytes", "max_model_len")
 
 
@@ -56,12 +60,19 @@ def build_gateway(config: GatewayConfig):
         config.model,
     )
     generator = Generator(cluster, tokenizer, name, max_model_len)
+    rpc = None
+    if config.rpc_address is not None:
+        rpc = RpcServer(generator, config.rpc_address, config.max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await cluster.start()
-        get_logger().info("gateway ready", port=config.port, model=name)
+        if rpc is not None:
+            await rpc.start()
+        get_logger().info("gateway ready", port=config.port, model=name, rpc=config.rpc_address)
         yield
+        if rpc is not None:
+            await rpc.close()  # first: its calls cancel their requests through the cluster link
         await cluster.close()
 
     return build_app(generator, config.max_body_bytes, lifespan=lifespan)

@@ -138,12 +138,14 @@ class PrefillWorker:
             case wire.KvAck():
                 self._on_ack(message)
             case wire.HelloAck():
-                pass  # a repeated handshake answer
+                self.link.on_hello_ack(message, self.log)  # a repeated handshake answer
             case _:
                 self.log.warning("dropped unexpected message", type=type(message).__name__)
 
     def _accept_job(self, job: wire.PrefillJob) -> None:
         log = self.log.bind(request_id=job.request_id)
+        if job.request_id in self.jobs or job.request_id in self.transfers:
+            self._cancel(job.request_id, "dispatched again")  # the new attempt replaces the old
         try:
             params = sampling_params(job.sampling)
             # Only the first token is sampled here; the decode worker generates the rest.

@@ -37,7 +37,7 @@ class Phase(enum.IntEnum):
 class SchedulerLimits:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: float = 10.0
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0  # prompt compute plus KV transfer, on a CPU
     retry_after_s: float = 1.0
@@ -107,10 +107,16 @@ class ClusterScheduler:
             return out + self.dispatch(now)
         return []
 
-    def on_heartbeat(self, heartbeat: wire.Heartbeat, now: float) -> list[Outgoing]:
+    def on_heartbeat(self, identity: bytes, heartbeat: wire.Heartbeat, now: float) -> list[Outgoing]:
         worker = self.registry.get(heartbeat.peer_id)
-        if worker is None:
-            return []
+        if worker is None:  # restarted scheduler, or a worker taken for dead: it must re-register
+            ack = wire.HelloAck(
+                schema_version=wire.SCHEMA_VERSION,
+                accepted=False,
+                error=wire.UNKNOWN_PEER,
+                heartbeat_interval_s=0.0,
+            )
+            return [Outgoing(identity, ack)]
         worker.last_heartbeat = now
         worker.num_free_blocks = heartbeat.num_free_blocks
         worker.num_running = heartbeat.num_running
@@ -212,6 +218,8 @@ class ClusterScheduler:
         if request is None:
             return []
         if done.phase == "prefill":
+            if request.phase != Phase.PREFILLING or request.prefill_peer_id != done.peer_id:
+                return []  # a report from an attempt the scheduler already gave up on
             prefill = self.registry.get(done.peer_id)
             if prefill is not None:
                 prefill.request_ids.discard(done.request_id)
@@ -302,6 +310,8 @@ class ClusterScheduler:
             if request.phase == Phase.DECODING:
                 self.requests.pop(request_id)
                 out += self._fail(request, f"decode worker {worker.peer_id} stopped responding")
+                # If it is alive after all (a long stall), it must stop generating for nobody.
+                out.append(Outgoing(worker.identity, wire.Cancel(request_id=request_id, reason="failed")))
             else:
                 if request.decode_peer_id == worker.peer_id:
                     request.decode_peer_id = None

@@ -27,7 +27,7 @@ from shared.logs import configure_logging, get_logger
 class SchedulerConfig:
     address: str = setting("ipc:///tmp/tandem/scheduler.sock", "ROUTER address to bind")
     heartbeat_interval_s: float = setting(0.5, "how often workers send heartbeats")
-    heartbeat_timeout_s: float = setting(3.0, "silence after which a worker is out of rotation")
+    heartbeat_timeout_s: float = setting(10.0, "silence after which a worker is out of rotation")
     max_queued_requests: int = setting(1024, "queued requests beyond which 429 is answered")
     max_queued_tokens: int = setting(1 << 20, "queued prompt tokens beyond which 429 is answered")
     reserve_timeout_s: float = setting(5.0, "time a decode worker has to confirm a reservation")
@@ -96,6 +96,9 @@ class SchedulerService:
                     self._drain()
                 now = time.monotonic()
                 if now >= next_tick:
+                    for worker in self.core.registry.expired(now):
+                        self.log.warning("worker left rotation", peer_id=worker.peer_id,
+                                         silent_s=round(now - worker.last_heartbeat, 1))
                     self._send(self.core.tick(now))
                     self._broadcast_status()
                     next_tick = now + self.config.heartbeat_interval_s / 2
@@ -123,7 +126,7 @@ class SchedulerService:
             case wire.Hello():
                 return self._hello(identity, message, now)
             case wire.Heartbeat():
-                return core.on_heartbeat(message, now)
+                return core.on_heartbeat(identity, message, now)
             case wire.Submit():
                 self.log.info("request queued", request_id=message.request_id,
                               prompt_tokens=len(message.prompt_token_ids))

@@ -1,8 +1,8 @@
 """A worker's link to the scheduler: HELLO handshake, heartbeats, messages both ways.
 
-The DEALER socket reconnects by itself if the scheduler restarts; the link then says HELLO again
-when the scheduler's first message shows it does not know us (there is no such message yet: the
-handshake happens at start, and heartbeats carry on after a reconnect).
+The DEALER socket reconnects by itself if the scheduler restarts. A scheduler that does not know
+the worker (it restarted, or took the worker for dead during a long stall) answers its next
+heartbeat with HelloAck(error=UNKNOWN_PEER), and the worker says HELLO again.
 """
 
 from __future__ import annotations
@@ -41,6 +41,16 @@ class SchedulerLink:
                     self.heartbeat_interval_s = message.heartbeat_interval_s
                     return
         raise HandshakeError(f"no answer from the scheduler within {timeout_s:.0f} s")
+
+    def on_hello_ack(self, ack: wire.HelloAck, log) -> None:
+        """An answer after the handshake: the scheduler lost track of us, so register again."""
+        if ack.accepted:
+            return
+        if ack.error == wire.UNKNOWN_PEER:
+            log.warning("scheduler does not know this worker; registering again")
+            self.send(self.hello)
+        else:
+            log.error("scheduler refused this worker", error=ack.error)
 
     def send(self, message: wire.Message) -> None:
         wire.send(self.socket, message)

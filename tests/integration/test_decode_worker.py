@@ -161,3 +161,17 @@ def test_wrong_shaped_kv_is_refused_and_blocks_return(setup):
         wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
     )
     assert heartbeat.num_free_blocks == total_blocks(worker)
+
+
+def test_worker_registers_again_when_the_scheduler_forgot_it(setup):
+    scheduler, *_ = setup
+    scheduler.send(
+        wire.HelloAck(
+            schema_version=wire.SCHEMA_VERSION,
+            accepted=False,
+            error=wire.UNKNOWN_PEER,
+            heartbeat_interval_s=0.0,
+        )
+    )
+    hello = scheduler.expect(wire.Hello)
+    assert hello.peer_id == "d" and hello.role == "decode"

@@ -46,7 +46,9 @@ def sent(outgoing, kind):
 
 @pytest.fixture
 def core() -> ClusterScheduler:
-    c = ClusterScheduler(SchedulerLimits(max_queued_requests=4, max_queued_tokens=1000))
+    c = ClusterScheduler(
+        SchedulerLimits(max_queued_requests=4, max_queued_tokens=1000, heartbeat_timeout_s=3.0)
+    )
     c.on_hello(b"G", hello("g", "gateway"), 0.0)
     c.on_hello(b"P", hello("p", "prefill"), 0.0)
     c.on_hello(b"D", hello("d", "decode"), 0.0)
@@ -101,7 +103,7 @@ def test_refused_reservation_requeues_and_tries_later(core):
     out = core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0), 0.0)
     assert not sent(out, wire.Reserve)  # the worker reported no room
     assert core.requests["r"].phase == Phase.QUEUED
-    out = core.on_heartbeat(heartbeat("d", free=100), 0.5)
+    out = core.on_heartbeat(b"X", heartbeat("d", free=100), 0.5)
     assert sent(out, wire.Reserve)
 
 
@@ -109,8 +111,8 @@ def test_silent_worker_leaves_rotation_and_its_work_is_rerouted(core):
     core.on_submit(b"G", submit("r"), 0.0)
     core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
     core.on_hello(b"P2", hello("p2", "prefill"), 1.0)
-    core.on_heartbeat(heartbeat("d"), 2.5)
-    core.on_heartbeat(heartbeat("p2"), 2.5)
+    core.on_heartbeat(b"X", heartbeat("d"), 2.5)
+    core.on_heartbeat(b"X", heartbeat("p2"), 2.5)
     out = core.tick(3.5)  # p (holding the prefill job) has been silent for 3.5 s > 3 s
     assert core.registry.get("p") is None
     # The decode reservation is released and the request dispatched again.
@@ -120,7 +122,7 @@ def test_silent_worker_leaves_rotation_and_its_work_is_rerouted(core):
 
 def test_decode_worker_lost_mid_stream_fails_request_with_error(core):
     run_to_decoding(core, "r")
-    core.on_heartbeat(heartbeat("p"), 3.0)
+    core.on_heartbeat(b"X", heartbeat("p"), 3.0)
     out = core.tick(3.5)
     (tokens,) = sent(out, wire.Tokens)
     assert tokens.identity == b"G" and tokens.message.deltas[0].error
@@ -154,8 +156,8 @@ def test_transfer_failure_reroutes(core):
 
 def test_reservation_timeout_requeues(core):
     core.on_submit(b"G", submit("r"), 0.0)
-    core.on_heartbeat(heartbeat("d"), 5.0)
-    core.on_heartbeat(heartbeat("p"), 5.0)
+    core.on_heartbeat(b"X", heartbeat("d"), 5.0)
+    core.on_heartbeat(b"X", heartbeat("p"), 5.0)
     out = core.tick(5.5)  # reserve_timeout_s = 5
     assert sent(out, wire.Cancel) and sent(out, wire.Reserve)
 
@@ -178,3 +180,22 @@ def test_cancel_of_queued_request_frees_its_queue_slot(core):
     assert core.queue and core.num_queued_tokens == 20
     assert core.on_cancel(wire.Cancel(request_id="r", reason="x"), 0.0) == []
     assert not core.queue and core.num_queued_tokens == 0
+
+
+def test_heartbeat_from_unknown_peer_asks_it_to_register_again(core):
+    (out,) = core.on_heartbeat(b"Q", heartbeat("stranger"), 0.0)
+    assert out.identity == b"Q" and out.message.error == wire.UNKNOWN_PEER
+    assert not out.message.accepted
+
+
+def test_stale_prefill_report_from_an_abandoned_attempt_is_ignored(core):
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    core.on_heartbeat(b"D", heartbeat("d"), 3.0)
+    core.tick(3.5)  # p is dropped; r is re-queued and waits for a prefill worker
+    core.on_hello(b"P", hello("p", "prefill"), 4.0)  # p comes back and gets r again
+    assert core.requests["r"].phase == Phase.RESERVING
+    stale = wire.RequestDone(request_id="r", peer_id="p", phase="prefill", finish_reason="error",
+                             num_prompt_tokens=20, num_output_tokens=1)
+    assert core.on_request_done(stale, 4.1) == []
+    assert core.requests["r"].phase == Phase.RESERVING

@@ -1,0 +1,286 @@
+"""The gateway's ZeroMQ RPC front door, for agent orchestrators and other internal callers.
+
+A ROUTER socket takes `RpcRequest`s from DEALER clients (`rpc_client`). A request carries the
+HTTP API's JSON body as text, so it goes through the same parser, the same `Generator` and the
+same response builders as `/v1/completions` and `/v1/chat/completions`: the fields, defaults,
+validation errors and response shapes are the HTTP API's. Each call runs in its own task, keyed
+by (client identity, call id), and answers with `RpcEvent`s: a streaming call with one `chunk`
+per piece of text (OpenAI's chunk shape) and then `end`; a non-streaming call with one `response`;
+any call may instead end with an `error` carrying the HTTP status and OpenAI's error object.
+
+Cancelling a call's task closes its generation iterator, which cancels its requests in the
+cluster (queue entry, prefill job, KV blocks). That happens on `RpcCancel`, and when a client has
+vanished: the socket is ROUTER_MANDATORY, so an event to a peer that disconnected fails at once
+and every call of that peer is cancelled. (ZeroMQ does not tell a ROUTER when a peer leaves, so a
+vanished client's non-streaming call is noticed only when its response is due.) Malformed frames
+are logged and dropped; the loop never dies of a client's mistake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from services.gateway.generation import ChoiceEvent, Generation, Generator
+from services.gateway.openai_protocol import (
+    ApiError,
+    ChoiceResult,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    parse_chat_request,
+    parse_completion_request,
+    usage_chunk,
+    usage_dict,
+)
+from shared import wire
+from shared.logs import get_logger
+
+MAX_CALLS_PER_CLIENT = 256  # calls in flight per client connection; more are answered 429
+
+# Per call kind: the HTTP endpoint's parser and its response id prefix.
+_ENDPOINTS = {
+    "completion": (parse_completion_request, "cmpl"),
+    "chat": (parse_chat_request, "chatcmpl"),
+}
+
+CallKey = tuple[bytes, str]  # (client identity, call id)
+
+
+class _ClientGone(Exception):
+    """An event could not be routed: the client disconnected."""
+
+
+class RpcServer:
+    def __init__(self, generator: Generator, address: str, max_body_bytes: int = 8 << 20):
+        self.generator = generator
+        self.address = address
+        self.max_body_bytes = max_body_bytes
+        self.log = get_logger(component="rpc", address=address)
+        self._calls: dict[CallKey, asyncio.Task] = {}
+        self._replies: set[asyncio.Task] = set()  # refusals and cancel answers being sent
+        self._loop_task: asyncio.Task | None = None
+        self._closing = False
+
+    async def start(self) -> None:
+        self.context = zmq.asyncio.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, not silence
+        self.socket.bind(self.address)
+        self._loop_task = asyncio.create_task(self._serve())
+        self.log.info("rpc listening")
+
+    async def close(self) -> None:
+        self._closing = True
+        tasks = [t for t in (self._loop_task, *self._calls.values(), *self._replies) if t]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.socket.close(linger=0)
+        self.context.term()
+
+    # -- the socket loop ------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart(copy=False)
+            identity = frames[0].bytes
+            try:
+                message = wire.decode(frames[1:])
+            except wire.WireError as error:
+                self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
+                continue
+            match message:
+                case wire.RpcRequest():
+                    self._start_call(identity, message)
+                case wire.RpcCancel():
+                    task = self._calls.get((identity, message.call_id))
+                    if task is not None:
+                        task.cancel()
+                case _:
+                    self.log.warning("dropped unexpected message", type=type(message).__name__)
+
+    def _start_call(self, identity: bytes, request: wire.RpcRequest) -> None:
+        key = (identity, request.call_id)
+        refusal = None
+        if key in self._calls:
+            refusal = ApiError(409, "a call with this call_id is in flight", param="call_id")
+        elif sum(1 for peer, _ in self._calls if peer == identity) >= MAX_CALLS_PER_CLIENT:
+            refusal = ApiError(429, f"more than {MAX_CALLS_PER_CLIENT} calls in flight",
+                               "rate_limit_error")  # fmt: skip
+            refusal.retry_after_s = 1.0
+        if refusal is not None:
+            # Not registered: the call already in flight (if any) keeps its key.
+            self._reply(identity, request.call_id, refusal)
+            return
+        task = asyncio.create_task(self._run_call(identity, request))
+        self._calls[key] = task
+        task.add_done_callback(functools.partial(self._call_done, key))
+
+    def _call_done(self, key: CallKey, task: asyncio.Task) -> None:
+        self._calls.pop(key, None)
+        if task.cancelled() and not self._closing:
+            # RpcCancel or a vanished client (the task may never have started, so the answer
+            # is sent from here). It lets a caller still waiting on the call (another task of
+            # an async client) return; a vanished client just misses it.
+            self._reply(*key, ApiError(499, "the call was cancelled"))
+
+    def _reply(self, identity: bytes, call_id: str, error: ApiError) -> None:
+        task = asyncio.create_task(self._send_error(identity, call_id, error))
+        self._replies.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._replies.discard)
+        task.add_done_callback(_log_failure)
+
+    # -- one call -------------------------------------------------------------------------------
+
+    async def _run_call(self, identity: bytes, request: wire.RpcRequest) -> None:
+        call_id = request.call_id
+        try:
+            generation = self._prepare(request)
+            events = self.generator.events(generation, generation.request.user or "default")
+            try:
+                if request.stream:
+                    await self._stream(identity, call_id, generation, events)
+                else:
+                    response = await _collect(generation, events)
+                    await self._send(identity, call_id, "response", response)
+            finally:
+                await events.aclose()  # cancels the cluster requests still running
+        except ApiError as error:
+            await self._send_error(identity, call_id, error)
+        except _ClientGone:
+            self.log.info("rpc client gone, call cancelled", call_id=call_id, peer=identity.hex())
+        except Exception as error:  # a bug here must not take the loop or other calls down
+            self.log.exception("rpc call failed", call_id=call_id)
+            await self._send_error(identity, call_id, ApiError(500, str(error), "server_error"))
+
+    def _prepare(self, request: wire.RpcRequest) -> Generation:
+        if len(request.body.encode()) > self.max_body_bytes:
+            raise ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes")
+        try:
+            body = json.loads(request.body)
+        except json.JSONDecodeError as error:
+            raise ApiError(400, f"the body is not valid JSON: {error}") from None
+        if isinstance(body, dict):
+            body.setdefault("stream", request.stream)
+        parse, id_prefix = _ENDPOINTS[request.kind]
+        parsed = parse(body, self.generator.model_name, self.generator.max_model_len)
+        if parsed.stream != request.stream:
+            raise ApiError(400, "`stream` disagrees with the RPC request's stream flag",
+                           param="stream")  # fmt: skip
+        return self.generator.prepare(parsed, id_prefix)
+
+    async def _stream(
+        self,
+        identity: bytes,
+        call_id: str,
+        generation: Generation,
+        events: AsyncIterator[ChoiceEvent],
+    ) -> None:
+        req = generation.request
+        role_sent: set[int] = set()
+        num_tokens = 0
+        async for event in events:
+            num_tokens += len(event.token_ids)
+            await self._send(identity, call_id, "chunk", _chunk(generation, event, role_sent))
+        if req.include_usage:
+            usage = usage_dict(generation.num_prompt_tokens, num_tokens)
+            chunk = usage_chunk(generation.request_id, req.model, generation.created, usage,
+                                chat=req.chat)  # fmt: skip
+            await self._send(identity, call_id, "chunk", chunk)
+        await self._send(identity, call_id, "end", None)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    async def _send(self, identity: bytes, call_id: str, kind: str, body: Any) -> None:
+        text = "" if body is None else _json(body)
+        event = wire.RpcEvent(call_id=call_id, kind=kind, body=text, status=200,
+                              done=kind != "chunk")  # fmt: skip
+        await self._route(identity, event)
+
+    async def _send_error(self, identity: bytes, call_id: str, error: ApiError) -> None:
+        event = wire.RpcEvent(
+            call_id=call_id,
+            kind="error",
+            body=_json(error.body()),
+            status=error.status,
+            retry_after_s=getattr(error, "retry_after_s", None),
+            done=True,
+        )
+        with contextlib.suppress(_ClientGone):  # nobody left to tell
+            await self._route(identity, event)
+
+    async def _route(self, identity: bytes, event: wire.RpcEvent) -> None:
+        try:
+            await wire.async_send_to(self.socket, identity, event)
+        except zmq.ZMQError as error:
+            if error.errno != errno.EHOSTUNREACH:
+                raise
+            self._drop_client(identity)
+            raise _ClientGone from None
+
+    def _drop_client(self, identity: bytes) -> None:
+        """Cancels the other calls of a client that disconnected; the caller's own call ends by
+        the `_ClientGone` it raises next."""
+        for (peer, _), task in list(self._calls.items()):
+            if peer == identity and task is not asyncio.current_task():
+                task.cancel()
+
+
+def _json(body: dict[str, Any]) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        get_logger(component="rpc").error("rpc send failed", error=repr(task.exception()))
+
+
+# -- OpenAI shapes from choice events (the HTTP handler assembles them the same way) --------------
+
+
+def _chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]) -> dict[str, Any]:
+    req = generation.request
+    if req.chat:
+        logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
+        first = event.index not in role_sent
+        role_sent.add(event.index)
+        return chat_chunk(generation.request_id, req.model, generation.created, event.index,
+                          event.text, event.finish_reason, logprobs, role_first=first)  # fmt: skip
+    logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
+    return completion_chunk(generation.request_id, req.model, generation.created, event.index,
+                            event.text, event.finish_reason, logprobs)  # fmt: skip
+
+
+async def _collect(generation: Generation, events: AsyncIterator[ChoiceEvent]) -> dict[str, Any]:
+    req = generation.request
+    texts = [""] * req.n
+    token_ids: list[list[int]] = [[] for _ in range(req.n)]
+    logprobs: list[list | None] = [[] if req.logprobs is not None else None for _ in range(req.n)]
+    finish: list[str] = ["length"] * req.n
+    async for event in events:
+        texts[event.index] += event.text
+        token_ids[event.index] += event.token_ids
+        if event.logprobs is not None and logprobs[event.index] is not None:
+            logprobs[event.index] += event.logprobs
+        if event.finish_reason is not None:
+            finish[event.index] = event.finish_reason
+    choices = [
+        ChoiceResult(i, texts[i], finish[i], token_ids[i], logprobs[i]) for i in range(req.n)
+    ]
+    usage = usage_dict(generation.num_prompt_tokens, sum(len(t) for t in token_ids))
+    build = chat_response if req.chat else completion_response
+    return build(generation.request_id, req.model, generation.created, choices, usage)

@@ -1,0 +1,351 @@
+"""A small Python client for the gateway's ZeroMQ RPC door (`rpc`): sync and asyncio.
+
+    with TandemClient("tcp://127.0.0.1:8001") as client:
+        response = client.chat(model="smollm2", messages=[{"role": "user", "content": "Hi"}])
+        for chunk in client.stream_completion(model="smollm2", prompt="Once", max_tokens=8):
+            print(chunk["choices"][0]["text"], end="")
+
+The keyword arguments are the HTTP API's body (`model`, `prompt` or `messages`, `max_tokens`,
+`temperature`, ...), and the results are its JSON as dicts: a response, or stream chunks. An
+error answer raises `RpcError` with the HTTP status and OpenAI's error object. `timeout_s`
+(keyword-only, not part of the body) bounds the wait for each answer: the whole response of a
+non-streaming call, the next chunk of a stream; on timeout the call is cancelled in the gateway
+and `TimeoutError` raised. A stream starts on its first iteration; leaving it early (`break`,
+`close()`, the end of a `with` block) cancels its request in the cluster.
+
+One socket (a DEALER) carries every call of a client, each under its own call id; events are
+sorted into per-call inboxes, so streams may be read interleaved. A client is not thread-safe
+(ZeroMQ sockets are not): use one per thread, or the asyncio client from many tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import zmq
+import zmq.asyncio
+
+from shared import wire
+
+DEFAULT_TIMEOUT_S = 300.0
+CLOSE_LINGER_MS = 1000  # how long a closing socket lets queued cancels reach the gateway
+
+CallKind = Literal["completion", "chat"]
+log = logging.getLogger(__name__)
+
+
+class RpcError(Exception):
+    """The gateway answered with an error: `status` as HTTP would answer, `body` OpenAI's error
+    object ({"error": {"message", "type", "param", "code"}}), `retry_after_s` with 429/503."""
+
+    def __init__(self, status: int, body: dict[str, Any], retry_after_s: float | None = None):
+        self.status = status
+        self.body = body
+        self.retry_after_s = retry_after_s
+        error = body.get("error") or {}
+        self.message: str = error.get("message", "")
+        self.param: str | None = error.get("param")
+        super().__init__(f"{status}: {self.message}")
+
+
+def _request(call_id: str, kind: CallKind, body: dict[str, Any], stream: bool) -> wire.RpcRequest:
+    return wire.RpcRequest(call_id=call_id, kind=kind, body=json.dumps(body), stream=stream)
+
+
+def _payload(event: wire.RpcEvent) -> dict[str, Any] | None:
+    """The event's JSON; None for a stream's end; RpcError for an error."""
+    if event.kind == "error":
+        raise RpcError(event.status, json.loads(event.body), event.retry_after_s)
+    return None if event.kind == "end" else json.loads(event.body)
+
+
+def _as_event(frames: list) -> wire.RpcEvent | None:
+    try:
+        message = wire.decode(frames)
+    except wire.WireError as error:
+        log.warning("dropped malformed message from the gateway: %s", error)
+        return None
+    return message if isinstance(message, wire.RpcEvent) else None
+
+
+def _dealer(context: zmq.Context, address: str) -> zmq.Socket:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)  # an unclosed client never blocks the exit
+    socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+    socket.connect(address)
+    return socket
+
+
+# -- sync ---------------------------------------------------------------------------------------
+
+
+class TandemClient:
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._socket = _dealer(zmq.Context.instance(), address)
+        self._call_ids = (str(n) for n in itertools.count())
+        # Events received for calls in flight and not yet read; a call leaves it when done.
+        self._inbox: dict[str, deque[wire.RpcEvent]] = {}
+
+    def completion(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
+        return self._call("completion", body, timeout_s)
+
+    def chat(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
+        return self._call("chat", body, timeout_s)
+
+    def stream_completion(self, *, timeout_s: float | None = None, **body: Any) -> ChunkStream:
+        return ChunkStream(self, "completion", body, timeout_s or self.timeout_s)
+
+    def stream_chat(self, *, timeout_s: float | None = None, **body: Any) -> ChunkStream:
+        return ChunkStream(self, "chat", body, timeout_s or self.timeout_s)
+
+    def cancel(self, call_id: str) -> None:
+        """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
+        if call_id in self._inbox:
+            wire.send(self._socket, wire.RpcCancel(call_id=call_id))
+
+    def close(self) -> None:
+        for call_id in list(self._inbox):
+            self._abandon(call_id)
+        self._socket.close()
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _call(self, kind: CallKind, body: dict[str, Any], timeout_s: float | None) -> dict:
+        call_id = self._start(kind, body, stream=False)
+        try:
+            event = self._next_event(call_id, timeout_s or self.timeout_s)
+        except BaseException:  # a timeout or Ctrl-C: the gateway should stop working on it
+            self._abandon(call_id)
+            raise
+        self._inbox.pop(call_id, None)
+        result = _payload(event)
+        assert result is not None, "a non-streaming call ends with a response or an error"
+        return result
+
+    def _start(self, kind: CallKind, body: dict[str, Any], stream: bool) -> str:
+        call_id = next(self._call_ids)
+        self._inbox[call_id] = deque()
+        wire.send(self._socket, _request(call_id, kind, body, stream))
+        return call_id
+
+    def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
+        deadline = time.monotonic() + timeout_s
+        inbox = self._inbox[call_id]
+        while not inbox:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not self._socket.poll(remaining_ms):
+                raise TimeoutError(f"no answer from {self.address} within {timeout_s} s")
+            event = _as_event(self._socket.recv_multipart(copy=False))
+            if event is not None and event.call_id in self._inbox:
+                self._inbox[event.call_id].append(event)  # else: a call already left
+        event = inbox.popleft()
+        if event.done:
+            self._inbox.pop(call_id, None)
+        return event
+
+    def _abandon(self, call_id: str) -> None:
+        """Cancels a call nobody waits for any more; its late events are dropped."""
+        if self._inbox.pop(call_id, None) is not None and not self._socket.closed:
+            wire.send(self._socket, wire.RpcCancel(call_id=call_id))
+
+
+class ChunkStream:
+    """The chunks of one streaming call. Started by the first `next()`; closing it before the
+    end (or dropping it, or leaving its `with` block) cancels the call."""
+
+    def __init__(self, client: TandemClient, kind: CallKind, body: dict, timeout_s: float):
+        self._client, self._kind, self._body, self._timeout_s = client, kind, body, timeout_s
+        self.call_id: str | None = None  # set once started
+        self._finished = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._finished:
+            raise StopIteration
+        if self.call_id is None:
+            self.call_id = self._client._start(self._kind, self._body, stream=True)
+        try:
+            event = self._client._next_event(self.call_id, self._timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self._finished = event.done
+        chunk = _payload(event)
+        if chunk is None:
+            raise StopIteration
+        return chunk
+
+    def close(self) -> None:
+        if self.call_id is not None and not self._finished:
+            self._client._abandon(self.call_id)
+        self._finished = True
+
+    def __enter__(self) -> ChunkStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+# -- asyncio ------------------------------------------------------------------------------------
+
+
+class AsyncTandemClient:
+    """The asyncio twin of `TandemClient`: the same methods, awaited; streams are `async for`.
+    Calls may run concurrently from many tasks; a reader task sorts events into their inboxes."""
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._socket = _dealer(zmq.asyncio.Context.instance(), address)
+        self._call_ids = (str(n) for n in itertools.count())
+        self._inbox: dict[str, asyncio.Queue[wire.RpcEvent]] = {}
+        self._reader: asyncio.Task | None = None  # started with the first call, on its loop
+        self._pending: set[asyncio.Task] = set()  # cancels sent from finalizers
+
+    async def completion(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
+        return await self._call("completion", body, timeout_s)
+
+    async def chat(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
+        return await self._call("chat", body, timeout_s)
+
+    def stream_completion(self, *, timeout_s: float | None = None, **body: Any) -> AsyncChunkStream:
+        return AsyncChunkStream(self, "completion", body, timeout_s or self.timeout_s)
+
+    def stream_chat(self, *, timeout_s: float | None = None, **body: Any) -> AsyncChunkStream:
+        return AsyncChunkStream(self, "chat", body, timeout_s or self.timeout_s)
+
+    async def cancel(self, call_id: str) -> None:
+        """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
+        if call_id in self._inbox:
+            await wire.async_send(self._socket, wire.RpcCancel(call_id=call_id))
+
+    async def close(self) -> None:
+        for call_id in list(self._inbox):
+            await self._abandon(call_id)
+        await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._socket.close()
+
+    async def __aenter__(self) -> AsyncTandemClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _call(self, kind: CallKind, body: dict[str, Any], timeout_s: float | None) -> dict:
+        call_id = await self._start(kind, body, stream=False)
+        try:
+            event = await self._next_event(call_id, timeout_s or self.timeout_s)
+        except BaseException:  # a timeout, or the caller's task was cancelled
+            self._abandon_soon(call_id)
+            raise
+        result = _payload(event)
+        assert result is not None, "a non-streaming call ends with a response or an error"
+        return result
+
+    async def _start(self, kind: CallKind, body: dict[str, Any], stream: bool) -> str:
+        if self._reader is None:
+            self._reader = asyncio.create_task(self._read())
+        call_id = next(self._call_ids)
+        self._inbox[call_id] = asyncio.Queue()
+        await wire.async_send(self._socket, _request(call_id, kind, body, stream))
+        return call_id
+
+    async def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
+        try:
+            event = await asyncio.wait_for(self._inbox[call_id].get(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer from {self.address} within {timeout_s} s") from None
+        if event.done:
+            self._inbox.pop(call_id, None)
+        return event
+
+    async def _read(self) -> None:
+        while True:
+            event = _as_event(await self._socket.recv_multipart(copy=False))
+            if event is not None and event.call_id in self._inbox:
+                self._inbox[event.call_id].put_nowait(event)  # else: a call already left
+
+    async def _abandon(self, call_id: str) -> None:
+        """Cancels a call nobody waits for any more; its late events are dropped."""
+        if self._inbox.pop(call_id, None) is not None and not self._socket.closed:
+            await wire.async_send(self._socket, wire.RpcCancel(call_id=call_id))
+
+    def _abandon_soon(self, call_id: str) -> None:
+        """`_abandon` from where nothing may be awaited: a cancelled task, a finalizer."""
+        try:
+            task = asyncio.get_running_loop().create_task(self._abandon(call_id))
+        except RuntimeError:  # no loop any more: close() (or the process's end) covers it
+            self._inbox.pop(call_id, None)
+            return
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+
+class AsyncChunkStream:
+    """The chunks of one streaming call, for `async for`. Started by the first iteration;
+    `aclose()` (or leaving its `async with` block, or dropping it) before the end cancels it."""
+
+    def __init__(self, client: AsyncTandemClient, kind: CallKind, body: dict, timeout_s: float):
+        self._client, self._kind, self._body, self._timeout_s = client, kind, body, timeout_s
+        self.call_id: str | None = None  # set once started
+        self._finished = False
+
+    def __aiter__(self) -> AsyncChunkStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._finished:
+            raise StopAsyncIteration
+        if self.call_id is None:
+            self.call_id = await self._client._start(self._kind, self._body, stream=True)
+        try:
+            event = await self._client._next_event(self.call_id, self._timeout_s)
+        except BaseException:
+            self._close_soon()
+            raise
+        self._finished = event.done
+        chunk = _payload(event)
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        if self.call_id is not None and not self._finished:
+            await self._client._abandon(self.call_id)
+        self._finished = True
+
+    def _close_soon(self) -> None:
+        if self.call_id is not None and not self._finished:
+            self._client._abandon_soon(self.call_id)
+        self._finished = True
+
+    async def __aenter__(self) -> AsyncChunkStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        self._close_soon()
