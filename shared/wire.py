@@ -45,6 +45,7 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_TOKEN_IDS = 1 << 20  # a prompt (or prompt + output) of up to a million tokens
 MAX_REQUEST_ID_LEN = 128
 MAX_STR_LEN = 4096  # any other string
+MAX_JSON_LEN = 8 << 20  # an RPC call's JSON body or event (the HTTP API's body limit)
 MAX_LIST_LEN = 4096  # any other list
 MAX_TENSOR_DIMS = 8
 
@@ -87,6 +88,8 @@ Role = Literal["gateway", "prefill", "decode"]
 Phase = Literal["prefill", "decode"]
 KvBlocks = Annotated[torch.Tensor, TensorOf(ndim=5)]
 GeneratorState = Annotated[torch.Tensor, TensorOf(dtypes=("uint8",), ndim=1)]
+CallId = Annotated[str, MaxLen(MAX_REQUEST_ID_LEN)]
+JsonText = Annotated[str, MaxLen(MAX_JSON_LEN)]
 
 
 class MessageType(enum.IntEnum):
@@ -106,6 +109,9 @@ class MessageType(enum.IntEnum):
     KV_ACK = 12
     REQUEST_DONE = 13
     CLUSTER_STATUS = 14
+    RPC_REQUEST = 15
+    RPC_CANCEL = 16
+    RPC_EVENT = 17
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,6 +197,11 @@ class HelloAck(Message):
     accepted: bool
     error: str | None  # why not, when refused
     heartbeat_interval_s: float  # send a HEARTBEAT this often; missing several means dead
+
+
+# HelloAck.error when the scheduler hears from a peer it does not know (it restarted, or took the
+# peer for dead): the peer says HELLO again.
+UNKNOWN_PEER = "unknown peer: say HELLO again"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -342,11 +353,51 @@ class ClusterStatus(Message):
     num_decode_total_blocks: int = 0  # KV blocks over all decode workers
 
 
+# The RPC front door: a client's DEALER to the gateway's RPC ROUTER. Bodies are the HTTP API's
+# JSON as text, so both doors share one parser and one response shape, field for field.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RpcRequest(Message):
+    """Client -> gateway: one completion or chat call."""
+
+    TYPE: ClassVar[MessageType] = MessageType.RPC_REQUEST
+    call_id: CallId  # chosen by the client, unique among its calls in flight; names its events
+    kind: Literal["completion", "chat"]  # /v1/completions or /v1/chat/completions
+    body: JsonText  # the HTTP API's request body, as JSON text
+    stream: bool  # chunks as they come, or one response; the body's `stream` must agree
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RpcCancel(Message):
+    """Client -> gateway: abandon a call; its request is cancelled in the cluster."""
+
+    TYPE: ClassVar[MessageType] = MessageType.RPC_CANCEL
+    call_id: CallId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RpcEvent(Message):
+    """Gateway -> client: one event of a call. A streaming call gets chunks and then an `end`
+    (SSE's `[DONE]`); a non-streaming one gets one response; either may end with an error."""
+
+    TYPE: ClassVar[MessageType] = MessageType.RPC_EVENT
+    call_id: CallId
+    kind: Literal["chunk", "response", "error", "end"]
+    # JSON text: an OpenAI stream chunk, the whole OpenAI response, or OpenAI's error object
+    # ({"error": {"message", "type", "param", "code"}}); empty for `end`.
+    body: JsonText
+    status: int  # as HTTP would answer: 200 for chunks, responses and end; the error's status
+    retry_after_s: float | None = None  # with 429/503: when to try again
+    done: bool  # the call's last event; the gateway forgets the call
+
+
 MESSAGE_CLASSES: dict[MessageType, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Hello, HelloAck, Heartbeat, Submit, SubmitReply, Cancel, Reserve, ReserveReply,
         PrefillJob, Tokens, KvTransfer, KvAck, RequestDone, ClusterStatus,
+        RpcRequest, RpcCancel, RpcEvent,
     )
 }  # fmt: skip
 assert set(MESSAGE_CLASSES) == set(MessageType), "every message type has one class"
@@ -683,7 +734,9 @@ def _unpack_header(view: memoryview) -> Any:
             raw=False,
             strict_map_key=True,
             ext_hook=_refuse_ext,  # called for every ext, so none gets through
-            max_str_len=4 * max(MAX_STR_LEN, MAX_REQUEST_ID_LEN),  # bytes: UTF-8 is <= 4 per char
+            # Any string fits in the header's bytes; each field's codec then checks its own
+            # limit in characters (UTF-8 is up to 4 bytes per character).
+            max_str_len=MAX_HEADER_BYTES,
             max_bin_len=0,  # no field is binary; tensors travel in their own frames
             max_array_len=MAX_TOKEN_IDS,
             max_map_len=64,  # more than any message's field count

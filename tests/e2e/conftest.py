@@ -26,6 +26,7 @@ class RunningCluster:
     url: str
     process: subprocess.Popen
     log_path: Path
+    rpc_address: str | None = None  # the gateway's RPC ROUTER, when started with --rpc-port
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -45,8 +46,15 @@ class RunningCluster:
         return info
 
 
-def start_cluster(tmp_path: Path, *extra: str, timeout_s: float = 300.0) -> RunningCluster:
+def start_cluster(
+    tmp_path: Path, *extra: str, timeout_s: float = 300.0, rpc: bool = False
+) -> RunningCluster:
     port = free_port()
+    rpc_address = None
+    if rpc:
+        rpc_port = free_port()
+        rpc_address = f"tcp://127.0.0.1:{rpc_port}"
+        extra = (*extra, "--rpc-port", str(rpc_port))
     log_path = tmp_path / "cluster.log"
     log = log_path.open("wb")
     process = subprocess.Popen(
@@ -62,7 +70,7 @@ def start_cluster(tmp_path: Path, *extra: str, timeout_s: float = 300.0) -> Runn
             raise RuntimeError(f"tandem up exited:\n{log_path.read_text()[-4000:]}")
         try:
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return RunningCluster(url, process, log_path)
+                return RunningCluster(url, process, log_path, rpc_address)
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -79,7 +87,7 @@ def stop_cluster(cluster: RunningCluster) -> None:
 def cluster(tmp_path_factory) -> RunningCluster:
     running = start_cluster(
         tmp_path_factory.mktemp("cluster"), "--prefill", "1", "--decode", "2",
-        "--kv-cache-bytes", str(256 << 20),
+        "--kv-cache-bytes", str(256 << 20), rpc=True,
     )
     yield running
     stop_cluster(running)

@@ -1,0 +1,146 @@
+"""The ZeroMQ RPC front door against a `tandem up` cluster: the same answers and errors as the
+HTTP API, streams, cancellation that frees the KV blocks, and garbage that is dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import zmq
+
+from services.gateway.rpc_client import AsyncTandemClient, RpcError, TandemClient
+from shared import wire
+from tests.e2e.test_garbage_frames import GARBAGE
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+LONG_STREAM = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 400,
+               "ignore_eos": True, "temperature": 0}  # fmt: skip
+
+
+@pytest.fixture
+def client(cluster):
+    with TandemClient(cluster.rpc_address, timeout_s=120) as client:
+        yield client
+
+
+def test_greedy_answers_equal_the_http_api(client, openai_client):
+    completion = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16,
+                  "temperature": 0}  # fmt: skip
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+            "max_tokens": 16, "temperature": 0}  # fmt: skip
+    http = openai_client.completions.with_raw_response.create(**completion)
+    assert _same_but_id(client.completion(**completion), json.loads(http.text))
+    http = openai_client.chat.completions.with_raw_response.create(**chat)
+    assert _same_but_id(client.chat(**chat), json.loads(http.text))
+
+
+def _same_but_id(rpc: dict, http: dict) -> bool:
+    assert rpc["id"].split("-")[0] == http["id"].split("-")[0]  # cmpl- or chatcmpl-
+    unique = ("id", "created")
+    return {k: v for k, v in rpc.items() if k not in unique} == {
+        k: v for k, v in http.items() if k not in unique
+    }
+
+
+def test_async_stream_concatenates_to_the_response(cluster):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colors."}],
+            "max_tokens": 24, "temperature": 0}  # fmt: skip
+
+    async def run() -> tuple[dict, list[dict]]:
+        async with AsyncTandemClient(cluster.rpc_address, timeout_s=120) as client:
+            stream = client.stream_chat(**body, stream_options={"include_usage": True})
+            return await asyncio.gather(client.chat(**body), _collect(stream))
+
+    response, chunks = asyncio.run(run())
+    assert len(chunks) > 2 and all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == response["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"] == response["usage"]
+
+
+async def _collect(stream) -> list[dict]:
+    return [chunk async for chunk in stream]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+     ({"model": "gpt-5", "prompt": "x"}, 404, "model")],
+)  # fmt: skip
+def test_errors_have_the_http_status_and_body(client, body, status, param):
+    with pytest.raises(RpcError) as raised:
+        client.completion(**body)
+    assert raised.value.status == status
+    assert set(raised.value.body["error"]) == {"message", "type", "param", "code"}
+    assert raised.value.param == param
+
+
+def test_cancel_mid_stream_frees_the_blocks(cluster, client):
+    # Leaving the stream early.
+    stream = client.stream_completion(**LONG_STREAM)
+    next(stream)
+    _wait_in_flight(cluster)
+    stream.close()
+    _assert_blocks_free(cluster)
+    # An explicit cancel: the stream ends with 499.
+    stream = client.stream_completion(**LONG_STREAM)
+    next(stream)
+    _wait_in_flight(cluster)
+    client.cancel(stream.call_id)
+    with pytest.raises(RpcError) as raised:
+        list(stream)
+    assert raised.value.status == 499
+    _assert_blocks_free(cluster)
+    # A client that vanished: its next chunk finds no route.
+    sock = _raw_socket(cluster)
+    request = wire.RpcRequest(call_id="1", kind="completion", body=json.dumps(LONG_STREAM),
+                              stream=True)  # fmt: skip
+    wire.send(sock, request)
+    assert sock.poll(120_000)
+    _wait_in_flight(cluster)
+    sock.close(linger=0)
+    _assert_blocks_free(cluster)
+    assert "rpc client gone" in cluster.log()
+
+
+def test_garbage_and_misuse_are_dropped_or_refused(cluster, client):
+    sock = _raw_socket(cluster)
+    try:
+        for frames in [*GARBAGE, [bytes([wire.MessageType.RPC_REQUEST]), b"\x80"]]:
+            sock.send_multipart(frames)
+        body = json.dumps({**LONG_STREAM, "max_tokens": 8})
+        for _ in range(2):  # the second, with a call id in flight, is refused
+            wire.send(sock, wire.RpcRequest(call_id="d", kind="completion", body=body,
+                                            stream=False))  # fmt: skip
+        events = [wire.recv(sock) for _ in range(2) if sock.poll(120_000)]
+    finally:
+        sock.close(linger=0)
+    assert [(e.kind, e.status) for e in events] == [("error", 409), ("response", 200)]
+    answer = client.completion(model=MODEL, prompt="Still there?", max_tokens=2, temperature=0)
+    assert answer["usage"]["completion_tokens"] >= 1
+    rpc_lines = [line for line in cluster.log().splitlines() if '"component": "rpc"' in line]
+    assert any("dropped malformed" in line for line in rpc_lines)
+
+
+def _raw_socket(cluster) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(cluster.rpc_address)
+    return sock
+
+
+def _wait_in_flight(cluster, timeout_s: float = 10.0) -> None:
+    """Until the gateway's view of the cluster shows the request (the view lags a little)."""
+    deadline = time.monotonic() + timeout_s
+    while cluster.ready_info()["in_flight"] == 0:
+        assert time.monotonic() < deadline, "the request never showed in flight"
+        time.sleep(0.1)
+
+
+def _assert_blocks_free(cluster) -> None:
+    info = cluster.wait_blocks_free()
+    assert info["in_flight"] == 0
+    assert info["decode_free_blocks"] == info["decode_total_blocks"]
