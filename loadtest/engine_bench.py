@@ -138,8 +138,10 @@ def main() -> None:
             "ours_tokens_per_s": args.prompt_len / ours_s,
             "hf_tokens_per_s": args.prompt_len / hf_s,
         }
-        print(f"prefill {args.prompt_len} tokens: ours {args.prompt_len / ours_s:7.1f} tok/s   "
-              f"transformers {args.prompt_len / hf_s:7.1f} tok/s")
+        print(
+            f"prefill {args.prompt_len} tokens: ours {args.prompt_len / ours_s:7.1f} tok/s   "
+            f"transformers {args.prompt_len / hf_s:7.1f} tok/s"
+        )
         print(f"{'batch':>5} {'ours ms':>9} {'hf ms':>9} {'hf/ours':>8} {'ours tok/s':>11}")
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
             ours, hf = paired_medians(
@@ -157,8 +159,10 @@ def main() -> None:
                 "hf_tokens_per_s": batch_size / hf,
             }
             results["decode"].append(row)
-            print(f"{batch_size:>5} {ours * 1e3:9.1f} {hf * 1e3:9.1f} {hf / ours:8.2f} "
-                  f"{batch_size / ours:11.1f}")
+            print(
+                f"{batch_size:>5} {ours * 1e3:9.1f} {hf * 1e3:9.1f} {hf / ours:8.2f} "
+                f"{batch_size / ours:11.1f}"
+            )
     by_batch = {r["batch_size"]: r for r in results["decode"]}
     if 1 in by_batch and 32 in by_batch:
         ratio = by_batch[32]["ours_tokens_per_s"] / by_batch[1]["ours_tokens_per_s"]

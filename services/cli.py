@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from shared.config import ConfigError
-
-import importlib
 
 # Subcommand name -> module with HELP, add_arguments(parser) and run(args). Imported lazily so that
 # `tandem scheduler` does not pay for torch and `tandem --help` stays quick.

@@ -13,12 +13,12 @@ from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="a HF directory, a .gguf file, or 'smollm2'")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help="a HF directory, a .gguf file, or 'smollm2'"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -32,7 +32,9 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     if chat:
         return list(
             tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
                 return_dict=False,
             )
         )

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
 
-
 PR_SET_PDEATHSIG = 1
 
 
@@ -69,19 +68,47 @@ class LocalCluster:
         num_workers = self.args.prefill + self.args.decode
         threads = max(1, (os.cpu_count() or 1) // num_workers)
         common = ["--scheduler-address", self.address("scheduler")]
-        self._spawn("scheduler", ["scheduler", "--address", self.address("scheduler"),
-                                  "--model", self.args.model])
-        worker = ["--model", self.args.model, "--threads", str(threads),
-                  "--kv-cache-bytes", str(self.args.kv_cache_bytes),
-                  "--max-num-seqs", str(self.args.max_num_seqs), *common]
+        self._spawn(
+            "scheduler",
+            ["scheduler", "--address", self.address("scheduler"), "--model", self.args.model],
+        )
+        worker = [
+            "--model",
+            self.args.model,
+            "--threads",
+            str(threads),
+            "--kv-cache-bytes",
+            str(self.args.kv_cache_bytes),
+            "--max-num-seqs",
+            str(self.args.max_num_seqs),
+            *common,
+        ]
         for i in range(self.args.prefill):
             self._spawn(f"prefill-{i}", ["prefill", "--peer-id", f"prefill-{i}", *worker])
         for i in range(self.args.decode):
-            self._spawn(f"decode-{i}", ["decode", "--peer-id", f"decode-{i}",
-                                        "--address", self.address(f"decode-{i}"), *worker])
-        gateway = ["gateway", "--host", self.args.host, "--port", str(self.args.port),
-                   "--model", self.args.model, "--stream-address", self.address("gateway-stream"),
-                   *common]
+            self._spawn(
+                f"decode-{i}",
+                [
+                    "decode",
+                    "--peer-id",
+                    f"decode-{i}",
+                    "--address",
+                    self.address(f"decode-{i}"),
+                    *worker,
+                ],
+            )
+        gateway = [
+            "gateway",
+            "--host",
+            self.args.host,
+            "--port",
+            str(self.args.port),
+            "--model",
+            self.args.model,
+            "--stream-address",
+            self.address("gateway-stream"),
+            *common,
+        ]
         if self.args.rpc_port:
             gateway += ["--rpc-address", f"tcp://{self.args.host}:{self.args.rpc_port}"]
         self._spawn("gateway", gateway)

@@ -1,1 +1,1 @@
-"""tandem's common library: the engine (model, KV cache, sampling), wire schema and configuration."""
+"""tandem's common library: the engine, the wire schema, configuration and logging."""

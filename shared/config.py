@@ -116,7 +116,9 @@ def require_positive(config: Any, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
         if value is not None and value <= 0:
-            raise ConfigError(f"{name} ({flag_name(name)} / {env_name(name)}) must be > 0, got {value}")
+            raise ConfigError(
+                f"{name} ({flag_name(name)} / {env_name(name)}) must be > 0, got {value}"
+            )
 
 
 def require_address(config: Any, *names: str) -> None:

@@ -2,7 +2,7 @@
 
 
 class InvalidRequestError(ValueError):
-    """A request field has a value the engine refuses. `param` names the field (OpenAI's `param`)."""
+    """A request field has a value the engine refuses; `param` names the field (OpenAI's)."""
 
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")

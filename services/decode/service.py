@@ -32,8 +32,6 @@ from shared.logs import configure_logging, get_logger
 from shared.wire_convert import sampling_params, token_delta
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, WorkerConfig)
 
@@ -105,7 +103,9 @@ class DecodeWorker:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         self.link.handshake()
-        self.log.info("decode worker ready", blocks=self.blocks.num_blocks, address=self.config.address)
+        self.log.info(
+            "decode worker ready", blocks=self.blocks.num_blocks, address=self.config.address
+        )
         try:
             while not self._stopping:
                 self.run_once()
@@ -198,13 +198,13 @@ class DecodeWorker:
                 self.blocks.free(reservation.block_ids)
             self.log.warning("kv refused", request_id=request_id, error=error)
             return wire.KvAck(request_id=request_id, ok=False, error=error)
-        self.routes[request_id] = Route(
-            transfer.gateway_address, len(transfer.prompt_token_ids), 0
-        )
+        self.routes[request_id] = Route(transfer.gateway_address, len(transfer.prompt_token_ids), 0)
         self.log.info("kv received", request_id=request_id, tokens=transfer.num_tokens)
         return wire.KvAck(request_id=request_id, ok=True, error=None)
 
-    def _transfer_error(self, transfer: wire.KvTransfer, reservation: Reservation | None) -> str | None:
+    def _transfer_error(
+        self, transfer: wire.KvTransfer, reservation: Reservation | None
+    ) -> str | None:
         if reservation is None:
             return "no reservation (it lapsed or was cancelled)"
         if transfer.block_size != self.config.block_size:
@@ -221,7 +221,10 @@ class DecodeWorker:
             return f"KV dtype {transfer.keys.dtype} != cache dtype {cache.dtype}"
         if expected[1] > len(reservation.block_ids):
             return "the KV is larger than the reservation"
-        if transfer.num_tokens != len(transfer.prompt_token_ids) + len(transfer.output_token_ids) - 1:
+        if (
+            transfer.num_tokens
+            != len(transfer.prompt_token_ids) + len(transfer.output_token_ids) - 1
+        ):
             return "num_tokens does not match the prompt and output"
         return None
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -73,8 +72,13 @@ def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastA
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        entry = {"id": model, "object": "model", "created": 0, "owned_by": "tandem",
-                 "max_model_len": generator.max_model_len}
+        entry = {
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "max_model_len": generator.max_model_len,
+        }
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/completions")
@@ -115,9 +119,7 @@ async def _serve(request: Request, generator: Generator, generation: Generation)
     events = generator.events(generation, _tenant(request, generation))
     if generation.request.stream:
         first = await _first_event(events)  # refusals (429, 503) still answer with a status
-        return StreamingResponse(
-            _sse(generation, first, events), media_type="text/event-stream"
-        )
+        return StreamingResponse(_sse(generation, first, events), media_type="text/event-stream")
     task = asyncio.create_task(_collect(generation, events))
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -149,7 +151,9 @@ async def _sse(
             yield sse_event(_chunk(generation, event, role_sent))
         if req.include_usage:
             usage = usage_dict(generation.num_prompt_tokens, num_tokens)
-            yield sse_event(usage_chunk(generation.request_id, req.model, generation.created, usage, chat=chat))
+            yield sse_event(
+                usage_chunk(generation.request_id, req.model, generation.created, usage, chat=chat)
+            )
     except ApiError as error:
         yield sse_event(error.body())
     finally:
@@ -157,7 +161,9 @@ async def _sse(
     yield SSE_DONE
 
 
-async def _chain(first: list[ChoiceEvent], rest: AsyncIterator[ChoiceEvent]) -> AsyncIterator[ChoiceEvent]:
+async def _chain(
+    first: list[ChoiceEvent], rest: AsyncIterator[ChoiceEvent]
+) -> AsyncIterator[ChoiceEvent]:
     for event in first:
         yield event
     async for event in rest:
@@ -170,11 +176,26 @@ def _chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]) -> d
         logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
         first = event.index not in role_sent
         role_sent.add(event.index)
-        return chat_chunk(generation.request_id, req.model, generation.created, event.index,
-                          event.text, event.finish_reason, logprobs, role_first=first)
+        return chat_chunk(
+            generation.request_id,
+            req.model,
+            generation.created,
+            event.index,
+            event.text,
+            event.finish_reason,
+            logprobs,
+            role_first=first,
+        )
     logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
-    return completion_chunk(generation.request_id, req.model, generation.created, event.index,
-                            event.text, event.finish_reason, logprobs)
+    return completion_chunk(
+        generation.request_id,
+        req.model,
+        generation.created,
+        event.index,
+        event.text,
+        event.finish_reason,
+        logprobs,
+    )
 
 
 async def _collect(generation: Generation, events: AsyncIterator[ChoiceEvent]) -> dict[str, Any]:

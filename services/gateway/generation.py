@@ -159,9 +159,7 @@ class Generator:
                 token_bytes=token_bytes(self.tokenizer, token),
                 logprob=logprob,
                 top=tuple(
-                    TokenLogprob(
-                        self.tokenizer.decode([t]), token_bytes(self.tokenizer, t), lp
-                    )
+                    TokenLogprob(self.tokenizer.decode([t]), token_bytes(self.tokenizer, t), lp)
                     for t, lp in top
                 ),
             )
@@ -171,7 +169,9 @@ class Generator:
 
 def _refusal_error(refused: SubmitRefused) -> ApiError:
     kinds = {429: "rate_limit_error", 503: "service_unavailable", 400: "invalid_request_error"}
-    error = ApiError(refused.status_code, refused.message, kinds.get(refused.status_code, "server_error"))
+    error = ApiError(
+        refused.status_code, refused.message, kinds.get(refused.status_code, "server_error")
+    )
     error.retry_after_s = refused.retry_after_s
     return error
 

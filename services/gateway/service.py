@@ -14,7 +14,13 @@ from services.gateway.app import build_app
 from services.gateway.cluster import ClusterClient
 from services.gateway.generation import Generator
 from services.gateway.rpc import RpcServer
-from shared.config import add_config_arguments, config_from_args, require_address, require_positive, setting
+from shared.config import (
+    add_config_arguments,
+    config_from_args,
+    require_address,
+    require_positive,
+    setting,
+)
 from shared.engine.loader import resolve_model_dir
 from shared.logs import configure_logging, get_logger
 
@@ -24,11 +30,15 @@ class GatewayConfig:
     host: str = setting("127.0.0.1", "HTTP host to bind")
     port: int = setting(8000, "HTTP port")
     scheduler_address: str = setting("ipc:///tmp/tandem/scheduler.sock", "the scheduler's ROUTER")
-    stream_address: str = setting("ipc:///tmp/tandem/gateway-stream.sock", "token-stream PULL to bind")
+    stream_address: str = setting(
+        "ipc:///tmp/tandem/gateway-stream.sock", "token-stream PULL to bind"
+    )
     advertise_stream_address: str | None = setting(
         None, "the stream address workers connect to, when it differs from the bound one"
     )
-    model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2' (for its tokenizer)")
+    model: str = setting(
+        "smollm2", "a HF directory, a .gguf file, or 'smollm2' (for its tokenizer)"
+    )
     peer_id: str | None = setting(None, "unique name of this gateway (default: gateway-host-pid)")
     max_body_bytes: int = setting(8 << 20, "largest accepted HTTP request body")
     max_model_len: int | None = setting(None, "context length (default: the model's)")
@@ -50,7 +60,9 @@ def build_gateway(config: GatewayConfig):
 
     directory, name = resolve_model_dir(config.model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    max_model_len = config.max_model_len or AutoConfig.from_pretrained(directory).max_position_embeddings
+    max_model_len = (
+        config.max_model_len or AutoConfig.from_pretrained(directory).max_position_embeddings
+    )
     peer_id = config.peer_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
     cluster = ClusterClient(
         config.scheduler_address,

@@ -33,8 +33,6 @@ from shared.logs import configure_logging, get_logger
 from shared.wire_convert import sampling_params, token_delta
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, WorkerConfig)
 
@@ -149,7 +147,9 @@ class PrefillWorker:
         try:
             params = sampling_params(job.sampling)
             # Only the first token is sampled here; the decode worker generates the rest.
-            first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+            first_only = dataclasses.replace(
+                params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
+            )
             self.engine.add_request(
                 list(job.prompt_token_ids) + list(job.output_token_ids), first_only, job.request_id
             )
@@ -211,10 +211,17 @@ class PrefillWorker:
         )
         wire.send(self._decode_socket(job.decode_address), message)
         self.transfers[job.request_id] = PendingTransfer(
-            job, message, time.monotonic() + self.config.transfer_timeout_s, len(message.output_token_ids)
+            job,
+            message,
+            time.monotonic() + self.config.transfer_timeout_s,
+            len(message.output_token_ids),
         )
-        self.log.info("kv sent", request_id=job.request_id, decode=job.decode_peer_id,
-                      bytes=keys.numel() * keys.element_size() * 2)
+        self.log.info(
+            "kv sent",
+            request_id=job.request_id,
+            decode=job.decode_peer_id,
+            bytes=keys.numel() * keys.element_size() * 2,
+        )
 
     def _decode_socket(self, address: str) -> zmq.Socket:
         sock = self._decode_sockets.get(address)
@@ -257,7 +264,9 @@ class PrefillWorker:
         )
 
     def _fail(self, job: wire.PrefillJob, error: str) -> None:
-        delta = wire.TokenDelta(request_id=job.request_id, token_ids=[], finish_reason="error", error=error)
+        delta = wire.TokenDelta(
+            request_id=job.request_id, token_ids=[], finish_reason="error", error=error
+        )
         self.streams.send({job.gateway_address: [delta]})
         # Not "error", which asks the scheduler to re-route: this request can never run.
         self._report(job, "rejected", 0)

@@ -107,7 +107,9 @@ class ClusterScheduler:
             return out + self.dispatch(now)
         return []
 
-    def on_heartbeat(self, identity: bytes, heartbeat: wire.Heartbeat, now: float) -> list[Outgoing]:
+    def on_heartbeat(
+        self, identity: bytes, heartbeat: wire.Heartbeat, now: float
+    ) -> list[Outgoing]:
         worker = self.registry.get(heartbeat.peer_id)
         if worker is None:  # restarted scheduler, or a worker taken for dead: it must re-register
             ack = wire.HelloAck(
@@ -133,7 +135,10 @@ class ClusterScheduler:
             self.registry.remove(worker.peer_id)
             out += self._drop_worker(worker)
         for request in list(self.requests.values()):
-            if request.phase in (Phase.RESERVING, Phase.PREFILLING) and now > request.phase_deadline:
+            if (
+                request.phase in (Phase.RESERVING, Phase.PREFILLING)
+                and now > request.phase_deadline
+            ):
                 out += self._requeue(request, cancel_reason="timed out")
         return out + self.dispatch(now)
 
@@ -156,7 +161,10 @@ class ClusterScheduler:
         self.queue.append(submit.request_id)
         self.num_queued_tokens += len(submit.prompt_token_ids)
         accepted = wire.SubmitReply(
-            request_id=submit.request_id, accepted=True, status_code=200, message=None,
+            request_id=submit.request_id,
+            accepted=True,
+            status_code=200,
+            message=None,
             retry_after_s=None,
         )
         return [Outgoing(identity, accepted)] + self.dispatch(now)
@@ -170,12 +178,18 @@ class ClusterScheduler:
         needed = len(submit.prompt_token_ids) + submit.sampling.max_tokens
         capacity = max(w.num_total_blocks * w.block_size for w in decode)
         if needed > capacity:
-            return 400, (
-                f"prompt plus max_tokens ({needed} tokens) can never fit a decode worker's KV "
-                f"cache ({capacity} tokens)"
-            ), None
+            return (
+                400,
+                (
+                    f"prompt plus max_tokens ({needed} tokens) can never fit a decode worker's KV "
+                    f"cache ({capacity} tokens)"
+                ),
+                None,
+            )
         too_many = len(self.queue) >= self.limits.max_queued_requests
-        too_long = self.num_queued_tokens + len(submit.prompt_token_ids) > self.limits.max_queued_tokens
+        too_long = (
+            self.num_queued_tokens + len(submit.prompt_token_ids) > self.limits.max_queued_tokens
+        )
         if too_many or too_long:
             return 429, "the queue is full; retry later", self.limits.retry_after_s
         return None
@@ -269,7 +283,11 @@ class ClusterScheduler:
             worker = self.registry.get(peer_id) if peer_id else None
             if worker is not None:
                 worker.request_ids.discard(request.request_id)
-                out.append(Outgoing(worker.identity, wire.Cancel(request_id=request.request_id, reason=reason)))
+                out.append(
+                    Outgoing(
+                        worker.identity, wire.Cancel(request_id=request.request_id, reason=reason)
+                    )
+                )
         return out
 
     def _requeue(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
@@ -311,7 +329,9 @@ class ClusterScheduler:
                 self.requests.pop(request_id)
                 out += self._fail(request, f"decode worker {worker.peer_id} stopped responding")
                 # If it is alive after all (a long stall), it must stop generating for nobody.
-                out.append(Outgoing(worker.identity, wire.Cancel(request_id=request_id, reason="failed")))
+                out.append(
+                    Outgoing(worker.identity, wire.Cancel(request_id=request_id, reason="failed"))
+                )
             else:
                 if request.decode_peer_id == worker.peer_id:
                     request.decode_peer_id = None

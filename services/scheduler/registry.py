@@ -69,7 +69,9 @@ class WorkerRegistry:
             if w.num_available_blocks >= w.blocks_for(num_tokens)
             and len(w.request_ids) < w.max_num_seqs
         ]
-        return max(candidates, key=lambda w: (w.num_available_blocks, -len(w.request_ids)), default=None)
+        return max(
+            candidates, key=lambda w: (w.num_available_blocks, -len(w.request_ids)), default=None
+        )
 
     def pick_prefill(self) -> WorkerState | None:
         """The prefill worker with the fewest requests in hand."""

@@ -17,10 +17,14 @@ import zmq
 
 from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
 from shared import wire
-from shared.config import add_config_arguments, config_from_args, require_address, require_positive, setting
+from shared.config import (
+    add_config_arguments,
+    config_from_args,
+    require_address,
+    require_positive,
+    setting,
+)
 from shared.logs import configure_logging, get_logger
-
-
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,11 @@ class SchedulerService:
                 now = time.monotonic()
                 if now >= next_tick:
                     for worker in self.core.registry.expired(now):
-                        self.log.warning("worker left rotation", peer_id=worker.peer_id,
-                                         silent_s=round(now - worker.last_heartbeat, 1))
+                        self.log.warning(
+                            "worker left rotation",
+                            peer_id=worker.peer_id,
+                            silent_s=round(now - worker.last_heartbeat, 1),
+                        )
                     self._send(self.core.tick(now))
                     self._broadcast_status()
                     next_tick = now + self.config.heartbeat_interval_s / 2
@@ -128,17 +135,26 @@ class SchedulerService:
             case wire.Heartbeat():
                 return core.on_heartbeat(identity, message, now)
             case wire.Submit():
-                self.log.info("request queued", request_id=message.request_id,
-                              prompt_tokens=len(message.prompt_token_ids))
+                self.log.info(
+                    "request queued",
+                    request_id=message.request_id,
+                    prompt_tokens=len(message.prompt_token_ids),
+                )
                 return core.on_submit(identity, message, now)
             case wire.Cancel():
-                self.log.info("request cancelled", request_id=message.request_id, reason=message.reason)
+                self.log.info(
+                    "request cancelled", request_id=message.request_id, reason=message.reason
+                )
                 return core.on_cancel(message, now)
             case wire.ReserveReply():
                 return core.on_reserve_reply(message, now)
             case wire.RequestDone():
-                self.log.info("request phase done", request_id=message.request_id,
-                              phase=message.phase, finish_reason=message.finish_reason)
+                self.log.info(
+                    "request phase done",
+                    request_id=message.request_id,
+                    phase=message.phase,
+                    finish_reason=message.finish_reason,
+                )
                 return core.on_request_done(message, now)
         self.log.warning("dropped unexpected message", type=type(message).__name__)
         return []

@@ -24,7 +24,9 @@ class WorkerConfig:
     max_num_seqs: int = setting(64, "most sequences in one step")
     max_num_batched_tokens: int = setting(512, "most tokens in one step (chunked-prefill budget)")
     threads: int | None = setting(None, "torch threads (default: torch's choice)")
-    transfer_timeout_s: float = setting(30.0, "prefill: how long a KV transfer may wait for its ack")
+    transfer_timeout_s: float = setting(
+        30.0, "prefill: how long a KV transfer may wait for its ack"
+    )
 
     def __post_init__(self) -> None:
         require_address(self, "scheduler_address", "address", "advertise_address")

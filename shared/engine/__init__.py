@@ -1,1 +1,1 @@
-"""The engine: a Llama-family model on a paged KV cache, its block manager, sampler and step loop."""
+"""The engine: a Llama-family model on a paged KV cache, its block manager, sampler, step loop."""

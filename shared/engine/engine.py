@@ -9,7 +9,8 @@ baseline and the bare engine the served cluster is measured against.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence as SequenceOf
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 
 import torch
@@ -211,7 +212,8 @@ class LLMEngine:
             [
                 SequenceChunk(
                     token_ids=c.sequence.token_ids_slice(
-                        c.sequence.num_computed_tokens, c.sequence.num_computed_tokens + c.num_tokens
+                        c.sequence.num_computed_tokens,
+                        c.sequence.num_computed_tokens + c.num_tokens,
                     ),
                     start_position=c.sequence.num_computed_tokens,
                     block_ids=c.sequence.block_ids,
@@ -223,7 +225,9 @@ class LLMEngine:
         )
         return self.model.step(batch, self.kv_cache)
 
-    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+    ) -> list[RequestOutput]:
         sampled_rows, rows = [], []
         for index, chunk in enumerate(chunks):
             seq = chunk.sequence
@@ -295,7 +299,9 @@ class LLMEngine:
             yield from self.step()
 
     def generate(
-        self, prompts: SequenceOf[SequenceOf[int]], params: SamplingParams | SequenceOf[SamplingParams]
+        self,
+        prompts: SequenceOf[SequenceOf[int]],
+        params: SamplingParams | SequenceOf[SamplingParams],
     ) -> list[GenerationResult]:
         """Runs prompts to completion with continuous batching; results in prompt order."""
         if isinstance(params, SamplingParams):

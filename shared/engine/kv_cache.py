@@ -51,7 +51,7 @@ class KVCache:
         return self.key_caches[index], self.value_caches[index]
 
     def read_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of the blocks' keys and values, each [num_layers, len(block_ids), block, heads, dim]."""
+        """Copies of the blocks' keys and values, each [layers, blocks, block_size, heads, dim]."""
         index = torch.tensor(block_ids, dtype=torch.int64, device=self._keys.device)
         return self._keys.index_select(1, index), self._values.index_select(1, index)
 

@@ -166,7 +166,7 @@ def load_hf_weights(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
 ) -> LlamaModel:
-    """Builds the model from transformers' parameter names (`model.layers.0.self_attn.q_proj...`)."""
+    """Builds the model from transformers' parameter names (`model.layers.0.self_attn...`)."""
     w = {name: t for name, t in named_tensors}
     missing: list[str] = []
 

@@ -26,7 +26,7 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    # Qwen2 puts a bias on the q, k and v projections (not on o); Llama's `attention_bias` on all four.
+    # Qwen2 puts a bias on the q, k and v projections (not o); Llama's `attention_bias` on all four.
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False

@@ -73,7 +73,9 @@ def build_step_batch(
     offsets = torch.arange(len(flat_tokens)) - query_start_loc[:-1][seq_of_token]
     positions = starts[seq_of_token] + offsets
     block_tables = torch.tensor(tables, dtype=torch.int64)
-    slots = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    slots = (
+        block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    )
     return StepBatch(
         token_ids=torch.tensor(flat_tokens, dtype=torch.int64, device=device),
         positions=positions.to(device),

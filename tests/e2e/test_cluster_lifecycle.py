@@ -21,10 +21,23 @@ def test_gateway_without_workers_is_not_ready_and_answers_503(tmp_path):
     scheduler_address = f"ipc://{tmp_path}/s.sock"
     port = free_port()
     procs = [
-        subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler", "--address", scheduler_address]),
-        subprocess.Popen([sys.executable, "-m", "services.cli", "gateway", "--port", str(port),
-                          "--scheduler-address", scheduler_address,
-                          "--stream-address", f"ipc://{tmp_path}/g.sock"]),
+        subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "scheduler", "--address", scheduler_address]
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "gateway",
+                "--port",
+                str(port),
+                "--scheduler-address",
+                scheduler_address,
+                "--stream-address",
+                f"ipc://{tmp_path}/g.sock",
+            ]
+        ),
     ]
     try:
         url = f"http://127.0.0.1:{port}"
@@ -38,7 +51,9 @@ def test_gateway_without_workers_is_not_ready_and_answers_503(tmp_path):
                 time.sleep(0.3)
         time.sleep(1.5)  # a cluster status has arrived by now
         assert httpx.get(url + "/ready", timeout=5).status_code == 503
-        response = httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "hi"}, timeout=30)
+        response = httpx.post(
+            url + "/v1/completions", json={"model": "smollm2", "prompt": "hi"}, timeout=30
+        )
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "service_unavailable"
         assert "retry-after" in response.headers
@@ -52,8 +67,12 @@ def test_gateway_without_workers_is_not_ready_and_answers_503(tmp_path):
 def test_tandem_up_stops_cleanly_on_sigterm(tmp_path):
     from tests.e2e.conftest import start_cluster
 
-    cluster = start_cluster(tmp_path, "--prefill", "1", "--decode", "1", "--kv-cache-bytes", str(64 << 20))
-    children = subprocess.run(["pgrep", "-P", str(cluster.process.pid)], capture_output=True, text=True)
+    cluster = start_cluster(
+        tmp_path, "--prefill", "1", "--decode", "1", "--kv-cache-bytes", str(64 << 20)
+    )
+    children = subprocess.run(
+        ["pgrep", "-P", str(cluster.process.pid)], capture_output=True, text=True
+    )
     child_pids = [int(p) for p in children.stdout.split()]
     assert len(child_pids) == 4
     cluster.process.send_signal(signal.SIGTERM)

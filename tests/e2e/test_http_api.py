@@ -28,7 +28,9 @@ def engine_greedy(smollm2, prompt_ids: list[int], max_tokens: int) -> list[int]:
     "prompt", ["The capital of France is", "def add(a, b):\n", "Once upon a time"]
 )
 def test_greedy_completion_equals_the_engine(openai_client, smollm2, prompt):
-    response = openai_client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    response = openai_client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0
+    )
     expected_ids = engine_greedy(smollm2, smollm2.tokenizer(prompt).input_ids, 24)
     expected = smollm2.tokenizer.decode(expected_ids, skip_special_tokens=True)
     assert response.choices[0].text == expected
@@ -42,9 +44,21 @@ def test_greedy_chat_equals_tandem_generate(openai_client, smollm2):
         model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0
     )
     generated = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--chat", "--prompt", question,
-         "--max-tokens", "32", "--json"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "generate",
+            "--chat",
+            "--prompt",
+            question,
+            "--max-tokens",
+            "32",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     expected = json.loads(generated.stdout)
     assert response.choices[0].message.content == expected["text"]
@@ -56,14 +70,19 @@ def test_concurrent_streams_of_mixed_lengths_complete_exactly(cluster):
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
     async def one(i: int) -> tuple[int, int, int]:
         prompt = " ".join(words[: 1 + i % 10]) * (1 + i % 7)
         max_tokens = 1 + (i * 7) % 24
         stream = await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         usage, finish = None, None
         async for chunk in stream:
@@ -89,25 +108,37 @@ def test_requests_spread_over_both_decode_workers(cluster, openai_client):
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> str:
-        return openai_client.completions.create(
-            model=MODEL, prompt=f"Count to {i}:", max_tokens=8, temperature=0
-        ).choices[0].finish_reason
+        return (
+            openai_client.completions.create(
+                model=MODEL, prompt=f"Count to {i}:", max_tokens=8, temperature=0
+            )
+            .choices[0]
+            .finish_reason
+        )
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(one, range(8)))
     log = cluster.log()
     assert "[ decode-0]" in log and "[ decode-1]" in log
     kv_received = {
-        name: sum(1 for line in log.splitlines() if line.startswith(f"[{name:>9}]") and "kv received" in line)
+        name: sum(
+            1
+            for line in log.splitlines()
+            if line.startswith(f"[{name:>9}]") and "kv received" in line
+        )
         for name in ("decode-0", "decode-1")
     }
     assert all(count > 0 for count in kv_received.values()), kv_received
 
 
 def test_stop_string_is_applied_and_not_returned(openai_client):
-    free = openai_client.completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0
-    ).choices[0].text
+    free = (
+        openai_client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0
+        )
+        .choices[0]
+        .text
+    )
     stop = free.split()[1]  # a word from the middle of the greedy output
     response = openai_client.completions.create(
         model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0, stop=[stop]
@@ -119,7 +150,12 @@ def test_stop_string_is_applied_and_not_returned(openai_client):
 def test_non_ascii_prompt_and_output(openai_client):
     response = openai_client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "Écris une phrase en français avec des accents: é, è, à. 日本"}],
+        messages=[
+            {
+                "role": "user",
+                "content": "Écris une phrase en français avec des accents: é, è, à. 日本",
+            }
+        ],
         max_tokens=24,
         temperature=0,
     )
@@ -129,7 +165,12 @@ def test_non_ascii_prompt_and_output(openai_client):
 
 def test_n_equals_two(openai_client):
     response = openai_client.completions.create(
-        model=MODEL, prompt="Hello", max_tokens=5, temperature=0.8, seed=3, n=2,
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=5,
+        temperature=0.8,
+        seed=3,
+        n=2,
         extra_body={"ignore_eos": True},
     )
     assert sorted(c.index for c in response.choices) == [0, 1]
@@ -145,8 +186,12 @@ def test_logprobs_present_and_finite(openai_client):
     assert all(math.isfinite(lp) and lp <= 0 for lp in logprobs.token_logprobs)
     assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs)
     chat = openai_client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0,
-        logprobs=True, top_logprobs=1,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
     )
     content = chat.choices[0].logprobs.content
     assert content and all(math.isfinite(t.logprob) for t in content)
@@ -172,8 +217,12 @@ def test_errors_have_openai_shape(cluster, body, status, param):
 
 
 def test_body_that_is_not_json(cluster):
-    response = httpx.post(cluster.url + "/v1/completions", content=b"{nope", timeout=30,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        cluster.url + "/v1/completions",
+        content=b"{nope",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
 
 
@@ -182,8 +231,14 @@ def test_models_lists_the_served_model(openai_client):
 
 
 def test_disconnect_mid_stream_frees_blocks(cluster):
-    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 400, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as response:
         lines = 0
         for line in response.iter_lines():

@@ -35,7 +35,9 @@ def one_by_one(model, batch, params) -> list[list[int]]:
 def test_continuous_batching_with_staggered_arrivals_equals_one_by_one(model):
     batch = prompts(10)
     expected = one_by_one(model, batch, GREEDY)
-    engine = LLMEngine(model, EngineConfig(num_blocks=128, max_num_batched_tokens=40, max_num_seqs=4))
+    engine = LLMEngine(
+        model, EngineConfig(num_blocks=128, max_num_batched_tokens=40, max_num_seqs=4)
+    )
     results: dict[str, list[int]] = {}
     pending = list(enumerate(batch))
     while pending or engine.has_unfinished:

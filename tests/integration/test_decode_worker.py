@@ -49,7 +49,9 @@ def setup(tmp_path, tiny_model_dir):
 def prefilled_transfer(model_dir, request_id, gateway_address, params, prompt=PROMPT):
     """What a prefill worker would send: the prompt's KV and the first token, computed here."""
     loaded = load_model(model_dir)
-    engine = LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4, retain_finished=True))
+    engine = LLMEngine(
+        loaded.model, EngineConfig(num_blocks=64, block_size=4, retain_finished=True)
+    )
     (result,) = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
     keys, values = engine.export_kv(result.request_id)
     return wire.KvTransfer(
@@ -85,9 +87,11 @@ def test_reserve_transfer_decode_and_stream(setup):
         tokens += delta.token_ids
         if delta.finish_reason:
             break
-    expected = LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4)).generate(
-        [PROMPT], params
-    )[0].token_ids
+    expected = (
+        LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4))
+        .generate([PROMPT], params)[0]
+        .token_ids
+    )
     assert tokens == expected and delta.finish_reason == "length"
     done = scheduler.expect(wire.RequestDone)
     assert done.phase == "decode" and done.num_output_tokens == 5
@@ -146,9 +150,18 @@ def test_wrong_shaped_kv_is_refused_and_blocks_return(setup):
     assert scheduler.expect(wire.ReserveReply).ok
     broken = wire.KvTransfer(
         **{
-            **{f: getattr(transfer, f) for f in ("request_id", "prompt_token_ids",
-                                                 "output_token_ids", "sampling",
-                                                 "gateway_address", "num_tokens", "block_size")},
+            **{
+                f: getattr(transfer, f)
+                for f in (
+                    "request_id",
+                    "prompt_token_ids",
+                    "output_token_ids",
+                    "sampling",
+                    "gateway_address",
+                    "num_tokens",
+                    "block_size",
+                )
+            },
             "keys": transfer.keys[:, :, :, :1].contiguous(),
             "values": transfer.values[:, :, :, :1].contiguous(),
         }

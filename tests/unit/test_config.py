@@ -23,7 +23,9 @@ def test_flag_beats_environment_beats_default():
 
 
 def test_optional_and_bool_values():
-    config = parse(WorkerConfig, [], {"TANDEM_THREADS": "none", "TANDEM_ADDRESS": "tcp://0.0.0.0:7000"})
+    config = parse(
+        WorkerConfig, [], {"TANDEM_THREADS": "none", "TANDEM_ADDRESS": "tcp://0.0.0.0:7000"}
+    )
     assert config.threads is None and config.address == "tcp://0.0.0.0:7000"
 
 

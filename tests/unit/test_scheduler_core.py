@@ -35,8 +35,13 @@ def submit(request_id: str, prompt_len: int = 20, max_tokens: int = 8) -> wire.S
 
 def heartbeat(peer_id: str, free: int = 100) -> wire.Heartbeat:
     return wire.Heartbeat(
-        peer_id=peer_id, num_waiting=0, num_running=0, num_free_blocks=free,
-        num_total_blocks=100, steps_completed=0, sent_at=0.0,
+        peer_id=peer_id,
+        num_waiting=0,
+        num_running=0,
+        num_free_blocks=free,
+        num_total_blocks=100,
+        steps_completed=0,
+        sent_at=0.0,
     )
 
 
@@ -64,8 +69,15 @@ def run_to_decoding(core: ClusterScheduler, request_id: str, now: float = 0.0):
     (job,) = sent(out, wire.PrefillJob)
     assert job.message.decode_peer_id == "d" and job.message.gateway_address == "ipc://g"
     core.on_request_done(
-        wire.RequestDone(request_id=request_id, peer_id="p", phase="prefill", finish_reason=None,
-                         num_prompt_tokens=20, num_output_tokens=1), now,
+        wire.RequestDone(
+            request_id=request_id,
+            peer_id="p",
+            phase="prefill",
+            finish_reason=None,
+            num_prompt_tokens=20,
+            num_output_tokens=1,
+        ),
+        now,
     )
     assert core.requests[request_id].phase == Phase.DECODING
 
@@ -73,8 +85,15 @@ def run_to_decoding(core: ClusterScheduler, request_id: str, now: float = 0.0):
 def test_request_goes_reserve_prefill_decode_done(core):
     run_to_decoding(core, "r1")
     core.on_request_done(
-        wire.RequestDone(request_id="r1", peer_id="d", phase="decode", finish_reason="length",
-                         num_prompt_tokens=20, num_output_tokens=8), 1.0,
+        wire.RequestDone(
+            request_id="r1",
+            peer_id="d",
+            phase="decode",
+            finish_reason="length",
+            num_prompt_tokens=20,
+            num_output_tokens=8,
+        ),
+        1.0,
     )
     assert not core.requests and not core.registry.get("d").request_ids
 
@@ -146,8 +165,15 @@ def test_transfer_failure_reroutes(core):
     core.on_submit(b"G", submit("r"), 0.0)
     core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
     out = core.on_request_done(
-        wire.RequestDone(request_id="r", peer_id="p", phase="prefill", finish_reason="error",
-                         num_prompt_tokens=20, num_output_tokens=1), 1.0,
+        wire.RequestDone(
+            request_id="r",
+            peer_id="p",
+            phase="prefill",
+            finish_reason="error",
+            num_prompt_tokens=20,
+            num_output_tokens=1,
+        ),
+        1.0,
     )
     assert sent(out, wire.Cancel)  # the old reservation goes
     assert sent(out, wire.Reserve)  # and a new one is asked for
@@ -195,7 +221,13 @@ def test_stale_prefill_report_from_an_abandoned_attempt_is_ignored(core):
     core.tick(3.5)  # p is dropped; r is re-queued and waits for a prefill worker
     core.on_hello(b"P", hello("p", "prefill"), 4.0)  # p comes back and gets r again
     assert core.requests["r"].phase == Phase.RESERVING
-    stale = wire.RequestDone(request_id="r", peer_id="p", phase="prefill", finish_reason="error",
-                             num_prompt_tokens=20, num_output_tokens=1)
+    stale = wire.RequestDone(
+        request_id="r",
+        peer_id="p",
+        phase="prefill",
+        finish_reason="error",
+        num_prompt_tokens=20,
+        num_output_tokens=1,
+    )
     assert core.on_request_done(stale, 4.1) == []
     assert core.requests["r"].phase == Phase.RESERVING
