@@ -25,7 +25,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
-from shared.engine.loader import load_model
+from shared.engine.loader import load_model, parse_dtype
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_batch import SequenceChunk, build_step_batch
@@ -52,7 +52,7 @@ def paired_medians(fns, repeats: int) -> list[float]:
 def ours_prefill(model, prompt_len: int):
     block_size = 16
     num_blocks = -(-prompt_len // block_size)
-    cache = KVCache(model.config, num_blocks, block_size)
+    cache = KVCache(model.config, num_blocks, block_size, dtype=model.dtype)
     tokens = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
     batch = build_step_batch([SequenceChunk(tokens, 0, list(range(num_blocks)))], block_size)
     return lambda: model.step(batch, cache)
@@ -69,7 +69,7 @@ def ours_decode(model, batch_size: int, context: int, repeats: int):
     steps = repeats + 2
     blocks_per_seq = -(-(context + steps) // block_size)
     manager = BlockManager(batch_size * blocks_per_seq, block_size)
-    cache = KVCache(model.config, manager.num_blocks, block_size)
+    cache = KVCache(model.config, manager.num_blocks, block_size, dtype=model.dtype)
     for tensor in cache.key_caches + cache.value_caches:
         tensor.normal_()
     tables = [manager.allocate(blocks_per_seq) for _ in range(batch_size)]
@@ -100,7 +100,8 @@ def hf_decode(hf_model, batch_size: int, context: int):
     cache = DynamicCache()
     for layer in range(c.num_hidden_layers):
         shape = (batch_size, c.num_key_value_heads, context, head_dim)
-        cache.update(torch.randn(shape), torch.randn(shape), layer)
+        dtype = hf_model.dtype
+        cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), layer)
     state = {"tokens": torch.full((batch_size, 1), 7)}
 
     def step() -> None:
@@ -114,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -125,8 +127,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model(args.model)
-    hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    dtype = parse_dtype(args.dtype)
+    loaded = load_model(args.model, dtype=dtype)
+    hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
     results: dict = {"threads": args.threads, "context": args.context, "decode": []}
     with torch.inference_mode():
         ours_s, hf_s = paired_medians(

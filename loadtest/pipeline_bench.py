@@ -36,12 +36,12 @@ DEFAULT_WORKLOAD = "loadtest/workloads/mixed64.jsonl"
 def run_static_baseline(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> Result:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.engine.loader import resolve_model_dir
+    from shared.engine.loader import parse_dtype, resolve_model_dir
 
     directory, _ = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.padding_side = "left"
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=parse_dtype(args.dtype)).eval()
     return run_static(hf_model, tokenizer, requests, args.batch_size, not args.burst)
 
 
@@ -51,9 +51,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run_engine_baseline(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> Result:
-    from shared.engine.loader import load_model
+    from shared.engine.loader import load_model, parse_dtype
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=parse_dtype(args.dtype))
     return run_engine(loaded.model, loaded.tokenizer, requests, engine_config(args), not args.burst)
 
 
@@ -68,6 +68,8 @@ def run_cluster(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -
         str(args.kv_cache_bytes),
         "--max-num-seqs",
         str(args.max_num_seqs),
+        "--dtype",
+        args.dtype,
     ]
     with tandem_up(1, 1, extra, args.ready_timeout) as cluster:
         print(f"cluster ready at {cluster.url} in {cluster.startup_s:.1f} s; replaying", flush=True)
@@ -162,6 +164,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--skip-cluster", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for (a) and (b)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="for all three runs"
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size for (a)")
     parser.add_argument("--burst", action="store_true", help="ignore arrival times: all at once")
     parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="(b) and per worker")

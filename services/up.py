@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="workers' weights and KV cache (float32: greedy output equals transformers')",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     parser.add_argument("--rpc-port", type=int, default=None, help="RPC front door TCP port")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
@@ -79,6 +85,8 @@ class LocalCluster:
             str(threads),
             "--kv-cache-bytes",
             str(self.args.kv_cache_bytes),
+            "--dtype",
+            self.args.dtype,
             "--max-num-seqs",
             str(self.args.max_num_seqs),
             *common,

@@ -65,7 +65,7 @@ class DecodeWorker:
             torch.set_num_threads(config.threads)
         self.peer_id = config.resolved_peer_id("decode")
         self.log = get_logger(peer_id=self.peer_id)
-        self.loaded = load_model(config.model)
+        self.loaded = load_model(config.model, dtype=config.torch_dtype)
         self.engine = LLMEngine(self.loaded.model, config.engine_config())
         self.blocks = self.engine.block_manager
         self.context = context or zmq.Context.instance()

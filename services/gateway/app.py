@@ -21,19 +21,11 @@ from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import (
     SSE_DONE,
     ApiError,
-    ChoiceResult,
-    chat_chunk,
-    chat_logprobs,
-    chat_response,
-    completion_chunk,
-    completion_logprobs,
-    completion_response,
     parse_chat_request,
     parse_completion_request,
     sse_event,
-    usage_chunk,
-    usage_dict,
 )
+from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -120,7 +112,7 @@ async def _serve(request: Request, generator: Generator, generation: Generation)
     if generation.request.stream:
         first = await _first_event(events)  # refusals (429, 503) still answer with a status
         return StreamingResponse(_sse(generation, first, events), media_type="text/event-stream")
-    task = asyncio.create_task(_collect(generation, events))
+    task = asyncio.create_task(collect_response(generation, events))
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.5)
         if not done and await request.is_disconnected():
@@ -141,19 +133,15 @@ async def _sse(
     generation: Generation, first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent]
 ) -> AsyncIterator[bytes]:
     req = generation.request
-    chat = req.chat
     role_sent: set[int] = set()
     num_tokens = 0
     try:
         pending = [first] if first is not None else []
         async for event in _chain(pending, events):
             num_tokens += len(event.token_ids)
-            yield sse_event(_chunk(generation, event, role_sent))
+            yield sse_event(stream_chunk(generation, event, role_sent))
         if req.include_usage:
-            usage = usage_dict(generation.num_prompt_tokens, num_tokens)
-            yield sse_event(
-                usage_chunk(generation.request_id, req.model, generation.created, usage, chat=chat)
-            )
+            yield sse_event(final_usage_chunk(generation, num_tokens))
     except ApiError as error:
         yield sse_event(error.body())
     finally:
@@ -168,52 +156,3 @@ async def _chain(
         yield event
     async for event in rest:
         yield event
-
-
-def _chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]) -> dict[str, Any]:
-    req = generation.request
-    if req.chat:
-        logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
-        first = event.index not in role_sent
-        role_sent.add(event.index)
-        return chat_chunk(
-            generation.request_id,
-            req.model,
-            generation.created,
-            event.index,
-            event.text,
-            event.finish_reason,
-            logprobs,
-            role_first=first,
-        )
-    logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
-    return completion_chunk(
-        generation.request_id,
-        req.model,
-        generation.created,
-        event.index,
-        event.text,
-        event.finish_reason,
-        logprobs,
-    )
-
-
-async def _collect(generation: Generation, events: AsyncIterator[ChoiceEvent]) -> dict[str, Any]:
-    req = generation.request
-    texts = [""] * req.n
-    token_ids: list[list[int]] = [[] for _ in range(req.n)]
-    logprobs: list[list | None] = [[] if req.logprobs is not None else None for _ in range(req.n)]
-    finish: list[str] = ["length"] * req.n
-    async for event in events:
-        texts[event.index] += event.text
-        token_ids[event.index] += event.token_ids
-        if event.logprobs is not None and logprobs[event.index] is not None:
-            logprobs[event.index] += event.logprobs
-        if event.finish_reason is not None:
-            finish[event.index] = event.finish_reason
-    choices = [
-        ChoiceResult(i, texts[i], finish[i], token_ids[i], logprobs[i]) for i in range(req.n)
-    ]
-    usage = usage_dict(generation.num_prompt_tokens, sum(len(t) for t in token_ids))
-    build = chat_response if req.chat else completion_response
-    return build(generation.request_id, req.model, generation.created, choices, usage)

@@ -32,18 +32,10 @@ import zmq.asyncio
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import (
     ApiError,
-    ChoiceResult,
-    chat_chunk,
-    chat_logprobs,
-    chat_response,
-    completion_chunk,
-    completion_logprobs,
-    completion_response,
     parse_chat_request,
     parse_completion_request,
-    usage_chunk,
-    usage_dict,
 )
+from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
 from shared import wire
 from shared.logs import get_logger
 
@@ -155,7 +147,7 @@ class RpcServer:
                 if request.stream:
                     await self._stream(identity, call_id, generation, events)
                 else:
-                    response = await _collect(generation, events)
+                    response = await collect_response(generation, events)
                     await self._send(identity, call_id, "response", response)
             finally:
                 await events.aclose()  # cancels the cluster requests still running
@@ -195,11 +187,9 @@ class RpcServer:
         num_tokens = 0
         async for event in events:
             num_tokens += len(event.token_ids)
-            await self._send(identity, call_id, "chunk", _chunk(generation, event, role_sent))
+            await self._send(identity, call_id, "chunk", stream_chunk(generation, event, role_sent))
         if req.include_usage:
-            usage = usage_dict(generation.num_prompt_tokens, num_tokens)
-            chunk = usage_chunk(generation.request_id, req.model, generation.created, usage,
-                                chat=req.chat)  # fmt: skip
+            chunk = final_usage_chunk(generation, num_tokens)
             await self._send(identity, call_id, "chunk", chunk)
         await self._send(identity, call_id, "end", None)
 
@@ -247,40 +237,3 @@ def _json(body: dict[str, Any]) -> str:
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         get_logger(component="rpc").error("rpc send failed", error=repr(task.exception()))
-
-
-# -- OpenAI shapes from choice events (the HTTP handler assembles them the same way) --------------
-
-
-def _chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]) -> dict[str, Any]:
-    req = generation.request
-    if req.chat:
-        logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
-        first = event.index not in role_sent
-        role_sent.add(event.index)
-        return chat_chunk(generation.request_id, req.model, generation.created, event.index,
-                          event.text, event.finish_reason, logprobs, role_first=first)  # fmt: skip
-    logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
-    return completion_chunk(generation.request_id, req.model, generation.created, event.index,
-                            event.text, event.finish_reason, logprobs)  # fmt: skip
-
-
-async def _collect(generation: Generation, events: AsyncIterator[ChoiceEvent]) -> dict[str, Any]:
-    req = generation.request
-    texts = [""] * req.n
-    token_ids: list[list[int]] = [[] for _ in range(req.n)]
-    logprobs: list[list | None] = [[] if req.logprobs is not None else None for _ in range(req.n)]
-    finish: list[str] = ["length"] * req.n
-    async for event in events:
-        texts[event.index] += event.text
-        token_ids[event.index] += event.token_ids
-        if event.logprobs is not None and logprobs[event.index] is not None:
-            logprobs[event.index] += event.logprobs
-        if event.finish_reason is not None:
-            finish[event.index] = event.finish_reason
-    choices = [
-        ChoiceResult(i, texts[i], finish[i], token_ids[i], logprobs[i]) for i in range(req.n)
-    ]
-    usage = usage_dict(generation.num_prompt_tokens, sum(len(t) for t in token_ids))
-    build = chat_response if req.chat else completion_response
-    return build(generation.request_id, req.model, generation.created, choices, usage)

@@ -59,7 +59,7 @@ class PrefillWorker:
             torch.set_num_threads(config.threads)
         self.peer_id = config.resolved_peer_id("prefill")
         self.log = get_logger(peer_id=self.peer_id)
-        self.loaded = load_model(config.model)
+        self.loaded = load_model(config.model, dtype=config.torch_dtype)
         self.engine = LLMEngine(self.loaded.model, config.engine_config(retain_finished=True))
         self.context = context or zmq.Context.instance()
         self.link = SchedulerLink(

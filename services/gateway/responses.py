@@ -1,0 +1,63 @@
+"""OpenAI response shapes assembled from a generation's choice events, for HTTP and RPC alike."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.gateway.generation import ChoiceEvent, Generation
+from services.gateway.openai_protocol import (
+    ChoiceResult,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    usage_chunk,
+    usage_dict,
+)
+
+
+def stream_chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]) -> dict[str, Any]:
+    """One stream chunk; `role_sent` holds the chat choices whose first chunk (the role) is sent."""
+    req = generation.request
+    if req.chat:
+        logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
+        first = event.index not in role_sent
+        role_sent.add(event.index)
+        return chat_chunk(generation.request_id, req.model, generation.created, event.index,
+                          event.text, event.finish_reason, logprobs, role_first=first)  # fmt: skip
+    logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
+    return completion_chunk(generation.request_id, req.model, generation.created, event.index,
+                            event.text, event.finish_reason, logprobs)  # fmt: skip
+
+
+def final_usage_chunk(generation: Generation, num_completion_tokens: int) -> dict[str, Any]:
+    req = generation.request
+    usage = usage_dict(generation.num_prompt_tokens, num_completion_tokens)
+    return usage_chunk(generation.request_id, req.model, generation.created, usage, chat=req.chat)
+
+
+async def collect_response(
+    generation: Generation, events: AsyncIterator[ChoiceEvent]
+) -> dict[str, Any]:
+    """The whole (non-streaming) response once every choice has finished."""
+    req = generation.request
+    texts = [""] * req.n
+    token_ids: list[list[int]] = [[] for _ in range(req.n)]
+    logprobs: list[list | None] = [[] if req.logprobs is not None else None for _ in range(req.n)]
+    finish: list[str] = ["length"] * req.n
+    async for event in events:
+        texts[event.index] += event.text
+        token_ids[event.index] += event.token_ids
+        if event.logprobs is not None and logprobs[event.index] is not None:
+            logprobs[event.index] += event.logprobs
+        if event.finish_reason is not None:
+            finish[event.index] = event.finish_reason
+    choices = [
+        ChoiceResult(i, texts[i], finish[i], token_ids[i], logprobs[i]) for i in range(req.n)
+    ]
+    usage = usage_dict(generation.num_prompt_tokens, sum(len(t) for t in token_ids))
+    build = chat_response if req.chat else completion_response
+    return build(generation.request_id, req.model, generation.created, choices, usage)
