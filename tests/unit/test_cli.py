@@ -1,0 +1,45 @@
+"""The `tandem` command refuses wrong input with a clear message and exit status 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "--prompt", "hi", "--max-tokens", "-1"], "max_tokens"),
+        (["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature"),
+        (["generate", "--prompt", "hi", "--dtype", "float8"], "dtype"),
+        (["scheduler", "--heartbeat-timeout-s", "0"], "heartbeat_timeout_s"),
+        (["scheduler", "--address", "localhost:5555"], "tcp://, ipc:// or inproc://"),
+        (["decode", "--block-size", "many"], "--block-size: expected an integer"),
+        (["decode"], "needs --address"),
+        (["prefill", "--dtype", "int4"], "dtype"),
+        (["gateway", "--port", "0"], "port"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_wrong_input_exits_2_naming_the_problem(argv, needle):
+    result = tandem(*argv)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr
+
+
+def test_environment_variables_are_checked_too():
+    import os
+
+    result = tandem("scheduler", env={**os.environ, "TANDEM_MAX_QUEUED_REQUESTS": "lots"})
+    assert result.returncode == 2
+    assert "TANDEM_MAX_QUEUED_REQUESTS" in result.stderr
