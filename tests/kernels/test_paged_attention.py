@@ -181,12 +181,12 @@ def test_reference_accepts_a_strided_query():
     assert (out - naive_attention(batch)).abs().max() < 1e-5
 
 
-def test_reference_in_bfloat16():
-    half = make_batch(
-        MIXED, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.bfloat16
-    )
+@pytest.mark.parametrize("shape", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_in_16_bits(shape, dtype):
+    half = make_batch(shape, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16, dtype=dtype)
     out = paged_attention_reference(*half.args(), **half.kwargs())
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == dtype
     torch.testing.assert_close(out.float(), naive_attention(half).float(), atol=2e-2, rtol=2e-2)
 
 
