@@ -27,6 +27,7 @@ required, and an unknown field is refused, so a schema change needs `SCHEMA_VERS
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 import types
@@ -433,7 +434,7 @@ class _Decoding:
         return self.frames[index]
 
 
-class _Codec:
+class _Codec(abc.ABC):
     """Turns a field value into its header form (collecting tensors) and checks it back.
     `leaf`: the header form is the value itself, so lists of leaves pass through unwalked."""
 
@@ -442,8 +443,9 @@ class _Codec:
     def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> Any:
         return value
 
+    @abc.abstractmethod
     def from_wire(self, value: Any, path: str, ctx: _Decoding) -> Any:
-        raise NotImplementedError
+        """The checked value; raises WireError naming `path`."""
 
 
 class _Exact(_Codec):

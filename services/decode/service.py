@@ -12,23 +12,19 @@ their blocks return to the pool, and the scheduler hears REQUEST_DONE.
 from __future__ import annotations
 
 import argparse
-import signal
 import time
 from dataclasses import dataclass
 
-import torch
 import zmq
 
 from services.worker.config import WorkerConfig
-from services.worker.link import SchedulerLink
-from services.worker.streams import GatewayStreams, group_by_gateway
+from services.worker.loop import WorkerLoop
+from services.worker.streams import group_by_gateway
 from shared import wire
 from shared.config import ConfigError, add_config_arguments, config_from_args
 from shared.engine.block_manager import NoFreeBlocksError
-from shared.engine.engine import LLMEngine
-from shared.engine.loader import load_model
 from shared.errors import InvalidRequestError
-from shared.logs import configure_logging, get_logger
+from shared.logs import configure_logging
 from shared.wire_convert import sampling_params, token_delta
 
 
@@ -58,89 +54,21 @@ class Route:
     num_output_tokens: int
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerLoop):
+    role = "decode"
+
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
-        self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        self.peer_id = config.resolved_peer_id("decode")
-        self.log = get_logger(peer_id=self.peer_id)
-        self.loaded = load_model(config.model, dtype=config.torch_dtype)
-        self.engine = LLMEngine(self.loaded.model, config.engine_config())
+        super().__init__(config, context, address=config.advertise_address or config.address)
         self.blocks = self.engine.block_manager
-        self.context = context or zmq.Context.instance()
         self.kv_socket = self.context.socket(zmq.ROUTER)
         self.kv_socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.kv_socket.setsockopt(zmq.LINGER, 0)
         self.kv_socket.bind(config.address)
-        self.link = SchedulerLink(
-            self.context,
-            config.scheduler_address,
-            wire.Hello(
-                schema_version=wire.SCHEMA_VERSION,
-                role="decode",
-                peer_id=self.peer_id,
-                model=config.model,
-                address=config.advertise_address or config.address,
-                num_kv_blocks=self.blocks.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-            ),
-        )
-        self.streams = GatewayStreams(self.context)
+        self.add_socket(self.kv_socket, router=True)
         self.reservations: dict[str, Reservation] = {}
         self.routes: dict[str, Route] = {}
-        self.poller = zmq.Poller()
-        self.poller.register(self.link.socket, zmq.POLLIN)
-        self.poller.register(self.kv_socket, zmq.POLLIN)
-        self.steps_completed = 0
-        self._stopping = False
-
-    def stop(self, *_: object) -> None:
-        self._stopping = True
-
-    def serve_forever(self) -> None:
-        signal.signal(signal.SIGTERM, self.stop)
-        signal.signal(signal.SIGINT, self.stop)
-        self.link.handshake()
-        self.log.info(
-            "decode worker ready", blocks=self.blocks.num_blocks, address=self.config.address
-        )
-        try:
-            while not self._stopping:
-                self.run_once()
-        finally:
-            self.close()
-
-    def run_once(self) -> None:
-        now = time.monotonic()
-        busy = self.engine.has_unfinished
-        timeout_ms = 0 if busy else min(self.link.seconds_to_heartbeat(now), 0.1) * 1000
-        for sock, _ in self.poller.poll(timeout_ms):
-            self._drain(sock)
-        if self.engine.has_unfinished:
-            self._step()
-        now = time.monotonic()
-        self._expire_reservations(now)
-        if self.link.heartbeat_due(now):
-            self.link.send_heartbeat(self._heartbeat(), now)
 
     # -- messages -----------------------------------------------------------------------------
-
-    def _drain(self, sock: zmq.Socket) -> None:
-        is_router = sock is self.kv_socket
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            identity = frames[0].bytes if is_router else None
-            try:
-                message = wire.decode(frames[1:] if is_router else frames)
-            except wire.WireError as error:
-                self.log.warning("dropped malformed message", error=str(error))
-                continue
-            self._handle(message, identity)
 
     def _handle(self, message: wire.Message, identity: bytes | None) -> None:
         match message:
@@ -151,8 +79,6 @@ class DecodeWorker:
                 wire.send_to(self.kv_socket, identity, ack)
             case wire.Cancel():
                 self._cancel(message.request_id, message.reason)
-            case wire.HelloAck():
-                self.link.on_hello_ack(message, self.log)
             case _:
                 self.log.warning("dropped unexpected message", type=type(message).__name__)
 
@@ -236,7 +162,8 @@ class DecodeWorker:
             self.engine.abort(request_id)
         self.log.info("decode cancelled", request_id=request_id, reason=reason)
 
-    def _expire_reservations(self, now: float) -> None:
+    def _on_timers(self, now: float) -> None:
+        """Reservations whose KV did not arrive within the lease return to the pool."""
         for request_id, reservation in list(self.reservations.items()):
             if now > reservation.deadline:
                 del self.reservations[request_id]
@@ -247,7 +174,6 @@ class DecodeWorker:
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        self.steps_completed += 1
         streamed = []
         for output in outputs:
             route = self.routes.get(output.request_id)
@@ -269,19 +195,5 @@ class DecodeWorker:
                 )
         self.streams.send(group_by_gateway(streamed))
 
-    def _heartbeat(self) -> wire.Heartbeat:
-        return wire.Heartbeat(
-            peer_id=self.peer_id,
-            num_waiting=len(self.engine.scheduler.waiting),
-            num_running=len(self.engine.scheduler.running),
-            num_free_blocks=self.blocks.num_free_blocks,
-            num_total_blocks=self.blocks.num_blocks,
-            steps_completed=self.steps_completed,
-            sent_at=time.time(),
-        )
-
-    def close(self) -> None:
+    def _close(self) -> None:
         self.kv_socket.close(linger=0)
-        self.streams.close()
-        self.link.close()
-        self.log.info("decode worker stopped")

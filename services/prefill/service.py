@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import signal
 import time
 from dataclasses import dataclass
 
-import torch
 import zmq
 
 from services.worker.config import WorkerConfig
-from services.worker.link import SchedulerLink
-from services.worker.streams import GatewayStreams, group_by_gateway
+from services.worker.loop import WorkerLoop
+from services.worker.streams import group_by_gateway
 from shared import wire
 from shared.config import add_config_arguments, config_from_args
-from shared.engine.engine import LLMEngine, RequestOutput
-from shared.engine.loader import load_model
+from shared.engine.engine import RequestOutput
 from shared.errors import InvalidRequestError
-from shared.logs import configure_logging, get_logger
+from shared.logs import configure_logging
 from shared.wire_convert import sampling_params, token_delta
 
 
@@ -52,82 +49,18 @@ class PendingTransfer:
     num_output_tokens: int
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerLoop):
+    role = "prefill"
+
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
-        self.config = config
-        if config.threads:
-            torch.set_num_threads(config.threads)
-        self.peer_id = config.resolved_peer_id("prefill")
-        self.log = get_logger(peer_id=self.peer_id)
-        self.loaded = load_model(config.model, dtype=config.torch_dtype)
-        self.engine = LLMEngine(self.loaded.model, config.engine_config(retain_finished=True))
-        self.context = context or zmq.Context.instance()
-        self.link = SchedulerLink(
-            self.context,
-            config.scheduler_address,
-            wire.Hello(
-                schema_version=wire.SCHEMA_VERSION,
-                role="prefill",
-                peer_id=self.peer_id,
-                model=config.model,
-                address=None,
-                num_kv_blocks=self.engine.block_manager.num_blocks,
-                block_size=config.block_size,
-                max_num_seqs=config.max_num_seqs,
-            ),
-        )
-        self.streams = GatewayStreams(self.context)
+        super().__init__(config, context, address=None, retain_finished=True)
         self.jobs: dict[str, wire.PrefillJob] = {}
         self.transfers: dict[str, PendingTransfer] = {}
         self._decode_sockets: dict[str, zmq.Socket] = {}
-        self.poller = zmq.Poller()
-        self.poller.register(self.link.socket, zmq.POLLIN)
-        self.steps_completed = 0
-        self._stopping = False
-
-    def stop(self, *_: object) -> None:
-        self._stopping = True
-
-    def serve_forever(self) -> None:
-        signal.signal(signal.SIGTERM, self.stop)
-        signal.signal(signal.SIGINT, self.stop)
-        self.link.handshake()
-        self.log.info("prefill worker ready", blocks=self.engine.block_manager.num_blocks)
-        try:
-            while not self._stopping:
-                self.run_once()
-        finally:
-            self.close()
-
-    def run_once(self) -> None:
-        now = time.monotonic()
-        busy = self.engine.has_unfinished
-        timeout_ms = 0 if busy else min(self.link.seconds_to_heartbeat(now), 0.1) * 1000
-        for sock, _ in self.poller.poll(timeout_ms):
-            self._drain(sock)
-        if self.engine.has_unfinished:
-            self._step()
-        now = time.monotonic()
-        self._expire_transfers(now)
-        if self.link.heartbeat_due(now):
-            self.link.send_heartbeat(self._heartbeat(), now)
 
     # -- messages -----------------------------------------------------------------------------
 
-    def _drain(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                message = wire.decode(frames)
-            except wire.WireError as error:
-                self.log.warning("dropped malformed message", error=str(error))
-                continue
-            self._handle(message)
-
-    def _handle(self, message: wire.Message) -> None:
+    def _handle(self, message: wire.Message, identity: bytes | None) -> None:
         match message:
             case wire.PrefillJob():
                 self._accept_job(message)
@@ -135,8 +68,6 @@ class PrefillWorker:
                 self._cancel(message.request_id, message.reason)
             case wire.KvAck():
                 self._on_ack(message)
-            case wire.HelloAck():
-                self.link.on_hello_ack(message, self.log)  # a repeated handshake answer
             case _:
                 self.log.warning("dropped unexpected message", type=type(message).__name__)
 
@@ -170,7 +101,6 @@ class PrefillWorker:
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        self.steps_completed += 1
         streamed = []
         for output in outputs:
             job = self.jobs.pop(output.request_id, None)
@@ -230,7 +160,7 @@ class PrefillWorker:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
             sock.connect(address)
-            self.poller.register(sock, zmq.POLLIN)
+            self.add_socket(sock)
             self._decode_sockets[address] = sock
         return sock
 
@@ -244,7 +174,8 @@ class PrefillWorker:
             self.log.warning("kv refused", request_id=ack.request_id, error=ack.error)
             self._report(transfer.job, "error", transfer.num_output_tokens)
 
-    def _expire_transfers(self, now: float) -> None:
+    def _on_timers(self, now: float) -> None:
+        """A transfer never acknowledged in time is abandoned: the scheduler re-routes it."""
         for request_id, transfer in list(self.transfers.items()):
             if now > transfer.deadline:
                 del self.transfers[request_id]
@@ -271,20 +202,6 @@ class PrefillWorker:
         # Not "error", which asks the scheduler to re-route: this request can never run.
         self._report(job, "rejected", 0)
 
-    def _heartbeat(self) -> wire.Heartbeat:
-        return wire.Heartbeat(
-            peer_id=self.peer_id,
-            num_waiting=len(self.engine.scheduler.waiting),
-            num_running=len(self.engine.scheduler.running),
-            num_free_blocks=self.engine.block_manager.num_free_blocks,
-            num_total_blocks=self.engine.block_manager.num_blocks,
-            steps_completed=self.steps_completed,
-            sent_at=time.time(),
-        )
-
-    def close(self) -> None:
+    def _close(self) -> None:
         for sock in self._decode_sockets.values():
             sock.close(linger=0)
-        self.streams.close()
-        self.link.close()
-        self.log.info("prefill worker stopped")

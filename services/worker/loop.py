@@ -1,0 +1,151 @@
+"""The loop both worker roles run: read what arrived, step the engine, run timers, heartbeat.
+
+A role subclass sets up its engine, link and sockets, then implements `_handle` (one decoded
+message, with the sender's identity when it came through one of its ROUTER sockets), `_step` (one
+engine step and what follows from it), `_on_timers` and `_close`. While the engine has work the
+loop never blocks on its sockets; idle, it waits for a message or the next heartbeat.
+"""
+
+from __future__ import annotations
+
+import abc
+import signal
+import time
+
+import torch
+import zmq
+
+from services.worker.config import WorkerConfig
+from services.worker.link import SchedulerLink
+from services.worker.streams import GatewayStreams
+from shared import wire
+from shared.engine.engine import LLMEngine
+from shared.engine.loader import load_model
+from shared.logs import get_logger
+
+
+class WorkerLoop(abc.ABC):
+    role: str  # "prefill" or "decode"
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        context: zmq.Context | None,
+        address: str | None = None,
+        **engine_overrides,
+    ):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.peer_id = config.resolved_peer_id(self.role)
+        self.log = get_logger(peer_id=self.peer_id)
+        self.loaded = load_model(config.model, dtype=config.torch_dtype)
+        self.engine = LLMEngine(self.loaded.model, config.engine_config(**engine_overrides))
+        self.context = context or zmq.Context.instance()
+        self.link = SchedulerLink(
+            self.context,
+            config.scheduler_address,
+            wire.Hello(
+                schema_version=wire.SCHEMA_VERSION,
+                role=self.role,
+                peer_id=self.peer_id,
+                model=config.model,
+                address=address,
+                num_kv_blocks=self.engine.block_manager.num_blocks,
+                block_size=config.block_size,
+                max_num_seqs=config.max_num_seqs,
+            ),
+        )
+        self.streams = GatewayStreams(self.context)
+        self.poller = zmq.Poller()
+        self.poller.register(self.link.socket, zmq.POLLIN)
+        self._router_sockets: set[zmq.Socket] = set()
+        self.steps_completed = 0
+        self._stopping = False
+
+    def add_socket(self, sock: zmq.Socket, router: bool = False) -> None:
+        self.poller.register(sock, zmq.POLLIN)
+        if router:
+            self._router_sockets.add(sock)
+
+    def stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def serve_forever(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        self.link.handshake()
+        self.log.info(f"{self.role} worker ready", blocks=self.engine.block_manager.num_blocks)
+        try:
+            while not self._stopping:
+                self.run_once()
+        finally:
+            self.close()
+
+    def run_once(self) -> None:
+        now = time.monotonic()
+        busy = self.engine.has_unfinished
+        timeout_ms = 0 if busy else min(self.link.seconds_to_heartbeat(now), 0.1) * 1000
+        for sock, _ in self.poller.poll(timeout_ms):
+            self._drain(sock)
+        if self.engine.has_unfinished:
+            self._step()
+            self.steps_completed += 1
+        now = time.monotonic()
+        self._on_timers(now)
+        if self.link.heartbeat_due(now):
+            self.link.send_heartbeat(self._heartbeat(), now)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        is_router = sock in self._router_sockets
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            identity = frames[0].bytes if is_router else None
+            try:
+                message = wire.decode(frames[1:] if is_router else frames)
+            except wire.WireError as error:
+                self.log.warning("dropped malformed message", error=str(error))
+                continue
+            if isinstance(message, wire.HelloAck):
+                self.link.on_hello_ack(message, self.log)
+            else:
+                self._handle(message, identity)
+
+    def _heartbeat(self) -> wire.Heartbeat:
+        blocks = self.engine.block_manager
+        return wire.Heartbeat(
+            peer_id=self.peer_id,
+            num_waiting=len(self.engine.scheduler.waiting),
+            num_running=len(self.engine.scheduler.running),
+            num_free_blocks=blocks.num_free_blocks,
+            num_total_blocks=blocks.num_blocks,
+            steps_completed=self.steps_completed,
+            sent_at=time.time(),
+        )
+
+    def close(self) -> None:
+        self._close()
+        self.streams.close()
+        self.link.close()
+        self.log.info(f"{self.role} worker stopped")
+
+    # -- the role's part ------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _handle(self, message: wire.Message, identity: bytes | None) -> None:
+        """One decoded message; `identity` is set when it came through a ROUTER socket."""
+
+    @abc.abstractmethod
+    def _step(self) -> None:
+        """One engine step and its consequences (streams, transfers, reports)."""
+
+    @abc.abstractmethod
+    def _on_timers(self, now: float) -> None:
+        """Leases and deadlines."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """The role's own sockets."""
