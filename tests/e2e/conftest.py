@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from loadtest.served import free_port
 
 
 @dataclass
@@ -86,8 +81,14 @@ def stop_cluster(cluster: RunningCluster) -> None:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> RunningCluster:
     running = start_cluster(
-        tmp_path_factory.mktemp("cluster"), "--prefill", "1", "--decode", "2",
-        "--kv-cache-bytes", str(256 << 20), rpc=True,
+        tmp_path_factory.mktemp("cluster"),
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
+        "--kv-cache-bytes",
+        str(256 << 20),
+        rpc=True,
     )
     yield running
     stop_cluster(running)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import free_port
+from loadtest.served import free_port
 
 pytestmark = pytest.mark.slow
 
