@@ -122,7 +122,9 @@ class LocalCluster:
         self._spawn("gateway", gateway)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        env = dict(os.environ, TANDEM_LOG_FORMAT="json" if not self.echo_logs else "console")
+        # Children write to a pipe, not a terminal: say which format the person at this end wants.
+        fmt = os.environ.get("TANDEM_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
+        env = dict(os.environ, TANDEM_LOG_FORMAT=fmt)
         process = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *argv],
             stdout=subprocess.PIPE,

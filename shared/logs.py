@@ -14,9 +14,13 @@ import structlog
 
 def configure_logging(service: str, level: str | None = None) -> None:
     level_name = (level or os.environ.get("TANDEM_LOG_LEVEL") or "INFO").upper()
+    # TANDEM_LOG_FORMAT=console|json; by default, console on a terminal and JSON elsewhere.
+    log_format = os.environ.get("TANDEM_LOG_FORMAT") or (
+        "console" if sys.stderr.isatty() else "json"
+    )
     renderer = (
         structlog.dev.ConsoleRenderer(colors=False)
-        if sys.stderr.isatty() and os.environ.get("TANDEM_LOG_FORMAT") != "json"
+        if log_format == "console"
         else structlog.processors.JSONRenderer()
     )
     structlog.configure(
