@@ -38,6 +38,7 @@ class SchedulerLimits:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
     heartbeat_timeout_s: float = 10.0
+    progress_timeout_s: float = 60.0  # busy without completing a step: stuck (see registry)
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0  # prompt compute plus KV transfer, on a CPU
     retry_after_s: float = 1.0
@@ -81,7 +82,9 @@ class ClusterScheduler:
     num_queued_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.registry = WorkerRegistry(self.limits.heartbeat_timeout_s)
+        self.registry = WorkerRegistry(
+            self.limits.heartbeat_timeout_s, self.limits.progress_timeout_s
+        )
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -101,6 +104,7 @@ class ClusterScheduler:
                     block_size=hello.block_size,
                     max_num_seqs=hello.max_num_seqs,
                     last_heartbeat=now,
+                    last_progress=now,
                     num_free_blocks=hello.num_kv_blocks,
                 )
             )
@@ -123,7 +127,8 @@ class ClusterScheduler:
         worker.num_free_blocks = heartbeat.num_free_blocks
         worker.num_running = heartbeat.num_running
         worker.num_waiting = heartbeat.num_waiting
-        worker.steps_completed = heartbeat.steps_completed
+        busy = heartbeat.num_running + heartbeat.num_waiting > 0
+        worker.record_progress(heartbeat.steps_completed, busy, now)
         # The heartbeat's free-block count already reflects every reservation made so far.
         worker.num_promised_blocks = 0
         return self.dispatch(now)
@@ -145,7 +150,7 @@ class ClusterScheduler:
     # -- requests -----------------------------------------------------------------------------
 
     def on_submit(self, identity: bytes, submit: wire.Submit, now: float) -> list[Outgoing]:
-        refusal = self._admission_refusal(submit)
+        refusal = self._admission_refusal(submit, now)
         if refusal is not None:
             status, message, retry_after = refusal
             reply = wire.SubmitReply(
@@ -169,12 +174,18 @@ class ClusterScheduler:
         )
         return [Outgoing(identity, accepted)] + self.dispatch(now)
 
-    def _admission_refusal(self, submit: wire.Submit) -> tuple[int, str, float | None] | None:
+    def _admission_refusal(
+        self, submit: wire.Submit, now: float
+    ) -> tuple[int, str, float | None] | None:
         if submit.request_id in self.requests:
             return 400, f"request id {submit.request_id!r} is already in flight", None
-        prefill, decode = self.registry.by_role("prefill"), self.registry.by_role("decode")
+        prefill, decode = (
+            self.registry.healthy("prefill", now),
+            self.registry.healthy("decode", now),
+        )
         if not prefill or not decode:
-            return 503, "no prefill or no decode worker is registered", self.limits.retry_after_s
+            message = "no prefill or no decode worker is registered and making progress"
+            return 503, message, self.limits.retry_after_s
         needed = len(submit.prompt_token_ids) + submit.sampling.max_tokens
         capacity = max(w.num_total_blocks * w.block_size for w in decode)
         if needed > capacity:
@@ -208,7 +219,7 @@ class ClusterScheduler:
         if not reply.ok:
             worker.num_free_blocks = reply.num_free_blocks
             return self._requeue(request, cancel_reason=None) + self.dispatch(now)
-        prefill = self.registry.pick_prefill()
+        prefill = self.registry.pick_prefill(now)
         if prefill is None:
             return self._requeue(request, cancel_reason="no prefill worker")
         request.phase = Phase.PREFILLING
@@ -252,11 +263,11 @@ class ClusterScheduler:
 
     def dispatch(self, now: float) -> list[Outgoing]:
         out: list[Outgoing] = []
-        while self.queue and self.registry.by_role("prefill"):
+        while self.queue and self.registry.healthy("prefill", now):
             request = self.requests[self.queue[0]]
             # Room for the prompt and the first decode step; later growth is the worker's affair.
             num_tokens = len(request.submit.prompt_token_ids) + 1
-            decode = self.registry.pick_decode(num_tokens)
+            decode = self.registry.pick_decode(num_tokens, now)
             if decode is None:
                 break
             self.queue.popleft()
@@ -349,10 +360,11 @@ class ClusterScheduler:
         )
         return [Outgoing(gateway.identity, wire.Tokens(deltas=[delta]))]
 
-    def cluster_status(self) -> wire.ClusterStatus:
-        decode = self.registry.by_role("decode")
+    def cluster_status(self, now: float) -> wire.ClusterStatus:
+        """Counts the workers that are making progress: what /ready reports."""
+        decode = self.registry.healthy("decode", now)
         return wire.ClusterStatus(
-            num_prefill=len(self.registry.by_role("prefill")),
+            num_prefill=len(self.registry.healthy("prefill", now)),
             num_decode=len(decode),
             num_decode_free_blocks=sum(w.num_free_blocks for w in decode),
             num_decode_total_blocks=sum(w.num_total_blocks for w in decode),

@@ -30,6 +30,18 @@ class WorkerState:
     request_ids: set[str] = field(default_factory=set)
     # Blocks promised since the last heartbeat (decode only).
     num_promised_blocks: int = 0
+    # When the worker last advanced its engine, or was idle (idle is not stuck).
+    last_progress: float = 0.0
+    busy: bool = False  # held work at its last heartbeat
+
+    def record_progress(self, steps_completed: int, busy: bool, now: float) -> None:
+        if steps_completed > self.steps_completed or not busy:
+            self.last_progress = now
+        self.steps_completed = steps_completed
+        self.busy = busy
+
+    def making_progress(self, now: float, timeout_s: float) -> bool:
+        return not self.busy or now - self.last_progress <= timeout_s
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -40,8 +52,11 @@ class WorkerState:
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float):
+    def __init__(self, heartbeat_timeout_s: float, progress_timeout_s: float):
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # A worker that holds work and completes no step for this long is stuck: it answers
+        # heartbeats but serves nothing, so it gets no new work and does not count as ready.
+        self.progress_timeout_s = progress_timeout_s
         self.workers: dict[str, WorkerState] = {}
 
     def add(self, worker: WorkerState) -> None:
@@ -56,16 +71,19 @@ class WorkerRegistry:
     def by_role(self, role: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.role == role]
 
+    def healthy(self, role: str, now: float) -> list[WorkerState]:
+        return [w for w in self.by_role(role) if w.making_progress(now, self.progress_timeout_s)]
+
     def expired(self, now: float) -> list[WorkerState]:
         return [
             w for w in self.workers.values() if now - w.last_heartbeat > self.heartbeat_timeout_s
         ]
 
-    def pick_decode(self, num_tokens: int) -> WorkerState | None:
+    def pick_decode(self, num_tokens: int, now: float) -> WorkerState | None:
         """The decode worker with the most available blocks, if any can hold `num_tokens`."""
         candidates = [
             w
-            for w in self.by_role("decode")
+            for w in self.healthy("decode", now)
             if w.num_available_blocks >= w.blocks_for(num_tokens)
             and len(w.request_ids) < w.max_num_seqs
         ]
@@ -73,6 +91,6 @@ class WorkerRegistry:
             candidates, key=lambda w: (w.num_available_blocks, -len(w.request_ids)), default=None
         )
 
-    def pick_prefill(self) -> WorkerState | None:
-        """The prefill worker with the fewest requests in hand."""
-        return min(self.by_role("prefill"), key=lambda w: len(w.request_ids), default=None)
+    def pick_prefill(self, now: float) -> WorkerState | None:
+        """The healthy prefill worker with the fewest requests in hand."""
+        return min(self.healthy("prefill", now), key=lambda w: len(w.request_ids), default=None)

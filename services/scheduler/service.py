@@ -36,6 +36,9 @@ class SchedulerConfig:
     max_queued_tokens: int = setting(1 << 20, "queued prompt tokens beyond which 429 is answered")
     reserve_timeout_s: float = setting(5.0, "time a decode worker has to confirm a reservation")
     prefill_timeout_s: float = setting(300.0, "time a prefill and its KV transfer may take")
+    progress_timeout_s: float = setting(
+        60.0, "a worker busy this long without completing a step is stuck: no new work, not ready"
+    )
     model: str = setting("smollm2", "the model every peer must serve")
 
     def __post_init__(self) -> None:
@@ -48,6 +51,7 @@ class SchedulerConfig:
             "max_queued_tokens",
             "reserve_timeout_s",
             "prefill_timeout_s",
+            "progress_timeout_s",
         )
 
     def limits(self) -> SchedulerLimits:
@@ -57,6 +61,7 @@ class SchedulerConfig:
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             reserve_timeout_s=self.reserve_timeout_s,
             prefill_timeout_s=self.prefill_timeout_s,
+            progress_timeout_s=self.progress_timeout_s,
         )
 
 
@@ -107,7 +112,7 @@ class SchedulerService:
                             silent_s=round(now - worker.last_heartbeat, 1),
                         )
                     self._send(self.core.tick(now))
-                    self._broadcast_status()
+                    self._broadcast_status(now)
                     next_tick = now + self.config.heartbeat_interval_s / 2
         finally:
             self.socket.close(linger=0)
@@ -177,8 +182,8 @@ class SchedulerService:
         self.log.info("peer joined", peer_id=hello.peer_id, role=hello.role, address=hello.address)
         return [Outgoing(identity, ack), *self.core.on_hello(identity, hello, now)]
 
-    def _broadcast_status(self) -> None:
-        status = self.core.cluster_status()
+    def _broadcast_status(self, now: float) -> None:
+        status = self.core.cluster_status(now)
         self._send([Outgoing(g.identity, status) for g in self.core.gateways.values()])
 
     def _send(self, outgoing: list[Outgoing]) -> None:

@@ -231,3 +231,34 @@ def test_stale_prefill_report_from_an_abandoned_attempt_is_ignored(core):
     )
     assert core.on_request_done(stale, 4.1) == []
     assert core.requests["r"].phase == Phase.RESERVING
+
+
+def busy_heartbeat(peer_id: str, steps: int) -> wire.Heartbeat:
+    return wire.Heartbeat(
+        peer_id=peer_id, num_waiting=1, num_running=1, num_free_blocks=100,
+        num_total_blocks=100, steps_completed=steps, sent_at=0.0,
+    )  # fmt: skip
+
+
+def test_worker_busy_without_progress_is_unhealthy_until_it_moves_again():
+    c = ClusterScheduler(SchedulerLimits(progress_timeout_s=5.0, heartbeat_timeout_s=100.0))
+    c.on_hello(b"G", hello("g", "gateway"), 0.0)
+    c.on_hello(b"P", hello("p", "prefill"), 0.0)
+    c.on_hello(b"D", hello("d", "decode"), 0.0)
+    c.on_heartbeat(b"D", busy_heartbeat("d", steps=10), 1.0)
+    for t in (2.0, 4.0, 7.0):  # heartbeats keep coming, the step count does not move
+        c.on_heartbeat(b"D", busy_heartbeat("d", steps=10), t)
+    status = c.cluster_status(7.0)
+    assert status.num_decode == 0 and status.num_prefill == 1
+    reply = c.on_submit(b"G", submit("r"), 7.0)[0].message
+    assert reply.status_code == 503 and "making progress" in reply.message
+    c.on_heartbeat(b"D", busy_heartbeat("d", steps=11), 8.0)  # it moved: back in rotation
+    assert c.cluster_status(8.0).num_decode == 1
+    assert c.on_submit(b"G", submit("r"), 8.0)[0].message.accepted
+
+
+def test_idle_worker_is_healthy_however_long_it_waits(core):
+    for t in (10.0, 100.0, 1000.0):
+        core.on_heartbeat(b"D", heartbeat("d"), t)
+        core.on_heartbeat(b"P", heartbeat("p"), t)
+    assert core.cluster_status(1000.0).num_decode == 1
