@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -144,6 +145,7 @@ class LocalCluster:
                 sys.stderr.write(f"[{child.name:>9}] {line.decode(errors='replace')}")
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until /ready answers 200 with every worker started here registered."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             dead = [c.name for c in self.children if c.process.poll() is not None]
@@ -151,12 +153,18 @@ class LocalCluster:
                 raise RuntimeError(f"cluster process(es) exited during start-up: {', '.join(dead)}")
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as response:
-                    if response.status == 200:
+                    if response.status == 200 and self._all_joined(json.load(response)):
                         return
-            except (urllib.error.URLError, OSError):
+            except (urllib.error.URLError, OSError, ValueError):
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"the cluster was not ready within {timeout_s:.0f} s")
+
+    def _all_joined(self, ready: dict) -> bool:
+        return (
+            ready.get("prefill_workers", 0) >= self.args.prefill
+            and ready.get("decode_workers", 0) >= self.args.decode
+        )
 
     def dead_children(self) -> list[str]:
         return [c.name for c in self.children if c.process.poll() is not None]

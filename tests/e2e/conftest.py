@@ -42,8 +42,15 @@ class RunningCluster:
 
 
 def start_cluster(
-    tmp_path: Path, *extra: str, timeout_s: float = 300.0, rpc: bool = False
+    tmp_path: Path,
+    *extra: str,
+    timeout_s: float = 300.0,
+    rpc: bool = False,
+    num_prefill: int = 1,
+    num_decode: int = 1,
 ) -> RunningCluster:
+    """`tandem up` with the given workers, once every one of them has joined."""
+    extra = ("--prefill", str(num_prefill), "--decode", str(num_decode), *extra)
     port = free_port()
     rpc_address = None
     if rpc:
@@ -64,9 +71,12 @@ def start_cluster(
         if process.poll() is not None:
             raise RuntimeError(f"tandem up exited:\n{log_path.read_text()[-4000:]}")
         try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+            ready = httpx.get(url + "/ready", timeout=2)
+            body = ready.json()
+            joined = body["prefill_workers"] >= num_prefill and body["decode_workers"] >= num_decode
+            if ready.status_code == 200 and joined:
                 return RunningCluster(url, process, log_path, rpc_address)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError, KeyError):
             pass
         time.sleep(0.5)
     process.kill()
@@ -82,12 +92,9 @@ def stop_cluster(cluster: RunningCluster) -> None:
 def cluster(tmp_path_factory) -> RunningCluster:
     running = start_cluster(
         tmp_path_factory.mktemp("cluster"),
-        "--prefill",
-        "1",
-        "--decode",
-        "2",
         "--kv-cache-bytes",
         str(256 << 20),
+        num_decode=2,
         rpc=True,
     )
     yield running

@@ -67,9 +67,7 @@ def test_gateway_without_workers_is_not_ready_and_answers_503(tmp_path):
 def test_tandem_up_stops_cleanly_on_sigterm(tmp_path):
     from tests.e2e.conftest import start_cluster
 
-    cluster = start_cluster(
-        tmp_path, "--prefill", "1", "--decode", "1", "--kv-cache-bytes", str(64 << 20)
-    )
+    cluster = start_cluster(tmp_path, "--kv-cache-bytes", str(64 << 20))
     children = subprocess.run(
         ["pgrep", "-P", str(cluster.process.pid)], capture_output=True, text=True
     )
