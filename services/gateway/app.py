@@ -18,13 +18,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.generation import ChoiceEvent, Generation, Generator
-from services.gateway.openai_protocol import (
-    SSE_DONE,
-    ApiError,
-    parse_chat_request,
-    parse_completion_request,
-    sse_event,
-)
+from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
+from services.gateway.openai_shapes import SSE_DONE, sse_event
 from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
 
 

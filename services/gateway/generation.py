@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from services.gateway.cluster import ClusterClient, SubmitRefused
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
-from services.gateway.openai_protocol import ApiError, GenerationRequest, TokenLogprob, bad_request
+from services.gateway.openai_protocol import ApiError, GenerationRequest, bad_request
+from services.gateway.openai_shapes import TokenLogprob
 from shared import wire
 from shared.engine.sampling_params import SamplingParams
 from shared.wire_convert import sampling_spec

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.gateway.generation import ChoiceEvent, Generation
-from services.gateway.openai_protocol import (
+from services.gateway.openai_shapes import (
     ChoiceResult,
     chat_chunk,
     chat_logprobs,

@@ -30,11 +30,7 @@ import zmq
 import zmq.asyncio
 
 from services.gateway.generation import ChoiceEvent, Generation, Generator
-from services.gateway.openai_protocol import (
-    ApiError,
-    parse_chat_request,
-    parse_completion_request,
-)
+from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
 from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
 from shared import wire
 from shared.logs import get_logger

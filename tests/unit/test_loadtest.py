@@ -26,7 +26,7 @@ from loadtest.workload import (
     stream,
     write_workload,
 )
-from services.gateway.openai_protocol import SSE_DONE, completion_chunk, sse_event, usage_chunk
+from services.gateway.openai_shapes import SSE_DONE, completion_chunk, sse_event, usage_chunk
 from shared.engine.engine import RequestOutput
 
 MIXED64 = Path(__file__).resolve().parents[2] / "loadtest" / "workloads" / "mixed64.jsonl"

@@ -11,12 +11,16 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from services.gateway.openai_protocol import (
-    SSE_DONE,
     ApiError,
-    ChoiceResult,
     GenerationRequest,
-    TokenLogprob,
     bad_request,
+    parse_chat_request,
+    parse_completion_request,
+)
+from services.gateway.openai_shapes import (
+    SSE_DONE,
+    ChoiceResult,
+    TokenLogprob,
     chat_chunk,
     chat_completion_id,
     chat_logprobs,
@@ -25,8 +29,6 @@ from services.gateway.openai_protocol import (
     completion_id,
     completion_logprobs,
     completion_response,
-    parse_chat_request,
-    parse_completion_request,
     sse_event,
     usage_chunk,
     usage_dict,
