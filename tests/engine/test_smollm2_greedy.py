@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from services.generate import encode_prompt
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sampling_params import SamplingParams
 
@@ -23,23 +24,10 @@ PLAIN_PROMPTS = [
 NUM_TOKENS = 64
 
 
-def encode(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat:
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-            )
-        )
-    return tokenizer(text).input_ids
-
-
 def test_greedy_equals_transformers_generate(smollm2, smollm2_hf):
     tokenizer = smollm2.tokenizer
-    prompts = [encode(tokenizer, p, True) for p in CHAT_PROMPTS]
-    prompts += [encode(tokenizer, p, False) for p in PLAIN_PROMPTS]
+    prompts = [encode_prompt(tokenizer, p, chat=True) for p in CHAT_PROMPTS]
+    prompts += [encode_prompt(tokenizer, p, chat=False) for p in PLAIN_PROMPTS]
     # A small step budget forces chunked prefill and mixes prompt chunks with decode steps.
     engine = LLMEngine(
         smollm2.model, EngineConfig(num_blocks=512, max_num_batched_tokens=48, max_num_seqs=8)
