@@ -6,15 +6,8 @@ A batch flattens the new tokens of its sequences in order; sequence i owns query
 Row i of `block_tables` lists sequence i's cache blocks in order; entries past its last block are
 padding, and cache slots past its context may hold anything (even NaN) and never reach the output.
 
-The pure-torch reference is the CPU path and the test oracle. It splits the batch into a decode
-group (q_i == 1) and a prefill group (q_i > 1, possibly after cached context). Each group gathers
-its sequences' blocks into a padded `[seqs, blocks * block_size, kv_heads, head_dim]` copy (one
-`index_select`, then positions past each context zeroed) and runs one masked
-`scaled_dot_product_attention` with `enable_gqa`, so K/V are never repeated per query head.
-Prefill pads every sequence's queries to the longest, masks causally, and drops the padded rows.
-(Measured on 2 CPU threads at SmolLM2's shapes: for decode batches of 8 to 64, `enable_gqa` beat
-folding a kv head's query heads into the query axis by 5-15%, and explicit matmul + softmax, per kv
-head or batched, by 15% or more. The gather is a memory-bound copy: at batch 32 it moves ~25 MB.)
+The pure-torch reference (`kernels/attention_reference.py`, planned per step by
+`kernels/attention_plan.py`) is the CPU path and the test oracle.
 
 The Triton kernel covers decode batches (every q_i == 1) on CUDA: one program per (sequence, kv
 head) serves that kv head's group of query heads, walking the context in tiles through the block
@@ -23,12 +16,12 @@ table with an online softmax (running max and sum) accumulated in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels.attention_plan import AttentionPlan
+from kernels.attention_reference import paged_attention_reference
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -88,244 +81,6 @@ def paged_attention(
     return _paged_decode_attention_triton(
         query, key_cache, value_cache, block_tables, context_lens, scale
     )
-
-
-def paged_attention_reference(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
-    scale: float,
-    max_query_len: int,
-    max_context_len: int,
-    plan: AttentionPlan | None = None,
-) -> torch.Tensor:
-    """Pure-torch paged attention, vectorized per group (decode, prefill); see the module doc.
-
-    `plan` (from `plan_attention` on the same batch) saves rebuilding the gather indices and
-    masks: they depend only on the batch, so a model builds them once per step, not per layer.
-    """
-    if query.shape[0] == 0:
-        return torch.empty_like(query)
-    if plan is None:
-        plan = plan_attention(
-            block_tables,
-            context_lens,
-            query_start_loc,
-            block_size=key_cache.shape[1],
-            max_query_len=max_query_len,
-            max_context_len=max_context_len,
-        )
-    if plan.prefill is None and plan.decode is not None and plan.decode.query_rows is None:
-        return _attend_decode(query, key_cache, value_cache, plan.decode, scale)
-    output = query.new_empty(query.shape)
-    if plan.decode is not None:
-        rows = plan.decode.query_rows
-        output[rows] = _attend_decode(query[rows], key_cache, value_cache, plan.decode, scale)
-    if plan.prefill is not None:
-        output[plan.prefill.output_rows] = _attend_prefill(
-            query, key_cache, value_cache, plan.prefill, scale
-        )
-    return output
-
-
-@dataclass(frozen=True)
-class AttentionGroup:
-    """Sequences attended in one padded batch: how to gather their context, and the mask."""
-
-    block_ids: torch.Tensor  # [num_seqs * num_blocks]: the blocks to gather, sequence by sequence
-    num_seqs: int
-    padded_len: int  # num_blocks * block_size: gathered positions per sequence
-    padding_rows: torch.Tensor  # rows of the flat gather past each context, zeroed after the copy
-    mask: torch.Tensor  # boolean SDPA mask, True where a query may see a key
-    bias: torch.Tensor | None  # decode: the mask as float32 0 / -inf, [seqs, 1, 1, padded_len]
-    query_rows: torch.Tensor | None  # decode: its rows of the query (None: all, in order);
-    #                                  prefill: rows gathered into the padded [seqs, max_q] query
-    output_rows: torch.Tensor | None  # prefill: the real query rows, in padded order
-    real: torch.Tensor | None  # prefill: [seqs, max_q], which padded query rows are real
-    max_query_len: int
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    decode: AttentionGroup | None  # sequences with one new token
-    prefill: AttentionGroup | None  # sequences with a run of new tokens (prompt or chunk)
-
-
-def plan_attention(
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    *,
-    block_size: int,
-    max_query_len: int,
-    max_context_len: int,
-) -> AttentionPlan:
-    """The batch-only part of the reference: computed once per step, used by every layer."""
-    if max_query_len == 1:  # pure decode: query row i is sequence i's new token, no sync
-        group = _group(block_tables, context_lens, block_size, max_context_len, None, 1)
-        return AttentionPlan(decode=group, prefill=None)
-    # Prefill or mixed: splitting by query length and sizing each group to its own longest context
-    # costs device syncs (free on CPU) but keeps decode rows from being padded to a prompt's length.
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    is_decode = query_lens == 1
-    decode_ids, prefill_ids = is_decode.nonzero()[:, 0], (~is_decode).nonzero()[:, 0]
-    decode = prefill = None
-    if decode_ids.numel() > 0:
-        contexts = context_lens[decode_ids]
-        rows = query_start_loc[decode_ids].long()
-        decode = _group(
-            block_tables[decode_ids], contexts, block_size, int(contexts.max()), rows, 1
-        )
-    if prefill_ids.numel() > 0:
-        contexts = context_lens[prefill_ids]
-        prefill = _group(
-            block_tables[prefill_ids],
-            contexts,
-            block_size,
-            int(contexts.max()),
-            query_start_loc[prefill_ids].long(),
-            max_query_len,
-            query_lens[prefill_ids],
-        )
-    return AttentionPlan(decode=decode, prefill=prefill)
-
-
-def _group(
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_size: int,
-    max_context_len: int,
-    starts: torch.Tensor | None,
-    max_query_len: int,
-    query_lens: torch.Tensor | None = None,
-) -> AttentionGroup:
-    num_seqs = block_tables.shape[0]
-    num_blocks = -(-max_context_len // block_size)
-    padded_len = num_blocks * block_size
-    device = context_lens.device
-    # Only the columns that some sequence uses; whole blocks copy far faster than single slots.
-    block_ids = block_tables[:, :num_blocks].reshape(-1)
-    # Stale or NaN cache rows past a context must not reach the output through 0 * NaN, so they
-    # are zeroed in the copy. They are a few rows per sequence: zeroing them by index is far
-    # cheaper than a masked pass over the whole copy (broadcast masked_fill_ is slow on CPU).
-    key_positions = torch.arange(padded_len, device=device)
-    padding_rows = (key_positions >= context_lens[:, None]).view(-1).nonzero()[:, 0]
-    if query_lens is None:  # decode
-        mask = (key_positions < context_lens[:, None])[:, None, None, :]
-        bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-        return AttentionGroup(
-            block_ids, num_seqs, padded_len, padding_rows, mask, bias, starts, None, None, 1
-        )
-    offsets = torch.arange(max_query_len, device=device)
-    real = offsets < query_lens[:, None]
-    # Padded query rows repeat the first row: they stay in bounds, see a key, and are dropped.
-    rows = torch.where(real, starts[:, None] + offsets, starts[:, None])
-    positions = (context_lens - query_lens)[:, None] + offsets
-    mask = (key_positions <= positions[:, :, None])[:, None]
-    return AttentionGroup(
-        block_ids,
-        num_seqs,
-        padded_len,
-        padding_rows,
-        mask,
-        None,
-        rows.reshape(-1),
-        rows[real],
-        real,
-        max_query_len,
-    )
-
-
-def _gather_context(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, group: AttentionGroup
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's K and V as `[num_seqs, padded_len, num_kv_heads, head_dim]`, positions
-    past its context zeroed."""
-    gathered = []
-    for cache in (key_cache, value_cache):
-        context = cache.index_select(0, group.block_ids)
-        flat = context.view(group.num_seqs * group.padded_len, cache[0, 0].numel())
-        flat.index_fill_(0, group.padding_rows, 0)
-        gathered.append(context.view(group.num_seqs, group.padded_len, *cache.shape[2:]))
-    return gathered[0], gathered[1]
-
-
-def _attend_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    group: AttentionGroup,
-    scale: float,
-) -> torch.Tensor:
-    """One query per sequence: query `[seqs, heads, dim]`."""
-    out_dtype = query.dtype
-    key, value = _gather_context(key_cache, value_cache, group)
-    if not query.is_cuda and query.dtype != torch.float32:
-        return _attend_decode_16bit(query, key, value, group.bias, scale)
-    out = F.scaled_dot_product_attention(
-        query[:, :, None, :],
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out[:, :, 0, :].to(out_dtype)
-
-
-def _attend_decode_16bit(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Decode attention for 16-bit tensors on the CPU, as two batched matmuls in the tensors'
-    dtype with the softmax in float32. torch's CPU flash kernel is 3-8x slower in bfloat16, and
-    upcasting the gathered K/V to float32 first costs a full copy per layer (measured at 1 thread,
-    32 sequences of 512 tokens: 4.6 ms here, 6.6 ms upcast + flash, 19 ms flash in bfloat16).
-    Each kv head's group of query heads is folded into the query axis, so GQA repeats nothing."""
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[2]
-    folded = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(folded, key.permute(0, 2, 3, 1)).float() * scale + bias
-    probs = scores.softmax(-1).to(query.dtype)
-    out = torch.matmul(probs, value.transpose(1, 2))  # [seqs, kv_heads, group, head_dim]
-    return out.reshape(num_seqs, num_heads, head_dim)
-
-
-def _attend_prefill(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    group: AttentionGroup,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of each sequence's run of queries over its gathered context; returns the
-    outputs of the real query rows, in `group.output_rows` order."""
-    key, value = _gather_context(key_cache, value_cache, group)
-    num_heads, head_dim = query.shape[1:]
-    out_dtype = query.dtype
-    padded = query.index_select(0, group.query_rows)
-    padded, key, value = _compute_dtype(padded, key, value)
-    padded = padded.view(group.num_seqs, group.max_query_len, num_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2),
-        key.transpose(1, 2),
-        value.transpose(1, 2),
-        attn_mask=group.mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)[group.real].to(out_dtype)
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """16-bit prefill attention runs in float32 on the CPU: torch's CPU flash kernel is several
-    times slower in bfloat16, and a prompt's many queries amortize the upcast copies."""
-    if tensors[0].is_cuda or tensors[0].dtype == torch.float32:
-        return tensors
-    return tuple(t.float() for t in tensors)
 
 
 @triton.jit

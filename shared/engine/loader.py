@@ -72,10 +72,27 @@ def resolve_model_dir(model: str | os.PathLike | None = None) -> tuple[Path, str
     )
 
 
+CONVERSION_VERSION = 1  # bump when the converted directory's format changes
+FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the file
+
+
+def gguf_fingerprint(gguf_path: Path) -> str:
+    """A key for the file's content, not its path: every checkout of a venv shares one cache.
+
+    The size plus both ends (the header with its metadata, and the last tensors) tell two GGUF
+    files apart at the cost of reading 2 MiB, not the whole file.
+    """
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{size}:".encode())
+    with gguf_path.open("rb") as f:
+        digest.update(f.read(FINGERPRINT_SPAN))
+        f.seek(max(0, size - FINGERPRINT_SPAN))
+        digest.update(f.read(FINGERPRINT_SPAN))
+    return digest.hexdigest()[:12]
+
+
 def convert_gguf(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    target = cache_dir() / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    target = cache_dir() / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
     if (target / "model.safetensors").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_plan import AttentionPlan, plan_attention
 from kernels.kv_write import write_kv
-from kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
+from kernels.paged_attention import paged_attention
 from shared.engine.kv_cache import KVCache
 from shared.engine.model_config import ModelConfig
 from shared.engine.rope import RotaryEmbedding, apply_rotary

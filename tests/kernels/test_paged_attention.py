@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.paged_attention import paged_attention, paged_attention_reference
+from kernels.attention_reference import paged_attention_reference
+from kernels.paged_attention import paged_attention
 
 
 @dataclass(frozen=True)

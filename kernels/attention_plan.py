@@ -1,0 +1,194 @@
+"""The batch-only half of the CPU attention path: which sequences attend together, and how.
+
+The torch reference (`kernels/attention_reference.py`) attends a group of sequences as one padded
+batch: their blocks gathered into `[seqs, padded_len, kv_heads, head_dim]`, their queries padded to
+the group's longest run, and one masked `scaled_dot_product_attention`. Padding is work: a group
+costs `seqs * max_query_len * padded_len` query-key pairs whatever its members really need. One
+1,000-token context among thirty 50-token ones makes the decode group twenty times too wide, and a
+512-token chunk beside four 20-token prompts makes the prefill group five times too tall; measured
+on a long-tailed workload, padded prefill attention was a quarter of a mixed step.
+
+So sequences are bucketed: sorted by context length (longest first), they are cut into runs whose
+padded cost stays within `slack` times their real cost, or within `min_waste` pairs of it (one
+more group costs a few kernel calls per layer, which only pays for a real saving). Decode
+(one new token) and prefill (a run of new tokens) sequences are bucketed apart.
+
+Everything here depends only on the batch, so a model plans once per step, not once per layer.
+It reads the lengths on the host: free on the CPU, which is the only place this path runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_SLACK = 1.25  # a group may pad to this multiple of its real query-key pairs...
+DEFAULT_MIN_WASTE = 4096  # ...or waste this many pairs, whichever is more
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences attended in one padded batch: how to gather their context, and the mask."""
+
+    block_ids: torch.Tensor  # [num_seqs * num_blocks]: the blocks to gather, sequence by sequence
+    num_seqs: int
+    padded_len: int  # num_blocks * block_size: gathered positions per sequence
+    padding_rows: torch.Tensor  # rows of the flat gather past each context, zeroed after the copy
+    mask: torch.Tensor  # boolean SDPA mask, True where a query may see a key
+    bias: torch.Tensor | None  # decode: the mask as float32 0 / -inf, [seqs, 1, 1, padded_len]
+    query_rows: torch.Tensor | None  # decode: its rows of the query (None: all, in order);
+    #                                  prefill: rows gathered into the padded [seqs, max_q] query
+    output_rows: torch.Tensor | None  # prefill: the real query rows, in padded order
+    real: torch.Tensor | None  # prefill: [seqs, max_q], which padded query rows are real
+    max_query_len: int
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    decode: tuple[AttentionGroup, ...]  # sequences with one new token
+    prefill: tuple[AttentionGroup, ...]  # sequences with a run of new tokens (prompt or chunk)
+
+    @property
+    def is_plain_decode(self) -> bool:
+        """One decode group holding every query row in order: its output is the whole output."""
+        return not self.prefill and len(self.decode) == 1 and self.decode[0].query_rows is None
+
+
+def bucket_by_padding(
+    query_lens: Sequence[int],
+    context_lens: Sequence[int],
+    *,
+    slack: float = DEFAULT_SLACK,
+    min_waste: int = DEFAULT_MIN_WASTE,
+) -> list[list[int]]:
+    """Sequence indices cut into groups, each sorted by context length, longest first.
+
+    A sequence joins the current group when the group's padded cost (members x longest query x
+    longest context) stays within `max(min_waste, (slack - 1) * real)` pairs of the real cost
+    (the sum of each member's query x context); otherwise it starts the next group.
+    """
+    order = sorted(range(len(context_lens)), key=lambda i: (-context_lens[i], -query_lens[i]))
+    groups: list[list[int]] = []
+    members: list[int] = []
+    max_query = max_context = real = 0
+    for i in order:
+        query, context = query_lens[i], context_lens[i]
+        if members:
+            grown_real = real + query * context
+            padded = (len(members) + 1) * max(max_query, query) * max_context
+            if padded - grown_real <= max(min_waste, (slack - 1.0) * grown_real):
+                members.append(i)
+                max_query, real = max(max_query, query), grown_real
+                continue
+            groups.append(members)
+        members, max_query, max_context, real = [i], query, context, query * context
+    if members:
+        groups.append(members)
+    return groups
+
+
+def plan_attention(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    block_size: int,
+    max_query_len: int,
+    max_context_len: int,
+    slack: float = DEFAULT_SLACK,
+    min_waste: int = DEFAULT_MIN_WASTE,
+) -> AttentionPlan:
+    """The groups of one step's batch; see the module doc."""
+    contexts = context_lens.tolist()
+    if max_query_len == 1:  # pure decode: query row i is sequence i's new token
+        buckets = bucket_by_padding([1] * len(contexts), contexts, slack=slack, min_waste=min_waste)
+        if len(buckets) == 1:
+            group = _group(block_tables, context_lens, block_size, max_context_len, None, 1)
+            return AttentionPlan(decode=(group,), prefill=())
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    kinds: dict[bool, list[AttentionGroup]] = {True: [], False: []}  # is decode -> its groups
+    for is_decode in kinds:
+        seq_ids = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
+        buckets = bucket_by_padding(
+            [query_lens[i] for i in seq_ids],
+            [contexts[i] for i in seq_ids],
+            slack=slack,
+            min_waste=min_waste,
+        )
+        for bucket in buckets:
+            members = torch.tensor([seq_ids[j] for j in bucket], device=block_tables.device)
+            kinds[is_decode].append(
+                _member_group(members, block_tables, context_lens, query_start_loc, block_size)
+            )
+    return AttentionPlan(decode=tuple(kinds[True]), prefill=tuple(kinds[False]))
+
+
+def _member_group(
+    members: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+) -> AttentionGroup:
+    """The group of the sequences `members` (indices into the batch), queries where they lie."""
+    contexts = context_lens[members]
+    starts = query_start_loc[members].long()
+    query_lens = query_start_loc[members + 1] - query_start_loc[members]
+    max_query_len = int(query_lens.max())
+    return _group(
+        block_tables[members],
+        contexts,
+        block_size,
+        int(contexts.max()),
+        starts,
+        max_query_len,
+        None if max_query_len == 1 else query_lens,
+    )
+
+
+def _group(
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    max_context_len: int,
+    starts: torch.Tensor | None,
+    max_query_len: int,
+    query_lens: torch.Tensor | None = None,
+) -> AttentionGroup:
+    num_seqs = block_tables.shape[0]
+    num_blocks = -(-max_context_len // block_size)
+    padded_len = num_blocks * block_size
+    device = context_lens.device
+    # Only the columns that some sequence uses; whole blocks copy far faster than single slots.
+    block_ids = block_tables[:, :num_blocks].reshape(-1)
+    # Stale or NaN cache rows past a context must not reach the output through 0 * NaN, so they
+    # are zeroed in the copy. They are a few rows per sequence: zeroing them by index is far
+    # cheaper than a masked pass over the whole copy (broadcast masked_fill_ is slow on CPU).
+    key_positions = torch.arange(padded_len, device=device)
+    padding_rows = (key_positions >= context_lens[:, None]).view(-1).nonzero()[:, 0]
+    if query_lens is None:  # decode
+        mask = (key_positions < context_lens[:, None])[:, None, None, :]
+        bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+        return AttentionGroup(
+            block_ids, num_seqs, padded_len, padding_rows, mask, bias, starts, None, None, 1
+        )
+    offsets = torch.arange(max_query_len, device=device)
+    real = offsets < query_lens[:, None]
+    # Padded query rows repeat the first row: they stay in bounds, see a key, and are dropped.
+    rows = torch.where(real, starts[:, None] + offsets, starts[:, None])
+    positions = (context_lens - query_lens)[:, None] + offsets
+    mask = (key_positions <= positions[:, :, None])[:, None]
+    return AttentionGroup(
+        block_ids,
+        num_seqs,
+        padded_len,
+        padding_rows,
+        mask,
+        None,
+        rows.reshape(-1),
+        rows[real],
+        real,
+        max_query_len,
+    )
