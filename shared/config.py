@@ -95,7 +95,10 @@ def parse_value(raw: Any, annotation: Any) -> Any:
         except ValueError:
             raise ValueError(f"expected a number, got {raw!r}") from None
     if typing.get_origin(annotation) is tuple:
-        return tuple(part.strip() for part in raw.split(",") if part.strip())
+        item_type = typing.get_args(annotation)[0]  # tuple[X, ...]
+        return tuple(
+            parse_value(part.strip(), item_type) for part in raw.split(",") if part.strip()
+        )
     return raw
 
 

@@ -352,6 +352,19 @@ class ClusterStatus(Message):
     num_in_flight: int  # requests admitted and not yet finished
     num_decode_free_blocks: int = 0  # free KV blocks over all decode workers (last heartbeats)
     num_decode_total_blocks: int = 0  # KV blocks over all decode workers
+    policy: Literal["fair", "fcfs"] = "fair"  # the queue's order
+    max_queue_wait_s: float = 0.0  # the longest any dispatched request waited in the queue
+    service: Annotated[list[PartyService], MaxLen(256)] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartyService:
+    """One fair-share account (tenant and prompt class) and the service it has received."""
+
+    tenant: Annotated[str, MaxLen(256)]
+    class_name: Annotated[str, MaxLen(64)]
+    served_tokens: int  # prompt tokens prefilled plus tokens generated
+    virtual_tokens: float  # the policy's weighted counter
 
 
 # The RPC front door: a client's DEALER to the gateway's RPC ROUTER. Bodies are the HTTP API's

@@ -54,6 +54,19 @@ def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastA
             "in_flight": view.num_in_flight,
             "decode_free_blocks": view.num_decode_free_blocks,
             "decode_total_blocks": view.num_decode_total_blocks,
+            "scheduler": {
+                "policy": view.policy,
+                "max_queue_wait_s": view.max_queue_wait_s,
+                "service": [
+                    {
+                        "tenant": party.tenant,
+                        "class": party.class_name,
+                        "served_tokens": party.served_tokens,
+                        "virtual_tokens": party.virtual_tokens,
+                    }
+                    for party in view.service
+                ],
+            },
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -35,6 +35,9 @@ class ClusterView:
     num_in_flight: int = 0
     num_decode_free_blocks: int = 0
     num_decode_total_blocks: int = 0
+    policy: str = ""
+    max_queue_wait_s: float = 0.0
+    service: list[wire.PartyService] = field(default_factory=list)
     received_at: float = 0.0
 
 
@@ -161,6 +164,9 @@ class ClusterClient:
                         num_in_flight=message.num_in_flight,
                         num_decode_free_blocks=message.num_decode_free_blocks,
                         num_decode_total_blocks=message.num_decode_total_blocks,
+                        policy=message.policy,
+                        max_queue_wait_s=message.max_queue_wait_s,
+                        service=message.service,
                         received_at=time.monotonic(),
                     )
                 case wire.Tokens():

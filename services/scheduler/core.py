@@ -7,23 +7,29 @@ A request moves through phases:
        └──── refused, timed out, or a worker left ◀─────────────┘
 
 Admission bounds the queue by requests and by prompt tokens (past either, 429 with Retry-After) and
-refuses a prompt no decode worker could ever hold (400). The queue is first-come-first-served.
-Dispatch takes the head of the queue when a prefill worker exists and a decode worker has room,
+refuses a prompt no decode worker could ever hold (400). The queue is ordered by the fair-share
+policy (`fair_share.py`; FCFS as a switch). Requests stay in the scheduler's queue until a prefill
+worker has room in its window (prompt tokens in hand, each prompt counted up to half the window,
+so a long prompt never fills it alone): the policy decides, not the order in which workers happen
+to receive work. Dispatch then takes the policy's next request that some decode worker can hold,
 asks that decode worker to reserve blocks for the prompt, and once it confirms, hands the prompt to
-the prefill worker that has the fewest requests in hand, naming the decode target. A request whose
-reservation is refused, or whose worker stops sending heartbeats before its KV reached the decode
-worker, goes back to the head of the queue; one whose decode worker dies mid-stream is failed with
-an error to its gateway. Cancels are forwarded to every worker holding state for the request.
+the chosen prefill worker, naming the decode target. A request whose reservation is refused, or
+whose worker stops sending heartbeats before its KV reached the decode worker, goes back to the
+queue with its original arrival time (its prompt's charge refunded); one whose decode worker dies
+mid-stream is failed with an error to its gateway. Cancels are forwarded to every worker holding
+state for the request.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
 from services.scheduler.registry import WorkerRegistry, WorkerState
 from shared import wire
+
+MAX_PARTIES_SHOWN = 256  # the status lists at most this many tenant/class accounts
 
 
 class Phase(enum.IntEnum):
@@ -42,17 +48,21 @@ class SchedulerLimits:
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0  # prompt compute plus KV transfer, on a CPU
     retry_after_s: float = 1.0
+    prefill_window_tokens: int = 2048  # prompt tokens in hand per prefill worker (see above)
+    fair_share: FairShareConfig = field(default_factory=FairShareConfig)
 
 
 @dataclass
 class TrackedRequest:
     submit: wire.Submit
     gateway_peer_id: str
+    party: Party  # the fair-share account it is charged to
     phase: Phase = Phase.QUEUED
     decode_peer_id: str | None = None
     prefill_peer_id: str | None = None
     phase_deadline: float = float("inf")
     num_blocks: int = 0  # blocks reserved on the decode worker
+    arrival: float = 0.0  # the scheduler's clock when it was first queued
 
     @property
     def request_id(self) -> str:
@@ -78,13 +88,15 @@ class ClusterScheduler:
     registry: WorkerRegistry = field(init=False)
     gateways: dict[str, GatewayState] = field(default_factory=dict)
     requests: dict[str, TrackedRequest] = field(default_factory=dict)
-    queue: deque[str] = field(default_factory=deque)
+    queue: FairQueue = field(init=False)
     num_queued_tokens: int = 0
+    max_queue_wait_s: float = 0.0  # the longest any dispatched request waited in the queue
 
     def __post_init__(self) -> None:
         self.registry = WorkerRegistry(
             self.limits.heartbeat_timeout_s, self.limits.progress_timeout_s
         )
+        self.queue = FairQueue(self.limits.fair_share)
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -161,10 +173,11 @@ class ClusterScheduler:
                 retry_after_s=retry_after,
             )
             return [Outgoing(identity, reply)]
-        request = TrackedRequest(submit, submit.gateway_peer_id)
+        num_prompt_tokens = len(submit.prompt_token_ids)
+        party = self.queue.party_for(submit.tenant, num_prompt_tokens)
+        request = TrackedRequest(submit, submit.gateway_peer_id, party, arrival=now)
         self.requests[submit.request_id] = request
-        self.queue.append(submit.request_id)
-        self.num_queued_tokens += len(submit.prompt_token_ids)
+        self._enqueue(request)
         accepted = wire.SubmitReply(
             request_id=submit.request_id,
             accepted=True,
@@ -219,13 +232,11 @@ class ClusterScheduler:
         if not reply.ok:
             worker.num_free_blocks = reply.num_free_blocks
             return self._requeue(request, cancel_reason=None) + self.dispatch(now)
-        prefill = self.registry.pick_prefill(now)
-        if prefill is None:
+        prefill = self.registry.get(request.prefill_peer_id) if request.prefill_peer_id else None
+        if prefill is None or not prefill.making_progress(now, self.limits.progress_timeout_s):
             return self._requeue(request, cancel_reason="no prefill worker")
         request.phase = Phase.PREFILLING
-        request.prefill_peer_id = prefill.peer_id
         request.phase_deadline = now + self.limits.prefill_timeout_s
-        prefill.request_ids.add(request.request_id)
         submit = request.submit
         job = wire.PrefillJob(
             request_id=submit.request_id,
@@ -242,6 +253,8 @@ class ClusterScheduler:
         request = self.requests.get(done.request_id)
         if request is None:
             return []
+        if done.num_output_tokens > 0:
+            self.queue.charge(request.party, num_output_tokens=done.num_output_tokens)
         if done.phase == "prefill":
             if request.phase != Phase.PREFILLING or request.prefill_peer_id != done.peer_id:
                 return []  # a report from an attempt the scheduler already gave up on
@@ -262,22 +275,30 @@ class ClusterScheduler:
     # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch(self, now: float) -> list[Outgoing]:
+        """Hands the policy's next requests to prefill workers with room, decode reserved first."""
         out: list[Outgoing] = []
-        while self.queue and self.registry.healthy("prefill", now):
-            request = self.requests[self.queue[0]]
-            # Room for the prompt and the first decode step; later growth is the worker's affair.
-            num_tokens = len(request.submit.prompt_token_ids) + 1
-            decode = self.registry.pick_decode(num_tokens, now)
-            if decode is None:
+        while len(self.queue):
+            prefill = self._prefill_with_room(now)
+            if prefill is None:
                 break
-            self.queue.popleft()
-            self.num_queued_tokens -= len(request.submit.prompt_token_ids)
+            item = self.queue.pop_next(now, self._placeable(now))
+            if item is None:
+                break
+            request = self.requests[item.request_id]
+            self.num_queued_tokens -= item.num_prompt_tokens
+            self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
+            # Room for the prompt and the first decode step; later growth is the worker's affair.
+            num_tokens = item.num_prompt_tokens + 1
+            decode = self.registry.pick_decode(num_tokens, now)
+            assert decode is not None, "the policy only picks placeable requests"
             request.phase = Phase.RESERVING
             request.decode_peer_id = decode.peer_id
+            request.prefill_peer_id = prefill.peer_id
             request.num_blocks = decode.blocks_for(num_tokens)
             request.phase_deadline = now + self.limits.reserve_timeout_s
             decode.num_promised_blocks += request.num_blocks
             decode.request_ids.add(request.request_id)
+            prefill.request_ids.add(request.request_id)
             reserve = wire.Reserve(
                 request_id=request.request_id,
                 num_tokens=num_tokens,
@@ -286,33 +307,78 @@ class ClusterScheduler:
             out.append(Outgoing(decode.identity, reserve))
         return out
 
+    def _placeable(self, now: float):
+        def placeable(item: QueuedRequest) -> bool:
+            return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
+
+        return placeable
+
+    def _prefill_with_room(self, now: float) -> WorkerState | None:
+        """The healthy prefill worker with the most room left in its window, if any has room."""
+        best, best_room = None, 0
+        for worker in self.registry.healthy("prefill", now):
+            room = self.limits.prefill_window_tokens - sum(
+                self._window_cost(self.requests[r])
+                for r in worker.request_ids
+                if r in self.requests
+            )
+            if room > best_room:
+                best, best_room = worker, room
+        return best
+
+    def _window_cost(self, request: TrackedRequest) -> int:
+        return min(len(request.submit.prompt_token_ids), self.limits.prefill_window_tokens // 2)
+
+    def _enqueue(self, request: TrackedRequest) -> None:
+        submit = request.submit
+        self.queue.push(
+            QueuedRequest(
+                request_id=submit.request_id,
+                tenant=submit.tenant,
+                num_prompt_tokens=len(submit.prompt_token_ids),
+                priority=submit.priority,
+                arrival=request.arrival,
+            )
+        )
+        self.num_queued_tokens += len(submit.prompt_token_ids)
+
     # -- helpers ------------------------------------------------------------------------------
 
     def _cancel_on_workers(self, request: TrackedRequest, reason: str) -> list[Outgoing]:
         out = []
-        for peer_id in (request.prefill_peer_id, request.decode_peer_id):
+        # A prefill worker chosen for a request still reserving has heard nothing of it yet.
+        prefill_holds_state = request.phase >= Phase.PREFILLING
+        for peer_id, holds_state in (
+            (request.prefill_peer_id, prefill_holds_state),
+            (request.decode_peer_id, True),
+        ):
             worker = self.registry.get(peer_id) if peer_id else None
-            if worker is not None:
-                worker.request_ids.discard(request.request_id)
-                out.append(
-                    Outgoing(
-                        worker.identity, wire.Cancel(request_id=request.request_id, reason=reason)
-                    )
-                )
+            if worker is None:
+                continue
+            worker.request_ids.discard(request.request_id)
+            if holds_state:
+                cancel = wire.Cancel(request_id=request.request_id, reason=reason)
+                out.append(Outgoing(worker.identity, cancel))
         return out
 
     def _requeue(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
-        """Back to the head of the queue, releasing whatever workers hold for it."""
+        """Back to the queue with its first arrival time (so it ages from then), releasing
+        whatever workers hold for it."""
         out = self._cancel_on_workers(request, cancel_reason) if cancel_reason else []
         if cancel_reason is None and request.decode_peer_id:
             worker = self.registry.get(request.decode_peer_id)
             if worker is not None:
                 worker.request_ids.discard(request.request_id)
+        if cancel_reason is None and request.prefill_peer_id:
+            worker = self.registry.get(request.prefill_peer_id)
+            if worker is not None:
+                worker.request_ids.discard(request.request_id)
         request.phase = Phase.QUEUED
         request.decode_peer_id = request.prefill_peer_id = None
         request.phase_deadline = float("inf")
-        self.queue.appendleft(request.request_id)
-        self.num_queued_tokens += len(request.submit.prompt_token_ids)
+        # The prompt was charged when dispatched; it will be again when dispatched anew.
+        self.queue.charge(request.party, num_prompt_tokens=-len(request.submit.prompt_token_ids))
+        self._enqueue(request)
         return out
 
     def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
@@ -370,4 +436,15 @@ class ClusterScheduler:
             num_decode_total_blocks=sum(w.num_total_blocks for w in decode),
             num_queued=len(self.queue),
             num_in_flight=len(self.requests),
+            policy=self.queue.config.policy,
+            max_queue_wait_s=self.max_queue_wait_s,
+            service=[
+                wire.PartyService(
+                    tenant=party.tenant,
+                    class_name=party.class_name,
+                    served_tokens=tokens,
+                    virtual_tokens=self.queue.counters.get(party, 0.0),
+                )
+                for party, tokens in sorted(self.queue.served_tokens.items())[:MAX_PARTIES_SHOWN]
+            ],
         )

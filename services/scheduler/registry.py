@@ -90,7 +90,3 @@ class WorkerRegistry:
         return max(
             candidates, key=lambda w: (w.num_available_blocks, -len(w.request_ids)), default=None
         )
-
-    def pick_prefill(self, now: float) -> WorkerState | None:
-        """The healthy prefill worker with the fewest requests in hand."""
-        return min(self.healthy("prefill", now), key=lambda w: len(w.request_ids), default=None)

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import zmq
 
 from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
+from services.scheduler.fair_share import FairShareConfig
 from shared import wire
 from shared.config import (
+    ConfigError,
     add_config_arguments,
     config_from_args,
     require_address,
@@ -40,6 +42,18 @@ class SchedulerConfig:
         60.0, "a worker busy this long without completing a step is stuck: no new work, not ready"
     )
     model: str = setting("smollm2", "the model every peer must serve")
+    policy: str = setting("fair", "queue order: fair (token-cost fair share) or fcfs")
+    class_thresholds: tuple[int, ...] = setting(
+        (1024,), "prompt tokens at which each next class starts (one threshold: short and long)"
+    )
+    class_weights: tuple[float, ...] = setting((1.0, 1.0), "fair-share weight of each class")
+    tenant_weights: tuple[str, ...] = setting((), "tenant=weight pairs (others weigh 1)")
+    max_queue_wait_s: float = setting(
+        30.0, "aging bound: a request queued this long goes first, whatever the shares"
+    )
+    prefill_window_tokens: int = setting(
+        2048, "prompt tokens handed to a prefill worker ahead of its progress"
+    )
 
     def __post_init__(self) -> None:
         require_address(self, "address")
@@ -52,6 +66,35 @@ class SchedulerConfig:
             "reserve_timeout_s",
             "prefill_timeout_s",
             "progress_timeout_s",
+            "max_queue_wait_s",
+            "prefill_window_tokens",
+        )
+        try:
+            self.fair_share()
+        except ValueError as error:
+            raise ConfigError(f"fair share settings: {error}") from None
+
+    def fair_share(self) -> FairShareConfig:
+        weights = {}
+        for pair in self.tenant_weights:
+            tenant, _, weight = pair.partition("=")
+            try:
+                weights[tenant] = float(weight)
+            except ValueError:
+                raise ValueError(f"tenant_weights entry {pair!r} is not tenant=weight") from None
+        num_classes = len(self.class_thresholds) + 1
+        names = (
+            ("short", "long")
+            if num_classes == 2
+            else tuple(f"class{i}" for i in range(num_classes))
+        )
+        return FairShareConfig(
+            policy=self.policy,
+            class_thresholds=self.class_thresholds,
+            class_names=names,
+            class_weights=self.class_weights,
+            tenant_weights=weights,
+            max_wait_s=self.max_queue_wait_s,
         )
 
     def limits(self) -> SchedulerLimits:
@@ -62,6 +105,8 @@ class SchedulerConfig:
             reserve_timeout_s=self.reserve_timeout_s,
             prefill_timeout_s=self.prefill_timeout_s,
             progress_timeout_s=self.progress_timeout_s,
+            prefill_window_tokens=self.prefill_window_tokens,
+            fair_share=self.fair_share(),
         )
 
 

@@ -3,24 +3,43 @@
 Pure bookkeeping over `Sequence` counters and the `BlockManager`; no tensors. Each step has a
 token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
 
-1. Running sequences go first, oldest first: a decoding one takes one token, one still in its
-   prompt takes the next chunk that fits the budget. If the pool cannot give a running sequence
-   the block it needs, the newest running sequence is preempted for recompute (its blocks freed,
-   its counter reset, back to the head of the waiting queue) until the need is met.
-2. Waiting sequences are admitted in order while budget, seats and blocks allow; a prompt longer
-   than what is left of the budget starts with a chunk of it (chunked prefill), so a long prompt
-   never blocks the running decodes and is itself never starved by them.
-
-Preempted sequences wait at the head of the queue, so they resume before new ones are admitted.
+1. Every running sequence that is decoding takes one token.
+2. What is left of the budget is shared among the sequences still in their prompt (running ones
+   first, then waiting ones, in order, as seats allow and at most one per `MIN_CHUNK` tokens of
+   budget) by water-filling: each gets an equal share, a prompt that needs less than its share
+   takes only what it needs, and the rest is shared again among the others. So a short prompt
+   beside a long one finishes in one step, and a 100k-token prompt advances every step by its
+   share without blocking anyone (chunked prefill): processor sharing at the token level.
+3. If the pool cannot give a running sequence the blocks it needs, the newest running sequence is
+   preempted for recompute (its blocks freed, its counter reset, back to the head of the waiting
+   queue) until the need is met. Waiting sequences are admitted while blocks allow, and not at
+   all in a step that preempted: preempted sequences resume before new ones are admitted.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
+
+MIN_CHUNK = 64  # prompt tokens: the budget is not split into shares smaller than this
+
+
+def water_fill(needs: Seq[int], budget: int) -> list[int]:
+    """Shares of `budget` for `needs`: equal, except that no one gets more than it needs and
+    what it leaves is shared among the rest; the integer remainder goes to the earliest. (The last
+    in need order takes all that is left, up to its need, so nothing that is needed stays over.)"""
+    shares = [0] * len(needs)
+    left = budget
+    # Smallest need first; among equal needs the latest first, so the earliest get the remainder.
+    for rank, i in enumerate(sorted(range(len(needs)), key=lambda i: (needs[i], -i))):
+        shares[i] = min(needs[i], left // (len(needs) - rank))
+        left -= shares[i]
+    return shares
 
 
 @dataclass(frozen=True)
@@ -51,23 +70,32 @@ class StepScheduler:
         self.running.append(sequence)
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_num_batched_tokens
+        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        prompt_budget = max(0, self.max_num_batched_tokens - len(decoding))
+        in_prompt = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
+        seats = self.max_num_seqs - len(self.running)
+        max_sharers = max(1, prompt_budget // MIN_CHUNK)
+        num_newcomers = max(0, min(seats, max_sharers - len(in_prompt)))
+        newcomers = list(itertools.islice(self.waiting, num_newcomers))
+        sharers = in_prompt + newcomers
+        needs = [seq.num_uncomputed_tokens for seq in sharers]
+        shares = water_fill(needs, prompt_budget)
+        share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
         scheduled: list[ScheduledChunk] = []
+        num_preemptions = self.num_preemptions
         for seq in list(self.running):
-            if budget == 0:
-                break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, num_tokens):
+            num_tokens = 1 if seq.num_uncomputed_tokens == 1 else share_of.get(id(seq), 0)
+            if num_tokens == 0 or not self._reserve(seq, num_tokens):
                 continue
             scheduled.append(ScheduledChunk(seq, num_tokens))
-            budget -= num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+        if self.num_preemptions != num_preemptions:
+            return scheduled
+        for seq in newcomers:
+            num_tokens = share_of[id(seq)]
             target = seq.num_computed_tokens + num_tokens
-            if not self.block_manager.can_allocate(
+            if num_tokens == 0 or not self.block_manager.can_allocate(
                 self.block_manager.num_new_blocks_for(seq.block_ids, target)
             ):
                 break
@@ -76,7 +104,6 @@ class StepScheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledChunk(seq, num_tokens))
-            budget -= num_tokens
         return scheduled
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:

@@ -1,0 +1,287 @@
+"""Fairness scenarios: the fair-share policy against FCFS, each on its own `tandem up`, one run.
+
+    .venv/bin/python -m loadtest.fairness_bench flood [--duration 60] [--json OUT]
+    .venv/bin/python -m loadtest.fairness_bench tenants [--duration 60] [--json OUT]
+
+flood: closed-loop clients keep long prompts in the queue (prefill saturated), while short chat
+requests arrive at a steady rate. Reports the shorts' TTFT p50/p99 with the flood under each
+policy and alone (no flood, same cluster settings), and the longest queue wait the scheduler saw
+(`/ready`'s `scheduler.max_queue_wait_s`), against the aging bound.
+
+tenants: tenant "heavy" runs ten times as many concurrent clients as tenant "light", both enough
+to stay backlogged. Reports each tenant's token service over the run (the scheduler's per-party
+counters) and Jain's fairness index of the two.
+
+All traffic goes to 127.0.0.1, bounded by the duration. Settings reach the cluster's children as
+`TANDEM_*` environment variables (the policy, the prefill budget, the aging bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from loadtest.metrics import Clock, RequestRecord, percentile
+from loadtest.replay import COMPLETIONS_PATH, StreamError, check_counts, consume_stream
+from loadtest.served import ServedCluster, tandem_up
+from loadtest.workload import WorkloadRequest
+
+MODEL = "smollm2"
+
+
+@dataclass
+class Traffic:
+    """What one client-side run recorded, by label ("short", "long", a tenant)."""
+
+    records: dict[str, list[RequestRecord]] = field(default_factory=dict)
+
+    def add(self, label: str, record: RequestRecord) -> None:
+        self.records.setdefault(label, []).append(record)
+
+    def ttfts(self, label: str) -> list[float]:
+        return [r.ttft for r in self.records.get(label, []) if r.ok and r.ttft is not None]
+
+    def errors(self) -> int:
+        return sum(1 for records in self.records.values() for r in records if not r.ok)
+
+
+def prompt_ids(rng: random.Random, num_tokens: int) -> list[int]:
+    return [rng.randrange(100, 20000) for _ in range(num_tokens)]
+
+
+async def send(
+    client: httpx.AsyncClient, clock: Clock, prompt: list[int], max_tokens: int, user: str
+) -> RequestRecord:
+    request = WorkloadRequest("", max_tokens, 0.0, prompt, ignore_eos=True)
+    record = RequestRecord(0, max_tokens, len(prompt), send_time=clock())
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": user,
+    }
+    try:
+        async with client.stream("POST", COMPLETIONS_PATH, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                raise StreamError(f"HTTP {response.status_code}: {text[:300]}")
+            await consume_stream(response, record, clock)
+        check_counts(record, request)
+    except Exception as error:  # recorded: the run goes on
+        record.error = f"{type(error).__name__}: {error}"[:300]
+    return record
+
+
+async def closed_loop(
+    client: httpx.AsyncClient,
+    clock: Clock,
+    traffic: Traffic,
+    label: str,
+    user: str,
+    num_tokens: int,
+    max_tokens: int,
+    deadline: float,
+    seed: int,
+) -> None:
+    """One client that sends its next request as soon as the previous one finished."""
+    rng = random.Random(seed)
+    while clock() < deadline:
+        traffic.add(label, await send(client, clock, prompt_ids(rng, num_tokens), max_tokens, user))
+
+
+async def steady(
+    client: httpx.AsyncClient,
+    clock: Clock,
+    traffic: Traffic,
+    label: str,
+    interval_s: float,
+    num_tokens: int,
+    max_tokens: int,
+    deadline: float,
+) -> None:
+    """Requests at a fixed interval, each on its own task (open loop)."""
+    rng = random.Random(7)
+    tasks = []
+    while clock() < deadline:
+        prompt = prompt_ids(rng, num_tokens)
+        tasks.append(asyncio.create_task(send(client, clock, prompt, max_tokens, "chat")))
+        await asyncio.sleep(interval_s)
+    for record in await asyncio.gather(*tasks):
+        traffic.add(label, record)
+
+
+async def scheduler_status(client: httpx.AsyncClient) -> dict[str, Any]:
+    return (await client.get("/ready")).json()["scheduler"]
+
+
+@contextmanager
+def cluster(args: argparse.Namespace, policy: str) -> Iterator[ServedCluster]:
+    settings = {
+        "TANDEM_POLICY": policy,
+        "TANDEM_MAX_NUM_BATCHED_TOKENS": str(args.prefill_budget),
+        "TANDEM_MAX_QUEUE_WAIT_S": str(args.aging_s),
+    }
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        with tandem_up(1, 1, ["--kv-cache-bytes", str(args.kv_cache_bytes)]) as served:
+            yield served
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+async def flood_run(url: str, args: argparse.Namespace, with_flood: bool) -> dict[str, Any]:
+    clock = Clock()
+    traffic = Traffic()
+    deadline = args.duration if with_flood else args.alone_duration
+    limits = httpx.Limits(max_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, trust_env=False) as c:
+        jobs = [
+            steady(c, clock, traffic, "short", args.short_interval, args.short_tokens, 8, deadline)
+        ]
+        if with_flood:
+            jobs += [
+                closed_loop(c, clock, traffic, "long", "batch", args.long_tokens, 4, deadline, i)
+                for i in range(args.long_clients)
+            ]
+        await asyncio.gather(*jobs)
+        status = await scheduler_status(c)
+    shorts, longs = traffic.ttfts("short"), traffic.ttfts("long")
+    return {
+        "short_requests": len(shorts),
+        "short_ttft_p50_s": percentile(shorts, 50),
+        "short_ttft_p99_s": percentile(shorts, 99),
+        "long_requests": len(longs),
+        "long_ttft_max_s": max(longs, default=None),
+        "max_queue_wait_s": status["max_queue_wait_s"],
+        "errors": traffic.errors(),
+    }
+
+
+async def tenants_run(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    clock = Clock()
+    traffic = Traffic()
+    limits = httpx.Limits(max_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, trust_env=False) as c:
+        before = await scheduler_status(c)
+        jobs = [
+            closed_loop(c, clock, traffic, tenant, tenant, args.tenant_tokens, 8, args.duration, i)
+            for tenant, count in (("heavy", 10 * args.light_clients), ("light", args.light_clients))
+            for i in range(count)
+        ]
+        await asyncio.gather(*jobs)
+        after = await scheduler_status(c)
+    served = {
+        tenant: _served(after, tenant) - _served(before, tenant) for tenant in ("heavy", "light")
+    }
+    values = list(served.values())
+    jain = sum(values) ** 2 / (len(values) * sum(v * v for v in values)) if any(values) else None
+    return {
+        "served_tokens": served,
+        "requests": {t: len(traffic.records.get(t, [])) for t in ("heavy", "light")},
+        "jain_index": jain,
+        "errors": traffic.errors(),
+    }
+
+
+def _served(status: dict[str, Any], tenant: str) -> int:
+    return sum(p["served_tokens"] for p in status["service"] if p["tenant"] == tenant)
+
+
+def run_flood(args: argparse.Namespace) -> dict[str, Any]:
+    results = {}
+    with cluster(args, "fair") as served:
+        results["alone"] = asyncio.run(flood_run(served.url, args, with_flood=False))
+    for policy in ("fcfs", "fair"):
+        with cluster(args, policy) as served:
+            results[policy] = asyncio.run(flood_run(served.url, args, with_flood=True))
+    alone_p99 = results["alone"]["short_ttft_p99_s"]
+    for policy in ("fcfs", "fair"):
+        p99 = results[policy]["short_ttft_p99_s"]
+        results[policy]["short_p99_over_alone"] = p99 / alone_p99 if p99 and alone_p99 else None
+    return results
+
+
+def run_tenants(args: argparse.Namespace) -> dict[str, Any]:
+    results = {}
+    for policy in ("fcfs", "fair"):
+        with cluster(args, policy) as served:
+            results[policy] = asyncio.run(tenants_run(served.url, args))
+    return results
+
+
+def print_flood(results: dict[str, Any], aging_s: float) -> None:
+    print(f"{'run':<6} {'shorts':>6} {'TTFT p50 s':>10} {'p99 s':>7} {'p99/alone':>9} "
+          f"{'longs':>5} {'max wait s':>10} {'errors':>6}")  # fmt: skip
+    for name, r in results.items():
+        ratio = r.get("short_p99_over_alone")
+        print(
+            f"{name:<6} {r['short_requests']:>6} {_f(r['short_ttft_p50_s']):>10} "
+            f"{_f(r['short_ttft_p99_s']):>7} {_f(ratio):>9} {r['long_requests']:>5} "
+            f"{_f(r['max_queue_wait_s']):>10} {r['errors']:>6}"
+        )
+    print(f"aging bound: {aging_s:g} s")
+
+
+def print_tenants(results: dict[str, Any]) -> None:
+    print(f"{'policy':<6} {'heavy tokens':>12} {'light tokens':>12} {'Jain':>6} {'errors':>6}")
+    for name, r in results.items():
+        served = r["served_tokens"]
+        print(
+            f"{name:<6} {served['heavy']:>12} {served['light']:>12} "
+            f"{_f(r['jain_index'], 3):>6} {r['errors']:>6}"
+        )
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("scenario", choices=["flood", "tenants"])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per run")
+    parser.add_argument("--alone-duration", type=float, default=30.0, help="flood: shorts alone")
+    parser.add_argument("--prefill-budget", type=int, default=128, help="tokens per prefill step")
+    parser.add_argument("--aging-s", type=float, default=30.0, help="the scheduler's aging bound")
+    parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    parser.add_argument("--long-tokens", type=int, default=1536)
+    parser.add_argument("--long-clients", type=int, default=3)
+    parser.add_argument("--short-tokens", type=int, default=48)
+    parser.add_argument("--short-interval", type=float, default=1.5)
+    parser.add_argument("--tenant-tokens", type=int, default=192)
+    parser.add_argument("--light-clients", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if args.scenario == "flood":
+        results = run_flood(args)
+        print_flood(results, args.aging_s)
+    else:
+        results = run_tenants(args)
+        print_tenants(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"scenario": args.scenario, "args": vars(args), "results": results}, f, indent=2
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Who goes next: a fair share of prefill capacity between tenants and prompt-length classes.
+
+Peers serve first come, first served, so one tenant's flood or one stream of long prompts takes
+the whole cluster. tandem shares it instead, in the manner of the virtual token counter (VTC,
+"Fairness in Serving Large Language Models", OSDI 2024):
+
+* A request belongs to a *party*: its tenant (the API key, else the `user` field, else a default)
+  and its class by prompt length (short below the first threshold, long above; more thresholds
+  give more classes).
+* Each party has a counter of the service it received, in weighted tokens: every prompt token
+  prefilled adds `prompt_token_cost / weight`, every generated token `output_token_cost / weight`,
+  where the weight is the tenant's weight times the class's. The prompt is charged when the
+  request is dispatched (so the next choice already sees it), generated tokens when the request
+  reports them.
+* The next request comes from the backlogged party with the smallest counter. A party that had
+  nothing queued re-enters at no less than the *virtual time* (the smallest counter among parties
+  that were backlogged), so being idle banks no credit: it competes from now on, not from then.
+* Within a party, a higher `priority` goes first, then the earlier arrival.
+* Aging: a request that has waited `max_wait_s` goes first whatever the counters say (the oldest
+  such first), so no admissible request waits much longer than the bound.
+* Work conservation: the choice skips requests the caller cannot place right now (`admissible`),
+  so capacity never idles while something that fits is waiting.
+
+`policy="fcfs"` keeps the counters (for the status) but serves in arrival order, so a benchmark
+can compare the two in one run. The module is pure: state in, decision out, the clock passed in.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+POLICIES = ("fair", "fcfs")
+
+
+@dataclass(frozen=True)
+class FairShareConfig:
+    policy: str = "fair"
+    class_thresholds: tuple[int, ...] = (1024,)  # prompt tokens at which each next class starts
+    class_names: tuple[str, ...] = ("short", "long")
+    class_weights: tuple[float, ...] = (1.0, 1.0)
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # missing tenants weigh 1
+    prompt_token_cost: float = 1.0
+    output_token_cost: float = 2.0  # a generated token costs more than a prompt token (as VTC)
+    max_wait_s: float = 30.0  # aging bound
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        thresholds = list(self.class_thresholds)
+        if thresholds != sorted(set(thresholds)) or any(t <= 0 for t in thresholds):
+            raise ValueError(
+                f"class_thresholds must be increasing positive token counts, got {thresholds}"
+            )
+        num_classes = len(thresholds) + 1
+        for name in ("class_names", "class_weights"):
+            if len(getattr(self, name)) != num_classes:
+                raise ValueError(
+                    f"{name} needs {num_classes} entries (one per class: thresholds + 1), "
+                    f"got {len(getattr(self, name))}"
+                )
+        weights = list(self.class_weights) + list(self.tenant_weights.values())
+        if any(not w > 0 for w in weights):
+            raise ValueError(f"weights must be positive, got {weights}")
+        if not (self.prompt_token_cost >= 0 and self.output_token_cost >= 0):
+            raise ValueError("token costs must be non-negative")
+        if not self.max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
+
+    def class_of(self, num_prompt_tokens: int) -> str:
+        return self.class_names[bisect.bisect_right(self.class_thresholds, num_prompt_tokens)]
+
+    def weight(self, party: Party) -> float:
+        class_weight = self.class_weights[self.class_names.index(party.class_name)]
+        return self.tenant_weights.get(party.tenant, 1.0) * class_weight
+
+
+@dataclass(frozen=True, order=True)
+class Party:
+    tenant: str
+    class_name: str
+
+
+@dataclass(frozen=True)
+class QueuedRequest:
+    request_id: str
+    tenant: str
+    num_prompt_tokens: int
+    priority: int  # larger is more urgent, within the tenant's party
+    arrival: float  # the policy's clock, seconds
+
+
+# A party's queue is a heap of (-priority, arrival, insertion number, request id).
+_Key = tuple[int, float, int, str]
+
+
+class FairQueue:
+    """The scheduler's queue under the policy; see the module doc."""
+
+    def __init__(self, config: FairShareConfig):
+        self.config = config
+        self.counters: dict[Party, float] = {}  # weighted service received
+        self.served_tokens: dict[Party, int] = {}  # unweighted prompt + output tokens, for status
+        self.virtual_time = 0.0
+        self._items: dict[str, tuple[Party, QueuedRequest]] = {}
+        self._parties: dict[Party, list[_Key]] = {}  # backlogged parties only
+        self._sequence = itertools.count()  # ties in arrival time keep insertion order
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._items
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        return (item for _, item in self._items.values())
+
+    def party_for(self, tenant: str, num_prompt_tokens: int) -> Party:
+        return Party(tenant, self.config.class_of(num_prompt_tokens))
+
+    def push(self, item: QueuedRequest) -> None:
+        if item.request_id in self._items:
+            raise ValueError(f"request {item.request_id!r} is already queued")
+        party = self.party_for(item.tenant, item.num_prompt_tokens)
+        heap = self._parties.get(party)
+        if heap is None:  # (re-)entering: no credit for the time it was away
+            self._advance_virtual_time()
+            self.counters[party] = max(self.counters.get(party, 0.0), self.virtual_time)
+            heap = self._parties[party] = []
+        heapq.heappush(heap, (-item.priority, item.arrival, next(self._sequence), item.request_id))
+        self._items[item.request_id] = (party, item)
+
+    def remove(self, request_id: str) -> QueuedRequest | None:
+        entry = self._items.pop(request_id, None)
+        if entry is None:
+            return None
+        party, item = entry
+        heap = [key for key in self._parties[party] if key[3] != request_id]
+        if heap:
+            heapq.heapify(heap)
+            self._parties[party] = heap
+        else:
+            self._advance_virtual_time()
+            del self._parties[party]
+        return item
+
+    def pop_next(
+        self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
+    ) -> QueuedRequest | None:
+        """Removes and returns the next request to serve, charging its prompt; None if no queued
+        request is admissible."""
+        item = self.peek_next(now, admissible)
+        if item is None:
+            return None
+        self.remove(item.request_id)
+        party = self.party_for(item.tenant, item.num_prompt_tokens)
+        self.charge(party, num_prompt_tokens=item.num_prompt_tokens)
+        return item
+
+    def peek_next(
+        self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
+    ) -> QueuedRequest | None:
+        overdue = [
+            item
+            for _, item in self._items.values()
+            if now - item.arrival >= self.config.max_wait_s and admissible(item)
+        ]
+        if overdue:
+            return min(overdue, key=lambda item: item.arrival)
+        if self.config.policy == "fcfs":
+            by_arrival = sorted((item for _, item in self._items.values()), key=lambda i: i.arrival)
+            return next((item for item in by_arrival if admissible(item)), None)
+        for party in sorted(self._parties, key=lambda p: (self.counters[p], p)):
+            for key in _in_order(self._parties[party]):
+                item = self._items[key[3]][1]
+                if admissible(item):
+                    return item
+        return None
+
+    def charge(
+        self, party: Party, *, num_prompt_tokens: int = 0, num_output_tokens: int = 0
+    ) -> None:
+        """Adds weighted service to `party`'s counter."""
+        cost = (
+            num_prompt_tokens * self.config.prompt_token_cost
+            + num_output_tokens * self.config.output_token_cost
+        )
+        counter = self.counters.get(party, self.virtual_time)
+        self.counters[party] = counter + cost / self.config.weight(party)
+        served = self.served_tokens.get(party, 0)
+        self.served_tokens[party] = served + num_prompt_tokens + num_output_tokens
+
+    def _advance_virtual_time(self) -> None:
+        """The virtual time follows the least-served backlogged party, and never goes back."""
+        if self._parties:
+            least = min(self.counters[p] for p in self._parties)
+            self.virtual_time = max(self.virtual_time, least)
+
+
+def _in_order(heap: list[_Key]) -> Iterator[_Key]:
+    """The heap's keys smallest first: the top at once, the rest sorted only if asked for."""
+    if heap:
+        yield heap[0]
+        yield from sorted(heap)[1:]

@@ -1,0 +1,160 @@
+"""The scheduler core under the fair-share policy: the prefill window, who is dispatched first,
+what is charged, and the policy's settings and status."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.scheduler.core import ClusterScheduler, SchedulerLimits
+from services.scheduler.fair_share import FairShareConfig, Party
+from services.scheduler.service import SchedulerConfig
+from shared import wire
+from shared.config import ConfigError, config_from_args
+from tests.unit.test_scheduler_core import heartbeat, hello, sent, submit
+
+
+def make_core(policy: str = "fair", window: int = 100) -> ClusterScheduler:
+    core = ClusterScheduler(
+        SchedulerLimits(
+            prefill_window_tokens=window,
+            fair_share=FairShareConfig(policy=policy, class_thresholds=(60,), max_wait_s=1e6),
+        )
+    )
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", hello("p", "prefill"), 0.0)
+    core.on_hello(b"D", hello("d", "decode", blocks=1000), 0.0)
+    return core
+
+
+def tenant_submit(request_id: str, tenant: str, prompt_len: int = 20) -> wire.Submit:
+    return dataclasses.replace(submit(request_id, prompt_len), tenant=tenant)
+
+
+def reserved(outgoing) -> list[str]:
+    return [o.message.request_id for o in sent(outgoing, wire.Reserve)]
+
+
+def finish_prefill(core: ClusterScheduler, request_id: str, now: float) -> list:
+    core.on_reserve_reply(
+        wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=900), now
+    )
+    done = wire.RequestDone(
+        request_id=request_id,
+        peer_id="p",
+        phase="prefill",
+        finish_reason=None,
+        num_prompt_tokens=20,
+        num_output_tokens=1,
+    )
+    return core.on_request_done(done, now)
+
+
+def test_the_window_holds_requests_back_in_the_scheduler():
+    core = make_core(window=100)
+    dispatched = []
+    for i in range(10):
+        dispatched += reserved(core.on_submit(b"G", submit(f"r{i}", prompt_len=20), 0.0))
+    assert dispatched == ["r0", "r1", "r2", "r3", "r4"]  # 5 x 20 tokens fill the window
+    assert len(core.queue) == 5
+    assert reserved(finish_prefill(core, "r0", 1.0)) == ["r5"]  # one leaves, one more goes
+
+
+def test_a_long_prompt_fills_at_most_half_the_window():
+    core = make_core(window=100)
+    assert reserved(core.on_submit(b"G", submit("long", prompt_len=5000), 0.0)) == ["long"]
+    shorts = []
+    for i in range(4):
+        shorts += reserved(core.on_submit(b"G", submit(f"s{i}", prompt_len=20), 0.0))
+    assert shorts == ["s0", "s1", "s2"]  # 50 + 3 x 20 > 100: the long one does not block them
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_light_tenant_goes_ahead_of_a_heavy_backlog_only_under_fair(policy):
+    core = make_core(policy, window=20)  # a 20-token prompt counts 10: two in hand at a time
+    in_hand = []
+    for i in range(6):
+        in_hand += reserved(core.on_submit(b"G", tenant_submit(f"h{i}", "heavy"), 0.0))
+    in_hand += reserved(core.on_submit(b"G", tenant_submit("light", "light"), 0.1))
+    assert in_hand == ["h0", "h1"]
+    order = []
+    for step in range(5):
+        dispatched = reserved(finish_prefill(core, in_hand.pop(0), 1.0 + step))
+        in_hand += dispatched
+        order += dispatched
+    if policy == "fair":
+        assert order[0] == "light"
+    else:
+        assert order == ["h2", "h3", "h4", "h5", "light"]
+
+
+def test_generated_tokens_are_charged_and_a_requeue_refunds_the_prompt():
+    core = make_core()
+    core.on_submit(b"G", tenant_submit("r", "t", prompt_len=20), 0.0)
+    party = Party("t", "short")
+    assert core.queue.counters[party] == 20.0  # the prompt, charged at dispatch
+    refused = wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0)
+    assert reserved(core.on_reserve_reply(refused, 0.0)) == []
+    assert core.queue.counters[party] == 0.0  # back in the queue: refunded
+    assert reserved(core.on_heartbeat(b"D", heartbeat("d", free=1000), 0.5)) == ["r"]
+    assert core.queue.counters[party] == 20.0  # charged again when dispatched again
+    finish_prefill(core, "r", 1.0)
+    done = wire.RequestDone(
+        request_id="r",
+        peer_id="d",
+        phase="decode",
+        finish_reason="length",
+        num_prompt_tokens=20,
+        num_output_tokens=7,
+    )
+    core.on_request_done(done, 2.0)
+    # 20 prompt + (1 from prefill + 7 from decode) generated at cost 2
+    assert core.queue.counters[party] == 20.0 + 2.0 * 8
+    assert core.queue.served_tokens[party] == 28
+
+
+def test_status_reports_policy_wait_and_service_per_party():
+    core = make_core(window=20)
+    core.on_submit(b"G", tenant_submit("a", "alice", prompt_len=20), 0.0)
+    core.on_submit(b"G", tenant_submit("b", "bob", prompt_len=80), 0.0)
+    core.on_submit(b"G", tenant_submit("c", "bob", prompt_len=80), 0.0)  # the window is full
+    assert reserved(finish_prefill(core, "a", 5.0)) == ["c"]
+    status = core.cluster_status(5.0)
+    assert status.policy == "fair" and status.max_queue_wait_s == 5.0
+    by_party = {(s.tenant, s.class_name): s.served_tokens for s in status.service}
+    assert by_party == {("alice", "short"): 21, ("bob", "long"): 160}
+    assert wire.decode(wire.encode(status)) == status
+
+
+def test_scheduler_settings_build_the_policy():
+    config = config_from_args(
+        SchedulerConfig,
+        environ={
+            "TANDEM_POLICY": "fcfs",
+            "TANDEM_CLASS_THRESHOLDS": "512, 4096",
+            "TANDEM_CLASS_WEIGHTS": "1,1,0.5",
+            "TANDEM_TENANT_WEIGHTS": "gold=4,free=0.5",
+        },
+    )
+    fair = config.limits().fair_share
+    assert fair.policy == "fcfs" and fair.class_thresholds == (512, 4096)
+    assert fair.class_names == ("class0", "class1", "class2")
+    assert fair.tenant_weights == {"gold": 4.0, "free": 0.5}
+
+
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"TANDEM_POLICY": "random"}, "policy must be one of"),
+        ({"TANDEM_CLASS_THRESHOLDS": "x"}, "TANDEM_CLASS_THRESHOLDS"),
+        ({"TANDEM_CLASS_WEIGHTS": "1"}, "class_weights needs 2"),
+        ({"TANDEM_TENANT_WEIGHTS": "gold"}, "is not tenant=weight"),
+        ({"TANDEM_TENANT_WEIGHTS": "gold=0"}, "weights must be positive"),
+        ({"TANDEM_MAX_QUEUE_WAIT_S": "0"}, "max_queue_wait_s"),
+        ({"TANDEM_PREFILL_WINDOW_TOKENS": "-5"}, "prefill_window_tokens"),
+    ],
+)
+def test_bad_fair_share_settings_fail_at_start_with_their_name(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_args(SchedulerConfig, environ=environ)
