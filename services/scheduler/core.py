@@ -9,11 +9,11 @@ A request moves through phases:
 Admission bounds the queue by requests and by prompt tokens (past either, 429 with Retry-After) and
 refuses a prompt no decode worker could ever hold (400). The queue is ordered by the fair-share
 policy (`fair_share.py`; FCFS as a switch). Requests stay in the scheduler's queue until a prefill
-worker has room in its window (prompt tokens in hand, each prompt counted up to half the window,
-so a long prompt never fills it alone): the policy decides, not the order in which workers happen
-to receive work. Dispatch then takes the policy's next request that some decode worker can hold,
-asks that decode worker to reserve blocks for the prompt, and once it confirms, hands the prompt to
-the chosen prefill worker, naming the decode target. A request whose reservation is refused, or
+worker has room in its window (`PrefillWindow`: one big prompt and a few steps' worth of small
+ones in hand): the policy decides, not the order in which workers happen to receive work.
+Dispatch takes the policy's next request that a prefill window and a decode worker can take, asks
+that decode worker to reserve blocks for the prompt, and once it confirms, hands the prompt to the
+chosen prefill worker, naming the decode target. A request whose reservation is refused, or
 whose worker stops sending heartbeats before its KV reached the decode worker, goes back to the
 queue with its original arrival time (its prompt's charge refunded); one whose decode worker dies
 mid-stream is failed with an error to its gateway. Cancels are forwarded to every worker holding
@@ -23,6 +23,7 @@ state for the request.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
@@ -50,6 +51,40 @@ class SchedulerLimits:
     retry_after_s: float = 1.0
     prefill_window_tokens: int = 2048  # prompt tokens in hand per prefill worker (see above)
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
+
+
+@dataclass
+class PrefillWindow:
+    """What a prefill worker holds ahead of its progress, and whether it may take more.
+
+    A worker holds at most one *big* prompt (more than half the window) and up to a window of
+    prompt tokens in smaller ones (the last may overshoot). One big prompt already fills every
+    step's budget for many steps, so a second adds nothing but a claim on the worker's future;
+    kept in the scheduler's queue instead, it stays under the policy, and short prompts always
+    find room beside the big one in hand.
+    """
+
+    tokens: int  # the window, in prompt tokens
+    holds_big: bool = False
+    small_tokens: int = 0
+
+    def is_big(self, num_prompt_tokens: int) -> bool:
+        return num_prompt_tokens > self.tokens // 2
+
+    def hold(self, num_prompt_tokens: int) -> None:
+        if self.is_big(num_prompt_tokens):
+            self.holds_big = True
+        else:
+            self.small_tokens += num_prompt_tokens
+
+    @property
+    def small_room(self) -> int:
+        return self.tokens - self.small_tokens
+
+    def takes(self, num_prompt_tokens: int) -> bool:
+        if self.is_big(num_prompt_tokens):
+            return not self.holds_big
+        return self.small_room > 0
 
 
 @dataclass
@@ -278,56 +313,58 @@ class ClusterScheduler:
         """Hands the policy's next requests to prefill workers with room, decode reserved first."""
         out: list[Outgoing] = []
         while len(self.queue):
-            prefill = self._prefill_with_room(now)
-            if prefill is None:
+            prefills = self.registry.healthy("prefill", now)
+            if not prefills:
                 break
-            item = self.queue.pop_next(now, self._placeable(now))
+            windows = {w.peer_id: self._window(w) for w in prefills}
+            item = self.queue.pop_next(now, functools.partial(self._placeable, windows, now))
             if item is None:
                 break
-            request = self.requests[item.request_id]
-            self.num_queued_tokens -= item.num_prompt_tokens
-            self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
-            # Room for the prompt and the first decode step; later growth is the worker's affair.
-            num_tokens = item.num_prompt_tokens + 1
-            decode = self.registry.pick_decode(num_tokens, now)
-            assert decode is not None, "the policy only picks placeable requests"
-            request.phase = Phase.RESERVING
-            request.decode_peer_id = decode.peer_id
-            request.prefill_peer_id = prefill.peer_id
-            request.num_blocks = decode.blocks_for(num_tokens)
-            request.phase_deadline = now + self.limits.reserve_timeout_s
-            decode.num_promised_blocks += request.num_blocks
-            decode.request_ids.add(request.request_id)
-            prefill.request_ids.add(request.request_id)
-            reserve = wire.Reserve(
-                request_id=request.request_id,
-                num_tokens=num_tokens,
-                lease_s=self.limits.prefill_timeout_s,
+            prefill = max(
+                (w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens)),
+                key=lambda w: windows[w.peer_id].small_room,
             )
-            out.append(Outgoing(decode.identity, reserve))
+            out.append(self._reserve(self.requests[item.request_id], prefill, now))
         return out
 
-    def _placeable(self, now: float):
-        def placeable(item: QueuedRequest) -> bool:
-            return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
+    def _placeable(
+        self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
+    ) -> bool:
+        """Some prefill worker's window takes it, and some decode worker can hold it."""
+        if not any(window.takes(item.num_prompt_tokens) for window in windows.values()):
+            return False
+        return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
 
-        return placeable
+    def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:
+        num_prompt_tokens = len(request.submit.prompt_token_ids)
+        self.num_queued_tokens -= num_prompt_tokens
+        self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
+        # Room for the prompt and the first decode step; later growth is the worker's affair.
+        num_tokens = num_prompt_tokens + 1
+        decode = self.registry.pick_decode(num_tokens, now)
+        assert decode is not None, "the policy only picks placeable requests"
+        request.phase = Phase.RESERVING
+        request.decode_peer_id = decode.peer_id
+        request.prefill_peer_id = prefill.peer_id
+        request.num_blocks = decode.blocks_for(num_tokens)
+        request.phase_deadline = now + self.limits.reserve_timeout_s
+        decode.num_promised_blocks += request.num_blocks
+        decode.request_ids.add(request.request_id)
+        prefill.request_ids.add(request.request_id)
+        reserve = wire.Reserve(
+            request_id=request.request_id,
+            num_tokens=num_tokens,
+            lease_s=self.limits.prefill_timeout_s,
+        )
+        return Outgoing(decode.identity, reserve)
 
-    def _prefill_with_room(self, now: float) -> WorkerState | None:
-        """The healthy prefill worker with the most room left in its window, if any has room."""
-        best, best_room = None, 0
-        for worker in self.registry.healthy("prefill", now):
-            room = self.limits.prefill_window_tokens - sum(
-                self._window_cost(self.requests[r])
-                for r in worker.request_ids
-                if r in self.requests
-            )
-            if room > best_room:
-                best, best_room = worker, room
-        return best
-
-    def _window_cost(self, request: TrackedRequest) -> int:
-        return min(len(request.submit.prompt_token_ids), self.limits.prefill_window_tokens // 2)
+    def _window(self, worker: WorkerState) -> PrefillWindow:
+        window = PrefillWindow(self.limits.prefill_window_tokens)
+        for request_id in worker.request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                window.hold(len(request.submit.prompt_token_ids))
+        return window
 
     def _enqueue(self, request: TrackedRequest) -> None:
         submit = request.submit

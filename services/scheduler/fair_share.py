@@ -16,13 +16,17 @@ the whole cluster. tandem shares it instead, in the manner of the virtual token 
   nothing queued re-enters at no less than the *virtual time* (the smallest counter among parties
   that were backlogged), so being idle banks no credit: it competes from now on, not from then.
 * Within a party, a higher `priority` goes first, then the earlier arrival.
-* Aging: a request that has waited `max_wait_s` goes first whatever the counters say (the oldest
-  such first), so no admissible request waits much longer than the bound.
+* Aging: a request that has waited `max_wait_s` is overdue. While any is, every other choice
+  serves the oldest overdue request, whatever the counters say; the choices between stay fair.
+  So an overdue request waits at most two choices per older overdue one, and a tenant that
+  floods past its share (all its requests overdue) cannot take everything through aging.
 * Work conservation: the choice skips requests the caller cannot place right now (`admissible`),
   so capacity never idles while something that fits is waiting.
 
-`policy="fcfs"` keeps the counters (for the status) but serves in arrival order, so a benchmark
-can compare the two in one run. The module is pure: state in, decision out, the clock passed in.
+`policy="fcfs"` keeps the counters (for the status) but serves strictly in arrival order, as the
+peers do: when the oldest request cannot be placed, nothing is (head-of-line blocking), so a
+benchmark can compare the two in one run. The module is pure: state in, decision out, the clock
+passed in.
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class FairQueue:
         self._items: dict[str, tuple[Party, QueuedRequest]] = {}
         self._parties: dict[Party, list[_Key]] = {}  # backlogged parties only
         self._sequence = itertools.count()  # ties in arrival time keep insertion order
+        self._last_was_aged = False  # aging takes every other choice at most
 
     def __len__(self) -> int:
         return len(self._items)
@@ -152,9 +157,12 @@ class FairQueue:
     ) -> QueuedRequest | None:
         """Removes and returns the next request to serve, charging its prompt; None if no queued
         request is admissible."""
-        item = self.peek_next(now, admissible)
+        item, oldest_overdue = self._choose(now, admissible)
+        if not any(self._is_overdue(queued, now) for queued in self):
+            self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
         if item is None:
             return None
+        self._last_was_aged = item is oldest_overdue
         self.remove(item.request_id)
         party = self.party_for(item.tenant, item.num_prompt_tokens)
         self.charge(party, num_prompt_tokens=item.num_prompt_tokens)
@@ -163,22 +171,35 @@ class FairQueue:
     def peek_next(
         self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
     ) -> QueuedRequest | None:
-        overdue = [
-            item
-            for _, item in self._items.values()
-            if now - item.arrival >= self.config.max_wait_s and admissible(item)
-        ]
-        if overdue:
-            return min(overdue, key=lambda item: item.arrival)
-        if self.config.policy == "fcfs":
-            by_arrival = sorted((item for _, item in self._items.values()), key=lambda i: i.arrival)
-            return next((item for item in by_arrival if admissible(item)), None)
+        """The request `pop_next` would return, left in the queue."""
+        return self._choose(now, admissible)[0]
+
+    def _choose(
+        self, now: float, admissible: Callable[[QueuedRequest], bool]
+    ) -> tuple[QueuedRequest | None, QueuedRequest | None]:
+        """(the next request, the oldest admissible overdue one)."""
+        if not self._items:
+            return None, None
+        if self.config.policy == "fcfs":  # strict: the oldest, or no one (head-of-line blocking)
+            oldest = min((item for _, item in self._items.values()), key=lambda i: i.arrival)
+            return (oldest if admissible(oldest) else None), None
+        overdue = [i for _, i in self._items.values() if self._is_overdue(i, now) and admissible(i)]
+        oldest_overdue = min(overdue, key=lambda item: item.arrival, default=None)
+        if oldest_overdue is not None and not self._last_was_aged:
+            return oldest_overdue, oldest_overdue
+        return self._least_served(admissible) or oldest_overdue, oldest_overdue
+
+    def _least_served(self, admissible: Callable[[QueuedRequest], bool]) -> QueuedRequest | None:
+        """The fair choice: the first admissible request of the least-served backlogged party."""
         for party in sorted(self._parties, key=lambda p: (self.counters[p], p)):
             for key in _in_order(self._parties[party]):
                 item = self._items[key[3]][1]
                 if admissible(item):
                     return item
         return None
+
+    def _is_overdue(self, item: QueuedRequest, now: float) -> bool:
+        return now - item.arrival >= self.config.max_wait_s
 
     def charge(
         self, party: Party, *, num_prompt_tokens: int = 0, num_output_tokens: int = 0

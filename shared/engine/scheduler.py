@@ -5,11 +5,13 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
 
 1. Every running sequence that is decoding takes one token.
 2. What is left of the budget is shared among the sequences still in their prompt (running ones
-   first, then waiting ones, in order, as seats allow and at most one per `MIN_CHUNK` tokens of
-   budget) by water-filling: each gets an equal share, a prompt that needs less than its share
-   takes only what it needs, and the rest is shared again among the others. So a short prompt
-   beside a long one finishes in one step, and a 100k-token prompt advances every step by its
-   share without blocking anyone (chunked prefill): processor sharing at the token level.
+   first, then waiting ones, in order, as seats allow: one per `MIN_CHUNK` tokens of budget, but
+   always at least one waiting one). Each gets a small floor, so every prompt advances every
+   step; the rest goes to the smallest remaining prompts first. So a short prompt beside a long
+   one finishes in one step, and a 100k-token prompt advances every step without blocking
+   anyone (chunked prefill). Which prompts reach a worker at all is the cluster scheduler's
+   fair-share decision; within the few a worker holds, shortest-first minimizes time to first
+   token.
 3. If the pool cannot give a running sequence the blocks it needs, the newest running sequence is
    preempted for recompute (its blocks freed, its counter reset, back to the head of the waiting
    queue) until the need is met. Waiting sequences are admitted while blocks allow, and not at
@@ -26,19 +28,24 @@ from dataclasses import dataclass
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
 
-MIN_CHUNK = 64  # prompt tokens: the budget is not split into shares smaller than this
+MIN_CHUNK = 64  # prompt tokens of budget per sharer: how many prompts share one step
+PROGRESS_FLOOR = 16  # prompt tokens every sharer gets per step, budget allowing
 
 
-def water_fill(needs: Seq[int], budget: int) -> list[int]:
-    """Shares of `budget` for `needs`: equal, except that no one gets more than it needs and
-    what it leaves is shared among the rest; the integer remainder goes to the earliest. (The last
-    in need order takes all that is left, up to its need, so nothing that is needed stays over.)"""
+def shortest_first(needs: Seq[int], budget: int, floor: int = PROGRESS_FLOOR) -> list[int]:
+    """Shares of `budget` for `needs`: first up to `floor` each (the earliest first, while the
+    budget lasts), so every prompt advances; then the rest to the smallest needs first, so the
+    prompts closest to their first token get it soonest (shortest remaining work first: the
+    least mean time to first token). Nothing needed is left over."""
     shares = [0] * len(needs)
     left = budget
-    # Smallest need first; among equal needs the latest first, so the earliest get the remainder.
-    for rank, i in enumerate(sorted(range(len(needs)), key=lambda i: (needs[i], -i))):
-        shares[i] = min(needs[i], left // (len(needs) - rank))
+    for i, need in enumerate(needs):
+        shares[i] = min(need, floor, left)
         left -= shares[i]
+    for i in sorted(range(len(needs)), key=lambda i: (needs[i], i)):
+        extra = min(needs[i] - shares[i], left)
+        shares[i] += extra
+        left -= extra
     return shares
 
 
@@ -74,12 +81,14 @@ class StepScheduler:
         prompt_budget = max(0, self.max_num_batched_tokens - len(decoding))
         in_prompt = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
         seats = self.max_num_seqs - len(self.running)
-        max_sharers = max(1, prompt_budget // MIN_CHUNK)
-        num_newcomers = max(0, min(seats, max_sharers - len(in_prompt)))
+        # At least one newcomer shares whenever a seat is free: prompts in progress never hold
+        # the budget against all new ones, however small the budget.
+        max_newcomers = max(1, prompt_budget // MIN_CHUNK - len(in_prompt))
+        num_newcomers = max(0, min(seats, max_newcomers))
         newcomers = list(itertools.islice(self.waiting, num_newcomers))
         sharers = in_prompt + newcomers
         needs = [seq.num_uncomputed_tokens for seq in sharers]
-        shares = water_fill(needs, prompt_budget)
+        shares = shortest_first(needs, prompt_budget)
         share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
         scheduled: list[ScheduledChunk] = []
         num_preemptions = self.num_preemptions

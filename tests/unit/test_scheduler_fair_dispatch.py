@@ -61,18 +61,20 @@ def test_the_window_holds_requests_back_in_the_scheduler():
     assert reserved(finish_prefill(core, "r0", 1.0)) == ["r5"]  # one leaves, one more goes
 
 
-def test_a_long_prompt_fills_at_most_half_the_window():
-    core = make_core(window=100)
+def test_one_big_prompt_in_hand_and_the_window_left_to_small_ones():
+    core = make_core(window=100)  # big: more than 50 tokens
     assert reserved(core.on_submit(b"G", submit("long", prompt_len=5000), 0.0)) == ["long"]
+    assert reserved(core.on_submit(b"G", submit("long2", prompt_len=60), 0.0)) == []
     shorts = []
-    for i in range(4):
+    for i in range(6):
         shorts += reserved(core.on_submit(b"G", submit(f"s{i}", prompt_len=20), 0.0))
-    assert shorts == ["s0", "s1", "s2"]  # 50 + 3 x 20 > 100: the long one does not block them
+    assert shorts == ["s0", "s1", "s2", "s3", "s4"]  # 100 tokens of small ones beside the big one
+    assert reserved(finish_prefill(core, "long", 1.0)) == ["long2"]
 
 
 @pytest.mark.parametrize("policy", ["fair", "fcfs"])
 def test_a_light_tenant_goes_ahead_of_a_heavy_backlog_only_under_fair(policy):
-    core = make_core(policy, window=20)  # a 20-token prompt counts 10: two in hand at a time
+    core = make_core(policy, window=40)  # two 20-token prompts in hand at a time
     in_hand = []
     for i in range(6):
         in_hand += reserved(core.on_submit(b"G", tenant_submit(f"h{i}", "heavy"), 0.0))
@@ -115,15 +117,15 @@ def test_generated_tokens_are_charged_and_a_requeue_refunds_the_prompt():
 
 
 def test_status_reports_policy_wait_and_service_per_party():
-    core = make_core(window=20)
+    core = make_core(window=100)
     core.on_submit(b"G", tenant_submit("a", "alice", prompt_len=20), 0.0)
     core.on_submit(b"G", tenant_submit("b", "bob", prompt_len=80), 0.0)
-    core.on_submit(b"G", tenant_submit("c", "bob", prompt_len=80), 0.0)  # the window is full
-    assert reserved(finish_prefill(core, "a", 5.0)) == ["c"]
+    core.on_submit(b"G", tenant_submit("c", "bob", prompt_len=80), 0.0)  # one big one at a time
+    assert reserved(finish_prefill(core, "b", 5.0)) == ["c"]
     status = core.cluster_status(5.0)
     assert status.policy == "fair" and status.max_queue_wait_s == 5.0
     by_party = {(s.tenant, s.class_name): s.served_tokens for s in status.service}
-    assert by_party == {("alice", "short"): 21, ("bob", "long"): 160}
+    assert by_party == {("alice", "short"): 20, ("bob", "long"): 80 + 1 + 80}
     assert wire.decode(wire.encode(status)) == status
 
 

@@ -1,4 +1,5 @@
-"""The engine's step scheduler: water-filled prompt shares, decodes first, preemption order."""
+"""The engine's step scheduler: decodes first, prompt shares shortest first above a floor,
+preemption order."""
 
 from __future__ import annotations
 
@@ -7,25 +8,29 @@ from hypothesis import strategies as st
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import MIN_CHUNK, StepScheduler, water_fill
+from shared.engine.scheduler import MIN_CHUNK, PROGRESS_FLOOR, StepScheduler, shortest_first
 from shared.engine.sequence import Sequence
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 5000), max_size=40), st.integers(0, 4096))
-def test_water_fill_is_max_min_fair(needs, budget):
-    shares = water_fill(needs, budget)
+def test_shortest_first_serves_a_floor_then_the_smallest_needs(needs, budget):
+    shares = shortest_first(needs, budget, floor=16)
     assert all(0 <= s <= n for s, n in zip(shares, needs, strict=True))
     assert sum(shares) == min(budget, sum(needs))  # nothing idles while someone needs more
-    for i, share in enumerate(shares):
-        if share < needs[i]:  # someone short of its need got at least as much as anyone, less 1
-            assert all(share >= other - 1 for other in shares)
+    if budget >= 16 * len(needs):
+        assert all(s >= min(n, 16) for s, n in zip(shares, needs, strict=True))
+        partial = [i for i, (s, n) in enumerate(zip(shares, needs, strict=True)) if 16 < s < n]
+        assert len(partial) <= 1  # filled in need order: done, one partly, the rest at the floor
+        for i in partial:
+            assert all(shares[j] == needs[j] for j in range(len(needs)) if needs[j] < needs[i])
 
 
-def test_water_fill_examples():
-    assert water_fill([10, 1000], 512) == [10, 502]
-    assert water_fill([1000, 1000, 1000], 512) == [171, 171, 170]
-    assert water_fill([], 512) == []
+def test_shortest_first_examples():
+    assert shortest_first([10_000, 48], 64, floor=16) == [16, 48]
+    assert shortest_first([10, 1000], 512, floor=16) == [10, 502]
+    assert shortest_first([1000, 1000, 1000], 40, floor=16) == [16, 16, 8]
+    assert shortest_first([], 512) == []
 
 
 def seq(name: str, prompt_len: int) -> Sequence:
@@ -61,7 +66,8 @@ def test_many_prompts_share_the_budget_in_chunks_no_smaller_than_the_minimum():
     for i in range(100):
         scheduler.add(seq(f"p{i}", 1000))
     step = run_step(scheduler)
-    assert len(step) == 512 // MIN_CHUNK and set(step.values()) == {MIN_CHUNK}
+    assert len(step) == 512 // MIN_CHUNK and sum(step.values()) == 512
+    assert min(step.values()) >= PROGRESS_FLOOR
 
 
 def test_preemption_frees_the_newest_and_admits_nobody_that_step():
@@ -73,3 +79,11 @@ def test_preemption_frees_the_newest_and_admits_nobody_that_step():
     step = run_step(scheduler)  # a needs a fifth block: b (newest) is preempted, c waits
     assert step == {"a": 1} and [s.request_id for s in scheduler.waiting] == ["b", "c"]
     assert scheduler.num_preemptions == 1
+
+
+def test_a_newcomer_shares_even_a_budget_smaller_than_two_chunks():
+    scheduler = make_scheduler(budget=MIN_CHUNK)
+    scheduler.add(seq("long", 10_000))
+    assert run_step(scheduler) == {"long": MIN_CHUNK}
+    scheduler.add(seq("short", 48))
+    assert run_step(scheduler) == {"long": MIN_CHUNK - 48, "short": 48}
