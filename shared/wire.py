@@ -217,6 +217,9 @@ class Heartbeat(Message):
     num_total_blocks: int
     steps_completed: int  # engine steps since start; stuck while busy means unhealthy
     sent_at: float  # sender's wall clock (time.time()), seconds
+    num_swapped: int = 0  # preempted sequences whose KV waits in host memory
+    num_swap_preemptions: int = 0  # since start: sequences swapped out to make room
+    num_recompute_preemptions: int = 0  # since start: sequences dropped to be recomputed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -352,6 +355,8 @@ class ClusterStatus(Message):
     num_in_flight: int  # requests admitted and not yet finished
     num_decode_free_blocks: int = 0  # free KV blocks over all decode workers (last heartbeats)
     num_decode_total_blocks: int = 0  # KV blocks over all decode workers
+    num_swap_preemptions: int = 0  # over the decode workers, since each started
+    num_recompute_preemptions: int = 0
     policy: Literal["fair", "fcfs"] = "fair"  # the queue's order
     max_queue_wait_s: float = 0.0  # the longest any dispatched request waited in the queue
     service: Annotated[list[PartyService], MaxLen(256)] = field(default_factory=list)

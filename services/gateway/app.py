@@ -54,6 +54,10 @@ def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastA
             "in_flight": view.num_in_flight,
             "decode_free_blocks": view.num_decode_free_blocks,
             "decode_total_blocks": view.num_decode_total_blocks,
+            "preemptions": {
+                "swap": view.num_swap_preemptions,
+                "recompute": view.num_recompute_preemptions,
+            },
             "scheduler": {
                 "policy": view.policy,
                 "max_queue_wait_s": view.max_queue_wait_s,

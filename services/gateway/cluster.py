@@ -35,6 +35,8 @@ class ClusterView:
     num_in_flight: int = 0
     num_decode_free_blocks: int = 0
     num_decode_total_blocks: int = 0
+    num_swap_preemptions: int = 0
+    num_recompute_preemptions: int = 0
     policy: str = ""
     max_queue_wait_s: float = 0.0
     service: list[wire.PartyService] = field(default_factory=list)
@@ -164,6 +166,8 @@ class ClusterClient:
                         num_in_flight=message.num_in_flight,
                         num_decode_free_blocks=message.num_decode_free_blocks,
                         num_decode_total_blocks=message.num_decode_total_blocks,
+                        num_swap_preemptions=message.num_swap_preemptions,
+                        num_recompute_preemptions=message.num_recompute_preemptions,
                         policy=message.policy,
                         max_queue_wait_s=message.max_queue_wait_s,
                         service=message.service,

@@ -174,7 +174,11 @@ class ClusterScheduler:
         worker.num_free_blocks = heartbeat.num_free_blocks
         worker.num_running = heartbeat.num_running
         worker.num_waiting = heartbeat.num_waiting
-        busy = heartbeat.num_running + heartbeat.num_waiting > 0
+        worker.num_preemptions = {
+            "swap": heartbeat.num_swap_preemptions,
+            "recompute": heartbeat.num_recompute_preemptions,
+        }
+        busy = heartbeat.num_running + heartbeat.num_waiting + heartbeat.num_swapped > 0
         worker.record_progress(heartbeat.steps_completed, busy, now)
         # The heartbeat's free-block count already reflects every reservation made so far.
         worker.num_promised_blocks = 0
@@ -473,6 +477,8 @@ class ClusterScheduler:
             num_decode_total_blocks=sum(w.num_total_blocks for w in decode),
             num_queued=len(self.queue),
             num_in_flight=len(self.requests),
+            num_swap_preemptions=sum(w.num_preemptions["swap"] for w in decode),
+            num_recompute_preemptions=sum(w.num_preemptions["recompute"] for w in decode),
             policy=self.queue.config.policy,
             max_queue_wait_s=self.max_queue_wait_s,
             service=[

@@ -33,6 +33,8 @@ class WorkerState:
     # When the worker last advanced its engine, or was idle (idle is not stuck).
     last_progress: float = 0.0
     busy: bool = False  # held work at its last heartbeat
+    # Preemptions since the worker started, by kind ("swap", "recompute"), as last reported.
+    num_preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0})
 
     def record_progress(self, steps_completed: int, busy: bool, now: float) -> None:
         if steps_completed > self.steps_completed or not busy:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from shared.config import ConfigError, require_address, require_positive, setting
 from shared.engine.engine import EngineConfig
 from shared.engine.loader import DTYPES
+from shared.engine.swap import PREEMPTION_MODES
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,12 @@ class WorkerConfig:
     transfer_timeout_s: float = setting(
         30.0, "prefill: how long a KV transfer may wait for its ack"
     )
+    swap_bytes: int = setting(
+        512 << 20, "decode: host memory for preempted sequences' KV (0: recompute only)"
+    )
+    preemption_mode: str = setting(
+        "auto", "decode: swap or recompute a preempted sequence: auto (by cost), swap, recompute"
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -43,6 +50,13 @@ class WorkerConfig:
             "threads",
             "transfer_timeout_s",
         )
+        if self.swap_bytes < 0:
+            raise ConfigError("swap_bytes (--swap-bytes / TANDEM_SWAP_BYTES) must be >= 0")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(
+                "preemption_mode (--preemption-mode / TANDEM_PREEMPTION_MODE) must be one of "
+                f"{', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}"
+            )
 
     def engine_config(self, **overrides) -> EngineConfig:
         return EngineConfig(
@@ -50,6 +64,8 @@ class WorkerConfig:
             kv_cache_bytes=self.kv_cache_bytes,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            swap_bytes=self.swap_bytes,
+            preemption_mode=self.preemption_mode,
             **overrides,
         )
 

@@ -124,6 +124,9 @@ class WorkerLoop(abc.ABC):
             num_total_blocks=blocks.num_blocks,
             steps_completed=self.steps_completed,
             sent_at=time.time(),
+            num_swapped=len(self.engine.scheduler.swapped),
+            num_swap_preemptions=self.engine.scheduler.num_preemptions_by_mode["swap"],
+            num_recompute_preemptions=self.engine.scheduler.num_preemptions_by_mode["recompute"],
         )
 
     def close(self) -> None:

@@ -16,14 +16,17 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.kv_cache import KVCache, num_blocks_for_budget
+from shared.engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shared.engine.model import LlamaModel
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import ScheduledChunk, StepScheduler
+from shared.engine.scheduler import ScheduledChunk, StepPlan, StepScheduler
 from shared.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from shared.engine.step_batch import SequenceChunk, build_step_batch
+from shared.engine.swap import PreemptionCosts, Stopwatch, SwapSpace
 from shared.errors import InvalidRequestError
+
+MIN_MEASURED_PREFILL_TOKENS = 64  # steps this large sample the prefill rate
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class EngineConfig:
     # Prefill role: a finished sequence keeps its blocks until `release()`, so its KV can be
     # exported to a decode worker first.
     retain_finished: bool = False
+    swap_bytes: int = 0  # host memory for preempted sequences' KV (0: recompute only)
+    preemption_mode: str = "auto"  # auto (by measured cost), swap or recompute
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -46,6 +51,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.swap_bytes < 0:
+            raise ValueError(f"swap_bytes must be >= 0, got {self.swap_bytes}")
+        PreemptionCosts(self.preemption_mode)  # validates the mode
 
 
 @dataclass
@@ -84,8 +92,14 @@ class LLMEngine:
         )
         self.kv_cache = KVCache(mc, num_blocks, self.config.block_size, model.dtype, model.device)
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.swap_space = SwapSpace(self.config.swap_bytes)
+        self.preemption = PreemptionCosts(self.config.preemption_mode)
+        self._bytes_per_block = bytes_per_block(mc, self.config.block_size, model.dtype)
         self.scheduler = StepScheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            choose_preemption=self._choose_preemption,
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -146,6 +160,7 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.swap_space.discard(request_id)
         return True
 
     def retained(self, request_id: str) -> Sequence:
@@ -201,11 +216,36 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule()
-        if not chunks:
+        plan = self.scheduler.schedule()
+        self._swap(plan)
+        if not plan.chunks:
             return []
-        logits = self._run(chunks)
-        return self._postprocess(chunks, logits)
+        with Stopwatch() as watch:
+            logits = self._run(plan.chunks)
+        num_tokens = sum(chunk.num_tokens for chunk in plan.chunks)
+        if num_tokens >= MIN_MEASURED_PREFILL_TOKENS:  # prompt-heavy: a prefill rate sample
+            self.preemption.record_prefill(num_tokens, watch.seconds)
+        return self._postprocess(plan.chunks, logits)
+
+    def _choose_preemption(self, seq: Sequence, num_blocks: int) -> str:
+        num_bytes = num_blocks * self._bytes_per_block
+        mode = self.preemption.choose(num_bytes, seq.num_computed_tokens, self.swap_space)
+        if mode == "swap":
+            self.swap_space.reserve(num_bytes)
+        return mode
+
+    def _swap(self, plan: StepPlan) -> None:
+        """Copies swapped-in KV back to its new blocks, then swapped-out KV to host memory."""
+        for seq, block_ids in plan.swap_in:
+            keys, values = self.swap_space.take(seq.request_id)
+            with Stopwatch() as watch:
+                self.kv_cache.write_blocks(block_ids, keys, values)
+            self.preemption.record_copy(len(block_ids) * self._bytes_per_block, watch.seconds)
+        for seq, block_ids in plan.swap_out:
+            with Stopwatch() as watch:
+                keys, values = self.kv_cache.read_blocks(block_ids)
+            self.swap_space.put(seq.request_id, keys, values)
+            self.preemption.record_copy(len(block_ids) * self._bytes_per_block, watch.seconds)
 
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         batch = build_step_batch(

@@ -13,17 +13,24 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    fair-share decision; within the few a worker holds, shortest-first minimizes time to first
    token.
 3. If the pool cannot give a running sequence the blocks it needs, the newest running sequence is
-   preempted for recompute (its blocks freed, its counter reset, back to the head of the waiting
-   queue) until the need is met. Waiting sequences are admitted while blocks allow, and not at
-   all in a step that preempted: preempted sequences resume before new ones are admitted.
+   preempted until the need is met: by recompute (its blocks freed, its counter reset, back to
+   the head of the waiting queue) or by swap (its KV blocks listed for the engine to copy to host
+   memory before the step runs, its blocks freed, its progress kept), as `choose_preemption`
+   decides per sequence (recompute when none is given).
+4. Swapped sequences come back first, oldest first, when blocks are free for their KV plus one
+   growth block per running sequence (so a sequence swapped in is not swapped straight out
+   again); the engine copies their KV back before the step runs. No waiting sequence is admitted
+   while any is swapped out, nor in a step that preempted: preempted sequences resume before
+   new ones are admitted.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -55,18 +62,39 @@ class ScheduledChunk:
     num_tokens: int  # tokens of the sequence to run this step, from num_computed_tokens on
 
 
+@dataclass
+class StepPlan:
+    """One step's work. The engine copies swap_in, then swap_out, then runs the chunks: blocks
+    freed by a swap-out may be written by this very step."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # host -> blocks
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # blocks -> host
+
+
 class StepScheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        choose_preemption: Callable[[Sequence, int], str] | None = None,
+    ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # (victim, its number of KV blocks) -> "swap" or "recompute"
+        self.choose_preemption = choose_preemption or (lambda seq, num_blocks: "recompute")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = {"swap": 0, "recompute": 0}
+        self._plan = StepPlan()
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
@@ -76,7 +104,9 @@ class StepScheduler:
         sequence.status = SequenceStatus.RUNNING
         self.running.append(sequence)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> StepPlan:
+        plan = self._plan = StepPlan()
+        self._swap_in(plan)
         decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
         prompt_budget = max(0, self.max_num_batched_tokens - len(decoding))
         in_prompt = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
@@ -90,7 +120,7 @@ class StepScheduler:
         needs = [seq.num_uncomputed_tokens for seq in sharers]
         shares = shortest_first(needs, prompt_budget)
         share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
-        scheduled: list[ScheduledChunk] = []
+        scheduled = plan.chunks
         num_preemptions = self.num_preemptions
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
@@ -99,8 +129,8 @@ class StepScheduler:
             if num_tokens == 0 or not self._reserve(seq, num_tokens):
                 continue
             scheduled.append(ScheduledChunk(seq, num_tokens))
-        if self.num_preemptions != num_preemptions:
-            return scheduled
+        if self.num_preemptions != num_preemptions or self.swapped:
+            return plan
         for seq in newcomers:
             num_tokens = share_of[id(seq)]
             target = seq.num_computed_tokens + num_tokens
@@ -113,7 +143,19 @@ class StepScheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledChunk(seq, num_tokens))
-        return scheduled
+        return plan
+
+    def _swap_in(self, plan: StepPlan) -> None:
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            needed = self.block_manager.num_blocks_for(seq.num_computed_tokens)
+            if not self.block_manager.can_allocate(needed + len(self.running)):
+                return
+            self.swapped.pop(0)
+            self.block_manager.grow(seq.block_ids, seq.num_computed_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.swap_in.append((seq, list(seq.block_ids)))
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Grows `seq`'s blocks for this step, preempting newer sequences if needed."""
@@ -129,15 +171,25 @@ class StepScheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Frees a running sequence's blocks; it will be prefilled again, before new arrivals."""
+        """Frees a running sequence's blocks, swapping its KV out or dropping it for recompute;
+        either way it resumes before new arrivals."""
         self.running.remove(seq)
+        kv_blocks = seq.block_ids[: self.block_manager.num_blocks_for(seq.num_computed_tokens)]
+        mode = self.choose_preemption(seq, len(kv_blocks))
+        if mode == "swap":
+            self._plan.swap_out.append((seq, list(kv_blocks)))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.swapped.sort(key=lambda s: s.arrival_time)
+        else:
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
         self.block_manager.free(seq.block_ids)
         seq.block_ids.clear()
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.num_preemptions_by_mode[mode] += 1
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Retires a sequence (running or waiting) and returns its blocks to the pool."""
@@ -146,6 +198,8 @@ class StepScheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
         self.block_manager.free(seq.block_ids)
         seq.block_ids = []
         seq.status = status

@@ -23,9 +23,10 @@ class SequenceStatus(enum.IntEnum):
 
     WAITING = 0
     RUNNING = 1
-    FINISHED_STOPPED = 2  # end of sequence or a stop token
-    FINISHED_LENGTH = 3  # max_tokens or the model's context
-    FINISHED_ABORTED = 4
+    SWAPPED = 2  # preempted, its KV in host memory until blocks free up
+    FINISHED_STOPPED = 3  # end of sequence or a stop token
+    FINISHED_LENGTH = 4  # max_tokens or the model's context
+    FINISHED_ABORTED = 5
 
     @property
     def is_finished(self) -> bool:

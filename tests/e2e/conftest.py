@@ -48,6 +48,7 @@ def start_cluster(
     rpc: bool = False,
     num_prefill: int = 1,
     num_decode: int = 1,
+    env: dict[str, str] | None = None,
 ) -> RunningCluster:
     """`tandem up` with the given workers, once every one of them has joined."""
     extra = ("--prefill", str(num_prefill), "--decode", str(num_decode), *extra)
@@ -63,7 +64,7 @@ def start_cluster(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), *extra],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=dict(os.environ, TANDEM_LOG_LEVEL="INFO"),
+        env=dict(os.environ, TANDEM_LOG_LEVEL="INFO", **(env or {})),
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -1,6 +1,7 @@
 """The in-process engine on a tiny random model: batching, chunking, preemption, handoff, errors."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -50,16 +51,54 @@ def test_continuous_batching_with_staggered_arrivals_equals_one_by_one(model):
     assert engine.block_manager.num_free_blocks == 128
 
 
-def test_preemption_by_recompute_loses_no_token(model):
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_preemption_loses_no_token_and_no_block(model, mode):
     batch = prompts(6, seed=1)
     params = dataclasses.replace(GREEDY, max_tokens=30)
     expected = one_by_one(model, batch, params)
     # 12 blocks of 16 cannot hold six sequences of up to 90 tokens: some must be preempted.
-    engine = LLMEngine(model, EngineConfig(num_blocks=12, max_num_batched_tokens=64))
+    config = EngineConfig(
+        num_blocks=12, max_num_batched_tokens=64, swap_bytes=1 << 24, preemption_mode=mode
+    )
+    engine = LLMEngine(model, config)
+    if mode == "auto":  # both kinds in one run, whatever this machine's rates say
+        choices = itertools.cycle(["swap", "recompute"])
+        engine.preemption.choose = lambda num_bytes, num_tokens, space: next(choices)
     results = engine.generate(batch, params)
-    assert engine.scheduler.num_preemptions > 0
+    by_mode = engine.scheduler.num_preemptions_by_mode
+    if mode == "auto":
+        assert by_mode["swap"] > 0 and by_mode["recompute"] > 0, by_mode
+    else:
+        assert by_mode[mode] > 0 and sum(by_mode.values()) == by_mode[mode], by_mode
     assert [r.token_ids for r in results] == expected
     assert engine.block_manager.num_free_blocks == 12
+    assert engine.swap_space.used_bytes == engine.swap_space.reserved_bytes == 0
+
+
+def test_a_full_swap_space_falls_back_to_recompute(model):
+    config = EngineConfig(
+        num_blocks=12, max_num_batched_tokens=64, swap_bytes=1, preemption_mode="swap"
+    )
+    engine = LLMEngine(model, config)
+    engine.generate(prompts(6, seed=1), dataclasses.replace(GREEDY, max_tokens=30))
+    assert engine.scheduler.num_preemptions_by_mode == {
+        "swap": 0,
+        "recompute": engine.scheduler.num_preemptions,
+    }
+
+
+def test_aborting_a_swapped_sequence_frees_its_host_copy(model):
+    config = EngineConfig(
+        num_blocks=12, max_num_batched_tokens=64, swap_bytes=1 << 24, preemption_mode="swap"
+    )
+    engine = LLMEngine(model, config)
+    for i, prompt in enumerate(prompts(6, seed=1)):
+        engine.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=30), request_id=str(i))
+    while not engine.scheduler.swapped:
+        engine.step()
+    for seq in list(engine.scheduler.swapped):
+        assert engine.abort(seq.request_id)
+    assert not engine.scheduler.swapped and engine.swap_space.used_bytes == 0
 
 
 def test_seeded_sampling_is_reproducible_across_batches(model):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import MIN_CHUNK, PROGRESS_FLOOR, StepScheduler, shortest_first
-from shared.engine.sequence import Sequence
+from shared.engine.sequence import Sequence, SequenceStatus
 
 
 @settings(max_examples=300, deadline=None)
@@ -38,7 +38,7 @@ def seq(name: str, prompt_len: int) -> Sequence:
 
 
 def run_step(scheduler: StepScheduler) -> dict[str, int]:
-    chunks = scheduler.schedule()
+    chunks = scheduler.schedule().chunks
     for chunk in chunks:  # what the engine does after the forward
         chunk.sequence.num_computed_tokens += chunk.num_tokens
         if chunk.sequence.num_uncomputed_tokens == 0:
@@ -46,9 +46,12 @@ def run_step(scheduler: StepScheduler) -> dict[str, int]:
     return {c.sequence.request_id: c.num_tokens for c in chunks}
 
 
-def make_scheduler(num_blocks: int = 1000, budget: int = 512) -> StepScheduler:
+def make_scheduler(num_blocks: int = 1000, budget: int = 512, mode: str = "recompute"):
     return StepScheduler(
-        BlockManager(num_blocks, 16), max_num_seqs=64, max_num_batched_tokens=budget
+        BlockManager(num_blocks, 16),
+        max_num_seqs=64,
+        max_num_batched_tokens=budget,
+        choose_preemption=lambda seq, num_blocks: mode,
     )
 
 
@@ -87,3 +90,34 @@ def test_a_newcomer_shares_even_a_budget_smaller_than_two_chunks():
     assert run_step(scheduler) == {"long": MIN_CHUNK}
     scheduler.add(seq("short", 48))
     assert run_step(scheduler) == {"long": MIN_CHUNK - 48, "short": 48}
+
+
+def test_a_swapped_sequence_keeps_its_progress_and_comes_back_first():
+    scheduler = make_scheduler(num_blocks=4, budget=512, mode="swap")  # 64 token slots
+    for name in ("a", "b"):
+        scheduler.add(seq(name, 32))
+    run_step(scheduler)
+    b = scheduler.running[1]
+    scheduler.add(seq("c", 8))
+    plan = scheduler.schedule()  # a needs a fifth block: b is swapped out, c waits
+    assert [(s.request_id, blocks) for s, blocks in plan.swap_out] == [("b", [2, 3])]
+    assert b.status.name == "SWAPPED" and b.num_computed_tokens == 32 and not b.block_ids
+    assert [c.sequence.request_id for c in plan.chunks] == ["a"]
+    assert scheduler.num_preemptions_by_mode == {"swap": 1, "recompute": 0}
+    plan.chunks[0].sequence.num_computed_tokens += 1
+    scheduler.finish(scheduler.running[0], SequenceStatus.FINISHED_LENGTH)  # a leaves
+    plan = scheduler.schedule()
+    assert [(s.request_id, len(blocks)) for s, blocks in plan.swap_in] == [("b", 2)]
+    # b resumes where it was (one decode token), and only then is c admitted
+    assert [(c.sequence.request_id, c.num_tokens) for c in plan.chunks] == [("b", 1), ("c", 8)]
+
+
+def test_a_finished_swapped_sequence_leaves_the_swap_queue():
+    scheduler = make_scheduler(num_blocks=4, mode="swap")
+    for name in ("a", "b"):
+        scheduler.add(seq(name, 32))
+    run_step(scheduler)
+    scheduler.schedule()
+    (b,) = scheduler.swapped
+    scheduler.finish(b, SequenceStatus.FINISHED_ABORTED)
+    assert not scheduler.swapped and b.status == SequenceStatus.FINISHED_ABORTED
