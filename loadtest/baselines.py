@@ -156,7 +156,11 @@ def run_engine(
     for record, request in zip(records, requests, strict=True):
         if record.completion_tokens != request.max_tokens:
             record.error = f"generated {record.completion_tokens} tokens, not {request.max_tokens}"
-    extra = {"engine_config": vars(engine.config), "honor_arrivals": honor_arrivals}
+    extra = {
+        "engine_config": vars(engine.config),
+        "honor_arrivals": honor_arrivals,
+        "preemptions": dict(engine.scheduler.num_preemptions_by_mode),
+    }
     return Result("engine", summarize(records), records, extra)
 
 

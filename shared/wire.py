@@ -213,7 +213,7 @@ class Heartbeat(Message):
     peer_id: str
     num_waiting: int  # sequences queued, not yet running
     num_running: int  # sequences in the running batch
-    num_free_blocks: int  # free KV blocks (not reserved, not in use)
+    num_free_blocks: int  # free KV blocks (not reserved, not in use, not claimed by preempted)
     num_total_blocks: int
     steps_completed: int  # engine steps since start; stuck while busy means unhealthy
     sent_at: float  # sender's wall clock (time.time()), seconds

@@ -84,6 +84,8 @@ class DecodeWorker(WorkerLoop):
 
     def _reserve(self, reserve: wire.Reserve) -> None:
         ok = reserve.request_id not in self.reservations and reserve.request_id not in self.routes
+        # Preempted sequences resume before new ones are admitted: their blocks are not for hire.
+        ok = ok and self.blocks.num_blocks_for(reserve.num_tokens) <= self.num_available_blocks()
         if ok:
             try:
                 block_ids = self.blocks.allocate(self.blocks.num_blocks_for(reserve.num_tokens))
@@ -94,7 +96,7 @@ class DecodeWorker(WorkerLoop):
                 ok = False
         self.link.send(
             wire.ReserveReply(
-                request_id=reserve.request_id, ok=ok, num_free_blocks=self.blocks.num_free_blocks
+                request_id=reserve.request_id, ok=ok, num_free_blocks=self.num_available_blocks()
             )
         )
 

@@ -114,13 +114,18 @@ class WorkerLoop(abc.ABC):
             else:
                 self._handle(message, identity)
 
+    def num_available_blocks(self) -> int:
+        """Free blocks not claimed by preempted sequences waiting to resume."""
+        free = self.engine.block_manager.num_free_blocks
+        return max(0, free - self.engine.scheduler.blocks_to_resume())
+
     def _heartbeat(self) -> wire.Heartbeat:
         blocks = self.engine.block_manager
         return wire.Heartbeat(
             peer_id=self.peer_id,
             num_waiting=len(self.engine.scheduler.waiting),
             num_running=len(self.engine.scheduler.running),
-            num_free_blocks=blocks.num_free_blocks,
+            num_free_blocks=self.num_available_blocks(),
             num_total_blocks=blocks.num_blocks,
             steps_completed=self.steps_completed,
             sent_at=time.time(),

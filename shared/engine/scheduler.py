@@ -96,6 +96,12 @@ class StepScheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def blocks_to_resume(self) -> int:
+        """Blocks the preempted sequences need to come back: their first claim on freed blocks,
+        which a worker must not promise to new arrivals."""
+        preempted = self.swapped + [seq for seq in self.waiting if seq.num_preemptions > 0]
+        return sum(self.block_manager.num_blocks_for(seq.num_tokens) for seq in preempted)
+
     def add(self, sequence: Sequence) -> None:
         self.waiting.append(sequence)
 

@@ -1,8 +1,17 @@
 """A decode worker whose KV pool cannot hold its sequences: it preempts by swap and by recompute,
-and every client still gets the greedy tokens of a run without pressure, and no block leaks."""
+and every client still gets the greedy tokens of a run without pressure, and no block leaks.
+
+The pool holds 16 blocks of 16 tokens, a long request grows to 13 blocks (160 + 48 tokens) and a
+short one to 4 (16 + 48), so a long and a short one cannot both finish resident: the newest is
+preempted. The swap space holds 5 blocks: a short victim fits (swap), a long one never does
+(recompute). Phase one starts the long request first, so the short one is newest and swapped;
+phase two starts the short one first, so the long one is newest and recomputed.
+"""
 
 from __future__ import annotations
 
+import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -15,14 +24,15 @@ from tests.e2e.conftest import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
-NUM_BLOCKS = 16  # 256 tokens for six sequences of up to ~150: preemption is certain
+NUM_BLOCKS = 16
+SWAP_BLOCKS = 5
 SENTENCE = "The river carried small boats past the old mill every morning. "
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm2) -> list[list[int]]:
-    ids = smollm2.tokenizer(SENTENCE * 12)["input_ids"]
-    return [ids[: 60 + 9 * i] for i in range(6)]
+def prompts(smollm2) -> dict[str, list[int]]:
+    ids = smollm2.tokenizer(SENTENCE * 16)["input_ids"]
+    return {"long1": ids[:160], "short1": ids[5:21], "long2": ids[20:180], "short2": ids[40:56]}
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +42,44 @@ def tight_cluster(tmp_path_factory, smollm2):
         tmp_path_factory.mktemp("tight"),
         "--kv-cache-bytes",
         str(NUM_BLOCKS * block_bytes),
-        # Host memory for one small victim at a time: larger or later ones must be recomputed.
-        env={"TANDEM_SWAP_BYTES": str(7 * block_bytes), "TANDEM_PREEMPTION_MODE": "auto"},
+        env={"TANDEM_SWAP_BYTES": str(SWAP_BLOCKS * block_bytes)},
     )
     yield cluster
     stop_cluster(cluster)
 
 
-def complete(url: str, prompt: list[int]) -> dict:
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
-    response = httpx.post(url + "/v1/completions", json=body, timeout=600)
+def body(prompt: list[int], stream: bool) -> dict:
+    return {"model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+
+
+def complete(url: str, prompt: list[int]) -> str:
+    response = httpx.post(url + "/v1/completions", json=body(prompt, False), timeout=600)
     assert response.status_code == 200, response.text
-    return response.json()
+    assert response.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    return response.json()["choices"][0]["text"]
+
+
+def complete_streaming(url: str, prompt: list[int], started: threading.Event) -> str:
+    """The text of a streamed completion; `started` is set at its first token."""
+    text = []
+    with httpx.stream("POST", url + "/v1/completions", json=body(prompt, True), timeout=600) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                started.set()
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(text)
+
+
+def run_pair(url: str, prompts: dict, first: str, second: str) -> dict[str, str]:
+    """Both completions' texts; the second is sent once the first streams its first token, so
+    the first is resident on the decode worker before the second arrives."""
+    with ThreadPoolExecutor(1) as pool:
+        started = threading.Event()
+        earlier = pool.submit(complete_streaming, url, prompts[first], started)
+        assert started.wait(120)
+        later_text = complete(url, prompts[second])
+        return {first: earlier.result(), second: later_text}
 
 
 def test_preempted_requests_complete_token_identical_and_the_pool_refills(
@@ -52,13 +87,17 @@ def test_preempted_requests_complete_token_identical_and_the_pool_refills(
 ):
     engine = LLMEngine(smollm2.model, EngineConfig(num_blocks=64))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    results = engine.generate(prompts, params)
-    expected = [smollm2.tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in results]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: complete(tight_cluster.url, p), prompts))
-    assert [a["usage"]["completion_tokens"] for a in answers] == [MAX_TOKENS] * len(prompts)
-    assert [a["choices"][0]["text"] for a in answers] == expected
+    results = engine.generate(list(prompts.values()), params)
+    expected = {
+        name: smollm2.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        for name, result in zip(prompts, results, strict=True)
+    }
+    url = tight_cluster.url
+    got = run_pair(url, prompts, "long1", "short1")  # the short one is newest: swapped
+    after_phase_one = tight_cluster.wait_blocks_free()
+    got.update(run_pair(url, prompts, "short2", "long2"))  # the long one is newest: recomputed
+    assert got == expected
     info = tight_cluster.wait_blocks_free()
     assert info["decode_free_blocks"] == info["decode_total_blocks"] == NUM_BLOCKS
-    preemptions = info["preemptions"]
-    assert preemptions["swap"] > 0 and preemptions["recompute"] > 0, preemptions
+    assert after_phase_one["preemptions"]["swap"] > 0, after_phase_one["preemptions"]
+    assert info["preemptions"]["recompute"] > 0, info["preemptions"]
