@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("scenario", choices=["flood", "tenants"])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per run")
     parser.add_argument("--alone-duration", type=float, default=30.0, help="flood: shorts alone")
-    parser.add_argument("--prefill-budget", type=int, default=128, help="tokens per prefill step")
+    parser.add_argument("--prefill-budget", type=int, default=64, help="tokens per prefill step")
     parser.add_argument("--aging-s", type=float, default=30.0, help="the scheduler's aging bound")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     parser.add_argument("--long-tokens", type=int, default=1536)
