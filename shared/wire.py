@@ -291,6 +291,7 @@ class PrefillJob(Message):
     # Tokens already generated (re-prefill after a decode worker died): their K/V is rebuilt
     # too, and generation continues after them. Usually empty.
     output_token_ids: TokenIds = field(default_factory=list)
+    priority: int = 0  # the request's priority: under memory pressure, larger is preempted last
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -319,6 +320,7 @@ class KvTransfer(Message):
     # uint8, torch.Generator.get_state() after the first token, so a seeded request draws on
     # where it left off; None for greedy requests.
     generator_state: GeneratorState | None = None
+    priority: int = 0  # the request's priority, as in PrefillJob
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -118,6 +118,7 @@ class DecodeWorker(WorkerLoop):
                     sampling_params(transfer.sampling),
                     reservation.block_ids,
                     transfer.generator_state,
+                    priority=transfer.priority,
                 )
             except (InvalidRequestError, ValueError) as exc:
                 error = str(exc)

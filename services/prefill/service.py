@@ -82,7 +82,10 @@ class PrefillWorker(WorkerLoop):
                 params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
             )
             self.engine.add_request(
-                list(job.prompt_token_ids) + list(job.output_token_ids), first_only, job.request_id
+                list(job.prompt_token_ids) + list(job.output_token_ids),
+                first_only,
+                job.request_id,
+                priority=job.priority,
             )
         except InvalidRequestError as error:
             log.warning("prefill job refused", error=str(error))
@@ -138,6 +141,7 @@ class PrefillWorker(WorkerLoop):
             keys=keys,
             values=values,
             generator_state=generator,
+            priority=job.priority,
         )
         wire.send(self._decode_socket(job.decode_address), message)
         self.transfers[job.request_id] = PendingTransfer(

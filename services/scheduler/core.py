@@ -285,6 +285,7 @@ class ClusterScheduler:
             decode_peer_id=worker.peer_id,
             decode_address=worker.address,
             output_token_ids=[],
+            priority=submit.priority,
         )
         return [Outgoing(prefill.identity, job)]
 

@@ -114,12 +114,13 @@ class LLMEngine:
         prompt_token_ids: SequenceOf[int],
         params: SamplingParams,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
         self._validate_prompt(prompt_token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -132,6 +133,7 @@ class LLMEngine:
         params: SamplingParams,
         block_ids: list[int],
         generator_state: torch.Tensor | None = None,
+        priority: int = 0,
     ) -> None:
         """Admits a sequence whose prompt KV is already in `block_ids` (written by the caller).
 
@@ -142,7 +144,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if not output_token_ids:
             raise ValueError("a prefilled sequence carries at least its first sampled token")
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)
         seq.output_token_ids = list(output_token_ids)
         seq.num_computed_tokens = seq.num_tokens - 1
         if len(block_ids) * self.block_manager.block_size < seq.num_computed_tokens:

@@ -12,13 +12,14 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    anyone (chunked prefill). Which prompts reach a worker at all is the cluster scheduler's
    fair-share decision; within the few a worker holds, shortest-first minimizes time to first
    token.
-3. If the pool cannot give a running sequence the blocks it needs, the newest running sequence is
-   preempted until the need is met: by recompute (its blocks freed, its counter reset, back to
-   the head of the waiting queue) or by swap (its KV blocks listed for the engine to copy to host
-   memory before the step runs, its blocks freed, its progress kept), as `choose_preemption`
-   decides per sequence (recompute when none is given).
-4. Swapped sequences come back first, oldest first, when blocks are free for their KV plus one
-   growth block per running sequence (so a sequence swapped in is not swapped straight out
+3. If the pool cannot give a running sequence the blocks it needs, the least urgent running
+   sequence (lowest priority, then latest arrival) is preempted until the need is met: by
+   recompute (its blocks freed, its counter reset, back to the head of the waiting queue) or by
+   swap (its KV blocks listed for the engine to copy to host memory before the step runs, its
+   blocks freed, its progress kept), as `choose_preemption` decides per sequence (recompute when
+   none is given).
+4. Swapped sequences come back first, most urgent first, when blocks are free for their KV plus
+   one growth block per running sequence (so a sequence swapped in is not swapped straight out
    again); the engine copies their KV back before the step runs. No waiting sequence is admitted
    while any is swapped out, nor in a step that preempted: preempted sequences resume before
    new ones are admitted.
@@ -54,6 +55,10 @@ def shortest_first(needs: Seq[int], budget: int, floor: int = PROGRESS_FLOOR) ->
         shares[i] += extra
         left -= extra
     return shares
+
+
+def _urgency(seq: Sequence) -> tuple[int, float]:
+    return (-seq.priority, seq.arrival_time)
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,9 @@ class StepScheduler:
     def schedule(self) -> StepPlan:
         plan = self._plan = StepPlan()
         self._swap_in(plan)
+        # Most urgent first, so the tail, where victims are taken, is the lowest priority and
+        # latest arrival, and a victim is never a sequence already scheduled in this step.
+        self.running.sort(key=_urgency)
         decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
         prompt_budget = max(0, self.max_num_batched_tokens - len(decoding))
         in_prompt = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
@@ -186,7 +194,7 @@ class StepScheduler:
             self._plan.swap_out.append((seq, list(kv_blocks)))
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
-            self.swapped.sort(key=lambda s: s.arrival_time)
+            self.swapped.sort(key=_urgency)
         else:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING

@@ -63,6 +63,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    priority: int = 0  # larger is more urgent: preempted last, resumed first
 
     def __post_init__(self) -> None:
         if self.generator is None:

@@ -160,3 +160,11 @@ def test_scheduler_settings_build_the_policy():
 def test_bad_fair_share_settings_fail_at_start_with_their_name(environ, message):
     with pytest.raises(ConfigError, match=message):
         config_from_args(SchedulerConfig, environ=environ)
+
+
+def test_the_priority_travels_with_the_prefill_job():
+    core = make_core()
+    core.on_submit(b"G", dataclasses.replace(submit("r"), priority=3), 0.0)
+    reply = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=900)
+    (job,) = sent(core.on_reserve_reply(reply, 0.0), wire.PrefillJob)
+    assert job.message.priority == 3

@@ -121,3 +121,15 @@ def test_a_finished_swapped_sequence_leaves_the_swap_queue():
     (b,) = scheduler.swapped
     scheduler.finish(b, SequenceStatus.FINISHED_ABORTED)
     assert not scheduler.swapped and b.status == SequenceStatus.FINISHED_ABORTED
+
+
+def test_the_victim_is_the_lowest_priority_then_the_latest_arrival():
+    scheduler = make_scheduler(num_blocks=3, budget=512, mode="swap")  # one block each
+    urgent = Sequence("urgent", [1] * 16, SamplingParams(max_tokens=4), priority=5)
+    for item in (seq("old", 16), urgent, seq("new", 16)):
+        scheduler.add(item)
+    assert run_step(scheduler) == {"old": 16, "urgent": 16, "new": 16}
+    plan = scheduler.schedule()  # each needs a second block: only one can have it
+    # By arrival alone "urgent" would go before "old"; its priority keeps it running.
+    assert [s.request_id for s, _ in plan.swap_out] == ["new", "old"]
+    assert [c.sequence.request_id for c in plan.chunks] == ["urgent"]
