@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from loadtest.metrics import Clock, RequestRecord, percentile
-from loadtest.replay import COMPLETIONS_PATH, StreamError, check_counts, consume_stream
+from loadtest.replay import send_one
 from loadtest.served import ServedCluster, tandem_up
 from loadtest.workload import WorkloadRequest
 
@@ -63,26 +63,8 @@ async def send(
     client: httpx.AsyncClient, clock: Clock, prompt: list[int], max_tokens: int, user: str
 ) -> RequestRecord:
     request = WorkloadRequest("", max_tokens, 0.0, prompt, ignore_eos=True)
-    record = RequestRecord(0, max_tokens, len(prompt), send_time=clock())
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "user": user,
-    }
-    try:
-        async with client.stream("POST", COMPLETIONS_PATH, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                raise StreamError(f"HTTP {response.status_code}: {text[:300]}")
-            await consume_stream(response, record, clock)
-        check_counts(record, request)
-    except Exception as error:  # recorded: the run goes on
-        record.error = f"{type(error).__name__}: {error}"[:300]
+    record = RequestRecord(0, max_tokens, len(prompt))
+    await send_one(client, MODEL, request, record, clock, False, 600.0, False, user)
     return record
 
 

@@ -33,11 +33,14 @@ COMPLETIONS_PATH = "/v1/completions"
 MAX_ERROR_CHARS = 500
 
 
-def request_body(model: str, request: WorkloadRequest, send_text: bool = False) -> dict[str, Any]:
+def request_body(
+    model: str, request: WorkloadRequest, send_text: bool = False, user: str | None = None
+) -> dict[str, Any]:
     prompt: Any = request.prompt
     if request.prompt_token_ids is not None and not send_text:
         prompt = request.prompt_token_ids  # exact: no tokenizer round trip on the server
     return {
+        **({"user": user} if user is not None else {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": request.max_tokens,
@@ -104,13 +107,14 @@ async def send_one(
     honor_arrivals: bool,
     timeout_s: float,
     send_text: bool,
+    user: str | None = None,  # the tenant it is charged to
 ) -> None:
     if honor_arrivals:
         await asyncio.sleep(max(0.0, request.arrival_time - clock()))
     record.send_time = clock()
     try:
         async with asyncio.timeout(timeout_s):
-            body = request_body(model, request, send_text)
+            body = request_body(model, request, send_text, user)
             async with client.stream("POST", COMPLETIONS_PATH, json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
