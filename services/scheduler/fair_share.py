@@ -157,14 +157,15 @@ class FairQueue:
     ) -> QueuedRequest | None:
         """Removes and returns the next request to serve, charging its prompt; None if no queued
         request is admissible."""
-        item, oldest_overdue = self._choose(now, admissible)
-        if not any(self._is_overdue(queued, now) for queued in self):
+        overdue = self._overdue(now)
+        if not overdue:
             self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
+        item, by_aging = self._choose(admissible, overdue)
         if item is None:
             return None
-        self._last_was_aged = item is oldest_overdue
+        self._last_was_aged = by_aging
+        party, _ = self._items[item.request_id]
         self.remove(item.request_id)
-        party = self.party_for(item.tenant, item.num_prompt_tokens)
         self.charge(party, num_prompt_tokens=item.num_prompt_tokens)
         return item
 
@@ -172,22 +173,29 @@ class FairQueue:
         self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
     ) -> QueuedRequest | None:
         """The request `pop_next` would return, left in the queue."""
-        return self._choose(now, admissible)[0]
+        return self._choose(admissible, self._overdue(now))[0]
+
+    def _overdue(self, now: float) -> list[QueuedRequest]:
+        """Every overdue request, oldest first."""
+        overdue = [i for _, i in self._items.values() if now - i.arrival >= self.config.max_wait_s]
+        return sorted(overdue, key=lambda item: item.arrival)
 
     def _choose(
-        self, now: float, admissible: Callable[[QueuedRequest], bool]
-    ) -> tuple[QueuedRequest | None, QueuedRequest | None]:
-        """(the next request, the oldest admissible overdue one)."""
+        self, admissible: Callable[[QueuedRequest], bool], overdue: list[QueuedRequest]
+    ) -> tuple[QueuedRequest | None, bool]:
+        """(the next request, whether aging chose it: it is the oldest admissible overdue one)."""
         if not self._items:
-            return None, None
+            return None, False
         if self.config.policy == "fcfs":  # strict: the oldest, or no one (head-of-line blocking)
             oldest = min((item for _, item in self._items.values()), key=lambda i: i.arrival)
-            return (oldest if admissible(oldest) else None), None
-        overdue = [i for _, i in self._items.values() if self._is_overdue(i, now) and admissible(i)]
-        oldest_overdue = min(overdue, key=lambda item: item.arrival, default=None)
+            return (oldest if admissible(oldest) else None), False
+        oldest_overdue = next((item for item in overdue if admissible(item)), None)
         if oldest_overdue is not None and not self._last_was_aged:
-            return oldest_overdue, oldest_overdue
-        return self._least_served(admissible) or oldest_overdue, oldest_overdue
+            return oldest_overdue, True
+        fair = self._least_served(admissible)
+        if fair is None:
+            return oldest_overdue, oldest_overdue is not None
+        return fair, fair is oldest_overdue
 
     def _least_served(self, admissible: Callable[[QueuedRequest], bool]) -> QueuedRequest | None:
         """The fair choice: the first admissible request of the least-served backlogged party."""
@@ -197,9 +205,6 @@ class FairQueue:
                 if admissible(item):
                     return item
         return None
-
-    def _is_overdue(self, item: QueuedRequest, now: float) -> bool:
-        return now - item.arrival >= self.config.max_wait_s
 
     def charge(
         self, party: Party, *, num_prompt_tokens: int = 0, num_output_tokens: int = 0

@@ -26,7 +26,7 @@ from shared.engine.step_batch import SequenceChunk, build_step_batch
 from shared.engine.swap import PreemptionCosts, Stopwatch, SwapSpace
 from shared.errors import InvalidRequestError
 
-MIN_MEASURED_PREFILL_TOKENS = 64  # steps this large sample the prefill rate
+MIN_MEASURED_PREFILL_TOKENS = 64  # prompt tokens in a step that make it a prefill rate sample
 
 
 @dataclass(frozen=True)
@@ -224,9 +224,11 @@ class LLMEngine:
             return []
         with Stopwatch() as watch:
             logits = self._run(plan.chunks)
-        num_tokens = sum(chunk.num_tokens for chunk in plan.chunks)
-        if num_tokens >= MIN_MEASURED_PREFILL_TOKENS:  # prompt-heavy: a prefill rate sample
-            self.preemption.record_prefill(num_tokens, watch.seconds)
+        # Prompt chunks are longer than one token; a step with enough of them samples the rate
+        # (its decode tokens ride along and are counted in the time, not the tokens).
+        num_prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        if num_prompt_tokens >= MIN_MEASURED_PREFILL_TOKENS:
+            self.preemption.record_prefill(num_prompt_tokens, watch.seconds)
         return self._postprocess(plan.chunks, logits)
 
     def _choose_preemption(self, seq: Sequence, num_blocks: int) -> str:
