@@ -34,6 +34,8 @@ def test_optional_and_bool_values():
     [
         (WorkerConfig, ["--block-size", "abc"], {}, "--block-size: expected an integer"),
         (WorkerConfig, [], {"TANDEM_KV_CACHE_BYTES": "-5"}, "kv_cache_bytes"),
+        (WorkerConfig, [], {"TANDEM_SWAP_BYTES": "-1"}, "TANDEM_SWAP_BYTES"),
+        (WorkerConfig, ["--preemption-mode", "evict"], {}, "--preemption-mode"),
         (WorkerConfig, ["--address", "localhost:5000"], {}, "tcp://, ipc:// or inproc://"),
         (SchedulerConfig, ["--heartbeat-timeout-s", "0"], {}, "heartbeat_timeout_s"),
         (SchedulerConfig, [], {"TANDEM_MAX_QUEUED_REQUESTS": "1.5"}, "TANDEM_MAX_QUEUED_REQUESTS"),
