@@ -75,9 +75,18 @@ class LocalCluster:
         num_workers = self.args.prefill + self.args.decode
         threads = max(1, (os.cpu_count() or 1) // num_workers)
         common = ["--scheduler-address", self.address("scheduler")]
+        # Every service serves /metrics on a free port; the gateway's /metrics gathers them all.
+        metrics = ["--metrics-port", "0", "--metrics-host", self.args.host]
         self._spawn(
             "scheduler",
-            ["scheduler", "--address", self.address("scheduler"), "--model", self.args.model],
+            [
+                "scheduler",
+                "--address",
+                self.address("scheduler"),
+                "--model",
+                self.args.model,
+                *metrics,
+            ],
         )
         worker = [
             "--model",
@@ -90,6 +99,7 @@ class LocalCluster:
             self.args.dtype,
             "--max-num-seqs",
             str(self.args.max_num_seqs),
+            *metrics,
             *common,
         ]
         for i in range(self.args.prefill):

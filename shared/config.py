@@ -132,3 +132,14 @@ def require_address(config: Any, *names: str) -> None:
                 f"{name} ({flag_name(name)} / {env_name(name)}) must be a tcp://, ipc:// or "
                 f"inproc:// address, got {value!r}"
             )
+
+
+def require_port(config: Any, *names: str) -> None:
+    """A TCP port, where 0 asks the system for a free one."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and not 0 <= value <= 65535:
+            raise ConfigError(
+                f"{name} ({flag_name(name)} / {env_name(name)}) must be a port in [0, 65535], "
+                f"got {value}"
+            )

@@ -40,9 +40,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
+MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
 MAX_TOKEN_IDS = 1 << 20  # a prompt (or prompt + output) of up to a million tokens
 MAX_REQUEST_ID_LEN = 128
 MAX_STR_LEN = 4096  # any other string
@@ -187,6 +188,7 @@ class Hello(Message):
     num_kv_blocks: int  # KV pool size in blocks (0 for a gateway)
     block_size: int  # tokens per KV block (0 for a gateway)
     max_num_seqs: int  # most sequences in one batch (0 for a gateway)
+    metrics_address: str | None = None  # http://host:port of its Prometheus /metrics, if served
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,6 +222,8 @@ class Heartbeat(Message):
     num_swapped: int = 0  # preempted sequences whose KV waits in host memory
     num_swap_preemptions: int = 0  # since start: sequences swapped out to make room
     num_recompute_preemptions: int = 0  # since start: sequences dropped to be recomputed
+    # Sequences in each engine step since the last heartbeat, oldest first (the batch picture).
+    recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -362,6 +366,8 @@ class ClusterStatus(Message):
     policy: Literal["fair", "fcfs"] = "fair"  # the queue's order
     max_queue_wait_s: float = 0.0  # the longest any dispatched request waited in the queue
     service: Annotated[list[PartyService], MaxLen(256)] = field(default_factory=list)
+    workers: Annotated[list[WorkerStatus], MaxLen(1024)] = field(default_factory=list)
+    scheduler_metrics_address: str | None = None  # http://host:port of the scheduler's /metrics
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -372,6 +378,25 @@ class PartyService:
     class_name: Annotated[str, MaxLen(64)]
     served_tokens: int  # prompt tokens prefilled plus tokens generated
     virtual_tokens: float  # the policy's weighted counter
+    num_queued: int = 0  # its requests waiting in the queue
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerStatus:
+    """One registered worker as the scheduler last heard from it."""
+
+    peer_id: str
+    role: Role
+    healthy: bool  # making progress (stuck workers stay listed, out of rotation)
+    heartbeat_age_s: float  # since its last heartbeat arrived
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_blocks: int
+    num_total_blocks: int
+    steps_completed: int
+    recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
+    metrics_address: str | None = None
 
 
 # The RPC front door: a client's DEALER to the gateway's RPC ROUTER. Bodies are the HTTP API's

@@ -24,6 +24,7 @@ from shared import wire
 from shared.config import ConfigError, add_config_arguments, config_from_args
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.errors import InvalidRequestError
+from shared.lifecycle import DecodeEvents
 from shared.logs import configure_logging
 from shared.wire_convert import sampling_params, token_delta
 
@@ -56,6 +57,8 @@ class Route:
 
 class DecodeWorker(WorkerLoop):
     role = "decode"
+    events_class = DecodeEvents
+    events: DecodeEvents
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
         super().__init__(config, context, address=config.advertise_address or config.address)
@@ -128,7 +131,8 @@ class DecodeWorker(WorkerLoop):
             self.log.warning("kv refused", request_id=request_id, error=error)
             return wire.KvAck(request_id=request_id, ok=False, error=error)
         self.routes[request_id] = Route(transfer.gateway_address, len(transfer.prompt_token_ids), 0)
-        self.log.info("kv received", request_id=request_id, tokens=transfer.num_tokens)
+        num_bytes = transfer.keys.numel() * transfer.keys.element_size() * 2
+        self.events.kv_received(request_id, transfer.num_tokens, num_bytes)
         return wire.KvAck(request_id=request_id, ok=True, error=None)
 
     def _transfer_error(
@@ -177,6 +181,9 @@ class DecodeWorker(WorkerLoop):
 
     def _step(self) -> None:
         outputs = self.engine.step()
+        self.events.decode_step(
+            self.engine.last_step_num_seqs, sum(len(o.new_token_ids) for o in outputs)
+        )
         streamed = []
         for output in outputs:
             route = self.routes.get(output.request_id)
@@ -186,6 +193,9 @@ class DecodeWorker(WorkerLoop):
             streamed.append((route.gateway_address, token_delta(output, output.finish_reason)))
             if output.finished:
                 del self.routes[output.request_id]
+                self.events.decode_finished(
+                    output.request_id, output.finish_reason, route.num_output_tokens
+                )
                 self.link.send(
                     wire.RequestDone(
                         request_id=output.request_id,

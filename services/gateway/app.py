@@ -17,10 +17,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.federation import cluster_metrics
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
 from services.gateway.openai_shapes import SSE_DONE, sse_event
 from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
+from shared.metrics import CONTENT_TYPE
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -61,18 +63,44 @@ def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastA
             "scheduler": {
                 "policy": view.policy,
                 "max_queue_wait_s": view.max_queue_wait_s,
+                "metrics_address": view.scheduler_metrics_address,
                 "service": [
                     {
                         "tenant": party.tenant,
                         "class": party.class_name,
                         "served_tokens": party.served_tokens,
                         "virtual_tokens": party.virtual_tokens,
+                        "queued": party.num_queued,
                     }
                     for party in view.service
                 ],
             },
+            "workers": [
+                {
+                    "peer_id": w.peer_id,
+                    "role": w.role,
+                    "healthy": w.healthy,
+                    "heartbeat_age_s": w.heartbeat_age_s,
+                    "running": w.num_running,
+                    "waiting": w.num_waiting,
+                    "swapped": w.num_swapped,
+                    "free_blocks": w.num_free_blocks,
+                    "total_blocks": w.num_total_blocks,
+                    "steps_completed": w.steps_completed,
+                    "recent_batch_sizes": w.recent_batch_sizes,
+                    "metrics_address": w.metrics_address,
+                }
+                for w in view.workers
+            ],
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """This gateway's metrics and every peer's, each sample labelled with its `peer`."""
+        cluster = generator.cluster
+        body = await cluster_metrics(cluster.peer_id, generator.telemetry, cluster.view)
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -40,6 +40,8 @@ class ClusterView:
     policy: str = ""
     max_queue_wait_s: float = 0.0
     service: list[wire.PartyService] = field(default_factory=list)
+    workers: list[wire.WorkerStatus] = field(default_factory=list)
+    scheduler_metrics_address: str | None = None
     received_at: float = 0.0
 
 
@@ -171,6 +173,8 @@ class ClusterClient:
                         policy=message.policy,
                         max_queue_wait_s=message.max_queue_wait_s,
                         service=message.service,
+                        workers=message.workers,
+                        scheduler_metrics_address=message.scheduler_metrics_address,
                         received_at=time.monotonic(),
                     )
                 case wire.Tokens():

@@ -22,6 +22,7 @@ from services.gateway.openai_protocol import ApiError, GenerationRequest, bad_re
 from services.gateway.openai_shapes import TokenLogprob
 from shared import wire
 from shared.engine.sampling_params import SamplingParams
+from shared.lifecycle import ChoiceTrace, GatewayEvents
 from shared.wire_convert import sampling_spec
 
 
@@ -51,6 +52,7 @@ class Generation:
     params: SamplingParams
     request_id: str
     created: int
+    arrived_at: float  # monotonic: latencies count from here
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -58,18 +60,28 @@ class Generation:
 
 
 class Generator:
-    def __init__(self, cluster: ClusterClient, tokenizer, model_name: str, max_model_len: int):
+    def __init__(
+        self,
+        cluster: ClusterClient,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        telemetry: GatewayEvents,
+    ):
         self.cluster = cluster
+        self.telemetry = telemetry
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
 
     def prepare(self, request: GenerationRequest, id_prefix: str) -> Generation:
+        arrived_at = time.monotonic()
         prompt_ids = self.tokenize(request)
         params = request.sampling_params(len(prompt_ids), self.max_model_len)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        return Generation(request, prompt_ids, params, request_id, int(time.time()))
+        self.telemetry.arrived(request_id, len(prompt_ids), request.user or "default", request.n)
+        return Generation(request, prompt_ids, params, request_id, int(time.time()), arrived_at)
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
@@ -90,6 +102,7 @@ class Generator:
         request = generation.request
         choice_ids = [f"{generation.request_id}-{i}" for i in range(request.n)]
         queues: list[asyncio.Queue] = []
+        traces: list[ChoiceTrace] = []
         running = set(range(request.n))
         texts = [
             ChoiceText(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(request.stop))
@@ -101,8 +114,13 @@ class Generator:
                 if params.seed is not None:
                     params = dataclasses.replace(params, seed=params.seed + index)
                 queues.append(await self._submit(generation, choice_id, params, tenant))
+                traces.append(
+                    self.telemetry.submitted(
+                        choice_id, generation.arrived_at, generation.num_prompt_tokens
+                    )
+                )
             async for index, delta in _merge(queues):
-                event = self._advance(texts[index], index, delta)
+                event = self._traced_advance(traces[index], texts[index], index, delta)
                 if event.finish_reason is not None:
                     running.discard(index)
                     self.cluster.finished(choice_ids[index])
@@ -113,6 +131,8 @@ class Generator:
                     return
         finally:
             for index in running:
+                if index < len(traces):
+                    self.telemetry.finished(traces[index], "abort")
                 await self.cluster.cancel(choice_ids[index], "client gone")
 
     async def _submit(
@@ -130,7 +150,21 @@ class Generator:
         try:
             return await self.cluster.submit(submit)
         except SubmitRefused as refused:
+            self.telemetry.failed(None, choice_id, refused.status_code, refused.message)
             raise _refusal_error(refused) from None
+
+    def _traced_advance(
+        self, trace: ChoiceTrace, choice: ChoiceText, index: int, delta: wire.TokenDelta
+    ) -> ChoiceEvent:
+        self.telemetry.tokens(trace, len(delta.token_ids))
+        try:
+            event = self._advance(choice, index, delta)
+        except ApiError as error:
+            self.telemetry.failed(trace, trace.request_id, error.status, error.message)
+            raise
+        if event.finish_reason is not None:
+            self.telemetry.finished(trace, event.finish_reason)
+        return event
 
     def _advance(self, choice: ChoiceText, index: int, delta: wire.TokenDelta) -> ChoiceEvent:
         detokenizer, matcher = choice.detokenizer, choice.matcher

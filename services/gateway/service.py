@@ -22,6 +22,7 @@ from shared.config import (
     setting,
 )
 from shared.engine.loader import resolve_model_dir
+from shared.lifecycle import GatewayEvents
 from shared.logs import configure_logging, get_logger
 
 
@@ -71,7 +72,8 @@ def build_gateway(config: GatewayConfig):
         peer_id,
         config.model,
     )
-    generator = Generator(cluster, tokenizer, name, max_model_len)
+    telemetry = GatewayEvents(get_logger(peer_id=peer_id))
+    generator = Generator(cluster, tokenizer, name, max_model_len, telemetry)
     rpc = None
     if config.rpc_address is not None:
         rpc = RpcServer(generator, config.rpc_address, config.max_body_bytes)

@@ -26,6 +26,7 @@ from shared import wire
 from shared.config import add_config_arguments, config_from_args
 from shared.engine.engine import RequestOutput
 from shared.errors import InvalidRequestError
+from shared.lifecycle import PrefillEvents
 from shared.logs import configure_logging
 from shared.wire_convert import sampling_params, token_delta
 
@@ -42,19 +43,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 @dataclass
+class RunningJob:
+    job: wire.PrefillJob
+    started_at: float  # monotonic
+
+
+@dataclass
 class PendingTransfer:
     job: wire.PrefillJob
     message: wire.KvTransfer  # holds the K/V copy alive until the ack
     deadline: float
     num_output_tokens: int
+    sent_at: float  # monotonic
 
 
 class PrefillWorker(WorkerLoop):
     role = "prefill"
+    events_class = PrefillEvents
+    events: PrefillEvents
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
         super().__init__(config, context, address=None, retain_finished=True)
-        self.jobs: dict[str, wire.PrefillJob] = {}
+        self.jobs: dict[str, RunningJob] = {}
         self.transfers: dict[str, PendingTransfer] = {}
         self._decode_sockets: dict[str, zmq.Socket] = {}
 
@@ -72,7 +82,6 @@ class PrefillWorker(WorkerLoop):
                 self.log.warning("dropped unexpected message", type=type(message).__name__)
 
     def _accept_job(self, job: wire.PrefillJob) -> None:
-        log = self.log.bind(request_id=job.request_id)
         if job.request_id in self.jobs or job.request_id in self.transfers:
             self._cancel(job.request_id, "dispatched again")  # the new attempt replaces the old
         try:
@@ -88,11 +97,11 @@ class PrefillWorker(WorkerLoop):
                 priority=job.priority,
             )
         except InvalidRequestError as error:
-            log.warning("prefill job refused", error=str(error))
+            self.log.warning("prefill job refused", request_id=job.request_id, error=str(error))
             self._fail(job, str(error))
             return
-        self.jobs[job.request_id] = job
-        log.info("prefill started", prompt_tokens=len(job.prompt_token_ids))
+        started_at = self.events.prefill_started(job.request_id, len(job.prompt_token_ids))
+        self.jobs[job.request_id] = RunningJob(job, started_at)
 
     def _cancel(self, request_id: str, reason: str) -> None:
         self.engine.abort(request_id)
@@ -106,10 +115,13 @@ class PrefillWorker(WorkerLoop):
         outputs = self.engine.step()
         streamed = []
         for output in outputs:
-            job = self.jobs.pop(output.request_id, None)
-            if job is None:  # cancelled while its step ran
+            running = self.jobs.pop(output.request_id, None)
+            if running is None:  # cancelled while its step ran
                 self.engine.release(output.request_id)
                 continue
+            job = running.job
+            num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
+            self.events.prefill_finished(job.request_id, running.started_at, num_tokens)
             streamed.append((job.gateway_address, self._first_token(job, output)))
         self.streams.send(group_by_gateway(streamed))
 
@@ -144,17 +156,14 @@ class PrefillWorker(WorkerLoop):
             priority=job.priority,
         )
         wire.send(self._decode_socket(job.decode_address), message)
+        num_bytes = keys.numel() * keys.element_size() * 2
+        sent_at = self.events.kv_sent(job.request_id, job.decode_peer_id, num_bytes)
         self.transfers[job.request_id] = PendingTransfer(
             job,
             message,
             time.monotonic() + self.config.transfer_timeout_s,
             len(message.output_token_ids),
-        )
-        self.log.info(
-            "kv sent",
-            request_id=job.request_id,
-            decode=job.decode_peer_id,
-            bytes=keys.numel() * keys.element_size() * 2,
+            sent_at,
         )
 
     def _decode_socket(self, address: str) -> zmq.Socket:
@@ -173,9 +182,10 @@ class PrefillWorker(WorkerLoop):
         if transfer is None:
             return
         if ack.ok:
+            self.events.kv_acknowledged(ack.request_id, transfer.sent_at)
             self._report(transfer.job, None, transfer.num_output_tokens)
         else:
-            self.log.warning("kv refused", request_id=ack.request_id, error=ack.error)
+            self.events.kv_failed(ack.request_id, "refused", ack.error)
             self._report(transfer.job, "error", transfer.num_output_tokens)
 
     def _on_timers(self, now: float) -> None:
@@ -183,7 +193,7 @@ class PrefillWorker(WorkerLoop):
         for request_id, transfer in list(self.transfers.items()):
             if now > transfer.deadline:
                 del self.transfers[request_id]
-                self.log.warning("kv transfer timed out", request_id=request_id)
+                self.events.kv_failed(request_id, "timeout", None)
                 self._report(transfer.job, "error", transfer.num_output_tokens)
 
     def _report(self, job: wire.PrefillJob, finish_reason: str | None, num_output: int) -> None:

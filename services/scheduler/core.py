@@ -111,6 +111,16 @@ class GatewayState:
     address: str | None
 
 
+@dataclass(frozen=True)
+class Dispatched:
+    """A request handed on: for the service's log line and queue-time metric."""
+
+    request_id: str
+    queue_s: float
+    prefill_peer_id: str
+    decode_peer_id: str
+
+
 @dataclass
 class Outgoing:
     identity: bytes
@@ -126,6 +136,8 @@ class ClusterScheduler:
     queue: FairQueue = field(init=False)
     num_queued_tokens: int = 0
     max_queue_wait_s: float = 0.0  # the longest any dispatched request waited in the queue
+    # Dispatches since the service last took them (`take_dispatched`).
+    dispatched: list[Dispatched] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.registry = WorkerRegistry(
@@ -153,6 +165,7 @@ class ClusterScheduler:
                     last_heartbeat=now,
                     last_progress=now,
                     num_free_blocks=hello.num_kv_blocks,
+                    metrics_address=hello.metrics_address,
                 )
             )
             return out + self.dispatch(now)
@@ -174,6 +187,8 @@ class ClusterScheduler:
         worker.num_free_blocks = heartbeat.num_free_blocks
         worker.num_running = heartbeat.num_running
         worker.num_waiting = heartbeat.num_waiting
+        worker.num_swapped = heartbeat.num_swapped
+        worker.recent_batch_sizes = heartbeat.recent_batch_sizes
         worker.num_preemptions = {
             "swap": heartbeat.num_swap_preemptions,
             "recompute": heartbeat.num_recompute_preemptions,
@@ -354,6 +369,9 @@ class ClusterScheduler:
         request.num_blocks = decode.blocks_for(num_tokens)
         request.phase_deadline = now + self.limits.reserve_timeout_s
         decode.num_promised_blocks += request.num_blocks
+        self.dispatched.append(
+            Dispatched(request.request_id, now - request.arrival, prefill.peer_id, decode.peer_id)
+        )
         decode.request_ids.add(request.request_id)
         prefill.request_ids.add(request.request_id)
         reserve = wire.Reserve(
@@ -468,6 +486,10 @@ class ClusterScheduler:
         )
         return [Outgoing(gateway.identity, wire.Tokens(deltas=[delta]))]
 
+    def take_dispatched(self) -> list[Dispatched]:
+        taken, self.dispatched = self.dispatched, []
+        return taken
+
     def cluster_status(self, now: float) -> wire.ClusterStatus:
         """Counts the workers that are making progress: what /ready reports."""
         decode = self.registry.healthy("decode", now)
@@ -482,13 +504,36 @@ class ClusterScheduler:
             num_recompute_preemptions=sum(w.num_preemptions["recompute"] for w in decode),
             policy=self.queue.config.policy,
             max_queue_wait_s=self.max_queue_wait_s,
-            service=[
-                wire.PartyService(
-                    tenant=party.tenant,
-                    class_name=party.class_name,
-                    served_tokens=tokens,
-                    virtual_tokens=self.queue.counters.get(party, 0.0),
-                )
-                for party, tokens in sorted(self.queue.served_tokens.items())[:MAX_PARTIES_SHOWN]
-            ],
+            service=self._service(),
+            workers=[self._worker_status(w, now) for w in self.registry.workers.values()],
+        )
+
+    def _service(self) -> list[wire.PartyService]:
+        queued = self.queue.num_queued_by_party()
+        parties = sorted(self.queue.served_tokens.keys() | queued.keys())[:MAX_PARTIES_SHOWN]
+        return [
+            wire.PartyService(
+                tenant=party.tenant,
+                class_name=party.class_name,
+                served_tokens=self.queue.served_tokens.get(party, 0),
+                virtual_tokens=self.queue.counters.get(party, 0.0),
+                num_queued=queued.get(party, 0),
+            )
+            for party in parties
+        ]
+
+    def _worker_status(self, worker: WorkerState, now: float) -> wire.WorkerStatus:
+        return wire.WorkerStatus(
+            peer_id=worker.peer_id,
+            role=worker.role,
+            healthy=worker.making_progress(now, self.limits.progress_timeout_s),
+            heartbeat_age_s=max(0.0, now - worker.last_heartbeat),
+            num_running=worker.num_running,
+            num_waiting=worker.num_waiting,
+            num_swapped=worker.num_swapped,
+            num_free_blocks=worker.num_free_blocks,
+            num_total_blocks=worker.num_total_blocks,
+            steps_completed=worker.steps_completed,
+            recent_batch_sizes=list(worker.recent_batch_sizes),
+            metrics_address=worker.metrics_address,
         )

@@ -123,6 +123,9 @@ class FairQueue:
     def __iter__(self) -> Iterator[QueuedRequest]:
         return (item for _, item in self._items.values())
 
+    def num_queued_by_party(self) -> dict[Party, int]:
+        return {party: len(heap) for party, heap in self._parties.items()}
+
     def party_for(self, tenant: str, num_prompt_tokens: int) -> Party:
         return Party(tenant, self.config.class_of(num_prompt_tokens))
 

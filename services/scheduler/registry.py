@@ -25,7 +25,10 @@ class WorkerState:
     num_free_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_swapped: int = 0
     steps_completed: int = 0
+    recent_batch_sizes: list[int] = field(default_factory=list)  # steps of the last heartbeat
+    metrics_address: str | None = None  # where its /metrics is served, if anywhere
     # Requests assigned to this worker that it holds state for.
     request_ids: set[str] = field(default_factory=set)
     # Blocks promised since the last heartbeat (decode only).

@@ -9,6 +9,7 @@ A malformed message is logged and dropped; it never stops the loop.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import time
 from dataclasses import dataclass
@@ -23,10 +24,13 @@ from shared.config import (
     add_config_arguments,
     config_from_args,
     require_address,
+    require_port,
     require_positive,
     setting,
 )
+from shared.lifecycle import SchedulerEvents
 from shared.logs import configure_logging, get_logger
+from shared.metrics import serve_metrics
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,14 @@ class SchedulerConfig:
     prefill_window_tokens: int = setting(
         2048, "prompt tokens handed to a prefill worker ahead of its progress"
     )
+    metrics_port: int | None = setting(
+        None, "HTTP port of the Prometheus /metrics (0: any free port; unset: not served)"
+    )
+    metrics_host: str = setting("127.0.0.1", "host the /metrics server binds")
 
     def __post_init__(self) -> None:
         require_address(self, "address")
+        require_port(self, "metrics_port")
         require_positive(
             self,
             "heartbeat_interval_s",
@@ -131,6 +140,8 @@ class SchedulerService:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.socket.bind(config.address)
         self.log = get_logger()
+        self.events = SchedulerEvents(self.log)
+        self.metrics_address: str | None = None
         self._stopping = False
 
     def stop(self, *_: object) -> None:
@@ -139,7 +150,13 @@ class SchedulerService:
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
-        self.log.info("scheduler listening", address=self.config.address)
+        if self.config.metrics_port is not None:
+            self.metrics_address = serve_metrics(
+                self.events.registry, self.config.metrics_host, self.config.metrics_port
+            )
+        self.log.info(
+            "scheduler listening", address=self.config.address, metrics=self.metrics_address
+        )
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         next_tick = 0.0
@@ -185,29 +202,26 @@ class SchedulerService:
             case wire.Heartbeat():
                 return core.on_heartbeat(identity, message, now)
             case wire.Submit():
-                self.log.info(
-                    "request queued",
-                    request_id=message.request_id,
-                    prompt_tokens=len(message.prompt_token_ids),
-                )
-                return core.on_submit(identity, message, now)
+                return self._submit(identity, message, now)
             case wire.Cancel():
-                self.log.info(
-                    "request cancelled", request_id=message.request_id, reason=message.reason
-                )
+                self.events.cancelled(message.request_id, message.reason)
                 return core.on_cancel(message, now)
             case wire.ReserveReply():
                 return core.on_reserve_reply(message, now)
             case wire.RequestDone():
-                self.log.info(
-                    "request phase done",
-                    request_id=message.request_id,
-                    phase=message.phase,
-                    finish_reason=message.finish_reason,
-                )
+                self.events.phase_done(message.request_id, message.phase, message.finish_reason)
                 return core.on_request_done(message, now)
         self.log.warning("dropped unexpected message", type=type(message).__name__)
         return []
+
+    def _submit(self, identity: bytes, submit: wire.Submit, now: float) -> list[Outgoing]:
+        out = self.core.on_submit(identity, submit, now)
+        reply = next(o.message for o in out if isinstance(o.message, wire.SubmitReply))
+        if reply.accepted:
+            self.events.queued(submit.request_id, len(submit.prompt_token_ids), submit.tenant)
+        else:
+            self.events.refused(submit.request_id, reply.status_code, reply.message or "")
+        return out
 
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> list[Outgoing]:
         error = None
@@ -228,10 +242,15 @@ class SchedulerService:
         return [Outgoing(identity, ack), *self.core.on_hello(identity, hello, now)]
 
     def _broadcast_status(self, now: float) -> None:
-        status = self.core.cluster_status(now)
+        status = dataclasses.replace(
+            self.core.cluster_status(now), scheduler_metrics_address=self.metrics_address
+        )
+        self.events.refresh(status)
         self._send([Outgoing(g.identity, status) for g in self.core.gateways.values()])
 
     def _send(self, outgoing: list[Outgoing]) -> None:
+        for d in self.core.take_dispatched():
+            self.events.dispatched(d.request_id, d.queue_s, d.prefill_peer_id, d.decode_peer_id)
         for item in outgoing:
             try:
                 wire.send_to(self.socket, item.identity, item.message)

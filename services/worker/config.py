@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from shared.config import ConfigError, require_address, require_positive, setting
+from shared.config import ConfigError, require_address, require_port, require_positive, setting
 from shared.engine.engine import EngineConfig
 from shared.engine.loader import DTYPES
 from shared.engine.swap import PREEMPTION_MODES
@@ -36,11 +36,16 @@ class WorkerConfig:
     preemption_mode: str = setting(
         "auto", "decode: swap or recompute a preempted sequence: auto (by cost), swap, recompute"
     )
+    metrics_port: int | None = setting(
+        None, "HTTP port of the Prometheus /metrics (0: any free port; unset: not served)"
+    )
+    metrics_host: str = setting("127.0.0.1", "host the /metrics server binds")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype (--dtype / TANDEM_DTYPE) must be one of {', '.join(DTYPES)}")
         require_address(self, "scheduler_address", "address", "advertise_address")
+        require_port(self, "metrics_port")
         require_positive(
             self,
             "kv_cache_bytes",

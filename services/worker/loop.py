@@ -21,11 +21,14 @@ from services.worker.streams import GatewayStreams
 from shared import wire
 from shared.engine.engine import LLMEngine
 from shared.engine.loader import load_model
+from shared.lifecycle import WorkerEvents
 from shared.logs import get_logger
+from shared.metrics import serve_metrics
 
 
 class WorkerLoop(abc.ABC):
     role: str  # "prefill" or "decode"
+    events_class: type[WorkerEvents] = WorkerEvents  # the role's lifecycle events
 
     def __init__(
         self,
@@ -39,9 +42,15 @@ class WorkerLoop(abc.ABC):
             torch.set_num_threads(config.threads)
         self.peer_id = config.resolved_peer_id(self.role)
         self.log = get_logger(peer_id=self.peer_id)
+        self.events = self.events_class(self.log)
         self.loaded = load_model(config.model, dtype=config.torch_dtype)
         self.engine = LLMEngine(self.loaded.model, config.engine_config(**engine_overrides))
         self.context = context or zmq.Context.instance()
+        self.metrics_address = None
+        if config.metrics_port is not None:
+            self.metrics_address = serve_metrics(
+                self.events.registry, config.metrics_host, config.metrics_port
+            )
         self.link = SchedulerLink(
             self.context,
             config.scheduler_address,
@@ -54,6 +63,7 @@ class WorkerLoop(abc.ABC):
                 num_kv_blocks=self.engine.block_manager.num_blocks,
                 block_size=config.block_size,
                 max_num_seqs=config.max_num_seqs,
+                metrics_address=self.metrics_address,
             ),
         )
         self.streams = GatewayStreams(self.context)
@@ -61,6 +71,7 @@ class WorkerLoop(abc.ABC):
         self.poller.register(self.link.socket, zmq.POLLIN)
         self._router_sockets: set[zmq.Socket] = set()
         self.steps_completed = 0
+        self._recent_batch_sizes: list[int] = []  # since the last heartbeat
         self._stopping = False
 
     def add_socket(self, sock: zmq.Socket, router: bool = False) -> None:
@@ -75,7 +86,11 @@ class WorkerLoop(abc.ABC):
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         self.link.handshake()
-        self.log.info(f"{self.role} worker ready", blocks=self.engine.block_manager.num_blocks)
+        self.log.info(
+            f"{self.role} worker ready",
+            blocks=self.engine.block_manager.num_blocks,
+            metrics=self.metrics_address,
+        )
         try:
             while not self._stopping:
                 self.run_once()
@@ -91,10 +106,16 @@ class WorkerLoop(abc.ABC):
         if self.engine.has_unfinished:
             self._step()
             self.steps_completed += 1
+            self.events.step()
+            self._recent_batch_sizes.append(self.engine.last_step_num_seqs)
+            del self._recent_batch_sizes[: -wire.MAX_RECENT_STEPS]
         now = time.monotonic()
         self._on_timers(now)
         if self.link.heartbeat_due(now):
-            self.link.send_heartbeat(self._heartbeat(), now)
+            heartbeat = self._heartbeat()
+            self.events.refresh(heartbeat)
+            self.link.send_heartbeat(heartbeat, now)
+            self._recent_batch_sizes = []
 
     def _drain(self, sock: zmq.Socket) -> None:
         is_router = sock in self._router_sockets
@@ -132,6 +153,7 @@ class WorkerLoop(abc.ABC):
             num_swapped=len(self.engine.scheduler.swapped),
             num_swap_preemptions=self.engine.scheduler.num_preemptions_by_mode["swap"],
             num_recompute_preemptions=self.engine.scheduler.num_preemptions_by_mode["recompute"],
+            recent_batch_sizes=list(self._recent_batch_sizes),
         )
 
     def close(self) -> None:

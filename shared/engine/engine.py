@@ -92,6 +92,7 @@ class LLMEngine:
         )
         self.kv_cache = KVCache(mc, num_blocks, self.config.block_size, model.dtype, model.device)
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.last_step_num_seqs = 0  # sequences in the latest step (its batch size)
         self.swap_space = SwapSpace(self.config.swap_bytes)
         self.preemption = PreemptionCosts(self.config.preemption_mode)
         self._bytes_per_block = bytes_per_block(mc, self.config.block_size, model.dtype)
@@ -219,6 +220,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_step_num_seqs = len(plan.chunks)
         self._swap(plan)
         if not plan.chunks:
             return []

@@ -1,0 +1,54 @@
+"""The gateway's /metrics: its own metrics and every peer's, in one exposition.
+
+The scheduler's status names each peer's metrics address; the gateway scrapes them all at once,
+each with a short timeout, and merges the texts (`shared.metrics.federate`), every sample labelled
+with its `peer`. A peer that does not answer is left out and shows as `tandem:peer_scrape_up 0`,
+so a dashboard sees the gap instead of a silently smaller sum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from prometheus_client import generate_latest
+
+from services.gateway.cluster import ClusterView
+from shared.lifecycle import GatewayEvents
+from shared.metrics import federate
+
+SCRAPE_TIMEOUT_S = 2.0
+
+
+def scrape_targets(view: ClusterView) -> list[tuple[str, str]]:
+    """(peer, metrics URL) for the scheduler and every registered worker that serves metrics."""
+    targets = []
+    if view.scheduler_metrics_address:
+        targets.append(("scheduler", view.scheduler_metrics_address + "/metrics"))
+    for worker in view.workers:
+        if worker.metrics_address:
+            targets.append((worker.peer_id, worker.metrics_address + "/metrics"))
+    return targets
+
+
+async def cluster_metrics(peer_id: str, telemetry: GatewayEvents, view: ClusterView) -> bytes:
+    targets = scrape_targets(view)
+    async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S, trust_env=False) as client:
+        texts = await asyncio.gather(*(_scrape(client, url) for _, url in targets))
+    scraped = []
+    telemetry.peer_scrape_up.clear()  # peers that left drop out
+    for (peer, _), text in zip(targets, texts, strict=True):
+        telemetry.peer_scrape_up.labels(peer).set(0 if text is None else 1)
+        if text is not None:
+            scraped.append((peer, text))
+    own = generate_latest(telemetry.registry).decode()
+    return federate([(peer_id, own), *scraped])
+
+
+async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:
+    try:
+        response = await client.get(url)
+        response.raise_for_status()
+        return response.text
+    except httpx.HTTPError:
+        return None

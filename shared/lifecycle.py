@@ -1,0 +1,348 @@
+"""A request's lifecycle events, where each writes its log line and moves its metrics.
+
+    gateway    arrived -> (per choice) first token -> tokens ... -> finished | failed
+    scheduler  queued | refused -> dispatched (queue time) -> phase done | cancelled
+    prefill    prefill started -> prefill finished -> kv sent -> kv acknowledged
+    decode     kv received -> ... -> decode finished; and per step: the batch size
+
+Services report these and nothing else for per-request telemetry, so a log line and a metric
+can never disagree about what happened, and every line carries `request_id`: one grep follows a
+request through the cluster. Each service gets one `*Events` object with its own Prometheus
+registry (what its /metrics serves). Load gauges that are sampled, not evented (queue depth, KV
+usage, heartbeat ages), are set by `refresh` from the state the service already computes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared import wire
+from shared.metrics import (
+    BATCH_SIZE_BUCKETS,
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TRANSFER_BUCKETS,
+    TTFT_BUCKETS,
+    name,
+)
+
+
+class _Events:
+    def __init__(self, log):
+        self.log = log
+        self.registry = CollectorRegistry()
+
+    def counter(self, suffix: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(name(suffix), doc, labels, registry=self.registry)
+
+    def gauge(self, suffix: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name(suffix), doc, labels, registry=self.registry)
+
+    def histogram(
+        self, suffix: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()
+    ) -> Histogram:
+        return Histogram(name(suffix), doc, labels, buckets=buckets, registry=self.registry)
+
+
+# -- gateway --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceTrace:
+    """One cluster request (one choice) as the gateway's client sees it."""
+
+    request_id: str
+    arrived_at: float  # monotonic, when the HTTP or RPC call arrived
+    num_prompt_tokens: int
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_output_tokens: int = 0
+    ended: bool = field(default=False)
+
+
+class GatewayEvents(_Events):
+    """What clients see: latencies from the call's arrival, tokens in and out, how calls end."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.in_flight = self.gauge(
+            "gateway_requests_in_flight", "Cluster requests this gateway waits on"
+        )
+        self.ttft = self.histogram(
+            "time_to_first_token_seconds", "Arrival to first token, per choice", TTFT_BUCKETS
+        )
+        self.itl = self.histogram(
+            "inter_token_latency_seconds", "Time between a choice's token deliveries", ITL_BUCKETS
+        )
+        self.e2e = self.histogram(
+            "e2e_request_latency_seconds", "Arrival to last token", REQUEST_LATENCY_BUCKETS
+        )
+        self.prompt_tokens = self.counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = self.counter("generation_tokens", "Tokens streamed to clients")
+        self.success = self.counter(
+            "request_success", "Requests finished, by finish reason", ("finished_reason",)
+        )
+        self.errors = self.counter(
+            "request_errors", "Requests refused or failed, by HTTP status", ("status",)
+        )
+        self.peer_scrape_up = self.gauge(
+            "peer_scrape_up", "Whether the last /metrics scrape of a peer answered", ("target",)
+        )
+
+    def arrived(self, request_id: str, num_prompt_tokens: int, tenant: str, n: int) -> None:
+        self.log.info(
+            "request arrived",
+            request_id=request_id,
+            prompt_tokens=num_prompt_tokens,
+            tenant=tenant,
+            n=n,
+        )
+
+    def submitted(self, request_id: str, arrived_at: float, num_prompt_tokens: int) -> ChoiceTrace:
+        self.in_flight.inc()
+        return ChoiceTrace(request_id, arrived_at, num_prompt_tokens)
+
+    def tokens(self, trace: ChoiceTrace, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        now = time.monotonic()
+        if trace.first_token_at is None:
+            trace.first_token_at = now
+            ttft = now - trace.arrived_at
+            self.ttft.observe(ttft)
+            self.log.info("first token", request_id=trace.request_id, ttft_s=round(ttft, 4))
+        else:
+            self.itl.observe(now - trace.last_token_at)
+        trace.last_token_at = now
+        trace.num_output_tokens += num_tokens
+        self.generation_tokens.inc(num_tokens)
+
+    def finished(self, trace: ChoiceTrace, finish_reason: str) -> None:
+        """The choice ended normally (stop, length) or its client left ("abort")."""
+        if not self._end(trace):
+            return
+        latency = time.monotonic() - trace.arrived_at
+        self.e2e.observe(latency)
+        self.prompt_tokens.inc(trace.num_prompt_tokens)
+        self.success.labels(finish_reason).inc()
+        self.log.info(
+            "request finished",
+            request_id=trace.request_id,
+            finish_reason=finish_reason,
+            output_tokens=trace.num_output_tokens,
+            latency_s=round(latency, 4),
+        )
+
+    def failed(self, trace: ChoiceTrace | None, request_id: str, status: int, error: str) -> None:
+        """Refused at the door (no trace yet) or failed in the cluster."""
+        if trace is not None and not self._end(trace):
+            return
+        self.errors.labels(str(status)).inc()
+        self.log.warning("request failed", request_id=request_id, status=status, error=error)
+
+    def _end(self, trace: ChoiceTrace) -> bool:
+        if trace.ended:
+            return False
+        trace.ended = True
+        self.in_flight.dec()
+        return True
+
+
+# -- scheduler ------------------------------------------------------------------------------------
+
+
+class SchedulerEvents(_Events):
+    """Admission, queueing and dispatch; the cluster's load as the scheduler sees it."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.waiting = self.gauge("num_requests_waiting", "Requests in the scheduler's queue")
+        self.in_flight = self.gauge(
+            "scheduler_requests_in_flight", "Requests admitted and not finished"
+        )
+        self.queue_time = self.histogram(
+            "request_queue_time_seconds", "Time in the scheduler's queue", REQUEST_LATENCY_BUCKETS
+        )
+        self.refusals = self.counter(
+            "requests_refused", "Submissions refused at admission, by status", ("status",)
+        )
+        self.party_served = self.gauge(
+            "party_served_tokens",
+            "Tokens served per fair-share account (prompt plus generated; refunds lower it)",
+            ("tenant", "class"),
+        )
+        self.party_queued = self.gauge(
+            "party_queued_requests", "Queued requests per fair-share account", ("tenant", "class")
+        )
+        self.heartbeat_age = self.gauge(
+            "worker_heartbeat_age_seconds", "Since each worker's last heartbeat", ("worker", "role")
+        )
+        self.workers = self.gauge("workers", "Registered workers", ("role", "state"))
+        self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
+
+    def queued(self, request_id: str, num_prompt_tokens: int, tenant: str) -> None:
+        self.log.info(
+            "request queued", request_id=request_id, prompt_tokens=num_prompt_tokens, tenant=tenant
+        )
+
+    def refused(self, request_id: str, status: int, message: str) -> None:
+        self.refusals.labels(str(status)).inc()
+        self.log.warning("request refused", request_id=request_id, status=status, error=message)
+
+    def dispatched(self, request_id: str, queue_s: float, prefill: str, decode: str) -> None:
+        self.queue_time.observe(queue_s)
+        self.log.info(
+            "request dispatched",
+            request_id=request_id,
+            queue_s=round(queue_s, 4),
+            prefill=prefill,
+            decode=decode,
+        )
+
+    def phase_done(self, request_id: str, phase: str, finish_reason: str | None) -> None:
+        self.log.info(
+            "request phase done", request_id=request_id, phase=phase, finish_reason=finish_reason
+        )
+
+    def cancelled(self, request_id: str, reason: str) -> None:
+        self.log.info("request cancelled", request_id=request_id, reason=reason)
+
+    def refresh(self, status: wire.ClusterStatus) -> None:
+        """Sets the sampled gauges from the status the scheduler sends its gateways."""
+        self.waiting.set(status.num_queued)
+        self.in_flight.set(status.num_in_flight)
+        self._set_all(
+            self.party_served,
+            {(p.tenant, p.class_name): p.served_tokens for p in status.service},
+        )
+        self._set_all(
+            self.party_queued, {(p.tenant, p.class_name): p.num_queued for p in status.service}
+        )
+        self._set_all(
+            self.heartbeat_age, {(w.peer_id, w.role): w.heartbeat_age_s for w in status.workers}
+        )
+        counts: dict[tuple[str, ...], float] = {
+            (role, state): 0 for role in ("prefill", "decode") for state in ("healthy", "stuck")
+        }
+        for worker in status.workers:
+            counts[(worker.role, "healthy" if worker.healthy else "stuck")] += 1
+        self._set_all(self.workers, counts)
+
+    def _set_all(self, gauge: Gauge, values: dict[tuple[str, ...], float]) -> None:
+        """Sets each labelled child and removes those no longer present (a worker that left)."""
+        for labels, value in values.items():
+            gauge.labels(*labels).set(value)
+        for labels in self._shown.get(gauge, set()) - values.keys():
+            gauge.remove(*labels)
+        self._shown[gauge] = set(values)
+
+
+# -- workers --------------------------------------------------------------------------------------
+
+
+class WorkerEvents(_Events):
+    """What both worker roles report: engine load, KV usage, steps."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.running = self.gauge("num_requests_running", "Sequences in the running batch")
+        self.waiting = self.gauge("num_requests_waiting", "Sequences queued in the engine")
+        self.swapped = self.gauge("num_requests_swapped", "Preempted sequences in host memory")
+        self.kv_usage = self.gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        self.steps = self.counter("engine_steps", "Engine steps completed")
+        self.preemptions = self.counter(
+            "num_preemptions", "Sequences preempted, by kind", ("kind",)
+        )
+        self._preemptions_seen = {"swap": 0, "recompute": 0}
+
+    def step(self) -> None:
+        self.steps.inc()
+
+    def refresh(self, heartbeat: wire.Heartbeat) -> None:
+        """Sets the load gauges from the heartbeat the worker is about to send."""
+        self.running.set(heartbeat.num_running)
+        self.waiting.set(heartbeat.num_waiting)
+        self.swapped.set(heartbeat.num_swapped)
+        total = heartbeat.num_total_blocks
+        self.kv_usage.set((total - heartbeat.num_free_blocks) / total if total else 0.0)
+        for kind, count in (
+            ("swap", heartbeat.num_swap_preemptions),
+            ("recompute", heartbeat.num_recompute_preemptions),
+        ):
+            self.preemptions.labels(kind).inc(count - self._preemptions_seen[kind])
+            self._preemptions_seen[kind] = count
+
+
+class PrefillEvents(WorkerEvents):
+    def __init__(self, log):
+        super().__init__(log)
+        self.prefill_time = self.histogram(
+            "request_prefill_time_seconds",
+            "Prefill job received to first token sampled",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_tokens = self.counter("prefill_tokens", "Prompt tokens prefilled")
+        self.kv_bytes = self.counter("kv_transfer_bytes", "KV bytes sent to decode workers")
+        self.kv_seconds = self.histogram(
+            "kv_transfer_seconds", "KV sent to acknowledged by the decode worker", TRANSFER_BUCKETS
+        )
+        self.kv_failures = self.counter(
+            "kv_transfer_failures", "KV transfers refused or timed out", ("reason",)
+        )
+
+    def prefill_started(self, request_id: str, num_prompt_tokens: int) -> float:
+        self.log.info("prefill started", request_id=request_id, prompt_tokens=num_prompt_tokens)
+        return time.monotonic()
+
+    def prefill_finished(self, request_id: str, started_at: float, num_tokens: int) -> None:
+        seconds = time.monotonic() - started_at
+        self.prefill_time.observe(seconds)
+        self.prefill_tokens.inc(num_tokens)
+        self.log.info(
+            "prefill finished", request_id=request_id, tokens=num_tokens, seconds=round(seconds, 4)
+        )
+
+    def kv_sent(self, request_id: str, decode: str, num_bytes: int) -> float:
+        self.kv_bytes.inc(num_bytes)
+        self.log.info("kv sent", request_id=request_id, decode=decode, bytes=num_bytes)
+        return time.monotonic()
+
+    def kv_acknowledged(self, request_id: str, sent_at: float) -> None:
+        seconds = time.monotonic() - sent_at
+        self.kv_seconds.observe(seconds)
+        self.log.info("kv acknowledged", request_id=request_id, seconds=round(seconds, 4))
+
+    def kv_failed(self, request_id: str, reason: str, error: str | None) -> None:
+        self.kv_failures.labels(reason).inc()
+        self.log.warning("kv transfer failed", request_id=request_id, reason=reason, error=error)
+
+
+class DecodeEvents(WorkerEvents):
+    def __init__(self, log):
+        super().__init__(log)
+        self.batch_size = self.histogram(
+            "decode_batch_size", "Sequences in each decode step", BATCH_SIZE_BUCKETS
+        )
+        self.generated_tokens = self.counter("decode_generated_tokens", "Tokens generated here")
+        self.kv_bytes = self.counter("kv_received_bytes", "KV bytes received from prefill")
+
+    def decode_step(self, num_sequences: int, num_tokens: int) -> None:
+        if num_sequences == 0:  # a step that only moved swapped KV
+            return
+        self.batch_size.observe(num_sequences)
+        self.generated_tokens.inc(num_tokens)
+
+    def kv_received(self, request_id: str, num_tokens: int, num_bytes: int) -> None:
+        self.kv_bytes.inc(num_bytes)
+        self.log.info("kv received", request_id=request_id, tokens=num_tokens, bytes=num_bytes)
+
+    def decode_finished(self, request_id: str, finish_reason: str, num_output_tokens: int) -> None:
+        self.log.info(
+            "decode finished",
+            request_id=request_id,
+            finish_reason=finish_reason,
+            output_tokens=num_output_tokens,
+        )

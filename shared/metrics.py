@@ -1,0 +1,87 @@
+"""Prometheus plumbing every service shares: buckets, the /metrics HTTP server, and federation.
+
+Metric names follow vLLM's where the concept is the same, with a `tandem:` prefix in place of
+`vllm:`, so existing dashboards translate by a rename. Which service records what is decided in
+`shared.lifecycle`; this module only serves and merges.
+
+The gateway's /metrics federates the cluster: it scrapes every peer named in the scheduler's
+status and merges the texts into one exposition, each sample labelled with the `peer` it came
+from, so one scrape target suffices for a local cluster.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+# `_created` series double the exposition and no dashboard of ours reads them.
+disable_created_metrics()
+
+PREFIX = "tandem:"
+PEER_LABEL = "peer"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Buckets as vLLM's, so histograms compare bucket for bucket.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+TRANSFER_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+
+
+def name(suffix: str) -> str:
+    return PREFIX + suffix
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
+    """Serves `registry` at http://host:port/metrics from a daemon thread; port 0 picks a free
+    one. Returns the address peers should scrape."""
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    shown_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return f"http://{shown_host}:{server.server_port}"
+
+
+def federate(expositions: list[tuple[str, str]]) -> bytes:
+    """One exposition from several: (peer, text) pairs, every sample labelled with its peer.
+    Families of one name merge; the first peer's type and help win (peers run the same code)."""
+    merged: dict[str, Metric] = {}
+    for peer, text in expositions:
+        for family in text_string_to_metric_families(text):
+            target = merged.get(family.name)
+            if target is None:
+                target = Metric(family.name, family.documentation, family.type)
+                merged[family.name] = target
+            elif target.type != family.type:
+                continue
+            for sample in family.samples:
+                labels = {**sample.labels, PEER_LABEL: peer}
+                target.add_sample(sample.name, labels, sample.value, sample.timestamp)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(merged.values())))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    """A collector that yields families built elsewhere."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families

@@ -1,0 +1,135 @@
+"""Federation of expositions and the lifecycle events' metrics, without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared import wire
+from shared.lifecycle import DecodeEvents, GatewayEvents, SchedulerEvents
+from shared.logs import get_logger
+from shared.metrics import federate
+
+
+def samples(text: bytes | str) -> dict[tuple[str, frozenset], float]:
+    text = text.decode() if isinstance(text, bytes) else text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def exposition(value: float, kind: str = "counter") -> str:
+    registry = CollectorRegistry()
+    if kind == "counter":
+        Counter("tandem:things", "things", ["k"], registry=registry).labels("a").inc(value)
+    else:
+        Gauge("tandem:things", "things", ["k"], registry=registry).labels("a").set(value)
+    return generate_latest(registry).decode()
+
+
+def test_federation_labels_every_sample_with_its_peer():
+    merged = samples(federate([("gw", exposition(2)), ("decode-0", exposition(5))]))
+    assert merged == {
+        ("tandem:things_total", frozenset({("k", "a"), ("peer", "gw")})): 2.0,
+        ("tandem:things_total", frozenset({("k", "a"), ("peer", "decode-0")})): 5.0,
+    }
+
+
+def test_federation_keeps_the_first_type_of_a_name():
+    merged = samples(federate([("a", exposition(1)), ("b", exposition(7, kind="gauge"))]))
+    assert list(merged.values()) == [1.0]
+
+
+def test_federation_refuses_nothing_when_a_peer_is_empty():
+    assert samples(federate([("a", ""), ("b", exposition(3))])) == {
+        ("tandem:things_total", frozenset({("k", "a"), ("peer", "b")})): 3.0
+    }
+
+
+def value(events, name: str, **labels) -> float:
+    return samples(generate_latest(events.registry)).get((name, frozenset(labels.items())), 0.0)
+
+
+def test_gateway_events_count_one_choice_exactly():
+    events = GatewayEvents(get_logger())
+    trace = events.submitted("r-0", arrived_at=0.0, num_prompt_tokens=7)
+    assert value(events, "tandem:gateway_requests_in_flight") == 1
+    for _ in range(3):
+        events.tokens(trace, 1)
+    events.tokens(trace, 0)  # an empty delta is no token and no gap
+    events.finished(trace, "length")
+    events.finished(trace, "abort")  # a second end is ignored
+    assert value(events, "tandem:time_to_first_token_seconds_count") == 1
+    assert value(events, "tandem:inter_token_latency_seconds_count") == 2
+    assert value(events, "tandem:e2e_request_latency_seconds_count") == 1
+    assert value(events, "tandem:generation_tokens_total") == 3
+    assert value(events, "tandem:prompt_tokens_total") == 7
+    assert value(events, "tandem:request_success_total", finished_reason="length") == 1
+    assert value(events, "tandem:request_success_total", finished_reason="abort") == 0
+    assert value(events, "tandem:gateway_requests_in_flight") == 0
+
+
+def test_gateway_failure_after_tokens_counts_as_error_not_success():
+    events = GatewayEvents(get_logger())
+    trace = events.submitted("r-0", arrived_at=0.0, num_prompt_tokens=3)
+    events.tokens(trace, 1)
+    events.failed(trace, "r-0", 500, "worker died")
+    events.finished(trace, "abort")
+    events.failed(None, "r-1", 429, "queue full")
+    assert value(events, "tandem:request_errors_total", status="500") == 1
+    assert value(events, "tandem:request_errors_total", status="429") == 1
+    assert value(events, "tandem:request_success_total", finished_reason="abort") == 0
+    assert value(events, "tandem:gateway_requests_in_flight") == 0
+
+
+def worker(peer_id: str, role: str = "decode") -> wire.WorkerStatus:
+    return wire.WorkerStatus(
+        peer_id=peer_id,
+        role=role,
+        healthy=True,
+        heartbeat_age_s=0.2,
+        num_running=1,
+        num_waiting=0,
+        num_swapped=0,
+        num_free_blocks=10,
+        num_total_blocks=16,
+        steps_completed=5,
+    )
+
+
+def test_scheduler_gauges_drop_workers_that_left():
+    events = SchedulerEvents(get_logger())
+    status = wire.ClusterStatus(
+        num_prefill=0, num_decode=2, num_queued=3, num_in_flight=4,
+        workers=[worker("decode-0"), worker("decode-1")],
+    )  # fmt: skip
+    events.refresh(status)
+    age = "tandem:worker_heartbeat_age_seconds"
+    assert value(events, age, worker="decode-1", role="decode") == pytest.approx(0.2)
+    assert value(events, "tandem:workers", role="decode", state="healthy") == 2
+    assert value(events, "tandem:num_requests_waiting") == 3
+    events.refresh(wire.ClusterStatus(
+        num_prefill=0, num_decode=1, num_queued=0, num_in_flight=0, workers=[worker("decode-0")]
+    ))  # fmt: skip
+    names = {name for name, _ in samples(generate_latest(events.registry))}
+    assert age in names
+    assert value(events, age, worker="decode-1", role="decode") == 0  # gone, not stale
+    assert value(events, "tandem:workers", role="decode", state="healthy") == 1
+
+
+def test_preemption_counters_follow_the_heartbeats_totals():
+    events = DecodeEvents(get_logger())
+    for swaps, recomputes in ((0, 0), (2, 1), (2, 1), (5, 1)):
+        events.refresh(
+            wire.Heartbeat(
+                peer_id="d", num_waiting=0, num_running=2, num_free_blocks=4,
+                num_total_blocks=16, steps_completed=1, sent_at=0.0,
+                num_swap_preemptions=swaps, num_recompute_preemptions=recomputes,
+            )
+        )  # fmt: skip
+    assert value(events, "tandem:num_preemptions_total", kind="swap") == 5
+    assert value(events, "tandem:num_preemptions_total", kind="recompute") == 1
+    assert value(events, "tandem:kv_cache_usage_perc") == pytest.approx(12 / 16)
