@@ -87,10 +87,16 @@ def _dealer(context: zmq.Context, address: str) -> zmq.Socket:
 
 
 class TandemClient:
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        context: zmq.Context | None = None,
+    ):
+        """`context`: another ZeroMQ context, such as a `zmq.green` one under gevent."""
         self.address = address
         self.timeout_s = timeout_s
-        self._socket = _dealer(zmq.Context.instance(), address)
+        self._socket = _dealer(context or zmq.Context.instance(), address)
         self._call_ids = (str(n) for n in itertools.count())
         # Events received for calls in flight and not yet read; a call leaves it when done.
         self._inbox: dict[str, deque[wire.RpcEvent]] = {}
