@@ -12,7 +12,7 @@ batch returns, since `generate` hands nothing back before then.
 arrives (greedy, `ignore_eos`, its own `max_tokens`), stepped until all finish. No processes, no
 sockets, no serialization: the served cluster's overhead is measured against this loop.
 
-Both record the same `RequestRecord`s as the HTTP replay (times since the run started; a request
+Both record the same `RequestRecord`s as the bench client (times since the run started; a request
 is "sent" when it arrives), so all three are summarized by the same code.
 """
 

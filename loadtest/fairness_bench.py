@@ -31,8 +31,8 @@ from typing import Any
 
 import httpx
 
+from loadtest.client import send_one
 from loadtest.metrics import Clock, RequestRecord, percentile
-from loadtest.replay import send_one
 from loadtest.served import ServedCluster, tandem_up
 from loadtest.workload import WorkloadRequest
 

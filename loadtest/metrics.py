@@ -6,8 +6,13 @@ each streamed chunk, finished. Every figure derives from those:
 - end-to-end latency (e2e) = finished - sent;
 - TPOT = (e2e - TTFT) / (tokens - 1), the mean gap between output tokens after the first
   (undefined for a one-token output);
-- inter-chunk latency: the gaps between streamed chunks (a chunk may carry several tokens);
-- output tokens/s = successful output tokens / (last finish - first send), the whole run's rate.
+- inter-token latency (ITL): the gaps between streamed chunks (a chunk may carry several
+  tokens; tandem sends one token a chunk);
+- output tokens/s = successful output tokens / (last finish - first send), the whole run's rate;
+- goodput = requests/s that succeeded and met every objective given (TTFT, TPOT).
+
+A non-streamed request has only sent and finished: it counts in e2e and throughput, not in TTFT,
+TPOT or ITL.
 
 Percentiles interpolate linearly between the closest ranks (numpy's default), so p50 of an even
 count is the mean of the middle two. Failed requests count in `num_errors` and in no latency.
@@ -44,6 +49,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each streamed chunk
     completion_tokens: int | None = None  # as the server reported it (usage)
     error: str | None = None
+    label: str = ""  # the request's class
 
     @property
     def ok(self) -> bool:
@@ -104,7 +110,12 @@ class Summary:
     e2e_p99: float | None
     itl_p50: float | None  # inter-chunk latency
     itl_p99: float | None
-    goodput_rps: float | None  # requests/s meeting both objectives, when objectives are given
+    goodput_rps: float | None  # requests/s meeting the objectives, when any is given
+    requests_per_s: float = 0.0  # successful requests / wall
+    ttft_p90: float | None = None
+    tpot_p90: float | None = None
+    e2e_p90: float | None = None
+    itl_p90: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,15 +125,17 @@ def _present(values: Sequence[float | None]) -> list[float]:
     return [v for v in values if v is not None]
 
 
-def meets_slo(record: RequestRecord, ttft_s: float, tpot_s: float) -> bool:
-    # A one-token output has no TPOT; it meets the TPOT objective trivially.
+def meets_slo(record: RequestRecord, ttft_s: float | None, tpot_s: float | None) -> bool:
+    """Succeeded and met each objective given. A one-token output has no TPOT and meets the
+    TPOT objective trivially; a request not streamed gets its first token with the response, so
+    its end-to-end latency stands for its TTFT."""
+    if not record.ok:
+        return False
+    ttft = record.ttft if record.ttft is not None else record.e2e
     tpot = record.tpot
-    return (
-        record.ok
-        and record.ttft is not None
-        and record.ttft <= ttft_s
-        and (tpot is None or tpot <= tpot_s)
-    )
+    ttft_met = ttft_s is None or (ttft is not None and ttft <= ttft_s)
+    tpot_met = tpot_s is None or tpot is None or tpot <= tpot_s
+    return ttft_met and tpot_met
 
 
 def summarize(
@@ -140,7 +153,7 @@ def summarize(
     e2es = _present([r.e2e for r in ok])
     gaps = [gap for r in ok for gap in r.chunk_gaps]
     goodput = None
-    if slo_ttft_s is not None and slo_tpot_s is not None and wall > 0:
+    if (slo_ttft_s is not None or slo_tpot_s is not None) and wall > 0:
         goodput = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in ok) / wall
     return Summary(
         num_requests=len(records),
@@ -158,7 +171,44 @@ def summarize(
         itl_p50=percentile(gaps, 50),
         itl_p99=percentile(gaps, 99),
         goodput_rps=goodput,
+        requests_per_s=len(ok) / wall if wall > 0 else 0.0,
+        ttft_p90=percentile(ttfts, 90),
+        tpot_p90=percentile(tpots, 90),
+        e2e_p90=percentile(e2es, 90),
+        itl_p90=percentile(gaps, 90),
     )
+
+
+def summarize_by_label(
+    records: Sequence[RequestRecord],
+    slo_ttft_s: float | None = None,
+    slo_tpot_s: float | None = None,
+) -> dict[str, Summary]:
+    """One summary per request class (its label), in order of first appearance."""
+    labels = list(dict.fromkeys(r.label for r in records))
+    return {
+        label: summarize([r for r in records if r.label == label], slo_ttft_s, slo_tpot_s)
+        for label in labels
+    }
+
+
+def token_timeline(records: Sequence[RequestRecord], bin_s: float = 1.0) -> list[list[float]]:
+    """[bin start, output tokens/s] over the run. A streamed request's tokens are spread evenly
+    over its chunks; a non-streamed one's land when it finished."""
+    if bin_s <= 0:
+        raise ValueError(f"bin_s must be > 0, got {bin_s}")
+    bins: dict[int, float] = {}
+    for record in records:
+        if not record.ok or not record.completion_tokens:
+            continue
+        times = record.chunk_times or [record.finish_time]
+        per_time = record.completion_tokens / len(times)
+        for t in times:
+            index = math.floor(t / bin_s)
+            bins[index] = bins.get(index, 0.0) + per_time
+    if not bins:
+        return []
+    return [[i * bin_s, bins.get(i, 0.0) / bin_s] for i in range(min(bins), max(bins) + 1)]
 
 
 @dataclass
@@ -188,10 +238,10 @@ def format_summary(summary: Summary) -> str:
     lines = [
         f"requests {s.num_ok}/{s.num_requests} ok ({s.num_errors} errors); "
         f"{s.output_tokens} output tokens in {s.wall_s:.2f} s = {s.output_tokens_per_s:.1f} tok/s",
-        f"TTFT ms p50 {_ms(s.ttft_p50)} p99 {_ms(s.ttft_p99)}   "
-        f"TPOT ms p50 {_ms(s.tpot_p50)} p99 {_ms(s.tpot_p99)}   "
-        f"e2e ms p50 {_ms(s.e2e_p50)} p99 {_ms(s.e2e_p99)}   "
-        f"inter-chunk ms p50 {_ms(s.itl_p50)} p99 {_ms(s.itl_p99)}",
+        f"TTFT ms p50 {_ms(s.ttft_p50)} p90 {_ms(s.ttft_p90)} p99 {_ms(s.ttft_p99)}   "
+        f"TPOT ms p50 {_ms(s.tpot_p50)} p90 {_ms(s.tpot_p90)} p99 {_ms(s.tpot_p99)}",
+        f"e2e ms p50 {_ms(s.e2e_p50)} p90 {_ms(s.e2e_p90)} p99 {_ms(s.e2e_p99)}   "
+        f"ITL ms p50 {_ms(s.itl_p50)} p90 {_ms(s.itl_p90)} p99 {_ms(s.itl_p99)}",
     ]
     if s.goodput_rps is not None:
         lines.append(f"goodput {s.goodput_rps:.2f} req/s")

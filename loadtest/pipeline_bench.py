@@ -2,7 +2,7 @@
 
 (a) transformers' `generate` with static batches (loadtest/baselines.py), (b) our engine
 in-process with continuous batching, (c) `tandem up --prefill 1 --decode 1` replayed over HTTP
-(loadtest/replay.py). Each runs alone, one after the other, with the models of the previous one
+(loadtest/client.py). Each runs alone, one after the other, with the models of the previous one
 freed; (a) and (b) use `--threads` torch threads, while `tandem up` splits the machine's cores
 between its workers. The table gives output tokens/s, the ratios to (a) and (b), and the latency
 percentiles of each (for (a), a request finishes only when its whole batch does).
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from loadtest.baselines import run_engine, run_static
+from loadtest.client import run_workload
 from loadtest.metrics import Result, Summary
-from loadtest.replay import replay
 from loadtest.served import tandem_up
 from loadtest.workload import WorkloadRequest, read_workload
 from shared.engine.engine import EngineConfig
@@ -74,7 +74,7 @@ def run_cluster(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -
     with tandem_up(1, 1, extra, args.ready_timeout) as cluster:
         print(f"cluster ready at {cluster.url} in {cluster.startup_s:.1f} s; replaying", flush=True)
         result = asyncio.run(
-            replay(
+            run_workload(
                 cluster.url,
                 served_name,
                 requests,

@@ -7,7 +7,7 @@ requests are short and a few are long, the shape of real traffic (the default: p
 
 A prompt is a window of exactly the target number of tokens cut from `corpus.txt` (natural
 English prose, read round and round), starting at a sentence start chosen by the seed. Its token
-ids are stored with it and are what the replay sends (the completions API takes a list of ids as
+ids are stored with it and are what `tandem bench` sends (the completions API takes a list of ids as
 `prompt`), so the server sees exactly the target length; the decoded text is kept for people and
 for text-only clients, and a generator check keeps its re-tokenized length within one token.
 
@@ -46,6 +46,8 @@ class WorkloadRequest:
     arrival_time: float  # seconds after the run starts
     prompt_token_ids: list[int] | None = None  # exact; sent instead of `prompt` when present
     ignore_eos: bool = True  # every request generates exactly max_tokens
+    label: str = ""  # its class in reports (chat, long, bulk, ...)
+    stream: bool = True  # streamed (latencies per token) or one response
 
     @property
     def num_prompt_tokens(self) -> int | None:
@@ -60,6 +62,10 @@ class WorkloadRequest:
         }
         if self.prompt_token_ids is not None:
             fields["prompt_token_ids"] = self.prompt_token_ids
+        if self.label:
+            fields["label"] = self.label
+        if not self.stream:
+            fields["stream"] = False
         return json.dumps(fields, ensure_ascii=False)
 
     @classmethod
@@ -72,6 +78,8 @@ class WorkloadRequest:
             arrival_time=float(data.get("arrival_time", 0.0)),
             prompt_token_ids=[int(t) for t in ids] if ids is not None else None,
             ignore_eos=bool(data.get("ignore_eos", True)),
+            label=str(data.get("label", "")),
+            stream=bool(data.get("stream", True)),
         )
 
 
@@ -82,9 +90,26 @@ def write_workload(path: str | Path, requests: Iterable[WorkloadRequest]) -> Non
             f.write(request.to_json() + "\n")
 
 
+class WorkloadError(ValueError):
+    """A workload file that cannot be read; the message names the line."""
+
+
 def read_workload(path: str | Path) -> list[WorkloadRequest]:
+    requests = []
     with open(path, encoding="utf-8") as f:
-        return [WorkloadRequest.from_json(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                request = WorkloadRequest.from_json(line)
+            except (ValueError, KeyError, TypeError) as error:
+                raise WorkloadError(f"{path}:{number}: {type(error).__name__}: {error}") from None
+            if request.max_tokens < 1 or request.arrival_time < 0:
+                raise WorkloadError(f"{path}:{number}: max_tokens must be >= 1, arrival_time >= 0")
+            requests.append(request)
+    if not requests:
+        raise WorkloadError(f"{path}: no requests")
+    return requests
 
 
 # --- random draws ------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "prefill": "services.prefill.service",
     "decode": "services.decode.service",
     "generate": "services.generate",
+    "top": "services.top",
+    "bench": "loadtest.bench",
 }
 HELPS = {
     "up": "start a whole local cluster (gateway, scheduler, prefill and decode workers)",
@@ -25,6 +27,8 @@ HELPS = {
     "prefill": "run a prefill worker",
     "decode": "run a decode worker",
     "generate": "generate text for one prompt with the in-process engine",
+    "top": "a live terminal view of a running cluster",
+    "bench": "benchmark any OpenAI-compatible server: latency percentiles, goodput, plots",
 }
 
 

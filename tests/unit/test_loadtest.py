@@ -1,5 +1,5 @@
 """Tests of the load-test tools without a model: workload generation (with a character-level
-fake tokenizer), the latency and throughput math on hand-made records, the replay against a fake
+fake tokenizer), the latency and throughput math on hand-made records, the client against a fake
 OpenAI streaming server in the same event loop, and the baselines' pure helpers."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from loadtest.baselines import StepTimes, _record_step, left_pad
+from loadtest.client import run_workload
 from loadtest.metrics import Clock, RequestRecord, percentile, summarize
-from loadtest.replay import replay
 from loadtest.served import free_port
 from loadtest.workload import (
     CORPUS_PATH,
@@ -192,7 +192,7 @@ def test_summary_of_nothing_finished():
     assert s.num_ok == 0 and s.output_tokens_per_s == 0.0 and s.ttft_p50 is None
 
 
-# --- replay against a fake server --------------------------------------------------------------
+# --- the client against a fake server ----------------------------------------------------------
 
 FIRST_TOKEN_S = 0.15
 TOKEN_GAP_S = 0.05
@@ -222,6 +222,18 @@ class FakeServer:
 
     async def answer(self, body: dict, writer: asyncio.StreamWriter) -> None:
         mode, num_tokens = body["prompt"][0], body["max_tokens"]
+        if not body["stream"]:
+            await asyncio.sleep(FIRST_TOKEN_S)
+            usage = {"prompt_tokens": 1, "completion_tokens": num_tokens}
+            text = json.dumps({"choices": [{"text": "t" * num_tokens}] if mode == 1 else [],
+                               "usage": usage}).encode()  # fmt: skip
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(text)).encode()
+                + b"\r\nConnection: close\r\n\r\n"
+                + text
+            )
+            return
         if mode == 2:
             writer.write(
                 b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\n"
@@ -247,24 +259,33 @@ class FakeServer:
         await writer.drain()
 
 
-def run_replay(requests: list[WorkloadRequest], **kwargs):
+def run_fake(requests: list[WorkloadRequest], **kwargs):
     async def main():
         fake = FakeServer()
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            result = await replay(f"http://127.0.0.1:{port}", "fake", requests, **kwargs)
+            result = await run_workload(f"http://127.0.0.1:{port}", "fake", requests, **kwargs)
         return result, fake
 
     return asyncio.run(main())
 
 
-def req(mode: int, max_tokens: int, arrival: float = 0.0) -> WorkloadRequest:
-    return WorkloadRequest("unused", max_tokens, arrival, [mode, 7, 7])
+def req(mode: int, max_tokens: int, arrival: float = 0.0, stream: bool = True) -> WorkloadRequest:
+    return WorkloadRequest("unused", max_tokens, arrival, [mode, 7, 7], stream=stream)
 
 
-def test_replay_measures_ttft_tpot_and_tokens():
-    result, fake = run_replay([req(1, 5), req(1, 1), req(1, 3, arrival=0.3)])
+def test_client_measures_a_response_that_is_not_streamed():
+    result, fake = run_fake([req(1, 4, stream=False), req(0, 4, stream=False)])
+    ok, empty = result.records
+    assert fake.bodies[0]["stream"] is False and "stream_options" not in fake.bodies[0]
+    assert ok.ok and ok.completion_tokens == 4 and ok.ttft is None and ok.tpot is None
+    assert ok.e2e == pytest.approx(FIRST_TOKEN_S, abs=0.1)
+    assert not empty.ok and "without choices" in empty.error
+
+
+def test_client_measures_ttft_tpot_and_tokens():
+    result, fake = run_fake([req(1, 5), req(1, 1), req(1, 3, arrival=0.3)])
     assert [r.error for r in result.records] == [None, None, None]
     assert [r.completion_tokens for r in result.records] == [5, 1, 3]
     first, one, late = result.records
@@ -281,9 +302,9 @@ def test_replay_measures_ttft_tpot_and_tokens():
     assert body["stream_options"] == {"include_usage": True}
 
 
-def test_replay_records_errors_without_raising():
+def test_client_records_errors_without_raising():
     requests = [req(2, 3), req(3, 3), req(4, 3), req(5, 3), req(1, 2)]
-    result, _ = run_replay(requests, timeout_s=1.0)
+    result, _ = run_fake(requests, timeout_s=1.0)
     errors = [r.error for r in result.records]
     assert "HTTP 500" in errors[0] and "boom" in errors[0]
     assert "completion_tokens 4 != max_tokens 3" in errors[1]
@@ -293,15 +314,15 @@ def test_replay_records_errors_without_raising():
     assert result.summary.num_errors == 4 and result.summary.output_tokens == 2
 
 
-def test_replay_global_deadline_cancels_what_is_left():
-    result, _ = run_replay([req(4, 3), req(1, 1)], deadline_s=0.5)
+def test_client_global_deadline_cancels_what_is_left():
+    result, _ = run_fake([req(4, 3), req(1, 1)], deadline_s=0.5)
     assert "global deadline" in result.records[0].error
     assert result.records[1].error is None
 
 
-def test_replay_to_a_closed_port_records_a_connection_error():
+def test_client_to_a_closed_port_records_a_connection_error():
     requests = [req(1, 2)]
-    result = asyncio.run(replay(f"http://127.0.0.1:{free_port()}", "fake", requests))
+    result = asyncio.run(run_workload(f"http://127.0.0.1:{free_port()}", "fake", requests))
     assert result.records[0].error and "Connect" in result.records[0].error
 
 

@@ -1,33 +1,30 @@
-"""Replays a workload against an OpenAI-compatible server and measures what its clients see.
+"""The HTTP client of `tandem bench` (and the other benchmarks): a workload against any
+OpenAI-compatible server, measured as its clients see it.
 
-Every request is a streamed `/v1/completions` call (greedy, `ignore_eos`, `stream_options:
-include_usage`), sent at its arrival time (or all at once) on its own connection, so that a slow
-request never queues another in the client. Each record notes when the request was sent, when
-each chunk of tokens arrived and when the stream ended; the final usage chunk gives the number of
-tokens, which must equal `max_tokens` since EOS is ignored. Anything that goes wrong (an HTTP
-error, an error event in the stream, a missing usage chunk, a wrong count, a timeout) is recorded
-on the request, never raised, so one bad request cannot hide the rest of the run.
+Every request is a `/v1/completions` call (greedy, `ignore_eos`), streamed with `stream_options:
+include_usage` unless the request says otherwise, sent at its arrival time (or all at once) on its
+own connection, so that a slow request never queues another in the client. Each record notes
+when the request was sent, when each chunk of tokens arrived and when it ended; the usage gives
+the number of tokens, which must equal `max_tokens` since EOS is ignored. Anything that goes
+wrong (an HTTP error, an error event in the stream, a missing usage, a wrong count, a timeout) is
+recorded on the request, never raised, so one bad request cannot hide the rest of the run.
 
 Bounded twice: `timeout_s` per request, and a global `deadline_s` after which every request still
 running is cancelled and recorded as such. Requests go only to the given base URL (no redirects,
 no proxies from the environment).
-
-    .venv/bin/python -m loadtest.replay --url http://127.0.0.1:8000 --model smollm2 \\
-        --workload loadtest/workloads/mixed64.jsonl [--burst] [--json out.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
 
-from loadtest.metrics import Clock, RequestRecord, Result, format_summary, summarize
-from loadtest.workload import WorkloadRequest, read_workload
+from loadtest.metrics import Clock, RequestRecord, Result, summarize
+from loadtest.workload import WorkloadRequest
 
 COMPLETIONS_PATH = "/v1/completions"
 MAX_ERROR_CHARS = 500
@@ -39,16 +36,18 @@ def request_body(
     prompt: Any = request.prompt
     if request.prompt_token_ids is not None and not send_text:
         prompt = request.prompt_token_ids  # exact: no tokenizer round trip on the server
-    return {
+    body = {
         **({"user": user} if user is not None else {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": request.max_tokens,
         "temperature": 0.0,
         "ignore_eos": request.ignore_eos,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": request.stream,
     }
+    if request.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
@@ -89,9 +88,19 @@ async def consume_stream(response: httpx.Response, record: RequestRecord, clock:
         raise StreamError("the stream ended without [DONE]")
 
 
+async def consume_response(response: httpx.Response, record: RequestRecord, clock: Clock) -> None:
+    body = json.loads(await response.aread())
+    record.finish_time = clock()
+    if not body.get("choices"):
+        raise StreamError(f"a response without choices: {json.dumps(body)[:MAX_ERROR_CHARS]}")
+    usage = body.get("usage") or {}
+    if "completion_tokens" in usage:
+        record.completion_tokens = int(usage["completion_tokens"])
+
+
 def check_counts(record: RequestRecord, request: WorkloadRequest) -> None:
     if record.completion_tokens is None:
-        raise StreamError("no usage chunk (stream_options.include_usage)")
+        raise StreamError("no usage (stream_options.include_usage for a stream)")
     if request.ignore_eos and record.completion_tokens != request.max_tokens:
         raise StreamError(
             f"completion_tokens {record.completion_tokens} != max_tokens {request.max_tokens}"
@@ -119,7 +128,10 @@ async def send_one(
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
                     raise StreamError(f"HTTP {response.status_code}: {text[:MAX_ERROR_CHARS]}")
-                await consume_stream(response, record, clock)
+                if request.stream:
+                    await consume_stream(response, record, clock)
+                else:
+                    await consume_response(response, record, clock)
         check_counts(record, request)
     except TimeoutError:
         record.error = f"timed out after {timeout_s:g} s"
@@ -127,7 +139,7 @@ async def send_one(
         record.error = f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
 
 
-async def replay(
+async def run_workload(
     url: str,
     model: str,
     requests: Sequence[WorkloadRequest],
@@ -138,10 +150,17 @@ async def replay(
     send_text: bool = False,
     slo_ttft_s: float | None = None,
     slo_tpot_s: float | None = None,
-    name: str = "replay",
+    name: str = "run",
+    on_done: Callable[[RequestRecord], None] | None = None,
+    clock: Clock | None = None,
 ) -> Result:
-    """Sends every request to `url` (the server's base URL) and returns the measured result."""
-    records = [RequestRecord(i, r.max_tokens, r.num_prompt_tokens) for i, r in enumerate(requests)]
+    """Sends every request to `url` (the server's base URL) and returns the measured result;
+    `on_done` hears of each request as it ends (a progress bar); `clock`: the run's time base
+    (default: starts now)."""
+    records = [
+        RequestRecord(i, r.max_tokens, r.num_prompt_tokens, label=r.label)
+        for i, r in enumerate(requests)
+    ]
     limits = httpx.Limits(max_connections=max(1, len(requests)), max_keepalive_connections=0)
     async with httpx.AsyncClient(
         base_url=url,
@@ -150,13 +169,15 @@ async def replay(
         limits=limits,
         timeout=httpx.Timeout(timeout_s),
     ) as client:
-        clock = Clock()
-        tasks = [
-            asyncio.create_task(
-                send_one(client, model, r, rec, clock, honor_arrivals, timeout_s, send_text)
-            )
-            for r, rec in zip(requests, records, strict=True)
-        ]
+        clock = clock or Clock()
+
+        async def one(request: WorkloadRequest, record: RequestRecord) -> None:
+            await send_one(client, model, request, record, clock, honor_arrivals, timeout_s,
+                           send_text)  # fmt: skip
+            if on_done is not None:
+                on_done(record)
+
+        tasks = [asyncio.create_task(one(r, rec)) for r, rec in zip(requests, records, strict=True)]
         _, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for task in pending:
             task.cancel()
@@ -167,43 +188,3 @@ async def replay(
     summary = summarize(records, slo_ttft_s, slo_tpot_s)
     extra = {"url": url, "model": model, "honor_arrivals": honor_arrivals}
     return Result(name, summary, records, extra)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--workload", default="loadtest/workloads/mixed64.jsonl")
-    parser.add_argument("--burst", action="store_true", help="send all at once, ignoring arrivals")
-    parser.add_argument("--send-text", action="store_true", help="send prompts as text, not ids")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    parser.add_argument("--deadline", type=float, default=3600.0, help="whole run, seconds")
-    parser.add_argument("--slo-ttft", type=float, default=None, help="goodput objective, seconds")
-    parser.add_argument("--slo-tpot", type=float, default=None, help="goodput objective, seconds")
-    parser.add_argument("--json", help="write the summary and per-request records here")
-    args = parser.parse_args(argv)
-    requests = read_workload(args.workload)
-    result = asyncio.run(
-        replay(
-            args.url,
-            args.model,
-            requests,
-            honor_arrivals=not args.burst,
-            timeout_s=args.timeout,
-            deadline_s=args.deadline,
-            send_text=args.send_text,
-            slo_ttft_s=args.slo_ttft,
-            slo_tpot_s=args.slo_tpot,
-        )
-    )
-    print(format_summary(result.summary))
-    for record in result.records:
-        if record.error:
-            print(f"request {record.index}: {record.error}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_dict(), f, indent=2)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,378 @@
+"""`tandem bench`: an open-loop benchmark client for any OpenAI-compatible server.
+
+A workload (a JSONL file, or a built-in generator: chat, long, bulk, mix) is sent as a burst, as
+a Poisson process at `--rate`, or once per rate of a `--sweep`, through `/v1/completions` with
+greedy decoding and EOS ignored (so every server generates the same number of tokens). Each run
+reports output and request throughput, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99,
+overall and per request class, and goodput under the `--slo-ttft`/`--slo-tpot` objectives.
+
+Results go to `--out`: `result.json` (settings, summaries, per-request records, timelines) and
+PNG plots: latency CDFs per class, output tokens/s over time, and, when the server is tandem
+(its `/ready` lists workers), the decode batch occupancy over time (each decode step's batch
+size, as the workers' heartbeats report it): continuous batching at work, requests joining and
+leaving. `--compare A.json B.json ...` lays finished results side by side in a table and a plot.
+
+    tandem bench --url http://127.0.0.1:8000 --generator mix --num 64 --rate 4 --out out/mix
+    tandem bench --workload loadtest/workloads/mixed64.jsonl --sweep 1,2,4 --slo-ttft 2
+    tandem bench --compare out/a/result.json out/b/result.json --out out/a-vs-b
+
+Traffic goes only to `--url`; every request is bounded by `--timeout` and the run by
+`--deadline`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.client import run_workload
+from loadtest.generators import GENERATORS, generate, with_arrivals
+from loadtest.metrics import (
+    Clock,
+    Result,
+    format_summary,
+    summarize_by_label,
+    token_timeline,
+)
+from loadtest.workload import WorkloadError, WorkloadRequest, read_workload
+
+RESULT_VERSION = 1
+SUMMARY_FIELDS = (
+    ("requests ok", "num_ok", "{:.0f}"),
+    ("errors", "num_errors", "{:.0f}"),
+    ("output tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("requests/s", "requests_per_s", "{:.2f}"),
+    ("goodput req/s", "goodput_rps", "{:.2f}"),
+    ("TTFT p50 ms", "ttft_p50", "ms"),
+    ("TTFT p90 ms", "ttft_p90", "ms"),
+    ("TTFT p99 ms", "ttft_p99", "ms"),
+    ("TPOT p50 ms", "tpot_p50", "ms"),
+    ("TPOT p90 ms", "tpot_p90", "ms"),
+    ("TPOT p99 ms", "tpot_p99", "ms"),
+    ("ITL p50 ms", "itl_p50", "ms"),
+    ("ITL p99 ms", "itl_p99", "ms"),
+    ("e2e p50 ms", "e2e_p50", "ms"),
+    ("e2e p99 ms", "e2e_p99", "ms"),
+)
+
+
+class BenchError(ValueError):
+    """Settings the bench refuses; the message says which and why."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--model", default="smollm2", help="the `model` field of each request")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--workload", help="a JSONL workload file (see loadtest/workload.py)")
+    source.add_argument(
+        "--generator", choices=GENERATORS, help="a built-in workload (default: mix)"
+    )
+    parser.add_argument("--num", type=int, default=64, help="requests a generator makes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default="smollm2", help="whose tokens the generator uses")
+    arrivals = parser.add_mutually_exclusive_group()
+    arrivals.add_argument("--burst", action="store_true", help="every request at once")
+    arrivals.add_argument("--rate", type=float, help="Poisson arrivals, requests per second")
+    arrivals.add_argument("--sweep", help="comma-separated rates: one run per rate")
+    parser.add_argument("--slo-ttft", type=float, help="goodput objective: TTFT, seconds")
+    parser.add_argument("--slo-tpot", type=float, help="goodput objective: TPOT, seconds")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    parser.add_argument("--deadline", type=float, default=3600.0, help="per run, seconds")
+    parser.add_argument("--send-text", action="store_true", help="prompts as text, not token ids")
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="tandem /ready polling")
+    parser.add_argument("--name", help="the result's name in comparisons (default: --out's)")
+    parser.add_argument("--out", default="bench-results", help="folder for result.json and PNGs")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--compare", nargs="+", metavar="RESULT", help="result.json files")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.compare:
+            return compare(args)
+        return bench(args)
+    except (BenchError, WorkloadError) as error:
+        print(f"tandem bench: {error}", file=sys.stderr)
+        return 2
+
+
+# -- one benchmark ------------------------------------------------------------------------------
+
+
+def rates_of(args: argparse.Namespace) -> list[float | None]:
+    """The runs' rates: None is a burst, or the file's own arrival times for --workload."""
+    if args.sweep is not None:
+        try:
+            rates = [float(part) for part in args.sweep.split(",") if part.strip()]
+        except ValueError:
+            raise BenchError(f"--sweep takes rates like 1,2,4; got {args.sweep!r}") from None
+        if not rates or any(rate <= 0 for rate in rates):
+            raise BenchError(f"--sweep rates must be > 0; got {args.sweep!r}")
+        return rates
+    if args.rate is not None and args.rate <= 0:
+        raise BenchError(f"--rate must be > 0; got {args.rate}")
+    return [args.rate]
+
+
+def check_settings(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--num", args.num),
+        ("--timeout", args.timeout),
+        ("--deadline", args.deadline),
+        ("--poll-interval", args.poll_interval),
+        ("--slo-ttft", args.slo_ttft),
+        ("--slo-tpot", args.slo_tpot),
+    ):
+        if value is not None and value <= 0:
+            raise BenchError(f"{flag} must be > 0; got {value}")
+    if not args.url.startswith(("http://", "https://")):
+        raise BenchError(f"--url must be an http(s) URL; got {args.url!r}")
+
+
+def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
+    if args.workload:
+        return read_workload(args.workload)
+    from transformers import AutoTokenizer
+
+    from shared.engine.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.tokenizer)[0])
+    return generate(tokenizer, args.generator or "mix", args.num, args.seed)
+
+
+def bench(args: argparse.Namespace) -> int:
+    check_settings(args)
+    rates = rates_of(args)
+    requests = load_requests(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for rate in rates:
+        arrivals, timed = arrivals_for(args, requests, rate)
+        runs.append({"arrivals": arrivals, **asyncio.run(one_run(args, timed, rate))})
+        print(describe_run(runs[-1]), flush=True)
+    result = {
+        "tool": "tandem bench",
+        "version": RESULT_VERSION,
+        "name": args.name or out.name,
+        "url": args.url,
+        "model": args.model,
+        "workload": args.workload or f"generator:{args.generator or 'mix'}",
+        "num_requests": len(requests),
+        "seed": args.seed,
+        "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "runs": runs,
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    written = [] if args.no_plots else plot_result(result, out)
+    print(f"wrote {out / 'result.json'}" + "".join(f", {p}" for p in written))
+    return 0 if all(run["summary"]["num_errors"] == 0 for run in runs) else 1
+
+
+def arrivals_for(
+    args: argparse.Namespace, requests: list[WorkloadRequest], rate: float | None
+) -> tuple[str, list[WorkloadRequest]]:
+    if rate is None and args.workload and not args.burst:
+        return "file", requests  # the workload's own arrival times
+    return ("burst" if rate is None else "poisson"), with_arrivals(requests, rate, args.seed)
+
+
+async def one_run(
+    args: argparse.Namespace, requests: list[WorkloadRequest], rate: float | None
+) -> dict[str, Any]:
+    clock = Clock()
+    sampler = BatchSampler(args.url, args.poll_interval, clock)
+    poller = asyncio.create_task(sampler.run())
+    with progress_bar(len(requests), f"rate {rate:g}/s" if rate else "burst") as advance:
+        result: Result = await run_workload(
+            args.url,
+            args.model,
+            requests,
+            honor_arrivals=True,
+            timeout_s=args.timeout,
+            deadline_s=args.deadline,
+            send_text=args.send_text,
+            slo_ttft_s=args.slo_ttft,
+            slo_tpot_s=args.slo_tpot,
+            on_done=lambda _: advance(),
+            clock=clock,
+        )
+    if sampler.samples:  # tandem: the last steps' heartbeat reaches /ready within a second
+        await asyncio.sleep(max(1.0, 2 * args.poll_interval))
+    poller.cancel()
+    await asyncio.gather(poller, return_exceptions=True)
+    classes = summarize_by_label(result.records, args.slo_ttft, args.slo_tpot)
+    return {
+        "rate": rate,
+        "summary": result.summary.to_dict(),
+        "classes": {label or "all": s.to_dict() for label, s in classes.items()},
+        "throughput": token_timeline(result.records),
+        "batch": sampler.samples,
+        "records": [r.to_dict() for r in result.records],
+    }
+
+
+def progress_bar(total: int, description: str):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    progress = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    )
+    return _Bar(progress, total, description)
+
+
+@dataclass
+class _Bar:
+    progress: Any
+    total: int
+    description: str
+
+    def __enter__(self):
+        self.progress.start()
+        task = self.progress.add_task(self.description, total=self.total)
+        return lambda: self.progress.advance(task)
+
+    def __exit__(self, *_: object) -> None:
+        self.progress.stop()
+
+
+@dataclass
+class BatchSampler:
+    """Polls tandem's /ready for each decode worker's recent step batch sizes. A heartbeat's
+    sizes are taken once (by its step count) and spread over the time since the last sample.
+    Against a server without tandem's /ready, it finds nothing and stops."""
+
+    url: str
+    interval_s: float
+    clock: Clock
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    _last: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(base_url=self.url, trust_env=False, timeout=2.0) as client:
+            while True:
+                try:
+                    workers = (await client.get("/ready")).json().get("workers")
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    workers = None
+                if workers is None and not self.samples:
+                    return  # not tandem (or not up): no batch picture
+                self.take(workers or [], self.clock())
+                await asyncio.sleep(self.interval_s)
+
+    def take(self, workers: list[dict[str, Any]], now: float) -> None:
+        for worker in workers:
+            if worker.get("role") != "decode":
+                continue
+            peer, steps = worker["peer_id"], worker["steps_completed"]
+            last_steps, last_time = self._last.get(peer, (None, now - self.interval_s))
+            self._last[peer] = (steps, now)
+            # No step since the last look: the worker was idle (an empty batch), not busy.
+            sizes = (
+                [s for s in worker["recent_batch_sizes"] if s > 0] if steps != last_steps else []
+            )
+            self.samples.append({"peer": peer, "t0": last_time, "t1": now, "sizes": sizes or [0]})
+
+
+def describe_run(run: dict[str, Any]) -> str:
+    from loadtest.metrics import Summary
+
+    head = run["arrivals"] if run["rate"] is None else f"rate {run['rate']:g} req/s"
+    lines = [f"== {head}", format_summary(Summary(**run["summary"]))]
+    if len(run["classes"]) > 1:
+        for label, summary in run["classes"].items():
+            lines.append(f"-- {label}: " + format_summary(Summary(**summary)).replace("\n", "; "))
+    return "\n".join(lines)
+
+
+def plot_result(result: dict[str, Any], out: Path) -> list[Path]:
+    from loadtest import plots
+
+    written = []
+    for index, run in enumerate(result["runs"]):
+        suffix = "" if len(result["runs"]) == 1 else f"-{index}"
+        written.append(plots.latency_cdfs(run, out / f"latency_cdf{suffix}.png"))
+        written.append(plots.throughput(run, out / f"throughput{suffix}.png"))
+        if run["batch"]:
+            written.append(plots.batch_occupancy(run, out / f"batch{suffix}.png"))
+    if len(result["runs"]) > 1:
+        written.append(plots.sweep(result, out / "sweep.png"))
+    return written
+
+
+# -- comparison ---------------------------------------------------------------------------------
+
+
+def load_result(path: str) -> dict[str, Any]:
+    try:
+        result = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise BenchError(f"{path}: cannot read a result: {error}") from None
+    if not isinstance(result, dict) or result.get("tool") != "tandem bench":
+        raise BenchError(f"{path}: not a `tandem bench` result.json")
+    if result.get("version") != RESULT_VERSION:
+        raise BenchError(f"{path}: result version {result.get('version')} != {RESULT_VERSION}")
+    return result
+
+
+def compared_runs(results: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(column name, run) for every run of every result."""
+    columns = []
+    for result in results:
+        for run in result["runs"]:
+            name = result["name"]
+            if len(result["runs"]) > 1:
+                name += f" @{run['rate']:g}/s" if run["rate"] else " burst"
+            columns.append((name, run))
+    return columns
+
+
+def compare_table(columns: list[tuple[str, dict[str, Any]]]) -> str:
+    width = max(14, *(len(name) + 2 for name, _ in columns))
+    lines = ["metric".ljust(16) + "".join(name.rjust(width) for name, _ in columns)]
+    for label, key, fmt in SUMMARY_FIELDS:
+        cells = []
+        for _, run in columns:
+            value = run["summary"].get(key)
+            if value is None:
+                cells.append("-")
+            elif fmt == "ms":
+                cells.append(f"{value * 1e3:.0f}")
+            else:
+                cells.append(fmt.format(value))
+        lines.append(label.ljust(16) + "".join(cell.rjust(width) for cell in cells))
+    return "\n".join(lines)
+
+
+def compare(args: argparse.Namespace) -> int:
+    if len(args.compare) < 2:
+        raise BenchError("--compare needs two or more result.json files")
+    columns = compared_runs([load_result(path) for path in args.compare])
+    table = compare_table(columns)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.txt").write_text(table + "\n")
+    written = [out / "compare.txt"]
+    if not args.no_plots:
+        from loadtest import plots
+
+        written.append(plots.compare(columns, out / "compare.png"))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

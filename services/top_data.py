@@ -1,0 +1,130 @@
+"""`tandem top`'s data: snapshots of the gateway's /ready and /metrics, and the figures that
+need more than one of them.
+
+Two figures need more than one snapshot. Tokens per second is the increase of the token counters
+between the last two refreshes over the time between them, counted per labelled series so that a
+restarted peer (its counter back to zero) cannot make the rate negative. The running batch of a
+decode worker is a history built across refreshes: a heartbeat carries the batch size of each step
+since the previous heartbeat together with the worker's step count, so the steps new since the last
+refresh are the last (count difference) of those sizes. When two heartbeats came between two
+refreshes, the earlier one's steps are no longer in /ready and are missed, so the history is a
+sample; at an interval under the heartbeat period (0.5 s) it is complete.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+GENERATED = "tandem:generation_tokens_total"  # tokens the gateway streamed to clients
+PREFILLED = "tandem:prefill_tokens_total"  # prompt tokens the prefill workers ran
+RATE_METRICS = (GENERATED, PREFILLED)
+HISTORY_STEPS = 40  # decode steps kept, drawn and averaged per worker (fits 80 columns)
+
+
+# ---- fetching ----------------------------------------------------------------------------------
+
+Counters = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, labels) -> value
+
+
+@dataclass
+class Snapshot:
+    """One refresh's data; `error` set (and the rest empty) when the gateway could not be read."""
+
+    at: float  # time.monotonic() when fetched
+    ready: dict[str, Any] = field(default_factory=dict)
+    counters: Counters | None = None  # None when /metrics failed: rates unknown, the rest drawn
+    error: str | None = None
+
+
+def parse_counters(text: str, names: Iterable[str] = RATE_METRICS) -> Counters:
+    wanted = set(names)
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in wanted
+    }
+
+
+def fetch(client: httpx.Client, url: str) -> Snapshot:
+    at = time.monotonic()
+    try:
+        response = client.get(url + "/ready")
+        if response.status_code not in (200, 503):  # 503: not ready, same body
+            return Snapshot(
+                at, error=f"/ready answered {response.status_code}; not a tandem gateway?"
+            )
+        ready = response.json()
+        if not isinstance(ready, dict):
+            return Snapshot(at, error="/ready answered JSON that is not an object")
+    except (httpx.HTTPError, ValueError) as error:
+        return Snapshot(at, error=_describe(error))
+    try:
+        metrics = client.get(url + "/metrics")
+        metrics.raise_for_status()
+        counters = parse_counters(metrics.text)
+    except (httpx.HTTPError, ValueError):
+        counters = None
+    return Snapshot(at, ready=ready, counters=counters)
+
+
+def _describe(error: Exception) -> str:
+    detail = str(error)
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+
+
+# ---- figures across refreshes ------------------------------------------------------------------
+
+
+def increase(before: Counters, after: Counters, name: str) -> float:
+    """The increase of one counter summed over its series; a series that went down restarted."""
+    total = 0.0
+    for key, value in after.items():
+        if key[0] == name and key in before:
+            total += value - before[key] if value >= before[key] else value
+    return total
+
+
+def token_rates(before: Snapshot | None, after: Snapshot) -> dict[str, float | None]:
+    """Tokens per second, generated and prefilled; None without two readable snapshots."""
+    seconds = after.at - before.at if before is not None else 0.0
+    if before is None or before.counters is None or after.counters is None or seconds <= 0:
+        return {name: None for name in RATE_METRICS}
+    return {
+        name: increase(before.counters, after.counters, name) / seconds for name in RATE_METRICS
+    }
+
+
+class BatchHistory:
+    """Each decode worker's running batch size per step, over its recent steps."""
+
+    def __init__(self, max_steps: int = HISTORY_STEPS) -> None:
+        self.sizes: dict[str, deque[int]] = {}
+        self._steps: dict[str, int] = {}
+        self._max_steps = max_steps
+
+    def observe(self, workers: Iterable[Mapping[str, Any]]) -> None:
+        for worker in workers:
+            if worker.get("role") == "decode" and "peer_id" in worker:
+                self._observe_one(worker)
+
+    def _observe_one(self, worker: Mapping[str, Any]) -> None:
+        peer = worker["peer_id"]
+        steps = int(worker.get("steps_completed") or 0)
+        recent = list(worker.get("recent_batch_sizes") or [])
+        history = self.sizes.setdefault(peer, deque(maxlen=self._max_steps))
+        last = self._steps.get(peer)
+        if last is None or steps < last:  # first seen, or restarted: its last heartbeat's steps
+            history.clear()
+            new = recent
+        else:
+            new = recent[len(recent) - min(steps - last, len(recent)) :]
+        history.extend(new)
+        self._steps[peer] = steps
