@@ -2,7 +2,9 @@
 
 One scheduler, one gateway, N prefill and M decode workers, talking over ipc:// sockets in a
 private run directory. The machine's cores are split between the workers (torch threads). Each
-child's log lines are streamed with its name in front. Ctrl-C or SIGTERM stops the children
+child's log lines are streamed with its name in front. A child that dies is started again (it
+registers anew; the requests it held are resumed elsewhere), up to `MAX_RESTARTS` times each.
+Ctrl-C or SIGTERM stops the children
 (SIGTERM, then SIGKILL after a grace period) and removes the run directory; the children also get
 SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG), so no orphan survives it.
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
 
 PR_SET_PDEATHSIG = 1
+MAX_RESTARTS = 5  # per child; past it the child is taken as broken and the cluster stops
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass
 class Child:
     name: str
+    argv: list[str]
     process: subprocess.Popen
     log_thread: threading.Thread | None = None
+    restarts: int = 0
 
 
 @dataclass
@@ -133,20 +138,44 @@ class LocalCluster:
         self._spawn("gateway", gateway)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
+        child = Child(name, argv, self._popen(argv))
+        self._pump_logs(child)
+        self.children.append(child)
+
+    def _popen(self, argv: list[str]) -> subprocess.Popen:
         # Children write to a pipe, not a terminal: say which format the person at this end wants.
         fmt = os.environ.get("TANDEM_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
         env = dict(os.environ, TANDEM_LOG_FORMAT=fmt)
-        process = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "services.cli", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
             preexec_fn=_die_with_parent,
         )
-        child = Child(name, process)
+
+    def _pump_logs(self, child: Child) -> None:
         child.log_thread = threading.Thread(target=self._pump, args=(child,), daemon=True)
         child.log_thread.start()
-        self.children.append(child)
+
+    def restart_dead(self) -> list[str]:
+        """Starts every dead child again; returns the names of those past `MAX_RESTARTS`."""
+        broken = []
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                continue
+            if child.restarts >= MAX_RESTARTS:
+                broken.append(child.name)
+                continue
+            child.restarts += 1
+            sys.stderr.write(
+                f"tandem up: {child.name} exited with {code}; starting it again "
+                f"({child.restarts}/{MAX_RESTARTS})\n"
+            )
+            child.process = self._popen(child.argv)
+            self._pump_logs(child)
+        return broken
 
     def _pump(self, child: Child) -> None:
         assert child.process.stdout is not None
@@ -175,9 +204,6 @@ class LocalCluster:
             ready.get("prefill_workers", 0) >= self.args.prefill
             and ready.get("decode_workers", 0) >= self.args.decode
         )
-
-    def dead_children(self) -> list[str]:
-        return [c.name for c in self.children if c.process.poll() is not None]
 
     def stop(self, grace_s: float = 10.0) -> None:
         for child in self.children:
@@ -213,9 +239,12 @@ def run(args: argparse.Namespace) -> int:
         cluster.wait_ready(args.ready_timeout)
         print(_banner(cluster), flush=True)
         while not stopping.wait(0.5):
-            dead = cluster.dead_children()
-            if dead:
-                print(f"tandem up: {', '.join(dead)} exited; stopping the cluster", file=sys.stderr)
+            broken = cluster.restart_dead()
+            if broken:
+                print(
+                    f"tandem up: {', '.join(broken)} kept exiting; stopping the cluster",
+                    file=sys.stderr,
+                )
                 return 1
         return 0
     except (RuntimeError, TimeoutError) as error:

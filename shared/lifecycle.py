@@ -88,6 +88,9 @@ class GatewayEvents(_Events):
         self.errors = self.counter(
             "request_errors", "Requests refused or failed, by HTTP status", ("status",)
         )
+        self.resumptions = self.counter(
+            "requests_resumed", "Requests resumed on other workers after theirs was lost"
+        )
         self.peer_scrape_up = self.gauge(
             "peer_scrape_up", "Whether the last /metrics scrape of a peer answered", ("target",)
         )
@@ -134,6 +137,16 @@ class GatewayEvents(_Events):
             finish_reason=finish_reason,
             output_tokens=trace.num_output_tokens,
             latency_s=round(latency, 4),
+        )
+
+    def resumed(self, request_id: str, attempt_id: str, num_tokens: int, reason: str) -> None:
+        self.resumptions.inc()
+        self.log.warning(
+            "request resumed",
+            request_id=request_id,
+            attempt=attempt_id,
+            tokens_kept=num_tokens,
+            reason=reason,
         )
 
     def failed(self, trace: ChoiceTrace | None, request_id: str, status: int, error: str) -> None:

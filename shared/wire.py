@@ -158,7 +158,9 @@ class TokenDelta:
     logprobs: list[float] | None = None  # per new token the chosen token's logprob, if asked
     # per new token its top-n (token id, logprob), best first, if asked with logprobs >= 1
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the request's last delta
+    # "stop", "length" or "abort" on the request's last delta; "lost" when the worker holding
+    # it is gone (its gateway resumes it elsewhere from the tokens it has, or fails it).
+    finish_reason: str | None = None
     error: str | None = None  # set when the request failed; the gateway answers with it
 
 
@@ -238,6 +240,10 @@ class Submit(Message):
     priority: int  # larger is more urgent
     gateway_peer_id: str  # the gateway to stream tokens to (its HELLO gave the address)
     arrival_time: float  # gateway's wall clock when the request arrived, seconds
+    # A resumed request (its worker was lost): the tokens its client already has, prefilled
+    # after the prompt, and the attempt it continues (admitted already: not refused for load).
+    output_token_ids: TokenIds = field(default_factory=list)
+    resumed_from: RequestId | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -412,6 +418,7 @@ class RpcRequest(Message):
     kind: Literal["completion", "chat"]  # /v1/completions or /v1/chat/completions
     body: JsonText  # the HTTP API's request body, as JSON text
     stream: bool  # chunks as they come, or one response; the body's `stream` must agree
+    api_key: Annotated[str, MaxLen(256)] | None = None  # when the gateway has keys: one of them
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

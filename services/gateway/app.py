@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.federation import cluster_metrics
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
@@ -30,12 +31,21 @@ def error_response(error: ApiError) -> JSONResponse:
     retry_after = getattr(error, "retry_after_s", None)
     if retry_after is not None:
         headers["Retry-After"] = str(max(1, round(retry_after)))
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastAPI:
+def build_app(
+    generator: Generator, max_body_bytes: int, keys: ApiKeys | None = None, lifespan=None
+) -> FastAPI:
     app = FastAPI(title="tandem", lifespan=lifespan)
     model = generator.model_name
+    keys = keys or ApiKeys({})
+
+    def tenant(request: Request, generation: Generation) -> str:
+        caller = keys.check_header(request.headers.get("authorization"))
+        return tenant_of(caller, generation.request.user)
 
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -103,7 +113,8 @@ def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastA
         return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        keys.check_header(request.headers.get("authorization"))
         entry = {
             "id": model,
             "object": "model",
@@ -115,15 +126,19 @@ def build_app(generator: Generator, max_body_bytes: int, lifespan=None) -> FastA
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        keys.check_header(request.headers.get("authorization"))  # before reading the body
         body = await _read_json(request, max_body_bytes)
         parsed = parse_completion_request(body, model, generator.max_model_len)
-        return await _serve(request, generator, generator.prepare(parsed, "cmpl"))
+        generation = generator.prepare(parsed, "cmpl")
+        return await _serve(request, generator, generation, tenant(request, generation))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        keys.check_header(request.headers.get("authorization"))
         body = await _read_json(request, max_body_bytes)
         parsed = parse_chat_request(body, model, generator.max_model_len)
-        return await _serve(request, generator, generator.prepare(parsed, "chatcmpl"))
+        generation = generator.prepare(parsed, "chatcmpl")
+        return await _serve(request, generator, generation, tenant(request, generation))
 
     return app
 
@@ -143,12 +158,10 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
         raise ApiError(400, f"the body is not valid JSON: {error}") from None
 
 
-def _tenant(request: Request, generation: Generation) -> str:
-    return generation.request.user or "default"
-
-
-async def _serve(request: Request, generator: Generator, generation: Generation) -> Response:
-    events = generator.events(generation, _tenant(request, generation))
+async def _serve(
+    request: Request, generator: Generator, generation: Generation, tenant: str
+) -> Response:
+    events = generator.events(generation, tenant)
     if generation.request.stream:
         first = await _first_event(events)  # refusals (429, 503) still answer with a status
         return StreamingResponse(_sse(generation, first, events), media_type="text/event-stream")

@@ -4,11 +4,20 @@ Two sockets: a DEALER to the scheduler (HELLO, SUBMIT and its reply, CANCEL, clu
 errors for requests the scheduler had to fail) and a PULL bound at the gateway's stream address,
 where workers push TOKENS. Each in-flight request has an asyncio queue its HTTP or RPC handler
 reads. If the scheduler's status messages stop (it restarted), the gateway says HELLO again.
+
+A request whose worker was lost comes back from the scheduler as a delta with finish reason
+"lost". The gateway alone knows which tokens reached the handler, so it resumes the request: a
+new attempt (id `<id>~<n>`) with those tokens prefilled after the prompt, on whatever workers
+the scheduler picks. The handler's queue goes on as if nothing happened: no token repeated, none
+skipped (deltas of an abandoned attempt are dropped by their id). Greedy output is unchanged; a
+sampled one continues from a fresh generator. After `MAX_RESUMES` attempts, or when no worker
+can take it, the handler gets an error delta naming why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +25,10 @@ import zmq
 import zmq.asyncio
 
 from shared import wire
+from shared.lifecycle import GatewayEvents
 from shared.logs import get_logger
+
+MAX_RESUMES = 3  # attempts after the first, per request
 
 
 class SubmitRefused(Exception):
@@ -25,6 +37,17 @@ class SubmitRefused(Exception):
         self.status_code = status_code
         self.message = message
         self.retry_after_s = retry_after_s
+
+
+@dataclass
+class InFlight:
+    """A request as its handler knows it (by its first id), and the attempt now running it."""
+
+    submit: wire.Submit  # the first attempt
+    queue: asyncio.Queue
+    attempt_id: str
+    token_ids: list[int] = field(default_factory=list)  # every token handed to the handler
+    num_resumes: int = 0
 
 
 @dataclass
@@ -53,6 +76,7 @@ class ClusterClient:
         stream_address: str,
         peer_id: str,
         model: str,
+        telemetry: GatewayEvents,
         status_timeout_s: float = 3.0,
     ):
         self.scheduler_address = scheduler_address
@@ -63,9 +87,12 @@ class ClusterClient:
         self.status_timeout_s = status_timeout_s
         self.view = ClusterView()
         self.log = get_logger(peer_id=peer_id)
-        self._streams: dict[str, asyncio.Queue[wire.TokenDelta]] = {}
+        self.telemetry = telemetry
+        self._requests: dict[str, InFlight] = {}  # by first id
+        self._attempts: dict[str, str] = {}  # attempt id -> first id
         self._replies: dict[str, asyncio.Future[wire.SubmitReply]] = {}
         self._tasks: list[asyncio.Task] = []
+        self._resumes: set[asyncio.Task] = set()  # held so they are not collected mid-flight
 
     async def start(self) -> None:
         self.context = zmq.asyncio.Context()
@@ -117,33 +144,76 @@ class ClusterClient:
 
     async def submit(self, submit: wire.Submit, timeout_s: float = 10.0) -> asyncio.Queue:
         """Queues a request; returns the queue its TokenDeltas arrive on. Raises SubmitRefused."""
-        queue: asyncio.Queue[wire.TokenDelta] = asyncio.Queue()
-        self._streams[submit.request_id] = queue
+        request_id = submit.request_id
+        inflight = InFlight(submit, asyncio.Queue(), request_id)
+        self._requests[request_id] = inflight
+        self._attempts[request_id] = request_id
+        try:
+            await self._send_submit(submit, timeout_s)
+        except BaseException:
+            self._drop(request_id)
+            raise
+        return inflight.queue
+
+    async def _send_submit(self, submit: wire.Submit, timeout_s: float) -> None:
         reply_future = asyncio.get_running_loop().create_future()
         self._replies[submit.request_id] = reply_future
         try:
             await wire.async_send(self.scheduler, submit)
             reply = await asyncio.wait_for(reply_future, timeout_s)
         except TimeoutError:
-            self._streams.pop(submit.request_id, None)
             raise SubmitRefused(503, "the scheduler did not answer", 1.0) from None
-        except BaseException:
-            self._streams.pop(submit.request_id, None)
-            raise
         finally:
             self._replies.pop(submit.request_id, None)
         if not reply.accepted:
-            self._streams.pop(submit.request_id, None)
             raise SubmitRefused(reply.status_code, reply.message or "refused", reply.retry_after_s)
-        return queue
 
     async def cancel(self, request_id: str, reason: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            await wire.async_send(self.scheduler, wire.Cancel(request_id=request_id, reason=reason))
+        inflight = self._drop(request_id)
+        if inflight is not None:
+            cancel = wire.Cancel(request_id=inflight.attempt_id, reason=reason)
+            await wire.async_send(self.scheduler, cancel)
 
     def finished(self, request_id: str) -> None:
         """The handler saw the last delta; later deltas (none expected) are dropped."""
-        self._streams.pop(request_id, None)
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> InFlight | None:
+        inflight = self._requests.pop(request_id, None)
+        if inflight is not None:
+            self._attempts.pop(inflight.attempt_id, None)
+        return inflight
+
+    # -- resuming a request whose worker was lost -----------------------------------------------
+
+    async def _resume(self, inflight: InFlight, reason: str) -> None:
+        first_id = inflight.submit.request_id
+        if inflight.num_resumes >= MAX_RESUMES:
+            self._fail(inflight, f"{reason}; given up after {MAX_RESUMES} resumptions")
+            return
+        inflight.num_resumes += 1
+        previous, attempt_id = inflight.attempt_id, f"{first_id}~{inflight.num_resumes}"
+        inflight.attempt_id = attempt_id
+        self._attempts[attempt_id] = first_id
+        submit = dataclasses.replace(
+            inflight.submit,
+            request_id=attempt_id,
+            output_token_ids=list(inflight.token_ids),
+            resumed_from=previous,
+            arrival_time=time.time(),
+        )
+        self.telemetry.resumed(first_id, attempt_id, len(inflight.token_ids), reason)
+        try:
+            await self._send_submit(submit, timeout_s=10.0)
+        except SubmitRefused as refused:
+            self._fail(inflight, f"{reason}; could not resume it: {refused.message}")
+
+    def _fail(self, inflight: InFlight, error: str) -> None:
+        if self._requests.get(inflight.submit.request_id) is inflight:
+            delta = wire.TokenDelta(
+                request_id=inflight.attempt_id, token_ids=[], finish_reason="error", error=error
+            )
+            inflight.queue.put_nowait(delta)
 
     # -- readers ------------------------------------------------------------------------------
 
@@ -200,9 +270,18 @@ class ClusterClient:
 
     def _route(self, tokens: wire.Tokens) -> None:
         for delta in tokens.deltas:
-            queue = self._streams.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
+            first_id = self._attempts.get(delta.request_id)
+            inflight = self._requests.get(first_id) if first_id is not None else None
+            if inflight is None or inflight.attempt_id != delta.request_id:
+                continue  # finished, cancelled, or an abandoned attempt
+            if delta.finish_reason == "lost":
+                del self._attempts[delta.request_id]  # its late deltas are dropped from now on
+                task = asyncio.create_task(self._resume(inflight, delta.error or "worker lost"))
+                self._resumes.add(task)
+                task.add_done_callback(self._resumes.discard)
+                continue
+            inflight.token_ids.extend(delta.token_ids)
+            inflight.queue.put_nowait(delta)
 
     async def _watch_scheduler(self) -> None:
         """Says HELLO again whenever the scheduler's status goes quiet (it may have restarted)."""

@@ -29,6 +29,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
 from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
@@ -51,7 +52,14 @@ class _ClientGone(Exception):
 
 
 class RpcServer:
-    def __init__(self, generator: Generator, address: str, max_body_bytes: int = 8 << 20):
+    def __init__(
+        self,
+        generator: Generator,
+        address: str,
+        max_body_bytes: int = 8 << 20,
+        keys: ApiKeys | None = None,
+    ):
+        self.keys = keys or ApiKeys({})
         self.generator = generator
         self.address = address
         self.max_body_bytes = max_body_bytes
@@ -137,8 +145,9 @@ class RpcServer:
     async def _run_call(self, identity: bytes, request: wire.RpcRequest) -> None:
         call_id = request.call_id
         try:
+            caller = self.keys.check(request.api_key)
             generation = self._prepare(request)
-            events = self.generator.events(generation, generation.request.user or "default")
+            events = self.generator.events(generation, tenant_of(caller, generation.request.user))
             try:
                 if request.stream:
                     await self._stream(identity, call_id, generation, events)

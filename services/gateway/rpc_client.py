@@ -55,8 +55,12 @@ class RpcError(Exception):
         super().__init__(f"{status}: {self.message}")
 
 
-def _request(call_id: str, kind: CallKind, body: dict[str, Any], stream: bool) -> wire.RpcRequest:
-    return wire.RpcRequest(call_id=call_id, kind=kind, body=json.dumps(body), stream=stream)
+def _request(
+    call_id: str, kind: CallKind, body: dict[str, Any], stream: bool, api_key: str | None
+) -> wire.RpcRequest:
+    return wire.RpcRequest(
+        call_id=call_id, kind=kind, body=json.dumps(body), stream=stream, api_key=api_key
+    )
 
 
 def _payload(event: wire.RpcEvent) -> dict[str, Any] | None:
@@ -92,10 +96,13 @@ class TandemClient:
         address: str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         context: zmq.Context | None = None,
+        api_key: str | None = None,
     ):
-        """`context`: another ZeroMQ context, such as a `zmq.green` one under gevent."""
+        """`context`: another ZeroMQ context, such as a `zmq.green` one under gevent;
+        `api_key`: one of the gateway's keys, when it has some."""
         self.address = address
         self.timeout_s = timeout_s
+        self.api_key = api_key
         self._socket = _dealer(context or zmq.Context.instance(), address)
         self._call_ids = (str(n) for n in itertools.count())
         # Events received for calls in flight and not yet read; a call leaves it when done.
@@ -144,7 +151,7 @@ class TandemClient:
     def _start(self, kind: CallKind, body: dict[str, Any], stream: bool) -> str:
         call_id = next(self._call_ids)
         self._inbox[call_id] = deque()
-        wire.send(self._socket, _request(call_id, kind, body, stream))
+        wire.send(self._socket, _request(call_id, kind, body, stream, self.api_key))
         return call_id
 
     def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
@@ -218,9 +225,12 @@ class AsyncTandemClient:
     """The asyncio twin of `TandemClient`: the same methods, awaited; streams are `async for`.
     Calls may run concurrently from many tasks; a reader task sorts events into their inboxes."""
 
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, api_key: str | None = None
+    ):
         self.address = address
         self.timeout_s = timeout_s
+        self.api_key = api_key
         self._socket = _dealer(zmq.asyncio.Context.instance(), address)
         self._call_ids = (str(n) for n in itertools.count())
         self._inbox: dict[str, asyncio.Queue[wire.RpcEvent]] = {}
@@ -275,7 +285,7 @@ class AsyncTandemClient:
             self._reader = asyncio.create_task(self._read())
         call_id = next(self._call_ids)
         self._inbox[call_id] = asyncio.Queue()
-        await wire.async_send(self._socket, _request(call_id, kind, body, stream))
+        await wire.async_send(self._socket, _request(call_id, kind, body, stream, self.api_key))
         return call_id
 
     async def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import uvicorn
 
 from services.gateway.app import build_app
+from services.gateway.auth import ApiKeys, KeyConfigError
 from services.gateway.cluster import ClusterClient
 from services.gateway.generation import Generator
 from services.gateway.rpc import RpcServer
 from shared.config import (
+    ConfigError,
     add_config_arguments,
     config_from_args,
     require_address,
@@ -44,12 +46,23 @@ class GatewayConfig:
     max_body_bytes: int = setting(8 << 20, "largest accepted HTTP request body")
     max_model_len: int | None = setting(None, "context length (default: the model's)")
     rpc_address: str | None = setting(None, "ZeroMQ RPC ROUTER to bind (default: no RPC door)")
+    api_keys: tuple[str, ...] = setting(
+        (), "API keys clients must present, each key or key=tenant (none: no authentication)"
+    )
+    api_keys_file: str | None = setting(None, "a file of API keys, one key or key=tenant a line")
 
     def __post_init__(self) -> None:
         require_address(
             self, "scheduler_address", "stream_address", "advertise_stream_address", "rpc_address"
         )
         require_positive(self, "port", "max_body_bytes", "max_model_len")
+        self.keys()  # refuses bad keys at start-up
+
+    def keys(self) -> ApiKeys:
+        try:
+            return ApiKeys.load(self.api_keys, self.api_keys_file)
+        except KeyConfigError as error:
+            raise ConfigError(f"api_keys (--api-keys / TANDEM_API_KEYS): {error}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,18 +78,20 @@ def build_gateway(config: GatewayConfig):
         config.max_model_len or AutoConfig.from_pretrained(directory).max_position_embeddings
     )
     peer_id = config.peer_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
+    telemetry = GatewayEvents(get_logger(peer_id=peer_id))
     cluster = ClusterClient(
         config.scheduler_address,
         config.stream_address,
         config.advertise_stream_address or config.stream_address,
         peer_id,
         config.model,
+        telemetry,
     )
-    telemetry = GatewayEvents(get_logger(peer_id=peer_id))
     generator = Generator(cluster, tokenizer, name, max_model_len, telemetry)
+    keys = config.keys()
     rpc = None
     if config.rpc_address is not None:
-        rpc = RpcServer(generator, config.rpc_address, config.max_body_bytes)
+        rpc = RpcServer(generator, config.rpc_address, config.max_body_bytes, keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -89,7 +104,7 @@ def build_gateway(config: GatewayConfig):
             await rpc.close()  # first: its calls cancel their requests through the cluster link
         await cluster.close()
 
-    return build_app(generator, config.max_body_bytes, lifespan=lifespan)
+    return build_app(generator, config.max_body_bytes, keys, lifespan=lifespan)
 
 
 def run(args: argparse.Namespace) -> int:

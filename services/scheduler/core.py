@@ -103,6 +103,15 @@ class TrackedRequest:
     def request_id(self) -> str:
         return self.submit.request_id
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        return num_prefill_tokens(self.submit)
+
+
+def num_prefill_tokens(submit: wire.Submit) -> int:
+    """What a prefill worker computes: the prompt, and the tokens a resumed request has."""
+    return len(submit.prompt_token_ids) + len(submit.output_token_ids)
+
 
 @dataclass
 class GatewayState:
@@ -206,11 +215,12 @@ class ClusterScheduler:
             self.registry.remove(worker.peer_id)
             out += self._drop_worker(worker)
         for request in list(self.requests.values()):
-            if (
-                request.phase in (Phase.RESERVING, Phase.PREFILLING)
-                and now > request.phase_deadline
-            ):
+            if now <= request.phase_deadline:
+                continue
+            if request.phase == Phase.RESERVING:
                 out += self._requeue(request, cancel_reason="timed out")
+            elif request.phase == Phase.PREFILLING:
+                out += self._lose(request, "the prefill and its KV transfer timed out")
         return out + self.dispatch(now)
 
     # -- requests -----------------------------------------------------------------------------
@@ -227,8 +237,7 @@ class ClusterScheduler:
                 retry_after_s=retry_after,
             )
             return [Outgoing(identity, reply)]
-        num_prompt_tokens = len(submit.prompt_token_ids)
-        party = self.queue.party_for(submit.tenant, num_prompt_tokens)
+        party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit))
         request = TrackedRequest(submit, submit.gateway_peer_id, party, arrival=now)
         self.requests[submit.request_id] = request
         self._enqueue(request)
@@ -264,9 +273,11 @@ class ClusterScheduler:
                 ),
                 None,
             )
+        if submit.resumed_from is not None:
+            return None  # admitted before its worker was lost: load does not refuse it now
         too_many = len(self.queue) >= self.limits.max_queued_requests
         too_long = (
-            self.num_queued_tokens + len(submit.prompt_token_ids) > self.limits.max_queued_tokens
+            self.num_queued_tokens + num_prefill_tokens(submit) > self.limits.max_queued_tokens
         )
         if too_many or too_long:
             return 429, "the queue is full; retry later", self.limits.retry_after_s
@@ -299,7 +310,7 @@ class ClusterScheduler:
             gateway_address=self.gateways[request.gateway_peer_id].address,
             decode_peer_id=worker.peer_id,
             decode_address=worker.address,
-            output_token_ids=[],
+            output_token_ids=submit.output_token_ids,
             priority=submit.priority,
         )
         return [Outgoing(prefill.identity, job)]
@@ -321,7 +332,7 @@ class ClusterScheduler:
                 request.prefill_peer_id = None
                 return self.dispatch(now)
             if done.finish_reason == "error":  # the transfer failed: try again elsewhere
-                return self._requeue(request, cancel_reason="transfer failed") + self.dispatch(now)
+                return self._lose(request, "the KV transfer failed") + self.dispatch(now)
             # Finished at its first token: the decode reservation is no longer needed.
             return self._forget(request, cancel_reason="finished in prefill") + self.dispatch(now)
         self._forget(request, cancel_reason=None)
@@ -356,7 +367,7 @@ class ClusterScheduler:
         return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:
-        num_prompt_tokens = len(request.submit.prompt_token_ids)
+        num_prompt_tokens = request.num_prefill_tokens
         self.num_queued_tokens -= num_prompt_tokens
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
@@ -386,7 +397,7 @@ class ClusterScheduler:
         for request_id in worker.request_ids:
             request = self.requests.get(request_id)
             if request is not None:
-                window.hold(len(request.submit.prompt_token_ids))
+                window.hold(request.num_prefill_tokens)
         return window
 
     def _enqueue(self, request: TrackedRequest) -> None:
@@ -395,12 +406,12 @@ class ClusterScheduler:
             QueuedRequest(
                 request_id=submit.request_id,
                 tenant=submit.tenant,
-                num_prompt_tokens=len(submit.prompt_token_ids),
+                num_prompt_tokens=request.num_prefill_tokens,
                 priority=submit.priority,
                 arrival=request.arrival,
             )
         )
-        self.num_queued_tokens += len(submit.prompt_token_ids)
+        self.num_queued_tokens += request.num_prefill_tokens
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -437,7 +448,7 @@ class ClusterScheduler:
         request.decode_peer_id = request.prefill_peer_id = None
         request.phase_deadline = float("inf")
         # The prompt was charged when dispatched; it will be again when dispatched anew.
-        self.queue.charge(request.party, num_prompt_tokens=-len(request.submit.prompt_token_ids))
+        self.queue.charge(request.party, num_prompt_tokens=-request.num_prefill_tokens)
         self._enqueue(request)
         return out
 
@@ -445,7 +456,7 @@ class ClusterScheduler:
         self.requests.pop(request.request_id, None)
         if request.phase == Phase.QUEUED:
             self.queue.remove(request.request_id)
-            self.num_queued_tokens -= len(request.submit.prompt_token_ids)
+            self.num_queued_tokens -= request.num_prefill_tokens
             return []
         if cancel_reason is not None:
             return self._cancel_on_workers(request, cancel_reason)
@@ -462,12 +473,11 @@ class ClusterScheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.phase == Phase.DECODING:
-                self.requests.pop(request_id)
-                out += self._fail(request, f"decode worker {worker.peer_id} stopped responding")
-                # If it is alive after all (a long stall), it must stop generating for nobody.
+            if request.phase >= Phase.PREFILLING:
+                # If it is alive after all (a long stall), it must stop working for nobody.
+                out += self._lose(request, f"worker {worker.peer_id} stopped responding")
                 out.append(
-                    Outgoing(worker.identity, wire.Cancel(request_id=request_id, reason="failed"))
+                    Outgoing(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
                 )
             else:
                 if request.decode_peer_id == worker.peer_id:
@@ -477,14 +487,18 @@ class ClusterScheduler:
                 out += self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
         return out
 
-    def _fail(self, request: TrackedRequest, message: str) -> list[Outgoing]:
+    def _lose(self, request: TrackedRequest, reason: str) -> list[Outgoing]:
+        """Gives a request whose tokens may have reached its client back to its gateway, which
+        alone knows which did: it resumes the request from them (or fails it). Re-running it
+        here could repeat a token the client has or skip one it lacks."""
+        out = self._forget(request, cancel_reason="lost")
         gateway = self.gateways.get(request.gateway_peer_id)
-        if gateway is None:
-            return []
-        delta = wire.TokenDelta(
-            request_id=request.request_id, token_ids=[], finish_reason="error", error=message
-        )
-        return [Outgoing(gateway.identity, wire.Tokens(deltas=[delta]))]
+        if gateway is not None:
+            delta = wire.TokenDelta(
+                request_id=request.request_id, token_ids=[], finish_reason="lost", error=reason
+            )
+            out.append(Outgoing(gateway.identity, wire.Tokens(deltas=[delta])))
+        return out
 
     def take_dispatched(self) -> list[Dispatched]:
         taken, self.dispatched = self.dispatched, []

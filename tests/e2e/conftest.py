@@ -102,6 +102,31 @@ def cluster(tmp_path_factory) -> RunningCluster:
     stop_cluster(running)
 
 
+# The guarded cluster's API keys: one charged to tenant "alpha", one leaving it to `user`.
+ALPHA_KEY = "alpha-key-0123456789abcdef"
+OPEN_KEY = "open-key-0123456789abcdef"
+
+
+@pytest.fixture(scope="session")
+def guarded_cluster(tmp_path_factory) -> RunningCluster:
+    """A second cluster, for tests that kill its workers or need API keys: two prefill and two
+    decode workers, a 2 s heartbeat timeout, keys required on HTTP and RPC."""
+    running = start_cluster(
+        tmp_path_factory.mktemp("guarded"),
+        "--kv-cache-bytes",
+        str(128 << 20),
+        num_prefill=2,
+        num_decode=2,
+        rpc=True,
+        env={
+            "TANDEM_HEARTBEAT_TIMEOUT_S": "2",
+            "TANDEM_API_KEYS": f"{ALPHA_KEY}=alpha,{OPEN_KEY}",
+        },
+    )
+    yield running
+    stop_cluster(running)
+
+
 @pytest.fixture(scope="session")
 def openai_client(cluster):
     from openai import OpenAI

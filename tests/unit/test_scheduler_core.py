@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
@@ -126,7 +128,15 @@ def test_refused_reservation_requeues_and_tries_later(core):
     assert sent(out, wire.Reserve)
 
 
-def test_silent_worker_leaves_rotation_and_its_work_is_rerouted(core):
+def lost_deltas(out) -> list[wire.TokenDelta]:
+    return [d for o in sent(out, wire.Tokens) if o.identity == b"G" for d in o.message.deltas]
+
+
+def resumed(request_id: str, attempt: str, outputs: list[int]) -> wire.Submit:
+    return dataclasses.replace(submit(attempt), output_token_ids=outputs, resumed_from=request_id)
+
+
+def test_silent_prefill_worker_gives_its_requests_back_to_the_gateway(core):
     core.on_submit(b"G", submit("r"), 0.0)
     core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
     core.on_hello(b"P2", hello("p2", "prefill"), 1.0)
@@ -134,17 +144,42 @@ def test_silent_worker_leaves_rotation_and_its_work_is_rerouted(core):
     core.on_heartbeat(b"X", heartbeat("p2"), 2.5)
     out = core.tick(3.5)  # p (holding the prefill job) has been silent for 3.5 s > 3 s
     assert core.registry.get("p") is None
-    # The decode reservation is released and the request dispatched again.
-    assert sent(out, wire.Cancel) and sent(out, wire.Reserve)
-    assert core.requests["r"].phase == Phase.RESERVING
+    # Its first token may have reached the client: only the gateway knows, so it decides.
+    (delta,) = lost_deltas(out)
+    assert delta.request_id == "r" and delta.finish_reason == "lost" and "p " in delta.error
+    assert [o.identity for o in sent(out, wire.Cancel)] == [b"D", b"P"]  # reservation freed
+    assert "r" not in core.requests
+    out = core.on_submit(b"G", resumed("r", "r~1", []), 3.6)
+    assert sent(out, wire.Reserve) and core.requests["r~1"].phase == Phase.RESERVING
 
 
-def test_decode_worker_lost_mid_stream_fails_request_with_error(core):
+def test_a_resumed_request_is_not_refused_for_load(core):
+    core.registry.get("d").max_num_seqs = 1  # one in RESERVING, the rest stay queued
+    replies = [core.on_submit(b"G", submit(f"q{i}"), 0.0)[0].message for i in range(6)]
+    assert replies[-1].status_code == 429
+    (reply,) = sent(core.on_submit(b"G", resumed("r", "r~1", [7]), 0.0), wire.SubmitReply)
+    assert reply.message.accepted and "r~1" in core.queue
+
+
+def test_a_resumed_request_is_prefilled_with_its_tokens(core):
+    out = core.on_submit(b"G", resumed("r", "r~1", [7, 8, 9]), 0.0)
+    (reserve,) = sent(out, wire.Reserve)
+    assert reserve.message.num_tokens == 20 + 3 + 1  # prompt, its tokens, the next one
+    out = core.on_reserve_reply(
+        wire.ReserveReply(request_id="r~1", ok=True, num_free_blocks=90), 0.0
+    )
+    (job,) = sent(out, wire.PrefillJob)
+    assert job.message.output_token_ids == [7, 8, 9]
+
+
+def test_decode_worker_lost_mid_stream_goes_back_to_the_gateway(core):
     run_to_decoding(core, "r")
     core.on_heartbeat(b"X", heartbeat("p"), 3.0)
     out = core.tick(3.5)
-    (tokens,) = sent(out, wire.Tokens)
-    assert tokens.identity == b"G" and tokens.message.deltas[0].error
+    (delta,) = lost_deltas(out)
+    assert delta.finish_reason == "lost" and "worker d stopped responding" in delta.error
+    # If d was only stalled, it stops generating for nobody.
+    assert [o.identity for o in sent(out, wire.Cancel)] == [b"D"]
     assert "r" not in core.requests
 
 
@@ -175,9 +210,9 @@ def test_transfer_failure_reroutes(core):
         ),
         1.0,
     )
-    assert sent(out, wire.Cancel)  # the old reservation goes
-    assert sent(out, wire.Reserve)  # and a new one is asked for
-    assert core.requests["r"].phase == Phase.RESERVING
+    assert [o.identity for o in sent(out, wire.Cancel)] == [b"P", b"D"]  # both let go
+    (delta,) = lost_deltas(out)  # its first token went out: the gateway resumes it
+    assert delta.finish_reason == "lost" and "r" not in core.requests
 
 
 def test_reservation_timeout_requeues(core):
@@ -218,9 +253,10 @@ def test_stale_prefill_report_from_an_abandoned_attempt_is_ignored(core):
     core.on_submit(b"G", submit("r"), 0.0)
     core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
     core.on_heartbeat(b"D", heartbeat("d"), 3.0)
-    core.tick(3.5)  # p is dropped; r is re-queued and waits for a prefill worker
-    core.on_hello(b"P", hello("p", "prefill"), 4.0)  # p comes back and gets r again
-    assert core.requests["r"].phase == Phase.RESERVING
+    core.tick(3.5)  # p is dropped; the gateway gets r back
+    core.on_hello(b"P", hello("p", "prefill"), 4.0)  # p comes back
+    core.on_submit(b"G", resumed("r", "r~1", []), 4.0)  # and gets r~1
+    assert core.requests["r~1"].phase == Phase.RESERVING
     stale = wire.RequestDone(
         request_id="r",
         peer_id="p",
@@ -230,7 +266,7 @@ def test_stale_prefill_report_from_an_abandoned_attempt_is_ignored(core):
         num_output_tokens=1,
     )
     assert core.on_request_done(stale, 4.1) == []
-    assert core.requests["r"].phase == Phase.RESERVING
+    assert core.requests["r~1"].phase == Phase.RESERVING
 
 
 def busy_heartbeat(peer_id: str, steps: int) -> wire.Heartbeat:

@@ -1,0 +1,97 @@
+"""API keys at the gateway's doors, each mapped to the tenant its requests are charged to.
+
+Keys come from `--api-keys` / `TANDEM_API_KEYS` (comma-separated) and `--api-keys-file` (one per
+line, `#` comments), each as `key` or `key=tenant`. With none, the doors are open. With some,
+every `/v1` call over HTTP (`Authorization: Bearer <key>`, as OpenAI's clients send it) and
+every RPC call (its `api_key`) must present one, or is answered 401 in OpenAI's error shape. A
+key with a tenant charges its requests to that tenant whatever their `user` field says, so a
+client cannot spend another's fair share; a bare key leaves the tenant to `user`. Keys are
+compared in constant time. Health, readiness and metrics stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.gateway.openai_protocol import ApiError
+
+MIN_KEY_CHARS = 16
+_KEY = re.compile(r"[A-Za-z0-9._~+/-]+")  # printable, no separators or whitespace
+_TENANT = re.compile(r"[A-Za-z0-9._@-]{1,256}")
+
+
+class KeyConfigError(ValueError):
+    """A key or tenant the gateway refuses; the message says which entry and why."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: str | None  # None: the request's `user` names it
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    tenants: dict[str, str | None]  # key -> tenant
+
+    @classmethod
+    def parse(cls, entries: Iterable[str]) -> ApiKeys:
+        tenants: dict[str, str | None] = {}
+        for number, entry in enumerate(entries, 1):
+            key, sep, tenant = entry.strip().partition("=")
+            where = f"API key entry {number}"
+            if len(key) < MIN_KEY_CHARS or not _KEY.fullmatch(key):
+                raise KeyConfigError(
+                    f"{where}: a key is at least {MIN_KEY_CHARS} characters of letters, digits "
+                    "and ._~+/- (generate one with `openssl rand -hex 24`)"
+                )
+            if sep and not _TENANT.fullmatch(tenant):
+                raise KeyConfigError(f"{where}: the tenant after '=' must match {_TENANT.pattern}")
+            if key in tenants:
+                raise KeyConfigError(f"{where}: the same key is listed twice")
+            tenants[key] = tenant if sep else None
+        return cls(tenants)
+
+    @classmethod
+    def load(cls, listed: Iterable[str], path: str | None) -> ApiKeys:
+        entries = list(listed)
+        if path is not None:
+            try:
+                lines = Path(path).read_text().splitlines()
+            except OSError as error:
+                raise KeyConfigError(f"cannot read the API keys file {path}: {error}") from None
+            entries += [line for line in lines if line.strip() and not line.startswith("#")]
+        return cls.parse(entries)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tenants)
+
+    def check(self, presented: str | None) -> Caller:
+        """The caller a key stands for; ApiError 401 without a valid one (when keys are set)."""
+        if not self.enabled:
+            return Caller(None)
+        if not presented:
+            raise _unauthorized("You didn't provide an API key (Authorization: Bearer <key>).")
+        matched = None
+        for key, tenant in self.tenants.items():  # every key compared: no early exit to time
+            if hmac.compare_digest(key.encode(), presented.encode()):
+                matched = Caller(tenant)
+        if matched is None:
+            raise _unauthorized("Incorrect API key provided.")
+        return matched
+
+    def check_header(self, authorization: str | None) -> Caller:
+        scheme, _, token = (authorization or "").partition(" ")
+        return self.check(token.strip() if scheme.lower() == "bearer" else None)
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, "invalid_request_error", code="invalid_api_key")
+
+
+def tenant_of(caller: Caller, user: str | None) -> str:
+    return caller.tenant or user or "default"

@@ -1,0 +1,60 @@
+"""API keys on the guarded cluster: 401 in OpenAI's shape without a valid key, over HTTP (the
+`openai` package) and RPC; a key's tenant is what fair share charges, whatever `user` says."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services.gateway.rpc_client import RpcError, TandemClient
+from tests.e2e.conftest import ALPHA_KEY, OPEN_KEY
+
+pytestmark = pytest.mark.slow
+
+
+def openai_client(url: str, key: str):
+    from openai import OpenAI
+
+    return OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("key", ["", "not-a-key-of-this-cluster", ALPHA_KEY[:-1]])
+def test_without_a_valid_key_http_answers_401(guarded_cluster, key):
+    from openai import AuthenticationError
+
+    client = openai_client(guarded_cluster.url, key or "x")
+    headers = {} if not key else {"Authorization": f"Bearer {key}"}
+    for path in ("/v1/models", "/v1/completions"):
+        response = httpx.request(
+            "GET" if path == "/v1/models" else "POST",
+            guarded_cluster.url + path,
+            headers=headers,
+            json={"model": "smollm2", "prompt": "hi", "max_tokens": 2},
+        )
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "invalid_api_key"
+        assert response.headers["www-authenticate"] == "Bearer"
+    with pytest.raises(AuthenticationError):
+        client.completions.create(model="smollm2", prompt="hi", max_tokens=2)
+    for open_path in ("/health", "/ready", "/metrics"):  # probes and scrapers need no key
+        assert httpx.get(guarded_cluster.url + open_path, timeout=10).status_code == 200
+
+
+def test_without_a_valid_key_rpc_answers_401(guarded_cluster):
+    for key in (None, "wrong-key-0123456789abcdef"):
+        client = TandemClient(guarded_cluster.rpc_address, timeout_s=60, api_key=key)
+        with client, pytest.raises(RpcError) as raised:
+            client.completion(model="smollm2", prompt="hi", max_tokens=2)
+        assert raised.value.status == 401
+    with TandemClient(guarded_cluster.rpc_address, timeout_s=120, api_key=OPEN_KEY) as client:
+        answer = client.completion(model="smollm2", prompt="hi", max_tokens=2)
+    assert answer["usage"]["completion_tokens"] == 2
+
+
+def test_a_keys_tenant_is_charged_whatever_user_says(guarded_cluster):
+    alpha = openai_client(guarded_cluster.url, ALPHA_KEY)
+    alpha.completions.create(model="smollm2", prompt="Hello", max_tokens=3, user="mallory")
+    bare = openai_client(guarded_cluster.url, OPEN_KEY)
+    bare.completions.create(model="smollm2", prompt="Hello", max_tokens=3, user="bob")
+    tenants = {p["tenant"] for p in guarded_cluster.ready_info()["scheduler"]["service"]}
+    assert {"alpha", "bob"} <= tenants and "mallory" not in tenants

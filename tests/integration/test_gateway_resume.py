@@ -1,0 +1,124 @@
+"""The gateway's cluster link resuming a request whose worker was lost, against a scheduler
+played by the test on a real ROUTER socket."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from services.gateway.cluster import MAX_RESUMES, ClusterClient
+from shared import wire
+from shared.lifecycle import GatewayEvents
+from shared.logs import get_logger
+
+
+def submit(request_id: str) -> wire.Submit:
+    return wire.Submit(
+        request_id=request_id, prompt_token_ids=[1, 2, 3],
+        sampling=wire.SamplingSpec(max_tokens=10), tenant="t", priority=0,
+        gateway_peer_id="g", arrival_time=0.0,
+    )  # fmt: skip
+
+
+def delta(request_id: str, tokens: list[int], finish: str | None = None) -> wire.Tokens:
+    error = "worker d0 stopped responding" if finish == "lost" else None
+    return wire.Tokens(
+        deltas=[wire.TokenDelta(request_id=request_id, token_ids=tokens, finish_reason=finish,
+                                error=error)]
+    )  # fmt: skip
+
+
+class FakeScheduler:
+    def __init__(self, context: zmq.asyncio.Context, address: str):
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.bind(address)
+        self.gateway = b""
+
+    async def expect(self, kind: type) -> wire.Message:
+        while True:
+            identity, message = await wire.async_recv_from(self.socket)
+            self.gateway = identity
+            if isinstance(message, kind):
+                return message
+
+    async def reply(self, request_id: str, status: int = 200) -> None:
+        reply = wire.SubmitReply(request_id=request_id, accepted=status == 200, status_code=status,
+                                 message=None if status == 200 else "no decode worker",
+                                 retry_after_s=None)  # fmt: skip
+        await wire.async_send_to(self.socket, self.gateway, reply)
+
+    async def send(self, message: wire.Message) -> None:
+        await wire.async_send_to(self.socket, self.gateway, message)
+
+
+async def scenario(tmp_path, refuse_resume: bool) -> tuple[list[wire.TokenDelta], list]:
+    context = zmq.asyncio.Context()
+    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
+    client = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
+                           f"ipc://{tmp_path}/stream", "g", "m",
+                           GatewayEvents(get_logger()))  # fmt: skip
+    await client.start()
+    await scheduler.expect(wire.Hello)
+    submitted = asyncio.create_task(client.submit(submit("r")))
+    await scheduler.expect(wire.Submit)
+    await scheduler.reply("r")
+    queue = await submitted
+    await scheduler.send(delta("r", [7]))
+    await scheduler.send(delta("r", [8]))
+    await scheduler.send(delta("r", [], finish="lost"))
+    await scheduler.send(delta("r", [99]))  # late, from the lost attempt: dropped
+    resubmit = await scheduler.expect(wire.Submit)
+    await scheduler.reply(resubmit.request_id, 503 if refuse_resume else 200)
+    if not refuse_resume:
+        await scheduler.send(delta(resubmit.request_id, [9], finish="length"))
+    got = [await asyncio.wait_for(queue.get(), 5) for _ in range(3)]
+    await client.close()
+    scheduler.socket.close(linger=0)
+    context.term()
+    return got, [resubmit]
+
+
+def test_a_lost_request_resumes_with_the_tokens_its_handler_got(tmp_path):
+    got, (resubmit,) = asyncio.run(scenario(tmp_path, refuse_resume=False))
+    assert [d.token_ids for d in got] == [[7], [8], [9]] and got[-1].finish_reason == "length"
+    assert resubmit.request_id == "r~1" and resubmit.resumed_from == "r"
+    assert resubmit.output_token_ids == [7, 8] and resubmit.prompt_token_ids == [1, 2, 3]
+
+
+def test_a_lost_request_that_cannot_resume_ends_with_a_clear_error(tmp_path):
+    got, _ = asyncio.run(scenario(tmp_path, refuse_resume=True))
+    assert [d.token_ids for d in got[:2]] == [[7], [8]]
+    assert got[2].finish_reason == "error"
+    assert "d0 stopped responding" in got[2].error and "no decode worker" in got[2].error
+
+
+async def lost_every_time(tmp_path) -> wire.TokenDelta:
+    context = zmq.asyncio.Context()
+    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
+    client = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
+                           f"ipc://{tmp_path}/stream", "g", "m",
+                           GatewayEvents(get_logger()))  # fmt: skip
+    await client.start()
+    await scheduler.expect(wire.Hello)
+    submitted = asyncio.create_task(client.submit(submit("r")))
+    await scheduler.expect(wire.Submit)
+    await scheduler.reply("r")
+    queue = await submitted
+    attempt = "r"
+    for _ in range(MAX_RESUMES):
+        await scheduler.send(delta(attempt, [], finish="lost"))
+        attempt = (await scheduler.expect(wire.Submit)).request_id
+        await scheduler.reply(attempt)
+    await scheduler.send(delta(attempt, [], finish="lost"))
+    last = await asyncio.wait_for(queue.get(), 5)
+    await client.close()
+    scheduler.socket.close(linger=0)
+    context.term()
+    return last
+
+
+def test_resumptions_are_bounded(tmp_path):
+    last = asyncio.run(lost_every_time(tmp_path))
+    assert last.finish_reason == "error" and f"after {MAX_RESUMES} resumptions" in last.error
