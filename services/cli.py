@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "prefill": "services.prefill.service",
     "decode": "services.decode.service",
     "generate": "services.generate",
+    "prepare": "services.prepare",
     "top": "services.top",
     "bench": "loadtest.bench",
 }
@@ -27,6 +28,7 @@ HELPS = {
     "prefill": "run a prefill worker",
     "decode": "run a decode worker",
     "generate": "generate text for one prompt with the in-process engine",
+    "prepare": "convert and cache the model once (for containers sharing a cache volume)",
     "top": "a live terminal view of a running cluster",
     "bench": "benchmark any OpenAI-compatible server: latency percentiles, goodput, plots",
 }

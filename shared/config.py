@@ -143,3 +143,14 @@ def require_port(config: Any, *names: str) -> None:
                 f"{name} ({flag_name(name)} / {env_name(name)}) must be a port in [0, 65535], "
                 f"got {value}"
             )
+
+
+def expand_host(address: str | None) -> str | None:
+    """`{ip}` in an advertised address becomes this machine's (a container's) IP address and
+    `{hostname}` its host name, so one setting serves every replica of a scaled service."""
+    if address is None or "{" not in address:
+        return address
+    import socket
+
+    hostname = socket.gethostname()
+    return address.replace("{hostname}", hostname).replace("{ip}", socket.gethostbyname(hostname))

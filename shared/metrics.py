@@ -12,8 +12,17 @@ from, so one scrape target suffices for a local cluster.
 from __future__ import annotations
 
 import socket
+import threading
+from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    disable_created_metrics,
+    generate_latest,
+    make_wsgi_app,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -47,14 +56,45 @@ def name(suffix: str) -> str:
     return PREFIX + suffix
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> str:
-    """Serves `registry` at http://host:port/metrics from a daemon thread; port 0 picks a free
-    one. Returns the address peers should scrape."""
-    from prometheus_client import start_http_server
+# None when healthy, else why not: what a service's /health answers (200, or 503 with the reason).
+HealthCheck = Callable[[], "str | None"]
 
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    shown_host = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    return f"http://{shown_host}:{server.server_port}"
+
+def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int, health: HealthCheck | None = None
+) -> str:
+    """Serves `registry` at http://host:port/metrics and `health` at /health, from a daemon
+    thread; port 0 picks a free one. Returns the address peers should scrape."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO") == "/health":
+            problem = health() if health is not None else None
+            status = "200 OK" if problem is None else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+            return [(problem or "ok").encode() + b"\n"]
+        return metrics_app(environ, start_response)
+
+    server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+    return f"http://{advertised_host(host)}:{server.server_port}"
+
+
+def advertised_host(host: str) -> str:
+    """The address others reach a server bound to `host` at: for a wildcard bind, this
+    machine's (a container's) own IP address."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    return socket.gethostbyname(socket.gethostname())
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
+        """Scrapes every few seconds would flood the service's log."""
 
 
 def federate(expositions: list[tuple[str, str]]) -> bytes:

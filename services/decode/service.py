@@ -21,7 +21,7 @@ from services.worker.config import WorkerConfig
 from services.worker.loop import WorkerLoop
 from services.worker.streams import group_by_gateway
 from shared import wire
-from shared.config import ConfigError, add_config_arguments, config_from_args
+from shared.config import ConfigError, add_config_arguments, config_from_args, expand_host
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.errors import InvalidRequestError
 from shared.lifecycle import DecodeEvents
@@ -61,7 +61,8 @@ class DecodeWorker(WorkerLoop):
     events: DecodeEvents
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
-        super().__init__(config, context, address=config.advertise_address or config.address)
+        advertised = expand_host(config.advertise_address) or config.address
+        super().__init__(config, context, address=advertised)
         self.blocks = self.engine.block_manager
         self.kv_socket = self.context.socket(zmq.ROUTER)
         self.kv_socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)

@@ -19,6 +19,7 @@ from shared.config import (
     ConfigError,
     add_config_arguments,
     config_from_args,
+    expand_host,
     require_address,
     require_positive,
     setting,
@@ -37,7 +38,9 @@ class GatewayConfig:
         "ipc:///tmp/tandem/gateway-stream.sock", "token-stream PULL to bind"
     )
     advertise_stream_address: str | None = setting(
-        None, "the stream address workers connect to, when it differs from the bound one"
+        None,
+        "the stream address workers connect to, when it differs from the bound one "
+        "({ip} and {hostname} expand to this machine's)",
     )
     model: str = setting(
         "smollm2", "a HF directory, a .gguf file, or 'smollm2' (for its tokenizer)"
@@ -82,7 +85,7 @@ def build_gateway(config: GatewayConfig):
     cluster = ClusterClient(
         config.scheduler_address,
         config.stream_address,
-        config.advertise_stream_address or config.stream_address,
+        expand_host(config.advertise_stream_address) or config.stream_address,
         peer_id,
         config.model,
         telemetry,

@@ -142,17 +142,28 @@ class SchedulerService:
         self.log = get_logger()
         self.events = SchedulerEvents(self.log)
         self.metrics_address: str | None = None
+        self._last_turn = time.monotonic()
         self._stopping = False
 
     def stop(self, *_: object) -> None:
         self._stopping = True
+
+    def health(self) -> str | None:
+        """What /health says: None while the loop turns, else why not."""
+        stalled = time.monotonic() - self._last_turn
+        if stalled > max(10.0, 4 * self.config.heartbeat_interval_s):
+            return f"the scheduler loop has not turned for {stalled:.0f} s"
+        return None
 
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         if self.config.metrics_port is not None:
             self.metrics_address = serve_metrics(
-                self.events.registry, self.config.metrics_host, self.config.metrics_port
+                self.events.registry,
+                self.config.metrics_host,
+                self.config.metrics_port,
+                self.health,
             )
         self.log.info(
             "scheduler listening", address=self.config.address, metrics=self.metrics_address
@@ -165,7 +176,7 @@ class SchedulerService:
                 timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
                 if poller.poll(timeout_ms):
                     self._drain()
-                now = time.monotonic()
+                now = self._last_turn = time.monotonic()
                 if now >= next_tick:
                     for worker in self.core.registry.expired(now):
                         self.log.warning(

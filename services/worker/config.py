@@ -17,7 +17,9 @@ class WorkerConfig:
     scheduler_address: str = setting("ipc:///tmp/tandem/scheduler.sock", "the scheduler's ROUTER")
     address: str | None = setting(None, "decode: the KV ROUTER address to bind")
     advertise_address: str | None = setting(
-        None, "decode: the KV address peers connect to, when it differs from the bound one"
+        None,
+        "decode: the KV address peers connect to, when it differs from the bound one "
+        "({ip} and {hostname} expand to this machine's)",
     )
     peer_id: str | None = setting(None, "unique name of this worker (default: role-host-pid)")
     model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2'")

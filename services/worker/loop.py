@@ -25,6 +25,8 @@ from shared.lifecycle import WorkerEvents
 from shared.logs import get_logger
 from shared.metrics import serve_metrics
 
+LOOP_STALL_S = 60.0  # /health fails when the loop has not turned this long (one step is less)
+
 
 class WorkerLoop(abc.ABC):
     role: str  # "prefill" or "decode"
@@ -46,10 +48,12 @@ class WorkerLoop(abc.ABC):
         self.loaded = load_model(config.model, dtype=config.torch_dtype)
         self.engine = LLMEngine(self.loaded.model, config.engine_config(**engine_overrides))
         self.context = context or zmq.Context.instance()
+        self.registered = False
+        self._last_turn = time.monotonic()
         self.metrics_address = None
         if config.metrics_port is not None:
             self.metrics_address = serve_metrics(
-                self.events.registry, config.metrics_host, config.metrics_port
+                self.events.registry, config.metrics_host, config.metrics_port, self.health
             )
         self.link = SchedulerLink(
             self.context,
@@ -86,6 +90,7 @@ class WorkerLoop(abc.ABC):
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         self.link.handshake()
+        self.registered = True
         self.log.info(
             f"{self.role} worker ready",
             blocks=self.engine.block_manager.num_blocks,
@@ -97,8 +102,17 @@ class WorkerLoop(abc.ABC):
         finally:
             self.close()
 
+    def health(self) -> str | None:
+        """What /health says: None when registered and turning, else why not."""
+        if not self.registered:
+            return "not registered with the scheduler yet"
+        stalled = time.monotonic() - self._last_turn
+        if stalled > LOOP_STALL_S:
+            return f"the worker loop has not turned for {stalled:.0f} s"
+        return None
+
     def run_once(self) -> None:
-        now = time.monotonic()
+        now = self._last_turn = time.monotonic()
         busy = self.engine.has_unfinished
         timeout_ms = 0 if busy else min(self.link.seconds_to_heartbeat(now), 0.1) * 1000
         for sock, _ in self.poller.poll(timeout_ms):

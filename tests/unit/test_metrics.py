@@ -133,3 +133,36 @@ def test_preemption_counters_follow_the_heartbeats_totals():
     assert value(events, "tandem:num_preemptions_total", kind="swap") == 5
     assert value(events, "tandem:num_preemptions_total", kind="recompute") == 1
     assert value(events, "tandem:kv_cache_usage_perc") == pytest.approx(12 / 16)
+
+
+def test_the_metrics_server_answers_health_honestly():
+    import urllib.error
+    import urllib.request
+
+    from shared.metrics import serve_metrics
+
+    problem: list[str | None] = [None]
+    events = GatewayEvents(get_logger())
+    address = serve_metrics(events.registry, "127.0.0.1", 0, lambda: problem[0])
+    assert address.startswith("http://127.0.0.1:")
+    with urllib.request.urlopen(address + "/health", timeout=5) as response:
+        assert response.status == 200 and response.read() == b"ok\n"
+    with urllib.request.urlopen(address + "/metrics", timeout=5) as response:
+        assert "tandem:gateway_requests_in_flight" in response.read().decode()
+    problem[0] = "the worker loop has not turned for 61 s"
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(address + "/health", timeout=5)
+    assert raised.value.code == 503 and b"61 s" in raised.value.read()
+
+
+def test_advertised_addresses_expand_to_this_machine():
+    import socket
+
+    from shared.config import expand_host
+    from shared.metrics import advertised_host
+
+    ip = socket.gethostbyname(socket.gethostname())
+    assert expand_host("tcp://{ip}:5601") == f"tcp://{ip}:5601"
+    assert expand_host("tcp://{hostname}:1") == f"tcp://{socket.gethostname()}:1"
+    assert expand_host("tcp://10.0.0.1:1") == "tcp://10.0.0.1:1" and expand_host(None) is None
+    assert advertised_host("0.0.0.0") == ip and advertised_host("127.0.0.1") == "127.0.0.1"

@@ -1,0 +1,27 @@
+"""`tandem prepare`: resolves the model once, converting a GGUF into the cache, and exits.
+
+Services that share a cache volume (docker-compose, Kubernetes) run it first, so that the
+conversion (about a minute for the default model) happens once instead of in every worker.
+Prints the model's directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("TANDEM_MODEL") or DEFAULT_MODEL,
+        help="a HF directory, .gguf, or name (env TANDEM_MODEL)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    directory, name = resolve_model_dir(args.model)
+    print(f"{name}: {directory}")
+    return 0
