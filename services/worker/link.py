@@ -13,6 +13,8 @@ import zmq
 
 from shared import wire
 
+REHELLO_INTERVAL_S = 2.0  # at most one re-registration this often
+
 
 class HandshakeError(RuntimeError):
     """The scheduler refused this worker, or did not answer."""
@@ -27,6 +29,7 @@ class SchedulerLink:
         self.socket.connect(address)
         self.heartbeat_interval_s = 0.5
         self._next_heartbeat = 0.0
+        self._hello_again_at = float("-inf")  # when the last re-registration was sent
 
     def handshake(self, timeout_s: float = 60.0) -> None:
         """Says HELLO until the scheduler answers (it may start after us)."""
@@ -47,6 +50,12 @@ class SchedulerLink:
         if ack.accepted:
             return
         if ack.error == wire.UNKNOWN_PEER:
+            # After an outage the heartbeats queued during it arrive together, and each is
+            # answered so: register once, not once per heartbeat.
+            now = time.monotonic()
+            if now - self._hello_again_at < REHELLO_INTERVAL_S:
+                return
+            self._hello_again_at = now
             log.warning("scheduler does not know this worker; registering again")
             self.send(self.hello)
         else:
