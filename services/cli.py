@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "decode": "services.decode.service",
     "generate": "services.generate",
     "prepare": "services.prepare",
+    "keys": "services.keys",
     "top": "services.top",
     "bench": "loadtest.bench",
 }
@@ -29,6 +30,7 @@ HELPS = {
     "decode": "run a decode worker",
     "generate": "generate text for one prompt with the in-process engine",
     "prepare": "convert and cache the model once (for containers sharing a cache volume)",
+    "keys": "generate CurveZMQ keys for a cluster and its RPC clients",
     "top": "a live terminal view of a running cluster",
     "bench": "benchmark any OpenAI-compatible server: latency percentiles, goodput, plots",
 }

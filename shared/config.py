@@ -154,3 +154,29 @@ def expand_host(address: str | None) -> str | None:
 
     hostname = socket.gethostname()
     return address.replace("{hostname}", hostname).replace("{ip}", socket.gethostbyname(hostname))
+
+
+@dataclasses.dataclass(frozen=True)
+class CurveSettings:
+    """CurveZMQ settings every service shares (see `shared.curve`); a config class inherits
+    them and calls `curve_keys()` in its `__post_init__`, so bad keys fail at start-up."""
+
+    curve_keys_dir: str | None = setting(
+        None, "CurveZMQ: a `tandem keys` directory; encrypts and authenticates every socket"
+    )
+    curve_secret_key: str | None = setting(
+        None, "CurveZMQ: the cluster's secret key (Z85), instead of a directory"
+    )
+    curve_client_keys: tuple[str, ...] = setting(
+        (), "CurveZMQ: more public keys (Z85) allowed in, such as RPC clients'"
+    )
+
+    def curve_keys(self):
+        from shared.curve import CurveError, load_keys
+
+        try:
+            return load_keys(self.curve_keys_dir, self.curve_secret_key, self.curve_client_keys)
+        except CurveError as error:
+            raise ConfigError(
+                f"CurveZMQ settings (--curve-keys-dir, TANDEM_CURVE_SECRET_KEY, ...): {error}"
+            ) from None

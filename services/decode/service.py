@@ -64,7 +64,7 @@ class DecodeWorker(WorkerLoop):
         advertised = expand_host(config.advertise_address) or config.address
         super().__init__(config, context, address=advertised)
         self.blocks = self.engine.block_manager
-        self.kv_socket = self.context.socket(zmq.ROUTER)
+        self.kv_socket = self.security.server(self.context.socket(zmq.ROUTER))
         self.kv_socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.kv_socket.setsockopt(zmq.LINGER, 0)
         self.kv_socket.bind(config.address)

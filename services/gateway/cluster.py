@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from shared import wire
+from shared.curve import CurveKeys, Security
 from shared.lifecycle import GatewayEvents
 from shared.logs import get_logger
 
@@ -77,6 +78,7 @@ class ClusterClient:
         peer_id: str,
         model: str,
         telemetry: GatewayEvents,
+        keys: CurveKeys | None = None,
         status_timeout_s: float = 3.0,
     ):
         self.scheduler_address = scheduler_address
@@ -88,6 +90,7 @@ class ClusterClient:
         self.view = ClusterView()
         self.log = get_logger(peer_id=peer_id)
         self.telemetry = telemetry
+        self.security = Security(keys, self.log)
         self._requests: dict[str, InFlight] = {}  # by first id
         self._attempts: dict[str, str] = {}  # attempt id -> first id
         self._replies: dict[str, asyncio.Future[wire.SubmitReply]] = {}
@@ -96,11 +99,12 @@ class ClusterClient:
 
     async def start(self) -> None:
         self.context = zmq.asyncio.Context()
-        self.scheduler = self.context.socket(zmq.DEALER)
+        self.security.start(self.context)
+        self.scheduler = self.security.client(self.context.socket(zmq.DEALER))
         self.scheduler.setsockopt(zmq.LINGER, 0)
         self.scheduler.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.scheduler.connect(self.scheduler_address)
-        self.stream = self.context.socket(zmq.PULL)
+        self.stream = self.security.server(self.context.socket(zmq.PULL))
         self.stream.setsockopt(zmq.LINGER, 0)
         self.stream.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.stream.setsockopt(zmq.RCVHWM, 100_000)
@@ -118,6 +122,7 @@ class ClusterClient:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.scheduler.close(linger=0)
         self.stream.close(linger=0)
+        self.security.stop()
         self.context.term()
 
     @property

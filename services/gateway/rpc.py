@@ -34,6 +34,7 @@ from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
 from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
 from shared import wire
+from shared.curve import CurveKeys, Security
 from shared.logs import get_logger
 
 MAX_CALLS_PER_CLIENT = 256  # calls in flight per client connection; more are answered 429
@@ -58,8 +59,10 @@ class RpcServer:
         address: str,
         max_body_bytes: int = 8 << 20,
         keys: ApiKeys | None = None,
+        curve: CurveKeys | None = None,
     ):
         self.keys = keys or ApiKeys({})
+        self.curve = curve
         self.generator = generator
         self.address = address
         self.max_body_bytes = max_body_bytes
@@ -71,7 +74,9 @@ class RpcServer:
 
     async def start(self) -> None:
         self.context = zmq.asyncio.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
+        self.security = Security(self.curve, self.log)
+        self.security.start(self.context)
+        self.socket = self.security.server(self.context.socket(zmq.ROUTER))
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, not silence

@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from shared import wire
+from shared.curve import ClientKeys
 
 DEFAULT_TIMEOUT_S = 300.0
 CLOSE_LINGER_MS = 1000  # how long a closing socket lets queued cancels reach the gateway
@@ -79,10 +80,31 @@ def _as_event(frames: list) -> wire.RpcEvent | None:
     return message if isinstance(message, wire.RpcEvent) else None
 
 
-def _dealer(context: zmq.Context, address: str) -> zmq.Socket:
+def _unreachable(address: str, timeout_s: float) -> str:
+    return (
+        f"no connection to {address} within {timeout_s} s (is the gateway's RPC door there, "
+        "and do the CurveZMQ keys match?)"
+    )
+
+
+def _send_if_connected(socket: zmq.Socket, message: wire.Message) -> None:
+    """A best-effort message (a cancel): dropped, not waited on, when there is no connection.
+    On an asyncio socket the send is a future; its failure is taken, not left unretrieved."""
+    try:
+        sent = socket.send_multipart(wire.encode(message), flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return
+    if isinstance(sent, asyncio.Future):
+        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+def _dealer(context: zmq.Context, address: str, curve: ClientKeys | None = None) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
+    if curve is not None:
+        curve.apply(socket)
     socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)  # an unclosed client never blocks the exit
     socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+    socket.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a connection not made: say so instead
     socket.connect(address)
     return socket
 
@@ -97,13 +119,15 @@ class TandemClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         context: zmq.Context | None = None,
         api_key: str | None = None,
+        curve: ClientKeys | None = None,
     ):
         """`context`: another ZeroMQ context, such as a `zmq.green` one under gevent;
-        `api_key`: one of the gateway's keys, when it has some."""
+        `api_key`: one of the gateway's keys, when it has some; `curve`: this client's
+        CurveZMQ keys (`ClientKeys.from_dir`), when the cluster uses CurveZMQ."""
         self.address = address
         self.timeout_s = timeout_s
         self.api_key = api_key
-        self._socket = _dealer(context or zmq.Context.instance(), address)
+        self._socket = _dealer(context or zmq.Context.instance(), address, curve)
         self._call_ids = (str(n) for n in itertools.count())
         # Events received for calls in flight and not yet read; a call leaves it when done.
         self._inbox: dict[str, deque[wire.RpcEvent]] = {}
@@ -123,7 +147,7 @@ class TandemClient:
     def cancel(self, call_id: str) -> None:
         """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
         if call_id in self._inbox:
-            wire.send(self._socket, wire.RpcCancel(call_id=call_id))
+            _send_if_connected(self._socket, wire.RpcCancel(call_id=call_id))
 
     def close(self) -> None:
         for call_id in list(self._inbox):
@@ -149,6 +173,10 @@ class TandemClient:
         return result
 
     def _start(self, kind: CallKind, body: dict[str, Any], stream: bool) -> str:
+        # A DEALER with no connection (no gateway there, or a CurveZMQ handshake that failed)
+        # holds a send forever: wait for one only as long as the call may take.
+        if not self._socket.poll(self.timeout_s * 1000, zmq.POLLOUT):
+            raise TimeoutError(_unreachable(self.address, self.timeout_s))
         call_id = next(self._call_ids)
         self._inbox[call_id] = deque()
         wire.send(self._socket, _request(call_id, kind, body, stream, self.api_key))
@@ -172,7 +200,7 @@ class TandemClient:
     def _abandon(self, call_id: str) -> None:
         """Cancels a call nobody waits for any more; its late events are dropped."""
         if self._inbox.pop(call_id, None) is not None and not self._socket.closed:
-            wire.send(self._socket, wire.RpcCancel(call_id=call_id))
+            _send_if_connected(self._socket, wire.RpcCancel(call_id=call_id))
 
 
 class ChunkStream:
@@ -226,12 +254,16 @@ class AsyncTandemClient:
     Calls may run concurrently from many tasks; a reader task sorts events into their inboxes."""
 
     def __init__(
-        self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, api_key: str | None = None
+        self,
+        address: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        api_key: str | None = None,
+        curve: ClientKeys | None = None,
     ):
         self.address = address
         self.timeout_s = timeout_s
         self.api_key = api_key
-        self._socket = _dealer(zmq.asyncio.Context.instance(), address)
+        self._socket = _dealer(zmq.asyncio.Context.instance(), address, curve)
         self._call_ids = (str(n) for n in itertools.count())
         self._inbox: dict[str, asyncio.Queue[wire.RpcEvent]] = {}
         self._reader: asyncio.Task | None = None  # started with the first call, on its loop
@@ -252,7 +284,7 @@ class AsyncTandemClient:
     async def cancel(self, call_id: str) -> None:
         """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
         if call_id in self._inbox:
-            await wire.async_send(self._socket, wire.RpcCancel(call_id=call_id))
+            _send_if_connected(self._socket, wire.RpcCancel(call_id=call_id))
 
     async def close(self) -> None:
         for call_id in list(self._inbox):
@@ -283,6 +315,8 @@ class AsyncTandemClient:
     async def _start(self, kind: CallKind, body: dict[str, Any], stream: bool) -> str:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
+        if not await self._socket.poll(self.timeout_s * 1000, zmq.POLLOUT):
+            raise TimeoutError(_unreachable(self.address, self.timeout_s))
         call_id = next(self._call_ids)
         self._inbox[call_id] = asyncio.Queue()
         await wire.async_send(self._socket, _request(call_id, kind, body, stream, self.api_key))
@@ -306,7 +340,7 @@ class AsyncTandemClient:
     async def _abandon(self, call_id: str) -> None:
         """Cancels a call nobody waits for any more; its late events are dropped."""
         if self._inbox.pop(call_id, None) is not None and not self._socket.closed:
-            await wire.async_send(self._socket, wire.RpcCancel(call_id=call_id))
+            _send_if_connected(self._socket, wire.RpcCancel(call_id=call_id))
 
     def _abandon_soon(self, call_id: str) -> None:
         """`_abandon` from where nothing may be awaited: a cancelled task, a finalizer."""

@@ -17,6 +17,7 @@ from services.gateway.generation import Generator
 from services.gateway.rpc import RpcServer
 from shared.config import (
     ConfigError,
+    CurveSettings,
     add_config_arguments,
     config_from_args,
     expand_host,
@@ -30,7 +31,7 @@ from shared.logs import configure_logging, get_logger
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(CurveSettings):
     host: str = setting("127.0.0.1", "HTTP host to bind")
     port: int = setting(8000, "HTTP port")
     scheduler_address: str = setting("ipc:///tmp/tandem/scheduler.sock", "the scheduler's ROUTER")
@@ -55,6 +56,7 @@ class GatewayConfig:
     api_keys_file: str | None = setting(None, "a file of API keys, one key or key=tenant a line")
 
     def __post_init__(self) -> None:
+        self.curve_keys()
         require_address(
             self, "scheduler_address", "stream_address", "advertise_stream_address", "rpc_address"
         )
@@ -89,12 +91,15 @@ def build_gateway(config: GatewayConfig):
         peer_id,
         config.model,
         telemetry,
+        config.curve_keys(),
     )
     generator = Generator(cluster, tokenizer, name, max_model_len, telemetry)
     keys = config.keys()
     rpc = None
     if config.rpc_address is not None:
-        rpc = RpcServer(generator, config.rpc_address, config.max_body_bytes, keys)
+        rpc = RpcServer(
+            generator, config.rpc_address, config.max_body_bytes, keys, config.curve_keys()
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -169,7 +169,7 @@ class PrefillWorker(WorkerLoop):
     def _decode_socket(self, address: str) -> zmq.Socket:
         sock = self._decode_sockets.get(address)
         if sock is None:
-            sock = self.context.socket(zmq.DEALER)
+            sock = self.security.client(self.context.socket(zmq.DEALER))
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
             sock.connect(address)

@@ -21,6 +21,7 @@ from services.scheduler.fair_share import FairShareConfig
 from shared import wire
 from shared.config import (
     ConfigError,
+    CurveSettings,
     add_config_arguments,
     config_from_args,
     require_address,
@@ -28,13 +29,14 @@ from shared.config import (
     require_positive,
     setting,
 )
+from shared.curve import Security
 from shared.lifecycle import SchedulerEvents
 from shared.logs import configure_logging, get_logger
 from shared.metrics import serve_metrics
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(CurveSettings):
     address: str = setting("ipc:///tmp/tandem/scheduler.sock", "ROUTER address to bind")
     heartbeat_interval_s: float = setting(0.5, "how often workers send heartbeats")
     heartbeat_timeout_s: float = setting(10.0, "silence after which a worker is out of rotation")
@@ -64,6 +66,7 @@ class SchedulerConfig:
     metrics_host: str = setting("127.0.0.1", "host the /metrics server binds")
 
     def __post_init__(self) -> None:
+        self.curve_keys()
         require_address(self, "address")
         require_port(self, "metrics_port")
         require_positive(
@@ -134,12 +137,14 @@ class SchedulerService:
         self.config = config
         self.core = ClusterScheduler(config.limits())
         self.context = context or zmq.Context.instance()
-        self.socket = self.context.socket(zmq.ROUTER)
+        self.log = get_logger()
+        self.security = Security(config.curve_keys(), self.log)
+        self.security.start(self.context)
+        self.socket = self.security.server(self.context.socket(zmq.ROUTER))
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.socket.bind(config.address)
-        self.log = get_logger()
         self.events = SchedulerEvents(self.log)
         self.metrics_address: str | None = None
         self._last_turn = time.monotonic()
@@ -189,6 +194,7 @@ class SchedulerService:
                     next_tick = now + self.config.heartbeat_interval_s / 2
         finally:
             self.socket.close(linger=0)
+            self.security.stop()
             self.log.info("scheduler stopped")
 
     def _drain(self) -> None:

@@ -6,14 +6,21 @@ import os
 import socket
 from dataclasses import dataclass
 
-from shared.config import ConfigError, require_address, require_port, require_positive, setting
+from shared.config import (
+    ConfigError,
+    CurveSettings,
+    require_address,
+    require_port,
+    require_positive,
+    setting,
+)
 from shared.engine.engine import EngineConfig
 from shared.engine.loader import DTYPES
 from shared.engine.swap import PREEMPTION_MODES
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(CurveSettings):
     scheduler_address: str = setting("ipc:///tmp/tandem/scheduler.sock", "the scheduler's ROUTER")
     address: str | None = setting(None, "decode: the KV ROUTER address to bind")
     advertise_address: str | None = setting(
@@ -44,6 +51,7 @@ class WorkerConfig:
     metrics_host: str = setting("127.0.0.1", "host the /metrics server binds")
 
     def __post_init__(self) -> None:
+        self.curve_keys()
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype (--dtype / TANDEM_DTYPE) must be one of {', '.join(DTYPES)}")
         require_address(self, "scheduler_address", "address", "advertise_address")

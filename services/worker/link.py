@@ -12,6 +12,7 @@ import time
 import zmq
 
 from shared import wire
+from shared.curve import Security
 
 REHELLO_INTERVAL_S = 2.0  # at most one re-registration this often
 
@@ -21,9 +22,9 @@ class HandshakeError(RuntimeError):
 
 
 class SchedulerLink:
-    def __init__(self, context: zmq.Context, address: str, hello: wire.Hello):
+    def __init__(self, context: zmq.Context, address: str, hello: wire.Hello, security: Security):
         self.hello = hello
-        self.socket = context.socket(zmq.DEALER)
+        self.socket = security.client(context.socket(zmq.DEALER))
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)

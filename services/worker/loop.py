@@ -19,6 +19,7 @@ from services.worker.config import WorkerConfig
 from services.worker.link import SchedulerLink
 from services.worker.streams import GatewayStreams
 from shared import wire
+from shared.curve import Security
 from shared.engine.engine import LLMEngine
 from shared.engine.loader import load_model
 from shared.lifecycle import WorkerEvents
@@ -48,6 +49,8 @@ class WorkerLoop(abc.ABC):
         self.loaded = load_model(config.model, dtype=config.torch_dtype)
         self.engine = LLMEngine(self.loaded.model, config.engine_config(**engine_overrides))
         self.context = context or zmq.Context.instance()
+        self.security = Security(config.curve_keys(), self.log)
+        self.security.start(self.context)
         self.registered = False
         self._last_turn = time.monotonic()
         self.metrics_address = None
@@ -69,8 +72,9 @@ class WorkerLoop(abc.ABC):
                 max_num_seqs=config.max_num_seqs,
                 metrics_address=self.metrics_address,
             ),
+            self.security,
         )
-        self.streams = GatewayStreams(self.context)
+        self.streams = GatewayStreams(self.context, self.security)
         self.poller = zmq.Poller()
         self.poller.register(self.link.socket, zmq.POLLIN)
         self._router_sockets: set[zmq.Socket] = set()
@@ -174,6 +178,7 @@ class WorkerLoop(abc.ABC):
         self._close()
         self.streams.close()
         self.link.close()
+        self.security.stop()
         self.log.info(f"{self.role} worker stopped")
 
     # -- the role's part ------------------------------------------------------------------------

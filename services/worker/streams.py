@@ -9,19 +9,21 @@ from collections import defaultdict
 import zmq
 
 from shared import wire
+from shared.curve import Security
 from shared.logs import get_logger
 
 
 class GatewayStreams:
-    def __init__(self, context: zmq.Context):
+    def __init__(self, context: zmq.Context, security: Security):
         self.context = context
+        self.security = security
         self._sockets: dict[str, zmq.Socket] = {}
         self.log = get_logger()
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._sockets.get(address)
         if sock is None:
-            sock = self.context.socket(zmq.PUSH)
+            sock = self.security.client(self.context.socket(zmq.PUSH))
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 10_000)
             sock.connect(address)

@@ -22,6 +22,7 @@ class RunningCluster:
     process: subprocess.Popen
     log_path: Path
     rpc_address: str | None = None  # the gateway's RPC ROUTER, when started with --rpc-port
+    curve_keys_dir: Path | None = None  # its CurveZMQ keys, when its sockets use them
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -109,10 +110,16 @@ OPEN_KEY = "open-key-0123456789abcdef"
 
 @pytest.fixture(scope="session")
 def guarded_cluster(tmp_path_factory) -> RunningCluster:
-    """A second cluster, for tests that kill its workers or need API keys: two prefill and two
-    decode workers, a 2 s heartbeat timeout, keys required on HTTP and RPC."""
+    """A second cluster, for tests that kill its workers or need its locks: two prefill and two
+    decode workers, a 2 s heartbeat timeout, API keys required on HTTP and RPC, and every
+    ZeroMQ socket under CurveZMQ (an RPC client `agent` has keys)."""
+    from shared.curve import generate
+
+    root = tmp_path_factory.mktemp("guarded")
+    keys_dir = root / "keys"
+    generate(keys_dir, clients=("agent",))
     running = start_cluster(
-        tmp_path_factory.mktemp("guarded"),
+        root,
         "--kv-cache-bytes",
         str(128 << 20),
         num_prefill=2,
@@ -121,8 +128,10 @@ def guarded_cluster(tmp_path_factory) -> RunningCluster:
         env={
             "TANDEM_HEARTBEAT_TIMEOUT_S": "2",
             "TANDEM_API_KEYS": f"{ALPHA_KEY}=alpha,{OPEN_KEY}",
+            "TANDEM_CURVE_KEYS_DIR": str(keys_dir),
         },
     )
+    running.curve_keys_dir = keys_dir
     yield running
     stop_cluster(running)
 

@@ -55,3 +55,23 @@ def test_retry_after_may_be_left_out():
 def test_wrong_types_are_refused_naming_the_field(code, header, expected):
     with pytest.raises(WireError, match=re.escape(expected)):
         wire.decode(frames(code, header))
+
+
+def test_a_client_with_no_gateway_to_talk_to_times_out_instead_of_hanging(tmp_path):
+    import asyncio
+    import time
+
+    from services.gateway.rpc_client import AsyncTandemClient, TandemClient
+
+    address = f"ipc://{tmp_path}/nobody.sock"
+    start = time.monotonic()
+    with TandemClient(address, timeout_s=0.5) as client, pytest.raises(TimeoutError) as raised:
+        client.completion(model="m", prompt="hi")
+    assert "no connection" in str(raised.value) and time.monotonic() - start < 5
+
+    async def call() -> None:
+        async with AsyncTandemClient(address, timeout_s=0.5) as client:
+            await client.completion(model="m", prompt="hi")
+
+    with pytest.raises(TimeoutError, match="no connection"):
+        asyncio.run(asyncio.wait_for(call(), 10))

@@ -1,0 +1,39 @@
+"""`tandem keys`: CurveZMQ keys for a cluster, and for RPC clients.
+
+    tandem keys --dir keys/                 # the cluster's keypair (kept if it exists)
+    tandem keys --dir keys/ --client agent  # plus a keypair for an RPC client named agent
+
+Services take the directory (`--curve-keys-dir keys/`, `TANDEM_CURVE_KEYS_DIR`) or, without
+files, the secret key this prints (`TANDEM_CURVE_SECRET_KEY`). An RPC client loads its keys with
+`ClientKeys.from_dir("keys/", "agent")`; its public key is in `keys/authorized/`, which every
+service started afterwards accepts. Secret key files are written readable by their owner only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import zmq.auth
+
+from shared.curve import CLUSTER, CurveError, generate
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", required=True, help="the keys directory (created if missing)")
+    parser.add_argument(
+        "--client", action="append", default=[], help="an RPC client to make a keypair for"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        written = generate(args.dir, tuple(args.client))
+    except CurveError as error:
+        print(f"tandem keys: {error}")
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    public, secret = zmq.auth.load_certificate(f"{args.dir}/{CLUSTER}.key_secret")
+    print(f"cluster public key: {public.decode()}")
+    print(f"for services without the files: TANDEM_CURVE_SECRET_KEY={secret.decode()}")
+    return 0

@@ -1,0 +1,469 @@
+"""The Kubernetes manifests in compose/k8s, checked offline.
+
+kubernetes-validate checks every resource against the Kubernetes API's JSON schemas, strictly
+(an unknown field is an error), for fixed Kubernetes versions; the schemas ship inside the
+package, so nothing is fetched. Our own checks then read the manifests as tandem would run them:
+
+- every TANDEM_* variable a container gets (its `env`, or the ConfigMaps it reads) is a setting
+  of its role's config dataclass, and together they build a valid config (`$(POD_IP)` resolved
+  to a dummy address, Secrets to dummy values);
+- every long-running container has liveness and readiness probes on the port and path its
+  service answers them at, bound where the kubelet can reach it, and advertises addresses that
+  other pods can reach;
+- the HPAs scale the prefill and decode Deployments on metrics that the adapter rules map from
+  gauges those roles export;
+- the kustomization lists every manifest.
+
+Each check returns its problems as sentences; the mutated manifests at the end show that the
+checks fail, and what they say.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate.utils as kubernetes_validate
+import pytest
+import yaml
+
+from services.gateway.service import GatewayConfig
+from services.scheduler.service import SchedulerConfig
+from services.worker.config import WorkerConfig
+from shared.config import ConfigError, config_from_args, env_name
+from shared.lifecycle import DecodeEvents, PrefillEvents
+
+K8S = Path(__file__).resolve().parents[2] / "compose" / "k8s"
+KUSTOMIZATION = "kustomization.yaml"
+ADAPTER_RULES = "prometheus-adapter-rules.yaml"  # the adapter's configuration, applied apart
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")  # the oldest we claim; the newest the package knows
+
+CONFIGS = {
+    "gateway": GatewayConfig,
+    "scheduler": SchedulerConfig,
+    "prefill": WorkerConfig,
+    "decode": WorkerConfig,
+}
+# Read outside the config dataclasses: shared/engine/loader.py and shared/logs.py.
+PROCESS_SETTINGS = {"TANDEM_CACHE_DIR", "TANDEM_LOG_FORMAT", "TANDEM_LOG_LEVEL"}
+PREPARE_SETTINGS = {"TANDEM_MODEL"}  # services/prepare.py
+DUMMY_POD_IP = "10.1.2.3"
+DUMMY_SECRETS = {
+    ("tandem-api-keys", "api-keys"): "0123456789abcdef0123=team-a,fedcba9876543210fedc"
+}
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+# HPA -> (the role it scales, the Prometheus gauge it must be driven by).
+HPA_METRICS = {
+    "tandem-prefill": ("prefill", "tandem:num_requests_waiting"),
+    "tandem-decode": ("decode", "tandem:kv_cache_usage_perc"),
+}
+EXPORTED = {
+    role: {family.name for family in events(None).registry.collect()}
+    for role, events in (("prefill", PrefillEvents), ("decode", DecodeEvents))
+}
+
+Manifests = dict[str, list[dict]]  # file name -> its resources
+
+
+def load_manifests() -> Manifests:
+    return {
+        path.name: [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+        for path in sorted(K8S.glob("*.yaml"))
+    }
+
+
+def resources(manifests: Manifests, kind: str | None = None):
+    for filename, docs in manifests.items():
+        for doc in docs:
+            if filename != KUSTOMIZATION and kind in (None, doc["kind"]):
+                yield filename, doc
+
+
+def by_name(manifests: Manifests, kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for _, doc in resources(manifests, kind)}
+
+
+# -- the API's schemas ----------------------------------------------------------------------------
+
+
+def schema_problems(manifests: Manifests, version: str) -> list[str]:
+    problems = []
+    for filename, doc in resources(manifests):
+        where = f"{filename}: {doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            path = ".".join(str(part) for part in error.path)
+            problems.append(f"{where}: {path}: {error.message} (Kubernetes {error.version})")
+        except kubernetes_validate.SchemaNotFoundError as error:
+            problems.append(f"{where}: {error.message}")
+    return problems
+
+
+# -- containers: settings, probes, addresses ------------------------------------------------------
+
+
+def container_problems(manifests: Manifests) -> list[str]:
+    configmaps = {
+        name: doc.get("data", {}) for name, doc in by_name(manifests, "ConfigMap").items()
+    }
+    schedulers = scheduler_addresses(manifests)
+    problems = []
+    models = {}  # the scheduler refuses workers of another model
+    for filename, deployment in resources(manifests, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            where = f"{filename}: container {container['name']}"
+            found, config = check_container(container, configmaps, schedulers)
+            problems += [f"{where}: {problem}" for problem in found]
+            if config is not None:
+                models[where] = config.model
+    if len(set(models.values())) > 1:
+        problems.append(f"the roles name different models: {models}")
+    return problems
+
+
+def check_container(container: dict, configmaps: dict, schedulers: set[str]):
+    """The container's problems, and its role's config when its settings build one."""
+    command = container.get("command", []) + container.get("args", [])
+    role = command[1] if command[:1] == ["tandem"] and len(command) > 1 else None
+    if role not in (*CONFIGS, "prepare"):
+        return [f"runs {command}, not `tandem <role>`"], None
+    environ, problems = container_environ(container, configmaps)
+    known = PREPARE_SETTINGS if role == "prepare" else setting_names(CONFIGS[role])
+    for name in sorted(n for n in environ if n.startswith("TANDEM_")):
+        if name not in known | PROCESS_SETTINGS:
+            owner = "tandem prepare" if role == "prepare" else CONFIGS[role].__name__
+            problems.append(f"{name} is not a setting of {owner}")
+    if role == "prepare":
+        return problems, None
+    try:
+        config = config_from_args(CONFIGS[role], environ=environ)
+    except ConfigError as error:
+        return [*problems, f"the {role} refuses its settings: {error}"], None
+    problems += probe_problems(role, container, config)
+    return problems + address_problems(role, config, schedulers), config
+
+
+def setting_names(cls: type) -> set[str]:
+    return {env_name(field.name) for field in dataclasses.fields(cls)}
+
+
+def container_environ(container: dict, configmaps: dict) -> tuple[dict[str, str], list[str]]:
+    """The environment Kubernetes would give the container: envFrom, then env in order, with
+    `$(NAME)` expanded from what came before."""
+    environ: dict[str, str] = {}
+    problems = []
+    for source in container.get("envFrom", []):
+        name = source.get("configMapRef", {}).get("name")
+        if name not in configmaps:
+            problems.append(f"envFrom names ConfigMap {name!r}, which no manifest defines")
+            continue
+        environ.update(configmaps[name])
+    for var in container.get("env", []):
+        value, problem = env_value(var, configmaps)
+        if problem:
+            problems.append(f"{var['name']}: {problem}")
+            continue
+        value = re.sub(r"\$\((\w+)\)", lambda m: environ.get(m[1], m[0]), value)
+        if "$(" in value:
+            problems.append(f"{var['name']}={value!r} refers to a variable not set before it")
+        environ[var["name"]] = value
+    return environ, problems
+
+
+def env_value(var: dict, configmaps: dict) -> tuple[str, str | None]:
+    source = var.get("valueFrom")
+    if source is None:
+        return str(var.get("value", "")), None
+    if "configMapKeyRef" in source:
+        ref = source["configMapKeyRef"]
+        if ref["key"] not in configmaps.get(ref["name"], {}):
+            return "", f"ConfigMap {ref['name']!r} has no key {ref['key']!r}"
+        return configmaps[ref["name"]][ref["key"]], None
+    if "secretKeyRef" in source:
+        ref = source["secretKeyRef"]
+        if (ref["name"], ref["key"]) not in DUMMY_SECRETS:
+            return "", f"Secret {ref['name']}/{ref['key']} has no dummy value in this test"
+        return DUMMY_SECRETS[ref["name"], ref["key"]], None
+    if source.get("fieldRef", {}).get("fieldPath") == "status.podIP":
+        return DUMMY_POD_IP, None
+    return "", f"unsupported valueFrom {source}"
+
+
+def probe_problems(role: str, container: dict, config) -> list[str]:
+    """Liveness on /health and readiness on /health (/ready for the gateway), on the port the
+    service serves them at: the gateway's HTTP port, the others' metrics port."""
+    if role == "gateway":
+        host, port, paths = config.host, config.port, {"livenessProbe": "/health"}
+        paths["readinessProbe"] = "/ready"
+    else:
+        host, port = config.metrics_host, config.metrics_port
+        paths = {"livenessProbe": "/health", "readinessProbe": "/health"}
+    problems = []
+    if not port:
+        problems.append("serves /health on no fixed port (set TANDEM_METRICS_PORT)")
+    if host not in WILDCARD_HOSTS:
+        problems.append(f"binds its health port to {host}, which the kubelet cannot reach")
+    if "startupProbe" in container:
+        paths["startupProbe"] = "/health"
+    for kind, path in paths.items():
+        get = container.get(kind, {}).get("httpGet")
+        if get is None:
+            problems.append(f"has no {kind} (an httpGet on {path}, port {port})")
+            continue
+        asked = (get.get("path"), container_port(container, get.get("port")))
+        if asked != (path, port):
+            problems.append(
+                f"{kind} asks {asked[0]} on port {asked[1]}; the {role} answers {path} on {port}"
+            )
+    return problems
+
+
+def container_port(container: dict, port: int | str | None) -> int | None:
+    if isinstance(port, int):
+        return port
+    named = {p.get("name"): p["containerPort"] for p in container.get("ports", [])}
+    return named.get(port)
+
+
+def address_problems(role: str, config, schedulers: set[str]) -> list[str]:
+    problems = []
+    if role in ("gateway", "prefill", "decode") and config.scheduler_address not in schedulers:
+        problems.append(
+            f"TANDEM_SCHEDULER_ADDRESS is {config.scheduler_address}, not the scheduler "
+            f"Service ({', '.join(sorted(schedulers)) or 'none defined'})"
+        )
+    if role == "decode" and config.address is None:
+        problems.append("a decode worker needs TANDEM_ADDRESS (its KV socket)")
+    advertised = {  # role -> (bound, advertised): the gateway's token stream, decode's KV socket
+        "gateway": ("stream_address", "advertise_stream_address"),
+        "decode": ("address", "advertise_address"),
+    }
+    if role in advertised:
+        bound, name = advertised[role]
+        host, _, port = (getattr(config, name) or "").removeprefix("tcp://").rpartition(":")
+        bound_port = (getattr(config, bound) or "").rpartition(":")[2]
+        if host in ("", *WILDCARD_HOSTS, "127.0.0.1", "localhost"):
+            problems.append(f"{env_name(name)} is {getattr(config, name)!r}: pods cannot reach it")
+        elif port != bound_port:
+            problems.append(
+                f"{env_name(name)} is on port {port}, {env_name(bound)} on {bound_port}"
+            )
+    return problems
+
+
+def scheduler_addresses(manifests: Manifests) -> set[str]:
+    """tcp://<service>:<port> for every Service port in front of the scheduler's pods."""
+    return {
+        f"tcp://{name}:{port['port']}"
+        for name, service in by_name(manifests, "Service").items()
+        if service["spec"].get("selector", {}).get("app.kubernetes.io/component") == "scheduler"
+        for port in service["spec"]["ports"]
+    }
+
+
+# -- autoscaling ----------------------------------------------------------------------------------
+
+
+def adapter_rules(manifests: Manifests) -> dict[str, str]:
+    """Custom metric name -> the Prometheus series the adapter rule serves it from."""
+    (configmap,) = manifests[ADAPTER_RULES]
+    config = yaml.safe_load(configmap["data"]["config.yaml"])
+    return {
+        rule["name"]["as"]: rule["name"]["matches"].removeprefix("^").removesuffix("$")
+        for rule in config["rules"]
+    }
+
+
+def hpa_problems(manifests: Manifests) -> list[str]:
+    hpas = by_name(manifests, "HorizontalPodAutoscaler")
+    deployments = by_name(manifests, "Deployment")
+    rules = adapter_rules(manifests)
+    problems = []
+    for name, (role, series) in HPA_METRICS.items():
+        if name not in hpas:
+            problems.append(f"no HorizontalPodAutoscaler {name} for the {role} workers")
+            continue
+        spec = hpas[name]["spec"]
+        target = spec["scaleTargetRef"]
+        deployment = deployments.get(target["name"])
+        labels = (deployment or {}).get("metadata", {}).get("labels", {})
+        minimum = spec.get("minReplicas", 1)
+        if target["kind"] != "Deployment" or labels.get("app.kubernetes.io/component") != role:
+            problems.append(f"HPA {name} scales {target['kind']}/{target['name']}, not {role}")
+        elif deployment["spec"].get("replicas", minimum) != minimum:  # absent: the HPA's count
+            problems.append(
+                f"HPA {name}: minReplicas {minimum} differs from Deployment "
+                f"{target['name']}'s replicas {deployment['spec']['replicas']}"
+            )
+        metrics = [m["pods"]["metric"]["name"] for m in spec["metrics"] if m["type"] == "Pods"]
+        if len(metrics) != len(spec["metrics"]) or len(metrics) != 1:
+            problems.append(f"HPA {name} should have one metric, of type Pods")
+            continue
+        served = rules.get(metrics[0])
+        if served is None:
+            problems.append(f"HPA {name} uses {metrics[0]}, which no adapter rule serves")
+        elif served != series:
+            problems.append(f"HPA {name} is driven by {served}, not {series}")
+        elif series not in EXPORTED[role]:
+            problems.append(f"the {role} workers do not export {series}")
+    return problems
+
+
+# -- kustomization --------------------------------------------------------------------------------
+
+
+def kustomization_problems(manifests: Manifests) -> list[str]:
+    (kustomization,) = manifests[KUSTOMIZATION]
+    listed = set(kustomization.get("resources", []))
+    present = set(manifests) - {KUSTOMIZATION, ADAPTER_RULES}
+    problems = [f"{KUSTOMIZATION} does not list {name}" for name in sorted(present - listed)]
+    problems += [f"{KUSTOMIZATION} lists {name}, which is missing" for name in listed - present]
+    for filename, doc in resources(manifests):
+        namespace = doc["metadata"].get("namespace")
+        if filename in listed and doc["kind"] != "Namespace" and namespace != "tandem":
+            problems.append(f"{filename}: {doc['kind']}/{doc['metadata']['name']} not in tandem")
+    return problems
+
+
+def all_problems(manifests: Manifests) -> list[str]:
+    return [
+        *schema_problems(manifests, KUBERNETES_VERSIONS[0]),
+        *container_problems(manifests),
+        *hpa_problems(manifests),
+        *kustomization_problems(manifests),
+    ]
+
+
+# -- the tests ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def manifests() -> Manifests:
+    return load_manifests()
+
+
+def test_the_manifests_are_there(manifests):
+    kinds = sorted(doc["kind"] for _, doc in resources(manifests))
+    assert kinds.count("Deployment") == 4 and kinds.count("HorizontalPodAutoscaler") == 2
+    assert set(by_name(manifests, "Service")) == {"tandem-gateway", "tandem-scheduler"}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_every_resource_validates_against_the_api_schemas(manifests, version):
+    assert schema_problems(manifests, version) == []
+
+
+def test_containers_have_valid_settings_probes_and_addresses(manifests):
+    assert container_problems(manifests) == []
+
+
+def test_hpas_scale_prefill_and_decode_on_their_own_load(manifests):
+    assert hpa_problems(manifests) == []
+
+
+def test_the_kustomization_lists_every_manifest(manifests):
+    assert kustomization_problems(manifests) == []
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) not found")
+def test_the_kustomization_builds_what_the_files_hold(manifests):
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, check=True
+    ).stdout
+    docs = [doc for doc in yaml.safe_load_all(built) if doc]
+    assert len(docs) == sum(1 for name, _ in resources(manifests) if name != ADAPTER_RULES)
+    assert schema_problems({"built.yaml": docs}, KUBERNETES_VERSIONS[-1]) == []
+
+
+def _container(manifests: Manifests, filename: str, index: int = 0) -> dict:
+    return manifests[filename][index]["spec"]["template"]["spec"]["containers"][0]
+
+
+def _configmap(manifests: Manifests, name: str) -> dict:
+    return by_name(manifests, "ConfigMap")[name]["data"]
+
+
+def _hpa(manifests: Manifests, name: str) -> dict:
+    return by_name(manifests, "HorizontalPodAutoscaler")[name]["spec"]
+
+
+def _rename_key(data: dict, old: str, new: str) -> None:
+    data[new] = data.pop(old)
+
+
+MUTATIONS = {
+    "unknown setting": (
+        lambda m: _rename_key(
+            _configmap(m, "tandem-decode"), "TANDEM_KV_CACHE_BYTES", "TANDEM_KV_CACHE_BYTE"
+        ),
+        "decode.yaml: container decode: TANDEM_KV_CACHE_BYTE is not a setting of WorkerConfig",
+    ),
+    "bad value": (
+        lambda m: _configmap(m, "tandem-prefill").update(TANDEM_METRICS_PORT="91OO"),
+        "the prefill refuses its settings: TANDEM_METRICS_PORT: expected an integer, got '91OO'",
+    ),
+    "missing probe": (
+        lambda m: _container(m, "gateway.yaml").pop("readinessProbe"),
+        "gateway.yaml: container gateway: has no readinessProbe (an httpGet on /ready, port 8000)",
+    ),
+    "probe on the wrong port": (
+        lambda m: _container(m, "prefill.yaml")["livenessProbe"]["httpGet"].update(port=8080),
+        "livenessProbe asks /health on port 8080; the prefill answers /health on 9100",
+    ),
+    "health bound to loopback": (
+        lambda m: _configmap(m, "tandem-scheduler").update(TANDEM_METRICS_HOST="127.0.0.1"),
+        "binds its health port to 127.0.0.1, which the kubelet cannot reach",
+    ),
+    "unresolved pod IP": (
+        lambda m: _container(m, "decode.yaml")["env"].pop(0),
+        "TANDEM_ADVERTISE_ADDRESS='tcp://$(POD_IP):5601' refers to a variable not set before it",
+    ),
+    "another model": (
+        lambda m: _container(m, "decode.yaml")["env"].append(
+            {"name": "TANDEM_MODEL", "value": "/models/llama"}
+        ),
+        "the roles name different models",
+    ),
+    "wrong scheduler address": (
+        lambda m: _configmap(m, "tandem-gateway").update(
+            TANDEM_SCHEDULER_ADDRESS="tcp://scheduler:5555"
+        ),
+        "TANDEM_SCHEDULER_ADDRESS is tcp://scheduler:5555, not the scheduler Service",
+    ),
+    "advertised port not bound": (
+        lambda m: _container(m, "decode.yaml")["env"][1].update(value="tcp://$(POD_IP):5602"),
+        "TANDEM_ADVERTISE_ADDRESS is on port 5602, TANDEM_ADDRESS on 5601",
+    ),
+    "HPA metric without a rule": (
+        lambda m: _hpa(m, "tandem-decode")["metrics"][0]["pods"]["metric"].update(name="kv"),
+        "HPA tandem-decode uses kv, which no adapter rule serves",
+    ),
+    "HPA on the wrong Deployment": (
+        lambda m: _hpa(m, "tandem-prefill")["scaleTargetRef"].update(name="tandem-decode"),
+        "HPA tandem-prefill scales Deployment/tandem-decode, not prefill",
+    ),
+    "unknown field": (
+        lambda m: m["decode.yaml"][0]["spec"].update(replica=3),
+        "decode.yaml: Deployment/tandem-decode: spec: Additional properties are not allowed "
+        "('replica' was unexpected)",
+    ),
+    "file not listed": (
+        lambda m: m[KUSTOMIZATION][0]["resources"].remove("hpa.yaml"),
+        "kustomization.yaml does not list hpa.yaml",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_a_mutated_manifest_is_reported(manifests, mutation):
+    mutate, expected = MUTATIONS[mutation]
+    mutated = copy.deepcopy(manifests)
+    mutate(mutated)
+    problems = all_problems(mutated)
+    assert any(expected in problem for problem in problems), problems
