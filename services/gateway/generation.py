@@ -26,6 +26,14 @@ from shared.lifecycle import ChoiceTrace, GatewayEvents
 from shared.wire_convert import sampling_spec
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a request may wait at the gateway: for its first token, and in all."""
+
+    first_token_s: float = 300.0
+    request_s: float = 3600.0
+
+
 @dataclass
 class ChoiceEvent:
     index: int
@@ -67,9 +75,11 @@ class Generator:
         model_name: str,
         max_model_len: int,
         telemetry: GatewayEvents,
+        timeouts: Timeouts | None = None,
     ):
         self.cluster = cluster
         self.telemetry = telemetry
+        self.timeouts = timeouts or Timeouts()
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -119,7 +129,9 @@ class Generator:
                         choice_id, generation.arrived_at, generation.num_prompt_tokens
                     )
                 )
-            async for index, delta in _merge(queues):
+            deltas = _merge(queues)
+            while True:
+                index, delta = await self._next_delta(deltas, generation, traces)
                 event = self._traced_advance(traces[index], texts[index], index, delta)
                 if event.finish_reason is not None:
                     running.discard(index)
@@ -153,6 +165,24 @@ class Generator:
             self.telemetry.failed(None, choice_id, refused.status_code, refused.message)
             raise _refusal_error(refused) from None
 
+    async def _next_delta(
+        self, deltas: AsyncIterator, generation: Generation, traces: list[ChoiceTrace]
+    ) -> tuple[int, wire.TokenDelta]:
+        """The next delta of any choice, within the request's time limits (else 504)."""
+        waited = time.monotonic() - generation.arrived_at
+        first = not any(t.first_token_at for t in traces)
+        limits = [(self.timeouts.request_s, "request_timeout_s", "to finish")]
+        if first:
+            limits.append((self.timeouts.first_token_s, "first_token_timeout_s", "for a token"))
+        limit, name, what = min(limits)
+        try:
+            return await asyncio.wait_for(anext(deltas), max(0.0, limit - waited))
+        except TimeoutError:
+            message = f"no answer within {limit:g} s {what} ({name})"
+            for trace in traces:
+                self.telemetry.failed(trace, trace.request_id, 504, message)
+            raise ApiError(504, message, "server_error") from None
+
     def _traced_advance(
         self, trace: ChoiceTrace, choice: ChoiceText, index: int, delta: wire.TokenDelta
     ) -> ChoiceEvent:
@@ -169,7 +199,8 @@ class Generator:
     def _advance(self, choice: ChoiceText, index: int, delta: wire.TokenDelta) -> ChoiceEvent:
         detokenizer, matcher = choice.detokenizer, choice.matcher
         if delta.error is not None:
-            raise ApiError(500, f"generation failed: {delta.error}", "server_error")
+            status = 504 if delta.finish_reason == "timeout" else 500
+            raise ApiError(status, f"generation failed: {delta.error}", "server_error")
         text, stopped = matcher.feed(detokenizer.push(delta.token_ids))
         finish = delta.finish_reason
         if stopped:

@@ -13,7 +13,7 @@ import uvicorn
 from services.gateway.app import build_app
 from services.gateway.auth import ApiKeys, KeyConfigError
 from services.gateway.cluster import ClusterClient
-from services.gateway.generation import Generator
+from services.gateway.generation import Generator, Timeouts
 from services.gateway.rpc import RpcServer
 from shared.config import (
     ConfigError,
@@ -54,13 +54,24 @@ class GatewayConfig(CurveSettings):
         (), "API keys clients must present, each key or key=tenant (none: no authentication)"
     )
     api_keys_file: str | None = setting(None, "a file of API keys, one key or key=tenant a line")
+    first_token_timeout_s: float = setting(
+        300.0, "a request with no token this long after arriving is cancelled (504)"
+    )
+    request_timeout_s: float = setting(3600.0, "a request unfinished this long is cancelled (504)")
 
     def __post_init__(self) -> None:
         self.curve_keys()
         require_address(
             self, "scheduler_address", "stream_address", "advertise_stream_address", "rpc_address"
         )
-        require_positive(self, "port", "max_body_bytes", "max_model_len")
+        require_positive(
+            self,
+            "port",
+            "max_body_bytes",
+            "max_model_len",
+            "first_token_timeout_s",
+            "request_timeout_s",
+        )
         self.keys()  # refuses bad keys at start-up
 
     def keys(self) -> ApiKeys:
@@ -93,7 +104,8 @@ def build_gateway(config: GatewayConfig):
         telemetry,
         config.curve_keys(),
     )
-    generator = Generator(cluster, tokenizer, name, max_model_len, telemetry)
+    timeouts = Timeouts(config.first_token_timeout_s, config.request_timeout_s)
+    generator = Generator(cluster, tokenizer, name, max_model_len, telemetry, timeouts)
     keys = config.keys()
     rpc = None
     if config.rpc_address is not None:

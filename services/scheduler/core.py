@@ -48,6 +48,7 @@ class SchedulerLimits:
     progress_timeout_s: float = 60.0  # busy without completing a step: stuck (see registry)
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0  # prompt compute plus KV transfer, on a CPU
+    max_queue_time_s: float = 600.0  # longer in the queue: failed with a timeout, not kept
     retry_after_s: float = 1.0
     prefill_window_tokens: int = 2048  # prompt tokens in hand per prefill worker (see above)
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
@@ -215,6 +216,12 @@ class ClusterScheduler:
             self.registry.remove(worker.peer_id)
             out += self._drop_worker(worker)
         for request in list(self.requests.values()):
+            if (
+                request.phase == Phase.QUEUED
+                and now - request.arrival > self.limits.max_queue_time_s
+            ):
+                out += self._time_out(request, now)
+                continue
             if now <= request.phase_deadline:
                 continue
             if request.phase == Phase.RESERVING:
@@ -486,6 +493,21 @@ class ClusterScheduler:
                     request.prefill_peer_id = None
                 out += self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
         return out
+
+    def _time_out(self, request: TrackedRequest, now: float) -> list[Outgoing]:
+        """A request that waited in the queue past the limit: its client gets a 504."""
+        self._forget(request, cancel_reason=None)
+        gateway = self.gateways.get(request.gateway_peer_id)
+        if gateway is None:
+            return []
+        message = (
+            f"queued {now - request.arrival:.0f} s without a worker free for it "
+            f"(max_queue_time_s {self.limits.max_queue_time_s:g})"
+        )
+        delta = wire.TokenDelta(
+            request_id=request.request_id, token_ids=[], finish_reason="timeout", error=message
+        )
+        return [Outgoing(gateway.identity, wire.Tokens(deltas=[delta]))]
 
     def _lose(self, request: TrackedRequest, reason: str) -> list[Outgoing]:
         """Gives a request whose tokens may have reached its client back to its gateway, which

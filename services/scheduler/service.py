@@ -44,6 +44,9 @@ class SchedulerConfig(CurveSettings):
     max_queued_tokens: int = setting(1 << 20, "queued prompt tokens beyond which 429 is answered")
     reserve_timeout_s: float = setting(5.0, "time a decode worker has to confirm a reservation")
     prefill_timeout_s: float = setting(300.0, "time a prefill and its KV transfer may take")
+    max_queue_time_s: float = setting(
+        600.0, "a request queued this long is failed (504) instead of waiting on"
+    )
     progress_timeout_s: float = setting(
         60.0, "a worker busy this long without completing a step is stuck: no new work, not ready"
     )
@@ -78,6 +81,7 @@ class SchedulerConfig(CurveSettings):
             "reserve_timeout_s",
             "prefill_timeout_s",
             "progress_timeout_s",
+            "max_queue_time_s",
             "max_queue_wait_s",
             "prefill_window_tokens",
         )
@@ -117,6 +121,7 @@ class SchedulerConfig(CurveSettings):
             reserve_timeout_s=self.reserve_timeout_s,
             prefill_timeout_s=self.prefill_timeout_s,
             progress_timeout_s=self.progress_timeout_s,
+            max_queue_time_s=self.max_queue_time_s,
             prefill_window_tokens=self.prefill_window_tokens,
             fair_share=self.fair_share(),
         )

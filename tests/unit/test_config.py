@@ -43,6 +43,9 @@ def test_optional_and_bool_values():
         (SchedulerConfig, ["--heartbeat-timeout-s", "0"], {}, "heartbeat_timeout_s"),
         (SchedulerConfig, [], {"TANDEM_MAX_QUEUED_REQUESTS": "1.5"}, "TANDEM_MAX_QUEUED_REQUESTS"),
         (GatewayConfig, ["--port", "-1"], {}, "port"),
+        (GatewayConfig, ["--first-token-timeout-s", "0"], {}, "first_token_timeout_s"),
+        (GatewayConfig, [], {"TANDEM_REQUEST_TIMEOUT_S": "soon"}, "TANDEM_REQUEST_TIMEOUT_S"),
+        (SchedulerConfig, ["--max-queue-time-s", "-1"], {}, "max_queue_time_s"),
         (GatewayConfig, ["--scheduler-address", "http://x"], {}, "scheduler_address"),
     ],
 )

@@ -298,3 +298,21 @@ def test_idle_worker_is_healthy_however_long_it_waits(core):
         core.on_heartbeat(b"D", heartbeat("d"), t)
         core.on_heartbeat(b"P", heartbeat("p"), t)
     assert core.cluster_status(1000.0).num_decode == 1
+
+
+def test_a_request_queued_past_the_limit_gets_a_timeout():
+    c = ClusterScheduler(SchedulerLimits(max_queue_time_s=5.0, heartbeat_timeout_s=100.0))
+    c.on_hello(b"G", hello("g", "gateway"), 0.0)
+    c.on_hello(b"P", hello("p", "prefill"), 0.0)
+    c.on_hello(b"D", hello("d", "decode"), 0.0)
+    c.registry.get("d").max_num_seqs = 1
+    c.on_submit(b"G", submit("first"), 0.0)  # holds the only decode slot (never confirmed)
+    c.requests["first"].phase_deadline = float("inf")
+    c.on_submit(b"G", submit("r"), 0.0)
+    assert c.tick(4.0) == [] and c.requests["r"].phase == Phase.QUEUED
+    out = c.tick(5.5)
+    (tokens,) = sent(out, wire.Tokens)
+    (delta,) = tokens.message.deltas
+    assert tokens.identity == b"G" and delta.finish_reason == "timeout"
+    assert "queued 6 s" in delta.error and "max_queue_time_s 5" in delta.error
+    assert "r" not in c.requests and "r" not in c.queue and c.num_queued_tokens == 0
