@@ -375,6 +375,9 @@ class ClusterStatus(Message):
     service: Annotated[list[PartyService], MaxLen(256)] = field(default_factory=list)
     workers: Annotated[list[WorkerStatus], MaxLen(1024)] = field(default_factory=list)
     scheduler_metrics_address: str | None = None  # http://host:port of the scheduler's /metrics
+    # Names this run of the scheduler: a new value tells a gateway the scheduler restarted and
+    # forgot the requests it held.
+    scheduler_epoch: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -30,6 +30,7 @@ from shared.lifecycle import GatewayEvents
 from shared.logs import get_logger
 
 MAX_RESUMES = 3  # attempts after the first, per request
+RESUME_PATIENCE_S = 15.0  # how long a resumption waits for a worker to take it (503s)
 
 
 class SubmitRefused(Exception):
@@ -66,6 +67,7 @@ class ClusterView:
     service: list[wire.PartyService] = field(default_factory=list)
     workers: list[wire.WorkerStatus] = field(default_factory=list)
     scheduler_metrics_address: str | None = None
+    scheduler_epoch: str = ""
     received_at: float = 0.0
 
 
@@ -208,10 +210,33 @@ class ClusterClient:
             arrival_time=time.time(),
         )
         self.telemetry.resumed(first_id, attempt_id, len(inflight.token_ids), reason)
-        try:
-            await self._send_submit(submit, timeout_s=10.0)
-        except SubmitRefused as refused:
-            self._fail(inflight, f"{reason}; could not resume it: {refused.message}")
+        deadline = time.monotonic() + RESUME_PATIENCE_S
+        while True:
+            try:
+                await self._send_submit(submit, timeout_s=10.0)
+                return
+            except SubmitRefused as refused:
+                # 503: no worker registered just now (a restarted one may be on its way back).
+                if refused.status_code != 503 or time.monotonic() > deadline:
+                    self._fail(inflight, f"{reason}; could not resume it: {refused.message}")
+                    return
+                await asyncio.sleep(refused.retry_after_s or 1.0)
+
+    def _on_scheduler_restart(self) -> None:
+        """A new scheduler knows nothing of the requests the old one held. Those with tokens
+        are decoding on a worker, which goes on streaming them; those without may have been
+        in its queue, lost with it: they are resumed (an attempt still running somewhere
+        after all is left to finish, its tokens dropped)."""
+        waiting = [r for r in self._requests.values() if not r.token_ids]
+        self.log.warning("scheduler restarted", resuming=len(waiting))
+        for inflight in waiting:
+            self._attempts.pop(inflight.attempt_id, None)
+            self._start_resume(inflight, "the scheduler restarted")
+
+    def _start_resume(self, inflight: InFlight, reason: str) -> None:
+        task = asyncio.create_task(self._resume(inflight, reason))
+        self._resumes.add(task)
+        task.add_done_callback(self._resumes.discard)
 
     def _fail(self, inflight: InFlight, error: str) -> None:
         if self._requests.get(inflight.submit.request_id) is inflight:
@@ -236,6 +261,8 @@ class ClusterClient:
                     if future is not None and not future.done():
                         future.set_result(message)
                 case wire.ClusterStatus():
+                    if self.view.scheduler_epoch not in ("", message.scheduler_epoch):
+                        self._on_scheduler_restart()
                     self.view = ClusterView(
                         num_prefill=message.num_prefill,
                         num_decode=message.num_decode,
@@ -250,6 +277,7 @@ class ClusterClient:
                         service=message.service,
                         workers=message.workers,
                         scheduler_metrics_address=message.scheduler_metrics_address,
+                        scheduler_epoch=message.scheduler_epoch,
                         received_at=time.monotonic(),
                     )
                 case wire.Tokens():
@@ -281,9 +309,7 @@ class ClusterClient:
                 continue  # finished, cancelled, or an abandoned attempt
             if delta.finish_reason == "lost":
                 del self._attempts[delta.request_id]  # its late deltas are dropped from now on
-                task = asyncio.create_task(self._resume(inflight, delta.error or "worker lost"))
-                self._resumes.add(task)
-                task.add_done_callback(self._resumes.discard)
+                self._start_resume(inflight, delta.error or "worker lost")
                 continue
             inflight.token_ids.extend(delta.token_ids)
             inflight.queue.put_nowait(delta)

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 
 import zmq
@@ -152,6 +153,7 @@ class SchedulerService:
         self.socket.bind(config.address)
         self.events = SchedulerEvents(self.log)
         self.metrics_address: str | None = None
+        self.epoch = uuid.uuid4().hex  # tells gateways this is a new scheduler, after a restart
         self._last_turn = time.monotonic()
         self._stopping = False
 
@@ -265,7 +267,9 @@ class SchedulerService:
 
     def _broadcast_status(self, now: float) -> None:
         status = dataclasses.replace(
-            self.core.cluster_status(now), scheduler_metrics_address=self.metrics_address
+            self.core.cluster_status(now),
+            scheduler_metrics_address=self.metrics_address,
+            scheduler_epoch=self.epoch,
         )
         self.events.refresh(status)
         self._send([Outgoing(g.identity, status) for g in self.core.gateways.values()])

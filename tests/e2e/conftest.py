@@ -110,9 +110,9 @@ OPEN_KEY = "open-key-0123456789abcdef"
 
 @pytest.fixture(scope="session")
 def guarded_cluster(tmp_path_factory) -> RunningCluster:
-    """A second cluster, for tests that kill its workers or need its locks: two prefill and two
-    decode workers, a 2 s heartbeat timeout, API keys required on HTTP and RPC, and every
-    ZeroMQ socket under CurveZMQ (an RPC client `agent` has keys)."""
+    """A second cluster, for tests that kill its processes or need its locks: two prefill and
+    two decode workers, a 2 s heartbeat timeout, a small prefill window, API keys required on
+    HTTP and RPC, and every ZeroMQ socket under CurveZMQ (an RPC client `agent` has keys)."""
     from shared.curve import generate
 
     root = tmp_path_factory.mktemp("guarded")
@@ -127,6 +127,8 @@ def guarded_cluster(tmp_path_factory) -> RunningCluster:
         rpc=True,
         env={
             "TANDEM_HEARTBEAT_TIMEOUT_S": "2",
+            # A small window keeps requests in the scheduler's queue, where a restart loses them.
+            "TANDEM_PREFILL_WINDOW_TOKENS": "4",
             "TANDEM_API_KEYS": f"{ALPHA_KEY}=alpha,{OPEN_KEY}",
             "TANDEM_CURVE_KEYS_DIR": str(keys_dir),
         },

@@ -45,7 +45,7 @@ class FakeScheduler:
 
     async def reply(self, request_id: str, status: int = 200) -> None:
         reply = wire.SubmitReply(request_id=request_id, accepted=status == 200, status_code=status,
-                                 message=None if status == 200 else "no decode worker",
+                                 message=None if status == 200 else f"refused ({status})",
                                  retry_after_s=None)  # fmt: skip
         await wire.async_send_to(self.socket, self.gateway, reply)
 
@@ -70,7 +70,7 @@ async def scenario(tmp_path, refuse_resume: bool) -> tuple[list[wire.TokenDelta]
     await scheduler.send(delta("r", [], finish="lost"))
     await scheduler.send(delta("r", [99]))  # late, from the lost attempt: dropped
     resubmit = await scheduler.expect(wire.Submit)
-    await scheduler.reply(resubmit.request_id, 503 if refuse_resume else 200)
+    await scheduler.reply(resubmit.request_id, 400 if refuse_resume else 200)
     if not refuse_resume:
         await scheduler.send(delta(resubmit.request_id, [9], finish="length"))
     got = [await asyncio.wait_for(queue.get(), 5) for _ in range(3)]
@@ -91,7 +91,7 @@ def test_a_lost_request_that_cannot_resume_ends_with_a_clear_error(tmp_path):
     got, _ = asyncio.run(scenario(tmp_path, refuse_resume=True))
     assert [d.token_ids for d in got[:2]] == [[7], [8]]
     assert got[2].finish_reason == "error"
-    assert "d0 stopped responding" in got[2].error and "no decode worker" in got[2].error
+    assert "d0 stopped responding" in got[2].error and "refused (400)" in got[2].error
 
 
 async def lost_every_time(tmp_path) -> wire.TokenDelta:
@@ -122,3 +122,35 @@ async def lost_every_time(tmp_path) -> wire.TokenDelta:
 def test_resumptions_are_bounded(tmp_path):
     last = asyncio.run(lost_every_time(tmp_path))
     assert last.finish_reason == "error" and f"after {MAX_RESUMES} resumptions" in last.error
+
+
+async def refused_once(tmp_path) -> tuple[list[wire.TokenDelta], list[str]]:
+    context = zmq.asyncio.Context()
+    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
+    client = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
+                           f"ipc://{tmp_path}/stream", "g", "m",
+                           GatewayEvents(get_logger()))  # fmt: skip
+    await client.start()
+    await scheduler.expect(wire.Hello)
+    submitted = asyncio.create_task(client.submit(submit("r")))
+    await scheduler.expect(wire.Submit)
+    await scheduler.reply("r")
+    queue = await submitted
+    await scheduler.send(delta("r", [], finish="lost"))
+    attempts = []
+    for status in (503, 200):  # no worker just now, then one is back
+        attempt = await scheduler.expect(wire.Submit)
+        attempts.append(attempt.request_id)
+        await scheduler.reply(attempt.request_id, status)
+    await scheduler.send(delta(attempts[-1], [5], finish="length"))
+    got = [await asyncio.wait_for(queue.get(), 5)]
+    await client.close()
+    scheduler.socket.close(linger=0)
+    context.term()
+    return got, attempts
+
+
+def test_a_resumption_waits_out_a_moment_with_no_worker(tmp_path):
+    got, attempts = asyncio.run(refused_once(tmp_path))
+    assert attempts == ["r~1", "r~1"]  # the same attempt, asked again
+    assert got[0].token_ids == [5] and got[0].finish_reason == "length"
