@@ -4,6 +4,7 @@ played by the test on a real ROUTER socket."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -53,18 +54,38 @@ class FakeScheduler:
         await wire.async_send_to(self.socket, self.gateway, message)
 
 
+@dataclass
+class Link:
+    """A gateway's cluster link to the played scheduler, with request "r" submitted."""
+
+    context: zmq.asyncio.Context
+    scheduler: FakeScheduler
+    client: ClusterClient
+    queue: asyncio.Queue
+
+    @classmethod
+    async def open(cls, tmp_path) -> Link:
+        context = zmq.asyncio.Context()
+        scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
+        client = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
+                               f"ipc://{tmp_path}/stream", "g", "m",
+                               GatewayEvents(get_logger()))  # fmt: skip
+        await client.start()
+        await scheduler.expect(wire.Hello)
+        submitted = asyncio.create_task(client.submit(submit("r")))
+        await scheduler.expect(wire.Submit)
+        await scheduler.reply("r")
+        return cls(context, scheduler, client, await submitted)
+
+    async def close(self) -> None:
+        await self.client.close()
+        self.scheduler.socket.close(linger=0)
+        self.context.term()
+
+
 async def scenario(tmp_path, refuse_resume: bool) -> tuple[list[wire.TokenDelta], list]:
-    context = zmq.asyncio.Context()
-    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
-    client = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
-                           f"ipc://{tmp_path}/stream", "g", "m",
-                           GatewayEvents(get_logger()))  # fmt: skip
-    await client.start()
-    await scheduler.expect(wire.Hello)
-    submitted = asyncio.create_task(client.submit(submit("r")))
-    await scheduler.expect(wire.Submit)
-    await scheduler.reply("r")
-    queue = await submitted
+    link = await Link.open(tmp_path)
+    scheduler, queue = link.scheduler, link.queue
     await scheduler.send(delta("r", [7]))
     await scheduler.send(delta("r", [8]))
     await scheduler.send(delta("r", [], finish="lost"))
@@ -74,9 +95,7 @@ async def scenario(tmp_path, refuse_resume: bool) -> tuple[list[wire.TokenDelta]
     if not refuse_resume:
         await scheduler.send(delta(resubmit.request_id, [9], finish="length"))
     got = [await asyncio.wait_for(queue.get(), 5) for _ in range(3)]
-    await client.close()
-    scheduler.socket.close(linger=0)
-    context.term()
+    await link.close()
     return got, [resubmit]
 
 
@@ -95,17 +114,8 @@ def test_a_lost_request_that_cannot_resume_ends_with_a_clear_error(tmp_path):
 
 
 async def lost_every_time(tmp_path) -> wire.TokenDelta:
-    context = zmq.asyncio.Context()
-    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
-    client = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
-                           f"ipc://{tmp_path}/stream", "g", "m",
-                           GatewayEvents(get_logger()))  # fmt: skip
-    await client.start()
-    await scheduler.expect(wire.Hello)
-    submitted = asyncio.create_task(client.submit(submit("r")))
-    await scheduler.expect(wire.Submit)
-    await scheduler.reply("r")
-    queue = await submitted
+    link = await Link.open(tmp_path)
+    scheduler, queue = link.scheduler, link.queue
     attempt = "r"
     for _ in range(MAX_RESUMES):
         await scheduler.send(delta(attempt, [], finish="lost"))
@@ -113,9 +123,7 @@ async def lost_every_time(tmp_path) -> wire.TokenDelta:
         await scheduler.reply(attempt)
     await scheduler.send(delta(attempt, [], finish="lost"))
     last = await asyncio.wait_for(queue.get(), 5)
-    await client.close()
-    scheduler.socket.close(linger=0)
-    context.term()
+    await link.close()
     return last
 
 
@@ -125,17 +133,8 @@ def test_resumptions_are_bounded(tmp_path):
 
 
 async def refused_once(tmp_path) -> tuple[list[wire.TokenDelta], list[str]]:
-    context = zmq.asyncio.Context()
-    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
-    client = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
-                           f"ipc://{tmp_path}/stream", "g", "m",
-                           GatewayEvents(get_logger()))  # fmt: skip
-    await client.start()
-    await scheduler.expect(wire.Hello)
-    submitted = asyncio.create_task(client.submit(submit("r")))
-    await scheduler.expect(wire.Submit)
-    await scheduler.reply("r")
-    queue = await submitted
+    link = await Link.open(tmp_path)
+    scheduler, queue = link.scheduler, link.queue
     await scheduler.send(delta("r", [], finish="lost"))
     attempts = []
     for status in (503, 200):  # no worker just now, then one is back
@@ -144,9 +143,7 @@ async def refused_once(tmp_path) -> tuple[list[wire.TokenDelta], list[str]]:
         await scheduler.reply(attempt.request_id, status)
     await scheduler.send(delta(attempts[-1], [5], finish="length"))
     got = [await asyncio.wait_for(queue.get(), 5)]
-    await client.close()
-    scheduler.socket.close(linger=0)
-    context.term()
+    await link.close()
     return got, attempts
 
 
