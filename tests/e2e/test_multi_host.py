@@ -251,12 +251,17 @@ def test_requests_complete_across_hosts(spread, expected):
     assert 'peer="decode-h3"' in metrics and 'peer="prefill-h2"' in metrics  # scraped across
 
 
-def busiest_decode_host(cluster: Spread) -> int:
-    """The host of the decode worker running the most sequences now (`decode-hN` -> N)."""
-    workers = [w for w in cluster.ready()["workers"] if w["role"] == "decode"]
-    busiest = max(workers, key=lambda w: w["running"])
-    assert busiest["running"] > 0, workers
-    return int(busiest["peer_id"].removeprefix("decode-h"))
+def busiest_decode_host(cluster: Spread, timeout_s: float = 5.0) -> int:
+    """The host of the decode worker running the most sequences (`decode-hN` -> N), once a
+    heartbeat has reported some (the view is up to a heartbeat old)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        workers = [w for w in cluster.ready()["workers"] if w["role"] == "decode"]
+        busiest = max(workers, key=lambda w: w["running"])
+        if busiest["running"] > 0:
+            return int(busiest["peer_id"].removeprefix("decode-h"))
+        assert time.monotonic() < deadline, f"no decode worker reported a sequence: {workers}"
+        time.sleep(0.1)
 
 
 def test_a_cut_link_reroutes_its_streams_and_the_worker_rejoins(spread, expected):
