@@ -44,6 +44,7 @@ SCHEMA_VERSION = 2
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
+MAX_HELD_IDS = 8192  # request ids a heartbeat carries
 MAX_TOKEN_IDS = 1 << 20  # a prompt (or prompt + output) of up to a million tokens
 MAX_REQUEST_ID_LEN = 128
 MAX_STR_LEN = 4096  # any other string
@@ -225,6 +226,9 @@ class Heartbeat(Message):
     num_swapped: int = 0  # preempted sequences whose KV waits in host memory
     num_swap_preemptions: int = 0  # since start: sequences swapped out to make room
     num_recompute_preemptions: int = 0  # since start: sequences dropped to be recomputed
+    # The requests it holds state for (reservations, jobs, transfers, sequences): the lease
+    # check. The scheduler cancels any it has given up on, in case that cancel went astray.
+    request_ids: Annotated[list[RequestId], MaxLen(MAX_HELD_IDS)] = field(default_factory=list)
     # Sequences in each engine step since the last heartbeat, oldest first (the batch picture).
     recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
 

@@ -170,6 +170,9 @@ class DecodeWorker(WorkerLoop):
             self.engine.abort(request_id)
         self.log.info("decode cancelled", request_id=request_id, reason=reason)
 
+    def held_request_ids(self) -> list[str]:
+        return [*self.reservations, *self.routes]
+
     def _on_timers(self, now: float) -> None:
         """Reservations whose KV did not arrive within the lease return to the pool."""
         for request_id, reservation in list(self.reservations.items()):

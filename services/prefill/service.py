@@ -188,6 +188,9 @@ class PrefillWorker(WorkerLoop):
             self.events.kv_failed(ack.request_id, "refused", ack.error)
             self._report(transfer.job, "error", transfer.num_output_tokens)
 
+    def held_request_ids(self) -> list[str]:
+        return [*self.jobs, *self.transfers]
+
     def _on_timers(self, now: float) -> None:
         """A transfer never acknowledged in time is abandoned: the scheduler re-routes it."""
         for request_id, transfer in list(self.transfers.items()):

@@ -30,6 +30,7 @@ from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, Que
 from services.scheduler.registry import WorkerRegistry, WorkerState
 from shared import wire
 
+MAX_ABANDONED = 65536  # request ids remembered as given up on, for the heartbeats' lease check
 MAX_PARTIES_SHOWN = 256  # the status lists at most this many tenant/class accounts
 
 
@@ -146,6 +147,9 @@ class ClusterScheduler:
     queue: FairQueue = field(init=False)
     num_queued_tokens: int = 0
     max_queue_wait_s: float = 0.0  # the longest any dispatched request waited in the queue
+    # Requests given up on (cancelled, lost, timed out), most recent last: a worker still
+    # holding one after its cancel went astray is told again (see `on_heartbeat`).
+    abandoned: dict[str, None] = field(default_factory=dict)
     # Dispatches since the service last took them (`take_dispatched`).
     dispatched: list[Dispatched] = field(default_factory=list)
 
@@ -207,7 +211,12 @@ class ClusterScheduler:
         worker.record_progress(heartbeat.steps_completed, busy, now)
         # The heartbeat's free-block count already reflects every reservation made so far.
         worker.num_promised_blocks = 0
-        return self.dispatch(now)
+        stale = [
+            Outgoing(identity, wire.Cancel(request_id=request_id, reason="abandoned"))
+            for request_id in heartbeat.request_ids
+            if request_id in self.abandoned
+        ]
+        return stale + self.dispatch(now)
 
     def tick(self, now: float) -> list[Outgoing]:
         """Takes silent workers out of rotation and re-routes requests whose phase timed out."""
@@ -461,6 +470,8 @@ class ClusterScheduler:
 
     def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
         self.requests.pop(request.request_id, None)
+        if cancel_reason is not None or request.phase != Phase.QUEUED:
+            self._abandon(request.request_id)
         if request.phase == Phase.QUEUED:
             self.queue.remove(request.request_id)
             self.num_queued_tokens -= request.num_prefill_tokens
@@ -508,6 +519,13 @@ class ClusterScheduler:
             request_id=request.request_id, token_ids=[], finish_reason="timeout", error=message
         )
         return [Outgoing(gateway.identity, wire.Tokens(deltas=[delta]))]
+
+    def _abandon(self, request_id: str) -> None:
+        """Remembers a request given up on (a bounded memory: the oldest go first). A request
+        finished normally is remembered too: a worker that still lists it lost track."""
+        self.abandoned[request_id] = None
+        while len(self.abandoned) > MAX_ABANDONED:
+            del self.abandoned[next(iter(self.abandoned))]
 
     def _lose(self, request: TrackedRequest, reason: str) -> list[Outgoing]:
         """Gives a request whose tokens may have reached its client back to its gateway, which

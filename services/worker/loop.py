@@ -172,6 +172,7 @@ class WorkerLoop(abc.ABC):
             num_swap_preemptions=self.engine.scheduler.num_preemptions_by_mode["swap"],
             num_recompute_preemptions=self.engine.scheduler.num_preemptions_by_mode["recompute"],
             recent_batch_sizes=list(self._recent_batch_sizes),
+            request_ids=self.held_request_ids()[: wire.MAX_HELD_IDS],
         )
 
     def close(self) -> None:
@@ -186,6 +187,10 @@ class WorkerLoop(abc.ABC):
     @abc.abstractmethod
     def _handle(self, message: wire.Message, identity: bytes | None) -> None:
         """One decoded message; `identity` is set when it came through a ROUTER socket."""
+
+    @abc.abstractmethod
+    def held_request_ids(self) -> list[str]:
+        """Every request this worker holds state for (its heartbeat lists them)."""
 
     @abc.abstractmethod
     def _step(self) -> None:

@@ -316,3 +316,16 @@ def test_a_request_queued_past_the_limit_gets_a_timeout():
     assert tokens.identity == b"G" and delta.finish_reason == "timeout"
     assert "queued 6 s" in delta.error and "max_queue_time_s 5" in delta.error
     assert "r" not in c.requests and "r" not in c.queue and c.num_queued_tokens == 0
+
+
+def test_a_worker_still_holding_an_abandoned_request_is_told_again(core):
+    run_to_decoding(core, "r")
+    core.on_cancel(wire.Cancel(request_id="r", reason="client gone"), 1.0)  # that cancel is lost
+    held = dataclasses.replace(heartbeat("d"), request_ids=["r", "unknown-to-me"])
+    out = core.on_heartbeat(b"D", held, 2.0)
+    (cancel,) = sent(out, wire.Cancel)
+    assert cancel.identity == b"D" and cancel.message.request_id == "r"
+    assert cancel.message.reason == "abandoned"  # "unknown-to-me" may be a restart's survivor
+    run_to_decoding(core, "s", now=3.0)
+    live = dataclasses.replace(heartbeat("d"), request_ids=["s"])
+    assert not sent(core.on_heartbeat(b"D", live, 4.0), wire.Cancel)  # a live one is left alone
