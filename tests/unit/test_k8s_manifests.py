@@ -30,6 +30,7 @@ from pathlib import Path
 import kubernetes_validate.utils as kubernetes_validate
 import pytest
 import yaml
+import zmq
 
 from services.gateway.service import GatewayConfig
 from services.scheduler.service import SchedulerConfig
@@ -54,6 +55,10 @@ PREPARE_SETTINGS = {"TANDEM_MODEL"}  # services/prepare.py
 DUMMY_POD_IP = "10.1.2.3"
 DUMMY_SECRETS = {
     ("tandem-api-keys", "api-keys"): "0123456789abcdef0123=team-a,fedcba9876543210fedc"
+}
+# Whole Secrets read with envFrom: a valid CurveZMQ secret key, so the settings validate.
+DUMMY_SECRET_ENVS = {
+    "tandem-curve": {"TANDEM_CURVE_SECRET_KEY": zmq.curve_keypair()[1].decode()},
 }
 WILDCARD_HOSTS = ("0.0.0.0", "::")
 # HPA -> (the role it scales, the Prometheus gauge it must be driven by).
@@ -159,6 +164,12 @@ def container_environ(container: dict, configmaps: dict) -> tuple[dict[str, str]
     environ: dict[str, str] = {}
     problems = []
     for source in container.get("envFrom", []):
+        if "secretRef" in source:  # a Secret's keys are its variables: test them with dummies
+            secret = source["secretRef"]["name"]
+            if secret not in DUMMY_SECRET_ENVS:
+                problems.append(f"envFrom names Secret {secret!r}, which has no dummy here")
+            environ.update(DUMMY_SECRET_ENVS.get(secret, {}))
+            continue
         name = source.get("configMapRef", {}).get("name")
         if name not in configmaps:
             problems.append(f"envFrom names ConfigMap {name!r}, which no manifest defines")
@@ -467,3 +478,10 @@ def test_a_mutated_manifest_is_reported(manifests, mutation):
     mutate(mutated)
     problems = all_problems(mutated)
     assert any(expected in problem for problem in problems), problems
+
+
+def test_every_role_reads_the_curvezmq_secret(manifests):
+    for name, deployment in by_name(manifests, "Deployment").items():
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        refs = [s["secretRef"] for s in container.get("envFrom", []) if "secretRef" in s]
+        assert {"name": "tandem-curve", "optional": True} in refs, name
