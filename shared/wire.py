@@ -161,7 +161,8 @@ class TokenDelta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     # "stop", "length" or "abort" on the request's last delta; "lost" when the worker holding
     # it is gone (its gateway resumes it elsewhere from the tokens it has, or fails it);
-    # "timeout" (with `error`) when it waited past a limit, such as the queue's.
+    # "timeout" (with `error`) when it waited past a limit, such as the queue's; "preempted"
+    # when its decode worker handed it back for recompute (resumed like "lost", not counted).
     finish_reason: str | None = None
     error: str | None = None  # set when the request failed; the gateway answers with it
 

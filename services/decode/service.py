@@ -62,7 +62,7 @@ class DecodeWorker(WorkerLoop):
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
         advertised = expand_host(config.advertise_address) or config.address
-        super().__init__(config, context, address=advertised)
+        super().__init__(config, context, address=advertised, hand_back_recomputed=True)
         self.blocks = self.engine.block_manager
         self.kv_socket = self.security.server(self.context.socket(zmq.ROUTER))
         self.kv_socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
@@ -185,6 +185,8 @@ class DecodeWorker(WorkerLoop):
 
     def _step(self) -> None:
         outputs = self.engine.step()
+        for seq in self.engine.take_evicted():
+            self._hand_back(seq.request_id)
         self.events.decode_step(
             self.engine.last_step_num_seqs, sum(len(o.new_token_ids) for o in outputs)
         )
@@ -211,6 +213,24 @@ class DecodeWorker(WorkerLoop):
                     )
                 )
         self.streams.send(group_by_gateway(streamed))
+
+    def _hand_back(self, request_id: str) -> None:
+        """A sequence preempted for recompute goes back for prefill on a prefill worker (its
+        gateway resumes it from the tokens its client has), not recomputed here."""
+        route = self.routes.pop(request_id, None)
+        if route is None:
+            return
+        self.log.info("handed back for recompute", request_id=request_id)
+        self.link.send(
+            wire.RequestDone(
+                request_id=request_id,
+                peer_id=self.peer_id,
+                phase="decode",
+                finish_reason="preempted",
+                num_prompt_tokens=route.num_prompt_tokens,
+                num_output_tokens=route.num_output_tokens,
+            )
+        )
 
     def _close(self) -> None:
         self.kv_socket.close(linger=0)

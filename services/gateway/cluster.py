@@ -49,7 +49,8 @@ class InFlight:
     queue: asyncio.Queue
     attempt_id: str
     token_ids: list[int] = field(default_factory=list)  # every token handed to the handler
-    num_resumes: int = 0
+    num_resumes: int = 0  # after losses: bounded by MAX_RESUMES
+    num_attempts: int = 1  # every attempt, preemptions' included (each brings a token)
 
 
 @dataclass
@@ -193,13 +194,16 @@ class ClusterClient:
 
     # -- resuming a request whose worker was lost -----------------------------------------------
 
-    async def _resume(self, inflight: InFlight, reason: str) -> None:
+    async def _resume(self, inflight: InFlight, reason: str, counted: bool = True) -> None:
+        """A new attempt from the tokens the handler has. Only losses count toward the bound:
+        a preempted request comes back with at least one more token each time."""
         first_id = inflight.submit.request_id
-        if inflight.num_resumes >= MAX_RESUMES:
+        if counted and inflight.num_resumes >= MAX_RESUMES:
             self._fail(inflight, f"{reason}; given up after {MAX_RESUMES} resumptions")
             return
-        inflight.num_resumes += 1
-        previous, attempt_id = inflight.attempt_id, f"{first_id}~{inflight.num_resumes}"
+        inflight.num_resumes += counted
+        previous, attempt_id = inflight.attempt_id, f"{first_id}~{inflight.num_attempts}"
+        inflight.num_attempts += 1
         inflight.attempt_id = attempt_id
         self._attempts[attempt_id] = first_id
         submit = dataclasses.replace(
@@ -233,8 +237,8 @@ class ClusterClient:
             self._attempts.pop(inflight.attempt_id, None)
             self._start_resume(inflight, "the scheduler restarted")
 
-    def _start_resume(self, inflight: InFlight, reason: str) -> None:
-        task = asyncio.create_task(self._resume(inflight, reason))
+    def _start_resume(self, inflight: InFlight, reason: str, counted: bool = True) -> None:
+        task = asyncio.create_task(self._resume(inflight, reason, counted))
         self._resumes.add(task)
         task.add_done_callback(self._resumes.discard)
 
@@ -307,9 +311,10 @@ class ClusterClient:
             inflight = self._requests.get(first_id) if first_id is not None else None
             if inflight is None or inflight.attempt_id != delta.request_id:
                 continue  # finished, cancelled, or an abandoned attempt
-            if delta.finish_reason == "lost":
+            if delta.finish_reason in ("lost", "preempted"):
                 del self._attempts[delta.request_id]  # its late deltas are dropped from now on
-                self._start_resume(inflight, delta.error or "worker lost")
+                reason = delta.error or delta.finish_reason
+                self._start_resume(inflight, reason, counted=delta.finish_reason == "lost")
                 continue
             inflight.token_ids.extend(delta.token_ids)
             inflight.queue.put_nowait(delta)

@@ -351,6 +351,9 @@ class ClusterScheduler:
                 return self._lose(request, "the KV transfer failed") + self.dispatch(now)
             # Finished at its first token: the decode reservation is no longer needed.
             return self._forget(request, cancel_reason="finished in prefill") + self.dispatch(now)
+        if done.finish_reason == "preempted":  # handed back by the decode worker for recompute
+            reason = f"preempted on {done.peer_id} for recompute"
+            return self._lose(request, reason, "preempted") + self.dispatch(now)
         self._forget(request, cancel_reason=None)
         return self.dispatch(now)
 
@@ -527,7 +530,9 @@ class ClusterScheduler:
         while len(self.abandoned) > MAX_ABANDONED:
             del self.abandoned[next(iter(self.abandoned))]
 
-    def _lose(self, request: TrackedRequest, reason: str) -> list[Outgoing]:
+    def _lose(
+        self, request: TrackedRequest, reason: str, finish_reason: str = "lost"
+    ) -> list[Outgoing]:
         """Gives a request whose tokens may have reached its client back to its gateway, which
         alone knows which did: it resumes the request from them (or fails it). Re-running it
         here could repeat a token the client has or skip one it lacks."""
@@ -535,7 +540,10 @@ class ClusterScheduler:
         gateway = self.gateways.get(request.gateway_peer_id)
         if gateway is not None:
             delta = wire.TokenDelta(
-                request_id=request.request_id, token_ids=[], finish_reason="lost", error=reason
+                request_id=request.request_id,
+                token_ids=[],
+                finish_reason=finish_reason,
+                error=reason,
             )
             out.append(Outgoing(gateway.identity, wire.Tokens(deltas=[delta])))
         return out

@@ -42,6 +42,9 @@ class EngineConfig:
     retain_finished: bool = False
     swap_bytes: int = 0  # host memory for preempted sequences' KV (0: recompute only)
     preemption_mode: str = "auto"  # auto (by measured cost), swap or recompute
+    # Decode role: a sequence preempted for recompute leaves the engine (`take_evicted`) to be
+    # prefilled again elsewhere, instead of recomputing its prompt on this decode worker.
+    hand_back_recomputed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -101,6 +104,7 @@ class LLMEngine:
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
             choose_preemption=self._choose_preemption,
+            hand_back_recomputed=self.config.hand_back_recomputed,
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids)
@@ -165,6 +169,14 @@ class LLMEngine:
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self.swap_space.discard(request_id)
         return True
+
+    def take_evicted(self) -> list[Sequence]:
+        """Sequences preempted for recompute and handed back (`hand_back_recomputed`) since
+        the last call; they are no longer in the engine."""
+        evicted, self.scheduler.evicted = self.scheduler.evicted, []
+        for seq in evicted:
+            self._sequences.pop(seq.request_id, None)
+        return evicted
 
     def retained(self, request_id: str) -> Sequence:
         """A finished sequence still holding its blocks (`retain_finished`)."""

@@ -84,6 +84,7 @@ class StepScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         choose_preemption: Callable[[Sequence, int], str] | None = None,
+        hand_back_recomputed: bool = False,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -93,6 +94,10 @@ class StepScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # oldest first
+        # A decode worker hands a sequence preempted for recompute back for prefill elsewhere
+        # instead of recomputing it here: it leaves through `evicted`.
+        self.hand_back_recomputed = hand_back_recomputed
+        self.evicted: list[Sequence] = []
         self.num_preemptions = 0
         self.num_preemptions_by_mode = {"swap": 0, "recompute": 0}
         self._plan = StepPlan()
@@ -195,6 +200,10 @@ class StepScheduler:
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
             self.swapped.sort(key=_urgency)
+        elif self.hand_back_recomputed:
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            self.evicted.append(seq)
         else:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING

@@ -5,7 +5,8 @@ The pool holds 16 blocks of 16 tokens, a long request grows to 13 blocks (160 + 
 short one to 4 (16 + 48), so a long and a short one cannot both finish resident: the newest is
 preempted. The swap space holds 5 blocks: a short victim fits (swap), a long one never does
 (recompute). Phase one starts the long request first, so the short one is newest and swapped;
-phase two starts the short one first, so the long one is newest and recomputed.
+phase two starts the short one first, so the long one is newest and recomputed: handed back by
+the decode worker and prefilled again on the prefill worker, from the prompt and its tokens.
 """
 
 from __future__ import annotations
@@ -101,3 +102,7 @@ def test_preempted_requests_complete_token_identical_and_the_pool_refills(
     assert info["decode_free_blocks"] == info["decode_total_blocks"] == NUM_BLOCKS
     assert after_phase_one["preemptions"]["swap"] > 0, after_phase_one["preemptions"]
     assert info["preemptions"]["recompute"] > 0, info["preemptions"]
+    # Recompute is not done on the decode worker: the sequence goes back to a prefill worker
+    # with its prompt and the tokens its client has.
+    log = tight_cluster.log()
+    assert "handed back for recompute" in log and "preempted on decode-0 for recompute" in log

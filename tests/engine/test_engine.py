@@ -186,3 +186,32 @@ def test_prompt_that_can_never_fit_the_pool_is_refused(model):
     engine = LLMEngine(model, EngineConfig(num_blocks=2, block_size=16))
     with pytest.raises(InvalidRequestError, match="never"):
         engine.add_request([5] * 30, GREEDY)
+
+
+def test_a_handed_back_sequence_resumed_elsewhere_loses_and_repeats_no_token(model):
+    """The decode role: a sequence preempted for recompute leaves the engine; resumed as a new
+    request from its prompt and the tokens it had (what a prefill worker would be sent), every
+    request's tokens equal an undisturbed run's."""
+    batch = prompts(6, seed=1)
+    params = dataclasses.replace(GREEDY, max_tokens=30)
+    expected = one_by_one(model, batch, params)
+    config = EngineConfig(num_blocks=12, max_num_batched_tokens=64, preemption_mode="recompute",
+                          hand_back_recomputed=True)  # fmt: skip
+    engine = LLMEngine(model, config)
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(batch))}
+    owner: dict[str, int] = {}
+    for i, prompt in enumerate(batch):
+        owner[engine.add_request(prompt, params, request_id=f"{i}")] = i
+    handed_back = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[owner[out.request_id]].extend(out.new_token_ids)
+        for seq in engine.take_evicted():
+            i = owner[seq.request_id]
+            assert seq.request_id not in engine._sequences and not seq.block_ids
+            handed_back += 1
+            left = dataclasses.replace(params, max_tokens=params.max_tokens - len(tokens[i]))
+            owner[engine.add_request(batch[i] + tokens[i], left, f"{i}~{handed_back}")] = i
+    assert handed_back > 0 and not engine.scheduler.waiting
+    assert [tokens[i] for i in range(len(batch))] == expected
+    assert engine.block_manager.num_free_blocks == 12

@@ -127,6 +127,30 @@ async def lost_every_time(tmp_path) -> wire.TokenDelta:
     return last
 
 
+async def preempted_often(tmp_path, times: int) -> tuple[wire.TokenDelta, list[str]]:
+    link = await Link.open(tmp_path)
+    scheduler, queue = link.scheduler, link.queue
+    attempt, attempts = "r", []
+    for token in range(times):  # each attempt brings a token, then is handed back
+        await scheduler.send(delta(attempt, [token]))
+        await scheduler.send(delta(attempt, [], finish="preempted"))
+        attempt = (await scheduler.expect(wire.Submit)).request_id
+        attempts.append(attempt)
+        await scheduler.reply(attempt)
+    await scheduler.send(delta(attempt, [99], finish="length"))
+    got = [await asyncio.wait_for(queue.get(), 5) for _ in range(times + 1)]
+    await link.close()
+    return got, attempts
+
+
+def test_preemptions_resume_without_counting_toward_the_bound(tmp_path):
+    times = MAX_RESUMES + 2
+    got, attempts = asyncio.run(preempted_often(tmp_path, times))
+    assert [d.token_ids for d in got] == [[t] for t in range(times)] + [[99]]
+    assert got[-1].finish_reason == "length"
+    assert attempts == [f"r~{n}" for n in range(1, times + 1)]
+
+
 def test_resumptions_are_bounded(tmp_path):
     last = asyncio.run(lost_every_time(tmp_path))
     assert last.finish_reason == "error" and f"after {MAX_RESUMES} resumptions" in last.error

@@ -329,3 +329,14 @@ def test_a_worker_still_holding_an_abandoned_request_is_told_again(core):
     run_to_decoding(core, "s", now=3.0)
     live = dataclasses.replace(heartbeat("d"), request_ids=["s"])
     assert not sent(core.on_heartbeat(b"D", live, 4.0), wire.Cancel)  # a live one is left alone
+
+
+def test_a_sequence_handed_back_for_recompute_goes_to_its_gateway(core):
+    run_to_decoding(core, "r")
+    done = wire.RequestDone(request_id="r", peer_id="d", phase="decode",
+                            finish_reason="preempted", num_prompt_tokens=20,
+                            num_output_tokens=3)  # fmt: skip
+    out = core.on_request_done(done, 1.0)
+    (delta,) = lost_deltas(out)
+    assert delta.finish_reason == "preempted" and "preempted on d" in delta.error
+    assert "r" not in core.requests and not core.registry.get("d").request_ids
