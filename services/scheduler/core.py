@@ -428,6 +428,7 @@ class ClusterScheduler:
                 num_prompt_tokens=request.num_prefill_tokens,
                 priority=submit.priority,
                 arrival=request.arrival,
+                resumed=submit.resumed_from is not None,
             )
         )
         self.num_queued_tokens += request.num_prefill_tokens

@@ -95,6 +95,9 @@ class QueuedRequest:
     num_prompt_tokens: int
     priority: int  # larger is more urgent, within the tenant's party
     arrival: float  # the policy's clock, seconds
+    # Work resuming (its worker was lost, or it was handed back for recompute): its client is
+    # mid-stream, so it goes before anything new, oldest first, under either policy.
+    resumed: bool = False
 
 
 # A party's queue is a heap of (-priority, arrival, insertion number, request id).
@@ -189,6 +192,10 @@ class FairQueue:
         """(the next request, whether aging chose it: it is the oldest admissible overdue one)."""
         if not self._items:
             return None, False
+        resuming = sorted((i for _, i in self._items.values() if i.resumed), key=_by_arrival)
+        first = next((item for item in resuming if admissible(item)), None)
+        if first is not None:
+            return first, False
         if self.config.policy == "fcfs":  # strict: the oldest, or no one (head-of-line blocking)
             oldest = min((item for _, item in self._items.values()), key=lambda i: i.arrival)
             return (oldest if admissible(oldest) else None), False
@@ -227,6 +234,10 @@ class FairQueue:
         if self._parties:
             least = min(self.counters[p] for p in self._parties)
             self.virtual_time = max(self.virtual_time, least)
+
+
+def _by_arrival(item: QueuedRequest) -> float:
+    return item.arrival
 
 
 def _in_order(heap: list[_Key]) -> Iterator[_Key]:

@@ -20,13 +20,17 @@ from shared.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import ALPHA_KEY
 
 pytestmark = pytest.mark.slow
-PROMPTS = [
+SUBJECTS = [
     "The history of the printing press",
     "A recipe for bread:",
     "def fibonacci(n):",
     "The three laws of motion are",
     "Once upon a time in a small village",
     "Dear hiring manager,",
+]
+# Two dozen concurrent streams: each subject in four framings.
+PROMPTS = [
+    f"{frame}{subject}" for frame in ("", "Note: ", "Draft 2. ", "> ") for subject in SUBJECTS
 ]
 
 
@@ -108,7 +112,7 @@ def test_a_killed_worker_loses_no_request_and_changes_no_token(
     expected = references(smollm2, max_tokens)
     resumed_before = resumed_count(guarded_cluster.url)
     texts = asyncio.run(run_and_signal(guarded_cluster, max_tokens, victim, after_chunks))
-    assert texts == expected  # all six complete, none with a repeated or missing token
+    assert texts == expected  # all of them complete, none with a repeated or missing token
     # The victim held some of them (the scheduler: those not yet decoding, which it forgot).
     assert resumed_count(guarded_cluster.url) > resumed_before
     assert f"{victim} exited" in guarded_cluster.log()

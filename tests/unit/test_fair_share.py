@@ -215,3 +215,15 @@ def test_fcfs_is_strict_when_the_oldest_cannot_be_placed():
     queue.push(small)
     assert queue.pop_next(10.0, lambda r: r is not big) is None  # as the peers: head-of-line
     assert queue.pop_next(10.0) == big
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_resuming_work_goes_before_anything_new_oldest_first(policy):
+    queue = FairQueue(FairShareConfig(policy=policy))
+    fresh = [request("a", 10, arrival=t) for t in (0.0, 1.0)]
+    late, early = (QueuedRequest(f"r{next(_ids)}", "b", 500, 0, t, resumed=True) for t in (9, 5))
+    for item in (*fresh, late, early):
+        queue.push(item)
+    # Not admissible now (no room for its 500 tokens): the next one goes, nothing blocks.
+    assert queue.pop_next(10.0, lambda i: i.num_prompt_tokens < 100) is fresh[0]
+    assert [queue.pop_next(10.0) for _ in range(3)] == [early, late, fresh[1]]
