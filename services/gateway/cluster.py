@@ -216,8 +216,13 @@ class ClusterClient:
         self.telemetry.resumed(first_id, attempt_id, len(inflight.token_ids), reason)
         deadline = time.monotonic() + RESUME_PATIENCE_S
         while True:
+            if self._requests.get(first_id) is not inflight:
+                return  # its client left (cancelled) while it waited
             try:
                 await self._send_submit(submit, timeout_s=10.0)
+                if self._requests.get(first_id) is not inflight:  # cancelled while submitting
+                    cancel = wire.Cancel(request_id=attempt_id, reason="client gone")
+                    await wire.async_send(self.scheduler, cancel)
                 return
             except SubmitRefused as refused:
                 # 503: no worker registered just now (a restarted one may be on its way back).

@@ -175,3 +175,22 @@ def test_a_resumption_waits_out_a_moment_with_no_worker(tmp_path):
     got, attempts = asyncio.run(refused_once(tmp_path))
     assert attempts == ["r~1", "r~1"]  # the same attempt, asked again
     assert got[0].token_ids == [5] and got[0].finish_reason == "length"
+
+
+async def cancelled_while_resuming(tmp_path) -> tuple[wire.Message, ...]:
+    link = await Link.open(tmp_path)
+    scheduler = link.scheduler
+    await scheduler.send(delta("r", [], finish="lost"))
+    resubmit = await scheduler.expect(wire.Submit)  # the resumption waits for its answer
+    await link.client.cancel("r", "client gone")  # the client leaves meanwhile
+    first_cancel = await scheduler.expect(wire.Cancel)
+    await scheduler.reply(resubmit.request_id)
+    second_cancel = await asyncio.wait_for(scheduler.expect(wire.Cancel), 5)
+    await link.close()
+    return resubmit, first_cancel, second_cancel
+
+
+def test_a_request_cancelled_while_resuming_leaves_nothing_running(tmp_path):
+    resubmit, first, second = asyncio.run(cancelled_while_resuming(tmp_path))
+    assert resubmit.request_id == "r~1"
+    assert {first.request_id, second.request_id} == {"r~1"}  # the new attempt is called off
