@@ -176,7 +176,9 @@ class Generator:
             limits.append((self.timeouts.first_token_s, "first_token_timeout_s", "for a token"))
         limit, name, what = min(limits)
         try:
-            return await asyncio.wait_for(anext(deltas), max(0.0, limit - waited))
+            # A timer, not a task per token (this is the token stream's hot path).
+            async with asyncio.timeout(max(0.0, limit - waited)):
+                return await anext(deltas)
         except TimeoutError:
             message = f"no answer within {limit:g} s {what} ({name})"
             for trace in traces:
