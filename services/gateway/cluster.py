@@ -6,12 +6,15 @@ where workers push TOKENS. Each in-flight request has an asyncio queue its HTTP 
 reads. If the scheduler's status messages stop (it restarted), the gateway says HELLO again.
 
 A request whose worker was lost comes back from the scheduler as a delta with finish reason
-"lost". The gateway alone knows which tokens reached the handler, so it resumes the request: a
-new attempt (id `<id>~<n>`) with those tokens prefilled after the prompt, on whatever workers
-the scheduler picks. The handler's queue goes on as if nothing happened: no token repeated, none
-skipped (deltas of an abandoned attempt are dropped by their id). Greedy output is unchanged; a
-sampled one continues from a fresh generator. After `MAX_RESUMES` attempts, or when no worker
-can take it, the handler gets an error delta naming why.
+"lost" ("preempted" when its decode worker handed it back for recompute). The gateway alone
+knows which tokens reached the handler, so it resumes the request: a new attempt (id `<id>~<n>`)
+with those tokens prefilled after the prompt, on whatever workers the scheduler picks. The
+handler's queue goes on as if nothing happened: no token repeated, none skipped (deltas of an
+abandoned attempt are dropped by their id). Greedy output is unchanged; a sampled one continues
+from a fresh generator. After `MAX_RESUMES` losses (preemptions do not count: each attempt
+brings a token), or when no worker takes it within `RESUME_PATIENCE_S`, the handler gets an
+error delta naming why. A new scheduler epoch (the scheduler restarted) resumes the requests
+that had no token yet: the old scheduler's queue went with it.
 """
 
 from __future__ import annotations
