@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,11 @@ class BenchError(ValueError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     parser.add_argument("--model", default="smollm2", help="the `model` field of each request")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as `Authorization: Bearer` (default: $OPENAI_API_KEY; none if unset)",
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--workload", help="a JSONL workload file (see loadtest/workload.py)")
     source.add_argument(
@@ -206,6 +212,7 @@ async def one_run(
             slo_tpot_s=args.slo_tpot,
             on_done=lambda _: advance(),
             clock=clock,
+            api_key=args.api_key,
         )
     if sampler.samples:  # tandem: the last steps' heartbeat reaches /ready within a second
         await asyncio.sleep(max(1.0, 2 * args.poll_interval))

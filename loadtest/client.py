@@ -153,6 +153,7 @@ async def run_workload(
     name: str = "run",
     on_done: Callable[[RequestRecord], None] | None = None,
     clock: Clock | None = None,
+    api_key: str | None = None,
 ) -> Result:
     """Sends every request to `url` (the server's base URL) and returns the measured result;
     `on_done` hears of each request as it ends (a progress bar); `clock`: the run's time base
@@ -162,12 +163,14 @@ async def run_workload(
         for i, r in enumerate(requests)
     ]
     limits = httpx.Limits(max_connections=max(1, len(requests)), max_keepalive_connections=0)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(
         base_url=url,
         trust_env=False,
         follow_redirects=False,
         limits=limits,
         timeout=httpx.Timeout(timeout_s),
+        headers=headers,
     ) as client:
         clock = clock or Clock()
 

@@ -26,7 +26,9 @@ Decoding is greedy (temperature 0) with small `max_tokens`; traffic goes to `--h
         --headless -u 16 -r 4 -t 2m --stop-timeout 60 --host http://127.0.0.1:8000 --csv out/run
 
 Settings: `TANDEM_MODEL` (default smollm2), `TANDEM_RPC_ADDRESS` (the `tcp://` or `ipc://`
-address of `tandem up --rpc-port`; unset or empty: no agent users).
+address of `tandem up --rpc-port`; unset or empty: no agent users), `TANDEM_API_KEY` (when the
+gateway requires keys), `TANDEM_CURVE_CLIENT_DIR` and `TANDEM_CURVE_CLIENT` (a `tandem keys`
+directory and client name, default agent, when the cluster uses CurveZMQ).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from locust import HttpUser, User, between, constant, events, task
 from locust.env import Environment
 
 from services.gateway.rpc_client import RpcError, TandemClient
+from shared.curve import ClientKeys
 
 MODEL = os.environ.get("TANDEM_MODEL") or "smollm2"
 REQUEST_TIMEOUT_S = 120.0  # the longest wait for an answer, or for a stream's next chunk
@@ -67,6 +70,13 @@ def _rpc_address(value: str | None) -> str | None:
 
 
 RPC_ADDRESS = _rpc_address(os.environ.get("TANDEM_RPC_ADDRESS"))
+API_KEY = os.environ.get("TANDEM_API_KEY") or None  # when the gateway requires keys
+# CurveZMQ for the agents, when the cluster uses it: a `tandem keys` directory and client name.
+CURVE = (
+    ClientKeys.from_dir(os.environ["TANDEM_CURVE_CLIENT_DIR"],
+                        os.environ.get("TANDEM_CURVE_CLIENT", "agent"))
+    if os.environ.get("TANDEM_CURVE_CLIENT_DIR") else None
+)  # fmt: skip
 
 
 @events.test_stop.add_listener
@@ -138,6 +148,10 @@ class _StreamError(Exception):
 
 class _OpenAIUser(HttpUser):
     abstract = True
+
+    def on_start(self) -> None:
+        if API_KEY:
+            self.client.headers["Authorization"] = f"Bearer {API_KEY}"
 
     def stream(self, path: str, body: dict[str, Any], kind: str) -> None:
         """One streamed call, timed to [DONE]; then its TTFT, if it succeeded."""
@@ -261,7 +275,9 @@ class AgentUser(User):
 
     def on_start(self) -> None:
         assert RPC_ADDRESS is not None
-        self.client = TandemClient(RPC_ADDRESS, REQUEST_TIMEOUT_S, context=_GREEN_CONTEXT)
+        self.client = TandemClient(
+            RPC_ADDRESS, REQUEST_TIMEOUT_S, context=_GREEN_CONTEXT, api_key=API_KEY, curve=CURVE
+        )
 
     def on_stop(self) -> None:
         self.client.close()

@@ -53,11 +53,18 @@ def read_stats(csv_prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_every_user_gets_answers_and_ttft_is_reported(cluster, tmp_path):
+@pytest.mark.parametrize("which", ["open", "guarded"])
+def test_every_user_gets_answers_and_ttft_is_reported(which, request, tmp_path):
+    """On the shared cluster, and on the guarded one (API keys and CurveZMQ required)."""
+    cluster = request.getfixturevalue("cluster" if which == "open" else "guarded_cluster")
+    env = {"TANDEM_RPC_ADDRESS": cluster.rpc_address}
+    if which == "guarded":
+        from tests.e2e.conftest import OPEN_KEY
+
+        env |= {"TANDEM_API_KEY": OPEN_KEY, "TANDEM_CURVE_CLIENT_DIR": str(cluster.curve_keys_dir)}
     one_each = json.dumps([{"user_class_name": name, "fixed_count": 1} for name in USER_CLASSES])
     args = headless(cluster.url, tmp_path / "run", len(USER_CLASSES), "6s")
-    result = run_locust(*args, "--config-users", one_each,
-                        env={"TANDEM_RPC_ADDRESS": cluster.rpc_address})  # fmt: skip
+    result = run_locust(*args, "--config-users", one_each, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     stats = read_stats(tmp_path / "run")
 

@@ -205,6 +205,7 @@ class FakeServer:
     5 sends an error event mid-stream."""
 
     bodies: list[dict] = field(default_factory=list)
+    heads: list[bytes] = field(default_factory=list)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -215,6 +216,7 @@ class FakeServer:
         )
         body = json.loads(await reader.readexactly(length))
         self.bodies.append(body)
+        self.heads.append(head)
         try:
             await self.answer(body, writer)
         finally:
@@ -369,3 +371,10 @@ def test_ratios_and_table_of_hand_made_results():
     table = format_table(results).splitlines()
     assert table[2].split()[:4] == ["static", "1/1", "4.0", "2.5"]
     assert "4.00x" in table[3] and "1.00x" in table[3]
+
+
+def test_client_sends_the_api_key_as_a_bearer_token():
+    _, fake = run_fake([req(1, 2)], api_key="sk-test-0123456789")
+    assert b"authorization: bearer sk-test-0123456789" in fake.heads[0].lower()
+    _, fake = run_fake([req(1, 2)])
+    assert b"authorization" not in fake.heads[0].lower()
