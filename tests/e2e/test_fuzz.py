@@ -14,12 +14,11 @@ from pathlib import Path
 import httpx
 import msgpack
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import wire
-from tests.e2e.test_garbage_frames import socket_addresses
+from tests.e2e.test_garbage_frames import send_to_every_socket, socket_addresses
 
 pytestmark = pytest.mark.slow
 HTTP_EXAMPLES = 1500
@@ -158,17 +157,7 @@ def test_malformed_frames_are_dropped_and_nothing_dies_or_grows(cluster, memory_
         messages.append(message)
 
     collect()
-    context = zmq.Context()
-    try:
-        for name, address in addresses.items():
-            sock = context.socket(zmq.PUSH if name == "gateway-stream" else zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 2000)
-            sock.connect(address)
-            for message in messages:
-                sock.send_multipart(message)
-            sock.close()
-    finally:
-        context.term()
+    send_to_every_socket(addresses, messages)
     info = cluster.wait_blocks_free(timeout_s=60)
     assert info["prefill_workers"] == 1 and info["decode_workers"] == 2, info
     memory_after = rss_by_service(cluster)

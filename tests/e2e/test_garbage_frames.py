@@ -31,20 +31,25 @@ def socket_addresses(log: str) -> dict[str, str]:
     return found
 
 
-def test_garbage_frames_are_dropped_and_cluster_still_serves(cluster, openai_client):
-    addresses = socket_addresses(cluster.log())
-    assert set(addresses) == {"scheduler", "gateway-stream", "decode-0", "decode-1"}
+def send_to_every_socket(addresses: dict[str, str], messages: list[list[bytes]]) -> None:
+    """Each message to each socket, as the kind of peer that socket expects (PUSH or DEALER)."""
     context = zmq.Context()
     try:
         for name, address in addresses.items():
             sock = context.socket(zmq.PUSH if name == "gateway-stream" else zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.LINGER, 2000)
             sock.connect(address)
-            for frames in GARBAGE:
+            for frames in messages:
                 sock.send_multipart(frames)
             sock.close()
     finally:
         context.term()
+
+
+def test_garbage_frames_are_dropped_and_cluster_still_serves(cluster, openai_client):
+    addresses = socket_addresses(cluster.log())
+    assert set(addresses) == {"scheduler", "gateway-stream", "decode-0", "decode-1"}
+    send_to_every_socket(addresses, GARBAGE)
     time.sleep(1.0)
     response = openai_client.completions.create(
         model="smollm2", prompt="Still there?", max_tokens=4, temperature=0
