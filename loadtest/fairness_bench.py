@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ import httpx
 
 from loadtest.client import send_one
 from loadtest.metrics import Clock, RequestRecord, percentile
-from loadtest.served import ServedCluster, tandem_up
+from loadtest.served import ServedCluster, environment, tandem_up
 from loadtest.workload import WorkloadRequest
 
 MODEL = "smollm2"
@@ -125,17 +124,11 @@ def cluster(args: argparse.Namespace, policy: str) -> Iterator[ServedCluster]:
         "TANDEM_MAX_NUM_BATCHED_TOKENS": str(args.prefill_budget),
         "TANDEM_MAX_QUEUE_WAIT_S": str(args.aging_s),
     }
-    saved = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        with tandem_up(1, 1, ["--kv-cache-bytes", str(args.kv_cache_bytes)]) as served:
-            yield served
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with (
+        environment(settings),
+        tandem_up(1, 1, ["--kv-cache-bytes", str(args.kv_cache_bytes)]) as served,
+    ):
+        yield served
 
 
 async def flood_run(url: str, args: argparse.Namespace, with_flood: bool) -> dict[str, Any]:

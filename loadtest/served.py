@@ -7,13 +7,14 @@ own children. Its output goes to a log file whose tail is quoted if it fails to 
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +102,18 @@ def tandem_up(
         yield cluster
     finally:
         stop(cluster)
+
+
+@contextmanager
+def environment(settings: Mapping[str, str]) -> Iterator[None]:
+    """`TANDEM_*` settings for the cluster's children, restored afterwards."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

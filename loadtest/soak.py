@@ -35,8 +35,7 @@ import os
 import random
 import signal
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ import httpx
 
 from loadtest.client import COMPLETIONS_PATH, sse_events
 from loadtest.metrics import Clock
-from loadtest.served import tandem_up
+from loadtest.served import environment, tandem_up
 from loadtest.soak_measures import (
     MAX_REASON_CHARS,
     RESUMED_METRIC,
@@ -224,21 +223,6 @@ async def soak(url: str, parent: int, rate: float, args: argparse.Namespace) -> 
 
 
 # --- the run -----------------------------------------------------------------------------------
-
-
-@contextmanager
-def environment(settings: Mapping[str, str]) -> Iterator[None]:
-    """`TANDEM_*` settings for the cluster's children, restored afterwards."""
-    saved = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
