@@ -81,8 +81,8 @@ def generate_batch(
 ) -> None:
     input_ids, attention_mask = left_pad(batch, pad_id)
     output = hf_model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
+        input_ids=input_ids.to(hf_model.device),
+        attention_mask=attention_mask.to(hf_model.device),
         max_new_tokens=num_new,
         min_new_tokens=num_new,  # ignore_eos: EOS is suppressed until the longest is done
         do_sample=False,

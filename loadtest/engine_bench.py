@@ -10,8 +10,9 @@ On the real model, with a fixed number of threads, it measures:
   run short.
 
 Medians over `--repeats` runs after a warm-up. Results print as a table and optionally as JSON.
+With `--device cuda` both run on the GPU and every timed run ends with a device synchronize.
 
-    .venv/bin/python loadtest/engine_bench.py [--threads 2] [--batch-sizes 1,8,32,64]
+    .venv/bin/python loadtest/engine_bench.py [--threads 2] [--batch-sizes 1,8,32,64] [--device cpu]
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
-from shared.engine.loader import load_model, parse_dtype
+from shared.engine.loader import (
+    DEVICE_HELP,
+    device_argument,
+    load_model,
+    parse_device,
+    parse_dtype,
+)
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_batch import SequenceChunk, build_step_batch
@@ -35,16 +42,20 @@ def median_seconds(fn, repeats: int) -> float:
     return paired_medians([fn], repeats)[0]
 
 
-def paired_medians(fns, repeats: int) -> list[float]:
+def paired_medians(fns, repeats: int, device: torch.device | str = "cpu") -> list[float]:
     """Median time of each function, run in alternation after a warm-up, so that a noisy,
-    shared machine slows each of them alike (the ratios are what we report)."""
+    shared machine slows each of them alike (the ratios are what we report). On CUDA each run
+    ends with a synchronize, so queued kernels count where they were launched."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for fn in fns:
         fn()
+    sync()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, samples in zip(fns, times, strict=True):
             start = time.perf_counter()
             fn()
+            sync()
             samples.append(time.perf_counter() - start)
     return [statistics.median(samples) for samples in times]
 
@@ -52,14 +63,15 @@ def paired_medians(fns, repeats: int) -> list[float]:
 def ours_prefill(model, prompt_len: int):
     block_size = 16
     num_blocks = -(-prompt_len // block_size)
-    cache = KVCache(model.config, num_blocks, block_size, dtype=model.dtype)
+    cache = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
     tokens = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
-    batch = build_step_batch([SequenceChunk(tokens, 0, list(range(num_blocks)))], block_size)
+    chunk = SequenceChunk(tokens, 0, list(range(num_blocks)))
+    batch = build_step_batch([chunk], block_size, model.device)
     return lambda: model.step(batch, cache)
 
 
 def hf_prefill(hf_model, prompt_len: int):
-    ids = torch.randint(0, hf_model.config.vocab_size, (1, prompt_len))
+    ids = torch.randint(0, hf_model.config.vocab_size, (1, prompt_len)).to(hf_model.device)
     return lambda: hf_model(ids, use_cache=True)
 
 
@@ -69,7 +81,7 @@ def ours_decode(model, batch_size: int, context: int, repeats: int):
     steps = repeats + 2
     blocks_per_seq = -(-(context + steps) // block_size)
     manager = BlockManager(batch_size * blocks_per_seq, block_size)
-    cache = KVCache(model.config, manager.num_blocks, block_size, dtype=model.dtype)
+    cache = KVCache(model.config, manager.num_blocks, block_size, model.dtype, model.device)
     for tensor in cache.key_caches + cache.value_caches:
         tensor.normal_()
     tables = [manager.allocate(blocks_per_seq) for _ in range(batch_size)]
@@ -84,7 +96,7 @@ def ours_decode(model, batch_size: int, context: int, repeats: int):
             SequenceChunk([t], position, table)
             for t, table in zip(state["tokens"], tables, strict=True)
         ]
-        batch = build_step_batch(chunks, block_size)
+        batch = build_step_batch(chunks, block_size, model.device)
         logits = model.step(batch, cache)
         state["tokens"] = sampler(logits, rows).token_ids
         state["position"] = position + 1
@@ -100,9 +112,9 @@ def hf_decode(hf_model, batch_size: int, context: int):
     cache = DynamicCache()
     for layer in range(c.num_hidden_layers):
         shape = (batch_size, c.num_key_value_heads, context, head_dim)
-        dtype = hf_model.dtype
-        cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), layer)
-    state = {"tokens": torch.full((batch_size, 1), 7)}
+        placement = {"dtype": hf_model.dtype, "device": hf_model.device}
+        cache.update(torch.randn(shape, **placement), torch.randn(shape, **placement), layer)
+    state = {"tokens": torch.full((batch_size, 1), 7, device=hf_model.device)}
 
     def step() -> None:
         out = hf_model(state["tokens"], past_key_values=cache, use_cache=True)
@@ -114,8 +126,9 @@ def hf_decode(hf_model, batch_size: int, context: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    parser.add_argument("--device", default="cpu", type=device_argument, help=DEVICE_HELP)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -127,14 +140,22 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    dtype = parse_dtype(args.dtype)
-    loaded = load_model(args.model, dtype=dtype)
-    hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
-    results: dict = {"threads": args.threads, "context": args.context, "decode": []}
+    dtype, device = parse_dtype(args.dtype), parse_device(args.device)
+    loaded = load_model(args.model, dtype=dtype, device=device)
+    hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval().to(device)
+    results: dict = {
+        "threads": args.threads,
+        "device": _device_name(device),
+        "dtype": args.dtype,
+        "context": args.context,
+        "decode": [],
+    }
+    print(f"{results['device']}, {args.dtype}")
     with torch.inference_mode():
         ours_s, hf_s = paired_medians(
             [ours_prefill(loaded.model, args.prompt_len), hf_prefill(hf_model, args.prompt_len)],
             max(3, args.repeats // 2),
+            device,
         )
         results["prefill"] = {
             "prompt_len": args.prompt_len,
@@ -153,6 +174,7 @@ def main() -> None:
                     hf_decode(hf_model, batch_size, args.context),
                 ],
                 args.repeats,
+                device,
             )
             row = {
                 "batch_size": batch_size,
@@ -174,6 +196,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
 
 
 if __name__ == "__main__":

@@ -81,7 +81,10 @@ def profile_engine(
         for _ in range(skip_steps):
             engine.step()
         timer.seconds.clear()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if model.device.type == "cuda":  # kernel times too: is the GPU busy or waiting on Python?
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
             start, steps = time.perf_counter(), 0
             while steps < num_steps and engine.has_unfinished:
                 engine.step()
@@ -100,5 +103,21 @@ def format_report(phases: dict[str, float], wall: float, steps: int, prof: Any, 
         f"  {'other':<10} {other:7.3f} s  {other / wall:6.1%}  (batch building, "
         "post-processing, profiler)"
     )
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
-    return "\n".join(lines) + "\n\ntop operators by self CPU time:\n" + table
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=top)
+    report = "\n".join(lines) + "\n\ntop operators by self CPU time:\n" + table
+    # Kernels are the events on the device itself (as the table's own total counts them).
+    kernels = [
+        e
+        for e in averages
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation
+    ]
+    if kernels:
+        launches = sum(e.count for e in kernels)
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        report += (
+            f"\nGPU busy {busy:.3f} s of {wall:.3f} s wall ({busy / wall:.1%}), "
+            f"{launches / max(steps, 1):.0f} kernels per step\n"
+            + averages.table(sort_by="self_device_time_total", row_limit=top)
+        )
+    return report

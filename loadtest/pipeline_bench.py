@@ -29,6 +29,7 @@ from loadtest.metrics import Result, Summary
 from loadtest.served import tandem_up
 from loadtest.workload import WorkloadRequest, read_workload
 from shared.engine.engine import EngineConfig
+from shared.engine.loader import device_argument
 
 DEFAULT_WORKLOAD = "loadtest/workloads/mixed64.jsonl"
 
@@ -36,12 +37,13 @@ DEFAULT_WORKLOAD = "loadtest/workloads/mixed64.jsonl"
 def run_static_baseline(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> Result:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.engine.loader import parse_dtype, resolve_model_dir
+    from shared.engine.loader import parse_device, parse_dtype, resolve_model_dir
 
     directory, _ = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.padding_side = "left"
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=parse_dtype(args.dtype)).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=parse_dtype(args.dtype))
+    hf_model = hf_model.eval().to(parse_device(args.device))
     return run_static(hf_model, tokenizer, requests, args.batch_size, not args.burst)
 
 
@@ -51,9 +53,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run_engine_baseline(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> Result:
-    from shared.engine.loader import load_model, parse_dtype
+    from shared.engine.loader import load_model, parse_device, parse_dtype
 
-    loaded = load_model(args.model, dtype=parse_dtype(args.dtype))
+    loaded = load_model(args.model, dtype=parse_dtype(args.dtype), device=parse_device(args.device))
     return run_engine(loaded.model, loaded.tokenizer, requests, engine_config(args), not args.burst)
 
 
@@ -70,6 +72,8 @@ def run_cluster(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -
         str(args.max_num_seqs),
         "--dtype",
         args.dtype,
+        "--device",
+        args.device,
     ]
     with tandem_up(1, 1, extra, args.ready_timeout) as cluster:
         print(f"cluster ready at {cluster.url} in {cluster.startup_s:.1f} s; replaying", flush=True)
@@ -90,9 +94,9 @@ def run_cluster(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -
 
 def run_profile(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> str:
     from loadtest.engine_profile import profile_engine
-    from shared.engine.loader import load_model
+    from shared.engine.loader import load_model, parse_device, parse_dtype
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=parse_dtype(args.dtype), device=parse_device(args.device))
     return profile_engine(
         loaded.model,
         loaded.tokenizer,
@@ -166,6 +170,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch threads for (a) and (b)")
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="for all three runs"
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        type=device_argument,
+        help="for all three runs: cpu, cuda, cuda:N",
     )
     parser.add_argument("--batch-size", type=int, default=16, help="static batch size for (a)")
     parser.add_argument("--burst", action="store_true", help="ignore arrival times: all at once")

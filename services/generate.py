@@ -8,7 +8,14 @@ import sys
 import time
 
 from shared.engine.engine import EngineConfig, LLMEngine
-from shared.engine.loader import DEFAULT_MODEL, load_model, parse_dtype
+from shared.engine.loader import (
+    DEFAULT_MODEL,
+    DEVICE_HELP,
+    device_argument,
+    load_model,
+    parse_device,
+    parse_dtype,
+)
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError
 
@@ -27,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--json", action="store_true", help="print a JSON object with token ids")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", type=device_argument, help=DEVICE_HELP)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -56,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem generate: error: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    loaded = load_model(args.model, dtype=parse_dtype(args.dtype))
+    loaded = load_model(args.model, dtype=parse_dtype(args.dtype), device=parse_device(args.device))
     loaded_at = time.perf_counter()
     engine = LLMEngine(loaded.model, EngineConfig(kv_cache_bytes=256 << 20))
     prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, args.chat)

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
+from shared.engine.loader import DEFAULT_MODEL, DEVICE_HELP, device_argument, resolve_model_dir
 
 PR_SET_PDEATHSIG = 1
 MAX_RESTARTS = 5  # per child; past it the child is taken as broken and the cluster stops
@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="float32",
         choices=["float32", "bfloat16", "float16"],
         help="workers' weights and KV cache (float32: greedy output equals transformers')",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        type=device_argument,
+        help=f"{DEVICE_HELP}; every worker shares it (cuda: one GPU)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     parser.add_argument("--rpc-port", type=int, default=None, help="RPC front door TCP port")
@@ -102,6 +108,8 @@ class LocalCluster:
             str(self.args.kv_cache_bytes),
             "--dtype",
             self.args.dtype,
+            "--device",
+            self.args.device,
             "--max-num-seqs",
             str(self.args.max_num_seqs),
             *metrics,

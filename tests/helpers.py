@@ -25,15 +25,19 @@ TINY_LLAMA = dict(
 )
 
 
-def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
-    """A transformers causal LM with random weights (float32, eval mode)."""
+def tiny_hf_model(
+    model_type: str = "llama", seed: int = 0, device: torch.device | str = "cpu", **overrides
+):
+    """A transformers causal LM with random weights (float32, eval mode). The weights are drawn
+    on the CPU, so a seed gives the same model on every device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **{**TINY_LLAMA, **overrides})
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(device)
 
 
-def our_model_from_hf(hf_model) -> LlamaModel:
+def our_model_from_hf(hf_model, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """Our model on the same weights and device as `hf_model`."""
     config = ModelConfig.from_hf(hf_model.config)
-    return load_hf_weights(config, hf_model.state_dict().items())
+    return load_hf_weights(config, hf_model.state_dict().items(), dtype, hf_model.device)

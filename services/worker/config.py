@@ -15,7 +15,7 @@ from shared.config import (
     setting,
 )
 from shared.engine.engine import EngineConfig
-from shared.engine.loader import DTYPES
+from shared.engine.loader import DEVICE_HELP, DTYPES, parse_device
 from shared.engine.swap import PREEMPTION_MODES
 
 
@@ -31,6 +31,7 @@ class WorkerConfig(CurveSettings):
     peer_id: str | None = setting(None, "unique name of this worker (default: role-host-pid)")
     model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2'")
     dtype: str = setting("float32", "weights, activations and KV cache: float32, bfloat16, float16")
+    device: str = setting("cpu", DEVICE_HELP)
     kv_cache_bytes: int = setting(512 << 20, "bytes of KV cache")
     block_size: int = setting(16, "tokens per KV block")
     max_num_seqs: int = setting(64, "most sequences in one step")
@@ -54,6 +55,10 @@ class WorkerConfig(CurveSettings):
         self.curve_keys()
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype (--dtype / TANDEM_DTYPE) must be one of {', '.join(DTYPES)}")
+        try:
+            parse_device(self.device)
+        except ValueError as error:
+            raise ConfigError(f"{error} (--device / TANDEM_DEVICE)") from None
         require_address(self, "scheduler_address", "address", "advertise_address")
         require_port(self, "metrics_port")
         require_positive(
@@ -87,6 +92,10 @@ class WorkerConfig(CurveSettings):
     @property
     def torch_dtype(self):
         return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self):
+        return parse_device(self.device)
 
     def resolved_peer_id(self, role: str) -> str:
         return self.peer_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -46,7 +46,7 @@ class WorkerLoop(abc.ABC):
         self.peer_id = config.resolved_peer_id(self.role)
         self.log = get_logger(peer_id=self.peer_id)
         self.events = self.events_class(self.log)
-        self.loaded = load_model(config.model, dtype=config.torch_dtype)
+        self.loaded = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
         self.engine = LLMEngine(self.loaded.model, config.engine_config(**engine_overrides))
         self.context = context or zmq.Context.instance()
         self.security = Security(config.curve_keys(), self.log)

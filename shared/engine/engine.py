@@ -183,10 +183,12 @@ class LLMEngine:
         return self._retained[request_id]
 
     def export_kv(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of a retained sequence's computed tokens, [layers, blocks, ...]."""
+        """Host-memory copies of a retained sequence's computed tokens' keys and values,
+        [layers, blocks, ...]: the wire sends tensors from CPU memory only."""
         seq = self._retained[request_id]
         num_blocks = self.block_manager.num_blocks_for(seq.num_computed_tokens)
-        return self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
+        keys, values = self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
+        return keys.cpu(), values.cpu()
 
     def release(self, request_id: str) -> bool:
         """Frees a retained sequence's blocks."""

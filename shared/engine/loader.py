@@ -9,6 +9,7 @@ no half cache behind.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import os
@@ -134,6 +135,39 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+DEVICE_HELP = "where the model and its KV cache live: cpu, cuda or cuda:N"
+
+
+def parse_device(name: str) -> torch.device:
+    """A torch device from a setting, refused with a clear error before any weight is loaded:
+    `cpu`, `cuda` or `cuda:N`, the CUDA ones only where torch sees that GPU."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        device = None
+    if (
+        device is None
+        or device.type not in ("cpu", "cuda")
+        or (device.type == "cpu" and device.index is not None)
+    ):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: torch sees no CUDA GPU on this machine")
+        if (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
+
+
+def device_argument(name: str) -> str:
+    """`parse_device` as an argparse `type=`: a bad device exits with status 2, naming the flag."""
+    try:
+        parse_device(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return name
 
 
 def load_model(

@@ -110,7 +110,9 @@ class LlamaModel:
     def _step_context(self, batch: StepBatch, kv_cache: KVCache) -> StepContext:
         cos, sin = self.rotary.lookup(batch.positions)
         plan = None
-        if not batch.token_ids.is_cuda:  # the Triton path plans nothing
+        # Exactly the batches `paged_attention` sends to the reference get a plan, once per step
+        # (without it the reference would plan again in every layer); Triton decode plans nothing.
+        if not (batch.token_ids.is_cuda and batch.max_query_len == 1):
             plan = plan_attention(
                 batch.block_tables,
                 batch.context_lens,

@@ -1,4 +1,5 @@
-"""Our paged forward against transformers' own, on tiny random models, float32."""
+"""Our paged forward against transformers' own, on tiny random models, float32, on the test
+device (`TANDEM_TEST_DEVICE`: on CUDA, decode steps run the compiled Triton kernels)."""
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def hf_llama():
-    return tiny_hf_model("llama")
+def hf_llama(device):
+    return tiny_hf_model("llama", device=device)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def llama(hf_llama):
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     """transformers' logits at every position of one unpadded sequence: [len, vocab]."""
     with torch.no_grad():
-        return hf_model(torch.tensor([token_ids])).logits[0].float()
+        return hf_model(torch.tensor([token_ids], device=hf_model.device)).logits[0].float()
 
 
 class PagedRunner:
@@ -33,7 +34,7 @@ class PagedRunner:
     def __init__(self, model, block_size: int, num_blocks: int = 256):
         self.model = model
         self.block_size = block_size
-        self.cache = KVCache(model.config, num_blocks, block_size)
+        self.cache = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
         self.blocks = BlockManager(num_blocks, block_size)
         # Shuffle the pool so tables are not contiguous runs of ids.
         ids = list(self.blocks._free_ids)
@@ -51,7 +52,7 @@ class PagedRunner:
             self.blocks.grow(table, start + len(tokens))
             seq_chunks.append(SequenceChunk(tokens, start, table))
             self.computed[seq] = start + len(tokens)
-        batch = build_step_batch(seq_chunks, self.block_size)
+        batch = build_step_batch(seq_chunks, self.block_size, self.model.device)
         return self.model.step(batch, self.cache)
 
 
@@ -144,8 +145,8 @@ def test_mixed_step_prefill_chunks_with_decodes(hf_llama, llama):
         ),
     ],
 )
-def test_family_variants(model_type, overrides):
-    hf = tiny_hf_model(model_type, seed=5, **overrides)
+def test_family_variants(model_type, overrides, device):
+    hf = tiny_hf_model(model_type, seed=5, device=device, **overrides)
     ours = our_model_from_hf(hf)
     prompt = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(6)).tolist()
     runner = PagedRunner(ours, 16)
@@ -157,19 +158,17 @@ def test_family_variants(model_type, overrides):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_tracks_transformers(dtype):
+def test_half_precision_tracks_transformers(dtype, device):
     """16-bit runs are not bit-identical (other kernels, other rounding), but stay close."""
-    from shared.engine.model import load_hf_weights
-    from shared.engine.model_config import ModelConfig
-
-    hf = tiny_hf_model("llama", seed=8)
-    ours = load_hf_weights(ModelConfig.from_hf(hf.config), hf.state_dict().items(), dtype=dtype)
+    hf = tiny_hf_model("llama", seed=8, device=device)
+    ours = our_model_from_hf(hf, dtype)
     prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(9)).tolist()
     runner = PagedRunner(ours, 16)
-    runner.cache = KVCache(ours.config, 256, 16, dtype=dtype)
-    logits = runner.run({0: prompt[:25]})
-    logits = runner.run({0: prompt[25:]})
-    expected = hf_logits(hf.to(dtype), prompt)[-1]
-    scale = expected.abs().max().item()
-    assert logits.dtype == torch.float32
-    assert (logits[0] - expected).abs().max().item() < 0.05 * scale
+    runner.run({0: prompt[:25]})
+    decoded = runner.run({0: [prompt[25]]})  # a decode step: the Triton kernel on CUDA
+    logits = runner.run({0: prompt[26:]})
+    expected = hf_logits(hf.to(dtype), prompt)
+    assert logits.dtype == decoded.dtype == torch.float32
+    for ours, position in ((decoded[0], 25), (logits[0], len(prompt) - 1)):
+        scale = expected[position].abs().max().item()
+        assert (ours - expected[position]).abs().max().item() < 0.05 * scale, position

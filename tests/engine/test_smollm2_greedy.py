@@ -36,8 +36,10 @@ def test_greedy_equals_transformers_generate(smollm2, smollm2_hf):
     for prompt, result in zip(prompts, results, strict=True):
         with torch.no_grad():
             hf = smollm2_hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                torch.tensor([prompt], device=smollm2_hf.device),
+                attention_mask=torch.ones(
+                    1, len(prompt), dtype=torch.long, device=smollm2_hf.device
+                ),
                 max_new_tokens=NUM_TOKENS,
                 do_sample=False,
             )

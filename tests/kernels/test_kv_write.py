@@ -1,5 +1,5 @@
-"""KV writes: the reference against a per-token loop, the Triton kernel (in the interpreter, on CPU
-tensors) against the reference, and the input checks."""
+"""KV writes: the reference against a per-token loop, the Triton kernel against the reference (on
+the test device: in the interpreter on CPU tensors, compiled on CUDA), and the input checks."""
 
 import pytest
 import torch
@@ -9,17 +9,18 @@ from kernels.kv_write import write_kv, write_kv_reference
 NUM_KV_HEADS, HEAD_DIM = 3, 8
 
 
-def _caches(num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _caches(num_blocks: int, block_size: int, **placement) -> tuple[torch.Tensor, torch.Tensor]:
     # Distinct sentinels show that untouched slots stay untouched.
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    return torch.full(shape, -7.0), torch.full(shape, -9.0)
+    return torch.full(shape, -7.0, **placement), torch.full(shape, -9.0, **placement)
 
 
-def _strided_kv(num_tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as the model produces them: strided views into one fused projection."""
+def _strided_kv(num_tokens: int, seed: int = 0, **placement) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as the model produces them: strided views into one fused projection. `placement`
+    (dtype, device) applies to the projection, so the views stay strided."""
     gen = torch.Generator().manual_seed(seed)
     width = NUM_KV_HEADS * HEAD_DIM
-    fused = torch.randn(num_tokens, 5 + 2 * width, generator=gen)
+    fused = torch.randn(num_tokens, 5 + 2 * width, generator=gen).to(**placement)
     key = fused[:, 5 : 5 + width].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     value = fused[:, 5 + width :].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     return key, value
@@ -50,24 +51,25 @@ def test_reference_matches_a_per_token_loop(block_size: int):
 
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_matches_reference(block_size: int, dtype: torch.dtype):
+def test_triton_matches_reference(block_size: int, dtype: torch.dtype, device: torch.device):
     num_blocks, num_tokens = max(4, 24 // block_size), 11
-    key, value = (t.to(dtype) for t in _strided_kv(num_tokens))
-    slots = _shuffled_slots(num_tokens, num_blocks * block_size, num_padding=3)
-    expected = [c.to(dtype) for c in _caches(num_blocks, block_size)]
+    key, value = _strided_kv(num_tokens, dtype=dtype, device=device)
+    assert not key.is_contiguous()
+    slots = _shuffled_slots(num_tokens, num_blocks * block_size, num_padding=3).to(device)
+    expected = _caches(num_blocks, block_size, dtype=dtype, device=device)
     write_kv_reference(key, value, *expected, slots)
-    written = [c.to(dtype) for c in _caches(num_blocks, block_size)]
+    written = _caches(num_blocks, block_size, dtype=dtype, device=device)
     write_kv(key, value, *written, slots, use_triton=True)
     assert torch.equal(written[0], expected[0])
     assert torch.equal(written[1], expected[1])
 
 
-def test_all_padding_and_empty_batches_write_nothing():
+def test_all_padding_and_empty_batches_write_nothing(device: torch.device):
     for num_tokens in (0, 4):
-        key, value = _strided_kv(num_tokens)
-        slots = torch.full((num_tokens,), -1)
+        key, value = _strided_kv(num_tokens, device=device)
+        slots = torch.full((num_tokens,), -1, device=device)
         for use_triton in (False, True):
-            key_cache, value_cache = _caches(2, 4)
+            key_cache, value_cache = _caches(2, 4, device=device)
             write_kv(key, value, key_cache, value_cache, slots, use_triton=use_triton)
             assert (key_cache == -7.0).all() and (value_cache == -9.0).all()
 

@@ -1,5 +1,6 @@
 """Paged attention: the pure-torch reference against a naive per-sequence oracle, the Triton decode
-kernel (in the interpreter, on CPU tensors) against the reference, and the input checks.
+kernel against the reference on the test device (in the interpreter on CPU tensors, compiled on
+CUDA), and the input checks.
 
 Every batch is built with awkward shapes: contexts that are not multiples of the block size,
 one-token contexts, shuffled block ids, padded block-table entries pointing at live blocks, and
@@ -39,12 +40,25 @@ class Batch:
             self.query_start_loc,
         )
 
+    def to(self, device: torch.device | str) -> "Batch":
+        return replace(self, **{f: getattr(self, f).to(device) for f in TENSOR_FIELDS})
+
     def kwargs(self) -> dict[str, float | int]:
         return {
             "scale": self.scale,
             "max_query_len": self.max_query_len,
             "max_context_len": self.max_context_len,
         }
+
+
+TENSOR_FIELDS = (
+    "query",
+    "key_cache",
+    "value_cache",
+    "block_tables",
+    "context_lens",
+    "query_start_loc",
+)
 
 
 def make_batch(
@@ -95,7 +109,8 @@ def make_batch(
 
 def naive_attention(batch: Batch) -> torch.Tensor:
     """Obviously correct: per sequence, gather its slots, repeat kv heads, dense causal softmax in
-    float64."""
+    float64, on the CPU."""
+    batch = batch.to("cpu")
     num_heads = batch.query.shape[1]
     block_size, num_kv_heads, head_dim = batch.key_cache.shape[1:]
     group = num_heads // num_kv_heads
@@ -196,7 +211,7 @@ def test_reference_in_16_bits(shape, dtype):
     [(1, 64, 3, 3), (16, 64, 6, 2), (32, 128, 6, 2), (16, 128, 4, 4)],
 )
 def test_triton_decode_matches_reference(
-    block_size: int, head_dim: int, num_heads: int, num_kv_heads: int
+    block_size: int, head_dim: int, num_heads: int, num_kv_heads: int, device: torch.device
 ):
     batch = make_batch(
         DECODE,
@@ -204,19 +219,30 @@ def test_triton_decode_matches_reference(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
-    )
+    ).to(device)
     out = paged_attention(*batch.args(), **batch.kwargs(), use_triton=True)
-    assert not out.isnan().any()
+    assert out.device.type == device.type and not out.isnan().any()
     expected = paged_attention_reference(*batch.args(), **batch.kwargs())
     assert (out - expected).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_triton_decode_in_half_precision(dtype: torch.dtype):
-    batch = make_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+def test_triton_decode_with_smollm2_heads_and_long_contexts(device: torch.device):
+    """SmolLM2-135M's layout (9 query heads on 3 KV heads, head_dim 64): a group that is not a
+    power of two, and contexts spanning many tiles, ending mid-block and mid-tile."""
+    seqs = [(300, 1), (1, 1), (129, 1), (64, 1), (257, 1)]
+    batch = make_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16).to(device)
     out = paged_attention(*batch.args(), **batch.kwargs(), use_triton=True)
+    assert (out.cpu() - naive_attention(batch)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_decode_in_half_precision(dtype: torch.dtype, device: torch.device):
+    batch = make_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    out = paged_attention(*batch.to(device).args(), **batch.kwargs(), use_triton=True)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), naive_attention(batch).float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        out.float().cpu(), naive_attention(batch).float(), atol=1e-2, rtol=1e-2
+    )
 
 
 def _good_batch() -> Batch:

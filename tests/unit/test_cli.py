@@ -22,6 +22,8 @@ def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
         (["generate", "--prompt", "hi", "--max-tokens", "-1"], "max_tokens"),
         (["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature"),
         (["generate", "--prompt", "hi", "--dtype", "float8"], "dtype"),
+        (["generate", "--prompt", "hi", "--device", "tpu"], "device must be cpu, cuda or cuda:N"),
+        (["up", "--device", "cuda:x"], "device must be cpu, cuda or cuda:N"),
         (["scheduler", "--heartbeat-timeout-s", "0"], "heartbeat_timeout_s"),
         (["scheduler", "--address", "localhost:5555"], "tcp://, ipc:// or inproc://"),
         (["decode", "--block-size", "many"], "--block-size: expected an integer"),

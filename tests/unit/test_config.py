@@ -3,6 +3,7 @@
 import argparse
 
 import pytest
+import torch
 
 from services.gateway.service import GatewayConfig
 from services.scheduler.service import SchedulerConfig
@@ -38,6 +39,8 @@ def test_optional_and_bool_values():
         (WorkerConfig, ["--preemption-mode", "evict"], {}, "--preemption-mode"),
         (WorkerConfig, ["--address", "localhost:5000"], {}, "tcp://, ipc:// or inproc://"),
         (WorkerConfig, ["--metrics-port", "70000"], {}, "must be a port in"),
+        (WorkerConfig, ["--device", "gpu"], {}, "device must be cpu, cuda or cuda:N"),
+        (WorkerConfig, [], {"TANDEM_DEVICE": "cpu:1"}, "TANDEM_DEVICE"),
         (SchedulerConfig, [], {"TANDEM_METRICS_PORT": "-1"}, "TANDEM_METRICS_PORT"),
         (SchedulerConfig, ["--metrics-port", "http"], {}, "--metrics-port: expected an integer"),
         (SchedulerConfig, ["--heartbeat-timeout-s", "0"], {}, "heartbeat_timeout_s"),
@@ -52,3 +55,9 @@ def test_optional_and_bool_values():
 def test_bad_values_name_the_setting(cls, argv, environ, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
         parse(cls, argv, environ)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_device_without_a_gpu_is_refused_before_loading():
+    with pytest.raises(ConfigError, match="sees no CUDA GPU.*--device / TANDEM_DEVICE"):
+        parse(WorkerConfig, ["--device", "cuda"])
