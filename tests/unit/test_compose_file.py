@@ -33,6 +33,7 @@ from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.config import ConfigError, config_from_args, env_name
 from shared.curve import generate
+from shared.engine.loader import DTYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_PATH = ROOT / "docker-compose.yml"
@@ -558,3 +559,26 @@ def test_every_service_talks_curvezmq_with_the_keys_one_shot_wrote():
         assert _env(compose, name)["TANDEM_CURVE_KEYS_DIR"] == "/keys", name
         assert "curve-keys:/keys" in compose["services"][name]["volumes"], name
         assert name == "scheduler" or "keys" in compose["services"][name]["depends_on"], name
+
+
+def test_the_gpu_override_puts_the_workers_on_cuda():
+    override = load_compose(ROOT / "compose" / "gpu.yml")
+    assert set(override["services"]) == set(WORKER_ROLES)
+    main = load_compose()["services"]
+    for role in WORKER_ROLES:
+        service = override["services"][role]
+        # What compose would merge into the worker: only settings the worker takes.
+        settings = {env_name(f.name) for f in dataclasses.fields(WorkerConfig)}
+        assert set(service["environment"]) <= settings
+        problems: list[str] = []
+        env = _interpolate(service["environment"], role, problems)
+        assert problems == []
+        assert env["TANDEM_DEVICE"] == "cuda" and env["TANDEM_DTYPE"] in DTYPES
+        (reservation,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert reservation["driver"] == "nvidia" and "gpu" in reservation["capabilities"]
+        assert main[role]["command"] == [role]
+
+
+def test_workers_default_to_the_cpu():
+    for role in WORKER_ROLES:
+        assert _interpolate(_env(load_compose(), role)["TANDEM_DEVICE"], role, []) == "cpu"
