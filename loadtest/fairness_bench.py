@@ -14,7 +14,8 @@ the deadline (the scheduler's per-party counters), and Jain's fairness index of 
 still queued at the deadline are cancelled.
 
 All traffic goes to 127.0.0.1, bounded by the duration. Settings reach the cluster's children as
-`TANDEM_*` environment variables (the policy, the prefill budget, the aging bound).
+`TANDEM_*` environment variables (the policy, the prefill budget and step time target, the aging
+bound).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def cluster(args: argparse.Namespace, policy: str) -> Iterator[ServedCluster]:
     settings = {
         "TANDEM_POLICY": policy,
         "TANDEM_MAX_NUM_BATCHED_TOKENS": str(args.prefill_budget),
+        "TANDEM_STEP_TIME_TARGET_S": args.step_time_target,
         "TANDEM_MAX_QUEUE_WAIT_S": str(args.aging_s),
     }
     with (
@@ -242,7 +244,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("scenario", choices=["flood", "tenants"])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per run")
     parser.add_argument("--alone-duration", type=float, default=30.0, help="flood: shorts alone")
-    parser.add_argument("--prefill-budget", type=int, default=64, help="tokens per prefill step")
+    parser.add_argument(
+        "--prefill-budget", type=int, default=512, help="tokens per prefill step (the default's)"
+    )
+    parser.add_argument(
+        "--step-time-target",
+        default="0.5",
+        help="seconds a prefill step may take, or none (the prefill worker's default: 0.5)",
+    )
     parser.add_argument("--aging-s", type=float, default=30.0, help="the scheduler's aging bound")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
     parser.add_argument("--long-tokens", type=int, default=1536)

@@ -63,7 +63,13 @@ class PrefillWorker(WorkerLoop):
     events: PrefillEvents
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
-        super().__init__(config, context, address=None, retain_finished=True)
+        super().__init__(
+            config,
+            context,
+            address=None,
+            retain_finished=True,
+            step_time_target_s=config.step_time_target_s,
+        )
         self.jobs: dict[str, RunningJob] = {}
         self.transfers: dict[str, PendingTransfer] = {}
         self._decode_sockets: dict[str, zmq.Socket] = {}

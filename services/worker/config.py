@@ -36,6 +36,11 @@ class WorkerConfig(CurveSettings):
     block_size: int = setting(16, "tokens per KV block")
     max_num_seqs: int = setting(64, "most sequences in one step")
     max_num_batched_tokens: int = setting(512, "most tokens in one step (chunked-prefill budget)")
+    step_time_target_s: float | None = setting(
+        0.5,
+        "prefill: how long a step with prompt chunks may take (a short prompt's wait for the step "
+        "in progress); none: the token budget alone",
+    )
     threads: int | None = setting(None, "torch threads (default: torch's choice)")
     transfer_timeout_s: float = setting(
         30.0, "prefill: how long a KV transfer may wait for its ack"
@@ -69,6 +74,7 @@ class WorkerConfig(CurveSettings):
             "max_num_batched_tokens",
             "threads",
             "transfer_timeout_s",
+            "step_time_target_s",
         )
         if self.swap_bytes < 0:
             raise ConfigError("swap_bytes (--swap-bytes / TANDEM_SWAP_BYTES) must be >= 0")

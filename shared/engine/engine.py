@@ -20,7 +20,7 @@ from shared.engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budg
 from shared.engine.model import LlamaModel
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import ScheduledChunk, StepPlan, StepScheduler
+from shared.engine.scheduler import MIN_CHUNK, ScheduledChunk, StepPlan, StepScheduler
 from shared.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from shared.engine.step_batch import SequenceChunk, build_step_batch
 from shared.engine.swap import PreemptionCosts, Stopwatch, SwapSpace
@@ -45,6 +45,12 @@ class EngineConfig:
     # Decode role: a sequence preempted for recompute leaves the engine (`take_evicted`) to be
     # prefilled again elsewhere, instead of recomputing its prompt on this decode worker.
     hand_back_recomputed: bool = False
+    # Prefill role: how long a step with prompt chunks may take. The prompt tokens per step are
+    # capped from the measured prefill rate (never below MIN_CHUNK), so a prompt that arrives
+    # mid-step waits about this long at most, and steps that finish prompts are kept light.
+    # Time to first token under a long-prompt flood against prefill throughput; None: the token
+    # budget alone (the most throughput).
+    step_time_target_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -56,6 +62,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.swap_bytes < 0:
             raise ValueError(f"swap_bytes must be >= 0, got {self.swap_bytes}")
+        if self.step_time_target_s is not None and not self.step_time_target_s > 0:
+            raise ValueError(f"step_time_target_s must be > 0, got {self.step_time_target_s}")
         PreemptionCosts(self.preemption_mode)  # validates the mode
 
 
@@ -233,6 +241,7 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self.scheduler.prompt_token_cap = self.prompt_token_cap()
         plan = self.scheduler.schedule()
         self.last_step_num_seqs = len(plan.chunks)
         self._swap(plan)
@@ -246,6 +255,13 @@ class LLMEngine:
         if num_prompt_tokens >= MIN_MEASURED_PREFILL_TOKENS:
             self.preemption.record_prefill(num_prompt_tokens, watch.seconds)
         return self._postprocess(plan.chunks, logits)
+
+    def prompt_token_cap(self) -> int | None:
+        """Prompt tokens that fit the step time target at the measured prefill rate."""
+        target = self.config.step_time_target_s
+        if target is None:
+            return None
+        return max(MIN_CHUNK, int(target * self.preemption.prefill_tokens_per_s))
 
     def _choose_preemption(self, seq: Sequence, num_blocks: int) -> str:
         num_bytes = num_blocks * self._bytes_per_block

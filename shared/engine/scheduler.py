@@ -18,6 +18,11 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    swap (its KV blocks listed for the engine to copy to host memory before the step runs, its
    blocks freed, its progress kept), as `choose_preemption` decides per sequence (recompute when
    none is given).
+   With a step time target (`prompt_token_cap`, set by the engine from the measured prefill
+   rate), the prompt budget is also capped so a step takes about that long: a prompt that
+   arrives mid-step waits at most about the target. And a step that brings prompts to their
+   first token carries little else: the prompts it does not finish get only their floor, so the
+   finishing ones' first tokens are not held up by a long prompt's big chunk (`lighten`).
 4. Swapped sequences come back first, most urgent first, when blocks are free for their KV plus
    one growth block per running sequence (so a sequence swapped in is not swapped straight out
    again); the engine copies their KV back before the step runs. No waiting sequence is admitted
@@ -55,6 +60,19 @@ def shortest_first(needs: Seq[int], budget: int, floor: int = PROGRESS_FLOOR) ->
         shares[i] += extra
         left -= extra
     return shares
+
+
+def lighten(needs: Seq[int], shares: Seq[int], floor: int = PROGRESS_FLOOR) -> list[int]:
+    """Shares for a step that is quick whenever it completes a prompt: if some share finishes
+    its need and another does not, the unfinished ones keep only their floor. The finishing
+    prompts' first tokens then wait for their own tokens, not for a long prompt's chunk; the
+    long prompt still advances, and takes its big chunks in the steps between."""
+    finishing = [share == need for share, need in zip(shares, needs, strict=True)]
+    if all(finishing) or not any(finishing):
+        return list(shares)
+    return [
+        share if done else min(share, floor) for share, done in zip(shares, finishing, strict=True)
+    ]
 
 
 def _urgency(seq: Sequence) -> tuple[int, float]:
@@ -100,6 +118,8 @@ class StepScheduler:
         self.evicted: list[Sequence] = []
         self.num_preemptions = 0
         self.num_preemptions_by_mode = {"swap": 0, "recompute": 0}
+        # Most prompt tokens in the next step, from a step time target (None: the budget alone).
+        self.prompt_token_cap: int | None = None
         self._plan = StepPlan()
 
     @property
@@ -128,6 +148,8 @@ class StepScheduler:
         self.running.sort(key=_urgency)
         decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
         prompt_budget = max(0, self.max_num_batched_tokens - len(decoding))
+        if self.prompt_token_cap is not None:
+            prompt_budget = min(prompt_budget, self.prompt_token_cap)
         in_prompt = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
         seats = self.max_num_seqs - len(self.running)
         # At least one newcomer shares whenever a seat is free: prompts in progress never hold
@@ -138,6 +160,8 @@ class StepScheduler:
         sharers = in_prompt + newcomers
         needs = [seq.num_uncomputed_tokens for seq in sharers]
         shares = shortest_first(needs, prompt_budget)
+        if self.prompt_token_cap is not None:
+            shares = lighten(needs, shares)
         share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
         scheduled = plan.chunks
         num_preemptions = self.num_preemptions

@@ -8,6 +8,7 @@ import torch
 
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sampling_params import SamplingParams
+from shared.engine.scheduler import MIN_CHUNK
 from shared.errors import InvalidRequestError
 from tests.helpers import our_model_from_hf, tiny_hf_model
 
@@ -49,6 +50,34 @@ def test_continuous_batching_with_staggered_arrivals_equals_one_by_one(model):
             results.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert [results[str(i)] for i in range(len(batch))] == expected
     assert engine.block_manager.num_free_blocks == 128
+
+
+def test_a_step_time_target_caps_prompt_tokens_and_changes_no_token(model):
+    batch = prompts(10, seed=3)
+    expected = one_by_one(model, batch, GREEDY)
+    engine = LLMEngine(model, EngineConfig(num_blocks=128, step_time_target_s=0.25))
+    engine.preemption.prefill_tokens_per_s = 400.0
+    assert engine.prompt_token_cap() == 100  # 0.25 s at 400 tokens/s
+    engine.preemption.prefill_tokens_per_s = 10.0
+    assert engine.prompt_token_cap() == MIN_CHUNK  # never below one chunk: prompts advance
+    engine.preemption.prefill_tokens_per_s = 400.0
+    results: dict[str, list[int]] = {}
+    for index, prompt in enumerate(batch):  # one arrival per step: light and capped steps mix
+        engine.add_request(prompt, GREEDY, request_id=str(index))
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+    while engine.has_unfinished:
+        for out in engine.step():
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [results[str(i)] for i in range(len(batch))] == expected
+    assert engine.block_manager.num_free_blocks == 128
+    assert LLMEngine(model, EngineConfig(num_blocks=8)).prompt_token_cap() is None
+
+
+@pytest.mark.parametrize("target", [0.0, -1.0, float("nan")])
+def test_a_step_time_target_must_be_positive(target):
+    with pytest.raises(ValueError, match="step_time_target_s must be > 0"):
+        EngineConfig(step_time_target_s=target)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])

@@ -8,7 +8,13 @@ from hypothesis import strategies as st
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.sampling_params import SamplingParams
-from shared.engine.scheduler import MIN_CHUNK, PROGRESS_FLOOR, StepScheduler, shortest_first
+from shared.engine.scheduler import (
+    MIN_CHUNK,
+    PROGRESS_FLOOR,
+    StepScheduler,
+    lighten,
+    shortest_first,
+)
 from shared.engine.sequence import Sequence, SequenceStatus
 
 
@@ -31,6 +37,25 @@ def test_shortest_first_examples():
     assert shortest_first([10, 1000], 512, floor=16) == [10, 502]
     assert shortest_first([1000, 1000, 1000], 40, floor=16) == [16, 16, 8]
     assert shortest_first([], 512) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 5000), max_size=40), st.integers(0, 4096))
+def test_lighten_keeps_finishing_shares_and_floors_the_rest(needs, budget):
+    shares = shortest_first(needs, budget, floor=16)
+    light = lighten(needs, shares, floor=16)
+    finishing = [s == n for s, n in zip(shares, needs, strict=True)]
+    for share, new, done in zip(shares, light, finishing, strict=True):
+        if all(finishing) or not any(finishing) or done:
+            assert new == share  # nothing to lighten, or a prompt brought to its first token
+        else:
+            assert new == min(share, 16)  # still advances, by its floor
+
+
+def test_lighten_examples():
+    assert lighten([10_000, 48], [464, 48], floor=16) == [16, 48]
+    assert lighten([10_000, 9_000], [256, 256], floor=16) == [256, 256]  # none finishes
+    assert lighten([20, 48], [20, 48], floor=16) == [20, 48]  # all finish
 
 
 def seq(name: str, prompt_len: int) -> Sequence:
@@ -62,6 +87,19 @@ def test_a_short_prompt_is_not_stuck_behind_a_long_one_in_progress():
     scheduler.add(seq("short", 30))
     assert run_step(scheduler) == {"long": 482, "short": 30}  # done in one step, beside it
     assert run_step(scheduler) == {"long": 511, "short": 1}  # short decodes; long goes on
+
+
+def test_a_step_time_cap_bounds_long_chunks_and_lightens_a_first_token_step():
+    scheduler = make_scheduler()
+    scheduler.prompt_token_cap = 128
+    scheduler.add(seq("long", 10_000))
+    assert run_step(scheduler) == {"long": 128}  # the cap, not the 512 budget
+    scheduler.add(seq("short", 30))
+    # The short prompt's first token comes from a light step: the long one keeps its floor.
+    assert run_step(scheduler) == {"long": PROGRESS_FLOOR, "short": 30}
+    assert run_step(scheduler) == {"long": 128, "short": 1}  # capped chunks again
+    scheduler.prompt_token_cap = None
+    assert run_step(scheduler) == {"long": 511, "short": 1}
 
 
 def test_many_prompts_share_the_budget_in_chunks_no_smaller_than_the_minimum():
