@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--step-time-target",
-        default="0.5",
-        help="seconds a prefill step may take, or none (the prefill worker's default: 0.5)",
+        default="0.4",
+        help="seconds a prefill step may take, or none (the prefill worker's default: 0.4)",
     )
     parser.add_argument("--aging-s", type=float, default=30.0, help="the scheduler's aging bound")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
