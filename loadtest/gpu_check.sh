@@ -3,7 +3,8 @@
 # triton and transformers (the project's other packages come as wheels in $WHEELS, if set):
 #
 #   1. the kernel tests and the tiny-model engine tests on CUDA (compiled Triton kernels, the
-#      engine's logits against transformers' on the GPU);
+#      engine's logits against transformers' on the GPU, batching, preemption by swap to host
+#      memory and recompute, KV export and import);
 #   2. with a GGUF model (argument 2): the real model's greedy tokens against transformers'
 #      `generate` on the GPU, the engine benchmark in float32 and bfloat16, and the pipeline
 #      benchmark (transformers static batching, the bare engine, `tandem up --device cuda`).
@@ -54,7 +55,8 @@ triton.__version__, "transformers", transformers.__version__, "cuda", torch.cuda
 
 pytest=("$py" -m pytest -q -p no:cacheprovider -o addopts="-ra")
 if [ -z "${SKIP_TINY:-}" ]; then
-    step tests_kernels_tiny 600 "${pytest[@]}" tests/kernels tests/engine/test_model_vs_hf.py
+    step tests_kernels_tiny 600 "${pytest[@]}" tests/kernels tests/engine/test_model_vs_hf.py \
+        tests/engine/test_engine.py
 fi
 
 if [ -z "$model" ]; then

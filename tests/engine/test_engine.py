@@ -1,4 +1,5 @@
-"""The in-process engine on a tiny random model: batching, chunking, preemption, handoff, errors."""
+"""The in-process engine on a tiny random model (on the test device): batching, chunking,
+preemption, handoff, errors."""
 
 import dataclasses
 import itertools
@@ -16,8 +17,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return our_model_from_hf(tiny_hf_model("llama", seed=11))
+def model(device):
+    """On the test device: on CUDA, swaps and KV exports cross between GPU and host memory."""
+    return our_model_from_hf(tiny_hf_model("llama", seed=11, device=device))
 
 
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
