@@ -14,7 +14,8 @@ more group costs a few kernel calls per layer, which only pays for a real saving
 (one new token) and prefill (a run of new tokens) sequences are bucketed apart.
 
 Everything here depends only on the batch, so a model plans once per step, not once per layer.
-It reads the lengths on the host: free on the CPU, which is the only place this path runs.
+It reads the lengths on the host: free on the CPU; on CUDA, where this path serves only steps
+with prompt chunks (decode runs the Triton kernel), one device sync per step.
 """
 
 from __future__ import annotations

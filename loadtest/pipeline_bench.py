@@ -9,6 +9,7 @@ percentiles of each (for (a), a request finishes only when its whole batch does)
 
     .venv/bin/python -m loadtest.pipeline_bench [--workload loadtest/workloads/mixed64.jsonl]
         [--skip-static] [--skip-engine] [--skip-cluster] [--threads 2] [--json OUT] [--profile]
+        [--dtype bfloat16 [--static-dtype float32]] [--device cuda]
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def run_static_baseline(args: argparse.Namespace, requests: Sequence[WorkloadReq
     directory, _ = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.padding_side = "left"
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=parse_dtype(args.dtype))
+    dtype = parse_dtype(args.static_dtype or args.dtype)
+    hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     hf_model = hf_model.eval().to(parse_device(args.device))
     return run_static(hf_model, tokenizer, requests, args.batch_size, not args.burst)
 
@@ -172,6 +174,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="for all three runs"
     )
     parser.add_argument(
+        "--static-dtype",
+        choices=["float32", "bfloat16"],
+        help="(a) only, instead of --dtype: e.g. transformers at its default float32 against "
+        "tandem in bfloat16, the comparison the llama.cpp figures make",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         type=device_argument,
@@ -228,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "workload": args.workload,
         "num_requests": len(requests),
         "threads": args.threads,
+        "dtype": args.dtype,
+        "static_dtype": args.static_dtype or args.dtype,
+        "device": args.device,
         "burst": args.burst,
         "ratios": ratios(results),
         "failures": failures,
