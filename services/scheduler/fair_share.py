@@ -15,7 +15,10 @@ the whole cluster. tandem shares it instead, in the manner of the virtual token 
 * The next request comes from the backlogged party with the smallest counter. A party that had
   nothing queued re-enters at no less than the *virtual time* (the smallest counter among parties
   that were backlogged), so being idle banks no credit: it competes from now on, not from then.
-* Within a party, a higher `priority` goes first, then the earlier arrival.
+* Within a party, a higher `priority` goes first, then the shorter prompt (shortest job first:
+  the least mean time to first token, as a worker shares its steps; within a class the lengths
+  differ by less than the class bounds, and aging caps what a longer prompt can wait), then the
+  earlier arrival.
 * Aging: a request that has waited `max_wait_s` is overdue. While any is, every other choice
   serves the oldest overdue request, whatever the counters say; the choices between stay fair.
   So an overdue request waits at most two choices per older overdue one, and a tenant that
@@ -100,8 +103,8 @@ class QueuedRequest:
     resumed: bool = False
 
 
-# A party's queue is a heap of (-priority, arrival, insertion number, request id).
-_Key = tuple[int, float, int, str]
+# A party's queue is a heap of (-priority, prompt tokens, arrival, insertion number, request id).
+_Key = tuple[int, int, float, int, str]
 
 
 class FairQueue:
@@ -141,7 +144,14 @@ class FairQueue:
             self._advance_virtual_time()
             self.counters[party] = max(self.counters.get(party, 0.0), self.virtual_time)
             heap = self._parties[party] = []
-        heapq.heappush(heap, (-item.priority, item.arrival, next(self._sequence), item.request_id))
+        key = (
+            -item.priority,
+            item.num_prompt_tokens,
+            item.arrival,
+            next(self._sequence),
+            item.request_id,
+        )
+        heapq.heappush(heap, key)
         self._items[item.request_id] = (party, item)
 
     def remove(self, request_id: str) -> QueuedRequest | None:
@@ -149,7 +159,7 @@ class FairQueue:
         if entry is None:
             return None
         party, item = entry
-        heap = [key for key in self._parties[party] if key[3] != request_id]
+        heap = [key for key in self._parties[party] if key[-1] != request_id]
         if heap:
             heapq.heapify(heap)
             self._parties[party] = heap
@@ -211,7 +221,7 @@ class FairQueue:
         """The fair choice: the first admissible request of the least-served backlogged party."""
         for party in sorted(self._parties, key=lambda p: (self.counters[p], p)):
             for key in _in_order(self._parties[party]):
-                item = self._items[key[3]][1]
+                item = self._items[key[-1]][1]
                 if admissible(item):
                     return item
         return None

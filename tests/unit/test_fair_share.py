@@ -1,5 +1,6 @@
 """The fair-share policy on hand-made arrivals: work conservation, the share bound between
-backlogged parties, aging, no banked credit, priorities, and FCFS as a switch."""
+backlogged parties, aging, no banked credit, priorities, shortest prompt first within a party,
+and FCFS as a switch."""
 
 from __future__ import annotations
 
@@ -160,6 +161,32 @@ def test_priority_orders_within_a_tenant_then_arrival():
     for item in (low, high, high_later):
         queue.push(item)
     assert [queue.pop_next(3.0) for _ in range(3)] == [high, high_later, low]
+
+
+def test_within_a_priority_the_shorter_prompt_goes_first_then_the_earlier_arrival():
+    queue = FairQueue(FairShareConfig())
+    long_early, short, short_later, urgent_long = (
+        request("t", 900, 0.0),
+        request("t", 40, 1.0),
+        request("t", 40, 2.0),
+        request("t", 800, 3.0, 1),
+    )
+    for item in (long_early, short, short_later, urgent_long):
+        queue.push(item)
+    assert [queue.pop_next(4.0) for _ in range(4)] == [urgent_long, short, short_later, long_early]
+
+
+def test_aging_bounds_a_longer_prompts_wait_behind_a_stream_of_shorter_ones():
+    queue = FairQueue(FairShareConfig(max_wait_s=10.0))
+    longer = request("t", 900, 0.0)
+    queue.push(longer)
+    served_at = None
+    for second in range(1, 60):  # a shorter prompt of the same party every second, served at once
+        queue.push(request("t", 40, float(second)))
+        if queue.pop_next(float(second)) is longer:
+            served_at = second
+            break
+    assert served_at == 10  # overdue at its 10th second, then served first
 
 
 def test_fcfs_serves_in_arrival_order_whatever_the_tenant():
