@@ -13,6 +13,7 @@ Medians over `--repeats` runs after a warm-up. Results print as a table and opti
 With `--device cuda` both run on the GPU and every timed run ends with a device synchronize.
 
     .venv/bin/python loadtest/engine_bench.py [--threads 2] [--batch-sizes 1,8,32,64] [--device cpu]
+        [--profile-batch 8]
 """
 
 from __future__ import annotations
@@ -134,6 +135,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--profile-batch",
+        type=int,
+        help="also profile 5 decode steps of each engine at this batch size (top operators)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -188,6 +194,14 @@ def main() -> None:
                 f"{batch_size:>5} {ours * 1e3:9.1f} {hf * 1e3:9.1f} {hf / ours:8.2f} "
                 f"{batch_size / ours:11.1f}"
             )
+        if args.profile_batch:
+            steps = [
+                ("ours", ours_decode(loaded.model, args.profile_batch, args.context, 10)),
+                ("transformers", hf_decode(hf_model, args.profile_batch, args.context)),
+            ]
+            for name, step in steps:
+                print(f"\n{name}, 5 decode steps at batch {args.profile_batch}:")
+                print(profile_steps(step, 5))
     by_batch = {r["batch_size"]: r for r in results["decode"]}
     if 1 in by_batch and 32 in by_batch:
         ratio = by_batch[32]["ours_tokens_per_s"] / by_batch[1]["ours_tokens_per_s"]
@@ -196,6 +210,15 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def profile_steps(step, num_steps: int, top: int = 12) -> str:
+    """The top operators by self CPU time over `num_steps` calls of `step`, after a warm-up."""
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(num_steps):
+            step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
 def _device_name(device: torch.device) -> str:
