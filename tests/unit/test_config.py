@@ -23,6 +23,11 @@ def test_flag_beats_environment_beats_default():
     assert parse(WorkerConfig, ["--block-size", "8"], {"TANDEM_BLOCK_SIZE": "32"}).block_size == 8
 
 
+def test_the_step_time_target_can_be_switched_off():
+    assert parse(WorkerConfig, []).step_time_target_s == 0.4
+    assert parse(WorkerConfig, [], {"TANDEM_STEP_TIME_TARGET_S": "none"}).step_time_target_s is None
+
+
 def test_optional_and_bool_values():
     config = parse(
         WorkerConfig, [], {"TANDEM_THREADS": "none", "TANDEM_ADDRESS": "tcp://0.0.0.0:7000"}
@@ -41,6 +46,8 @@ def test_optional_and_bool_values():
         (WorkerConfig, ["--metrics-port", "70000"], {}, "must be a port in"),
         (WorkerConfig, ["--device", "gpu"], {}, "device must be cpu, cuda or cuda:N"),
         (WorkerConfig, [], {"TANDEM_DEVICE": "cpu:1"}, "TANDEM_DEVICE"),
+        (WorkerConfig, ["--step-time-target-s", "0"], {}, "step_time_target_s"),
+        (WorkerConfig, [], {"TANDEM_STEP_TIME_TARGET_S": "soon"}, "TANDEM_STEP_TIME_TARGET_S"),
         (SchedulerConfig, [], {"TANDEM_METRICS_PORT": "-1"}, "TANDEM_METRICS_PORT"),
         (SchedulerConfig, ["--metrics-port", "http"], {}, "--metrics-port: expected an integer"),
         (SchedulerConfig, ["--heartbeat-timeout-s", "0"], {}, "heartbeat_timeout_s"),
