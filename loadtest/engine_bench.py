@@ -13,7 +13,7 @@ Medians over `--repeats` runs after a warm-up. Results print as a table and opti
 With `--device cuda` both run on the GPU and every timed run ends with a device synchronize.
 
     .venv/bin/python loadtest/engine_bench.py [--threads 2] [--batch-sizes 1,8,32,64] [--device cpu]
-        [--profile-batch 8]
+        [--profile-batch 8] [--linear-backend dense]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
+from shared.engine.linear import LINEAR_BACKENDS
 from shared.engine.loader import (
     DEVICE_HELP,
     device_argument,
@@ -130,6 +131,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
     parser.add_argument("--device", default="cpu", type=device_argument, help=DEVICE_HELP)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--linear-backend",
+        default="auto",
+        choices=LINEAR_BACKENDS,
+        help="our engine's matmuls: oneDNN-packed weights where the CPU can (auto), or F.linear",
+    )
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -147,12 +154,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     dtype, device = parse_dtype(args.dtype), parse_device(args.device)
-    loaded = load_model(args.model, dtype=dtype, device=device)
+    loaded = load_model(args.model, dtype=dtype, device=device, linear_backend=args.linear_backend)
     hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval().to(device)
     results: dict = {
         "threads": args.threads,
         "device": _device_name(device),
         "dtype": args.dtype,
+        "linear_backend": args.linear_backend,
         "context": args.context,
         "decode": [],
     }

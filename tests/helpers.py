@@ -37,7 +37,15 @@ def tiny_hf_model(
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(device)
 
 
-def our_model_from_hf(hf_model, dtype: torch.dtype = torch.float32) -> LlamaModel:
+def our_model_from_hf(
+    hf_model, dtype: torch.dtype = torch.float32, linear_backend: str = "auto"
+) -> LlamaModel:
     """Our model on the same weights and device as `hf_model`."""
     config = ModelConfig.from_hf(hf_model.config)
-    return load_hf_weights(config, hf_model.state_dict().items(), dtype, hf_model.device)
+    return load_hf_weights(
+        config,
+        hf_model.state_dict().items(),
+        dtype,
+        hf_model.device,
+        linear_backend=linear_backend,
+    )

@@ -175,13 +175,19 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
+    linear_backend: str = "auto",
 ) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
     directory, name = resolve_model_dir(model)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
     weights = load_hf_weights(
-        config, read_safetensors(directory), dtype, device, max_positions=max_model_len
+        config,
+        read_safetensors(directory),
+        dtype,
+        device,
+        max_positions=max_model_len,
+        linear_backend=linear_backend,
     )
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return LoadedModel(weights, config, tokenizer, directory, name)

@@ -5,8 +5,9 @@ projects q, k and v in one matmul, rotates q and k, writes the new k and v into 
 batch's slots, attends through the block tables (`kernels.paged_attention`), and runs the SwiGLU
 MLP with gate and up fused into one matmul. Only each sequence's last token reaches the LM head.
 
-Weights are held as plain tensors (no autograd, no nn.Linear) and loaded from transformers' names
-by `load_hf_weights`, which fuses q/k/v and gate/up as it goes.
+Weights are held as plain tensors and `shared.engine.linear` layers (no autograd, no nn.Module),
+loaded from transformers' names by `load_hf_weights`, which fuses q/k/v and gate/up as it goes and
+packs the matrices for the device's fastest matmul (oneDNN's layout on the CPU).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kernels.attention_plan import AttentionPlan, plan_attention
 from kernels.kv_write import write_kv
 from kernels.paged_attention import paged_attention
 from shared.engine.kv_cache import KVCache
+from shared.engine.linear import Linear, make_linear
 from shared.engine.model_config import ModelConfig
 from shared.engine.rope import RotaryEmbedding, apply_rotary
 from shared.engine.step_batch import StepBatch
@@ -29,15 +31,11 @@ from shared.engine.step_batch import StepBatch
 @dataclass
 class DecoderLayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, heads * head_dim]
-    o_bias: torch.Tensor | None
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o: Linear  # heads * head_dim -> hidden
     post_attention_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, intermediate]
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ class LlamaModel:
         layers: list[DecoderLayerWeights],
         embed_tokens: torch.Tensor,
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
         max_positions: int | None = None,
     ):
         self.config = config
@@ -93,7 +91,7 @@ class LlamaModel:
         hidden = self.forward(batch, kv_cache)
         last = hidden.index_select(0, batch.last_token_indices)
         last = rms_norm(last, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -133,7 +131,7 @@ class LlamaModel:
         c = self.config
         batch = context.batch
         x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
         num_tokens = hidden.shape[0]
         q = q.view(num_tokens, c.num_heads, c.head_dim)
@@ -153,12 +151,12 @@ class LlamaModel:
             max_context_len=batch.max_context_len,
             plan=context.attention_plan,
         )
-        return F.linear(out.reshape(num_tokens, self._q_size), layer.o, layer.o_bias)
+        return layer.o(out.reshape(num_tokens, self._q_size))
 
     def _mlp(self, layer: DecoderLayerWeights, hidden: torch.Tensor) -> torch.Tensor:
         x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
 
 
 def load_hf_weights(
@@ -167,8 +165,10 @@ def load_hf_weights(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
+    linear_backend: str = "auto",
 ) -> LlamaModel:
-    """Builds the model from transformers' parameter names (`model.layers.0.self_attn...`)."""
+    """Builds the model from transformers' parameter names (`model.layers.0.self_attn...`);
+    `linear_backend` is `shared.engine.linear`'s (`auto`: oneDNN-packed where the CPU can)."""
     w = {name: t for name, t in named_tensors}
     missing: list[str] = []
 
@@ -184,6 +184,12 @@ def load_hf_weights(
         parts = [take(n, required) for n in names]
         return None if any(p is None for p in parts) else torch.cat(parts, dim=0).contiguous()
 
+    def linear(prefix: str, *parts: str, bias: bool) -> Linear | None:
+        """The projections `prefix + part` fused into one layer (None if a weight is missing)."""
+        weight = fused(*(prefix + part + ".weight" for part in parts))
+        bias_tensor = fused(*(prefix + part + ".bias" for part in parts), required=bias)
+        return None if weight is None else make_linear(weight, bias_tensor, linear_backend)
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -191,22 +197,11 @@ def load_hf_weights(
         layers.append(
             DecoderLayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=fused(attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                qkv_bias=fused(
-                    attn + "q_proj.bias",
-                    attn + "k_proj.bias",
-                    attn + "v_proj.bias",
-                    required=config.qkv_bias,
-                ),
-                o=take(attn + "o_proj.weight"),
-                o_bias=take(attn + "o_proj.bias", required=config.o_bias),
+                qkv=linear(attn, "q_proj", "k_proj", "v_proj", bias=config.qkv_bias),
+                o=linear(attn, "o_proj", bias=config.o_bias),
                 post_attention_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=fused(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                gate_up_bias=fused(
-                    mlp + "gate_proj.bias", mlp + "up_proj.bias", required=config.mlp_bias
-                ),
-                down=take(mlp + "down_proj.weight"),
-                down_bias=take(mlp + "down_proj.bias", required=config.mlp_bias),
+                gate_up=linear(mlp, "gate_proj", "up_proj", bias=config.mlp_bias),
+                down=linear(mlp, "down_proj", bias=config.mlp_bias),
             )
         )
     embed = take("model.embed_tokens.weight")
@@ -218,4 +213,5 @@ def load_hf_weights(
     leftovers = [n for n in w if not n.endswith("rotary_emb.inv_freq")]
     if missing or leftovers:
         raise ValueError(f"weights do not match the config: missing {missing}, unused {leftovers}")
-    return LlamaModel(config, layers, embed, final_norm, lm_head, max_positions)
+    head = make_linear(lm_head, None, linear_backend)
+    return LlamaModel(config, layers, embed, final_norm, head, max_positions)

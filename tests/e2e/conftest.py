@@ -31,15 +31,22 @@ class RunningCluster:
         return httpx.get(self.url + "/ready", timeout=5).json()
 
     def wait_blocks_free(self, timeout_s: float = 20.0) -> dict:
-        """Waits until every decode block is free again (as the workers' heartbeats report)."""
+        """Waits until nothing is in flight and every worker is idle with every block free (as
+        their heartbeats report). A worker may hear of an abort only after the step it is in
+        (up to the prefill step target), so its idleness lags the scheduler's."""
         deadline = time.monotonic() + timeout_s
         info = self.ready_info()
         while time.monotonic() < deadline:
             info = self.ready_info()
-            if info["in_flight"] == 0 and info["decode_free_blocks"] == info["decode_total_blocks"]:
+            if info["in_flight"] == 0 and all(_idle(w) for w in info["workers"]):
                 return info
             time.sleep(0.3)
         return info
+
+
+def _idle(worker: dict) -> bool:
+    busy = worker["running"] or worker["waiting"] or worker["swapped"]
+    return not busy and worker["free_blocks"] == worker["total_blocks"]
 
 
 def start_cluster(

@@ -17,9 +17,10 @@ def hf_llama(device):
     return tiny_hf_model("llama", device=device)
 
 
-@pytest.fixture(scope="module")
-def llama(hf_llama):
-    return our_model_from_hf(hf_llama)
+@pytest.fixture(scope="module", params=["auto", "dense"])
+def llama(hf_llama, request):
+    """Our model, its matrices packed for oneDNN (`auto`, on the CPU) and plain (`dense`)."""
+    return our_model_from_hf(hf_llama, linear_backend=request.param)
 
 
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,69 @@
+"""The model's linear layers (`shared.engine.linear`): oneDNN-packed weights against `F.linear`."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.engine.linear import DenseLinear, OneDnnLinear, make_linear, onednn_can_pack
+
+needs_onednn = pytest.mark.skipif(
+    not onednn_can_pack(torch.float32, "cpu"), reason="torch has no oneDNN on this CPU"
+)
+
+
+def random_weights(out_features: int, in_features: int, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    return weight, bias
+
+
+@needs_onednn
+def test_auto_packs_float32_on_the_cpu():
+    weight, _ = random_weights(8, 8)
+    assert isinstance(make_linear(weight), OneDnnLinear)
+    assert isinstance(make_linear(weight, backend="dense"), DenseLinear)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 8, 33, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_matches_f_linear(rows, with_bias):
+    """Awkward sizes (rows, and features that are not multiples of a vector width)."""
+    weight, bias = random_weights(97, 61)
+    bias = bias if with_bias else None
+    x = torch.randn(rows, 61, generator=torch.Generator().manual_seed(rows))
+    packed = make_linear(weight, bias, backend="onednn")
+    torch.testing.assert_close(packed(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packed_takes_strided_and_empty_inputs():
+    weight, bias = random_weights(16, 32)
+    packed = make_linear(weight, bias, backend="onednn")
+    strided = torch.randn(5, 64)[:, ::2]
+    torch.testing.assert_close(packed(strided), F.linear(strided, weight, bias))
+    assert packed(torch.empty(0, 32)).shape == (0, 16)
+
+
+def test_bfloat16_packed_where_the_cpu_can():
+    weight, bias = random_weights(40, 24, torch.bfloat16)
+    x = torch.randn(6, 24).to(torch.bfloat16)
+    layer = make_linear(weight, bias)
+    expected_kind = OneDnnLinear if onednn_can_pack(torch.bfloat16, "cpu") else DenseLinear
+    assert isinstance(layer, expected_kind)
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
+
+
+def test_no_packing_off_the_cpu():
+    weight = torch.empty(4, 4, device="meta")
+    assert not onednn_can_pack(torch.float32, "meta")
+    assert isinstance(make_linear(weight), DenseLinear)
+    with pytest.raises(ValueError, match="oneDNN cannot pack"):
+        make_linear(weight, backend="onednn")
+
+
+def test_unknown_backend_is_refused_by_name():
+    weight, _ = random_weights(4, 4)
+    with pytest.raises(ValueError, match="linear backend must be one of auto, onednn, dense"):
+        make_linear(weight, backend="mkl")
