@@ -123,9 +123,10 @@ def cluster(args: argparse.Namespace, policy: str) -> Iterator[ServedCluster]:
     settings = {
         "TANDEM_POLICY": policy,
         "TANDEM_MAX_NUM_BATCHED_TOKENS": str(args.prefill_budget),
-        "TANDEM_STEP_TIME_TARGET_S": args.step_time_target,
         "TANDEM_MAX_QUEUE_WAIT_S": str(args.aging_s),
     }
+    if args.step_time_target is not None:  # otherwise the prefill worker's own default
+        settings["TANDEM_STEP_TIME_TARGET_S"] = args.step_time_target
     with (
         environment(settings),
         tandem_up(1, 1, ["--kv-cache-bytes", str(args.kv_cache_bytes)]) as served,
@@ -249,8 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--step-time-target",
-        default="0.4",
-        help="seconds a prefill step may take, or none (the prefill worker's default: 0.4)",
+        help="seconds a prefill step may take, or none (default: the prefill worker's default)",
     )
     parser.add_argument("--aging-s", type=float, default=30.0, help="the scheduler's aging bound")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20)

@@ -37,7 +37,7 @@ class WorkerConfig(CurveSettings):
     max_num_seqs: int = setting(64, "most sequences in one step")
     max_num_batched_tokens: int = setting(512, "most tokens in one step (chunked-prefill budget)")
     step_time_target_s: float | None = setting(
-        0.4,
+        0.2,
         "prefill: how long a step with prompt chunks may take (a short prompt's wait for the step "
         "in progress); none: the token budget alone",
     )

@@ -24,7 +24,7 @@ def test_flag_beats_environment_beats_default():
 
 
 def test_the_step_time_target_can_be_switched_off():
-    assert parse(WorkerConfig, []).step_time_target_s == 0.4
+    assert parse(WorkerConfig, []).step_time_target_s == 0.2
     assert parse(WorkerConfig, [], {"TANDEM_STEP_TIME_TARGET_S": "none"}).step_time_target_s is None
 
 
