@@ -57,7 +57,8 @@ def make_linear(
     `auto` packs for oneDNN where `onednn_can_pack` says so, `onednn` insists (ValueError where it
     cannot), `dense` never packs."""
     if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"linear backend must be one of {', '.join(LINEAR_BACKENDS)}, got {backend!r}")
+        choices = ", ".join(LINEAR_BACKENDS)
+        raise ValueError(f"linear backend must be one of {choices}, got {backend!r}")
     packable = onednn_can_pack(weight.dtype, weight.device)
     if backend == "onednn" and not packable:
         raise ValueError(f"oneDNN cannot pack {weight.dtype} weights on {weight.device} here")
