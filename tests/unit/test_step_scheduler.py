@@ -13,6 +13,7 @@ from shared.engine.scheduler import (
     PROGRESS_FLOOR,
     StepScheduler,
     lighten,
+    raise_cap_for_short_prompts,
     shortest_first,
 )
 from shared.engine.sequence import Sequence, SequenceStatus
@@ -100,6 +101,25 @@ def test_a_step_time_cap_bounds_long_chunks_and_lightens_a_first_token_step():
     assert run_step(scheduler) == {"long": 128, "short": 1}  # capped chunks again
     scheduler.prompt_token_cap = None
     assert run_step(scheduler) == {"long": 511, "short": 1}
+
+
+def test_the_cap_is_raised_to_finish_short_prompts_never_for_long_ones():
+    assert raise_cap_for_short_prompts([10_000], cap=128, budget=512, floor=16) == 128
+    assert raise_cap_for_short_prompts([10_000, 120], cap=128, budget=512, floor=16) == 136
+    assert raise_cap_for_short_prompts([100, 90, 80], cap=128, budget=512, floor=16) == 270
+    assert raise_cap_for_short_prompts([100] * 8, cap=128, budget=512, floor=16) == 512  # bound
+    assert raise_cap_for_short_prompts([129, 20], cap=128, budget=512, floor=16) == 128
+
+
+def test_a_short_prompt_beside_long_ones_finishes_in_one_capped_step():
+    scheduler = make_scheduler()
+    scheduler.prompt_token_cap = 128
+    scheduler.add(seq("long", 10_000))
+    assert run_step(scheduler) == {"long": 128}
+    scheduler.add(seq("short", 120))
+    # Within the bare cap it would take 112 tokens now and 8 in the next step.
+    assert run_step(scheduler) == {"long": PROGRESS_FLOOR, "short": 120}
+    assert run_step(scheduler) == {"long": 128, "short": 1}
 
 
 def test_many_prompts_share_the_budget_in_chunks_no_smaller_than_the_minimum():
