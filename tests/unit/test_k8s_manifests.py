@@ -384,12 +384,43 @@ def test_the_kustomization_lists_every_manifest(manifests):
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) not found")
 def test_the_kustomization_builds_what_the_files_hold(manifests):
-    built = subprocess.run(
-        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, check=True
-    ).stdout
-    docs = [doc for doc in yaml.safe_load_all(built) if doc]
+    docs = kustomize_build(K8S)
     assert len(docs) == sum(1 for name, _ in resources(manifests) if name != ADAPTER_RULES)
     assert schema_problems({"built.yaml": docs}, KUBERNETES_VERSIONS[-1]) == []
+
+
+def kustomize_build(directory: Path) -> list[dict]:
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(directory)], capture_output=True, text=True, check=True
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(built) if doc]
+
+
+WORKERS = ("tandem-prefill", "tandem-decode")
+
+
+def as_on_gpus(doc: dict) -> dict:
+    """What compose/k8s-gpu should make of a base resource: the workers' ConfigMaps name the
+    GPU, their pods run the CUDA image, and each worker container asks for one GPU."""
+    doc = copy.deepcopy(doc)
+    name = doc["metadata"]["name"]
+    if doc["kind"] == "ConfigMap" and name in WORKERS:
+        doc["data"]["TANDEM_DEVICE"] = "cuda"
+    if doc["kind"] == "Deployment" and name in WORKERS:
+        pod = doc["spec"]["template"]["spec"]
+        for container in pod["initContainers"] + pod["containers"]:
+            container["image"] = "tandem:cuda"
+        pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 1
+    return doc
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) not found")
+def test_the_gpu_overlay_changes_only_the_workers_device_image_and_gpu():
+    base = kustomize_build(K8S)
+    on_gpus = kustomize_build(K8S.parent / "k8s-gpu")
+    assert on_gpus == [as_on_gpus(doc) for doc in base]
+    assert on_gpus != base
+    assert schema_problems({"k8s-gpu": on_gpus}, KUBERNETES_VERSIONS[-1]) == []
 
 
 def _container(manifests: Manifests, filename: str, index: int = 0) -> dict:
