@@ -162,9 +162,10 @@ class StepScheduler:
         # latest arrival, and a victim is never a sequence already scheduled in this step.
         self.running.sort(key=_urgency)
         decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
-        prompt_budget = max(0, self.max_num_batched_tokens - len(decoding))
-        if self.prompt_token_cap is not None:
-            prompt_budget = min(prompt_budget, self.prompt_token_cap)
+        full_budget = max(0, self.max_num_batched_tokens - len(decoding))
+        cap = self.prompt_token_cap
+        # Seats go by the capped budget; the shares' budget is raised for short prompts below.
+        prompt_budget = full_budget if cap is None else min(full_budget, cap)
         in_prompt = [seq for seq in self.running if seq.num_uncomputed_tokens > 1]
         seats = self.max_num_seqs - len(self.running)
         # At least one newcomer shares whenever a seat is free: prompts in progress never hold
@@ -174,11 +175,10 @@ class StepScheduler:
         newcomers = list(itertools.islice(self.waiting, num_newcomers))
         sharers = in_prompt + newcomers
         needs = [seq.num_uncomputed_tokens for seq in sharers]
-        if self.prompt_token_cap is not None:
-            full_budget = max(0, self.max_num_batched_tokens - len(decoding))
-            prompt_budget = raise_cap_for_short_prompts(needs, self.prompt_token_cap, full_budget)
+        if cap is not None:
+            prompt_budget = raise_cap_for_short_prompts(needs, cap, full_budget)
         shares = shortest_first(needs, prompt_budget)
-        if self.prompt_token_cap is not None:
+        if cap is not None:
             shares = lighten(needs, shares)
         share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
         scheduled = plan.chunks
