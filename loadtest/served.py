@@ -82,7 +82,7 @@ def tandem_up(
     command = [
         sys.executable,
         "-m",
-        "services.cli",
+        "services.commands.cli",
         "up",
         "--host",
         "127.0.0.1",

@@ -164,8 +164,8 @@ def service_name(argv: Sequence[str]) -> str | None:
     """A `tandem` service's name from its argv: the `--peer-id`, else the subcommand."""
     if "--peer-id" in argv[:-1]:
         return argv[argv.index("--peer-id") + 1]
-    if "services.cli" in argv[:-1]:
-        return argv[argv.index("services.cli") + 1]
+    if "services.commands.cli" in argv[:-1]:
+        return argv[argv.index("services.commands.cli") + 1]
     return None
 
 

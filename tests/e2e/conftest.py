@@ -69,7 +69,7 @@ def start_cluster(
     log_path = tmp_path / "cluster.log"
     log = log_path.open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port), *extra],
+        [sys.executable, "-m", "services.commands.cli", "up", "--port", str(port), *extra],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=dict(os.environ, TANDEM_LOG_LEVEL="INFO", **(env or {})),

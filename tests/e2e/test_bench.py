@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def tandem_bench(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", *argv],
+        [sys.executable, "-m", "services.commands.cli", "bench", *argv],
         capture_output=True,
         text=True,
         timeout=300,

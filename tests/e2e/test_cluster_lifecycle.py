@@ -22,13 +22,20 @@ def test_gateway_without_workers_is_not_ready_and_answers_503(tmp_path):
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "scheduler", "--address", scheduler_address]
+            [
+                sys.executable,
+                "-m",
+                "services.commands.cli",
+                "scheduler",
+                "--address",
+                scheduler_address,
+            ]
         ),
         subprocess.Popen(
             [
                 sys.executable,
                 "-m",
-                "services.cli",
+                "services.commands.cli",
                 "gateway",
                 "--port",
                 str(port),

@@ -79,8 +79,8 @@ def rss_by_service(cluster) -> dict[str, int]:
         except OSError:
             continue
         ppid = int(re.search(r"PPid:\s+(\d+)", status).group(1))
-        if ppid == cluster.process.pid and b"services.cli" in argv:
-            name = argv[argv.index(b"services.cli") + 1].decode()
+        if ppid == cluster.process.pid and b"services.commands.cli" in argv:
+            name = argv[argv.index(b"services.commands.cli") + 1].decode()
             peer = argv[argv.index(b"--peer-id") + 1].decode() if b"--peer-id" in argv else name
             found[peer] = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
     return found

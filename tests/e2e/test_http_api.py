@@ -47,7 +47,7 @@ def test_greedy_chat_equals_tandem_generate(openai_client, smollm2):
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.commands.cli",
             "generate",
             "--chat",
             "--prompt",

@@ -136,7 +136,16 @@ class Spread:
 def start(hosts: Hosts, host: int, name: str, argv: list[str], logs: Path) -> subprocess.Popen:
     log = (logs / f"{name}.log").open("wb")
     return subprocess.Popen(
-        ["ip", "netns", "exec", hosts.ns(host), sys.executable, "-m", "services.cli", *argv],
+        [
+            "ip",
+            "netns",
+            "exec",
+            hosts.ns(host),
+            sys.executable,
+            "-m",
+            "services.commands.cli",
+            *argv,
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=dict(os.environ, TANDEM_LOG_FORMAT="json"),

@@ -24,7 +24,7 @@ def test_top_renders_every_worker_of_a_running_cluster(cluster):
     assert {"prefill-0", "decode-0", "decode-1"} <= set(peers)
 
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "top", "--url", cluster.url, "--once"],
+        [sys.executable, "-m", "services.commands.cli", "top", "--url", cluster.url, "--once"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.generate import encode_prompt
+from services.commands.generate import encode_prompt
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sampling_params import SamplingParams
 

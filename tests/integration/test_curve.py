@@ -59,7 +59,7 @@ def scheduler(keys_dir, tmp_path):
     address = f"ipc://{tmp_path}/scheduler.sock"
     log = tmp_path / "scheduler.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "scheduler", "--address", address,
+        [sys.executable, "-m", "services.commands.cli", "scheduler", "--address", address,
          "--curve-keys-dir", str(keys_dir)],
         stdout=log.open("wb"), stderr=subprocess.STDOUT,
         env=dict(os.environ, TANDEM_LOG_FORMAT="json"),

@@ -8,7 +8,7 @@ import pytest
 
 def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *argv],
+        [sys.executable, "-m", "services.commands.cli", *argv],
         capture_output=True,
         text=True,
         timeout=120,

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from services.cli import SUBCOMMANDS
+from services.commands.cli import SUBCOMMANDS
 from services.gateway.service import GatewayConfig
 from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
@@ -45,7 +45,8 @@ ROLE_CONFIGS: dict[str, type] = {
     "prefill": WorkerConfig,
     "decode": WorkerConfig,
 }
-PREPARE_SETTINGS = {"TANDEM_MODEL"}  # `tandem prepare` takes only --model (services/prepare.py)
+# `tandem prepare` takes only --model (services/commands/prepare.py)
+PREPARE_SETTINGS = {"TANDEM_MODEL"}
 # Read by every process outside the config dataclasses (shared/engine/loader.py, shared/logs.py).
 PROCESS_SETTINGS = {"TANDEM_CACHE_DIR", "TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT"}
 WORKER_ROLES = ("prefill", "decode")
@@ -136,7 +137,7 @@ def _role(name: str, service: dict, problems: list[str]) -> str | None:
         problems.append(f"{name}: no command, so the image only prints `tandem --help`")
         return None
     if words[0] not in SUBCOMMANDS:
-        problems.append(f"{name}: {words[0]!r} is not a tandem subcommand (services/cli.py)")
+        problems.append(f"{name}: {words[0]!r} is not a tandem subcommand (services.commands.cli)")
         return None
     if words[0] not in (*ROLE_CONFIGS, *ONE_SHOTS):
         problems.append(f"{name}: `tandem {words[0]}` is not a cluster role")
@@ -405,7 +406,7 @@ def test_dockerfile_builds_every_role_from_the_packages():
     assert "VARIANT=cpu" in values["ARG"]
     assert values["ENTRYPOINT"] == ['["tandem"]']  # so the command is the role
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["tandem"] == "services.cli:main"
+    assert pyproject["project"]["scripts"]["tandem"] == "services.commands.cli:main"
     # Every package the project installs is copied in, and .dockerignore keeps none of them out.
     copied = {rest.split()[0] for rest in values["COPY"]}
     packages = {

@@ -51,7 +51,7 @@ CONFIGS = {
 }
 # Read outside the config dataclasses: shared/engine/loader.py and shared/logs.py.
 PROCESS_SETTINGS = {"TANDEM_CACHE_DIR", "TANDEM_LOG_FORMAT", "TANDEM_LOG_LEVEL"}
-PREPARE_SETTINGS = {"TANDEM_MODEL"}  # services/prepare.py
+PREPARE_SETTINGS = {"TANDEM_MODEL"}  # services/commands/prepare.py
 DUMMY_POD_IP = "10.1.2.3"
 DUMMY_SECRETS = {
     ("tandem-api-keys", "api-keys"): "0123456789abcdef0123=team-a,fedcba9876543210fedc"

@@ -171,12 +171,24 @@ def test_vmrss_is_read_in_bytes():
     "argv,name",
     [
         (
-            ["python", "-m", "services.cli", "decode", "--peer-id", "decode-1", "--x", "1"],
+            [
+                "python",
+                "-m",
+                "services.commands.cli",
+                "decode",
+                "--peer-id",
+                "decode-1",
+                "--x",
+                "1",
+            ],
             "decode-1",
         ),
-        (["python", "-m", "services.cli", "scheduler", "--address", "ipc://s"], "scheduler"),
-        (["python", "-m", "services.cli", "gateway"], "gateway"),
-        (["python", "-m", "services.cli"], None),
+        (
+            ["python", "-m", "services.commands.cli", "scheduler", "--address", "ipc://s"],
+            "scheduler",
+        ),
+        (["python", "-m", "services.commands.cli", "gateway"], "gateway"),
+        (["python", "-m", "services.commands.cli"], None),
         (["bash", "-c", "sleep 1"], None),
         (["python", "--peer-id"], None),
         ([], None),

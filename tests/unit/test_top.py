@@ -15,8 +15,8 @@ import httpx
 import pytest
 from rich.console import Console
 
-from services import top
-from services.top import BatchHistory, Snapshot, Top, kv_usage, sparkline
+from services.commands import top
+from services.commands.top import BatchHistory, Snapshot, Top, kv_usage, sparkline
 
 URL = "http://gateway:8000"
 
@@ -235,7 +235,7 @@ def test_live_loop_draws_the_asked_number_of_frames():
 
 def tandem_top(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "top", *argv],
+        [sys.executable, "-m", "services.commands.cli", "top", *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -276,7 +276,7 @@ def test_once_against_nothing_exits_1_with_a_clear_error():
 def test_ctrl_c_exits_0_without_a_traceback():
     url = f"http://127.0.0.1:{closed_port()}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "top", "--url", url, "--interval", "0.2"],
+        [sys.executable, "-m", "services.commands.cli", "top", "--url", url, "--interval", "0.2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

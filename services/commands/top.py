@@ -4,7 +4,7 @@ Each refresh fetches the gateway's `/ready` (the scheduler's view: every worker'
 and heartbeat age, the fair-share parties and their queues) and `/metrics` (every peer's counters,
 federated) into a `Snapshot`, and draws one frame from it. A `/ready` that answers 503 is drawn as
 well: a cluster that is not ready is what one most wants to look at. The data side (fetching,
-rates, batch history) is `services.top_data`.
+rates, batch history) is `services.commands.top_data`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from services.top_data import (  # noqa: F401 - re-exported for tests and callers
+from services.commands.top_data import (  # noqa: F401 - re-exported for tests and callers
     GENERATED,
     HISTORY_STEPS,
     PREFILLED,

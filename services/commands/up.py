@@ -155,7 +155,7 @@ class LocalCluster:
         fmt = os.environ.get("TANDEM_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
         env = dict(os.environ, TANDEM_LOG_FORMAT=fmt)
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *argv],
+            [sys.executable, "-m", "services.commands.cli", *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,

@@ -11,15 +11,15 @@ from shared.config import ConfigError
 # Subcommand name -> module with HELP, add_arguments(parser) and run(args). Imported lazily so that
 # `tandem scheduler` does not pay for torch and `tandem --help` stays quick.
 SUBCOMMANDS = {
-    "up": "services.up",
+    "up": "services.commands.up",
     "gateway": "services.gateway.service",
     "scheduler": "services.scheduler.service",
     "prefill": "services.prefill.service",
     "decode": "services.decode.service",
-    "generate": "services.generate",
-    "prepare": "services.prepare",
-    "keys": "services.keys",
-    "top": "services.top",
+    "generate": "services.commands.generate",
+    "prepare": "services.commands.prepare",
+    "keys": "services.commands.keys",
+    "top": "services.commands.top",
     "bench": "loadtest.bench",
 }
 HELPS = {
