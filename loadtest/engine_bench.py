@@ -30,6 +30,7 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.linear import LINEAR_BACKENDS
 from shared.engine.loader import (
     DEVICE_HELP,
+    DTYPE_CHOICES,
     device_argument,
     load_model,
     parse_device,
@@ -130,7 +131,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
     parser.add_argument("--device", default="cpu", type=device_argument, help=DEVICE_HELP)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
     parser.add_argument(
         "--linear-backend",
         default="auto",
@@ -153,7 +154,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    dtype, device = parse_dtype(args.dtype), parse_device(args.device)
+    device = parse_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
     loaded = load_model(args.model, dtype=dtype, device=device, linear_backend=args.linear_backend)
     hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval().to(device)
     results: dict = {

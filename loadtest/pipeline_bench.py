@@ -43,7 +43,7 @@ def run_static_baseline(args: argparse.Namespace, requests: Sequence[WorkloadReq
     directory, _ = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.padding_side = "left"
-    dtype = parse_dtype(args.static_dtype or args.dtype)
+    dtype = parse_dtype(args.static_dtype or args.dtype, parse_device(args.device))
     hf_model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     hf_model = hf_model.eval().to(parse_device(args.device))
     return run_static(hf_model, tokenizer, requests, args.batch_size, not args.burst)
@@ -57,7 +57,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def run_engine_baseline(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> Result:
     from shared.engine.loader import load_model, parse_device, parse_dtype
 
-    loaded = load_model(args.model, dtype=parse_dtype(args.dtype), device=parse_device(args.device))
+    device = parse_device(args.device)
+    loaded = load_model(args.model, dtype=parse_dtype(args.dtype, device), device=device)
     return run_engine(loaded.model, loaded.tokenizer, requests, engine_config(args), not args.burst)
 
 
@@ -98,7 +99,8 @@ def run_profile(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -
     from loadtest.engine_profile import profile_engine
     from shared.engine.loader import load_model, parse_device, parse_dtype
 
-    loaded = load_model(args.model, dtype=parse_dtype(args.dtype), device=parse_device(args.device))
+    device = parse_device(args.device)
+    loaded = load_model(args.model, dtype=parse_dtype(args.dtype, device), device=device)
     return profile_engine(
         loaded.model,
         loaded.tokenizer,
@@ -171,7 +173,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-cluster", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for (a) and (b)")
     parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="for all three runs"
+        "--dtype",
+        default="float32",
+        choices=["auto", "float32", "bfloat16"],
+        help="for all three runs (auto: as `tandem up` picks for this machine)",
     )
     parser.add_argument(
         "--static-dtype",

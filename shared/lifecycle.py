@@ -270,6 +270,15 @@ class WorkerEvents(_Events):
             "num_preemptions", "Sequences preempted, by kind", ("kind",)
         )
         self._preemptions_seen = {"swap": 0, "recompute": 0}
+        self.model_info = self.gauge(
+            "model_info", "The model this worker serves, and how (1)", ("model", "dtype", "device")
+        )
+
+    def model_loaded(self, model: str, dtype: str, dtype_setting: str, device: str) -> None:
+        self.model_info.labels(model, dtype, device).set(1)
+        self.log.info(
+            "model loaded", model=model, dtype=dtype, dtype_setting=dtype_setting, device=device
+        )
 
     def step(self) -> None:
         self.steps.inc()

@@ -194,6 +194,9 @@ class Hello(Message):
     block_size: int  # tokens per KV block (0 for a gateway)
     max_num_seqs: int  # most sequences in one batch (0 for a gateway)
     metrics_address: str | None = None  # http://host:port of its Prometheus /metrics, if served
+    dtype: str | None = (
+        None  # a worker's weights and KV dtype (--dtype auto resolved); None: gateway
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -412,6 +415,7 @@ class WorkerStatus:
     steps_completed: int
     recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
     metrics_address: str | None = None
+    dtype: str | None = None  # as its HELLO said
 
 
 # The RPC front door: a client's DEALER to the gateway's RPC ROUTER. Bodies are the HTTP API's

@@ -9,6 +9,10 @@ anything imports triton.
 import os
 
 TEST_DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")
+# Workers started by the tests (in-process, `tandem up`, containers) run in float32, whose greedy
+# tokens the tests compare with transformers' and the engine's: the product default, `auto`, would
+# pick bfloat16 on a machine with AVX512-BF16 or AMX. The tests of `auto` itself say so.
+os.environ.setdefault("TANDEM_DTYPE", "float32")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

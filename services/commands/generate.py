@@ -1,4 +1,10 @@
-"""`tandem generate`: run the engine in-process on one prompt and print the result."""
+"""`tandem generate`: run the engine in-process on one prompt and print the result.
+
+It takes the API's sampling fields under the same names (`--min-tokens` is `min_tokens`), and the
+fields left unset take the same defaults as the gateway gives them (the model's generation
+config, then `--default-sampling`; see shared.engine.sampling_defaults). Stop strings end the
+text as the gateway ends it (never within the first `min_tokens` tokens).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +13,39 @@ import json
 import sys
 import time
 
-from shared.engine.engine import EngineConfig, LLMEngine
+from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from services.gateway.generation import ChoiceText
+from shared.engine.engine import EngineConfig, GenerationResult, LLMEngine
 from shared.engine.loader import (
     DEFAULT_MODEL,
     DEVICE_HELP,
+    DTYPE_CHOICES,
+    DTYPE_HELP,
     device_argument,
+    dtype_name,
     load_model,
     parse_device,
     parse_dtype,
+    resolve_model_dir,
 )
+from shared.engine.sampling_defaults import sampling_defaults
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError
+
+# (flag, type, help) for each SamplingParams field but max_tokens and ignore_eos; unset: the
+# served model's default.
+SAMPLING_FLAGS = (
+    ("temperature", float, "0 is greedy"),
+    ("top_p", float, "nucleus sampling mass"),
+    ("top_k", int, "keep the k likeliest tokens (0 or -1: all)"),
+    ("min_p", float, "drop tokens below min_p times the likeliest's probability"),
+    ("seed", int, "seed of this request's random generator"),
+    ("presence_penalty", float, "OpenAI's presence penalty"),
+    ("frequency_penalty", float, "OpenAI's frequency penalty"),
+    ("repetition_penalty", float, "vLLM's repetition penalty (1: none)"),
+    ("min_tokens", int, "no EOS, stop token or stop string before this many tokens"),
+    ("logprobs", int, "also report the top N log-probabilities of each token (--json)"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,14 +55,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=DEFAULT_MODEL, help="a HF directory, a .gguf file, or 'smollm2'"
     )
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    for name, kind, help_text in SAMPLING_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, type=kind, default=None, help=help_text)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--stop-token-ids", type=_token_ids, default=(), help="comma-separated token ids"
+    )
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument(
+        "--default-sampling",
+        default=None,
+        help="defaults for the sampling flags left unset, over the model's (temperature=0.7,...)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="the model's own sampling defaults: auto (its generation_config.json), none, a path",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON object with token ids")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     parser.add_argument("--device", default="cpu", type=device_argument, help=DEVICE_HELP)
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -50,21 +100,47 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer(prompt, add_special_tokens=True).input_ids
 
 
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The request's parameters: the flags given, the served defaults for the others.
+    Raises InvalidRequestError (a bad flag value) or ValueError (a bad default)."""
+    directory, name = resolve_model_dir(args.model)
+    defaults = sampling_defaults(
+        directory, name == DEFAULT_MODEL, args.generation_config, args.default_sampling
+    )
+    given = {n: getattr(args, n) for n, _, _ in SAMPLING_FLAGS if getattr(args, n) is not None}
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        stop_token_ids=args.stop_token_ids,
+        **{**defaults, **given},
+    )
+
+
+def apply_stop_strings(
+    tokenizer, result: GenerationResult, stops: list[str], min_tokens: int
+) -> tuple[str, list[int], str]:
+    """(text, token ids, finish reason) as the gateway would stream them: cut at the first stop
+    string completed after the first `min_tokens` tokens."""
+    choice = ChoiceText(IncrementalDetokenizer(tokenizer), StopStringMatcher(stops), min_tokens)
+    text = ""
+    for count, token in enumerate(result.token_ids, start=1):
+        new, stopped = choice.push([token])
+        text += new
+        if stopped:
+            return text, result.token_ids[:count], "stop"
+    tail, stopped = choice.flush()
+    return text + tail, result.token_ids, "stop" if stopped else result.finish_reason
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            ignore_eos=args.ignore_eos,
-        )
-    except InvalidRequestError as error:
+        params = sampling_params(args)
+    except (InvalidRequestError, ValueError) as error:
         print(f"tandem generate: error: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    loaded = load_model(args.model, dtype=parse_dtype(args.dtype), device=parse_device(args.device))
+    device = parse_device(args.device)
+    loaded = load_model(args.model, dtype=parse_dtype(args.dtype, device), device=device)
     loaded_at = time.perf_counter()
     engine = LLMEngine(loaded.model, EngineConfig(kv_cache_bytes=256 << 20))
     prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, args.chat)
@@ -74,21 +150,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem generate: error: {error}", file=sys.stderr)
         return 2
     finished_at = time.perf_counter()
-    text = loaded.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": loaded.name,
-                    "text": text,
-                    "prompt_token_ids": prompt_ids,
-                    "token_ids": result.token_ids,
-                    "finish_reason": result.finish_reason,
-                    "load_seconds": round(loaded_at - started, 3),
-                    "generate_seconds": round(finished_at - loaded_at, 3),
-                }
-            )
-        )
-    else:
+    text, token_ids, finish_reason = apply_stop_strings(
+        loaded.tokenizer, result, args.stop, params.min_tokens
+    )
+    if not args.json:
         print(text)
+        return 0
+    output = {
+        "model": loaded.name,
+        "dtype": dtype_name(loaded.model.dtype),
+        "text": text,
+        "prompt_token_ids": prompt_ids,
+        "token_ids": token_ids,
+        "finish_reason": finish_reason,
+        "sampling": {k: v for k, v in vars(params).items() if k != "stop_token_ids"},
+        "load_seconds": round(loaded_at - started, 3),
+        "generate_seconds": round(finished_at - loaded_at, 3),
+    }
+    if params.logprobs is not None:
+        output["logprobs"] = [
+            {"logprob": lp.logprob, "top": lp.top} for lp in result.logprobs[: len(token_ids)]
+        ]
+    print(json.dumps(output))
     return 0

@@ -26,7 +26,16 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from shared.engine.loader import DEFAULT_MODEL, DEVICE_HELP, device_argument, resolve_model_dir
+from shared.config import ConfigError
+from shared.engine.loader import (
+    DEFAULT_MODEL,
+    DEVICE_HELP,
+    DTYPE_CHOICES,
+    DTYPE_HELP,
+    device_argument,
+    resolve_model_dir,
+)
+from shared.engine.sampling_defaults import parse_default_sampling
 
 PR_SET_PDEATHSIG = 1
 MAX_RESTARTS = 5  # per child; past it the child is taken as broken and the cluster stops
@@ -41,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
     parser.add_argument(
         "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="workers' weights and KV cache (float32: greedy output equals transformers')",
+        default=None,
+        choices=DTYPE_CHOICES,
+        help=f"{DTYPE_HELP} (default: TANDEM_DTYPE, else auto)",
     )
     parser.add_argument(
         "--device",
@@ -53,6 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
     parser.add_argument("--rpc-port", type=int, default=None, help="RPC front door TCP port")
+    parser.add_argument(
+        "--default-sampling",
+        default=None,
+        help="defaults for sampling fields a request leaves unset, over the model's own "
+        "(e.g. temperature=0.7,top_p=0.9)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="where the model's own sampling defaults come from: auto (its "
+        "generation_config.json), none, or a path",
+    )
     parser.add_argument("--ready-timeout", type=float, default=300.0)
 
 
@@ -82,6 +103,10 @@ class LocalCluster:
         return f"http://{self.args.host}:{self.args.port}"
 
     def start(self) -> None:
+        try:  # refused here, before any child starts, rather than by a gateway restarted in vain
+            parse_default_sampling(self.args.default_sampling)
+        except ValueError as error:
+            raise ConfigError(f"--default-sampling: {error}") from None
         resolve_model_dir(self.args.model)  # convert a GGUF once, before workers race to it
         num_workers = self.args.prefill + self.args.decode
         threads = max(1, (os.cpu_count() or 1) // num_workers)
@@ -106,8 +131,6 @@ class LocalCluster:
             str(threads),
             "--kv-cache-bytes",
             str(self.args.kv_cache_bytes),
-            "--dtype",
-            self.args.dtype,
             "--device",
             self.args.device,
             "--max-num-seqs",
@@ -115,6 +138,8 @@ class LocalCluster:
             *metrics,
             *common,
         ]
+        if self.args.dtype:  # else each worker's own default (TANDEM_DTYPE, else auto)
+            worker += ["--dtype", self.args.dtype]
         for i in range(self.args.prefill):
             self._spawn(f"prefill-{i}", ["prefill", "--peer-id", f"prefill-{i}", *worker])
         for i in range(self.args.decode):
@@ -139,8 +164,12 @@ class LocalCluster:
             self.args.model,
             "--stream-address",
             self.address("gateway-stream"),
+            "--generation-config",
+            self.args.generation_config,
             *common,
         ]
+        if self.args.default_sampling:
+            gateway += ["--default-sampling", self.args.default_sampling]
         if self.args.rpc_port:
             gateway += ["--rpc-address", f"tcp://{self.args.host}:{self.args.rpc_port}"]
         self._spawn("gateway", gateway)

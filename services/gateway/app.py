@@ -99,6 +99,7 @@ def build_app(
                     "steps_completed": w.steps_completed,
                     "recent_batch_sizes": w.recent_batch_sizes,
                     "metrics_address": w.metrics_address,
+                    "dtype": w.dtype,
                 }
                 for w in view.workers
             ],
@@ -121,6 +122,9 @@ def build_app(
             "created": 0,
             "owned_by": "tandem",
             "max_model_len": generator.max_model_len,
+            "sampling_defaults": dict(generator.sampling_defaults),
+            # What the workers run in (`--dtype auto` resolved on each), as they registered.
+            "dtypes": sorted({w.dtype for w in generator.cluster.view.workers if w.dtype}),
         }
         return {"object": "list", "data": [entry]}
 

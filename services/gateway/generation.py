@@ -13,8 +13,9 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from services.gateway.cluster import ClusterClient, SubmitRefused
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
@@ -45,10 +46,34 @@ class ChoiceEvent:
 
 @dataclass
 class ChoiceText:
-    """One choice's text pipeline: tokens -> whole characters -> text up to a stop string."""
+    """One choice's text pipeline: tokens -> whole characters -> text up to a stop string.
+
+    As in vLLM, stop strings are looked for only in the text of the tokens after the first
+    `min_tokens`: nothing ends a choice before it has that many (the engine masks EOS and stop
+    tokens until then)."""
 
     detokenizer: IncrementalDetokenizer
     matcher: StopStringMatcher
+    min_tokens: int = 0
+    num_tokens: int = 0
+
+    def push(self, token_ids: list[int]) -> tuple[str, bool]:
+        """(text safe to show, stopped) for the choice's next tokens."""
+        num_unchecked = max(0, min(len(token_ids), self.min_tokens - self.num_tokens))
+        self.num_tokens += len(token_ids)
+        text = self.detokenizer.push(token_ids[:num_unchecked]) if num_unchecked else ""
+        if num_unchecked == len(token_ids):
+            return text, False
+        checked, stopped = self.matcher.feed(self.detokenizer.push(token_ids[num_unchecked:]))
+        return text + checked, stopped
+
+    def flush(self) -> tuple[str, bool]:
+        """(the rest of the text, stopped) once generation has ended."""
+        tail = self.detokenizer.flush()
+        if self.num_tokens <= self.min_tokens:
+            return tail, False
+        tail, stopped = self.matcher.feed(tail)
+        return (tail if stopped else tail + self.matcher.flush()), stopped
 
 
 @dataclass
@@ -76,8 +101,11 @@ class Generator:
         max_model_len: int,
         telemetry: GatewayEvents,
         timeouts: Timeouts | None = None,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ):
         self.cluster = cluster
+        # What a request's unset sampling fields take (shared.engine.sampling_defaults).
+        self.sampling_defaults = sampling_defaults or {}
         self.telemetry = telemetry
         self.timeouts = timeouts or Timeouts()
         self.tokenizer = tokenizer
@@ -88,7 +116,9 @@ class Generator:
     def prepare(self, request: GenerationRequest, id_prefix: str) -> Generation:
         arrived_at = time.monotonic()
         prompt_ids = self.tokenize(request)
-        params = request.sampling_params(len(prompt_ids), self.max_model_len)
+        params = request.sampling_params(
+            len(prompt_ids), self.max_model_len, self.sampling_defaults
+        )
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.telemetry.arrived(request_id, len(prompt_ids), request.user or "default", request.n)
         return Generation(request, prompt_ids, params, request_id, int(time.time()), arrived_at)
@@ -115,7 +145,11 @@ class Generator:
         traces: list[ChoiceTrace] = []
         running = set(range(request.n))
         texts = [
-            ChoiceText(IncrementalDetokenizer(self.tokenizer), StopStringMatcher(request.stop))
+            ChoiceText(
+                IncrementalDetokenizer(self.tokenizer),
+                StopStringMatcher(request.stop),
+                generation.params.min_tokens,
+            )
             for _ in range(request.n)
         ]
         try:
@@ -199,17 +233,16 @@ class Generator:
         return event
 
     def _advance(self, choice: ChoiceText, index: int, delta: wire.TokenDelta) -> ChoiceEvent:
-        detokenizer, matcher = choice.detokenizer, choice.matcher
         if delta.error is not None:
             status = 504 if delta.finish_reason == "timeout" else 500
             raise ApiError(status, f"generation failed: {delta.error}", "server_error")
-        text, stopped = matcher.feed(detokenizer.push(delta.token_ids))
+        text, stopped = choice.push(list(delta.token_ids))
         finish = delta.finish_reason
         if stopped:
             finish = "stop"
         elif finish is not None:
-            tail, stopped = matcher.feed(detokenizer.flush())
-            text += tail if stopped else tail + matcher.flush()
+            tail, stopped = choice.flush()
+            text += tail
             finish = "stop" if stopped else finish
         if finish == "abort":
             raise ApiError(500, "the request was aborted by the cluster", "server_error")

@@ -173,10 +173,17 @@ class GenerationRequest:
     def prompt_param(self) -> str:
         return "messages" if self.chat else "prompt"
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        """The final parameters once the prompt is tokenized. Without `max_tokens` the output
-        may fill the context, up to the endpoint's default; an explicit one that does not fit
-        beside the prompt is refused, as is a prompt that leaves no room at all."""
+    def sampling_params(
+        self,
+        num_prompt_tokens: int,
+        max_model_len: int,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> SamplingParams:
+        """The final parameters once the prompt is tokenized; the fields the client left unset
+        take `defaults` (the served model's, see shared.engine.sampling_defaults). Without
+        `max_tokens` the output may fill the context, up to the endpoint's default; an explicit
+        one that does not fit beside the prompt is refused, as is a prompt that leaves no room
+        at all."""
         room = max_model_len - num_prompt_tokens
         if room < 1:
             _fail(
@@ -195,7 +202,7 @@ class GenerationRequest:
             )
         else:
             max_tokens = self.max_tokens
-        return _sampling_params(self.sampling_kwargs, max_tokens)
+        return _sampling_params({**(defaults or {}), **self.sampling_kwargs}, max_tokens)
 
 
 def _sampling_params(kwargs: Mapping[str, Any], max_tokens: int) -> SamplingParams:

@@ -25,7 +25,8 @@ from shared.config import (
     require_positive,
     setting,
 )
-from shared.engine.loader import resolve_model_dir
+from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
+from shared.engine.sampling_defaults import parse_default_sampling, sampling_defaults
 from shared.lifecycle import GatewayEvents
 from shared.logs import configure_logging, get_logger
 
@@ -58,9 +59,22 @@ class GatewayConfig(CurveSettings):
         300.0, "a request with no token this long after arriving is cancelled (504)"
     )
     request_timeout_s: float = setting(3600.0, "a request unfinished this long is cancelled (504)")
+    generation_config: str = setting(
+        "auto",
+        "where unset sampling fields take their defaults: auto (the model's "
+        "generation_config.json), none, or the path of another one",
+    )
+    default_sampling: str | None = setting(
+        None,
+        "defaults for unset sampling fields, over the model's, e.g. temperature=0.7,top_p=0.9",
+    )
 
     def __post_init__(self) -> None:
         self.curve_keys()
+        try:
+            parse_default_sampling(self.default_sampling)
+        except ValueError as error:
+            raise ConfigError(f"default_sampling (--default-sampling): {error}") from None
         require_address(
             self, "scheduler_address", "stream_address", "advertise_stream_address", "rpc_address"
         )
@@ -94,7 +108,15 @@ def build_gateway(config: GatewayConfig):
         config.max_model_len or AutoConfig.from_pretrained(directory).max_position_embeddings
     )
     peer_id = config.peer_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
-    telemetry = GatewayEvents(get_logger(peer_id=peer_id))
+    logger = get_logger(peer_id=peer_id)
+    try:
+        defaults = sampling_defaults(
+            directory, name == DEFAULT_MODEL, config.generation_config, config.default_sampling
+        )
+    except ValueError as error:
+        raise ConfigError(f"generation_config (--generation-config): {error}") from None
+    logger.info("sampling defaults", **defaults)
+    telemetry = GatewayEvents(logger)
     cluster = ClusterClient(
         config.scheduler_address,
         config.stream_address,
@@ -105,7 +127,9 @@ def build_gateway(config: GatewayConfig):
         config.curve_keys(),
     )
     timeouts = Timeouts(config.first_token_timeout_s, config.request_timeout_s)
-    generator = Generator(cluster, tokenizer, name, max_model_len, telemetry, timeouts)
+    generator = Generator(
+        cluster, tokenizer, name, max_model_len, telemetry, timeouts, sampling_defaults=defaults
+    )
     keys = config.keys()
     rpc = None
     if config.rpc_address is not None:

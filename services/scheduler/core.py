@@ -180,6 +180,7 @@ class ClusterScheduler:
                     last_progress=now,
                     num_free_blocks=hello.num_kv_blocks,
                     metrics_address=hello.metrics_address,
+                    dtype=hello.dtype,
                 )
             )
             return out + self.dispatch(now)
@@ -599,4 +600,5 @@ class ClusterScheduler:
             steps_completed=worker.steps_completed,
             recent_batch_sizes=list(worker.recent_batch_sizes),
             metrics_address=worker.metrics_address,
+            dtype=worker.dtype,
         )

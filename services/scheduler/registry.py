@@ -29,6 +29,7 @@ class WorkerState:
     steps_completed: int = 0
     recent_batch_sizes: list[int] = field(default_factory=list)  # steps of the last heartbeat
     metrics_address: str | None = None  # where its /metrics is served, if anywhere
+    dtype: str | None = None  # its weights and KV dtype, as its HELLO said
     # Requests assigned to this worker that it holds state for.
     request_ids: set[str] = field(default_factory=set)
     # Blocks promised since the last heartbeat (decode only).

@@ -15,7 +15,7 @@ from shared.config import (
     setting,
 )
 from shared.engine.engine import EngineConfig
-from shared.engine.loader import DEVICE_HELP, DTYPES, parse_device
+from shared.engine.loader import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, parse_device, parse_dtype
 from shared.engine.swap import PREEMPTION_MODES
 
 
@@ -30,7 +30,7 @@ class WorkerConfig(CurveSettings):
     )
     peer_id: str | None = setting(None, "unique name of this worker (default: role-host-pid)")
     model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2'")
-    dtype: str = setting("float32", "weights, activations and KV cache: float32, bfloat16, float16")
+    dtype: str = setting("auto", DTYPE_HELP)
     device: str = setting("cpu", DEVICE_HELP)
     kv_cache_bytes: int = setting(512 << 20, "bytes of KV cache")
     block_size: int = setting(16, "tokens per KV block")
@@ -58,8 +58,10 @@ class WorkerConfig(CurveSettings):
 
     def __post_init__(self) -> None:
         self.curve_keys()
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype (--dtype / TANDEM_DTYPE) must be one of {', '.join(DTYPES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(
+                f"dtype (--dtype / TANDEM_DTYPE) must be one of {', '.join(DTYPE_CHOICES)}"
+            )
         try:
             parse_device(self.device)
         except ValueError as error:
@@ -97,7 +99,8 @@ class WorkerConfig(CurveSettings):
 
     @property
     def torch_dtype(self):
-        return DTYPES[self.dtype]
+        """The dtype the worker runs in, `auto` resolved for its device."""
+        return parse_dtype(self.dtype, self.torch_device)
 
     @property
     def torch_device(self):

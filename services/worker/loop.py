@@ -21,7 +21,7 @@ from services.worker.streams import GatewayStreams
 from shared import wire
 from shared.curve import Security
 from shared.engine.engine import LLMEngine
-from shared.engine.loader import load_model
+from shared.engine.loader import dtype_name, load_model
 from shared.lifecycle import WorkerEvents
 from shared.logs import get_logger
 from shared.metrics import serve_metrics
@@ -47,6 +47,9 @@ class WorkerLoop(abc.ABC):
         self.log = get_logger(peer_id=self.peer_id)
         self.events = self.events_class(self.log)
         self.loaded = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+        self.events.model_loaded(
+            self.loaded.name, dtype_name(self.loaded.model.dtype), config.dtype, config.device
+        )
         self.engine = LLMEngine(self.loaded.model, config.engine_config(**engine_overrides))
         self.context = context or zmq.Context.instance()
         self.security = Security(config.curve_keys(), self.log)
@@ -71,6 +74,7 @@ class WorkerLoop(abc.ABC):
                 block_size=config.block_size,
                 max_num_seqs=config.max_num_seqs,
                 metrics_address=self.metrics_address,
+                dtype=dtype_name(self.loaded.model.dtype),
             ),
             self.security,
         )

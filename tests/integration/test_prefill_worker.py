@@ -26,6 +26,7 @@ def setup(tmp_path, tiny_model_dir):
         scheduler_address=f"ipc://{tmp_path}/s.sock",
         peer_id="p",
         model=str(tiny_model_dir),
+        dtype="float32",
         kv_cache_bytes=1 << 20,
         block_size=4,
         transfer_timeout_s=0.5,

@@ -222,3 +222,32 @@ def test_stop_matcher_equals_reference(text, stops, cuts):
     assert emitted + flushed == reference_stop(text, stops)
     assert stopped == any(s in text for s in stops)
     assert flushed == "" or not stopped
+
+
+def choice_text(tokenizer, stops: list[str], min_tokens: int):
+    from services.gateway.generation import ChoiceText
+
+    return ChoiceText(IncrementalDetokenizer(tokenizer), StopStringMatcher(stops), min_tokens)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 100])
+def test_stop_strings_count_only_after_min_tokens(tokenizer, chunk_size):
+    """vLLM's meaning: the first `min_tokens` tokens' text is never searched for a stop string.
+    Tokens of "A. B. C.": a stop at "." inside the first min_tokens is passed over."""
+    ids = tokenizer("A. B. C.").input_ids
+    first_dot = next(i for i, t in enumerate(ids) if "." in tokenizer.decode([t]))
+    pieces = [ids[i : i + chunk_size] for i in range(0, len(ids), chunk_size)]
+
+    def run(min_tokens: int) -> tuple[str, bool]:
+        choice, text = choice_text(tokenizer, ["."], min_tokens), ""
+        for piece in pieces:
+            new, stopped = choice.push(piece)
+            text += new
+            if stopped:
+                return text, True
+        tail, stopped = choice.flush()
+        return text + tail, stopped
+
+    assert run(0) == ("A", True)
+    assert run(first_dot + 1) == ("A. B", True)
+    assert run(len(ids)) == ("A. B. C.", False)

@@ -1,11 +1,15 @@
-"""The GGUF cache key follows the file's content, so every checkout shares one conversion."""
+"""The GGUF cache key follows the file's content, so every checkout shares one conversion; the
+dtype `auto` follows the hardware."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
-from shared.engine.loader import FINGERPRINT_SPAN, gguf_fingerprint
+import pytest
+import torch
+
+from shared.engine.loader import FINGERPRINT_SPAN, gguf_fingerprint, parse_dtype
 
 
 def write_file(path, size: int, seed: int = 0):
@@ -38,3 +42,36 @@ def test_a_file_smaller_than_the_span_is_hashed_whole(tmp_path):
     small = write_file(tmp_path / "small.gguf", 1000)
     other = write_file(tmp_path / "other.gguf", 1000, seed=1)
     assert gguf_fingerprint(small) != gguf_fingerprint(other)
+
+
+@pytest.mark.parametrize(
+    "amx,avx512_bf16,expected",
+    [
+        (False, False, torch.float32),  # AVX2 only: bfloat16 would be emulated, and slower
+        (False, True, torch.bfloat16),
+        (True, False, torch.bfloat16),
+        (True, True, torch.bfloat16),
+    ],
+)
+def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it(monkeypatch, amx, avx512_bf16, expected):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert parse_dtype("auto", "cpu") == expected
+    assert parse_dtype("float32", "cpu") == torch.float32  # an explicit choice stands
+    assert parse_dtype("bfloat16", "cpu") == torch.bfloat16
+
+
+def test_auto_dtype_on_this_machine_matches_its_cpu_flags():
+    flags = set()
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    native = bool(flags & {"amx_bf16", "amx_tile", "avx512_bf16"})
+    assert parse_dtype("auto") == (torch.bfloat16 if native else torch.float32)
+
+
+def test_a_wrong_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="auto, float32, bfloat16, float16"):
+        parse_dtype("int4")
