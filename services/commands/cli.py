@@ -21,6 +21,8 @@ SUBCOMMANDS = {
     "keys": "services.commands.keys",
     "top": "services.commands.top",
     "bench": "loadtest.bench",
+    "profile": "loadtest.worker_profile",
+    "plan": "loadtest.plan",
 }
 HELPS = {
     "up": "start a whole local cluster (gateway, scheduler, prefill and decode workers)",
@@ -33,6 +35,8 @@ HELPS = {
     "keys": "generate CurveZMQ keys for a cluster and its RPC clients",
     "top": "a live terminal view of a running cluster",
     "bench": "benchmark any OpenAI-compatible server: latency percentiles, goodput, plots",
+    "profile": "measure a worker profile (step and transfer times) for `tandem plan`",
+    "plan": "how many prefill and decode workers meet your SLOs: simulate the real scheduler",
 }
 
 

@@ -1,0 +1,199 @@
+"""`tandem plan`: how many prefill and decode workers (and what chunk budget) meet your SLOs.
+
+It replays a workload (a `tandem bench` JSONL file, or `poisson:rate=...,n=...`, see
+`services/planner/workload.py`) through the discrete-event simulator, which drives the real
+scheduler core with simulated workers timed by a measured profile (`tandem profile`), and
+searches the worker counts and chunk budgets (`loadtest/plan_search.py`). It prints the cheapest
+configuration meeting every objective with its predicted percentiles, the runners-up, the
+simulator's speed, and writes a plot of goodput against cost; `--emit compose|k8s` prints the
+`docker compose --scale` flags or a kustomize overlay with the replica counts. When nothing
+within `--max-workers` meets the objectives it says so, shows the closest, and exits 1.
+
+    tandem plan --workload poisson:rate=2,n=500 --slo ttft_p99=2s,tpot_p99=100ms --max-workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from loadtest.plan_search import Candidate, Plan, PlanError, evaluate, parse_slo, search
+from services.planner.profile import ProfileError, WorkerProfile
+from services.planner.simulator import SimConfig
+from services.planner.workload import WorkloadError, load_workload
+from services.scheduler.core import SchedulerLimits
+
+DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-smollm2-2threads.json"
+EMITS = ("compose", "k8s")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", required=True, help="a JSONL file or poisson:rate=R,n=N,...")
+    parser.add_argument("--slo", required=True, help="e.g. ttft_p99=2s,tpot_p99=100ms")
+    parser.add_argument("--max-workers", type=int, default=8, help="most workers in all")
+    parser.add_argument("--profile", default=str(DEFAULT_PROFILE), help="a `tandem profile` file")
+    parser.add_argument(
+        "--chunk-budgets", default=None, help="prefill token budgets to try (default: profile's)"
+    )
+    parser.add_argument("--max-splits", type=int, default=8, help="P:D splits tried per cost")
+    parser.add_argument("--max-queued-requests", type=int, default=1024, help="the scheduler's")
+    parser.add_argument("--emit", choices=EMITS, help="print compose --scale flags or k8s patch")
+    parser.add_argument("--out", help="folder for plan.json and goodput-vs-cost.png")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        slo = parse_slo(args.slo)
+        profile = WorkerProfile.load(args.profile)
+        requests = load_workload(args.workload)
+        budgets = _budgets(args.chunk_budgets, profile.settings.max_num_batched_tokens)
+        for name in ("max_workers", "max_splits", "max_queued_requests"):
+            minimum = 2 if name != "max_queued_requests" else 1
+            if getattr(args, name) < minimum:
+                flag = "--" + name.replace("_", "-")
+                raise PlanError(f"{flag} must be at least {minimum}, got {getattr(args, name)}")
+    except (PlanError, ProfileError, WorkloadError) as error:
+        print(f"tandem plan: {error}", file=sys.stderr)
+        return 2
+    limits = SchedulerLimits(max_queued_requests=args.max_queued_requests)
+
+    def judge(num_prefill: int, num_decode: int, budget: int) -> Candidate:
+        config = SimConfig(num_prefill, num_decode, limits, max_num_batched_tokens=budget)
+        return evaluate(profile, requests, config, slo)
+
+    plan = search(args.max_workers, budgets, judge, args.max_splits)
+    print(report(plan, slo, args.max_workers, len(requests)))
+    if args.out:
+        _write(plan, Path(args.out))
+    if plan.best is None:
+        return 1
+    if args.emit:
+        print(emit(plan.best, args.emit))
+    return 0
+
+
+def _budgets(text: str | None, default: int) -> list[int]:
+    if text is None:
+        return [default]
+    try:
+        budgets = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PlanError(f"--chunk-budgets takes token counts like 256,512; got {text!r}") from None
+    if not budgets or any(b < 16 for b in budgets):
+        raise PlanError(f"--chunk-budgets must be token counts of at least 16; got {text!r}")
+    return budgets
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def describe(candidate: Candidate) -> str:
+    s, u = candidate.summary, candidate.utilization
+    goodput = f"{s.goodput_rps:.2f}" if s.goodput_rps is not None else "-"
+    return (
+        f"{candidate.name:<22} cost {candidate.cost:>4}  "
+        f"{'meets' if candidate.meets else 'fails':<5}  "
+        f"TTFT ms p50 {_ms(s.ttft_p50)} p99 {_ms(s.ttft_p99)}  "
+        f"TPOT ms p50 {_ms(s.tpot_p50)} p99 {_ms(s.tpot_p99)}  "
+        f"{s.output_tokens_per_s:.0f} tok/s  goodput {goodput} req/s  "
+        f"util P {u['prefill']:.0%} D {u['decode']:.0%}  errors {s.num_errors}  "
+        f"preemptions {candidate.num_preemptions}  max queued {candidate.max_queued}"
+    )
+
+
+def report(plan: Plan, slo: dict[str, float], max_workers: int, num_requests: int) -> str:
+    objectives = ", ".join(f"{k} <= {_ms(v)} ms" for k, v in slo.items())
+    lines = []
+    if plan.best is None:
+        lines.append(
+            f"no configuration of at most {max_workers} workers meets {objectives} with every "
+            f"request served; the closest:"
+        )
+        lines += [f"  {describe(c)}" for c in plan.runners_up()]
+    else:
+        lines.append(f"cheapest configuration meeting {objectives}:")
+        lines.append(f"  {describe(plan.best)}")
+        lines.append("runners-up:")
+        lines += [f"  {describe(c)}" for c in plan.runners_up()]
+    lines.append(goodput_chart(plan))
+    lines.append(
+        f"simulated {len(plan.tried)} configurations x {num_requests} requests: "
+        f"{plan.num_events} events in {plan.real_s:.1f} s = {plan.events_per_s:,.0f} events/s"
+    )
+    return "\n".join(lines)
+
+
+def goodput_chart(plan: Plan, width: int = 40) -> str:
+    """Best goodput at each cost tried, as a text bar chart."""
+    by_cost: dict[int, float] = {}
+    for c in plan.tried:
+        by_cost[c.cost] = max(by_cost.get(c.cost, 0.0), c.summary.goodput_rps or 0.0)
+    top = max(by_cost.values(), default=0.0) or 1.0
+    rows = ["goodput (req/s meeting the TTFT and TPOT objectives) by cost (workers):"]
+    for cost in sorted(by_cost):
+        bar = "#" * round(width * by_cost[cost] / top)
+        rows.append(f"  {cost:>5} | {bar:<{width}} {by_cost[cost]:.2f}")
+    return "\n".join(rows)
+
+
+def emit(best: Candidate, kind: str) -> str:
+    if kind == "compose":
+        scale = f"--scale prefill={best.num_prefill} --scale decode={best.num_decode}"
+        return f"docker compose up -d {scale}"
+    return "\n".join(
+        [
+            "# kustomization.yaml: an overlay on compose/k8s with the planned replica counts",
+            "# (TANDEM_MAX_NUM_BATCHED_TOKENS="
+            f"{best.chunk_budget} for the prefill workers; the HPA scales on from here)",
+            "apiVersion: kustomize.config.k8s.io/v1beta1",
+            "kind: Kustomization",
+            "resources:",
+            "  - ../k8s",
+            "replicas:",
+            "  - name: tandem-prefill",
+            f"    count: {best.num_prefill}",
+            "  - name: tandem-decode",
+            f"    count: {best.num_decode}",
+        ]
+    )
+
+
+def _write(plan: Plan, folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {
+            "num_prefill": c.num_prefill,
+            "num_decode": c.num_decode,
+            "chunk_budget": c.chunk_budget,
+            "cost": c.cost,
+            "meets": c.meets,
+            "summary": c.summary.to_dict(),
+            "utilization": c.utilization,
+            "num_preemptions": c.num_preemptions,
+        }
+        for c in plan.tried
+    ]
+    best = rows[plan.tried.index(plan.best)] if plan.best else None
+    data = {"best": best, "tried": rows, "events_per_s": plan.events_per_s}
+    (folder / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for meets, marker in ((True, "o"), (False, "x")):
+        points = [(c.cost, c.summary.goodput_rps or 0.0) for c in plan.tried if c.meets is meets]
+        if points:
+            axis.scatter(
+                *zip(*points, strict=True), marker=marker, label="meets" if meets else "fails"
+            )
+    axis.set_xlabel("cost (workers)")
+    axis.set_ylabel("goodput (req/s within the SLOs)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(folder / "goodput-vs-cost.png", dpi=110)
+    plt.close(figure)

@@ -1,0 +1,189 @@
+"""The planner's search: the cheapest worker counts (and chunk budget) meeting the SLOs, found by
+simulation (`services/planner`), each candidate judged by the same summary `tandem bench` gives.
+
+A configuration *meets* the objectives when every request succeeds (no 429, no timeout) and each
+named percentile is within its target. Cost is the number of workers (prefill + decode: one
+accelerator each). The search walks the cost upwards (every cost up to 16 workers, then
+doubling, then bisecting between the last failing and the first meeting cost, as meeting the
+SLOs is monotone in cost for the best split); at each cost it tries the splits between prefill
+and decode (all of them, or `max_splits` spread evenly) and every chunk budget, and stops at the
+first cost where some configuration meets the objectives.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loadtest.metrics import RequestRecord, Summary, summarize
+from services.planner.profile import WorkerProfile
+from services.planner.simulator import SimConfig, SimResult, Simulator
+from services.planner.workload import SimRequest
+
+SLO_KEYS = tuple(f"{m}_{p}" for m in ("ttft", "tpot", "e2e") for p in ("p50", "p90", "p99"))
+LINEAR_COSTS = 16  # every cost up to this is tried; beyond, doubling then bisection
+
+
+class PlanError(ValueError):
+    """A wrong plan argument, with the reason."""
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft_p99=2s,tpot_p99=100ms' -> {'ttft_p99': 2.0, 'tpot_p99': 0.1} (seconds)."""
+    slo: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in SLO_KEYS:
+            raise PlanError(
+                f"--slo entry {part!r} must be KEY=VALUE with KEY one of {', '.join(SLO_KEYS)}"
+            )
+        match = re.fullmatch(r"([0-9]*\.?[0-9]+)(ms|s)?", value.strip())
+        if match is None or float(match[1]) <= 0:
+            raise PlanError(f"--slo {key} must be a positive time like 2s or 100ms, got {value!r}")
+        slo[key] = float(match[1]) / (1000 if match[2] == "ms" else 1)
+    return slo
+
+
+def to_records(result: SimResult) -> list[RequestRecord]:
+    """The simulated lifecycles as the bench's records (no streamed chunks: no ITL)."""
+    return [
+        RequestRecord(
+            index=r.index,
+            max_tokens=r.max_tokens,
+            num_prompt_tokens=r.num_prompt_tokens,
+            send_time=r.send_time,
+            first_token_time=r.first_token_time,
+            finish_time=r.finish_time,
+            completion_tokens=r.completion_tokens,
+            error=r.error,
+            label=r.label,
+        )
+        for r in result.records
+    ]
+
+
+@dataclass
+class Candidate:
+    num_prefill: int
+    num_decode: int
+    chunk_budget: int
+    summary: Summary
+    meets: bool
+    utilization: dict[str, float]
+    num_preemptions: int
+    max_queued: int
+    num_events: int
+    real_s: float
+
+    @property
+    def cost(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_prefill}P{self.num_decode}D chunk {self.chunk_budget}"
+
+
+def evaluate(
+    profile: WorkerProfile,
+    requests: list[SimRequest],
+    config: SimConfig,
+    slo: dict[str, float],
+) -> Candidate:
+    result = Simulator(profile, config).run(requests)
+    summary = summarize(to_records(result), slo.get("ttft_p99"), slo.get("tpot_p99"))
+    within = all(
+        getattr(summary, key) is not None and getattr(summary, key) <= target
+        for key, target in slo.items()
+        if not (key.startswith("tpot") and getattr(summary, key) is None)  # all one-token
+    )
+    return Candidate(
+        num_prefill=config.num_prefill,
+        num_decode=config.num_decode,
+        chunk_budget=config.max_num_batched_tokens or profile.settings.max_num_batched_tokens,
+        summary=summary,
+        meets=summary.num_errors == 0 and within,
+        utilization={r: result.utilization(r) for r in ("prefill", "decode")},
+        num_preemptions=result.num_preemptions,
+        max_queued=max((q for _, q, _ in result.queue_timeline), default=0),
+        num_events=result.num_events,
+        real_s=result.real_s,
+    )
+
+
+def splits(cost: int, max_splits: int) -> list[tuple[int, int]]:
+    """(prefill, decode) pairs adding up to `cost`, at most `max_splits`, spread evenly."""
+    num_prefill = list(range(1, cost))
+    if len(num_prefill) > max_splits:
+        step = (len(num_prefill) - 1) / (max_splits - 1)
+        num_prefill = sorted({num_prefill[round(i * step)] for i in range(max_splits)})
+    return [(p, cost - p) for p in num_prefill]
+
+
+@dataclass
+class Plan:
+    best: Candidate | None
+    tried: list[Candidate] = field(default_factory=list)
+    real_s: float = 0.0
+
+    @property
+    def num_events(self) -> int:
+        return sum(c.num_events for c in self.tried)
+
+    @property
+    def events_per_s(self) -> float:
+        return self.num_events / self.real_s if self.real_s > 0 else 0.0
+
+    def runners_up(self, count: int = 3) -> list[Candidate]:
+        """The next best: meeting ones by cost then goodput, then the closest failures."""
+        others = [c for c in self.tried if c is not self.best]
+        return sorted(others, key=_rank)[:count]
+
+
+def _rank(candidate: Candidate) -> tuple:
+    """Meeting ones first, cheapest then best goodput; then failing ones, closest first."""
+    goodput = candidate.summary.goodput_rps or 0.0
+    if candidate.meets:
+        return (0, candidate.cost, -goodput, candidate.num_prefill)
+    return (1, -goodput, candidate.cost, candidate.num_prefill)
+
+
+def search(
+    max_workers: int,
+    chunk_budgets: list[int],
+    judge: Callable[[int, int, int], Candidate],
+    max_splits: int = 8,
+) -> Plan:
+    """The cheapest meeting configuration within `max_workers` (see the module doc)."""
+    started = time.perf_counter()
+    plan = Plan(best=None)
+
+    def best_at(cost: int) -> Candidate | None:
+        found = [
+            judge(p, d, budget) for p, d in splits(cost, max_splits) for budget in chunk_budgets
+        ]
+        plan.tried.extend(found)
+        meeting = sorted((c for c in found if c.meets), key=_rank)
+        return meeting[0] if meeting else None
+
+    low, cost = 1, 2  # low: the highest cost known to fail
+    while cost <= max_workers:
+        best = best_at(cost)
+        if best is not None:
+            plan.best = best
+            break
+        low = cost
+        cost = cost + 1 if cost < LINEAR_COSTS else min(cost * 2, max(max_workers, cost + 1))
+    if plan.best is not None:
+        high = plan.best.cost
+        while high - low > 1:
+            middle = (low + high) // 2
+            best = best_at(middle)
+            if best is not None:
+                plan.best, high = best, middle
+            else:
+                low = middle
+    plan.real_s = time.perf_counter() - started
+    return plan

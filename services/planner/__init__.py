@@ -1,0 +1,1 @@
+"""Capacity planning: a discrete-event simulator driving the real scheduler core."""

@@ -1,0 +1,136 @@
+"""A worker profile: how long a prefill step, a decode step and a KV transfer take on some hardware.
+
+Measured by `tandem profile` on the machine at hand and saved as JSON, so a plan can be made for
+hardware that is not at hand. The simulator reads three curves from it:
+
+* prefill: step time by prompt tokens in the step (piecewise linear between the measured points,
+  extended along the last segment beyond them);
+* decode: step time by batch size and context per sequence (bilinear on the measured grid, the
+  same extension outside it);
+* KV transfer: a fixed latency plus bytes over a bandwidth, with the KV bytes per token of the
+  model.
+
+The file also carries the worker settings it was measured with (block size, token budget, KV
+pool) and free-form metadata (the machine, the date, whether it was shared while measured).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used, with the reason."""
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise linear through (xs, ys), extended along the end segments; one point: constant."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _check_axis(name: str, values: list[float]) -> None:
+    if not values or any(b <= a for a, b in zip(values, values[1:], strict=False)):
+        raise ProfileError(f"{name} must be a non-empty increasing list, got {values}")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The engine settings a profile was measured with; the simulated workers use them."""
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    step_time_target_s: float | None = 0.2  # prefill: prompt tokens capped to about this long
+    kv_cache_bytes: int = 512 << 20
+
+
+@dataclass(frozen=True)
+class WorkerProfile:
+    prefill_tokens: list[int]  # prompt tokens in one step
+    prefill_seconds: list[float]  # its step time
+    decode_batch_sizes: list[int]
+    decode_contexts: list[int]  # tokens of context per sequence
+    decode_seconds: list[list[float]]  # [batch size index][context index]
+    kv_bytes_per_token: int
+    transfer_latency_s: float
+    transfer_bytes_per_s: float
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_axis("prefill_tokens", self.prefill_tokens)
+        _check_axis("decode_batch_sizes", self.decode_batch_sizes)
+        _check_axis("decode_contexts", self.decode_contexts)
+        if len(self.prefill_seconds) != len(self.prefill_tokens):
+            raise ProfileError("prefill_seconds needs one time per prefill_tokens entry")
+        if len(self.decode_seconds) != len(self.decode_batch_sizes) or any(
+            len(row) != len(self.decode_contexts) for row in self.decode_seconds
+        ):
+            raise ProfileError("decode_seconds must be [batch sizes][contexts]")
+        times = self.prefill_seconds + [t for row in self.decode_seconds for t in row]
+        if any(not t > 0 for t in times):
+            raise ProfileError("every measured step time must be positive")
+        if self.kv_bytes_per_token <= 0 or self.transfer_bytes_per_s <= 0:
+            raise ProfileError("kv_bytes_per_token and transfer_bytes_per_s must be positive")
+        if self.transfer_latency_s < 0:
+            raise ProfileError("transfer_latency_s must be non-negative")
+
+    def prefill_time(self, num_tokens: int) -> float:
+        """Seconds for a prefill step carrying `num_tokens` prompt tokens."""
+        return max(_interpolate(self.prefill_tokens, self.prefill_seconds, num_tokens), 1e-6)
+
+    def decode_time(self, batch_size: int, context: float) -> float:
+        """Seconds for a decode step of `batch_size` sequences of `context` tokens each (mean)."""
+        by_context = [
+            _interpolate(self.decode_contexts, row, context) for row in self.decode_seconds
+        ]
+        return max(_interpolate(self.decode_batch_sizes, by_context, batch_size), 1e-6)
+
+    def transfer_time(self, num_tokens: int) -> float:
+        """Seconds to hand the KV of `num_tokens` tokens from a prefill to a decode worker."""
+        num_bytes = num_tokens * self.kv_bytes_per_token
+        return self.transfer_latency_s + num_bytes / self.transfer_bytes_per_s
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in a decode worker's pool, from the pool's bytes."""
+        block_bytes = self.kv_bytes_per_token * self.settings.block_size
+        return max(1, self.settings.kv_cache_bytes // block_bytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": PROFILE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerProfile:
+        data = dict(data)
+        version = data.pop("version", None)
+        if version != PROFILE_VERSION:
+            raise ProfileError(f"profile version {version!r}, expected {PROFILE_VERSION}")
+        try:
+            settings = WorkerSettings(**data.pop("settings", {}))
+            return cls(settings=settings, **data)
+        except TypeError as error:
+            raise ProfileError(f"profile fields: {error}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> WorkerProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ProfileError(f"cannot read profile {path}: {error}") from None
+        if not isinstance(data, dict):
+            raise ProfileError(f"profile {path} is not a JSON object")
+        return cls.from_dict(data)

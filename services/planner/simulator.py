@@ -1,0 +1,284 @@
+"""The discrete-event simulator: the real scheduler core, simulated workers, simulated time.
+
+The simulator plays the part of the scheduler service's sockets (`services/scheduler/service.py`):
+it hands the core every message a gateway or worker would send, with the simulated clock, and
+delivers what the core answers to the simulated peers (after `network_latency_s`). It ticks the
+core and sends every worker's heartbeat on the service's timers. Nothing of the scheduler is
+re-implemented here: admission, fair share, placement, reservations and timeouts are the core's.
+
+The gateway's part is played too: each request is submitted at its arrival time, refused ones
+(429, 400, 503) and failed ones (the core's timeout or loss messages) end with an error, and the
+first token and the finish come from the simulated workers. Every request ends exactly once;
+one still unfinished `drain_s` after the last arrival ends as "unfinished".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from services.planner.events import EventQueue
+from services.planner.profile import WorkerProfile
+from services.planner.workers import SimDecodeWorker, SimPrefillWorker, WorkerStats
+from services.planner.workload import SimRequest
+from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
+from shared import wire
+
+GATEWAY = "gateway"
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_prefill: int
+    num_decode: int
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    max_num_batched_tokens: int | None = None  # prefill chunk budget (None: the profile's)
+    num_kv_blocks: int | None = None  # per decode worker (None: from the profile's pool bytes)
+    heartbeat_interval_s: float = 0.5  # as the scheduler service's default
+    network_latency_s: float = 0.0  # one way, every message through the scheduler
+    drain_s: float = 3600.0  # simulated time after the last arrival before giving up
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("a simulated cluster needs at least one prefill and one decode worker")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
+            raise ValueError("max_num_batched_tokens must be at least 16")
+        if not (self.heartbeat_interval_s > 0 and self.network_latency_s >= 0 and self.drain_s > 0):
+            raise ValueError("heartbeat_interval_s and drain_s must be > 0, latency >= 0")
+
+
+@dataclass
+class SimRecord:
+    """One request's lifecycle in simulated seconds (the shape of the bench's records)."""
+
+    index: int
+    num_prompt_tokens: int
+    max_tokens: int
+    label: str
+    tenant: str
+    send_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    num_ends: int = 0  # how often it ended: exactly once, always (a conservation law)
+
+
+@dataclass
+class SimResult:
+    records: list[SimRecord]
+    prefill_stats: dict[str, WorkerStats]
+    decode_stats: dict[str, WorkerStats]
+    wall_s: float  # simulated: first arrival to last end
+    queue_timeline: list[tuple[float, int, int]]  # (time, queued, in flight) at each tick
+    num_events: int
+    real_s: float  # how long the simulation took
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(s.num_preemptions for s in self.decode_stats.values())
+
+    def utilization(self, role: str) -> float:
+        """Mean busy share of the role's workers over the simulated wall time."""
+        stats = self.prefill_stats if role == "prefill" else self.decode_stats
+        if self.wall_s <= 0:
+            return 0.0
+        return sum(s.busy_s for s in stats.values()) / (len(stats) * self.wall_s)
+
+    @property
+    def events_per_s(self) -> float:
+        return self.num_events / self.real_s if self.real_s > 0 else 0.0
+
+
+class Simulator:
+    def __init__(self, profile: WorkerProfile, config: SimConfig):
+        self.profile = profile
+        self.config = config
+        self.events = EventQueue()
+        self.core = ClusterScheduler(config.limits)
+        budget = config.max_num_batched_tokens or profile.settings.max_num_batched_tokens
+        self.prefills = {
+            f"prefill{i}": SimPrefillWorker(f"prefill{i}", profile, self, budget)
+            for i in range(config.num_prefill)
+        }
+        num_blocks = config.num_kv_blocks or profile.num_kv_blocks
+        self.decodes = {
+            f"decode{i}": SimDecodeWorker(f"decode{i}", profile, self, num_blocks)
+            for i in range(config.num_decode)
+        }
+        self.records: dict[str, SimRecord] = {}
+        self.num_open = 0
+        self.queue_timeline: list[tuple[float, int, int]] = []
+
+    # -- the Cluster interface the workers use ------------------------------------------------
+
+    @property
+    def now(self) -> float:
+        return self.events.now
+
+    def at(self, time_s: float, callback, *args) -> None:
+        self.events.at(time_s, callback, *args)
+
+    def to_scheduler(self, message: wire.Message) -> None:
+        self.at(self.now + self.config.network_latency_s, self._deliver_to_core, message)
+
+    def first_token(self, request_id: str) -> None:
+        record = self.records[request_id]
+        if record.first_token_time is None:
+            record.first_token_time = self.now
+
+    def token_finished(self, request_id: str, num_output_tokens: int) -> None:
+        self._end(request_id, None, num_output_tokens)
+
+    def kv_arrived(self, decode_peer_id: str, job: wire.PrefillJob) -> None:
+        self.decodes[decode_peer_id].on_kv(job)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run(self, requests: list[SimRequest]) -> SimResult:
+        started = time.perf_counter()
+        self._register()
+        for index, request in enumerate(requests):
+            self.at(request.arrival_time, self._arrive, index, request)
+        self.num_open = len(requests)
+        last_arrival = max((r.arrival_time for r in requests), default=0.0)
+        self.at(last_arrival + self.config.drain_s, self._give_up)
+        self.at(0.0, self._tick)
+        while self.num_open and self.events.run_next():
+            pass
+        records = sorted(self.records.values(), key=lambda r: r.index)
+        ends = [r.finish_time for r in records if r.finish_time is not None]
+        first = min((r.send_time for r in records), default=0.0)
+        return SimResult(
+            records=records,
+            prefill_stats={p: w.stats for p, w in self.prefills.items()},
+            decode_stats={p: w.stats for p, w in self.decodes.items()},
+            wall_s=max(ends, default=first) - first,
+            queue_timeline=self.queue_timeline,
+            num_events=self.events.num_events,
+            real_s=time.perf_counter() - started,
+        )
+
+    def _register(self) -> None:
+        gateway = self._hello(GATEWAY, "gateway", 0)
+        self._send(self.core.on_hello(GATEWAY.encode(), gateway, 0.0))
+        for peer_id in self.prefills:
+            hello = self._hello(peer_id, "prefill", 0)
+            self._send(self.core.on_hello(peer_id.encode(), hello, 0.0))
+        for peer_id, worker in self.decodes.items():
+            hello = self._hello(peer_id, "decode", worker.num_total_blocks)
+            self._send(self.core.on_hello(peer_id.encode(), hello, 0.0))
+        for worker in [*self.prefills.values(), *self.decodes.values()]:
+            self.at(self.config.heartbeat_interval_s, self._heartbeat, worker)
+
+    def _hello(self, peer_id: str, role: str, num_blocks: int) -> wire.Hello:
+        settings = self.profile.settings
+        return wire.Hello(
+            schema_version=wire.SCHEMA_VERSION,
+            role=role,
+            peer_id=peer_id,
+            model="simulated",
+            address=f"sim://{peer_id}",
+            num_kv_blocks=num_blocks,
+            block_size=settings.block_size if role != "gateway" else 0,
+            max_num_seqs=settings.max_num_seqs if role != "gateway" else 0,
+        )
+
+    def _arrive(self, index: int, request: SimRequest) -> None:
+        request_id = f"r{index}"
+        self.records[request_id] = SimRecord(
+            index=index,
+            num_prompt_tokens=request.num_prompt_tokens,
+            max_tokens=request.max_tokens,
+            label=request.label,
+            tenant=request.tenant,
+            send_time=self.now,
+        )
+        submit = wire.Submit(
+            request_id=request_id,
+            prompt_token_ids=[0] * request.num_prompt_tokens,
+            sampling=wire.SamplingSpec(max_tokens=request.max_tokens, ignore_eos=True),
+            tenant=request.tenant,
+            priority=request.priority,
+            gateway_peer_id=GATEWAY,
+            arrival_time=self.now,
+        )
+        self.at(self.now + self.config.network_latency_s, self._deliver_to_core, submit)
+
+    def _tick(self) -> None:
+        self._send(self.core.tick(self.now))
+        self.queue_timeline.append((self.now, len(self.core.queue), len(self.core.requests)))
+        self.at(self.now + self.config.heartbeat_interval_s / 2, self._tick)
+
+    def _heartbeat(self, worker: SimPrefillWorker | SimDecodeWorker) -> None:
+        self.to_scheduler(worker.heartbeat())
+        self.at(self.now + self.config.heartbeat_interval_s, self._heartbeat, worker)
+
+    def _give_up(self) -> None:
+        for request_id, record in list(self.records.items()):
+            if record.num_ends == 0:
+                self._end(request_id, "unfinished when the simulation ended", None)
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def _deliver_to_core(self, message: wire.Message) -> None:
+        core, now = self.core, self.now
+        match message:
+            case wire.Submit():
+                out = core.on_submit(GATEWAY.encode(), message, now)
+            case wire.Heartbeat():
+                out = core.on_heartbeat(message.peer_id.encode(), message, now)
+            case wire.ReserveReply():
+                out = core.on_reserve_reply(message, now)
+            case wire.RequestDone():
+                out = core.on_request_done(message, now)
+            case _:
+                raise TypeError(f"the simulator sends no {type(message).__name__} to the core")
+        self._send(out)
+
+    def _send(self, outgoing: list[Outgoing]) -> None:
+        self.core.take_dispatched()  # the service logs them; nothing to do here
+        for item in outgoing:
+            when = self.now + self.config.network_latency_s
+            self.at(when, self._deliver_to_peer, item.identity.decode(), item.message)
+
+    def _deliver_to_peer(self, peer_id: str, message: wire.Message) -> None:
+        if peer_id == GATEWAY:
+            self._to_gateway(message)
+        elif peer_id in self.prefills:
+            self._to_prefill(self.prefills[peer_id], message)
+        else:
+            self._to_decode(self.decodes[peer_id], message)
+
+    def _to_gateway(self, message: wire.Message) -> None:
+        match message:
+            case wire.SubmitReply(accepted=False):
+                self._end(message.request_id, f"{message.status_code}: {message.message}", None)
+            case wire.Tokens():
+                for delta in message.deltas:
+                    if delta.error is not None:
+                        self._end(delta.request_id, f"{delta.finish_reason}: {delta.error}", None)
+
+    def _to_prefill(self, worker: SimPrefillWorker, message: wire.Message) -> None:
+        match message:
+            case wire.PrefillJob():
+                worker.on_job(message)
+            case wire.Cancel():
+                worker.on_cancel(message.request_id)
+
+    def _to_decode(self, worker: SimDecodeWorker, message: wire.Message) -> None:
+        match message:
+            case wire.Reserve():
+                self.to_scheduler(worker.on_reserve(message))
+            case wire.Cancel():
+                worker.on_cancel(message.request_id)
+
+    def _end(self, request_id: str, error: str | None, num_output_tokens: int | None) -> None:
+        record = self.records[request_id]
+        record.num_ends += 1
+        if record.num_ends > 1:
+            return  # counted, so a test sees it; the first end stands
+        record.finish_time = self.now
+        record.error = error
+        record.completion_tokens = num_output_tokens
+        self.num_open -= 1

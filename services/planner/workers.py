@@ -1,0 +1,319 @@
+"""Simulated prefill and decode workers: the engines' step behaviour, timed by a profile.
+
+They play what the real workers do on the wire, in simulated time, through a `Cluster` (the
+simulator) that carries their messages to the scheduler core and their tokens to the records:
+
+* A prefill worker runs steps while it holds prompts. Each step shares a token budget between
+  them with the engine's own rule (`shortest_first`: a floor each, the rest to the shortest), the
+  budget capped so the step keeps to the time target. A prompt finished in a step has its first
+  token at the step's end; its KV then travels to the decode target (the profile's transfer
+  time, off the compute path), and on arrival the prefill reports the request done to the
+  scheduler.
+* A decode worker reserves blocks when asked, admits a sequence when its KV arrives, and runs
+  continuous batching: every step advances every running sequence by one token (step time by
+  batch size and mean context), retires finished ones at once and admits waiting ones at the
+  next step, up to `max_num_seqs`. A sequence that needs a block when none is free preempts the
+  latest admitted one by swap (its blocks freed, its progress kept); swapped sequences come back
+  first, before any new one, once their blocks and a growth block per running sequence are free.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.planner.profile import WorkerProfile
+from shared import wire
+from shared.engine.scheduler import shortest_first
+
+
+class Cluster(Protocol):
+    """What a simulated worker needs from the simulator."""
+
+    now: float
+
+    def at(self, time: float, callback, *args) -> None: ...
+    def to_scheduler(self, message: wire.Message) -> None: ...
+    def first_token(self, request_id: str) -> None: ...
+    def token_finished(self, request_id: str, num_output_tokens: int) -> None: ...
+    def kv_arrived(self, decode_peer_id: str, job: wire.PrefillJob) -> None: ...
+
+
+@dataclass
+class WorkerStats:
+    busy_s: float = 0.0  # time spent in steps
+    num_steps: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Prompt:
+    job: wire.PrefillJob
+    num_left: int  # prompt tokens not yet computed
+
+
+class SimPrefillWorker:
+    def __init__(self, peer_id: str, profile: WorkerProfile, cluster: Cluster, budget: int):
+        self.peer_id = peer_id
+        self.profile = profile
+        self.cluster = cluster
+        self.budget = budget  # max_num_batched_tokens
+        self.prompts: dict[str, _Prompt] = {}  # in arrival order
+        self.in_transfer: set[str] = set()
+        self.stepping = False
+        self.stats = WorkerStats()
+        self.token_cap = self._token_cap(profile.settings.step_time_target_s)
+
+    def _token_cap(self, target_s: float | None) -> int:
+        """The most prompt tokens a step may carry to stay within the time target."""
+        if target_s is None:
+            return self.budget
+        steps = range(16, self.budget + 1, 16)
+        fitting = [n for n in steps if self.profile.prefill_time(n) <= target_s]
+        return max(fitting, default=16)
+
+    def on_job(self, job: wire.PrefillJob) -> None:
+        num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
+        self.prompts[job.request_id] = _Prompt(job, num_tokens)
+        self._maybe_step()
+
+    def on_cancel(self, request_id: str) -> None:
+        self.prompts.pop(request_id, None)
+        self.in_transfer.discard(request_id)
+
+    def _maybe_step(self) -> None:
+        if self.stepping or not self.prompts:
+            return
+        ids = list(self.prompts)
+        needs = [self.prompts[i].num_left for i in ids]
+        shares = shortest_first(needs, min(self.budget, self.token_cap))
+        duration = self.profile.prefill_time(sum(shares))
+        self.stepping = True
+        self.stats.busy_s += duration
+        self.stats.num_steps += 1
+        self.cluster.at(
+            self.cluster.now + duration, self._end_step, dict(zip(ids, shares, strict=True))
+        )
+
+    def _end_step(self, shares: dict[str, int]) -> None:
+        self.stepping = False
+        for request_id, share in shares.items():
+            prompt = self.prompts.get(request_id)
+            if prompt is None:  # cancelled mid-step
+                continue
+            prompt.num_left -= share
+            if prompt.num_left == 0:
+                del self.prompts[request_id]
+                self._finish(prompt.job)
+        self._maybe_step()
+
+    def _finish(self, job: wire.PrefillJob) -> None:
+        self.cluster.first_token(job.request_id)
+        if job.sampling.max_tokens <= 1:  # finished at its first token: nothing to hand on
+            self.cluster.token_finished(job.request_id, 1)
+            self._report(job.request_id, "length")
+            return
+        self.in_transfer.add(job.request_id)
+        num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
+        arrival = self.cluster.now + self.profile.transfer_time(num_tokens)
+        self.cluster.at(arrival, self._transferred, job)
+
+    def _transferred(self, job: wire.PrefillJob) -> None:
+        if job.request_id not in self.in_transfer:
+            return  # cancelled while in flight
+        self.in_transfer.discard(job.request_id)
+        self.cluster.kv_arrived(job.decode_peer_id, job)
+        self._report(job.request_id, None)
+
+    def _report(self, request_id: str, finish_reason: str | None) -> None:
+        done = wire.RequestDone(
+            request_id=request_id,
+            peer_id=self.peer_id,
+            phase="prefill",
+            finish_reason=finish_reason,
+            num_prompt_tokens=0,
+            num_output_tokens=1,
+        )
+        self.cluster.to_scheduler(done)
+
+    def heartbeat(self) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            peer_id=self.peer_id,
+            num_waiting=len(self.prompts),
+            num_running=len(self.in_transfer),
+            num_free_blocks=0,
+            num_total_blocks=0,
+            steps_completed=self.stats.num_steps,
+            sent_at=self.cluster.now,
+            request_ids=[*self.prompts, *self.in_transfer],
+        )
+
+
+@dataclass
+class _Sequence:
+    request_id: str
+    num_tokens: int  # prompt + generated; the next step writes the last one's KV
+    num_generated: int
+    max_tokens: int
+    num_blocks: int
+    num_generated_here: int = 0
+
+
+@dataclass
+class SimDecodeWorker:
+    peer_id: str
+    profile: WorkerProfile
+    cluster: Cluster
+    num_total_blocks: int
+    num_free_blocks: int = field(init=False)
+    reserved: dict[str, int] = field(default_factory=dict)  # request id -> blocks
+    running: dict[str, _Sequence] = field(default_factory=dict)  # in admission order
+    waiting: deque[_Sequence] = field(default_factory=deque)
+    swapped: deque[_Sequence] = field(default_factory=deque)
+    stepping: bool = False
+    stats: WorkerStats = field(default_factory=WorkerStats)
+
+    def __post_init__(self) -> None:
+        self.num_free_blocks = self.num_total_blocks
+        self.block_size = self.profile.settings.block_size
+        self.max_num_seqs = self.profile.settings.max_num_seqs
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def on_reserve(self, reserve: wire.Reserve) -> wire.ReserveReply:
+        num_blocks = self.blocks_for(reserve.num_tokens)
+        ok = reserve.request_id not in self.reserved and num_blocks <= self.num_free_blocks
+        if ok:
+            self.reserved[reserve.request_id] = num_blocks
+            self.num_free_blocks -= num_blocks
+        return wire.ReserveReply(
+            request_id=reserve.request_id, ok=ok, num_free_blocks=self.num_free_blocks
+        )
+
+    def on_kv(self, job: wire.PrefillJob) -> None:
+        num_blocks = self.reserved.pop(job.request_id, None)
+        if num_blocks is None:
+            return  # the reservation was cancelled meanwhile
+        num_output = len(job.output_token_ids) + 1  # the first token came from the prefill
+        sequence = _Sequence(
+            job.request_id,
+            len(job.prompt_token_ids) + num_output,
+            num_output,
+            job.sampling.max_tokens,
+            num_blocks,
+        )
+        self.waiting.append(sequence)
+        self._maybe_step()
+
+    def on_cancel(self, request_id: str) -> None:
+        if request_id in self.reserved:
+            self.num_free_blocks += self.reserved.pop(request_id)
+        sequence = self.running.pop(request_id, None)
+        if sequence is not None:
+            self.num_free_blocks += sequence.num_blocks
+        for queue in (self.waiting, self.swapped):
+            for sequence in [s for s in queue if s.request_id == request_id]:
+                queue.remove(sequence)
+                if queue is self.waiting:
+                    self.num_free_blocks += sequence.num_blocks
+
+    def _maybe_step(self) -> None:
+        if self.stepping:
+            return
+        swap_tokens = self._admit()
+        swap_tokens += self._grow()
+        if not self.running:
+            return
+        batch = list(self.running.values())
+        context = sum(s.num_tokens for s in batch) / len(batch)
+        duration = self.profile.decode_time(len(batch), context)
+        if swap_tokens:
+            duration += self.profile.transfer_time(swap_tokens)
+        self.stepping = True
+        self.stats.busy_s += duration
+        self.stats.num_steps += 1
+        self.cluster.at(self.cluster.now + duration, self._end_step)
+
+    def _admit(self) -> int:
+        """Swapped sequences first (returns the tokens copied back), then waiting ones."""
+        num_swapped_in = 0
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            sequence = self.swapped[0]
+            need = self.blocks_for(sequence.num_tokens) + len(self.running)
+            if need > self.num_free_blocks:
+                break
+            self.swapped.popleft()
+            sequence.num_blocks = self.blocks_for(sequence.num_tokens)
+            self.num_free_blocks -= sequence.num_blocks
+            self.running[sequence.request_id] = sequence
+            num_swapped_in += sequence.num_tokens
+        while not self.swapped and self.waiting and len(self.running) < self.max_num_seqs:
+            sequence = self.waiting.popleft()
+            self.running[sequence.request_id] = sequence
+        return num_swapped_in
+
+    def _grow(self) -> int:
+        """Gives every running sequence the blocks its next token needs, preempting the latest
+        admitted ones by swap when the pool runs dry; returns the tokens copied out."""
+        num_swapped_out = 0
+        for sequence in list(self.running.values()):
+            if sequence.request_id not in self.running:
+                continue  # preempted by an earlier one's growth
+            need = self.blocks_for(sequence.num_tokens) - sequence.num_blocks
+            while need > self.num_free_blocks and len(self.running) > 1:
+                victim = self.running.pop(next(reversed(self.running)))
+                self.num_free_blocks += victim.num_blocks
+                victim.num_blocks = 0
+                self.swapped.appendleft(victim)
+                self.stats.num_preemptions += 1
+                num_swapped_out += victim.num_tokens
+                if victim is sequence:
+                    break
+            if sequence.request_id in self.running and need <= self.num_free_blocks:
+                self.num_free_blocks -= need
+                sequence.num_blocks += need
+        return num_swapped_out
+
+    def _end_step(self) -> None:
+        self.stepping = False
+        for sequence in list(self.running.values()):
+            sequence.num_generated += 1
+            sequence.num_generated_here += 1
+            sequence.num_tokens += 1
+            if sequence.num_generated >= sequence.max_tokens:
+                del self.running[sequence.request_id]
+                self.num_free_blocks += sequence.num_blocks
+                self._report(sequence)
+        self._maybe_step()
+
+    def _report(self, sequence: _Sequence) -> None:
+        self.cluster.token_finished(sequence.request_id, sequence.num_generated)
+        done = wire.RequestDone(
+            request_id=sequence.request_id,
+            peer_id=self.peer_id,
+            phase="decode",
+            finish_reason="length",
+            num_prompt_tokens=0,
+            num_output_tokens=sequence.num_generated_here,
+        )
+        self.cluster.to_scheduler(done)
+
+    def held_ids(self) -> list[str]:
+        sequences = [*self.running, *(s.request_id for s in (*self.waiting, *self.swapped))]
+        return [*self.reserved, *sequences]
+
+    def heartbeat(self) -> wire.Heartbeat:
+        return wire.Heartbeat(
+            peer_id=self.peer_id,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_free_blocks=self.num_free_blocks,
+            num_total_blocks=self.num_total_blocks,
+            steps_completed=self.stats.num_steps,
+            sent_at=self.cluster.now,
+            num_swapped=len(self.swapped),
+            num_swap_preemptions=self.stats.num_preemptions,
+            request_ids=self.held_ids(),
+        )

@@ -1,0 +1,133 @@
+"""What the simulator replays: requests with an arrival time, a prompt length and an output length.
+
+Either the JSONL files `tandem bench` replays (one request a line: `arrival_time`, `max_tokens`,
+and the prompt as `prompt_token_ids`, else `num_prompt_tokens`, else `prompt` text counted at four
+characters a token), or a generated process described in one string:
+
+    poisson:rate=2,n=1000,prompt=8-1024,output=1-256[,tenants=10][,seed=0]
+
+Poisson arrivals at `rate` requests/s; lengths log-normal with the median at the geometric middle
+of the range and the 99th percentile at its top (clipped to the range), as the bench's generator
+draws them. Every request generates exactly `max_tokens` tokens (the bench's `ignore_eos`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+Z_99 = 2.326  # the standard normal's 99th percentile
+CHARS_PER_TOKEN = 4  # for a JSONL line that has only the prompt text
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be read, with the reason."""
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_time: float  # seconds after the run starts
+    num_prompt_tokens: int
+    max_tokens: int  # generated tokens, exactly
+    tenant: str = "default"
+    label: str = ""
+    priority: int = 0
+
+
+def load_workload(spec: str) -> list[SimRequest]:
+    """A generated process (`poisson:...`) or a JSONL file, sorted by arrival."""
+    requests = _generate(spec) if spec.startswith("poisson:") else _read_jsonl(Path(spec))
+    if not requests:
+        raise WorkloadError(f"workload {spec!r} has no requests")
+    return sorted(requests, key=lambda r: r.arrival_time)
+
+
+def _read_jsonl(path: Path) -> list[SimRequest]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise WorkloadError(f"cannot read workload {path}: {error}") from None
+    requests = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            requests.append(_from_line(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+            raise WorkloadError(f"{path}:{number}: {error}") from None
+    return requests
+
+
+def _from_line(data: dict) -> SimRequest:
+    if "prompt_token_ids" in data:
+        num_prompt_tokens = len(data["prompt_token_ids"])
+    elif "num_prompt_tokens" in data:
+        num_prompt_tokens = int(data["num_prompt_tokens"])
+    else:
+        num_prompt_tokens = max(1, len(data["prompt"]) // CHARS_PER_TOKEN)
+    request = SimRequest(
+        arrival_time=float(data.get("arrival_time", 0.0)),
+        num_prompt_tokens=num_prompt_tokens,
+        max_tokens=int(data["max_tokens"]),
+        tenant=str(data.get("tenant", "default")),
+        label=str(data.get("label", "")),
+    )
+    if request.num_prompt_tokens < 1 or request.max_tokens < 1 or request.arrival_time < 0:
+        raise ValueError("prompt and max_tokens must be >= 1 and arrival_time >= 0")
+    return request
+
+
+def _parse_range(name: str, text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        bounds = int(low), int(high or low)
+    except ValueError:
+        raise WorkloadError(f"{name} must be LOW-HIGH token counts, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise WorkloadError(f"{name} must satisfy 1 <= LOW <= HIGH, got {text!r}")
+    return bounds
+
+
+def _generate(spec: str) -> list[SimRequest]:
+    fields = {"rate": "1", "n": "100", "prompt": "8-1024", "output": "1-256", "tenants": "1"}
+    fields["seed"] = "0"
+    for part in spec.removeprefix("poisson:").split(","):
+        key, sep, value = part.partition("=")
+        if not sep or key not in fields:
+            known = ", ".join(fields)
+            raise WorkloadError(f"workload field {part!r} is not key=value with a key of {known}")
+        fields[key] = value
+    try:
+        rate, num_requests = float(fields["rate"]), int(fields["n"])
+        num_tenants, seed = int(fields["tenants"]), int(fields["seed"])
+    except ValueError as error:
+        raise WorkloadError(f"workload {spec!r}: {error}") from None
+    if not (rate > 0 and num_requests > 0 and num_tenants > 0):
+        raise WorkloadError("rate, n and tenants must be positive")
+    prompts = _parse_range("prompt", fields["prompt"])
+    outputs = _parse_range("output", fields["output"])
+    rng = random.Random(seed)
+    requests, now = [], 0.0
+    for index in range(num_requests):
+        now += rng.expovariate(rate)
+        requests.append(
+            SimRequest(
+                arrival_time=now,
+                num_prompt_tokens=_long_tailed(rng, *prompts),
+                max_tokens=_long_tailed(rng, *outputs),
+                tenant=f"tenant{index % num_tenants}",
+            )
+        )
+    return requests
+
+
+def _long_tailed(rng: random.Random, low: int, high: int) -> int:
+    """Log-normal: median at sqrt(low * high), 99th percentile at high, clipped to the range."""
+    if low == high:
+        return low
+    mu = math.log(math.sqrt(low * high))
+    sigma = (math.log(high) - mu) / Z_99
+    return min(high, max(low, round(rng.lognormvariate(mu, sigma))))

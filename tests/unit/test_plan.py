@@ -1,0 +1,119 @@
+"""`tandem plan`: the search by simulation, its output, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest.plan_search import PlanError, evaluate, parse_slo, splits
+from services.commands import cli
+from services.planner.simulator import SimConfig
+from services.planner.workload import load_workload
+from services.scheduler.core import SchedulerLimits
+from tests.unit.test_planner_sim import cpu_like_profile
+
+WORKLOAD = "poisson:rate=3,n=60,prompt=8-512,output=4-64,seed=2"
+BUSY = "poisson:rate=8,n=80,prompt=8-512,output=4-64,seed=2"  # 1P1D cannot keep up
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "profile.json"
+    cpu_like_profile().save(path)
+    return str(path)
+
+
+def plan(profile_path, *flags: str) -> int:
+    return cli.main(["plan", "--workload", WORKLOAD, "--profile", profile_path, *flags])
+
+
+def test_parse_slo():
+    assert parse_slo("ttft_p99=2s,tpot_p99=100ms") == {"ttft_p99": 2.0, "tpot_p99": 0.1}
+    assert parse_slo("e2e_p50=1.5") == {"e2e_p50": 1.5}
+    for text, message in [
+        ("ttft=2s", "KEY=VALUE"),
+        ("ttft_p99", "KEY=VALUE"),
+        ("ttft_p99=fast", "positive time"),
+        ("ttft_p99=0s", "positive time"),
+        ("ttft_p99=2h", "positive time"),
+    ]:
+        with pytest.raises(PlanError, match=message):
+            parse_slo(text)
+
+
+def test_splits_cover_or_spread():
+    assert splits(4, 8) == [(1, 3), (2, 2), (3, 1)]
+    spread = splits(1000, 5)
+    assert len(spread) == 5 and spread[0] == (1, 999) and spread[-1] == (999, 1)
+
+
+def test_plan_finds_a_configuration_that_meets_its_slos_when_resimulated(
+    profile_path, tmp_path, capsys
+):
+    slo = "ttft_p99=2s,tpot_p99=300ms"
+    flags = ["--workload", BUSY, "--profile", profile_path, "--slo", slo, "--max-workers", "6"]
+    assert cli.main(["plan", *flags, "--emit", "compose", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "cheapest configuration meeting" in out and "runners-up:" in out
+    assert "events/s" in out and "goodput" in out
+    best = json.loads((tmp_path / "plan.json").read_text())["best"]
+    assert f"--scale prefill={best['num_prefill']} --scale decode={best['num_decode']}" in out
+    assert (tmp_path / "goodput-vs-cost.png").stat().st_size > 0
+    # Cheaper configurations were tried and failed; the chosen one meets the SLOs anew.
+    tried = json.loads((tmp_path / "plan.json").read_text())["tried"]
+    assert best["cost"] > 2
+    assert all(not t["meets"] for t in tried if t["cost"] < best["cost"])
+    config = SimConfig(
+        best["num_prefill"],
+        best["num_decode"],
+        SchedulerLimits(),
+        max_num_batched_tokens=best["chunk_budget"],
+    )
+    again = evaluate(cpu_like_profile(), load_workload(BUSY), config, parse_slo(slo))
+    assert again.meets and again.summary.ttft_p99 <= 2.0 and again.summary.tpot_p99 <= 0.3
+
+
+def test_plan_emits_a_kustomize_replica_overlay(profile_path, capsys):
+    flags = ["--slo", "ttft_p99=5s", "--max-workers", "4", "--emit", "k8s"]
+    assert plan(profile_path, *flags) == 0
+    out = capsys.readouterr().out
+    assert "kind: Kustomization" in out and "- name: tandem-decode" in out
+    assert "  - ../k8s" in out
+
+
+def test_plan_refuses_when_nothing_within_the_limits_meets(profile_path, capsys):
+    assert plan(profile_path, "--slo", "ttft_p99=10ms", "--max-workers", "3") == 1
+    out = capsys.readouterr().out
+    assert "no configuration of at most 3 workers meets ttft_p99 <= 10 ms" in out
+    assert "the closest" in out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--slo", "speed=fast"], "--slo entry"),
+        (["--slo", "ttft_p99=2s", "--max-workers", "1"], "--max-workers must be at least 2"),
+        (["--slo", "ttft_p99=2s", "--chunk-budgets", "8"], "at least 16"),
+        (["--slo", "ttft_p99=2s", "--chunk-budgets", "lots"], "token counts like"),
+        (["--slo", "ttft_p99=2s", "--max-splits", "0"], "--max-splits"),
+    ],
+)
+def test_wrong_flag_values_exit_2(profile_path, capsys, flags, message):
+    assert plan(profile_path, *flags) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_wrong_profile_or_workload_exit_2(profile_path, tmp_path, capsys):
+    missing = str(tmp_path / "none.json")
+    assert (
+        cli.main(["plan", "--workload", WORKLOAD, "--slo", "ttft_p99=1s", "--profile", missing])
+        == 2
+    )
+    assert "cannot read profile" in capsys.readouterr().err
+    flags = ["plan", "--workload", "poisson:rate=-1", "--slo", "ttft_p99=1s"]
+    assert cli.main([*flags, "--profile", profile_path]) == 2
+    assert "positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        plan(profile_path, "--slo", "ttft_p99=1s", "--emit", "helm")
+    assert exit_info.value.code == 2

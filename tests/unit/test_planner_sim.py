@@ -1,0 +1,184 @@
+"""The capacity simulator: the real scheduler core driven by simulated workers and time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from services.planner.profile import ProfileError, WorkerProfile, WorkerSettings
+from services.planner.simulator import SimConfig, Simulator
+from services.planner.workload import SimRequest, WorkloadError, load_workload
+from services.scheduler.core import SchedulerLimits
+
+
+def fixed_profile(**settings) -> WorkerProfile:
+    """Constant times: a prefill step 0.5 s, a decode step 0.375 s, a transfer 0.125 s latency
+    plus 1,024 tokens/s (binary fractions, so the hand-computed answers are exact)."""
+    return WorkerProfile(
+        prefill_tokens=[16],
+        prefill_seconds=[0.5],
+        decode_batch_sizes=[1],
+        decode_contexts=[16],
+        decode_seconds=[[0.375]],
+        kv_bytes_per_token=1,
+        transfer_latency_s=0.125,
+        transfer_bytes_per_s=1024.0,
+        settings=WorkerSettings(step_time_target_s=None, **settings),
+    )
+
+
+def cpu_like_profile(**settings) -> WorkerProfile:
+    return WorkerProfile(
+        prefill_tokens=[16, 128, 512],
+        prefill_seconds=[0.05, 0.35, 1.4],
+        decode_batch_sizes=[1, 8, 32, 64],
+        decode_contexts=[128, 1024],
+        decode_seconds=[[0.08, 0.09], [0.15, 0.2], [0.4, 0.5], [0.7, 0.9]],
+        kv_bytes_per_token=46080,
+        transfer_latency_s=0.002,
+        transfer_bytes_per_s=2e9,
+        settings=WorkerSettings(**settings),
+    )
+
+
+def test_a_tiny_scenario_answered_by_hand():
+    requests = [
+        SimRequest(arrival_time=0.0, num_prompt_tokens=128, max_tokens=4),
+        SimRequest(arrival_time=0.125, num_prompt_tokens=128, max_tokens=2),
+        SimRequest(arrival_time=2.0, num_prompt_tokens=16, max_tokens=1),
+    ]
+    result = Simulator(fixed_profile(), SimConfig(1, 1)).run(requests)
+    a, b, c = result.records
+    # A: prefill 0-0.5 (first token), KV 0.5-0.75, decode steps end 1.125, 1.5, 1.875.
+    assert (a.first_token_time, a.finish_time, a.completion_tokens) == (0.5, 1.875, 4)
+    # B waits for A's prefill step: 0.5-1.0; KV arrives at 1.25, mid-step; joins at 1.5.
+    assert (b.first_token_time, b.finish_time, b.completion_tokens) == (1.0, 1.875, 2)
+    # C finishes at its first token: no decode at all.
+    assert (c.first_token_time, c.finish_time, c.completion_tokens) == (2.5, 2.5, 1)
+    assert result.wall_s == 2.5
+    assert result.prefill_stats["prefill0"].busy_s == 1.5
+    assert result.decode_stats["decode0"].num_steps == 3
+    assert result.decode_stats["decode0"].busy_s == 3 * 0.375
+    assert result.utilization("prefill") == 1.5 / 2.5
+    assert all(r.error is None and r.num_ends == 1 for r in result.records)
+
+
+def busy_workload(seed: int) -> list[SimRequest]:
+    spec = f"poisson:rate=6,n=240,prompt=8-1024,output=1-256,tenants=5,seed={seed}"
+    return load_workload(spec)
+
+
+def run_busy(seed: int, **config) -> object:
+    # A small KV pool (preemptions) and a short queue bound (refusals) exercise every path.
+    limits = SchedulerLimits(max_queued_requests=64, max_queue_time_s=30.0)
+    defaults = dict(num_prefill=2, num_decode=2, limits=limits, num_kv_blocks=160)
+    sim = Simulator(cpu_like_profile(max_num_seqs=32), SimConfig(**{**defaults, **config}))
+    return sim.run(busy_workload(seed))
+
+
+def test_deterministic_for_a_seed():
+    first, again, other = run_busy(1), run_busy(1), run_busy(2)
+    assert first.records == again.records
+    assert first.num_events == again.num_events
+    assert first.queue_timeline == again.queue_timeline
+    assert first.records != other.records
+
+
+def test_conservation_laws():
+    result = run_busy(3)
+    assert len(result.records) == 240
+    assert all(r.num_ends == 1 for r in result.records), "every request ends exactly once"
+    errors = {r.error.split(":")[0] for r in result.records if r.error}
+    assert errors, "the scenario is meant to overload the cluster"
+    assert result.num_preemptions > 0, "the scenario is meant to fill the KV pools"
+    for stats in [*result.prefill_stats.values(), *result.decode_stats.values()]:
+        assert 0 < stats.busy_s <= result.wall_s
+    for record in result.records:
+        if record.error is None:
+            assert record.completion_tokens == record.max_tokens
+            assert record.send_time <= record.first_token_time <= record.finish_time
+
+
+def test_more_workers_serve_more():
+    small, large = (
+        run_busy(4, num_prefill=1, num_decode=1),
+        run_busy(4, num_prefill=4, num_decode=4),
+    )
+    ok_small = sum(r.error is None for r in small.records)
+    ok_large = sum(r.error is None for r in large.records)
+    assert ok_large > ok_small
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(num_prefill=0, num_decode=1), "at least one prefill"),
+        (dict(num_prefill=1, num_decode=1, max_num_batched_tokens=8), "at least 16"),
+        (dict(num_prefill=1, num_decode=1, heartbeat_interval_s=0), "heartbeat_interval_s"),
+    ],
+)
+def test_wrong_config_values_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        SimConfig(**config)
+
+
+def test_profile_round_trips_and_refuses_bad_files(tmp_path):
+    profile = cpu_like_profile()
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert WorkerProfile.load(path) == profile
+    assert profile.prefill_time(320) == pytest.approx(0.35 + (1.4 - 0.35) * 192 / 384)
+    assert profile.decode_time(8, 128) == pytest.approx(0.15)
+    data = json.loads(path.read_text())
+    for change, message in [
+        ({"version": 99}, "version"),
+        ({"prefill_tokens": [512, 16, 128]}, "increasing"),
+        ({"decode_seconds": [[0.1]]}, "decode_seconds"),
+        ({"transfer_bytes_per_s": 0}, "positive"),
+        ({"surprise": 1}, "fields"),
+    ]:
+        path.write_text(json.dumps({**data, **change}))
+        with pytest.raises(ProfileError, match=message):
+            WorkerProfile.load(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ProfileError, match="not a JSON object"):
+        WorkerProfile.load(path)
+
+
+def test_workloads_read_and_refused(tmp_path):
+    path = tmp_path / "w.jsonl"
+    lines = [
+        {"prompt": "x" * 40, "max_tokens": 3, "arrival_time": 1.0, "label": "chat"},
+        {"prompt": "", "prompt_token_ids": [1, 2, 3], "max_tokens": 2},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    first, second = load_workload(str(path))
+    assert (first.num_prompt_tokens, first.max_tokens, first.arrival_time) == (3, 2, 0.0)
+    assert (second.num_prompt_tokens, second.label) == (10, "chat")
+    generated = load_workload("poisson:rate=2,n=50,prompt=8-64,output=4-4,seed=1")
+    assert len(generated) == 50 and all(r.max_tokens == 4 for r in generated)
+    assert all(8 <= r.num_prompt_tokens <= 64 for r in generated)
+    assert generated == load_workload("poisson:rate=2,n=50,prompt=8-64,output=4-4,seed=1")
+    for spec, message in [
+        ("poisson:rate=0", "positive"),
+        ("poisson:speed=2", "key=value"),
+        ("poisson:prompt=9-3", "LOW <= HIGH"),
+        ("poisson:n=ten", "workload"),
+        (str(tmp_path / "missing.jsonl"), "cannot read"),
+    ]:
+        with pytest.raises(WorkloadError, match=message):
+            load_workload(spec)
+    path.write_text('{"prompt": "x", "max_tokens": 0}\n')
+    with pytest.raises(WorkloadError, match="w.jsonl:1"):
+        load_workload(str(path))
+
+
+def test_network_latency_delays_first_tokens():
+    requests = [SimRequest(arrival_time=0.0, num_prompt_tokens=16, max_tokens=2)]
+    near = Simulator(fixed_profile(), SimConfig(1, 1)).run(requests).records[0]
+    config = dataclasses.replace(SimConfig(1, 1), network_latency_s=0.125)
+    far = Simulator(fixed_profile(), config).run(requests).records[0]
+    # submit, reserve, reserve reply and the prefill job each cross the network once
+    assert far.first_token_time - near.first_token_time == pytest.approx(4 * 0.125)

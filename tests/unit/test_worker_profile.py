@@ -1,0 +1,43 @@
+"""`tandem profile`: a worker profile measured on the tiny model, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.worker_profile import kv_bytes_per_token, measure_profile, measure_transfer
+from services.commands import cli
+from services.planner.profile import WorkerProfile, WorkerSettings
+from tests.helpers import our_model_from_hf, tiny_hf_model
+
+
+def test_measures_a_profile_the_simulator_reads(tmp_path):
+    model = our_model_from_hf(tiny_hf_model())
+    grid = {"prefill_tokens": [16, 64], "batch_sizes": [1, 4], "contexts": [32, 64]}
+    profile = measure_profile(model, grid, 1, WorkerSettings(), {"note": "test"})
+    assert profile.decode_batch_sizes == [1, 4] and len(profile.decode_seconds[1]) == 2
+    # 2 (K and V) x 2 layers x 2 KV heads x head dim 16 x 4 bytes
+    assert kv_bytes_per_token(model) == profile.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert profile.transfer_bytes_per_s > 0 and profile.transfer_latency_s >= 0
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert WorkerProfile.load(path).metadata == {"note": "test"}
+
+
+def test_transfer_fit_is_a_latency_and_a_bandwidth():
+    latency_s, bytes_per_s = measure_transfer(2, sizes=(1 << 12, 1 << 20, 1 << 22))
+    assert 0 <= latency_s < 0.1
+    assert bytes_per_s > 1e7  # an ipc socket pair moves far more than 10 MB/s
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch-sizes", "8,1"], "increasing"),
+        (["--contexts", "lots"], "integers"),
+        (["--prefill-tokens", "0,16"], "positive"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+    ],
+)
+def test_wrong_flag_values_exit_2(tmp_path, capsys, flags, message):
+    assert cli.main(["profile", "--out", str(tmp_path / "p.json"), *flags]) == 2
+    assert message in capsys.readouterr().err
