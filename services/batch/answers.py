@@ -56,8 +56,11 @@ class Answers:
             _cut_torn_tail(path)
             with open(path, "rb") as file:
                 for raw in file:
-                    custom_id = json.loads(raw)["custom_id"]
-                    num_recovered += self.store.mark_answered(self.batch_id, custom_id, ok)
+                    line = json.loads(raw)
+                    usage = _usage(line)
+                    num_recovered += self.store.mark_answered(
+                        self.batch_id, line["custom_id"], ok, usage
+                    )
         return num_recovered
 
     def response(self, custom_id: str, status: int, body: dict[str, Any]) -> None:
@@ -85,10 +88,15 @@ class Answers:
         file = self._output if ok else self._errors
         file.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
         file.flush()  # to the OS before the database: see the module doc
-        self.store.mark_answered(self.batch_id, line["custom_id"], ok)
+        self.store.mark_answered(self.batch_id, line["custom_id"], ok, _usage(line))
 
     def sizes(self) -> tuple[int, int]:
         return _size(self.output_path), _size(self.error_path)
+
+
+def _usage(line: dict[str, Any]) -> dict[str, int] | None:
+    body = (line.get("response") or {}).get("body") or {}
+    return body.get("usage") if isinstance(body.get("usage"), dict) else None
 
 
 def _size(path: Path) -> int:

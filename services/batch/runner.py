@@ -55,7 +55,6 @@ class JobRunner:
         self.limits = limits
         self.window = float(limits.max_in_flight)
         self.tasks: set[asyncio.Task] = set()  # the lines in flight
-        self.num_output_tokens = 0
         self._cancelled = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self.log = get_logger(batch_id=batch_id)
@@ -122,8 +121,6 @@ class JobRunner:
     async def _answer(self, kind: str, batch: dict, line: dict, answers: Answers) -> None:
         try:
             status, body = await self._call(kind, batch, line)
-            if status == 200:
-                self.num_output_tokens += (body.get("usage") or {}).get("completion_tokens", 0)
             answers.response(line["custom_id"], status, body)
         finally:
             self.tasks.discard(asyncio.current_task())  # before the wake-up: the slot is free

@@ -27,7 +27,8 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, body TEXT NOT NULL,
     created_at INTEGER NOT NULL, total INTEGER NOT NULL DEFAULT 0,
-    completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0
+    completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, created_at);
 CREATE TABLE IF NOT EXISTS lines (
@@ -124,6 +125,7 @@ class Store:
         assert batch is not None, batch_id
         batch.update(changes)
         batch.pop("request_counts", None)  # derived from the counters on every read
+        batch.pop("usage", None)
         self.db.execute(
             "UPDATE batches SET status = ?, body = ? WHERE id = ?",
             (batch["status"], json.dumps(batch), batch_id),
@@ -167,7 +169,9 @@ class Store:
         ).fetchone()
         return row[0]
 
-    def mark_answered(self, batch_id: str, custom_id: str, ok: bool) -> bool:
+    def mark_answered(
+        self, batch_id: str, custom_id: str, ok: bool, usage: dict[str, int] | None = None
+    ) -> bool:
         """Records a line's answer (once: False if it was already answered), with its count,
         in one transaction."""
         self.db.execute("BEGIN")
@@ -177,7 +181,12 @@ class Store:
         )
         if cursor.rowcount:
             column = "completed" if ok else "failed"
-            self.db.execute(f"UPDATE batches SET {column} = {column} + 1 WHERE id = ?", (batch_id,))
+            usage = usage or {}
+            self.db.execute(
+                f"UPDATE batches SET {column} = {column} + 1, input_tokens = input_tokens + ?, "
+                "output_tokens = output_tokens + ? WHERE id = ?",
+                (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), batch_id),
+            )
         self.db.execute("COMMIT")
         return bool(cursor.rowcount)
 
@@ -193,5 +202,12 @@ def _batch_of(row: sqlite3.Row) -> dict[str, Any]:
         "total": row["total"],
         "completed": row["completed"],
         "failed": row["failed"],
+    }
+    batch["usage"] = {
+        "input_tokens": row["input_tokens"],
+        "output_tokens": row["output_tokens"],
+        "total_tokens": row["input_tokens"] + row["output_tokens"],
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},
     }
     return batch

@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "keys": "services.commands.keys",
     "top": "services.commands.top",
     "bench": "loadtest.bench",
+    "batch": "services.commands.batch",
 }
 HELPS = {
     "up": "start a whole local cluster (gateway, scheduler, prefill and decode workers)",
@@ -35,6 +36,7 @@ HELPS = {
     "keys": "generate CurveZMQ keys for a cluster and its RPC clients",
     "top": "a live terminal view of a running cluster",
     "bench": "benchmark any OpenAI-compatible server: latency percentiles, goodput, plots",
+    "batch": "bulk jobs: submit a JSONL file (--wait: follow it), status, list, cancel, download",
 }
 
 
