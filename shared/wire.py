@@ -40,7 +40,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -253,6 +253,7 @@ class Submit(Message):
     # after the prompt, and the attempt it continues (admitted already: not refused for load).
     output_token_ids: TokenIds = field(default_factory=list)
     resumed_from: RequestId | None = None
+    bulk: bool = False  # a batch job's line: served only from capacity interactive work leaves
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -432,6 +433,7 @@ class RpcRequest(Message):
     body: JsonText  # the HTTP API's request body, as JSON text
     stream: bool  # chunks as they come, or one response; the body's `stream` must agree
     api_key: Annotated[str, MaxLen(256)] | None = None  # when the gateway has keys: one of them
+    bulk: bool = False  # a batch job's line (the scheduler's bulk class: spare capacity only)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

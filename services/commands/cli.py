@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "scheduler": "services.scheduler.service",
     "prefill": "services.prefill.service",
     "decode": "services.decode.service",
+    "batch-service": "services.batch.service",
     "generate": "services.commands.generate",
     "prepare": "services.commands.prepare",
     "keys": "services.commands.keys",
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "bench": "loadtest.bench",
     "profile": "loadtest.worker_profile",
     "plan": "loadtest.plan",
+    "batch": "services.commands.batch",
 }
 HELPS = {
     "up": "start a whole local cluster (gateway, scheduler, prefill and decode workers)",
@@ -30,6 +32,7 @@ HELPS = {
     "scheduler": "run the scheduler",
     "prefill": "run a prefill worker",
     "decode": "run a decode worker",
+    "batch-service": "run the batch service (OpenAI Files and Batches, durable bulk jobs)",
     "generate": "generate text for one prompt with the in-process engine",
     "prepare": "convert and cache the model once (for containers sharing a cache volume)",
     "keys": "generate CurveZMQ keys for a cluster and its RPC clients",
@@ -37,6 +40,7 @@ HELPS = {
     "bench": "benchmark any OpenAI-compatible server: latency percentiles, goodput, plots",
     "profile": "measure a worker profile (step and transfer times) for `tandem plan`",
     "plan": "how many prefill and decode workers meet your SLOs: simulate the real scheduler",
+    "batch": "bulk jobs: submit a JSONL file (--wait: follow it), status, list, cancel, download",
 }
 
 

@@ -75,6 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "generation_config.json), none, or a path",
     )
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--batch-dir",
+        default=None,
+        help="the batch service's database and files (default: inside the run directory, "
+        "removed at exit: give one to keep jobs across restarts of `tandem up`)",
+    )
+    parser.add_argument(
+        "--no-batch", action="store_true", help="no batch service (/v1/files, /v1/batches: 404)"
+    )
 
 
 @dataclass
@@ -170,9 +179,33 @@ class LocalCluster:
         ]
         if self.args.default_sampling:
             gateway += ["--default-sampling", self.args.default_sampling]
+        rpc_address = self.address("gateway-rpc")
         if self.args.rpc_port:
-            gateway += ["--rpc-address", f"tcp://{self.args.host}:{self.args.rpc_port}"]
+            rpc_address = f"tcp://{self.args.host}:{self.args.rpc_port}"
+        batch = not getattr(self.args, "no_batch", False)
+        if self.args.rpc_port or batch:
+            gateway += ["--rpc-address", rpc_address]
+        if batch:
+            gateway += ["--batch-address", self.address("batch")]
         self._spawn("gateway", gateway)
+        if batch:
+            self._spawn_batch(rpc_address, metrics)
+
+    def _spawn_batch(self, rpc_address: str, metrics: list[str]) -> None:
+        batch_dir = getattr(self.args, "batch_dir", None) or os.path.join(self.run_dir, "batch")
+        self._spawn(
+            "batch",
+            [
+                "batch-service",
+                "--address",
+                self.address("batch"),
+                "--gateway-rpc-address",
+                rpc_address,
+                "--data-dir",
+                batch_dir,
+                *metrics,
+            ],
+        )
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         child = Child(name, argv, self._popen(argv))

@@ -138,7 +138,10 @@ class Generator:
             raise bad_request(request.prompt_param, "the prompt is empty")
         return list(ids)
 
-    async def events(self, generation: Generation, tenant: str) -> AsyncIterator[ChoiceEvent]:
+    async def events(
+        self, generation: Generation, tenant: str, bulk: bool = False
+    ) -> AsyncIterator[ChoiceEvent]:
+        """The choices' events; `bulk`: the scheduler's bulk class (a batch job's line)."""
         request = generation.request
         choice_ids = [f"{generation.request_id}-{i}" for i in range(request.n)]
         queues: list[asyncio.Queue] = []
@@ -157,7 +160,7 @@ class Generator:
                 params = generation.params
                 if params.seed is not None:
                     params = dataclasses.replace(params, seed=params.seed + index)
-                queues.append(await self._submit(generation, choice_id, params, tenant))
+                queues.append(await self._submit(generation, choice_id, params, tenant, bulk))
                 traces.append(
                     self.telemetry.submitted(
                         choice_id, generation.arrived_at, generation.num_prompt_tokens
@@ -182,7 +185,12 @@ class Generator:
                 await self.cluster.cancel(choice_ids[index], "client gone")
 
     async def _submit(
-        self, generation: Generation, choice_id: str, params: SamplingParams, tenant: str
+        self,
+        generation: Generation,
+        choice_id: str,
+        params: SamplingParams,
+        tenant: str,
+        bulk: bool = False,
     ) -> asyncio.Queue:
         submit = wire.Submit(
             request_id=choice_id,
@@ -192,6 +200,7 @@ class Generator:
             priority=generation.request.priority,
             gateway_peer_id=self.cluster.peer_id,
             arrival_time=time.time(),
+            bulk=bulk,
         )
         try:
             return await self.cluster.submit(submit)

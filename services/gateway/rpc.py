@@ -152,7 +152,8 @@ class RpcServer:
         try:
             caller = self.keys.check(request.api_key)
             generation = self._prepare(request)
-            events = self.generator.events(generation, tenant_of(caller, generation.request.user))
+            tenant = tenant_of(caller, generation.request.user)
+            events = self.generator.events(generation, tenant, bulk=request.bulk)
             try:
                 if request.stream:
                     await self._stream(identity, call_id, generation, events)

@@ -57,11 +57,17 @@ class RpcError(Exception):
 
 
 def _request(
-    call_id: str, kind: CallKind, body: dict[str, Any], stream: bool, api_key: str | None
+    call_id: str,
+    kind: CallKind,
+    body: dict[str, Any],
+    stream: bool,
+    api_key: str | None,
+    bulk: bool = False,
 ) -> wire.RpcRequest:
     return wire.RpcRequest(
-        call_id=call_id, kind=kind, body=json.dumps(body), stream=stream, api_key=api_key
-    )
+        call_id=call_id, kind=kind, body=json.dumps(body), stream=stream, api_key=api_key,
+        bulk=bulk,
+    )  # fmt: skip
 
 
 def _payload(event: wire.RpcEvent) -> dict[str, Any] | None:
@@ -259,10 +265,13 @@ class AsyncTandemClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         api_key: str | None = None,
         curve: ClientKeys | None = None,
+        bulk: bool = False,
     ):
+        """`bulk`: every call is a batch line, served from capacity interactive calls leave."""
         self.address = address
         self.timeout_s = timeout_s
         self.api_key = api_key
+        self.bulk = bulk
         self._socket = _dealer(zmq.asyncio.Context.instance(), address, curve)
         self._call_ids = (str(n) for n in itertools.count())
         self._inbox: dict[str, asyncio.Queue[wire.RpcEvent]] = {}
@@ -319,7 +328,8 @@ class AsyncTandemClient:
             raise TimeoutError(_unreachable(self.address, self.timeout_s))
         call_id = next(self._call_ids)
         self._inbox[call_id] = asyncio.Queue()
-        await wire.async_send(self._socket, _request(call_id, kind, body, stream, self.api_key))
+        request = _request(call_id, kind, body, stream, self.api_key, self.bulk)
+        await wire.async_send(self._socket, request)
         return call_id
 
     async def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:

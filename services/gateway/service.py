@@ -12,6 +12,8 @@ import uvicorn
 
 from services.gateway.app import build_app
 from services.gateway.auth import ApiKeys, KeyConfigError
+from services.gateway.batch_link import BatchLink
+from services.gateway.batch_routes import add_batch_routes
 from services.gateway.cluster import ClusterClient
 from services.gateway.generation import Generator, Timeouts
 from services.gateway.rpc import RpcServer
@@ -68,6 +70,9 @@ class GatewayConfig(CurveSettings):
         None,
         "defaults for unset sampling fields, over the model's, e.g. temperature=0.7,top_p=0.9",
     )
+    batch_address: str | None = setting(
+        None, "the batch service's ROUTER, for /v1/files and /v1/batches (default: none, 404)"
+    )
 
     def __post_init__(self) -> None:
         self.curve_keys()
@@ -76,7 +81,12 @@ class GatewayConfig(CurveSettings):
         except ValueError as error:
             raise ConfigError(f"default_sampling (--default-sampling): {error}") from None
         require_address(
-            self, "scheduler_address", "stream_address", "advertise_stream_address", "rpc_address"
+            self,
+            "scheduler_address",
+            "stream_address",
+            "advertise_stream_address",
+            "rpc_address",
+            "batch_address",
         )
         require_positive(
             self,
@@ -137,18 +147,27 @@ def build_gateway(config: GatewayConfig):
             generator, config.rpc_address, config.max_body_bytes, keys, config.curve_keys()
         )
 
+    batch = BatchLink(config.batch_address) if config.batch_address is not None else None
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await cluster.start()
         if rpc is not None:
             await rpc.start()
+        if batch is not None:
+            await batch.start()
         get_logger().info("gateway ready", port=config.port, model=name, rpc=config.rpc_address)
         yield
+        if batch is not None:
+            await batch.close()
         if rpc is not None:
             await rpc.close()  # first: its calls cancel their requests through the cluster link
         await cluster.close()
 
-    return build_app(generator, config.max_body_bytes, keys, lifespan=lifespan)
+    app = build_app(generator, config.max_body_bytes, keys, lifespan=lifespan)
+    if batch is not None:
+        add_batch_routes(app, batch, keys, name)
+    return app
 
 
 def run(args: argparse.Namespace) -> int:

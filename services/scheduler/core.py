@@ -254,7 +254,7 @@ class ClusterScheduler:
                 retry_after_s=retry_after,
             )
             return [Outgoing(identity, reply)]
-        party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit))
+        party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit), submit.bulk)
         request = TrackedRequest(submit, submit.gateway_peer_id, party, arrival=now)
         self.requests[submit.request_id] = request
         self._enqueue(request)
@@ -430,6 +430,7 @@ class ClusterScheduler:
                 priority=submit.priority,
                 arrival=request.arrival,
                 resumed=submit.resumed_from is not None,
+                bulk=submit.bulk,
             )
         )
         self.num_queued_tokens += request.num_prefill_tokens

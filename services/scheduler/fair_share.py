@@ -25,6 +25,13 @@ the whole cluster. tandem shares it instead, in the manner of the virtual token 
   floods past its share (all its requests overdue) cannot take everything through aging.
 * Work conservation: the choice skips requests the caller cannot place right now (`admissible`),
   so capacity never idles while something that fits is waiting.
+* Bulk class: a batch job's lines (`bulk`) take only capacity interactive work leaves. Each
+  choice is made first among the interactive requests alone (with their aging); only when none
+  of them can be placed does a bulk request go, chosen fairly between the bulk parties (a
+  tenant's bulk lines are its own party, `Party(tenant, "bulk")`, so running a job does not
+  spend its interactive share). A bulk request that has waited `bulk_max_wait_s` joins the
+  interactive choice (with its aging), so a stream of interactive work that always fills the
+  cluster cannot starve a job forever.
 
 `policy="fcfs"` keeps the counters (for the status) but serves strictly in arrival order, as the
 peers do: when the oldest request cannot be placed, nothing is (head-of-line blocking), so a
@@ -41,6 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 POLICIES = ("fair", "fcfs")
+BULK_CLASS = "bulk"  # the class of every bulk request, whatever its length
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,8 @@ class FairShareConfig:
     prompt_token_cost: float = 1.0
     output_token_cost: float = 2.0  # a generated token costs more than a prompt token (as VTC)
     max_wait_s: float = 30.0  # aging bound
+    bulk_max_wait_s: float = 300.0  # a bulk request waiting this long competes as interactive
+    bulk_weight: float = 1.0  # the bulk parties' weight among themselves
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -76,11 +86,17 @@ class FairShareConfig:
             raise ValueError("token costs must be non-negative")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
+        if not self.bulk_max_wait_s > 0:
+            raise ValueError(f"bulk_max_wait_s must be positive, got {self.bulk_max_wait_s}")
+        if not self.bulk_weight > 0:
+            raise ValueError(f"bulk_weight must be positive, got {self.bulk_weight}")
 
     def class_of(self, num_prompt_tokens: int) -> str:
         return self.class_names[bisect.bisect_right(self.class_thresholds, num_prompt_tokens)]
 
     def weight(self, party: Party) -> float:
+        if party.class_name == BULK_CLASS:
+            return self.tenant_weights.get(party.tenant, 1.0) * self.bulk_weight
         class_weight = self.class_weights[self.class_names.index(party.class_name)]
         return self.tenant_weights.get(party.tenant, 1.0) * class_weight
 
@@ -101,6 +117,7 @@ class QueuedRequest:
     # Work resuming (its worker was lost, or it was handed back for recompute): its client is
     # mid-stream, so it goes before anything new, oldest first, under either policy.
     resumed: bool = False
+    bulk: bool = False  # a batch job's line: spare capacity only (see the module doc)
 
 
 # A party's queue is a heap of (-priority, prompt tokens, arrival, insertion number, request id).
@@ -132,13 +149,13 @@ class FairQueue:
     def num_queued_by_party(self) -> dict[Party, int]:
         return {party: len(heap) for party, heap in self._parties.items()}
 
-    def party_for(self, tenant: str, num_prompt_tokens: int) -> Party:
-        return Party(tenant, self.config.class_of(num_prompt_tokens))
+    def party_for(self, tenant: str, num_prompt_tokens: int, bulk: bool = False) -> Party:
+        return Party(tenant, BULK_CLASS if bulk else self.config.class_of(num_prompt_tokens))
 
     def push(self, item: QueuedRequest) -> None:
         if item.request_id in self._items:
             raise ValueError(f"request {item.request_id!r} is already queued")
-        party = self.party_for(item.tenant, item.num_prompt_tokens)
+        party = self.party_for(item.tenant, item.num_prompt_tokens, item.bulk)
         heap = self._parties.get(party)
         if heap is None:  # (re-)entering: no credit for the time it was away
             self._advance_virtual_time()
@@ -173,10 +190,7 @@ class FairQueue:
     ) -> QueuedRequest | None:
         """Removes and returns the next request to serve, charging its prompt; None if no queued
         request is admissible."""
-        overdue = self._overdue(now)
-        if not overdue:
-            self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
-        item, by_aging = self._choose(admissible, overdue)
+        item, by_aging = self._choose_with_bulk(now, admissible)
         if item is None:
             return None
         self._last_was_aged = by_aging
@@ -189,7 +203,27 @@ class FairQueue:
         self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
     ) -> QueuedRequest | None:
         """The request `pop_next` would return, left in the queue."""
-        return self._choose(admissible, self._overdue(now))[0]
+        last_was_aged = self._last_was_aged
+        item = self._choose_with_bulk(now, admissible)[0]
+        self._last_was_aged = last_was_aged
+        return item
+
+    def _choose_with_bulk(
+        self, now: float, admissible: Callable[[QueuedRequest], bool]
+    ) -> tuple[QueuedRequest | None, bool]:
+        """The interactive choice (bulk requests past `bulk_max_wait_s` count as interactive);
+        when it has no one to place, the fair choice among the bulk requests."""
+
+        def interactive(item: QueuedRequest) -> bool:
+            return not item.bulk or now - item.arrival >= self.config.bulk_max_wait_s
+
+        overdue = [item for item in self._overdue(now) if interactive(item)]
+        if not overdue:
+            self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
+        item, by_aging = self._choose(admissible, overdue, interactive)
+        if item is None:  # work conservation: what interactive work leaves goes to bulk
+            item, by_aging = self._choose(admissible, [])
+        return item, by_aging
 
     def _overdue(self, now: float) -> list[QueuedRequest]:
         """Every overdue request, oldest first."""
@@ -197,22 +231,27 @@ class FairQueue:
         return sorted(overdue, key=lambda item: item.arrival)
 
     def _choose(
-        self, admissible: Callable[[QueuedRequest], bool], overdue: list[QueuedRequest]
+        self,
+        admissible: Callable[[QueuedRequest], bool],
+        overdue: list[QueuedRequest],
+        eligible: Callable[[QueuedRequest], bool] = lambda _: True,
     ) -> tuple[QueuedRequest | None, bool]:
-        """(the next request, whether aging chose it: it is the oldest admissible overdue one)."""
-        if not self._items:
+        """(the next request among the `eligible`, whether aging chose it: it is the oldest
+        admissible overdue one)."""
+        candidates = [item for _, item in self._items.values() if eligible(item)]
+        if not candidates:
             return None, False
-        resuming = sorted((i for _, i in self._items.values() if i.resumed), key=_by_arrival)
+        resuming = sorted((i for i in candidates if i.resumed), key=_by_arrival)
         first = next((item for item in resuming if admissible(item)), None)
         if first is not None:
             return first, False
         if self.config.policy == "fcfs":  # strict: the oldest, or no one (head-of-line blocking)
-            oldest = min((item for _, item in self._items.values()), key=lambda i: i.arrival)
+            oldest = min(candidates, key=lambda i: i.arrival)
             return (oldest if admissible(oldest) else None), False
         oldest_overdue = next((item for item in overdue if admissible(item)), None)
         if oldest_overdue is not None and not self._last_was_aged:
             return oldest_overdue, True
-        fair = self._least_served(admissible)
+        fair = self._least_served(lambda item: eligible(item) and admissible(item))
         if fair is None:
             return oldest_overdue, oldest_overdue is not None
         return fair, fair is oldest_overdue
@@ -240,10 +279,11 @@ class FairQueue:
         self.served_tokens[party] = served + num_prompt_tokens + num_output_tokens
 
     def _advance_virtual_time(self) -> None:
-        """The virtual time follows the least-served backlogged party, and never goes back."""
-        if self._parties:
-            least = min(self.counters[p] for p in self._parties)
-            self.virtual_time = max(self.virtual_time, least)
+        """The virtual time follows the least-served backlogged party, and never goes back.
+        Bulk parties, served only from spare capacity, would hold it back: they do not count."""
+        counters = [self.counters[p] for p in self._parties if p.class_name != BULK_CLASS]
+        if counters:
+            self.virtual_time = max(self.virtual_time, min(counters))
 
 
 def _by_arrival(item: QueuedRequest) -> float:

@@ -1,0 +1,1 @@
+"""The batch service: the OpenAI Files and Batches APIs, durable jobs run as a bulk class."""

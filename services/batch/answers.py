@@ -1,0 +1,125 @@
+"""A job's output and error files: answers appended as lines finish, exactly once per custom_id.
+
+Each answer is one line in OpenAI's batch output format, keyed by `custom_id`:
+
+    {"id": "batch_req_...", "custom_id": "...",
+     "response": {"status_code": 200, "request_id": "...", "body": {...}}, "error": null}
+
+Successful lines go to the output file, failed ones (any other status, or `response: null` with
+an `error` such as `batch_expired`) to the error file. A line is appended and flushed to the
+operating system *before* its row in `lines` is marked answered, so a kill -9 between the two
+leaves an answer on disk that the database does not know. `recover` closes that gap when a job
+starts (again): it cuts a torn last line, then marks every custom_id found in the files as
+answered, which makes the database agree with the files. Whatever is still pending after that
+was never written, and runs again: every line is answered exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+from services.batch.store import Store
+
+
+def output_file_id(batch_id: str) -> str:
+    return f"file-{batch_id.removeprefix('batch_')}o"
+
+
+def error_file_id(batch_id: str) -> str:
+    return f"file-{batch_id.removeprefix('batch_')}e"
+
+
+class Answers:
+    def __init__(self, store: Store, batch_id: str):
+        self.store = store
+        self.batch_id = batch_id
+        self.output_path = store.path_of(output_file_id(batch_id))
+        self.error_path = store.path_of(error_file_id(batch_id))
+        self.recover()
+        self._output = open(self.output_path, "ab")  # noqa: SIM115 - held for the job's life
+        self._errors = open(self.error_path, "ab")  # noqa: SIM115
+
+    def close(self) -> None:
+        self._output.close()
+        self._errors.close()
+
+    def recover(self) -> int:
+        """Marks every answer already in the files; the number that were unknown to SQLite."""
+        num_recovered = 0
+        for path, ok in ((self.output_path, True), (self.error_path, False)):
+            if not path.exists():
+                continue
+            _cut_torn_tail(path)
+            with open(path, "rb") as file:
+                for raw in file:
+                    line = json.loads(raw)
+                    usage = _usage(line)
+                    num_recovered += self.store.mark_answered(
+                        self.batch_id, line["custom_id"], ok, usage
+                    )
+        return num_recovered
+
+    def response(self, custom_id: str, status: int, body: dict[str, Any]) -> None:
+        """A line answered by the cluster (status 200) or refused by it (an error body)."""
+        request_id = body.get("id") if status == 200 else None
+        line = {
+            "id": f"batch_req_{secrets.token_hex(12)}",
+            "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "error": None,
+        }
+        self._append(line, ok=status == 200)
+
+    def failure(self, custom_id: str, code: str, message: str) -> None:
+        """A line that never got a response (expired)."""
+        line = {
+            "id": f"batch_req_{secrets.token_hex(12)}",
+            "custom_id": custom_id,
+            "response": None,
+            "error": {"code": code, "message": message},
+        }
+        self._append(line, ok=False)
+
+    def _append(self, line: dict[str, Any], ok: bool) -> None:
+        file = self._output if ok else self._errors
+        file.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+        file.flush()  # to the OS before the database: see the module doc
+        self.store.mark_answered(self.batch_id, line["custom_id"], ok, _usage(line))
+
+    def sizes(self) -> tuple[int, int]:
+        return _size(self.output_path), _size(self.error_path)
+
+
+def _usage(line: dict[str, Any]) -> dict[str, int] | None:
+    body = (line.get("response") or {}).get("body") or {}
+    return body.get("usage") if isinstance(body.get("usage"), dict) else None
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Drops a last line that a kill cut short (no final newline)."""
+    size = path.stat().st_size
+    if size == 0:
+        return
+    with open(path, "rb+") as file:
+        file.seek(-1, os.SEEK_END)
+        if file.read(1) == b"\n":
+            return
+        position = size
+        while position > 0:
+            step = min(65536, position)
+            file.seek(position - step)
+            chunk = file.read(step)
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                file.truncate(position - step + newline + 1)
+                return
+            position -= step
+        file.truncate(0)

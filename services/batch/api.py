@@ -1,0 +1,283 @@
+"""The Files and Batches calls, in OpenAI's shapes: one handler per `shared.wire_batch` op.
+
+Every handler gets the caller's tenant (resolved by the gateway from its API key) and sees only
+that tenant's files and batches: another tenant's id is answered 404, as if it did not exist.
+Uploads arrive in chunks appended to a file under `uploads/` and are moved into `files/` when
+complete; the size limit (`max_file_bytes`, 413) is checked on every chunk, so an oversized
+upload is refused while it streams, and the line limit (`max_lines`, 400) when a batch is
+created. A handler returns (status, body, data frame or None).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.batch.jobs import JobManager
+from services.batch.runner import KINDS
+from services.batch.store import Store
+from services.batch.validation import raw_lines
+
+Result = tuple[int, dict[str, Any], bytes | None]
+_WINDOW = re.compile(r"(\d+)([hms])")
+_SECONDS = {"h": 3600, "m": 60, "s": 1}
+MAX_METADATA_KEYS = 16
+CONTENT_CHUNK_BYTES = 1 << 20
+
+
+class ApiFailure(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status = status
+        self.body = {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": param,
+                "code": code,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_file_bytes: int = 200 << 20
+    max_lines: int = 50_000
+    max_list_limit: int = 100
+
+
+@dataclass
+class _Upload:
+    tenant: str
+    purpose: str
+    filename: str
+    path: Path
+    size: int = 0
+
+
+def file_object(row) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "object": "file",
+        "bytes": row["bytes"],
+        "created_at": row["created_at"],
+        "filename": row["filename"],
+        "purpose": row["purpose"],
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
+
+
+def public(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch object as clients see it: the service's own keys (leading `_`) left out."""
+    return {key: value for key, value in batch.items() if not key.startswith("_")}
+
+
+def page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    shown = data[:limit]
+    return {
+        "object": "list",
+        "data": shown,
+        "has_more": len(data) > limit,
+        "first_id": shown[0]["id"] if shown else None,
+        "last_id": shown[-1]["id"] if shown else None,
+    }
+
+
+class BatchApi:
+    def __init__(self, store: Store, jobs: JobManager, limits: Limits):
+        self.store = store
+        self.jobs = jobs
+        self.limits = limits
+        self.uploads_dir = store.directory / "uploads"
+        self.uploads_dir.mkdir(exist_ok=True)
+        for stale in self.uploads_dir.iterdir():  # uploads cut short by a restart
+            stale.unlink()
+        self._uploads: dict[str, _Upload] = {}
+
+    def handle(self, op: str, tenant: str, params: dict, data: bytes | None) -> Result:
+        try:
+            return getattr(self, op)(tenant, params, data)
+        except ApiFailure as failure:
+            return failure.status, failure.body, None
+
+    # -- files --------------------------------------------------------------------------------
+
+    def file_upload_begin(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        if params.get("purpose") != "batch":
+            raise ApiFailure(400, "purpose must be 'batch'", "purpose")
+        filename = str(params.get("filename") or "upload.jsonl")[:256]
+        upload_id = secrets.token_hex(12)
+        path = self.uploads_dir / upload_id
+        path.touch()
+        self._uploads[upload_id] = _Upload(tenant, "batch", filename, path)
+        return 200, {"upload_id": upload_id}, None
+
+    def file_upload_chunk(self, tenant: str, params: dict, data: bytes | None) -> Result:
+        upload = self._upload(tenant, params)
+        upload.size += len(data or b"")
+        if upload.size > self.limits.max_file_bytes:
+            self._drop_upload(params["upload_id"])
+            raise ApiFailure(413, f"the file exceeds {self.limits.max_file_bytes} bytes", "file")
+        with open(upload.path, "ab") as file:
+            file.write(data or b"")
+        return 200, {"bytes": upload.size}, None
+
+    def file_upload_end(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        upload = self._upload(tenant, params)
+        del self._uploads[params["upload_id"]]
+        file_id = f"file-{secrets.token_hex(12)}"
+        upload.path.rename(self.store.path_of(file_id))
+        self.store.add_file(file_id, tenant, upload.purpose, upload.filename, upload.size)
+        return 200, file_object(self.store.get_file(tenant, file_id)), None
+
+    def file_list(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        limit = self._limit(params)
+        rows = self.store.list_files(tenant, params.get("purpose"), limit + 1, params.get("after"))
+        return 200, page([file_object(row) for row in rows], limit), None
+
+    def file_get(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        return 200, file_object(self._file(tenant, params)), None
+
+    def file_delete(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        row = self._file(tenant, params)
+        self.store.delete_file(tenant, row["id"])
+        return 200, {"id": row["id"], "object": "file", "deleted": True}, None
+
+    def file_content(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        row = self._file(tenant, params)
+        offset = params.get("offset", 0)
+        if not isinstance(offset, int) or offset < 0:
+            raise ApiFailure(400, "offset must be a non-negative integer", "offset")
+        with open(self.store.path_of(row["id"]), "rb") as file:
+            file.seek(offset)
+            chunk = file.read(CONTENT_CHUNK_BYTES)
+        end = offset + len(chunk)
+        more = end < row["bytes"]
+        return 200, {"bytes": row["bytes"], "next_offset": end if more else None}, chunk
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def batch_create(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        endpoint = params.get("endpoint")
+        if endpoint not in KINDS:
+            raise ApiFailure(400, f"endpoint must be one of {', '.join(KINDS)}", "endpoint")
+        window_s = _window_seconds(params.get("completion_window"))
+        metadata = params.get("metadata")
+        if metadata is not None and (
+            not isinstance(metadata, dict)
+            or len(metadata) > MAX_METADATA_KEYS
+            or not all(isinstance(v, str) and len(v) <= 512 for v in metadata.values())
+        ):
+            raise ApiFailure(
+                400,
+                f"metadata must be a map of at most {MAX_METADATA_KEYS} "
+                "strings of at most 512 characters",
+                "metadata",
+            )
+        row = self._file(tenant, {"file_id": params.get("input_file_id")}, "input_file_id")
+        if row["purpose"] != "batch":
+            raise ApiFailure(400, "the input file's purpose must be 'batch'", "input_file_id")
+        num_lines = sum(1 for _ in raw_lines(self.store.path_of(row["id"])))
+        if num_lines > self.limits.max_lines:
+            raise ApiFailure(
+                400,
+                f"the input file has {num_lines} requests, more than the "
+                f"limit of {self.limits.max_lines}",
+                "input_file_id",
+            )
+        now = int(time.time())
+        batch = {
+            "id": f"batch_{secrets.token_hex(12)}",
+            "object": "batch",
+            "endpoint": endpoint,
+            "errors": None,
+            "input_file_id": row["id"],
+            "completion_window": params["completion_window"],
+            "status": "validating",
+            "output_file_id": None,
+            "error_file_id": None,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + window_s,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "metadata": metadata,
+            "_tenant": tenant,
+            "_models": list(params.get("models") or []),
+        }
+        self.store.add_batch(batch, tenant)
+        self.jobs.start(batch["id"])
+        return 200, public(self.store.get_batch(batch["id"])), None
+
+    def batch_get(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        return 200, public(self._batch(tenant, params)), None
+
+    def batch_list(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        limit = self._limit(params)
+        batches = self.store.list_batches(tenant, limit + 1, params.get("after"))
+        return 200, page([public(b) for b in batches], limit), None
+
+    def batch_cancel(self, tenant: str, params: dict, _: bytes | None) -> Result:
+        batch = self._batch(tenant, params)
+        if batch["status"] in ("validating", "in_progress"):
+            batch = self.store.update_batch(
+                batch["id"], status="cancelling", cancelling_at=int(time.time())
+            )
+            self.jobs.cancel(batch["id"])
+        elif batch["status"] != "cancelling":
+            raise ApiFailure(409, f"cannot cancel a batch that is {batch['status']}", "batch_id")
+        return 200, public(batch), None
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def _file(self, tenant: str, params: dict, param: str = "file_id"):
+        file_id = params.get("file_id")
+        row = self.store.get_file(tenant, file_id) if isinstance(file_id, str) else None
+        if row is None:
+            raise ApiFailure(404, f"No such File object: {file_id}", param)
+        return row
+
+    def _batch(self, tenant: str, params: dict) -> dict[str, Any]:
+        batch_id = params.get("batch_id")
+        batch = self.store.get_batch(batch_id, tenant) if isinstance(batch_id, str) else None
+        if batch is None:
+            raise ApiFailure(404, f"No batch found with id '{batch_id}'.", "batch_id")
+        return batch
+
+    def _upload(self, tenant: str, params: dict) -> _Upload:
+        upload = self._uploads.get(params.get("upload_id"))
+        if upload is None or upload.tenant != tenant:
+            raise ApiFailure(404, "no such upload in progress", "upload_id")
+        return upload
+
+    def _drop_upload(self, upload_id: str) -> None:
+        upload = self._uploads.pop(upload_id)
+        upload.path.unlink(missing_ok=True)
+
+    def _limit(self, params: dict) -> int:
+        limit = params.get("limit", 20)
+        if not isinstance(limit, int) or not 1 <= limit <= self.limits.max_list_limit:
+            raise ApiFailure(400, f"limit must be in [1, {self.limits.max_list_limit}]", "limit")
+        return limit
+
+
+def _window_seconds(window: Any) -> int:
+    """OpenAI's '24h'; tandem also takes other hours, minutes or seconds ('90m', '30s')."""
+    match = _WINDOW.fullmatch(window) if isinstance(window, str) else None
+    if match is None or int(match[1]) <= 0:
+        raise ApiFailure(
+            400, "completion_window must be like '24h' (or 'Nh', 'Nm', 'Ns')", "completion_window"
+        )
+    return int(match[1]) * _SECONDS[match[2]]

@@ -1,0 +1,95 @@
+"""The jobs the batch service owns: each validated, then run, each as an asyncio task.
+
+A job's state lives in SQLite, so the task is only its engine: `resume_all` starts one for every
+job a kill left unfinished (`validating` validates again from the start; `in_progress`,
+`finalizing` and `cancelling` recover their answers from the files and go on). Validation and
+running follow OpenAI's states: validating -> in_progress -> finalizing -> completed, or failed
+(bad lines), cancelling -> cancelled, expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.batch.runner import JobRunner, RunLimits
+from services.batch.store import Store
+from services.batch.validation import validate
+from services.gateway.rpc_client import AsyncTandemClient
+from shared.logs import get_logger
+
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+class JobManager:
+    def __init__(self, store: Store, client: AsyncTandemClient, limits: RunLimits):
+        self.store = store
+        self.client = client
+        self.limits = limits
+        self.runners: dict[str, JobRunner] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        self.log = get_logger()
+
+    def start(self, batch_id: str) -> None:
+        task = asyncio.create_task(self._drive(batch_id))
+        self._tasks[batch_id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(batch_id, None))
+
+    def resume_all(self) -> int:
+        batches = self.store.batches_in(*UNFINISHED)
+        for batch in batches:
+            self.log.info("resuming batch", batch_id=batch["id"], status=batch["status"])
+            self.start(batch["id"])
+        return len(batches)
+
+    def cancel(self, batch_id: str) -> None:
+        runner = self.runners.get(batch_id)
+        if runner is not None:
+            runner.cancel()
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def num_in_flight(self) -> int:
+        return sum(len(runner.tasks) for runner in self.runners.values())
+
+    async def _drive(self, batch_id: str) -> None:
+        try:
+            batch = self.store.get_batch(batch_id)
+            if batch["status"] == "validating" and not await self._validate(batch):
+                return
+            runner = self.runners[batch_id] = JobRunner(
+                self.store, self.client, batch_id, self.limits
+            )
+            if self.store.get_batch(batch_id)["status"] == "cancelling":
+                runner.cancel()
+            await runner.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not take the service down; the job resumes on restart
+            self.log.exception("batch job failed", batch_id=batch_id)
+        finally:
+            self.runners.pop(batch_id, None)
+
+    async def _validate(self, batch: dict) -> bool:
+        # Runs on the loop, page by page in SQLite: 50,000 lines take about a second.
+        await asyncio.sleep(0)
+        num_lines, errors = validate(self.store, batch, batch["_models"])
+        now = int(time.time())
+        current = self.store.get_batch(batch["id"])
+        if errors:
+            self.store.update_batch(
+                batch["id"],
+                status="failed",
+                failed_at=now,
+                errors={"object": "list", "data": errors},
+            )
+            self.log.info("batch failed validation", batch_id=batch["id"], errors=len(errors))
+            return False
+        self.store.set_total(batch["id"], num_lines)
+        if current["status"] == "cancelling":
+            return True  # the runner finalizes it as cancelled at once
+        self.store.update_batch(batch["id"], status="in_progress", in_progress_at=now)
+        return True

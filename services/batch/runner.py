@@ -1,0 +1,192 @@
+"""Running a validated job: its lines through the cluster, a bounded window at a time.
+
+The runner pages through the job's pending lines in `lines` (line order), reads each line's text
+from the input file by its offset, and sends it to a gateway's RPC door as a *bulk* request (the
+scheduler serves it only when no interactive request can be placed). At most `window` lines are
+in flight; the window follows the cluster's backpressure the way TCP follows loss: a 429 or 503
+halves it and the line waits the Retry-After before trying again, every success widens it by one,
+up to `max_in_flight`. So a job never dumps its file into the scheduler's queue, and its memory
+is the window, not the file.
+
+A line's answer is final when the cluster answers 200 or a client error (400: over the context
+limit, a bad sampling value): it goes to the output or error file (`answers`). Cluster trouble
+(5xx, a gateway that does not answer in `line_timeout_s`) retries the line, up to
+`max_attempts`; a worker's death is handled below us (the gateway resumes the request).
+
+Cancel stops the feed and aborts the lines in flight (their answers are not written); expiry
+(`expires_at` passed) stops the feed, lets the lines in flight finish, and answers every line
+never started with a `batch_expired` error. Then the job is finalized: its output and error
+files are registered and the batch object gets their ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.batch.answers import Answers, error_file_id, output_file_id
+from services.batch.store import Store
+from services.gateway.rpc_client import AsyncTandemClient, RpcError
+from shared.logs import get_logger
+
+PAGE_LINES = 256
+KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+RETRY_STATUSES = (429, 503)  # backpressure: wait and retry, the window halves
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    max_in_flight: int = 32
+    line_timeout_s: float = 600.0
+    max_attempts: int = 5  # per line, for cluster failures (5xx, no answer)
+
+
+class JobRunner:
+    """Runs one job to its end state; `cancel()` asks it to stop."""
+
+    def __init__(self, store: Store, client: AsyncTandemClient, batch_id: str, limits: RunLimits):
+        self.store = store
+        self.client = client
+        self.batch_id = batch_id
+        self.limits = limits
+        self.window = float(limits.max_in_flight)
+        self.tasks: set[asyncio.Task] = set()  # the lines in flight
+        self._cancelled = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self.log = get_logger(batch_id=batch_id)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    async def run(self) -> None:
+        batch = self.store.get_batch(self.batch_id)
+        answers = Answers(self.store, self.batch_id)
+        tasks = self.tasks
+        try:
+            ended = await self._feed(batch, answers, tasks)
+            if ended == "cancelled":
+                for task in tasks:
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if ended == "expired":
+                self._expire_rest(answers)
+            self._finalize(answers, ended)
+        finally:
+            answers.close()
+
+    async def _feed(self, batch: dict[str, Any], answers: Answers, tasks: set) -> str:
+        """Feeds lines until none is left (then 'completed'), or cancel, or expiry."""
+        kind = KINDS[batch["endpoint"]]
+        last_line_no = 0
+        with open(self.store.path_of(batch["input_file_id"]), "rb") as source:
+            while True:
+                page = self.store.pending_lines(self.batch_id, last_line_no, PAGE_LINES)
+                if not page:
+                    return "completed"
+                for row in page:
+                    ended = await self._wait_for_slot(batch)
+                    if ended is not None:
+                        return ended
+                    source.seek(row["offset"])
+                    line = json.loads(source.read(row["length"]))
+                    task = asyncio.create_task(self._answer(kind, batch, line, answers))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    last_line_no = row["line_no"]
+                # the last page's lines may still be running: wait for them before the next read
+                while tasks and len(page) < PAGE_LINES:
+                    ended = await self._wait_for_slot(batch, until_idle=True)
+                    if ended is not None:
+                        return ended
+
+    async def _wait_for_slot(self, batch: dict[str, Any], until_idle: bool = False) -> str | None:
+        while len(self.tasks) >= (1 if until_idle else max(1, int(self.window))):
+            if self._cancelled.is_set():
+                return "cancelled"
+            if time.time() >= batch["expires_at"]:
+                return "expired"
+            self._slot_freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), 0.5)
+        if self._cancelled.is_set():
+            return "cancelled"
+        if time.time() >= batch["expires_at"]:
+            return "expired"
+        return None
+
+    async def _answer(self, kind: str, batch: dict, line: dict, answers: Answers) -> None:
+        try:
+            status, body = await self._call(kind, batch, line)
+            answers.response(line["custom_id"], status, body)
+        finally:
+            self.tasks.discard(asyncio.current_task())  # before the wake-up: the slot is free
+            self._slot_freed.set()
+
+    async def _call(self, kind: str, batch: dict, line: dict) -> tuple[int, dict[str, Any]]:
+        # The owner's tenant is charged, whatever the line says (tenancy: see the service doc).
+        body = {**line["body"], "stream": False, "user": batch["_tenant"]}
+        call = self.client.chat if kind == "chat" else self.client.completion
+        failures = 0
+        while True:
+            try:
+                response = await call(timeout_s=self.limits.line_timeout_s, **body)
+                self.window = min(self.limits.max_in_flight, self.window + 1)
+                return 200, response
+            except RpcError as error:
+                if error.status in RETRY_STATUSES:
+                    self.window = max(1.0, self.window / 2)
+                    await asyncio.sleep(error.retry_after_s or 1.0)
+                    continue
+                if error.status < 500 or failures + 1 >= self.limits.max_attempts:
+                    return error.status, error.body
+                failures += 1
+                self.log.warning("line failed, retrying", status=error.status, error=error.message)
+            except TimeoutError as error:
+                failures += 1
+                if failures >= self.limits.max_attempts:
+                    return 504, {
+                        "error": {
+                            "message": str(error),
+                            "type": "timeout",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
+                self.log.warning("line timed out, retrying", custom_id=line["custom_id"])
+            await asyncio.sleep(min(8.0, 0.5 * 2**failures))
+
+    def _expire_rest(self, answers: Answers) -> None:
+        last_line_no = 0
+        while page := self.store.pending_lines(self.batch_id, last_line_no, PAGE_LINES):
+            for row in page:
+                answers.failure(
+                    row["custom_id"],
+                    "batch_expired",
+                    "This request could not be executed before the completion window expired.",
+                )
+                last_line_no = row["line_no"]
+
+    def _finalize(self, answers: Answers, ended: str) -> None:
+        now = int(time.time())
+        if ended == "completed":
+            self.store.update_batch(self.batch_id, status="finalizing", finalizing_at=now)
+        output_bytes, error_bytes = answers.sizes()
+        changes: dict[str, Any] = {"status": ended, f"{ended}_at": now}
+        batch = self.store.get_batch(self.batch_id, None)
+        tenant = batch["_tenant"]
+        if output_bytes:
+            self._register(output_file_id(self.batch_id), tenant, "batch_output", output_bytes)
+            changes["output_file_id"] = output_file_id(self.batch_id)
+        if error_bytes:
+            self._register(error_file_id(self.batch_id), tenant, "batch_output", error_bytes)
+            changes["error_file_id"] = error_file_id(self.batch_id)
+        self.store.update_batch(self.batch_id, **changes)
+        self.log.info("batch finished", status=ended, **batch["request_counts"])
+
+    def _register(self, file_id: str, tenant: str, purpose: str, size: int) -> None:
+        if self.store.get_file(tenant, file_id) is None:
+            self.store.add_file(file_id, tenant, purpose, f"{file_id}.jsonl", size)

@@ -1,0 +1,200 @@
+"""`tandem batch-service`: the durable owner of the OpenAI Files and Batches state.
+
+One process holds an SQLite database (WAL) and the uploaded and produced files in `--data-dir`.
+Gateways forward the Files and Batches calls to its ROUTER (`shared.wire_batch`); any number of
+gateways share it. It runs each job's lines through a gateway's RPC door as bulk requests
+(`runner`), and on start resumes every job a kill left unfinished (`jobs`). Metrics: lines by
+state, jobs by status and the lines still queued, on `--metrics-port`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry, Gauge
+
+from services.batch.api import BatchApi, Limits
+from services.batch.jobs import JobManager
+from services.batch.runner import RunLimits
+from services.batch.store import Store
+from services.gateway.rpc_client import AsyncTandemClient
+from shared import wire_batch
+from shared.config import (
+    add_config_arguments,
+    config_from_args,
+    require_address,
+    require_port,
+    require_positive,
+    setting,
+)
+from shared.logs import configure_logging, get_logger
+from shared.metrics import name, serve_metrics
+from shared.wire import WireError
+
+METRICS_INTERVAL_S = 2.0
+
+
+@dataclass(frozen=True)
+class BatchServiceConfig:
+    address: str = setting("ipc:///tmp/tandem/batch.sock", "the ROUTER gateways connect to")
+    gateway_rpc_address: str = setting(
+        "ipc:///tmp/tandem/gateway-rpc.sock", "a gateway's RPC door, where lines are sent"
+    )
+    data_dir: str = setting("./tandem-batch", "where the SQLite database and the files live")
+    api_key: str | None = setting(None, "the API key the service presents to the gateway")
+    max_file_bytes: int = setting(200 << 20, "largest uploaded file (413 past it)")
+    max_lines: int = setting(50_000, "most requests in one batch's input file (400 past it)")
+    max_in_flight: int = setting(32, "most lines of one job in the cluster at once")
+    line_timeout_s: float = setting(600.0, "a line unanswered this long is tried again")
+    max_attempts: int = setting(5, "tries per line when the cluster fails (5xx, no answer)")
+    metrics_host: str = setting("127.0.0.1", "host of the Prometheus /metrics server")
+    metrics_port: int | None = setting(None, "port of /metrics (0: any free; none: off)")
+
+    def __post_init__(self) -> None:
+        require_address(self, "address", "gateway_rpc_address")
+        require_positive(
+            self, "max_file_bytes", "max_lines", "max_in_flight", "line_timeout_s", "max_attempts"
+        )
+        require_port(self, "metrics_port")
+        if self.max_in_flight > 256:
+            raise ValueError(
+                "max_in_flight (--max-in-flight / TANDEM_MAX_IN_FLIGHT) must be at most 256 "
+                f"(the RPC door's calls per client), got {self.max_in_flight}"
+            )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, BatchServiceConfig)
+
+
+class BatchMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.lines = Gauge(
+            name("batch_lines"),
+            "lines of unfinished jobs, by state",
+            ["state"],
+            registry=self.registry,
+        )
+        self.jobs = Gauge(
+            name("batch_jobs"), "batch jobs by status", ["status"], registry=self.registry
+        )
+        self.queue_depth = Gauge(
+            name("batch_queue_depth"), "lines not yet answered", registry=self.registry
+        )
+
+    def update(self, store: Store, jobs: JobManager) -> None:
+        for status, count in store.count_by_state().items():
+            self.jobs.labels(status).set(count)
+        counts = store.db.execute(
+            "SELECT COALESCE(SUM(total - completed - failed), 0), COALESCE(SUM(completed), 0), "
+            "COALESCE(SUM(failed), 0) FROM batches WHERE status IN "
+            "('validating', 'in_progress', 'finalizing', 'cancelling')"
+        ).fetchone()
+        in_flight = jobs.num_in_flight()
+        self.queue_depth.set(counts[0])
+        self.lines.labels("pending").set(max(0, counts[0] - in_flight))
+        self.lines.labels("in_flight").set(in_flight)
+        self.lines.labels("completed").set(counts[1])
+        self.lines.labels("failed").set(counts[2])
+
+
+class BatchService:
+    def __init__(self, config: BatchServiceConfig):
+        self.config = config
+        self.log = get_logger(role="batch")
+        self.store = Store(config.data_dir)
+        self.client = AsyncTandemClient(
+            config.gateway_rpc_address,
+            timeout_s=config.line_timeout_s,
+            api_key=config.api_key,
+            bulk=True,
+        )
+        limits = RunLimits(config.max_in_flight, config.line_timeout_s, config.max_attempts)
+        self.jobs = JobManager(self.store, self.client, limits)
+        self.api = BatchApi(self.store, self.jobs, Limits(config.max_file_bytes, config.max_lines))
+        self.metrics = BatchMetrics()
+        self._stopping = asyncio.Event()
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_CHUNK_BYTES + (1 << 20))
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.bind(self.config.address)
+        metrics_address = None
+        if self.config.metrics_port is not None:
+            metrics_address = serve_metrics(
+                self.metrics.registry, self.config.metrics_host, self.config.metrics_port
+            )
+        resumed = self.jobs.resume_all()
+        self.log.info(
+            "batch service listening",
+            address=self.config.address,
+            data_dir=self.config.data_dir,
+            resumed=resumed,
+            metrics=metrics_address,
+        )
+        tasks = [asyncio.create_task(self._receive(socket)), asyncio.create_task(self._gauges())]
+        await self._stopping.wait()
+        for task in tasks:
+            task.cancel()
+        await self.jobs.close()
+        await self.client.close()
+        socket.close()
+        self.store.close()
+
+    async def _receive(self, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            identity, *frames = await socket.recv_multipart()
+            try:
+                call, data = wire_batch.decode(frames)
+                if not isinstance(call, wire_batch.BatchCall):
+                    raise WireError(f"expected a BatchCall, got {type(call).__name__}")
+                params = json.loads(call.params)
+                if not isinstance(params, dict):
+                    raise WireError("BatchCall.params must be a JSON object")
+            except (WireError, json.JSONDecodeError) as error:
+                self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
+                continue
+            try:
+                status, body, chunk = self.api.handle(call.op, call.tenant, params, data)
+            except Exception as error:  # a bug in one call must not take the service down
+                self.log.exception("batch call failed", op=call.op)
+                status, chunk = 500, None
+                body = {
+                    "error": {
+                        "message": str(error),
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            reply = wire_batch.BatchReply(
+                call_id=call.call_id, status=status, body=json.dumps(body)
+            )
+            await wire_batch.async_send_to(socket, identity, reply, chunk)
+
+    async def _gauges(self) -> None:
+        while True:
+            self.metrics.update(self.store, self.jobs)
+            await asyncio.sleep(METRICS_INTERVAL_S)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("batch")
+    config = config_from_args(BatchServiceConfig, args)
+
+    async def main() -> None:
+        await BatchService(config).serve()
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,213 @@
+"""The batch service's durable state: one SQLite database (WAL) beside a folder of file contents.
+
+Tables: `files` (uploaded inputs and produced outputs; the bytes live in `files/<id>` on disk,
+never in the database), `batches` (one row per job: its state, timestamps, counts and errors) and
+`lines` (one row per input line of a validated job: its custom_id, where it sits in the input
+file, and whether its answer is written). `lines` is what lets a job resume after a kill without
+holding the file in memory: pending lines are read page by page, each line's text by seeking to
+its offset. UNIQUE(batch_id, custom_id) is the duplicate check of validation, and the key that
+recovery marks answered lines by.
+
+The service runs on one asyncio thread, so one connection is enough; every write commits at once.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, body TEXT NOT NULL,
+    created_at INTEGER NOT NULL, total INTEGER NOT NULL DEFAULT 0,
+    completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, created_at);
+CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL,
+    offset INTEGER NOT NULL, length INTEGER NOT NULL,
+    state INTEGER NOT NULL DEFAULT 0,  -- 0 pending, 1 answered (in the output or error file)
+    PRIMARY KEY (batch_id, line_no), UNIQUE (batch_id, custom_id)
+);
+"""
+PENDING, ANSWERED = 0, 1
+
+
+class Store:
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.files_dir = self.directory / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.directory / "batch.sqlite3", isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: a kill -9 loses nothing committed
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def path_of(self, file_id: str) -> Path:
+        return self.files_dir / file_id
+
+    # -- files --------------------------------------------------------------------------------
+
+    def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int) -> None:
+        self.db.execute(
+            "INSERT INTO files (id, tenant, purpose, filename, bytes, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (file_id, tenant, purpose, filename, size, int(time.time())),
+        )
+
+    def get_file(self, tenant: str, file_id: str) -> sqlite3.Row | None:
+        return self.db.execute(
+            "SELECT * FROM files WHERE id = ? AND tenant = ? AND deleted = 0", (file_id, tenant)
+        ).fetchone()
+
+    def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None):
+        sql, args = "SELECT * FROM files WHERE tenant = ? AND deleted = 0", [tenant]
+        if purpose is not None:
+            sql, args = sql + " AND purpose = ?", [*args, purpose]
+        if after is not None:
+            sql, args = sql + " AND rowid < (SELECT rowid FROM files WHERE id = ?)", [*args, after]
+        return self.db.execute(sql + " ORDER BY rowid DESC LIMIT ?", [*args, limit]).fetchall()
+
+    def delete_file(self, tenant: str, file_id: str) -> bool:
+        cursor = self.db.execute(
+            "UPDATE files SET deleted = 1 WHERE id = ? AND tenant = ? AND deleted = 0",
+            (file_id, tenant),
+        )
+        if cursor.rowcount:
+            self.path_of(file_id).unlink(missing_ok=True)
+        return bool(cursor.rowcount)
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def add_batch(self, batch: dict[str, Any], tenant: str) -> None:
+        self.db.execute(
+            "INSERT INTO batches (id, tenant, status, body, created_at) VALUES (?, ?, ?, ?, ?)",
+            (batch["id"], tenant, batch["status"], json.dumps(batch), batch["created_at"]),
+        )
+
+    def get_batch(self, batch_id: str, tenant: str | None = None) -> dict[str, Any] | None:
+        sql, args = "SELECT * FROM batches WHERE id = ?", [batch_id]
+        if tenant is not None:
+            sql, args = sql + " AND tenant = ?", [*args, tenant]
+        row = self.db.execute(sql, args).fetchone()
+        return None if row is None else _batch_of(row)
+
+    def list_batches(self, tenant: str, limit: int, after: str | None) -> list[dict[str, Any]]:
+        sql, args = "SELECT * FROM batches WHERE tenant = ?", [tenant]
+        if after is not None:
+            sql += " AND rowid < (SELECT rowid FROM batches WHERE id = ? AND tenant = ?)"
+            args += [after, tenant]
+        rows = self.db.execute(sql + " ORDER BY rowid DESC LIMIT ?", [*args, limit]).fetchall()
+        return [_batch_of(row) for row in rows]
+
+    def batches_in(self, *statuses: str) -> list[dict[str, Any]]:
+        marks = ",".join("?" * len(statuses))
+        rows = self.db.execute(
+            f"SELECT * FROM batches WHERE status IN ({marks}) ORDER BY rowid", statuses
+        ).fetchall()
+        return [_batch_of(row) for row in rows]
+
+    def update_batch(self, batch_id: str, **changes: Any) -> dict[str, Any]:
+        """Sets fields of the batch object (status, timestamps, file ids, errors) at once."""
+        batch = self.get_batch(batch_id)
+        assert batch is not None, batch_id
+        batch.update(changes)
+        batch.pop("request_counts", None)  # derived from the counters on every read
+        batch.pop("usage", None)
+        self.db.execute(
+            "UPDATE batches SET status = ?, body = ? WHERE id = ?",
+            (batch["status"], json.dumps(batch), batch_id),
+        )
+        return self.get_batch(batch_id)
+
+    # -- lines --------------------------------------------------------------------------------
+
+    def add_lines(self, batch_id: str, rows: list[tuple[int, str, int, int]]) -> list[int]:
+        """Adds (line_no, custom_id, offset, length) rows; the line numbers whose custom_id was
+        already taken (duplicates)."""
+        duplicates = []
+        self.db.execute("BEGIN")
+        for line_no, custom_id, offset, length in rows:
+            cursor = self.db.execute(
+                "INSERT OR IGNORE INTO lines (batch_id, line_no, custom_id, offset, length) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (batch_id, line_no, custom_id, offset, length),
+            )
+            if not cursor.rowcount:
+                duplicates.append(line_no)
+        self.db.execute("COMMIT")
+        return duplicates
+
+    def drop_lines(self, batch_id: str) -> None:
+        self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+
+    def set_total(self, batch_id: str, total: int) -> None:
+        self.db.execute("UPDATE batches SET total = ? WHERE id = ?", (total, batch_id))
+
+    def pending_lines(self, batch_id: str, after_line_no: int, limit: int) -> list[sqlite3.Row]:
+        return self.db.execute(
+            "SELECT line_no, custom_id, offset, length FROM lines WHERE batch_id = ? "
+            "AND state = ? AND line_no > ? ORDER BY line_no LIMIT ?",
+            (batch_id, PENDING, after_line_no, limit),
+        ).fetchall()
+
+    def num_pending(self, batch_id: str) -> int:
+        row = self.db.execute(
+            "SELECT COUNT(*) FROM lines WHERE batch_id = ? AND state = ?", (batch_id, PENDING)
+        ).fetchone()
+        return row[0]
+
+    def mark_answered(
+        self, batch_id: str, custom_id: str, ok: bool, usage: dict[str, int] | None = None
+    ) -> bool:
+        """Records a line's answer (once: False if it was already answered), with its count,
+        in one transaction."""
+        self.db.execute("BEGIN")
+        cursor = self.db.execute(
+            "UPDATE lines SET state = ? WHERE batch_id = ? AND custom_id = ? AND state = ?",
+            (ANSWERED, batch_id, custom_id, PENDING),
+        )
+        if cursor.rowcount:
+            column = "completed" if ok else "failed"
+            usage = usage or {}
+            self.db.execute(
+                f"UPDATE batches SET {column} = {column} + 1, input_tokens = input_tokens + ?, "
+                "output_tokens = output_tokens + ? WHERE id = ?",
+                (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), batch_id),
+            )
+        self.db.execute("COMMIT")
+        return bool(cursor.rowcount)
+
+    def count_by_state(self) -> dict[str, int]:
+        rows = self.db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall()
+        return {status: count for status, count in rows}
+
+
+def _batch_of(row: sqlite3.Row) -> dict[str, Any]:
+    batch = json.loads(row["body"])
+    batch["status"] = row["status"]
+    batch["request_counts"] = {
+        "total": row["total"],
+        "completed": row["completed"],
+        "failed": row["failed"],
+    }
+    batch["usage"] = {
+        "input_tokens": row["input_tokens"],
+        "output_tokens": row["output_tokens"],
+        "total_tokens": row["input_tokens"] + row["output_tokens"],
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
+    return batch

@@ -1,0 +1,127 @@
+"""Checking a batch's input file before anything runs, as OpenAI does in `validating`.
+
+The file is read line by line from disk (never whole). Each line must be a JSON object with a
+non-empty string `custom_id`, `method` POST, a `url` equal to the batch's endpoint and a `body`
+object whose `model` the cluster serves; `custom_id`s must be unique in the file (the `lines`
+table's UNIQUE key finds duplicates without a set in memory). Every offending line is reported,
+numbered from 1, in OpenAI's `errors.data` shape; one bad line fails the whole batch. A line
+that passes is recorded with its byte offset, so the runner can read it again later by seeking.
+Blank lines are skipped, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from services.batch.store import Store
+
+PAGE_LINES = 1000  # lines recorded per transaction
+MAX_ERRORS = 1000  # errors.data entries kept (the count of the rest is in the last one)
+
+
+def error(code: str, message: str, line: int | None = None, param: str | None = None) -> dict:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def raw_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(line number from 1, byte offset, bytes without the newline) of each non-blank line."""
+    offset = 0
+    with open(path, "rb") as file:
+        for line_no, raw in enumerate(file, 1):
+            text = raw.rstrip(b"\r\n")
+            if text.strip():
+                yield line_no, offset, text
+            offset += len(raw)
+
+
+def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | None, list[dict]]:
+    """(the line's custom_id if it has one, the problems found), without line numbers."""
+    try:
+        line = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, [error("invalid_json", f"the line is not valid JSON: {e}")]
+    if not isinstance(line, dict):
+        return None, [error("invalid_json", "the line must be a JSON object")]
+    problems = []
+    custom_id = line.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
+        problems.append(
+            error(
+                "missing_required_parameter",
+                "custom_id must be a non-empty string of at most 512 characters",
+                param="custom_id",
+            )
+        )
+        custom_id = None
+    if line.get("method") != "POST":
+        problems.append(error("invalid_value", "method must be POST", param="method"))
+    if line.get("url") != endpoint:
+        problems.append(
+            error(
+                "mismatched_url",
+                f"url must be the batch's endpoint {endpoint}, got {line.get('url')!r}",
+                param="url",
+            )
+        )
+    body = line.get("body")
+    if not isinstance(body, dict):
+        problems.append(error("invalid_value", "body must be a JSON object", param="body"))
+    elif body.get("model") not in models:
+        problems.append(
+            error(
+                "model_not_found",
+                f"the model {body.get('model')!r} is not served here (served: {', '.join(models)})",
+                param="body.model",
+            )
+        )
+    return custom_id, problems
+
+
+def validate(store: Store, batch: dict[str, Any], models: list[str]) -> tuple[int, list[dict]]:
+    """Records the lines of `batch`'s input file; (number of lines, errors). Errors mean the
+    batch fails and its recorded lines are dropped."""
+    store.drop_lines(batch["id"])  # a validation cut short by a kill starts again
+    errors: list[dict] = []
+    num_errors = num_lines = 0
+    page: list[tuple[int, str, int, int]] = []
+
+    def flush() -> None:
+        for line_no in store.add_lines(batch["id"], page):
+            found(
+                error(
+                    "duplicate_custom_id",
+                    "this custom_id appears on an earlier line",
+                    line_no,
+                    "custom_id",
+                )
+            )
+        page.clear()
+
+    def found(problem: dict) -> None:
+        nonlocal num_errors
+        num_errors += 1
+        if len(errors) < MAX_ERRORS:
+            errors.append(problem)
+
+    path = store.path_of(batch["input_file_id"])
+    for line_no, offset, text in raw_lines(path):
+        num_lines += 1
+        custom_id, problems = check_line(text, batch["endpoint"], models)
+        for problem in problems:
+            found({**problem, "line": line_no})
+        if custom_id is not None:
+            page.append((line_no, custom_id, offset, len(text)))
+        if len(page) >= PAGE_LINES:
+            flush()
+    flush()
+    if num_lines == 0:
+        found(error("empty_file", "the input file has no requests"))
+    if num_errors > len(errors):
+        errors.append(error("too_many_errors", f"{num_errors - len(errors)} more errors"))
+    if errors:
+        store.drop_lines(batch["id"])
+    errors.sort(key=lambda e: (e["line"] is None, e["line"] or 0))
+    return num_lines, errors

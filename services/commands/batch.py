@@ -1,0 +1,169 @@
+"""`tandem batch`: bulk jobs from the command line, through the OpenAI Files and Batches APIs.
+
+    tandem batch submit FILE.jsonl [--endpoint /v1/chat/completions] [--wait]
+    tandem batch status BATCH_ID        tandem batch list [--limit N]
+    tandem batch cancel BATCH_ID        tandem batch download BATCH_ID [--out FILE] [--errors]
+
+`submit` uploads the file, creates the batch and prints its id; with `--wait` it follows the job
+with a progress line (done/total, output tokens per second, ETA) until it ends, and exits 0
+only if it completed. Works against any server with these APIs (`--url`, `--api-key` or
+`OPENAI_API_KEY`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ENDED = ("completed", "failed", "cancelled", "expired")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    sub = parser.add_subparsers(dest="action", required=True)
+    submit = sub.add_parser("submit", help="upload a JSONL file and start a batch")
+    submit.add_argument("file", type=Path)
+    submit.add_argument("--endpoint", default=None, choices=ENDPOINTS,
+                        help="default: the first line's url")  # fmt: skip
+    submit.add_argument("--completion-window", default="24h")
+    submit.add_argument("--wait", action="store_true", help="follow the job until it ends")
+    for name, text in (("status", "show a batch"), ("cancel", "cancel a batch")):
+        sub.add_parser(name, help=text).add_argument("batch_id")
+    listing = sub.add_parser("list", help="list batches, newest first")
+    listing.add_argument("--limit", type=int, default=20)
+    download = sub.add_parser("download", help="write a batch's output (or error) file")
+    download.add_argument("batch_id")
+    download.add_argument("--out", type=Path, default=None, help="default: stdout")
+    download.add_argument("--errors", action="store_true", help="the error file instead")
+
+
+class Api:
+    def __init__(self, url: str, api_key: str | None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/") + "/v1", headers=headers, timeout=60)
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self.http.request(method, path, **kwargs)
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise SystemExit(f"tandem batch: {method} {path}: {response.status_code} {message}")
+        return response
+
+
+def run(args: argparse.Namespace) -> int:
+    api = Api(args.url, args.api_key)
+    if args.action == "submit":
+        return submit(api, args)
+    if args.action == "status":
+        print(json.dumps(api.call("GET", f"/batches/{args.batch_id}").json(), indent=2))
+    elif args.action == "cancel":
+        batch = api.call("POST", f"/batches/{args.batch_id}/cancel").json()
+        print(f"{batch['id']} {batch['status']}")
+    elif args.action == "list":
+        for batch in api.call("GET", "/batches", params={"limit": args.limit}).json()["data"]:
+            counts = batch["request_counts"]
+            print(f"{batch['id']}  {batch['status']:<11} {counts['completed']}/{counts['total']}"
+                  f" done, {counts['failed']} failed")  # fmt: skip
+    elif args.action == "download":
+        return download(api, args)
+    return 0
+
+
+def submit(api: Api, args: argparse.Namespace) -> int:
+    if not args.file.is_file():
+        raise SystemExit(f"tandem batch: no such file {args.file}")
+    endpoint = args.endpoint or _first_url(args.file)
+    with open(args.file, "rb") as file:
+        uploaded = api.call("POST", "/files", files={"file": (args.file.name, file)},
+                            data={"purpose": "batch"}).json()  # fmt: skip
+    body = {"input_file_id": uploaded["id"], "endpoint": endpoint,
+            "completion_window": args.completion_window}  # fmt: skip
+    batch = api.call("POST", "/batches", json=body).json()
+    print(batch["id"], flush=True)
+    if not args.wait:
+        return 0
+    batch = follow(api, batch["id"])
+    return 0 if batch["status"] == "completed" else 1
+
+
+def follow(api: Api, batch_id: str, interval_s: float = 1.0) -> dict[str, Any]:
+    """Polls until the batch ends, redrawing one progress line on stderr."""
+    started = time.monotonic()
+    tokens, first_done = 0, None
+    while True:
+        batch = api.call("GET", f"/batches/{batch_id}").json()
+        counts = batch["request_counts"]
+        done = counts["completed"] + counts["failed"]
+        if first_done is None and done:
+            first_done = (time.monotonic(), done)
+        rate = _rate(first_done, done)
+        eta = f"{(counts['total'] - done) / rate:.0f} s" if rate else "?"
+        tokens = batch.get("usage", {}) or {}
+        sys.stderr.write(
+            f"\r{batch['status']:<11} {done}/{counts['total']} done ({counts['failed']} failed)"
+            f"  {rate:.1f} lines/s{_tokens_per_s(tokens, started)}  ETA {eta}   "
+        )
+        sys.stderr.flush()
+        if batch["status"] in ENDED:
+            sys.stderr.write("\n")
+            return batch
+        time.sleep(interval_s)
+
+
+def _rate(first_done: tuple[float, int] | None, done: int) -> float:
+    if first_done is None:
+        return 0.0
+    elapsed = time.monotonic() - first_done[0]
+    return (done - first_done[1]) / elapsed if elapsed > 0 else 0.0
+
+
+def _tokens_per_s(usage: dict[str, Any], started: float) -> str:
+    output_tokens = usage.get("output_tokens")
+    if not output_tokens:
+        return ""
+    return f"  {output_tokens / (time.monotonic() - started):.0f} tokens/s"
+
+
+def download(api: Api, args: argparse.Namespace) -> int:
+    batch = api.call("GET", f"/batches/{args.batch_id}").json()
+    file_id = batch["error_file_id" if args.errors else "output_file_id"]
+    if file_id is None:
+        print(f"tandem batch: {args.batch_id} has no {'error' if args.errors else 'output'} "
+              f"file (status {batch['status']})", file=sys.stderr)  # fmt: skip
+        return 1
+    out = open(args.out, "wb") if args.out else sys.stdout.buffer  # noqa: SIM115
+    try:
+        with api.http.stream("GET", f"/files/{file_id}/content") as response:
+            for chunk in response.iter_bytes():
+                out.write(chunk)
+    finally:
+        if args.out:
+            out.close()
+    return 0
+
+
+def _first_url(path: Path) -> str:
+    with open(path, "rb") as file:
+        for raw in file:
+            if raw.strip():
+                try:
+                    url = json.loads(raw).get("url")
+                except (ValueError, AttributeError):
+                    break
+                if url in ENDPOINTS:
+                    return url
+                break
+    raise SystemExit(f"tandem batch: give --endpoint: the first line of {path} names none of "
+                     f"{', '.join(ENDPOINTS)}")  # fmt: skip

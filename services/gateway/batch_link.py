@@ -1,0 +1,101 @@
+"""The gateway's link to the batch service: a DEALER that relays Files and Batches calls.
+
+Calls may run concurrently; a reader task matches each `BatchReply` to its call by `call_id`.
+A batch service that does not answer within `timeout_s` (down, restarting) is answered 503 with
+a Retry-After, so clients retry instead of hanging; a late reply is then dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from services.gateway.openai_protocol import ERROR_TYPES, ApiError
+from shared import wire_batch
+from shared.logs import get_logger
+from shared.wire import WireError
+
+Reply = tuple[int, dict[str, Any], bytes | None]
+
+
+class BatchLink:
+    def __init__(self, address: str, timeout_s: float = 30.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.log = get_logger(component="batch_link")
+        self._socket: zmq.asyncio.Socket | None = None
+        self._call_ids = (str(n) for n in itertools.count())
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_CHUNK_BYTES + (1 << 20))
+        socket.connect(self.address)
+        self._socket = socket
+        self._reader = asyncio.create_task(self._read())
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close()
+
+    async def call(
+        self, op: str, tenant: str, params: dict[str, Any], data: bytes | None = None
+    ) -> Reply:
+        """The service's answer; ApiError with its status and body when it is not a 200."""
+        assert self._socket is not None, "start() first"
+        call_id = next(self._call_ids)
+        future = self._waiting[call_id] = asyncio.get_running_loop().create_future()
+        message = wire_batch.BatchCall(
+            call_id=call_id, op=op, tenant=tenant, params=json.dumps(params)
+        )
+        try:
+            await wire_batch.async_send(self._socket, message, data)
+            reply, chunk = await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            error = ApiError(503, "the batch service did not answer", "server_error")
+            error.retry_after_s = 5.0
+            raise error from None
+        finally:
+            self._waiting.pop(call_id, None)
+        body = json.loads(reply.body)
+        if reply.status != 200:
+            raise _api_error(reply.status, body)
+        return reply.status, body, chunk
+
+    async def _read(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                reply, chunk = wire_batch.decode(frames)
+                if not isinstance(reply, wire_batch.BatchReply):
+                    raise WireError(f"expected a BatchReply, got {type(reply).__name__}")
+            except WireError as error:
+                self.log.warning("dropped malformed batch reply", error=str(error))
+                continue
+            future = self._waiting.get(reply.call_id)
+            if future is not None and not future.done():
+                future.set_result((reply, chunk))
+
+
+def _api_error(status: int, body: dict[str, Any]) -> ApiError:
+    error = body.get("error") if isinstance(body, dict) else None
+    error = error if isinstance(error, dict) else {}
+    kind = error.get("type") if error.get("type") in ERROR_TYPES else None
+    return ApiError(
+        status,
+        str(error.get("message", "batch service error")),
+        kind or ("server_error" if status >= 500 else "invalid_request_error"),
+        error.get("param"),
+        error.get("code"),
+    )

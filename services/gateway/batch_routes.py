@@ -1,0 +1,133 @@
+"""The gateway's Files and Batches routes, relayed to the batch service (`batch_link`).
+
+The gateway owns nothing here: it authenticates the caller, names the owner (the API key's
+tenant; a key without one owns by a digest of itself, so two bare keys never see each other's
+files; with no keys configured, everyone is `default`), and relays. An upload is parsed by
+python-multipart (spooled to disk past 1 MiB) and sent on in chunks; a download is streamed
+back chunk by chunk. Without `--batch-address` the routes answer 404, as for any unknown path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import UploadFile
+
+from services.gateway.auth import ApiKeys
+from services.gateway.batch_link import BatchLink
+from services.gateway.openai_protocol import ApiError
+from shared.wire_batch import MAX_CHUNK_BYTES
+
+UPLOAD_CHUNK_BYTES = min(MAX_CHUNK_BYTES, 1 << 20)
+MAX_BATCH_BODY_BYTES = 64 << 10  # POST /v1/batches: ids, a window and 16 metadata strings
+
+
+def owner_of(keys: ApiKeys, authorization: str | None) -> str:
+    caller = keys.check_header(authorization)
+    if caller.tenant is not None:
+        return caller.tenant
+    if not keys.enabled:
+        return "default"
+    key = (authorization or "").partition(" ")[2].strip()
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def add_batch_routes(app: FastAPI, link: BatchLink, keys: ApiKeys, model: str) -> None:
+    async def relay(request: Request, op: str, params: dict[str, Any]) -> JSONResponse:
+        owner = owner_of(keys, request.headers.get("authorization"))
+        _, body, _ = await link.call(op, owner, params)
+        return JSONResponse(body)
+
+    @app.post("/v1/files")
+    async def create_file(request: Request) -> JSONResponse:
+        owner = owner_of(keys, request.headers.get("authorization"))
+        form = await request.form(max_files=1, max_fields=8)
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise ApiError(400, "a multipart field `file` is required", param="file")
+            begin = {"purpose": purpose, "filename": upload.filename}
+            _, body, _ = await link.call("file_upload_begin", owner, begin)
+            params = {"upload_id": body["upload_id"]}
+            while chunk := await upload.read(UPLOAD_CHUNK_BYTES):
+                await link.call("file_upload_chunk", owner, params, chunk)
+            _, body, _ = await link.call("file_upload_end", owner, params)
+            return JSONResponse(body)
+        finally:
+            await form.close()
+
+    @app.get("/v1/files")
+    async def list_files(request: Request) -> JSONResponse:
+        return await relay(request, "file_list", _list_params(request, "purpose"))
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(request: Request, file_id: str) -> JSONResponse:
+        return await relay(request, "file_get", {"file_id": file_id})
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(request: Request, file_id: str) -> JSONResponse:
+        return await relay(request, "file_delete", {"file_id": file_id})
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(request: Request, file_id: str) -> StreamingResponse:
+        owner = owner_of(keys, request.headers.get("authorization"))
+        params = {"file_id": file_id, "offset": 0}
+        _, body, chunk = await link.call("file_content", owner, params)  # errors before 200
+
+        async def chunks() -> AsyncIterator[bytes]:
+            nonlocal body, chunk
+            while True:
+                yield chunk or b""
+                if body["next_offset"] is None:
+                    return
+                params["offset"] = body["next_offset"]
+                _, body, chunk = await link.call("file_content", owner, params)
+
+        headers = {"Content-Length": str(body["bytes"])}
+        return StreamingResponse(chunks(), media_type="application/jsonl", headers=headers)
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request) -> JSONResponse:
+        owner_of(keys, request.headers.get("authorization"))  # before reading the body
+        raw = await request.body()
+        if len(raw) > MAX_BATCH_BODY_BYTES:
+            raise ApiError(413, f"the request body exceeds {MAX_BATCH_BODY_BYTES} bytes")
+        try:
+            params = json.loads(raw)
+        except ValueError as error:
+            raise ApiError(400, f"the body is not valid JSON: {error}") from None
+        if not isinstance(params, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        params.pop("models", None)
+        return await relay(request, "batch_create", {**params, "models": [model]})
+
+    @app.get("/v1/batches")
+    async def list_batches(request: Request) -> JSONResponse:
+        return await relay(request, "batch_list", _list_params(request))
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(request: Request, batch_id: str) -> JSONResponse:
+        return await relay(request, "batch_get", {"batch_id": batch_id})
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
+        return await relay(request, "batch_cancel", {"batch_id": batch_id})
+
+
+def _list_params(request: Request, *extra: str) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    query = request.query_params
+    if "limit" in query:
+        try:
+            params["limit"] = int(query["limit"])
+        except ValueError:
+            raise ApiError(400, "limit must be an integer", param="limit") from None
+    for name in ("after", *extra):
+        if name in query:
+            params[name] = query[name]
+    return params

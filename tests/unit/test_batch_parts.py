@@ -1,0 +1,160 @@
+"""The batch service's pure parts: its wire messages, validation of input lines, the answers'
+exactly-once recovery after a kill, and the Files API's tenancy and limits (on a real SQLite
+store in a temporary directory)."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from services.batch.answers import Answers, output_file_id
+from services.batch.api import BatchApi, Limits
+from services.batch.store import Store
+from services.batch.validation import check_line, validate
+from shared import wire_batch
+from shared.wire import WireError
+
+
+def test_wire_round_trip_with_a_data_frame():
+    call = wire_batch.BatchCall(call_id="7", op="file_upload_chunk", tenant="t", params="{}")
+    assert wire_batch.decode(wire_batch.encode(call, b"abc")) == (call, b"abc")
+    reply = wire_batch.BatchReply(call_id="7", status=404, body='{"error": {}}')
+    assert wire_batch.decode(wire_batch.encode(reply)) == (reply, None)
+
+
+@pytest.mark.parametrize(
+    "frames, message",
+    [
+        ([b"\x40"], "2 or 3 frames"),
+        ([b"\x01", msgpack.packb({})], "unknown batch message type"),
+        ([b"\x40", b"\xc1"], "not valid msgpack"),
+        (
+            [b"\x40", msgpack.packb({"call_id": "1", "op": "rm -rf", "tenant": "t", "params": ""})],
+            "op",
+        ),  # fmt: skip
+        ([b"\x40", msgpack.packb({"call_id": "1", "op": "file_get", "tenant": "t"})], "missing"),
+        (
+            [
+                b"\x40",
+                msgpack.packb(
+                    {"call_id": "1", "op": "file_get", "tenant": "t", "params": "", "extra": 1}
+                ),
+            ],
+            "unknown field",
+        ),  # fmt: skip
+        (
+            [
+                b"\x40",
+                msgpack.packb(
+                    {"call_id": "1", "op": "file_get", "tenant": "t" * 300, "params": ""}
+                ),
+            ],
+            "tenant",
+        ),  # fmt: skip
+    ],
+)
+def test_wire_refuses_wrong_frames(frames, message):
+    with pytest.raises(WireError, match=message):
+        wire_batch.decode(frames)
+
+
+def test_wire_bounds_the_data_frame():
+    call = wire_batch.BatchCall(call_id="1", op="file_get", tenant="t", params="{}")
+    with pytest.raises(WireError, match="data frame"):
+        wire_batch.encode(call, b"x" * (wire_batch.MAX_CHUNK_BYTES + 1))
+    header = wire_batch.encode(call)
+    with pytest.raises(WireError, match="data frame"):
+        wire_batch.decode([*header, b"x" * (wire_batch.MAX_CHUNK_BYTES + 1)])
+
+
+def good(custom_id: str = "a", url: str = "/v1/completions", model: str = "m") -> bytes:
+    line = {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": model, "prompt": "x"}}  # fmt: skip
+    return json.dumps(line).encode()
+
+
+def test_check_line_names_each_problem():
+    assert check_line(good(), "/v1/completions", ["m"]) == ("a", [])
+    codes = lambda text: [p["code"] for p in check_line(text, "/v1/completions", ["m"])[1]]  # noqa: E731
+    assert codes(b"[1]") == ["invalid_json"]
+    assert codes(b"{") == ["invalid_json"]
+    assert codes(good(url="/v1/chat/completions")) == ["mismatched_url"]
+    assert codes(good(model="other")) == ["model_not_found"]
+    assert codes(good(custom_id="")) == ["missing_required_parameter"]
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(tmp_path)
+    yield store
+    store.close()
+
+
+def new_batch(store: Store, lines: list[bytes], batch_id: str = "batch_x") -> dict:
+    store.path_of("file-in").write_bytes(b"\n".join(lines) + b"\n")
+    batch = {"id": batch_id, "status": "in_progress", "created_at": 0, "endpoint":
+             "/v1/completions", "input_file_id": "file-in", "_tenant": "t"}  # fmt: skip
+    store.add_batch(batch, "t")
+    return batch
+
+
+def test_validate_reports_every_bad_line_and_records_none(store):
+    batch = new_batch(store, [good("a"), b"", good("a"), b"nope", good("b")])
+    num_lines, errors = validate(store, batch, ["m"])
+    assert num_lines == 4  # the blank line is skipped, as OpenAI does
+    assert [(e["line"], e["code"]) for e in errors] == [(3, "duplicate_custom_id"),
+                                                        (4, "invalid_json")]  # fmt: skip
+    assert store.num_pending("batch_x") == 0
+
+
+def test_validate_records_each_line_where_it_sits(store):
+    batch = new_batch(store, [good("a"), good("b")])
+    assert validate(store, batch, ["m"]) == (2, [])
+    rows = store.pending_lines("batch_x", 0, 10)
+    text = store.path_of("file-in").read_bytes()
+    for row in rows:
+        assert (
+            json.loads(text[row["offset"] : row["offset"] + row["length"]])["custom_id"]
+            == (row["custom_id"])
+        )
+
+
+def test_answers_are_recovered_exactly_once_after_a_kill(store):
+    batch = new_batch(store, [good("a"), good("b"), good("c")])
+    validate(store, batch, ["m"])
+    answers = Answers(store, "batch_x")
+    answers.response("a", 200, {"id": "cmpl-1"})
+    answers.close()
+    # A kill between the append and the database: "b" is in the file but not marked, and a torn
+    # half line of "c" ends the file.
+    path = store.path_of(output_file_id("batch_x"))
+    line_b = {"id": "r", "custom_id": "b", "response": {"status_code": 200}, "error": None}
+    with open(path, "ab") as file:
+        file.write(json.dumps(line_b).encode() + b"\n" + b'{"id": "r", "custom_id": "c", "resp')
+    recovered = Answers(store, "batch_x")
+    recovered.close()
+    assert [row["custom_id"] for row in store.pending_lines("batch_x", 0, 10)] == ["c"]
+    assert [json.loads(x)["custom_id"] for x in path.read_bytes().splitlines()] == ["a", "b"]
+    assert store.get_batch("batch_x")["request_counts"]["completed"] == 2
+    assert not store.mark_answered("batch_x", "a", True)  # answered once only
+
+
+def test_files_are_seen_only_by_their_tenant_and_bounded(store):
+    api = BatchApi(store, jobs=None, limits=Limits(max_file_bytes=10))
+    status, begun, _ = api.handle("file_upload_begin", "alice", {"purpose": "batch"}, None)
+    params = {"upload_id": begun["upload_id"]}
+    assert api.handle("file_upload_chunk", "bob", params, b"x")[0] == 404
+    assert api.handle("file_upload_chunk", "alice", params, b"12345")[0] == 200
+    status, created, _ = api.handle("file_upload_end", "alice", params, None)
+    assert status == 200 and created["bytes"] == 5
+    file_params = {"file_id": created["id"]}
+    assert api.handle("file_get", "bob", file_params, None)[0] == 404
+    assert api.handle("file_content", "alice", file_params, None)[2] == b"12345"
+    assert api.handle("file_list", "bob", {}, None)[1]["data"] == []
+    assert api.handle("file_list", "alice", {"limit": 0}, None)[0] == 400
+    _, begun, _ = api.handle("file_upload_begin", "alice", {"purpose": "batch"}, None)
+    status, body, _ = api.handle("file_upload_chunk", "alice", begun, b"x" * 11)
+    assert status == 413 and "10 bytes" in body["error"]["message"]
+    assert api.handle("file_upload_begin", "alice", {"purpose": "tune"}, None)[0] == 400
