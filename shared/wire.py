@@ -165,6 +165,9 @@ class TokenDelta:
     # when its decode worker handed it back for recompute (resumed like "lost", not counted).
     finish_reason: str | None = None
     error: str | None = None  # set when the request failed; the gateway answers with it
+    # On a prefill's first delta: prompt tokens whose computation its prefix cache skipped
+    # (never KV received over the wire); None from decode steps.
+    num_cached_tokens: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,6 +197,9 @@ class Hello(Message):
     block_size: int  # tokens per KV block (0 for a gateway)
     max_num_seqs: int  # most sequences in one batch (0 for a gateway)
     metrics_address: str | None = None  # http://host:port of its Prometheus /metrics, if served
+    # A worker's prefix cache key (model, dtype, block size, hash scheme); the scheduler refuses
+    # a worker whose key differs from the cluster's (its hashes would never match). None: off.
+    cache_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -232,6 +238,16 @@ class Heartbeat(Message):
     request_ids: Annotated[list[RequestId], MaxLen(MAX_HELD_IDS)] = field(default_factory=list)
     # Sequences in each engine step since the last heartbeat, oldest first (the batch picture).
     recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
+    # Prefix cache events (block hashes) since the previous heartbeat. Heartbeats are numbered
+    # 1, 2, ... from HELLO on: a number skipped means events were lost, and the scheduler
+    # forgets the worker's set until the next full one (the first, then every few seconds).
+    cache_events_seq: int = 0  # 0: the worker keeps no prefix cache
+    cache_full: bool = False  # cache_stored is the worker's whole set, not a change
+    cache_stored: Annotated[list[int], MaxLen(MAX_TOKEN_IDS)] = field(default_factory=list)
+    cache_evicted: Annotated[list[int], MaxLen(MAX_TOKEN_IDS)] = field(default_factory=list)
+    num_prefix_query_tokens: int = 0  # since start: prompt tokens looked up in the cache
+    num_prefix_hit_tokens: int = 0  # since start: of them, found (their computation skipped)
+    prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: not yet)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -308,6 +324,9 @@ class PrefillJob(Message):
     # too, and generation continues after them. Usually empty.
     output_token_ids: TokenIds = field(default_factory=list)
     priority: int = 0  # the request's priority: under memory pressure, larger is preempted last
+    # Separates prefix cache entries: only prompts with the same salt (the tenant, unless the
+    # cluster shares its cache between tenants) share cached blocks. None: the shared space.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -337,6 +356,7 @@ class KvTransfer(Message):
     # where it left off; None for greedy requests.
     generator_state: GeneratorState | None = None
     priority: int = 0  # the request's priority, as in PrefillJob
+    cache_salt: str | None = None  # as in PrefillJob: names the blocks in the decode cache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -123,6 +123,7 @@ class DecodeWorker(WorkerLoop):
                     reservation.block_ids,
                     transfer.generator_state,
                     priority=transfer.priority,
+                    cache_salt=transfer.cache_salt,
                 )
             except (InvalidRequestError, ValueError) as exc:
                 error = str(exc)

@@ -38,6 +38,7 @@ class WorkerState:
     busy: bool = False  # held work at its last heartbeat
     # Preemptions since the worker started, by kind ("swap", "recompute"), as last reported.
     num_preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0})
+    prefill_tokens_per_s: float = 0.0  # its measured prefill rate, as last reported (0: none)
 
     def record_progress(self, steps_completed: int, busy: bool, now: float) -> None:
         if steps_completed > self.steps_completed or not busy:

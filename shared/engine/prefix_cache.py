@@ -48,6 +48,15 @@ class CacheKey:
         return f"{self.scheme}|{self.model}|{self.dtype}|{self.block_size}"
 
 
+# A worker announces its key with whether tenants share its cache (the scheduler then hashes
+# prompts without the tenant salt): "<key>|tenants:own" or "<key>|tenants:shared".
+TENANTS_SEPARATOR = "|tenants:"
+
+
+def worker_cache_key(key: CacheKey, shared_between_tenants: bool) -> str:
+    return f"{key}{TENANTS_SEPARATOR}{'shared' if shared_between_tenants else 'own'}"
+
+
 def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
@@ -55,8 +64,13 @@ def _digest(data: bytes) -> int:
 def root_hash(key: CacheKey, salt: str | None = None) -> int:
     """The parent hash of a sequence's first block: the cache key, plus the salt (tenant or
     `cache_salt`) that keeps one tenant's blocks from matching another's."""
+    return root_hash_of(str(key), salt)
+
+
+def root_hash_of(key_text: str, salt: str | None = None) -> int:
+    """`root_hash` from the key's text, as workers send it to the scheduler."""
     salt_part = "" if salt is None else f"|salt:{salt}"
-    return _digest(f"{key}{salt_part}".encode())
+    return _digest(f"{key_text}{salt_part}".encode())
 
 
 def block_hash(parent: int, token_ids: list[int]) -> int:
