@@ -297,6 +297,10 @@ class Reserve(Message):
     request_id: RequestId
     num_tokens: int  # tokens whose K/V will arrive (blocks = ceil(num_tokens / block_size))
     lease_s: float  # the reservation lapses unless the KV arrives within this many seconds
+    # The tokens whose K/V will arrive and their cache salt: the worker holds (pins) the leading
+    # full blocks it has cached, and only the rest is sent. Empty: no lookup.
+    token_ids: TokenIds = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,6 +311,7 @@ class ReserveReply(Message):
     request_id: RequestId
     ok: bool  # blocks held for the lease
     num_free_blocks: int  # free blocks after the reservation (or now, when refused)
+    num_cached_blocks: int = 0  # leading blocks of the KV it holds already (pinned for the lease)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -327,6 +332,8 @@ class PrefillJob(Message):
     # Separates prefix cache entries: only prompts with the same salt (the tenant, unless the
     # cluster shares its cache between tenants) share cached blocks. None: the shared space.
     cache_salt: str | None = None
+    # Leading blocks of the KV the decode worker holds already (its ReserveReply): not sent.
+    num_skip_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -348,8 +355,11 @@ class KvTransfer(Message):
     output_token_ids: TokenIds  # at least the first sampled token (already streamed)
     sampling: SamplingSpec
     gateway_address: str  # where the decode worker streams the following tokens
-    num_tokens: int  # tokens whose K/V is carried; the last block may be partly filled
+    num_tokens: int  # tokens whose K/V the sequence has; the last block may be partly filled
     block_size: int  # tokens per block in `keys`/`values`; must equal the decode worker's
+    # The first block carried: the receiver holds blocks [0, first_block) from its own cache
+    # (pinned at reservation), so keys/values hold blocks first_block.. only.
+    first_block: int = 0
     keys: KvBlocks  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
     values: KvBlocks  # same shape and dtype as keys
     # uint8, torch.Generator.get_state() after the first token, so a seeded request draws on

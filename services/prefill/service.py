@@ -150,7 +150,9 @@ class PrefillWorker(WorkerLoop):
 
     def _send_kv(self, job: wire.PrefillJob, output: RequestOutput) -> None:
         seq = self.engine.retained(job.request_id)
-        keys, values = self.engine.export_kv(job.request_id)
+        # The decode worker holds the leading blocks already (pinned when it reserved).
+        first_block = min(job.num_skip_blocks, seq.num_computed_tokens // self.config.block_size)
+        keys, values = self.engine.export_kv(job.request_id, first_block)
         generator = seq.generator.get_state() if seq.generator is not None else None
         self.engine.release(job.request_id)
         message = wire.KvTransfer(
@@ -161,6 +163,7 @@ class PrefillWorker(WorkerLoop):
             gateway_address=job.gateway_address,
             num_tokens=seq.num_computed_tokens,
             block_size=self.config.block_size,
+            first_block=first_block,
             keys=keys,
             values=values,
             generator_state=generator,

@@ -58,3 +58,15 @@ def choose_prefill(
         candidates,
         key=lambda c: (predicted_wait_s(c, num_prompt_tokens, weights), -c.room, c.peer_id),
     )
+
+
+def decode_affinity(
+    num_cached_tokens: int, num_tokens: int, num_requests: int, max_num_seqs: int
+) -> float:
+    """How much to prefer a decode worker for a request: the share of its KV the worker holds
+    already (those blocks are not sent) less the share of its seats taken. A conversation thus
+    returns to the decode worker holding its previous turns unless that worker is far busier
+    than another, and a prefix every worker holds (a shared system prompt) tilts nothing."""
+    held = num_cached_tokens / num_tokens if num_tokens > 0 else 0.0
+    busy = num_requests / max_num_seqs if max_num_seqs > 0 else 1.0
+    return held - busy

@@ -24,9 +24,15 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.scheduler.cache_routing import PrefillCandidate, RoutingWeights, choose_prefill
+from services.scheduler.cache_routing import (
+    PrefillCandidate,
+    RoutingWeights,
+    choose_prefill,
+    decode_affinity,
+)
 from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.registry import WorkerRegistry, WorkerState
@@ -342,6 +348,7 @@ class ClusterScheduler:
             output_token_ids=submit.output_token_ids,
             priority=submit.priority,
             cache_salt=submit.tenant,
+            num_skip_blocks=reply.num_cached_blocks,
         )
         return [Outgoing(prefill.identity, job)]
 
@@ -419,6 +426,22 @@ class ClusterScheduler:
         chosen = choose_prefill(candidates, len(tokens), self.limits.routing)
         return next(w for w in workers if w.peer_id == chosen.peer_id)
 
+    def _decode_affinity(self, request: TrackedRequest) -> Callable[[WorkerState], float] | None:
+        """How much a decode worker is to be preferred for the request: the share of its KV
+        the worker holds (sent less) against the share of its seats taken (cache_routing).
+        None when no worker keeps a prefix cache."""
+        if self.prefix_index.cache_key is None:
+            return None
+        submit = request.submit
+        tokens = list(submit.prompt_token_ids) + list(submit.output_token_ids)
+        hashes = self.prefix_index.prompt_hashes(tokens, submit.tenant)
+        return lambda w: decode_affinity(
+            self.prefix_index.num_cached_tokens(w.peer_id, hashes),
+            len(tokens),
+            len(w.request_ids),
+            w.max_num_seqs,
+        )
+
     def _placeable(
         self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
     ) -> bool:
@@ -433,7 +456,7 @@ class ClusterScheduler:
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
-        decode = self.registry.pick_decode(num_tokens, now)
+        decode = self.registry.pick_decode(num_tokens, now, self._decode_affinity(request))
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING
         request.decode_peer_id = decode.peer_id
@@ -446,10 +469,13 @@ class ClusterScheduler:
         )
         decode.request_ids.add(request.request_id)
         prefill.request_ids.add(request.request_id)
+        submit = request.submit
         reserve = wire.Reserve(
             request_id=request.request_id,
             num_tokens=num_tokens,
             lease_s=self.limits.prefill_timeout_s,
+            token_ids=list(submit.prompt_token_ids) + list(submit.output_token_ids),
+            cache_salt=submit.tenant,
         )
         return Outgoing(decode.identity, reserve)
 

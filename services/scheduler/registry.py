@@ -9,6 +9,7 @@ so two requests dispatched between heartbeats cannot both count on the same bloc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -85,8 +86,11 @@ class WorkerRegistry:
             w for w in self.workers.values() if now - w.last_heartbeat > self.heartbeat_timeout_s
         ]
 
-    def pick_decode(self, num_tokens: int, now: float) -> WorkerState | None:
-        """The decode worker with the most available blocks, if any can hold `num_tokens`."""
+    def pick_decode(
+        self, num_tokens: int, now: float, affinity: Callable[[WorkerState], float] | None = None
+    ) -> WorkerState | None:
+        """The decode worker with the best `affinity` (if given), then the most available
+        blocks, among those that can hold `num_tokens`."""
         candidates = [
             w
             for w in self.healthy("decode", now)
@@ -94,5 +98,11 @@ class WorkerRegistry:
             and len(w.request_ids) < w.max_num_seqs
         ]
         return max(
-            candidates, key=lambda w: (w.num_available_blocks, -len(w.request_ids)), default=None
+            candidates,
+            key=lambda w: (
+                affinity(w) if affinity else 0.0,
+                w.num_available_blocks,
+                -len(w.request_ids),
+            ),
+            default=None,
         )

@@ -18,7 +18,14 @@ import torch
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shared.engine.model import LlamaModel
-from shared.engine.prefix_cache import CacheKey, PrefixCache, cache_computed_blocks, root_hash
+from shared.engine.prefix_cache import (
+    CacheKey,
+    PrefixCache,
+    cache_computed_blocks,
+    chain_hashes,
+    root_hash,
+    take_cached_prefix,
+)
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import MIN_CHUNK, ScheduledChunk, StepPlan, StepScheduler
@@ -221,13 +228,22 @@ class LLMEngine:
         """A finished sequence still holding its blocks (`retain_finished`)."""
         return self._retained[request_id]
 
-    def export_kv(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host-memory copies of a retained sequence's computed tokens' keys and values,
-        [layers, blocks, ...]: the wire sends tensors from CPU memory only."""
+    def export_kv(self, request_id: str, first_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host-memory copies of a retained sequence's computed tokens' keys and values from
+        block `first_block` on, [layers, blocks, ...]: the wire sends tensors from CPU memory."""
         seq = self._retained[request_id]
         num_blocks = self.block_manager.num_blocks_for(seq.num_computed_tokens)
-        keys, values = self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
+        keys, values = self.kv_cache.read_blocks(seq.block_ids[first_block:num_blocks])
         return keys.cpu(), values.cpu()
+
+    def pin_cached_prefix(self, token_ids: SequenceOf[int], cache_salt: str | None) -> list[int]:
+        """Takes (one more holder of) the cached blocks that `token_ids`' full blocks start with,
+        for KV about to arrive for them; the caller frees them like any block."""
+        root = self._cache_root(cache_salt)
+        if root is None:
+            return []
+        hashes = chain_hashes(root, list(token_ids), self.block_manager.block_size)
+        return take_cached_prefix(self.block_manager, hashes)
 
     def release(self, request_id: str) -> bool:
         """Frees a retained sequence's blocks."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -206,17 +206,26 @@ def attach_cached_prefix(seq: Sequence, manager: BlockManager) -> int:
     block_size = manager.block_size
     max_blocks = (seq.num_tokens - 1) // block_size
     _extend_hashes(seq, block_size, max_blocks)
-    found = []
-    for block_hash_ in seq.block_hashes[:max_blocks]:
+    found = take_cached_prefix(manager, seq.block_hashes[:max_blocks])
+    seq.block_ids = found
+    seq.num_registered_blocks = len(found)
+    seq.num_computed_tokens = len(found) * block_size
+    return seq.num_computed_tokens
+
+
+def take_cached_prefix(manager: BlockManager, hashes: Iterable[int]) -> list[int]:
+    """Takes the cached blocks named by the leading `hashes` (up to the first miss)."""
+    cache = manager.prefix_cache
+    found: list[int] = []
+    if cache is None:
+        return found
+    for block_hash_ in hashes:
         block_id = cache.lookup(block_hash_)
         if block_id is None:
             break
         found.append(block_id)
     manager.take_cached(found)
-    seq.block_ids = found
-    seq.num_registered_blocks = len(found)
-    seq.num_computed_tokens = len(found) * block_size
-    return seq.num_computed_tokens
+    return found
 
 
 def detach_blocks(seq: Sequence, manager: BlockManager) -> None:

@@ -130,3 +130,41 @@ def test_wrong_values_refused(model):
         EngineConfig(prefix_cache_max_blocks=-1)
     with pytest.raises(InvalidRequestError, match="cache_salt"):
         engine(model, cache=True).add_request([5, 6], GREEDY, cache_salt=7)
+
+
+def handoff(prefill: LLMEngine, decode: LLMEngine, prompt: list[int], rid: str) -> tuple:
+    """Prefill on one engine, decode on another; the decode engine pins what it has cached of
+    the prompt and only the rest of the KV is carried. Returns (tokens, blocks carried)."""
+    first_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    (result,) = prefill.generate([prompt], first_only)
+    size = decode.block_manager.block_size
+    cached = decode.pin_cached_prefix(prompt[: len(prompt) // size * size], None)
+    keys, values = prefill.export_kv(result.request_id, first_block=len(cached))
+    prefill.release(result.request_id)
+    new_ids = decode.block_manager.allocate(
+        decode.block_manager.num_blocks_for(len(prompt) + 1) - len(cached)
+    )
+    decode.kv_cache.write_blocks(new_ids[: keys.shape[1]], keys, values)
+    decode.add_prefilled(rid, prompt, result.token_ids, GREEDY, cached + new_ids)
+    tokens = list(result.token_ids)
+    for out in decode.run_until_done():
+        tokens.extend(out.new_token_ids)
+    return tokens, keys.shape[1]
+
+
+def test_handoff_carries_only_the_blocks_the_decode_engine_lacks(model):
+    """Turn 2 of a conversation: the decode engine kept turn 1's prompt and reply blocks, so
+    only the new tokens' blocks travel, and the answer equals one engine's with no cache."""
+    reference = engine(model, cache=False)
+    prefill = engine(model, cache=True, retain_finished=True)
+    decode = engine(model, cache=True)
+    prompt = tokens(45, seed=8)
+    reply, carried_first = handoff(prefill, decode, prompt, "t1")
+    assert reply == reference.generate([prompt], GREEDY)[0].token_ids
+    assert carried_first == 3  # 45 tokens: all of them
+    prompt_2 = prompt + reply + tokens(7, seed=9)  # 62 tokens; 54 ran on the decode engine
+    reply_2, carried_second = handoff(prefill, decode, prompt_2, "t2")
+    assert reply_2 == reference.generate([prompt_2], GREEDY)[0].token_ids
+    assert carried_second == 4 - 54 // BLOCK  # blocks 3.. only: the rest was pinned
+    assert_no_leak(decode)
+    assert_no_leak(prefill)

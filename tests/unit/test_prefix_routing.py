@@ -14,6 +14,7 @@ from services.scheduler.cache_routing import (
     PrefillCandidate,
     RoutingWeights,
     choose_prefill,
+    decode_affinity,
     predicted_wait_s,
 )
 from services.scheduler.core import ClusterScheduler, SchedulerLimits
@@ -162,3 +163,13 @@ def test_core_sends_a_prompt_to_the_prefill_worker_holding_its_prefix():
     )
     (job,) = sent(out, wire.PrefillJob)
     assert job.identity == b"Pp2" and job.message.cache_salt == "t"
+
+
+def test_a_conversation_returns_to_its_decode_worker_unless_it_is_far_busier():
+    holder = decode_affinity(num_cached_tokens=900, num_tokens=1000, num_requests=4, max_num_seqs=8)
+    idle = decode_affinity(num_cached_tokens=0, num_tokens=1000, num_requests=0, max_num_seqs=8)
+    assert holder > idle  # 0.9 - 0.5 against 0
+    full_holder = decode_affinity(900, 1000, num_requests=8, max_num_seqs=8)
+    assert full_holder < idle
+    # A prefix both hold (a shared system prompt) tilts nothing: the less busy one wins.
+    assert decode_affinity(300, 1000, 1, 8) > decode_affinity(300, 1000, 2, 8)
