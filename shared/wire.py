@@ -165,6 +165,9 @@ class TokenDelta:
     # when its decode worker handed it back for recompute (resumed like "lost", not counted).
     finish_reason: str | None = None
     error: str | None = None  # set when the request failed; the gateway answers with it
+    # On a prefill's first delta: prompt tokens whose computation its prefix cache skipped
+    # (never KV received over the wire); None from decode steps.
+    num_cached_tokens: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,9 +197,10 @@ class Hello(Message):
     block_size: int  # tokens per KV block (0 for a gateway)
     max_num_seqs: int  # most sequences in one batch (0 for a gateway)
     metrics_address: str | None = None  # http://host:port of its Prometheus /metrics, if served
-    dtype: str | None = (
-        None  # a worker's weights and KV dtype (--dtype auto resolved); None: gateway
-    )
+    dtype: str | None = None  # a worker's weights and KV dtype (auto resolved); None: gateway
+    # A worker's prefix cache key (model, dtype, block size, hash scheme); the scheduler refuses
+    # a worker whose key differs from the cluster's (its hashes would never match). None: off.
+    cache_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -235,6 +239,16 @@ class Heartbeat(Message):
     request_ids: Annotated[list[RequestId], MaxLen(MAX_HELD_IDS)] = field(default_factory=list)
     # Sequences in each engine step since the last heartbeat, oldest first (the batch picture).
     recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
+    # Prefix cache events (block hashes) since the previous heartbeat. Heartbeats are numbered
+    # 1, 2, ... from HELLO on: a number skipped means events were lost, and the scheduler
+    # forgets the worker's set until the next full one (the first, then every few seconds).
+    cache_events_seq: int = 0  # 0: the worker keeps no prefix cache
+    cache_full: bool = False  # cache_stored is the worker's whole set, not a change
+    cache_stored: Annotated[list[int], MaxLen(MAX_TOKEN_IDS)] = field(default_factory=list)
+    cache_evicted: Annotated[list[int], MaxLen(MAX_TOKEN_IDS)] = field(default_factory=list)
+    num_prefix_query_tokens: int = 0  # since start: prompt tokens looked up in the cache
+    num_prefix_hit_tokens: int = 0  # since start: of them, found (their computation skipped)
+    prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: not yet)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -285,6 +299,10 @@ class Reserve(Message):
     request_id: RequestId
     num_tokens: int  # tokens whose K/V will arrive (blocks = ceil(num_tokens / block_size))
     lease_s: float  # the reservation lapses unless the KV arrives within this many seconds
+    # The tokens whose K/V will arrive and their cache salt: the worker holds (pins) the leading
+    # full blocks it has cached, and only the rest is sent. Empty: no lookup.
+    token_ids: TokenIds = field(default_factory=list)
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,6 +313,7 @@ class ReserveReply(Message):
     request_id: RequestId
     ok: bool  # blocks held for the lease
     num_free_blocks: int  # free blocks after the reservation (or now, when refused)
+    num_cached_blocks: int = 0  # leading blocks of the KV it holds already (pinned for the lease)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,6 +331,11 @@ class PrefillJob(Message):
     # too, and generation continues after them. Usually empty.
     output_token_ids: TokenIds = field(default_factory=list)
     priority: int = 0  # the request's priority: under memory pressure, larger is preempted last
+    # Separates prefix cache entries: only prompts with the same salt (the tenant, unless the
+    # cluster shares its cache between tenants) share cached blocks. None: the shared space.
+    cache_salt: str | None = None
+    # Leading blocks of the KV the decode worker holds already (its ReserveReply): not sent.
+    num_skip_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -333,14 +357,18 @@ class KvTransfer(Message):
     output_token_ids: TokenIds  # at least the first sampled token (already streamed)
     sampling: SamplingSpec
     gateway_address: str  # where the decode worker streams the following tokens
-    num_tokens: int  # tokens whose K/V is carried; the last block may be partly filled
+    num_tokens: int  # tokens whose K/V the sequence has; the last block may be partly filled
     block_size: int  # tokens per block in `keys`/`values`; must equal the decode worker's
+    # The first block carried: the receiver holds blocks [0, first_block) from its own cache
+    # (pinned at reservation), so keys/values hold blocks first_block.. only.
+    first_block: int = 0
     keys: KvBlocks  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
     values: KvBlocks  # same shape and dtype as keys
     # uint8, torch.Generator.get_state() after the first token, so a seeded request draws on
     # where it left off; None for greedy requests.
     generator_state: GeneratorState | None = None
     priority: int = 0  # the request's priority, as in PrefillJob
+    cache_salt: str | None = None  # as in PrefillJob: names the blocks in the decode cache
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
 class Reservation:
     block_ids: list[int]
     deadline: float
+    num_cached_blocks: int = 0  # leading block_ids taken from the prefix cache: not sent
 
 
 @dataclass
@@ -90,17 +91,28 @@ class DecodeWorker(WorkerLoop):
         ok = reserve.request_id not in self.reservations and reserve.request_id not in self.routes
         # Preempted sequences resume before new ones are admitted: their blocks are not for hire.
         ok = ok and self.blocks.num_blocks_for(reserve.num_tokens) <= self.num_available_blocks()
+        cached: list[int] = []
         if ok:
+            # The full blocks of the KV about to arrive that this worker has cached (a previous
+            # turn of the conversation) are pinned now: the prefill worker skips sending them.
+            size = self.blocks.block_size
+            full = reserve.token_ids[: len(reserve.token_ids) // size * size]
+            cached = self.engine.pin_cached_prefix(full, self._salt(reserve.cache_salt))
             try:
-                block_ids = self.blocks.allocate(self.blocks.num_blocks_for(reserve.num_tokens))
+                num_new = self.blocks.num_blocks_for(reserve.num_tokens) - len(cached)
+                block_ids = cached + self.blocks.allocate(num_new)
                 self.reservations[reserve.request_id] = Reservation(
-                    block_ids, time.monotonic() + reserve.lease_s
+                    block_ids, time.monotonic() + reserve.lease_s, len(cached)
                 )
             except NoFreeBlocksError:
-                ok = False
+                self.blocks.free(cached)
+                cached, ok = [], False
         self.link.send(
             wire.ReserveReply(
-                request_id=reserve.request_id, ok=ok, num_free_blocks=self.num_available_blocks()
+                request_id=reserve.request_id,
+                ok=ok,
+                num_free_blocks=self.num_available_blocks(),
+                num_cached_blocks=len(cached),
             )
         )
 
@@ -109,10 +121,11 @@ class DecodeWorker(WorkerLoop):
         reservation = self.reservations.pop(request_id, None)
         error = self._transfer_error(transfer, reservation)
         if error is None:
-            num_blocks = transfer.keys.shape[1]
-            # Blocks beyond the transferred ones stay with the sequence for its next tokens.
+            first, num_blocks = transfer.first_block, transfer.keys.shape[1]
+            # Blocks before `first` came from this worker's cache; blocks beyond the transferred
+            # ones stay with the sequence for its next tokens.
             self.engine.kv_cache.write_blocks(
-                reservation.block_ids[:num_blocks], transfer.keys, transfer.values
+                reservation.block_ids[first : first + num_blocks], transfer.keys, transfer.values
             )
             try:
                 self.engine.add_prefilled(
@@ -123,6 +136,7 @@ class DecodeWorker(WorkerLoop):
                     reservation.block_ids,
                     transfer.generator_state,
                     priority=transfer.priority,
+                    cache_salt=self._salt(transfer.cache_salt),
                 )
             except (InvalidRequestError, ValueError) as exc:
                 error = str(exc)
@@ -136,6 +150,9 @@ class DecodeWorker(WorkerLoop):
         self.events.kv_received(request_id, transfer.num_tokens, num_bytes)
         return wire.KvAck(request_id=request_id, ok=True, error=None)
 
+    def _salt(self, cache_salt: str | None) -> str | None:
+        return None if self.config.share_prefix_cache else cache_salt
+
     def _transfer_error(
         self, transfer: wire.KvTransfer, reservation: Reservation | None
     ) -> str | None:
@@ -143,17 +160,22 @@ class DecodeWorker(WorkerLoop):
             return "no reservation (it lapsed or was cancelled)"
         if transfer.block_size != self.config.block_size:
             return f"block size {transfer.block_size} != this worker's {self.config.block_size}"
+        if transfer.first_block != reservation.num_cached_blocks:
+            return (
+                f"first block {transfer.first_block} != the {reservation.num_cached_blocks} "
+                "blocks this worker holds for it"
+            )
         cache = self.engine.kv_cache
         expected = (
             len(cache.key_caches),
-            self.blocks.num_blocks_for(transfer.num_tokens),
+            self.blocks.num_blocks_for(transfer.num_tokens) - transfer.first_block,
             *cache.key_caches[0].shape[1:],
         )
         if tuple(transfer.keys.shape) != expected or tuple(transfer.values.shape) != expected:
             return f"KV shape {tuple(transfer.keys.shape)} != expected {expected}"
         if transfer.keys.dtype != cache.dtype or transfer.values.dtype != cache.dtype:
             return f"KV dtype {transfer.keys.dtype} != cache dtype {cache.dtype}"
-        if expected[1] > len(reservation.block_ids):
+        if transfer.first_block + expected[1] > len(reservation.block_ids):
             return "the KV is larger than the reservation"
         if (
             transfer.num_tokens

@@ -86,6 +86,8 @@ class Generation:
     request_id: str
     created: int
     arrived_at: float  # monotonic: latencies count from here
+    # Prompt tokens a prefill's cache skipped (the most of any choice), for usage.
+    num_cached_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,6 +171,10 @@ class Generator:
             deltas = _merge(queues)
             while True:
                 index, delta = await self._next_delta(deltas, generation, traces)
+                if delta.num_cached_tokens:
+                    generation.num_cached_tokens = max(
+                        generation.num_cached_tokens, delta.num_cached_tokens
+                    )
                 event = self._traced_advance(traces[index], texts[index], index, delta)
                 if event.finish_reason is not None:
                     running.discard(index)

@@ -42,11 +42,14 @@ def _logprob(value: float) -> float:
     return max(value, _MIN_LOGPROB)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; `cached_tokens` counts prompt tokens whose computation the prefix cache
+    skipped (as OpenAI and vLLM report it)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

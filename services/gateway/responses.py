@@ -35,7 +35,9 @@ def stream_chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]
 
 def final_usage_chunk(generation: Generation, num_completion_tokens: int) -> dict[str, Any]:
     req = generation.request
-    usage = usage_dict(generation.num_prompt_tokens, num_completion_tokens)
+    usage = usage_dict(
+        generation.num_prompt_tokens, num_completion_tokens, generation.num_cached_tokens
+    )
     return usage_chunk(generation.request_id, req.model, generation.created, usage, chat=req.chat)
 
 
@@ -58,6 +60,10 @@ async def collect_response(
     choices = [
         ChoiceResult(i, texts[i], finish[i], token_ids[i], logprobs[i]) for i in range(req.n)
     ]
-    usage = usage_dict(generation.num_prompt_tokens, sum(len(t) for t in token_ids))
+    usage = usage_dict(
+        generation.num_prompt_tokens,
+        sum(len(t) for t in token_ids),
+        generation.num_cached_tokens,
+    )
     build = chat_response if req.chat else completion_response
     return build(generation.request_id, req.model, generation.created, choices, usage)

@@ -101,6 +101,7 @@ class PrefillWorker(WorkerLoop):
                 first_only,
                 job.request_id,
                 priority=job.priority,
+                cache_salt=None if self.config.share_prefix_cache else job.cache_salt,
             )
         except InvalidRequestError as error:
             self.log.warning("prefill job refused", request_id=job.request_id, error=str(error))
@@ -132,20 +133,26 @@ class PrefillWorker(WorkerLoop):
         self.streams.send(group_by_gateway(streamed))
 
     def _first_token(self, job: wire.PrefillJob, output: RequestOutput) -> wire.TokenDelta:
-        """Streams the first token; hands the KV on unless the request is over already."""
+        """Streams the first token (with the prompt tokens the cache spared); hands the KV on
+        unless the request is over already."""
         num_generated = len(job.output_token_ids) + 1
         finished = output.finish_reason == "stop" or num_generated >= job.sampling.max_tokens
+        num_cached = self.engine.retained(job.request_id).num_cached_tokens
         if finished:
             reason = "stop" if output.finish_reason == "stop" else "length"
             self.engine.release(job.request_id)
             self._report(job, reason, num_generated)
-            return token_delta(output, reason)
-        self._send_kv(job, output)
-        return token_delta(output)
+            delta = token_delta(output, reason)
+        else:
+            self._send_kv(job, output)
+            delta = token_delta(output)
+        return dataclasses.replace(delta, num_cached_tokens=num_cached)
 
     def _send_kv(self, job: wire.PrefillJob, output: RequestOutput) -> None:
         seq = self.engine.retained(job.request_id)
-        keys, values = self.engine.export_kv(job.request_id)
+        # The decode worker holds the leading blocks already (pinned when it reserved).
+        first_block = min(job.num_skip_blocks, seq.num_computed_tokens // self.config.block_size)
+        keys, values = self.engine.export_kv(job.request_id, first_block)
         generator = seq.generator.get_state() if seq.generator is not None else None
         self.engine.release(job.request_id)
         message = wire.KvTransfer(
@@ -156,10 +163,12 @@ class PrefillWorker(WorkerLoop):
             gateway_address=job.gateway_address,
             num_tokens=seq.num_computed_tokens,
             block_size=self.config.block_size,
+            first_block=first_block,
             keys=keys,
             values=values,
             generator_state=generator,
             priority=job.priority,
+            cache_salt=None if self.config.share_prefix_cache else job.cache_salt,
         )
         wire.send(self._decode_socket(job.decode_address), message)
         num_bytes = keys.numel() * keys.element_size() * 2

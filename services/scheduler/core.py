@@ -24,9 +24,17 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.scheduler.cache_routing import (
+    PrefillCandidate,
+    RoutingWeights,
+    choose_prefill,
+    decode_affinity,
+)
 from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
+from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.registry import WorkerRegistry, WorkerState
 from shared import wire
 
@@ -53,6 +61,7 @@ class SchedulerLimits:
     retry_after_s: float = 1.0
     prefill_window_tokens: int = 2048  # prompt tokens in hand per prefill worker (see above)
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
+    routing: RoutingWeights = field(default_factory=RoutingWeights)  # prefill choice by cache
 
 
 @dataclass
@@ -158,6 +167,7 @@ class ClusterScheduler:
             self.limits.heartbeat_timeout_s, self.limits.progress_timeout_s
         )
         self.queue = FairQueue(self.limits.fair_share)
+        self.prefix_index = PrefixIndex()
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -167,6 +177,7 @@ class ClusterScheduler:
         else:
             old = self.registry.remove(hello.peer_id)
             out = self._drop_worker(old) if old is not None else []
+            self.prefix_index.register(hello.peer_id, hello.cache_key, hello.block_size)
             self.registry.add(
                 WorkerState(
                     peer_id=hello.peer_id,
@@ -204,6 +215,14 @@ class ClusterScheduler:
         worker.num_waiting = heartbeat.num_waiting
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
+        worker.prefill_tokens_per_s = heartbeat.prefill_tokens_per_s
+        self.prefix_index.apply(
+            worker.peer_id,
+            heartbeat.cache_events_seq,
+            heartbeat.cache_full,
+            heartbeat.cache_stored,
+            heartbeat.cache_evicted,
+        )
         worker.num_preemptions = {
             "swap": heartbeat.num_swap_preemptions,
             "recompute": heartbeat.num_recompute_preemptions,
@@ -329,6 +348,8 @@ class ClusterScheduler:
             decode_address=worker.address,
             output_token_ids=submit.output_token_ids,
             priority=submit.priority,
+            cache_salt=submit.tenant,
+            num_skip_blocks=reply.num_cached_blocks,
         )
         return [Outgoing(prefill.identity, job)]
 
@@ -371,12 +392,56 @@ class ClusterScheduler:
             item = self.queue.pop_next(now, functools.partial(self._placeable, windows, now))
             if item is None:
                 break
-            prefill = max(
-                (w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens)),
-                key=lambda w: windows[w.peer_id].small_room,
+            prefill = self._choose_prefill(
+                [w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens)],
+                windows,
+                self.requests[item.request_id],
             )
             out.append(self._reserve(self.requests[item.request_id], prefill, now))
         return out
+
+    def _choose_prefill(
+        self,
+        workers: list[WorkerState],
+        windows: dict[str, PrefillWindow],
+        request: TrackedRequest,
+    ) -> WorkerState:
+        """The worker with the least predicted wait, its cached prefix counted (cache_routing)."""
+        if len(workers) == 1:
+            return workers[0]
+        submit = request.submit
+        tokens = list(submit.prompt_token_ids) + list(submit.output_token_ids)
+        hashes = self.prefix_index.prompt_hashes(tokens, submit.tenant)
+        candidates = [
+            PrefillCandidate(
+                peer_id=w.peer_id,
+                num_queued_tokens=sum(
+                    self.requests[r].num_prefill_tokens for r in w.request_ids if r in self.requests
+                ),
+                num_cached_tokens=self.prefix_index.num_cached_tokens(w.peer_id, hashes),
+                tokens_per_s=w.prefill_tokens_per_s,
+                room=windows[w.peer_id].small_room,
+            )
+            for w in workers
+        ]
+        chosen = choose_prefill(candidates, len(tokens), self.limits.routing)
+        return next(w for w in workers if w.peer_id == chosen.peer_id)
+
+    def _decode_affinity(self, request: TrackedRequest) -> Callable[[WorkerState], float] | None:
+        """How much a decode worker is to be preferred for the request: the share of its KV
+        the worker holds (sent less) against the share of its seats taken (cache_routing).
+        None when no worker keeps a prefix cache."""
+        if self.prefix_index.cache_key is None:
+            return None
+        submit = request.submit
+        tokens = list(submit.prompt_token_ids) + list(submit.output_token_ids)
+        hashes = self.prefix_index.prompt_hashes(tokens, submit.tenant)
+        return lambda w: decode_affinity(
+            self.prefix_index.num_cached_tokens(w.peer_id, hashes),
+            len(tokens),
+            len(w.request_ids),
+            w.max_num_seqs,
+        )
 
     def _placeable(
         self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
@@ -392,7 +457,7 @@ class ClusterScheduler:
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
-        decode = self.registry.pick_decode(num_tokens, now)
+        decode = self.registry.pick_decode(num_tokens, now, self._decode_affinity(request))
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING
         request.decode_peer_id = decode.peer_id
@@ -405,10 +470,13 @@ class ClusterScheduler:
         )
         decode.request_ids.add(request.request_id)
         prefill.request_ids.add(request.request_id)
+        submit = request.submit
         reserve = wire.Reserve(
             request_id=request.request_id,
             num_tokens=num_tokens,
             lease_s=self.limits.prefill_timeout_s,
+            token_ids=list(submit.prompt_token_ids) + list(submit.output_token_ids),
+            cache_salt=submit.tenant,
         )
         return Outgoing(decode.identity, reserve)
 
@@ -492,6 +560,7 @@ class ClusterScheduler:
 
     def _drop_worker(self, worker: WorkerState) -> list[Outgoing]:
         """A worker left: re-route what can be, fail what cannot."""
+        self.prefix_index.remove(worker.peer_id)
         out: list[Outgoing] = []
         for request_id in list(worker.request_ids):
             request = self.requests.get(request_id)

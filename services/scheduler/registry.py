@@ -9,6 +9,7 @@ so two requests dispatched between heartbeats cannot both count on the same bloc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -39,6 +40,7 @@ class WorkerState:
     busy: bool = False  # held work at its last heartbeat
     # Preemptions since the worker started, by kind ("swap", "recompute"), as last reported.
     num_preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0})
+    prefill_tokens_per_s: float = 0.0  # its measured prefill rate, as last reported (0: none)
 
     def record_progress(self, steps_completed: int, busy: bool, now: float) -> None:
         if steps_completed > self.steps_completed or not busy:
@@ -85,8 +87,11 @@ class WorkerRegistry:
             w for w in self.workers.values() if now - w.last_heartbeat > self.heartbeat_timeout_s
         ]
 
-    def pick_decode(self, num_tokens: int, now: float) -> WorkerState | None:
-        """The decode worker with the most available blocks, if any can hold `num_tokens`."""
+    def pick_decode(
+        self, num_tokens: int, now: float, affinity: Callable[[WorkerState], float] | None = None
+    ) -> WorkerState | None:
+        """The decode worker with the best `affinity` (if given), then the most available
+        blocks, among those that can hold `num_tokens`."""
         candidates = [
             w
             for w in self.healthy("decode", now)
@@ -94,5 +99,11 @@ class WorkerRegistry:
             and len(w.request_ids) < w.max_num_seqs
         ]
         return max(
-            candidates, key=lambda w: (w.num_available_blocks, -len(w.request_ids)), default=None
+            candidates,
+            key=lambda w: (
+                affinity(w) if affinity else 0.0,
+                w.num_available_blocks,
+                -len(w.request_ids),
+            ),
+            default=None,
         )

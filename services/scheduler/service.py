@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig
 from shared import wire
@@ -64,6 +65,12 @@ class SchedulerConfig(CurveSettings):
     prefill_window_tokens: int = setting(
         2048, "prompt tokens handed to a prefill worker ahead of its progress"
     )
+    route_queued_weight: float = setting(
+        1.0, "prefill choice: weight of the prompt work a worker already holds"
+    )
+    route_uncached_weight: float = setting(
+        1.0, "prefill choice: weight of the prompt tokens its prefix cache does not hold"
+    )
     metrics_port: int | None = setting(
         None, "HTTP port of the Prometheus /metrics (0: any free port; unset: not served)"
     )
@@ -71,6 +78,13 @@ class SchedulerConfig(CurveSettings):
 
     def __post_init__(self) -> None:
         self.curve_keys()
+        try:
+            self.routing()
+        except ValueError as error:
+            raise ConfigError(
+                f"{error} (--route-queued-weight, --route-uncached-weight / "
+                "TANDEM_ROUTE_QUEUED_WEIGHT, TANDEM_ROUTE_UNCACHED_WEIGHT)"
+            ) from None
         require_address(self, "address")
         require_port(self, "metrics_port")
         require_positive(
@@ -114,6 +128,9 @@ class SchedulerConfig(CurveSettings):
             max_wait_s=self.max_queue_wait_s,
         )
 
+    def routing(self) -> RoutingWeights:
+        return RoutingWeights(self.route_queued_weight, self.route_uncached_weight)
+
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(
             max_queued_requests=self.max_queued_requests,
@@ -125,6 +142,7 @@ class SchedulerConfig(CurveSettings):
             max_queue_time_s=self.max_queue_time_s,
             prefill_window_tokens=self.prefill_window_tokens,
             fair_share=self.fair_share(),
+            routing=self.routing(),
         )
 
 
@@ -253,6 +271,8 @@ class SchedulerService:
             error = f"schema version {hello.schema_version} != scheduler's {wire.SCHEMA_VERSION}"
         elif hello.model != self.config.model:
             error = f"model {hello.model!r} != cluster model {self.config.model!r}"
+        else:
+            error = self.core.prefix_index.refusal(hello.cache_key)
         ack = wire.HelloAck(
             schema_version=wire.SCHEMA_VERSION,
             accepted=error is None,

@@ -51,6 +51,15 @@ class WorkerConfig(CurveSettings):
     preemption_mode: str = setting(
         "auto", "decode: swap or recompute a preempted sequence: auto (by cost), swap, recompute"
     )
+    enable_prefix_caching: bool = setting(
+        True, "keep computed KV blocks for later prompts that start with the same tokens"
+    )
+    prefix_cache_max_blocks: int | None = setting(
+        None, "most unreferenced blocks the prefix cache keeps (unset: the whole pool)"
+    )
+    share_prefix_cache: bool = setting(
+        False, "share cached prefixes between tenants (off: a tenant only hits its own)"
+    )
     metrics_port: int | None = setting(
         None, "HTTP port of the Prometheus /metrics (0: any free port; unset: not served)"
     )
@@ -78,6 +87,11 @@ class WorkerConfig(CurveSettings):
             "transfer_timeout_s",
             "step_time_target_s",
         )
+        if self.prefix_cache_max_blocks is not None and self.prefix_cache_max_blocks < 0:
+            raise ConfigError(
+                "prefix_cache_max_blocks (--prefix-cache-max-blocks / "
+                "TANDEM_PREFIX_CACHE_MAX_BLOCKS) must be >= 0"
+            )
         if self.swap_bytes < 0:
             raise ConfigError("swap_bytes (--swap-bytes / TANDEM_SWAP_BYTES) must be >= 0")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -94,6 +108,9 @@ class WorkerConfig(CurveSettings):
             max_num_batched_tokens=self.max_num_batched_tokens,
             swap_bytes=self.swap_bytes,
             preemption_mode=self.preemption_mode,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_cache_max_blocks=self.prefix_cache_max_blocks,
+            cache_model_id=self.model,
             **overrides,
         )
 

@@ -9,12 +9,14 @@ loop never blocks on its sockets; idle, it waits for a message or the next heart
 from __future__ import annotations
 
 import abc
+import dataclasses
 import signal
 import time
 
 import torch
 import zmq
 
+from services.worker.cache_events import CacheEventStream
 from services.worker.config import WorkerConfig
 from services.worker.link import SchedulerLink
 from services.worker.streams import GatewayStreams
@@ -22,6 +24,7 @@ from shared import wire
 from shared.curve import Security
 from shared.engine.engine import LLMEngine
 from shared.engine.loader import dtype_name, load_model
+from shared.engine.prefix_cache import worker_cache_key
 from shared.lifecycle import WorkerEvents
 from shared.logs import get_logger
 from shared.metrics import serve_metrics
@@ -75,16 +78,24 @@ class WorkerLoop(abc.ABC):
                 max_num_seqs=config.max_num_seqs,
                 metrics_address=self.metrics_address,
                 dtype=dtype_name(self.loaded.model.dtype),
+                cache_key=self._cache_key(),
             ),
             self.security,
         )
         self.streams = GatewayStreams(self.context, self.security)
+        cache = self.engine.prefix_cache
+        self.cache_events = CacheEventStream(cache) if cache is not None else None
         self.poller = zmq.Poller()
         self.poller.register(self.link.socket, zmq.POLLIN)
         self._router_sockets: set[zmq.Socket] = set()
         self.steps_completed = 0
         self._recent_batch_sizes: list[int] = []  # since the last heartbeat
         self._stopping = False
+
+    def _cache_key(self) -> str | None:
+        if self.engine.prefix_cache is None:
+            return None
+        return worker_cache_key(self.engine.cache_key, self.config.share_prefix_cache)
 
     def add_socket(self, sock: zmq.Socket, router: bool = False) -> None:
         self.poller.register(sock, zmq.POLLIN)
@@ -164,7 +175,7 @@ class WorkerLoop(abc.ABC):
 
     def _heartbeat(self) -> wire.Heartbeat:
         blocks = self.engine.block_manager
-        return wire.Heartbeat(
+        heartbeat = wire.Heartbeat(
             peer_id=self.peer_id,
             num_waiting=len(self.engine.scheduler.waiting),
             num_running=len(self.engine.scheduler.running),
@@ -177,6 +188,23 @@ class WorkerLoop(abc.ABC):
             num_recompute_preemptions=self.engine.scheduler.num_preemptions_by_mode["recompute"],
             recent_batch_sizes=list(self._recent_batch_sizes),
             request_ids=self.held_request_ids()[: wire.MAX_HELD_IDS],
+            prefill_tokens_per_s=self.engine.preemption.prefill_tokens_per_s,
+        )
+        return self._with_cache_events(heartbeat)
+
+    def _with_cache_events(self, heartbeat: wire.Heartbeat) -> wire.Heartbeat:
+        cache = self.engine.prefix_cache
+        if self.cache_events is None or cache is None:
+            return heartbeat
+        batch = self.cache_events.next_batch()
+        return dataclasses.replace(
+            heartbeat,
+            cache_events_seq=batch.seq,
+            cache_full=batch.full,
+            cache_stored=batch.stored,
+            cache_evicted=batch.evicted,
+            num_prefix_query_tokens=cache.num_query_tokens,
+            num_prefix_hit_tokens=cache.num_hit_tokens,
         )
 
     def close(self) -> None:

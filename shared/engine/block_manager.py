@@ -5,9 +5,14 @@ token i lives in block `block_ids[i // block_size]` at offset `i % block_size`. 
 reference-counted so that a block may be shared (a forked sequence, a reused prefix); it returns
 to the free pool when its last holder frees it.
 
+With a prefix cache, a block whose last holder frees it stays in the cache (refcount 0,
+unreferenced) when it is named by a hash; it counts as free, and is evicted, least recently used
+first, only when the free queue runs dry.
+
 Invariants (checked by `check_invariants`, which the tests call after every operation):
-- every id is either free (refcount 0, in the free queue exactly once) or used (refcount > 0);
-- the free queue and the used set partition range(num_blocks).
+- every id is either free (refcount 0, in the free queue exactly once), cached and unreferenced
+  (refcount 0, not in the free queue) or used (refcount > 0);
+- these three sets partition range(num_blocks).
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from shared.engine.prefix_cache import PrefixCache
+
 
 class NoFreeBlocksError(RuntimeError):
     """The pool cannot supply the blocks asked for; nothing was allocated."""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -30,14 +37,19 @@ class BlockManager:
         self.block_size = block_size
         self._free_ids: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self.prefix_cache = prefix_cache
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_ids)
+        """Blocks a caller can allocate: the free ones and the unreferenced cached ones."""
+        return len(self._free_ids) + self._num_unreferenced()
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_ids)
+        return self.num_blocks - self.num_free_blocks
+
+    def _num_unreferenced(self) -> int:
+        return self.prefix_cache.num_unreferenced if self.prefix_cache is not None else 0
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -48,17 +60,17 @@ class BlockManager:
         return max(0, self.num_blocks_for(num_tokens) - len(block_ids))
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free_ids)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Takes `num_blocks` free ids (refcount 1 each); all or nothing."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
-        if num_blocks > len(self._free_ids):
+        if num_blocks > self.num_free_blocks:
             raise NoFreeBlocksError(
-                f"need {num_blocks} blocks, {len(self._free_ids)} free of {self.num_blocks}"
+                f"need {num_blocks} blocks, {self.num_free_blocks} free of {self.num_blocks}"
             )
-        ids = [self._free_ids.popleft() for _ in range(num_blocks)]
+        ids = [self._take_free() for _ in range(num_blocks)]
         for block_id in ids:
             self._ref_counts[block_id] = 1
         return ids
@@ -69,11 +81,26 @@ class BlockManager:
         block_ids.extend(new_ids)
         return new_ids
 
+    def _take_free(self) -> int:
+        if self._free_ids:
+            return self._free_ids.popleft()
+        assert self.prefix_cache is not None  # num_free_blocks counted its unreferenced blocks
+        return self.prefix_cache.evict_one()
+
     def share(self, block_ids: Iterable[int]) -> None:
         """Adds a holder to blocks already in use (fork, prefix reuse)."""
         for block_id in block_ids:
             if self._ref_counts[block_id] <= 0:
                 raise ValueError(f"block {block_id} is free and cannot be shared")
+            self._ref_counts[block_id] += 1
+
+    def take_cached(self, block_ids: Iterable[int]) -> None:
+        """Adds a holder to cached blocks (found by hash), referenced or not."""
+        assert self.prefix_cache is not None
+        for block_id in block_ids:
+            if self.prefix_cache.hash_of(block_id) is None:
+                raise ValueError(f"block {block_id} is not cached")
+            self.prefix_cache.touch(block_id)
             self._ref_counts[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -83,8 +110,10 @@ class BlockManager:
             if count <= 0:
                 raise ValueError(f"block {block_id} freed twice")
             self._ref_counts[block_id] = count - 1
-            if count == 1:
+            if count == 1 and not (self.prefix_cache and self.prefix_cache.release(block_id)):
                 self._free_ids.append(block_id)
+        if self.prefix_cache is not None:
+            self._free_ids.extend(self.prefix_cache.overflow())
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -94,4 +123,10 @@ class BlockManager:
         assert len(free) == len(self._free_ids), "a block id is in the free queue twice"
         for block_id, count in enumerate(self._ref_counts):
             assert count >= 0, f"block {block_id} has a negative refcount"
-            assert (count == 0) == (block_id in free), f"block {block_id}: refcount {count}"
+            unreferenced = self.prefix_cache is not None and self.prefix_cache.is_unreferenced(
+                block_id
+            )
+            assert not (unreferenced and block_id in free), f"block {block_id} free and cached"
+            assert (count == 0) == (block_id in free or unreferenced), f"block {block_id}: {count}"
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants(self._ref_counts)

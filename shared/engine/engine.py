@@ -18,6 +18,14 @@ import torch
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shared.engine.model import LlamaModel
+from shared.engine.prefix_cache import (
+    CacheKey,
+    PrefixCache,
+    cache_computed_blocks,
+    chain_hashes,
+    root_hash,
+    take_cached_prefix,
+)
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import MIN_CHUNK, ScheduledChunk, StepPlan, StepScheduler
@@ -51,6 +59,14 @@ class EngineConfig:
     # Time to first token under a long-prompt flood against prefill throughput; None: the token
     # budget alone (the most throughput).
     step_time_target_s: float | None = None
+    # Prefix cache: full blocks named by a chained hash are kept after their sequences finish
+    # and shared by later sequences that start with the same tokens (only the uncached suffix
+    # is computed). `prefix_cache_max_blocks` bounds the unreferenced blocks kept (None: the
+    # whole pool). `cache_model_id` names the weights in the cache key (workers pass the model
+    # path), beside the dtype and block size the engine adds.
+    enable_prefix_caching: bool = True
+    prefix_cache_max_blocks: int | None = None
+    cache_model_id: str = ""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -60,6 +76,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.prefix_cache_max_blocks is not None and self.prefix_cache_max_blocks < 0:
+            raise ValueError(
+                f"prefix_cache_max_blocks must be >= 0, got {self.prefix_cache_max_blocks}"
+            )
         if self.swap_bytes < 0:
             raise ValueError(f"swap_bytes must be >= 0, got {self.swap_bytes}")
         if self.step_time_target_s is not None and not self.step_time_target_s > 0:
@@ -88,6 +108,7 @@ class GenerationResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     finish_reason: str
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache spared computing
 
 
 class LLMEngine:
@@ -102,8 +123,19 @@ class LLMEngine:
             mc, self.config.block_size, model.dtype, self.config.kv_cache_bytes
         )
         self.kv_cache = KVCache(mc, num_blocks, self.config.block_size, model.dtype, model.device)
-        self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.cache_key = CacheKey(
+            self.config.cache_model_id or f"{mc.model_type}:{mc.num_layers}x{mc.hidden_size}",
+            str(model.dtype).removeprefix("torch."),
+            self.config.block_size,
+        )
+        self.prefix_cache = (
+            PrefixCache(self.config.prefix_cache_max_blocks)
+            if self.config.enable_prefix_caching
+            else None
+        )
+        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.prefix_cache)
         self.last_step_num_seqs = 0  # sequences in the latest step (its batch size)
+        self.num_computed_prompt_tokens = 0  # prompt tokens run through the model, ever
         self.swap_space = SwapSpace(self.config.swap_bytes)
         self.preemption = PreemptionCosts(self.config.preemption_mode)
         self._bytes_per_block = bytes_per_block(mc, self.config.block_size, model.dtype)
@@ -128,12 +160,16 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
+        """Queues a prompt. `cache_salt` (a tenant, or a request's own salt) keeps its cached
+        blocks apart from those of other salts: only equal salts share a prefix."""
         self._validate_prompt(prompt_token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)
+        seq.cache_root = self._cache_root(cache_salt)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -147,6 +183,7 @@ class LLMEngine:
         block_ids: list[int],
         generator_state: torch.Tensor | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Admits a sequence whose prompt KV is already in `block_ids` (written by the caller).
 
@@ -163,6 +200,7 @@ class LLMEngine:
         if len(block_ids) * self.block_manager.block_size < seq.num_computed_tokens:
             raise ValueError("the reserved blocks cannot hold the transferred KV")
         seq.block_ids = block_ids
+        seq.cache_root = self._cache_root(cache_salt)
         if generator_state is not None and seq.generator is not None:
             seq.generator.set_state(generator_state)
         self._sequences[request_id] = seq
@@ -190,13 +228,22 @@ class LLMEngine:
         """A finished sequence still holding its blocks (`retain_finished`)."""
         return self._retained[request_id]
 
-    def export_kv(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host-memory copies of a retained sequence's computed tokens' keys and values,
-        [layers, blocks, ...]: the wire sends tensors from CPU memory only."""
+    def export_kv(self, request_id: str, first_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host-memory copies of a retained sequence's computed tokens' keys and values from
+        block `first_block` on, [layers, blocks, ...]: the wire sends tensors from CPU memory."""
         seq = self._retained[request_id]
         num_blocks = self.block_manager.num_blocks_for(seq.num_computed_tokens)
-        keys, values = self.kv_cache.read_blocks(seq.block_ids[:num_blocks])
+        keys, values = self.kv_cache.read_blocks(seq.block_ids[first_block:num_blocks])
         return keys.cpu(), values.cpu()
+
+    def pin_cached_prefix(self, token_ids: SequenceOf[int], cache_salt: str | None) -> list[int]:
+        """Takes (one more holder of) the cached blocks that `token_ids`' full blocks start with,
+        for KV about to arrive for them; the caller frees them like any block."""
+        root = self._cache_root(cache_salt)
+        if root is None:
+            return []
+        hashes = chain_hashes(root, list(token_ids), self.block_manager.block_size)
+        return take_cached_prefix(self.block_manager, hashes)
 
     def release(self, request_id: str) -> bool:
         """Frees a retained sequence's blocks."""
@@ -206,6 +253,13 @@ class LLMEngine:
         self.block_manager.free(seq.block_ids)
         seq.block_ids = []
         return True
+
+    def _cache_root(self, cache_salt: str | None) -> int | None:
+        if self.prefix_cache is None:
+            return None
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt", "must be a string")
+        return root_hash(self.cache_key, cache_salt)
 
     @property
     def has_unfinished(self) -> bool:
@@ -307,7 +361,12 @@ class LLMEngine:
         sampled_rows, rows = [], []
         for index, chunk in enumerate(chunks):
             seq = chunk.sequence
+            start = seq.num_computed_tokens
+            self.num_computed_prompt_tokens += max(
+                0, min(seq.num_prompt_tokens - start, chunk.num_tokens)
+            )
             seq.num_computed_tokens += chunk.num_tokens
+            cache_computed_blocks(seq, self.block_manager)
             if seq.num_computed_tokens == seq.num_tokens:  # its last token ran: sample the next
                 sampled_rows.append(index)
                 rows.append(self._sampling_row(seq))
@@ -395,6 +454,7 @@ class LLMEngine:
                 sequences[rid].output_token_ids,
                 sequences[rid].output_logprobs,
                 finish[rid],
+                sequences[rid].num_cached_tokens,
             )
             for rid in ids
         ]

@@ -29,6 +29,9 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    again); the engine copies their KV back before the step runs. No waiting sequence is admitted
    while any is swapped out, nor in a step that preempted: preempted sequences resume before
    new ones are admitted.
+5. With a prefix cache, a newcomer first takes the cached blocks its tokens start with
+   (`attach_cached_prefix`) and counts them computed, so its need, its share and its chunks
+   cover only the uncached suffix; a newcomer not admitted after all gives them back.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.prefix_cache import attach_cached_prefix, detach_blocks
 from shared.engine.sequence import Sequence, SequenceStatus
 
 MIN_CHUNK = 64  # prompt tokens of budget per sharer: how many prompts share one step
@@ -173,6 +177,8 @@ class StepScheduler:
         max_newcomers = max(1, prompt_budget // MIN_CHUNK - len(in_prompt))
         num_newcomers = max(0, min(seats, max_newcomers))
         newcomers = list(itertools.islice(self.waiting, num_newcomers))
+        for seq in newcomers:  # before their needs are counted: only the uncached suffix runs
+            attach_cached_prefix(seq, self.block_manager)
         sharers = in_prompt + newcomers
         needs = [seq.num_uncomputed_tokens for seq in sharers]
         if cap is not None:
@@ -191,6 +197,8 @@ class StepScheduler:
                 continue
             scheduled.append(ScheduledChunk(seq, num_tokens))
         if self.num_preemptions != num_preemptions or self.swapped:
+            for seq in newcomers:
+                detach_blocks(seq, self.block_manager)
             return plan
         for seq in newcomers:
             num_tokens = share_of[id(seq)]
@@ -198,13 +206,25 @@ class StepScheduler:
             if num_tokens == 0 or not self.block_manager.can_allocate(
                 self.block_manager.num_new_blocks_for(seq.block_ids, target)
             ):
+                for unadmitted in newcomers[newcomers.index(seq) :]:
+                    detach_blocks(unadmitted, self.block_manager)
                 break
             self.waiting.popleft()
+            self._count_cache_hit(seq)
             self.block_manager.grow(seq.block_ids, target)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledChunk(seq, num_tokens))
         return plan
+
+    def _count_cache_hit(self, seq: Sequence) -> None:
+        """An admitted newcomer's cached prefix is its prompt cache hit, counted at its first
+        prefill only (a recompute after preemption reusing blocks is not a prompt hit)."""
+        cache = self.block_manager.prefix_cache
+        if cache is None or seq.cache_root is None or seq.num_preemptions > 0:
+            return
+        seq.num_cached_tokens = seq.num_computed_tokens
+        cache.record_query(seq.num_prompt_tokens, seq.num_cached_tokens)
 
     def _swap_in(self, plan: StepPlan) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -252,6 +272,7 @@ class StepScheduler:
             self.waiting.appendleft(seq)
         self.block_manager.free(seq.block_ids)
         seq.block_ids.clear()
+        seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.num_preemptions_by_mode[mode] += 1
@@ -267,4 +288,5 @@ class StepScheduler:
             self.swapped.remove(seq)
         self.block_manager.free(seq.block_ids)
         seq.block_ids = []
+        seq.num_registered_blocks = 0
         seq.status = status

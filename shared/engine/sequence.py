@@ -64,6 +64,13 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     priority: int = 0  # larger is more urgent: preempted last, resumed first
+    # Prefix cache: the root of this sequence's block hash chain (None: not cached), the hashes
+    # of its full blocks known so far, how many of its current block_ids are named in the cache,
+    # and the prompt tokens whose computation the cache skipped at its first prefill.
+    cache_root: int | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.generator is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -189,3 +190,59 @@ def test_worker_registers_again_when_the_scheduler_forgot_it(setup):
     )
     hello = scheduler.expect(wire.Hello)
     assert hello.peer_id == "d" and hello.role == "decode"
+
+
+def stream_until_done(gateway) -> list[int]:
+    tokens = []
+    while True:
+        assert gateway.poll(10_000), "no tokens streamed"
+        delta = wire.recv(gateway).deltas[0]
+        tokens += delta.token_ids
+        if delta.finish_reason:
+            return tokens
+
+
+def test_next_turn_reservation_pins_cached_blocks_and_takes_only_the_rest(setup):
+    """Turn 1 runs here; turn 2's reservation finds turn 1's prompt and reply blocks in the
+    decode cache and pins them; a transfer carrying everything is refused, one carrying only
+    the missing blocks is admitted, and the answer is the one a single engine gives."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    transfer, loaded = prefilled_transfer(model_dir, "t1", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, transfer)
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    reply = list(transfer.output_token_ids) + stream_until_done(gateway)
+    prompt_2 = PROMPT + reply + [9, 9, 9]  # 18 + 6 + 3 tokens; 23 ran on the worker
+
+    def reserve(request_id: str) -> wire.ReserveReply:
+        scheduler.send(
+            wire.Reserve(
+                request_id=request_id,
+                num_tokens=len(prompt_2) + 1,
+                lease_s=30,
+                token_ids=prompt_2,
+            )
+        )
+        return scheduler.expect(wire.ReserveReply)
+
+    assert reserve("t2").num_cached_blocks == 23 // 4
+    full, _ = prefilled_transfer(model_dir, "t2", gateway_address, params, prompt=prompt_2)
+    wire.send(peer, full)  # carries block 0 on: this worker holds blocks 0-4 already
+    assert peer.poll(10_000)
+    refused = wire.recv(peer)
+    assert not refused.ok and "first block 0" in refused.error
+    assert reserve("t2").num_cached_blocks == 5
+    partial = dataclasses.replace(
+        full, first_block=5, keys=full.keys[:, 5:].clone(), values=full.values[:, 5:].clone()
+    )
+    wire.send(peer, partial)
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    tokens = list(partial.output_token_ids) + stream_until_done(gateway)
+    expected = (
+        LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4))
+        .generate([prompt_2], params)[0]
+        .token_ids
+    )
+    assert tokens == expected

@@ -40,8 +40,11 @@ def setup(tmp_path, tiny_model_dir):
     context.term()
 
 
-def job(tmp_path, request_id: str, max_tokens: int = 8, **sampling) -> wire.PrefillJob:
+def job(
+    tmp_path, request_id: str, max_tokens: int = 8, cache_salt: str | None = None, **sampling
+) -> wire.PrefillJob:
     return wire.PrefillJob(
+        cache_salt=cache_salt,
         request_id=request_id,
         prompt_token_ids=PROMPT,
         sampling=wire.SamplingSpec(max_tokens=max_tokens, temperature=0.0, **sampling),
@@ -101,3 +104,18 @@ def test_invalid_job_gets_an_error_to_the_gateway(setup):
     delta = wire.recv(gateway).deltas[0]
     assert delta.finish_reason == "error" and "prompt" in delta.error
     assert scheduler.expect(wire.RequestDone).finish_reason == "rejected"
+
+
+def test_a_repeated_prompt_computes_only_its_last_block_and_says_so(setup):
+    """The worker's prefix cache: the second prompt of a tenant skips its cached full blocks
+    (8 of 11 tokens at block size 4; the last block runs for its logits) and the first delta
+    says so; another tenant's prompt finds nothing."""
+    scheduler, gateway, decode, tmp_path = setup
+    cached = {}
+    for request_id, salt in [("a1", "tenant-a"), ("a2", "tenant-a"), ("b1", "tenant-b")]:
+        scheduler.send(job(tmp_path, request_id, max_tokens=1, cache_salt=salt))
+        assert gateway.poll(10_000)
+        delta = wire.recv(gateway).deltas[0]
+        cached[request_id] = delta.num_cached_tokens
+        assert scheduler.expect(wire.RequestDone).finish_reason == "length"
+    assert cached == {"a1": 0, "a2": 8, "b1": 0}

@@ -48,6 +48,9 @@ def test_optional_and_bool_values():
         (WorkerConfig, [], {"TANDEM_DEVICE": "cpu:1"}, "TANDEM_DEVICE"),
         (WorkerConfig, ["--step-time-target-s", "0"], {}, "step_time_target_s"),
         (WorkerConfig, [], {"TANDEM_STEP_TIME_TARGET_S": "soon"}, "TANDEM_STEP_TIME_TARGET_S"),
+        (WorkerConfig, ["--prefix-cache-max-blocks", "-1"], {}, "TANDEM_PREFIX_CACHE_MAX_BLOCKS"),
+        (WorkerConfig, [], {"TANDEM_ENABLE_PREFIX_CACHING": "maybe"}, "expected a boolean"),
+        (WorkerConfig, ["--share-prefix-cache", "2"], {}, "expected a boolean"),
         (SchedulerConfig, [], {"TANDEM_METRICS_PORT": "-1"}, "TANDEM_METRICS_PORT"),
         (SchedulerConfig, ["--metrics-port", "http"], {}, "--metrics-port: expected an integer"),
         (SchedulerConfig, ["--heartbeat-timeout-s", "0"], {}, "heartbeat_timeout_s"),
@@ -56,6 +59,8 @@ def test_optional_and_bool_values():
         (GatewayConfig, ["--first-token-timeout-s", "0"], {}, "first_token_timeout_s"),
         (GatewayConfig, [], {"TANDEM_REQUEST_TIMEOUT_S": "soon"}, "TANDEM_REQUEST_TIMEOUT_S"),
         (SchedulerConfig, ["--max-queue-time-s", "-1"], {}, "max_queue_time_s"),
+        (SchedulerConfig, ["--route-queued-weight", "-1"], {}, "--route-queued-weight"),
+        (SchedulerConfig, [], {"TANDEM_ROUTE_UNCACHED_WEIGHT": "x"}, "TANDEM_ROUTE_UNCACHED"),
         (GatewayConfig, ["--scheduler-address", "http://x"], {}, "scheduler_address"),
     ],
 )

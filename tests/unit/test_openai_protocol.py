@@ -513,7 +513,13 @@ def choices(logprobs=None) -> list[ChoiceResult]:
 
 
 def test_usage():
-    assert usage_dict(7, 3) == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert usage_dict(7, 3, cached_tokens=4) == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    assert usage_dict(7, 3)["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_completion_logprobs_shape():

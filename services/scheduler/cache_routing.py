@@ -1,0 +1,72 @@
+"""Which prefill worker computes a prompt: the one with the least predicted time to first token.
+
+A worker's predicted wait is the prompt work it already holds plus the part of this prompt it
+would compute (the tokens its cached prefix does not cover), at its measured prefill rate. So a
+worker holding the prompt's prefix wins while its queue is short, and loses as soon as another
+worker's shorter queue more than makes up for computing the prefix again: affinity never beats a
+far shorter wait, and one hot prefix does not pile every request onto one worker. The weights
+tilt the balance (`queued` > `uncached` favours spreading load, the reverse favours cache hits).
+Pure: candidates in, a choice out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_TOKENS_PER_S = 300.0  # until a worker has measured its rate (a CPU's order of magnitude)
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    queued: float = 1.0  # weight of the prompt tokens a worker already holds
+    uncached: float = 1.0  # weight of the tokens of this prompt it would compute
+
+    def __post_init__(self) -> None:
+        if self.queued < 0 or self.uncached < 0 or self.queued + self.uncached == 0:
+            raise ValueError(
+                f"routing weights must be >= 0 and not both 0, got {self.queued}, {self.uncached}"
+            )
+
+
+@dataclass(frozen=True)
+class PrefillCandidate:
+    peer_id: str
+    num_queued_tokens: int  # prompt tokens it holds and has not finished
+    num_cached_tokens: int  # of this prompt, held in its cache (as the index knows)
+    tokens_per_s: float = 0.0  # its measured prefill rate; 0: not measured yet
+    room: int = 0  # room left in its window: the tie-breaker, more is better
+
+
+def predicted_wait_s(
+    candidate: PrefillCandidate, num_prompt_tokens: int, weights: RoutingWeights
+) -> float:
+    rate = candidate.tokens_per_s if candidate.tokens_per_s > 0 else DEFAULT_TOKENS_PER_S
+    uncached = max(0, num_prompt_tokens - candidate.num_cached_tokens)
+    return (weights.queued * candidate.num_queued_tokens + weights.uncached * uncached) / rate
+
+
+def choose_prefill(
+    candidates: Sequence[PrefillCandidate],
+    num_prompt_tokens: int,
+    weights: RoutingWeights | None = None,
+) -> PrefillCandidate:
+    if not candidates:
+        raise ValueError("no prefill candidate")
+    weights = weights or RoutingWeights()
+    return min(
+        candidates,
+        key=lambda c: (predicted_wait_s(c, num_prompt_tokens, weights), -c.room, c.peer_id),
+    )
+
+
+def decode_affinity(
+    num_cached_tokens: int, num_tokens: int, num_requests: int, max_num_seqs: int
+) -> float:
+    """How much to prefer a decode worker for a request: the share of its KV the worker holds
+    already (those blocks are not sent) less the share of its seats taken. A conversation thus
+    returns to the decode worker holding its previous turns unless that worker is far busier
+    than another, and a prefix every worker holds (a shared system prompt) tilts nothing."""
+    held = num_cached_tokens / num_tokens if num_tokens > 0 else 0.0
+    busy = num_requests / max_num_seqs if max_num_seqs > 0 else 1.0
+    return held - busy

@@ -1,0 +1,251 @@
+"""The prefix cache: full KV blocks found again by a hash of everything before and in them.
+
+A full block (exactly `block_size` tokens) is named by a hash chained over the previous block's
+hash and the block's token ids, starting from a root that hashes the versioned cache key (model,
+dtype, block size, hash scheme) and, unless tenants share the cache, the tenant or a per-request
+`cache_salt`. Two sequences whose hashes agree up to block i have the same tokens in the same
+positions before it under the same model, so block i holds the same keys and values in both: it
+is computed once and shared read-only by reference count (a full block is never written again,
+so copy-on-write is never needed).
+
+`PrefixCache` deals in integers only. It maps hashes to block ids and keeps the cached blocks no
+sequence references in least-recently-used order. Such a block is neither used nor free: the
+block manager counts it as available and takes it back (`evict_one`) only when its free queue is
+empty, so a cached block lives as long as the pool does not need the room. `max_unreferenced`
+bounds how many unreferenced blocks the cache keeps (None: as many as the pool has).
+
+Stored and evicted hashes are recorded in order (`take_events`), so a worker can tell the cluster
+scheduler which prefixes it holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the block manager imports this module; the sequence needs torch
+    from shared.engine.block_manager import BlockManager
+    from shared.engine.sequence import Sequence
+
+HASH_SCHEME = "blake2b64-chain-v1"  # change when the hash changes: old indexes must not match
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything besides the tokens that changes a block's KV; workers and the scheduler must
+    agree on it or the hashes never match (refused at registration)."""
+
+    model: str
+    dtype: str
+    block_size: int
+    scheme: str = HASH_SCHEME
+
+    def __str__(self) -> str:
+        return f"{self.scheme}|{self.model}|{self.dtype}|{self.block_size}"
+
+
+# A worker announces its key with whether tenants share its cache (the scheduler then hashes
+# prompts without the tenant salt): "<key>|tenants:own" or "<key>|tenants:shared".
+TENANTS_SEPARATOR = "|tenants:"
+
+
+def worker_cache_key(key: CacheKey, shared_between_tenants: bool) -> str:
+    return f"{key}{TENANTS_SEPARATOR}{'shared' if shared_between_tenants else 'own'}"
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def root_hash(key: CacheKey, salt: str | None = None) -> int:
+    """The parent hash of a sequence's first block: the cache key, plus the salt (tenant or
+    `cache_salt`) that keeps one tenant's blocks from matching another's."""
+    return root_hash_of(str(key), salt)
+
+
+def root_hash_of(key_text: str, salt: str | None = None) -> int:
+    """`root_hash` from the key's text, as workers send it to the scheduler."""
+    salt_part = "" if salt is None else f"|salt:{salt}"
+    return _digest(f"{key_text}{salt_part}".encode())
+
+
+def block_hash(parent: int, token_ids: list[int]) -> int:
+    """The hash of one full block after the block hashed `parent`."""
+    return _digest(struct.pack(f"<Q{len(token_ids)}q", parent, *token_ids))
+
+
+def chain_hashes(
+    root: int, token_ids: list[int], block_size: int, parent: int | None = None, start: int = 0
+) -> Iterator[int]:
+    """Hashes of the full blocks of `token_ids` from block index `start` on (whose parent hash is
+    `parent`, or the root when `start` is 0)."""
+    previous = root if parent is None else parent
+    for begin in range(start * block_size, len(token_ids) - block_size + 1, block_size):
+        previous = block_hash(previous, token_ids[begin : begin + block_size])
+        yield previous
+
+
+class PrefixCache:
+    def __init__(self, max_unreferenced: int | None = None):
+        if max_unreferenced is not None and max_unreferenced < 0:
+            raise ValueError(f"max_unreferenced must be >= 0, got {max_unreferenced}")
+        self.max_unreferenced = max_unreferenced
+        self._block_of_hash: dict[int, int] = {}
+        self._hash_of_block: dict[int, int] = {}
+        # Cached blocks no sequence holds, least recently used first: the eviction order.
+        self._unreferenced: OrderedDict[int, None] = OrderedDict()
+        self._events: list[tuple[str, int]] = []  # ("stored" | "evicted", hash), in order
+        self.num_query_tokens = 0  # prompt tokens looked up
+        self.num_hit_tokens = 0  # of them, found cached
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of_hash)
+
+    @property
+    def num_unreferenced(self) -> int:
+        return len(self._unreferenced)
+
+    def lookup(self, block_hash_: int) -> int | None:
+        return self._block_of_hash.get(block_hash_)
+
+    def hash_of(self, block_id: int) -> int | None:
+        return self._hash_of_block.get(block_id)
+
+    def hashes(self) -> list[int]:
+        """Every cached hash (a worker's full set, sent again after a gap)."""
+        return list(self._block_of_hash)
+
+    def is_unreferenced(self, block_id: int) -> bool:
+        return block_id in self._unreferenced
+
+    def insert(self, block_hash_: int, block_id: int) -> bool:
+        """Names a referenced, fully computed block by its hash. False (and nothing changes) when
+        the hash already names another block (two sequences computed the same prefix at once:
+        the first stays cached, the second block is freed as usual) or the block is named."""
+        if block_hash_ in self._block_of_hash or block_id in self._hash_of_block:
+            return False
+        self._block_of_hash[block_hash_] = block_id
+        self._hash_of_block[block_id] = block_hash_
+        self._events.append(("stored", block_hash_))
+        return True
+
+    def touch(self, block_id: int) -> None:
+        """A sequence takes a cached block: it is referenced again, so not evictable."""
+        self._unreferenced.pop(block_id, None)
+
+    def release(self, block_id: int) -> bool:
+        """The last holder of a block let it go. True when the cache keeps it (it is named);
+        the caller frees it otherwise. The caller then frees what `overflow` evicts."""
+        if block_id not in self._hash_of_block:
+            return False
+        self._unreferenced[block_id] = None  # most recently used: evicted last
+        return True
+
+    def overflow(self) -> list[int]:
+        """Blocks evicted to keep within `max_unreferenced`; the caller frees them."""
+        evicted = []
+        while self.max_unreferenced is not None and len(self._unreferenced) > self.max_unreferenced:
+            evicted.append(self.evict_one())
+        return evicted
+
+    def evict_one(self) -> int:
+        """Forgets the least recently used unreferenced block and returns its id, now free."""
+        block_id, _ = self._unreferenced.popitem(last=False)
+        block_hash_ = self._hash_of_block.pop(block_id)
+        del self._block_of_hash[block_hash_]
+        self._events.append(("evicted", block_hash_))
+        return block_id
+
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def take_events(self) -> list[tuple[str, int]]:
+        events, self._events = self._events, []
+        return events
+
+    def check_invariants(self, ref_counts: list[int]) -> None:
+        assert len(self._block_of_hash) == len(self._hash_of_block)
+        for block_hash_, block_id in self._block_of_hash.items():
+            assert self._hash_of_block[block_id] == block_hash_
+        for block_id in self._unreferenced:
+            assert block_id in self._hash_of_block, f"unreferenced block {block_id} not cached"
+            assert ref_counts[block_id] == 0, f"block {block_id} referenced yet evictable"
+        for block_id in self._hash_of_block:
+            assert (ref_counts[block_id] == 0) == (block_id in self._unreferenced), block_id
+
+
+# -- sequences and the cache ------------------------------------------------------------------
+
+
+def _extend_hashes(seq: Sequence, block_size: int, num_blocks: int) -> None:
+    """Extends `seq.block_hashes` to its first `num_blocks` full blocks (tokens never change, so
+    hashes once computed stay valid through preemption)."""
+    assert seq.cache_root is not None
+    start = len(seq.block_hashes)
+    if start >= num_blocks:
+        return
+    parent = seq.block_hashes[-1] if start else seq.cache_root
+    token_ids = seq.token_ids_slice(start * block_size, num_blocks * block_size)
+    seq.block_hashes.extend(chain_hashes(parent, token_ids, block_size))
+
+
+def attach_cached_prefix(seq: Sequence, manager: BlockManager) -> int:
+    """Gives a sequence about to be prefilled from token 0 the longest run of cached blocks its
+    tokens start with, and counts them computed; returns the tokens so skipped. At least the last
+    token is left to compute (its logits give the next token), so the block holding it is never
+    taken from the cache and a cached block is never written."""
+    cache = manager.prefix_cache
+    if cache is None or seq.cache_root is None or seq.block_ids or seq.num_computed_tokens:
+        return 0
+    block_size = manager.block_size
+    max_blocks = (seq.num_tokens - 1) // block_size
+    _extend_hashes(seq, block_size, max_blocks)
+    found = take_cached_prefix(manager, seq.block_hashes[:max_blocks])
+    seq.block_ids = found
+    seq.num_registered_blocks = len(found)
+    seq.num_computed_tokens = len(found) * block_size
+    return seq.num_computed_tokens
+
+
+def take_cached_prefix(manager: BlockManager, hashes: Iterable[int]) -> list[int]:
+    """Takes the cached blocks named by the leading `hashes` (up to the first miss)."""
+    cache = manager.prefix_cache
+    found: list[int] = []
+    if cache is None:
+        return found
+    for block_hash_ in hashes:
+        block_id = cache.lookup(block_hash_)
+        if block_id is None:
+            break
+        found.append(block_id)
+    manager.take_cached(found)
+    return found
+
+
+def detach_blocks(seq: Sequence, manager: BlockManager) -> None:
+    """Undoes `attach_cached_prefix` for a sequence that was not admitted after all."""
+    manager.free(seq.block_ids)
+    seq.block_ids = []
+    seq.num_registered_blocks = 0
+    seq.num_computed_tokens = 0
+
+
+def cache_computed_blocks(seq: Sequence, manager: BlockManager) -> None:
+    """Names the sequence's blocks that became full and computed, so later sequences find them."""
+    cache = manager.prefix_cache
+    if cache is None or seq.cache_root is None:
+        return
+    block_size = manager.block_size
+    num_full = min(seq.num_computed_tokens // block_size, len(seq.block_ids))
+    if num_full <= seq.num_registered_blocks:
+        return
+    _extend_hashes(seq, block_size, num_full)
+    for index in range(seq.num_registered_blocks, num_full):
+        cache.insert(seq.block_hashes[index], seq.block_ids[index])
+    seq.num_registered_blocks = num_full

@@ -1,0 +1,175 @@
+"""The cluster's view of prefix caches as pure pieces: the workers' numbered event batches, the
+scheduler's index (gaps, resync, key check), the routing policy, and the core choosing the prefill
+worker that holds a prompt's prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.scheduler.cache_routing import (
+    PrefillCandidate,
+    RoutingWeights,
+    choose_prefill,
+    decode_affinity,
+    predicted_wait_s,
+)
+from services.scheduler.core import ClusterScheduler, SchedulerLimits
+from services.scheduler.prefix_index import PrefixIndex
+from services.worker.cache_events import CacheEventStream
+from shared import wire
+from shared.engine.block_manager import BlockManager
+from shared.engine.prefix_cache import (
+    CacheKey,
+    PrefixCache,
+    chain_hashes,
+    root_hash,
+    worker_cache_key,
+)
+from tests.unit.test_scheduler_core import heartbeat, hello, sent, submit
+
+KEY = CacheKey("m", "float32", 16)
+OWN = worker_cache_key(KEY, shared_between_tenants=False)
+
+
+def test_event_batches_are_numbered_net_and_full_every_few():
+    cache = PrefixCache()
+    bm = BlockManager(8, 16, cache)
+    stream = CacheEventStream(cache, full_every=3)
+    a, b, c = bm.allocate(3)
+    cache.insert(1, a)
+    first = stream.next_batch()
+    assert (first.seq, first.full, first.stored) == (1, True, [1])
+    cache.insert(2, b)
+    cache.insert(3, c)
+    bm.free([b, c])
+    bm.allocate(7)  # evicts both unreferenced blocks: 2 then 3
+    second = stream.next_batch()
+    assert (second.seq, second.full, second.stored, second.evicted) == (2, False, [], [2, 3])
+    assert stream.next_batch().seq == 3
+    fourth = stream.next_batch()
+    assert fourth.full and fourth.stored == [1]
+    with pytest.raises(ValueError, match="full_every"):
+        CacheEventStream(cache, full_every=0)
+
+
+def test_index_applies_batches_in_order_and_forgets_a_worker_after_a_gap():
+    index = PrefixIndex()
+    index.register("p", OWN, 16)
+    assert index.apply("p", 1, False, [7], [])  # before any full set: ignored
+    assert index.num_hashes("p") == 0
+    assert index.apply("p", 2, True, [1, 2], [])
+    assert index.apply("p", 3, False, [3], [1])
+    assert index.num_hashes("p") == 2
+    assert not index.apply("p", 5, False, [4], [])  # batch 4 was lost
+    assert index.num_hashes("p") == 0 and index.num_gaps == 1
+    assert index.apply("p", 6, False, [5], [])  # still waiting for a full set
+    assert index.num_hashes("p") == 0
+    index.apply("p", 7, True, [2, 3], [])
+    assert index.num_hashes("p") == 2
+    index.register("p", OWN, 16)  # registered again (restart): unknown until its next full set
+    assert index.num_hashes("p") == 0
+
+
+def test_index_hashes_prompts_as_the_workers_do_and_counts_leading_blocks():
+    index = PrefixIndex()
+    index.register("p", OWN, 16)
+    prompt = list(range(100, 150))  # 50 tokens: 3 full blocks, none holding the last token
+    worker_hashes = list(chain_hashes(root_hash(KEY, "t"), prompt, 16))
+    assert index.prompt_hashes(prompt, "t") == worker_hashes
+    assert index.prompt_hashes(prompt[:48], "t") == worker_hashes[:2]  # last block computed
+    index.apply("p", 1, True, [worker_hashes[0], worker_hashes[2]], [])
+    assert index.num_cached_tokens("p", worker_hashes) == 16  # the second block is missing
+    assert index.num_cached_tokens("p", index.prompt_hashes(prompt, "other")) == 0
+    shared = PrefixIndex()
+    shared.register("p", worker_cache_key(KEY, shared_between_tenants=True), 16)
+    assert shared.prompt_hashes(prompt, "t") == list(chain_hashes(root_hash(KEY), prompt, 16))
+
+
+def test_a_worker_with_another_cache_key_is_refused_loudly():
+    index = PrefixIndex()
+    assert index.refusal(OWN) is None
+    index.register("p", OWN, 16)
+    other = worker_cache_key(CacheKey("m", "bfloat16", 16), False)
+    assert "bfloat16" in index.refusal(other) and "must agree" in index.refusal(other)
+    assert index.refusal(None) is None  # a worker without a cache joins, and is never a hit
+
+
+def candidate(peer: str, queued: int, cached: int, rate: float = 100.0, room: int = 0):
+    return PrefillCandidate(peer, queued, cached, rate, room)
+
+
+def test_affinity_wins_a_short_queue_and_loses_to_a_far_shorter_wait():
+    holder = candidate("holder", queued=100, cached=600)
+    idle = candidate("idle", queued=0, cached=0)
+    assert choose_prefill([holder, idle], 700).peer_id == "holder"  # 2 s against 7 s
+    busy_holder = candidate("holder", queued=2000, cached=600)
+    assert choose_prefill([busy_holder, idle], 700).peer_id == "idle"  # 21 s against 7 s
+    # Weights tilt it: ignoring the queue, the holder always wins.
+    affinity = RoutingWeights(queued=0.0, uncached=1.0)
+    assert choose_prefill([busy_holder, idle], 700, affinity).peer_id == "holder"
+    # An unmeasured rate is the default, and ties go to the roomier window.
+    tied = [candidate("a", 0, 0, rate=0.0, room=1), candidate("b", 0, 0, rate=0.0, room=5)]
+    assert choose_prefill(tied, 10).peer_id == "b"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5000), st.integers(0, 2000), st.floats(1.0, 1000.0)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 3000),
+)
+def test_the_choice_has_the_least_predicted_wait(workers, num_prompt_tokens):
+    candidates = [candidate(f"w{i}", q, c, r) for i, (q, c, r) in enumerate(workers)]
+    chosen = choose_prefill(candidates, num_prompt_tokens)
+    best = min(predicted_wait_s(c, num_prompt_tokens, RoutingWeights()) for c in candidates)
+    assert predicted_wait_s(chosen, num_prompt_tokens, RoutingWeights()) == best
+
+
+@pytest.mark.parametrize("queued,uncached", [(-1.0, 1.0), (1.0, -0.5), (0.0, 0.0)])
+def test_bad_weights_refused(queued, uncached):
+    with pytest.raises(ValueError, match="routing weights"):
+        RoutingWeights(queued, uncached)
+    with pytest.raises(ValueError, match="no prefill candidate"):
+        choose_prefill([], 10)
+
+
+def test_core_sends_a_prompt_to_the_prefill_worker_holding_its_prefix():
+    core = ClusterScheduler(SchedulerLimits())
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    for peer in ("p1", "p2"):
+        core.on_hello(b"P" + peer.encode(), dataclasses.replace(
+            hello(peer, "prefill"), cache_key=OWN), 0.0)  # fmt: skip
+    core.on_hello(b"D", hello("d", "decode", blocks=1000), 0.0)
+    request = submit("r", prompt_len=80)
+    hashes = list(chain_hashes(root_hash(KEY, "t"), request.prompt_token_ids, 16))[:4]
+    for peer in ("p1", "p2"):
+        stored = hashes if peer == "p2" else []
+        beat = dataclasses.replace(
+            heartbeat(peer), cache_events_seq=1, cache_full=True, cache_stored=stored
+        )
+        core.on_heartbeat(b"P" + peer.encode(), beat, 0.0)
+    core.on_heartbeat(b"D", heartbeat("d", free=1000), 0.0)
+    assert core.prefix_index.num_cached_tokens("p2", hashes) == 64
+    core.on_submit(b"G", request, 0.0)
+    out = core.on_reserve_reply(
+        wire.ReserveReply(request_id="r", ok=True, num_free_blocks=900), 0.0
+    )
+    (job,) = sent(out, wire.PrefillJob)
+    assert job.identity == b"Pp2" and job.message.cache_salt == "t"
+
+
+def test_a_conversation_returns_to_its_decode_worker_unless_it_is_far_busier():
+    holder = decode_affinity(num_cached_tokens=900, num_tokens=1000, num_requests=4, max_num_seqs=8)
+    idle = decode_affinity(num_cached_tokens=0, num_tokens=1000, num_requests=0, max_num_seqs=8)
+    assert holder > idle  # 0.9 - 0.5 against 0
+    full_holder = decode_affinity(900, 1000, num_requests=8, max_num_seqs=8)
+    assert full_holder < idle
+    # A prefix both hold (a shared system prompt) tilts nothing: the less busy one wins.
+    assert decode_affinity(300, 1000, 1, 8) > decode_affinity(300, 1000, 2, 8)
