@@ -11,8 +11,8 @@ test oracle.
 """
 
 import torch
-import triton
-import triton.language as tl
+
+from kernels.optional_triton import tl, triton
 
 
 def write_kv(

@@ -17,11 +17,10 @@ table with an online softmax (running max and sum) accumulated in float32.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.attention_plan import AttentionPlan
 from kernels.attention_reference import paged_attention_reference
+from kernels.optional_triton import tl, triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634

