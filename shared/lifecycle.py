@@ -23,6 +23,7 @@ from shared import wire
 from shared.metrics import (
     BATCH_SIZE_BUCKETS,
     ITL_BUCKETS,
+    KV_BYTES_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TRANSFER_BUCKETS,
     TTFT_BUCKETS,
@@ -270,6 +271,14 @@ class WorkerEvents(_Events):
             "num_preemptions", "Sequences preempted, by kind", ("kind",)
         )
         self._preemptions_seen = {"swap": 0, "recompute": 0}
+        # vLLM's prefix cache pair, in prompt tokens: hits / queries is the hit rate.
+        self.prefix_queries = self.counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = self.counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)"
+        )
+        self._prefix_seen = [0, 0]
 
     def step(self) -> None:
         self.steps.inc()
@@ -287,6 +296,10 @@ class WorkerEvents(_Events):
         ):
             self.preemptions.labels(kind).inc(count - self._preemptions_seen[kind])
             self._preemptions_seen[kind] = count
+        queries, hits = heartbeat.num_prefix_query_tokens, heartbeat.num_prefix_hit_tokens
+        self.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = [queries, hits]
 
 
 class PrefillEvents(WorkerEvents):
@@ -299,6 +312,11 @@ class PrefillEvents(WorkerEvents):
         )
         self.prefill_tokens = self.counter("prefill_tokens", "Prompt tokens prefilled")
         self.kv_bytes = self.counter("kv_transfer_bytes", "KV bytes sent to decode workers")
+        self.kv_bytes_per_handoff = self.histogram(
+            "kv_transfer_bytes_per_handoff",
+            "KV bytes of one handoff (only the blocks the decode worker lacks)",
+            KV_BYTES_BUCKETS,
+        )
         self.kv_seconds = self.histogram(
             "kv_transfer_seconds", "KV sent to acknowledged by the decode worker", TRANSFER_BUCKETS
         )
@@ -320,6 +338,7 @@ class PrefillEvents(WorkerEvents):
 
     def kv_sent(self, request_id: str, decode: str, num_bytes: int) -> float:
         self.kv_bytes.inc(num_bytes)
+        self.kv_bytes_per_handoff.observe(num_bytes)
         self.log.info("kv sent", request_id=request_id, decode=decode, bytes=num_bytes)
         return time.monotonic()
 
@@ -341,6 +360,13 @@ class DecodeEvents(WorkerEvents):
         )
         self.generated_tokens = self.counter("decode_generated_tokens", "Tokens generated here")
         self.kv_bytes = self.counter("kv_received_bytes", "KV bytes received from prefill")
+        self.local_prefills = self.counter(
+            "local_prefills", "Requests prefilled here from a cached prefix: no KV handoff"
+        )
+
+    def local_prefill(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.local_prefills.inc()
+        self.log.info("local prefill", request_id=request_id, prompt_tokens=num_prompt_tokens)
 
     def decode_step(self, num_sequences: int, num_tokens: int) -> None:
         if num_sequences == 0:  # a step that only moved swapped KV

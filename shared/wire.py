@@ -40,7 +40,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: prefix cache fields (cache_key, cache events, cached blocks)
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -442,6 +442,8 @@ class WorkerStatus:
     steps_completed: int
     recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
     metrics_address: str | None = None
+    num_prefix_query_tokens: int = 0  # since its start: prompt tokens looked up in its cache
+    num_prefix_hit_tokens: int = 0  # of them, found
 
 
 # The RPC front door: a client's DEALER to the gateway's RPC ROUTER. Bodies are the HTTP API's

@@ -99,6 +99,8 @@ def build_app(
                     "steps_completed": w.steps_completed,
                     "recent_batch_sizes": w.recent_batch_sizes,
                     "metrics_address": w.metrics_address,
+                    "prefix_query_tokens": w.num_prefix_query_tokens,
+                    "prefix_hit_tokens": w.num_prefix_hit_tokens,
                 }
                 for w in view.workers
             ],

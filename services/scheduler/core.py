@@ -62,6 +62,9 @@ class SchedulerLimits:
     prefill_window_tokens: int = 2048  # prompt tokens in hand per prefill worker (see above)
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
     routing: RoutingWeights = field(default_factory=RoutingWeights)  # prefill choice by cache
+    # Conditional disaggregation: a decode worker holding all but at most this many of a
+    # prompt's tokens prefills them itself, and no KV crosses the wire (0: never).
+    local_prefill_max_tokens: int = 256
 
 
 @dataclass
@@ -215,6 +218,8 @@ class ClusterScheduler:
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
         worker.prefill_tokens_per_s = heartbeat.prefill_tokens_per_s
+        worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
+        worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
         self.prefix_index.apply(
             worker.peer_id,
             heartbeat.cache_events_seq,
@@ -338,6 +343,11 @@ class ClusterScheduler:
         request.phase = Phase.PREFILLING
         request.phase_deadline = now + self.limits.prefill_timeout_s
         submit = request.submit
+        if self._prefills_locally(request, reply, worker):
+            # The decode worker computes the short suffix itself: the prefill worker is out.
+            prefill.request_ids.discard(request.request_id)
+            request.prefill_peer_id = worker.peer_id
+            prefill = worker
         job = wire.PrefillJob(
             request_id=submit.request_id,
             prompt_token_ids=submit.prompt_token_ids,
@@ -362,7 +372,7 @@ class ClusterScheduler:
             if request.phase != Phase.PREFILLING or request.prefill_peer_id != done.peer_id:
                 return []  # a report from an attempt the scheduler already gave up on
             prefill = self.registry.get(done.peer_id)
-            if prefill is not None:
+            if prefill is not None and done.peer_id != request.decode_peer_id:
                 prefill.request_ids.discard(done.request_id)
             if done.finish_reason is None:  # KV handed to the decode worker, which now owns it
                 request.phase = Phase.DECODING
@@ -425,6 +435,16 @@ class ClusterScheduler:
         ]
         chosen = choose_prefill(candidates, len(tokens), self.limits.routing)
         return next(w for w in workers if w.peer_id == chosen.peer_id)
+
+    def _prefills_locally(
+        self, request: TrackedRequest, reply: wire.ReserveReply, decode: WorkerState
+    ) -> bool:
+        """The decode worker holds the prompt but a short suffix (a conversation's next turn):
+        it prefills that itself. Not for a resumed request (its output is not a prompt)."""
+        if reply.num_cached_blocks == 0 or request.submit.output_token_ids:
+            return False
+        uncached = request.num_prefill_tokens - reply.num_cached_blocks * decode.block_size
+        return uncached <= self.limits.local_prefill_max_tokens
 
     def _decode_affinity(self, request: TrackedRequest) -> Callable[[WorkerState], float] | None:
         """How much a decode worker is to be preferred for the request: the share of its KV
@@ -668,4 +688,6 @@ class ClusterScheduler:
             steps_completed=worker.steps_completed,
             recent_batch_sizes=list(worker.recent_batch_sizes),
             metrics_address=worker.metrics_address,
+            num_prefix_query_tokens=worker.num_prefix_query_tokens,
+            num_prefix_hit_tokens=worker.num_prefix_hit_tokens,
         )
