@@ -517,9 +517,22 @@ class ClusterScheduler:
                 priority=submit.priority,
                 arrival=request.arrival,
                 resumed=submit.resumed_from is not None,
+                num_cached_tokens=self._predicted_cached_tokens(request),
             )
         )
         self.num_queued_tokens += request.num_prefill_tokens
+
+    def _predicted_cached_tokens(self, request: TrackedRequest) -> int:
+        """The most of the request's prompt any worker holds cached, as the index knows."""
+        if self.prefix_index.cache_key is None:
+            return 0
+        submit = request.submit
+        tokens = list(submit.prompt_token_ids) + list(submit.output_token_ids)
+        hashes = self.prefix_index.prompt_hashes(tokens, submit.tenant)
+        return max(
+            (self.prefix_index.num_cached_tokens(peer, hashes) for peer in self.registry.workers),
+            default=0,
+        )
 
     # -- helpers ------------------------------------------------------------------------------
 

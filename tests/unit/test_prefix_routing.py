@@ -203,3 +203,19 @@ def test_a_decode_worker_holding_all_but_a_short_suffix_prefills_it_itself(cache
     )
     core.on_request_done(done, 0.0)
     assert core.requests["r"].phase.name == "DECODING" and "r" in decode.request_ids
+
+
+def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():
+    core = ClusterScheduler(SchedulerLimits())
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
+    core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
+    request = submit("r", prompt_len=80)
+    hashes = list(chain_hashes(root_hash(KEY, "t"), request.prompt_token_ids, 16))[:4]
+    beat = dataclasses.replace(heartbeat("p"), cache_events_seq=1, cache_full=True,
+                               cache_stored=hashes)  # fmt: skip
+    core.on_heartbeat(b"P", beat, 0.0)
+    core.on_submit(b"G", request, 0.0)
+    core.on_submit(b"G", dataclasses.replace(submit("s", prompt_len=80), tenant="u"), 0.0)
+    served = {party.tenant: tokens for party, tokens in core.queue.served_tokens.items()}
+    assert served == {"t": 80 - 64, "u": 80}
