@@ -195,6 +195,14 @@ class SchedulerEvents(_Events):
             "worker_heartbeat_age_seconds", "Since each worker's last heartbeat", ("worker", "role")
         )
         self.workers = self.gauge("workers", "Registered workers", ("role", "state"))
+        self.cached_predicted = self.gauge(
+            "prefix_index_predicted_cached_tokens",
+            "Prompt tokens the prefix index predicted cached where prompts went (since start)",
+        )
+        self.cached_actual = self.gauge(
+            "prefix_index_actual_cached_tokens",
+            "Prompt tokens the workers then found cached (the gap is the index's drift)",
+        )
         self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
 
     def queued(self, request_id: str, num_prompt_tokens: int, tenant: str) -> None:
@@ -228,6 +236,8 @@ class SchedulerEvents(_Events):
         """Sets the sampled gauges from the status the scheduler sends its gateways."""
         self.waiting.set(status.num_queued)
         self.in_flight.set(status.num_in_flight)
+        self.cached_predicted.set(status.num_predicted_cached_tokens)
+        self.cached_actual.set(status.num_actual_cached_tokens)
         self._set_all(
             self.party_served,
             {(p.tenant, p.class_name): p.served_tokens for p in status.service},

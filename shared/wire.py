@@ -390,6 +390,7 @@ class RequestDone(Message):
     finish_reason: str | None  # None when the prefill phase ends normally
     num_prompt_tokens: int
     num_output_tokens: int  # tokens generated on this worker
+    num_cached_tokens: int = 0  # prefill phase: prompt tokens its prefix cache spared computing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -413,6 +414,10 @@ class ClusterStatus(Message):
     # Names this run of the scheduler: a new value tells a gateway the scheduler restarted and
     # forgot the requests it held.
     scheduler_epoch: str = ""
+    # Prompt tokens the prefix index predicted cached where each prompt went, and those the
+    # workers then found, since the scheduler started: a drifting index shows as a gap.
+    num_predicted_cached_tokens: int = 0
+    num_actual_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -152,7 +152,13 @@ class DecodeWorker(WorkerLoop):
         self.events.local_prefill(job.request_id, len(job.prompt_token_ids))
 
     def _report(
-        self, request_id: str, phase: str, reason: str | None, num_prompt: int, num_output: int
+        self,
+        request_id: str,
+        phase: str,
+        reason: str | None,
+        num_prompt: int,
+        num_output: int,
+        num_cached: int = 0,
     ) -> None:
         self.link.send(
             wire.RequestDone(
@@ -162,6 +168,7 @@ class DecodeWorker(WorkerLoop):
                 finish_reason=reason,
                 num_prompt_tokens=num_prompt,
                 num_output_tokens=num_output,
+                num_cached_tokens=num_cached,
             )
         )
 
@@ -296,7 +303,7 @@ class DecodeWorker(WorkerLoop):
         num_cached = route.local_sequence.num_cached_tokens if route.local_sequence else 0
         route.local_sequence = None
         if not finished:
-            self._report(request_id, "prefill", None, route.num_prompt_tokens, 0)
+            self._report(request_id, "prefill", None, route.num_prompt_tokens, 0, num_cached)
         return dataclasses.replace(delta, num_cached_tokens=num_cached)
 
     def _hand_back(self, request_id: str) -> None:

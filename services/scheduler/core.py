@@ -112,6 +112,7 @@ class TrackedRequest:
     phase_deadline: float = float("inf")
     num_blocks: int = 0  # blocks reserved on the decode worker
     arrival: float = 0.0  # the scheduler's clock when it was first queued
+    num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
 
     @property
     def request_id(self) -> str:
@@ -171,6 +172,9 @@ class ClusterScheduler:
         )
         self.queue = FairQueue(self.limits.fair_share)
         self.prefix_index = PrefixIndex()
+        # Prompt tokens predicted cached at dispatch against those the workers found.
+        self.num_predicted_cached_tokens = 0
+        self.num_actual_cached_tokens = 0
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -348,6 +352,7 @@ class ClusterScheduler:
             prefill.request_ids.discard(request.request_id)
             request.prefill_peer_id = worker.peer_id
             prefill = worker
+        request.num_predicted_cached_tokens = self._cached_on(prefill, request)
         job = wire.PrefillJob(
             request_id=submit.request_id,
             prompt_token_ids=submit.prompt_token_ids,
@@ -374,6 +379,9 @@ class ClusterScheduler:
             prefill = self.registry.get(done.peer_id)
             if prefill is not None and done.peer_id != request.decode_peer_id:
                 prefill.request_ids.discard(done.request_id)
+            if done.finish_reason in (None, "stop", "length"):
+                self.num_predicted_cached_tokens += request.num_predicted_cached_tokens
+                self.num_actual_cached_tokens += done.num_cached_tokens
             if done.finish_reason is None:  # KV handed to the decode worker, which now owns it
                 request.phase = Phase.DECODING
                 request.prefill_peer_id = None
@@ -521,6 +529,14 @@ class ClusterScheduler:
             )
         )
         self.num_queued_tokens += request.num_prefill_tokens
+
+    def _cached_on(self, worker: WorkerState, request: TrackedRequest) -> int:
+        """The prompt tokens `worker` holds cached, as the index knows (the block holding the
+        last token is never counted: it is always computed)."""
+        submit = request.submit
+        tokens = list(submit.prompt_token_ids) + list(submit.output_token_ids)
+        hashes = self.prefix_index.prompt_hashes(tokens, submit.tenant)
+        return self.prefix_index.num_cached_tokens(worker.peer_id, hashes)
 
     def _predicted_cached_tokens(self, request: TrackedRequest) -> int:
         """The most of the request's prompt any worker holds cached, as the index knows."""
@@ -671,6 +687,8 @@ class ClusterScheduler:
             max_queue_wait_s=self.max_queue_wait_s,
             service=self._service(),
             workers=[self._worker_status(w, now) for w in self.registry.workers.values()],
+            num_predicted_cached_tokens=self.num_predicted_cached_tokens,
+            num_actual_cached_tokens=self.num_actual_cached_tokens,
         )
 
     def _service(self) -> list[wire.PartyService]:

@@ -163,6 +163,19 @@ def test_core_sends_a_prompt_to_the_prefill_worker_holding_its_prefix():
     )
     (job,) = sent(out, wire.PrefillJob)
     assert job.identity == b"Pp2" and job.message.cache_salt == "t"
+    # The worker found less than the index predicted (it evicted a block meanwhile): visible.
+    done = wire.RequestDone(
+        request_id="r",
+        peer_id="p2",
+        phase="prefill",
+        finish_reason=None,
+        num_prompt_tokens=80,
+        num_output_tokens=1,
+        num_cached_tokens=48,
+    )
+    core.on_request_done(done, 0.0)
+    status = core.cluster_status(0.0)
+    assert (status.num_predicted_cached_tokens, status.num_actual_cached_tokens) == (64, 48)
 
 
 def test_a_conversation_returns_to_its_decode_worker_unless_it_is_far_busier():
