@@ -23,6 +23,7 @@ from shared import wire
 from shared.metrics import (
     BATCH_SIZE_BUCKETS,
     ITL_BUCKETS,
+    KV_BYTES_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TRANSFER_BUCKETS,
     TTFT_BUCKETS,
@@ -194,6 +195,14 @@ class SchedulerEvents(_Events):
             "worker_heartbeat_age_seconds", "Since each worker's last heartbeat", ("worker", "role")
         )
         self.workers = self.gauge("workers", "Registered workers", ("role", "state"))
+        self.cached_predicted = self.gauge(
+            "prefix_index_predicted_cached_tokens",
+            "Prompt tokens the prefix index predicted cached where prompts went (since start)",
+        )
+        self.cached_actual = self.gauge(
+            "prefix_index_actual_cached_tokens",
+            "Prompt tokens the workers then found cached (the gap is the index's drift)",
+        )
         self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
 
     def queued(self, request_id: str, num_prompt_tokens: int, tenant: str) -> None:
@@ -227,6 +236,8 @@ class SchedulerEvents(_Events):
         """Sets the sampled gauges from the status the scheduler sends its gateways."""
         self.waiting.set(status.num_queued)
         self.in_flight.set(status.num_in_flight)
+        self.cached_predicted.set(status.num_predicted_cached_tokens)
+        self.cached_actual.set(status.num_actual_cached_tokens)
         self._set_all(
             self.party_served,
             {(p.tenant, p.class_name): p.served_tokens for p in status.service},
@@ -273,6 +284,14 @@ class WorkerEvents(_Events):
         self.model_info = self.gauge(
             "model_info", "The model this worker serves, and how (1)", ("model", "dtype", "device")
         )
+        # vLLM's prefix cache pair, in prompt tokens: hits / queries is the hit rate.
+        self.prefix_queries = self.counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = self.counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)"
+        )
+        self._prefix_seen = [0, 0]
 
     def model_loaded(self, model: str, dtype: str, dtype_setting: str, device: str) -> None:
         self.model_info.labels(model, dtype, device).set(1)
@@ -296,6 +315,10 @@ class WorkerEvents(_Events):
         ):
             self.preemptions.labels(kind).inc(count - self._preemptions_seen[kind])
             self._preemptions_seen[kind] = count
+        queries, hits = heartbeat.num_prefix_query_tokens, heartbeat.num_prefix_hit_tokens
+        self.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = [queries, hits]
 
 
 class PrefillEvents(WorkerEvents):
@@ -308,6 +331,11 @@ class PrefillEvents(WorkerEvents):
         )
         self.prefill_tokens = self.counter("prefill_tokens", "Prompt tokens prefilled")
         self.kv_bytes = self.counter("kv_transfer_bytes", "KV bytes sent to decode workers")
+        self.kv_bytes_per_handoff = self.histogram(
+            "kv_transfer_bytes_per_handoff",
+            "KV bytes of one handoff (only the blocks the decode worker lacks)",
+            KV_BYTES_BUCKETS,
+        )
         self.kv_seconds = self.histogram(
             "kv_transfer_seconds", "KV sent to acknowledged by the decode worker", TRANSFER_BUCKETS
         )
@@ -329,6 +357,7 @@ class PrefillEvents(WorkerEvents):
 
     def kv_sent(self, request_id: str, decode: str, num_bytes: int) -> float:
         self.kv_bytes.inc(num_bytes)
+        self.kv_bytes_per_handoff.observe(num_bytes)
         self.log.info("kv sent", request_id=request_id, decode=decode, bytes=num_bytes)
         return time.monotonic()
 
@@ -350,6 +379,13 @@ class DecodeEvents(WorkerEvents):
         )
         self.generated_tokens = self.counter("decode_generated_tokens", "Tokens generated here")
         self.kv_bytes = self.counter("kv_received_bytes", "KV bytes received from prefill")
+        self.local_prefills = self.counter(
+            "local_prefills", "Requests prefilled here from a cached prefix: no KV handoff"
+        )
+
+    def local_prefill(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.local_prefills.inc()
+        self.log.info("local prefill", request_id=request_id, prompt_tokens=num_prompt_tokens)
 
     def decode_step(self, num_sequences: int, num_tokens: int) -> None:
         if num_sequences == 0:  # a step that only moved swapped KV

@@ -49,6 +49,7 @@ REQUEST_LATENCY_BUCKETS = (
 TRANSFER_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
+KV_BYTES_BUCKETS = tuple(float(1 << n) for n in range(16, 34, 2))  # 64 KiB .. 8 GiB
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 
 

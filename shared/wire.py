@@ -40,7 +40,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 3  # 3: prefix cache fields (cache_key, cache events, cached blocks)
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -392,6 +392,7 @@ class RequestDone(Message):
     finish_reason: str | None  # None when the prefill phase ends normally
     num_prompt_tokens: int
     num_output_tokens: int  # tokens generated on this worker
+    num_cached_tokens: int = 0  # prefill phase: prompt tokens its prefix cache spared computing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -415,6 +416,10 @@ class ClusterStatus(Message):
     # Names this run of the scheduler: a new value tells a gateway the scheduler restarted and
     # forgot the requests it held.
     scheduler_epoch: str = ""
+    # Prompt tokens the prefix index predicted cached where each prompt went, and those the
+    # workers then found, since the scheduler started: a drifting index shows as a gap.
+    num_predicted_cached_tokens: int = 0
+    num_actual_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -445,6 +450,8 @@ class WorkerStatus:
     recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
     metrics_address: str | None = None
     dtype: str | None = None  # as its HELLO said
+    num_prefix_query_tokens: int = 0  # since its start: prompt tokens looked up in its cache
+    num_prefix_hit_tokens: int = 0  # of them, found
 
 
 # The RPC front door: a client's DEALER to the gateway's RPC ROUTER. Bodies are the HTTP API's

@@ -88,6 +88,16 @@ def kv_usage(worker: Mapping[str, Any]) -> tuple[str, str]:
     return f"{used}/{total}", f"{100 * used / total:.1f}%"
 
 
+def prefix_hit_rate(workers: Sequence[Mapping[str, Any]]) -> str:
+    """The cluster's prefix cache hit rate in prompt tokens, hits / queries over every worker
+    (since their start); a dash before any lookup."""
+    queries = sum(w.get("prefix_query_tokens") or 0 for w in workers)
+    hits = sum(w.get("prefix_hit_tokens") or 0 for w in workers)
+    if queries <= 0:
+        return MISSING
+    return f"{100 * hits / queries:.1f}% ({hits:,}/{queries:,} tokens)"
+
+
 def _value(value: Any) -> str:
     return MISSING if value is None else str(value)
 
@@ -117,6 +127,7 @@ def render_header(url: str, ready: Mapping[str, Any], rates: Mapping[str, float 
             f"tokens/s generated {_rate(rates.get(GENERATED))}   "
             f"prefilled {_rate(rates.get(PREFILLED))}"
         ),
+        Text(f"prefix cache hit rate {prefix_hit_rate(ready.get('workers') or [])}"),
     )
     return Panel(Group(*lines), title="tandem top", title_align="left")
 

@@ -12,6 +12,7 @@ their blocks return to the pool, and the scheduler hears REQUEST_DONE.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from services.worker.streams import group_by_gateway
 from shared import wire
 from shared.config import ConfigError, add_config_arguments, config_from_args, expand_host
 from shared.engine.block_manager import NoFreeBlocksError
+from shared.engine.sequence import Sequence
 from shared.errors import InvalidRequestError
 from shared.lifecycle import DecodeEvents
 from shared.logs import configure_logging
@@ -54,6 +56,8 @@ class Route:
     gateway_address: str
     num_prompt_tokens: int
     num_output_tokens: int
+    # Prefilled here (conditional disaggregation): its sequence, until its first token.
+    local_sequence: Sequence | None = None
 
 
 class DecodeWorker(WorkerLoop):
@@ -82,6 +86,8 @@ class DecodeWorker(WorkerLoop):
             case wire.KvTransfer() if identity is not None:
                 ack = self._admit(message)
                 wire.send_to(self.kv_socket, identity, ack)
+            case wire.PrefillJob():
+                self._prefill_here(message)
             case wire.Cancel():
                 self._cancel(message.request_id, message.reason)
             case _:
@@ -113,6 +119,56 @@ class DecodeWorker(WorkerLoop):
                 ok=ok,
                 num_free_blocks=self.num_available_blocks(),
                 num_cached_blocks=len(cached),
+            )
+        )
+
+    def _prefill_here(self, job: wire.PrefillJob) -> None:
+        """Conditional disaggregation: this worker holds the prompt's prefix (it pinned it at
+        RESERVE) and computes the short rest itself, so no KV crosses the wire. The reservation
+        is let go just before the engine takes the same cached blocks again by hash."""
+        reservation = self.reservations.pop(job.request_id, None)
+        if reservation is None:
+            self._report(job.request_id, "prefill", "error", len(job.prompt_token_ids), 0)
+            return
+        self.blocks.free(reservation.block_ids)
+        try:
+            self.engine.add_request(
+                list(job.prompt_token_ids),
+                sampling_params(job.sampling),
+                job.request_id,
+                priority=job.priority,
+                cache_salt=self._salt(job.cache_salt),
+            )
+        except InvalidRequestError as error:
+            delta = wire.TokenDelta(
+                request_id=job.request_id, token_ids=[], finish_reason="error", error=str(error)
+            )
+            self.streams.send({job.gateway_address: [delta]})
+            self._report(job.request_id, "prefill", "rejected", len(job.prompt_token_ids), 0)
+            return
+        self.routes[job.request_id] = Route(
+            job.gateway_address, len(job.prompt_token_ids), 0, self.engine.sequence(job.request_id)
+        )
+        self.events.local_prefill(job.request_id, len(job.prompt_token_ids))
+
+    def _report(
+        self,
+        request_id: str,
+        phase: str,
+        reason: str | None,
+        num_prompt: int,
+        num_output: int,
+        num_cached: int = 0,
+    ) -> None:
+        self.link.send(
+            wire.RequestDone(
+                request_id=request_id,
+                peer_id=self.peer_id,
+                phase=phase,
+                finish_reason=reason,
+                num_prompt_tokens=num_prompt,
+                num_output_tokens=num_output,
+                num_cached_tokens=num_cached,
             )
         )
 
@@ -217,8 +273,11 @@ class DecodeWorker(WorkerLoop):
             route = self.routes.get(output.request_id)
             if route is None:
                 continue
+            delta = token_delta(output, output.finish_reason)
+            if route.local_sequence is not None:
+                delta = self._first_local_token(output.request_id, route, delta, output.finished)
             route.num_output_tokens += len(output.new_token_ids)
-            streamed.append((route.gateway_address, token_delta(output, output.finish_reason)))
+            streamed.append((route.gateway_address, delta))
             if output.finished:
                 del self.routes[output.request_id]
                 self.events.decode_finished(
@@ -235,6 +294,17 @@ class DecodeWorker(WorkerLoop):
                     )
                 )
         self.streams.send(group_by_gateway(streamed))
+
+    def _first_local_token(
+        self, request_id: str, route: Route, delta: wire.TokenDelta, finished: bool
+    ) -> wire.TokenDelta:
+        """A local prefill's first token: its prefill phase is over (unless the request is, too)
+        and its delta says how many prompt tokens the cache spared."""
+        num_cached = route.local_sequence.num_cached_tokens if route.local_sequence else 0
+        route.local_sequence = None
+        if not finished:
+            self._report(request_id, "prefill", None, route.num_prompt_tokens, 0, num_cached)
+        return dataclasses.replace(delta, num_cached_tokens=num_cached)
 
     def _hand_back(self, request_id: str) -> None:
         """A sequence preempted for recompute goes back for prefill on a prefill worker (its

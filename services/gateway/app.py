@@ -100,6 +100,8 @@ def build_app(
                     "recent_batch_sizes": w.recent_batch_sizes,
                     "metrics_address": w.metrics_address,
                     "dtype": w.dtype,
+                    "prefix_query_tokens": w.num_prefix_query_tokens,
+                    "prefix_hit_tokens": w.num_prefix_hit_tokens,
                 }
                 for w in view.workers
             ],

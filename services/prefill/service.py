@@ -73,6 +73,7 @@ class PrefillWorker(WorkerLoop):
         self.jobs: dict[str, RunningJob] = {}
         self.transfers: dict[str, PendingTransfer] = {}
         self._decode_sockets: dict[str, zmq.Socket] = {}
+        self._num_cached: dict[str, int] = {}  # prompt tokens the cache spared, until reported
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -112,6 +113,7 @@ class PrefillWorker(WorkerLoop):
 
     def _cancel(self, request_id: str, reason: str) -> None:
         self.engine.abort(request_id)
+        self._num_cached.pop(request_id, None)
         self.jobs.pop(request_id, None)
         self.transfers.pop(request_id, None)
         self.log.info("prefill cancelled", request_id=request_id, reason=reason)
@@ -138,6 +140,7 @@ class PrefillWorker(WorkerLoop):
         num_generated = len(job.output_token_ids) + 1
         finished = output.finish_reason == "stop" or num_generated >= job.sampling.max_tokens
         num_cached = self.engine.retained(job.request_id).num_cached_tokens
+        self._num_cached[job.request_id] = num_cached
         if finished:
             reason = "stop" if output.finish_reason == "stop" else "length"
             self.engine.release(job.request_id)
@@ -223,6 +226,7 @@ class PrefillWorker(WorkerLoop):
                 finish_reason=finish_reason,
                 num_prompt_tokens=len(job.prompt_token_ids),
                 num_output_tokens=num_output,
+                num_cached_tokens=self._num_cached.pop(job.request_id, 0),
             )
         )
 

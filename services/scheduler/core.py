@@ -24,17 +24,11 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.scheduler.cache_routing import (
-    PrefillCandidate,
-    RoutingWeights,
-    choose_prefill,
-    decode_affinity,
-)
+from services.scheduler.cache_placement import CachePlacement
+from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
-from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.registry import WorkerRegistry, WorkerState
 from shared import wire
 
@@ -62,6 +56,9 @@ class SchedulerLimits:
     prefill_window_tokens: int = 2048  # prompt tokens in hand per prefill worker (see above)
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
     routing: RoutingWeights = field(default_factory=RoutingWeights)  # prefill choice by cache
+    # Conditional disaggregation: a decode worker holding all but at most this many of a
+    # prompt's tokens prefills them itself, and no KV crosses the wire (0: never).
+    local_prefill_max_tokens: int = 256
 
 
 @dataclass
@@ -109,6 +106,7 @@ class TrackedRequest:
     phase_deadline: float = float("inf")
     num_blocks: int = 0  # blocks reserved on the decode worker
     arrival: float = 0.0  # the scheduler's clock when it was first queued
+    num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
 
     @property
     def request_id(self) -> str:
@@ -167,7 +165,11 @@ class ClusterScheduler:
             self.limits.heartbeat_timeout_s, self.limits.progress_timeout_s
         )
         self.queue = FairQueue(self.limits.fair_share)
-        self.prefix_index = PrefixIndex()
+        self.placement = CachePlacement(self.limits.routing, self.limits.local_prefill_max_tokens)
+        self.prefix_index = self.placement.index
+        # Prompt tokens predicted cached at dispatch against those the workers found.
+        self.num_predicted_cached_tokens = 0
+        self.num_actual_cached_tokens = 0
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -216,6 +218,8 @@ class ClusterScheduler:
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
         worker.prefill_tokens_per_s = heartbeat.prefill_tokens_per_s
+        worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
+        worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
         self.prefix_index.apply(
             worker.peer_id,
             heartbeat.cache_events_seq,
@@ -339,6 +343,12 @@ class ClusterScheduler:
         request.phase = Phase.PREFILLING
         request.phase_deadline = now + self.limits.prefill_timeout_s
         submit = request.submit
+        if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker.block_size):
+            # The decode worker computes the short suffix itself: the prefill worker is out.
+            prefill.request_ids.discard(request.request_id)
+            request.prefill_peer_id = worker.peer_id
+            prefill = worker
+        request.num_predicted_cached_tokens = self.placement.cached_on(prefill.peer_id, submit)
         job = wire.PrefillJob(
             request_id=submit.request_id,
             prompt_token_ids=submit.prompt_token_ids,
@@ -363,8 +373,11 @@ class ClusterScheduler:
             if request.phase != Phase.PREFILLING or request.prefill_peer_id != done.peer_id:
                 return []  # a report from an attempt the scheduler already gave up on
             prefill = self.registry.get(done.peer_id)
-            if prefill is not None:
+            if prefill is not None and done.peer_id != request.decode_peer_id:
                 prefill.request_ids.discard(done.request_id)
+            if done.finish_reason in (None, "stop", "length"):
+                self.num_predicted_cached_tokens += request.num_predicted_cached_tokens
+                self.num_actual_cached_tokens += done.num_cached_tokens
             if done.finish_reason is None:  # KV handed to the decode worker, which now owns it
                 request.phase = Phase.DECODING
                 request.prefill_peer_id = None
@@ -392,55 +405,19 @@ class ClusterScheduler:
             item = self.queue.pop_next(now, functools.partial(self._placeable, windows, now))
             if item is None:
                 break
-            prefill = self._choose_prefill(
+            prefill = self.placement.choose_prefill(
                 [w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens)],
-                windows,
-                self.requests[item.request_id],
+                self.requests[item.request_id].submit,
+                self._num_held_tokens,
+                lambda w, windows=windows: windows[w.peer_id].small_room,
             )
             out.append(self._reserve(self.requests[item.request_id], prefill, now))
         return out
 
-    def _choose_prefill(
-        self,
-        workers: list[WorkerState],
-        windows: dict[str, PrefillWindow],
-        request: TrackedRequest,
-    ) -> WorkerState:
-        """The worker with the least predicted wait, its cached prefix counted (cache_routing)."""
-        if len(workers) == 1:
-            return workers[0]
-        submit = request.submit
-        tokens = list(submit.prompt_token_ids) + list(submit.output_token_ids)
-        hashes = self.prefix_index.prompt_hashes(tokens, submit.tenant)
-        candidates = [
-            PrefillCandidate(
-                peer_id=w.peer_id,
-                num_queued_tokens=sum(
-                    self.requests[r].num_prefill_tokens for r in w.request_ids if r in self.requests
-                ),
-                num_cached_tokens=self.prefix_index.num_cached_tokens(w.peer_id, hashes),
-                tokens_per_s=w.prefill_tokens_per_s,
-                room=windows[w.peer_id].small_room,
-            )
-            for w in workers
-        ]
-        chosen = choose_prefill(candidates, len(tokens), self.limits.routing)
-        return next(w for w in workers if w.peer_id == chosen.peer_id)
-
-    def _decode_affinity(self, request: TrackedRequest) -> Callable[[WorkerState], float] | None:
-        """How much a decode worker is to be preferred for the request: the share of its KV
-        the worker holds (sent less) against the share of its seats taken (cache_routing).
-        None when no worker keeps a prefix cache."""
-        if self.prefix_index.cache_key is None:
-            return None
-        submit = request.submit
-        tokens = list(submit.prompt_token_ids) + list(submit.output_token_ids)
-        hashes = self.prefix_index.prompt_hashes(tokens, submit.tenant)
-        return lambda w: decode_affinity(
-            self.prefix_index.num_cached_tokens(w.peer_id, hashes),
-            len(tokens),
-            len(w.request_ids),
-            w.max_num_seqs,
+    def _num_held_tokens(self, worker: WorkerState) -> int:
+        """Prompt tokens assigned to a prefill worker and not yet done."""
+        return sum(
+            self.requests[r].num_prefill_tokens for r in worker.request_ids if r in self.requests
         )
 
     def _placeable(
@@ -457,7 +434,9 @@ class ClusterScheduler:
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
-        decode = self.registry.pick_decode(num_tokens, now, self._decode_affinity(request))
+        decode = self.registry.pick_decode(
+            num_tokens, now, self.placement.decode_affinity(request.submit)
+        )
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING
         request.decode_peer_id = decode.peer_id
@@ -499,6 +478,7 @@ class ClusterScheduler:
                 arrival=request.arrival,
                 resumed=submit.resumed_from is not None,
                 bulk=submit.bulk,
+                num_cached_tokens=self.placement.most_cached(submit, list(self.registry.workers)),
             )
         )
         self.num_queued_tokens += request.num_prefill_tokens
@@ -640,6 +620,8 @@ class ClusterScheduler:
             max_queue_wait_s=self.max_queue_wait_s,
             service=self._service(),
             workers=[self._worker_status(w, now) for w in self.registry.workers.values()],
+            num_predicted_cached_tokens=self.num_predicted_cached_tokens,
+            num_actual_cached_tokens=self.num_actual_cached_tokens,
         )
 
     def _service(self) -> list[wire.PartyService]:
@@ -671,4 +653,6 @@ class ClusterScheduler:
             recent_batch_sizes=list(worker.recent_batch_sizes),
             metrics_address=worker.metrics_address,
             dtype=worker.dtype,
+            num_prefix_query_tokens=worker.num_prefix_query_tokens,
+            num_prefix_hit_tokens=worker.num_prefix_hit_tokens,
         )

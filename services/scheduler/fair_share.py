@@ -118,6 +118,9 @@ class QueuedRequest:
     # mid-stream, so it goes before anything new, oldest first, under either policy.
     resumed: bool = False
     bulk: bool = False  # a batch job's line: spare capacity only (see the module doc)
+    # Of its prompt, the tokens a worker holds cached (as the scheduler's index predicts): not
+    # computed, so not charged. Its class still goes by the whole prompt.
+    num_cached_tokens: int = 0
 
 
 # A party's queue is a heap of (-priority, prompt tokens, arrival, insertion number, request id).
@@ -196,7 +199,7 @@ class FairQueue:
         self._last_was_aged = by_aging
         party, _ = self._items[item.request_id]
         self.remove(item.request_id)
-        self.charge(party, num_prompt_tokens=item.num_prompt_tokens)
+        self.charge(party, num_prompt_tokens=item.num_prompt_tokens - item.num_cached_tokens)
         return item
 
     def peek_next(

@@ -41,6 +41,8 @@ class WorkerState:
     # Preemptions since the worker started, by kind ("swap", "recompute"), as last reported.
     num_preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0})
     prefill_tokens_per_s: float = 0.0  # its measured prefill rate, as last reported (0: none)
+    num_prefix_query_tokens: int = 0  # prefix cache lookups and hits in tokens, as reported
+    num_prefix_hit_tokens: int = 0
 
     def record_progress(self, steps_completed: int, busy: bool, now: float) -> None:
         if steps_completed > self.steps_completed or not busy:

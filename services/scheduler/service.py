@@ -65,6 +65,11 @@ class SchedulerConfig(CurveSettings):
     prefill_window_tokens: int = setting(
         2048, "prompt tokens handed to a prefill worker ahead of its progress"
     )
+    local_prefill_max_tokens: int = setting(
+        256,
+        "a decode worker holding all of a prompt but at most this many tokens prefills them "
+        "itself (no KV handoff); 0: never",
+    )
     route_queued_weight: float = setting(
         1.0, "prefill choice: weight of the prompt work a worker already holds"
     )
@@ -78,6 +83,11 @@ class SchedulerConfig(CurveSettings):
 
     def __post_init__(self) -> None:
         self.curve_keys()
+        if self.local_prefill_max_tokens < 0:
+            raise ConfigError(
+                "local_prefill_max_tokens (--local-prefill-max-tokens / "
+                "TANDEM_LOCAL_PREFILL_MAX_TOKENS) must be >= 0"
+            )
         try:
             self.routing()
         except ValueError as error:
@@ -143,6 +153,7 @@ class SchedulerConfig(CurveSettings):
             prefill_window_tokens=self.prefill_window_tokens,
             fair_share=self.fair_share(),
             routing=self.routing(),
+            local_prefill_max_tokens=self.local_prefill_max_tokens,
         )
 
 

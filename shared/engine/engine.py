@@ -224,6 +224,10 @@ class LLMEngine:
             self._sequences.pop(seq.request_id, None)
         return evicted
 
+    def sequence(self, request_id: str) -> Sequence | None:
+        """A request still in the engine (waiting, running or swapped)."""
+        return self._sequences.get(request_id)
+
     def retained(self, request_id: str) -> Sequence:
         """A finished sequence still holding its blocks (`retain_finished`)."""
         return self._retained[request_id]

@@ -1,11 +1,21 @@
 """The prefix cache through the served cluster: a repeated system prompt is reported as cached
-tokens (HTTP and RPC), the answers do not change, and idle workers hold no referenced block."""
+tokens (HTTP and RPC), a conversation's answers equal the cache-off engine's through the kill of
+the decode worker holding it, and idle workers hold no referenced block."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
+import httpx
 import pytest
 
 from services.gateway.rpc_client import TandemClient
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.sampling_params import SamplingParams
+from tests.e2e.conftest import ALPHA_KEY
+from tests.e2e.test_worker_failure import wait_for_workers, worker_pid
 
 pytestmark = pytest.mark.slow
 
@@ -47,4 +57,54 @@ def test_repeated_system_prompt_is_reported_cached_and_answers_do_not_change(
     assert rpc["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
     assert rpc["choices"][0]["message"]["content"] == other.choices[0].message.content
     info = cluster.wait_blocks_free()
+    assert all(w["free_blocks"] == w["total_blocks"] for w in info["workers"]), info
+
+
+TURNS = ["Can I renew a loan?", "How many times?", "And what if I return it late?"]
+
+
+def reference_turns(smollm2, messages: list[dict]) -> str:
+    """The engine's greedy answer with the prefix cache off: the truth for every turn."""
+    prompt = smollm2.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    engine = LLMEngine(smollm2.model, EngineConfig(num_blocks=128, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    token_ids = engine.generate([list(prompt)], params)[0].token_ids
+    return smollm2.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def decode_queries(cluster) -> dict[str, int]:
+    workers = cluster.ready_info()["workers"]
+    return {w["peer_id"]: w["prefix_query_tokens"] for w in workers if w["role"] == "decode"}
+
+
+def test_a_conversation_survives_the_kill_of_the_decode_worker_holding_it(guarded_cluster, smollm2):
+    """Each turn's greedy answer equals the cache-off engine's. Turn 2 is prefilled on the
+    decode worker that kept turn 1 (its lookups grow); that worker is killed, and turn 3 is
+    still answered right, elsewhere. Idle, no block is referenced."""
+    wait_for_workers(guarded_cluster, num_prefill=2, num_decode=2)
+    messages = [{"role": "system", "content": SYSTEM}]
+    headers = {"Authorization": f"Bearer {ALPHA_KEY}"}
+    holder = None
+    for turn, question in enumerate(TURNS):
+        messages.append({"role": "user", "content": question})
+        time.sleep(1.5)  # the agent thinks; the scheduler hears of the cached blocks meanwhile
+        before = decode_queries(guarded_cluster)
+        body = {"model": "smollm2", "messages": messages, "max_tokens": 12, "temperature": 0}
+        response = httpx.post(
+            guarded_cluster.url + "/v1/chat/completions", json=body, headers=headers, timeout=300
+        )
+        assert response.status_code == 200, response.text
+        answer = response.json()["choices"][0]["message"]["content"]
+        assert answer == reference_turns(smollm2, messages), turn
+        if turn == 1:
+            time.sleep(1.5)  # the workers' counters ride on heartbeats
+            after = decode_queries(guarded_cluster)
+            (holder,) = [peer for peer in after if after[peer] > before.get(peer, 0)]
+            os.kill(worker_pid(guarded_cluster.process.pid, holder), signal.SIGKILL)
+        messages.append({"role": "assistant", "content": answer})
+    assert holder is not None
+    wait_for_workers(guarded_cluster, num_prefill=2, num_decode=2)
+    info = guarded_cluster.wait_blocks_free(timeout_s=60)
     assert all(w["free_blocks"] == w["total_blocks"] for w in info["workers"]), info

@@ -246,3 +246,47 @@ def test_next_turn_reservation_pins_cached_blocks_and_takes_only_the_rest(setup)
         .token_ids
     )
     assert tokens == expected
+
+
+def test_next_turn_prefilled_here_streams_the_right_answer_without_a_handoff(setup):
+    """Conditional disaggregation: turn 2's short suffix is prefilled on the decode worker
+    that kept turn 1; its first delta counts the cached tokens, and its prefill phase and then
+    its decode phase are reported."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    transfer, loaded = prefilled_transfer(model_dir, "t1", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, transfer)
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    reply = list(transfer.output_token_ids) + stream_until_done(gateway)
+    assert scheduler.expect(wire.RequestDone).phase == "decode"
+    prompt_2 = PROMPT + reply + [9, 9, 9]
+    scheduler.send(
+        wire.Reserve(request_id="t2", num_tokens=len(prompt_2) + 1, lease_s=30, token_ids=prompt_2)
+    )
+    assert scheduler.expect(wire.ReserveReply).num_cached_blocks == 5
+    scheduler.send(
+        wire.PrefillJob(
+            request_id="t2",
+            prompt_token_ids=prompt_2,
+            sampling=sampling_spec(params),
+            gateway_address=gateway_address,
+            decode_peer_id="d",
+            decode_address="unused",
+            num_skip_blocks=5,
+        )
+    )
+    assert gateway.poll(10_000)
+    first = wire.recv(gateway).deltas[0]
+    assert first.num_cached_tokens == 20  # the 5 blocks pinned: 23 tokens ran here in turn 1
+    tokens = first.token_ids + stream_until_done(gateway)
+    expected = (
+        LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4))
+        .generate([prompt_2], params)[0]
+        .token_ids
+    )
+    assert tokens == expected
+    phases = [scheduler.expect(wire.RequestDone) for _ in range(2)]
+    assert [(d.phase, d.finish_reason) for d in phases] == [("prefill", None), ("decode", "length")]
+    assert worker.engine.num_computed_prompt_tokens < len(prompt_2)

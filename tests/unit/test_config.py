@@ -60,6 +60,7 @@ def test_optional_and_bool_values():
         (GatewayConfig, [], {"TANDEM_REQUEST_TIMEOUT_S": "soon"}, "TANDEM_REQUEST_TIMEOUT_S"),
         (SchedulerConfig, ["--max-queue-time-s", "-1"], {}, "max_queue_time_s"),
         (SchedulerConfig, ["--route-queued-weight", "-1"], {}, "--route-queued-weight"),
+        (SchedulerConfig, ["--local-prefill-max-tokens", "-1"], {}, "local_prefill_max_tokens"),
         (SchedulerConfig, [], {"TANDEM_ROUTE_UNCACHED_WEIGHT": "x"}, "TANDEM_ROUTE_UNCACHED"),
         (GatewayConfig, ["--scheduler-address", "http://x"], {}, "scheduler_address"),
     ],

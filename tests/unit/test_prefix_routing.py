@@ -163,6 +163,19 @@ def test_core_sends_a_prompt_to_the_prefill_worker_holding_its_prefix():
     )
     (job,) = sent(out, wire.PrefillJob)
     assert job.identity == b"Pp2" and job.message.cache_salt == "t"
+    # The worker found less than the index predicted (it evicted a block meanwhile): visible.
+    done = wire.RequestDone(
+        request_id="r",
+        peer_id="p2",
+        phase="prefill",
+        finish_reason=None,
+        num_prompt_tokens=80,
+        num_output_tokens=1,
+        num_cached_tokens=48,
+    )
+    core.on_request_done(done, 0.0)
+    status = core.cluster_status(0.0)
+    assert (status.num_predicted_cached_tokens, status.num_actual_cached_tokens) == (64, 48)
 
 
 def test_a_conversation_returns_to_its_decode_worker_unless_it_is_far_busier():
@@ -173,3 +186,49 @@ def test_a_conversation_returns_to_its_decode_worker_unless_it_is_far_busier():
     assert full_holder < idle
     # A prefix both hold (a shared system prompt) tilts nothing: the less busy one wins.
     assert decode_affinity(300, 1000, 1, 8) > decode_affinity(300, 1000, 2, 8)
+
+
+@pytest.mark.parametrize("cached_blocks,local", [(4, True), (1, False), (0, False)])
+def test_a_decode_worker_holding_all_but_a_short_suffix_prefills_it_itself(cached_blocks, local):
+    core = ClusterScheduler(SchedulerLimits(local_prefill_max_tokens=20))
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
+    core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
+    out = core.on_submit(b"G", submit("r", prompt_len=70), 0.0)
+    (reserve,) = sent(out, wire.Reserve)
+    assert reserve.message.token_ids == [5] * 70 and reserve.message.cache_salt == "t"
+    reply = wire.ReserveReply(
+        request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=cached_blocks
+    )
+    (job,) = sent(core.on_reserve_reply(reply, 0.0), wire.PrefillJob)
+    # 70 - 64 = 6 tokens left to compute: the decode worker does it; 70 - 16 = 54 is too many.
+    assert job.identity == (b"D" if local else b"P")
+    assert job.message.num_skip_blocks == cached_blocks
+    prefill, decode = core.registry.get("p"), core.registry.get("d")
+    assert ("r" in prefill.request_ids) == (not local) and "r" in decode.request_ids
+    done = wire.RequestDone(
+        request_id="r",
+        peer_id="d" if local else "p",
+        phase="prefill",
+        finish_reason=None,
+        num_prompt_tokens=70,
+        num_output_tokens=1,
+    )
+    core.on_request_done(done, 0.0)
+    assert core.requests["r"].phase.name == "DECODING" and "r" in decode.request_ids
+
+
+def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():
+    core = ClusterScheduler(SchedulerLimits())
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
+    core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
+    request = submit("r", prompt_len=80)
+    hashes = list(chain_hashes(root_hash(KEY, "t"), request.prompt_token_ids, 16))[:4]
+    beat = dataclasses.replace(heartbeat("p"), cache_events_seq=1, cache_full=True,
+                               cache_stored=hashes)  # fmt: skip
+    core.on_heartbeat(b"P", beat, 0.0)
+    core.on_submit(b"G", request, 0.0)
+    core.on_submit(b"G", dataclasses.replace(submit("s", prompt_len=80), tenant="u"), 0.0)
+    served = {party.tenant: tokens for party, tokens in core.queue.served_tokens.items()}
+    assert served == {"t": 80 - 64, "u": 80}

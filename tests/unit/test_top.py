@@ -16,7 +16,14 @@ import pytest
 from rich.console import Console
 
 from services.commands import top
-from services.commands.top import BatchHistory, Snapshot, Top, kv_usage, sparkline
+from services.commands.top import (
+    BatchHistory,
+    Snapshot,
+    Top,
+    kv_usage,
+    prefix_hit_rate,
+    sparkline,
+)
 
 URL = "http://gateway:8000"
 
@@ -88,6 +95,16 @@ def test_kv_usage_counts_used_blocks_and_tolerates_missing_data():
     assert kv_usage({"free_blocks": 0, "total_blocks": 8}) == ("8/8", "100.0%")
     assert kv_usage({"free_blocks": 5, "total_blocks": 0}) == ("–", "–")
     assert kv_usage({}) == ("–", "–")
+
+
+def test_prefix_hit_rate_sums_every_worker_and_tolerates_missing_data():
+    workers = [
+        {"prefix_query_tokens": 300, "prefix_hit_tokens": 200},
+        {"prefix_query_tokens": 100, "prefix_hit_tokens": 100},
+        {"role": "decode"},  # an older worker reporting nothing
+    ]
+    assert prefix_hit_rate(workers) == "75.0% (300/400 tokens)"
+    assert prefix_hit_rate([]) == prefix_hit_rate([{"prefix_query_tokens": 0}]) == top.MISSING
 
 
 def test_counters_keep_only_the_token_counters_per_series():

@@ -1,0 +1,200 @@
+"""Agents: many conversations sharing one long system prompt, each turn re-sending the history.
+
+    .venv/bin/python -m loadtest.agents_bench [--agents 8] [--turns 6] [--json OUT]
+
+A agents share a system prompt of about `--system-words` words (~600 tokens at the default) and
+run T turns each, in lockstep: every agent sends its turn (system prompt, the whole history, a
+new user message; a short streamed reply), and the next turn starts when all have answered, as
+an orchestrator waiting on its agents does. The same scenario runs on a `tandem up` with the
+prefix cache off and then on, in one run. Per turn it reports TTFT p50/p99, the prompt tokens
+sent against those computed (sent less `usage.prompt_tokens_details.cached_tokens`), the KV
+bytes the prefill workers sent (their `kv_transfer_bytes_total`, before and after the turn), the
+turns prefilled on a decode worker, and the hit rate. All traffic goes to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from loadtest.metrics import percentile
+from loadtest.served import environment, tandem_up
+from services.commands.top_data import parse_counters
+
+MODEL = "smollm2"
+KV_BYTES = "tandem:kv_transfer_bytes_total"
+LOCAL_PREFILLS = "tandem:local_prefills_total"
+WORDS = [
+    "agent",
+    "tool",
+    "search",
+    "fetch",
+    "parse",
+    "summarize",
+    "plan",
+    "verify",
+    "report",
+    "file",
+    "query",
+    "table",
+    "index",
+]
+
+
+@dataclass
+class Turn:
+    ttfts: list[float] = field(default_factory=list)
+    num_sent: int = 0  # prompt tokens sent
+    num_cached: int = 0  # of them, not computed
+    kv_bytes: float = 0.0
+    num_local_prefills: float = 0.0
+    num_errors: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "ttft_p50_s": percentile(self.ttfts, 50) if self.ttfts else None,
+            "ttft_p99_s": percentile(self.ttfts, 99) if self.ttfts else None,
+            "prompt_tokens_sent": self.num_sent,
+            "prompt_tokens_computed": self.num_sent - self.num_cached,
+            "hit_rate": self.num_cached / self.num_sent if self.num_sent else 0.0,
+            "kv_bytes": self.kv_bytes,
+            "local_prefills": self.num_local_prefills,
+            "errors": self.num_errors,
+        }
+
+
+def system_prompt(num_words: int) -> str:
+    rng = random.Random(0)
+    lines = ["You are one of several agents. Use the tools below and answer in one line."]
+    while sum(len(line.split()) for line in lines) < num_words:
+        name = "_".join(rng.sample(WORDS, 2))
+        lines.append(f"Tool {name}: takes {rng.choice(WORDS)} and {rng.choice(WORDS)}.")
+    return "\n".join(lines)
+
+
+def user_message(agent: int, turn: int) -> str:
+    rng = random.Random(agent * 1000 + turn)
+    return f"Agent {agent}, step {turn}: " + " ".join(rng.choices(WORDS, k=20))
+
+
+async def one_turn(
+    client: httpx.AsyncClient, messages: list[dict], max_tokens: int, turn: Turn
+) -> str:
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": "agents",
+    }
+    sent_at, first_at, text, usage = time.monotonic(), None, "", None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            turn.num_errors += 1
+            return ""
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    first_at = first_at or time.monotonic()
+                    text += content
+    if first_at is None or usage is None:
+        turn.num_errors += 1
+        return text
+    turn.ttfts.append(first_at - sent_at)
+    turn.num_sent += usage["prompt_tokens"]
+    turn.num_cached += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return text
+
+
+def counters(client: httpx.Client) -> dict[str, float]:
+    parsed = parse_counters(client.get("/metrics").text, (KV_BYTES, LOCAL_PREFILLS))
+    totals: dict[str, float] = {}
+    for (name, _), value in parsed.items():
+        totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+async def run_agents(url: str, args: argparse.Namespace) -> list[Turn]:
+    system = system_prompt(args.system_words)
+    histories = [[{"role": "system", "content": system}] for _ in range(args.agents)]
+    turns = []
+    async with httpx.AsyncClient(base_url=url, timeout=600, trust_env=False) as client:
+        with httpx.Client(base_url=url, timeout=30, trust_env=False) as sync:
+            for t in range(args.turns):
+                turn = Turn()
+                before = counters(sync)
+                for agent, history in enumerate(histories):
+                    history.append({"role": "user", "content": user_message(agent, t)})
+                replies = await asyncio.gather(
+                    *(one_turn(client, h, args.reply_tokens, turn) for h in histories)
+                )
+                for history, reply in zip(histories, replies, strict=True):
+                    history.append({"role": "assistant", "content": reply})
+                await asyncio.sleep(1.0)  # think time; the counters ride on heartbeats
+                after = counters(sync)
+                turn.kv_bytes = after.get(KV_BYTES, 0.0) - before.get(KV_BYTES, 0.0)
+                turn.num_local_prefills = after.get(LOCAL_PREFILLS, 0.0) - before.get(
+                    LOCAL_PREFILLS, 0.0
+                )
+                turns.append(turn)
+    return turns
+
+
+def run_one(cache: bool, args: argparse.Namespace) -> list[dict[str, Any]]:
+    settings = {"TANDEM_ENABLE_PREFIX_CACHING": "true" if cache else "false"}
+    with environment(settings), tandem_up(args.prefill, args.decode) as served:
+        turns = asyncio.run(run_agents(served.url, args))
+    return [turn.summary() for turn in turns]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-words", type=int, default=400, help="~1.5 tokens per word")
+    parser.add_argument("--reply-tokens", type=int, default=16)
+    parser.add_argument("--prefill", type=int, default=1)
+    parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    for name in ("agents", "turns", "system_words", "reply_tokens", "prefill", "decode"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = {"args": vars(args), "off": run_one(False, args), "on": run_one(True, args)}
+    print("turn  cache  TTFT p50  TTFT p99  sent  computed  hit   KV MiB  local")
+    for mode in ("off", "on"):
+        for t, row in enumerate(results[mode]):
+            p50, p99 = row["ttft_p50_s"] or float("nan"), row["ttft_p99_s"] or float("nan")
+            print(
+                f"{t + 1:>4}  {mode:>5}  {p50:8.2f}  {p99:8.2f}  {row['prompt_tokens_sent']:>4}  "
+                f"{row['prompt_tokens_computed']:>8}  {row['hit_rate']:4.0%}  "
+                f"{row['kv_bytes'] / 2**20:7.1f}  {row['local_prefills']:5.0f}"
+            )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""The scheduler core's cache-aware choices for one request, read from the prefix index.
+
+The core asks four questions of a request (a SUBMIT) and this module answers them from the
+index of which worker holds which cached prefix (`prefix_index.py`) with the pure policies of
+`cache_routing.py`: which prefill worker has the least predicted wait; how much each decode
+worker is to be preferred; whether the chosen decode worker prefills the rest itself; and how
+many prompt tokens some worker holds (what fair share does not charge). Everything here is a
+prediction: the workers look their own caches up, so a wrong answer costs time, never tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from services.scheduler.cache_routing import (
+    PrefillCandidate,
+    RoutingWeights,
+    choose_prefill,
+    decode_affinity,
+)
+from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.registry import WorkerState
+from shared import wire
+
+
+def prefill_tokens(submit: wire.Submit) -> list[int]:
+    """What a prefill computes: the prompt, and the tokens a resumed request has already."""
+    return list(submit.prompt_token_ids) + list(submit.output_token_ids)
+
+
+class CachePlacement:
+    def __init__(self, weights: RoutingWeights, local_prefill_max_tokens: int):
+        self.index = PrefixIndex()
+        self.weights = weights
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+
+    @property
+    def active(self) -> bool:
+        """Some worker keeps a prefix cache."""
+        return self.index.cache_key is not None
+
+    def _hashes(self, submit: wire.Submit) -> list[int]:
+        return self.index.prompt_hashes(prefill_tokens(submit), submit.tenant)
+
+    def cached_on(self, peer_id: str, submit: wire.Submit) -> int:
+        """Prompt tokens `peer_id` holds cached (never the block holding the last token)."""
+        return self.index.num_cached_tokens(peer_id, self._hashes(submit)) if self.active else 0
+
+    def most_cached(self, submit: wire.Submit, peer_ids: Sequence[str]) -> int:
+        """The most of the prompt any of `peer_ids` holds cached."""
+        if not self.active:
+            return 0
+        hashes = self._hashes(submit)
+        return max((self.index.num_cached_tokens(p, hashes) for p in peer_ids), default=0)
+
+    def choose_prefill(
+        self,
+        workers: Sequence[WorkerState],
+        submit: wire.Submit,
+        queued_tokens: Callable[[WorkerState], int],
+        room: Callable[[WorkerState], int],
+    ) -> WorkerState:
+        """The prefill worker with the least predicted wait, its cached prefix counted."""
+        if len(workers) == 1:
+            return workers[0]
+        hashes = self._hashes(submit) if self.active else []
+        candidates = [
+            PrefillCandidate(
+                peer_id=w.peer_id,
+                num_queued_tokens=queued_tokens(w),
+                num_cached_tokens=self.index.num_cached_tokens(w.peer_id, hashes),
+                tokens_per_s=w.prefill_tokens_per_s,
+                room=room(w),
+            )
+            for w in workers
+        ]
+        chosen = choose_prefill(candidates, len(prefill_tokens(submit)), self.weights)
+        return next(w for w in workers if w.peer_id == chosen.peer_id)
+
+    def decode_affinity(self, submit: wire.Submit) -> Callable[[WorkerState], float] | None:
+        """How much each decode worker is to be preferred (None: no worker keeps a cache)."""
+        if not self.active:
+            return None
+        hashes, num_tokens = self._hashes(submit), len(prefill_tokens(submit))
+        return lambda w: decode_affinity(
+            self.index.num_cached_tokens(w.peer_id, hashes),
+            num_tokens,
+            len(w.request_ids),
+            w.max_num_seqs,
+        )
+
+    def prefills_locally(
+        self, submit: wire.Submit, num_cached_blocks: int, block_size: int
+    ) -> bool:
+        """The decode worker holds all of the prompt but a short suffix (a conversation's next
+        turn): it prefills that itself. Never a resumed request (its output is no prompt)."""
+        if num_cached_blocks == 0 or submit.output_token_ids:
+            return False
+        uncached = len(submit.prompt_token_ids) - num_cached_blocks * block_size
+        return uncached <= self.local_prefill_max_tokens
