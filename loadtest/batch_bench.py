@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import io
 import json
 import time
@@ -184,12 +185,16 @@ async def run_phases(url: str, args) -> list[dict[str, Any]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        results = [await phase_alone(http, model, args), await phase_batch(http, model, args)]
+        phases = [phase_alone, phase_batch]
         if not args.skip_naive:
-            results.append(await phase_naive(http, model, args, retry=False))
-            results.append(await phase_naive(http, model, args, retry=True))
-        for result in results:
-            print(json.dumps(result), flush=True)
+            phases += [
+                functools.partial(phase_naive, retry=False),
+                functools.partial(phase_naive, retry=True),
+            ]
+        results = []
+        for phase in phases:  # one after another: each phase has the cluster to itself
+            results.append(await phase(http, model, args))
+            print(json.dumps(results[-1]), flush=True)
         return results
 
 

@@ -25,3 +25,14 @@ def test_an_unknown_endpoint_or_action_is_refused(tmp_path, capsys):
     assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["batch", "explode"])
+
+
+def test_batch_bench_refuses_wrong_values_and_builds_distinct_prompts(capsys):
+    from loadtest import batch_bench
+
+    with pytest.raises(SystemExit):
+        batch_bench.main(["--num-prompts", "0"])
+    assert "must be positive" in capsys.readouterr().err
+    assert len(set(batch_bench.prompts(50))) == 50
+    assert batch_bench.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert batch_bench.percentile([], 0.99) is None
