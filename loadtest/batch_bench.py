@@ -24,6 +24,7 @@ import contextlib
 import functools
 import io
 import json
+import sys
 import time
 from typing import Any
 
@@ -55,15 +56,15 @@ async def ttft(http: httpx.AsyncClient, model: str, prompt: str) -> float:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": 8, "temperature": 0, "stream": True}  # fmt: skip
     started = time.monotonic()
+    first = None
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and '"content"' in line:
+        async for line in response.aiter_lines():  # read to the end: the request completes
+            if first is None and line.startswith("data:") and '"content"' in line:
                 first = time.monotonic() - started
-                async for _ in response.aiter_lines():
-                    pass
-                return first
-    raise RuntimeError("the stream ended without content")
+    if first is None:
+        raise RuntimeError("the stream ended without content")
+    return first
 
 
 async def trickle(http: httpx.AsyncClient, model: str, stop: asyncio.Event, every_s: float):
@@ -80,6 +81,8 @@ async def trickle(http: httpx.AsyncClient, model: str, stop: asyncio.Event, ever
     for result in await asyncio.gather(*tasks, return_exceptions=True):
         if isinstance(result, float):
             ttfts.append(result)
+        else:
+            print(f"interactive request failed: {result!r}", file=sys.stderr)
     return ttfts
 
 
