@@ -83,7 +83,11 @@ class PrefillWindow:
     def small_room(self) -> int:
         return self.tokens - self.small_tokens
 
-    def takes(self, num_prompt_tokens: int) -> bool:
+    def takes(self, num_prompt_tokens: int, bulk: bool = False) -> bool:
+        if bulk:
+            # A batch line goes only to a worker with little in hand (a quarter window, no big
+            # prompt): what it holds is what a later interactive prompt waits behind.
+            return not self.holds_big and self.small_tokens < self.tokens // 4
         if self.is_big(num_prompt_tokens):
             return not self.holds_big
         return self.small_room > 0
@@ -371,7 +375,11 @@ class ClusterScheduler:
             if item is None:
                 break
             prefill = max(
-                (w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens)),
+                (
+                    w
+                    for w in prefills
+                    if windows[w.peer_id].takes(item.num_prompt_tokens, item.bulk)
+                ),
                 key=lambda w: windows[w.peer_id].small_room,
             )
             out.append(self._reserve(self.requests[item.request_id], prefill, now))
@@ -381,7 +389,7 @@ class ClusterScheduler:
         self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
     ) -> bool:
         """Some prefill worker's window takes it, and some decode worker can hold it."""
-        if not any(window.takes(item.num_prompt_tokens) for window in windows.values()):
+        if not any(window.takes(item.num_prompt_tokens, item.bulk) for window in windows.values()):
             return False
         return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
 
