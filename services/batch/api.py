@@ -257,7 +257,8 @@ class BatchApi:
         return batch
 
     def _upload(self, tenant: str, params: dict) -> _Upload:
-        upload = self._uploads.get(params.get("upload_id"))
+        upload_id = params.get("upload_id")
+        upload = self._uploads.get(upload_id) if isinstance(upload_id, str) else None
         if upload is None or upload.tenant != tenant:
             raise ApiFailure(404, "no such upload in progress", "upload_id")
         return upload

@@ -89,7 +89,11 @@ class PrefillWindow:
     def small_room(self) -> int:
         return self.tokens - self.small_tokens
 
-    def takes(self, num_prompt_tokens: int) -> bool:
+    def takes(self, num_prompt_tokens: int, bulk: bool = False) -> bool:
+        if bulk:
+            # A batch line goes only to a worker with little in hand (a quarter window, no big
+            # prompt): what it holds is what a later interactive prompt waits behind.
+            return not self.holds_big and self.small_tokens < self.tokens // 4
         if self.is_big(num_prompt_tokens):
             return not self.holds_big
         return self.small_room > 0
@@ -406,7 +410,11 @@ class ClusterScheduler:
             if item is None:
                 break
             prefill = self.placement.choose_prefill(
-                [w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens)],
+                [
+                    w
+                    for w in prefills
+                    if windows[w.peer_id].takes(item.num_prompt_tokens, item.bulk)
+                ],
                 self.requests[item.request_id].submit,
                 self._num_held_tokens,
                 lambda w, windows=windows: windows[w.peer_id].small_room,
@@ -424,7 +432,7 @@ class ClusterScheduler:
         self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
     ) -> bool:
         """Some prefill worker's window takes it, and some decode worker can hold it."""
-        if not any(window.takes(item.num_prompt_tokens) for window in windows.values()):
+        if not any(window.takes(item.num_prompt_tokens, item.bulk) for window in windows.values()):
             return False
         return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
 

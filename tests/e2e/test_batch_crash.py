@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e.conftest import start_cluster, stop_cluster
 
-NUM_LINES = 160
+NUM_LINES = 120
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,11 @@ def crash_cluster(tmp_path_factory):
         "--batch-dir",
         str(root / "batch"),
         num_decode=2,
-        env={"TANDEM_HEARTBEAT_TIMEOUT_S": "2", "TANDEM_MAX_IN_FLIGHT": "32"},
+        env={
+            "TANDEM_MAX_IN_FLIGHT": "32",
+            # A line whose call is lost (its gateway or worker gone) is sent again this soon.
+            "TANDEM_LINE_TIMEOUT_S": "120",
+        },
     )
     yield running
     stop_cluster(running)
@@ -81,7 +85,7 @@ def retrieve(api: openai.OpenAI, batch_id: str):
     raise TimeoutError("the batch service did not come back")
 
 
-def wait_for(api: openai.OpenAI, batch_id: str, done: int, timeout_s: float = 180.0):
+def wait_for(api: openai.OpenAI, batch_id: str, done: int, timeout_s: float = 300.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         batch = retrieve(api, batch_id)
@@ -91,13 +95,22 @@ def wait_for(api: openai.OpenAI, batch_id: str, done: int, timeout_s: float = 18
     raise TimeoutError(f"{batch_id}: {batch.request_counts}")
 
 
+@pytest.fixture
+def log_on_failure(crash_cluster):
+    """The cluster's warnings, shown by pytest when the test fails."""
+    yield
+    lines = crash_cluster.log().splitlines()
+    notable = [x for x in lines if any(w in x for w in ("warning", "error", "exited", "resum"))]
+    print("\n".join(notable[-80:]))
+
+
 def answers(api: openai.OpenAI, batch) -> list[tuple[str, str]]:
     lines = [json.loads(x) for x in api.files.content(batch.output_file_id).text.splitlines()]
     return [(x["custom_id"], x["response"]["body"]["choices"][0]["text"]) for x in lines]
 
 
 def test_kill_9_of_the_batch_service_and_a_decode_worker_loses_and_repeats_nothing(
-    crash_cluster,
+    crash_cluster, log_on_failure
 ):
     api = openai.OpenAI(base_url=crash_cluster.url + "/v1", api_key="x", max_retries=0)
     reference_id = job(api)

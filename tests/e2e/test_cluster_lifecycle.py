@@ -79,7 +79,7 @@ def test_tandem_up_stops_cleanly_on_sigterm(tmp_path):
         ["pgrep", "-P", str(cluster.process.pid)], capture_output=True, text=True
     )
     child_pids = [int(p) for p in children.stdout.split()]
-    assert len(child_pids) == 4
+    assert len(child_pids) == 5  # scheduler, prefill, decode, gateway, batch service
     cluster.process.send_signal(signal.SIGTERM)
     assert cluster.process.wait(timeout=30) == 0
     for pid in child_pids:

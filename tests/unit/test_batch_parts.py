@@ -146,6 +146,7 @@ def test_files_are_seen_only_by_their_tenant_and_bounded(store):
     status, begun, _ = api.handle("file_upload_begin", "alice", {"purpose": "batch"}, None)
     params = {"upload_id": begun["upload_id"]}
     assert api.handle("file_upload_chunk", "bob", params, b"x")[0] == 404
+    assert api.handle("file_upload_chunk", "alice", {"upload_id": [1]}, b"x")[0] == 404
     assert api.handle("file_upload_chunk", "alice", params, b"12345")[0] == 200
     status, created, _ = api.handle("file_upload_end", "alice", params, None)
     assert status == 200 and created["bytes"] == 5

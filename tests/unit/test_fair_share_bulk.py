@@ -128,3 +128,18 @@ def test_bulk_settings_are_checked():
         FairShareConfig(bulk_max_wait_s=0)
     with pytest.raises(ValueError, match="bulk_weight"):
         FairShareConfig(bulk_weight=-1)
+
+
+def test_a_prefill_worker_takes_bulk_only_with_little_in_hand():
+    from services.scheduler.core import PrefillWindow
+
+    window = PrefillWindow(2048)
+    assert window.takes(40, bulk=True)
+    window.hold(500)
+    assert window.takes(40, bulk=True)  # under a quarter window in hand
+    window.hold(40)
+    assert not window.takes(40, bulk=True)  # 540 tokens ahead: interactive only now
+    assert window.takes(40)
+    big = PrefillWindow(2048)
+    big.hold(1500)
+    assert not big.takes(10, bulk=True) and big.takes(10)
