@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,6 +65,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     priority: int = 0  # larger is more urgent: preempted last, resumed first
+    grammar: Any = None  # its GrammarState (shared.engine.grammar) when constrained
 
     def __post_init__(self) -> None:
         if self.generator is None:
