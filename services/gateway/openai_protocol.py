@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NoReturn
 
+from services.gateway.structured_outputs import parse_constraint
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from shared.errors import InvalidRequestError
 
@@ -62,6 +63,7 @@ _SAMPLING_FIELDS = (
 _COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "logprobs"}
     | {"priority"}  # tandem's extension, as are top_k, min_p, ... in _SAMPLING_FIELDS
+    | {"response_format", "structured_outputs"}  # see services.gateway.structured_outputs
     | set(_SAMPLING_FIELDS)
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
@@ -79,7 +81,6 @@ _UNSUPPORTED_FIELDS: Mapping[str, tuple[Any, ...]] = MappingProxyType(
         "tool_choice": ("none",),
         "functions": ([],),
         "function_call": ("none",),
-        "response_format": ({"type": "text"},),
         "suffix": ("",),
         "best_of": (1,),
         "echo": (False,),
@@ -414,6 +415,12 @@ def _build(
     sampling_kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     if logprobs is not None:
         sampling_kwargs["logprobs"] = logprobs
+    try:
+        constraint = parse_constraint(body)
+    except InvalidRequestError as error:
+        raise from_invalid_request(error) from None
+    if constraint is not None:
+        sampling_kwargs["constraint"] = constraint
     _sampling_params(sampling_kwargs, max_tokens[0] or max_model_len - 1)
     stream, include_usage = _parse_stream(body)
     priority = _int_field(body, "priority", -(2**31), 2**31 - 1)  # an int32, as vLLM takes it

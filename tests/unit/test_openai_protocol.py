@@ -121,7 +121,6 @@ class TestEnvelope:
             ("logit_bias", {"50256": -100}),
             ("tools", [{"type": "function", "function": {"name": "f"}}]),
             ("tool_choice", "auto"),
-            ("response_format", {"type": "json_object"}),
             ("functions", [{"name": "f"}]),
             ("suffix", "end"),
             ("best_of", 2),
