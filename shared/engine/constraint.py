@@ -23,6 +23,9 @@ KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 << 10  # a schema, regex or grammar; bounds compile time and cache entries
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 32
+# Whitespace between JSON tokens, per run: unbounded, a small model loops on newlines until
+# max_tokens (seen on SmolLM2); 16 fits any indentation it uses.
+MAX_JSON_WHITESPACE = 16
 # Keywords the grammar engine enforces (or that change nothing: annotations). Any other keyword
 # in a schema is refused by name rather than silently ignored.
 _ENFORCED_KEYWORDS = frozenset(
@@ -144,9 +147,13 @@ def to_grammar(constraint: Constraint) -> Any:
             case "json_object":
                 # Any JSON object: the schema {"type": "object"} (the builtin grammar would
                 # allow any JSON value, which json_object does not).
-                return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False)
+                return xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                )
             case "json_schema":
-                return xgr.Grammar.from_json_schema(constraint.spec, strict_mode=True)
+                return xgr.Grammar.from_json_schema(
+                    constraint.spec, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                )
             case "regex":
                 return xgr.Grammar.from_regex(constraint.spec)
             case "choice":

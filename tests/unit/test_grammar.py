@@ -160,3 +160,20 @@ def test_sampler_draws_only_what_the_grammar_allows(cache, tokenizer):
     assert tokens[-1] == EOS
     text = tokenizer.decode(tokens[:-1])
     assert len(text) == 4 and text.isdigit()
+
+
+def test_engine_config_refuses_wrong_grammar_limits():
+    from shared.engine.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="grammar_cache_bytes"):
+        EngineConfig(grammar_cache_bytes=0)
+    with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
+        EngineConfig(grammar_compile_timeout_s=0)
+
+
+def test_an_engine_without_a_tokenizer_refuses_constrained_requests():
+    from shared.engine.grammar import GrammarBinding
+
+    binding = GrammarBinding(None, VOCAB, {EOS})
+    with pytest.raises(InvalidRequestError, match="without a tokenizer"):
+        binding.cache  # noqa: B018
