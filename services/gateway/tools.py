@@ -34,6 +34,9 @@ MAX_TOOL_NAME = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
+# A parameterless tool's arguments: exactly {} (a bare {"type": "object"} would let the model
+# invent properties until max_tokens).
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class ToolSetup:
                 "type": "object",
                 "properties": {
                     "name": {"const": f["name"]},
-                    "arguments": f.get("parameters") or {"type": "object"},
+                    "arguments": f.get("parameters") or _NO_ARGUMENTS,
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,

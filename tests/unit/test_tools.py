@@ -56,7 +56,7 @@ def test_forced_calls_are_constrained_to_the_tools_schemas():
     )
     schema = json.loads(named.sampling_params(10, MAX_LEN).constraint.spec)
     assert schema["properties"]["name"] == {"const": "now"}
-    assert schema["properties"]["arguments"] == {"type": "object"}
+    assert schema["properties"]["arguments"]["additionalProperties"] is False  # exactly {}
     required = chat(tools=[WEATHER, NOW], tool_choice="required")
     constraint = required.sampling_params(10, MAX_LEN).constraint
     assert len(json.loads(constraint.spec)["anyOf"]) == 2
