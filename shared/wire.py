@@ -40,7 +40,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-SCHEMA_VERSION = 3  # 3: prefix cache fields (cache_key, cache events, cached blocks)
+SCHEMA_VERSION = 4  # 3: prefix cache fields, bulk submits; 4: structured-output constraints
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -51,6 +51,7 @@ MAX_STR_LEN = 4096  # any other string
 MAX_JSON_LEN = 8 << 20  # an RPC call's JSON body or event (the HTTP API's body limit)
 MAX_LIST_LEN = 4096  # any other list
 MAX_TENSOR_DIMS = 8
+MAX_CONSTRAINT_CHARS = 64 << 10  # a schema, regex or grammar (the engine's cap)
 
 # The dtypes a tensor frame may hold, by their header name.
 DTYPES: dict[str, torch.dtype] = {
@@ -131,6 +132,14 @@ class TensorRef:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ConstraintSpec:
+    """A structured-output constraint (`shared.engine.constraint.Constraint`) on the wire."""
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    spec: Annotated[str, MaxLen(MAX_CONSTRAINT_CHARS)] = ""  # schema, regex, choices or EBNF
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingSpec:
     """The engine's `SamplingParams` on the wire, same names and defaults; the engine validates
     ranges when it builds `SamplingParams` from it."""
@@ -148,6 +157,7 @@ class SamplingSpec:
     ignore_eos: bool = False  # keep generating past EOS
     min_tokens: int = 0  # EOS and stop tokens suppressed until this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # finish on any of these
+    constraint: ConstraintSpec | None = None  # what the output must match (structured output)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from shared import wire
+from shared.engine.constraint import Constraint
 from shared.engine.engine import RequestOutput
 from shared.engine.sampling_params import SamplingParams
 
@@ -15,12 +16,17 @@ def sampling_params(spec: wire.SamplingSpec) -> SamplingParams:
     """Raises InvalidRequestError (naming the field) for values the engine refuses."""
     values = {name: getattr(spec, name) for name in _FIELDS}
     values["stop_token_ids"] = tuple(values["stop_token_ids"])
+    if spec.constraint is not None:
+        values["constraint"] = Constraint(spec.constraint.kind, spec.constraint.spec)
     return SamplingParams(**values)
 
 
 def sampling_spec(params: SamplingParams) -> wire.SamplingSpec:
     values = {name: getattr(params, name) for name in _FIELDS}
     values["stop_token_ids"] = list(values["stop_token_ids"])
+    if params.constraint is not None:
+        constraint = params.constraint
+        values["constraint"] = wire.ConstraintSpec(kind=constraint.kind, spec=constraint.spec)
     return wire.SamplingSpec(**values)
 
 
@@ -32,4 +38,5 @@ def token_delta(output: RequestOutput, finish_reason: str | None = None) -> wire
         logprobs=[lp.logprob for lp in output.new_logprobs] if has_logprobs else None,
         top_logprobs=[list(lp.top or []) for lp in output.new_logprobs] if has_logprobs else None,
         finish_reason=finish_reason,
+        error=output.error,
     )

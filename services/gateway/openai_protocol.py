@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NoReturn
 
+from services.gateway.structured_outputs import parse_constraint
+from services.gateway.tools import ToolSetup, parse_tools, render_tool_calls
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from shared.errors import InvalidRequestError
 
@@ -62,10 +64,12 @@ _SAMPLING_FIELDS = (
 _COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "logprobs"}
     | {"priority"}  # tandem's extension, as are top_k, min_p, ... in _SAMPLING_FIELDS
+    | {"response_format", "structured_outputs"}  # see services.gateway.structured_outputs
     | set(_SAMPLING_FIELDS)
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT_FIELDS |= {"tools", "tool_choice"}  # see services.gateway.tools (refused on completions)
 # Fields that change nothing tandem produces: accepted and ignored.
 _IGNORED_FIELDS = frozenset(
     {"store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key"}
@@ -79,7 +83,6 @@ _UNSUPPORTED_FIELDS: Mapping[str, tuple[Any, ...]] = MappingProxyType(
         "tool_choice": ("none",),
         "functions": ([],),
         "function_call": ("none",),
-        "response_format": ({"type": "text"},),
         "suffix": ("",),
         "best_of": (1,),
         "echo": (False,),
@@ -168,6 +171,7 @@ class GenerationRequest:
     logprobs: int | None  # None: not asked; 0: the chosen token's only; k: also the top k
     user: str | None
     priority: int
+    tools: ToolSetup | None = None  # chat with `tools`: calls are parsed from the output
 
     @property
     def prompt_param(self) -> str:
@@ -306,18 +310,39 @@ def _parse_message(message: Any, where: str) -> dict[str, str]:
     for name in message:
         if name not in _MESSAGE_FIELDS:
             _fail(f"{where}.{name}", f"unknown field `{name}`")
-    if message.get("tool_calls"):
-        _fail(f"{where}.tool_calls", "tool calls are not supported by this server")
+    calls = message.get("tool_calls")
+    if calls and message.get("role") != "assistant":
+        _fail(f"{where}.tool_calls", "only assistant messages carry tool calls")
     for name in ("name", "tool_call_id"):  # accepted, unused: no tools, no speaker names
         if message.get(name) is not None and not isinstance(message[name], str):
             _fail(f"{where}.{name}", "must be a string")
     role = message.get("role")
     if role not in _ROLES:
         _fail(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
+    if calls:  # rendered as the model writes them (services.gateway.tools)
+        text = message.get("content")
+        text = "" if text is None else _parse_content(text, f"{where}.content")
+        rendered = _call_text(calls, f"{where}.tool_calls")
+        return {"role": "assistant", "content": f"{text}\n{rendered}" if text else rendered}
     content = _parse_content(message.get("content"), f"{where}.content")
     # Open models' chat templates know system/user/assistant/tool; for OpenAI, `developer` is
     # the new name of `system`.
     return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def _call_text(calls: Any, where: str) -> str:
+    try:
+        return render_tool_calls(calls, where)
+    except InvalidRequestError as error:
+        raise from_invalid_request(error) from None
+
+
+def _with_tools(messages: list[dict[str, str]], tools: ToolSetup) -> list[dict[str, str]]:
+    """The tools' signatures at the end of the system turn (one is added if there is none)."""
+    if messages[0]["role"] == "system":
+        first = {"role": "system", "content": f"{messages[0]['content']}\n\n{tools.system_text()}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": tools.system_text()}, *messages]
 
 
 def _parse_content(content: Any, where: str) -> str:
@@ -404,6 +429,7 @@ def _build(
     prompt_text: str | None = None,
     prompt_token_ids: list[int] | None = None,
     messages: list[dict[str, str]] | None = None,
+    tools: ToolSetup | None = None,
 ) -> GenerationRequest:
     """The fields both endpoints share; the sampling fields are checked here by building a
     SamplingParams once (with the largest max_tokens the request could get)."""
@@ -414,6 +440,16 @@ def _build(
     sampling_kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
     if logprobs is not None:
         sampling_kwargs["logprobs"] = logprobs
+    try:
+        constraint = parse_constraint(body)
+    except InvalidRequestError as error:
+        raise from_invalid_request(error) from None
+    if tools is not None and tools.forced:
+        if constraint is not None:
+            _fail("tool_choice", "a forced tool call cannot be combined with another constraint")
+        constraint = tools.constraint()
+    if constraint is not None:
+        sampling_kwargs["constraint"] = constraint
     _sampling_params(sampling_kwargs, max_tokens[0] or max_model_len - 1)
     stream, include_usage = _parse_stream(body)
     priority = _int_field(body, "priority", -(2**31), 2**31 - 1)  # an int32, as vLLM takes it
@@ -433,6 +469,7 @@ def _build(
         logprobs=logprobs,
         user=_str_field(body, "user", MAX_USER_CHARS),
         priority=priority or 0,
+        tools=tools,
     )
 
 
@@ -458,6 +495,15 @@ def parse_chat_request(body: Any, served_model: str, max_model_len: int) -> Gene
     body = _check_fields(body, _CHAT_FIELDS)
     model = _check_model(body, served_model)
     names = ("max_tokens", "max_completion_tokens")
+    try:
+        tools = parse_tools(body)
+    except InvalidRequestError as error:
+        raise from_invalid_request(error) from None
+    messages = _parse_messages(body.get("messages"))
+    if tools is not None:
+        if body.get("stream"):
+            _fail("stream", "streaming with `tools` is not supported yet")
+        messages = _with_tools(messages, tools)
     return _build(
         body,
         model,
@@ -465,5 +511,6 @@ def parse_chat_request(body: Any, served_model: str, max_model_len: int) -> Gene
         chat=True,
         max_tokens=_parse_max_tokens(body, names, max_model_len),
         logprobs=_parse_chat_logprobs(body),
-        messages=_parse_messages(body.get("messages")),
+        messages=messages,
+        tools=tools,
     )

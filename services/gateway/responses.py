@@ -17,6 +17,7 @@ from services.gateway.openai_shapes import (
     usage_chunk,
     usage_dict,
 )
+from services.gateway.tools import extract_tool_calls
 
 
 def stream_chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]) -> dict[str, Any]:
@@ -66,4 +67,11 @@ async def collect_response(
         generation.num_cached_tokens,
     )
     build = chat_response if req.chat else completion_response
-    return build(generation.request_id, req.model, generation.created, choices, usage)
+    response = build(generation.request_id, req.model, generation.created, choices, usage)
+    if req.tools is not None:
+        for choice in response["choices"]:
+            content, calls = extract_tool_calls(req.tools, choice["message"]["content"])
+            if calls:
+                choice["message"].update(content=content, tool_calls=calls)
+                choice["finish_reason"] = "tool_calls"
+    return response

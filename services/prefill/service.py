@@ -103,6 +103,7 @@ class PrefillWorker(WorkerLoop):
                 job.request_id,
                 priority=job.priority,
                 cache_salt=None if self.config.share_prefix_cache else job.cache_salt,
+                num_generated=len(job.output_token_ids),  # a constraint replays them
             )
         except InvalidRequestError as error:
             self.log.warning("prefill job refused", request_id=job.request_id, error=str(error))
@@ -129,6 +130,10 @@ class PrefillWorker(WorkerLoop):
                 self.engine.release(output.request_id)
                 continue
             job = running.job
+            if output.error is not None:  # its grammar failed to compile
+                self.engine.release(job.request_id)
+                self._fail(job, output.error)
+                continue
             num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
             self.events.prefill_finished(job.request_id, running.started_at, num_tokens)
             streamed.append((job.gateway_address, self._first_token(job, output)))

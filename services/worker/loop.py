@@ -53,7 +53,11 @@ class WorkerLoop(abc.ABC):
         self.events.model_loaded(
             self.loaded.name, dtype_name(self.loaded.model.dtype), config.dtype, config.device
         )
-        self.engine = LLMEngine(self.loaded.model, config.engine_config(**engine_overrides))
+        self.engine = LLMEngine(
+            self.loaded.model,
+            config.engine_config(**engine_overrides),
+            tokenizer=self.loaded.tokenizer,
+        )
         self.context = context or zmq.Context.instance()
         self.security = Security(config.curve_keys(), self.log)
         self.security.start(self.context)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.grammar import GrammarBinding
 from shared.engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shared.engine.model import LlamaModel
 from shared.engine.prefix_cache import (
@@ -67,6 +68,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_max_blocks: int | None = None
     cache_model_id: str = ""
+    # Structured outputs: compiled grammars kept (bytes, LRU) and a compile's time limit.
+    grammar_cache_bytes: int = 256 << 20
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -85,6 +89,8 @@ class EngineConfig:
         if self.step_time_target_s is not None and not self.step_time_target_s > 0:
             raise ValueError(f"step_time_target_s must be > 0, got {self.step_time_target_s}")
         PreemptionCosts(self.preemption_mode)  # validates the mode
+        if self.grammar_cache_bytes < 1 or not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_cache_bytes and grammar_compile_timeout_s must be > 0")
 
 
 @dataclass
@@ -95,6 +101,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    error: str | None = None  # why an "abort" the engine chose (a grammar that failed)
 
     @property
     def finished(self) -> bool:
@@ -112,7 +119,10 @@ class GenerationResult:
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, config: EngineConfig | None = None):
+    def __init__(
+        self, model: LlamaModel, config: EngineConfig | None = None, tokenizer: object = None
+    ):
+        """`tokenizer` (a transformers tokenizer) enables structured outputs."""
         self.model = model
         self.config = config or EngineConfig()
         mc = model.config
@@ -148,6 +158,13 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.grammar = GrammarBinding(
+            tokenizer,
+            mc.vocab_size,
+            self.eos_token_ids,
+            self.config.grammar_cache_bytes,
+            self.config.grammar_compile_timeout_s,
+        )
         self._sequences: dict[str, Sequence] = {}
         self._retained: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -161,15 +178,22 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        num_generated: int = 0,
     ) -> str:
         """Queues a prompt. `cache_salt` (a tenant, or a request's own salt) keeps its cached
-        blocks apart from those of other salts: only equal salts share a prefix."""
+        blocks apart from those of other salts: only equal salts share a prefix.
+        `num_generated`: the prompt's last tokens were generated before (a request resumed from
+        its client's tokens); a constrained request's grammar replays them."""
         self._validate_prompt(prompt_token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)
         seq.cache_root = self._cache_root(cache_salt)
+        replayed = (
+            prompt_token_ids[len(prompt_token_ids) - num_generated :] if num_generated else ()
+        )
+        self.grammar.attach(seq, replayed)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -203,6 +227,7 @@ class LLMEngine:
         seq.cache_root = self._cache_root(cache_salt)
         if generator_state is not None and seq.generator is not None:
             seq.generator.set_state(generator_state)
+        self.grammar.attach(seq)  # its matcher replays output_token_ids
         self._sequences[request_id] = seq
         self.scheduler.add_running(seq)
 
@@ -362,7 +387,7 @@ class LLMEngine:
     def _postprocess(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor
     ) -> list[RequestOutput]:
-        sampled_rows, rows = [], []
+        sampled_rows, rows, outputs = [], [], []
         for index, chunk in enumerate(chunks):
             seq = chunk.sequence
             start = seq.num_computed_tokens
@@ -372,16 +397,24 @@ class LLMEngine:
             seq.num_computed_tokens += chunk.num_tokens
             cache_computed_blocks(seq, self.block_manager)
             if seq.num_computed_tokens == seq.num_tokens:  # its last token ran: sample the next
+                error = self.grammar.prepare(seq)
+                if error is not None:  # its grammar failed to compile: it ends here
+                    self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    outputs.append(
+                        RequestOutput(seq.request_id, [], finish_reason="abort", error=error)
+                    )
+                    continue
                 sampled_rows.append(index)
                 rows.append(self._sampling_row(seq))
         if not rows:
-            return []
+            return outputs
         sampled = self.sampler(logits[sampled_rows], rows)
-        outputs = []
         for i, index in enumerate(sampled_rows):
             seq = chunks[index].sequence
             token = sampled.token_ids[i]
             seq.output_token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             out = RequestOutput(seq.request_id, [token])
             if sampled.logprobs[i] is not None:
                 lp = TokenLogprobs(sampled.logprobs[i], sampled.top_logprobs[i])
@@ -418,6 +451,7 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             suppressed_token_ids=suppressed,
+            grammar_matcher=seq.grammar.matcher if seq.grammar is not None else None,
         )
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     suppressed_token_ids: Sequence[int] = ()  # logit -> -inf this step (EOS under min_tokens)
+    grammar_matcher: Any = None  # an xgrammar matcher (shared.engine.grammar); None: free
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -243,12 +245,30 @@ def _with_logprobs(
 class Sampler:
     """Chooses the next token of every row of a batch; see the module docstring."""
 
+    def __init__(self) -> None:
+        self._masks: Any = None  # a grammar MaskBuffer, made at the first constrained batch
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """`logits` is [len(rows), vocab], read only. Logprobs are of the raw logits."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        work = self._grammar_masked(logits, rows)
         if all(row.is_plain_greedy for row in rows):
-            token_ids = logits.argmax(dim=-1)  # the decode hot path: no per-row work
+            token_ids = work.argmax(dim=-1)  # the decode hot path: no per-row work
         else:
-            token_ids = _sample(logits, rows)
+            token_ids = _sample(work, rows)
         return _with_logprobs(logits, rows, token_ids)
+
+    def _grammar_masked(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The logits themselves when no row is constrained (free batches pay one scan);
+        otherwise one copy whose constrained rows are masked in place, in one fill call."""
+        matchers = [row.grammar_matcher for row in rows]
+        if all(matcher is None for matcher in matchers):
+            return logits
+        if self._masks is None:
+            from shared.engine.grammar import MaskBuffer  # xgrammar loads only when used
+
+            self._masks = MaskBuffer(logits.shape[-1])
+        work = logits.clone()
+        self._masks.apply(work, matchers)
+        return work

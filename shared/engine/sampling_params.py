@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.engine.constraint import Constraint
 from shared.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
@@ -64,6 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    constraint: Constraint | None = None  # structured output: what the output must match
 
     def __post_init__(self) -> None:
         self._normalize_types()
@@ -84,6 +86,11 @@ class SamplingParams:
         ids = self.stop_token_ids
         _check(isinstance(ids, (list, tuple)), "stop_token_ids", "must be a list of token ids")
         self._set("stop_token_ids", tuple(_as_int("stop_token_ids", i) for i in ids))
+        _check(
+            self.constraint is None or isinstance(self.constraint, Constraint),
+            "constraint",
+            "must be a Constraint (shared.engine.constraint)",
+        )
 
     def _check_ranges(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")

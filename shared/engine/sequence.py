@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -71,6 +72,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    grammar: Any = None  # its GrammarState (shared.engine.grammar) when constrained
 
     def __post_init__(self) -> None:
         if self.generator is None:

@@ -119,9 +119,6 @@ class TestEnvelope:
         ("field", "value"),
         [
             ("logit_bias", {"50256": -100}),
-            ("tools", [{"type": "function", "function": {"name": "f"}}]),
-            ("tool_choice", "auto"),
-            ("response_format", {"type": "json_object"}),
             ("functions", [{"name": "f"}]),
             ("suffix", "end"),
             ("best_of", 2),
@@ -441,7 +438,7 @@ def test_messages_are_normalized():
                 {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]},
             ],
-            "messages[1].tool_calls",
+            "messages[1].tool_calls[0]",
         ),
     ],
 )

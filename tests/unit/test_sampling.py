@@ -95,6 +95,7 @@ INVALID = [
     ("stop_token_ids", (True,)),
     ("stop_token_ids", "12"),
     ("stop_token_ids", 7),
+    ("constraint", {"kind": "regex", "spec": "a+"}),
 ]
 
 

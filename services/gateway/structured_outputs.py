@@ -1,0 +1,111 @@
+"""The API's structured-output fields, parsed into one engine `Constraint` or refused with a 400.
+
+Two spellings, so that clients of either work unchanged:
+- OpenAI's `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}`, and
+  `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`. The schema
+  is enforced whether `strict` is true or not (a constrained decoder has no weaker mode).
+- vLLM's `structured_outputs`: exactly one of `json` (a schema, object or string), `regex`,
+  `choice` (a list of strings), `grammar` (EBNF, xgrammar's dialect) or `json_object: true`.
+
+At most one of the two may ask for something. The constraint is parsed by the grammar engine
+here (`to_grammar`, which needs no tokenizer), so an invalid schema, regex or grammar, and any
+schema keyword the engine cannot enforce, is answered with a 400 naming the field before the
+request reaches the cluster; the compile against the vocabulary happens on the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shared.engine.constraint import (
+    Constraint,
+    choice_constraint,
+    schema_constraint,
+    to_grammar,
+)
+from shared.errors import InvalidRequestError
+
+_JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict", "description"})
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_FIELDS = frozenset(_STRUCTURED_KINDS)
+
+
+def parse_constraint(body: Mapping[str, Any]) -> Constraint | None:
+    """The request's constraint, checked by the grammar engine; InvalidRequestError naming the
+    field for anything it cannot honour."""
+    from_format = _parse_response_format(body.get("response_format"))
+    from_vllm = _parse_structured_outputs(body.get("structured_outputs"))
+    if from_format is not None and from_vllm is not None:
+        raise InvalidRequestError(
+            "structured_outputs", "give `response_format` or `structured_outputs`, not both"
+        )
+    constraint = from_format or from_vllm
+    if constraint is not None:
+        to_grammar(constraint)  # parses it: a syntax error is a 400 now, not a failed stream
+    return constraint
+
+
+def _fail(param: str, message: str) -> Any:
+    raise InvalidRequestError(param, message)
+
+
+def _parse_response_format(value: Any) -> Constraint | None:
+    param = "response_format"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        _fail(param, "must be an object with a `type`")
+    kind = value.get("type")
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+    if kind not in allowed:
+        _fail(f"{param}.type", f"must be one of {sorted(allowed)}, got {kind!r}")
+    for name in value:
+        if name not in allowed[kind]:
+            _fail(f"{param}.{name}", f"unknown field `{name}` for type {kind!r}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object", "", param)
+    spec = value.get("json_schema")
+    where = f"{param}.json_schema"
+    if not isinstance(spec, dict):
+        _fail(where, "must be an object with `name` and `schema`")
+    for name in spec:
+        if name not in _JSON_SCHEMA_FIELDS:
+            _fail(f"{where}.{name}", f"unknown field `{name}`")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        _fail(f"{where}.name", "is required and must be a non-empty string")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        _fail(f"{where}.strict", "must be a boolean")
+    schema = spec.get("schema", {})  # OpenAI: no schema means any JSON object
+    if schema == {}:
+        return Constraint("json_object", "", where)
+    return schema_constraint(schema, f"{where}.schema")
+
+
+def _parse_structured_outputs(value: Any) -> Constraint | None:
+    param = "structured_outputs"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        _fail(param, f"must be an object with one of {list(_STRUCTURED_KINDS)}")
+    for name in value:
+        if name not in _STRUCTURED_FIELDS:
+            _fail(f"{param}.{name}", f"unknown field `{name}`")
+    given = [k for k in _STRUCTURED_KINDS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        _fail(param, f"give exactly one of {list(_STRUCTURED_KINDS)}, got {given}")
+    (kind,) = given
+    where, spec = f"{param}.{kind}", value[kind]
+    if kind == "json":
+        return schema_constraint(spec, where)
+    if kind == "choice":
+        return choice_constraint(spec, where)
+    if kind == "json_object":
+        if spec is not True:
+            _fail(where, "must be true")
+        return Constraint("json_object", "", where)
+    if not isinstance(spec, str) or not spec:
+        _fail(where, "must be a non-empty string")
+    return Constraint(kind, spec, where)

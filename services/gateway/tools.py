@@ -1,0 +1,195 @@
+"""OpenAI tool calling on chat completions: `tools` and `tool_choice` parsed, the tools rendered
+into the prompt, calls constrained where they must happen, and parsed out of the output.
+
+The fallback format (the default model's chat template knows no tools, so it is used for every
+model for now): the tools' signatures go into the system turn as JSON, with the instruction to
+answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; assistant
+`tool_calls` in the history are rendered the same way, and `tool` messages keep their role.
+
+- `tool_choice: "none"` (or no tools): plain chat; the tools are still shown.
+- `"auto"` (the default with tools): the model decides; every well-formed tagged call in the
+  output becomes a `tool_calls` entry, and the text around them is the content.
+- `"required"` or a named function: decoding is constrained by a JSON schema to one call of the
+  given tools (`name` fixed by `const`, `arguments` by the tool's `parameters`), so even a 135M
+  model returns a call that parses. The output is that call's JSON, without tags.
+
+A response with calls finishes with `"tool_calls"`. Streaming with tools is refused for now
+(a 400 naming `stream`): the deltas would need the call buffered and re-cut.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shared.engine.constraint import Constraint, check_schema_keywords
+from shared.errors import InvalidRequestError
+
+MAX_TOOLS = 64
+MAX_TOOL_NAME = 64
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
+# A parameterless tool's arguments: exactly {} (a bare {"type": "object"} would let the model
+# invent properties until max_tokens).
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolSetup:
+    """A chat request's tools: their functions as given, and the choice."""
+
+    functions: tuple[Mapping[str, Any], ...]
+    choice: str  # "none", "auto", "required", or the name of the function to call
+
+    @property
+    def forced(self) -> bool:
+        return self.choice not in ("none", "auto")
+
+    def constraint(self) -> Constraint | None:
+        """The call schema for `required` or a named function; None when the model decides."""
+        if not self.forced:
+            return None
+        chosen = [f for f in self.functions if self.choice in ("required", f["name"])]
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": f["name"]},
+                    "arguments": f.get("parameters") or _NO_ARGUMENTS,
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for f in chosen
+        ]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return Constraint("json_schema", json.dumps(schema), "tools")
+
+    def system_text(self) -> str:
+        signatures = "\n".join(json.dumps(dict(f)) for f in self.functions)
+        return (
+            "You may call these tools (JSON signatures, one a line):\n"
+            f"{signatures}\n"
+            'To call one, answer <tool_call>{"name": NAME, "arguments": {...}}</tool_call>.'
+        )
+
+
+def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
+    """`tools` and `tool_choice` checked; None without tools. InvalidRequestError names the
+    field of any bad value, an unknown tool name in `tool_choice` included."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice", "names a tool, but `tools` is empty")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise InvalidRequestError("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    functions = tuple(_parse_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools))
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("tools", "tool names must be distinct")
+    return ToolSetup(functions, _parse_choice(choice, names))
+
+
+def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type") != "function"
+        or set(tool)
+        != {
+            "type",
+            "function",
+        }
+    ):
+        raise InvalidRequestError(where, 'must be {"type": "function", "function": {...}}')
+    function = tool["function"]
+    if not isinstance(function, dict):
+        raise InvalidRequestError(f"{where}.function", "must be an object")
+    for name in function:
+        if name not in _FUNCTION_FIELDS:
+            raise InvalidRequestError(f"{where}.function.{name}", f"unknown field `{name}`")
+    if not isinstance(function.get("name"), str) or not _NAME.match(function["name"]):
+        raise InvalidRequestError(
+            f"{where}.function.name", "must be 1 to 64 letters, digits, _ or -"
+        )
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise InvalidRequestError(f"{where}.function.description", "must be a string")
+    parameters = function.get("parameters")
+    if parameters is not None:
+        if not isinstance(parameters, dict):
+            raise InvalidRequestError(f"{where}.function.parameters", "must be a JSON schema")
+        check_schema_keywords(parameters, f"{where}.function.parameters")
+    return function
+
+
+def _parse_choice(choice: Any, names: list[str]) -> str:
+    if choice is None:
+        return "auto"
+    if choice in ("none", "auto", "required"):
+        return choice
+    named = isinstance(choice, dict) and choice.get("type") == "function"
+    function = choice.get("function") if named else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError(
+            "tool_choice",
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name"}}',
+        )
+    if function["name"] not in names:
+        raise InvalidRequestError(
+            "tool_choice", f"names the unknown tool {function['name']!r}; tools: {names}"
+        )
+    return function["name"]
+
+
+def render_tool_calls(calls: Any, where: str) -> str:
+    """An assistant message's `tool_calls` as the tagged text the model would have written."""
+    if not isinstance(calls, list):
+        raise InvalidRequestError(where, "must be a list of tool calls")
+    texts = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(f"{where}[{i}]", "must have `function.name`")
+        arguments = function.get("arguments", "{}")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise InvalidRequestError(
+                f"{where}[{i}].function.arguments", "must be a JSON object"
+            ) from None
+        call_json = json.dumps({"name": function["name"], "arguments": parsed})
+        texts.append(f"<tool_call>{call_json}</tool_call>")
+    return "\n".join(texts)
+
+
+def extract_tool_calls(setup: ToolSetup, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content left, OpenAI tool_calls) from a finished choice's text."""
+    if setup.choice == "none":
+        return text, []
+    found = [text] if setup.forced else _CALL.findall(text)
+    names = {f["name"] for f in setup.functions}
+    calls = []
+    for raw in found:
+        try:
+            call = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or call.get("name") not in names:
+            continue
+        arguments = call.get("arguments", {})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(arguments)},
+            }
+        )
+    if not calls:
+        return text, []
+    content = "" if setup.forced else _CALL.sub("", text).strip()
+    return content or None, calls

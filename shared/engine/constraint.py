@@ -1,0 +1,169 @@
+"""A request's output constraint (structured outputs): what the output must match, checked at once.
+
+A `Constraint` is a kind and its text: a JSON schema, a regex, a JSON list of choices, an EBNF
+grammar (xgrammar's dialect, GBNF-like), or nothing for `json_object` (any JSON object). It is
+plain data, so it travels in `SamplingParams` and on the wire unchanged; `shared.engine.grammar`
+compiles it against the tokenizer where tokens are sampled.
+
+`check_constraint` refuses, before any work, what the grammar engine could not honour: a spec
+past the size cap, text that does not parse, and JSON schema keywords that xgrammar would ignore
+(it would then emit output that violates the schema while calling it valid). Each refusal is an
+`InvalidRequestError` naming the field, so the HTTP API answers 400 with that name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from shared.errors import InvalidRequestError
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 64 << 10  # a schema, regex or grammar; bounds compile time and cache entries
+MAX_CHOICES = 256
+MAX_SCHEMA_DEPTH = 32
+# Whitespace between JSON tokens, per run: unbounded, a small model loops on newlines until
+# max_tokens (seen on SmolLM2); 16 fits any indentation it uses.
+MAX_JSON_WHITESPACE = 16
+# Keywords the grammar engine enforces (or that change nothing: annotations). Any other keyword
+# in a schema is refused by name rather than silently ignored.
+_ENFORCED_KEYWORDS = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "enum",
+        "const",
+        "anyOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+    }
+)
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$schema", "$id", "$comment", "strict"}
+)
+# Keywords whose value is a map of names to schemas, not a schema itself.
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
+_SCHEMA_LISTS = frozenset({"anyOf", "prefixItems"})
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match. `spec` is "" for json_object, JSON text for
+    json_schema and choice (a list of strings), the pattern for regex, EBNF for grammar."""
+
+    kind: str
+    spec: str = ""
+    param: str = "structured_outputs"  # the API field it came from, named in errors
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError(self.param, f"unknown constraint kind {self.kind!r}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_SPEC_CHARS:
+            raise InvalidRequestError(
+                self.param, f"must be at most {MAX_SPEC_CHARS} characters of text"
+            )
+
+    def __eq__(self, other: object) -> bool:  # `param` names a field; it is not the constraint
+        return isinstance(other, Constraint) and (self.kind, self.spec) == (other.kind, other.spec)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.spec))
+
+
+def choice_constraint(choices: Any, param: str) -> Constraint:
+    if (
+        not isinstance(choices, list)
+        or not 1 <= len(choices) <= MAX_CHOICES
+        or not all(isinstance(c, str) and c for c in choices)
+    ):
+        raise InvalidRequestError(param, f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
+    return Constraint("choice", json.dumps(choices), param)
+
+
+def schema_constraint(schema: Any, param: str) -> Constraint:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as error:
+            raise InvalidRequestError(param, f"is not valid JSON: {error}") from None
+    if not isinstance(schema, dict | bool):
+        raise InvalidRequestError(param, "a JSON schema must be an object")
+    check_schema_keywords(schema, param)
+    # Key order kept: properties are generated in the order the schema gives them.
+    return Constraint("json_schema", json.dumps(schema), param)
+
+
+def check_schema_keywords(schema: Any, where: str, depth: int = 0) -> None:
+    """Refuses keywords the engine cannot enforce, naming the first one and where it is."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise InvalidRequestError(where, f"the schema nests deeper than {MAX_SCHEMA_DEPTH}")
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(where, "every subschema must be an object or a boolean")
+    for key, value in schema.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key not in _ENFORCED_KEYWORDS:
+            raise InvalidRequestError(
+                where, f"the JSON schema keyword `{key}` cannot be enforced by this server"
+            )
+        if key in _SCHEMA_MAPS:
+            if not isinstance(value, dict):
+                raise InvalidRequestError(f"{where}.{key}", "must be an object")
+            for name, sub in value.items():
+                check_schema_keywords(sub, f"{where}.{key}.{name}", depth + 1)
+        elif key in _SCHEMA_LISTS:
+            if not isinstance(value, list):
+                raise InvalidRequestError(f"{where}.{key}", "must be a list of schemas")
+            for i, sub in enumerate(value):
+                check_schema_keywords(sub, f"{where}.{key}[{i}]", depth + 1)
+        elif key in ("items", "additionalProperties"):
+            check_schema_keywords(value, f"{where}.{key}", depth + 1)
+
+
+def to_grammar(constraint: Constraint) -> Any:
+    """The constraint as an xgrammar `Grammar` (no tokenizer needed): parses it, so a syntax
+    error surfaces here as an InvalidRequestError naming the field."""
+    import xgrammar as xgr  # here: the API layer validates without loading it at import
+
+    try:
+        match constraint.kind:
+            case "json_object":
+                # Any JSON object: the schema {"type": "object"} (the builtin grammar would
+                # allow any JSON value, which json_object does not).
+                return xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                )
+            case "json_schema":
+                return xgr.Grammar.from_json_schema(
+                    constraint.spec, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                )
+            case "regex":
+                return xgr.Grammar.from_regex(constraint.spec)
+            case "choice":
+                choices = json.loads(constraint.spec)
+                alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+                return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+            case _:
+                return xgr.Grammar.from_ebnf(constraint.spec)
+    except (RuntimeError, ValueError) as error:
+        message = str(error).split("] ", 1)[-1].strip()  # drop xgrammar's timestamp and path
+        raise InvalidRequestError(
+            constraint.param, f"invalid {constraint.kind}: {message}"
+        ) from None

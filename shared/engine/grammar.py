@@ -1,0 +1,242 @@
+"""Grammar-constrained sampling with xgrammar: compiled grammars, per-sequence matchers, masks.
+
+Three pieces, each small:
+
+- `GrammarCache` compiles a `Constraint` against the tokenizer once per distinct constraint, on
+  a background thread, so that a request's compile overlaps its prefill and the batch never
+  waits on it. Entries are kept least recently used first and bounded by their compiled size in
+  bytes (an unbounded cache is a memory-exhaustion hole); the spec itself is capped in
+  `shared.engine.constraint`. A compile that does not finish within the time limit fails its
+  request (xgrammar cannot be interrupted: the thread runs on, but nothing waits for it).
+- `GrammarState` is one sequence's matcher. It is built lazily, when its grammar is compiled,
+  by replaying the tokens the sequence already generated: those of a prefill job resumed from a
+  client's tokens, those carried by a KV handoff, those kept across preemption. The matcher is
+  thus rebuilt from tokens wherever the sequence lands and its state never travels.
+- `apply_grammar_masks` fills the token bitmasks of every constrained row of a batch in one
+  call (xgrammar's batch matcher) and applies them to the logits in place; rows without a
+  constraint are not touched, and a batch without any constrained row costs one list scan.
+
+Termination: EOS is allowed only where the grammar accepts the output as complete (the
+matcher's stop tokens are the model's EOS ids). A sequence cut by max_tokens mid-structure
+finishes with "length", as the engine reports it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from shared.engine.constraint import Constraint, to_grammar
+from shared.errors import InvalidRequestError
+
+DEFAULT_CACHE_BYTES = 256 << 20
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+_FAILED_ENTRY_BYTES = 1024  # a cached failure's charge against the byte bound
+
+
+class GrammarError(Exception):
+    """A constraint that could not be compiled (invalid, or past the time limit)."""
+
+
+class GrammarCache:
+    """Compiled grammars by constraint, LRU, bounded by bytes; compiles run on a thread pool."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        max_bytes: int = DEFAULT_CACHE_BYTES,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        num_threads: int = 2,
+    ):
+        if max_bytes <= 0 or compile_timeout_s <= 0:
+            raise ValueError("max_bytes and compile_timeout_s must be > 0")
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_token_ids)
+        )
+        self.vocab_size = vocab_size
+        self.max_bytes = max_bytes
+        self.compile_timeout_s = compile_timeout_s
+        self._compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=1, cache_enabled=False
+        )
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Constraint, Future] = OrderedDict()
+        self._sizes: dict[Constraint, int] = {}  # completed entries only
+        self.num_bytes = 0
+        self.num_hits = 0
+        self.num_compiles = 0
+
+    def submit(self, constraint: Constraint) -> Future:
+        """The compiled grammar's future: cached, or a compile started now."""
+        with self._lock:
+            future = self._entries.get(constraint)
+            if future is not None:
+                self._entries.move_to_end(constraint)
+                self.num_hits += 1
+                return future
+            self.num_compiles += 1
+            future = self._pool.submit(self._compile, constraint)
+            self._entries[constraint] = future
+        future.add_done_callback(lambda f: self._on_done(constraint, f))
+        return future
+
+    def get(self, constraint: Constraint, timeout_s: float | None = None) -> Any:
+        """The compiled grammar, waiting for its compile up to the time limit."""
+        return wait_compiled(self.submit(constraint), timeout_s or self.compile_timeout_s)
+
+    def _compile(self, constraint: Constraint) -> Any:
+        return self._compiler.compile_grammar(to_grammar(constraint))
+
+    def _on_done(self, constraint: Constraint, future: Future) -> None:
+        error = future.exception()
+        size = _FAILED_ENTRY_BYTES if error else future.result().memory_size_bytes
+        with self._lock:
+            if self._entries.get(constraint) is not future:
+                return  # evicted meanwhile
+            self._sizes[constraint] = size
+            self.num_bytes += size
+            self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used completed entries go until the bytes fit (pending ones stay:
+        a request waits on them). Called with the lock held."""
+        for constraint in list(self._entries):
+            if self.num_bytes <= self.max_bytes:
+                return
+            if constraint in self._sizes:
+                del self._entries[constraint]
+                self.num_bytes -= self._sizes.pop(constraint)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def wait_compiled(future: Future, timeout_s: float) -> Any:
+    try:
+        return future.result(timeout=max(timeout_s, 0.0))
+    except FutureTimeout:
+        raise GrammarError(
+            f"the grammar did not compile within {timeout_s:.3g} s (the compile time limit)"
+        ) from None
+    except InvalidRequestError as error:
+        raise GrammarError(error.message) from None
+    except RuntimeError as error:
+        raise GrammarError(f"the grammar failed to compile: {error}") from None
+
+
+class GrammarState:
+    """One sequence's matcher, built from its compiled grammar by replaying its generated
+    tokens; `accept` advances it with each new token."""
+
+    def __init__(self, future: Future, deadline: float, replay_token_ids: Sequence[int] = ()):
+        self._future = future
+        self._deadline = deadline  # time.monotonic() past which the compile has failed
+        self._replay_token_ids = list(replay_token_ids)  # generated before this engine's output
+        self.matcher: Any = None
+
+    def build(self, output_token_ids: Sequence[int]) -> Any:
+        """The matcher, built on first use (waiting for the compile up to the deadline) from
+        the tokens generated so far. Raises GrammarError if it cannot be."""
+        if self.matcher is None:
+            compiled = wait_compiled(self._future, self._deadline - time.monotonic())
+            matcher = xgr.GrammarMatcher(compiled)
+            for i, token in enumerate(self._replay_token_ids + list(output_token_ids)):
+                if not matcher.accept_token(token):
+                    raise GrammarError(f"generated token {i} ({token}) breaks the grammar")
+            self.matcher = matcher
+        return self.matcher
+
+    def accept(self, token_id: int) -> None:
+        if self.matcher is not None and not self.matcher.is_terminated():
+            self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class MaskBuffer:
+    """A reused token bitmask, grown to the largest batch seen."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+
+    def apply(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
+        """Masks in place the rows of `logits` [rows, vocab] whose matcher is given: tokens the
+        grammar forbids go to -inf. One fill call for all of them."""
+        rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
+        if not rows:
+            return
+        if self._bitmask.shape[0] < len(matchers):
+            self._bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        bitmask = self._bitmask[: len(matchers)]
+        self._batch.batch_fill_next_token_bitmask(
+            [matchers[i] for i in rows], bitmask, indices=rows
+        )
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device), indices=rows, vocab_size=logits.shape[-1]
+        )
+
+
+class GrammarBinding:
+    """The engine's side: gives each constrained sequence its `GrammarState` and builds its
+    matcher before it samples. The cache (and xgrammar's tokenizer tables) is made at the
+    first constrained request, so engines that never see one pay nothing."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] | frozenset[int],
+        max_bytes: int = DEFAULT_CACHE_BYTES,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+    ):
+        self._tokenizer = tokenizer
+        self._args = (vocab_size, sorted(eos_token_ids), max_bytes, compile_timeout_s)
+        self._cache: GrammarCache | None = None
+
+    @property
+    def cache(self) -> GrammarCache:
+        if self._cache is None:
+            if self._tokenizer is None:
+                raise InvalidRequestError(
+                    "structured_outputs", "this engine was started without a tokenizer"
+                )
+            self._cache = GrammarCache(self._tokenizer, *self._args)
+        return self._cache
+
+    def attach(self, seq: Any, replay_token_ids: Sequence[int] = ()) -> None:
+        """Starts (or finds) the compile of `seq`'s constraint; its matcher will replay
+        `replay_token_ids` then its output tokens."""
+        constraint = seq.params.constraint
+        if constraint is None:
+            return
+        cache = self.cache
+        deadline = time.monotonic() + cache.compile_timeout_s
+        seq.grammar = GrammarState(cache.submit(constraint), deadline, replay_token_ids)
+
+    def prepare(self, seq: Any) -> str | None:
+        """Builds `seq`'s matcher if it has none yet; the error if that failed."""
+        if seq.grammar is None:
+            return None
+        try:
+            seq.grammar.build(seq.output_token_ids)
+        except GrammarError as error:
+            return str(error)
+        return None

@@ -1,0 +1,76 @@
+"""Tool calling end to end with the official `openai` client on the real model: forced calls
+(`required`, named) always parse, `auto` answers in a valid shape, and a multi-turn exchange with
+a tool result goes through."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time now"}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def ask(client, messages, **fields):
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0, tools=[WEATHER, NOW], **fields
+    )
+
+
+def test_forced_tool_calls_parse(openai_client):
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        response = ask(openai_client, QUESTION, tool_choice=choice)
+        (call,) = response.choices[0].message.tool_calls
+        assert response.choices[0].finish_reason == "tool_calls"
+        assert call.id.startswith("call_") and call.type == "function"
+        if choice != "required":
+            assert call.function.name == "get_weather"
+        arguments = json.loads(call.function.arguments)
+        assert isinstance(arguments, dict)
+    named = ask(
+        openai_client, QUESTION, tool_choice={"type": "function", "function": {"name": "now"}}
+    )
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "now" and isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_auto_and_a_multi_turn_exchange(openai_client):
+    first = ask(openai_client, QUESTION, tool_choice="auto")
+    message = first.choices[0].message
+    if message.tool_calls:  # the model chose to call: finish_reason says so
+        assert first.choices[0].finish_reason == "tool_calls"
+    else:
+        assert message.content and first.choices[0].finish_reason in ("stop", "length")
+    history = [
+        *QUESTION,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+    ]
+    answer = ask(openai_client, history, tool_choice="none")
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls

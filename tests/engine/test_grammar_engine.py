@@ -1,0 +1,72 @@
+"""Constrained requests in the engine on the real model: mixed with free rows in one batch, cut
+by max_tokens, resumed from generated tokens (replay), and handed off like a KV transfer."""
+
+import json
+
+import jsonschema
+import pytest
+
+from services.commands.generate import encode_prompt
+from shared.engine.constraint import Constraint, choice_constraint, schema_constraint
+from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return LLMEngine(smollm2.model, EngineConfig(num_blocks=256), tokenizer=smollm2.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2):
+    return encode_prompt(smollm2.tokenizer, "Describe a person as JSON.", chat=True)
+
+
+def text(smollm2, token_ids):
+    return smollm2.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def test_constrained_and_free_rows_in_one_batch(engine, smollm2, prompt):
+    free = SamplingParams(max_tokens=8, temperature=0)
+    constrained = [
+        SamplingParams(max_tokens=60, temperature=0, constraint=schema_constraint(SCHEMA, "s")),
+        SamplingParams(
+            max_tokens=20, temperature=0.9, seed=3, constraint=Constraint("regex", "[a-z]{3}-\\d")
+        ),
+        SamplingParams(
+            max_tokens=5, temperature=0, constraint=choice_constraint(["up", "down"], "c")
+        ),
+    ]
+    results = engine.generate([prompt] * 4, [free, *constrained])
+    alone = LLMEngine(smollm2.model, EngineConfig(num_blocks=64)).generate([prompt], free)[0]
+    assert results[0].token_ids == alone.token_ids  # the free row is untouched by the masks
+    assert all(r.finish_reason == "stop" for r in results[1:])
+    jsonschema.validate(json.loads(text(smollm2, results[1].token_ids)), SCHEMA)
+    assert len(text(smollm2, results[2].token_ids)) == 5
+    assert text(smollm2, results[3].token_ids) in ("up", "down")
+
+
+def test_cut_mid_structure_finishes_with_length(engine, smollm2, prompt):
+    params = SamplingParams(max_tokens=4, temperature=0, constraint=schema_constraint(SCHEMA, "s"))
+    (result,) = engine.generate([prompt], params)
+    assert result.finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text(smollm2, result.token_ids))
+
+
+def test_resumed_request_replays_its_generated_tokens(engine, smollm2, prompt):
+    params = SamplingParams(max_tokens=60, temperature=0, constraint=schema_constraint(SCHEMA, "s"))
+    (whole,) = engine.generate([prompt], params)
+    done = whole.token_ids[:5]  # what a client had when its worker died
+    request_id = engine.add_request(prompt + done, params, num_generated=len(done))
+    rest = [t for out in engine.run_until_done() for t in out.new_token_ids]
+    assert request_id and done + rest == whole.token_ids  # greedy: the same object
+    jsonschema.validate(json.loads(text(smollm2, done + rest)), SCHEMA)

@@ -1,0 +1,179 @@
+"""The grammar module on the real tokenizer (no model): constraints checked, compiled once and
+cached within a byte bound, matchers rebuilt by replay, batch masks applied in place."""
+
+import json
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from shared.engine.constraint import (
+    MAX_SPEC_CHARS,
+    Constraint,
+    choice_constraint,
+    schema_constraint,
+    to_grammar,
+)
+from shared.engine.grammar import (
+    GrammarCache,
+    GrammarError,
+    GrammarState,
+    MaskBuffer,
+    wait_compiled,
+)
+from shared.engine.loader import resolve_model_dir
+from shared.engine.sampling import Sampler, SamplingRow
+from shared.engine.sampling_params import SamplingParams
+from shared.errors import InvalidRequestError
+
+VOCAB = 49152
+EOS = 2
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    directory, _ = resolve_model_dir(None)
+    return AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def cache(tokenizer):
+    return GrammarCache(tokenizer, VOCAB, [EOS])
+
+
+def test_unenforceable_schema_keywords_are_refused_by_name():
+    schema = {"type": "object", "properties": {"a": {"type": "string", "format": "email"}}}
+    with pytest.raises(InvalidRequestError, match="`format`") as info:
+        schema_constraint(schema, "response_format")
+    assert info.value.param == "response_format.properties.a"
+    for keyword in ("oneOf", "allOf", "not", "patternProperties", "uniqueItems"):
+        with pytest.raises(InvalidRequestError, match=f"`{keyword}`"):
+            schema_constraint({keyword: []}, "p")
+
+
+@pytest.mark.parametrize(
+    "constraint, message",
+    [
+        (Constraint("regex", "a(", "p"), "invalid regex"),
+        (Constraint("grammar", "root ::= ", "p"), "invalid grammar"),
+        (Constraint("json_schema", '{"type": 5}', "p"), "invalid json_schema"),
+    ],
+)
+def test_invalid_specs_are_refused(constraint, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        to_grammar(constraint)
+
+
+def test_wrong_values_are_refused():
+    with pytest.raises(InvalidRequestError, match="unknown constraint kind"):
+        Constraint("yaml", "")
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_SPEC_CHARS}"):
+        Constraint("regex", "a" * (MAX_SPEC_CHARS + 1))
+    with pytest.raises(InvalidRequestError, match="non-empty strings"):
+        choice_constraint(["a", ""], "c")
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        schema_constraint("{", "s")
+    with pytest.raises(InvalidRequestError, match="must be a Constraint"):
+        SamplingParams(constraint={"kind": "regex"})
+    with pytest.raises(ValueError, match="max_bytes"):
+        GrammarCache(None, VOCAB, [EOS], max_bytes=0)
+
+
+def test_compiles_once_per_distinct_constraint(cache):
+    a = schema_constraint(PERSON, "x")
+    first = cache.get(a)
+    hits = cache.num_hits
+    same = schema_constraint(json.loads(json.dumps(PERSON)), "other")  # equal, other field
+    assert cache.get(same) is first
+    assert cache.num_hits == hits + 1
+
+
+def test_cache_is_bounded_by_bytes_lru(tokenizer):
+    small = GrammarCache(tokenizer, VOCAB, [EOS], max_bytes=1)
+    for i in range(3):
+        small.get(Constraint("regex", f"x{i}+"))
+        small.submit(Constraint("regex", "keep")).result()  # settle the callback
+    # Every completed entry is over the bound alone, so at most the newest pending survives.
+    assert small.num_bytes <= max(small._sizes.values(), default=0)
+    assert len(small) <= 2
+
+
+def test_compile_past_the_time_limit_fails_with_a_clear_error():
+    with pytest.raises(GrammarError, match="did not compile within 0.01 s"):
+        wait_compiled(Future(), 0.01)
+
+
+def test_invalid_constraint_fails_in_the_cache_too(cache):
+    with pytest.raises(GrammarError, match="invalid regex"):
+        cache.get(Constraint("regex", "(("))
+
+
+def test_replay_rebuilds_the_matcher_state(cache, tokenizer):
+    constraint = schema_constraint(PERSON, "x")
+    done = tokenizer.encode('{"name": "Al", "age": 3}')
+    state = GrammarState(cache.submit(constraint), time.monotonic() + 60, done[:3])
+    matcher = state.build(done[3:])
+    assert matcher.accept_token(EOS) and matcher.is_terminated()
+    hello = tokenizer.encode("hello")
+    broken = GrammarState(cache.submit(constraint), time.monotonic() + 60, hello)
+    with pytest.raises(GrammarError, match="breaks the grammar"):
+        broken.build([])
+
+
+def test_masks_constrained_rows_in_place_and_leaves_free_rows(cache, tokenizer):
+    choice = choice_constraint(["yes", "no"], "c")
+    matcher = GrammarState(cache.submit(choice), time.monotonic() + 60).build([])
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    MaskBuffer(VOCAB).apply(logits, [None, matcher, None])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    allowed = (logits[1] > -torch.inf).nonzero().squeeze(1).tolist()
+    assert allowed and all(
+        any(c.startswith(tokenizer.decode([t])) for c in ("yes", "no")) for t in allowed
+    )
+
+
+def test_sampler_draws_only_what_the_grammar_allows(cache, tokenizer):
+    constraint = Constraint("regex", "[0-9]{4}")
+    state = GrammarState(cache.submit(constraint), time.monotonic() + 60)
+    state.build([])
+    sampler = Sampler()
+    params = SamplingParams(temperature=1.0, seed=1)
+    generator = torch.Generator().manual_seed(1)
+    tokens = []
+    while not state.is_terminated:
+        row = SamplingRow(params, generator, [1], tokens, grammar_matcher=state.matcher)
+        free = SamplingRow(SamplingParams(temperature=0), None, [1], [])
+        out = sampler(torch.randn(2, VOCAB), [row, free])
+        tokens.append(out.token_ids[0])
+        state.accept(out.token_ids[0])
+        assert len(tokens) <= 6
+    assert tokens[-1] == EOS
+    text = tokenizer.decode(tokens[:-1])
+    assert len(text) == 4 and text.isdigit()
+
+
+def test_engine_config_refuses_wrong_grammar_limits():
+    from shared.engine.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="grammar_cache_bytes"):
+        EngineConfig(grammar_cache_bytes=0)
+    with pytest.raises(ValueError, match="grammar_compile_timeout_s"):
+        EngineConfig(grammar_compile_timeout_s=0)
+
+
+def test_an_engine_without_a_tokenizer_refuses_constrained_requests():
+    from shared.engine.grammar import GrammarBinding
+
+    binding = GrammarBinding(None, VOCAB, {EOS})
+    with pytest.raises(InvalidRequestError, match="without a tokenizer"):
+        binding.cache  # noqa: B018

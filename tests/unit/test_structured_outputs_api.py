@@ -1,0 +1,153 @@
+"""The API's structured-output fields: each spelling mapped to its engine constraint, and every
+bad value answered with a 400 naming the field before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
+from shared.engine.constraint import MAX_SPEC_CHARS, Constraint
+from shared.wire import SamplingSpec, decode, encode
+from shared.wire_convert import sampling_params, sampling_spec
+
+MODEL = "smollm2"
+MAX_LEN = 2048
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def constraint(**fields) -> Constraint | None:
+    request = parse_chat_request({**CHAT, **fields}, MODEL, MAX_LEN)
+    return request.sampling_params(10, MAX_LEN).constraint
+
+
+def refused(param: str, match: str, **fields) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_chat_request({**CHAT, **fields}, MODEL, MAX_LEN)
+    assert info.value.status == 400
+    assert info.value.param == param, info.value.message
+    assert match in info.value.message
+
+
+def test_each_spelling_maps_to_its_constraint():
+    json_schema = {"name": "a", "schema": SCHEMA, "strict": True}
+    assert constraint(response_format={"type": "text"}) is None
+    assert constraint(response_format={"type": "json_object"}) == Constraint("json_object")
+    assert constraint(response_format={"type": "json_schema", "json_schema": json_schema}) == (
+        Constraint("json_schema", json.dumps(SCHEMA))
+    )
+    assert constraint(structured_outputs={"json": SCHEMA}).kind == "json_schema"
+    assert constraint(structured_outputs={"json": json.dumps(SCHEMA)}).kind == "json_schema"
+    assert constraint(structured_outputs={"regex": "[a-z]+"}) == Constraint("regex", "[a-z]+")
+    assert constraint(structured_outputs={"choice": ["x", "y"]}).spec == '["x", "y"]'
+    grammar = 'root ::= "a" | "b"'
+    assert constraint(structured_outputs={"grammar": grammar}) == Constraint("grammar", grammar)
+    assert constraint(structured_outputs={"json_object": True}).kind == "json_object"
+    completion = parse_completion_request(
+        {"model": MODEL, "prompt": "x", "structured_outputs": {"regex": "a+"}}, MODEL, MAX_LEN
+    )
+    assert completion.sampling_params(1, MAX_LEN).constraint == Constraint("regex", "a+")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "match"),
+    [
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "must be one of"),
+        ({"response_format": "json"}, "response_format", "must be an object"),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "`name` and `schema`",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+            "response_format.json_schema.name",
+            "required",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "keyword `not` cannot be enforced",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+            "response_format.json_schema.schema",
+            "must be an object",
+        ),
+        (
+            {"response_format": {"type": "json_object", "schema": {}}},
+            "response_format.schema",
+            "unknown field",
+        ),
+        ({"structured_outputs": {"regex": "a("}}, "structured_outputs.regex", "invalid regex"),
+        ({"structured_outputs": {"grammar": "x ::="}}, "structured_outputs.grammar", "invalid"),
+        ({"structured_outputs": {"json": {"type": 5}}}, "structured_outputs.json", "invalid"),
+        ({"structured_outputs": {"json": "{"}}, "structured_outputs.json", "not valid JSON"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "1 to 256"),
+        ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex", "non-empty string"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one of"),
+        ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"regexp": "a"}}, "structured_outputs.regexp", "unknown"),
+        ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object", "true"),
+        (
+            {"structured_outputs": {"regex": "a" * (MAX_SPEC_CHARS + 1)}},
+            "structured_outputs.regex",
+            "at most",
+        ),
+        (
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+            "not both",
+        ),
+    ],
+)
+def test_bad_values_are_refused_naming_the_field(fields, param, match):
+    refused(param, match, **fields)
+
+
+def test_the_constraint_round_trips_over_the_wire():
+    params = parse_chat_request(
+        {**CHAT, "structured_outputs": {"json": SCHEMA}}, MODEL, MAX_LEN
+    ).sampling_params(10, MAX_LEN)
+    spec = sampling_spec(params)
+    assert spec.constraint.kind == "json_schema"
+    assert sampling_params(spec) == params
+    assert sampling_params(SamplingSpec()).constraint is None
+
+
+def test_the_wire_refuses_a_bad_constraint():
+    from shared import wire
+
+    message = wire.Cancel(request_id="r", reason="x")
+    assert decode(encode(message)) == message
+    with pytest.raises(wire.WireError, match="constraint"):
+        wire.decode(_submit_with_constraint({"kind": "yaml", "spec": ""}))
+    with pytest.raises(wire.WireError, match="constraint"):
+        wire.decode(_submit_with_constraint({"kind": "regex", "spec": "a" * (64 << 10 + 1)}))
+
+
+def _submit_with_constraint(constraint: dict) -> list[bytes]:
+    import msgpack
+
+    from shared import wire
+
+    submit = wire.Submit(
+        request_id="r",
+        prompt_token_ids=[1],
+        sampling=SamplingSpec(),
+        tenant="t",
+        priority=0,
+        gateway_peer_id="g",
+        arrival_time=0.0,
+    )
+    frames = wire.encode(submit)
+    header = msgpack.unpackb(bytes(frames[1]))
+    header["sampling"]["constraint"] = constraint
+    return [frames[0], msgpack.packb(header)]

@@ -1,0 +1,134 @@
+"""Tool calling in the API layer: tools and tool_choice checked, rendered into the prompt (the
+documented fallback format), forced calls constrained, and calls parsed out of the output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
+from services.gateway.tools import extract_tool_calls
+from shared.engine.constraint import to_grammar
+
+MODEL = "smollm2"
+MAX_LEN = 2048
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+NOW = {"type": "function", "function": {"name": "now"}}  # parameterless
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+
+
+def chat(**fields):
+    return parse_chat_request({**CHAT, **fields}, MODEL, MAX_LEN)
+
+
+def refused(param: str, match: str, parse=parse_chat_request, **fields) -> None:
+    base = CHAT if parse is parse_chat_request else {"model": MODEL, "prompt": "x"}
+    with pytest.raises(ApiError) as info:
+        parse({**base, **fields}, MODEL, MAX_LEN)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert match in info.value.message
+
+
+def test_tools_go_into_the_system_turn():
+    request = chat(tools=[WEATHER, NOW])
+    assert request.tools.choice == "auto"
+    system = request.messages[0]
+    assert system["role"] == "system" and "get_weather" in system["content"]
+    assert "<tool_call>" in system["content"]
+    assert request.sampling_params(10, MAX_LEN).constraint is None  # the model decides
+
+
+def test_forced_calls_are_constrained_to_the_tools_schemas():
+    named = chat(
+        tools=[WEATHER, NOW], tool_choice={"type": "function", "function": {"name": "now"}}
+    )
+    schema = json.loads(named.sampling_params(10, MAX_LEN).constraint.spec)
+    assert schema["properties"]["name"] == {"const": "now"}
+    assert schema["properties"]["arguments"]["additionalProperties"] is False  # exactly {}
+    required = chat(tools=[WEATHER, NOW], tool_choice="required")
+    constraint = required.sampling_params(10, MAX_LEN).constraint
+    assert len(json.loads(constraint.spec)["anyOf"]) == 2
+    to_grammar(constraint)  # xgrammar takes it
+
+
+def test_history_with_calls_and_results_is_rendered():
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    request = chat(messages=messages, tools=[WEATHER])
+    assert request.messages[2] == {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    }
+    assert request.messages[3] == {"role": "tool", "content": "sunny"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "match"),
+    [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice", "unknown tool 'x'"),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "must be"),
+        ({"tool_choice": "required"}, "tool_choice", "`tools` is empty"),
+        ({"tools": [{"type": "function"}]}, "tools[0]", "must be"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+         "tools[0].function.name", "letters"),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
+         "tools[0].function.parameters", "`not`"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "returns": 1}}]},
+         "tools[0].function.returns", "unknown"),
+        ({"tools": [WEATHER], "stream": True}, "stream", "not supported yet"),
+        ({"tools": [WEATHER], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+    ],
+)  # fmt: skip
+def test_bad_tool_fields_are_refused(fields, param, match):
+    refused(param, match, **fields)
+
+
+def test_completions_refuse_tools():
+    refused("tools", "not supported", parse=parse_completion_request, tools=[WEATHER])
+
+
+def test_calls_are_parsed_from_the_output():
+    auto = chat(tools=[WEATHER, NOW]).tools
+    text = 'Sure.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    text += '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    content, calls = extract_tool_calls(auto, text)
+    assert content == "Sure."
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert calls[1]["function"]["arguments"] == "{}"  # a parameterless tool keeps its {}
+    assert calls[0]["id"] != calls[1]["id"] and calls[0]["type"] == "function"
+    assert extract_tool_calls(auto, "No tools needed.") == ("No tools needed.", [])
+    assert extract_tool_calls(auto, '<tool_call>{"name": "rm"}</tool_call>')[1] == []
+    forced = chat(tools=[WEATHER], tool_choice="required").tools
+    content, calls = extract_tool_calls(
+        forced, '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    )
+    assert content is None and len(calls) == 1
