@@ -45,6 +45,7 @@ SUBJECTS = ("The history of the printing press", "A recipe for bread:", "def fib
 PROMPTS = [f"{frame}{s}" for frame in ("", "Note: ", "Draft 2. ", "> ") for s in SUBJECTS]
 MAX_TOKENS = 24
 LOAD_TIMEOUT_S = 300.0  # a whole load, kill or partition included
+PROJECT_PREFIX = "tandem-test-"  # the compose project's name is this and the test's pid
 
 
 def _engine_problem() -> str | None:
@@ -150,18 +151,29 @@ def _idle(worker: dict) -> bool:
     return not busy and worker["free_blocks"] == worker["total_blocks"]
 
 
+def remove_leftovers(prefix: str = PROJECT_PREFIX) -> None:
+    """Containers, volumes and networks of earlier runs of this module that never reached `down`
+    (a killed run). Their restart policy would bring them back with the engine, on our cores."""
+    for kind, listing in (("container", ("ps", "--all")), ("volume", ("volume", "ls")),
+                          ("network", ("network", "ls"))):  # fmt: skip
+        names = docker(*listing, "--quiet", "--filter", f"name=^{prefix}").split()
+        if names:
+            docker(kind, "rm", *(["--force"] if kind == "container" else []), *names)
+
+
 @pytest.fixture(scope="module")
 def compose_cluster():
     if ENGINE_PROBLEM is not None:  # only in CI: elsewhere the module is skipped
         pytest.fail(f"CI=true and no Docker engine for the compose tests: {ENGINE_PROBLEM}")
     from testcontainers.compose import DockerCompose
 
+    remove_leftovers()
     # The image as a user without an image registry builds it; cached layers make it quick.
     build = subprocess.run(
         ["bash", "compose/build-image.sh"], cwd=ROOT, capture_output=True, text=True, timeout=1800
     )
     assert build.returncode == 0, f"compose/build-image.sh:\n{build.stdout}{build.stderr[-6000:]}"
-    project = f"tandem-test-{os.getpid()}"
+    project = f"{PROJECT_PREFIX}{os.getpid()}"
     http_port = free_port()
     env = {
         # Its own project and ports beside anything else on the engine, this host only, a small
