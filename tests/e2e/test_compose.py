@@ -151,14 +151,22 @@ def _idle(worker: dict) -> bool:
     return not busy and worker["free_blocks"] == worker["total_blocks"]
 
 
-def remove_leftovers(prefix: str = PROJECT_PREFIX) -> None:
+def remove_leftovers() -> None:
     """Containers, volumes and networks of earlier runs of this module that never reached `down`
-    (a killed run). Their restart policy would bring them back with the engine, on our cores."""
-    for kind, listing in (("container", ("ps", "--all")), ("volume", ("volume", "ls")),
-                          ("network", ("network", "ls"))):  # fmt: skip
-        names = docker(*listing, "--quiet", "--filter", f"name=^{prefix}").split()
-        if names:
-            docker(kind, "rm", *(["--force"] if kind == "container" else []), *names)
+    (a killed run): their restart policy would bring them back with the engine, on our cores.
+    A project whose test process still runs (its pid is in the name) is left alone."""
+    for kind, listing in (("container", ("ps", "--all", "--format", "{{.Names}}")),
+                          ("volume", ("volume", "ls", "--format", "{{.Name}}")),
+                          ("network", ("network", "ls", "--format", "{{.Name}}"))):  # fmt: skip
+        names = docker(*listing).split()
+        orphans = [n for n in names if n.startswith(PROJECT_PREFIX) and not _project_alive(n)]
+        if orphans:
+            docker(kind, "rm", *(["--force"] if kind == "container" else []), *orphans)
+
+
+def _project_alive(name: str) -> bool:
+    pid = name.removeprefix(PROJECT_PREFIX).replace("_", "-").partition("-")[0]
+    return pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
 @pytest.fixture(scope="module")
