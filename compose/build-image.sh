@@ -8,8 +8,10 @@
 # 2. compose/build-extras/: torch's CPU wheel as this machine's pip finds it (`pip download`,
 #    kept between builds) and the CA bundle named by pip's `cert` setting (PIP_CERT or pip
 #    config), which the build's pip needs to reach the index.
-# 3. `docker compose build` with BASE_IMAGE set, so the image is the one docker-compose.yml runs.
-#    Layers are cached by the engine: a change of source rebuilds only the last ones.
+# 3. `docker compose build prepare` with BASE_IMAGE set, so the image is the one
+#    docker-compose.yml runs: every service shares it, and compose without buildx would build and
+#    export it once per service. Layers are cached by the engine: a change of source rebuilds only
+#    the last ones.
 # Extra arguments go to `docker compose build` (e.g. --progress plain).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,5 +40,5 @@ else
     rm -f "$extras/pip-cert.pem"
 fi
 
-BASE_IMAGE="$base" docker compose build "$@"
+BASE_IMAGE="$base" docker compose build "$@" prepare
 docker image ls "tandem:${VARIANT:-cpu}" --format 'build-image: {{.Repository}}:{{.Tag}} {{.Size}}' >&2
