@@ -23,7 +23,7 @@ state for the request.
 from __future__ import annotations
 
 import enum
-import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
@@ -79,6 +79,13 @@ class PrefillWindow:
         else:
             self.small_tokens += num_prompt_tokens
 
+    def release(self, num_prompt_tokens: int) -> None:
+        """Undoes `hold` (a window holds at most one big prompt: `takes` refuses a second)."""
+        if self.is_big(num_prompt_tokens):
+            self.holds_big = False
+        else:
+            self.small_tokens -= num_prompt_tokens
+
     @property
     def small_room(self) -> int:
         return self.tokens - self.small_tokens
@@ -87,6 +94,45 @@ class PrefillWindow:
         if self.is_big(num_prompt_tokens):
             return not self.holds_big
         return self.small_room > 0
+
+
+@dataclass(frozen=True)
+class Room:
+    """Whether a queued request can be placed now: some prefill window takes it and some decode
+    worker can hold it (`WorkerRegistry.pick_decode`). Computed once per choice from the workers,
+    so the policy may ask about every queued request at O(1) each."""
+
+    small: bool  # some window has room for small prompts
+    big: bool  # some window holds no big prompt
+    window_tokens: int  # what makes a prompt big (more than half of it)
+    decode_tokens: int  # the most tokens any decode worker with a free seat can hold now
+
+    @classmethod
+    def of(cls, windows: Iterable[PrefillWindow], decodes: list[WorkerState]) -> Room:
+        windows = list(windows)
+        return cls(
+            small=any(w.small_room > 0 for w in windows),
+            big=any(not w.holds_big for w in windows),
+            window_tokens=windows[0].tokens if windows else 0,
+            decode_tokens=max(
+                (
+                    w.num_available_blocks * w.block_size
+                    for w in decodes
+                    if len(w.request_ids) < w.max_num_seqs
+                ),
+                default=0,
+            ),
+        )
+
+    @property
+    def any(self) -> bool:
+        return (self.small or self.big) and self.decode_tokens > 0
+
+    def takes(self, item: QueuedRequest) -> bool:
+        # blocks_for(n) <= available  <=>  n <= available * block_size, for whole blocks
+        big = item.num_prompt_tokens > self.window_tokens // 2
+        window_ok = self.big if big else self.small
+        return window_ok and item.num_prompt_tokens + 1 <= self.decode_tokens
 
 
 @dataclass
@@ -152,6 +198,9 @@ class ClusterScheduler:
     abandoned: dict[str, None] = field(default_factory=dict)
     # Dispatches since the service last took them (`take_dispatched`).
     dispatched: list[Dispatched] = field(default_factory=list)
+    # Each prefill worker's window, kept up to date as requests are assigned and released
+    # (`_assign`, `_release`), so a dispatch need not recount what every worker holds.
+    windows: dict[str, PrefillWindow] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.registry = WorkerRegistry(
@@ -182,6 +231,8 @@ class ClusterScheduler:
                     metrics_address=hello.metrics_address,
                 )
             )
+            if hello.role == "prefill":
+                self.windows[hello.peer_id] = PrefillWindow(self.limits.prefill_window_tokens)
             return out + self.dispatch(now)
         return []
 
@@ -198,6 +249,8 @@ class ClusterScheduler:
             )
             return [Outgoing(identity, ack)]
         worker.last_heartbeat = now
+        could_take = worker.making_progress(now, self.limits.progress_timeout_s)
+        num_available_blocks = worker.num_available_blocks
         worker.num_free_blocks = heartbeat.num_free_blocks
         worker.num_running = heartbeat.num_running
         worker.num_waiting = heartbeat.num_waiting
@@ -216,7 +269,12 @@ class ClusterScheduler:
             for request_id in heartbeat.request_ids
             if request_id in self.abandoned
         ]
-        return stale + self.dispatch(now)
+        # Only more room or a worker back to health can place what could not be placed before
+        # (the tick dispatches too): with a thousand workers, a heartbeat must not cost a pass.
+        takes_now = worker.making_progress(now, self.limits.progress_timeout_s)
+        if (takes_now and not could_take) or worker.num_available_blocks > num_available_blocks:
+            return stale + self.dispatch(now)
+        return stale
 
     def tick(self, now: float) -> list[Outgoing]:
         """Takes silent workers out of rotation and re-routes requests whose phase timed out."""
@@ -342,7 +400,7 @@ class ClusterScheduler:
                 return []  # a report from an attempt the scheduler already gave up on
             prefill = self.registry.get(done.peer_id)
             if prefill is not None:
-                prefill.request_ids.discard(done.request_id)
+                self._release(prefill, request)
             if done.finish_reason is None:  # KV handed to the decode worker, which now owns it
                 request.phase = Phase.DECODING
                 request.prefill_peer_id = None
@@ -362,12 +420,15 @@ class ClusterScheduler:
     def dispatch(self, now: float) -> list[Outgoing]:
         """Hands the policy's next requests to prefill workers with room, decode reserved first."""
         out: list[Outgoing] = []
-        while len(self.queue):
-            prefills = self.registry.healthy("prefill", now)
-            if not prefills:
+        if not len(self.queue):
+            return out
+        prefills = self.registry.healthy("prefill", now)
+        windows = {w.peer_id: self.windows[w.peer_id] for w in prefills}
+        while len(self.queue) and prefills:
+            room = Room.of(windows.values(), self.registry.healthy("decode", now))
+            if not room.any:
                 break
-            windows = {w.peer_id: self._window(w) for w in prefills}
-            item = self.queue.pop_next(now, functools.partial(self._placeable, windows, now))
+            item = self.queue.pop_next(now, room.takes)
             if item is None:
                 break
             prefill = max(
@@ -376,14 +437,6 @@ class ClusterScheduler:
             )
             out.append(self._reserve(self.requests[item.request_id], prefill, now))
         return out
-
-    def _placeable(
-        self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
-    ) -> bool:
-        """Some prefill worker's window takes it, and some decode worker can hold it."""
-        if not any(window.takes(item.num_prompt_tokens) for window in windows.values()):
-            return False
-        return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:
         num_prompt_tokens = request.num_prefill_tokens
@@ -404,6 +457,7 @@ class ClusterScheduler:
         )
         decode.request_ids.add(request.request_id)
         prefill.request_ids.add(request.request_id)
+        self.windows[prefill.peer_id].hold(num_prompt_tokens)
         reserve = wire.Reserve(
             request_id=request.request_id,
             num_tokens=num_tokens,
@@ -411,13 +465,14 @@ class ClusterScheduler:
         )
         return Outgoing(decode.identity, reserve)
 
-    def _window(self, worker: WorkerState) -> PrefillWindow:
-        window = PrefillWindow(self.limits.prefill_window_tokens)
-        for request_id in worker.request_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                window.hold(request.num_prefill_tokens)
-        return window
+    def _release(self, worker: WorkerState, request: TrackedRequest) -> None:
+        """The worker no longer holds the request: off its list, and off its window."""
+        if request.request_id not in worker.request_ids:
+            return
+        worker.request_ids.discard(request.request_id)
+        window = self.windows.get(worker.peer_id) if worker.role == "prefill" else None
+        if window is not None:
+            window.release(request.num_prefill_tokens)
 
     def _enqueue(self, request: TrackedRequest) -> None:
         submit = request.submit
@@ -446,7 +501,7 @@ class ClusterScheduler:
             worker = self.registry.get(peer_id) if peer_id else None
             if worker is None:
                 continue
-            worker.request_ids.discard(request.request_id)
+            self._release(worker, request)
             if holds_state:
                 cancel = wire.Cancel(request_id=request.request_id, reason=reason)
                 out.append(Outgoing(worker.identity, cancel))
@@ -459,11 +514,11 @@ class ClusterScheduler:
         if cancel_reason is None and request.decode_peer_id:
             worker = self.registry.get(request.decode_peer_id)
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self._release(worker, request)
         if cancel_reason is None and request.prefill_peer_id:
             worker = self.registry.get(request.prefill_peer_id)
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self._release(worker, request)
         request.phase = Phase.QUEUED
         request.decode_peer_id = request.prefill_peer_id = None
         request.phase_deadline = float("inf")
@@ -485,7 +540,7 @@ class ClusterScheduler:
         for peer_id in (request.prefill_peer_id, request.decode_peer_id):
             worker = self.registry.get(peer_id) if peer_id else None
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self._release(worker, request)
         return []
 
     def _drop_worker(self, worker: WorkerState) -> list[Outgoing]:

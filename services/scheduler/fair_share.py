@@ -117,6 +117,16 @@ class FairQueue:
         self.virtual_time = 0.0
         self._items: dict[str, tuple[Party, QueuedRequest]] = {}
         self._parties: dict[Party, list[_Key]] = {}  # backlogged parties only
+        # Indexes, so that a choice costs no scan of the queue or of the parties (a scheduler
+        # holds 100,000 requests of 10,000 tenants). Both heaps are lazy: an entry whose request
+        # left (or was queued again: a new sequence number) or whose party's counter moved on
+        # is stale, skipped when met and dropped when it reaches the top.
+        self._sequence_of: dict[str, int] = {}  # request id -> its live entries' number
+        self._by_arrival: list[tuple[float, int, str]] = []  # every queued request, oldest first
+        # Backlogged parties, least served first: (counter, tenant, class, party), so that ties
+        # compare strings, not dataclasses (the order of `Party`).
+        self._by_counter: list[tuple[float, str, str, Party]] = []
+        self._resumed: dict[str, QueuedRequest] = {}  # the queued requests that are resuming
         self._sequence = itertools.count()  # ties in arrival time keep insertion order
         self._last_was_aged = False  # aging takes every other choice at most
 
@@ -144,28 +154,36 @@ class FairQueue:
             self._advance_virtual_time()
             self.counters[party] = max(self.counters.get(party, 0.0), self.virtual_time)
             heap = self._parties[party] = []
-        key = (
-            -item.priority,
-            item.num_prompt_tokens,
-            item.arrival,
-            next(self._sequence),
-            item.request_id,
-        )
+            self._push_counter(party)
+        sequence = next(self._sequence)
+        key = (-item.priority, item.num_prompt_tokens, item.arrival, sequence, item.request_id)
         heapq.heappush(heap, key)
         self._items[item.request_id] = (party, item)
+        self._sequence_of[item.request_id] = sequence
+        heapq.heappush(self._by_arrival, (item.arrival, sequence, item.request_id))
+        if item.resumed:
+            self._resumed[item.request_id] = item
 
     def remove(self, request_id: str) -> QueuedRequest | None:
         entry = self._items.pop(request_id, None)
         if entry is None:
             return None
         party, item = entry
-        heap = [key for key in self._parties[party] if key[-1] != request_id]
-        if heap:
+        del self._sequence_of[request_id]
+        self._resumed.pop(request_id, None)
+        heap = self._parties[party]
+        if heap[0][-1] == request_id:  # the usual case: the party's first is served
+            heapq.heappop(heap)
+        else:
+            heap = [key for key in heap if key[-1] != request_id]
             heapq.heapify(heap)
             self._parties[party] = heap
-        else:
+        if not heap:
             self._advance_virtual_time()
             del self._parties[party]
+        if len(self._by_arrival) > 2 * len(self._items) + 64:  # mostly stale: rebuild
+            self._by_arrival = [e for e in self._by_arrival if self._is_live(e)]
+            heapq.heapify(self._by_arrival)
         return item
 
     def pop_next(
@@ -173,10 +191,9 @@ class FairQueue:
     ) -> QueuedRequest | None:
         """Removes and returns the next request to serve, charging its prompt; None if no queued
         request is admissible."""
-        overdue = self._overdue(now)
-        if not overdue:
+        if self._oldest() is None or now - self._oldest().arrival < self.config.max_wait_s:
             self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
-        item, by_aging = self._choose(admissible, overdue)
+        item, by_aging = self._choose(admissible, now)
         if item is None:
             return None
         self._last_was_aged = by_aging
@@ -189,27 +206,40 @@ class FairQueue:
         self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
     ) -> QueuedRequest | None:
         """The request `pop_next` would return, left in the queue."""
-        return self._choose(admissible, self._overdue(now))[0]
+        return self._choose(admissible, now)[0]
 
-    def _overdue(self, now: float) -> list[QueuedRequest]:
-        """Every overdue request, oldest first."""
-        overdue = [i for _, i in self._items.values() if now - i.arrival >= self.config.max_wait_s]
-        return sorted(overdue, key=lambda item: item.arrival)
+    def _is_live(self, entry: tuple[float, int, str]) -> bool:
+        return self._sequence_of.get(entry[2]) == entry[1]
+
+    def _oldest(self) -> QueuedRequest | None:
+        """The earliest queued request (ties: the first queued); drops stale tops."""
+        heap = self._by_arrival
+        while heap and not self._is_live(heap[0]):
+            heapq.heappop(heap)
+        return self._items[heap[0][2]][1] if heap else None
+
+    def _overdue(self, now: float) -> Iterator[QueuedRequest]:
+        """Every overdue request, oldest first, found as it is asked for."""
+        for entry in _heap_order(self._by_arrival):
+            if now - entry[0] < self.config.max_wait_s:
+                return
+            if self._is_live(entry):
+                yield self._items[entry[2]][1]
 
     def _choose(
-        self, admissible: Callable[[QueuedRequest], bool], overdue: list[QueuedRequest]
+        self, admissible: Callable[[QueuedRequest], bool], now: float
     ) -> tuple[QueuedRequest | None, bool]:
         """(the next request, whether aging chose it: it is the oldest admissible overdue one)."""
         if not self._items:
             return None, False
-        resuming = sorted((i for _, i in self._items.values() if i.resumed), key=_by_arrival)
+        resuming = sorted(self._resumed.values(), key=_by_arrival)
         first = next((item for item in resuming if admissible(item)), None)
         if first is not None:
             return first, False
         if self.config.policy == "fcfs":  # strict: the oldest, or no one (head-of-line blocking)
-            oldest = min((item for _, item in self._items.values()), key=lambda i: i.arrival)
+            oldest = self._oldest()
             return (oldest if admissible(oldest) else None), False
-        oldest_overdue = next((item for item in overdue if admissible(item)), None)
+        oldest_overdue = next((item for item in self._overdue(now) if admissible(item)), None)
         if oldest_overdue is not None and not self._last_was_aged:
             return oldest_overdue, True
         fair = self._least_served(admissible)
@@ -219,8 +249,12 @@ class FairQueue:
 
     def _least_served(self, admissible: Callable[[QueuedRequest], bool]) -> QueuedRequest | None:
         """The fair choice: the first admissible request of the least-served backlogged party."""
-        for party in sorted(self._parties, key=lambda p: (self.counters[p], p)):
-            for key in _in_order(self._parties[party]):
+        seen: set[tuple[str, str]] = set()
+        for counter, tenant, class_name, party in _heap_order(self._by_counter):
+            if (tenant, class_name) in seen or not self._is_current(counter, party):
+                continue  # stale: the party left, or its counter moved on
+            seen.add((tenant, class_name))
+            for key in _heap_order(self._parties[party]):
                 item = self._items[key[-1]][1]
                 if admissible(item):
                     return item
@@ -238,20 +272,44 @@ class FairQueue:
         self.counters[party] = counter + cost / self.config.weight(party)
         served = self.served_tokens.get(party, 0)
         self.served_tokens[party] = served + num_prompt_tokens + num_output_tokens
+        if party in self._parties:
+            self._push_counter(party)
+            if len(self._by_counter) > 2 * len(self._parties) + 64:  # mostly stale: rebuild
+                self._by_counter = [
+                    (self.counters[p], p.tenant, p.class_name, p) for p in self._parties
+                ]
+                heapq.heapify(self._by_counter)
+
+    def _push_counter(self, party: Party) -> None:
+        heapq.heappush(
+            self._by_counter, (self.counters[party], party.tenant, party.class_name, party)
+        )
+
+    def _is_current(self, counter: float, party: Party) -> bool:
+        return party in self._parties and self.counters[party] == counter
 
     def _advance_virtual_time(self) -> None:
         """The virtual time follows the least-served backlogged party, and never goes back."""
-        if self._parties:
-            least = min(self.counters[p] for p in self._parties)
-            self.virtual_time = max(self.virtual_time, least)
+        heap = self._by_counter
+        while heap and not self._is_current(heap[0][0], heap[0][3]):
+            heapq.heappop(heap)  # stale
+        if heap:
+            self.virtual_time = max(self.virtual_time, heap[0][0])
 
 
 def _by_arrival(item: QueuedRequest) -> float:
     return item.arrival
 
 
-def _in_order(heap: list[_Key]) -> Iterator[_Key]:
-    """The heap's keys smallest first: the top at once, the rest sorted only if asked for."""
-    if heap:
-        yield heap[0]
-        yield from sorted(heap)[1:]
+def _heap_order(heap: list) -> Iterator:
+    """The heap's entries smallest first, found as they are asked for (a frontier of the heap's
+    children: k entries cost O(k log k)), the heap left as it is."""
+    if not heap:
+        return
+    frontier = [(heap[0], 0)]
+    while frontier:
+        entry, index = heapq.heappop(frontier)
+        yield entry
+        for child in (2 * index + 1, 2 * index + 2):
+            if child < len(heap):
+                heapq.heappush(frontier, (heap[child], child))
