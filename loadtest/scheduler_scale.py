@@ -175,7 +175,7 @@ class ScaleBench:
         }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prefill", type=int, default=1000)
     parser.add_argument("--decode", type=int, default=1000)
@@ -184,7 +184,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="cProfile the rounds: top 25")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("prefill", "decode", "queued", "tenants", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     bench = ScaleBench(args)
     if args.profile:
         profiler = cProfile.Profile()
