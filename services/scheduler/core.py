@@ -128,6 +128,14 @@ class Room:
     def any(self) -> bool:
         return (self.small or self.big) and self.decode_tokens > 0
 
+    @property
+    def token_range(self) -> tuple[int, int]:
+        """Prompt lengths that might be placed (for the policy to skip whole classes)."""
+        half = self.window_tokens // 2
+        low = 1 if self.small else half + 1
+        high = self.decode_tokens - 1 if self.big else min(half, self.decode_tokens - 1)
+        return low, high
+
     def takes(self, item: QueuedRequest) -> bool:
         # blocks_for(n) <= available  <=>  n <= available * block_size, for whole blocks
         big = item.num_prompt_tokens > self.window_tokens // 2
@@ -428,7 +436,7 @@ class ClusterScheduler:
             room = Room.of(windows.values(), self.registry.healthy("decode", now))
             if not room.any:
                 break
-            item = self.queue.pop_next(now, room.takes)
+            item = self.queue.pop_next(now, room.takes, room.token_range)
             if item is None:
                 break
             prefill = max(

@@ -105,6 +105,7 @@ class QueuedRequest:
 
 # A party's queue is a heap of (-priority, prompt tokens, arrival, insertion number, request id).
 _Key = tuple[int, int, float, int, str]
+_CounterKey = tuple[float, str, str, "Party"]
 
 
 class FairQueue:
@@ -123,9 +124,10 @@ class FairQueue:
         # is stale, skipped when met and dropped when it reaches the top.
         self._sequence_of: dict[str, int] = {}  # request id -> its live entries' number
         self._by_arrival: list[tuple[float, int, str]] = []  # every queued request, oldest first
-        # Backlogged parties, least served first: (counter, tenant, class, party), so that ties
-        # compare strings, not dataclasses (the order of `Party`).
-        self._by_counter: list[tuple[float, str, str, Party]] = []
+        # Backlogged parties, least served first, one heap per class: (counter, tenant, class,
+        # party), so that ties compare strings, not dataclasses (the order of `Party`). Per
+        # class, so a choice that can only place some prompt lengths skips the other classes.
+        self._by_counter: dict[str, list[_CounterKey]] = {n: [] for n in config.class_names}
         self._resumed: dict[str, QueuedRequest] = {}  # the queued requests that are resuming
         self._sequence = itertools.count()  # ties in arrival time keep insertion order
         self._last_was_aged = False  # aging takes every other choice at most
@@ -187,13 +189,17 @@ class FairQueue:
         return item
 
     def pop_next(
-        self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
+        self,
+        now: float,
+        admissible: Callable[[QueuedRequest], bool] = lambda _: True,
+        token_range: tuple[int, int] | None = None,
     ) -> QueuedRequest | None:
         """Removes and returns the next request to serve, charging its prompt; None if no queued
-        request is admissible."""
+        request is admissible. `token_range` (low, high), if given, promises that no request
+        with a prompt outside it is admissible: the classes outside are not looked at."""
         if self._oldest() is None or now - self._oldest().arrival < self.config.max_wait_s:
             self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
-        item, by_aging = self._choose(admissible, now)
+        item, by_aging = self._choose(admissible, now, token_range)
         if item is None:
             return None
         self._last_was_aged = by_aging
@@ -203,10 +209,13 @@ class FairQueue:
         return item
 
     def peek_next(
-        self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
+        self,
+        now: float,
+        admissible: Callable[[QueuedRequest], bool] = lambda _: True,
+        token_range: tuple[int, int] | None = None,
     ) -> QueuedRequest | None:
         """The request `pop_next` would return, left in the queue."""
-        return self._choose(admissible, now)[0]
+        return self._choose(admissible, now, token_range)[0]
 
     def _is_live(self, entry: tuple[float, int, str]) -> bool:
         return self._sequence_of.get(entry[2]) == entry[1]
@@ -227,7 +236,10 @@ class FairQueue:
                 yield self._items[entry[2]][1]
 
     def _choose(
-        self, admissible: Callable[[QueuedRequest], bool], now: float
+        self,
+        admissible: Callable[[QueuedRequest], bool],
+        now: float,
+        token_range: tuple[int, int] | None = None,
     ) -> tuple[QueuedRequest | None, bool]:
         """(the next request, whether aging chose it: it is the oldest admissible overdue one)."""
         if not self._items:
@@ -242,15 +254,24 @@ class FairQueue:
         oldest_overdue = next((item for item in self._overdue(now) if admissible(item)), None)
         if oldest_overdue is not None and not self._last_was_aged:
             return oldest_overdue, True
-        fair = self._least_served(admissible)
+        fair = self._least_served(admissible, token_range)
         if fair is None:
             return oldest_overdue, oldest_overdue is not None
         return fair, fair is oldest_overdue
 
-    def _least_served(self, admissible: Callable[[QueuedRequest], bool]) -> QueuedRequest | None:
+    def _least_served(
+        self,
+        admissible: Callable[[QueuedRequest], bool],
+        token_range: tuple[int, int] | None = None,
+    ) -> QueuedRequest | None:
         """The fair choice: the first admissible request of the least-served backlogged party."""
+        heaps = [
+            heap
+            for class_name, heap in self._by_counter.items()
+            if token_range is None or self._class_meets(class_name, token_range)
+        ]
         seen: set[tuple[str, str]] = set()
-        for counter, tenant, class_name, party in _heap_order(self._by_counter):
+        for counter, tenant, class_name, party in heapq.merge(*map(_heap_order, heaps)):
             if (tenant, class_name) in seen or not self._is_current(counter, party):
                 continue  # stale: the party left, or its counter moved on
             seen.add((tenant, class_name))
@@ -274,27 +295,39 @@ class FairQueue:
         self.served_tokens[party] = served + num_prompt_tokens + num_output_tokens
         if party in self._parties:
             self._push_counter(party)
-            if len(self._by_counter) > 2 * len(self._parties) + 64:  # mostly stale: rebuild
-                self._by_counter = [
-                    (self.counters[p], p.tenant, p.class_name, p) for p in self._parties
-                ]
-                heapq.heapify(self._by_counter)
 
     def _push_counter(self, party: Party) -> None:
-        heapq.heappush(
-            self._by_counter, (self.counters[party], party.tenant, party.class_name, party)
-        )
+        heap = self._by_counter[party.class_name]
+        heapq.heappush(heap, (self.counters[party], party.tenant, party.class_name, party))
+        if len(heap) > 2 * len(self._parties) + 64:  # mostly stale: rebuild
+            heap[:] = [
+                (self.counters[p], p.tenant, p.class_name, p)
+                for p in self._parties
+                if p.class_name == party.class_name
+            ]
+            heapq.heapify(heap)
+
+    def _class_meets(self, class_name: str, token_range: tuple[int, int]) -> bool:
+        """Whether the class's prompt lengths [threshold before, next threshold) meet the range."""
+        index = self.config.class_names.index(class_name)
+        thresholds = self.config.class_thresholds
+        low = thresholds[index - 1] if index > 0 else 0
+        high = thresholds[index] - 1 if index < len(thresholds) else float("inf")
+        return low <= token_range[1] and token_range[0] <= high
 
     def _is_current(self, counter: float, party: Party) -> bool:
         return party in self._parties and self.counters[party] == counter
 
     def _advance_virtual_time(self) -> None:
         """The virtual time follows the least-served backlogged party, and never goes back."""
-        heap = self._by_counter
-        while heap and not self._is_current(heap[0][0], heap[0][3]):
-            heapq.heappop(heap)  # stale
-        if heap:
-            self.virtual_time = max(self.virtual_time, heap[0][0])
+        tops = []
+        for heap in self._by_counter.values():
+            while heap and not self._is_current(heap[0][0], heap[0][3]):
+                heapq.heappop(heap)  # stale
+            if heap:
+                tops.append(heap[0][0])
+        if tops:
+            self.virtual_time = max(self.virtual_time, min(tops))
 
 
 def _by_arrival(item: QueuedRequest) -> float:
