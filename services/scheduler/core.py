@@ -137,10 +137,13 @@ class Room:
         return low, high
 
     def takes(self, item: QueuedRequest) -> bool:
+        return self.takes_tokens(item.num_prompt_tokens)
+
+    def takes_tokens(self, num_prompt_tokens: int) -> bool:
         # blocks_for(n) <= available  <=>  n <= available * block_size, for whole blocks
-        big = item.num_prompt_tokens > self.window_tokens // 2
+        big = num_prompt_tokens > self.window_tokens // 2
         window_ok = self.big if big else self.small
-        return window_ok and item.num_prompt_tokens + 1 <= self.decode_tokens
+        return window_ok and num_prompt_tokens + 1 <= self.decode_tokens
 
 
 @dataclass
@@ -209,6 +212,9 @@ class ClusterScheduler:
     # Each prefill worker's window, kept up to date as requests are assigned and released
     # (`_assign`, `_release`), so a dispatch need not recount what every worker holds.
     windows: dict[str, PrefillWindow] = field(default_factory=dict)
+    # The room when the last dispatch stopped with requests left that nothing could place;
+    # None once room may have been freed since.
+    blocked_room: Room | None = None
 
     def __post_init__(self) -> None:
         self.registry = WorkerRegistry(
@@ -330,6 +336,12 @@ class ClusterScheduler:
             message=None,
             retry_after_s=None,
         )
+        blocked = self.blocked_room
+        if blocked is not None and not blocked.takes_tokens(request.num_prefill_tokens):
+            # Nothing queued could be placed, no room was freed since (a release clears
+            # `blocked_room`; every other way to room dispatches), and this one does not fit
+            # either: a pass over the workers would find nothing.
+            return [Outgoing(identity, accepted)]
         return [Outgoing(identity, accepted)] + self.dispatch(now)
 
     def _admission_refusal(
@@ -428,16 +440,16 @@ class ClusterScheduler:
     def dispatch(self, now: float) -> list[Outgoing]:
         """Hands the policy's next requests to prefill workers with room, decode reserved first."""
         out: list[Outgoing] = []
+        self.blocked_room = None
         if not len(self.queue):
             return out
         prefills = self.registry.healthy("prefill", now)
         windows = {w.peer_id: self.windows[w.peer_id] for w in prefills}
-        while len(self.queue) and prefills:
+        while len(self.queue):
             room = Room.of(windows.values(), self.registry.healthy("decode", now))
-            if not room.any:
-                break
-            item = self.queue.pop_next(now, room.takes, room.token_range)
+            item = self.queue.pop_next(now, room.takes, room.token_range) if room.any else None
             if item is None:
+                self.blocked_room = room
                 break
             prefill = max(
                 (w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens)),
@@ -477,6 +489,7 @@ class ClusterScheduler:
         """The worker no longer holds the request: off its list, and off its window."""
         if request.request_id not in worker.request_ids:
             return
+        self.blocked_room = None  # a seat or a window's room was freed
         worker.request_ids.discard(request.request_id)
         window = self.windows.get(worker.peer_id) if worker.role == "prefill" else None
         if window is not None:
