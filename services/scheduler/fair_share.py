@@ -128,6 +128,9 @@ class FairQueue:
         # party), so that ties compare strings, not dataclasses (the order of `Party`). Per
         # class, so a choice that can only place some prompt lengths skips the other classes.
         self._by_counter: dict[str, list[_CounterKey]] = {n: [] for n in config.class_names}
+        # Per class: how many requests are queued, and bounds on their prompt lengths (widened
+        # as requests come, reset when the class empties: never narrower than the truth).
+        self._class_sizes: dict[str, list[int]] = {}  # class -> [count, min tokens, max tokens]
         self._resumed: dict[str, QueuedRequest] = {}  # the queued requests that are resuming
         self._sequence = itertools.count()  # ties in arrival time keep insertion order
         self._last_was_aged = False  # aging takes every other choice at most
@@ -163,6 +166,10 @@ class FairQueue:
         self._items[item.request_id] = (party, item)
         self._sequence_of[item.request_id] = sequence
         heapq.heappush(self._by_arrival, (item.arrival, sequence, item.request_id))
+        sizes = self._class_sizes.setdefault(party.class_name, [0, item.num_prompt_tokens, 0])
+        sizes[0] += 1
+        sizes[1] = min(sizes[1], item.num_prompt_tokens)
+        sizes[2] = max(sizes[2], item.num_prompt_tokens)
         if item.resumed:
             self._resumed[item.request_id] = item
 
@@ -173,6 +180,10 @@ class FairQueue:
         party, item = entry
         del self._sequence_of[request_id]
         self._resumed.pop(request_id, None)
+        sizes = self._class_sizes[party.class_name]
+        sizes[0] -= 1
+        if sizes[0] == 0:
+            del self._class_sizes[party.class_name]
         heap = self._parties[party]
         if heap[0][-1] == request_id:  # the usual case: the party's first is served
             heapq.heappop(heap)
@@ -308,12 +319,9 @@ class FairQueue:
             heapq.heapify(heap)
 
     def _class_meets(self, class_name: str, token_range: tuple[int, int]) -> bool:
-        """Whether the class's prompt lengths [threshold before, next threshold) meet the range."""
-        index = self.config.class_names.index(class_name)
-        thresholds = self.config.class_thresholds
-        low = thresholds[index - 1] if index > 0 else 0
-        high = thresholds[index] - 1 if index < len(thresholds) else float("inf")
-        return low <= token_range[1] and token_range[0] <= high
+        """Whether the prompt lengths queued in the class may meet the range."""
+        sizes = self._class_sizes.get(class_name)
+        return sizes is not None and sizes[1] <= token_range[1] and token_range[0] <= sizes[2]
 
     def _is_current(self, counter: float, party: Party) -> bool:
         return party in self._parties and self.counters[party] == counter
