@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -99,8 +100,10 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "note": args.note,
+        "load_average_1m_before": os.getloadavg()[0],  # a busy machine measures slow steps
     }
     profile = measure_profile(model, grid, args.repeats, settings, metadata)
+    profile.metadata["load_average_1m_after"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.out)
     print(describe(profile))

@@ -4,8 +4,9 @@ They play what the real workers do on the wire, in simulated time, through a `Cl
 simulator) that carries their messages to the scheduler core and their tokens to the records:
 
 * A prefill worker runs steps while it holds prompts. Each step shares a token budget between
-  them with the engine's own rule (`shortest_first`: a floor each, the rest to the shortest), the
-  budget capped so the step keeps to the time target. A prompt finished in a step has its first
+  the prompts in progress and a few new ones with the engine's own rules (`shortest_first`: a
+  floor each, the rest to the shortest; the time target's cap at the profile's prefill rate,
+  raised to finish short prompts; `lighten`). A prompt finished in a step has its first
   token at the step's end; its KV then travels to the decode target (the profile's transfer
   time, off the compute path), and on arrival the prefill reports the request done to the
   scheduler.
@@ -25,7 +26,12 @@ from typing import Protocol
 
 from services.planner.profile import WorkerProfile
 from shared import wire
-from shared.engine.scheduler import shortest_first
+from shared.engine.scheduler import (
+    MIN_CHUNK,
+    lighten,
+    raise_cap_for_short_prompts,
+    shortest_first,
+)
 
 
 class Cluster(Protocol):
@@ -50,6 +56,7 @@ class WorkerStats:
 @dataclass
 class _Prompt:
     job: wire.PrefillJob
+    num_tokens: int  # prompt tokens in all
     num_left: int  # prompt tokens not yet computed
 
 
@@ -65,17 +72,17 @@ class SimPrefillWorker:
         self.stats = WorkerStats()
         self.token_cap = self._token_cap(profile.settings.step_time_target_s)
 
-    def _token_cap(self, target_s: float | None) -> int:
-        """The most prompt tokens a step may carry to stay within the time target."""
+    def _token_cap(self, target_s: float | None) -> int | None:
+        """The engine's cap for the time target (`LLMEngine.prompt_token_cap`), at the rate of a
+        full step of the profile."""
         if target_s is None:
-            return self.budget
-        steps = range(16, self.budget + 1, 16)
-        fitting = [n for n in steps if self.profile.prefill_time(n) <= target_s]
-        return max(fitting, default=16)
+            return None
+        tokens_per_s = self.budget / self.profile.prefill_time(self.budget)
+        return max(MIN_CHUNK, int(target_s * tokens_per_s))
 
     def on_job(self, job: wire.PrefillJob) -> None:
         num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
-        self.prompts[job.request_id] = _Prompt(job, num_tokens)
+        self.prompts[job.request_id] = _Prompt(job, num_tokens, num_tokens)
         self._maybe_step()
 
     def on_cancel(self, request_id: str) -> None:
@@ -85,9 +92,14 @@ class SimPrefillWorker:
     def _maybe_step(self) -> None:
         if self.stepping or not self.prompts:
             return
-        ids = list(self.prompts)
+        ids = self._sharers()
         needs = [self.prompts[i].num_left for i in ids]
-        shares = shortest_first(needs, min(self.budget, self.token_cap))
+        budget = self.budget
+        if self.token_cap is not None:
+            budget = raise_cap_for_short_prompts(needs, self.token_cap, self.budget)
+        shares = shortest_first(needs, budget)
+        if self.token_cap is not None:
+            shares = lighten(needs, shares)
         duration = self.profile.prefill_time(sum(shares))
         self.stepping = True
         self.stats.busy_s += duration
@@ -95,6 +107,15 @@ class SimPrefillWorker:
         self.cluster.at(
             self.cluster.now + duration, self._end_step, dict(zip(ids, shares, strict=True))
         )
+
+    def _sharers(self) -> list[str]:
+        """The prompts in progress and as many new ones as the capped budget seats (as the
+        engine's step scheduler: one per MIN_CHUNK tokens, at least one)."""
+        started = [i for i, p in self.prompts.items() if p.num_left < p.num_tokens]
+        waiting = [i for i, p in self.prompts.items() if p.num_left == p.num_tokens]
+        budget = self.budget if self.token_cap is None else min(self.budget, self.token_cap)
+        num_newcomers = max(1, budget // MIN_CHUNK - len(started))
+        return started + waiting[:num_newcomers]
 
     def _end_step(self, shares: dict[str, int]) -> None:
         self.stepping = False

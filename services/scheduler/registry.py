@@ -68,18 +68,25 @@ class WorkerRegistry:
         # heartbeats but serves nothing, so it gets no new work and does not count as ready.
         self.progress_timeout_s = progress_timeout_s
         self.workers: dict[str, WorkerState] = {}
+        # The same workers by role, so a dispatch does not sift a thousand of the other role.
+        self._by_role: dict[str, dict[str, WorkerState]] = {}
 
     def add(self, worker: WorkerState) -> None:
+        self.remove(worker.peer_id)
         self.workers[worker.peer_id] = worker
+        self._by_role.setdefault(worker.role, {})[worker.peer_id] = worker
 
     def remove(self, peer_id: str) -> WorkerState | None:
-        return self.workers.pop(peer_id, None)
+        worker = self.workers.pop(peer_id, None)
+        if worker is not None:
+            del self._by_role[worker.role][peer_id]
+        return worker
 
     def get(self, peer_id: str) -> WorkerState | None:
         return self.workers.get(peer_id)
 
     def by_role(self, role: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.role == role]
+        return list(self._by_role.get(role, {}).values())
 
     def healthy(self, role: str, now: float) -> list[WorkerState]:
         return [w for w in self.by_role(role) if w.making_progress(now, self.progress_timeout_s)]
