@@ -156,7 +156,11 @@ async def run_agents(url: str, args: argparse.Namespace) -> list[Turn]:
 
 
 def run_one(cache: bool, args: argparse.Namespace) -> list[dict[str, Any]]:
-    settings = {"TANDEM_ENABLE_PREFIX_CACHING": "true" if cache else "false"}
+    # A worker starved of CPU by a long prefill on a busy machine must not be taken for dead.
+    settings = {
+        "TANDEM_ENABLE_PREFIX_CACHING": "true" if cache else "false",
+        "TANDEM_HEARTBEAT_TIMEOUT_S": str(args.heartbeat_timeout_s),
+    }
     with environment(settings), tandem_up(args.prefill, args.decode) as served:
         turns = asyncio.run(run_agents(served.url, args))
     return [turn.summary() for turn in turns]
@@ -170,9 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reply-tokens", type=int, default=16)
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=60.0)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    for name in ("agents", "turns", "system_words", "reply_tokens", "prefill", "decode"):
+    names = ("agents", "turns", "system_words", "reply_tokens", "prefill", "decode")
+    for name in (*names, "heartbeat_timeout_s"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
