@@ -19,14 +19,8 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.grammar import GrammarBinding
 from shared.engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shared.engine.model import LlamaModel
-from shared.engine.prefix_cache import (
-    CacheKey,
-    PrefixCache,
-    cache_computed_blocks,
-    chain_hashes,
-    root_hash,
-    take_cached_prefix,
-)
+from shared.engine.prefix_blocks import cache_computed_blocks, take_cached_prefix
+from shared.engine.prefix_cache import CacheKey, PrefixCache, chain_hashes, root_hash
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import MIN_CHUNK, ScheduledChunk, StepPlan, StepScheduler

@@ -23,13 +23,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the block manager imports this module; the sequence needs torch
-    from shared.engine.block_manager import BlockManager
-    from shared.engine.sequence import Sequence
 
 HASH_SCHEME = "blake2b64-chain-v1"  # change when the hash changes: old indexes must not match
 
@@ -178,74 +173,3 @@ class PrefixCache:
             assert ref_counts[block_id] == 0, f"block {block_id} referenced yet evictable"
         for block_id in self._hash_of_block:
             assert (ref_counts[block_id] == 0) == (block_id in self._unreferenced), block_id
-
-
-# -- sequences and the cache ------------------------------------------------------------------
-
-
-def _extend_hashes(seq: Sequence, block_size: int, num_blocks: int) -> None:
-    """Extends `seq.block_hashes` to its first `num_blocks` full blocks (tokens never change, so
-    hashes once computed stay valid through preemption)."""
-    assert seq.cache_root is not None
-    start = len(seq.block_hashes)
-    if start >= num_blocks:
-        return
-    parent = seq.block_hashes[-1] if start else seq.cache_root
-    token_ids = seq.token_ids_slice(start * block_size, num_blocks * block_size)
-    seq.block_hashes.extend(chain_hashes(parent, token_ids, block_size))
-
-
-def attach_cached_prefix(seq: Sequence, manager: BlockManager) -> int:
-    """Gives a sequence about to be prefilled from token 0 the longest run of cached blocks its
-    tokens start with, and counts them computed; returns the tokens so skipped. At least the last
-    token is left to compute (its logits give the next token), so the block holding it is never
-    taken from the cache and a cached block is never written."""
-    cache = manager.prefix_cache
-    if cache is None or seq.cache_root is None or seq.block_ids or seq.num_computed_tokens:
-        return 0
-    block_size = manager.block_size
-    max_blocks = (seq.num_tokens - 1) // block_size
-    _extend_hashes(seq, block_size, max_blocks)
-    found = take_cached_prefix(manager, seq.block_hashes[:max_blocks])
-    seq.block_ids = found
-    seq.num_registered_blocks = len(found)
-    seq.num_computed_tokens = len(found) * block_size
-    return seq.num_computed_tokens
-
-
-def take_cached_prefix(manager: BlockManager, hashes: Iterable[int]) -> list[int]:
-    """Takes the cached blocks named by the leading `hashes` (up to the first miss)."""
-    cache = manager.prefix_cache
-    found: list[int] = []
-    if cache is None:
-        return found
-    for block_hash_ in hashes:
-        block_id = cache.lookup(block_hash_)
-        if block_id is None:
-            break
-        found.append(block_id)
-    manager.take_cached(found)
-    return found
-
-
-def detach_blocks(seq: Sequence, manager: BlockManager) -> None:
-    """Undoes `attach_cached_prefix` for a sequence that was not admitted after all."""
-    manager.free(seq.block_ids)
-    seq.block_ids = []
-    seq.num_registered_blocks = 0
-    seq.num_computed_tokens = 0
-
-
-def cache_computed_blocks(seq: Sequence, manager: BlockManager) -> None:
-    """Names the sequence's blocks that became full and computed, so later sequences find them."""
-    cache = manager.prefix_cache
-    if cache is None or seq.cache_root is None:
-        return
-    block_size = manager.block_size
-    num_full = min(seq.num_computed_tokens // block_size, len(seq.block_ids))
-    if num_full <= seq.num_registered_blocks:
-        return
-    _extend_hashes(seq, block_size, num_full)
-    for index in range(seq.num_registered_blocks, num_full):
-        cache.insert(seq.block_hashes[index], seq.block_ids[index])
-    seq.num_registered_blocks = num_full

@@ -43,7 +43,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from shared.engine.block_manager import BlockManager
-from shared.engine.prefix_cache import attach_cached_prefix, detach_blocks
+from shared.engine.prefix_blocks import attach_cached_prefix, detach_blocks
 from shared.engine.sequence import Sequence, SequenceStatus
 
 MIN_CHUNK = 64  # prompt tokens of budget per sharer: how many prompts share one step
