@@ -34,11 +34,16 @@ arrivals = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(arrivals, st.data())
 def test_work_conserving_it_serves_whenever_something_admissible_waits(items, data):
-    queue = FairQueue(FairShareConfig())
     queued = [request(*item) for item in items]
+    refused = data.draw(st.sets(st.sampled_from([r.request_id for r in queued])))
+    assert_serves_whenever_admissible(queued, refused)
+
+
+def assert_serves_whenever_admissible(queued: list[QueuedRequest], refused: set[str]) -> None:
+    """Work conservation: while anything admissible waits, a choice returns an admissible one."""
+    queue = FairQueue(FairShareConfig())
     for item in queued:
         queue.push(item)
-    refused = data.draw(st.sets(st.sampled_from([r.request_id for r in queued])))
     while len(queue):
         admissible = [r for r in queue if r.request_id not in refused]
         chosen = queue.pop_next(0.0, lambda r: r.request_id not in refused)

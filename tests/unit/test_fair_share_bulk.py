@@ -17,6 +17,7 @@ from services.scheduler.fair_share import (
     Party,
     QueuedRequest,
 )
+from tests.unit.test_fair_share import assert_serves_whenever_admissible
 
 _ids = itertools.count()
 
@@ -58,18 +59,9 @@ def test_bulk_goes_only_when_no_interactive_request_can_be_placed(items, data, p
 @settings(max_examples=150, deadline=None)
 @given(mixed, st.data())
 def test_work_conserving_with_bulk(items, data):
-    queue = FairQueue(FairShareConfig())
     queued = [request(*item) for item in items]
-    for item in queued:
-        queue.push(item)
     refused = data.draw(st.sets(st.sampled_from([r.request_id for r in queued])))
-    while len(queue):
-        admissible = [r for r in queue if r.request_id not in refused]
-        chosen = queue.pop_next(0.0, lambda r: r.request_id not in refused)
-        if not admissible:
-            assert chosen is None
-            break
-        assert chosen is not None
+    assert_serves_whenever_admissible(queued, refused)
 
 
 def test_interactive_first_even_when_bulk_is_older_and_less_served():
