@@ -7,6 +7,10 @@ preempted. The swap space holds 5 blocks: a short victim fits (swap), a long one
 (recompute). Phase one starts the long request first, so the short one is newest and swapped;
 phase two starts the short one first, so the long one is newest and recomputed: handed back by
 the decode worker and prefilled again on the prefill worker, from the prompt and its tokens.
+
+Phase two's short request asks for 96 tokens, so whenever the long one joins the batch (its
+prefill runs while the short one decodes, and a loaded machine makes it late) the two outgrow
+the pool before the short one ends; with 48 the long one had to arrive within 15 decode steps.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from tests.e2e.conftest import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
+LONG_ANSWER = {"short2": 96}  # max_tokens where not MAX_TOKENS
 NUM_BLOCKS = 16
 SWAP_BLOCKS = 5
 SENTENCE = "The river carried small boats past the old mill every morning. "
@@ -49,22 +54,30 @@ def tight_cluster(tmp_path_factory, smollm2):
     stop_cluster(cluster)
 
 
-def body(prompt: list[int], stream: bool) -> dict:
-    return {"model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+def max_tokens(name: str) -> int:
+    return LONG_ANSWER.get(name, MAX_TOKENS)
+
+
+def body(prompt: list[int], max_tokens: int, stream: bool) -> dict:
+    return {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": stream}  # fmt: skip
 
 
-def complete(url: str, prompt: list[int]) -> str:
-    response = httpx.post(url + "/v1/completions", json=body(prompt, False), timeout=600)
+def complete(url: str, prompt: list[int], max_tokens: int) -> str:
+    request = body(prompt, max_tokens, False)
+    response = httpx.post(url + "/v1/completions", json=request, timeout=600)
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    assert response.json()["usage"]["completion_tokens"] == max_tokens
     return response.json()["choices"][0]["text"]
 
 
-def complete_streaming(url: str, prompt: list[int], started: threading.Event) -> str:
+def complete_streaming(
+    url: str, prompt: list[int], max_tokens: int, started: threading.Event
+) -> str:
     """The text of a streamed completion; `started` is set at its first token."""
     text = []
-    with httpx.stream("POST", url + "/v1/completions", json=body(prompt, True), timeout=600) as r:
+    request = body(prompt, max_tokens, True)
+    with httpx.stream("POST", url + "/v1/completions", json=request, timeout=600) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 started.set()
@@ -77,9 +90,11 @@ def run_pair(url: str, prompts: dict, first: str, second: str) -> dict[str, str]
     the first is resident on the decode worker before the second arrives."""
     with ThreadPoolExecutor(1) as pool:
         started = threading.Event()
-        earlier = pool.submit(complete_streaming, url, prompts[first], started)
+        earlier = pool.submit(
+            complete_streaming, url, prompts[first], max_tokens(first), started
+        )
         assert started.wait(120)
-        later_text = complete(url, prompts[second])
+        later_text = complete(url, prompts[second], max_tokens(second))
         return {first: earlier.result(), second: later_text}
 
 
@@ -87,7 +102,10 @@ def test_preempted_requests_complete_token_identical_and_the_pool_refills(
     tight_cluster, smollm2, prompts
 ):
     engine = LLMEngine(smollm2.model, EngineConfig(num_blocks=64))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = [
+        SamplingParams(max_tokens=max_tokens(name), temperature=0.0, ignore_eos=True)
+        for name in prompts
+    ]
     results = engine.generate(list(prompts.values()), params)
     expected = {
         name: smollm2.tokenizer.decode(result.token_ids, skip_special_tokens=True)
