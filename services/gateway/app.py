@@ -22,7 +22,7 @@ from services.gateway.federation import cluster_metrics
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
 from services.gateway.openai_shapes import SSE_DONE, sse_event
-from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
+from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
 from shared.metrics import CONTENT_TYPE
 
 
@@ -192,13 +192,15 @@ async def _sse(
     generation: Generation, first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent]
 ) -> AsyncIterator[bytes]:
     req = generation.request
-    role_sent: set[int] = set()
+    chunks = StreamChunks(generation)
     num_tokens = 0
     try:
         pending = [first] if first is not None else []
         async for event in _chain(pending, events):
             num_tokens += len(event.token_ids)
-            yield sse_event(stream_chunk(generation, event, role_sent))
+            chunk = chunks.chunk(event)
+            if chunk is not None:
+                yield sse_event(chunk)
         if req.include_usage:
             yield sse_event(final_usage_chunk(generation, num_tokens))
     except ApiError as error:

@@ -501,8 +501,6 @@ def parse_chat_request(body: Any, served_model: str, max_model_len: int) -> Gene
         raise from_invalid_request(error) from None
     messages = _parse_messages(body.get("messages"))
     if tools is not None:
-        if body.get("stream"):
-            _fail("stream", "streaming with `tools` is not supported yet")
         messages = _with_tools(messages, tools)
     return _build(
         body,

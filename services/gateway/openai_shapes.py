@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same floor
 
 
@@ -165,12 +165,16 @@ def chat_chunk(
     finish_reason: FinishReason | None,
     logprobs: dict[str, Any] | None,
     role_first: bool = False,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One streamed piece of a choice. The choice's first chunk carries the role; the last may
-    carry no content, only the finish reason. `logprobs` comes from chat_logprobs()."""
-    delta: dict[str, str] = {"role": "assistant"} if role_first else {}
+    carry no content, only the finish reason. `logprobs` comes from chat_logprobs();
+    `tool_calls` are deltas in OpenAI's streamed shape (each with its `index`)."""
+    delta: dict[str, Any] = {"role": "assistant"} if role_first else {}
     if delta_content is not None:
         delta["content"] = delta_content
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope("chat.completion.chunk", response_id, model, created, [choice])
 

@@ -17,21 +17,53 @@ from services.gateway.openai_shapes import (
     usage_chunk,
     usage_dict,
 )
-from services.gateway.tools import extract_tool_calls
+from services.gateway.tool_output import ToolCallParser, extract_tool_calls
 
 
-def stream_chunk(generation: Generation, event: ChoiceEvent, role_sent: set[int]) -> dict[str, Any]:
-    """One stream chunk; `role_sent` holds the chat choices whose first chunk (the role) is sent."""
-    req = generation.request
-    if req.chat:
+class StreamChunks:
+    """A generation's stream chunks, event by event: each chat choice's first chunk carries the
+    role; with tools, calls are cut out of the text as it streams (services.gateway.tool_output),
+    so a chunk may carry `tool_calls` deltas, and an event whose text is held back sends none."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+        self._role_sent: set[int] = set()
+        tools, n = generation.request.tools, generation.request.n
+        self._parsers = None if tools is None else [ToolCallParser(tools) for _ in range(n)]
+
+    def chunk(self, event: ChoiceEvent) -> dict[str, Any] | None:
+        """The event's chunk; None when it has nothing to send."""
+        generation, req = self.generation, self.generation.request
+        if not req.chat:
+            logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
+            return completion_chunk(
+                generation.request_id, req.model, generation.created,
+                event.index, event.text, event.finish_reason, logprobs,
+            )  # fmt: skip
         logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
-        first = event.index not in role_sent
-        role_sent.add(event.index)
-        return chat_chunk(generation.request_id, req.model, generation.created, event.index,
-                          event.text, event.finish_reason, logprobs, role_first=first)  # fmt: skip
-    logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
-    return completion_chunk(generation.request_id, req.model, generation.created, event.index,
-                            event.text, event.finish_reason, logprobs)  # fmt: skip
+        first = event.index not in self._role_sent
+        self._role_sent.add(event.index)
+        content, calls, finish = event.text, None, event.finish_reason
+        if self._parsers is not None:
+            content, calls, finish = self._cut_calls(event)
+            if not (content or calls or first or logprobs or finish):
+                return None
+        return chat_chunk(
+            generation.request_id, req.model, generation.created, event.index,
+            content, finish, logprobs, role_first=first, tool_calls=calls,
+        )  # fmt: skip
+
+    def _cut_calls(self, event: ChoiceEvent) -> tuple[str | None, list | None, str | None]:
+        parser = self._parsers[event.index]
+        out = parser.push(event.text)
+        finish = event.finish_reason
+        if finish is not None:
+            rest = parser.finish()
+            out.content += rest.content
+            out.calls += rest.calls
+            if parser.num_calls:
+                finish = "tool_calls"
+        return out.content or None, out.calls or None, finish
 
 
 def final_usage_chunk(generation: Generation, num_completion_tokens: int) -> dict[str, Any]:

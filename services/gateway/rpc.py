@@ -32,7 +32,7 @@ import zmq.asyncio
 from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
-from services.gateway.responses import collect_response, final_usage_chunk, stream_chunk
+from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
 from shared import wire
 from shared.curve import CurveKeys, Security
 from shared.logs import get_logger
@@ -194,11 +194,13 @@ class RpcServer:
         events: AsyncIterator[ChoiceEvent],
     ) -> None:
         req = generation.request
-        role_sent: set[int] = set()
+        chunks = StreamChunks(generation)
         num_tokens = 0
         async for event in events:
             num_tokens += len(event.token_ids)
-            await self._send(identity, call_id, "chunk", stream_chunk(generation, event, role_sent))
+            chunk = chunks.chunk(event)
+            if chunk is not None:
+                await self._send(identity, call_id, "chunk", chunk)
         if req.include_usage:
             chunk = final_usage_chunk(generation, num_tokens)
             await self._send(identity, call_id, "chunk", chunk)

@@ -13,15 +13,14 @@ answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; ass
   given tools (`name` fixed by `const`, `arguments` by the tool's `parameters`), so even a 135M
   model returns a call that parses. The output is that call's JSON, without tags.
 
-A response with calls finishes with `"tool_calls"`. Streaming with tools is refused for now
-(a 400 naming `stream`): the deltas would need the call buffered and re-cut.
+A response with calls finishes with `"tool_calls"`. The calls are cut out of the output by
+services.gateway.tool_output, for streamed and whole responses alike.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,6 @@ from shared.errors import InvalidRequestError
 MAX_TOOLS = 64
 MAX_TOOL_NAME = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 # A parameterless tool's arguments: exactly {} (a bare {"type": "object"} would let the model
 # invent properties until max_tokens).
@@ -165,31 +163,3 @@ def render_tool_calls(calls: Any, where: str) -> str:
         call_json = json.dumps({"name": function["name"], "arguments": parsed})
         texts.append(f"<tool_call>{call_json}</tool_call>")
     return "\n".join(texts)
-
-
-def extract_tool_calls(setup: ToolSetup, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content left, OpenAI tool_calls) from a finished choice's text."""
-    if setup.choice == "none":
-        return text, []
-    found = [text] if setup.forced else _CALL.findall(text)
-    names = {f["name"] for f in setup.functions}
-    calls = []
-    for raw in found:
-        try:
-            call = json.loads(raw)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or call.get("name") not in names:
-            continue
-        arguments = call.get("arguments", {})
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(arguments)},
-            }
-        )
-    if not calls:
-        return text, []
-    content = "" if setup.forced else _CALL.sub("", text).strip()
-    return content or None, calls

@@ -74,3 +74,36 @@ def test_auto_and_a_multi_turn_exchange(openai_client):
     ]
     answer = ask(openai_client, history, tool_choice="none")
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def streamed_calls(client, messages, **fields) -> tuple[str, list[dict], str]:
+    """(content, calls assembled from their deltas by index, finish reason) of a streamed ask."""
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0, tools=[WEATHER, NOW],
+        stream=True, **fields,
+    )  # fmt: skip
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += delta.id or ""
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_streamed_tool_calls_match_the_whole_response(openai_client):
+    for choice in ("required", "auto"):
+        whole = ask(openai_client, QUESTION, tool_choice=choice).choices[0]
+        content, calls, finish = streamed_calls(openai_client, QUESTION, tool_choice=choice)
+        assert finish == whole.finish_reason
+        assert content == (whole.message.content or "")
+        expected = [(c.function.name, json.loads(c.function.arguments))
+                    for c in whole.message.tool_calls or []]  # fmt: skip
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected
+        assert all(c["id"].startswith("call_") for c in calls)
+    _, calls, finish = streamed_calls(openai_client, QUESTION, tool_choice="required")
+    assert finish == "tool_calls" and len(calls) == 1

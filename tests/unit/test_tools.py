@@ -1,5 +1,6 @@
 """Tool calling in the API layer: tools and tool_choice checked, rendered into the prompt (the
-documented fallback format), forced calls constrained, and calls parsed out of the output."""
+documented fallback format), forced calls constrained. Parsing calls out of the output:
+tests/unit/test_tool_output.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 import pytest
 
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
-from services.gateway.tools import extract_tool_calls
 from shared.engine.constraint import to_grammar
 
 MODEL = "smollm2"
@@ -102,7 +102,6 @@ def test_history_with_calls_and_results_is_rendered():
          "tools[0].function.parameters", "`not`"),
         ({"tools": [{"type": "function", "function": {"name": "f", "returns": 1}}]},
          "tools[0].function.returns", "unknown"),
-        ({"tools": [WEATHER], "stream": True}, "stream", "not supported yet"),
         ({"tools": [WEATHER], "tool_choice": "required",
           "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
     ],
@@ -113,22 +112,3 @@ def test_bad_tool_fields_are_refused(fields, param, match):
 
 def test_completions_refuse_tools():
     refused("tools", "not supported", parse=parse_completion_request, tools=[WEATHER])
-
-
-def test_calls_are_parsed_from_the_output():
-    auto = chat(tools=[WEATHER, NOW]).tools
-    text = 'Sure.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
-    text += '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
-    content, calls = extract_tool_calls(auto, text)
-    assert content == "Sure."
-    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"]
-    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    assert calls[1]["function"]["arguments"] == "{}"  # a parameterless tool keeps its {}
-    assert calls[0]["id"] != calls[1]["id"] and calls[0]["type"] == "function"
-    assert extract_tool_calls(auto, "No tools needed.") == ("No tools needed.", [])
-    assert extract_tool_calls(auto, '<tool_call>{"name": "rm"}</tool_call>')[1] == []
-    forced = chat(tools=[WEATHER], tool_choice="required").tools
-    content, calls = extract_tool_calls(
-        forced, '{"name": "get_weather", "arguments": {"city": "Rome"}}'
-    )
-    assert content is None and len(calls) == 1

@@ -1,0 +1,111 @@
+"""Tool calls cut out of a choice's text: the same content and calls however the text is split
+into streamed pieces, held-back tag starts, malformed and unfinished calls kept as content."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.gateway.openai_protocol import parse_chat_request
+from services.gateway.tool_output import ToolCallParser, extract_tool_calls
+
+MODEL = "smollm2"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+NOW = {"type": "function", "function": {"name": "now"}}  # parameterless
+OSLO = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+TEXTS = [
+    "Sure.\n" + OSLO + '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+    "No tools needed.",
+    "  padded answer \n",
+    'Before <tool_call>{"name": "rm"}</tool_call> after',  # unknown tool: stays content
+    "a < b and <tool_ca is not a tag" + OSLO + " done",
+    "<tool_call>not json</tool_call>\n" + OSLO,
+    "unfinished " + OSLO[:30],  # the choice ended (length) inside a call
+    "ends on a tag start <tool_",
+]
+
+
+def setup(**fields):
+    messages = [{"role": "user", "content": "Hi"}]
+    body = {"model": MODEL, "messages": messages, "tools": [WEATHER, NOW]}
+    return parse_chat_request({**body, **fields}, MODEL, 2048).tools
+
+
+def streamed(tools, pieces: list[str]) -> tuple[str, list[dict]]:
+    parser = ToolCallParser(tools)
+    content, calls = "", []
+    for piece in pieces:
+        out = parser.push(piece)
+        content, calls = content + out.content, calls + out.calls
+    out = parser.finish()
+    return content + out.content, calls + out.calls
+
+
+def names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_calls_are_cut_out_of_the_whole_text():
+    auto = setup()
+    content, calls = extract_tool_calls(auto, TEXTS[0])
+    assert content == "Sure."
+    assert names_and_arguments(calls) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+    assert calls[1]["function"]["arguments"] == "{}"  # a parameterless tool keeps its {}
+    assert calls[0]["id"] != calls[1]["id"] and calls[0]["type"] == "function"
+    assert "index" not in calls[0]  # the non-streamed shape
+    assert extract_tool_calls(auto, "No tools needed.") == ("No tools needed.", [])
+    assert extract_tool_calls(auto, TEXTS[3]) == (TEXTS[3], [])
+    content, calls = extract_tool_calls(auto, TEXTS[4])
+    assert content == "a < b and <tool_ca is not a tag done" and len(calls) == 1
+    content, calls = extract_tool_calls(auto, TEXTS[5])
+    assert content == "<tool_call>not json</tool_call>" and len(calls) == 1
+    assert extract_tool_calls(auto, TEXTS[6]) == (TEXTS[6], [])  # an unfinished call: content
+    assert extract_tool_calls(auto, TEXTS[7]) == (TEXTS[7], [])
+
+
+@given(st.sampled_from(TEXTS), st.lists(st.integers(0, 120), max_size=12))
+def test_any_split_into_pieces_gives_the_same_content_and_calls(text, cuts):
+    cuts = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    auto = setup()
+    content, calls = streamed(auto, pieces)
+    whole_content, whole_calls = extract_tool_calls(auto, text)
+    assert content == (whole_content or "")
+    assert names_and_arguments(calls) == names_and_arguments(whole_calls)
+    assert [c["index"] for c in calls] == list(range(len(calls)))
+
+
+def test_a_possible_tag_start_is_held_until_it_is_not_one():
+    parser = ToolCallParser(setup())
+    assert parser.push("It is <tool").content == "It is"
+    assert parser.push("box, not a call").content == " <toolbox, not a call"
+    out = parser.push("\n<tool_call>" + OSLO[11:])
+    assert out.content == "" and out.calls[0]["function"]["name"] == "get_weather"
+    assert parser.push("\n").content == ""  # trailing whitespace is held, then dropped
+    assert parser.finish().content == ""
+
+
+def test_a_forced_call_is_judged_whole_at_the_end():
+    forced = setup(tool_choice="required")
+    parser = ToolCallParser(forced)
+    call = '{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    assert parser.push(call[:20]).calls == [] and parser.push(call[20:]).content == ""
+    (made,) = parser.finish().calls
+    assert made["index"] == 0 and json.loads(made["function"]["arguments"]) == {"city": "Rome"}
+    assert extract_tool_calls(forced, call)[0] is None
+    # Cut off by max_tokens: shown as it is, no call (finish_reason stays "length").
+    assert extract_tool_calls(forced, call[:25]) == (call[:25], [])
+
+
+def test_tool_choice_none_passes_text_through():
+    parser = ToolCallParser(setup(tool_choice="none"))
+    assert parser.push(" " + OSLO).content == " " + OSLO
+    assert parser.finish().calls == []
