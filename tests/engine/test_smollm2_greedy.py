@@ -3,24 +3,13 @@
 import pytest
 import torch
 
+from loadtest.perplexity import CHAT_PROMPTS, PLAIN_PROMPTS
 from services.commands.generate import encode_prompt
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers greater than 100.",
-]
-PLAIN_PROMPTS = [
-    "The quick brown fox",
-    "def fibonacci(n):\n    ",
-    "Once upon a time, in a small village by the mountains,",
-    "Les fleurs du printemps sont",
-]
 NUM_TOKENS = 64
 
 
