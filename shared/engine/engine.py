@@ -450,6 +450,10 @@ class LLMEngine:
 
     def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         params = seq.params
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            # The structure is complete (its matcher took EOS): nothing can extend it validly,
+            # so it ends here even under ignore_eos or min_tokens (the sampler lets EOS through).
+            return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= params.min_tokens and (
             token in params.stop_token_ids
             or (not params.ignore_eos and token in self.eos_token_ids)

@@ -1,6 +1,7 @@
 """Sampling: one step's logits in, one token per sequence out.
 
-Per row, in this order: suppressed tokens (e.g. EOS under `min_tokens`) go to -inf; the repetition
+Per row, in this order: suppressed tokens (e.g. EOS under `min_tokens`) go to -inf (unless the
+row's grammar allows nothing else: a complete structure ends the choice); the repetition
 penalty scales logits of tokens seen in the prompt or output; frequency and presence penalties are
 subtracted for tokens in the output. A greedy row then takes the argmax. Any other row is divided
 by its temperature and filtered: top-k, then top-p on the renormalized survivors, then min-p; the
@@ -184,12 +185,22 @@ def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     work = logits.clone()
     for i, row in enumerate(rows):
         if len(row.suppressed_token_ids) > 0:
-            work[i, _long_tensor(row.suppressed_token_ids, logits.device)] = -math.inf
+            _suppress(work[i], row)
         if row.params.has_penalties:
             work[i] = apply_penalties(
                 work[i], row.params, row.prompt_token_ids, row.output_token_ids
             )
     return work
+
+
+def _suppress(logits: torch.Tensor, row: SamplingRow) -> None:
+    """Sends the row's suppressed tokens to -inf, unless that leaves nothing to draw: a grammar
+    that allows only EOS (its structure is complete) wins over `min_tokens`."""
+    token_ids = _long_tensor(row.suppressed_token_ids, logits.device)
+    kept = logits[token_ids].clone() if row.grammar_matcher is not None else None
+    logits[token_ids] = -math.inf
+    if kept is not None and not torch.isfinite(logits).any():
+        logits[token_ids] = kept
 
 
 def _filter_params(rows: Sequence[SamplingRow], device: torch.device) -> tuple[torch.Tensor, ...]:

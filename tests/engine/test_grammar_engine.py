@@ -70,3 +70,18 @@ def test_resumed_request_replays_its_generated_tokens(engine, smollm2, prompt):
     rest = [t for out in engine.run_until_done() for t in out.new_token_ids]
     assert request_id and done + rest == whole.token_ids  # greedy: the same object
     jsonschema.validate(json.loads(text(smollm2, done + rest)), SCHEMA)
+
+
+def test_a_complete_structure_ends_the_choice_despite_min_tokens_or_ignore_eos(engine, smollm2):
+    # The grammar allows only EOS once "up" or "down" is out. min_tokens must not mask it (that
+    # left no token to draw), nor ignore_eos carry on past it (the matcher has terminated).
+    prompt = encode_prompt(smollm2.tokenizer, "Up or down?", chat=True)
+    choice = choice_constraint(["up", "down"], "c")
+    for fields in ({"min_tokens": 6}, {"ignore_eos": True}, {"min_tokens": 6, "ignore_eos": True}):
+        for temperature in (0.0, 0.8):
+            params = SamplingParams(
+                max_tokens=10, temperature=temperature, seed=1, constraint=choice, **fields
+            )
+            (result,) = engine.generate([prompt], params)
+            assert result.finish_reason == "stop", fields
+            assert text(smollm2, result.token_ids) in ("up", "down"), fields
