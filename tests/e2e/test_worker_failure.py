@@ -1,7 +1,8 @@
 """Workers killed with SIGKILL under load, on the guarded cluster (two prefill and two decode
 workers, a 2 s heartbeat timeout): no request is lost, and every greedy stream equals its
-reference token for token, across the move to another worker. `tandem up` starts the killed
-worker again, and it serves."""
+reference token for token, across the move to another worker, constrained (JSON schema) streams
+included, whose grammar state resumes on the new worker. `tandem up` starts the killed worker
+again, and it serves."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
+from shared.engine.constraint import schema_constraint
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from tests.e2e.conftest import ALPHA_KEY
@@ -32,6 +35,15 @@ SUBJECTS = [
 PROMPTS = [
     f"{frame}{subject}" for frame in ("", "Note: ", "Draft 2. ", "> ") for subject in SUBJECTS
 ]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 24},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 2},
+    },
+    "required": ["title", "tags"],
+    "additionalProperties": False,
+}
 
 
 def worker_pid(parent: int, peer_id: str) -> int:
@@ -49,9 +61,12 @@ def worker_pid(parent: int, peer_id: str) -> int:
     raise LookupError(f"no child of {parent} is {peer_id}")
 
 
-def references(smollm2, max_tokens: int) -> dict[str, str]:
-    engine = LLMEngine(smollm2.model, EngineConfig(num_blocks=256))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def references(smollm2, max_tokens: int, constrained: bool = False) -> dict[str, str]:
+    engine = LLMEngine(smollm2.model, EngineConfig(num_blocks=256), tokenizer=smollm2.tokenizer)
+    constraint = schema_constraint(SCHEMA, "structured_outputs.json") if constrained else None
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, constraint=constraint
+    )
     prompts = [smollm2.tokenizer(p).input_ids for p in PROMPTS]
     outputs = engine.generate(prompts, params)
     return {
@@ -60,9 +75,13 @@ def references(smollm2, max_tokens: int) -> dict[str, str]:
     }
 
 
-async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int, seen: list) -> str:
+async def stream_text(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, seen: list, constrained: bool
+) -> str:
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
+    if constrained:
+        body["structured_outputs"] = {"json": SCHEMA}
     pieces = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
@@ -77,14 +96,22 @@ async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int, s
 
 
 async def run_and_signal(
-    cluster, max_tokens: int, victim: str, after_chunks: int, signum: int = signal.SIGKILL
+    cluster,
+    max_tokens: int,
+    victim: str,
+    after_chunks: int,
+    signum: int = signal.SIGKILL,
+    constrained: bool = False,
 ) -> dict:
     seen: list[float] = []
     headers = {"Authorization": f"Bearer {ALPHA_KEY}"}
     async with httpx.AsyncClient(
         base_url=cluster.url, timeout=180, trust_env=False, headers=headers
     ) as client:
-        tasks = {p: asyncio.create_task(stream_text(client, p, max_tokens, seen)) for p in PROMPTS}
+        tasks = {
+            p: asyncio.create_task(stream_text(client, p, max_tokens, seen, constrained))
+            for p in PROMPTS
+        }
         while len(seen) < after_chunks:
             await asyncio.sleep(0.05)
             assert not any(t.done() for t in tasks.values()), "finished before the kill"
@@ -117,6 +144,23 @@ def test_a_killed_worker_loses_no_request_and_changes_no_token(
     assert resumed_count(guarded_cluster.url) > resumed_before
     assert f"{victim} exited" in guarded_cluster.log()
     # `tandem up` started it again: it registers and the cluster has all four workers.
+    wait_for_workers(guarded_cluster, num_prefill=2, num_decode=2)
+
+
+def test_constrained_streams_stay_valid_across_a_killed_decode_worker(guarded_cluster, smollm2):
+    wait_for_workers(guarded_cluster, num_prefill=2, num_decode=2)
+    max_tokens = 48
+    expected = references(smollm2, max_tokens, constrained=True)
+    texts = asyncio.run(
+        run_and_signal(guarded_cluster, max_tokens, "decode-1", 3 * len(PROMPTS),
+                       constrained=True)
+    )  # fmt: skip
+    assert texts == expected  # the grammar resumed where the dead worker left it
+    complete = [json.loads(text) for text in texts.values() if text.endswith("}")]
+    assert len(complete) >= len(PROMPTS) // 2, texts  # most finish inside max_tokens
+    for document in complete:
+        jsonschema.validate(document, SCHEMA)
+    assert "decode-1 exited" in guarded_cluster.log()
     wait_for_workers(guarded_cluster, num_prefill=2, num_decode=2)
 
 
