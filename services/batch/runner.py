@@ -1,6 +1,8 @@
 """Running a validated job: its lines through the cluster, a bounded window at a time.
 
-The runner pages through the job's pending lines in `lines` (line order), reads each line's text
+The runner pages through the job's pending lines in `lines` (lines that share a prompt prefix
+together, so the prefix cache computes a shared system prompt once; the store's feeding order),
+reads each line's text
 from the input file by its offset, and sends it to a gateway's RPC door as a *bulk* request (the
 scheduler serves it only when no interactive request can be placed). At most `window` lines are
 in flight; the window follows the cluster's backpressure the way TCP follows loss: a 429 or 503
@@ -81,10 +83,10 @@ class JobRunner:
     async def _feed(self, batch: dict[str, Any], answers: Answers, tasks: set) -> str:
         """Feeds lines until none is left (then 'completed'), or cancel, or expiry."""
         kind = KINDS[batch["endpoint"]]
-        last_line_no = 0
+        cursor = ("", 0)
         with open(self.store.path_of(batch["input_file_id"]), "rb") as source:
             while True:
-                page = self.store.pending_lines(self.batch_id, last_line_no, PAGE_LINES)
+                page = self.store.pending_lines(self.batch_id, cursor, PAGE_LINES)
                 if not page:
                     return "completed"
                 for row in page:
@@ -96,7 +98,7 @@ class JobRunner:
                     task = asyncio.create_task(self._answer(kind, batch, line, answers))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
-                    last_line_no = row["line_no"]
+                    cursor = (row["prefix_key"], row["line_no"])
                 # the last page's lines may still be running: wait for them before the next read
                 while tasks and len(page) < PAGE_LINES:
                     ended = await self._wait_for_slot(batch, until_idle=True)
@@ -160,15 +162,15 @@ class JobRunner:
             await asyncio.sleep(min(8.0, 0.5 * 2**failures))
 
     def _expire_rest(self, answers: Answers) -> None:
-        last_line_no = 0
-        while page := self.store.pending_lines(self.batch_id, last_line_no, PAGE_LINES):
+        cursor = ("", 0)
+        while page := self.store.pending_lines(self.batch_id, cursor, PAGE_LINES):
             for row in page:
                 answers.failure(
                     row["custom_id"],
                     "batch_expired",
                     "This request could not be executed before the completion window expired.",
                 )
-                last_line_no = row["line_no"]
+                cursor = (row["prefix_key"], row["line_no"])
 
     def _finalize(self, answers: Answers, ended: str) -> None:
         now = int(time.time())

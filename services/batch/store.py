@@ -3,10 +3,12 @@
 Tables: `files` (uploaded inputs and produced outputs; the bytes live in `files/<id>` on disk,
 never in the database), `batches` (one row per job: its state, timestamps, counts and errors) and
 `lines` (one row per input line of a validated job: its custom_id, where it sits in the input
-file, and whether its answer is written). `lines` is what lets a job resume after a kill without
-holding the file in memory: pending lines are read page by page, each line's text by seeking to
-its offset. UNIQUE(batch_id, custom_id) is the duplicate check of validation, and the key that
-recovery marks answered lines by.
+file, its prefix key, and whether its answer is written). `lines` is what lets a job resume after
+a kill without holding the file in memory: pending lines are read page by page, each line's text
+by seeking to its offset. Pages come in prefix-key order (then line order), so lines that share
+a prompt prefix are fed together (services.batch.validation.prefix_key). UNIQUE(batch_id,
+custom_id) is the duplicate check of validation, and the key that recovery marks answered lines
+by.
 
 The service runs on one asyncio thread, so one connection is enough; every write commits at once.
 """
@@ -35,9 +37,13 @@ CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL,
     offset INTEGER NOT NULL, length INTEGER NOT NULL,
     state INTEGER NOT NULL DEFAULT 0,  -- 0 pending, 1 answered (in the output or error file)
+    prefix_key TEXT NOT NULL DEFAULT '',  -- the start of the line's prompt: the feeding order
     PRIMARY KEY (batch_id, line_no), UNIQUE (batch_id, custom_id)
 );
 """
+# Databases made before lines had a prefix key gain the column (its '' keeps line order).
+_MIGRATIONS = {"prefix_key": "ALTER TABLE lines ADD COLUMN prefix_key TEXT NOT NULL DEFAULT ''"}
+_INDEXES = "CREATE INDEX IF NOT EXISTS lines_in_feed_order ON lines (batch_id, prefix_key, line_no)"
 PENDING, ANSWERED = 0, 1
 
 
@@ -51,6 +57,11 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: a kill -9 loses nothing committed
         self.db.executescript(SCHEMA)
+        columns = {row["name"] for row in self.db.execute("PRAGMA table_info(lines)")}
+        for column, statement in _MIGRATIONS.items():
+            if column not in columns:
+                self.db.execute(statement)
+        self.db.execute(_INDEXES)
 
     def close(self) -> None:
         self.db.close()
@@ -134,19 +145,20 @@ class Store:
 
     # -- lines --------------------------------------------------------------------------------
 
-    def add_lines(self, batch_id: str, rows: list[tuple[int, str, int, int]]) -> list[int]:
-        """Adds (line_no, custom_id, offset, length) rows; the line numbers whose custom_id was
-        already taken (duplicates)."""
+    def add_lines(self, batch_id: str, rows: list[tuple[int, str, int, int, str]]) -> list[int]:
+        """Adds (line_no, custom_id, offset, length, prefix_key) rows; the line numbers whose
+        custom_id was already taken (duplicates)."""
         duplicates = []
         self.db.execute("BEGIN")
-        for line_no, custom_id, offset, length in rows:
+        for row in rows:
             cursor = self.db.execute(
-                "INSERT OR IGNORE INTO lines (batch_id, line_no, custom_id, offset, length) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (batch_id, line_no, custom_id, offset, length),
+                "INSERT OR IGNORE INTO lines "
+                "(batch_id, line_no, custom_id, offset, length, prefix_key) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (batch_id, *row),
             )
             if not cursor.rowcount:
-                duplicates.append(line_no)
+                duplicates.append(row[0])
         self.db.execute("COMMIT")
         return duplicates
 
@@ -156,11 +168,16 @@ class Store:
     def set_total(self, batch_id: str, total: int) -> None:
         self.db.execute("UPDATE batches SET total = ? WHERE id = ?", (total, batch_id))
 
-    def pending_lines(self, batch_id: str, after_line_no: int, limit: int) -> list[sqlite3.Row]:
+    def pending_lines(
+        self, batch_id: str, after: tuple[str, int] = ("", 0), limit: int = 256
+    ) -> list[sqlite3.Row]:
+        """Up to `limit` pending lines in feeding order (prefix key, then line number), those
+        after the cursor `after` = (prefix_key, line_no) of the last line of the previous page."""
         return self.db.execute(
-            "SELECT line_no, custom_id, offset, length FROM lines WHERE batch_id = ? "
-            "AND state = ? AND line_no > ? ORDER BY line_no LIMIT ?",
-            (batch_id, PENDING, after_line_no, limit),
+            "SELECT line_no, custom_id, offset, length, prefix_key FROM lines WHERE batch_id = ? "
+            "AND state = ? AND (prefix_key, line_no) > (?, ?) ORDER BY prefix_key, line_no "
+            "LIMIT ?",
+            (batch_id, PENDING, *after, limit),
         ).fetchall()
 
     def num_pending(self, batch_id: str) -> int:

@@ -5,8 +5,9 @@ non-empty string `custom_id`, `method` POST, a `url` equal to the batch's endpoi
 object whose `model` the cluster serves; `custom_id`s must be unique in the file (the `lines`
 table's UNIQUE key finds duplicates without a set in memory). Every offending line is reported,
 numbered from 1, in OpenAI's `errors.data` shape; one bad line fails the whole batch. A line
-that passes is recorded with its byte offset, so the runner can read it again later by seeking.
-Blank lines are skipped, as OpenAI does.
+that passes is recorded with its byte offset, so the runner can read it again later by seeking,
+and with its prefix key (`prefix_key`), the order the runner feeds lines in. Blank lines are
+skipped, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 from services.batch.store import Store
 
 PAGE_LINES = 1000  # lines recorded per transaction
+# Characters of a prompt's start that order the feed (~120 tokens: several 16-token KV blocks).
+PREFIX_KEY_CHARS = 512
 MAX_ERRORS = 1000  # errors.data entries kept (the count of the rest is in the last one)
 
 
@@ -37,14 +40,45 @@ def raw_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
             offset += len(raw)
 
 
-def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | None, list[dict]]:
-    """(the line's custom_id if it has one, the problems found), without line numbers."""
+def prefix_key(body: dict[str, Any]) -> str:
+    """The first PREFIX_KEY_CHARS characters of the line's prompt, as it gives it: a chat's
+    messages (role and text, in order) or a completion's prompt (text, or token ids written out).
+    Lines are fed in the order of these keys, so prompts that share a start (a system prompt,
+    few-shot examples) sit next to each other and the prefix cache computes that start once per
+    job rather than once per line; lines with equal keys keep their file order."""
+    messages, prompt = body.get("messages"), body.get("prompt")
+    if isinstance(messages, list):
+        parts = []
+        for message in messages:
+            if isinstance(message, dict):
+                parts += [str(message.get("role")), _text_of(message.get("content"))]
+        text = "\x00".join(parts)
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        text = _text_of(prompt[0])  # several prompts in one line: the first leads
+    else:
+        text = _text_of(prompt)
+    return text[:PREFIX_KEY_CHARS]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # chat content parts, or token ids
+        return "".join(
+            part.get("text", "") if isinstance(part, dict) else f"{part}," for part in content
+        )
+    return ""
+
+
+def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | None, str, list[dict]]:
+    """(the line's custom_id if it has one, its prefix key, the problems found), without line
+    numbers."""
     try:
         line = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, [error("invalid_json", f"the line is not valid JSON: {e}")]
+        return None, "", [error("invalid_json", f"the line is not valid JSON: {e}")]
     if not isinstance(line, dict):
-        return None, [error("invalid_json", "the line must be a JSON object")]
+        return None, "", [error("invalid_json", "the line must be a JSON object")]
     problems = []
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
@@ -67,6 +101,7 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
             )
         )
     body = line.get("body")
+    key = prefix_key(body) if isinstance(body, dict) else ""
     if not isinstance(body, dict):
         problems.append(error("invalid_value", "body must be a JSON object", param="body"))
     elif body.get("model") not in models:
@@ -77,7 +112,7 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
                 param="body.model",
             )
         )
-    return custom_id, problems
+    return custom_id, key, problems
 
 
 def validate(store: Store, batch: dict[str, Any], models: list[str]) -> tuple[int, list[dict]]:
@@ -86,7 +121,7 @@ def validate(store: Store, batch: dict[str, Any], models: list[str]) -> tuple[in
     store.drop_lines(batch["id"])  # a validation cut short by a kill starts again
     errors: list[dict] = []
     num_errors = num_lines = 0
-    page: list[tuple[int, str, int, int]] = []
+    page: list[tuple[int, str, int, int, str]] = []
 
     def flush() -> None:
         for line_no in store.add_lines(batch["id"], page):
@@ -109,11 +144,11 @@ def validate(store: Store, batch: dict[str, Any], models: list[str]) -> tuple[in
     path = store.path_of(batch["input_file_id"])
     for line_no, offset, text in raw_lines(path):
         num_lines += 1
-        custom_id, problems = check_line(text, batch["endpoint"], models)
+        custom_id, key, problems = check_line(text, batch["endpoint"], models)
         for problem in problems:
             found({**problem, "line": line_no})
         if custom_id is not None:
-            page.append((line_no, custom_id, offset, len(text)))
+            page.append((line_no, custom_id, offset, len(text), key))
         if len(page) >= PAGE_LINES:
             flush()
     flush()

@@ -12,7 +12,7 @@ import pytest
 from services.batch.answers import Answers, output_file_id
 from services.batch.api import BatchApi, Limits
 from services.batch.store import Store
-from services.batch.validation import check_line, validate
+from services.batch.validation import PREFIX_KEY_CHARS, check_line, prefix_key, validate
 from shared import wire_batch
 from shared.wire import WireError
 
@@ -69,15 +69,17 @@ def test_wire_bounds_the_data_frame():
         wire_batch.decode([*header, b"x" * (wire_batch.MAX_CHUNK_BYTES + 1)])
 
 
-def good(custom_id: str = "a", url: str = "/v1/completions", model: str = "m") -> bytes:
+def good(
+    custom_id: str = "a", url: str = "/v1/completions", model: str = "m", prompt: str = "x"
+) -> bytes:
     line = {"custom_id": custom_id, "method": "POST", "url": url,
-            "body": {"model": model, "prompt": "x"}}  # fmt: skip
+            "body": {"model": model, "prompt": prompt}}  # fmt: skip
     return json.dumps(line).encode()
 
 
 def test_check_line_names_each_problem():
-    assert check_line(good(), "/v1/completions", ["m"]) == ("a", [])
-    codes = lambda text: [p["code"] for p in check_line(text, "/v1/completions", ["m"])[1]]  # noqa: E731
+    assert check_line(good(), "/v1/completions", ["m"]) == ("a", "x", [])
+    codes = lambda text: [p["code"] for p in check_line(text, "/v1/completions", ["m"])[2]]  # noqa: E731
     assert codes(b"[1]") == ["invalid_json"]
     assert codes(b"{") == ["invalid_json"]
     assert codes(good(url="/v1/chat/completions")) == ["mismatched_url"]
@@ -112,13 +114,56 @@ def test_validate_reports_every_bad_line_and_records_none(store):
 def test_validate_records_each_line_where_it_sits(store):
     batch = new_batch(store, [good("a"), good("b")])
     assert validate(store, batch, ["m"]) == (2, [])
-    rows = store.pending_lines("batch_x", 0, 10)
+    rows = store.pending_lines("batch_x")
     text = store.path_of("file-in").read_bytes()
     for row in rows:
         assert (
             json.loads(text[row["offset"] : row["offset"] + row["length"]])["custom_id"]
             == (row["custom_id"])
         )
+
+
+def test_lines_that_share_a_prompt_start_are_fed_together(store):
+    shared = "You are a careful translator. " * 20  # longer than the key
+    lines = [good("a", prompt=shared + "one"), good("b", prompt="Hello"),
+             good("c", prompt=shared + "two"), good("d", prompt="Hello there"),
+             good("e", prompt=shared + "three")]  # fmt: skip
+    validate(store, new_batch(store, lines), ["m"])
+    order = [row["custom_id"] for row in store.pending_lines("batch_x")]
+    assert order == ["b", "d", "a", "c", "e"]  # by prompt start, then file order
+    # Paging with the cursor gives the same order, each line once.
+    paged, cursor = [], ("", 0)
+    while page := store.pending_lines("batch_x", cursor, 2):
+        paged += [row["custom_id"] for row in page]
+        cursor = (page[-1]["prefix_key"], page[-1]["line_no"])
+    assert paged == order
+
+
+def test_prefix_keys_of_chat_and_completion_lines():
+    system = {"role": "system", "content": "S"}
+    chat = {"messages": [system, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert prefix_key(chat) == "system\x00S\x00user\x00hi"
+    assert prefix_key({"prompt": [1, 2]}) == "1,2,"
+    assert prefix_key({"prompt": ["first", "second"]}) == "first"
+    assert prefix_key({"prompt": "p" * 2000}) == "p" * PREFIX_KEY_CHARS
+    assert prefix_key({"prompt": None, "messages": "nonsense"}) == ""
+
+
+def test_an_old_database_gains_the_prefix_key(tmp_path):
+    import sqlite3
+
+    old = sqlite3.connect(tmp_path / "batch.sqlite3")
+    old.execute(
+        "CREATE TABLE lines (batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT "
+        "NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL, state INTEGER NOT NULL "
+        "DEFAULT 0, PRIMARY KEY (batch_id, line_no), UNIQUE (batch_id, custom_id))"
+    )
+    old.execute("INSERT INTO lines VALUES ('batch_x', 1, 'a', 0, 10, 0)")
+    old.commit()
+    old.close()
+    store = Store(tmp_path)
+    assert [row["prefix_key"] for row in store.pending_lines("batch_x")] == [""]
+    store.close()
 
 
 def test_answers_are_recovered_exactly_once_after_a_kill(store):
@@ -135,7 +180,7 @@ def test_answers_are_recovered_exactly_once_after_a_kill(store):
         file.write(json.dumps(line_b).encode() + b"\n" + b'{"id": "r", "custom_id": "c", "resp')
     recovered = Answers(store, "batch_x")
     recovered.close()
-    assert [row["custom_id"] for row in store.pending_lines("batch_x", 0, 10)] == ["c"]
+    assert [row["custom_id"] for row in store.pending_lines("batch_x")] == ["c"]
     assert [json.loads(x)["custom_id"] for x in path.read_bytes().splitlines()] == ["a", "b"]
     assert store.get_batch("batch_x")["request_counts"]["completed"] == 2
     assert not store.mark_answered("batch_x", "a", True)  # answered once only
