@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.chat_prompt import chat_prompt_ids, renders_tagged_tools
 from services.gateway.cluster import ClusterClient, SubmitRefused
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
 from services.gateway.openai_protocol import ApiError, GenerationRequest, bad_request
@@ -114,6 +115,8 @@ class Generator:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
+        # Tools go through the model's own template when it renders them as tagged calls.
+        self.template_renders_tools = renders_tagged_tools(tokenizer)
 
     def prepare(self, request: GenerationRequest, id_prefix: str) -> Generation:
         arrived_at = time.monotonic()
@@ -127,9 +130,7 @@ class Generator:
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            ids = self.tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            ids = chat_prompt_ids(self.tokenizer, request, self.template_renders_tools)
         elif request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
             if any(not 0 <= t < self.vocab_size for t in ids):

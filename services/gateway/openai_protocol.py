@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from services.gateway.structured_outputs import parse_constraint
-from services.gateway.tools import ToolSetup, parse_tools, render_tool_calls
+from services.gateway.tools import ToolSetup, fallback_messages, parse_history_calls, parse_tools
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from shared.errors import InvalidRequestError
 
@@ -160,7 +160,7 @@ class GenerationRequest:
     chat: bool
     prompt_text: str | None
     prompt_token_ids: list[int] | None
-    messages: list[dict[str, str]] | None  # [{"role", "content"}], content always a string
+    messages: list[dict[str, str]] | None  # [{"role", "content"}] in the tools' fallback format
     max_tokens: int | None  # None: not given, the default depends on the prompt's length
     max_tokens_param: str  # the field it came from, named in errors: chat may use another
     sampling_kwargs: Mapping[str, Any]  # SamplingParams fields the client gave, but max_tokens
@@ -172,6 +172,9 @@ class GenerationRequest:
     user: str | None
     priority: int
     tools: ToolSetup | None = None  # chat with `tools`: calls are parsed from the output
+    # The same conversation as chat templates that render tools take it (tool_calls parsed, no
+    # tool text added); services.gateway.chat_prompt chooses between the two.
+    template_messages: list[dict[str, Any]] | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -298,13 +301,15 @@ def _parse_prompt(value: Any, max_model_len: int) -> tuple[str | None, list[int]
     _fail("prompt", "must be a non-empty string, a non-empty list of token ids, or [string]")
 
 
-def _parse_messages(value: Any) -> list[dict[str, str]]:
+def _parse_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         _fail("messages", "must be a non-empty list of messages")
     return [_parse_message(message, f"messages[{i}]") for i, message in enumerate(value)]
 
 
-def _parse_message(message: Any, where: str) -> dict[str, str]:
+def _parse_message(message: Any, where: str) -> dict[str, Any]:
+    """{"role", "content"} (content always a string), with `tool_calls` (parsed) on an assistant
+    message that has them and `tool_call_id` on a tool message that gives it."""
     if not isinstance(message, dict):
         _fail(where, "a message must be an object with `role` and `content`")
     for name in message:
@@ -313,36 +318,30 @@ def _parse_message(message: Any, where: str) -> dict[str, str]:
     calls = message.get("tool_calls")
     if calls and message.get("role") != "assistant":
         _fail(f"{where}.tool_calls", "only assistant messages carry tool calls")
-    for name in ("name", "tool_call_id"):  # accepted, unused: no tools, no speaker names
+    for name in ("name", "tool_call_id"):  # `name` is accepted, unused: no speaker names
         if message.get(name) is not None and not isinstance(message[name], str):
             _fail(f"{where}.{name}", "must be a string")
     role = message.get("role")
     if role not in _ROLES:
         _fail(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
-    if calls:  # rendered as the model writes them (services.gateway.tools)
+    if calls:
         text = message.get("content")
         text = "" if text is None else _parse_content(text, f"{where}.content")
-        rendered = _call_text(calls, f"{where}.tool_calls")
-        return {"role": "assistant", "content": f"{text}\n{rendered}" if text else rendered}
+        return {"role": "assistant", "content": text, "tool_calls": _history_calls(calls, where)}
     content = _parse_content(message.get("content"), f"{where}.content")
     # Open models' chat templates know system/user/assistant/tool; for OpenAI, `developer` is
     # the new name of `system`.
-    return {"role": "system" if role == "developer" else role, "content": content}
+    parsed = {"role": "system" if role == "developer" else role, "content": content}
+    if role == "tool" and message.get("tool_call_id") is not None:
+        parsed["tool_call_id"] = message["tool_call_id"]
+    return parsed
 
 
-def _call_text(calls: Any, where: str) -> str:
+def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     try:
-        return render_tool_calls(calls, where)
+        return parse_history_calls(calls, f"{where}.tool_calls")
     except InvalidRequestError as error:
         raise from_invalid_request(error) from None
-
-
-def _with_tools(messages: list[dict[str, str]], tools: ToolSetup) -> list[dict[str, str]]:
-    """The tools' signatures at the end of the system turn (one is added if there is none)."""
-    if messages[0]["role"] == "system":
-        first = {"role": "system", "content": f"{messages[0]['content']}\n\n{tools.system_text()}"}
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": tools.system_text()}, *messages]
 
 
 def _parse_content(content: Any, where: str) -> str:
@@ -428,7 +427,7 @@ def _build(
     logprobs: int | None,
     prompt_text: str | None = None,
     prompt_token_ids: list[int] | None = None,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     tools: ToolSetup | None = None,
 ) -> GenerationRequest:
     """The fields both endpoints share; the sampling fields are checked here by building a
@@ -458,7 +457,8 @@ def _build(
         chat=chat,
         prompt_text=prompt_text,
         prompt_token_ids=prompt_token_ids,
-        messages=messages,
+        messages=None if messages is None else fallback_messages(messages, tools),
+        template_messages=messages,
         max_tokens=max_tokens[0],
         max_tokens_param=max_tokens[1],
         sampling_kwargs=MappingProxyType(sampling_kwargs),
@@ -500,8 +500,6 @@ def parse_chat_request(body: Any, served_model: str, max_model_len: int) -> Gene
     except InvalidRequestError as error:
         raise from_invalid_request(error) from None
     messages = _parse_messages(body.get("messages"))
-    if tools is not None:
-        messages = _with_tools(messages, tools)
     return _build(
         body,
         model,

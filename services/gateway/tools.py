@@ -68,6 +68,10 @@ class ToolSetup:
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
         return Constraint("json_schema", json.dumps(schema), "tools")
 
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools in OpenAI's request form, as chat templates that render tools take them."""
+        return [{"type": "function", "function": dict(f)} for f in self.functions]
+
     def system_text(self) -> str:
         signatures = "\n".join(json.dumps(dict(f)) for f in self.functions)
         return (
@@ -144,11 +148,12 @@ def _parse_choice(choice: Any, names: list[str]) -> str:
     return function["name"]
 
 
-def render_tool_calls(calls: Any, where: str) -> str:
-    """An assistant message's `tool_calls` as the tagged text the model would have written."""
+def parse_history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` checked, in the form chat templates take:
+    [{"type": "function", "function": {"name", "arguments": <parsed JSON>}}]."""
     if not isinstance(calls, list):
         raise InvalidRequestError(where, "must be a list of tool calls")
-    texts = []
+    parsed_calls = []
     for i, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -160,6 +165,38 @@ def render_tool_calls(calls: Any, where: str) -> str:
             raise InvalidRequestError(
                 f"{where}[{i}].function.arguments", "must be a JSON object"
             ) from None
-        call_json = json.dumps({"name": function["name"], "arguments": parsed})
+        parsed_calls.append(
+            {"type": "function", "function": {"name": function["name"], "arguments": parsed}}
+        )
+    return parsed_calls
+
+
+def tagged_calls(calls: list[dict[str, Any]]) -> str:
+    """Parsed history calls as the tagged text the model would have written."""
+    texts = []
+    for call in calls:
+        function = call["function"]
+        call_json = json.dumps({"name": function["name"], "arguments": function["arguments"]})
         texts.append(f"<tool_call>{call_json}</tool_call>")
     return "\n".join(texts)
+
+
+def fallback_messages(
+    messages: list[dict[str, Any]], tools: ToolSetup | None
+) -> list[dict[str, str]]:
+    """The conversation in the fallback format, for templates that know no tools: history
+    calls as tagged text after the assistant's content, and the tools' signatures at the end of
+    the system turn (one is added if there is none)."""
+    plain = []
+    for message in messages:
+        content = message["content"]
+        if message.get("tool_calls"):
+            calls = tagged_calls(message["tool_calls"])
+            content = f"{content}\n{calls}" if content else calls
+        plain.append({"role": message["role"], "content": content})
+    if tools is None:
+        return plain
+    if plain[0]["role"] == "system":
+        first = {"role": "system", "content": f"{plain[0]['content']}\n\n{tools.system_text()}"}
+        return [first, *plain[1:]]
+    return [{"role": "system", "content": tools.system_text()}, *plain]
