@@ -1,8 +1,9 @@
 """`tandem top`: a live terminal view of a running cluster, from its gateway's HTTP port.
 
 Each refresh fetches the gateway's `/ready` (the scheduler's view: every worker's load, KV blocks
-and heartbeat age, the fair-share parties and their queues) and `/metrics` (every peer's counters,
-federated) into a `Snapshot`, and draws one frame from it. A `/ready` that answers 503 is drawn as
+and heartbeat age, the fair-share parties and their queues), `/metrics` (every peer's counters,
+federated) and `/v1/batches` (the API key's newest batch jobs) into a `Snapshot`, and draws one
+frame from it. A `/ready` that answers 503 is drawn as
 well: a cluster that is not ready is what one most wants to look at. The data side (fetching,
 rates, batch history) is `services.commands.top_data`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -65,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--once", action="store_true", help="print one frame and exit (1 if unreachable)"
     )
     parser.add_argument("--iterations", type=positive(int), default=None, help="frames, then exit")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="whose batch jobs to show (default: $OPENAI_API_KEY)",
+    )
 
 
 # ---- rendering (pure: data in, renderables out) ------------------------------------------------
@@ -221,6 +228,40 @@ def render_batches(
     return table
 
 
+ACTIVE_JOBS = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+def render_jobs(jobs: Sequence[Mapping[str, Any]] | None, note: str | None, now: float) -> Table:
+    table = _table("batch jobs", ("id", "status"), ("done", "failed", "total", "age"))
+    table.add_column("progress", no_wrap=True)
+    for job in jobs or ():
+        counts = job.get("request_counts") or {}
+        done, failed, total = (counts.get(k) for k in ("completed", "failed", "total"))
+        status = str(job.get("status"))
+        created = job.get("created_at")
+        age = f"{max(0.0, now - created):.0f} s" if isinstance(created, int | float) else MISSING
+        table.add_row(
+            Text(_value(job.get("id"))),
+            Text(status, "bold green" if status in ACTIVE_JOBS else "dim"),
+            _value(done), _value(failed), _value(total), age,
+            progress_bar(done, failed, total),
+        )  # fmt: skip
+    if note is not None:
+        table.caption = note
+    elif not jobs:
+        table.caption = "no batch jobs"
+    return table
+
+
+def progress_bar(done: Any, failed: Any, total: Any, width: int = 20) -> Text:
+    counts = (done, failed, total)
+    if not all(isinstance(c, int) and c >= 0 for c in counts) or not total:
+        return Text(MISSING)
+    share = min(1.0, (done + failed) / total)
+    filled = round(share * width)
+    return Text.assemble(("█" * filled, "cyan"), ("░" * (width - filled), "dim"), f" {share:.0%}")
+
+
 def render_unreachable(url: str, error: str, interval: float | None = None) -> Panel:
     retry = f"\nretrying every {interval:g} s (Ctrl-C to quit)" if interval else ""
     body = Text.assemble(("cannot reach the gateway at ", "bold red"), (url, "bold"), f"\n{error}")
@@ -233,15 +274,17 @@ def render_frame(
     ready: Mapping[str, Any],
     rates: Mapping[str, float | None],
     history: Mapping[str, Sequence[int]],
+    jobs: Table | None = None,
 ) -> Group:
     workers = ready.get("workers") or []
     service = (ready.get("scheduler") or {}).get("service") or []
-    return Group(
+    parts = [
         render_header(url, ready, rates),
         render_workers(workers),
         render_fair_share(service),
         render_batches(workers, history),
-    )
+    ]
+    return Group(*parts, *([jobs] if jobs is not None else []))
 
 
 # ---- the loop ----------------------------------------------------------------------------------
@@ -262,7 +305,8 @@ class Top:
         rates = token_rates(self._previous, snapshot)
         self.batches.observe(snapshot.ready.get("workers") or [])
         self._previous = snapshot
-        return render_frame(self.url, snapshot.ready, rates, self.batches.sizes)
+        jobs = render_jobs(snapshot.jobs, snapshot.jobs_note, time.time())
+        return render_frame(self.url, snapshot.ready, rates, self.batches.sizes, jobs)
 
 
 def live_loop(
@@ -292,9 +336,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         with httpx.Client(trust_env=False, timeout=timeout) as client:
             if args.once:
-                return print_once(Top(url), fetch(client, url), console)
+                return print_once(Top(url), fetch(client, url, args.api_key), console)
             top = Top(url, args.interval)
-            return live_loop(top, lambda: fetch(client, url), console, args.iterations)
+            snapshots = lambda: fetch(client, url, args.api_key)  # noqa: E731
+            return live_loop(top, snapshots, console, args.iterations)
     except KeyboardInterrupt:  # the last frame stays on screen, without a traceback
         return 0
 

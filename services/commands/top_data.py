@@ -41,6 +41,8 @@ class Snapshot:
     ready: dict[str, Any] = field(default_factory=dict)
     counters: Counters | None = None  # None when /metrics failed: rates unknown, the rest drawn
     error: str | None = None
+    jobs: list[dict[str, Any]] | None = None  # the key's batch jobs, newest first; None: unknown
+    jobs_note: str | None = None  # why `jobs` is None (no batch service, a key needed, ...)
 
 
 def parse_counters(text: str, names: Iterable[str] = RATE_METRICS) -> Counters:
@@ -53,7 +55,10 @@ def parse_counters(text: str, names: Iterable[str] = RATE_METRICS) -> Counters:
     }
 
 
-def fetch(client: httpx.Client, url: str) -> Snapshot:
+JOBS_SHOWN = 8  # the newest batch jobs listed
+
+
+def fetch(client: httpx.Client, url: str, api_key: str | None = None) -> Snapshot:
     at = time.monotonic()
     try:
         response = client.get(url + "/ready")
@@ -72,7 +77,28 @@ def fetch(client: httpx.Client, url: str) -> Snapshot:
         counters = parse_counters(metrics.text)
     except (httpx.HTTPError, ValueError):
         counters = None
-    return Snapshot(at, ready=ready, counters=counters)
+    jobs, note = fetch_jobs(client, url, api_key)
+    return Snapshot(at, ready=ready, counters=counters, jobs=jobs, jobs_note=note)
+
+
+def fetch_jobs(
+    client: httpx.Client, url: str, api_key: str | None
+) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(the newest batch jobs of the key's tenant, None) or (None, why not)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = client.get(url + "/v1/batches", params={"limit": JOBS_SHOWN}, headers=headers)
+    except httpx.HTTPError as error:
+        return None, _describe(error)
+    if response.status_code == 401:
+        return None, "the gateway wants an API key: --api-key or OPENAI_API_KEY"
+    if response.status_code != 200:
+        return None, f"/v1/batches answered {response.status_code} (no batch service?)"
+    try:
+        data = response.json()["data"]
+    except (ValueError, KeyError, TypeError):
+        return None, "/v1/batches answered a body without `data`"
+    return [job for job in data if isinstance(job, dict)], None
 
 
 def _describe(error: Exception) -> str:

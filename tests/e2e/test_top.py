@@ -37,3 +37,4 @@ def test_top_renders_every_worker_of_a_running_cluster(cluster):
         assert peer in result.stdout, result.stdout
     assert "cluster ready" in result.stdout
     assert "top-test" in result.stdout  # the fair-share table has the request's tenant
+    assert "batch jobs" in result.stdout and "answered" not in result.stdout  # read, no error

@@ -207,10 +207,24 @@ def test_a_narrow_terminal_still_shows_whole_peer_ids():
 # ---- fetching and the loop ----
 
 
-def mock_gateway(status: int = 200, body: dict | None = None, metrics_status: int = 200):
+JOBS = [
+    {"id": "batch_new", "status": "in_progress", "created_at": 1000,
+     "request_counts": {"total": 40, "completed": 9, "failed": 1}},
+    {"id": "batch_old", "status": "completed", "created_at": 400,
+     "request_counts": {"total": 5, "completed": 5, "failed": 0}},
+]  # fmt: skip
+
+
+def mock_gateway(
+    status: int = 200, body: dict | None = None, metrics_status: int = 200, jobs_status: int = 200
+):
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/ready":
             return httpx.Response(status, json=body if body is not None else ready_body())
+        if request.url.path == "/v1/batches":
+            if request.headers.get("authorization") != "Bearer k":
+                return httpx.Response(401, json={"error": {"message": "no key"}})
+            return httpx.Response(jobs_status, json={"object": "list", "data": JOBS})
         return httpx.Response(metrics_status, text=metrics_text(42, 7))
 
     return httpx.Client(transport=httpx.MockTransport(handle))
@@ -224,6 +238,29 @@ def test_fetch_reads_ready_and_metrics_and_keeps_a_503_body():
     assert not_ready.error is None and not_ready.ready["ready"] is False
     without_metrics = top.fetch(mock_gateway(metrics_status=500), URL)
     assert without_metrics.error is None and without_metrics.counters is None
+
+
+def test_fetch_reads_the_keys_batch_jobs_or_says_why_not():
+    got = top.fetch(mock_gateway(), URL, api_key="k")
+    assert [job["id"] for job in got.jobs] == ["batch_new", "batch_old"] and got.jobs_note is None
+    keyless = top.fetch(mock_gateway(), URL)
+    assert keyless.jobs is None and "--api-key" in keyless.jobs_note
+    missing = top.fetch(mock_gateway(jobs_status=404), URL, api_key="k")
+    assert missing.jobs is None and "404" in missing.jobs_note
+
+
+def test_a_frame_shows_batch_jobs_with_their_progress(monkeypatch):
+    monkeypatch.setattr(top.time, "time", lambda: 1030.0)
+    frame = Top(URL).frame(Snapshot(0.0, ready=ready_body(), jobs=JOBS))
+    text = render(frame, width=120)
+    new = next(line for line in text.splitlines() if "batch_new" in line)
+    assert "in_progress" in new and "30 s" in new and "25%" in new  # (9 + 1) of 40
+    old = next(line for line in text.splitlines() if "batch_old" in line)
+    assert "100%" in old
+    empty = render(Top(URL).frame(Snapshot(0.0, ready=ready_body(), jobs=[])))
+    assert "no batch jobs" in empty
+    noted = Snapshot(0.0, ready=ready_body(), jobs_note="the gateway wants an API key")
+    assert "wants an API key" in render(Top(URL).frame(noted))
 
 
 def test_fetch_names_what_went_wrong():
