@@ -26,6 +26,7 @@ from services.batch.store import Store
 from services.gateway.rpc_client import AsyncTandemClient
 from shared import wire_batch
 from shared.config import (
+    CurveSettings,
     add_config_arguments,
     config_from_args,
     require_address,
@@ -33,6 +34,7 @@ from shared.config import (
     require_positive,
     setting,
 )
+from shared.curve import ClientKeys, Security
 from shared.logs import configure_logging, get_logger
 from shared.metrics import name, serve_metrics
 from shared.wire import WireError
@@ -41,7 +43,7 @@ METRICS_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
-class BatchServiceConfig:
+class BatchServiceConfig(CurveSettings):
     address: str = setting("ipc:///tmp/tandem/batch.sock", "the ROUTER gateways connect to")
     gateway_rpc_address: str = setting(
         "ipc:///tmp/tandem/gateway-rpc.sock", "a gateway's RPC door, where lines are sent"
@@ -62,6 +64,7 @@ class BatchServiceConfig:
             self, "max_file_bytes", "max_lines", "max_in_flight", "line_timeout_s", "max_attempts"
         )
         require_port(self, "metrics_port")
+        self.curve_keys()
         if self.max_in_flight > 256:
             raise ValueError(
                 "max_in_flight (--max-in-flight / TANDEM_MAX_IN_FLIGHT) must be at most 256 "
@@ -110,11 +113,16 @@ class BatchService:
         self.config = config
         self.log = get_logger(role="batch")
         self.store = Store(config.data_dir)
+        # Under CurveZMQ the gateways' batch link must hold the cluster's key to reach us, and we
+        # present it to their RPC door (which lets the cluster's own key in).
+        keys = config.curve_keys()
+        self.security = Security(keys, self.log)
         self.client = AsyncTandemClient(
             config.gateway_rpc_address,
             timeout_s=config.line_timeout_s,
             api_key=config.api_key,
             bulk=True,
+            curve=None if keys is None else ClientKeys(keys.public, keys.secret, keys.public),
         )
         limits = RunLimits(config.max_in_flight, config.line_timeout_s, config.max_attempts)
         self.jobs = JobManager(self.store, self.client, limits)
@@ -126,7 +134,9 @@ class BatchService:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
-        socket = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        context = zmq.asyncio.Context.instance()
+        self.security.start(context)
+        socket = self.security.server(context.socket(zmq.ROUTER))
         socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_CHUNK_BYTES + (1 << 20))
         socket.setsockopt(zmq.LINGER, 0)
         socket.bind(self.config.address)
@@ -139,6 +149,7 @@ class BatchService:
         self.log.info(
             "batch service listening",
             address=self.config.address,
+            curve=self.security.enabled,
             data_dir=self.config.data_dir,
             resumed=resumed,
             metrics=metrics_address,
@@ -150,6 +161,7 @@ class BatchService:
         await self.jobs.close()
         await self.client.close()
         socket.close()
+        self.security.stop()
         self.store.close()
 
     async def _receive(self, socket: zmq.asyncio.Socket) -> None:

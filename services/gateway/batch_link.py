@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from services.gateway.openai_protocol import ERROR_TYPES, ApiError
 from shared import wire_batch
+from shared.curve import CurveKeys, Security
 from shared.logs import get_logger
 from shared.wire import WireError
 
@@ -24,17 +25,18 @@ Reply = tuple[int, dict[str, Any], bytes | None]
 
 
 class BatchLink:
-    def __init__(self, address: str, timeout_s: float = 30.0):
+    def __init__(self, address: str, timeout_s: float = 30.0, curve: CurveKeys | None = None):
         self.address = address
         self.timeout_s = timeout_s
         self.log = get_logger(component="batch_link")
+        self.security = Security(curve, self.log)  # the cluster's keys, under CurveZMQ
         self._socket: zmq.asyncio.Socket | None = None
         self._call_ids = (str(n) for n in itertools.count())
         self._waiting: dict[str, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
 
     async def start(self) -> None:
-        socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        socket = self.security.client(zmq.asyncio.Context.instance().socket(zmq.DEALER))
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_CHUNK_BYTES + (1 << 20))
         socket.connect(self.address)

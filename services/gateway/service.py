@@ -147,7 +147,9 @@ def build_gateway(config: GatewayConfig):
             generator, config.rpc_address, config.max_body_bytes, keys, config.curve_keys()
         )
 
-    batch = BatchLink(config.batch_address) if config.batch_address is not None else None
+    batch = None
+    if config.batch_address is not None:
+        batch = BatchLink(config.batch_address, curve=config.curve_keys())
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -3,8 +3,10 @@ DockerCompose: one compose project for the whole module, its gateway published o
 
 The tests run in order on that one project, as a user would drive it: build the image
 (compose/build-image.sh: a Debian base and torch's CPU wheel, no image registry needed), `up`
-(prepare, keys, scheduler, gateway, one prefill and one decode worker, all healthy), complete and
-stream through the `openai` package with greedy output equal to the engine's, scale to two prefill
+(prepare, keys, scheduler, gateway, one prefill and one decode worker and the batch service, all
+healthy), complete and stream through the `openai` package with greedy output equal to the
+engine's, run a batch job through the batch service (its lines over the gateway's CurveZMQ RPC
+door), scale to two prefill
 and two decode workers that all serve, `docker kill` a decode worker under streaming load,
 disconnect a worker from the compose network and connect it again, restart the scheduler under
 load, and `down`. Every load is a fixed set of requests with a time limit.
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2"
-LONG_RUNNING = ("scheduler", "gateway", "prefill", "decode")
+LONG_RUNNING = ("scheduler", "gateway", "prefill", "decode", "batch")
 # Twice the default: four workers on two shared cores can stall a heartbeat for seconds.
 HEARTBEAT_TIMEOUT_S = 20
 SUBJECTS = ("The history of the printing press", "A recipe for bread:", "def fibonacci(n):",
@@ -315,6 +317,36 @@ def test_openai_client_completes_and_streams_the_engines_greedy_text(compose_clu
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed and streamed == whole.choices[0].message.content
+
+
+def test_a_batch_job_runs_through_the_batch_service(compose_cluster, references):
+    import io
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=compose_cluster.url + "/v1", api_key="unused", timeout=60)
+    lines = [
+        {"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                  "ignore_eos": True}}
+        for i, prompt in enumerate(PROMPTS[:3])
+    ]  # fmt: skip
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    upload = client.files.create(file=("in.jsonl", io.BytesIO(text.encode())), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + LOAD_TIMEOUT_S
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, (batch, compose_cluster.logs_tail())
+        time.sleep(2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 3, batch
+    output = client.files.content(batch.output_file_id).text.splitlines()
+    answers = {json.loads(x)["custom_id"]: json.loads(x)["response"]["body"] for x in output}
+    assert sorted(answers) == ["line-0", "line-1", "line-2"]
+    for i, prompt in enumerate(PROMPTS[:3]):
+        assert answers[f"line-{i}"]["choices"][0]["text"] == references[prompt]
 
 
 def test_scaled_to_two_prefill_and_two_decode_all_serve(compose_cluster, references):

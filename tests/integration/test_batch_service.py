@@ -89,3 +89,30 @@ def test_wrong_frames_are_dropped_and_logged_and_files_survive_a_restart(tmp_pat
         socket.close()
         process.kill()
         process.wait()
+
+
+def test_under_curvezmq_only_a_holder_of_the_clusters_key_gets_an_answer(tmp_path):
+    from shared.curve import CurveKeys, generate
+
+    generate(tmp_path / "keys")
+    generate(tmp_path / "other")
+    process = start(tmp_path, "--curve-keys-dir", str(tmp_path / "keys"))
+    try:
+        wait_listening(process)
+        cluster = CurveKeys.from_dir(tmp_path / "keys")
+        stranger = CurveKeys.from_dir(tmp_path / "other")
+        context = zmq.Context.instance()
+        for keys, answered in ((cluster, True), (stranger, False)):
+            socket = context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.curve_secretkey, socket.curve_publickey = keys.secret, keys.public
+            socket.curve_serverkey = cluster.public
+            socket.connect(f"ipc://{tmp_path}/batch.sock")
+            message = wire_batch.BatchCall(call_id="1", op="file_list", tenant="t", params="{}")
+            socket.send_multipart(wire_batch.encode(message))
+            assert bool(socket.poll(10_000 if answered else 2_000)) is answered
+            socket.close()
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=30)
+    assert "unknown CurveZMQ key" in output.decode()  # the stranger, refused and logged

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from services.batch.service import BatchServiceConfig
 from services.commands.cli import SUBCOMMANDS
 from services.gateway.service import GatewayConfig
 from services.scheduler.service import SchedulerConfig
@@ -44,7 +45,10 @@ ROLE_CONFIGS: dict[str, type] = {
     "gateway": GatewayConfig,
     "prefill": WorkerConfig,
     "decode": WorkerConfig,
+    "batch-service": BatchServiceConfig,
 }
+# The compose service that runs each role (a role's own name where they agree).
+SERVICE_NAMES = {"scheduler", "gateway", "prefill", "decode", "batch"}
 # `tandem prepare` takes only --model (services/commands/prepare.py)
 PREPARE_SETTINGS = {"TANDEM_MODEL"}
 # Read by every process outside the config dataclasses (shared/engine/loader.py, shared/logs.py).
@@ -71,7 +75,7 @@ def compose_problems(compose: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     compose = _interpolate(compose, "", problems)
     services = compose.get("services") or {}
-    for name in ("prepare", *ROLE_CONFIGS):
+    for name in ("prepare", *SERVICE_NAMES):
         if name not in services:
             problems.append(f"service {name!r} is missing")
     configs: dict[str, tuple[str, Any]] = {}  # service -> (role, its config or None)
@@ -259,8 +263,10 @@ def _check_links(configs: dict[str, tuple], services: dict, problems: list[str])
             _check_metrics(name, config, services[name], problems)
         if role == "decode":
             _check_decode(name, config, problems)
+        if role == "batch-service":
+            _check_batch(name, config, configs, problems)
         if (
-            role != "scheduler"
+            role not in ("scheduler", "batch-service")
             and scheduler_address
             and config.scheduler_address != scheduler_address
         ):
@@ -297,6 +303,27 @@ def _check_metrics(name: str, config: Any, service: dict, problems: list[str]) -
             f"{name}: TANDEM_METRICS_HOST must be 0.0.0.0, or the gateway cannot scrape it"
         )
     _check_healthcheck(name, service, config.metrics_port, problems, ("/health",))
+
+
+def _check_batch(name: str, config: Any, configs: dict, problems: list[str]) -> None:
+    """The gateway forwards Files and Batches calls to the service, which sends lines back to
+    the gateway's RPC door: each must name the other where it listens."""
+    gateway = configs.get("gateway", (None, None))[1]
+    if gateway is None:
+        return
+    if gateway.batch_address != f"tcp://{name}:{_port(config.address)}":
+        problems.append(
+            f"gateway: TANDEM_BATCH_ADDRESS is {gateway.batch_address}, but the batch service "
+            f"listens at tcp://{name}:{_port(config.address)}"
+        )
+    if _host(config.address) not in WILDCARD_HOSTS:
+        problems.append(f"{name}: TANDEM_ADDRESS must bind all interfaces ({config.address})")
+    rpc_port = _port(gateway.rpc_address) if gateway.rpc_address else None
+    if config.gateway_rpc_address != f"tcp://gateway:{rpc_port}":
+        problems.append(
+            f"{name}: TANDEM_GATEWAY_RPC_ADDRESS is {config.gateway_rpc_address}, but the "
+            f"gateway's RPC door is tcp://gateway:{rpc_port}"
+        )
 
 
 def _check_decode(name: str, config: WorkerConfig, problems: list[str]) -> None:
@@ -354,7 +381,7 @@ def test_compose_file_agrees_with_the_services():
 def test_services_and_the_one_shot_prepare():
     services = load_compose()["services"]
     assert set(services) == {
-        "prepare", "keys", "scheduler", "gateway", "prefill", "decode", "prometheus"
+        "prepare", "keys", "scheduler", "gateway", "prefill", "decode", "batch", "prometheus"
     }  # fmt: skip
     assert services["prepare"]["command"] == ["prepare"]
     assert services["prepare"]["restart"] == "no"
@@ -368,7 +395,9 @@ def test_published_ports_are_the_gateways_and_prometheus():
         "${GATEWAY_BIND:-127.0.0.1}:${GATEWAY_RPC_PORT:-8001}:8001",
     ]  # this host only by default: no API keys are set by default
     assert published["prometheus"] == ["${GATEWAY_BIND:-127.0.0.1}:${PROMETHEUS_PORT:-9090}:9090"]
-    assert not any(published[name] for name in ("prepare", "scheduler", "prefill", "decode"))
+    assert not any(
+        published[name] for name in ("prepare", "scheduler", "prefill", "decode", "batch")
+    )
 
 
 def test_prometheus_is_optional_and_scrapes_the_gateway():
@@ -441,7 +470,8 @@ def test_wheelhouse_and_certificate_stay_in_the_first_stage():
 
 def test_every_compose_role_is_a_subcommand():
     roles = {s["command"][0] for s in load_compose()["services"].values() if _is_tandem(s)}
-    assert roles == {"prepare", "keys", "scheduler", "gateway", "prefill", "decode"}
+    roles_wanted = {"prepare", "keys", "scheduler", "gateway", "prefill", "decode", "batch-service"}
+    assert roles == roles_wanted
     assert roles <= set(SUBCOMMANDS)
 
 
@@ -555,6 +585,14 @@ WRONG = {
     "missing service": (
         lambda c: c["services"].pop("scheduler"),
         "service 'scheduler' is missing",
+    ),
+    "gateway not forwarding to the batch service": (
+        lambda c: _env(c, "gateway").update(TANDEM_BATCH_ADDRESS="tcp://batch:5701"),
+        "TANDEM_BATCH_ADDRESS is tcp://batch:5701, but the batch service listens",
+    ),
+    "batch lines sent past the RPC door": (
+        lambda c: _env(c, "batch").update(TANDEM_GATEWAY_RPC_ADDRESS="tcp://gateway:8000"),
+        "the gateway's RPC door is tcp://gateway:8001",
     ),
 }
 
