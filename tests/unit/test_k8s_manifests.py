@@ -32,6 +32,7 @@ import pytest
 import yaml
 import zmq
 
+from services.batch.service import BatchServiceConfig
 from services.gateway.service import GatewayConfig
 from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
@@ -48,11 +49,14 @@ CONFIGS = {
     "scheduler": SchedulerConfig,
     "prefill": WorkerConfig,
     "decode": WorkerConfig,
+    "batch-service": BatchServiceConfig,
 }
 # Read outside the config dataclasses: shared/engine/loader.py and shared/logs.py.
 PROCESS_SETTINGS = {"TANDEM_CACHE_DIR", "TANDEM_LOG_FORMAT", "TANDEM_LOG_LEVEL"}
 PREPARE_SETTINGS = {"TANDEM_MODEL"}  # services/commands/prepare.py
 DUMMY_POD_IP = "10.1.2.3"
+GATEWAY_RPC = "tcp://tandem-gateway:8001"  # the gateway Service's RPC port (gateway.yaml)
+BATCH_SERVICE = "tcp://tandem-batch:5700"  # the batch Service (batch.yaml)
 DUMMY_SECRETS = {
     ("tandem-api-keys", "api-keys"): "0123456789abcdef0123=team-a,fedcba9876543210fedc"
 }
@@ -119,13 +123,14 @@ def container_problems(manifests: Manifests) -> list[str]:
     schedulers = scheduler_addresses(manifests)
     problems = []
     models = {}  # the scheduler refuses workers of another model
-    for filename, deployment in resources(manifests, "Deployment"):
+    workloads = [*resources(manifests, "Deployment"), *resources(manifests, "StatefulSet")]
+    for filename, deployment in workloads:
         pod = deployment["spec"]["template"]["spec"]
         for container in pod.get("initContainers", []) + pod["containers"]:
             where = f"{filename}: container {container['name']}"
             found, config = check_container(container, configmaps, schedulers)
             problems += [f"{where}: {problem}" for problem in found]
-            if config is not None:
+            if config is not None and hasattr(config, "model"):
                 models[where] = config.model
     if len(set(models.values())) > 1:
         problems.append(f"the roles name different models: {models}")
@@ -249,6 +254,16 @@ def address_problems(role: str, config, schedulers: set[str]) -> list[str]:
             f"TANDEM_SCHEDULER_ADDRESS is {config.scheduler_address}, not the scheduler "
             f"Service ({', '.join(sorted(schedulers)) or 'none defined'})"
         )
+    if role == "batch-service" and config.gateway_rpc_address != GATEWAY_RPC:
+        problems.append(
+            f"TANDEM_GATEWAY_RPC_ADDRESS is {config.gateway_rpc_address}: lines must go to the "
+            f"gateway Service's RPC port, {GATEWAY_RPC}"
+        )
+    if role == "gateway" and config.batch_address != BATCH_SERVICE:
+        problems.append(
+            f"TANDEM_BATCH_ADDRESS is {config.batch_address}, not the batch Service "
+            f"({BATCH_SERVICE})"
+        )
     if role == "decode" and config.address is None:
         problems.append("a decode worker needs TANDEM_ADDRESS (its KV socket)")
     advertised = {  # role -> (bound, advertised): the gateway's token stream, decode's KV socket
@@ -362,7 +377,10 @@ def manifests() -> Manifests:
 def test_the_manifests_are_there(manifests):
     kinds = sorted(doc["kind"] for _, doc in resources(manifests))
     assert kinds.count("Deployment") == 4 and kinds.count("HorizontalPodAutoscaler") == 2
-    assert set(by_name(manifests, "Service")) == {"tandem-gateway", "tandem-scheduler"}
+    assert kinds.count("StatefulSet") == 1  # the batch service, on its PersistentVolume
+    assert set(by_name(manifests, "Service")) == {
+        "tandem-gateway", "tandem-scheduler", "tandem-batch"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -494,6 +512,16 @@ MUTATIONS = {
         lambda m: m["decode.yaml"][0]["spec"].update(replica=3),
         "decode.yaml: Deployment/tandem-decode: spec: Additional properties are not allowed "
         "('replica' was unexpected)",
+    ),
+    "batch lines sent to the HTTP port": (
+        lambda m: _configmap(m, "tandem-batch").update(
+            TANDEM_GATEWAY_RPC_ADDRESS="tcp://tandem-gateway:8000"
+        ),
+        "TANDEM_GATEWAY_RPC_ADDRESS is tcp://tandem-gateway:8000: lines must go to",
+    ),
+    "gateway not forwarding to the batch service": (
+        lambda m: _configmap(m, "tandem-gateway").pop("TANDEM_BATCH_ADDRESS"),
+        "TANDEM_BATCH_ADDRESS is None, not the batch Service",
     ),
     "file not listed": (
         lambda m: m[KUSTOMIZATION][0]["resources"].remove("hpa.yaml"),
