@@ -21,17 +21,8 @@ from typing import Annotated, ClassVar, Literal
 import msgpack
 import zmq.asyncio
 
-from shared.wire import (
-    MAX_HEADER_BYTES,
-    CallId,
-    FrameLike,
-    JsonText,
-    MaxLen,
-    WireError,
-    _as_view,
-    _struct_codec,
-    _unpack_header,
-)
+from shared.wire_base import MAX_HEADER_BYTES, CallId, FrameLike, JsonText, MaxLen, WireError
+from shared.wire_codec import _as_view, _struct_codec, _unpack_header
 
 MAX_CHUNK_BYTES = 4 << 20  # one upload or content frame
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from shared import wire
 from shared.engine.sampling_params import SamplingParams
 from shared.wire import MessageType, WireError
+from shared.wire_codec import _numel
 
 # ----------------------------------------------------------------------------------------------
 # Strategies derived from the field annotations, the same way the module derives its codecs.
@@ -35,7 +36,7 @@ def _tensors(spec: wire.TensorOf) -> st.SearchStrategy[torch.Tensor]:
 
     def build(dtype_name: str, shape: list[int], seed: int) -> torch.Tensor:
         dtype = wire.DTYPES[dtype_name]
-        numel = wire._numel(shape)
+        numel = _numel(shape)
         generator = torch.Generator().manual_seed(seed)
         raw = torch.randint(
             0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=generator

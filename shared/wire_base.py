@@ -1,0 +1,164 @@
+"""The wire's vocabulary: limits, the field types every conversation uses (bounded strings and
+lists, tensors, sampling parameters, token deltas), the one-byte message codes and the base of
+every message. The messages themselves live with their conversation (`shared.wire` lists them);
+how they are encoded is `shared.wire_codec`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar, Literal
+
+import torch
+import zmq
+
+SCHEMA_VERSION = 4  # 3: prefix cache fields, bulk submits; 4: structured-output constraints
+MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
+MAX_HEADER_BYTES = 16 << 20
+MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
+MAX_HELD_IDS = 8192  # request ids a heartbeat carries
+MAX_TOKEN_IDS = 1 << 20  # a prompt (or prompt + output) of up to a million tokens
+MAX_REQUEST_ID_LEN = 128
+MAX_STR_LEN = 4096  # any other string
+MAX_JSON_LEN = 8 << 20  # an RPC call's JSON body or event (the HTTP API's body limit)
+MAX_LIST_LEN = 4096  # any other list
+MAX_TENSOR_DIMS = 8
+MAX_CONSTRAINT_CHARS = 64 << 10  # a schema, regex or grammar (the engine's cap)
+
+# The dtypes a tensor frame may hold, by their header name.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+FrameLike = bytes | memoryview | zmq.Frame  # what decode accepts per frame
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded (or encoded). Receivers log it and drop the message."""
+
+
+@dataclass(frozen=True)
+class MaxLen:
+    """Annotation metadata: the most characters (str) or entries (list) a field may hold."""
+
+    value: int
+
+
+@dataclass(frozen=True)
+class TensorOf:
+    """Annotation metadata: the dtypes (header names) and number of dimensions a tensor may have."""
+
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    ndim: int | None = None  # None: any, up to MAX_TENSOR_DIMS
+
+
+RequestId = Annotated[str, MaxLen(MAX_REQUEST_ID_LEN)]
+TokenIds = Annotated[list[int], MaxLen(MAX_TOKEN_IDS)]
+Role = Literal["gateway", "prefill", "decode"]
+Phase = Literal["prefill", "decode"]
+KvBlocks = Annotated[torch.Tensor, TensorOf(ndim=5)]
+GeneratorState = Annotated[torch.Tensor, TensorOf(dtypes=("uint8",), ndim=1)]
+CallId = Annotated[str, MaxLen(MAX_REQUEST_ID_LEN)]
+JsonText = Annotated[str, MaxLen(MAX_JSON_LEN)]
+
+
+class MessageType(enum.IntEnum):
+    """The one-byte code in frame 0."""
+
+    HELLO = 1
+    HELLO_ACK = 2
+    HEARTBEAT = 3
+    SUBMIT = 4
+    SUBMIT_REPLY = 5
+    CANCEL = 6
+    RESERVE = 7
+    RESERVE_REPLY = 8
+    PREFILL_JOB = 9
+    TOKENS = 10
+    KV_TRANSFER = 11
+    KV_ACK = 12
+    REQUEST_DONE = 13
+    CLUSTER_STATUS = 14
+    RPC_REQUEST = 15
+    RPC_CANCEL = 16
+    RPC_EVENT = 17
+
+
+# ----------------------------------------------------------------------------------------------
+# Nested map types (not messages)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorRef:
+    """How a header names a tensor: its bytes are frame `frame`, C-contiguous, native order."""
+
+    dtype: Literal["float32", "float16", "bfloat16", "int64", "int32", "uint8"]
+    shape: Annotated[list[int], MaxLen(MAX_TENSOR_DIMS)]
+    frame: int  # >= 2; each tensor frame is named by exactly one TensorRef
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConstraintSpec:
+    """A structured-output constraint (`shared.engine.constraint.Constraint`) on the wire."""
+
+    kind: Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+    spec: Annotated[str, MaxLen(MAX_CONSTRAINT_CHARS)] = ""  # schema, regex, choices or EBNF
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingSpec:
+    """The engine's `SamplingParams` on the wire, same names and defaults; the engine validates
+    ranges when it builds `SamplingParams` from it."""
+
+    max_tokens: int = 16  # most tokens to generate
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0  # nucleus mass kept
+    min_p: float = 0.0  # drop tokens below min_p * the best token's probability
+    seed: int | None = None  # None: the worker seeds from the OS
+    presence_penalty: float = 0.0  # subtracted once for every token present in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (or multiplies) logits of seen tokens
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    ignore_eos: bool = False  # keep generating past EOS
+    min_tokens: int = 0  # EOS and stop tokens suppressed until this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # finish on any of these
+    constraint: ConstraintSpec | None = None  # what the output must match (structured output)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenDelta:
+    """One request's new tokens from one engine step."""
+
+    request_id: RequestId
+    token_ids: list[int]  # new tokens, in order (usually one)
+    logprobs: list[float] | None = None  # per new token the chosen token's logprob, if asked
+    # per new token its top-n (token id, logprob), best first, if asked with logprobs >= 1
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # "stop", "length" or "abort" on the request's last delta; "lost" when the worker holding
+    # it is gone (its gateway resumes it elsewhere from the tokens it has, or fails it);
+    # "timeout" (with `error`) when it waited past a limit, such as the queue's; "preempted"
+    # when its decode worker handed it back for recompute (resumed like "lost", not counted).
+    finish_reason: str | None = None
+    error: str | None = None  # set when the request failed; the gateway answers with it
+    # On a prefill's first delta: prompt tokens whose computation its prefix cache skipped
+    # (never KV received over the wire); None from decode steps.
+    num_cached_tokens: int | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Messages
+
+
+class Message:
+    """Base of every message; `TYPE` is its code in frame 0."""
+
+    __slots__ = ()
+    TYPE: ClassVar[MessageType]

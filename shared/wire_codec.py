@@ -1,0 +1,336 @@
+"""How the wire's values are checked and framed: one codec per field annotation (int, float, bool,
+bounded str or list, literal choice, optional, nested map, tensor), built once at import, that
+checks a decoded value and names the offending field in its `WireError`; tensors as zero-copy
+frames; the header's MessagePack, unpacked with explicit limits and ext types refused. Any
+conversation's messages (`shared.wire`, `shared.wire_batch`) are encoded with these.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import types
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import msgpack
+import torch
+
+from shared.wire_base import (
+    _DTYPE_NAMES,
+    DTYPES,
+    MAX_HEADER_BYTES,
+    MAX_LIST_LEN,
+    MAX_STR_LEN,
+    MAX_TENSOR_DIMS,
+    MAX_TOKEN_IDS,
+    FrameLike,
+    MaxLen,
+    TensorOf,
+    TensorRef,
+    WireError,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Codecs: one per annotation, built once at import
+
+
+def _type_name(value: object) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+class _Decoding:
+    """State of one decode: the frames, and which tensor frames the header has claimed."""
+
+    def __init__(self, frames: Sequence[memoryview]):
+        self.frames = frames
+        self.claimed: set[int] = set()
+
+    def claim(self, index: int, path: str) -> memoryview:
+        if not 2 <= index < len(self.frames):
+            raise WireError(
+                f"{path}: tensor frame index {index} out of range [2, {len(self.frames)})"
+            )
+        if index in self.claimed:
+            raise WireError(f"{path}: tensor frame {index} is named twice")
+        self.claimed.add(index)
+        return self.frames[index]
+
+
+class _Codec(abc.ABC):
+    """Turns a field value into its header form (collecting tensors) and checks it back.
+    `leaf`: the header form is the value itself, so lists of leaves pass through unwalked."""
+
+    leaf = True
+
+    def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> Any:
+        return value
+
+    @abc.abstractmethod
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> Any:
+        """The checked value; raises WireError naming `path`."""
+
+
+class _Exact(_Codec):
+    """int, bool or str: msgpack yields exactly these types, and a bool is not an int here."""
+
+    def __init__(self, kind: type, max_len: int | None = None):
+        self.kind, self.max_len = kind, max_len
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> Any:
+        if type(value) is not self.kind:
+            raise WireError(f"{path}: expected {self.kind.__name__}, got {_type_name(value)}")
+        if self.max_len is not None and len(value) > self.max_len:
+            raise WireError(f"{path}: string of {len(value)} chars exceeds {self.max_len}")
+        return value
+
+
+class _Float(_Codec):
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> float:
+        if type(value) is not float and type(value) is not int:
+            raise WireError(f"{path}: expected float, got {_type_name(value)}")
+        # An int (e.g. "lease_s: 5") means the same number. Non-finite values pass: a logprob
+        # may be -inf; ranges are the receiver's business.
+        return float(value)
+
+
+class _Choice(_Codec):
+    def __init__(self, choices: tuple[str, ...]):
+        self.choices = choices
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> str:
+        if type(value) is not str or value not in self.choices:
+            raise WireError(f"{path}: expected one of {list(self.choices)}, got {value!r:.80}")
+        return value
+
+
+class _Optional(_Codec):
+    def __init__(self, inner: _Codec):
+        self.inner, self.leaf = inner, inner.leaf
+
+    def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> Any:
+        return None if value is None else self.inner.to_wire(value, tensors)
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> Any:
+        return None if value is None else self.inner.from_wire(value, path, ctx)
+
+
+class _List(_Codec):
+    def __init__(self, item: _Codec, max_len: int):
+        self.item, self.max_len, self.leaf = item, max_len, item.leaf
+
+    def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> Any:
+        return value if self.leaf else [self.item.to_wire(x, tensors) for x in value]
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> list:
+        if type(value) is not list:
+            raise WireError(f"{path}: expected list, got {_type_name(value)}")
+        if len(value) > self.max_len:
+            raise WireError(f"{path}: list of {len(value)} entries exceeds {self.max_len}")
+        # Fast path for token id lists (up to a million entries): one pass over the types.
+        int_items = isinstance(self.item, _Exact) and self.item.kind is int
+        if int_items and all(type(x) is int for x in value):
+            return value
+        return [self.item.from_wire(x, f"{path}[{i}]", ctx) for i, x in enumerate(value)]
+
+
+class _Tuple(_Codec):
+    """A fixed-length pair such as (token id, logprob); an array on the wire."""
+
+    def __init__(self, items: tuple[_Codec, ...]):
+        self.items = items
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> tuple:
+        if type(value) is not list or len(value) != len(self.items):
+            raise WireError(f"{path}: expected an array of {len(self.items)}, got {value!r:.80}")
+        return tuple(
+            c.from_wire(x, f"{path}[{i}]", ctx)
+            for i, (c, x) in enumerate(zip(self.items, value, strict=True))
+        )
+
+
+class _Struct(_Codec):
+    """A dataclass as a map of its fields. `_struct_codec` fills `fields` in after registering
+    the codec, so that nested (and recursive) types share one codec."""
+
+    leaf = False
+
+    def __init__(self, cls: type):
+        self.cls = cls
+        self.fields: dict[str, _Codec] = {}
+        self.required: frozenset[str] = frozenset(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+
+    def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> dict:
+        return {name: c.to_wire(getattr(value, name), tensors) for name, c in self.fields.items()}
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> Any:
+        if type(value) is not dict:
+            raise WireError(f"{path}: expected a map, got {_type_name(value)}")
+        unknown = value.keys() - self.fields.keys()
+        if unknown:
+            raise WireError(f"{path}: unknown field(s) {sorted(map(str, unknown))}")
+        missing = self.required - value.keys()
+        if missing:
+            raise WireError(f"{path}: missing required field(s) {sorted(missing)}")
+        return self.cls(
+            **{name: c.from_wire(value[name], f"{path}.{name}", ctx)
+               for name, c in self.fields.items() if name in value}
+        )  # fmt: skip
+
+
+class _Tensor(_Codec):
+    leaf = False
+
+    def __init__(self, spec: TensorOf):
+        self.spec = spec
+
+    def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> dict:
+        tensor = _sendable(value, self.spec)
+        tensors.append(tensor)
+        return {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                "frame": 1 + len(tensors)}  # fmt: skip
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> torch.Tensor:
+        ref: TensorRef = _TENSOR_REF.from_wire(value, path, ctx)
+        _check_tensor_spec(ref.dtype, ref.shape, self.spec, path)
+        buf = ctx.claim(ref.frame, path)
+        dtype = DTYPES[ref.dtype]
+        numel = _numel(ref.shape)
+        if buf.nbytes != numel * dtype.itemsize:
+            raise WireError(
+                f"{path}: frame {ref.frame} holds {buf.nbytes} bytes, but {ref.dtype}"
+                f"{ref.shape} needs {numel * dtype.itemsize}"
+            )
+        return _tensor_from_buffer(buf, dtype, ref.shape)
+
+
+def _codec_for(tp: Any, max_len: int | None = None, spec: TensorOf | None = None) -> _Codec:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        meta = tp.__metadata__
+        max_len = next((m.value for m in meta if isinstance(m, MaxLen)), max_len)
+        spec = next((m for m in meta if isinstance(m, TensorOf)), spec)
+        return _codec_for(args[0], max_len, spec)
+    if origin in (Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]  # only `X | None` is supported
+        return _Optional(_codec_for(inner, max_len, spec))
+    if origin is Literal:
+        return _Choice(args)
+    if origin is list:
+        return _List(_codec_for(args[0]), max_len or MAX_LIST_LEN)
+    if origin is tuple:
+        return _Tuple(tuple(_codec_for(a) for a in args))
+    if tp is float:
+        return _Float()
+    if tp in (int, bool):
+        return _Exact(tp)
+    if tp is str:
+        return _Exact(str, max_len or MAX_STR_LEN)
+    if tp is torch.Tensor:
+        return _Tensor(spec or TensorOf())
+    if dataclasses.is_dataclass(tp):
+        return _struct_codec(tp)
+    raise TypeError(f"no wire codec for {tp!r}")
+
+
+_STRUCTS: dict[type, _Struct] = {}
+
+
+def _struct_codec(cls: type) -> _Struct:
+    if cls not in _STRUCTS:
+        codec = _STRUCTS[cls] = _Struct(cls)
+        hints = get_type_hints(cls, include_extras=True)
+        codec.fields = {f.name: _codec_for(hints[f.name]) for f in dataclasses.fields(cls)}
+    return _STRUCTS[cls]
+
+
+_TENSOR_REF = _struct_codec(TensorRef)
+assert _TENSOR_REF.fields["dtype"].choices == tuple(DTYPES), "TensorRef.dtype lists DTYPES"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _numel(shape: Sequence[int]) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
+def _check_tensor_spec(dtype: str, shape: Sequence[int], spec: TensorOf, path: str) -> None:
+    if dtype not in spec.dtypes:
+        raise WireError(f"{path}: dtype {dtype} not allowed here, expected one of {spec.dtypes}")
+    ndim = len(shape)
+    if (spec.ndim is not None and ndim != spec.ndim) or ndim > MAX_TENSOR_DIMS:
+        raise WireError(f"{path}: tensor of {ndim} dims, expected {spec.ndim or 'at most 8'}")
+    if any(size < 0 for size in shape):
+        raise WireError(f"{path}: negative size in shape {list(shape)}")
+
+
+def _sendable(value: Any, spec: TensorOf) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise WireError(f"expected a torch.Tensor, got {_type_name(value)}")
+    if value.device.type != "cpu":
+        raise WireError(f"tensors are sent from CPU memory, got one on {value.device}")
+    if value.dtype not in _DTYPE_NAMES:
+        raise WireError(f"dtype {value.dtype} cannot be sent")
+    _check_tensor_spec(_DTYPE_NAMES[value.dtype], value.shape, spec, "tensor")
+    return value.detach().contiguous()  # no copy when already contiguous
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy view of a contiguous CPU tensor's bytes. Viewed as uint8 first, because numpy
+    has no bfloat16; the view owns a reference to the storage (memoryview -> ndarray -> tensor)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _tensor_from_buffer(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if buf.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)  # frombuffer refuses empty buffers
+    if buf.readonly:
+        buf = memoryview(bytearray(buf))  # one copy: a tensor must not alias immutable bytes
+    tensor = torch.frombuffer(buf, dtype=dtype)  # holds a reference to buf (and its frame)
+    if tensor.data_ptr() % tensor.element_size():
+        tensor = tensor.clone()  # tiny zmq messages live unaligned inside zmq_msg_t
+    return tensor.view(shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Frames and headers
+
+
+def _as_view(frame: FrameLike) -> memoryview:
+    view = memoryview(frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _refuse_ext(code: int, data: bytes) -> None:
+    raise WireError(f"msgpack extension type {code} is not allowed")
+
+
+def _unpack_header(view: memoryview) -> Any:
+    if view.nbytes > MAX_HEADER_BYTES:
+        raise WireError(f"header of {view.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        return msgpack.unpackb(
+            view,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,  # called for every ext, so none gets through
+            # Any string fits in the header's bytes; each field's codec then checks its own
+            # limit in characters (UTF-8 is up to 4 bytes per character).
+            max_str_len=MAX_HEADER_BYTES,
+            max_bin_len=0,  # no field is binary; tensors travel in their own frames
+            max_array_len=MAX_TOKEN_IDS,
+            max_map_len=64,  # more than any message's field count
+        )
+    except WireError:
+        raise
+    except Exception as e:  # untrusted bytes: any failure of the unpacker is the sender's fault
+        raise WireError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None

@@ -1,0 +1,51 @@
+"""The KV handoff: a prefill worker's DEALER to the decode worker's ROUTER (KV_TRANSFER, KV_ACK)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from shared.wire_base import (
+    GeneratorState,
+    KvBlocks,
+    Message,
+    MessageType,
+    RequestId,
+    SamplingSpec,
+    TokenIds,
+)
+
+
+# Tensors make `==` ambiguous, so KvTransfer compares by identity (eq=False).
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class KvTransfer(Message):
+    """Prefill worker -> decode worker (DEALER to its ROUTER): a prefilled request and its KV."""
+
+    TYPE: ClassVar[MessageType] = MessageType.KV_TRANSFER
+    request_id: RequestId
+    prompt_token_ids: TokenIds
+    output_token_ids: TokenIds  # at least the first sampled token (already streamed)
+    sampling: SamplingSpec
+    gateway_address: str  # where the decode worker streams the following tokens
+    num_tokens: int  # tokens whose K/V the sequence has; the last block may be partly filled
+    block_size: int  # tokens per block in `keys`/`values`; must equal the decode worker's
+    # The first block carried: the receiver holds blocks [0, first_block) from its own cache
+    # (pinned at reservation), so keys/values hold blocks first_block.. only.
+    first_block: int = 0
+    keys: KvBlocks  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    values: KvBlocks  # same shape and dtype as keys
+    # uint8, torch.Generator.get_state() after the first token, so a seeded request draws on
+    # where it left off; None for greedy requests.
+    generator_state: GeneratorState | None = None
+    priority: int = 0  # the request's priority, as in PrefillJob
+    cache_salt: str | None = None  # as in PrefillJob: names the blocks in the decode cache
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KvAck(Message):
+    """Decode worker -> prefill worker, answer to KV_TRANSFER; the prefill side frees its copy."""
+
+    TYPE: ClassVar[MessageType] = MessageType.KV_ACK
+    request_id: RequestId
+    ok: bool  # admitted: the decode worker owns the request now
+    error: str | None  # why not (lease lapsed, shape mismatch, ...)
