@@ -66,7 +66,7 @@ class EngineConfig:
     prefix_cache_max_blocks: int | None = None
     cache_model_id: str = ""
     # The cache's host tier: evicted cached blocks' KV kept in the swap space's host memory, up
-    # to this many bytes (0: off; at most swap_bytes, whose swapped sequences come first).
+    # to this many bytes of it (0: off; swap_bytes bounds it, and swapped sequences come first).
     host_cache_bytes: int = 0
     # Think time: a finished sequence's cached blocks are evicted after all others for this
     # long (its conversation's next turn likely follows a tool call); 0: plain LRU.
@@ -89,11 +89,8 @@ class EngineConfig:
             )
         if self.swap_bytes < 0:
             raise ValueError(f"swap_bytes must be >= 0, got {self.swap_bytes}")
-        if not 0 <= self.host_cache_bytes <= self.swap_bytes:
-            raise ValueError(
-                f"host_cache_bytes must be between 0 and swap_bytes ({self.swap_bytes}): the "
-                f"host tier lives in the swap space's host memory, got {self.host_cache_bytes}"
-            )
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
         if not self.finished_retention_s >= 0:
             raise ValueError(f"finished_retention_s must be >= 0, got {self.finished_retention_s}")
         if self.step_time_target_s is not None and not self.step_time_target_s > 0:
@@ -164,15 +161,16 @@ class LLMEngine:
         self.swap_space = SwapSpace(self.config.swap_bytes)
         self.preemption = PreemptionCosts(self.config.preemption_mode)
         self._bytes_per_block = bytes_per_block(mc, self.config.block_size, model.dtype)
+        host_cache_bytes = min(self.config.host_cache_bytes, self.config.swap_bytes)
         self.host_tier = (
             HostTier(
-                self.config.host_cache_bytes,
+                host_cache_bytes,
                 self._bytes_per_block,
                 self.kv_cache,
                 self.swap_space,
                 clock,
             )
-            if self.prefix_cache is not None and self.config.host_cache_bytes > 0
+            if self.prefix_cache is not None and host_cache_bytes > 0
             else None
         )
         self.block_manager = BlockManager(

@@ -157,11 +157,16 @@ def test_retained_blocks_go_to_host_ram_under_pressure_and_come_back(model):
     assert_no_leak(eng)
 
 
+def test_the_tier_takes_at_most_the_swap_spaces_memory(model):
+    assert engine(model, host=TIER, swap_bytes=8192).host_tier.capacity_bytes == 8192
+    assert engine(model, host=TIER, swap_bytes=0).host_tier is None  # recompute only: no tier
+    assert engine(model, cache=False).host_tier is None
+
+
 @pytest.mark.parametrize(
     "overrides,needle",
     [
         (dict(host_cache_bytes=-1), "host_cache_bytes"),
-        (dict(host_cache_bytes=2048, swap_bytes=1024), "host_cache_bytes must be between 0 and"),
         (dict(finished_retention_s=-1.0), "finished_retention_s"),
         (dict(finished_retention_s=float("nan")), "finished_retention_s"),
     ],

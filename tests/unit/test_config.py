@@ -40,6 +40,8 @@ def test_host_tier_and_retention_settings_reach_the_engine():
     assert config.engine_config().host_cache_bytes == 1024
     assert parse(WorkerConfig, []).engine_config().host_cache_bytes == 256 << 20
     assert parse(WorkerConfig, ["--host-cache-bytes", "0"]).engine_config().host_cache_bytes == 0
+    small_swap = parse(WorkerConfig, ["--swap-bytes", "1024"])  # the tier fits in what is left
+    assert small_swap.engine_config().host_cache_bytes == 256 << 20
     retention = parse(WorkerConfig, ["--think-time-retention-s", "12.5"]).think_time_retention_s
     assert retention == 12.5
 
@@ -62,7 +64,6 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (WorkerConfig, ["--share-prefix-cache", "2"], {}, "expected a boolean"),
         (WorkerConfig, ["--host-cache-bytes", "-1"], {}, "--host-cache-bytes"),
         (WorkerConfig, [], {"TANDEM_HOST_CACHE_BYTES": "1G"}, "TANDEM_HOST_CACHE_BYTES"),
-        (WorkerConfig, ["--host-cache-bytes", "2048", "--swap-bytes", "1024"], {}, "swap_bytes"),
         (WorkerConfig, ["--think-time-retention-s", "-1"], {}, "TANDEM_THINK_TIME_RETENTION_S"),
         (WorkerConfig, [], {"TANDEM_THINK_TIME_RETENTION_S": "long"}, "THINK_TIME_RETENTION"),
         (SchedulerConfig, [], {"TANDEM_METRICS_PORT": "-1"}, "TANDEM_METRICS_PORT"),
