@@ -119,7 +119,9 @@ class BlockManager:
         if not self.host_tier.promote(block_hash, block_id):
             self.free([block_id])
             return None
-        assert self.prefix_cache is not None and self.prefix_cache.insert(block_hash, block_id)
+        assert self.prefix_cache is not None  # the tier exists only beside a cache
+        named = self.prefix_cache.insert(block_hash, block_id)
+        assert named, "the caller looked the hash up on the device first"
         return block_id
 
     def grow(self, block_ids: list[int], num_tokens: int) -> list[int]:
