@@ -12,26 +12,14 @@ from services.worker.cache_events import CacheEventStream
 from shared.engine.block_manager import BlockManager
 from shared.engine.host_tier import HostTier
 from shared.engine.kv_cache import KVCache, bytes_per_block
-from shared.engine.model_config import ModelConfig
 from shared.engine.prefix_blocks import take_prefix
 from shared.engine.prefix_cache import Eviction, PrefixCache
 from shared.engine.retention import RetentionLru
 from shared.engine.swap import SwapSpace
+from tests.helpers import TINY_KV_CONFIG
 
 BLOCK = 4
-CONFIG = ModelConfig(
-    model_type="llama",
-    vocab_size=32,
-    hidden_size=8,
-    intermediate_size=16,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=4,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+CONFIG = TINY_KV_CONFIG
 BPB = bytes_per_block(CONFIG, BLOCK, torch.float32)  # 256 bytes
 
 
