@@ -122,6 +122,7 @@ class BlockManager:
         assert self.prefix_cache is not None  # the tier exists only beside a cache
         named = self.prefix_cache.insert(block_hash, block_id)
         assert named, "the caller looked the hash up on the device first"
+        self.prefix_cache.mark_from_host(block_id)
         return block_id
 
     def grow(self, block_ids: list[int], num_tokens: int) -> list[int]:

@@ -39,11 +39,10 @@ def attach_cached_prefix(seq: Sequence, manager: BlockManager, max_loads: int | 
     block_size = manager.block_size
     max_blocks = (seq.num_tokens - 1) // block_size
     _extend_hashes(seq, block_size, max_blocks)
-    found, num_loaded = take_prefix(manager, seq.block_hashes[:max_blocks], max_loads)
+    found, _ = take_prefix(manager, seq.block_hashes[:max_blocks], max_loads)
     seq.block_ids = found
     seq.num_registered_blocks = len(found)
     seq.num_computed_tokens = len(found) * block_size
-    seq.num_host_cached_tokens = num_loaded * block_size
     return seq.num_computed_tokens
 
 

@@ -109,6 +109,10 @@ class PrefixCache:
         # unprotected first).
         self._unreferenced: RetentionLru[int] = RetentionLru(clock)
         self._events: list[tuple[str, int]] = []  # ("stored" | "evicted", hash), in order
+        # Blocks copied back from the host tier that no admitted prompt has counted yet: the
+        # first to take one counts it as a host hit (a decode worker pins them for a turn it
+        # prefills itself a moment later).
+        self._from_host: set[int] = set()
         self.num_query_tokens = 0  # prompt tokens looked up
         self.num_hit_tokens = 0  # of them, found cached (in either tier)
         self.num_host_hit_tokens = 0  # of the hits, copied back from the host tier
@@ -158,6 +162,15 @@ class PrefixCache:
         self._unreferenced.add(block_id, retain_until)  # most recently used: evicted last
         return True
 
+    def mark_from_host(self, block_id: int) -> None:
+        self._from_host.add(block_id)
+
+    def count_from_host(self, block_ids: list[int]) -> int:
+        """How many of these blocks came from the host tier uncounted; they are counted now."""
+        found = self._from_host.intersection(block_ids)
+        self._from_host -= found
+        return len(found)
+
     def retain_until(self, block_id: int) -> float | None:
         return self._unreferenced.retain_until(block_id)
 
@@ -178,6 +191,7 @@ class PrefixCache:
         block_id = self._unreferenced.victim()
         retain_until = self._unreferenced.retain_until(block_id)
         self._unreferenced.discard(block_id)
+        self._from_host.discard(block_id)
         block_hash_ = self._hash_of_block.pop(block_id)
         del self._block_of_hash[block_hash_]
         self._events.append(("evicted", block_hash_))
@@ -196,6 +210,7 @@ class PrefixCache:
 
     def check_invariants(self, ref_counts: list[int]) -> None:
         assert len(self._block_of_hash) == len(self._hash_of_block)
+        assert self._from_host <= self._hash_of_block.keys(), "an uncached block marked"
         for block_hash_, block_id in self._block_of_hash.items():
             assert self._hash_of_block[block_id] == block_hash_
         for block_id in self._unreferenced:

@@ -234,6 +234,10 @@ class StepScheduler:
         if cache is None or seq.cache_root is None or seq.num_preemptions > 0:
             return
         seq.num_cached_tokens = seq.num_computed_tokens
+        num_cached_blocks = seq.num_cached_tokens // self.block_manager.block_size
+        seq.num_host_cached_tokens = self.block_manager.block_size * cache.count_from_host(
+            seq.block_ids[:num_cached_blocks]
+        )
         cache.record_query(seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_host_cached_tokens)
 
     def _swap_in(self, plan: StepPlan) -> None:

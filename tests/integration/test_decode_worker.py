@@ -325,4 +325,18 @@ def test_a_turn_evicted_to_host_ram_is_still_announced_and_pinned_from_there(set
     )
     assert scheduler.expect(wire.ReserveReply).num_cached_blocks == 5
     assert worker.engine.host_tier.num_promoted_blocks == 5
+    scheduler.send(  # turn 2 prefilled here: the blocks from host RAM count as host hits
+        wire.PrefillJob(
+            request_id="t2",
+            prompt_token_ids=prompt_2,
+            sampling=sampling_spec(params),
+            gateway_address=gateway_address,
+            decode_peer_id="d",
+            decode_address="unused",
+            num_skip_blocks=5,
+        )
+    )
+    assert gateway.poll(10_000) and wire.recv(gateway).deltas[0].num_cached_tokens == 20
+    stream_until_done(gateway)
+    assert worker.engine.prefix_cache.num_host_hit_tokens == 20
     assert worker.engine.config.finished_retention_s == 30.0  # the decode role's think time

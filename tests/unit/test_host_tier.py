@@ -118,6 +118,9 @@ def test_evicted_blocks_go_to_host_and_come_back_on_a_hit_with_their_kv():
     assert [content(kv, b) for b in found] == [10, 11, 12, 13]
     assert not tier.holds(10) and bm.prefix_cache.lookup(10) == found[0]  # one tier at a time
     assert all(bm.ref_count(b) == 1 for b in found)
+    # The first prompt admitted on them counts the copied-back ones as host hits, once.
+    assert bm.prefix_cache.count_from_host(found) == 3
+    assert bm.prefix_cache.count_from_host(found) == 0
     bm.free(found)
     bm.check_invariants()
     tier.check_invariants()
