@@ -64,8 +64,8 @@ class WorkerConfig(CurveSettings):
     )
     think_time_retention_s: float = setting(
         30.0,
-        "decode: seconds a finished turn's cached blocks are evicted after all others (its "
-        "conversation's next turn follows a tool call); 0: plain LRU",
+        "decode: for how long a finished turn's cached blocks are evicted only after all other "
+        "cached blocks (its conversation's next turn comes after a tool call); 0: plain LRU",
     )
     share_prefix_cache: bool = setting(
         False, "share cached prefixes between tenants (off: a tenant only hits its own)"
