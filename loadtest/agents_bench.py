@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"args": vars(args)}
     for mode in args.modes:
         results[mode] = run_one(mode, args)
-    print("turn    cache  TTFT p50  TTFT p99  sent  computed  hit   KV MiB  local  host")
+    print("turn    cache  TTFT p50  TTFT p99  sent  computed  hit   KV MiB  local  host  errors")
     for mode in args.modes:
         for t, row in enumerate(results[mode]):
             p50, p99 = row["ttft_p50_s"] or float("nan"), row["ttft_p99_s"] or float("nan")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{t + 1:>4}  {mode:>7}  {p50:8.2f}  {p99:8.2f}  {row['prompt_tokens_sent']:>4}  "
                 f"{row['prompt_tokens_computed']:>8}  {row['hit_rate']:4.0%}  "
                 f"{row['kv_bytes'] / 2**20:7.1f}  {row['local_prefills']:5.0f}  "
-                f"{row['host_hit_tokens']:4.0f}"
+                f"{row['host_hit_tokens']:4.0f}  {row['errors']:6d}"
             )
     if args.json:
         with open(args.json, "w") as out:
