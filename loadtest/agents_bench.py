@@ -1,15 +1,19 @@
 """Agents: many conversations sharing one long system prompt, each turn re-sending the history.
 
-    .venv/bin/python -m loadtest.agents_bench [--agents 8] [--turns 6] [--json OUT]
+    .venv/bin/python -m loadtest.agents_bench [--agents 8] [--turns 6] [--modes off,on]
+        [--kv-cache-bytes N] [--max-num-seqs N] [--json OUT]
 
 A agents share a system prompt of about `--system-words` words (~600 tokens at the default) and
 run T turns each, in lockstep: every agent sends its turn (system prompt, the whole history, a
 new user message; a short streamed reply), and the next turn starts when all have answered, as
-an orchestrator waiting on its agents does. The same scenario runs on a `tandem up` with the
-prefix cache off and then on, in one run. Per turn it reports TTFT p50/p99, the prompt tokens
-sent against those computed (sent less `usage.prompt_tokens_details.cached_tokens`), the KV
-bytes the prefill workers sent (their `kv_transfer_bytes_total`, before and after the turn), the
-turns prefilled on a decode worker, and the hit rate. All traffic goes to 127.0.0.1.
+an orchestrator waiting on its agents does. The same scenario runs on a `tandem up` per mode,
+in one run: the prefix cache `off`, `on` (with its host tier), and `no-tier` (on, the host tier
+off). Per turn it reports TTFT p50/p99, the prompt tokens sent against those computed (sent less
+`usage.prompt_tokens_details.cached_tokens`), the KV bytes the prefill workers sent (their
+`kv_transfer_bytes_total`, before and after the turn), the turns prefilled on a decode worker,
+the hit rate, and the prompt tokens copied back from the host tier. A KV pool too small for all
+the agents' histories (`--kv-cache-bytes`, with `--max-num-seqs` keeping the running turns
+within it) is where the host tier shows. All traffic goes to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ from services.commands.top_data import parse_counters
 MODEL = "smollm2"
 KV_BYTES = "tandem:kv_transfer_bytes_total"
 LOCAL_PREFILLS = "tandem:local_prefills_total"
+HOST_HITS = "tandem:prefix_cache_host_hits_total"
+# Each mode's worker settings (TANDEM_* environment variables).
+MODES = {
+    "off": {"TANDEM_ENABLE_PREFIX_CACHING": "false"},
+    "on": {"TANDEM_ENABLE_PREFIX_CACHING": "true"},
+    "no-tier": {"TANDEM_ENABLE_PREFIX_CACHING": "true", "TANDEM_HOST_CACHE_BYTES": "0"},
+}
 WORDS = [
     "agent",
     "tool",
@@ -55,6 +66,7 @@ class Turn:
     num_cached: int = 0  # of them, not computed
     kv_bytes: float = 0.0
     num_local_prefills: float = 0.0
+    num_host_hits: float = 0.0  # prompt tokens copied back from the host tier (workers' counter)
     num_errors: int = 0
 
     def summary(self) -> dict[str, Any]:
@@ -66,6 +78,7 @@ class Turn:
             "hit_rate": self.num_cached / self.num_sent if self.num_sent else 0.0,
             "kv_bytes": self.kv_bytes,
             "local_prefills": self.num_local_prefills,
+            "host_hit_tokens": self.num_host_hits,
             "errors": self.num_errors,
         }
 
@@ -122,7 +135,7 @@ async def one_turn(
 
 
 def counters(client: httpx.Client) -> dict[str, float]:
-    parsed = parse_counters(client.get("/metrics").text, (KV_BYTES, LOCAL_PREFILLS))
+    parsed = parse_counters(client.get("/metrics").text, (KV_BYTES, LOCAL_PREFILLS, HOST_HITS))
     totals: dict[str, float] = {}
     for (name, _), value in parsed.items():
         totals[name] = totals.get(name, 0.0) + value
@@ -151,19 +164,36 @@ async def run_agents(url: str, args: argparse.Namespace) -> list[Turn]:
                 turn.num_local_prefills = after.get(LOCAL_PREFILLS, 0.0) - before.get(
                     LOCAL_PREFILLS, 0.0
                 )
+                turn.num_host_hits = after.get(HOST_HITS, 0.0) - before.get(HOST_HITS, 0.0)
                 turns.append(turn)
     return turns
 
 
-def run_one(cache: bool, args: argparse.Namespace) -> list[dict[str, Any]]:
+def up_arguments(args: argparse.Namespace) -> list[str]:
+    extra = []
+    if args.kv_cache_bytes is not None:
+        extra += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    if args.max_num_seqs is not None:
+        extra += ["--max-num-seqs", str(args.max_num_seqs)]
+    return extra
+
+
+def run_one(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     # A worker starved of CPU by a long prefill on a busy machine must not be taken for dead.
-    settings = {
-        "TANDEM_ENABLE_PREFIX_CACHING": "true" if cache else "false",
-        "TANDEM_HEARTBEAT_TIMEOUT_S": str(args.heartbeat_timeout_s),
-    }
-    with environment(settings), tandem_up(args.prefill, args.decode) as served:
+    settings = {**MODES[mode], "TANDEM_HEARTBEAT_TIMEOUT_S": str(args.heartbeat_timeout_s)}
+    with environment(settings), tandem_up(args.prefill, args.decode, up_arguments(args)) as served:
         turns = asyncio.run(run_agents(served.url, args))
     return [turn.summary() for turn in turns]
+
+
+def parse_modes(text: str) -> list[str]:
+    modes = [mode.strip() for mode in text.split(",") if mode.strip()]
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown or not modes or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct modes among {', '.join(MODES)}, comma-separated; got {text!r}"
+        )
+    return modes
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,26 +205,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill", type=int, default=1)
     parser.add_argument("--decode", type=int, default=1)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=60.0)
+    parser.add_argument(
+        "--modes", type=parse_modes, default=["off", "on"], help=f"among {', '.join(MODES)}"
+    )
+    parser.add_argument("--kv-cache-bytes", type=int, help="per worker (default: tandem up's)")
+    parser.add_argument("--max-num-seqs", type=int, help="per decode worker (default: up's)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     names = ("agents", "turns", "system_words", "reply_tokens", "prefill", "decode")
-    for name in (*names, "heartbeat_timeout_s"):
-        if getattr(args, name) < 1:
+    for name in (*names, "heartbeat_timeout_s", "kv_cache_bytes", "max_num_seqs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = {"args": vars(args), "off": run_one(False, args), "on": run_one(True, args)}
-    print("turn  cache  TTFT p50  TTFT p99  sent  computed  hit   KV MiB  local")
-    for mode in ("off", "on"):
+    results: dict[str, Any] = {"args": vars(args)}
+    for mode in args.modes:
+        results[mode] = run_one(mode, args)
+    print("turn    cache  TTFT p50  TTFT p99  sent  computed  hit   KV MiB  local  host  errors")
+    for mode in args.modes:
         for t, row in enumerate(results[mode]):
             p50, p99 = row["ttft_p50_s"] or float("nan"), row["ttft_p99_s"] or float("nan")
             print(
-                f"{t + 1:>4}  {mode:>5}  {p50:8.2f}  {p99:8.2f}  {row['prompt_tokens_sent']:>4}  "
+                f"{t + 1:>4}  {mode:>7}  {p50:8.2f}  {p99:8.2f}  {row['prompt_tokens_sent']:>4}  "
                 f"{row['prompt_tokens_computed']:>8}  {row['hit_rate']:4.0%}  "
-                f"{row['kv_bytes'] / 2**20:7.1f}  {row['local_prefills']:5.0f}"
+                f"{row['kv_bytes'] / 2**20:7.1f}  {row['local_prefills']:5.0f}  "
+                f"{row['host_hit_tokens']:4.0f}  {row['errors']:6d}"
             )
     if args.json:
         with open(args.json, "w") as out:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -29,6 +30,10 @@ from shared.metrics import (
     TTFT_BUCKETS,
     name,
 )
+
+if TYPE_CHECKING:  # the engine needs torch; the gateway and scheduler do not load it
+    from shared.engine.host_tier import HostTier
+    from shared.engine.prefix_cache import PrefixCache
 
 
 class _Events:
@@ -292,6 +297,27 @@ class WorkerEvents(_Events):
             "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)"
         )
         self._prefix_seen = [0, 0]
+        self.host_hits = self.counter(
+            "prefix_cache_host_hits",
+            "Prompt tokens found in the prefix cache's host tier (copied back, not computed)",
+        )
+        self.host_bytes = self.gauge(
+            "prefix_cache_host_bytes", "Bytes of evicted cached blocks held in host memory"
+        )
+        self.retained_blocks = self.gauge(
+            "prefix_cache_retained_blocks",
+            "Unreferenced cached blocks in their think-time retention (evicted last)",
+        )
+        self._host_hits_seen = 0
+
+    def refresh_host_tier(self, cache: PrefixCache | None, tier: HostTier | None) -> None:
+        """The host tier's counters, read from the engine as the heartbeat goes out."""
+        if cache is None:
+            return
+        self.host_hits.inc(cache.num_host_hit_tokens - self._host_hits_seen)
+        self._host_hits_seen = cache.num_host_hit_tokens
+        self.host_bytes.set(tier.num_bytes if tier is not None else 0)
+        self.retained_blocks.set(cache.num_retained)
 
     def model_loaded(self, model: str, dtype: str, dtype_setting: str, device: str) -> None:
         self.model_info.labels(model, dtype, device).set(1)

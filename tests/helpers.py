@@ -49,3 +49,20 @@ def our_model_from_hf(
         hf_model.device,
         linear_backend=linear_backend,
     )
+
+
+# A KV cache's shape without a model: 2 layers, 1 KV head of 4 dims (256 bytes per 4-token block
+# in float32), for tests of the block tiers.
+TINY_KV_CONFIG = ModelConfig(
+    model_type="llama",
+    vocab_size=32,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)

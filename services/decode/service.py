@@ -67,7 +67,14 @@ class DecodeWorker(WorkerLoop):
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):
         advertised = expand_host(config.advertise_address) or config.address
-        super().__init__(config, context, address=advertised, hand_back_recomputed=True)
+        super().__init__(
+            config,
+            context,
+            address=advertised,
+            hand_back_recomputed=True,
+            # A finished turn's blocks are the prefix of its conversation's next turn.
+            finished_retention_s=config.think_time_retention_s,
+        )
         self.blocks = self.engine.block_manager
         self.kv_socket = self.security.server(self.context.socket(zmq.ROUTER))
         self.kv_socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)

@@ -5,12 +5,17 @@ whole set (`full`) on the first heartbeat after HELLO and then every `FULL_EVERY
 Batches are numbered 1, 2, ... from the worker's start; the scheduler that sees a number skipped
 (or a worker that registered again) forgets the worker's set until the next full one. A stale
 index thus lasts a few seconds at most, and costs only a miss: the worker looks its cache up.
+
+With a host tier the set is what the worker can serve from either tier: a block moving from the
+device to host RAM (or back) is not news to the scheduler, one dropped from host RAM is evicted.
+So a batch names each hash touched since the last one (by either tier) by its state now.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.engine.host_tier import HostTier
 from shared.engine.prefix_cache import PrefixCache
 
 FULL_EVERY = 20  # heartbeats between full sets (10 s at the default 0.5 s interval)
@@ -25,23 +30,34 @@ class CacheBatch:
 
 
 class CacheEventStream:
-    def __init__(self, cache: PrefixCache, full_every: int = FULL_EVERY):
+    def __init__(
+        self, cache: PrefixCache, full_every: int = FULL_EVERY, host_tier: HostTier | None = None
+    ):
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
         self.cache = cache
+        self.host_tier = host_tier
         self.full_every = full_every
         self._seq = 0
 
+    def servable(self, block_hash: int) -> bool:
+        """The worker holds this block in one tier or the other."""
+        if self.cache.lookup(block_hash) is not None:
+            return True
+        return self.host_tier is not None and self.host_tier.holds(block_hash)
+
     def next_batch(self) -> CacheBatch:
         self._seq += 1
-        events = self.cache.take_events()
+        touched = dict.fromkeys(block_hash for _, block_hash in self.cache.take_events())
+        if self.host_tier is not None:
+            touched.update(dict.fromkeys(self.host_tier.take_touched()))
         if (self._seq - 1) % self.full_every == 0:
-            return CacheBatch(self._seq, True, self.cache.hashes(), [])
-        # Each hash's last event is its state now: the two lists are disjoint, so the receiver
-        # may apply them in any order.
-        last: dict[int, str] = {}
-        for kind, block_hash in events:
-            last[block_hash] = kind
-        stored = [h for h, kind in last.items() if kind == "stored"]
-        evicted = [h for h, kind in last.items() if kind == "evicted"]
+            hashes = self.cache.hashes()
+            if self.host_tier is not None:  # a block computed again while held there is in both
+                hashes = list(dict.fromkeys(hashes + self.host_tier.hashes()))
+            return CacheBatch(self._seq, True, hashes, [])
+        # Each touched hash by its state now: the two lists are disjoint, so the receiver may
+        # apply them in any order.
+        stored = [h for h in touched if self.servable(h)]
+        evicted = [h for h in touched if not self.servable(h)]
         return CacheBatch(self._seq, False, stored, evicted)

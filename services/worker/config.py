@@ -57,6 +57,16 @@ class WorkerConfig(CurveSettings):
     prefix_cache_max_blocks: int | None = setting(
         None, "most unreferenced blocks the prefix cache keeps (unset: the whole pool)"
     )
+    host_cache_bytes: int = setting(
+        256 << 20,
+        "host memory for cached blocks evicted from the KV pool, found again on a hit: up to this "
+        "much of --swap-bytes, which swapped sequences take back first (0: no host tier)",
+    )
+    think_time_retention_s: float = setting(
+        30.0,
+        "decode: for how long a finished turn's cached blocks are evicted only after all other "
+        "cached blocks (its conversation's next turn comes after a tool call); 0: plain LRU",
+    )
     share_prefix_cache: bool = setting(
         False, "share cached prefixes between tenants (off: a tenant only hits its own)"
     )
@@ -94,6 +104,15 @@ class WorkerConfig(CurveSettings):
             )
         if self.swap_bytes < 0:
             raise ConfigError("swap_bytes (--swap-bytes / TANDEM_SWAP_BYTES) must be >= 0")
+        if self.host_cache_bytes < 0:
+            raise ConfigError(
+                "host_cache_bytes (--host-cache-bytes / TANDEM_HOST_CACHE_BYTES) must be >= 0"
+            )
+        if not self.think_time_retention_s >= 0:
+            raise ConfigError(
+                "think_time_retention_s (--think-time-retention-s / "
+                "TANDEM_THINK_TIME_RETENTION_S) must be >= 0"
+            )
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(
                 "preemption_mode (--preemption-mode / TANDEM_PREEMPTION_MODE) must be one of "
@@ -110,6 +129,7 @@ class WorkerConfig(CurveSettings):
             preemption_mode=self.preemption_mode,
             enable_prefix_caching=self.enable_prefix_caching,
             prefix_cache_max_blocks=self.prefix_cache_max_blocks,
+            host_cache_bytes=self.host_cache_bytes,
             cache_model_id=self.model,
             **overrides,
         )

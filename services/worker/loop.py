@@ -88,7 +88,9 @@ class WorkerLoop(abc.ABC):
         )
         self.streams = GatewayStreams(self.context, self.security)
         cache = self.engine.prefix_cache
-        self.cache_events = CacheEventStream(cache) if cache is not None else None
+        self.cache_events = (
+            CacheEventStream(cache, host_tier=self.engine.host_tier) if cache is not None else None
+        )
         self.poller = zmq.Poller()
         self.poller.register(self.link.socket, zmq.POLLIN)
         self._router_sockets: set[zmq.Socket] = set()
@@ -151,6 +153,7 @@ class WorkerLoop(abc.ABC):
         if self.link.heartbeat_due(now):
             heartbeat = self._heartbeat()
             self.events.refresh(heartbeat)
+            self.events.refresh_host_tier(self.engine.prefix_cache, self.engine.host_tier)
             self.link.send_heartbeat(heartbeat, now)
             self._recent_batch_sizes = []
 

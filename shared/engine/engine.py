@@ -9,6 +9,7 @@ baseline and the bare engine the served cluster is measured against.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -17,10 +18,12 @@ import torch
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.grammar import GrammarBinding
+from shared.engine.host_tier import HostTier
 from shared.engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shared.engine.model import LlamaModel
 from shared.engine.prefix_blocks import cache_computed_blocks, take_cached_prefix
 from shared.engine.prefix_cache import CacheKey, PrefixCache, chain_hashes, root_hash
+from shared.engine.retention import Clock
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import MIN_CHUNK, ScheduledChunk, StepPlan, StepScheduler
@@ -62,6 +65,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_max_blocks: int | None = None
     cache_model_id: str = ""
+    # The cache's host tier: evicted cached blocks' KV kept in the swap space's host memory, up
+    # to this many bytes of it (0: off; swap_bytes bounds it, and swapped sequences come first).
+    host_cache_bytes: int = 0
+    # Think time: a finished sequence's cached blocks are evicted after all others for this
+    # long (its conversation's next turn likely follows a tool call); 0: plain LRU.
+    finished_retention_s: float = 0.0
     # Structured outputs: compiled grammars kept (bytes, LRU) and a compile's time limit.
     grammar_cache_bytes: int = 256 << 20
     grammar_compile_timeout_s: float = 30.0
@@ -80,6 +89,10 @@ class EngineConfig:
             )
         if self.swap_bytes < 0:
             raise ValueError(f"swap_bytes must be >= 0, got {self.swap_bytes}")
+        if self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {self.host_cache_bytes}")
+        if not self.finished_retention_s >= 0:
+            raise ValueError(f"finished_retention_s must be >= 0, got {self.finished_retention_s}")
         if self.step_time_target_s is not None and not self.step_time_target_s > 0:
             raise ValueError(f"step_time_target_s must be > 0, got {self.step_time_target_s}")
         PreemptionCosts(self.preemption_mode)  # validates the mode
@@ -114,11 +127,17 @@ class GenerationResult:
 
 class LLMEngine:
     def __init__(
-        self, model: LlamaModel, config: EngineConfig | None = None, tokenizer: object = None
+        self,
+        model: LlamaModel,
+        config: EngineConfig | None = None,
+        tokenizer: object = None,
+        clock: Clock = time.monotonic,
     ):
-        """`tokenizer` (a transformers tokenizer) enables structured outputs."""
+        """`tokenizer` (a transformers tokenizer) enables structured outputs; `clock` times the
+        cache's retention deadlines."""
         self.model = model
         self.config = config or EngineConfig()
+        self.clock = clock
         mc = model.config
         self.max_model_len = min(
             self.config.max_model_len or mc.max_position_embeddings, model.max_positions
@@ -133,16 +152,30 @@ class LLMEngine:
             self.config.block_size,
         )
         self.prefix_cache = (
-            PrefixCache(self.config.prefix_cache_max_blocks)
+            PrefixCache(self.config.prefix_cache_max_blocks, clock)
             if self.config.enable_prefix_caching
             else None
         )
-        self.block_manager = BlockManager(num_blocks, self.config.block_size, self.prefix_cache)
         self.last_step_num_seqs = 0  # sequences in the latest step (its batch size)
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model, ever
         self.swap_space = SwapSpace(self.config.swap_bytes)
         self.preemption = PreemptionCosts(self.config.preemption_mode)
         self._bytes_per_block = bytes_per_block(mc, self.config.block_size, model.dtype)
+        host_cache_bytes = min(self.config.host_cache_bytes, self.config.swap_bytes)
+        self.host_tier = (
+            HostTier(
+                host_cache_bytes,
+                self._bytes_per_block,
+                self.kv_cache,
+                self.swap_space,
+                clock,
+            )
+            if self.prefix_cache is not None and host_cache_bytes > 0
+            else None
+        )
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.prefix_cache, self.host_tier
+        )
         self.scheduler = StepScheduler(
             self.block_manager,
             self.config.max_num_seqs,
@@ -430,7 +463,14 @@ class LLMEngine:
             seq.block_ids = block_ids
             self._retained[seq.request_id] = seq
         else:
-            self.scheduler.finish(seq, status)
+            self.scheduler.finish(seq, status, self._retain_until(status))
+
+    def _retain_until(self, status: SequenceStatus) -> float | None:
+        """A turn that ended normally keeps its blocks ahead of others for its think time."""
+        retention = self.config.finished_retention_s
+        if retention <= 0 or status == SequenceStatus.FINISHED_ABORTED:
+            return None
+        return self.clock() + retention
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params

@@ -27,18 +27,19 @@ def _extend_hashes(seq: Sequence, block_size: int, num_blocks: int) -> None:
     seq.block_hashes.extend(chain_hashes(parent, token_ids, block_size))
 
 
-def attach_cached_prefix(seq: Sequence, manager: BlockManager) -> int:
+def attach_cached_prefix(seq: Sequence, manager: BlockManager, max_loads: int | None = None) -> int:
     """Gives a sequence about to be prefilled from token 0 the longest run of cached blocks its
-    tokens start with, and counts them computed; returns the tokens so skipped. At least the last
-    token is left to compute (its logits give the next token), so the block holding it is never
-    taken from the cache and a cached block is never written."""
+    tokens start with (at most `max_loads` of them copied back from the host tier), and counts
+    them computed; returns the tokens so skipped. At least the last token is left to compute
+    (its logits give the next token), so the block holding it is never taken from the cache and
+    a cached block is never written."""
     cache = manager.prefix_cache
     if cache is None or seq.cache_root is None or seq.block_ids or seq.num_computed_tokens:
         return 0
     block_size = manager.block_size
     max_blocks = (seq.num_tokens - 1) // block_size
     _extend_hashes(seq, block_size, max_blocks)
-    found = take_cached_prefix(manager, seq.block_hashes[:max_blocks])
+    found, _ = take_prefix(manager, seq.block_hashes[:max_blocks], max_loads)
     seq.block_ids = found
     seq.num_registered_blocks = len(found)
     seq.num_computed_tokens = len(found) * block_size
@@ -47,17 +48,34 @@ def attach_cached_prefix(seq: Sequence, manager: BlockManager) -> int:
 
 def take_cached_prefix(manager: BlockManager, hashes: Iterable[int]) -> list[int]:
     """Takes the cached blocks named by the leading `hashes` (up to the first miss)."""
+    return take_prefix(manager, hashes)[0]
+
+
+def take_prefix(
+    manager: BlockManager, hashes: Iterable[int], max_loads: int | None = None
+) -> tuple[list[int], int]:
+    """Takes the blocks named by the leading `hashes`, in the device cache or else copied back
+    from the host tier (at most `max_loads` of those), up to the first miss. Returns the block
+    ids and how many came from the host. A chain may alternate between the tiers: each hash is
+    looked up in turn, since bringing one block back can evict a later one to the host."""
     cache = manager.prefix_cache
     found: list[int] = []
+    num_loaded = 0
     if cache is None:
-        return found
+        return found, num_loaded
     for block_hash_ in hashes:
         block_id = cache.lookup(block_hash_)
-        if block_id is None:
+        if block_id is not None:
+            manager.take_cached([block_id])
+        elif max_loads is None or num_loaded < max_loads:
+            block_id = manager.load_from_host(block_hash_)
+            if block_id is None:
+                break
+            num_loaded += 1
+        else:
             break
         found.append(block_id)
-    manager.take_cached(found)
-    return found
+    return found, num_loaded
 
 
 def detach_blocks(seq: Sequence, manager: BlockManager) -> None:

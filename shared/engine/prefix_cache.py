@@ -12,7 +12,10 @@ so copy-on-write is never needed).
 sequence references in least-recently-used order. Such a block is neither used nor free: the
 block manager counts it as available and takes it back (`evict_one`) only when its free queue is
 empty, so a cached block lives as long as the pool does not need the room. `max_unreferenced`
-bounds how many unreferenced blocks the cache keeps (None: as many as the pool has).
+bounds how many unreferenced blocks the cache keeps (None: as many as the pool has). A block
+released with a retention deadline (a decode worker's finished turn, whose conversation likely
+returns after a tool call) is evicted only after every unprotected one (`retention.py`). With a
+host tier (`host_tier.py`) an evicted block's KV moves to host RAM and can come back on a hit.
 
 Stored and evicted hashes are recorded in order (`take_events`), so a worker can tell the cluster
 scheduler which prefixes it holds.
@@ -22,9 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from shared.engine.retention import Clock, RetentionLru
 
 HASH_SCHEME = "blake2b64-chain-v1"  # change when the hash changes: old indexes must not match
 
@@ -84,18 +90,32 @@ def chain_hashes(
         yield previous
 
 
+class Eviction(NamedTuple):
+    """A cached block the pool took back: its id (free now), its hash and its protection."""
+
+    block_id: int
+    block_hash: int
+    retain_until: float | None = None
+
+
 class PrefixCache:
-    def __init__(self, max_unreferenced: int | None = None):
+    def __init__(self, max_unreferenced: int | None = None, clock: Clock = time.monotonic):
         if max_unreferenced is not None and max_unreferenced < 0:
             raise ValueError(f"max_unreferenced must be >= 0, got {max_unreferenced}")
         self.max_unreferenced = max_unreferenced
         self._block_of_hash: dict[int, int] = {}
         self._hash_of_block: dict[int, int] = {}
-        # Cached blocks no sequence holds, least recently used first: the eviction order.
-        self._unreferenced: OrderedDict[int, None] = OrderedDict()
+        # Cached blocks no sequence holds, in eviction order (least recently used and
+        # unprotected first).
+        self._unreferenced: RetentionLru[int] = RetentionLru(clock)
         self._events: list[tuple[str, int]] = []  # ("stored" | "evicted", hash), in order
+        # Blocks copied back from the host tier that no admitted prompt has counted yet: the
+        # first to take one counts it as a host hit (a decode worker pins them for a turn it
+        # prefills itself a moment later).
+        self._from_host: set[int] = set()
         self.num_query_tokens = 0  # prompt tokens looked up
-        self.num_hit_tokens = 0  # of them, found cached
+        self.num_hit_tokens = 0  # of them, found cached (in either tier)
+        self.num_host_hit_tokens = 0  # of the hits, copied back from the host tier
 
     @property
     def num_cached_blocks(self) -> int:
@@ -131,34 +151,58 @@ class PrefixCache:
 
     def touch(self, block_id: int) -> None:
         """A sequence takes a cached block: it is referenced again, so not evictable."""
-        self._unreferenced.pop(block_id, None)
+        self._unreferenced.discard(block_id)
 
-    def release(self, block_id: int) -> bool:
-        """The last holder of a block let it go. True when the cache keeps it (it is named);
-        the caller frees it otherwise. The caller then frees what `overflow` evicts."""
+    def release(self, block_id: int, retain_until: float | None = None) -> bool:
+        """The last holder of a block let it go. True when the cache keeps it (it is named),
+        protected from eviction until `retain_until` if given; the caller frees it otherwise.
+        The caller then frees what `overflow` evicts."""
         if block_id not in self._hash_of_block:
             return False
-        self._unreferenced[block_id] = None  # most recently used: evicted last
+        self._unreferenced.add(block_id, retain_until)  # most recently used: evicted last
         return True
 
-    def overflow(self) -> list[int]:
+    def mark_from_host(self, block_id: int) -> None:
+        self._from_host.add(block_id)
+
+    def count_from_host(self, block_ids: list[int]) -> int:
+        """How many of these blocks came from the host tier uncounted; they are counted now."""
+        found = self._from_host.intersection(block_ids)
+        self._from_host -= found
+        return len(found)
+
+    def retain_until(self, block_id: int) -> float | None:
+        return self._unreferenced.retain_until(block_id)
+
+    @property
+    def num_retained(self) -> int:
+        """Unreferenced blocks whose protection holds now."""
+        return self._unreferenced.num_protected()
+
+    def overflow(self) -> list[Eviction]:
         """Blocks evicted to keep within `max_unreferenced`; the caller frees them."""
         evicted = []
         while self.max_unreferenced is not None and len(self._unreferenced) > self.max_unreferenced:
             evicted.append(self.evict_one())
         return evicted
 
-    def evict_one(self) -> int:
-        """Forgets the least recently used unreferenced block and returns its id, now free."""
-        block_id, _ = self._unreferenced.popitem(last=False)
+    def evict_one(self) -> Eviction:
+        """Forgets the next unreferenced block in eviction order; its id is free now."""
+        block_id = self._unreferenced.victim()
+        retain_until = self._unreferenced.retain_until(block_id)
+        self._unreferenced.discard(block_id)
+        self._from_host.discard(block_id)
         block_hash_ = self._hash_of_block.pop(block_id)
         del self._block_of_hash[block_hash_]
         self._events.append(("evicted", block_hash_))
-        return block_id
+        return Eviction(block_id, block_hash_, retain_until)
 
-    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def record_query(
+        self, num_query_tokens: int, num_hit_tokens: int, num_host_hit_tokens: int = 0
+    ) -> None:
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
+        self.num_host_hit_tokens += num_host_hit_tokens
 
     def take_events(self) -> list[tuple[str, int]]:
         events, self._events = self._events, []
@@ -166,6 +210,7 @@ class PrefixCache:
 
     def check_invariants(self, ref_counts: list[int]) -> None:
         assert len(self._block_of_hash) == len(self._hash_of_block)
+        assert self._from_host <= self._hash_of_block.keys(), "an uncached block marked"
         for block_hash_, block_id in self._block_of_hash.items():
             assert self._hash_of_block[block_id] == block_hash_
         for block_id in self._unreferenced:

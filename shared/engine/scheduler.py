@@ -31,7 +31,9 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    new ones are admitted.
 5. With a prefix cache, a newcomer first takes the cached blocks its tokens start with
    (`attach_cached_prefix`) and counts them computed, so its need, its share and its chunks
-   cover only the uncached suffix; a newcomer not admitted after all gives them back.
+   cover only the uncached suffix; a newcomer not admitted after all gives them back. Blocks
+   copied back from the host tier take free blocks, so only those left after one growth block
+   per running sequence (`_spare_blocks`).
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class StepScheduler:
         num_newcomers = max(0, min(seats, max_newcomers))
         newcomers = list(itertools.islice(self.waiting, num_newcomers))
         for seq in newcomers:  # before their needs are counted: only the uncached suffix runs
-            attach_cached_prefix(seq, self.block_manager)
+            attach_cached_prefix(seq, self.block_manager, self._spare_blocks())
         sharers = in_prompt + newcomers
         needs = [seq.num_uncomputed_tokens for seq in sharers]
         if cap is not None:
@@ -217,6 +219,14 @@ class StepScheduler:
             scheduled.append(ScheduledChunk(seq, num_tokens))
         return plan
 
+    def _spare_blocks(self) -> int:
+        """Free blocks a newcomer may fill from the host tier: what leaves every running
+        sequence a block to grow into (a load must not preempt anyone), none while sequences
+        are swapped out (no newcomer is admitted then)."""
+        if self.swapped:
+            return 0
+        return max(0, self.block_manager.num_free_blocks - len(self.running))
+
     def _count_cache_hit(self, seq: Sequence) -> None:
         """An admitted newcomer's cached prefix is its prompt cache hit, counted at its first
         prefill only (a recompute after preemption reusing blocks is not a prompt hit)."""
@@ -224,7 +234,11 @@ class StepScheduler:
         if cache is None or seq.cache_root is None or seq.num_preemptions > 0:
             return
         seq.num_cached_tokens = seq.num_computed_tokens
-        cache.record_query(seq.num_prompt_tokens, seq.num_cached_tokens)
+        num_cached_blocks = seq.num_cached_tokens // self.block_manager.block_size
+        seq.num_host_cached_tokens = self.block_manager.block_size * cache.count_from_host(
+            seq.block_ids[:num_cached_blocks]
+        )
+        cache.record_query(seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_host_cached_tokens)
 
     def _swap_in(self, plan: StepPlan) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
@@ -277,8 +291,11 @@ class StepScheduler:
         self.num_preemptions += 1
         self.num_preemptions_by_mode[mode] += 1
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Retires a sequence (running or waiting) and returns its blocks to the pool."""
+    def finish(
+        self, seq: Sequence, status: SequenceStatus, retain_until: float | None = None
+    ) -> None:
+        """Retires a sequence (running or waiting) and returns its blocks to the pool (its cached
+        ones protected from eviction until `retain_until`, when given)."""
         assert status.is_finished
         if seq in self.running:
             self.running.remove(seq)
@@ -286,7 +303,7 @@ class StepScheduler:
             self.waiting.remove(seq)
         elif seq in self.swapped:
             self.swapped.remove(seq)
-        self.block_manager.free(seq.block_ids)
+        self.block_manager.free(seq.block_ids, retain_until)
         seq.block_ids = []
         seq.num_registered_blocks = 0
         seq.status = status

@@ -67,11 +67,13 @@ class Sequence:
     priority: int = 0  # larger is more urgent: preempted last, resumed first
     # Prefix cache: the root of this sequence's block hash chain (None: not cached), the hashes
     # of its full blocks known so far, how many of its current block_ids are named in the cache,
-    # and the prompt tokens whose computation the cache skipped at its first prefill.
+    # and the prompt tokens whose computation the cache skipped at its first prefill (of them,
+    # those copied back from the host tier).
     cache_root: int | None = None
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
     grammar: Any = None  # its GrammarState (shared.engine.grammar) when constrained
 
     def __post_init__(self) -> None:

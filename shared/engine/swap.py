@@ -12,6 +12,7 @@ swap is only chosen while the host pool has room.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,20 +27,32 @@ RATE_SMOOTHING = 0.3  # weight of the newest measurement in the moving average
 
 @dataclass
 class SwapSpace:
-    """Preempted sequences' keys and values in host memory, bounded in bytes."""
+    """Preempted sequences' keys and values in host memory, bounded in bytes.
+
+    The prefix cache's host tier (`host_tier.py`) lends the room swapped sequences leave:
+    `reclaim(bytes)` tells it how much it may keep after a reservation, so a swap-out always
+    finds the room `fits` promised."""
 
     capacity_bytes: int
     used_bytes: int = 0
     reserved_bytes: int = 0  # promised to swap-outs chosen this step, not yet copied
     _entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    reclaim: Callable[[int], None] | None = field(default=None, repr=False)
+
+    @property
+    def room_bytes(self) -> int:
+        """Bytes neither swapped nor promised to a swap-out."""
+        return self.capacity_bytes - self.used_bytes - self.reserved_bytes
 
     def fits(self, num_bytes: int) -> bool:
-        return self.used_bytes + self.reserved_bytes + num_bytes <= self.capacity_bytes
+        return num_bytes <= self.room_bytes
 
     def reserve(self, num_bytes: int) -> None:
         if not self.fits(num_bytes):
             raise ValueError(f"swap space has no room for {num_bytes} bytes")
         self.reserved_bytes += num_bytes
+        if self.reclaim is not None:
+            self.reclaim(self.room_bytes)
 
     def put(self, request_id: str, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Stores a copy that `reserve` made room for."""

@@ -1,5 +1,6 @@
 """The real SmolLM2 in float32: greedy output with the prefix cache on equals the cache off, for a
-multi-turn chat and for prompts sharing a system prompt, while far fewer prompt tokens run."""
+multi-turn chat and for prompts sharing a system prompt, while far fewer prompt tokens run; and
+with a pool too small for the traffic, whose evicted blocks come back from the host tier."""
 
 import pytest
 
@@ -78,3 +79,48 @@ def test_cache_on_equals_cache_off_on_the_real_model(smollm2):
     assert computed_on < 0.5 * computed_off, (computed_on, computed_off)
     assert on.block_manager.num_free_blocks == 256
     on.block_manager.check_invariants()
+
+
+OTHER = (
+    "You are a terse travel agent. Answer with a city name and one reason, no more. The client "
+    "prefers trains to planes, quiet places to crowded ones, and the sea to the mountains."
+)
+
+
+def interleaved(smollm2, eng: LLMEngine) -> list[list[int]]:
+    """The conversation, with another client's question between its turns: a 12-block pool
+    cannot keep both, so each turn's history is evicted (to the host tier, when on)."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    outputs = []
+    for index, turn in enumerate(TURNS):
+        messages.append({"role": "user", "content": turn})
+        result = eng.generate([chat(smollm2.tokenizer, messages)], GREEDY)[0]
+        outputs.append(result.token_ids)
+        reply = smollm2.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        other = [
+            {"role": "system", "content": OTHER},
+            {"role": "user", "content": QUESTIONS[index]},
+        ]
+        outputs.append(eng.generate([chat(smollm2.tokenizer, other)], GREEDY)[0].token_ids)
+    return outputs
+
+
+def test_the_host_tier_gives_the_same_tokens_on_the_real_model(smollm2):
+    def tight(cache: bool, host: int) -> LLMEngine:
+        config = EngineConfig(
+            num_blocks=12,
+            max_num_batched_tokens=96,
+            enable_prefix_caching=cache,
+            swap_bytes=64 << 20,
+            host_cache_bytes=host,
+        )
+        return LLMEngine(smollm2.model, config)
+
+    off, tier = tight(False, 0), tight(True, 64 << 20)
+    assert interleaved(smollm2, tier) == interleaved(smollm2, off)
+    assert tier.host_tier.num_demoted_blocks > 0
+    assert tier.prefix_cache.num_host_hit_tokens > 0  # evicted history found in host RAM
+    assert tier.block_manager.num_free_blocks == 12
+    tier.block_manager.check_invariants()
+    tier.host_tier.check_invariants()

@@ -13,6 +13,7 @@ from services.worker.config import WorkerConfig
 from shared import wire
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.loader import load_model
+from shared.engine.prefix_cache import chain_hashes, root_hash
 from shared.engine.sampling_params import SamplingParams
 from shared.wire_convert import sampling_spec
 from tests.integration.conftest import FakeScheduler, WorkerThread
@@ -290,3 +291,52 @@ def test_next_turn_prefilled_here_streams_the_right_answer_without_a_handoff(set
     phases = [scheduler.expect(wire.RequestDone) for _ in range(2)]
     assert [(d.phase, d.finish_reason) for d in phases] == [("prefill", None), ("decode", "length")]
     assert worker.engine.num_computed_prompt_tokens < len(prompt_2)
+
+
+def test_a_turn_evicted_to_host_ram_is_still_announced_and_pinned_from_there(setup):
+    """A reservation that needs the whole pool evicts turn 1's cached blocks: they move to the
+    host tier, the heartbeats keep announcing them (never as evicted), and turn 2's reservation
+    copies them back and pins them, so only the rest would be sent."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    transfer, _ = prefilled_transfer(model_dir, "t1", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, transfer)
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    reply = list(transfer.output_token_ids) + stream_until_done(gateway)
+    prompt_2 = PROMPT + reply + [9, 9, 9]
+    turn_hashes = list(chain_hashes(root_hash(worker.engine.cache_key), prompt_2[:20], 4))
+    everything = total_blocks(worker) * 4
+    scheduler.send(wire.Reserve(request_id="hog", num_tokens=everything, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    scheduler.send(wire.Cancel(request_id="hog", reason="test"))
+    announced: set[int] = set()
+
+    def announces_the_turn(heartbeat: wire.Heartbeat) -> bool:
+        assert not set(turn_hashes) & set(heartbeat.cache_evicted), "reported gone"
+        announced.update(heartbeat.cache_stored)
+        return set(turn_hashes) <= announced and worker.engine.host_tier.num_demoted_blocks > 0
+
+    scheduler.expect(wire.Heartbeat, where=announces_the_turn)
+    assert all(worker.engine.host_tier.holds(h) for h in turn_hashes)
+    scheduler.send(
+        wire.Reserve(request_id="t2", num_tokens=len(prompt_2) + 1, lease_s=30, token_ids=prompt_2)
+    )
+    assert scheduler.expect(wire.ReserveReply).num_cached_blocks == 5
+    assert worker.engine.host_tier.num_promoted_blocks == 5
+    scheduler.send(  # turn 2 prefilled here: the blocks from host RAM count as host hits
+        wire.PrefillJob(
+            request_id="t2",
+            prompt_token_ids=prompt_2,
+            sampling=sampling_spec(params),
+            gateway_address=gateway_address,
+            decode_peer_id="d",
+            decode_address="unused",
+            num_skip_blocks=5,
+        )
+    )
+    assert gateway.poll(10_000) and wire.recv(gateway).deltas[0].num_cached_tokens == 20
+    stream_until_done(gateway)
+    assert worker.engine.prefix_cache.num_host_hit_tokens == 20
+    assert worker.engine.config.finished_retention_s == 30.0  # the decode role's think time

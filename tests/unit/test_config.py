@@ -35,6 +35,17 @@ def test_optional_and_bool_values():
     assert config.threads is None and config.address == "tcp://0.0.0.0:7000"
 
 
+def test_host_tier_and_retention_settings_reach_the_engine():
+    config = parse(WorkerConfig, [], {"TANDEM_HOST_CACHE_BYTES": "1024"})
+    assert config.engine_config().host_cache_bytes == 1024
+    assert parse(WorkerConfig, []).engine_config().host_cache_bytes == 256 << 20
+    assert parse(WorkerConfig, ["--host-cache-bytes", "0"]).engine_config().host_cache_bytes == 0
+    small_swap = parse(WorkerConfig, ["--swap-bytes", "1024"])  # the tier fits in what is left
+    assert small_swap.engine_config().host_cache_bytes == 256 << 20
+    retention = parse(WorkerConfig, ["--think-time-retention-s", "12.5"]).think_time_retention_s
+    assert retention == 12.5
+
+
 @pytest.mark.parametrize(
     "cls,argv,environ,needle",
     [
@@ -51,6 +62,10 @@ def test_optional_and_bool_values():
         (WorkerConfig, ["--prefix-cache-max-blocks", "-1"], {}, "TANDEM_PREFIX_CACHE_MAX_BLOCKS"),
         (WorkerConfig, [], {"TANDEM_ENABLE_PREFIX_CACHING": "maybe"}, "expected a boolean"),
         (WorkerConfig, ["--share-prefix-cache", "2"], {}, "expected a boolean"),
+        (WorkerConfig, ["--host-cache-bytes", "-1"], {}, "--host-cache-bytes"),
+        (WorkerConfig, [], {"TANDEM_HOST_CACHE_BYTES": "1G"}, "TANDEM_HOST_CACHE_BYTES"),
+        (WorkerConfig, ["--think-time-retention-s", "-1"], {}, "TANDEM_THINK_TIME_RETENTION_S"),
+        (WorkerConfig, [], {"TANDEM_THINK_TIME_RETENTION_S": "long"}, "THINK_TIME_RETENTION"),
         (SchedulerConfig, [], {"TANDEM_METRICS_PORT": "-1"}, "TANDEM_METRICS_PORT"),
         (SchedulerConfig, ["--metrics-port", "http"], {}, "--metrics-port: expected an integer"),
         (SchedulerConfig, ["--heartbeat-timeout-s", "0"], {}, "heartbeat_timeout_s"),

@@ -135,6 +135,32 @@ def test_preemption_counters_follow_the_heartbeats_totals():
     assert value(events, "tandem:kv_cache_usage_perc") == pytest.approx(12 / 16)
 
 
+def test_host_tier_metrics_follow_the_engines_counters():
+    import torch
+
+    from shared.engine.host_tier import HostTier
+    from shared.engine.kv_cache import KVCache, bytes_per_block
+    from shared.engine.prefix_cache import Eviction, PrefixCache
+    from tests.helpers import TINY_KV_CONFIG
+
+    events = DecodeEvents(get_logger())
+    cache = PrefixCache()
+    bpb = bytes_per_block(TINY_KV_CONFIG, 4, torch.float32)
+    tier = HostTier(4 * bpb, bpb, KVCache(TINY_KV_CONFIG, 4, 4))
+    tier.demote([Eviction(0, 11), Eviction(1, 12)])
+    cache.record_query(64, 48, 32)
+    events.refresh_host_tier(cache, tier)
+    cache.record_query(16, 16, 16)
+    cache.insert(5, 2)
+    cache.release(2, retain_until=float("inf"))  # a finished turn in its think time
+    events.refresh_host_tier(cache, tier)
+    assert value(events, "tandem:prefix_cache_host_hits_total") == 48
+    assert value(events, "tandem:prefix_cache_host_bytes") == 2 * bpb
+    assert value(events, "tandem:prefix_cache_retained_blocks") == 1
+    events.refresh_host_tier(cache, None)  # the tier switched off
+    assert value(events, "tandem:prefix_cache_host_bytes") == 0
+
+
 def test_the_metrics_server_answers_health_honestly():
     import urllib.error
     import urllib.request
