@@ -23,13 +23,19 @@ state for the request.
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass, field
 
 from services.scheduler.cache_placement import CachePlacement
 from services.scheduler.cache_routing import RoutingWeights
-from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
+from services.scheduler.fair_share import (
+    FairQueue,
+    FairShareConfig,
+    LengthRanges,
+    Party,
+    QueuedRequest,
+)
 from services.scheduler.registry import WorkerRegistry, WorkerState
+from services.scheduler.worker_index import PrefillWindow  # noqa: F401 (its home was here)
 from shared import wire
 
 MAX_ABANDONED = 65536  # request ids remembered as given up on, for the heartbeats' lease check
@@ -59,44 +65,6 @@ class SchedulerLimits:
     # Conditional disaggregation: a decode worker holding all but at most this many of a
     # prompt's tokens prefills them itself, and no KV crosses the wire (0: never).
     local_prefill_max_tokens: int = 256
-
-
-@dataclass
-class PrefillWindow:
-    """What a prefill worker holds ahead of its progress, and whether it may take more.
-
-    A worker holds at most one *big* prompt (more than half the window) and up to a window of
-    prompt tokens in smaller ones (the last may overshoot). One big prompt already fills every
-    step's budget for many steps, so a second adds nothing but a claim on the worker's future;
-    kept in the scheduler's queue instead, it stays under the policy, and short prompts always
-    find room beside the big one in hand.
-    """
-
-    tokens: int  # the window, in prompt tokens
-    holds_big: bool = False
-    small_tokens: int = 0
-
-    def is_big(self, num_prompt_tokens: int) -> bool:
-        return num_prompt_tokens > self.tokens // 2
-
-    def hold(self, num_prompt_tokens: int) -> None:
-        if self.is_big(num_prompt_tokens):
-            self.holds_big = True
-        else:
-            self.small_tokens += num_prompt_tokens
-
-    @property
-    def small_room(self) -> int:
-        return self.tokens - self.small_tokens
-
-    def takes(self, num_prompt_tokens: int, bulk: bool = False) -> bool:
-        if bulk:
-            # A batch line goes only to a worker with little in hand (a quarter window, no big
-            # prompt): what it holds is what a later interactive prompt waits behind.
-            return not self.holds_big and self.small_tokens < self.tokens // 4
-        if self.is_big(num_prompt_tokens):
-            return not self.holds_big
-        return self.small_room > 0
 
 
 @dataclass
@@ -166,7 +134,9 @@ class ClusterScheduler:
 
     def __post_init__(self) -> None:
         self.registry = WorkerRegistry(
-            self.limits.heartbeat_timeout_s, self.limits.progress_timeout_s
+            self.limits.heartbeat_timeout_s,
+            self.limits.progress_timeout_s,
+            self.limits.prefill_window_tokens,
         )
         self.queue = FairQueue(self.limits.fair_share)
         self.placement = CachePlacement(self.limits.routing, self.limits.local_prefill_max_tokens)
@@ -216,7 +186,8 @@ class ClusterScheduler:
             )
             return [Outgoing(identity, ack)]
         worker.last_heartbeat = now
-        worker.num_free_blocks = heartbeat.num_free_blocks
+        # The heartbeat's free-block count already reflects every reservation made so far.
+        self.registry.report_free_blocks(worker, heartbeat.num_free_blocks, heartbeat=True)
         worker.num_running = heartbeat.num_running
         worker.num_waiting = heartbeat.num_waiting
         worker.num_swapped = heartbeat.num_swapped
@@ -237,8 +208,6 @@ class ClusterScheduler:
         }
         busy = heartbeat.num_running + heartbeat.num_waiting + heartbeat.num_swapped > 0
         worker.record_progress(heartbeat.steps_completed, busy, now)
-        # The heartbeat's free-block count already reflects every reservation made so far.
-        worker.num_promised_blocks = 0
         stale = [
             Outgoing(identity, wire.Cancel(request_id=request_id, reason="abandoned"))
             for request_id in heartbeat.request_ids
@@ -299,15 +268,13 @@ class ClusterScheduler:
     ) -> tuple[int, str, float | None] | None:
         if submit.request_id in self.requests:
             return 400, f"request id {submit.request_id!r} is already in flight", None
-        prefill, decode = (
-            self.registry.healthy("prefill", now),
-            self.registry.healthy("decode", now),
+        capacity = self.registry.decode_room.max_capacity(
+            lambda w: self.registry.is_healthy(w, now)
         )
-        if not prefill or not decode:
+        if capacity is None or not self.registry.any_healthy("prefill", now):
             message = "no prefill or no decode worker is registered and making progress"
             return 503, message, self.limits.retry_after_s
         needed = len(submit.prompt_token_ids) + submit.sampling.max_tokens
-        capacity = max(w.num_total_blocks * w.block_size for w in decode)
         if needed > capacity:
             return (
                 400,
@@ -339,7 +306,7 @@ class ClusterScheduler:
         if request is None or request.phase != Phase.RESERVING or worker is None:
             return []
         if not reply.ok:
-            worker.num_free_blocks = reply.num_free_blocks
+            self.registry.report_free_blocks(worker, reply.num_free_blocks, heartbeat=False)
             return self._requeue(request, cancel_reason=None) + self.dispatch(now)
         prefill = self.registry.get(request.prefill_peer_id) if request.prefill_peer_id else None
         if prefill is None or not prefill.making_progress(now, self.limits.progress_timeout_s):
@@ -349,7 +316,7 @@ class ClusterScheduler:
         submit = request.submit
         if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker.block_size):
             # The decode worker computes the short suffix itself: the prefill worker is out.
-            prefill.request_ids.discard(request.request_id)
+            self.registry.release(prefill, request.request_id)
             request.prefill_peer_id = worker.peer_id
             prefill = worker
         request.num_predicted_cached_tokens = self.placement.cached_on(prefill.peer_id, submit)
@@ -378,7 +345,7 @@ class ClusterScheduler:
                 return []  # a report from an attempt the scheduler already gave up on
             prefill = self.registry.get(done.peer_id)
             if prefill is not None and done.peer_id != request.decode_peer_id:
-                prefill.request_ids.discard(done.request_id)
+                self.registry.release(prefill, done.request_id)
             if done.finish_reason in (None, "stop", "length"):
                 self.num_predicted_cached_tokens += request.num_predicted_cached_tokens
                 self.num_actual_cached_tokens += done.num_cached_tokens
@@ -401,40 +368,35 @@ class ClusterScheduler:
     def dispatch(self, now: float) -> list[Outgoing]:
         """Hands the policy's next requests to prefill workers with room, decode reserved first."""
         out: list[Outgoing] = []
-        while len(self.queue):
-            prefills = self.registry.healthy("prefill", now)
-            if not prefills:
-                break
-            windows = {w.peer_id: self._window(w) for w in prefills}
-            item = self.queue.pop_next(now, functools.partial(self._placeable, windows, now))
+        while len(self.queue) and self.registry.any_healthy("prefill", now):
+            lengths = self._placeable_lengths(now)
+            item = self.queue.pop_next(now, lengths, lengths)
             if item is None:
                 break
+            request = self.requests[item.request_id]
             prefill = self.placement.choose_prefill(
-                [
-                    w
-                    for w in prefills
-                    if windows[w.peer_id].takes(item.num_prompt_tokens, item.bulk)
-                ],
-                self.requests[item.request_id].submit,
-                self._num_held_tokens,
-                lambda w, windows=windows: windows[w.peer_id].small_room,
+                self.registry.prefill_takers(item.num_prompt_tokens, item.bulk, now),
+                request.submit,
+                lambda w: self.registry.window(w).held_tokens,
+                lambda w: self.registry.window(w).small_room,
             )
-            out.append(self._reserve(self.requests[item.request_id], prefill, now))
+            out.append(self._reserve(request, prefill, now))
         return out
 
-    def _num_held_tokens(self, worker: WorkerState) -> int:
-        """Prompt tokens assigned to a prefill worker and not yet done."""
-        return sum(
-            self.requests[r].num_prefill_tokens for r in worker.request_ids if r in self.requests
-        )
-
-    def _placeable(
-        self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
-    ) -> bool:
-        """Some prefill worker's window takes it, and some decode worker can hold it."""
-        if not any(window.takes(item.num_prompt_tokens, item.bulk) for window in windows.values()):
-            return False
-        return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
+    def _placeable_lengths(self, now: float) -> LengthRanges:
+        """The prompt lengths some prefill worker's window takes and some decode worker can
+        hold (with the first decode step) right now: exactly the requests dispatch can place."""
+        max_tokens = self.registry.max_decode_tokens(now) - 1
+        if max_tokens < 0:
+            return LengthRanges()
+        half = self.limits.prefill_window_tokens // 2  # longer is big (`PrefillWindow`)
+        interactive = []
+        if self.registry.takes_prefill(0, False, now):
+            interactive.append((0, min(half, max_tokens)))
+        if max_tokens > half and self.registry.takes_prefill(half + 1, False, now):
+            interactive.append((half + 1, max_tokens))
+        bulk = [(0, max_tokens)] if self.registry.takes_prefill(0, True, now) else []
+        return LengthRanges(tuple(interactive), tuple(bulk))
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:
         num_prompt_tokens = request.num_prefill_tokens
@@ -451,12 +413,12 @@ class ClusterScheduler:
         request.prefill_peer_id = prefill.peer_id
         request.num_blocks = decode.blocks_for(num_tokens)
         request.phase_deadline = now + self.limits.reserve_timeout_s
-        decode.num_promised_blocks += request.num_blocks
+        self.registry.promise(decode, request.num_blocks)
         self.dispatched.append(
             Dispatched(request.request_id, now - request.arrival, prefill.peer_id, decode.peer_id)
         )
-        decode.request_ids.add(request.request_id)
-        prefill.request_ids.add(request.request_id)
+        self.registry.assign(decode, request.request_id, num_prompt_tokens)
+        self.registry.assign(prefill, request.request_id, num_prompt_tokens)
         submit = request.submit
         reserve = wire.Reserve(
             request_id=request.request_id,
@@ -466,14 +428,6 @@ class ClusterScheduler:
             cache_salt=submit.tenant,
         )
         return Outgoing(decode.identity, reserve)
-
-    def _window(self, worker: WorkerState) -> PrefillWindow:
-        window = PrefillWindow(self.limits.prefill_window_tokens)
-        for request_id in worker.request_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                window.hold(request.num_prefill_tokens)
-        return window
 
     def _enqueue(self, request: TrackedRequest) -> None:
         submit = request.submit
@@ -486,7 +440,11 @@ class ClusterScheduler:
                 arrival=request.arrival,
                 resumed=submit.resumed_from is not None,
                 bulk=submit.bulk,
-                num_cached_tokens=self.placement.most_cached(submit, list(self.registry.workers)),
+                num_cached_tokens=(
+                    self.placement.most_cached(submit, list(self.registry.workers))
+                    if self.placement.active
+                    else 0
+                ),
             )
         )
         self.num_queued_tokens += request.num_prefill_tokens
@@ -504,7 +462,7 @@ class ClusterScheduler:
             worker = self.registry.get(peer_id) if peer_id else None
             if worker is None:
                 continue
-            worker.request_ids.discard(request.request_id)
+            self.registry.release(worker, request.request_id)
             if holds_state:
                 cancel = wire.Cancel(request_id=request.request_id, reason=reason)
                 out.append(Outgoing(worker.identity, cancel))
@@ -517,11 +475,11 @@ class ClusterScheduler:
         if cancel_reason is None and request.decode_peer_id:
             worker = self.registry.get(request.decode_peer_id)
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self.registry.release(worker, request.request_id)
         if cancel_reason is None and request.prefill_peer_id:
             worker = self.registry.get(request.prefill_peer_id)
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self.registry.release(worker, request.request_id)
         request.phase = Phase.QUEUED
         request.decode_peer_id = request.prefill_peer_id = None
         request.phase_deadline = float("inf")
@@ -543,7 +501,7 @@ class ClusterScheduler:
         for peer_id in (request.prefill_peer_id, request.decode_peer_id):
             worker = self.registry.get(peer_id) if peer_id else None
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self.registry.release(worker, request.request_id)
         return []
 
     def _drop_worker(self, worker: WorkerState) -> list[Outgoing]:
