@@ -26,7 +26,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.scheduler.cache_placement import CachePlacement
-from services.scheduler.cache_routing import RoutingWeights
+from services.scheduler.cache_routing import PrefillCandidate, RoutingWeights, predicted_wait_s
 from services.scheduler.fair_share import (
     FairQueue,
     FairShareConfig,
@@ -192,7 +192,7 @@ class ClusterScheduler:
         worker.num_waiting = heartbeat.num_waiting
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
-        worker.prefill_tokens_per_s = heartbeat.prefill_tokens_per_s
+        self.registry.report_prefill_rate(worker, heartbeat.prefill_tokens_per_s)
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
         self.prefix_index.apply(
@@ -375,13 +375,43 @@ class ClusterScheduler:
                 break
             request = self.requests[item.request_id]
             prefill = self.placement.choose_prefill(
-                self.registry.prefill_takers(item.num_prompt_tokens, item.bulk, now),
+                self._prefill_candidates(item, now),
                 request.submit,
                 lambda w: self.registry.window(w).held_tokens,
                 lambda w: self.registry.window(w).small_room,
             )
             out.append(self._reserve(request, prefill, now))
         return out
+
+    def _prefill_candidates(self, item: QueuedRequest, now: float) -> list[WorkerState]:
+        """The prefill workers the placement must compare to find its choice among all whose
+        window takes the prompt. Where caches count, every one. Otherwise a worker's predicted
+        wait grows with the tokens it holds at its rate, and ties go to more room, then the
+        smaller peer id: so among workers of one measured rate the least loaded in that order
+        wins, provided one more token held makes a longer wait (it does but for weights that
+        round it away; then the group is compared whole)."""
+        n, bulk = item.num_prompt_tokens, item.bulk
+        if self.placement.active:
+            return self.registry.prefill_takers(n, bulk, now)
+        candidates = []
+        for group in self.registry.prefill_takers_by_load(n, bulk, now):
+            first = next(group, None)
+            if first is None:
+                continue
+            candidates.append(first)
+            held = self.registry.window(first).held_tokens
+            if not self._longer_wait(first.prefill_tokens_per_s, held, n):
+                candidates += group
+        return candidates
+
+    def _longer_wait(self, tokens_per_s: float, num_held_tokens: int, num_tokens: int) -> bool:
+        """Whether one more token held makes a strictly longer predicted wait at this rate."""
+
+        def wait(held: int) -> float:
+            candidate = PrefillCandidate("", held, 0, tokens_per_s)
+            return predicted_wait_s(candidate, num_tokens, self.limits.routing)
+
+        return wait(num_held_tokens + 1) > wait(num_held_tokens)
 
     def _placeable_lengths(self, now: float) -> LengthRanges:
         """The prompt lengths some prefill worker's window takes and some decode worker can

@@ -14,7 +14,7 @@ by room), so every change to a worker's load goes through it: `assign` and `rele
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from services.scheduler.worker_index import DecodeRoom, PrefillRoom, PrefillWindow
@@ -130,6 +130,11 @@ class WorkerRegistry:
         if worker.role == "decode":
             self.decode_room.update(worker)
 
+    def report_prefill_rate(self, worker: WorkerState, tokens_per_s: float) -> None:
+        if worker.prefill_tokens_per_s != tokens_per_s:
+            worker.prefill_tokens_per_s = tokens_per_s
+            self.prefill_room.rate_changed(worker)
+
     def _changed(self, worker: WorkerState, request_id: str, num_tokens: int | None) -> None:
         if self.workers.get(worker.peer_id) is not worker:
             return  # gone from the registry: nothing to index
@@ -167,6 +172,14 @@ class WorkerRegistry:
         """The healthy prefill workers whose window takes such a prompt."""
         takers = self.prefill_room.takers(num_prompt_tokens, bulk)
         return [w for w in takers if self.is_healthy(w, now)]
+
+    def prefill_takers_by_load(
+        self, num_prompt_tokens: int, bulk: bool, now: float
+    ) -> Iterator[Iterator[WorkerState]]:
+        """Per measured rate, the healthy prefill workers whose window takes such a prompt, by
+        tokens held, then room (most first), then peer id (lazy walks)."""
+        for group in self.prefill_room.takers_by_load(num_prompt_tokens, bulk):
+            yield (w for w in group if self.is_healthy(w, now))
 
     def takes_prefill(self, num_prompt_tokens: int, bulk: bool, now: float) -> bool:
         takers = self.prefill_room.takers(num_prompt_tokens, bulk)

@@ -4,7 +4,10 @@ never passes over a thousand workers of a role to find the few with room.
 * `PrefillRoom`: every prefill worker's window (`PrefillWindow`, what it holds ahead of its
   progress) kept as prompts come and go instead of recounted, and the sets of workers whose
   window takes a small prompt, a big one, or a bulk line: under load only the few workers that
-  just finished something are in them.
+  just finished something are in them. Each set is also ordered, per measured prefill rate, by
+  tokens held (fewest first), then room (most first), then peer id: the placement's order among
+  workers of one rate when no cache counts (see `ClusterScheduler._prefill_candidates`), so
+  a lightly loaded cluster's thousand idle workers are not all compared either.
 * `DecodeRoom`: the decode workers with a seat free, by available blocks (most first), then by
   fewest requests, then by registration order (the order a scan of the registry met them in),
   one lazy heap per block size: the first healthy worker of a heap is the one of its block size
@@ -90,6 +93,8 @@ class PrefillRoom:
         self.windows: dict[str, PrefillWindow] = {}
         self._held: dict[str, dict[str, int]] = {}  # peer id -> request id -> prompt tokens
         self._takers: dict[str, dict[str, WorkerState]] = {SMALL: {}, BIG: {}, BULK: {}}
+        # kind -> measured rate -> lazy heap of (held tokens, -room, peer id)
+        self._by_load: dict[str, dict[float, list[LoadEntry]]] = {SMALL: {}, BIG: {}, BULK: {}}
 
     def add(self, worker: WorkerState) -> None:
         self.windows[worker.peer_id] = PrefillWindow(self.window_tokens)
@@ -115,22 +120,64 @@ class PrefillRoom:
             self.windows[worker.peer_id].release(held.pop(request_id))
             self._sort(worker)
 
+    def rate_changed(self, worker: WorkerState) -> None:
+        if worker.peer_id in self.windows:
+            self._sort(worker)
+
     def takers(self, num_prompt_tokens: int, bulk: bool) -> Iterator[WorkerState]:
         """The workers whose window takes such a prompt (healthy or not)."""
+        return iter(self._takers[self._kind(num_prompt_tokens, bulk)].values())
+
+    def takers_by_load(self, num_prompt_tokens: int, bulk: bool) -> Iterator[Iterator[WorkerState]]:
+        """The takers of such a prompt, per measured rate, by tokens held (fewest first), then
+        room (most first), then peer id; healthy or not. Each walk is lazy: stop it early."""
+        kind = self._kind(num_prompt_tokens, bulk)
+        groups = self._by_load[kind]
+        for rate in list(groups):
+            heap = groups[rate]
+            if lazy_heap.live_top(heap, self._live_for(kind, rate)) is None:
+                del groups[rate]  # no live entry left
+                continue
+            yield self._walk(heap, kind, rate)
+
+    def _walk(self, heap: list[LoadEntry], kind: str, rate: float) -> Iterator[WorkerState]:
+        live = self._live_for(kind, rate)
+        for entry in lazy_heap.in_order(heap):
+            if live(entry):
+                yield self._takers[kind][entry[2]]
+
+    def _kind(self, num_prompt_tokens: int, bulk: bool) -> str:
         big = num_prompt_tokens > self.window_tokens // 2
-        kind = BULK if bulk else (BIG if big else SMALL)
-        return iter(self._takers[kind].values())
+        return BULK if bulk else (BIG if big else SMALL)
 
     def _sort(self, worker: WorkerState) -> None:
-        for kind, takes in zip(
-            (SMALL, BIG, BULK), self.windows[worker.peer_id].kinds(), strict=True
-        ):
-            if takes:
-                self._takers[kind][worker.peer_id] = worker
-            else:
-                self._takers[kind].pop(worker.peer_id, None)
+        window = self.windows[worker.peer_id]
+        rate = worker.prefill_tokens_per_s
+        entry = (window.held_tokens, -window.small_room, worker.peer_id)
+        for kind, takes in zip((SMALL, BIG, BULK), window.kinds(), strict=True):
+            takers = self._takers[kind]
+            if not takes:
+                takers.pop(worker.peer_id, None)
+                continue
+            takers[worker.peer_id] = worker
+            heap = self._by_load[kind].setdefault(rate, [])
+            lazy_heap.push(heap, entry, len(takers), self._live_for(kind, rate))
+
+    def _live_for(self, kind: str, rate: float) -> Callable[[LoadEntry], bool]:
+        takers = self._takers[kind]
+
+        def live(entry: LoadEntry) -> bool:
+            worker = takers.get(entry[2])
+            if worker is None or worker.prefill_tokens_per_s != rate:
+                return False
+            window = self.windows[entry[2]]
+            return entry[0] == window.held_tokens and entry[1] == -window.small_room
+
+        return live
 
 
+# (prompt tokens held, -room in the window, peer id): the least loaded prefill worker first.
+LoadEntry = tuple[int, int, str]
 # (-available blocks, requests, registration order, peer id): the best worker is the smallest.
 DecodeEntry = tuple[int, int, int, str]
 

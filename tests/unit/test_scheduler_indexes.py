@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from services.scheduler import core as indexed
 from services.scheduler import lazy_heap
+from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.core import Phase
 from services.scheduler.fair_share import FairShareConfig
 from shared import wire
@@ -32,7 +33,7 @@ CACHE_KEY = worker_cache_key(CacheKey("m", "float32", 4), shared_between_tenants
 PREFIXES = [[100 + i] * 24 for i in range(3)]  # prompts share these, so caches can hit
 
 
-def limits(module, fair_share_type, policy: str):
+def limits(module, fair_share_type, policy: str, routing: RoutingWeights):
     fair = fair_share_type(
         policy=policy, class_thresholds=(24,), max_wait_s=2.0, bulk_max_wait_s=5.0
     )
@@ -47,16 +48,22 @@ def limits(module, fair_share_type, policy: str):
         prefill_window_tokens=64,
         fair_share=fair,
         local_prefill_max_tokens=8,
+        routing=routing,
     )
 
 
 class Twins:
     """The indexed core and the reference, fed the same messages, compared after each."""
 
-    def __init__(self, rng: random.Random, policy: str, caches: bool):
+    def __init__(
+        self, rng: random.Random, policy: str, caches: bool, routing: RoutingWeights | None = None
+    ):
         self.rng, self.caches = rng, caches
-        self.new = indexed.ClusterScheduler(limits(indexed, FairShareConfig, policy))
-        self.old = reference.ClusterScheduler(limits(reference, ReferenceFairShareConfig, policy))
+        routing = routing or RoutingWeights()
+        self.new = indexed.ClusterScheduler(limits(indexed, FairShareConfig, policy, routing))
+        self.old = reference.ClusterScheduler(
+            limits(reference, ReferenceFairShareConfig, policy, routing)
+        )
         self.now = 0.0
         self.num_submits = 0
         self.workers: dict[str, wire.Hello] = {}
@@ -251,9 +258,11 @@ class Twins:
             self.call("tick")
 
 
-def run_twins(seed: int, policy: str, caches: bool, num_steps: int) -> None:
+def run_twins(
+    seed: int, policy: str, caches: bool, num_steps: int, routing: RoutingWeights | None = None
+) -> None:
     rng = random.Random(seed)
-    twins = Twins(rng, policy, caches)
+    twins = Twins(rng, policy, caches, routing)
     for _ in range(3):
         twins.hello_worker()
     for _ in range(num_steps):
@@ -273,6 +282,13 @@ def test_indexed_core_decides_as_the_scanning_one(seed, policy):
 @given(seed=st.integers(0, 2**32 - 1))
 def test_indexed_core_decides_as_the_scanning_one_with_prefix_caches(seed):
     run_twins(seed, "fair", caches=True, num_steps=250)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_indexed_core_decides_as_the_scanning_one_when_load_does_not_count(seed):
+    # Held tokens weigh nothing: the least loaded worker of a rate is no better than another.
+    run_twins(seed, "fair", caches=False, num_steps=250, routing=RoutingWeights(0.0, 1.0))
 
 
 @given(st.lists(st.integers(-50, 50), max_size=60), st.integers(0, 60))
