@@ -23,6 +23,8 @@ state for the request.
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from services.scheduler.cache_placement import CachePlacement
@@ -79,6 +81,7 @@ class TrackedRequest:
     num_blocks: int = 0  # blocks reserved on the decode worker
     arrival: float = 0.0  # the scheduler's clock when it was first queued
     num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
+    index: int = 0  # its place among the requests admitted: the order a tick handles them in
 
     @property
     def request_id(self) -> str:
@@ -144,6 +147,9 @@ class ClusterScheduler:
         # Prompt tokens predicted cached at dispatch against those the workers found.
         self.num_predicted_cached_tokens = 0
         self.num_actual_cached_tokens = 0
+        self._admissions = itertools.count()
+        # (deadline, request id) of requests reserving or prefilling, for the tick (lazy).
+        self._deadlines: list[tuple[float, str]] = []
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -221,7 +227,7 @@ class ClusterScheduler:
         for worker in self.registry.expired(now):
             self.registry.remove(worker.peer_id)
             out += self._drop_worker(worker)
-        for request in list(self.requests.values()):
+        for request in self._due(now):
             if (
                 request.phase == Phase.QUEUED
                 and now - request.arrival > self.limits.max_queue_time_s
@@ -235,6 +241,27 @@ class ClusterScheduler:
             elif request.phase == Phase.PREFILLING:
                 out += self._lose(request, "the prefill and its KV transfer timed out")
         return out + self.dispatch(now)
+
+    def _due(self, now: float) -> list[TrackedRequest]:
+        """The requests a tick may act on, in the order they were admitted: those queued past
+        the limit (the queue's oldest), and those whose phase deadline passed (a lazy heap of
+        deadlines: an entry is stale once its request's deadline changed)."""
+        limit = self.limits.max_queue_time_s
+        due = {
+            item.request_id: self.requests[item.request_id]
+            for item in self.queue.waited_longer(now, limit)
+        }
+        heap = self._deadlines
+        while heap and now > heap[0][0]:
+            deadline, request_id = heapq.heappop(heap)
+            request = self.requests.get(request_id)
+            if request is not None and request.phase_deadline == deadline:
+                due[request_id] = request
+        return sorted(due.values(), key=lambda r: r.index)
+
+    def _set_deadline(self, request: TrackedRequest, deadline: float) -> None:
+        request.phase_deadline = deadline
+        heapq.heappush(self._deadlines, (deadline, request.request_id))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -251,7 +278,9 @@ class ClusterScheduler:
             )
             return [Outgoing(identity, reply)]
         party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit), submit.bulk)
-        request = TrackedRequest(submit, submit.gateway_peer_id, party, arrival=now)
+        request = TrackedRequest(
+            submit, submit.gateway_peer_id, party, arrival=now, index=next(self._admissions)
+        )
         self.requests[submit.request_id] = request
         self._enqueue(request)
         accepted = wire.SubmitReply(
@@ -312,7 +341,7 @@ class ClusterScheduler:
         if prefill is None or not prefill.making_progress(now, self.limits.progress_timeout_s):
             return self._requeue(request, cancel_reason="no prefill worker")
         request.phase = Phase.PREFILLING
-        request.phase_deadline = now + self.limits.prefill_timeout_s
+        self._set_deadline(request, now + self.limits.prefill_timeout_s)
         submit = request.submit
         if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker.block_size):
             # The decode worker computes the short suffix itself: the prefill worker is out.
@@ -442,7 +471,7 @@ class ClusterScheduler:
         request.decode_peer_id = decode.peer_id
         request.prefill_peer_id = prefill.peer_id
         request.num_blocks = decode.blocks_for(num_tokens)
-        request.phase_deadline = now + self.limits.reserve_timeout_s
+        self._set_deadline(request, now + self.limits.reserve_timeout_s)
         self.registry.promise(decode, request.num_blocks)
         self.dispatched.append(
             Dispatched(request.request_id, now - request.arrival, prefill.peer_id, decode.peer_id)

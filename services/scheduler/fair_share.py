@@ -267,6 +267,16 @@ class FairQueue:
         for _, _, item in heapq.merge(waiting(False), waiting(True), key=lambda e: e[:2]):
             yield item
 
+    def waited_longer(self, now: float, seconds: float) -> list[QueuedRequest]:
+        """The queued requests that have waited more than `seconds`."""
+        found = []
+        for bulk in (False, True):
+            for item in self._index.by_arrival(bulk):
+                if not now - item.arrival > seconds:
+                    break
+                found.append(item)
+        return found
+
     def _resuming(self, eligible: Callable[[QueuedRequest], bool]) -> list[QueuedRequest]:
         """The eligible resuming requests, oldest first (ties: the first queued)."""
         items = [item for item in self._index.resumed.values() if eligible(item)]

@@ -44,7 +44,7 @@ def limits(module, fair_share_type, policy: str, routing: RoutingWeights):
         progress_timeout_s=4.0,
         reserve_timeout_s=1.5,
         prefill_timeout_s=6.0,
-        max_queue_time_s=30.0,
+        max_queue_time_s=12.0,
         prefill_window_tokens=64,
         fair_share=fair,
         local_prefill_max_tokens=8,
