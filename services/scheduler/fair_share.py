@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -234,14 +233,15 @@ class FairQueue:
         oldest, aged_bulk = self._index.oldest(False), self._index.oldest(True)
         if aged_bulk is not None and now - aged_bulk.arrival < self.config.bulk_max_wait_s:
             aged_bulk = None
-        overdue = self._overdue(now)
-        first_overdue = next(overdue, None)
-        if first_overdue is None:
+        # Someone is overdue if the oldest of either kind is (the oldest waited longest).
+        max_wait = self.config.max_wait_s
+        if not any(i is not None and now - i.arrival >= max_wait for i in (oldest, aged_bulk)):
             self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
+            overdue: Iterator[QueuedRequest] = iter(())
+        else:
+            overdue = self._overdue(now)
         if lengths is not None and lengths.empty:
             return None, False  # nothing can be placed: no need to look
-        if first_overdue is not None:
-            overdue = itertools.chain((first_overdue,), overdue)
         item, by_aging = self._choose_interactive(
             now, admissible, lengths, overdue, oldest, aged_bulk
         )
@@ -344,6 +344,12 @@ class FairQueue:
         def lengths_meet(class_name: str, low: int, high: int) -> bool:
             return lengths is None or lengths.meet(class_name == BULK_CLASS, low, high)
 
+        # The usual case at once: the least-served party's first request can be placed.
+        party = self._index.least_served_party(class_names, lengths_meet)
+        if party is not None:
+            first = next(self._index.party_in_order(party))
+            if admissible(first):
+                return first
         for party in self._index.parties_by_counter(class_names, lengths_meet):
             for item in self._index.party_in_order(party):
                 if admissible(item):

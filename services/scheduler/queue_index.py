@@ -141,6 +141,24 @@ class QueueIndex:
         """The classes with backlogged parties."""
         return list(self._num_parties)
 
+    def least_served_party(
+        self, class_names: Iterable[str], lengths_meet: Callable[[str, int, int], bool]
+    ) -> Party | None:
+        """The first party `parties_by_counter` would give, if it passes `lengths_meet`; else
+        None (the caller then walks them all)."""
+        best = None
+        for class_name in class_names:
+            bounds = self.class_lengths.get(class_name)
+            if bounds is None or not lengths_meet(class_name, bounds[0], bounds[1]):
+                continue
+            top = lazy_heap.live_top(self._by_counter[class_name], self._counter_live)
+            if top is not None and (best is None or top < best):
+                best = top
+        if best is None:
+            return None
+        bounds = self.party_lengths[best[4]]
+        return best[4] if lengths_meet(best[4].class_name, bounds[0], bounds[1]) else None
+
     def parties_by_counter(
         self, class_names: Iterable[str], lengths_meet: Callable[[str, int, int], bool]
     ) -> Iterator[Party]:

@@ -158,7 +158,10 @@ class WorkerRegistry:
         return [w for w in self.by_role(role) if self.is_healthy(w, now)]
 
     def any_healthy(self, role: str, now: float) -> bool:
-        return any(self.is_healthy(w, now) for w in self._by_role.get(role, {}).values())
+        for worker in self._by_role.get(role, {}).values():
+            if worker.making_progress(now, self.progress_timeout_s):
+                return True
+        return False
 
     def expired(self, now: float) -> list[WorkerState]:
         return [

@@ -228,7 +228,13 @@ class DecodeRoom:
         """Per block size, the first healthy worker with a seat free: the one that can hold the
         most tokens of its block size."""
         for heap in self._heaps.values():
-            lazy_heap.live_top(heap, self._live)
+            top = lazy_heap.live_top(heap, self._live)
+            if top is None:
+                continue
+            worker = self._workers[top[3]]  # the usual case: the top has a seat and is healthy
+            if len(worker.request_ids) < worker.max_num_seqs and healthy(worker):
+                yield worker
+                continue
             for entry in lazy_heap.in_order(heap):
                 worker = self._workers.get(entry[3])
                 if (
