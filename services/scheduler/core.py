@@ -445,16 +445,21 @@ class ClusterScheduler:
     def _placeable_lengths(self, now: float) -> LengthRanges:
         """The prompt lengths some prefill worker's window takes and some decode worker can
         hold (with the first decode step) right now: exactly the requests dispatch can place."""
+        half = self.limits.prefill_window_tokens // 2  # longer is big (`PrefillWindow`)
+        takes_small = self.registry.takes_prefill(0, False, now)
+        takes_big = self.registry.takes_prefill(half + 1, False, now)
+        takes_bulk = self.registry.takes_prefill(0, True, now)
+        if not (takes_small or takes_big or takes_bulk):
+            return LengthRanges()  # every window is full: the usual answer under load
         max_tokens = self.registry.max_decode_tokens(now) - 1
         if max_tokens < 0:
             return LengthRanges()
-        half = self.limits.prefill_window_tokens // 2  # longer is big (`PrefillWindow`)
         interactive = []
-        if self.registry.takes_prefill(0, False, now):
+        if takes_small:
             interactive.append((0, min(half, max_tokens)))
-        if max_tokens > half and self.registry.takes_prefill(half + 1, False, now):
+        if takes_big and max_tokens > half:
             interactive.append((half + 1, max_tokens))
-        bulk = [(0, max_tokens)] if self.registry.takes_prefill(0, True, now) else []
+        bulk = [(0, max_tokens)] if takes_bulk else []
         return LengthRanges(tuple(interactive), tuple(bulk))
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:

@@ -159,6 +159,7 @@ class FairQueue:
         self.virtual_time = 0.0
         self._index = QueueIndex()
         self._last_was_aged = False  # aging takes every other choice at most
+        self._party_objects: dict[tuple[str, str], Party] = {}
 
     def __len__(self) -> int:
         return len(self._index.items)
@@ -173,7 +174,12 @@ class FairQueue:
         return {party: len(heap) for party, heap in self._index.parties.items()}
 
     def party_for(self, tenant: str, num_prompt_tokens: int, bulk: bool = False) -> Party:
-        return Party(tenant, BULK_CLASS if bulk else self.config.class_of(num_prompt_tokens))
+        class_name = BULK_CLASS if bulk else self.config.class_of(num_prompt_tokens)
+        # One object per party, so that the many dict lookups by party find it by identity.
+        party = self._party_objects.get((tenant, class_name))
+        if party is None:
+            party = self._party_objects[tenant, class_name] = Party(tenant, class_name)
+        return party
 
     def push(self, item: QueuedRequest) -> None:
         if item.request_id in self._index.items:
