@@ -27,8 +27,10 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from services.scheduler.cache_placement import CachePlacement
-from services.scheduler.cache_routing import PrefillCandidate, RoutingWeights, predicted_wait_s
+from services.scheduler.cache_holders import CacheHolders
+from services.scheduler.cache_placement import CachePlacement, prefill_tokens
+from services.scheduler.cache_routing import RoutingWeights
+from services.scheduler.candidates import prefill_candidates
 from services.scheduler.fair_share import (
     FairQueue,
     FairShareConfig,
@@ -144,6 +146,7 @@ class ClusterScheduler:
         self.queue = FairQueue(self.limits.fair_share)
         self.placement = CachePlacement(self.limits.routing, self.limits.local_prefill_max_tokens)
         self.prefix_index = self.placement.index
+        self.cache_holders = CacheHolders(self.prefix_index)  # the index read backwards
         # Prompt tokens predicted cached at dispatch against those the workers found.
         self.num_predicted_cached_tokens = 0
         self.num_actual_cached_tokens = 0
@@ -160,6 +163,7 @@ class ClusterScheduler:
             old = self.registry.remove(hello.peer_id)
             out = self._drop_worker(old) if old is not None else []
             self.prefix_index.register(hello.peer_id, hello.cache_key, hello.block_size)
+            self.cache_holders.forget(hello.peer_id)
             self.registry.add(
                 WorkerState(
                     peer_id=hello.peer_id,
@@ -201,9 +205,16 @@ class ClusterScheduler:
         self.registry.report_prefill_rate(worker, heartbeat.prefill_tokens_per_s)
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
-        self.prefix_index.apply(
+        in_order = self.prefix_index.apply(
             worker.peer_id,
             heartbeat.cache_events_seq,
+            heartbeat.cache_full,
+            heartbeat.cache_stored,
+            heartbeat.cache_evicted,
+        )
+        self.cache_holders.applied(
+            worker.peer_id,
+            in_order,
             heartbeat.cache_full,
             heartbeat.cache_stored,
             heartbeat.cache_evicted,
@@ -403,8 +414,16 @@ class ClusterScheduler:
             if item is None:
                 break
             request = self.requests[item.request_id]
+            candidates = prefill_candidates(
+                self.registry,
+                self.limits.routing,
+                item.num_prompt_tokens,
+                item.bulk,
+                now,
+                self._holders(request.submit)[1],
+            )
             prefill = self.placement.choose_prefill(
-                self._prefill_candidates(item, now),
+                candidates,
                 request.submit,
                 lambda w: self.registry.window(w).held_tokens,
                 lambda w: self.registry.window(w).small_room,
@@ -412,35 +431,13 @@ class ClusterScheduler:
             out.append(self._reserve(request, prefill, now))
         return out
 
-    def _prefill_candidates(self, item: QueuedRequest, now: float) -> list[WorkerState]:
-        """The prefill workers the placement must compare to find its choice among all whose
-        window takes the prompt. Where caches count, every one. Otherwise a worker's predicted
-        wait grows with the tokens it holds at its rate, and ties go to more room, then the
-        smaller peer id: so among workers of one measured rate the least loaded in that order
-        wins, provided one more token held makes a longer wait (it does but for weights that
-        round it away; then the group is compared whole)."""
-        n, bulk = item.num_prompt_tokens, item.bulk
-        if self.placement.active:
-            return self.registry.prefill_takers(n, bulk, now)
-        candidates = []
-        for group in self.registry.prefill_takers_by_load(n, bulk, now):
-            first = next(group, None)
-            if first is None:
-                continue
-            candidates.append(first)
-            held = self.registry.window(first).held_tokens
-            if not self._longer_wait(first.prefill_tokens_per_s, held, n):
-                candidates += group
-        return candidates
-
-    def _longer_wait(self, tokens_per_s: float, num_held_tokens: int, num_tokens: int) -> bool:
-        """Whether one more token held makes a strictly longer predicted wait at this rate."""
-
-        def wait(held: int) -> float:
-            candidate = PrefillCandidate("", held, 0, tokens_per_s)
-            return predicted_wait_s(candidate, num_tokens, self.limits.routing)
-
-        return wait(num_held_tokens + 1) > wait(num_held_tokens)
+    def _holders(self, submit: wire.Submit) -> tuple[list[int], set[str]]:
+        """The prompt's block hashes, and the workers holding its first block (those alone hold
+        any of it). Nothing when no worker keeps a cache."""
+        if not self.placement.active:
+            return [], set()
+        hashes = self.prefix_index.prompt_hashes(prefill_tokens(submit), submit.tenant)
+        return hashes, (set(self.cache_holders.holders(hashes[0])) if hashes else set())
 
     def _placeable_lengths(self, now: float) -> LengthRanges:
         """The prompt lengths some prefill worker's window takes and some decode worker can
@@ -468,9 +465,9 @@ class ClusterScheduler:
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
-        decode = self.registry.pick_decode(
-            num_tokens, now, self.placement.decode_affinity(request.submit)
-        )
+        affinity = self.placement.decode_affinity(request.submit)
+        holders = self._holders(request.submit)[1] if affinity is not None else None
+        decode = self.registry.pick_decode(num_tokens, now, affinity, holders)
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING
         request.decode_peer_id = decode.peer_id
@@ -504,14 +501,16 @@ class ClusterScheduler:
                 arrival=request.arrival,
                 resumed=submit.resumed_from is not None,
                 bulk=submit.bulk,
-                num_cached_tokens=(
-                    self.placement.most_cached(submit, list(self.registry.workers))
-                    if self.placement.active
-                    else 0
-                ),
+                num_cached_tokens=self._most_cached(submit),
             )
         )
         self.num_queued_tokens += request.num_prefill_tokens
+
+    def _most_cached(self, submit: wire.Submit) -> int:
+        """The most of the prompt any worker holds cached (only a holder of its first block
+        holds any)."""
+        hashes, holders = self._holders(submit)
+        return max((self.prefix_index.num_cached_tokens(p, hashes) for p in holders), default=0)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -571,6 +570,7 @@ class ClusterScheduler:
     def _drop_worker(self, worker: WorkerState) -> list[Outgoing]:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
+        self.cache_holders.forget(worker.peer_id)
         out: list[Outgoing] = []
         for request_id in list(worker.request_ids):
             request = self.requests.get(request_id)

@@ -13,6 +13,7 @@ by room), so every change to a worker's load goes through it: `assign` and `rele
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -193,20 +194,34 @@ class WorkerRegistry:
         return self.decode_room.max_tokens(lambda w: self.is_healthy(w, now))
 
     def pick_decode(
-        self, num_tokens: int, now: float, affinity: Callable[[WorkerState], float] | None = None
+        self,
+        num_tokens: int,
+        now: float,
+        affinity: Callable[[WorkerState], float] | None = None,
+        holders: set[str] | None = None,
     ) -> WorkerState | None:
         """The decode worker with the best `affinity` (if given), then the most available
-        blocks, among those that can hold `num_tokens`."""
+        blocks, then the fewest requests, then the first registered, among those that can hold
+        `num_tokens`. `holders`, given with an affinity that rewards a cached prefix, names the
+        only workers holding one: the rest rank by seats taken (their affinity) from the index."""
+        healthy = functools.partial(self.is_healthy, now=now)
         if affinity is None:  # the index's answer: no pass over the workers
-            return self.decode_room.best(num_tokens, lambda w: self.is_healthy(w, now))
+            return self.decode_room.best(num_tokens, healthy)
+        if holders is None:
+            workers = self.healthy("decode", now)
+        else:
+            by_id = self._by_role["decode"]
+            workers = [by_id[p] for p in holders if p in by_id and healthy(by_id[p])]
+            rest = self.decode_room.least_busy(num_tokens, healthy, holders)
+            workers += [rest] if rest is not None else []
         candidates = [
             w
-            for w in self.healthy("decode", now)
+            for w in workers
             if w.num_available_blocks >= w.blocks_for(num_tokens)
             and len(w.request_ids) < w.max_num_seqs
         ]
         return max(
             candidates,
-            key=lambda w: (affinity(w), w.num_available_blocks, -len(w.request_ids)),
+            key=lambda w: (affinity(w), w.num_available_blocks, -len(w.request_ids), -w.order),
             default=None,
         )

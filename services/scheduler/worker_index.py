@@ -12,7 +12,8 @@ never passes over a thousand workers of a role to find the few with room.
   fewest requests, then by registration order (the order a scan of the registry met them in),
   one lazy heap per block size: the first healthy worker of a heap is the one of its block size
   that can hold the most tokens, so whether anyone can hold a prompt, and who, is answered from
-  the heaps' tops.
+  the heaps' tops. And the same workers by share of seats taken (least first), then the same
+  order: the cache-aware affinity's ranking of the workers holding none of a prompt.
 
 Health is not indexed: whether a worker is making progress depends on the clock, so the readers
 skip unhealthy workers as they meet them (rare: a stuck worker).
@@ -178,6 +179,8 @@ class PrefillRoom:
 
 # (prompt tokens held, -room in the window, peer id): the least loaded prefill worker first.
 LoadEntry = tuple[int, int, str]
+# (share of seats taken, -available blocks, requests, registration order, peer id)
+BusyEntry = tuple[float, int, int, int, str]
 # (-available blocks, requests, registration order, peer id): the best worker is the smallest.
 DecodeEntry = tuple[int, int, int, str]
 
@@ -186,6 +189,7 @@ class DecodeRoom:
     def __init__(self, workers: dict[str, WorkerState]):
         self._workers = workers  # the registry's decode workers
         self._heaps: dict[int, list[DecodeEntry]] = {}  # block size -> its workers' entries
+        self._by_busy: list[BusyEntry] = []
         # (-KV capacity in tokens, registration order, peer id), for the admission's question.
         self._capacities: list[tuple[int, int, str]] = []
 
@@ -202,6 +206,26 @@ class DecodeRoom:
             return
         heap = self._heaps.setdefault(worker.block_size, [])
         lazy_heap.push(heap, _entry(worker), len(self._workers), self._live)
+        lazy_heap.push(self._by_busy, _busy_entry(worker), len(self._workers), self._busy_live)
+
+    def least_busy(
+        self, num_tokens: int, healthy: Callable[[WorkerState], bool], excluded: set[str]
+    ) -> WorkerState | None:
+        """The healthy worker with a seat free, not `excluded`, that can hold `num_tokens`, with
+        the smallest share of its seats taken (then the most available blocks, the fewest
+        requests, the first registered)."""
+        lazy_heap.live_top(self._by_busy, self._busy_live)
+        for entry in lazy_heap.in_order(self._by_busy):
+            worker = self._workers.get(entry[4])
+            if (
+                worker is not None
+                and entry[4] not in excluded
+                and self._busy_live(entry)
+                and worker.num_available_blocks >= worker.blocks_for(num_tokens)
+                and healthy(worker)
+            ):
+                return worker
+        return None
 
     def best(self, num_tokens: int, healthy: Callable[[WorkerState], bool]) -> WorkerState | None:
         """The healthy worker with a seat free and the most available blocks (then the fewest
@@ -249,9 +273,29 @@ class DecodeRoom:
         worker = self._workers.get(entry[2])
         return worker is not None and worker.order == entry[1]
 
+    def _busy_live(self, entry: BusyEntry) -> bool:
+        worker = self._workers.get(entry[4])
+        return (
+            worker is not None
+            and len(worker.request_ids) < worker.max_num_seqs
+            and _busy_entry(worker) == entry
+        )
+
     def _live(self, entry: DecodeEntry) -> bool:
         worker = self._workers.get(entry[3])
         return worker is not None and _entry(worker) == entry
+
+
+def _busy_entry(worker: WorkerState) -> BusyEntry:
+    # The share of seats as `cache_routing.decode_affinity` computes it, so the order agrees.
+    busy = len(worker.request_ids) / worker.max_num_seqs
+    return (
+        busy,
+        -worker.num_available_blocks,
+        len(worker.request_ids),
+        worker.order,
+        worker.peer_id,
+    )
 
 
 def _entry(worker: WorkerState) -> DecodeEntry:

@@ -224,14 +224,14 @@ class Twins:
         stale = sorted(self.new.abandoned)[-3:]
         cache = {}
         if self.caches and hello is not None:
-            self.cache_seq[peer_id] += 1
-            stored = []
-            for prefix in rng.sample(PREFIXES, rng.randint(0, 2)):
-                stored += self.new.prefix_index.prompt_hashes(prefix + [1], f"t{rng.randrange(4)}")
+            # A full set, the next batch of changes, or a batch after a lost one (a gap).
+            mode = rng.choice(("full", "next", "next", "gap"))
+            self.cache_seq[peer_id] += 2 if mode == "gap" else 1
             cache = dict(
                 cache_events_seq=self.cache_seq[peer_id],
-                cache_full=True,
-                cache_stored=stored,
+                cache_full=mode == "full",
+                cache_stored=self.some_hashes(),
+                cache_evicted=self.some_hashes() if mode != "full" else [],
             )
         message = wire.Heartbeat(
             peer_id=peer_id,
@@ -246,6 +246,15 @@ class Twins:
             **cache,
         )
         self.call("on_heartbeat", peer_id.encode(), message)
+
+    def some_hashes(self) -> list[int]:
+        """The block hashes of a few of the shared prefixes (some tenant's, some one block)."""
+        hashes = []
+        for prefix in self.rng.sample(PREFIXES, self.rng.randint(0, 2)):
+            tenant = f"t{self.rng.randrange(4)}"
+            blocks = self.new.prefix_index.prompt_hashes(prefix + [1], tenant)
+            hashes += blocks[: self.rng.randint(1, len(blocks))]
+        return hashes
 
     def cancel(self) -> None:
         ids = self.ids()
