@@ -28,7 +28,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from services.scheduler.cache_holders import CacheHolders
-from services.scheduler.cache_placement import CachePlacement, prefill_tokens
+from services.scheduler.cache_placement import CachePlacement
 from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.candidates import prefill_candidates
 from services.scheduler.fair_share import (
@@ -436,7 +436,7 @@ class ClusterScheduler:
         any of it). Nothing when no worker keeps a cache."""
         if not self.placement.active:
             return [], set()
-        hashes = self.prefix_index.prompt_hashes(prefill_tokens(submit), submit.tenant)
+        hashes = self.placement.prompt_hashes(submit)
         return hashes, (set(self.cache_holders.holders(hashes[0])) if hashes else set())
 
     def _placeable_lengths(self, now: float) -> LengthRanges:
