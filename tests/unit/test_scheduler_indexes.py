@@ -319,3 +319,31 @@ def test_the_rebuilt_heap_keeps_only_live_entries():
     assert len(heap) <= 2 * len(live) + lazy_heap.REBUILD_SLACK
     assert lazy_heap.live_top(heap, lambda v: v in live) == 0
     assert sorted(v for v in heap if v in live) == sorted(live)
+
+
+def test_cache_holders_follow_full_sets_changes_and_gaps():
+    from services.scheduler.cache_holders import CacheHolders
+    from services.scheduler.prefix_index import PrefixIndex
+
+    index = PrefixIndex()
+    holders = CacheHolders(index)
+    for peer_id in ("a", "b"):
+        index.register(peer_id, CACHE_KEY, 4)
+
+    def apply(peer_id, seq, full, stored, evicted=()):
+        in_order = index.apply(peer_id, seq, full, list(stored), list(evicted))
+        holders.applied(peer_id, in_order, full, list(stored), list(evicted))
+
+    apply("a", 1, False, [1])  # before a full set: the index ignores it, and so do holders
+    assert holders.holders(1) == set()
+    apply("a", 2, True, [1, 2])
+    apply("b", 1, True, [2])
+    assert holders.holders(1) == {"a"} and holders.holders(2) == {"a", "b"}
+    apply("a", 3, False, [3], [1])
+    assert holders.holders(1) == set() and holders.holders(3) == {"a"}
+    apply("a", 4, True, [4])  # a full set replaces: 2 and 3 are gone
+    assert holders.holders(2) == {"b"} and holders.holders(3) == set()
+    apply("b", 3, False, [5])  # batch 2 was lost: the index forgets b until its next full set
+    assert holders.holders(2) == set() and holders.holders(5) == set()
+    holders.forget("a")
+    assert holders.holders(4) == set()
