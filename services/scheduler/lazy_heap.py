@@ -45,8 +45,9 @@ def live_top(heap: list, is_live: Callable[[Any], bool]) -> Any | None:
 
 
 def push(heap: list, entry: Any, num_live: int, is_live: Callable[[Any], bool]) -> None:
-    """Pushes `entry`; rebuilds the heap from its live entries when the stale ones dominate."""
+    """Pushes `entry`; rebuilds the heap from its live entries (once each: a subject pushed
+    twice unchanged has two live entries) when the stale ones dominate."""
     heapq.heappush(heap, entry)
     if len(heap) > 2 * num_live + REBUILD_SLACK:
-        heap[:] = [e for e in heap if is_live(e)]
+        heap[:] = [e for e in dict.fromkeys(heap) if is_live(e)]
         heapq.heapify(heap)

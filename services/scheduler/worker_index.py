@@ -190,6 +190,8 @@ class DecodeRoom:
         self._workers = workers  # the registry's decode workers
         self._heaps: dict[int, list[DecodeEntry]] = {}  # block size -> its workers' entries
         self._by_busy: list[BusyEntry] = []
+        # Each worker's last entry pushed (and seats): while they hold, its entries are live.
+        self._pushed: dict[str, tuple[DecodeEntry, int]] = {}
         # (-KV capacity in tokens, registration order, peer id), for the admission's question.
         self._capacities: list[tuple[int, int, str]] = []
 
@@ -203,9 +205,14 @@ class DecodeRoom:
         """The worker's room or seats changed (or it registered): its entry follows. A worker
         with no seat free has none until one frees."""
         if len(worker.request_ids) >= worker.max_num_seqs:
+            self._pushed.pop(worker.peer_id, None)  # its entries may go stale now
             return
+        entry = _entry(worker)
+        if self._pushed.get(worker.peer_id) == (entry, worker.max_num_seqs):
+            return  # unchanged (a heartbeat with the same figures): its entries are live
+        self._pushed[worker.peer_id] = (entry, worker.max_num_seqs)
         heap = self._heaps.setdefault(worker.block_size, [])
-        lazy_heap.push(heap, _entry(worker), len(self._workers), self._live)
+        lazy_heap.push(heap, entry, len(self._workers), self._live)
         lazy_heap.push(self._by_busy, _busy_entry(worker), len(self._workers), self._busy_live)
 
     def least_busy(

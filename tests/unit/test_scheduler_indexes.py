@@ -347,3 +347,28 @@ def test_cache_holders_follow_full_sets_changes_and_gaps():
     assert holders.holders(2) == set() and holders.holders(5) == set()
     holders.forget("a")
     assert holders.holders(4) == set()
+
+
+def test_a_subject_pushed_unchanged_again_and_again_does_not_grow_the_heap():
+    heap: list[int] = []
+    for _ in range(10_000):  # one live subject, the same entry every time
+        lazy_heap.push(heap, 7, 1, lambda v: v == 7)
+    assert len(heap) <= 2 + lazy_heap.REBUILD_SLACK
+
+
+def test_decode_room_keeps_a_worker_through_a_full_spell_and_repeated_heartbeats():
+    from services.scheduler.registry import WorkerRegistry, WorkerState
+
+    registry = WorkerRegistry(10.0, 60.0)
+    worker = WorkerState("d", "decode", b"d", None, 100, 16, 2, last_heartbeat=0.0)
+    worker.num_free_blocks = 100
+    registry.add(worker)
+    for _ in range(500):  # the same figures, heartbeat after heartbeat
+        registry.report_free_blocks(worker, 100, heartbeat=True)
+    assert len(registry.decode_room._heaps[16]) <= 2 + lazy_heap.REBUILD_SLACK
+    registry.assign(worker, "a", 10)
+    registry.assign(worker, "b", 10)  # no seat free: out of the index
+    assert registry.pick_decode(16, 0.0) is None  # (its last entry found stale and dropped)
+    registry.release(worker, "b")  # back to the figures it had before the full spell
+    assert registry.pick_decode(16, 0.0) is worker
+    assert registry.decode_room.least_busy(16, lambda w: True, set()) is worker
