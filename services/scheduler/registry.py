@@ -172,11 +172,6 @@ class WorkerRegistry:
     def window(self, worker: WorkerState) -> PrefillWindow:
         return self.prefill_room.windows[worker.peer_id]
 
-    def prefill_takers(self, num_prompt_tokens: int, bulk: bool, now: float) -> list[WorkerState]:
-        """The healthy prefill workers whose window takes such a prompt."""
-        takers = self.prefill_room.takers(num_prompt_tokens, bulk)
-        return [w for w in takers if self.is_healthy(w, now)]
-
     def prefill_takers_by_load(
         self, num_prompt_tokens: int, bulk: bool, now: float
     ) -> Iterator[Iterator[WorkerState]]:
