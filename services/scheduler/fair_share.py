@@ -245,7 +245,7 @@ class FairQueue:
             self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
             overdue: Iterator[QueuedRequest] = iter(())
         else:
-            overdue = self._overdue(now)
+            overdue = self._overdue(now, lengths)
         if lengths is not None and lengths.empty:
             return None, False  # nothing can be placed: no need to look
         item, by_aging = self._choose_interactive(
@@ -258,13 +258,20 @@ class FairQueue:
     def _interactive(self, now: float, item: QueuedRequest) -> bool:
         return not item.bulk or now - item.arrival >= self.config.bulk_max_wait_s
 
-    def _overdue(self, now: float) -> Iterator[QueuedRequest]:
+    def _overdue(self, now: float, lengths: LengthRanges | None) -> Iterator[QueuedRequest]:
         """Every overdue interactive request (a bulk one waiting `bulk_max_wait_s` counts),
-        oldest first (ties: the first queued), found as asked for."""
+        oldest first (ties: the first queued), found as asked for; of lengths `lengths` may
+        place, if given."""
         max_wait, bulk_max_wait = self.config.max_wait_s, self.config.bulk_max_wait_s
 
         def waiting(bulk: bool) -> Iterator[tuple[float, int, QueuedRequest]]:
-            for item in self._index.by_arrival(bulk):
+            if lengths is None:
+                items = self._index.by_arrival(bulk)
+            else:
+                items = self._index.by_arrival_within(
+                    bulk, lambda low, high: lengths.meet(bulk, low, high)
+                )
+            for item in items:
                 age = now - item.arrival
                 if age < max_wait or (bulk and age < bulk_max_wait):
                     return

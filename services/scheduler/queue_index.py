@@ -44,6 +44,10 @@ class QueueIndex:
         self._sequence = itertools.count()
         self._by_arrival: dict[bool, list[ArrivalEntry]] = {False: [], True: []}  # by bulk
         self._num_by_kind = {False: 0, True: 0}
+        # The same entries per kind and length bucket (lengths of one bit length), so a walk
+        # for the oldest placeable request passes over the buckets none of which can be.
+        self._by_bucket: dict[tuple[bool, int], list[ArrivalEntry]] = {}
+        self._num_by_bucket: dict[tuple[bool, int], int] = {}
         self._by_counter: dict[str, list[CounterEntry]] = {}  # class -> its parties' entries
         self._num_parties: dict[str, int] = {}  # class -> backlogged parties
         self._version: dict[Party, int] = {}  # a backlogged party's current entry
@@ -71,6 +75,14 @@ class QueueIndex:
             self._num_by_kind[item.bulk],
             self._arrival_live,
         )
+        bucket = (item.bulk, item.num_prompt_tokens.bit_length())
+        self._num_by_bucket[bucket] = self._num_by_bucket.get(bucket, 0) + 1
+        lazy_heap.push(
+            self._by_bucket.setdefault(bucket, []),
+            (item.arrival, sequence, item.request_id),
+            self._num_by_bucket[bucket],
+            self._arrival_live,
+        )
         if item.resumed:
             self.resumed[item.request_id] = item
         _widen(self.party_lengths, party, item.num_prompt_tokens)
@@ -84,6 +96,7 @@ class QueueIndex:
             return None
         party, item, _ = entry
         self._num_by_kind[item.bulk] -= 1
+        self._num_by_bucket[item.bulk, item.num_prompt_tokens.bit_length()] -= 1
         self.resumed.pop(request_id, None)
         heap = self.parties[party]
         if heap[0][-1] == request_id:  # the usual case: the party's first is served
@@ -125,6 +138,21 @@ class QueueIndex:
         heap = self._by_arrival[bulk]
         lazy_heap.live_top(heap, self._arrival_live)
         for entry in lazy_heap.in_order(heap):
+            if self._arrival_live(entry):
+                yield self.items[entry[2]][1]
+
+    def by_arrival_within(
+        self, bulk: bool, lengths_meet: Callable[[int, int], bool]
+    ) -> Iterator[QueuedRequest]:
+        """As `by_arrival`, passing over the length buckets `lengths_meet` rules out (some of
+        the rest may still be outside: the caller checks each request)."""
+        walks = []
+        for (kind, bits), heap in self._by_bucket.items():
+            low, high = (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
+            if kind == bulk and lengths_meet(low, high):
+                lazy_heap.live_top(heap, self._arrival_live)
+                walks.append(lazy_heap.in_order(heap))
+        for entry in heapq.merge(*walks):
             if self._arrival_live(entry):
                 yield self.items[entry[2]][1]
 
