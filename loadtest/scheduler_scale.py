@@ -12,8 +12,13 @@ decisions, divided by the decisions each made; plus the time of a tick (timeouts
 Handler times are the thread's CPU time (`time.thread_time`), so that other processes on a
 shared machine do not inflate them.
 
+`--prefix-cache`: the workers keep prefix caches (as real workers do): each registers a cache
+key and its heartbeats carry its whole set of cached block hashes, a few of the 64 system prompts
+the requests start with (tenant-salted: tenants share them only with themselves), so the core's
+cache-aware placement (`cache_placement.py`) is in play.
+
     .venv/bin/python -m loadtest.scheduler_scale [--prefill 1000 --decode 1000 --queued 100000
-        --tenants 10000 --rounds 2000] [--profile]
+        --tenants 10000 --rounds 2000] [--prefix-cache] [--profile]
 """
 
 from __future__ import annotations
@@ -24,13 +29,19 @@ import pstats
 import random
 import statistics
 import time
+import zlib
 from collections import deque
 
 from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
 from shared import wire
+from shared.engine.prefix_cache import CacheKey, worker_cache_key
+
+CACHE_KEY = worker_cache_key(CacheKey("m", "float32", 16), shared_between_tenants=False)
+NUM_SYSTEM_PROMPTS = 64  # with --prefix-cache, every prompt starts with one of these
+SYSTEM_PROMPT_TOKENS = 32
 
 
-def hello(peer_id: str, role: str) -> wire.Hello:
+def hello(peer_id: str, role: str, prefix_cache: bool = False) -> wire.Hello:
     return wire.Hello(
         schema_version=wire.SCHEMA_VERSION,
         role=role,
@@ -40,6 +51,7 @@ def hello(peer_id: str, role: str) -> wire.Hello:
         num_kv_blocks=0 if role == "gateway" else 4096,
         block_size=0 if role == "gateway" else 16,
         max_num_seqs=0 if role == "gateway" else 64,
+        cache_key=CACHE_KEY if prefix_cache and role != "gateway" else None,
     )
 
 
@@ -59,6 +71,7 @@ class ScaleBench:
         self.call_seconds: list[float] = []  # per handler call that made decisions, per decision
         self.busy_s = 0.0
         self.num_decisions = 0
+        self.cache_seq: dict[str, int] = {}
         self.workers = [f"prefill{i}" for i in range(args.prefill)]
         self.workers += [f"decode{i}" for i in range(args.decode)]
 
@@ -78,22 +91,44 @@ class ScaleBench:
     def submit(self) -> None:
         index = self.num_submitted
         self.num_submitted += 1
+        length = self.rng.choice((32, 64, 128, 256, 512, 1500))
+        prompt = [0] * length
+        tenant = f"tenant{self.rng.randrange(self.args.tenants)}"
+        if self.args.prefix_cache:
+            prompt[:SYSTEM_PROMPT_TOKENS] = self.system_prompt(tenant)
         submit = wire.Submit(
             request_id=f"r{index}",
-            prompt_token_ids=[0] * self.rng.choice((32, 64, 128, 256, 512, 1500)),
+            prompt_token_ids=prompt,
             sampling=wire.SamplingSpec(max_tokens=16),
-            tenant=f"tenant{self.rng.randrange(self.args.tenants)}",
+            tenant=tenant,
             priority=0,
             gateway_peer_id="g",
             arrival_time=self.now,
         )
         self.call(self.core.on_submit, b"g", submit)
 
+    def system_prompt(self, tenant: str) -> list[int]:
+        number = zlib.crc32(tenant.encode()) % NUM_SYSTEM_PROMPTS
+        return [1 + number] * SYSTEM_PROMPT_TOKENS
+
+    def cached_hashes(self, peer_id: str) -> list[int]:
+        """A worker's cache: the system prompts of a few tenants (its own draw, fixed)."""
+        rng = random.Random(peer_id)
+        hashes = []
+        for _ in range(4):
+            tenant = f"tenant{rng.randrange(self.args.tenants)}"
+            prompt = self.system_prompt(tenant) + [0]
+            hashes += self.core.prefix_index.prompt_hashes(prompt, tenant)
+        return hashes
+
     def setup(self) -> None:
+        prefix_cache = self.args.prefix_cache
         self.core.on_hello(b"g", hello("g", "gateway"), 0.0)
         for peer_id in self.workers:
             role = "prefill" if peer_id.startswith("prefill") else "decode"
-            self.core.on_hello(peer_id.encode(), hello(peer_id, role), 0.0)
+            self.core.on_hello(peer_id.encode(), hello(peer_id, role, prefix_cache), 0.0)
+            if prefix_cache:
+                self.core.on_heartbeat(peer_id.encode(), self.heartbeat(peer_id, 0), 0.0)
         in_flight_limit = sum(1 for _ in self.workers) * 64
         for _ in range(self.args.queued + min(in_flight_limit, self.args.queued)):
             self.submit()
@@ -129,16 +164,27 @@ class ScaleBench:
                 self.call(core.on_request_done, self.done(request, "decode"))
         self.submit()
         peer_id = self.workers[heartbeat_index % len(self.workers)]
-        heartbeat = wire.Heartbeat(
+        self.call(core.on_heartbeat, peer_id.encode(), self.heartbeat(peer_id, heartbeat_index))
+
+    def heartbeat(self, peer_id: str, steps_completed: int) -> wire.Heartbeat:
+        cache = {}
+        if self.args.prefix_cache:  # the whole set every time: a full batch
+            self.cache_seq[peer_id] = self.cache_seq.get(peer_id, 0) + 1
+            cache = dict(
+                cache_events_seq=self.cache_seq[peer_id],
+                cache_full=True,
+                cache_stored=self.cached_hashes(peer_id),
+            )
+        return wire.Heartbeat(
             peer_id=peer_id,
             num_waiting=0,
             num_running=0,
             num_free_blocks=4096,
             num_total_blocks=4096,
-            steps_completed=heartbeat_index,
+            steps_completed=steps_completed,
             sent_at=self.now,
+            **cache,
         )
-        self.call(core.on_heartbeat, peer_id.encode(), heartbeat)
 
     def done(self, request, phase: str) -> wire.RequestDone:
         peer_id = request.prefill_peer_id if phase == "prefill" else request.decode_peer_id
@@ -168,6 +214,7 @@ class ScaleBench:
             "num_decode": self.args.decode,
             "num_queued": len(self.core.queue),
             "num_tenants": self.args.tenants,
+            "prefix_cache": self.args.prefix_cache,
             "num_decisions": self.num_decisions,
             "decisions_per_s": self.num_decisions / self.busy_s if self.busy_s else 0.0,
             "decision_p50_ms": statistics.median(ordered) * 1e3 if ordered else None,
@@ -185,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tenants", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-cache", action="store_true", help="workers keep prefix caches")
     parser.add_argument("--profile", action="store_true", help="cProfile the rounds: top 25")
     args = parser.parse_args(argv)
     for name in ("prefill", "decode", "queued", "tenants", "rounds"):
@@ -198,7 +246,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         result = bench.run()
     for key, value in result.items():
-        print(f"{key:>18}: {value:,.3f}" if isinstance(value, float) else f"{key:>18}: {value:,}")
+        if isinstance(value, bool):
+            print(f"{key:>18}: {value}")
+        else:
+            print(
+                f"{key:>18}: {value:,.3f}" if isinstance(value, float) else f"{key:>18}: {value:,}"
+            )
 
 
 if __name__ == "__main__":

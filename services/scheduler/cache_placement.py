@@ -33,6 +33,7 @@ class CachePlacement:
         self.index = PrefixIndex()
         self.weights = weights
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self._last_hashed: tuple[wire.Submit, tuple[str | None, int], list[int]] | None = None
 
     @property
     def active(self) -> bool:
@@ -40,7 +41,19 @@ class CachePlacement:
         return self.index.cache_key is not None
 
     def _hashes(self, submit: wire.Submit) -> list[int]:
-        return self.index.prompt_hashes(prefill_tokens(submit), submit.tenant)
+        return self.prompt_hashes(submit)
+
+    def prompt_hashes(self, submit: wire.Submit) -> list[int]:
+        """The chain of the request's full blocks. One decision asks it several times of the
+        same request (hashing a long prompt is the costliest step of a choice): the last answer
+        is kept, for that very SUBMIT object under the same cache key."""
+        key = (self.index.cache_key, self.index.block_size)
+        last = self._last_hashed
+        if last is not None and last[0] is submit and last[1] == key:
+            return last[2]
+        hashes = self.index.prompt_hashes(prefill_tokens(submit), submit.tenant)
+        self._last_hashed = (submit, key, hashes)
+        return hashes
 
     def cached_on(self, peer_id: str, submit: wire.Submit) -> int:
         """Prompt tokens `peer_id` holds cached (never the block holding the last token)."""

@@ -23,13 +23,23 @@ state for the request.
 from __future__ import annotations
 
 import enum
-import functools
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
+from services.scheduler.cache_holders import CacheHolders
 from services.scheduler.cache_placement import CachePlacement
 from services.scheduler.cache_routing import RoutingWeights
-from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
+from services.scheduler.candidates import prefill_candidates
+from services.scheduler.fair_share import (
+    FairQueue,
+    FairShareConfig,
+    LengthRanges,
+    Party,
+    QueuedRequest,
+)
 from services.scheduler.registry import WorkerRegistry, WorkerState
+from services.scheduler.worker_index import PrefillWindow  # noqa: F401 (its home was here)
 from shared import wire
 
 MAX_ABANDONED = 65536  # request ids remembered as given up on, for the heartbeats' lease check
@@ -62,44 +72,6 @@ class SchedulerLimits:
 
 
 @dataclass
-class PrefillWindow:
-    """What a prefill worker holds ahead of its progress, and whether it may take more.
-
-    A worker holds at most one *big* prompt (more than half the window) and up to a window of
-    prompt tokens in smaller ones (the last may overshoot). One big prompt already fills every
-    step's budget for many steps, so a second adds nothing but a claim on the worker's future;
-    kept in the scheduler's queue instead, it stays under the policy, and short prompts always
-    find room beside the big one in hand.
-    """
-
-    tokens: int  # the window, in prompt tokens
-    holds_big: bool = False
-    small_tokens: int = 0
-
-    def is_big(self, num_prompt_tokens: int) -> bool:
-        return num_prompt_tokens > self.tokens // 2
-
-    def hold(self, num_prompt_tokens: int) -> None:
-        if self.is_big(num_prompt_tokens):
-            self.holds_big = True
-        else:
-            self.small_tokens += num_prompt_tokens
-
-    @property
-    def small_room(self) -> int:
-        return self.tokens - self.small_tokens
-
-    def takes(self, num_prompt_tokens: int, bulk: bool = False) -> bool:
-        if bulk:
-            # A batch line goes only to a worker with little in hand (a quarter window, no big
-            # prompt): what it holds is what a later interactive prompt waits behind.
-            return not self.holds_big and self.small_tokens < self.tokens // 4
-        if self.is_big(num_prompt_tokens):
-            return not self.holds_big
-        return self.small_room > 0
-
-
-@dataclass
 class TrackedRequest:
     submit: wire.Submit
     gateway_peer_id: str
@@ -111,6 +83,7 @@ class TrackedRequest:
     num_blocks: int = 0  # blocks reserved on the decode worker
     arrival: float = 0.0  # the scheduler's clock when it was first queued
     num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
+    index: int = 0  # its place among the requests admitted: the order a tick handles them in
 
     @property
     def request_id(self) -> str:
@@ -166,14 +139,20 @@ class ClusterScheduler:
 
     def __post_init__(self) -> None:
         self.registry = WorkerRegistry(
-            self.limits.heartbeat_timeout_s, self.limits.progress_timeout_s
+            self.limits.heartbeat_timeout_s,
+            self.limits.progress_timeout_s,
+            self.limits.prefill_window_tokens,
         )
         self.queue = FairQueue(self.limits.fair_share)
         self.placement = CachePlacement(self.limits.routing, self.limits.local_prefill_max_tokens)
         self.prefix_index = self.placement.index
+        self.cache_holders = CacheHolders(self.prefix_index)  # the index read backwards
         # Prompt tokens predicted cached at dispatch against those the workers found.
         self.num_predicted_cached_tokens = 0
         self.num_actual_cached_tokens = 0
+        self._admissions = itertools.count()
+        # (deadline, request id) of requests reserving or prefilling, for the tick (lazy).
+        self._deadlines: list[tuple[float, str]] = []
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -184,6 +163,7 @@ class ClusterScheduler:
             old = self.registry.remove(hello.peer_id)
             out = self._drop_worker(old) if old is not None else []
             self.prefix_index.register(hello.peer_id, hello.cache_key, hello.block_size)
+            self.cache_holders.forget(hello.peer_id)
             self.registry.add(
                 WorkerState(
                     peer_id=hello.peer_id,
@@ -216,17 +196,25 @@ class ClusterScheduler:
             )
             return [Outgoing(identity, ack)]
         worker.last_heartbeat = now
-        worker.num_free_blocks = heartbeat.num_free_blocks
+        # The heartbeat's free-block count already reflects every reservation made so far.
+        self.registry.report_free_blocks(worker, heartbeat.num_free_blocks, heartbeat=True)
         worker.num_running = heartbeat.num_running
         worker.num_waiting = heartbeat.num_waiting
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
-        worker.prefill_tokens_per_s = heartbeat.prefill_tokens_per_s
+        self.registry.report_prefill_rate(worker, heartbeat.prefill_tokens_per_s)
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
-        self.prefix_index.apply(
+        in_order = self.prefix_index.apply(
             worker.peer_id,
             heartbeat.cache_events_seq,
+            heartbeat.cache_full,
+            heartbeat.cache_stored,
+            heartbeat.cache_evicted,
+        )
+        self.cache_holders.applied(
+            worker.peer_id,
+            in_order,
             heartbeat.cache_full,
             heartbeat.cache_stored,
             heartbeat.cache_evicted,
@@ -237,8 +225,6 @@ class ClusterScheduler:
         }
         busy = heartbeat.num_running + heartbeat.num_waiting + heartbeat.num_swapped > 0
         worker.record_progress(heartbeat.steps_completed, busy, now)
-        # The heartbeat's free-block count already reflects every reservation made so far.
-        worker.num_promised_blocks = 0
         stale = [
             Outgoing(identity, wire.Cancel(request_id=request_id, reason="abandoned"))
             for request_id in heartbeat.request_ids
@@ -252,7 +238,7 @@ class ClusterScheduler:
         for worker in self.registry.expired(now):
             self.registry.remove(worker.peer_id)
             out += self._drop_worker(worker)
-        for request in list(self.requests.values()):
+        for request in self._due(now):
             if (
                 request.phase == Phase.QUEUED
                 and now - request.arrival > self.limits.max_queue_time_s
@@ -266,6 +252,27 @@ class ClusterScheduler:
             elif request.phase == Phase.PREFILLING:
                 out += self._lose(request, "the prefill and its KV transfer timed out")
         return out + self.dispatch(now)
+
+    def _due(self, now: float) -> list[TrackedRequest]:
+        """The requests a tick may act on, in the order they were admitted: those queued past
+        the limit (the queue's oldest), and those whose phase deadline passed (a lazy heap of
+        deadlines: an entry is stale once its request's deadline changed)."""
+        limit = self.limits.max_queue_time_s
+        due = {
+            item.request_id: self.requests[item.request_id]
+            for item in self.queue.waited_longer(now, limit)
+        }
+        heap = self._deadlines
+        while heap and now > heap[0][0]:
+            deadline, request_id = heapq.heappop(heap)
+            request = self.requests.get(request_id)
+            if request is not None and request.phase_deadline == deadline:
+                due[request_id] = request
+        return sorted(due.values(), key=lambda r: r.index)
+
+    def _set_deadline(self, request: TrackedRequest, deadline: float) -> None:
+        request.phase_deadline = deadline
+        heapq.heappush(self._deadlines, (deadline, request.request_id))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -282,7 +289,9 @@ class ClusterScheduler:
             )
             return [Outgoing(identity, reply)]
         party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit), submit.bulk)
-        request = TrackedRequest(submit, submit.gateway_peer_id, party, arrival=now)
+        request = TrackedRequest(
+            submit, submit.gateway_peer_id, party, arrival=now, index=next(self._admissions)
+        )
         self.requests[submit.request_id] = request
         self._enqueue(request)
         accepted = wire.SubmitReply(
@@ -299,15 +308,13 @@ class ClusterScheduler:
     ) -> tuple[int, str, float | None] | None:
         if submit.request_id in self.requests:
             return 400, f"request id {submit.request_id!r} is already in flight", None
-        prefill, decode = (
-            self.registry.healthy("prefill", now),
-            self.registry.healthy("decode", now),
+        capacity = self.registry.decode_room.max_capacity(
+            lambda w: self.registry.is_healthy(w, now)
         )
-        if not prefill or not decode:
+        if capacity is None or not self.registry.any_healthy("prefill", now):
             message = "no prefill or no decode worker is registered and making progress"
             return 503, message, self.limits.retry_after_s
         needed = len(submit.prompt_token_ids) + submit.sampling.max_tokens
-        capacity = max(w.num_total_blocks * w.block_size for w in decode)
         if needed > capacity:
             return (
                 400,
@@ -339,17 +346,17 @@ class ClusterScheduler:
         if request is None or request.phase != Phase.RESERVING or worker is None:
             return []
         if not reply.ok:
-            worker.num_free_blocks = reply.num_free_blocks
+            self.registry.report_free_blocks(worker, reply.num_free_blocks, heartbeat=False)
             return self._requeue(request, cancel_reason=None) + self.dispatch(now)
         prefill = self.registry.get(request.prefill_peer_id) if request.prefill_peer_id else None
         if prefill is None or not prefill.making_progress(now, self.limits.progress_timeout_s):
             return self._requeue(request, cancel_reason="no prefill worker")
         request.phase = Phase.PREFILLING
-        request.phase_deadline = now + self.limits.prefill_timeout_s
+        self._set_deadline(request, now + self.limits.prefill_timeout_s)
         submit = request.submit
         if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker.block_size):
             # The decode worker computes the short suffix itself: the prefill worker is out.
-            prefill.request_ids.discard(request.request_id)
+            self.registry.release(prefill, request.request_id)
             request.prefill_peer_id = worker.peer_id
             prefill = worker
         request.num_predicted_cached_tokens = self.placement.cached_on(prefill.peer_id, submit)
@@ -378,7 +385,7 @@ class ClusterScheduler:
                 return []  # a report from an attempt the scheduler already gave up on
             prefill = self.registry.get(done.peer_id)
             if prefill is not None and done.peer_id != request.decode_peer_id:
-                prefill.request_ids.discard(done.request_id)
+                self.registry.release(prefill, done.request_id)
             if done.finish_reason in (None, "stop", "length"):
                 self.num_predicted_cached_tokens += request.num_predicted_cached_tokens
                 self.num_actual_cached_tokens += done.num_cached_tokens
@@ -401,40 +408,56 @@ class ClusterScheduler:
     def dispatch(self, now: float) -> list[Outgoing]:
         """Hands the policy's next requests to prefill workers with room, decode reserved first."""
         out: list[Outgoing] = []
-        while len(self.queue):
-            prefills = self.registry.healthy("prefill", now)
-            if not prefills:
-                break
-            windows = {w.peer_id: self._window(w) for w in prefills}
-            item = self.queue.pop_next(now, functools.partial(self._placeable, windows, now))
+        while len(self.queue) and self.registry.any_healthy("prefill", now):
+            lengths = self._placeable_lengths(now)
+            item = self.queue.pop_next(now, lengths, lengths)
             if item is None:
                 break
-            prefill = self.placement.choose_prefill(
-                [
-                    w
-                    for w in prefills
-                    if windows[w.peer_id].takes(item.num_prompt_tokens, item.bulk)
-                ],
-                self.requests[item.request_id].submit,
-                self._num_held_tokens,
-                lambda w, windows=windows: windows[w.peer_id].small_room,
+            request = self.requests[item.request_id]
+            candidates = prefill_candidates(
+                self.registry,
+                self.limits.routing,
+                item.num_prompt_tokens,
+                item.bulk,
+                now,
+                self._holders(request.submit)[1],
             )
-            out.append(self._reserve(self.requests[item.request_id], prefill, now))
+            prefill = self.placement.choose_prefill(
+                candidates,
+                request.submit,
+                lambda w: self.registry.window(w).held_tokens,
+                lambda w: self.registry.window(w).small_room,
+            )
+            out.append(self._reserve(request, prefill, now))
         return out
 
-    def _num_held_tokens(self, worker: WorkerState) -> int:
-        """Prompt tokens assigned to a prefill worker and not yet done."""
-        return sum(
-            self.requests[r].num_prefill_tokens for r in worker.request_ids if r in self.requests
-        )
+    def _holders(self, submit: wire.Submit) -> tuple[list[int], set[str]]:
+        """The prompt's block hashes, and the workers holding its first block (those alone hold
+        any of it). Nothing when no worker keeps a cache."""
+        if not self.placement.active:
+            return [], set()
+        hashes = self.placement.prompt_hashes(submit)
+        return hashes, (set(self.cache_holders.holders(hashes[0])) if hashes else set())
 
-    def _placeable(
-        self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
-    ) -> bool:
-        """Some prefill worker's window takes it, and some decode worker can hold it."""
-        if not any(window.takes(item.num_prompt_tokens, item.bulk) for window in windows.values()):
-            return False
-        return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
+    def _placeable_lengths(self, now: float) -> LengthRanges:
+        """The prompt lengths some prefill worker's window takes and some decode worker can
+        hold (with the first decode step) right now: exactly the requests dispatch can place."""
+        half = self.limits.prefill_window_tokens // 2  # longer is big (`PrefillWindow`)
+        takes_small = self.registry.takes_prefill(0, False, now)
+        takes_big = self.registry.takes_prefill(half + 1, False, now)
+        takes_bulk = self.registry.takes_prefill(0, True, now)
+        if not (takes_small or takes_big or takes_bulk):
+            return LengthRanges()  # every window is full: the usual answer under load
+        max_tokens = self.registry.max_decode_tokens(now) - 1
+        if max_tokens < 0:
+            return LengthRanges()
+        interactive = []
+        if takes_small:
+            interactive.append((0, min(half, max_tokens)))
+        if takes_big and max_tokens > half:
+            interactive.append((half + 1, max_tokens))
+        bulk = [(0, max_tokens)] if takes_bulk else []
+        return LengthRanges(tuple(interactive), tuple(bulk))
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:
         num_prompt_tokens = request.num_prefill_tokens
@@ -442,21 +465,21 @@ class ClusterScheduler:
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
-        decode = self.registry.pick_decode(
-            num_tokens, now, self.placement.decode_affinity(request.submit)
-        )
+        affinity = self.placement.decode_affinity(request.submit)
+        holders = self._holders(request.submit)[1] if affinity is not None else None
+        decode = self.registry.pick_decode(num_tokens, now, affinity, holders)
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING
         request.decode_peer_id = decode.peer_id
         request.prefill_peer_id = prefill.peer_id
         request.num_blocks = decode.blocks_for(num_tokens)
-        request.phase_deadline = now + self.limits.reserve_timeout_s
-        decode.num_promised_blocks += request.num_blocks
+        self._set_deadline(request, now + self.limits.reserve_timeout_s)
+        self.registry.promise(decode, request.num_blocks)
         self.dispatched.append(
             Dispatched(request.request_id, now - request.arrival, prefill.peer_id, decode.peer_id)
         )
-        decode.request_ids.add(request.request_id)
-        prefill.request_ids.add(request.request_id)
+        self.registry.assign(decode, request.request_id, num_prompt_tokens)
+        self.registry.assign(prefill, request.request_id, num_prompt_tokens)
         submit = request.submit
         reserve = wire.Reserve(
             request_id=request.request_id,
@@ -466,14 +489,6 @@ class ClusterScheduler:
             cache_salt=submit.tenant,
         )
         return Outgoing(decode.identity, reserve)
-
-    def _window(self, worker: WorkerState) -> PrefillWindow:
-        window = PrefillWindow(self.limits.prefill_window_tokens)
-        for request_id in worker.request_ids:
-            request = self.requests.get(request_id)
-            if request is not None:
-                window.hold(request.num_prefill_tokens)
-        return window
 
     def _enqueue(self, request: TrackedRequest) -> None:
         submit = request.submit
@@ -486,10 +501,16 @@ class ClusterScheduler:
                 arrival=request.arrival,
                 resumed=submit.resumed_from is not None,
                 bulk=submit.bulk,
-                num_cached_tokens=self.placement.most_cached(submit, list(self.registry.workers)),
+                num_cached_tokens=self._most_cached(submit),
             )
         )
         self.num_queued_tokens += request.num_prefill_tokens
+
+    def _most_cached(self, submit: wire.Submit) -> int:
+        """The most of the prompt any worker holds cached (only a holder of its first block
+        holds any)."""
+        hashes, holders = self._holders(submit)
+        return max((self.prefix_index.num_cached_tokens(p, hashes) for p in holders), default=0)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -504,7 +525,7 @@ class ClusterScheduler:
             worker = self.registry.get(peer_id) if peer_id else None
             if worker is None:
                 continue
-            worker.request_ids.discard(request.request_id)
+            self.registry.release(worker, request.request_id)
             if holds_state:
                 cancel = wire.Cancel(request_id=request.request_id, reason=reason)
                 out.append(Outgoing(worker.identity, cancel))
@@ -517,11 +538,11 @@ class ClusterScheduler:
         if cancel_reason is None and request.decode_peer_id:
             worker = self.registry.get(request.decode_peer_id)
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self.registry.release(worker, request.request_id)
         if cancel_reason is None and request.prefill_peer_id:
             worker = self.registry.get(request.prefill_peer_id)
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self.registry.release(worker, request.request_id)
         request.phase = Phase.QUEUED
         request.decode_peer_id = request.prefill_peer_id = None
         request.phase_deadline = float("inf")
@@ -543,12 +564,13 @@ class ClusterScheduler:
         for peer_id in (request.prefill_peer_id, request.decode_peer_id):
             worker = self.registry.get(peer_id) if peer_id else None
             if worker is not None:
-                worker.request_ids.discard(request.request_id)
+                self.registry.release(worker, request.request_id)
         return []
 
     def _drop_worker(self, worker: WorkerState) -> list[Outgoing]:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
+        self.cache_holders.forget(worker.peer_id)
         out: list[Outgoing] = []
         for request_id in list(worker.request_ids):
             request = self.requests.get(request_id)

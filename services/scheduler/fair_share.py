@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from services.scheduler.queue_index import QueueIndex
 
 POLICIES = ("fair", "fcfs")
 BULK_CLASS = "bulk"  # the class of every bulk request, whatever its length
@@ -123,147 +124,247 @@ class QueuedRequest:
     num_cached_tokens: int = 0
 
 
-# A party's queue is a heap of (-priority, prompt tokens, arrival, insertion number, request id).
-_Key = tuple[int, int, float, int, str]
+@dataclass(frozen=True)
+class LengthRanges:
+    """Which prompt lengths the caller can place now, as inclusive ranges of
+    `num_prompt_tokens`: one set for interactive requests, one for bulk ones. Called on a
+    request, it says whether the request's length lies in its kind's ranges. Given to a choice
+    as `lengths`, it is a promise that no request outside them is admissible, so the choice
+    passes over whole parties and classes whose queued lengths lie outside."""
+
+    interactive: tuple[tuple[int, int], ...] = ()
+    bulk: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not self.interactive and not self.bulk
+
+    def meet(self, bulk: bool, low: int, high: int) -> bool:
+        """Whether some range of the kind meets [low, high]."""
+        return any(lo <= high and low <= hi for lo, hi in (self.bulk if bulk else self.interactive))
+
+    def __call__(self, item: QueuedRequest) -> bool:
+        n = item.num_prompt_tokens
+        return any(lo <= n <= hi for lo, hi in (self.bulk if item.bulk else self.interactive))
 
 
 class FairQueue:
-    """The scheduler's queue under the policy; see the module doc."""
+    """The scheduler's queue under the policy; see the module doc. Its requests and parties are
+    kept in ordered indexes (`queue_index.py`), so a choice costs no scan of either."""
 
     def __init__(self, config: FairShareConfig):
         self.config = config
         self.counters: dict[Party, float] = {}  # weighted service received
         self.served_tokens: dict[Party, int] = {}  # unweighted prompt + output tokens, for status
         self.virtual_time = 0.0
-        self._items: dict[str, tuple[Party, QueuedRequest]] = {}
-        self._parties: dict[Party, list[_Key]] = {}  # backlogged parties only
-        self._sequence = itertools.count()  # ties in arrival time keep insertion order
+        self._index = QueueIndex()
         self._last_was_aged = False  # aging takes every other choice at most
+        self._party_objects: dict[tuple[str, str], Party] = {}
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._index.items)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._items
+        return request_id in self._index.items
 
     def __iter__(self) -> Iterator[QueuedRequest]:
-        return (item for _, item in self._items.values())
+        return (item for _, item, _ in self._index.items.values())
 
     def num_queued_by_party(self) -> dict[Party, int]:
-        return {party: len(heap) for party, heap in self._parties.items()}
+        return {party: len(heap) for party, heap in self._index.parties.items()}
 
     def party_for(self, tenant: str, num_prompt_tokens: int, bulk: bool = False) -> Party:
-        return Party(tenant, BULK_CLASS if bulk else self.config.class_of(num_prompt_tokens))
+        class_name = BULK_CLASS if bulk else self.config.class_of(num_prompt_tokens)
+        # One object per party, so that the many dict lookups by party find it by identity.
+        party = self._party_objects.get((tenant, class_name))
+        if party is None:
+            party = self._party_objects[tenant, class_name] = Party(tenant, class_name)
+        return party
 
     def push(self, item: QueuedRequest) -> None:
-        if item.request_id in self._items:
+        if item.request_id in self._index.items:
             raise ValueError(f"request {item.request_id!r} is already queued")
         party = self.party_for(item.tenant, item.num_prompt_tokens, item.bulk)
-        heap = self._parties.get(party)
-        if heap is None:  # (re-)entering: no credit for the time it was away
+        if party not in self._index.parties:  # (re-)entering: no credit for the time it was away
             self._advance_virtual_time()
             self.counters[party] = max(self.counters.get(party, 0.0), self.virtual_time)
-            heap = self._parties[party] = []
-        key = (
-            -item.priority,
-            item.num_prompt_tokens,
-            item.arrival,
-            next(self._sequence),
-            item.request_id,
-        )
-        heapq.heappush(heap, key)
-        self._items[item.request_id] = (party, item)
+        self._index.add(party, item, self.counters[party])
 
     def remove(self, request_id: str) -> QueuedRequest | None:
-        entry = self._items.pop(request_id, None)
-        if entry is None:
+        found = self._index.discard(request_id)
+        if found is None:
             return None
-        party, item = entry
-        heap = [key for key in self._parties[party] if key[-1] != request_id]
-        if heap:
-            heapq.heapify(heap)
-            self._parties[party] = heap
-        else:
-            self._advance_virtual_time()
-            del self._parties[party]
+        party, item = found
+        if not self._index.parties[party]:
+            self._advance_virtual_time()  # the leaving party's counter still counts here
+            self._index.drop_party(party)
         return item
 
     def pop_next(
-        self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
+        self,
+        now: float,
+        admissible: Callable[[QueuedRequest], bool] = lambda _: True,
+        lengths: LengthRanges | None = None,
     ) -> QueuedRequest | None:
         """Removes and returns the next request to serve, charging its prompt; None if no queued
-        request is admissible."""
-        item, by_aging = self._choose_with_bulk(now, admissible)
+        request is admissible. `lengths`, if given, promises that no request outside its ranges
+        is admissible."""
+        item, by_aging = self._choose_with_bulk(now, admissible, lengths)
         if item is None:
             return None
         self._last_was_aged = by_aging
-        party, _ = self._items[item.request_id]
+        party = self._index.items[item.request_id][0]
         self.remove(item.request_id)
         self.charge(party, num_prompt_tokens=item.num_prompt_tokens - item.num_cached_tokens)
         return item
 
     def peek_next(
-        self, now: float, admissible: Callable[[QueuedRequest], bool] = lambda _: True
+        self,
+        now: float,
+        admissible: Callable[[QueuedRequest], bool] = lambda _: True,
+        lengths: LengthRanges | None = None,
     ) -> QueuedRequest | None:
         """The request `pop_next` would return, left in the queue."""
         last_was_aged = self._last_was_aged
-        item = self._choose_with_bulk(now, admissible)[0]
+        item = self._choose_with_bulk(now, admissible, lengths)[0]
         self._last_was_aged = last_was_aged
         return item
 
     def _choose_with_bulk(
-        self, now: float, admissible: Callable[[QueuedRequest], bool]
+        self, now: float, admissible: Callable[[QueuedRequest], bool], lengths: LengthRanges | None
     ) -> tuple[QueuedRequest | None, bool]:
         """The interactive choice (bulk requests past `bulk_max_wait_s` count as interactive);
         when it has no one to place, the fair choice among the bulk requests."""
-
-        def interactive(item: QueuedRequest) -> bool:
-            return not item.bulk or now - item.arrival >= self.config.bulk_max_wait_s
-
-        overdue = [item for item in self._overdue(now) if interactive(item)]
-        if not overdue:
+        # The oldest of each kind first: the walks below must find their heaps settled.
+        oldest, aged_bulk = self._index.oldest(False), self._index.oldest(True)
+        if aged_bulk is not None and now - aged_bulk.arrival < self.config.bulk_max_wait_s:
+            aged_bulk = None
+        # Someone is overdue if the oldest of either kind is (the oldest waited longest).
+        max_wait = self.config.max_wait_s
+        if not any(i is not None and now - i.arrival >= max_wait for i in (oldest, aged_bulk)):
             self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
-        item, by_aging = self._choose(admissible, overdue, interactive)
+            overdue: Iterator[QueuedRequest] = iter(())
+        else:
+            overdue = self._overdue(now, lengths)
+        if lengths is not None and lengths.empty:
+            return None, False  # nothing can be placed: no need to look
+        item, by_aging = self._choose_interactive(
+            now, admissible, lengths, overdue, oldest, aged_bulk
+        )
         if item is None:  # work conservation: what interactive work leaves goes to bulk
-            item, by_aging = self._choose(admissible, [])
+            item, by_aging = self._choose_bulk(admissible, lengths)
         return item, by_aging
 
-    def _overdue(self, now: float) -> list[QueuedRequest]:
-        """Every overdue request, oldest first."""
-        overdue = [i for _, i in self._items.values() if now - i.arrival >= self.config.max_wait_s]
-        return sorted(overdue, key=lambda item: item.arrival)
+    def _interactive(self, now: float, item: QueuedRequest) -> bool:
+        return not item.bulk or now - item.arrival >= self.config.bulk_max_wait_s
 
-    def _choose(
+    def _overdue(self, now: float, lengths: LengthRanges | None) -> Iterator[QueuedRequest]:
+        """Every overdue interactive request (a bulk one waiting `bulk_max_wait_s` counts),
+        oldest first (ties: the first queued), found as asked for; of lengths `lengths` may
+        place, if given."""
+        max_wait, bulk_max_wait = self.config.max_wait_s, self.config.bulk_max_wait_s
+
+        def waiting(bulk: bool) -> Iterator[tuple[float, int, QueuedRequest]]:
+            if lengths is None:
+                items = self._index.by_arrival(bulk)
+            else:
+                items = self._index.by_arrival_within(
+                    bulk, lambda low, high: lengths.meet(bulk, low, high)
+                )
+            for item in items:
+                age = now - item.arrival
+                if age < max_wait or (bulk and age < bulk_max_wait):
+                    return
+                yield item.arrival, self._index.sequence_of(item.request_id), item
+
+        for _, _, item in heapq.merge(waiting(False), waiting(True), key=lambda e: e[:2]):
+            yield item
+
+    def waited_longer(self, now: float, seconds: float) -> list[QueuedRequest]:
+        """The queued requests that have waited more than `seconds`."""
+        found = []
+        for bulk in (False, True):
+            for item in self._index.by_arrival(bulk):
+                if not now - item.arrival > seconds:
+                    break
+                found.append(item)
+        return found
+
+    def _resuming(self, eligible: Callable[[QueuedRequest], bool]) -> list[QueuedRequest]:
+        """The eligible resuming requests, oldest first (ties: the first queued)."""
+        items = [item for item in self._index.resumed.values() if eligible(item)]
+        return sorted(items, key=lambda i: (i.arrival, self._index.sequence_of(i.request_id)))
+
+    def _choose_interactive(
         self,
+        now: float,
         admissible: Callable[[QueuedRequest], bool],
-        overdue: list[QueuedRequest],
-        eligible: Callable[[QueuedRequest], bool] = lambda _: True,
+        lengths: LengthRanges | None,
+        overdue: Iterator[QueuedRequest],
+        oldest: QueuedRequest | None,
+        aged_bulk: QueuedRequest | None,
     ) -> tuple[QueuedRequest | None, bool]:
-        """(the next request among the `eligible`, whether aging chose it: it is the oldest
-        admissible overdue one)."""
-        candidates = [item for _, item in self._items.values() if eligible(item)]
-        if not candidates:
+        """(the next interactive request, whether aging chose it: it is the oldest admissible
+        overdue one). `oldest`: the oldest interactive request; `aged_bulk`: the oldest bulk
+        request if it counts as interactive."""
+        if oldest is None and aged_bulk is None:
             return None, False
-        resuming = sorted((i for i in candidates if i.resumed), key=_by_arrival)
-        first = next((item for item in resuming if admissible(item)), None)
+
+        def eligible(item: QueuedRequest) -> bool:
+            return self._interactive(now, item)
+
+        first = next((item for item in self._resuming(eligible) if admissible(item)), None)
         if first is not None:
             return first, False
         if self.config.policy == "fcfs":  # strict: the oldest, or no one (head-of-line blocking)
-            oldest = min(candidates, key=lambda i: i.arrival)
+            oldest = _earliest(self._index, oldest, aged_bulk)
             return (oldest if admissible(oldest) else None), False
         oldest_overdue = next((item for item in overdue if admissible(item)), None)
         if oldest_overdue is not None and not self._last_was_aged:
             return oldest_overdue, True
-        fair = self._least_served(lambda item: eligible(item) and admissible(item))
+        class_names = [c for c in self._index.class_names() if c != BULK_CLASS or aged_bulk]
+        fair = self._least_served(
+            class_names, lambda item: eligible(item) and admissible(item), lengths
+        )
         if fair is None:
             return oldest_overdue, oldest_overdue is not None
         return fair, fair is oldest_overdue
 
-    def _least_served(self, admissible: Callable[[QueuedRequest], bool]) -> QueuedRequest | None:
-        """The fair choice: the first admissible request of the least-served backlogged party."""
-        for party in sorted(self._parties, key=lambda p: (self.counters[p], p)):
-            for key in _in_order(self._parties[party]):
-                item = self._items[key[-1]][1]
+    def _choose_bulk(
+        self, admissible: Callable[[QueuedRequest], bool], lengths: LengthRanges | None
+    ) -> tuple[QueuedRequest | None, bool]:
+        """The choice when no interactive request can be placed: among every request, which
+        comes down to the bulk ones (the interactive ones were all found inadmissible)."""
+        if not self._index.items:
+            return None, False
+        first = next((i for i in self._resuming(lambda _: True) if admissible(i)), None)
+        if first is not None:
+            return first, False
+        if self.config.policy == "fcfs":
+            oldest = _earliest(self._index, self._index.oldest(False), self._index.oldest(True))
+            return (oldest if admissible(oldest) else None), False
+        return self._least_served([BULK_CLASS], admissible, lengths), False
+
+    def _least_served(
+        self,
+        class_names: list[str],
+        admissible: Callable[[QueuedRequest], bool],
+        lengths: LengthRanges | None,
+    ) -> QueuedRequest | None:
+        """The fair choice: the first admissible request of the least-served backlogged party
+        (ties: by tenant, then class) among these classes."""
+
+        def lengths_meet(class_name: str, low: int, high: int) -> bool:
+            return lengths is None or lengths.meet(class_name == BULK_CLASS, low, high)
+
+        # The usual case at once: the least-served party's first request can be placed.
+        party = self._index.least_served_party(class_names, lengths_meet)
+        if party is not None:
+            first = next(self._index.party_in_order(party))
+            if admissible(first):
+                return first
+        for party in self._index.parties_by_counter(class_names, lengths_meet):
+            for item in self._index.party_in_order(party):
                 if admissible(item):
                     return item
         return None
@@ -280,21 +381,23 @@ class FairQueue:
         self.counters[party] = counter + cost / self.config.weight(party)
         served = self.served_tokens.get(party, 0)
         self.served_tokens[party] = served + num_prompt_tokens + num_output_tokens
+        if party in self._index.parties:
+            self._index.set_counter(party, self.counters[party])
 
     def _advance_virtual_time(self) -> None:
         """The virtual time follows the least-served backlogged party, and never goes back.
         Bulk parties, served only from spare capacity, would hold it back: they do not count."""
-        counters = [self.counters[p] for p in self._parties if p.class_name != BULK_CLASS]
-        if counters:
-            self.virtual_time = max(self.virtual_time, min(counters))
+        classes = [c for c in self._index.class_names() if c != BULK_CLASS]
+        least = self._index.min_counter(classes)
+        if least is not None:
+            self.virtual_time = max(self.virtual_time, least)
 
 
-def _by_arrival(item: QueuedRequest) -> float:
-    return item.arrival
-
-
-def _in_order(heap: list[_Key]) -> Iterator[_Key]:
-    """The heap's keys smallest first: the top at once, the rest sorted only if asked for."""
-    if heap:
-        yield heap[0]
-        yield from sorted(heap)[1:]
+def _earliest(
+    index: QueueIndex, first: QueuedRequest | None, second: QueuedRequest | None
+) -> QueuedRequest:
+    """The earlier of two requests (ties: the first queued); either may be None, not both."""
+    if first is None or second is None:
+        return first or second
+    key = lambda i: (i.arrival, index.sequence_of(i.request_id))  # noqa: E731
+    return first if key(first) <= key(second) else second

@@ -5,12 +5,20 @@ last heartbeat is older than the timeout is taken out of rotation (and its work 
 caller). The scheduler's own view of a decode worker's free blocks is the last heartbeat's figure
 minus the blocks it has since promised to requests (reservations the worker has not yet reported),
 so two requests dispatched between heartbeats cannot both count on the same blocks.
+
+The registry keeps indexes over its workers (`worker_index.py`: prefill windows, decode workers
+by room), so every change to a worker's load goes through it: `assign` and `release` a request,
+`promise` blocks, `report_free_blocks`. A dispatch then reads who has room without a scan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from services.scheduler.worker_index import DecodeRoom, PrefillRoom, PrefillWindow
 
 
 @dataclass
@@ -43,6 +51,7 @@ class WorkerState:
     prefill_tokens_per_s: float = 0.0  # its measured prefill rate, as last reported (0: none)
     num_prefix_query_tokens: int = 0  # prefix cache lookups and hits in tokens, as reported
     num_prefix_hit_tokens: int = 0
+    order: int = 0  # when it registered, among all registrations: scans met workers in this order
 
     def record_progress(self, steps_completed: int, busy: bool, now: float) -> None:
         if steps_completed > self.steps_completed or not busy:
@@ -62,57 +71,152 @@ class WorkerState:
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float, progress_timeout_s: float):
+    def __init__(
+        self, heartbeat_timeout_s: float, progress_timeout_s: float, window_tokens: int = 2048
+    ):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         # A worker that holds work and completes no step for this long is stuck: it answers
         # heartbeats but serves nothing, so it gets no new work and does not count as ready.
         self.progress_timeout_s = progress_timeout_s
         self.workers: dict[str, WorkerState] = {}
         # The same workers by role, so a dispatch does not sift a thousand of the other role.
-        self._by_role: dict[str, dict[str, WorkerState]] = {}
+        self._by_role: dict[str, dict[str, WorkerState]] = {"prefill": {}, "decode": {}}
+        self._registrations = itertools.count(1)
+        self.prefill_room = PrefillRoom(window_tokens)
+        self.decode_room = DecodeRoom(self._by_role["decode"])
 
     def add(self, worker: WorkerState) -> None:
         self.remove(worker.peer_id)
+        worker.order = next(self._registrations)
         self.workers[worker.peer_id] = worker
         self._by_role.setdefault(worker.role, {})[worker.peer_id] = worker
+        if worker.role == "prefill":
+            self.prefill_room.add(worker)
+        elif worker.role == "decode":
+            self.decode_room.add(worker)
 
     def remove(self, peer_id: str) -> WorkerState | None:
         worker = self.workers.pop(peer_id, None)
         if worker is not None:
             del self._by_role[worker.role][peer_id]
+            self.prefill_room.remove(peer_id)
         return worker
 
     def get(self, peer_id: str) -> WorkerState | None:
         return self.workers.get(peer_id)
 
+    # -- changes to a worker's load (the indexes follow) ---------------------------------------
+
+    def assign(self, worker: WorkerState, request_id: str, num_prompt_tokens: int) -> None:
+        """The worker now holds state for the request (a prefill worker: its prompt tokens)."""
+        worker.request_ids.add(request_id)
+        self._changed(worker, request_id, num_prompt_tokens)
+
+    def release(self, worker: WorkerState, request_id: str) -> None:
+        worker.request_ids.discard(request_id)
+        self._changed(worker, request_id, None)
+
+    def promise(self, worker: WorkerState, num_blocks: int) -> None:
+        """Blocks of a decode worker reserved since its last heartbeat."""
+        worker.num_promised_blocks += num_blocks
+        self.decode_room.update(worker)
+
+    def report_free_blocks(
+        self, worker: WorkerState, num_free_blocks: int, heartbeat: bool
+    ) -> None:
+        """The worker's own count; a heartbeat's already reflects every reservation made."""
+        worker.num_free_blocks = num_free_blocks
+        if heartbeat:
+            worker.num_promised_blocks = 0
+        if worker.role == "decode":
+            self.decode_room.update(worker)
+
+    def report_prefill_rate(self, worker: WorkerState, tokens_per_s: float) -> None:
+        if worker.prefill_tokens_per_s != tokens_per_s:
+            worker.prefill_tokens_per_s = tokens_per_s
+            self.prefill_room.rate_changed(worker)
+
+    def _changed(self, worker: WorkerState, request_id: str, num_tokens: int | None) -> None:
+        if self.workers.get(worker.peer_id) is not worker:
+            return  # gone from the registry: nothing to index
+        if worker.role == "prefill":
+            if num_tokens is None:
+                self.prefill_room.release(worker, request_id)
+            else:
+                self.prefill_room.hold(worker, request_id, num_tokens)
+        elif worker.role == "decode":
+            self.decode_room.update(worker)
+
+    # -- who has room --------------------------------------------------------------------------
+
     def by_role(self, role: str) -> list[WorkerState]:
         return list(self._by_role.get(role, {}).values())
 
+    def is_healthy(self, worker: WorkerState, now: float) -> bool:
+        return worker.making_progress(now, self.progress_timeout_s)
+
     def healthy(self, role: str, now: float) -> list[WorkerState]:
-        return [w for w in self.by_role(role) if w.making_progress(now, self.progress_timeout_s)]
+        return [w for w in self.by_role(role) if self.is_healthy(w, now)]
+
+    def any_healthy(self, role: str, now: float) -> bool:
+        for worker in self._by_role.get(role, {}).values():
+            if worker.making_progress(now, self.progress_timeout_s):
+                return True
+        return False
 
     def expired(self, now: float) -> list[WorkerState]:
         return [
             w for w in self.workers.values() if now - w.last_heartbeat > self.heartbeat_timeout_s
         ]
 
+    def window(self, worker: WorkerState) -> PrefillWindow:
+        return self.prefill_room.windows[worker.peer_id]
+
+    def prefill_takers_by_load(
+        self, num_prompt_tokens: int, bulk: bool, now: float
+    ) -> Iterator[Iterator[WorkerState]]:
+        """Per measured rate, the healthy prefill workers whose window takes such a prompt, by
+        tokens held, then room (most first), then peer id (lazy walks)."""
+        for group in self.prefill_room.takers_by_load(num_prompt_tokens, bulk):
+            yield (w for w in group if self.is_healthy(w, now))
+
+    def takes_prefill(self, num_prompt_tokens: int, bulk: bool, now: float) -> bool:
+        takers = self.prefill_room.takers(num_prompt_tokens, bulk)
+        return any(self.is_healthy(w, now) for w in takers)
+
+    def max_decode_tokens(self, now: float) -> int:
+        """The most tokens some healthy decode worker with a seat free can hold now."""
+        return self.decode_room.max_tokens(lambda w: self.is_healthy(w, now))
+
     def pick_decode(
-        self, num_tokens: int, now: float, affinity: Callable[[WorkerState], float] | None = None
+        self,
+        num_tokens: int,
+        now: float,
+        affinity: Callable[[WorkerState], float] | None = None,
+        holders: set[str] | None = None,
     ) -> WorkerState | None:
         """The decode worker with the best `affinity` (if given), then the most available
-        blocks, among those that can hold `num_tokens`."""
+        blocks, then the fewest requests, then the first registered, among those that can hold
+        `num_tokens`. `holders`, given with an affinity that rewards a cached prefix, names the
+        only workers holding one: the rest rank by seats taken (their affinity) from the index."""
+        healthy = functools.partial(self.is_healthy, now=now)
+        if affinity is None:  # the index's answer: no pass over the workers
+            return self.decode_room.best(num_tokens, healthy)
+        if holders is None:
+            workers = self.healthy("decode", now)
+        else:
+            by_id = self._by_role["decode"]
+            workers = [by_id[p] for p in holders if p in by_id and healthy(by_id[p])]
+            rest = self.decode_room.least_busy(num_tokens, healthy, holders)
+            workers += [rest] if rest is not None else []
         candidates = [
             w
-            for w in self.healthy("decode", now)
+            for w in workers
             if w.num_available_blocks >= w.blocks_for(num_tokens)
             and len(w.request_ids) < w.max_num_seqs
         ]
         return max(
             candidates,
-            key=lambda w: (
-                affinity(w) if affinity else 0.0,
-                w.num_available_blocks,
-                -len(w.request_ids),
-            ),
+            key=lambda w: (affinity(w), w.num_available_blocks, -len(w.request_ids), -w.order),
             default=None,
         )
