@@ -90,9 +90,7 @@ def run_pair(url: str, prompts: dict, first: str, second: str) -> dict[str, str]
     the first is resident on the decode worker before the second arrives."""
     with ThreadPoolExecutor(1) as pool:
         started = threading.Event()
-        earlier = pool.submit(
-            complete_streaming, url, prompts[first], max_tokens(first), started
-        )
+        earlier = pool.submit(complete_streaming, url, prompts[first], max_tokens(first), started)
         assert started.wait(120)
         later_text = complete(url, prompts[second], max_tokens(second))
         return {first: earlier.result(), second: later_text}
