@@ -30,7 +30,7 @@ def test_perplexity_equals_transformers(smollm2, smollm2_hf):
     ours, num_scored = perplexity(smollm2, token_ids, WINDOW)
     assert num_scored == 2 * (WINDOW - 1) + 4  # the 5-token tail window counts too
     assert ours == pytest.approx(hf_perplexity(smollm2_hf, token_ids, WINDOW), rel=1e-4)
-    assert 1.0 < ours < 100.0  # a real model on plain English, not a uniform guess (~49,152)
+    assert 1.0 < ours < 1000.0  # a real model on plain English, not a uniform guess (~49,152)
 
 
 def test_agreement_counts_the_shared_prefix():
