@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from services.scheduler.queue_index import QueueIndex
+from services.scheduler.queued import Party, QueuedRequest
 
 POLICIES = ("fair", "fcfs")
 BULK_CLASS = "bulk"  # the class of every bulk request, whatever its length
@@ -100,28 +101,6 @@ class FairShareConfig:
             return self.tenant_weights.get(party.tenant, 1.0) * self.bulk_weight
         class_weight = self.class_weights[self.class_names.index(party.class_name)]
         return self.tenant_weights.get(party.tenant, 1.0) * class_weight
-
-
-@dataclass(frozen=True, order=True)
-class Party:
-    tenant: str
-    class_name: str
-
-
-@dataclass(frozen=True)
-class QueuedRequest:
-    request_id: str
-    tenant: str
-    num_prompt_tokens: int
-    priority: int  # larger is more urgent, within the tenant's party
-    arrival: float  # the policy's clock, seconds
-    # Work resuming (its worker was lost, or it was handed back for recompute): its client is
-    # mid-stream, so it goes before anything new, oldest first, under either policy.
-    resumed: bool = False
-    bulk: bool = False  # a batch job's line: spare capacity only (see the module doc)
-    # Of its prompt, the tokens a worker holds cached (as the scheduler's index predicts): not
-    # computed, so not charged. Its class still goes by the whole prompt.
-    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

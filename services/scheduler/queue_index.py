@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from services.scheduler import lazy_heap
 
 if TYPE_CHECKING:
-    from services.scheduler.fair_share import Party, QueuedRequest
+    from services.scheduler.queued import Party, QueuedRequest
 
 # A party's queue is a heap of (-priority, prompt tokens, arrival, sequence, request id).
 PartyKey = tuple[int, int, float, int, str]

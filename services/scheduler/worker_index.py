@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from services.scheduler import lazy_heap
 
 if TYPE_CHECKING:
-    from services.scheduler.registry import WorkerState
+    from services.scheduler.worker_state import WorkerState
 
 SMALL, BIG, BULK = "small", "big", "bulk"  # what a prefill window may take
 
