@@ -54,14 +54,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        parser.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    if min(rows) < 1 or args.repeats < 1 or args.threads < 1:
+        parser.error("--rows, --repeats and --threads must be at least 1")
     torch.set_num_threads(args.threads)
     print(f"{'shape':>12} {'rows':>4} {'float32':>9} {'int8/bf16':>10} {'int8/f32':>9} "
           f"{'f32/int8':>8} {'rel.err':>8}")  # fmt: skip
     for shape in SHAPES:
-        for rows in (int(r) for r in args.rows.split(",")):
-            m = measure(shape, rows, args.repeats)
+        for num_rows in rows:
+            m = measure(shape, num_rows, args.repeats)
             speedup = m["float32_ms"] / m["int8_bf16_ms"]
-            print(f"{shape[0]:>6}x{shape[1]:<5} {rows:>4} {m['float32_ms']:>7.3f}ms "
+            print(f"{shape[0]:>6}x{shape[1]:<5} {num_rows:>4} {m['float32_ms']:>7.3f}ms "
                   f"{m['int8_bf16_ms']:>8.3f}ms {m['int8_f32_ms']:>7.3f}ms {speedup:>7.2f}x "
                   f"{m['relative_error']:>8.4f}")  # fmt: skip
 
