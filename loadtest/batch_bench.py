@@ -6,14 +6,20 @@ Against a running cluster (`--url`) or one started here (`tandem up`, on a free 
 run, on the same prompts:
 
 1. `alone`: the interactive trickle on an idle cluster: its TTFT p50/p99.
-2. `batch`: the prompts as one batch (Files + Batches API) while the trickle runs: drain time,
-   output tokens/s, the trickle's TTFT p50/p99, and lines lost or duplicated in the output.
-3. `naive`: the same prompts fired at once at /v1/completions, as a new user would: how many
+2. `burst`: the first `--burst-prompts` of the prompts (default 1,000: fewer than the
+   scheduler's queue holds, so none is refused) fired at once at /v1/completions: the best
+   output tokens/s at these lengths, which the batch is compared with.
+3. `batch`: the prompts as one batch (Files + Batches API) while the trickle runs: drain time,
+   output tokens/s, the trickle's TTFT p50/p99, lines lost or duplicated in the output, and each
+   worker role's busy fraction from submission to drain (`tandem:engine_busy_seconds_total`,
+   the time inside engine steps, over the wall time).
+4. `naive`: the same prompts fired at once at /v1/completions, as a new user would: how many
    were refused (429) and, with a second pass that retries each refusal after its Retry-After,
-   the drain time and output tokens/s (the burst throughput the batch is compared with).
+   the drain time and output tokens/s.
 
-Prints one JSON object per phase and a summary table. Timing figures on a shared machine are
-noisy: compare phases of one run.
+Prints one JSON object per phase, then the ratios the targets are stated in (the batch's output
+tokens/s over the burst's, its interactive TTFT p99 over alone's). Timing figures on a shared
+machine are noisy: compare phases of one run.
 """
 
 from __future__ import annotations
@@ -29,8 +35,16 @@ import time
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.served import tandem_up
+
+BUSY_SECONDS = "tandem:engine_busy_seconds_total"
+# A peer's role, told by a counter only that role exports.
+ROLE_MARKERS = {
+    "prefill": "tandem:prefill_tokens_total",
+    "decode": "tandem:decode_generated_tokens_total",
+}
 
 TRICKLE_PROMPTS = ["Hi! How are you?", "Name a colour.", "What is 2 + 2?", "Say hello."]
 
@@ -92,6 +106,36 @@ def summary(ttfts: list[float]) -> dict[str, Any]:
             "ttft_p99_s": p99 and round(p99, 3)}  # fmt: skip
 
 
+async def busy_seconds(http: httpx.AsyncClient) -> dict[str, tuple[str, float]]:
+    """Each worker's time inside engine steps so far, by peer: (role, seconds)."""
+    text = (await http.get("/metrics")).text  # the gateway federates every peer's metrics
+    seconds: dict[str, float] = {}
+    roles: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            peer = sample.labels.get("peer", "")
+            if sample.name == BUSY_SECONDS:
+                seconds[peer] = sample.value
+            for role, marker in ROLE_MARKERS.items():
+                if sample.name == marker:
+                    roles[peer] = role
+    return {peer: (roles.get(peer, "unknown"), value) for peer, value in seconds.items()}
+
+
+def busy_fractions(
+    before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]], wall_s: float
+) -> dict[str, float]:
+    """Each role's mean busy fraction over `wall_s`, from workers present at both ends."""
+    by_role: dict[str, list[float]] = {}
+    for peer, (role, end) in after.items():
+        if peer in before:
+            by_role.setdefault(role, []).append((end - before[peer][1]) / wall_s)
+    return {
+        f"busy_fraction_{role}": round(sum(values) / len(values), 3)
+        for role, values in sorted(by_role.items())
+    }
+
+
 async def phase_alone(http: httpx.AsyncClient, model: str, args) -> dict[str, Any]:
     stop = asyncio.Event()
     task = asyncio.create_task(trickle(http, model, stop, args.trickle_every_s))
@@ -121,6 +165,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
     data = ("\n".join(lines) + "\n").encode()
     files = {"file": ("bench.jsonl", io.BytesIO(data))}
     uploaded = (await http.post("/v1/files", files=files, data={"purpose": "batch"})).json()
+    busy_before = await busy_seconds(http)
     started = time.monotonic()
     body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
             "completion_window": "24h"}  # fmt: skip
@@ -131,6 +176,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
         await asyncio.sleep(0.5)
         batch = (await http.get(f"/v1/batches/{batch['id']}")).json()
     drain_s = time.monotonic() - started
+    busy = busy_fractions(busy_before, await busy_seconds(http), drain_s)
     stop.set()
     ttfts = await task
     output = (await http.get(f"/v1/files/{batch['output_file_id']}/content")).text.splitlines()
@@ -143,11 +189,16 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
         "output_tokens_per_s": round(output_tokens / drain_s, 1),
         "lines_lost": len(expected - set(custom_ids)),
         "lines_duplicated": len(custom_ids) - len(set(custom_ids)),
+        **busy,
         **summary(ttfts),
     }  # fmt: skip
 
 
-async def phase_naive(http: httpx.AsyncClient, model: str, args, retry: bool) -> dict[str, Any]:
+async def phase_naive(
+    http: httpx.AsyncClient, model: str, args, retry: bool, num_prompts: int | None = None
+) -> dict[str, Any]:
+    """The prompts fired at once; with `retry`, each 429 is sent again after its Retry-After.
+    `num_prompts` (default all) takes the first ones: the burst phase."""
     refused = 0
     output_tokens = 0
     failed = 0
@@ -175,10 +226,11 @@ async def phase_naive(http: httpx.AsyncClient, model: str, args, retry: bool) ->
             return
 
     started = time.monotonic()
-    await asyncio.gather(*(one(p) for p in prompts(args.num_prompts)))
+    await asyncio.gather(*(one(p) for p in prompts(num_prompts or args.num_prompts)))
     elapsed = time.monotonic() - started
+    name = "burst" if num_prompts else "naive+retry" if retry else "naive"
     return {
-        "phase": "naive+retry" if retry else "naive", "drain_s": round(elapsed, 1),
+        "phase": name, "drain_s": round(elapsed, 1),
         "refused_429": refused, "failed": failed, "output_tokens": output_tokens,
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
     }  # fmt: skip
@@ -188,7 +240,10 @@ async def run_phases(url: str, args) -> list[dict[str, Any]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        phases = [phase_alone, phase_batch]
+        burst = functools.partial(
+            phase_naive, retry=False, num_prompts=min(args.burst_prompts, args.num_prompts)
+        )
+        phases = [phase_alone, burst, phase_batch]
         if not args.skip_naive:
             phases += [
                 functools.partial(phase_naive, retry=False),
@@ -198,7 +253,17 @@ async def run_phases(url: str, args) -> list[dict[str, Any]]:
         for phase in phases:  # one after another: each phase has the cluster to itself
             results.append(await phase(http, model, args))
             print(json.dumps(results[-1]), flush=True)
+        print(json.dumps(ratios({r["phase"]: r for r in results})), flush=True)
         return results
+
+
+def ratios(by_phase: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The batch against the burst (throughput) and against the trickle alone (TTFT p99)."""
+    batch, burst, alone = by_phase["batch"], by_phase["burst"], by_phase["alone"]
+    throughput = batch["output_tokens_per_s"] / burst["output_tokens_per_s"]
+    ttft = (batch["ttft_p99_s"] / alone["ttft_p99_s"]) if alone["ttft_p99_s"] else None
+    return {"phase": "ratios", "batch_throughput_vs_burst": round(throughput, 3),
+            "batch_ttft_p99_vs_alone": ttft and round(ttft, 2)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,10 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--trickle-every-s", type=float, default=2.0)
     parser.add_argument("--alone-s", type=float, default=20.0)
+    parser.add_argument("--burst-prompts", type=int, default=1_000)
     parser.add_argument("--skip-naive", action="store_true")
     args = parser.parse_args(argv)
-    if args.num_prompts < 1 or args.max_tokens < 1 or args.trickle_every_s <= 0:
-        parser.error("--num-prompts, --max-tokens and --trickle-every-s must be positive")
+    if min(args.num_prompts, args.max_tokens, args.burst_prompts) < 1 or args.trickle_every_s <= 0:
+        parser.error(
+            "--num-prompts, --max-tokens, --burst-prompts and --trickle-every-s must be positive"
+        )
     if args.url is not None:
         asyncio.run(run_phases(args.url, args))
         return 0

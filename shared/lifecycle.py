@@ -282,6 +282,8 @@ class WorkerEvents(_Events):
         self.swapped = self.gauge("num_requests_swapped", "Preempted sequences in host memory")
         self.kv_usage = self.gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
         self.steps = self.counter("engine_steps", "Engine steps completed")
+        # Its rate is the worker's busy fraction (1.0: never idle between steps).
+        self.busy = self.counter("engine_busy_seconds", "Wall time spent inside engine steps")
         self.preemptions = self.counter(
             "num_preemptions", "Sequences preempted, by kind", ("kind",)
         )
@@ -325,8 +327,9 @@ class WorkerEvents(_Events):
             "model loaded", model=model, dtype=dtype, dtype_setting=dtype_setting, device=device
         )
 
-    def step(self) -> None:
+    def step(self, duration_s: float) -> None:
         self.steps.inc()
+        self.busy.inc(duration_s)
 
     def refresh(self, heartbeat: wire.Heartbeat) -> None:
         """Sets the load gauges from the heartbeat the worker is about to send."""

@@ -143,9 +143,10 @@ class WorkerLoop(abc.ABC):
         for sock, _ in self.poller.poll(timeout_ms):
             self._drain(sock)
         if self.engine.has_unfinished:
+            started = time.monotonic()
             self._step()
             self.steps_completed += 1
-            self.events.step()
+            self.events.step(time.monotonic() - started)
             self._recent_batch_sizes.append(self.engine.last_step_num_seqs)
             del self._recent_batch_sizes[: -wire.MAX_RECENT_STEPS]
         now = time.monotonic()

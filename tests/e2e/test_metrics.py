@@ -51,6 +51,7 @@ def test_every_service_serves_metrics_that_parse(cluster):
 def test_one_request_moves_exactly_its_counters(cluster):
     cluster.wait_blocks_free()
     before = scrape(cluster.url)
+    started = time.monotonic()
     response = httpx.post(
         cluster.url + "/v1/completions",
         json={
@@ -67,6 +68,7 @@ def test_one_request_moves_exactly_its_counters(cluster):
     prompt_tokens = usage["prompt_tokens"]
     time.sleep(1.5)  # worker gauges and counters ride on heartbeats (0.5 s)
     after = scrape(cluster.url)
+    wall_s = time.monotonic() - started
 
     def delta(name: str, **labels) -> float:
         return total(after, name, **labels) - total(before, name, **labels)
@@ -93,6 +95,8 @@ def test_one_request_moves_exactly_its_counters(cluster):
     assert delta("tandem:decode_generated_tokens_total") == 5
     assert delta("tandem:decode_batch_size_count") == 5
     assert delta("tandem:decode_batch_size_sum") == 5
+    # Busy time: the six steps took some, and no more than the two workers' wall time.
+    assert 0 < delta("tandem:engine_busy_seconds_total") <= 2 * wall_s
     assert total(after, "tandem:gateway_requests_in_flight") == 0
 
 

@@ -135,6 +135,14 @@ def test_preemption_counters_follow_the_heartbeats_totals():
     assert value(events, "tandem:kv_cache_usage_perc") == pytest.approx(12 / 16)
 
 
+def test_busy_seconds_add_up_the_steps_durations():
+    events = DecodeEvents(get_logger())
+    for duration_s in (0.25, 0.5, 0.125):
+        events.step(duration_s)
+    assert value(events, "tandem:engine_steps_total") == 3
+    assert value(events, "tandem:engine_busy_seconds_total") == pytest.approx(0.875)
+
+
 def test_host_tier_metrics_follow_the_engines_counters():
     import torch
 

@@ -1,0 +1,49 @@
+"""The bulk benchmark's arithmetic and its refusal of wrong arguments, without a cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest import batch_bench
+
+
+def test_busy_fractions_average_each_role_over_the_wall_time():
+    before = {"p1": ("prefill", 10.0), "d1": ("decode", 5.0), "d2": ("decode", 0.0)}
+    after = {
+        "p1": ("prefill", 15.0),
+        "d1": ("decode", 14.0),
+        "d2": ("decode", 10.0),
+        "d3": ("decode", 3.0),  # joined during the run: no start, left out
+    }
+    assert batch_bench.busy_fractions(before, after, wall_s=10.0) == {
+        "busy_fraction_decode": 0.95,
+        "busy_fraction_prefill": 0.5,
+    }
+
+
+def test_ratios_compare_the_batch_with_the_burst_and_the_trickle_alone():
+    phases = {
+        "alone": {"ttft_p99_s": 0.2},
+        "burst": {"output_tokens_per_s": 100.0},
+        "batch": {"output_tokens_per_s": 93.0, "ttft_p99_s": 0.3},
+    }
+    assert batch_bench.ratios(phases) == {
+        "phase": "ratios",
+        "batch_throughput_vs_burst": 0.93,
+        "batch_ttft_p99_vs_alone": 1.5,
+    }
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num-prompts", "0"],
+        ["--max-tokens", "-1"],
+        ["--burst-prompts", "0"],
+        ["--trickle-every-s", "0"],
+    ],
+)
+def test_wrong_arguments_exit_2_before_any_cluster_starts(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        batch_bench.main(argv)
+    assert exit_info.value.code == 2
