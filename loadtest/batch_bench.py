@@ -49,11 +49,12 @@ ROLE_MARKERS = {
 TRICKLE_PROMPTS = ["Hi! How are you?", "Name a colour.", "What is 2 + 2?", "Say hello."]
 
 
-def prompts(num: int) -> list[str]:
-    """Short distinct prompts of a few dozen tokens."""
+def prompts(num: int, phase: str) -> list[str]:
+    """Short distinct prompts of a few dozen tokens. Each phase's differ from the second token on,
+    so no phase finds another's prompts in the prefix cache."""
     topics = ["rivers", "stars", "bread", "music", "trains", "forests", "numbers", "cities"]
     return [
-        f"Write one short sentence about {topics[i % len(topics)]}, "
+        f"{phase.capitalize()} class: write one short sentence about {topics[i % len(topics)]}, "
         f"the way a teacher would explain it to pupil number {i}."
         for i in range(num)
     ]
@@ -160,7 +161,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
                 },
             }
         )  # fmt: skip
-        for i, p in enumerate(prompts(args.num_prompts))
+        for i, p in enumerate(prompts(args.num_prompts, "batch"))
     ]
     data = ("\n".join(lines) + "\n").encode()
     files = {"file": ("bench.jsonl", io.BytesIO(data))}
@@ -226,9 +227,9 @@ async def phase_naive(
             return
 
     started = time.monotonic()
-    await asyncio.gather(*(one(p) for p in prompts(num_prompts or args.num_prompts)))
-    elapsed = time.monotonic() - started
     name = "burst" if num_prompts else "naive+retry" if retry else "naive"
+    await asyncio.gather(*(one(p) for p in prompts(num_prompts or args.num_prompts, name)))
+    elapsed = time.monotonic() - started
     return {
         "phase": name, "drain_s": round(elapsed, 1),
         "refused_429": refused, "failed": failed, "output_tokens": output_tokens,

@@ -49,7 +49,9 @@ class BatchServiceConfig(CurveSettings):
         "ipc:///tmp/tandem/gateway-rpc.sock", "a gateway's RPC door, where lines are sent"
     )
     data_dir: str = setting("./tandem-batch", "where the SQLite database and the files live")
-    api_key: str | None = setting(None, "the API key the service presents to the gateway")
+    api_key: str | None = setting(
+        None, "the API key the service presents to the gateway (a bare one: lines name their owner)"
+    )
     max_file_bytes: int = setting(200 << 20, "largest uploaded file (413 past it)")
     max_lines: int = setting(50_000, "most requests in one batch's input file (400 past it)")
     max_in_flight: int = setting(32, "most lines of one job in the cluster at once")

@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import start_cluster, stop_cluster
 
@@ -199,8 +200,20 @@ def test_limits_and_wrong_values_get_clear_errors(batch_cluster):
         api.batches.retrieve("batch_nope")
 
 
+def served_bulk_tokens(cluster) -> dict[str, float]:
+    """Tokens the scheduler charged to each tenant's bulk account (the gateway's federation)."""
+    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    return {
+        sample.labels["tenant"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tandem:party_served_tokens" and sample.labels["class"] == "bulk"
+    }
+
+
 def test_api_keys_see_only_their_own_files_and_batches(batch_cluster):
     alpha, beta = client(batch_cluster, ALPHA), client(batch_cluster, BETA)
+    served_before = served_bulk_tokens(batch_cluster)
     file_id = upload(alpha, [line("t", "Hi")])
     batch = alpha.batches.create(input_file_id=file_id, endpoint="/v1/completions",
                                  completion_window="24h")  # fmt: skip
@@ -217,7 +230,18 @@ def test_api_keys_see_only_their_own_files_and_batches(batch_cluster):
     assert batch.id not in [b.id for b in beta.batches.list()]
     with pytest.raises(openai.AuthenticationError):
         client(batch_cluster, "wrong-key-0123456789abcdef").files.list()
-    wait(alpha, batch.id)
+    done = wait(alpha, batch.id)
+    assert done.status == "completed", done
+    # The line was charged to its owner's bulk account, not to the service key's: that key is
+    # bare, so the `user` the service sends (the owner's tenant) decides.
+    deadline = time.monotonic() + 10  # the gauges follow the scheduler's status (each second)
+    while (grown := _grown(served_before, served_bulk_tokens(batch_cluster))) != {"alpha"}:
+        assert time.monotonic() < deadline, grown
+        time.sleep(0.5)
     assert alpha.files.delete(file_id).deleted
     with pytest.raises(openai.NotFoundError):
         alpha.files.retrieve(file_id)
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> set[str]:
+    return {tenant for tenant, value in after.items() if value > before.get(tenant, 0)}

@@ -47,3 +47,10 @@ def test_wrong_arguments_exit_2_before_any_cluster_starts(argv):
     with pytest.raises(SystemExit) as exit_info:
         batch_bench.main(argv)
     assert exit_info.value.code == 2
+
+
+def test_each_phase_has_its_own_prompts_from_the_second_word_on():
+    batch, burst = batch_bench.prompts(3, "batch"), batch_bench.prompts(3, "burst")
+    assert len(set(batch)) == 3
+    assert {p.split()[0] for p in batch} == {"Batch"} and {p.split()[0] for p in burst} == {"Burst"}
+    assert [p.split()[1:] for p in batch] == [p.split()[1:] for p in burst]  # the same lengths

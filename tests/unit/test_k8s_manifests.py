@@ -58,7 +58,8 @@ DUMMY_POD_IP = "10.1.2.3"
 GATEWAY_RPC = "tcp://tandem-gateway:8001"  # the gateway Service's RPC port (gateway.yaml)
 BATCH_SERVICE = "tcp://tandem-batch:5700"  # the batch Service (batch.yaml)
 DUMMY_SECRETS = {
-    ("tandem-api-keys", "api-keys"): "0123456789abcdef0123=team-a,fedcba9876543210fedc"
+    ("tandem-api-keys", "api-keys"): "0123456789abcdef0123=team-a,fedcba9876543210fedc",
+    ("tandem-api-keys", "batch-api-key"): "fedcba9876543210fedc",  # the bare key above
 }
 # Whole Secrets read with envFrom: a valid CurveZMQ secret key, so the settings validate.
 DUMMY_SECRET_ENVS = {
