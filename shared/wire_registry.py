@@ -87,6 +87,7 @@ class Heartbeat(Message):
     num_prefix_query_tokens: int = 0  # since start: prompt tokens looked up in the cache
     num_prefix_hit_tokens: int = 0  # since start: of them, found (their computation skipped)
     prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: not yet)
+    step_s: float = 0.0  # its engine steps' recent duration (moving average), seconds; 0: none
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,6 +17,8 @@ from services.scheduler.cache_routing import (
     RoutingWeights,
     choose_prefill,
     decode_affinity,
+    local_prefill_wait_s,
+    predicted_wait_s,
 )
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.registry import WorkerState
@@ -103,11 +105,33 @@ class CachePlacement:
         )
 
     def prefills_locally(
-        self, submit: wire.Submit, num_cached_blocks: int, block_size: int
+        self,
+        submit: wire.Submit,
+        num_cached_blocks: int,
+        decode: WorkerState,
+        prefill: WorkerState,
+        prefill_held_tokens: int,
     ) -> bool:
         """The decode worker holds all of the prompt but a short suffix (a conversation's next
-        turn): it prefills that itself. Never a resumed request (its output is no prompt)."""
+        turn): it prefills that itself, no KV sent, when that gives the first token no later than
+        the prefill worker would. A decode worker in the middle of a big batch is slow to start
+        (a step in progress, then a long step), and a prefill worker with little in hand is
+        quick, so under load even a short suffix goes to the prefill worker (whose cache may hold
+        the prefix too). `prefill_held_tokens`: what the prefill worker holds besides this
+        prompt. Never a resumed request (its output is no prompt)."""
         if num_cached_blocks == 0 or submit.output_token_ids:
             return False
-        uncached = len(submit.prompt_token_ids) - num_cached_blocks * block_size
-        return uncached <= self.local_prefill_max_tokens
+        uncached = len(submit.prompt_token_ids) - num_cached_blocks * decode.block_size
+        if uncached > self.local_prefill_max_tokens:
+            return False
+        local_s = local_prefill_wait_s(
+            decode.step_s, decode.num_running, uncached, decode.prefill_tokens_per_s
+        )
+        remote = PrefillCandidate(
+            peer_id=prefill.peer_id,
+            num_queued_tokens=prefill_held_tokens,
+            num_cached_tokens=self.cached_on(prefill.peer_id, submit),
+            tokens_per_s=prefill.prefill_tokens_per_s,
+        )
+        # Seconds against seconds: the routing weights tilt between prefill workers, not here.
+        return local_s <= predicted_wait_s(remote, len(prefill_tokens(submit)), RoutingWeights())

@@ -46,6 +46,17 @@ def predicted_wait_s(
     return (weights.queued * candidate.num_queued_tokens + weights.uncached * uncached) / rate
 
 
+def local_prefill_wait_s(
+    step_s: float, num_running: int, num_uncached: int, tokens_per_s: float
+) -> float:
+    """A decode worker prefilling a prompt's uncached suffix itself: its first token waits for the
+    step in progress (half of one, on average) and the step that takes the suffix in beside the
+    running sequences; an idle worker starts at once. `step_s`: its recent step duration."""
+    rate = tokens_per_s if tokens_per_s > 0 else DEFAULT_TOKENS_PER_S
+    steps = 1.5 * step_s if num_running > 0 else 0.0
+    return steps + num_uncached / rate
+
+
 def choose_prefill(
     candidates: Sequence[PrefillCandidate],
     num_prompt_tokens: int,

@@ -203,6 +203,7 @@ class ClusterScheduler:
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
         self.registry.report_prefill_rate(worker, heartbeat.prefill_tokens_per_s)
+        worker.step_s = heartbeat.step_s  # no index reads it: routing asks it of one worker
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
         in_order = self.prefix_index.apply(
@@ -354,7 +355,8 @@ class ClusterScheduler:
         request.phase = Phase.PREFILLING
         self._set_deadline(request, now + self.limits.prefill_timeout_s)
         submit = request.submit
-        if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker.block_size):
+        held = self.registry.window(prefill).held_tokens - request.num_prefill_tokens
+        if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker, prefill, held):
             # The decode worker computes the short suffix itself: the prefill worker is out.
             self.registry.release(prefill, request.request_id)
             request.prefill_peer_id = worker.peer_id

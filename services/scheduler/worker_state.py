@@ -35,6 +35,7 @@ class WorkerState:
     # Preemptions since the worker started, by kind ("swap", "recompute"), as last reported.
     num_preemptions: dict[str, int] = field(default_factory=lambda: {"swap": 0, "recompute": 0})
     prefill_tokens_per_s: float = 0.0  # its measured prefill rate, as last reported (0: none)
+    step_s: float = 0.0  # its engine steps' recent duration, as last reported (0: none)
     num_prefix_query_tokens: int = 0  # prefix cache lookups and hits in tokens, as reported
     num_prefix_hit_tokens: int = 0
     order: int = 0  # when it registered, among all registrations: scans met workers in this order

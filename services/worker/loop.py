@@ -30,6 +30,12 @@ from shared.logs import get_logger
 from shared.metrics import serve_metrics
 
 LOOP_STALL_S = 60.0  # /health fails when the loop has not turned this long (one step is less)
+STEP_SMOOTHING = 0.3  # weight of the newest step in the moving average of step durations
+
+
+def smoothed(average: float, newest: float) -> float:
+    """The moving average of step durations; the first step stands alone."""
+    return newest if average == 0 else (1 - STEP_SMOOTHING) * average + STEP_SMOOTHING * newest
 
 
 class WorkerLoop(abc.ABC):
@@ -95,6 +101,7 @@ class WorkerLoop(abc.ABC):
         self.poller.register(self.link.socket, zmq.POLLIN)
         self._router_sockets: set[zmq.Socket] = set()
         self.steps_completed = 0
+        self.step_s = 0.0  # recent step duration, moving average (the scheduler's routing reads it)
         self._recent_batch_sizes: list[int] = []  # since the last heartbeat
         self._stopping = False
 
@@ -145,8 +152,10 @@ class WorkerLoop(abc.ABC):
         if self.engine.has_unfinished:
             started = time.monotonic()
             self._step()
+            step_s = time.monotonic() - started
             self.steps_completed += 1
-            self.events.step(time.monotonic() - started)
+            self.events.step(step_s)
+            self.step_s = smoothed(self.step_s, step_s)
             self._recent_batch_sizes.append(self.engine.last_step_num_seqs)
             del self._recent_batch_sizes[: -wire.MAX_RECENT_STEPS]
         now = time.monotonic()
@@ -197,6 +206,7 @@ class WorkerLoop(abc.ABC):
             recent_batch_sizes=list(self._recent_batch_sizes),
             request_ids=self.held_request_ids()[: wire.MAX_HELD_IDS],
             prefill_tokens_per_s=self.engine.preemption.prefill_tokens_per_s,
+            step_s=self.step_s,
         )
         return self._with_cache_events(heartbeat)
 

@@ -68,6 +68,7 @@ def test_first_token_streams_and_kv_reaches_decode(setup):
     wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
     done = scheduler.expect(wire.RequestDone)
     assert done.phase == "prefill" and done.finish_reason is None
+    assert scheduler.expect(wire.Heartbeat).step_s > 0  # its step, timed for the routing
 
 
 def test_unacknowledged_transfer_is_abandoned_and_reported(setup):

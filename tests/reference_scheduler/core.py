@@ -222,6 +222,7 @@ class ClusterScheduler:
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
         worker.prefill_tokens_per_s = heartbeat.prefill_tokens_per_s
+        worker.step_s = heartbeat.step_s
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
         self.prefix_index.apply(
@@ -347,7 +348,8 @@ class ClusterScheduler:
         request.phase = Phase.PREFILLING
         request.phase_deadline = now + self.limits.prefill_timeout_s
         submit = request.submit
-        if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker.block_size):
+        held = self._num_held_tokens(prefill) - request.num_prefill_tokens
+        if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker, prefill, held):
             # The decode worker computes the short suffix itself: the prefill worker is out.
             prefill.request_ids.discard(request.request_id)
             request.prefill_peer_id = worker.peer_id

@@ -15,6 +15,7 @@ from services.scheduler.cache_routing import (
     RoutingWeights,
     choose_prefill,
     decode_affinity,
+    local_prefill_wait_s,
     predicted_wait_s,
 )
 from services.scheduler.core import ClusterScheduler, SchedulerLimits
@@ -216,6 +217,44 @@ def test_a_decode_worker_holding_all_but_a_short_suffix_prefills_it_itself(cache
     )
     core.on_request_done(done, 0.0)
     assert core.requests["r"].phase.name == "DECODING" and "r" in decode.request_ids
+
+
+def test_a_local_prefill_waits_for_a_step_and_a_half_of_a_busy_decode_worker():
+    assert local_prefill_wait_s(0.4, num_running=0, num_uncached=30, tokens_per_s=300) == 0.1
+    assert local_prefill_wait_s(0.4, num_running=8, num_uncached=30, tokens_per_s=300) == (
+        pytest.approx(0.7)
+    )
+    assert local_prefill_wait_s(0.0, 0, 300, tokens_per_s=0) == 1.0  # the default rate
+
+
+@pytest.mark.parametrize(
+    "step_s,prefill_held,local",
+    [
+        (0.01, 0, True),  # a short step: the suffix in the next one, no KV sent
+        (0.5, 0, False),  # a big batch's step (0.75 s) against 70 tokens at 300/s (0.23 s)
+        (0.5, 600, True),  # ... unless the prefill worker has 2 s of prompts in hand
+    ],
+)
+def test_a_busy_decode_worker_leaves_the_suffix_to_a_quicker_prefill_worker(
+    step_s, prefill_held, local
+):
+    core = ClusterScheduler(SchedulerLimits(local_prefill_max_tokens=20))
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
+    core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
+    core.on_heartbeat(b"P", dataclasses.replace(heartbeat("p"), prefill_tokens_per_s=300.0), 0.0)
+    busy = dataclasses.replace(heartbeat("d"), num_running=8, step_s=step_s,
+                               prefill_tokens_per_s=300.0)  # fmt: skip
+    core.on_heartbeat(b"D", busy, 0.0)
+    if prefill_held:  # a long prompt already handed to the prefill worker
+        core.on_submit(b"G", submit("held", prompt_len=prefill_held), 0.0)
+        core.on_reserve_reply(
+            wire.ReserveReply(request_id="held", ok=True, num_free_blocks=90), 0.0
+        )
+    (reserve,) = sent(core.on_submit(b"G", submit("r", prompt_len=70), 0.0), wire.Reserve)
+    reply = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=4)
+    (job,) = sent(core.on_reserve_reply(reply, 0.0), wire.PrefillJob)
+    assert job.identity == (b"D" if local else b"P")
 
 
 def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():

@@ -243,6 +243,7 @@ class Twins:
             sent_at=self.now,
             request_ids=held + stale,
             prefill_tokens_per_s=rng.choice((0.0, 100.0, 250.0)),
+            step_s=rng.choice((0.0, 0.01, 0.5)),  # whether a decode worker prefills locally
             **cache,
         )
         self.call("on_heartbeat", peer_id.encode(), message)
