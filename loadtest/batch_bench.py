@@ -246,10 +246,9 @@ async def run_phases(url: str, args) -> list[dict[str, Any]]:
         )
         phases = [phase_alone, burst, phase_batch]
         if not args.skip_naive:
-            phases += [
-                functools.partial(phase_naive, retry=False),
-                functools.partial(phase_naive, retry=True),
-            ]
+            phases.append(functools.partial(phase_naive, retry=False))
+            if not args.skip_naive_retry:
+                phases.append(functools.partial(phase_naive, retry=True))
         results = []
         for phase in phases:  # one after another: each phase has the cluster to itself
             results.append(await phase(http, model, args))
@@ -275,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trickle-every-s", type=float, default=2.0)
     parser.add_argument("--alone-s", type=float, default=20.0)
     parser.add_argument("--burst-prompts", type=int, default=1_000)
-    parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--skip-naive", action="store_true", help="no naive phase at all")
+    parser.add_argument(
+        "--skip-naive-retry", action="store_true", help="the naive burst once, without retries"
+    )
     args = parser.parse_args(argv)
     if min(args.num_prompts, args.max_tokens, args.burst_prompts) < 1 or args.trickle_every_s <= 0:
         parser.error(
