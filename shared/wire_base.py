@@ -14,7 +14,7 @@ import torch
 import zmq
 
 SCHEMA_VERSION = 5  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
-# 5: the heartbeat's step time
+# 5: the heartbeat's step time, bulk prefill jobs and transfers
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries

@@ -38,6 +38,7 @@ class KvTransfer(Message):
     # where it left off; None for greedy requests.
     generator_state: GeneratorState | None = None
     priority: int = 0  # the request's priority, as in PrefillJob
+    bulk: bool = False  # as in PrefillJob: a batch job's line, preempted before interactive ones
     cache_salt: str | None = None  # as in PrefillJob: names the blocks in the decode cache
 
 

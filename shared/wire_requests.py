@@ -98,6 +98,7 @@ class PrefillJob(Message):
     # too, and generation continues after them. Usually empty.
     output_token_ids: TokenIds = field(default_factory=list)
     priority: int = 0  # the request's priority: under memory pressure, larger is preempted last
+    bulk: bool = False  # a batch job's line: a worker queues it after interactive prompts
     # Separates prefix cache entries: only prompts with the same salt (the tenant, unless the
     # cluster shares its cache between tenants) share cached blocks. None: the shared space.
     cache_salt: str | None = None

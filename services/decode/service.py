@@ -145,6 +145,7 @@ class DecodeWorker(WorkerLoop):
                 job.request_id,
                 priority=job.priority,
                 cache_salt=self._salt(job.cache_salt),
+                bulk=job.bulk,
             )
         except InvalidRequestError as error:
             delta = wire.TokenDelta(
@@ -200,6 +201,7 @@ class DecodeWorker(WorkerLoop):
                     transfer.generator_state,
                     priority=transfer.priority,
                     cache_salt=self._salt(transfer.cache_salt),
+                    bulk=transfer.bulk,
                 )
             except (InvalidRequestError, ValueError) as exc:
                 error = str(exc)

@@ -104,6 +104,7 @@ class PrefillWorker(WorkerLoop):
                 priority=job.priority,
                 cache_salt=None if self.config.share_prefix_cache else job.cache_salt,
                 num_generated=len(job.output_token_ids),  # a constraint replays them
+                bulk=job.bulk,
             )
         except InvalidRequestError as error:
             self.log.warning("prefill job refused", request_id=job.request_id, error=str(error))
@@ -177,6 +178,7 @@ class PrefillWorker(WorkerLoop):
             generator_state=generator,
             priority=job.priority,
             cache_salt=None if self.config.share_prefix_cache else job.cache_salt,
+            bulk=job.bulk,
         )
         wire.send(self._decode_socket(job.decode_address), message)
         num_bytes = keys.numel() * keys.element_size() * 2

@@ -373,6 +373,7 @@ class ClusterScheduler:
             priority=submit.priority,
             cache_salt=submit.tenant,
             num_skip_blocks=reply.num_cached_blocks,
+            bulk=submit.bulk,
         )
         return [Outgoing(prefill.identity, job)]
 

@@ -206,16 +206,18 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         num_generated: int = 0,
+        bulk: bool = False,
     ) -> str:
         """Queues a prompt. `cache_salt` (a tenant, or a request's own salt) keeps its cached
         blocks apart from those of other salts: only equal salts share a prefix.
         `num_generated`: the prompt's last tokens were generated before (a request resumed from
-        its client's tokens); a constrained request's grammar replays them."""
+        its client's tokens); a constrained request's grammar replays them. `bulk`: a batch
+        job's line, queued after interactive prompts and preempted before them."""
         self._validate_prompt(prompt_token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._sequences:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, bulk=bulk)
         seq.cache_root = self._cache_root(cache_salt)
         replayed = (
             prompt_token_ids[len(prompt_token_ids) - num_generated :] if num_generated else ()
@@ -235,6 +237,7 @@ class LLMEngine:
         generator_state: torch.Tensor | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        bulk: bool = False,
     ) -> None:
         """Admits a sequence whose prompt KV is already in `block_ids` (written by the caller).
 
@@ -245,7 +248,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if not output_token_ids:
             raise ValueError("a prefilled sequence carries at least its first sampled token")
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, bulk=bulk)
         seq.output_token_ids = list(output_token_ids)
         seq.num_computed_tokens = seq.num_tokens - 1
         if len(block_ids) * self.block_manager.block_size < seq.num_computed_tokens:

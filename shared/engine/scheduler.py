@@ -96,8 +96,8 @@ def raise_cap_for_short_prompts(
     return min(budget, max(cap, short + long_floors))
 
 
-def _urgency(seq: Sequence) -> tuple[int, float]:
-    return (-seq.priority, seq.arrival_time)
+def _urgency(seq: Sequence) -> tuple[bool, int, float]:
+    return (seq.bulk, -seq.priority, seq.arrival_time)
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,13 @@ class StepScheduler:
         return sum(self.block_manager.num_blocks_for(seq.num_tokens) for seq in preempted)
 
     def add(self, sequence: Sequence) -> None:
+        """Queues a newcomer: in arrival order, except that an interactive one goes ahead of
+        every bulk one not yet admitted (preempted sequences keep the head)."""
+        if not sequence.bulk:
+            for index, queued in enumerate(self.waiting):
+                if queued.bulk and queued.num_preemptions == 0:
+                    self.waiting.insert(index, sequence)
+                    return
         self.waiting.append(sequence)
 
     def add_running(self, sequence: Sequence) -> None:

@@ -65,6 +65,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     priority: int = 0  # larger is more urgent: preempted last, resumed first
+    bulk: bool = False  # a batch job's line: less urgent than any interactive sequence
     # Prefix cache: the root of this sequence's block hash chain (None: not cached), the hashes
     # of its full blocks known so far, how many of its current block_ids are named in the cache,
     # and the prompt tokens whose computation the cache skipped at its first prefill (of them,

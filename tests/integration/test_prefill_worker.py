@@ -3,6 +3,8 @@ transfer that is never acknowledged is abandoned and reported for re-routing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import zmq
 
@@ -69,6 +71,16 @@ def test_first_token_streams_and_kv_reaches_decode(setup):
     done = scheduler.expect(wire.RequestDone)
     assert done.phase == "prefill" and done.finish_reason is None
     assert scheduler.expect(wire.Heartbeat).step_s > 0  # its step, timed for the routing
+
+
+def test_a_bulk_job_hands_its_class_on_with_the_kv(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    scheduler.send(dataclasses.replace(job(tmp_path, "line", ignore_eos=True), bulk=True))
+    assert decode.poll(10_000)
+    identity, transfer = wire.recv_from(decode)
+    assert transfer.bulk  # the decode worker preempts it before interactive sequences
+    wire.send_to(decode, identity, wire.KvAck(request_id="line", ok=True, error=None))
+    assert scheduler.expect(wire.RequestDone).request_id == "line"
 
 
 def test_unacknowledged_transfer_is_abandoned_and_reported(setup):

@@ -191,3 +191,42 @@ def test_the_victim_is_the_lowest_priority_then_the_latest_arrival():
     # By arrival alone "urgent" would go before "old"; its priority keeps it running.
     assert [s.request_id for s, _ in plan.swap_out] == ["new", "old"]
     assert [c.sequence.request_id for c in plan.chunks] == ["urgent"]
+
+
+def bulk_seq(name: str, prompt_len: int) -> Sequence:
+    return Sequence(name, [1] * prompt_len, SamplingParams(max_tokens=4), bulk=True)
+
+
+def test_an_interactive_prompt_goes_ahead_of_queued_bulk_lines_but_not_of_preempted_ones():
+    scheduler = make_scheduler(num_blocks=4, budget=512)  # 64 token slots
+    for name in ("a", "b"):
+        scheduler.add(seq(name, 32))
+    run_step(scheduler)
+    scheduler.add(bulk_seq("bulk1", 8))
+    run_step(scheduler)  # a needs a fifth block: b is preempted, back at the head
+    scheduler.add(bulk_seq("bulk2", 8))
+    scheduler.add(seq("chat", 8))
+    assert [s.request_id for s in scheduler.waiting] == ["b", "chat", "bulk1", "bulk2"]
+    scheduler.add(seq("chat2", 8))  # interactive among themselves: in arrival order
+    assert [s.request_id for s in scheduler.waiting] == ["b", "chat", "chat2", "bulk1", "bulk2"]
+
+
+def test_with_one_seat_per_step_an_interactive_prompt_runs_before_earlier_bulk_lines():
+    scheduler = make_scheduler(budget=MIN_CHUNK)  # one newcomer a step
+    for i in range(3):
+        scheduler.add(bulk_seq(f"bulk{i}", 24))
+    assert run_step(scheduler) == {"bulk0": 24}
+    scheduler.add(seq("chat", 24))
+    assert "chat" in run_step(scheduler)
+
+
+def test_a_bulk_line_is_preempted_before_any_interactive_sequence():
+    scheduler = make_scheduler(num_blocks=3, budget=512, mode="swap")  # one block each
+    urgent_bulk = Sequence("bulk", [1] * 16, SamplingParams(max_tokens=4), priority=5, bulk=True)
+    for item in (urgent_bulk, seq("old", 16), seq("new", 16)):
+        scheduler.add(item)
+    assert run_step(scheduler) == {"bulk": 16, "old": 16, "new": 16}
+    plan = scheduler.schedule()  # each needs a second block: only one can have it
+    # Its priority and arrival would keep the bulk line; its class makes it the first victim.
+    assert [s.request_id for s, _ in plan.swap_out] == ["bulk", "new"]
+    assert [c.sequence.request_id for c in plan.chunks] == ["old"]
