@@ -1,8 +1,10 @@
 """`tandem bench`: an open-loop benchmark client for any OpenAI-compatible server.
 
-A workload (a JSONL file, or a built-in generator: chat, long, bulk, mix) is sent as a burst, as
-a Poisson process at `--rate`, or once per rate of a `--sweep`, through `/v1/completions` with
-greedy decoding and EOS ignored (so every server generates the same number of tokens). Each run
+A workload (a JSONL file, or a built-in generator: chat, long, bulk, mix, agents, json; see
+loadtest/generators.py) is sent as a burst, as a Poisson process at `--rate`, or once per rate of
+a `--sweep`, through `/v1/completions` with greedy decoding and EOS ignored (so every server
+generates the same number of tokens; the `json` workload's constrained outputs end with their
+structure instead, and send OpenAI's `response_format`). Each run
 reports output and request throughput, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99,
 overall and per request class, and goodput under the `--slo-ttft`/`--slo-tpot` objectives.
 

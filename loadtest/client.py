@@ -47,6 +47,8 @@ def request_body(
     }
     if request.stream:
         body["stream_options"] = {"include_usage": True}
+    if request.response_format is not None:
+        body["response_format"] = request.response_format
     return body
 
 

@@ -1,9 +1,20 @@
-"""Built-in workloads for `tandem bench`: short chat, long prompts, bulk batch, and a mix.
+"""Built-in workloads for `tandem bench`: short chat, long prompts, bulk batch, a mix, agents
+and constrained JSON.
 
 Each class draws long-tailed prompt and output lengths in its own ranges (see `workload`), and
 prompts are exact-length windows of the corpus, so any server sees the same tokens. The mix
 interleaves the classes in fixed proportions, in an order drawn from the seed. Arrival times are
 set afterwards (`with_arrivals`), so a rate sweep sends the same requests at each rate.
+
+Two workloads of the agent hub stand apart:
+- `agents`: agents re-sending a long shared context. Every prompt starts with one shared
+  512-token system prompt, then its agent's own history, which grows by 64 tokens a turn (turn
+  t of an agent extends turn t-1's prompt); requests go turn by turn (every agent's first turn,
+  then every second turn, ...). A server with a prefix cache computes the system prompt once and
+  each history once per turn's growth.
+- `json`: short questions answered under a JSON schema (`response_format`), so decoding is
+  constrained and ends where the structure does: EOS is not ignored and the token count is not
+  checked against `max_tokens`.
 """
 
 from __future__ import annotations
@@ -13,7 +24,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.workload import WorkloadRequest, arrival_times, build_workload, stream
+from loadtest.workload import (
+    CORPUS_PATH,
+    WorkloadRequest,
+    arrival_times,
+    build_workload,
+    corpus_window,
+    long_tailed_lengths,
+    stream,
+    tokenize_corpus,
+)
 
 
 @dataclass(frozen=True)
@@ -29,7 +49,42 @@ CLASSES = {
     "bulk": RequestClass(prompt_range=(32, 256), output_range=(32, 128), stream=False),
 }
 MIX = {"chat": 0.6, "long": 0.2, "bulk": 0.2}
-GENERATORS = (*CLASSES, "mix")
+GENERATORS = (*CLASSES, "mix", "agents", "json")
+
+AGENT_TURNS = 4
+AGENT_SYSTEM_TOKENS = 512  # shared by every agent
+AGENT_FIRST_TOKENS = 96  # an agent's own history at its first turn
+AGENT_TURN_TOKENS = 64  # what each later turn adds to it
+AGENT_OUTPUT_RANGE = (16, 48)
+
+JSON_MAX_TOKENS = 96
+JSON_TASKS = (  # (question, schema): small objects a 135M model fills in a few dozen tokens
+    (
+        "Describe a person with a name and an age, as JSON.",
+        {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                          "age": {"type": "integer"}},
+         "required": ["name", "age"], "additionalProperties": False},
+    ),
+    (
+        "Name a city and its country, as JSON.",
+        {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                          "country": {"type": "string", "maxLength": 24}},
+         "required": ["city", "country"], "additionalProperties": False},
+    ),
+    (
+        "List three colours, as JSON.",
+        {"type": "object", "properties": {"colours": {
+            "type": "array", "items": {"type": "string", "maxLength": 12},
+            "minItems": 3, "maxItems": 3}},
+         "required": ["colours"], "additionalProperties": False},
+    ),
+    (
+        "Is water wet? Answer as JSON with a yes/no field and a reason.",
+        {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                          "reason": {"type": "string", "maxLength": 40}},
+         "required": ["answer", "reason"], "additionalProperties": False},
+    ),
+)  # fmt: skip
 
 
 def generate(tokenizer: Any, name: str, num: int, seed: int = 0) -> list[WorkloadRequest]:
@@ -38,6 +93,10 @@ def generate(tokenizer: Any, name: str, num: int, seed: int = 0) -> list[Workloa
         raise ValueError(f"the number of requests must be >= 1, got {num}")
     if name == "mix":
         return _mix(tokenizer, num, seed)
+    if name == "agents":
+        return _agents(tokenizer, num, seed)
+    if name == "json":
+        return _json(tokenizer, num, seed)
     if name not in CLASSES:
         raise ValueError(f"unknown workload {name!r}; built-in: {', '.join(GENERATORS)}")
     shape = CLASSES[name]
@@ -60,6 +119,45 @@ def _mix(tokenizer: Any, num: int, seed: int) -> list[WorkloadRequest]:
         if name in names
     }
     return [next(pools[name]) for name in names]
+
+
+def _agents(tokenizer: Any, num: int, seed: int) -> list[WorkloadRequest]:
+    corpus = tokenize_corpus(tokenizer, CORPUS_PATH.read_text(encoding="utf-8"))
+    rng = stream(seed, "agents")
+    num_agents = -(-num // AGENT_TURNS)
+    system = corpus_window(corpus, rng.choice(corpus.sentence_starts), AGENT_SYSTEM_TOKENS)
+    longest = AGENT_FIRST_TOKENS + AGENT_TURN_TOKENS * (AGENT_TURNS - 1)
+    histories = [
+        corpus_window(corpus, rng.choice(corpus.sentence_starts), longest)
+        for _ in range(num_agents)
+    ]
+    outputs = long_tailed_lengths(stream(seed, "agents-outputs"), num, *AGENT_OUTPUT_RANGE)
+    requests: list[WorkloadRequest] = []
+    for turn in range(AGENT_TURNS):
+        for history in histories:
+            if len(requests) == num:
+                return requests
+            ids = system + history[: AGENT_FIRST_TOKENS + AGENT_TURN_TOKENS * turn]
+            max_tokens = outputs[len(requests)]
+            requests.append(
+                WorkloadRequest(tokenizer.decode(ids), max_tokens, 0.0, ids, label="agents")
+            )
+    return requests
+
+
+def _json(tokenizer: Any, num: int, seed: int) -> list[WorkloadRequest]:
+    rng = stream(seed, "json-tasks")
+    requests = []
+    for _ in range(num):
+        question, schema = rng.choice(JSON_TASKS)
+        ids = list(tokenizer.encode(question, add_special_tokens=False))
+        schema_format = {"name": "answer", "schema": schema, "strict": True}
+        request = WorkloadRequest(question, JSON_MAX_TOKENS, 0.0, ids, ignore_eos=False,
+                                  label="json",
+                                  response_format={"type": "json_schema",
+                                                   "json_schema": schema_format})  # fmt: skip
+        requests.append(request)
+    return requests
 
 
 def with_arrivals(

@@ -48,6 +48,7 @@ class WorkloadRequest:
     ignore_eos: bool = True  # every request generates exactly max_tokens
     label: str = ""  # its class in reports (chat, long, bulk, ...)
     stream: bool = True  # streamed (latencies per token) or one response
+    response_format: dict[str, Any] | None = None  # OpenAI's, sent as given (constrained output)
 
     @property
     def num_prompt_tokens(self) -> int | None:
@@ -66,6 +67,8 @@ class WorkloadRequest:
             fields["label"] = self.label
         if not self.stream:
             fields["stream"] = False
+        if self.response_format is not None:
+            fields["response_format"] = self.response_format
         return json.dumps(fields, ensure_ascii=False)
 
     @classmethod
@@ -80,7 +83,14 @@ class WorkloadRequest:
             ignore_eos=bool(data.get("ignore_eos", True)),
             label=str(data.get("label", "")),
             stream=bool(data.get("stream", True)),
+            response_format=_response_format(data.get("response_format")),
         )
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    if value is not None and not isinstance(value, dict):
+        raise TypeError(f"response_format must be an object, got {type(value).__name__}")
+    return value
 
 
 def write_workload(path: str | Path, requests: Iterable[WorkloadRequest]) -> None:

@@ -12,7 +12,15 @@ import pytest
 
 from loadtest import bench
 from loadtest.bench import BatchSampler, BenchError, compare_table, compared_runs, load_result
-from loadtest.generators import CLASSES, generate, with_arrivals
+from loadtest.client import request_body
+from loadtest.generators import (
+    AGENT_FIRST_TOKENS,
+    AGENT_SYSTEM_TOKENS,
+    AGENT_TURN_TOKENS,
+    CLASSES,
+    generate,
+    with_arrivals,
+)
 from loadtest.metrics import (
     Clock,
     RequestRecord,
@@ -115,6 +123,31 @@ def test_generators_shape_each_class():
         generate(tokenizer, "poetry", 4)
     with pytest.raises(ValueError, match=">= 1"):
         generate(tokenizer, "chat", 0)
+
+
+def test_agents_share_one_system_prompt_and_each_turn_extends_the_last():
+    requests = generate(CharTokenizer(), "agents", 10, seed=1)  # 3 agents, turn-major
+    assert len(requests) == 10 and {r.label for r in requests} == {"agents"}
+    system = requests[0].prompt_token_ids[:AGENT_SYSTEM_TOKENS]
+    assert all(r.prompt_token_ids[:AGENT_SYSTEM_TOKENS] == system for r in requests)
+    lengths = [r.num_prompt_tokens - AGENT_SYSTEM_TOKENS for r in requests]
+    first, turn = AGENT_FIRST_TOKENS, AGENT_TURN_TOKENS
+    assert lengths == [first] * 3 + [first + turn] * 3 + [first + 2 * turn] * 3 + [first + 3 * turn]
+    for earlier, later in zip(requests[:-3], requests[3:], strict=True):  # one agent, a turn on
+        assert later.prompt_token_ids[: earlier.num_prompt_tokens] == earlier.prompt_token_ids
+    assert requests[0].prompt_token_ids != requests[1].prompt_token_ids  # agents differ
+    assert requests == generate(CharTokenizer(), "agents", 10, seed=1)
+
+
+def test_json_requests_are_constrained_and_end_with_their_structure():
+    requests = generate(CharTokenizer(), "json", 6, seed=2)
+    assert {r.label for r in requests} == {"json"} and not any(r.ignore_eos for r in requests)
+    for request in requests:
+        schema = request.response_format["json_schema"]["schema"]
+        assert request.response_format["type"] == "json_schema" and schema["type"] == "object"
+        body = request_body("m", request)
+        assert body["response_format"] == request.response_format and not body["ignore_eos"]
+        assert type(request).from_json(request.to_json()) == request  # the JSONL round trip
 
 
 def test_arrivals_change_and_prompts_do_not():
