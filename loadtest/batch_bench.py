@@ -12,7 +12,9 @@ run, on the same prompts:
 3. `batch`: the prompts as one batch (Files + Batches API) while the trickle runs: drain time,
    output tokens/s, the trickle's TTFT p50/p99, lines lost or duplicated in the output, and each
    worker role's busy fraction from submission to drain (`tandem:engine_busy_seconds_total`,
-   the time inside engine steps, over the wall time).
+   the time inside engine steps, over the wall time). With a cluster started here, the trickle's
+   TTFT during the job is then split into its parts from the cluster's log
+   (`loadtest.ttft_breakdown`).
 4. `naive`: the same prompts fired at once at /v1/completions, as a new user would: how many
    were refused (429) and, with a second pass that retries each refusal after its Retry-After,
    the drain time and output tokens/s.
@@ -38,6 +40,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.served import tandem_up
+from loadtest.ttft_breakdown import breakdown
 
 BUSY_SECONDS = "tandem:engine_busy_seconds_total"
 # A peer's role, told by a counter only that role exports.
@@ -167,6 +170,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
     files = {"file": ("bench.jsonl", io.BytesIO(data))}
     uploaded = (await http.post("/v1/files", files=files, data={"purpose": "batch"})).json()
     busy_before = await busy_seconds(http)
+    started_at = time.time()
     started = time.monotonic()
     body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
             "completion_window": "24h"}  # fmt: skip
@@ -177,6 +181,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
         await asyncio.sleep(0.5)
         batch = (await http.get(f"/v1/batches/{batch['id']}")).json()
     drain_s = time.monotonic() - started
+    ended_at = time.time()
     busy = busy_fractions(busy_before, await busy_seconds(http), drain_s)
     stop.set()
     ttfts = await task
@@ -186,6 +191,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
     output_tokens = batch["usage"]["output_tokens"]
     return {
         "phase": "batch", "status": batch["status"], "drain_s": round(drain_s, 1),
+        "started_at": round(started_at, 3), "ended_at": round(ended_at, 3),
         "output_tokens": output_tokens,
         "output_tokens_per_s": round(output_tokens / drain_s, 1),
         "lines_lost": len(expected - set(custom_ids)),
@@ -287,7 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run_phases(args.url, args))
         return 0
     with tandem_up() as cluster:
-        asyncio.run(run_phases(cluster.url, args))
+        results = asyncio.run(run_phases(cluster.url, args))
+    batch = next(r for r in results if r["phase"] == "batch")
+    with open(cluster.log_path, encoding="utf-8", errors="replace") as log:
+        parts = breakdown(log, "chatcmpl-", batch["started_at"], batch["ended_at"])
+    print(json.dumps({"phase": "trickle TTFT parts during the job (s)", **parts}), flush=True)
+    print(f"cluster log: {cluster.log_path}", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,7 @@ choice's TTFT into:
 - `prefill`: the prefill itself (for a local prefill: until the first token, streaming included);
 - `stream`: the prefill's end to the gateway's first token.
 
-    .venv/bin/python -m loadtest.ttft_breakdown LOG [--id-prefix chatcmpl-]
+    .venv/bin/python -m loadtest.ttft_breakdown LOG [--id-prefix chatcmpl-] [--since S --until S]
 
 Prints the median and p99 of each part (seconds) over the choices whose id starts with the
 prefix (default: chat requests; a batch job's lines are completions, `cmpl-`).
@@ -103,9 +103,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def breakdown(lines: Iterable[str], id_prefix: str) -> dict[str, dict[str, float]]:
-    """Median and p99 of each part over the complete choices, and how many there were."""
-    split = [p for p in map(parts, choice_times(lines, id_prefix).values()) if p is not None]
+def breakdown(
+    lines: Iterable[str],
+    id_prefix: str,
+    since: float = float("-inf"),
+    until: float = float("inf"),
+) -> dict[str, dict[str, float]]:
+    """Median and p99 of each part over the complete choices that arrived between `since` and
+    `until` (seconds since epoch), and how many there were."""
+    times = choice_times(lines, id_prefix).values()
+    arrived = [t for t in times if since <= t.get("arrived", since) <= until]
+    split = [p for p in map(parts, arrived) if p is not None]
     if not split:
         return {}
     return {
@@ -122,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("log", type=Path, help="a run's log (what `tandem up` printed)")
     parser.add_argument("--id-prefix", default="chatcmpl-", help="whose choices to count")
+    parser.add_argument("--since", type=float, default=float("-inf"), help="arrived from (epoch s)")
+    parser.add_argument("--until", type=float, default=float("inf"), help="arrived until (epoch s)")
     args = parser.parse_args(argv)
     try:
         with open(args.log, encoding="utf-8", errors="replace") as f:
-            result = breakdown(f, args.id_prefix)
+            result = breakdown(f, args.id_prefix, args.since, args.until)
     except OSError as error:
         parser.error(f"cannot read {args.log}: {error}")
     if not result:

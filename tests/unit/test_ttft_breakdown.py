@@ -49,6 +49,9 @@ def test_each_part_is_the_gap_between_its_steps_and_local_prefills_stream_nothin
     )
     result = ttft_breakdown.breakdown(lines, "chatcmpl-")
     assert result["reserve"] == {"p50": 0.3, "p99": 0.5, "n": 3}
+    start = ttft_breakdown.choice_times(lines, "chatcmpl-")["chatcmpl-b-0"]["arrived"]
+    window = ttft_breakdown.breakdown(lines, "chatcmpl-", since=start, until=start + 5)
+    assert window["ttft"] == {"p50": 1.0, "p99": 1.0, "n": 1}  # b alone arrived then
 
 
 def test_an_unfinished_choice_is_left_out_and_an_empty_log_says_so(tmp_path, capsys):
