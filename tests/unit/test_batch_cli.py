@@ -33,6 +33,6 @@ def test_batch_bench_refuses_wrong_values_and_builds_distinct_prompts(capsys):
     with pytest.raises(SystemExit):
         batch_bench.main(["--num-prompts", "0"])
     assert "must be positive" in capsys.readouterr().err
-    assert len(set(batch_bench.prompts(50))) == 50
+    assert len(set(batch_bench.prompts(50, "batch"))) == 50
     assert batch_bench.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert batch_bench.percentile([], 0.99) is None
