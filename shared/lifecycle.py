@@ -188,6 +188,10 @@ class SchedulerEvents(_Events):
         self.refusals = self.counter(
             "requests_refused", "Submissions refused at admission, by status", ("status",)
         )
+        self.speculative = self.counter(
+            "speculative_prefills",
+            "Prefill jobs sent with their decode reservation, before its answer",
+        )
         self.party_served = self.gauge(
             "party_served_tokens",
             "Tokens served per fair-share account (prompt plus generated; refunds lower it)",
@@ -219,14 +223,18 @@ class SchedulerEvents(_Events):
         self.refusals.labels(str(status)).inc()
         self.log.warning("request refused", request_id=request_id, status=status, error=message)
 
-    def dispatched(self, request_id: str, queue_s: float, prefill: str, decode: str) -> None:
+    def dispatched(
+        self, request_id: str, queue_s: float, prefill: str, decode: str, speculative: bool
+    ) -> None:
         self.queue_time.observe(queue_s)
+        self.speculative.inc(speculative)
         self.log.info(
             "request dispatched",
             request_id=request_id,
             queue_s=round(queue_s, 4),
             prefill=prefill,
             decode=decode,
+            speculative=speculative,
         )
 
     def phase_done(self, request_id: str, phase: str, finish_reason: str | None) -> None:

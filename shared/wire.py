@@ -94,6 +94,7 @@ from shared.wire_registry import (
 )
 from shared.wire_requests import (
     Cancel,
+    PrefillGrant,
     PrefillJob,
     RequestDone,
     Reserve,
@@ -136,6 +137,7 @@ __all__ = [
     "MessageType",
     "PartyService",
     "Phase",
+    "PrefillGrant",
     "PrefillJob",
     "RequestDone",
     "RequestId",
@@ -177,7 +179,7 @@ MESSAGE_CLASSES: dict[MessageType, type[Message]] = {
     for cls in (
         Hello, HelloAck, Heartbeat, Submit, SubmitReply, Cancel, Reserve, ReserveReply,
         PrefillJob, Tokens, KvTransfer, KvAck, RequestDone, ClusterStatus,
-        RpcRequest, RpcCancel, RpcEvent,
+        RpcRequest, RpcCancel, RpcEvent, PrefillGrant,
     )
 }  # fmt: skip
 assert set(MESSAGE_CLASSES) == set(MessageType), "every message type has one class"

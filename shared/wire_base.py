@@ -14,7 +14,7 @@ import torch
 import zmq
 
 SCHEMA_VERSION = 5  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
-# 5: the heartbeat's step time, bulk prefill jobs and transfers
+# 5: the heartbeat's step time, bulk prefill jobs and transfers, speculative prefill
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -90,6 +90,7 @@ class MessageType(enum.IntEnum):
     RPC_REQUEST = 15
     RPC_CANCEL = 16
     RPC_EVENT = 17
+    PREFILL_GRANT = 18
 
 
 # ----------------------------------------------------------------------------------------------

@@ -104,6 +104,19 @@ class PrefillJob(Message):
     cache_salt: str | None = None
     # Leading blocks of the KV the decode worker holds already (its ReserveReply): not sent.
     num_skip_blocks: int = 0
+    # Speculative: sent while the decode worker's reservation is still in flight. The prefill
+    # runs and its first token streams at once; the KV waits for a PrefillGrant (or a Cancel).
+    await_grant: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefillGrant(Message):
+    """Scheduler -> prefill worker: the decode worker reserved room for a speculative job; ship
+    its KV, less the leading blocks the decode worker holds already."""
+
+    TYPE: ClassVar[MessageType] = MessageType.PREFILL_GRANT
+    request_id: RequestId
+    num_skip_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -263,6 +263,8 @@ class Simulator:
         match message:
             case wire.PrefillJob():
                 worker.on_job(message)
+            case wire.PrefillGrant():
+                worker.on_grant(message)
             case wire.Cancel():
                 worker.on_cancel(message.request_id)
 

@@ -68,6 +68,9 @@ class SimPrefillWorker:
         self.budget = budget  # max_num_batched_tokens
         self.prompts: dict[str, _Prompt] = {}  # in arrival order
         self.in_transfer: set[str] = set()
+        # Speculative jobs: grants come before or after the prefill; KV goes once both are in.
+        self.granted: set[str] = set()
+        self.awaiting_grant: dict[str, wire.PrefillJob] = {}
         self.stepping = False
         self.stats = WorkerStats()
         self.token_cap = self._token_cap(profile.settings.step_time_target_s)
@@ -88,6 +91,15 @@ class SimPrefillWorker:
     def on_cancel(self, request_id: str) -> None:
         self.prompts.pop(request_id, None)
         self.in_transfer.discard(request_id)
+        self.granted.discard(request_id)
+        self.awaiting_grant.pop(request_id, None)
+
+    def on_grant(self, grant: wire.PrefillGrant) -> None:
+        job = self.awaiting_grant.pop(grant.request_id, None)
+        if job is not None:
+            self._transfer(job)
+        else:  # the prefill is still running (a cancel forgets it)
+            self.granted.add(grant.request_id)
 
     def _maybe_step(self) -> None:
         if self.stepping or not self.prompts:
@@ -135,6 +147,13 @@ class SimPrefillWorker:
             self.cluster.token_finished(job.request_id, 1)
             self._report(job.request_id, "length")
             return
+        if job.await_grant and job.request_id not in self.granted:
+            self.awaiting_grant[job.request_id] = job  # its reservation is not confirmed yet
+            return
+        self.granted.discard(job.request_id)
+        self._transfer(job)
+
+    def _transfer(self, job: wire.PrefillJob) -> None:
         self.in_transfer.add(job.request_id)
         num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
         arrival = self.cluster.now + self.profile.transfer_time(num_tokens)

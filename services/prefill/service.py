@@ -8,6 +8,10 @@ The copy is kept alive until the decode worker acknowledges; then the scheduler 
 prefill phase is over. A transfer not acknowledged in time is abandoned and reported, so the
 scheduler re-routes the request. A request that finishes at its first token (end of sequence, or
 max_tokens of 1) ends here.
+
+A speculative job (`await_grant`: sent while the decode worker's reservation was in flight) runs
+and streams its first token the same way, but its KV stays here until the scheduler's
+PREFILL_GRANT (which says how many leading blocks the decode worker holds) or a CANCEL.
 """
 
 from __future__ import annotations
@@ -72,6 +76,10 @@ class PrefillWorker(WorkerLoop):
         )
         self.jobs: dict[str, RunningJob] = {}
         self.transfers: dict[str, PendingTransfer] = {}
+        # Speculative jobs: grants that came while the prefill ran (leading blocks to skip),
+        # and finished prefills whose KV waits for its grant.
+        self.grants: dict[str, int] = {}
+        self.awaiting_grant: dict[str, tuple[wire.PrefillJob, RequestOutput]] = {}
         self._decode_sockets: dict[str, zmq.Socket] = {}
         self._num_cached: dict[str, int] = {}  # prompt tokens the cache spared, until reported
 
@@ -85,11 +93,13 @@ class PrefillWorker(WorkerLoop):
                 self._cancel(message.request_id, message.reason)
             case wire.KvAck():
                 self._on_ack(message)
+            case wire.PrefillGrant():
+                self._on_grant(message)
             case _:
                 self.log.warning("dropped unexpected message", type=type(message).__name__)
 
     def _accept_job(self, job: wire.PrefillJob) -> None:
-        if job.request_id in self.jobs or job.request_id in self.transfers:
+        if job.request_id in self.held_request_ids():
             self._cancel(job.request_id, "dispatched again")  # the new attempt replaces the old
         try:
             params = sampling_params(job.sampling)
@@ -114,10 +124,12 @@ class PrefillWorker(WorkerLoop):
         self.jobs[job.request_id] = RunningJob(job, started_at)
 
     def _cancel(self, request_id: str, reason: str) -> None:
-        self.engine.abort(request_id)
+        self.engine.abort(request_id)  # its retained KV too, if it was waiting for a grant
         self._num_cached.pop(request_id, None)
         self.jobs.pop(request_id, None)
         self.transfers.pop(request_id, None)
+        self.grants.pop(request_id, None)
+        self.awaiting_grant.pop(request_id, None)
         self.log.info("prefill cancelled", request_id=request_id, reason=reason)
 
     # -- the step -----------------------------------------------------------------------------
@@ -152,7 +164,12 @@ class PrefillWorker(WorkerLoop):
             self.engine.release(job.request_id)
             self._report(job, reason, num_generated)
             delta = token_delta(output, reason)
+        elif job.await_grant and job.request_id not in self.grants:
+            self.awaiting_grant[job.request_id] = (job, output)  # the KV waits for its grant
+            delta = token_delta(output)
         else:
+            if job.await_grant:
+                job = dataclasses.replace(job, num_skip_blocks=self.grants.pop(job.request_id))
             self._send_kv(job, output)
             delta = token_delta(output)
         return dataclasses.replace(delta, num_cached_tokens=num_cached)
@@ -202,6 +219,17 @@ class PrefillWorker(WorkerLoop):
             self._decode_sockets[address] = sock
         return sock
 
+    def _on_grant(self, grant: wire.PrefillGrant) -> None:
+        """The decode worker's room is confirmed: the KV goes now, or when the prefill ends."""
+        parked = self.awaiting_grant.pop(grant.request_id, None)
+        if parked is not None:
+            job, output = parked
+            self._send_kv(dataclasses.replace(job, num_skip_blocks=grant.num_skip_blocks), output)
+        elif grant.request_id in self.jobs:
+            self.grants[grant.request_id] = grant.num_skip_blocks
+        else:  # cancelled meanwhile, or finished at its first token
+            self.log.debug("grant for a job not held", request_id=grant.request_id)
+
     def _on_ack(self, ack: wire.KvAck) -> None:
         transfer = self.transfers.pop(ack.request_id, None)
         if transfer is None:
@@ -214,7 +242,7 @@ class PrefillWorker(WorkerLoop):
             self._report(transfer.job, "error", transfer.num_output_tokens)
 
     def held_request_ids(self) -> list[str]:
-        return [*self.jobs, *self.transfers]
+        return [*self.jobs, *self.awaiting_grant, *self.transfers]
 
     def _on_timers(self, now: float) -> None:
         """A transfer never acknowledged in time is abandoned: the scheduler re-routes it."""

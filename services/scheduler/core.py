@@ -6,6 +6,15 @@ A request moves through phases:
        ▲                         │                              │
        └──── refused, timed out, or a worker left ◀─────────────┘
 
+Speculative prefill: a decode worker answers a reservation between its steps, so behind a big
+batch the first token would wait for a step it has nothing to do with. When the decode worker is
+busy, holds none of the prompt (so its answer can change nothing of the job) and has room to
+spare, the prefill job goes out with the reservation (`await_grant`): the prefill runs and its
+first token streams at once, and the KV waits at the prefill worker for a PREFILL_GRANT that
+follows the reservation's confirmation. From then on its first token may have reached the
+client, so a refusal, a timeout or a lost worker hands it back to its gateway to resume (as
+after PREFILLING), never to the queue, which would send the first token twice.
+
 Admission bounds the queue by requests and by prompt tokens (past either, 429 with Retry-After) and
 refuses a prompt no decode worker could ever hold (400). The queue is ordered by the fair-share
 policy (`fair_share.py`; FCFS as a switch). Requests stay in the scheduler's queue until a prefill
@@ -69,6 +78,7 @@ class SchedulerLimits:
     # Conditional disaggregation: a decode worker holding all but at most this many of a
     # prompt's tokens prefills them itself, and no KV crosses the wire (0: never).
     local_prefill_max_tokens: int = 256
+    speculative_prefill: bool = True  # a busy decode worker's reservation off the TTFT path
 
 
 @dataclass
@@ -84,6 +94,12 @@ class TrackedRequest:
     arrival: float = 0.0  # the scheduler's clock when it was first queued
     num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
     index: int = 0  # its place among the requests admitted: the order a tick handles them in
+    speculative: bool = False  # its prefill job went out with the reservation (await_grant)
+
+    @property
+    def prefill_began(self) -> bool:
+        """A prefill worker holds it, and its first token may have reached the client."""
+        return self.phase >= Phase.PREFILLING or self.speculative
 
     @property
     def request_id(self) -> str:
@@ -114,6 +130,7 @@ class Dispatched:
     queue_s: float
     prefill_peer_id: str
     decode_peer_id: str
+    speculative: bool = False  # the prefill job went with the reservation
 
 
 @dataclass
@@ -248,7 +265,9 @@ class ClusterScheduler:
                 continue
             if now <= request.phase_deadline:
                 continue
-            if request.phase == Phase.RESERVING:
+            if request.phase == Phase.RESERVING and request.speculative:
+                out += self._lose(request, "the decode worker's reservation timed out")
+            elif request.phase == Phase.RESERVING:
                 out += self._requeue(request, cancel_reason="timed out")
             elif request.phase == Phase.PREFILLING:
                 out += self._lose(request, "the prefill and its KV transfer timed out")
@@ -348,12 +367,22 @@ class ClusterScheduler:
             return []
         if not reply.ok:
             self.registry.report_free_blocks(worker, reply.num_free_blocks, heartbeat=False)
+            if request.speculative:
+                lost = self._lose(request, f"{worker.peer_id} had no room after all")
+                return lost + self.dispatch(now)
             return self._requeue(request, cancel_reason=None) + self.dispatch(now)
         prefill = self.registry.get(request.prefill_peer_id) if request.prefill_peer_id else None
         if prefill is None or not prefill.making_progress(now, self.limits.progress_timeout_s):
+            if request.speculative:
+                return self._lose(request, "its prefill worker stopped making progress")
             return self._requeue(request, cancel_reason="no prefill worker")
         request.phase = Phase.PREFILLING
         self._set_deadline(request, now + self.limits.prefill_timeout_s)
+        if request.speculative:  # the job is running: let its KV go
+            grant = wire.PrefillGrant(
+                request_id=request.request_id, num_skip_blocks=reply.num_cached_blocks
+            )
+            return [Outgoing(prefill.identity, grant)]
         submit = request.submit
         held = self.registry.window(prefill).held_tokens - request.num_prefill_tokens
         if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker, prefill, held):
@@ -361,21 +390,33 @@ class ClusterScheduler:
             self.registry.release(prefill, request.request_id)
             request.prefill_peer_id = worker.peer_id
             prefill = worker
+        job = self._prefill_job(request, prefill, worker, reply.num_cached_blocks)
+        return [Outgoing(prefill.identity, job)]
+
+    def _prefill_job(
+        self,
+        request: TrackedRequest,
+        prefill: WorkerState,
+        decode: WorkerState,
+        num_skip_blocks: int,
+        await_grant: bool = False,
+    ) -> wire.PrefillJob:
+        submit = request.submit
         request.num_predicted_cached_tokens = self.placement.cached_on(prefill.peer_id, submit)
-        job = wire.PrefillJob(
+        return wire.PrefillJob(
             request_id=submit.request_id,
             prompt_token_ids=submit.prompt_token_ids,
             sampling=submit.sampling,
             gateway_address=self.gateways[request.gateway_peer_id].address,
-            decode_peer_id=worker.peer_id,
-            decode_address=worker.address,
+            decode_peer_id=decode.peer_id,
+            decode_address=decode.address,
             output_token_ids=submit.output_token_ids,
             priority=submit.priority,
             cache_salt=submit.tenant,
-            num_skip_blocks=reply.num_cached_blocks,
+            num_skip_blocks=num_skip_blocks,
             bulk=submit.bulk,
+            await_grant=await_grant,
         )
-        return [Outgoing(prefill.identity, job)]
 
     def on_request_done(self, done: wire.RequestDone, now: float) -> list[Outgoing]:
         request = self.requests.get(done.request_id)
@@ -384,7 +425,11 @@ class ClusterScheduler:
         if done.num_output_tokens > 0:
             self.queue.charge(request.party, num_output_tokens=done.num_output_tokens)
         if done.phase == "prefill":
-            if request.phase != Phase.PREFILLING or request.prefill_peer_id != done.peer_id:
+            # A speculative job may finish at its first token before its reservation is done.
+            prefilling = request.phase == Phase.PREFILLING or (
+                request.phase == Phase.RESERVING and request.speculative
+            )
+            if not prefilling or request.prefill_peer_id != done.peer_id:
                 return []  # a report from an attempt the scheduler already gave up on
             prefill = self.registry.get(done.peer_id)
             if prefill is not None and done.peer_id != request.decode_peer_id:
@@ -431,7 +476,7 @@ class ClusterScheduler:
                 lambda w: self.registry.window(w).held_tokens,
                 lambda w: self.registry.window(w).small_room,
             )
-            out.append(self._reserve(request, prefill, now))
+            out += self._reserve(request, prefill, now)
         return out
 
     def _holders(self, submit: wire.Submit) -> tuple[list[int], set[str]]:
@@ -462,7 +507,7 @@ class ClusterScheduler:
         bulk = [(0, max_tokens)] if takes_bulk else []
         return LengthRanges(tuple(interactive), tuple(bulk))
 
-    def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:
+    def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> list[Outgoing]:
         num_prompt_tokens = request.num_prefill_tokens
         self.num_queued_tokens -= num_prompt_tokens
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
@@ -478,9 +523,6 @@ class ClusterScheduler:
         request.num_blocks = decode.blocks_for(num_tokens)
         self._set_deadline(request, now + self.limits.reserve_timeout_s)
         self.registry.promise(decode, request.num_blocks)
-        self.dispatched.append(
-            Dispatched(request.request_id, now - request.arrival, prefill.peer_id, decode.peer_id)
-        )
         self.registry.assign(decode, request.request_id, num_prompt_tokens)
         self.registry.assign(prefill, request.request_id, num_prompt_tokens)
         submit = request.submit
@@ -491,7 +533,33 @@ class ClusterScheduler:
             token_ids=list(submit.prompt_token_ids) + list(submit.output_token_ids),
             cache_salt=submit.tenant,
         )
-        return Outgoing(decode.identity, reserve)
+        out = [Outgoing(decode.identity, reserve)]
+        if self._speculates(request, decode):
+            request.speculative = True
+            job = self._prefill_job(request, prefill, decode, 0, await_grant=True)
+            out.append(Outgoing(prefill.identity, job))
+        self.dispatched.append(
+            Dispatched(
+                request.request_id,
+                now - request.arrival,
+                prefill.peer_id,
+                decode.peer_id,
+                request.speculative,
+            )  # fmt: skip
+        )
+        return out
+
+    def _speculates(self, request: TrackedRequest, decode: WorkerState) -> bool:
+        """Whether the prefill goes out with the reservation: the decode worker is in the middle
+        of a batch (its answer would wait for a step), holds none of the prompt as far as the
+        index knows (its answer changes nothing of the job: no blocks to skip, no local
+        prefill), and has room for the request twice over (a refusal costs a resumed attempt)."""
+        return (
+            self.limits.speculative_prefill
+            and decode.num_running > 0
+            and decode.num_available_blocks >= request.num_blocks  # after this one's promise
+            and self.placement.cached_on(decode.peer_id, request.submit) == 0
+        )
 
     def _enqueue(self, request: TrackedRequest) -> None:
         submit = request.submit
@@ -520,7 +588,7 @@ class ClusterScheduler:
     def _cancel_on_workers(self, request: TrackedRequest, reason: str) -> list[Outgoing]:
         out = []
         # A prefill worker chosen for a request still reserving has heard nothing of it yet.
-        prefill_holds_state = request.phase >= Phase.PREFILLING
+        prefill_holds_state = request.prefill_began
         for peer_id, holds_state in (
             (request.prefill_peer_id, prefill_holds_state),
             (request.decode_peer_id, True),
@@ -579,7 +647,7 @@ class ClusterScheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.phase >= Phase.PREFILLING:
+            if request.prefill_began:
                 # If it is alive after all (a long stall), it must stop working for nobody.
                 out += self._lose(request, f"worker {worker.peer_id} stopped responding")
                 out.append(

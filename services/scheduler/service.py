@@ -70,6 +70,11 @@ class SchedulerConfig(CurveSettings):
         "a decode worker holding all of a prompt but at most this many tokens prefills them "
         "itself (no KV handoff); 0: never",
     )
+    speculative_prefill: bool = setting(
+        True,
+        "send the prefill job with a busy decode worker's reservation, not after its answer "
+        "(the first token does not wait for the decode worker's step)",
+    )
     route_queued_weight: float = setting(
         1.0, "prefill choice: weight of the prompt work a worker already holds"
     )
@@ -154,6 +159,7 @@ class SchedulerConfig(CurveSettings):
             fair_share=self.fair_share(),
             routing=self.routing(),
             local_prefill_max_tokens=self.local_prefill_max_tokens,
+            speculative_prefill=self.speculative_prefill,
         )
 
 
@@ -307,7 +313,9 @@ class SchedulerService:
 
     def _send(self, outgoing: list[Outgoing]) -> None:
         for d in self.core.take_dispatched():
-            self.events.dispatched(d.request_id, d.queue_s, d.prefill_peer_id, d.decode_peer_id)
+            self.events.dispatched(
+                d.request_id, d.queue_s, d.prefill_peer_id, d.decode_peer_id, d.speculative
+            )
         for item in outgoing:
             try:
                 wire.send_to(self.socket, item.identity, item.message)

@@ -83,6 +83,36 @@ def test_a_bulk_job_hands_its_class_on_with_the_kv(setup):
     assert scheduler.expect(wire.RequestDone).request_id == "line"
 
 
+def test_a_speculative_jobs_first_token_streams_and_its_kv_waits_for_the_grant(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    scheduler.send(dataclasses.replace(job(tmp_path, "spec", ignore_eos=True), await_grant=True))
+    assert gateway.poll(10_000)
+    assert wire.recv(gateway).deltas[0].request_id == "spec"  # the first token, at once
+    assert not decode.poll(500)  # no KV before the reservation is confirmed
+    scheduler.send(wire.PrefillGrant(request_id="spec", num_skip_blocks=1))
+    assert decode.poll(10_000)
+    identity, transfer = wire.recv_from(decode)
+    assert transfer.first_block == 1 and transfer.num_tokens == len(PROMPT)  # block 0 skipped
+    wire.send_to(decode, identity, wire.KvAck(request_id="spec", ok=True, error=None))
+    assert scheduler.expect(wire.RequestDone).finish_reason is None
+
+
+def test_a_cancelled_speculative_job_frees_its_kv_and_a_late_grant_sends_nothing(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    free_before = scheduler.expect(wire.Heartbeat).num_free_blocks
+    scheduler.send(dataclasses.replace(job(tmp_path, "gone", ignore_eos=True), await_grant=True))
+    assert gateway.poll(10_000)
+    wire.recv(gateway)
+    scheduler.send(wire.Cancel(request_id="gone", reason="lost"))
+    scheduler.send(wire.PrefillGrant(request_id="gone", num_skip_blocks=0))
+    assert not decode.poll(1_000)
+
+    def idle(beat: wire.Heartbeat) -> bool:
+        return "gone" not in beat.request_ids and beat.num_free_blocks == free_before
+
+    assert scheduler.expect(wire.Heartbeat, timeout_s=10, where=idle)
+
+
 def test_unacknowledged_transfer_is_abandoned_and_reported(setup):
     scheduler, gateway, decode, tmp_path = setup
     scheduler.send(job(tmp_path, "lost", ignore_eos=True))

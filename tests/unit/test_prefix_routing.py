@@ -238,7 +238,10 @@ def test_a_local_prefill_waits_for_a_step_and_a_half_of_a_busy_decode_worker():
 def test_a_busy_decode_worker_leaves_the_suffix_to_a_quicker_prefill_worker(
     step_s, prefill_held, local
 ):
-    core = ClusterScheduler(SchedulerLimits(local_prefill_max_tokens=20))
+    # Not speculative: the index knows nothing of the decode worker's cache, and the choice
+    # waits for its reply (speculation is for prompts it holds none of).
+    limits = SchedulerLimits(local_prefill_max_tokens=20, speculative_prefill=False)
+    core = ClusterScheduler(limits)
     core.on_hello(b"G", hello("g", "gateway"), 0.0)
     core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
     core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)

@@ -340,3 +340,85 @@ def test_a_sequence_handed_back_for_recompute_goes_to_its_gateway(core):
     (delta,) = lost_deltas(out)
     assert delta.finish_reason == "preempted" and "preempted on d" in delta.error
     assert "r" not in core.requests and not core.registry.get("d").request_ids
+
+
+# -- speculative prefill ---------------------------------------------------------------------
+
+
+def busy(core: ClusterScheduler, peer_id: str = "d", identity: bytes = b"D") -> None:
+    """The decode worker reports a running batch: its answers wait for a step."""
+    core.on_heartbeat(identity, dataclasses.replace(heartbeat(peer_id), num_running=3), 0.0)
+
+
+def test_a_busy_decode_workers_reservation_and_the_prefill_go_out_together(core):
+    busy(core)
+    out = core.on_submit(b"G", submit("r"), 0.0)
+    (reserve,) = sent(out, wire.Reserve)
+    (job,) = sent(out, wire.PrefillJob)
+    assert reserve.identity == b"D" and job.identity == b"P"
+    assert job.message.await_grant and job.message.num_skip_blocks == 0
+    assert core.requests["r"].phase == Phase.RESERVING and core.take_dispatched()[0].speculative
+    reply = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=1)
+    (grant,) = core.on_reserve_reply(reply, 0.0)
+    assert grant.identity == b"P" and grant.message == wire.PrefillGrant(
+        request_id="r", num_skip_blocks=1
+    )
+    assert core.requests["r"].phase == Phase.PREFILLING
+
+
+def test_an_idle_decode_worker_answers_first(core):
+    out = core.on_submit(b"G", submit("r"), 0.0)
+    assert sent(out, wire.Reserve) and not sent(out, wire.PrefillJob)
+    assert not core.take_dispatched()[0].speculative
+
+
+def test_speculation_is_off_when_asked():
+    core = ClusterScheduler(SchedulerLimits(speculative_prefill=False))
+    for identity, peer, role in ((b"G", "g", "gateway"), (b"P", "p", "prefill"),
+                                 (b"D", "d", "decode")):  # fmt: skip
+        core.on_hello(identity, hello(peer, role), 0.0)
+    busy(core)
+    assert not sent(core.on_submit(b"G", submit("r"), 0.0), wire.PrefillJob)
+
+
+def test_no_speculation_without_room_to_spare(core):
+    full = dataclasses.replace(heartbeat("d", free=3), num_running=3)  # 3 blocks; it needs 2
+    core.on_heartbeat(b"D", full, 0.0)
+    assert not sent(core.on_submit(b"G", submit("r"), 0.0), wire.PrefillJob)
+
+
+@pytest.mark.parametrize("how", ["refused", "timed out", "prefill worker lost"])
+def test_a_speculative_request_that_cannot_go_on_goes_back_to_its_gateway(core, how):
+    """Its first token may have reached the client: the gateway resumes it, the queue never
+    sees it again (which would send that token twice)."""
+    busy(core)
+    core.on_submit(b"G", submit("r"), 0.0)
+    if how == "refused":
+        reply = wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0)
+        out = core.on_reserve_reply(reply, 0.5)
+    elif how == "timed out":  # both workers alive, the reservation's answer lost
+        later = core.limits.reserve_timeout_s + 1
+        core.on_heartbeat(b"P", heartbeat("p"), later)
+        core.on_heartbeat(b"D", dataclasses.replace(heartbeat("d"), num_running=3), later)
+        out = core.tick(later)
+    else:
+        for t in (1.0, 2.0, 3.0, 4.0):  # the decode worker beats on, the prefill worker is silent
+            core.on_heartbeat(b"D", dataclasses.replace(heartbeat("d"), num_running=3), t)
+        out = core.tick(4.0)
+    (delta,) = lost_deltas(out)
+    assert delta.request_id == "r" and delta.finish_reason == "lost"
+    assert "r" not in core.requests and len(core.queue) == 0
+    cancelled = {o.identity for o in sent(out, wire.Cancel)}
+    assert b"P" in cancelled  # the prefill worker drops its parked KV
+    assert not core.registry.get("d").request_ids
+
+
+def test_a_speculative_request_done_at_its_first_token_frees_its_reservation(core):
+    busy(core)
+    core.on_submit(b"G", submit("r", max_tokens=1), 0.0)
+    done = wire.RequestDone(request_id="r", peer_id="p", phase="prefill", finish_reason="length",
+                            num_prompt_tokens=20, num_output_tokens=1)  # fmt: skip
+    out = core.on_request_done(done, 0.1)
+    assert b"D" in {o.identity for o in sent(out, wire.Cancel)} and "r" not in core.requests
+    late = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90)
+    assert core.on_reserve_reply(late, 0.2) == []  # the reservation's answer comes too late
