@@ -8,10 +8,10 @@ A request moves through phases:
 
 Speculative prefill: a decode worker answers a reservation between its steps, so behind a big
 batch the first token would wait for a step it has nothing to do with. When the decode worker is
-busy, holds none of the prompt (so its answer can change nothing of the job) and has room to
-spare, the prefill job goes out with the reservation (`await_grant`): the prefill runs and its
+busy, has room to spare, and would not prefill the prompt itself (by what the index says it
+holds), the prefill job goes out with the reservation (`await_grant`): the prefill runs and its
 first token streams at once, and the KV waits at the prefill worker for a PREFILL_GRANT that
-follows the reservation's confirmation. From then on its first token may have reached the
+follows the reservation's confirmation and carries the blocks the decode worker holds. From then on its first token may have reached the
 client, so a refusal, a timeout or a lost worker hands it back to its gateway to resume (as
 after PREFILLING), never to the queue, which would send the first token twice.
 
@@ -534,7 +534,7 @@ class ClusterScheduler:
             cache_salt=submit.tenant,
         )
         out = [Outgoing(decode.identity, reserve)]
-        if self._speculates(request, decode):
+        if self._speculates(request, prefill, decode):
             request.speculative = True
             job = self._prefill_job(request, prefill, decode, 0, await_grant=True)
             out.append(Outgoing(prefill.identity, job))
@@ -549,17 +549,24 @@ class ClusterScheduler:
         )
         return out
 
-    def _speculates(self, request: TrackedRequest, decode: WorkerState) -> bool:
+    def _speculates(
+        self, request: TrackedRequest, prefill: WorkerState, decode: WorkerState
+    ) -> bool:
         """Whether the prefill goes out with the reservation: the decode worker is in the middle
-        of a batch (its answer would wait for a step), holds none of the prompt as far as the
-        index knows (its answer changes nothing of the job: no blocks to skip, no local
-        prefill), and has room for the request twice over (a refusal costs a resumed attempt)."""
-        return (
+        of a batch (its answer would wait for a step), has room for the request twice over (a
+        refusal costs a resumed attempt), and would not prefill the prompt itself given what
+        the index says it holds (the answer's cached blocks reach the prefill worker with the
+        grant, so only that choice needs the answer first)."""
+        if not (
             self.limits.speculative_prefill
             and decode.num_running > 0
             and decode.num_available_blocks >= request.num_blocks  # after this one's promise
-            and self.placement.cached_on(decode.peer_id, request.submit) == 0
-        )
+        ):
+            return False
+        submit = request.submit
+        num_cached_blocks = self.placement.cached_on(decode.peer_id, submit) // decode.block_size
+        held = self.registry.window(prefill).held_tokens - request.num_prefill_tokens
+        return not self.placement.prefills_locally(submit, num_cached_blocks, decode, prefill, held)
 
     def _enqueue(self, request: TrackedRequest) -> None:
         submit = request.submit

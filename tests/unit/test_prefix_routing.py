@@ -274,3 +274,28 @@ def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():
     core.on_submit(b"G", dataclasses.replace(submit("s", prompt_len=80), tenant="u"), 0.0)
     served = {party.tenant: tokens for party, tokens in core.queue.served_tokens.items()}
     assert served == {"t": 80 - 64, "u": 80}
+
+
+@pytest.mark.parametrize("step_s,speculative", [(0.5, True), (0.001, False)])
+def test_a_busy_decode_worker_holding_the_prefix_gets_a_speculative_job_unless_local_wins(
+    step_s, speculative
+):
+    core = ClusterScheduler(SchedulerLimits(local_prefill_max_tokens=20))
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
+    core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
+    request = submit("r", prompt_len=70)
+    hashes = list(chain_hashes(root_hash(KEY, "t"), request.prompt_token_ids, 16))[:4]
+    beat = dataclasses.replace(heartbeat("d"), num_running=3, step_s=step_s, cache_events_seq=1,
+                               cache_full=True, cache_stored=hashes)  # fmt: skip
+    core.on_heartbeat(b"D", beat, 0.0)
+    out = core.on_submit(b"G", request, 0.0)
+    assert bool(sent(out, wire.PrefillJob)) == speculative
+    reply = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=4)
+    out = core.on_reserve_reply(reply, 0.0)
+    if speculative:  # the blocks it holds are skipped all the same, by the grant
+        (grant,) = sent(out, wire.PrefillGrant)
+        assert grant.identity == b"P" and grant.message.num_skip_blocks == 4
+    else:  # a quick step: the decode worker takes the 6-token suffix itself
+        (job,) = sent(out, wire.PrefillJob)
+        assert job.identity == b"D"
