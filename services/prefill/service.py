@@ -177,7 +177,10 @@ class PrefillWorker(WorkerLoop):
     def _send_kv(self, job: wire.PrefillJob, output: RequestOutput) -> None:
         seq = self.engine.retained(job.request_id)
         # The decode worker holds the leading blocks already (pinned when it reserved).
-        first_block = min(job.num_skip_blocks, seq.num_computed_tokens // self.config.block_size)
+        # (A negative count from a faulty peer skips nothing: the whole KV goes.)
+        first_block = min(
+            max(0, job.num_skip_blocks), seq.num_computed_tokens // self.config.block_size
+        )
         keys, values = self.engine.export_kv(job.request_id, first_block)
         generator = seq.generator.get_state() if seq.generator is not None else None
         self.engine.release(job.request_id)

@@ -11,9 +11,10 @@ batch the first token would wait for a step it has nothing to do with. When the 
 busy, has room to spare, and would not prefill the prompt itself (by what the index says it
 holds), the prefill job goes out with the reservation (`await_grant`): the prefill runs and its
 first token streams at once, and the KV waits at the prefill worker for a PREFILL_GRANT that
-follows the reservation's confirmation and carries the blocks the decode worker holds. From then on its first token may have reached the
-client, so a refusal, a timeout or a lost worker hands it back to its gateway to resume (as
-after PREFILLING), never to the queue, which would send the first token twice.
+follows the reservation's confirmation and carries the blocks the decode worker holds. From
+then on its first token may have reached the client, so a refusal, a timeout or a lost worker
+hands it back to its gateway to resume (as after PREFILLING), never to the queue, which would
+send the first token twice.
 
 Admission bounds the queue by requests and by prompt tokens (past either, 429 with Retry-After) and
 refuses a prompt no decode worker could ever hold (400). The queue is ordered by the fair-share

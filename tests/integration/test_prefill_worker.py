@@ -97,6 +97,19 @@ def test_a_speculative_jobs_first_token_streams_and_its_kv_waits_for_the_grant(s
     assert scheduler.expect(wire.RequestDone).finish_reason is None
 
 
+def test_a_grant_with_a_negative_block_count_sends_the_whole_kv(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    scheduler.send(dataclasses.replace(job(tmp_path, "odd", ignore_eos=True), await_grant=True))
+    assert gateway.poll(10_000)
+    wire.recv(gateway)
+    scheduler.send(wire.PrefillGrant(request_id="odd", num_skip_blocks=-3))
+    assert decode.poll(10_000)
+    identity, transfer = wire.recv_from(decode)
+    assert transfer.first_block == 0 and transfer.num_tokens == len(PROMPT)
+    wire.send_to(decode, identity, wire.KvAck(request_id="odd", ok=True, error=None))
+    assert scheduler.expect(wire.RequestDone).finish_reason is None
+
+
 def test_a_cancelled_speculative_job_frees_its_kv_and_a_late_grant_sends_nothing(setup):
     scheduler, gateway, decode, tmp_path = setup
     free_before = scheduler.expect(wire.Heartbeat).num_free_blocks

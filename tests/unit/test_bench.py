@@ -213,3 +213,14 @@ def test_comparison_table_has_a_column_per_run(tmp_path):
     path.write_text("{")
     with pytest.raises(BenchError, match="cannot read"):
         load_result(str(path))
+
+
+@pytest.mark.parametrize(
+    "argv", [["--num", "2"], ["--rounds", "0"], ["--rate", "0"], ["--rate", "x"]]
+)
+def test_grammar_ttft_refuses_wrong_arguments_before_starting_a_cluster(argv):
+    from loadtest import grammar_ttft
+
+    with pytest.raises(SystemExit) as exit_info:
+        grammar_ttft.main(argv)
+    assert exit_info.value.code == 2

@@ -76,6 +76,8 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (SchedulerConfig, ["--max-queue-time-s", "-1"], {}, "max_queue_time_s"),
         (SchedulerConfig, ["--route-queued-weight", "-1"], {}, "--route-queued-weight"),
         (SchedulerConfig, ["--local-prefill-max-tokens", "-1"], {}, "local_prefill_max_tokens"),
+        (SchedulerConfig, ["--speculative-prefill", "sometimes"], {}, "expected a boolean"),
+        (SchedulerConfig, [], {"TANDEM_SPECULATIVE_PREFILL": "2"}, "expected a boolean"),
         (SchedulerConfig, [], {"TANDEM_ROUTE_UNCACHED_WEIGHT": "x"}, "TANDEM_ROUTE_UNCACHED"),
         (GatewayConfig, ["--scheduler-address", "http://x"], {}, "scheduler_address"),
     ],
