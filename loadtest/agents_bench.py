@@ -13,7 +13,14 @@ off). Per turn it reports TTFT p50/p99, the prompt tokens sent against those com
 `kv_transfer_bytes_total`, before and after the turn), the turns prefilled on a decode worker,
 the hit rate, and the prompt tokens copied back from the host tier. A KV pool too small for all
 the agents' histories (`--kv-cache-bytes`, with `--max-num-seqs` keeping the running turns
-within it) is where the host tier shows. All traffic goes to 127.0.0.1.
+within it) is where the host tier shows. Given `--llama-server BIN --llama-gguf MODEL.gguf`, the
+same scenario then runs on llama.cpp's server (`--slots` slots, 16 by default; its hit rate from
+the same `cached_tokens`, which it reports). The verdict lines check the issue's targets: tokens
+computed at most a quarter of those sent, TTFT p50 of turns 2 and on at most a third of the
+cache-off run's, KV bytes per turn against the new tokens, and TTFT p50 and p99 of turns 2 and on
+below llama.cpp's. All traffic goes to 127.0.0.1.
+
+    .venv/bin/python -m loadtest.agents_bench --llama-server BIN --llama-gguf MODEL.gguf
 """
 
 from __future__ import annotations
@@ -24,15 +31,18 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtest.metrics import percentile
+from loadtest.race import llama_server
 from loadtest.served import environment, tandem_up
 from services.commands.top_data import parse_counters
 
 MODEL = "smollm2"
+LLAMA = "llama.cpp"
 KV_BYTES = "tandem:kv_transfer_bytes_total"
 LOCAL_PREFILLS = "tandem:local_prefills_total"
 HOST_HITS = "tandem:prefix_cache_host_hits_total"
@@ -71,6 +81,7 @@ class Turn:
 
     def summary(self) -> dict[str, Any]:
         return {
+            "ttfts_s": self.ttfts,
             "ttft_p50_s": percentile(self.ttfts, 50) if self.ttfts else None,
             "ttft_p99_s": percentile(self.ttfts, 99) if self.ttfts else None,
             "prompt_tokens_sent": self.num_sent,
@@ -135,7 +146,11 @@ async def one_turn(
 
 
 def counters(client: httpx.Client) -> dict[str, float]:
-    parsed = parse_counters(client.get("/metrics").text, (KV_BYTES, LOCAL_PREFILLS, HOST_HITS))
+    """tandem's cluster-wide counters; none where the server has no such metrics (llama.cpp)."""
+    response = client.get("/metrics")
+    if response.status_code != 200:
+        return {}
+    parsed = parse_counters(response.text, (KV_BYTES, LOCAL_PREFILLS, HOST_HITS))
     totals: dict[str, float] = {}
     for (name, _), value in parsed.items():
         totals[name] = totals.get(name, 0.0) + value
@@ -186,6 +201,53 @@ def run_one(mode: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return [turn.summary() for turn in turns]
 
 
+def run_llama(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with llama_server(args.llama_server, args.llama_gguf, args.slots, args.context_per_slot) as url:
+        turns = asyncio.run(run_agents(url, args))
+    return [turn.summary() for turn in turns]
+
+
+def later_turns_ttfts(rows: list[dict[str, Any]]) -> list[float]:
+    return [ttft for row in rows[1:] for ttft in row["ttfts_s"]]
+
+
+def verdicts(results: dict[str, Any]) -> list[str]:
+    """The issue's targets, each as a line that says the figures and whether it is met."""
+    lines = []
+    on = results.get("on")
+    if on is None:
+        return lines
+    sent = sum(row["prompt_tokens_sent"] for row in on)
+    computed = sum(row["prompt_tokens_computed"] for row in on)
+    share = computed / sent if sent else 1.0
+    lines.append(f"computed/sent (on): {share:.1%} (target <= 25%): {_met(share <= 0.25)}")
+    on_p50 = percentile(later_turns_ttfts(on), 50)
+    if "off" in results:
+        off_p50 = percentile(later_turns_ttfts(results["off"]), 50)
+        lines.append(
+            f"TTFT p50 turns>=2: on {on_p50:.2f} s, off {off_p50:.2f} s, ratio "
+            f"{on_p50 / off_p50:.2f} (target <= 0.33): {_met(on_p50 <= off_p50 / 3)}"
+        )
+    for row_index, row in enumerate(on[1:], start=2):
+        new = row["prompt_tokens_computed"]
+        per_token = row["kv_bytes"] / new if new else 0.0
+        lines.append(f"turn {row_index} KV bytes per computed token (on): {per_token:,.0f}")
+    if LLAMA in results:
+        on_p99 = percentile(later_turns_ttfts(on), 99)
+        llama = later_turns_ttfts(results[LLAMA])
+        llama_p50, llama_p99 = percentile(llama, 50), percentile(llama, 99)
+        lines.append(
+            f"TTFT turns>=2 p50/p99: tandem {on_p50:.2f}/{on_p99:.2f} s, llama.cpp "
+            f"{llama_p50:.2f}/{llama_p99:.2f} s (target: both below): "
+            f"{_met(on_p50 < llama_p50 and on_p99 < llama_p99)}"
+        )
+    return lines
+
+
+def _met(condition: bool) -> str:
+    return "met" if condition else "NOT met"
+
+
 def parse_modes(text: str) -> list[str]:
     modes = [mode.strip() for mode in text.split(",") if mode.strip()]
     unknown = [mode for mode in modes if mode not in MODES]
@@ -210,8 +272,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--kv-cache-bytes", type=int, help="per worker (default: tandem up's)")
     parser.add_argument("--max-num-seqs", type=int, help="per decode worker (default: up's)")
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server binary, run after tandem")
+    parser.add_argument("--llama-gguf", type=Path, help="the GGUF llama-server loads")
+    parser.add_argument("--slots", type=int, default=16, help="llama-server --parallel")
+    parser.add_argument("--context-per-slot", type=int, default=4096)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if bool(args.llama_server) != bool(args.llama_gguf):
+        parser.error("--llama-server and --llama-gguf go together")
+    if args.slots < 1 or args.context_per_slot < 64:
+        parser.error("--slots must be >= 1 and --context-per-slot >= 64")
     names = ("agents", "turns", "system_words", "reply_tokens", "prefill", "decode")
     for name in (*names, "heartbeat_timeout_s", "kv_cache_bytes", "max_num_seqs"):
         value = getattr(args, name)
@@ -225,19 +295,25 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"args": vars(args)}
     for mode in args.modes:
         results[mode] = run_one(mode, args)
-    print("turn    cache  TTFT p50  TTFT p99  sent  computed  hit   KV MiB  local  host  errors")
-    for mode in args.modes:
+    shown = list(args.modes)
+    if args.llama_server:
+        results[LLAMA] = run_llama(args)
+        shown.append(LLAMA)
+    print("turn      cache  TTFT p50  TTFT p99  sent  computed  hit   KV MiB  local  host  errors")
+    for mode in shown:
         for t, row in enumerate(results[mode]):
             p50, p99 = row["ttft_p50_s"] or float("nan"), row["ttft_p99_s"] or float("nan")
             print(
-                f"{t + 1:>4}  {mode:>7}  {p50:8.2f}  {p99:8.2f}  {row['prompt_tokens_sent']:>4}  "
+                f"{t + 1:>4}  {mode:>9}  {p50:8.2f}  {p99:8.2f}  {row['prompt_tokens_sent']:>4}  "
                 f"{row['prompt_tokens_computed']:>8}  {row['hit_rate']:4.0%}  "
                 f"{row['kv_bytes'] / 2**20:7.1f}  {row['local_prefills']:5.0f}  "
                 f"{row['host_hit_tokens']:4.0f}  {row['errors']:6d}"
             )
+    for line in verdicts(results):
+        print(line)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump(results, out, indent=2)
+            json.dump(results, out, indent=2, default=str)
     return 0
 
 

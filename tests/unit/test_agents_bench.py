@@ -2,7 +2,14 @@
 
 import pytest
 
-from loadtest.agents_bench import Turn, parse_args, system_prompt, up_arguments, user_message
+from loadtest.agents_bench import (
+    Turn,
+    parse_args,
+    system_prompt,
+    up_arguments,
+    user_message,
+    verdicts,
+)
 
 
 def test_the_system_prompt_is_shared_and_the_messages_differ():
@@ -37,9 +44,37 @@ def test_modes_and_a_small_pool_reach_the_cluster():
         ["--modes", "on,on"],
         ["--kv-cache-bytes", "0"],
         ["--max-num-seqs", "-2"],
+        ["--llama-server", "llama-server"],
+        ["--llama-gguf", "model.gguf"],
+        ["--slots", "0", "--llama-server", "b", "--llama-gguf", "m"],
     ],
 )
 def test_wrong_arguments_exit_naming_the_flag(argv, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def _rows(ttfts_per_turn, sent, computed, kv_bytes=0.0):
+    return [
+        Turn(
+            ttfts=list(ttfts), num_sent=sent, num_cached=sent - computed, kv_bytes=kv_bytes
+        ).summary()
+        for ttfts in ttfts_per_turn
+    ]
+
+
+def test_verdicts_judge_the_later_turns_against_each_target():
+    results = {
+        "on": _rows([[9.0], [1.0, 1.0], [1.0]], sent=1000, computed=200, kv_bytes=200 * 1024.0),
+        "off": _rows([[9.0], [4.0, 4.0], [4.0]], sent=1000, computed=1000),
+        "llama.cpp": _rows([[0.1], [2.0, 2.0], [2.0]], sent=1000, computed=300),
+    }
+    lines = verdicts(results)
+    assert "20.0% (target <= 25%): met" in lines[0]
+    assert "ratio 0.25 (target <= 0.33): met" in lines[1]  # turn 1 (9 s) left out
+    assert "turn 2 KV bytes per computed token (on): 1,024" in lines[2]
+    assert lines[-1].endswith("(target: both below): met")
+    results["llama.cpp"] = _rows([[5.0], [0.5], [0.5]], sent=1000, computed=300)
+    assert verdicts(results)[-1].endswith("NOT met")
+    assert verdicts({"off": results["off"]}) == []
