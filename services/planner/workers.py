@@ -106,12 +106,13 @@ class SimPrefillWorker:
             return
         ids = self._sharers()
         needs = [self.prompts[i].num_left for i in ids]
+        bulk = [self.prompts[i].job.bulk for i in ids]
         budget = self.budget
         if self.token_cap is not None:
-            budget = raise_cap_for_short_prompts(needs, self.token_cap, self.budget)
-        shares = shortest_first(needs, budget)
+            budget = raise_cap_for_short_prompts(needs, self.token_cap, self.budget, bulk=bulk)
+        shares = shortest_first(needs, budget, bulk=bulk)
         if self.token_cap is not None:
-            shares = lighten(needs, shares)
+            shares = lighten(needs, shares, bulk=bulk)
         duration = self.profile.prefill_time(sum(shares))
         self.stepping = True
         self.stats.busy_s += duration
@@ -124,7 +125,11 @@ class SimPrefillWorker:
         """The prompts in progress and as many new ones as the capped budget seats (as the
         engine's step scheduler: one per MIN_CHUNK tokens, at least one)."""
         started = [i for i, p in self.prompts.items() if p.num_left < p.num_tokens]
-        waiting = [i for i, p in self.prompts.items() if p.num_left == p.num_tokens]
+        # Interactive prompts ahead of unstarted bulk ones, as the engine's queue keeps them.
+        waiting = sorted(
+            (i for i, p in self.prompts.items() if p.num_left == p.num_tokens),
+            key=lambda i: self.prompts[i].job.bulk,
+        )
         budget = self.budget if self.token_cap is None else min(self.budget, self.token_cap)
         num_newcomers = max(1, budget // MIN_CHUNK - len(started))
         return started + waiting[:num_newcomers]

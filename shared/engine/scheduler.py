@@ -23,7 +23,9 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    arrives mid-step waits at most about the target; the cap is raised to finish the short
    prompts in the step (`raise_cap_for_short_prompts`). And a step that brings prompts to their
    first token carries little else: the prompts it does not finish get only their floor, so the
-   finishing ones' first tokens are not held up by a long prompt's big chunk (`lighten`).
+   finishing ones' first tokens are not held up by a long prompt's big chunk (`lighten`). Bulk
+   prompts (batch jobs' lines) never raise the cap, take the budget after interactive ones, and
+   get nothing in a step that brings an interactive prompt to its first token.
 4. Swapped sequences come back first, most urgent first, when blocks are free for their KV plus
    one growth block per running sequence (so a sequence swapped in is not swapped straight out
    again); the engine copies their KV back before the step runs. No waiting sequence is admitted
@@ -52,29 +54,44 @@ MIN_CHUNK = 64  # prompt tokens of budget per sharer: how many prompts share one
 PROGRESS_FLOOR = 16  # prompt tokens every sharer gets per step, budget allowing
 
 
-def shortest_first(needs: Seq[int], budget: int, floor: int = PROGRESS_FLOOR) -> list[int]:
+def shortest_first(
+    needs: Seq[int], budget: int, floor: int = PROGRESS_FLOOR, bulk: Seq[bool] = ()
+) -> list[int]:
     """Shares of `budget` for `needs`: first up to `floor` each (the earliest first, while the
     budget lasts), so every prompt advances; then the rest to the smallest needs first, so the
     prompts closest to their first token get it soonest (shortest remaining work first: the
-    least mean time to first token). Nothing needed is left over."""
+    least mean time to first token), interactive ones (`bulk` False or not given) before bulk
+    ones, whose first token nobody waits on. Nothing needed is left over."""
+    is_bulk = _flags(bulk, len(needs))
     shares = [0] * len(needs)
     left = budget
     for i, need in enumerate(needs):
         shares[i] = min(need, floor, left)
         left -= shares[i]
-    for i in sorted(range(len(needs)), key=lambda i: (needs[i], i)):
+    for i in sorted(range(len(needs)), key=lambda i: (is_bulk[i], needs[i], i)):
         extra = min(needs[i] - shares[i], left)
         shares[i] += extra
         left -= extra
     return shares
 
 
-def lighten(needs: Seq[int], shares: Seq[int], floor: int = PROGRESS_FLOOR) -> list[int]:
+def lighten(
+    needs: Seq[int], shares: Seq[int], floor: int = PROGRESS_FLOOR, bulk: Seq[bool] = ()
+) -> list[int]:
     """Shares for a step that is quick whenever it completes a prompt: if some share finishes
     its need and another does not, the unfinished ones keep only their floor. The finishing
     prompts' first tokens then wait for their own tokens, not for a long prompt's chunk; the
-    long prompt still advances, and takes its big chunks in the steps between."""
+    long prompt still advances, and takes its big chunks in the steps between. When an
+    interactive prompt finishes, bulk prompts (`bulk` True) get nothing in the step, finishing
+    or not: a user's first token does not wait for a batch job's tokens (on a CPU where a token
+    of prompt costs several milliseconds, a floor of 16 per bulk line doubled it)."""
+    is_bulk = _flags(bulk, len(needs))
     finishing = [share == need for share, need in zip(shares, needs, strict=True)]
+    if any(done and not b for done, b in zip(finishing, is_bulk, strict=True)):
+        return [
+            0 if b else share if done else min(share, floor)
+            for share, done, b in zip(shares, finishing, is_bulk, strict=True)
+        ]
     if all(finishing) or not any(finishing):
         return list(shares)
     return [
@@ -83,17 +100,25 @@ def lighten(needs: Seq[int], shares: Seq[int], floor: int = PROGRESS_FLOOR) -> l
 
 
 def raise_cap_for_short_prompts(
-    needs: Seq[int], cap: int, budget: int, floor: int = PROGRESS_FLOOR
+    needs: Seq[int], cap: int, budget: int, floor: int = PROGRESS_FLOOR, bulk: Seq[bool] = ()
 ) -> int:
     """The prompt budget of a step under a time cap: the cap, raised (never past `budget`) to
-    finish every short prompt among `needs` (one needing no more than the cap) beside the long
-    ones' floors. The cap exists so a short prompt never waits long behind a long prompt's chunk;
-    splitting short prompts themselves across steps would only cost throughput (measured: a
-    bursty mixed workload lost ~9% at a 0.2 s target without this), and a prompt that arrives
-    behind such a step waits behind equals."""
-    short = sum(need for need in needs if need <= cap)
-    long_floors = floor * sum(1 for need in needs if need > cap)
-    return min(budget, max(cap, short + long_floors))
+    finish every short interactive prompt among `needs` (one needing no more than the cap)
+    beside the others' floors. The cap exists so a short prompt never waits long behind a long
+    prompt's chunk; splitting short prompts themselves across steps would only cost throughput
+    (measured: a bursty mixed workload lost ~9% at a 0.2 s target without this), and a prompt
+    that arrives behind such a step waits behind equals. Bulk prompts never raise it: an
+    interactive prompt arriving behind a step of batch lines waits at most about the cap."""
+    is_bulk = _flags(bulk, len(needs))
+    short = [need <= cap and not b for need, b in zip(needs, is_bulk, strict=True)]
+    raised = sum(need for need, s in zip(needs, short, strict=True) if s)
+    floors = floor * short.count(False)
+    return min(budget, max(cap, raised + floors))
+
+
+def _flags(bulk: Seq[bool], count: int) -> list[bool]:
+    """Per-prompt bulk flags; none given: all interactive."""
+    return list(bulk) if bulk else [False] * count
 
 
 def _urgency(seq: Sequence) -> tuple[bool, int, float]:
@@ -190,11 +215,12 @@ class StepScheduler:
             attach_cached_prefix(seq, self.block_manager, self._spare_blocks())
         sharers = in_prompt + newcomers
         needs = [seq.num_uncomputed_tokens for seq in sharers]
+        bulk = [seq.bulk for seq in sharers]
         if cap is not None:
-            prompt_budget = raise_cap_for_short_prompts(needs, cap, full_budget)
-        shares = shortest_first(needs, prompt_budget)
+            prompt_budget = raise_cap_for_short_prompts(needs, cap, full_budget, bulk=bulk)
+        shares = shortest_first(needs, prompt_budget, bulk=bulk)
         if cap is not None:
-            shares = lighten(needs, shares)
+            shares = lighten(needs, shares, bulk=bulk)
         share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
         scheduled = plan.chunks
         num_preemptions = self.num_preemptions

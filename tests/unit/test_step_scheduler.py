@@ -230,3 +230,51 @@ def test_a_bulk_line_is_preempted_before_any_interactive_sequence():
     # Its priority and arrival would keep the bulk line; its class makes it the first victim.
     assert [s.request_id for s, _ in plan.swap_out] == ["bulk", "new"]
     assert [c.sequence.request_id for c in plan.chunks] == ["old"]
+
+
+def test_bulk_prompts_never_raise_the_cap_and_take_the_budget_after_interactive_ones():
+    cap = dict(cap=128, budget=512, floor=16)
+    assert raise_cap_for_short_prompts([100, 90, 80], **cap, bulk=[True] * 3) == 128
+    assert raise_cap_for_short_prompts([120, 90], **cap, bulk=[False, True]) == 136
+    # Interactive before bulk in what is left after the floors, whatever the sizes.
+    assert shortest_first([100, 20], 64, floor=16, bulk=[False, True]) == [48, 16]
+    assert shortest_first([100, 20], 64, floor=16) == [44, 20]
+
+
+def test_an_interactive_first_token_step_leaves_out_bulk_prompts_even_finishing_ones():
+    assert lighten([30, 20, 500], [30, 20, 200], floor=16, bulk=[False, True, True]) == [30, 0, 0]
+    assert lighten([30, 900], [30, 200], floor=16, bulk=[False, False]) == [30, 16]
+    # With no interactive prompt finishing, bulk prompts are lightened as any others.
+    assert lighten([30, 20, 500], [30, 20, 200], floor=16, bulk=[True, True, False]) == [30, 20, 16]
+    assert lighten([20, 40], [20, 40], floor=16, bulk=[True, True]) == [20, 40]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 2000), st.booleans()), max_size=30), st.integers(64, 2048))
+def test_a_step_of_bulk_prompts_stays_within_the_cap(prompts, cap):
+    needs = [need for need, _ in prompts]
+    bulk = [b for _, b in prompts]
+    budget = raise_cap_for_short_prompts(needs, cap, 4096, floor=16, bulk=bulk)
+    shares = lighten(needs, shortest_first(needs, budget, floor=16, bulk=bulk), 16, bulk)
+    interactive = sum(s for s, b in zip(shares, bulk, strict=True) if not b)
+    bulk_tokens = sum(s for s, b in zip(shares, bulk, strict=True) if b)
+    # Bulk work in a step is bounded by the cap or by its floors, whatever interactive takes,
+    # and is none at all in a step that brings an interactive prompt to its first token.
+    assert bulk_tokens <= max(cap - min(interactive, cap), 16 * bulk.count(True))
+    if any(s == n and not b for s, n, b in zip(shares, needs, bulk, strict=True)):
+        assert bulk_tokens == 0
+    assert all(0 <= s <= n for s, n in zip(shares, needs, strict=True))
+
+
+def test_an_interactive_prompt_arriving_among_bulk_lines_finishes_in_a_light_step():
+    scheduler = make_scheduler()
+    scheduler.prompt_token_cap = 64
+    for i in range(8):
+        scheduler.add(bulk_seq(f"bulk{i}", 30))
+    first = run_step(scheduler)
+    assert sum(first.values()) <= 64  # the bulk lines do not raise the cap
+    scheduler.add(seq("chat", 40))
+    step = run_step(scheduler)
+    assert step["chat"] == 40
+    assert all(n == 1 for name, n in step.items() if name != "chat")  # decodes only
+    assert sum(run_step(scheduler).values()) > 1  # then the bulk prompts go on
