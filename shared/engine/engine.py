@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -360,14 +361,37 @@ class LLMEngine:
         self._swap(plan)
         if not plan.chunks:
             return []
-        with Stopwatch() as watch:
-            logits = self._run(plan.chunks)
+        # Grammar masks of the rows this step samples whose matchers are built fill on their
+        # own thread while the forward runs (a matcher changes only when a token is accepted,
+        # after sampling; whatever happens, no fill is left running past the step).
+        self.sampler.fill_masks_ahead(
+            self._built_matchers(plan.chunks), self.model.config.vocab_size
+        )
+        try:
+            with Stopwatch() as watch:
+                logits = self._run(plan.chunks)
+            self._record_prefill_rate(plan.chunks, watch.seconds)
+            return self._postprocess(plan.chunks, logits)
+        finally:
+            self.sampler.settle_masks()
+
+    def _record_prefill_rate(self, chunks: list[ScheduledChunk], seconds: float) -> None:
         # Prompt chunks are longer than one token; a step with enough of them samples the rate
         # (its decode tokens ride along and are counted in the time, not the tokens).
-        num_prompt_tokens = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        num_prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         if num_prompt_tokens >= MIN_MEASURED_PREFILL_TOKENS:
-            self.preemption.record_prefill(num_prompt_tokens, watch.seconds)
-        return self._postprocess(plan.chunks, logits)
+            self.preemption.record_prefill(num_prompt_tokens, seconds)
+
+    def _built_matchers(self, chunks: list[ScheduledChunk]) -> list[Any]:
+        """The grammar matchers, already built, of the sequences this step will sample (those
+        whose last token runs in it)."""
+        return [
+            c.sequence.grammar.matcher
+            for c in chunks
+            if c.sequence.grammar is not None
+            and c.sequence.grammar.matcher is not None
+            and c.sequence.num_computed_tokens + c.num_tokens == c.sequence.num_tokens
+        ]
 
     def prompt_token_cap(self) -> int | None:
         """Prompt tokens that fit the step time target at the measured prefill rate."""

@@ -12,9 +12,10 @@ Three pieces, each small:
   by replaying the tokens the sequence already generated: those of a prefill job resumed from a
   client's tokens, those carried by a KV handoff, those kept across preemption. The matcher is
   thus rebuilt from tokens wherever the sequence lands and its state never travels.
-- `apply_grammar_masks` fills the token bitmasks of every constrained row of a batch in one
-  call (xgrammar's batch matcher) and applies them to the logits in place; rows without a
-  constraint are not touched, and a batch without any constrained row costs one list scan.
+- `MaskBuffer` fills the token bitmasks of every constrained row of a batch in one call
+  (xgrammar's batch matcher), for the rows whose matcher is built on a thread while the forward
+  pass runs, and applies them to the logits in place; rows without a constraint are not
+  touched, and a batch without any constrained row costs one list scan.
 
 Termination: EOS is allowed only where the grammar accepts the output as complete (the
 matcher's stop tokens are the model's EOS ids). A sequence cut by max_tokens mid-structure
@@ -170,25 +171,70 @@ class GrammarState:
 
 
 class MaskBuffer:
-    """A reused token bitmask, grown to the largest batch seen."""
+    """A reused token bitmask, grown to the largest batch seen, and the masks filled ahead.
+
+    `fill_ahead` starts filling the masks of the matchers a step will sample (those built
+    already) on a thread of its own, before the forward pass: xgrammar's fill releases the GIL,
+    so it runs on another core while the model runs (issue 16: mask filling competes with the
+    model on a CPU). `apply` then takes those rows and fills only the rest (a matcher built
+    after the forward, at a prompt's first token). No matcher may change between the two: the
+    engine accepts tokens only after sampling, and `settle` waits for a fill nobody used."""
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._ahead_bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._ahead_batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._ahead: tuple[dict[int, int], Future] | None = None  # matcher id -> row, the fill
+
+    def fill_ahead(self, matchers: Sequence[Any]) -> None:
+        """Starts filling the masks of `matchers` (built, about to be sampled) on the mask
+        thread; `apply` uses them."""
+        self.settle()
+        if not matchers:
+            return
+        if self._ahead_bitmask.shape[0] < len(matchers):
+            self._ahead_bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        bitmask = self._ahead_bitmask[: len(matchers)]
+        future = self._ahead_thread.submit(
+            self._ahead_batch.batch_fill_next_token_bitmask, list(matchers), bitmask
+        )
+        self._ahead = ({id(matcher): row for row, matcher in enumerate(matchers)}, future)
+
+    def settle(self) -> dict[int, int]:
+        """Waits for the fill ahead, if any, and hands over its rows (matcher id -> row of the
+        ahead bitmask); none are kept for later."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return {}
+        rows, future = ahead
+        future.result()
+        return rows
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
         """Masks in place the rows of `logits` [rows, vocab] whose matcher is given: tokens the
-        grammar forbids go to -inf. One fill call for all of them."""
+        grammar forbids go to -inf. The rows filled ahead are copied, the others filled in one
+        call."""
+        ahead_rows = self.settle()
         rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
         if not rows:
             return
         if self._bitmask.shape[0] < len(matchers):
             self._bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         bitmask = self._bitmask[: len(matchers)]
-        self._batch.batch_fill_next_token_bitmask(
-            [matchers[i] for i in rows], bitmask, indices=rows
-        )
+        late = []
+        for i in rows:
+            ahead = ahead_rows.get(id(matchers[i]))
+            if ahead is None:
+                late.append(i)
+            else:
+                bitmask[i] = self._ahead_bitmask[ahead]
+        if late:
+            self._batch.batch_fill_next_token_bitmask(
+                [matchers[i] for i in late], bitmask, indices=late
+            )
         xgr.apply_token_bitmask_inplace(
             logits, bitmask.to(logits.device), indices=rows, vocab_size=logits.shape[-1]
         )

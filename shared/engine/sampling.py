@@ -270,16 +270,32 @@ class Sampler:
             token_ids = _sample(work, rows)
         return _with_logprobs(logits, rows, token_ids)
 
+    def fill_masks_ahead(self, matchers: Sequence[Any], vocab_size: int) -> None:
+        """Starts filling the grammar masks of these built matchers, to overlap the forward
+        pass; the next call takes them. None given: nothing to start (and no xgrammar load)."""
+        if matchers:
+            self._mask_buffer(vocab_size).fill_ahead(matchers)
+
+    def settle_masks(self) -> None:
+        """Waits for a fill ahead that no call took (a step that sampled no constrained row)."""
+        if self._masks is not None:
+            self._masks.settle()
+
     def _grammar_masked(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The logits themselves when no row is constrained (free batches pay one scan);
-        otherwise one copy whose constrained rows are masked in place, in one fill call."""
+        otherwise one copy whose constrained rows are masked in place (rows filled ahead are
+        copied, the rest filled in one call)."""
         matchers = [row.grammar_matcher for row in rows]
         if all(matcher is None for matcher in matchers):
+            self.settle_masks()
             return logits
+        work = logits.clone()
+        self._mask_buffer(logits.shape[-1]).apply(work, matchers)
+        return work
+
+    def _mask_buffer(self, vocab_size: int) -> Any:
         if self._masks is None:
             from shared.engine.grammar import MaskBuffer  # xgrammar loads only when used
 
-            self._masks = MaskBuffer(logits.shape[-1])
-        work = logits.clone()
-        self._masks.apply(work, matchers)
-        return work
+            self._masks = MaskBuffer(vocab_size)
+        return self._masks

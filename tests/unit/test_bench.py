@@ -224,3 +224,14 @@ def test_grammar_ttft_refuses_wrong_arguments_before_starting_a_cluster(argv):
     with pytest.raises(SystemExit) as exit_info:
         grammar_ttft.main(argv)
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "argv", [["--threads", "0"], ["--steps", "0"], ["--batch-sizes", "0"], ["--threads", "x"]]
+)
+def test_grammar_bench_refuses_wrong_arguments_before_loading_the_model(argv):
+    from loadtest import grammar_bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        grammar_bench.main(argv)
+    assert exit_info.value.code == 2

@@ -142,6 +142,47 @@ def test_masks_constrained_rows_in_place_and_leaves_free_rows(cache, tokenizer):
     )
 
 
+def test_masks_filled_ahead_equal_masks_filled_at_sampling(cache, tokenizer):
+    """Rows filled ahead (on the mask thread, while a forward would run) and rows filled late
+    (a matcher built after it) mask exactly as one fill at sampling time does."""
+    person = GrammarState(cache.submit(schema_constraint(PERSON, "x")), time.monotonic() + 60)
+    person.build(tokenizer.encode('{"name": "'))
+    choice = GrammarState(
+        cache.submit(choice_constraint(["yes", "no"], "c")), time.monotonic() + 60
+    )
+    choice.build([])
+    matchers = [person.matcher, None, choice.matcher]
+    logits = torch.randn(3, VOCAB)
+    expected = logits.clone()
+    MaskBuffer(VOCAB).apply(expected, matchers)
+    buffer = MaskBuffer(VOCAB)
+    for ahead in ([person.matcher, choice.matcher], [choice.matcher], []):
+        buffer.fill_ahead(ahead)
+        masked = logits.clone()
+        buffer.apply(masked, matchers)
+        assert torch.equal(masked, expected), ahead
+    buffer.fill_ahead([person.matcher])
+    assert buffer.settle() == {id(person.matcher): 0}  # a fill nobody used: waited for, dropped
+    assert buffer.settle() == {}
+    masked = logits.clone()
+    buffer.apply(masked, matchers)  # nothing ahead now: all filled late
+    assert torch.equal(masked, expected)
+
+
+def test_the_sampler_uses_masks_filled_ahead_and_loads_nothing_for_free_batches(cache):
+    state = GrammarState(cache.submit(Constraint("regex", "[0-9]{4}")), time.monotonic() + 60)
+    state.build([])
+    sampler = Sampler()
+    sampler.fill_masks_ahead([], VOCAB)
+    assert sampler._masks is None  # free batches never make a mask buffer
+    row = SamplingRow(SamplingParams(temperature=0), None, [1], [], grammar_matcher=state.matcher)
+    logits = torch.randn(1, VOCAB)
+    sampler.fill_masks_ahead([state.matcher], VOCAB)
+    token = sampler(logits, [row]).token_ids[0]
+    assert state.matcher.accept_token(token)  # the drawn token is one the grammar allows
+    assert sampler._masks.settle() == {}  # the call took the fill
+
+
 def test_sampler_draws_only_what_the_grammar_allows(cache, tokenizer):
     constraint = Constraint("regex", "[0-9]{4}")
     state = GrammarState(cache.submit(constraint), time.monotonic() + 60)
