@@ -16,8 +16,9 @@ run, on the same prompts:
    TTFT during the job is then split into its parts from the cluster's log
    (`loadtest.ttft_breakdown`).
 4. `naive`: the same prompts fired at once at /v1/completions, as a new user would: how many
-   were refused (429) and, with a second pass that retries each refusal after its Retry-After,
-   the drain time and output tokens/s.
+   were refused (429), how many failed otherwise and how (by the client's exception or the
+   HTTP status and message), and, with a second pass that retries each refusal after its
+   Retry-After, the drain time and output tokens/s. `--naive-only` runs just this phase.
 
 Prints one JSON object per phase, then the ratios the targets are stated in (the batch's output
 tokens/s over the burst's, its interactive TTFT p99 over alone's). Timing figures on a shared
@@ -34,6 +35,7 @@ import io
 import json
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -208,17 +210,17 @@ async def phase_naive(
     `num_prompts` (default all) takes the first ones: the burst phase."""
     refused = 0
     output_tokens = 0
-    failed = 0
+    failures: Counter[str] = Counter()  # by kind: the client's exception, or the HTTP status
 
     async def one(prompt: str) -> None:
-        nonlocal refused, output_tokens, failed
+        nonlocal refused, output_tokens
         body = {"model": model, "prompt": prompt, "max_tokens": args.max_tokens,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
         while True:
             try:
                 response = await http.post("/v1/completions", json=body)
-            except httpx.HTTPError:
-                failed += 1
+            except httpx.HTTPError as error:
+                failures[type(error).__name__] += 1
                 return
             if response.status_code == 429:
                 refused += 1
@@ -227,7 +229,7 @@ async def phase_naive(
                 await asyncio.sleep(float(response.headers.get("retry-after", "1")))
                 continue
             if response.status_code != 200:
-                failed += 1
+                failures[f"HTTP {response.status_code}: {error_message(response)}"] += 1
                 return
             output_tokens += response.json()["usage"]["completion_tokens"]
             return
@@ -238,9 +240,18 @@ async def phase_naive(
     elapsed = time.monotonic() - started
     return {
         "phase": name, "drain_s": round(elapsed, 1),
-        "refused_429": refused, "failed": failed, "output_tokens": output_tokens,
+        "refused_429": refused, "failed": sum(failures.values()),
+        "failures": dict(failures.most_common()), "output_tokens": output_tokens,
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
     }  # fmt: skip
+
+
+def error_message(response: httpx.Response) -> str:
+    """The OpenAI-shaped error's message, cut short (kinds of failure, not each one's text)."""
+    try:
+        return str(response.json()["error"]["message"])[:80]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:80]
 
 
 async def run_phases(url: str, args) -> list[dict[str, Any]]:
@@ -250,8 +261,8 @@ async def run_phases(url: str, args) -> list[dict[str, Any]]:
         burst = functools.partial(
             phase_naive, retry=False, num_prompts=min(args.burst_prompts, args.num_prompts)
         )
-        phases = [phase_alone, burst, phase_batch]
-        if not args.skip_naive:
+        phases = [] if args.naive_only else [phase_alone, burst, phase_batch]
+        if args.naive_only or not args.skip_naive:
             phases.append(functools.partial(phase_naive, retry=False))
             if not args.skip_naive_retry:
                 phases.append(functools.partial(phase_naive, retry=True))
@@ -259,7 +270,8 @@ async def run_phases(url: str, args) -> list[dict[str, Any]]:
         for phase in phases:  # one after another: each phase has the cluster to itself
             results.append(await phase(http, model, args))
             print(json.dumps(results[-1]), flush=True)
-        print(json.dumps(ratios({r["phase"]: r for r in results})), flush=True)
+        if not args.naive_only:
+            print(json.dumps(ratios({r["phase"]: r for r in results})), flush=True)
         return results
 
 
@@ -282,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-prompts", type=int, default=1_000)
     parser.add_argument("--skip-naive", action="store_true", help="no naive phase at all")
     parser.add_argument(
+        "--naive-only", action="store_true", help="only the naive phase (and its retry pass)"
+    )
+    parser.add_argument(
         "--skip-naive-retry", action="store_true", help="the naive burst once, without retries"
     )
     args = parser.parse_args(argv)
@@ -289,11 +304,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--num-prompts, --max-tokens, --burst-prompts and --trickle-every-s must be positive"
         )
+    if args.naive_only and args.skip_naive:
+        parser.error("--naive-only and --skip-naive exclude each other")
     if args.url is not None:
         asyncio.run(run_phases(args.url, args))
         return 0
     with tandem_up() as cluster:
         results = asyncio.run(run_phases(cluster.url, args))
+    if args.naive_only:
+        return 0
     batch = next(r for r in results if r["phase"] == "batch")
     with open(cluster.log_path, encoding="utf-8", errors="replace") as log:
         parts = breakdown(log, "chatcmpl-", batch["started_at"], batch["ended_at"])

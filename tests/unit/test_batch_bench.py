@@ -41,6 +41,7 @@ def test_ratios_compare_the_batch_with_the_burst_and_the_trickle_alone():
         ["--max-tokens", "-1"],
         ["--burst-prompts", "0"],
         ["--trickle-every-s", "0"],
+        ["--naive-only", "--skip-naive"],
     ],
 )
 def test_wrong_arguments_exit_2_before_any_cluster_starts(argv):
@@ -54,3 +55,11 @@ def test_each_phase_has_its_own_prompts_from_the_second_word_on():
     assert len(set(batch)) == 3
     assert {p.split()[0] for p in batch} == {"Batch"} and {p.split()[0] for p in burst} == {"Burst"}
     assert [p.split()[1:] for p in batch] == [p.split()[1:] for p in burst]  # the same lengths
+
+
+def test_a_failure_is_told_by_the_errors_message():
+    import httpx
+
+    refused = httpx.Response(503, json={"error": {"message": "no decode worker " * 20}})
+    assert batch_bench.error_message(refused) == ("no decode worker " * 20)[:80]
+    assert batch_bench.error_message(httpx.Response(502, text="bad gateway")) == "bad gateway"
