@@ -34,6 +34,11 @@ from shared.logs import get_logger
 
 MAX_RESUMES = 3  # attempts after the first, per request
 RESUME_PATIENCE_S = 15.0  # how long a resumption waits for a worker to take it (503s)
+# Submits sent and not yet answered, at most: past it a request is refused at once (429). A
+# flood (10,000 requests at once) otherwise piles up behind the scheduler's replies until they
+# time out as 503s; the scheduler's own queue holds 1,024 by default, so a pile larger than that
+# would mostly be refused anyway, only later.
+MAX_PENDING_SUBMITS = 1024
 
 
 class SubmitRefused(Exception):
@@ -86,8 +91,10 @@ class ClusterClient:
         telemetry: GatewayEvents,
         keys: CurveKeys | None = None,
         status_timeout_s: float = 3.0,
+        max_pending_submits: int = MAX_PENDING_SUBMITS,
     ):
         self.scheduler_address = scheduler_address
+        self.max_pending_submits = max_pending_submits
         self.stream_bind = stream_bind
         self.stream_address = stream_address
         self.peer_id = peer_id
@@ -167,12 +174,20 @@ class ClusterClient:
         return inflight.queue
 
     async def _send_submit(self, submit: wire.Submit, timeout_s: float) -> None:
+        if len(self._replies) >= self.max_pending_submits:
+            raise SubmitRefused(
+                429, f"{len(self._replies)} requests are awaiting admission; retry shortly", 1.0
+            )
         reply_future = asyncio.get_running_loop().create_future()
         self._replies[submit.request_id] = reply_future
         try:
             await wire.async_send(self.scheduler, submit)
             reply = await asyncio.wait_for(reply_future, timeout_s)
         except TimeoutError:
+            # The scheduler may have queued it and be late answering (a flood of submits): a
+            # request its client was told failed must not run, nor run twice when retried.
+            cancel = wire.Cancel(request_id=submit.request_id, reason="submit not answered")
+            await wire.async_send(self.scheduler, cancel)
             raise SubmitRefused(503, "the scheduler did not answer", 1.0) from None
         finally:
             self._replies.pop(submit.request_id, None)
