@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from services.gateway.cluster import ClusterClient
+from services.gateway.cluster import ClusterClient, SubmitRefused
 from services.gateway.generation import Generator, Timeouts
 from services.gateway.openai_protocol import ApiError, parse_completion_request
 from shared import wire
@@ -75,27 +75,38 @@ def test_no_end_in_time_is_a_504_after_the_tokens_so_far(tmp_path, tokenizer):
     assert error.status == 504 and "request_timeout_s" in error.message
 
 
+class PlayedCluster:
+    """A gateway's cluster link to a scheduler the test plays, open within `async with`."""
+
+    def __init__(self, tmp_path, **client_args) -> None:
+        self.context = zmq.asyncio.Context()
+        self.scheduler = FakeScheduler(self.context, f"ipc://{tmp_path}/scheduler")
+        self.cluster = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
+                                     f"ipc://{tmp_path}/stream", "g", "smollm2",
+                                     GatewayEvents(get_logger()), **client_args)  # fmt: skip
+
+    async def __aenter__(self) -> PlayedCluster:
+        await self.cluster.start()
+        await self.scheduler.expect(wire.Hello)
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.cluster.close()
+        self.scheduler.socket.close(linger=0)
+        self.context.term()
+
+
 def test_a_submit_the_scheduler_does_not_answer_in_time_is_a_503_and_is_cancelled(tmp_path):
     """Under a flood the scheduler may queue a request and answer late: the gateway's 503 must
     not leave it to run unseen (and twice, once its client retries)."""
-    from services.gateway.cluster import SubmitRefused
 
     async def scenario() -> tuple[SubmitRefused, wire.Cancel]:
-        context = zmq.asyncio.Context()
-        scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
-        cluster = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
-                                f"ipc://{tmp_path}/stream", "g", "smollm2",
-                                GatewayEvents(get_logger()))  # fmt: skip
-        await cluster.start()
-        await scheduler.expect(wire.Hello)
-        with pytest.raises(SubmitRefused) as refused:
-            await cluster.submit(submit("late"), timeout_s=0.2)
-        assert (await scheduler.expect(wire.Submit)).request_id == "late"
-        cancel = await asyncio.wait_for(scheduler.expect(wire.Cancel), 10)
-        await scheduler.reply("late")  # the late answer is dropped, not mistaken for another
-        await cluster.close()
-        scheduler.socket.close(linger=0)
-        context.term()
+        async with PlayedCluster(tmp_path) as played:
+            with pytest.raises(SubmitRefused) as refused:
+                await played.cluster.submit(submit("late"), timeout_s=0.2)
+            assert (await played.scheduler.expect(wire.Submit)).request_id == "late"
+            cancel = await asyncio.wait_for(played.scheduler.expect(wire.Cancel), 10)
+            await played.scheduler.reply("late")  # dropped, not mistaken for another's answer
         return refused.value, cancel
 
     refused, cancel = asyncio.run(scenario())
@@ -104,32 +115,22 @@ def test_a_submit_the_scheduler_does_not_answer_in_time_is_a_503_and_is_cancelle
 
 
 def test_past_the_pending_submits_bound_a_request_is_refused_at_once_with_429(tmp_path):
-    from services.gateway.cluster import SubmitRefused
-
-    async def scenario() -> list:
-        context = zmq.asyncio.Context()
-        scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
-        cluster = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
-                                f"ipc://{tmp_path}/stream", "g", "smollm2",
-                                GatewayEvents(get_logger()), max_pending_submits=2)  # fmt: skip
-        await cluster.start()
-        await scheduler.expect(wire.Hello)
-        pending = [asyncio.create_task(cluster.submit(submit(f"r{i}"))) for i in range(2)]
-        await asyncio.sleep(0.05)
-        with pytest.raises(SubmitRefused) as refused:
-            await cluster.submit(submit("r2"))
-        for i in range(2):  # the two sent are answered and go on
-            assert (await scheduler.expect(wire.Submit)).request_id == f"r{i}"
-            await scheduler.reply(f"r{i}")
-        queues = await asyncio.gather(*pending)
-        later = asyncio.create_task(cluster.submit(submit("r3")))  # room again, once answered
-        assert (await scheduler.expect(wire.Submit)).request_id == "r3"
-        await scheduler.reply("r3")
-        await later
-        await cluster.close()
-        scheduler.socket.close(linger=0)
-        context.term()
-        return [refused.value, queues]
+    async def scenario() -> tuple[SubmitRefused, list]:
+        async with PlayedCluster(tmp_path, max_pending_submits=2) as played:
+            cluster, scheduler = played.cluster, played.scheduler
+            pending = [asyncio.create_task(cluster.submit(submit(f"r{i}"))) for i in range(2)]
+            await asyncio.sleep(0.05)
+            with pytest.raises(SubmitRefused) as refused:
+                await cluster.submit(submit("r2"))
+            for i in range(2):  # the two sent are answered and go on
+                assert (await scheduler.expect(wire.Submit)).request_id == f"r{i}"
+                await scheduler.reply(f"r{i}")
+            queues = await asyncio.gather(*pending)
+            later = asyncio.create_task(cluster.submit(submit("r3")))  # room again, once answered
+            assert (await scheduler.expect(wire.Submit)).request_id == "r3"
+            await scheduler.reply("r3")
+            await later
+        return refused.value, queues
 
     refused, queues = asyncio.run(scenario())
     assert refused.status_code == 429 and "awaiting admission" in refused.message
