@@ -4,7 +4,7 @@ They play what the real workers do on the wire, in simulated time, through a `Cl
 simulator) that carries their messages to the scheduler core and their tokens to the records:
 
 * A prefill worker runs steps while it holds prompts. Each step shares a token budget between
-  the prompts in progress and a few new ones with the engine's own rules (`shortest_first`: a
+  the prompts in progress and a few new ones with the engine's own rules (`prompt_shares`: a
   floor each, the rest to the shortest; the time target's cap at the profile's prefill rate,
   raised to finish short prompts; `lighten`). A prompt finished in a step has its first
   token at the step's end; its KV then travels to the decode target (the profile's transfer
@@ -26,12 +26,7 @@ from typing import Protocol
 
 from services.planner.profile import WorkerProfile
 from shared import wire
-from shared.engine.scheduler import (
-    MIN_CHUNK,
-    lighten,
-    raise_cap_for_short_prompts,
-    shortest_first,
-)
+from shared.engine.scheduler import MIN_CHUNK, prompt_shares
 
 
 class Cluster(Protocol):
@@ -107,12 +102,7 @@ class SimPrefillWorker:
         ids = self._sharers()
         needs = [self.prompts[i].num_left for i in ids]
         bulk = [self.prompts[i].job.bulk for i in ids]
-        budget = self.budget
-        if self.token_cap is not None:
-            budget = raise_cap_for_short_prompts(needs, self.token_cap, self.budget, bulk=bulk)
-        shares = shortest_first(needs, budget, bulk=bulk)
-        if self.token_cap is not None:
-            shares = lighten(needs, shares, bulk=bulk)
+        shares = prompt_shares(needs, self.budget, self.token_cap, bulk)
         duration = self.profile.prefill_time(sum(shares))
         self.stepping = True
         self.stats.busy_s += duration

@@ -116,6 +116,16 @@ def raise_cap_for_short_prompts(
     return min(budget, max(cap, raised + floors))
 
 
+def prompt_shares(needs: Seq[int], budget: int, cap: int | None, bulk: Seq[bool] = ()) -> list[int]:
+    """One step's prompt shares, as the engine and the planner's simulated workers both take
+    them: shortest first within `budget`, or, under a step time cap (`cap` tokens), within the
+    cap raised for short interactive prompts, lightened when a prompt finishes."""
+    if cap is None:
+        return shortest_first(needs, budget, bulk=bulk)
+    capped = raise_cap_for_short_prompts(needs, cap, budget, bulk=bulk)
+    return lighten(needs, shortest_first(needs, capped, bulk=bulk), bulk=bulk)
+
+
 def _flags(bulk: Seq[bool], count: int) -> list[bool]:
     """Per-prompt bulk flags; none given: all interactive."""
     return list(bulk) if bulk else [False] * count
@@ -215,12 +225,7 @@ class StepScheduler:
             attach_cached_prefix(seq, self.block_manager, self._spare_blocks())
         sharers = in_prompt + newcomers
         needs = [seq.num_uncomputed_tokens for seq in sharers]
-        bulk = [seq.bulk for seq in sharers]
-        if cap is not None:
-            prompt_budget = raise_cap_for_short_prompts(needs, cap, full_budget, bulk=bulk)
-        shares = shortest_first(needs, prompt_budget, bulk=bulk)
-        if cap is not None:
-            shares = lighten(needs, shares, bulk=bulk)
+        shares = prompt_shares(needs, full_budget, cap, [seq.bulk for seq in sharers])
         share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
         scheduled = plan.chunks
         num_preemptions = self.num_preemptions

@@ -5,6 +5,7 @@ comparison of result files."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from collections import Counter
 
@@ -216,22 +217,20 @@ def test_comparison_table_has_a_column_per_run(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--num", "2"], ["--rounds", "0"], ["--rate", "0"], ["--rate", "x"]]
+    ("module", "argv"),
+    [
+        ("grammar_ttft", ["--num", "2"]),
+        ("grammar_ttft", ["--rounds", "0"]),
+        ("grammar_ttft", ["--rate", "0"]),
+        ("grammar_ttft", ["--rate", "x"]),
+        ("grammar_bench", ["--threads", "0"]),
+        ("grammar_bench", ["--steps", "0"]),
+        ("grammar_bench", ["--batch-sizes", "0"]),
+        ("grammar_bench", ["--threads", "x"]),
+    ],
 )
-def test_grammar_ttft_refuses_wrong_arguments_before_starting_a_cluster(argv):
-    from loadtest import grammar_ttft
-
+def test_grammar_benches_refuse_wrong_arguments_before_any_model_or_cluster(module, argv):
+    bench = importlib.import_module(f"loadtest.{module}")
     with pytest.raises(SystemExit) as exit_info:
-        grammar_ttft.main(argv)
-    assert exit_info.value.code == 2
-
-
-@pytest.mark.parametrize(
-    "argv", [["--threads", "0"], ["--steps", "0"], ["--batch-sizes", "0"], ["--threads", "x"]]
-)
-def test_grammar_bench_refuses_wrong_arguments_before_loading_the_model(argv):
-    from loadtest import grammar_bench
-
-    with pytest.raises(SystemExit) as exit_info:
-        grammar_bench.main(argv)
+        bench.main(argv)
     assert exit_info.value.code == 2
