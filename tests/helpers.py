@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from shared.engine.model import LlamaModel, load_hf_weights
@@ -66,3 +68,11 @@ TINY_KV_CONFIG = ModelConfig(
     max_position_embeddings=64,
     tie_word_embeddings=False,
 )
+
+
+CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+def chat_template(name: str) -> str:
+    """A chat template of tests/chat_templates (templates of each tool-call family)."""
+    return (CHAT_TEMPLATES / name).read_text()

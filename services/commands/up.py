@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from services.gateway.chat_prompt import read_chat_template
 from shared.config import ConfigError
 from shared.engine.loader import (
     DEFAULT_MODEL,
@@ -74,6 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the model's own sampling defaults come from: auto (its "
         "generation_config.json), none, or a path",
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file for the gateway, instead of the model's",
+    )
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     parser.add_argument(
         "--batch-dir",
@@ -116,6 +122,8 @@ class LocalCluster:
             parse_default_sampling(self.args.default_sampling)
         except ValueError as error:
             raise ConfigError(f"--default-sampling: {error}") from None
+        if getattr(self.args, "chat_template", None):
+            read_chat_template(self.args.chat_template)
         resolve_model_dir(self.args.model)  # convert a GGUF once, before workers race to it
         num_workers = self.args.prefill + self.args.decode
         threads = max(1, (os.cpu_count() or 1) // num_workers)
@@ -179,6 +187,8 @@ class LocalCluster:
         ]
         if self.args.default_sampling:
             gateway += ["--default-sampling", self.args.default_sampling]
+        if getattr(self.args, "chat_template", None):
+            gateway += ["--chat-template", os.path.abspath(self.args.chat_template)]
         rpc_address = self.address("gateway-rpc")
         if self.args.rpc_port:
             rpc_address = f"tcp://{self.args.host}:{self.args.rpc_port}"

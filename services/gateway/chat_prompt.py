@@ -1,40 +1,47 @@
 """A chat request's prompt tokens: the model's chat template, given tools its own way when the
-template renders them in the format our parser reads, else the documented fallback.
+template teaches a call format our parser reads, else the documented fallback.
 
-Templates that render tools (Qwen2.5's, Hermes', and others in the same family) take the tools
-as `tools=[...]` and assistant `tool_calls` as structured messages, and teach the model to answer
-`<tool_call>{"name": ..., "arguments": ...}</tool_call>`: exactly the tagged format
-services.gateway.tool_output parses. For those the model sees its own instructions. A template
-that never mentions tools (the default SmolLM2's) would drop them silently, and one with another
-call format (Llama 3.1's bare JSON, Mistral's [TOOL_CALLS]) would teach the model calls we could
-not parse; both get the fallback format (services.gateway.tools.fallback_messages).
+Templates that render tools (Hermes' and Qwen2.5's tagged calls, Mistral's `[TOOL_CALLS]`, Llama
+3's bare JSON: services.gateway.tool_formats) take the tools as `tools=[...]` and assistant
+`tool_calls` as structured messages; for those the model sees its own instructions, and the
+generation's calls are parsed in that format. A template that never mentions tools (the default
+SmolLM2's) would drop them silently, and one with a call format not listed there would teach the
+model calls we could not parse; both get the fallback format
+(services.gateway.tools.fallback_messages).
 """
 
 from __future__ import annotations
 
-from services.gateway.openai_protocol import GenerationRequest
+from jinja2 import TemplateError
 
-TAGGED_CALL = "<tool_call>"
-
-
-def renders_tagged_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template takes `tools` and writes tagged calls."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # several named templates: the default one renders chats
-        template = template.get("default") or template.get("tool_use")
-    return isinstance(template, str) and "tools" in template and TAGGED_CALL in template
+from services.gateway.openai_protocol import GenerationRequest, bad_request
+from shared.config import ConfigError
 
 
 def chat_prompt_ids(tokenizer, request: GenerationRequest, template_tools: bool) -> list[int]:
-    """The prompt of a chat request; `template_tools` is renders_tagged_tools(tokenizer)."""
-    if template_tools:
-        tools = request.tools.template_tools() if request.tools is not None else None
-        ids = tokenizer.apply_chat_template(
-            request.template_messages, tools=tools, add_generation_prompt=True,
-            tokenize=True, return_dict=False,
-        )  # fmt: skip
-    else:
-        ids = tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+    """The prompt of a chat request; `template_tools`: the template renders tools in a format
+    we parse (tool_formats.template_tool_format). A conversation the template refuses (its
+    `raise_exception`, e.g. Mistral's call ids of nine characters) is the client's error."""
+    try:
+        if template_tools:
+            tools = request.tools.template_tools() if request.tools is not None else None
+            ids = tokenizer.apply_chat_template(
+                request.template_messages, tools=tools, add_generation_prompt=True,
+                tokenize=True, return_dict=False,
+            )  # fmt: skip
+        else:
+            ids = tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+    except TemplateError as error:
+        raise bad_request("messages", f"the model's chat template refused them: {error}") from None
     return list(ids)
+
+
+def read_chat_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            template = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"chat_template (--chat-template): cannot read {path}: {error}") from None
+    return template

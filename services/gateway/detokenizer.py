@@ -33,9 +33,19 @@ _PARTIAL = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
 class IncrementalDetokenizer:
     """Decodes one sequence's output tokens as they come; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        skip_special_tokens: bool = True,
+        keep_special_ids: frozenset[int] = frozenset(),
+    ):
+        """`keep_special_ids`: special tokens shown all the same (tool-call markers a parser
+        must see) while the others are skipped."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._dropped_ids: frozenset[int] | None = None  # skipped by hand, to keep some
+        if skip_special_tokens and keep_special_ids:
+            self._dropped_ids = _special_ids(tokenizer) - keep_special_ids
         self._token_ids: list[int] = []
         self._prefix_offset = 0  # start of the decode window, on a character boundary
         self._read_offset = 0  # tokens before it have been emitted
@@ -61,6 +71,9 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int) -> str:
         window = self._token_ids[start:end]
+        if self._dropped_ids is not None:
+            window = [t for t in window if t not in self._dropped_ids]
+            return self._tokenizer.decode(window, skip_special_tokens=False)
         return self._tokenizer.decode(window, skip_special_tokens=self._skip_special_tokens)
 
     def _advance(self, final: bool) -> str:
@@ -74,6 +87,13 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         self._pieces.append(new_text)
         return new_text
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """Every id decoding with skip_special_tokens drops: the named special tokens and the added
+    tokens flagged special."""
+    added = tokenizer.added_tokens_decoder.items()
+    return frozenset(tokenizer.all_special_ids) | {i for i, t in added if t.special}
 
 
 @functools.cache

@@ -17,11 +17,17 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.chat_prompt import chat_prompt_ids, renders_tagged_tools
+from services.gateway.chat_prompt import chat_prompt_ids
 from services.gateway.cluster import ClusterClient, SubmitRefused
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
 from services.gateway.openai_protocol import ApiError, GenerationRequest, bad_request
 from services.gateway.openai_shapes import TokenLogprob
+from services.gateway.tool_formats import (
+    TAGGED,
+    ToolFormat,
+    special_marker_ids,
+    template_tool_format,
+)
 from shared import wire
 from shared.engine.sampling_params import SamplingParams
 from shared.lifecycle import ChoiceTrace, GatewayEvents
@@ -87,6 +93,8 @@ class Generation:
     request_id: str
     created: int
     arrived_at: float  # monotonic: latencies count from here
+    # How the model writes tool calls (its template's format, or the fallback's tagged one).
+    tool_format: ToolFormat = TAGGED
     # Prompt tokens a prefill's cache skipped (the most of any choice), for usage.
     num_cached_tokens: int = 0
 
@@ -115,8 +123,11 @@ class Generator:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = len(tokenizer)
-        # Tools go through the model's own template when it renders them as tagged calls.
-        self.template_renders_tools = renders_tagged_tools(tokenizer)
+        # Tools go through the model's own template when it teaches a call format we parse;
+        # that format's openers are kept by detokenization even where they are special tokens.
+        self.template_tool_format = template_tool_format(tokenizer)
+        self.tool_format = self.template_tool_format or TAGGED
+        self._marker_ids = special_marker_ids(tokenizer, self.tool_format)
 
     def prepare(self, request: GenerationRequest, id_prefix: str) -> Generation:
         arrived_at = time.monotonic()
@@ -126,11 +137,13 @@ class Generator:
         )
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.telemetry.arrived(request_id, len(prompt_ids), request.user or "default", request.n)
-        return Generation(request, prompt_ids, params, request_id, int(time.time()), arrived_at)
+        return Generation(
+            request, prompt_ids, params, request_id, int(time.time()), arrived_at, self.tool_format
+        )
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            ids = chat_prompt_ids(self.tokenizer, request, self.template_renders_tools)
+            ids = chat_prompt_ids(self.tokenizer, request, self.template_tool_format is not None)
         elif request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
             if any(not 0 <= t < self.vocab_size for t in ids):
@@ -150,9 +163,11 @@ class Generator:
         queues: list[asyncio.Queue] = []
         traces: list[ChoiceTrace] = []
         running = set(range(request.n))
+        parses_calls = request.tools is not None and request.tools.choice == "auto"
+        kept_ids = self._marker_ids if parses_calls else frozenset()
         texts = [
             ChoiceText(
-                IncrementalDetokenizer(self.tokenizer),
+                IncrementalDetokenizer(self.tokenizer, keep_special_ids=kept_ids),
                 StopStringMatcher(request.stop),
                 generation.params.min_tokens,
             )

@@ -29,7 +29,9 @@ class StreamChunks:
         self.generation = generation
         self._role_sent: set[int] = set()
         tools, n = generation.request.tools, generation.request.n
-        self._parsers = None if tools is None else [ToolCallParser(tools) for _ in range(n)]
+        self._parsers = None
+        if tools is not None:
+            self._parsers = [ToolCallParser(tools, generation.tool_format) for _ in range(n)]
 
     def chunk(self, event: ChoiceEvent) -> dict[str, Any] | None:
         """The event's chunk; None when it has nothing to send."""
@@ -102,7 +104,8 @@ async def collect_response(
     response = build(generation.request_id, req.model, generation.created, choices, usage)
     if req.tools is not None:
         for choice in response["choices"]:
-            content, calls = extract_tool_calls(req.tools, choice["message"]["content"])
+            text = choice["message"]["content"]
+            content, calls = extract_tool_calls(req.tools, text, generation.tool_format)
             if calls:
                 choice["message"].update(content=content, tool_calls=calls)
                 choice["finish_reason"] = "tool_calls"

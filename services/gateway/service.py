@@ -8,12 +8,14 @@ import os
 import socket
 from dataclasses import dataclass
 
+import jinja2
 import uvicorn
 
 from services.gateway.app import build_app
 from services.gateway.auth import ApiKeys, KeyConfigError
 from services.gateway.batch_link import BatchLink
 from services.gateway.batch_routes import add_batch_routes
+from services.gateway.chat_prompt import read_chat_template
 from services.gateway.cluster import ClusterClient
 from services.gateway.generation import Generator, Timeouts
 from services.gateway.rpc import RpcServer
@@ -73,6 +75,9 @@ class GatewayConfig(CurveSettings):
     batch_address: str | None = setting(
         None, "the batch service's ROUTER, for /v1/files and /v1/batches (default: none, 404)"
     )
+    chat_template: str | None = setting(
+        None, "a Jinja chat template file used instead of the model's (e.g. one that renders tools)"
+    )
 
     def __post_init__(self) -> None:
         self.curve_keys()
@@ -97,12 +102,24 @@ class GatewayConfig(CurveSettings):
             "request_timeout_s",
         )
         self.keys()  # refuses bad keys at start-up
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)
 
     def keys(self) -> ApiKeys:
         try:
             return ApiKeys.load(self.api_keys, self.api_keys_file)
         except KeyConfigError as error:
             raise ConfigError(f"api_keys (--api-keys / TANDEM_API_KEYS): {error}") from None
+
+
+def use_chat_template(tokenizer, path: str) -> None:
+    """The template at `path` replaces the tokenizer's; refused at start-up if it cannot render
+    a one-message chat."""
+    tokenizer.chat_template = read_chat_template(path)
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    except jinja2.TemplateError as error:
+        raise ConfigError(f"chat_template (--chat-template): {path}: {error}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +131,8 @@ def build_gateway(config: GatewayConfig):
 
     directory, name = resolve_model_dir(config.model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
+    if config.chat_template is not None:
+        use_chat_template(tokenizer, config.chat_template)
     max_model_len = (
         config.max_model_len or AutoConfig.from_pretrained(directory).max_position_embeddings
     )
@@ -140,6 +159,8 @@ def build_gateway(config: GatewayConfig):
     generator = Generator(
         cluster, tokenizer, name, max_model_len, telemetry, timeouts, sampling_defaults=defaults
     )
+    tool_format = generator.template_tool_format
+    logger.info("tool calls", format=tool_format.name if tool_format else "fallback (tagged)")
     keys = config.keys()
     rpc = None
     if config.rpc_address is not None:

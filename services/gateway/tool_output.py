@@ -1,16 +1,19 @@
 """Tool calls cut out of a chat choice's text, as it streams or all at once (one parser for both,
 so a streamed answer and a non-streamed one carry the same content and the same calls).
 
-The fallback format (services.gateway.tools): with `auto`, a call is a tagged
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the text; with a forced
-choice the whole text is one call's JSON, constrained by its schema.
+With `auto`, calls are the blocks of the generation's format (services.gateway.tool_formats:
+tagged `<tool_call>...</tool_call>` blocks anywhere, Mistral's `[TOOL_CALLS]` to the end, Llama
+3's bare JSON answer); with a forced choice the whole text is one call's JSON, constrained by its
+schema, whatever the format.
 
-- A call is sent only once it is complete and parses as a call of a known tool: a client never
-  gets part of a call that turns out malformed. So a streamed call arrives as one delta with its
-  id, name and whole arguments (OpenAI's streaming shape; clients concatenate deltas by `index`).
-- Text that could still be the start of a tag is held back until it is not (as stop strings are).
-- A tagged block that does not parse, or names an unknown tool, stays in the content verbatim, as
-  does an unclosed tag when the choice ends (`length`), and a forced call that is incomplete.
+- A call is sent only once its block is complete and parses as calls of known tools: a client
+  never gets part of a call that turns out malformed. So a streamed call arrives as one delta with
+  its id, name and whole arguments (OpenAI's streaming shape; clients concatenate deltas by
+  `index`). A block that runs to the end of the text is judged when the choice finishes.
+- Text that could still be the start of an opener is held back until it is not (as stop strings
+  are).
+- A block that does not parse, or names an unknown tool, stays in the content verbatim, as does
+  an unclosed tagged block when the choice ends (`length`), and a forced call that is incomplete.
 - Content is trimmed of surrounding whitespace (the newlines models put around calls): a
   whitespace run is held until text follows it, and dropped at the start and the end.
 """
@@ -18,14 +21,11 @@ choice the whole text is one call's JSON, constrained by its schema.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.tool_formats import TAGGED, Call, ToolFormat
 from services.gateway.tools import ToolSetup
-
-OPEN_TAG = "<tool_call>"
-CLOSE_TAG = "</tool_call>"
 
 
 @dataclass
@@ -39,11 +39,12 @@ class ToolOutput:
 class ToolCallParser:
     """One choice's text in, content and calls out. push() as text arrives, finish() once."""
 
-    def __init__(self, setup: ToolSetup) -> None:
+    def __init__(self, setup: ToolSetup, tool_format: ToolFormat = TAGGED) -> None:
         self.setup = setup
+        self.format = tool_format
         self._names = frozenset(f["name"] for f in setup.functions)
-        self._pending = ""  # text not yet classified (a possible tag start, or a call's body)
-        self._in_call = False
+        self._pending = ""  # text not yet classified (a possible opener, or a block's body)
+        self._opener: str | None = None  # the opener of the block being read, if any
         self._held_space = ""  # whitespace sent only if content follows it
         self._content_started = False
         self.num_calls = 0
@@ -60,46 +61,80 @@ class ToolCallParser:
         return out
 
     def finish(self) -> ToolOutput:
-        """The rest: a forced call, or the held-back text of an unfinished tag, as content."""
+        """The rest: a forced call, a block that runs to the end, or held-back text as content."""
         out = ToolOutput()
         if self.setup.choice == "none":
             return out
         rest, self._pending = self._pending, ""
         if self.setup.forced:
-            call = self._call(rest)
-            if call is not None:
-                out.calls.append(call)
+            calls = self._calls(TAGGED.decode(rest))
+            if calls is not None:
+                out.calls += calls
             else:
                 out.content = rest  # an incomplete forced call is shown as it is, never trimmed
             return out
-        self._add_content(out, OPEN_TAG + rest if self._in_call else rest, final=True)
+        if self._opener is not None:
+            block = self._opener + rest
+            calls = self._calls(self.format.calls(block)) if self.format.closer is None else None
+            if calls is not None:
+                out.calls += calls
+                block = ""
+            rest = block
+        self._add_content(out, rest, final=True)
         return out
 
     def _step(self, out: ToolOutput) -> bool:
         """Classifies what it can of the pending text; True when it should be called again."""
-        if self._in_call:
-            end = self._pending.find(CLOSE_TAG)
-            if end < 0:
-                return False
-            body, self._pending = self._pending[:end], self._pending[end + len(CLOSE_TAG) :]
-            self._in_call = False
-            call = self._call(body)
-            if call is None:
-                self._add_content(out, OPEN_TAG + body + CLOSE_TAG)
-            else:  # the whitespace held before it joins the text after it, if any
-                out.calls.append(call)
-            return True
-        start = self._pending.find(OPEN_TAG)
-        if start >= 0:
+        if self._opener is not None:
+            return self._close_block(out)
+        start, opener = self._find_opener()
+        if opener is not None:
             self._add_content(out, self._pending[:start])
-            self._pending = self._pending[start + len(OPEN_TAG) :]
-            self._in_call = True
+            self._pending = self._pending[start + len(opener) :]
+            self._opener = opener
             return True
-        keep = _partial_tag_length(self._pending)
-        cut = len(self._pending) - keep
+        cut = len(self._pending) - self._undecided_length()
         self._add_content(out, self._pending[:cut])
         self._pending = self._pending[cut:]
         return False
+
+    def _close_block(self, out: ToolOutput) -> bool:
+        closer = self.format.closer
+        end = -1 if closer is None else self._pending.find(closer)
+        if end < 0:  # the block goes on (or runs to the end of the text)
+            return False
+        end += len(closer)
+        block, self._pending = self._opener + self._pending[:end], self._pending[end:]
+        self._opener = None
+        calls = self._calls(self.format.calls(block))
+        if calls is None:
+            self._add_content(out, block)
+        else:  # the whitespace held before it joins the text after it, if any
+            out.calls += calls
+        return True
+
+    def _find_opener(self) -> tuple[int, str | None]:
+        """Where the first opener in the pending text starts, and which; (-1, None) if none."""
+        if self.format.only_at_start:
+            if self._content_started:
+                return -1, None
+            text = self._pending.lstrip()
+            at = len(self._pending) - len(text)
+            return next(((at, o) for o in self.format.openers if text.startswith(o)), (-1, None))
+        found = [(self._pending.find(o), o) for o in self.format.openers]
+        return min(((at, o) for at, o in found if at >= 0), default=(-1, None))
+
+    def _undecided_length(self) -> int:
+        """How much of the pending text's end could still grow into an opener (kept back)."""
+        if self.format.only_at_start:
+            text = self._pending.lstrip()
+            could_open = any(o.startswith(text) for o in self.format.openers)
+            return len(self._pending) if could_open and not self._content_started else 0
+        text = self._pending
+        for length in range(min(len(text), max(map(len, self.format.openers)) - 1), 0, -1):
+            if any(o.startswith(text[-length:]) for o in self.format.openers):
+                return length
+        return 0
 
     def _add_content(self, out: ToolOutput, text: str, final: bool = False) -> None:
         text = self._held_space + text
@@ -111,35 +146,29 @@ class ToolCallParser:
             self._content_started = True
             out.content += shown
 
-    def _call(self, raw: str) -> dict[str, Any] | None:
-        try:
-            call = json.loads(raw)
-        except json.JSONDecodeError:
+    def _calls(self, found: list[Call] | None) -> list[dict[str, Any]] | None:
+        """Found calls in OpenAI's streamed shape; None if there are none or one names an
+        unknown tool (the block is then content)."""
+        if not found or any(name not in self._names for name, _ in found):
             return None
-        if not isinstance(call, dict) or call.get("name") not in self._names:
-            return None
-        arguments = call.get("arguments", {})
-        self.num_calls += 1
-        return {
-            "index": self.num_calls - 1,
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(arguments)},
-        }
+        calls = []
+        for name, arguments in found:
+            calls.append({
+                "index": self.num_calls,
+                "id": self.format.new_call_id(),
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments)},
+            })  # fmt: skip
+            self.num_calls += 1
+        return calls
 
 
-def _partial_tag_length(text: str) -> int:
-    """The length of the longest end of `text` that begins the open tag (kept back)."""
-    for length in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-        if OPEN_TAG.startswith(text[-length:]):
-            return length
-    return 0
-
-
-def extract_tool_calls(setup: ToolSetup, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def extract_tool_calls(
+    setup: ToolSetup, text: str, tool_format: ToolFormat = TAGGED
+) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, OpenAI tool_calls) of a finished choice's whole text, as a stream would give
     them; content None when calls leave none. The calls have the non-streamed shape (no `index`)."""
-    parser = ToolCallParser(setup)
+    parser = ToolCallParser(setup, tool_format)
     pushed, finished = parser.push(text), parser.finish()
     calls = [{k: v for k, v in c.items() if k != "index"} for c in pushed.calls + finished.calls]
     content = pushed.content + finished.content

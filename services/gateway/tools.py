@@ -1,14 +1,16 @@
 """OpenAI tool calling on chat completions: `tools` and `tool_choice` parsed, the tools rendered
 into the prompt, calls constrained where they must happen, and parsed out of the output.
 
-The fallback format (the default model's chat template knows no tools, so it is used for every
-model for now): the tools' signatures go into the system turn as JSON, with the instruction to
-answer a call as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; assistant
-`tool_calls` in the history are rendered the same way, and `tool` messages keep their role.
+The fallback format (for chat templates that know no tools, as the default model's, or teach a
+call format services.gateway.tool_formats does not list): the tools' signatures go into the
+system turn as JSON, with the instruction to answer a call as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; assistant `tool_calls` in the
+history are rendered the same way, and `tool` messages keep their role.
 
 - `tool_choice: "none"` (or no tools): plain chat; the tools are still shown.
-- `"auto"` (the default with tools): the model decides; every well-formed tagged call in the
-  output becomes a `tool_calls` entry, and the text around them is the content.
+- `"auto"` (the default with tools): the model decides; every well-formed call in the output
+  (in the fallback's tagged format, or the format the model's template teaches) becomes a
+  `tool_calls` entry, and the text around them is the content.
 - `"required"` or a named function: decoding is constrained by a JSON schema to one call of the
   given tools (`name` fixed by `const`, `arguments` by the tool's `parameters`), so even a 135M
   model returns a call that parses. The output is that call's JSON, without tags.
@@ -150,7 +152,7 @@ def _parse_choice(choice: Any, names: list[str]) -> str:
 
 def parse_history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls` checked, in the form chat templates take:
-    [{"type": "function", "function": {"name", "arguments": <parsed JSON>}}]."""
+    [{"type": "function", "function": {"name", "arguments": <parsed JSON>}, "id"?}]."""
     if not isinstance(calls, list):
         raise InvalidRequestError(where, "must be a list of tool calls")
     parsed_calls = []
@@ -165,9 +167,11 @@ def parse_history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"{where}[{i}].function.arguments", "must be a JSON object"
             ) from None
-        parsed_calls.append(
-            {"type": "function", "function": {"name": function["name"], "arguments": parsed}}
-        )
+        named = {"name": function["name"], "arguments": parsed}
+        parsed_call: dict[str, Any] = {"type": "function", "function": named}
+        if isinstance(call.get("id"), str):  # some templates show it (Mistral's require it)
+            parsed_call["id"] = call["id"]
+        parsed_calls.append(parsed_call)
     return parsed_calls
 
 

@@ -1,5 +1,6 @@
-"""A chat request's prompt: tools through the model's own template when it renders them as
-tagged calls (a template of that family, on the real tokenizer), else the fallback format."""
+"""A chat request's prompt: tools through the model's own template when it teaches a call format
+we parse (templates of each family, written for these tests, on the real tokenizer), else the
+fallback format; a conversation the template refuses is a 400."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from services.gateway.chat_prompt import chat_prompt_ids, renders_tagged_tools
-from services.gateway.openai_protocol import parse_chat_request
+from services.gateway.chat_prompt import chat_prompt_ids, read_chat_template
+from services.gateway.openai_protocol import ApiError, parse_chat_request
+from services.gateway.service import use_chat_template
+from services.gateway.tool_formats import LLAMA3_JSON, MISTRAL, TAGGED, template_tool_format
+from shared.config import ConfigError
 from shared.engine.loader import resolve_model_dir
+from tests.helpers import chat_template
 
 MODEL = "smollm2"
 WEATHER = {
@@ -28,25 +33,9 @@ HISTORY = [
          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "Snow, -3 C"},
 ]  # fmt: skip
-# A template of the tagged-call family (tools listed in the system turn, calls and results in
-# tags), written for this test.
-TAGGED_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-Tools:<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>
-Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.tool_calls %}<|im_start|>assistant
-{% for call in message.tool_calls %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}\
-<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>{{ message.content }}</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+TAGGED_TEMPLATE = chat_template("tagged_tools.jinja")
+MISTRAL_TEMPLATE = chat_template("mistral_tools.jinja")
+LLAMA3_TEMPLATE = chat_template("llama3_tools.jinja")
 
 
 @pytest.fixture(scope="module")
@@ -54,26 +43,31 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_dir()[0])
 
 
+def with_template(tokenizer, template: str):
+    copied = copy.deepcopy(tokenizer)
+    copied.chat_template = template
+    return copied
+
+
 @pytest.fixture(scope="module")
 def tagged(tokenizer):
-    tagged = copy.deepcopy(tokenizer)
-    tagged.chat_template = TAGGED_TEMPLATE
-    return tagged
+    return with_template(tokenizer, TAGGED_TEMPLATE)
 
 
-def prompt_text(tokenizer, **fields) -> str:
-    body = {"model": MODEL, "messages": HISTORY, **fields}
+def prompt_text(tokenizer, messages=HISTORY, **fields) -> str:
+    body = {"model": MODEL, "messages": messages, **fields}
     request = parse_chat_request(body, MODEL, 2048)
-    ids = chat_prompt_ids(tokenizer, request, renders_tagged_tools(tokenizer))
+    ids = chat_prompt_ids(tokenizer, request, template_tool_format(tokenizer) is not None)
     return tokenizer.decode(ids)
 
 
-def test_only_a_template_that_writes_tagged_calls_renders_tools(tokenizer, tagged):
-    assert not renders_tagged_tools(tokenizer)  # SmolLM2's template knows no tools
-    assert renders_tagged_tools(tagged)
-    other = copy.deepcopy(tokenizer)
-    other.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}"
-    assert not renders_tagged_tools(other)  # tools, but calls in a format we cannot parse
+def test_the_template_tells_the_call_format(tokenizer, tagged):
+    assert template_tool_format(tokenizer) is None  # SmolLM2's template knows no tools
+    assert template_tool_format(tagged) is TAGGED
+    assert template_tool_format(with_template(tokenizer, MISTRAL_TEMPLATE)) is MISTRAL
+    assert template_tool_format(with_template(tokenizer, LLAMA3_TEMPLATE)) is LLAMA3_JSON
+    other = with_template(tokenizer, "{% for m in messages %}{{ m.content }}{% endfor %}{{tools}}")
+    assert template_tool_format(other) is None  # tools, but calls in a format we cannot parse
 
 
 def test_a_tagged_template_renders_tools_and_history_its_own_way(tagged):
@@ -92,3 +86,46 @@ def test_other_templates_get_the_fallback_format(tokenizer):
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
     # Without tools, the history's calls are still shown as the model would have written them.
     assert "<tool_call>" in prompt_text(tokenizer) and "You may call" not in prompt_text(tokenizer)
+
+
+def test_a_mistral_template_renders_tools_calls_and_results_its_own_way(tokenizer):
+    mistral = with_template(tokenizer, MISTRAL_TEMPLATE)
+    history = copy.deepcopy(HISTORY)
+    history[1]["tool_calls"][0]["id"] = history[2]["tool_call_id"] = "aB3dE6gH9"
+    text = prompt_text(mistral, history, tools=[WEATHER])
+    listed = text.split("[AVAILABLE_TOOLS]", 1)[1].split("[/AVAILABLE_TOOLS]", 1)[0]
+    assert json.loads(listed) == [WEATHER]
+    call = '[{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": "aB3dE6gH9"}]'
+    assert "[TOOL_CALLS]" + call in text
+    assert '[TOOL_RESULTS]{"content": "Snow, -3 C", "call_id": "aB3dE6gH9"}' in text
+    assert "You may call these tools" not in text
+
+
+def test_a_conversation_the_template_refuses_is_a_clear_400(tokenizer):
+    mistral = with_template(tokenizer, MISTRAL_TEMPLATE)
+    with pytest.raises(ApiError) as refused:
+        prompt_text(mistral, HISTORY, tools=[WEATHER])  # "call_1": not nine characters
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert "nine letters or digits" in refused.value.message
+
+
+def test_a_llama3_template_renders_calls_with_parameters(tokenizer):
+    llama = with_template(tokenizer, LLAMA3_TEMPLATE)
+    text = prompt_text(llama, tools=[WEATHER])
+    assert '{"name": "get_weather", "parameters": {"city": "Oslo"}}' in text
+    assert "ipython<|end_header_id|>\nSnow, -3 C" in text
+    assert json.dumps(WEATHER) in text and "You may call" not in text
+
+
+def test_a_chat_template_file_is_used_or_refused(tokenizer, tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(LLAMA3_TEMPLATE)
+    assert read_chat_template(str(path)) == LLAMA3_TEMPLATE
+    with pytest.raises(ConfigError, match="chat_template.*cannot read"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    served = copy.deepcopy(tokenizer)
+    use_chat_template(served, str(path))
+    assert template_tool_format(served) is LLAMA3_JSON
+    path.write_text("{% for m in messages %}{{ m.content }")  # unclosed: cannot render
+    with pytest.raises(ConfigError, match="chat_template .--chat-template.: .*template.jinja"):
+        use_chat_template(served, str(path))

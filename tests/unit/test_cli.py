@@ -30,6 +30,8 @@ def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
         (["generate", "--prompt", "hi", "--generation-config", "/nope"], "does not exist"),
         (["up", "--default-sampling", "top_p=2"], "--default-sampling: top_p must be in"),
         (["gateway", "--default-sampling", "temperature"], "default_sampling"),
+        (["up", "--chat-template", "/no/such.jinja"], "chat_template (--chat-template): cannot"),
+        (["gateway", "--chat-template", "/no/such.jinja"], "cannot read /no/such.jinja"),
         (["up", "--device", "cuda:x"], "device must be cpu, cuda or cuda:N"),
         (["scheduler", "--heartbeat-timeout-s", "0"], "heartbeat_timeout_s"),
         (["scheduler", "--address", "localhost:5555"], "tcp://, ipc:// or inproc://"),

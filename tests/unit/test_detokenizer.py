@@ -4,6 +4,7 @@ hypothesis, against a plain reference."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -96,6 +97,24 @@ def test_special_tokens_skipped_or_kept(tokenizer):
         pieces = detokenize(tokenizer, [[i] for i in ids], skip_special_tokens=skip)
         assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip)
     assert tokenizer.eos_token in "".join(pieces)
+
+
+def test_kept_special_tokens_are_shown_and_the_others_skipped(tokenizer):
+    """A tool-call marker that is a special token reaches the parser; EOS stays hidden."""
+    from services.gateway.tool_formats import MISTRAL, special_marker_ids
+
+    marked = copy.deepcopy(tokenizer)
+    marked.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    kept = special_marker_ids(marked, MISTRAL)
+    assert kept == {marked.convert_tokens_to_ids("[TOOL_CALLS]")}
+    assert special_marker_ids(tokenizer, MISTRAL) == frozenset()  # plain text there
+    text = 'Sure.[TOOL_CALLS][{"name": "now"}] 世界'
+    ids = marked.encode(text) + [marked.eos_token_id]
+    assert kept <= set(ids)
+    detokenizer = IncrementalDetokenizer(marked, keep_special_ids=kept)
+    pieces = [detokenizer.push([i]) for i in ids] + [detokenizer.flush()]
+    assert "".join(pieces) == text
+    assert "[TOOL_CALLS]" not in "".join(detokenize(marked, [ids]))  # skipped by default
 
 
 def test_output_of_only_special_tokens_is_empty(tokenizer):

@@ -1,14 +1,17 @@
-"""Tool calls cut out of a choice's text: the same content and calls however the text is split
-into streamed pieces, held-back tag starts, malformed and unfinished calls kept as content."""
+"""Tool calls cut out of a choice's text, in each format: the same content and calls however the
+text is split into streamed pieces, held-back opener starts, malformed and unfinished calls kept
+as content."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from services.gateway.openai_protocol import parse_chat_request
+from services.gateway.tool_formats import LLAMA3_JSON, MISTRAL, TAGGED
 from services.gateway.tool_output import ToolCallParser, extract_tool_calls
 
 MODEL = "smollm2"
@@ -31,6 +34,22 @@ TEXTS = [
     "unfinished " + OSLO[:30],  # the choice ended (length) inside a call
     "ends on a tag start <tool_",
 ]
+MISTRAL_CALLS = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "now"}]'
+MISTRAL_TEXTS = [
+    "Sure. [TOOL_CALLS]" + MISTRAL_CALLS,
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]now[ARGS]{}',  # the newer form
+    "No [TOOL but no call",
+    '[TOOL_CALLS][{"name": "rm", "arguments": {}}]',  # unknown tool: content
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"ci',  # cut by max_tokens
+]
+LLAMA3_TEXTS = [
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '\n<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "now"}',
+    'The call would be {"name": "now", "parameters": {}}',  # not at the start: content
+    '{"answer": 42}',  # JSON, but no call
+    '{"name": "get_weather", "parameters": {"city": "Os',
+]
+FORMAT_TEXTS = {TAGGED: TEXTS, MISTRAL: MISTRAL_TEXTS, LLAMA3_JSON: LLAMA3_TEXTS}
 
 
 def setup(**fields):
@@ -39,8 +58,8 @@ def setup(**fields):
     return parse_chat_request({**body, **fields}, MODEL, 2048).tools
 
 
-def streamed(tools, pieces: list[str]) -> tuple[str, list[dict]]:
-    parser = ToolCallParser(tools)
+def streamed(tools, pieces: list[str], tool_format=TAGGED) -> tuple[str, list[dict]]:
+    parser = ToolCallParser(tools, tool_format)
     content, calls = "", []
     for piece in pieces:
         out = parser.push(piece)
@@ -71,13 +90,49 @@ def test_calls_are_cut_out_of_the_whole_text():
     assert extract_tool_calls(auto, TEXTS[7]) == (TEXTS[7], [])
 
 
-@given(st.sampled_from(TEXTS), st.lists(st.integers(0, 120), max_size=12))
-def test_any_split_into_pieces_gives_the_same_content_and_calls(text, cuts):
-    cuts = sorted({min(c, len(text)) for c in cuts})
+def test_mistral_calls_run_from_the_marker_to_the_end():
+    auto = setup()
+    content, calls = extract_tool_calls(auto, MISTRAL_TEXTS[0], MISTRAL)
+    assert content == "Sure."
+    assert names_and_arguments(calls) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+    # Mistral's templates take back only ids of nine letters or digits.
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    content, calls = extract_tool_calls(auto, MISTRAL_TEXTS[1], MISTRAL)
+    assert content is None
+    assert names_and_arguments(calls) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+    for text in MISTRAL_TEXTS[2:]:
+        assert extract_tool_calls(auto, text, MISTRAL) == (text, [])
+    forced = extract_tool_calls(setup(tool_choice="required"), '{"name": "now"}', MISTRAL)
+    assert forced[1][0]["function"] == {"name": "now", "arguments": "{}"}
+    assert len(forced[1][0]["id"]) == 9
+
+
+def test_llama3_calls_are_an_answer_that_begins_as_json():
+    auto = setup()
+    content, calls = extract_tool_calls(auto, LLAMA3_TEXTS[0], LLAMA3_JSON)
+    assert content is None and names_and_arguments(calls) == [("get_weather", {"city": "Oslo"})]
+    assert calls[0]["id"].startswith("call_")
+    content, calls = extract_tool_calls(auto, LLAMA3_TEXTS[1], LLAMA3_JSON)
+    assert names_and_arguments(calls) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+    for text in LLAMA3_TEXTS[2:]:
+        assert extract_tool_calls(auto, text, LLAMA3_JSON) == (text, [])
+
+
+def test_a_tagged_call_is_only_content_in_another_format():
+    assert extract_tool_calls(setup(), OSLO, MISTRAL) == (OSLO, [])
+    assert extract_tool_calls(setup(), "[TOOL_CALLS]" + MISTRAL_CALLS, TAGGED)[1] == []
+
+
+@pytest.mark.parametrize("tool_format", FORMAT_TEXTS, ids=lambda f: f.name)
+@given(data=st.data())
+def test_any_split_into_pieces_gives_the_same_content_and_calls(tool_format, data):
+    text = data.draw(st.sampled_from(FORMAT_TEXTS[tool_format]))
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    cuts = sorted(set(cuts))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     auto = setup()
-    content, calls = streamed(auto, pieces)
-    whole_content, whole_calls = extract_tool_calls(auto, text)
+    content, calls = streamed(auto, pieces, tool_format)
+    whole_content, whole_calls = extract_tool_calls(auto, text, tool_format)
     assert content == (whole_content or "")
     assert names_and_arguments(calls) == names_and_arguments(whole_calls)
     assert [c["index"] for c in calls] == list(range(len(calls)))
@@ -91,6 +146,23 @@ def test_a_possible_tag_start_is_held_until_it_is_not_one():
     assert out.content == "" and out.calls[0]["function"]["name"] == "get_weather"
     assert parser.push("\n").content == ""  # trailing whitespace is held, then dropped
     assert parser.finish().content == ""
+
+
+def test_content_streams_until_a_marker_and_the_calls_come_at_the_end():
+    mistral = ToolCallParser(setup(), MISTRAL)
+    assert mistral.push("Let me check. [TOOL").content == "Let me check."
+    assert mistral.push("_CALLS]" + MISTRAL_CALLS[:30]).content == ""
+    out = mistral.push(MISTRAL_CALLS[30:])
+    assert out.content == "" and out.calls == []  # a block to the end is judged at the end
+    assert [c["index"] for c in mistral.finish().calls] == [0, 1]
+    llama = ToolCallParser(setup(), LLAMA3_JSON)
+    assert llama.push(" <|python").content == ""  # could still open a call
+    assert llama.push("_tag|>" + LLAMA3_TEXTS[0]).content == ""
+    assert len(llama.finish().calls) == 1
+    prose = ToolCallParser(setup(), LLAMA3_JSON)
+    assert prose.push("It is").content == "It is"  # content from its first word
+    assert prose.push(' {"name": "now"}').content == ' {"name": "now"}'
+    assert prose.finish().calls == []
 
 
 def test_a_forced_call_is_judged_whole_at_the_end():

@@ -1,0 +1,160 @@
+"""The ways chat templates teach a model to write tool calls, told apart by the template's text.
+
+- `tagged` (Hermes, Qwen2.5 and their family; also the fallback format of services.gateway.tools
+  for templates that know no tools): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks anywhere in the text.
+- `mistral`: the marker `[TOOL_CALLS]` (a special token) followed by a JSON list of
+  `{"name", "arguments"}` objects, to the end of the text; newer Mistral tokenizers write
+  `[TOOL_CALLS]name[ARGS]{...}` once a call. Their templates require call ids of nine letters
+  and digits, so calls in this format get such ids.
+- `llama3_json` (Llama 3.1 to 3.3): an answer that *begins* with a JSON object
+  `{"name": ..., "parameters": {...}}` (optionally after the special token `<|python_tag|>`) is
+  a call; several are separated by `;`. Text that begins otherwise is content.
+
+A call block is judged whole: `calls()` gives the (name, arguments) pairs of a block, markers
+included, or None when it is not a well-formed block of this format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Call = tuple[str, Any]  # a function's name and its arguments, parsed JSON
+
+MISTRAL_MARKER = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+_PYTHON_TAG = "<|python_tag|>"
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    openers: tuple[str, ...]  # texts that open a call block
+    closer: str | None  # closes a block; None: a block runs to the end of the text
+    only_at_start: bool  # a block opens only before any content
+    decode: Callable[[str], list[Call] | None]  # a block's text, openers stripped
+    new_call_id: Callable[[], str]
+
+    def calls(self, block: str) -> list[Call] | None:
+        """The calls of a whole block (from its opener to its closer or the end), or None."""
+        for opener in self.openers:
+            if block.startswith(opener):
+                body = block[len(opener) :]
+                if self.closer is not None:
+                    if not body.endswith(self.closer):
+                        return None
+                    body = body[: -len(self.closer)]
+                # Llama's bare JSON opens on its own first character, which belongs to the body.
+                return self.decode(opener + body if opener == "{" else body)
+        return None
+
+
+def _openai_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _mistral_call_id() -> str:
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
+
+
+def _call(obj: Any, arguments_keys: tuple[str, ...]) -> Call | None:
+    """An object `{"name": str, <arguments key>: object}` as a call; None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    keys = [k for k in arguments_keys if k in obj]
+    arguments = obj[keys[0]] if keys else {}
+    if not isinstance(arguments, dict):
+        return None
+    return obj["name"], arguments
+
+
+def _tagged_calls(body: str) -> list[Call] | None:
+    try:
+        call = _call(json.loads(body), ("arguments",))
+    except json.JSONDecodeError:
+        return None
+    return None if call is None else [call]
+
+
+def _mistral_calls(body: str) -> list[Call] | None:
+    calls: list[Call] = []
+    for part in body.split(MISTRAL_MARKER):  # the newer form repeats the marker once a call
+        part = part.strip()
+        if _MISTRAL_ARGS in part:
+            name, _, arguments = part.partition(_MISTRAL_ARGS)
+            part = json.dumps({"name": name.strip(), "arguments": _json_or_none(arguments)})
+        objs = _json_or_none(part)
+        objs = objs if isinstance(objs, list) else [objs]
+        found = [_call(obj, ("arguments",)) for obj in objs]
+        if not found or None in found:
+            return None
+        calls += found
+    return calls
+
+
+def _llama3_calls(body: str) -> list[Call] | None:
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    body = body.strip()
+    while at < len(body):
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return None
+        call = _call(obj, ("parameters", "arguments"))
+        if call is None:
+            return None
+        calls.append(call)
+        at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+    return calls or None
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+TAGGED = ToolFormat(
+    "tagged", ("<tool_call>",), "</tool_call>", False, _tagged_calls, _openai_call_id
+)
+MISTRAL = ToolFormat("mistral", (MISTRAL_MARKER,), None, False, _mistral_calls, _mistral_call_id)
+LLAMA3_JSON = ToolFormat(
+    "llama3_json", (_PYTHON_TAG, "{"), None, True, _llama3_calls, _openai_call_id
+)
+
+# What in a template's text shows the call format it teaches; tried in this order.
+_TEMPLATE_SIGNS = (
+    (TAGGED, re.compile(re.escape("<tool_call>"))),
+    (MISTRAL, re.compile(re.escape(MISTRAL_MARKER))),
+    (LLAMA3_JSON, re.compile(r"\"parameters\": |<\|python_tag\|>")),
+)
+
+
+def template_tool_format(tokenizer) -> ToolFormat | None:
+    """The call format the tokenizer's chat template teaches when given `tools`; None when it
+    takes no tools, or teaches a format not listed here (such templates get the fallback)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one renders chats
+        template = template.get("default") or template.get("tool_use")
+    if not isinstance(template, str) or "tools" not in template:
+        return None
+    for tool_format, sign in _TEMPLATE_SIGNS:
+        if sign.search(template):
+            return tool_format
+    return None
+
+
+def special_marker_ids(tokenizer, tool_format: ToolFormat) -> frozenset[int]:
+    """The ids of the format's openers that the tokenizer holds as special tokens: decoding
+    must keep them (it drops special tokens), or the parser would never see a call begin."""
+    specials = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return frozenset(specials[o] for o in tool_format.openers if o in specials)
