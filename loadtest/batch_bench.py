@@ -39,17 +39,10 @@ from collections import Counter
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.served import tandem_up
 from loadtest.ttft_breakdown import breakdown
-
-BUSY_SECONDS = "tandem:engine_busy_seconds_total"
-# A peer's role, told by a counter only that role exports.
-ROLE_MARKERS = {
-    "prefill": "tandem:prefill_tokens_total",
-    "decode": "tandem:decode_generated_tokens_total",
-}
+from loadtest.worker_metrics import worker_counters
 
 TRICKLE_PROMPTS = ["Hi! How are you?", "Name a colour.", "What is 2 + 2?", "Say hello."]
 
@@ -115,17 +108,7 @@ def summary(ttfts: list[float]) -> dict[str, Any]:
 async def busy_seconds(http: httpx.AsyncClient) -> dict[str, tuple[str, float]]:
     """Each worker's time inside engine steps so far, by peer: (role, seconds)."""
     text = (await http.get("/metrics")).text  # the gateway federates every peer's metrics
-    seconds: dict[str, float] = {}
-    roles: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            peer = sample.labels.get("peer", "")
-            if sample.name == BUSY_SECONDS:
-                seconds[peer] = sample.value
-            for role, marker in ROLE_MARKERS.items():
-                if sample.name == marker:
-                    roles[peer] = role
-    return {peer: (roles.get(peer, "unknown"), value) for peer, value in seconds.items()}
+    return {peer: (c.role, c.busy_s) for peer, c in worker_counters(text).items()}
 
 
 def busy_fractions(

@@ -17,6 +17,7 @@ pool) and free-form metadata (the machine, the date, whether it was shared while
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,6 +101,18 @@ class WorkerProfile:
         """Seconds to hand the KV of `num_tokens` tokens from a prefill to a decode worker."""
         num_bytes = num_tokens * self.kv_bytes_per_token
         return self.transfer_latency_s + num_bytes / self.transfer_bytes_per_s
+
+    def slowed(self, prefill: float = 1.0, decode: float = 1.0) -> WorkerProfile:
+        """The same curves with every prefill and decode step time multiplied by these factors:
+        workers timed slower where they run (beside other services) than where profiled."""
+        if not (prefill > 0 and decode > 0):
+            raise ProfileError("step time factors must be positive")
+        return dataclasses.replace(
+            self,
+            prefill_seconds=[t * prefill for t in self.prefill_seconds],
+            decode_seconds=[[t * decode for t in row] for row in self.decode_seconds],
+            metadata={**self.metadata, "slowed": {"prefill": prefill, "decode": decode}},
+        )
 
     @property
     def num_kv_blocks(self) -> int:

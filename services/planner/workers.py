@@ -45,6 +45,7 @@ class Cluster(Protocol):
 class WorkerStats:
     busy_s: float = 0.0  # time spent in steps
     num_steps: int = 0
+    num_step_sequences: int = 0  # decode: sequences summed over its steps
     num_preemptions: int = 0
 
 
@@ -269,6 +270,7 @@ class SimDecodeWorker:
         self.stepping = True
         self.stats.busy_s += duration
         self.stats.num_steps += 1
+        self.stats.num_step_sequences += len(batch)
         self.cluster.at(self.cluster.now + duration, self._end_step)
 
     def _admit(self) -> int:

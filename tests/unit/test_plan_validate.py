@@ -1,4 +1,5 @@
-"""The validation script's pure parts: configurations, the simulated side, the table, refusals."""
+"""The validation script's pure parts: configurations, the simulated side, the table, the
+workers' step counters and the slow-down they give, refusals."""
 
 from __future__ import annotations
 
@@ -6,15 +7,21 @@ import pytest
 
 from loadtest.metrics import summarize
 from loadtest.plan_validate import (
+    StepTimes,
     ValidateError,
     main,
     parse_configs,
     ranking,
+    role_steps,
     simulated,
+    slow_down,
+    steps_table,
     table,
     within,
 )
+from loadtest.worker_metrics import WorkerCounters, worker_counters
 from loadtest.workload import read_workload
+from services.planner.profile import ProfileError
 from tests.unit.test_planner_sim import cpu_like_profile
 
 
@@ -27,10 +34,14 @@ def test_parse_configs():
 
 def test_the_simulated_side_on_the_shipped_workload():
     requests = read_workload("loadtest/workloads/mixed64.jsonl")
-    one, two = (
+    (one, one_steps), (two, _) = (
         simulated(cpu_like_profile(), requests, 1, 1),
         simulated(cpu_like_profile(), requests, 2, 2),
     )
+    decode = one_steps["decode"]
+    assert decode.sequences == sum(r.max_tokens - 1 for r in requests)  # the first: prefill's
+    assert 1 <= decode.mean_batch <= 64 and decode.mean_step_s > 0
+    assert "decode" in steps_table({"1P1D": (one_steps, one_steps)})
     assert one.num_ok == two.num_ok == len(requests)
     assert two.ttft_p90 <= one.ttft_p90
     rows = {"1P1D": (one, one), "2P2D": (two, one)}
@@ -46,3 +57,48 @@ def test_wrong_values_exit_2(capsys):
     assert "cannot read profile" in capsys.readouterr().err
     assert main(["--profile", "1P1D=/nonexistent.json", "--configs", "1P2D"]) == 2
     assert "no file for 1P2D" in capsys.readouterr().err
+
+
+METRICS = """\
+tandem:engine_steps_total{peer="prefill-0"} 10
+tandem:engine_busy_seconds_total{peer="prefill-0"} 4
+tandem:prefill_tokens_total{peer="prefill-0"} 900
+tandem:engine_steps_total{peer="decode-0"} 100
+tandem:engine_busy_seconds_total{peer="decode-0"} 30
+tandem:decode_batch_size_sum{peer="decode-0"} 800
+tandem:decode_batch_size_count{peer="decode-0"} 100
+tandem:decode_generated_tokens_total{peer="decode-0"} 800
+tandem:engine_steps_total{peer="decode-1"} 50
+tandem:engine_busy_seconds_total{peer="decode-1"} 10
+tandem:decode_batch_size_sum{peer="decode-1"} 200
+tandem:decode_generated_tokens_total{peer="decode-1"} 200
+tandem:num_requests_running{peer="scheduler"} 3
+"""
+
+
+def test_the_workers_steps_are_read_from_their_counters():
+    after = worker_counters(METRICS)
+    assert set(after) == {"prefill-0", "decode-0", "decode-1"}  # the scheduler has no steps
+    assert after["decode-0"] == WorkerCounters("decode", 100, 30, 800, 100)
+    before = {"decode-0": WorkerCounters("decode", 20, 6, 160, 20)}
+    steps = role_steps(before, after)
+    assert steps["prefill"] == StepTimes(10, 4, 0)
+    assert steps["decode"] == StepTimes(130, 34, 840)  # decode-1 was not there before: all new
+    assert steps["decode"].mean_batch == pytest.approx(840 / 130)
+
+
+def test_the_slow_down_sets_the_run_against_the_profile():
+    profile = cpu_like_profile()
+    requests = read_workload("loadtest/workloads/mixed64.jsonl")
+    context = sum(r.num_prompt_tokens + r.max_tokens / 2 for r in requests) / len(requests)
+    step_s = profile.decode_time(8, context)
+    real = {"prefill": StepTimes(10, 6.0), "decode": StepTimes(100, 100 * 1.25 * step_s, 800)}
+    sim = {"prefill": StepTimes(12, 4.0), "decode": StepTimes(90, 1.0, 700)}
+    prefill, decode = slow_down(profile, real, sim, requests)
+    assert prefill == pytest.approx(1.5) and decode == pytest.approx(1.25)
+    slowed = profile.slowed(prefill, decode)
+    assert slowed.decode_time(8, context) == pytest.approx(1.25 * step_s)
+    assert slowed.prefill_time(100) == pytest.approx(1.5 * profile.prefill_time(100))
+    assert slowed.transfer_time(100) == profile.transfer_time(100)
+    with pytest.raises(ProfileError, match="positive"):
+        profile.slowed(decode=0)

@@ -1,0 +1,49 @@
+"""Each worker's engine counters, read from the gateway's /metrics (which federates every peer's
+metrics under a `peer` label): its role, steps, time inside steps, and for decode workers the
+sequences its steps carried. Benchmarks take them before and after a run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+STEPS = "tandem:engine_steps_total"
+BUSY_SECONDS = "tandem:engine_busy_seconds_total"
+BATCH_SEQUENCES = "tandem:decode_batch_size_sum"  # sequences over all decode steps
+BATCH_STEPS = "tandem:decode_batch_size_count"  # decode steps that carried sequences
+# A peer's role, told by a counter only that role exports.
+ROLE_MARKERS = {
+    "prefill": "tandem:prefill_tokens_total",
+    "decode": "tandem:decode_generated_tokens_total",
+}
+
+
+@dataclass(frozen=True)
+class WorkerCounters:
+    role: str  # "prefill", "decode", or "unknown"
+    steps: float = 0.0
+    busy_s: float = 0.0
+    batch_sequences: float = 0.0  # decode: sequences summed over its steps
+    batch_steps: float = 0.0
+
+
+def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
+    """The counters of every peer that reports engine steps, by peer."""
+    values: dict[str, dict[str, float]] = {}
+    roles: dict[str, str] = {}
+    fields = {STEPS: "steps", BUSY_SECONDS: "busy_s", BATCH_SEQUENCES: "batch_sequences",
+              BATCH_STEPS: "batch_steps"}  # fmt: skip
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            peer = sample.labels.get("peer", "")
+            if sample.name in fields:
+                values.setdefault(peer, {})[fields[sample.name]] = sample.value
+            for role, marker in ROLE_MARKERS.items():
+                if sample.name == marker:
+                    roles[peer] = role
+    return {
+        peer: WorkerCounters(roles.get(peer, "unknown"), **found)
+        for peer, found in values.items()
+        if "busy_s" in found
+    }
