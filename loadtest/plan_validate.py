@@ -9,12 +9,19 @@ four figures). Every worker of a local cluster shares this machine's cores, so t
 be measured under the same sharing: `--profile` per configuration (`1P1D=a.json,...`), or one
 profile for all. Run it on a quiet machine.
 
-Beside the gateway, the scheduler and the load client, a worker's steps run slower than in a
-profile taken beside other profiles only. So the workers' own step counters are read from the
-cluster's /metrics around the run (steps, time inside them, sequences per decode step) and set
-against the profile's: the prefill workers' busy time against the simulation's, the decode
-workers' mean step against the profile's step at the same mean batch. A second table simulates
-with the profile slowed by those two factors: the configuration profiled as it runs.
+Each run is simulated three ways, each with its table of figures, of the workers' steps (read
+from the cluster's /metrics around the run: steps, time inside them, their p50/p90 duration,
+sequences per decode step) beside the simulation's, and its verdict:
+
+- `profile`: the configuration's profile, measured with as many profiles running at once as
+  the cluster has workers (every step as if all were busy);
+- `shared cores`: each step timed by the profile measured with as many workers busy as are when
+  it starts (`--shared-cores`: profiles measured alone, with two, with three at once), since a
+  local cluster's workers share the machine's cores only while they are all busy;
+- `slowed`: the profile slowed by the run's own step times (the prefill workers' busy time
+  against the simulation's, the decode workers' mean step against the profile's at their mean
+  batch): the configuration profiled as it runs, which also takes in the gateway's, the
+  scheduler's and the client's share of the cores.
 
     .venv/bin/python -m loadtest.plan_validate --workload loadtest/workloads/mixed64.jsonl \\
         --configs 1P1D,1P2D,2P1D  # the shipped shared-core profiles of this machine kind
@@ -38,9 +45,10 @@ from loadtest.plan_search import to_records
 from loadtest.served import tandem_up
 from loadtest.worker_metrics import WorkerCounters, worker_counters
 from loadtest.workload import WorkloadRequest, read_workload
-from services.planner.profile import ProfileError, WorkerProfile
+from services.planner.profile import ProfileError, SharedCores, WorkerProfile
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import SimRequest
+from shared.metrics import STEP_BUCKETS
 
 FIGURES = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
 # Profiles measured on this machine kind as `tandem up`'s workers share it: one torch thread
@@ -49,6 +57,12 @@ SHARED_PROFILES = (
     "1P1D=loadtest/profiles/cpu-smollm2-1thread-2shared.json,"
     "1P2D=loadtest/profiles/cpu-smollm2-1thread-3shared.json,"
     "2P1D=loadtest/profiles/cpu-smollm2-1thread-3shared.json"
+)
+# The same machine kind measured with one, two and three `tandem profile --threads 1` at once.
+SHARED_CORES = (
+    "loadtest/profiles/cpu-smollm2-1thread.json,"
+    "loadtest/profiles/cpu-smollm2-1thread-2shared.json,"
+    "loadtest/profiles/cpu-smollm2-1thread-3shared.json"
 )
 TOLERANCE = 0.2
 
@@ -91,6 +105,8 @@ class StepTimes:
     steps: float
     busy_s: float
     sequences: float = 0.0  # decode: sequences summed over its steps
+    # Steps by duration: [i] in (STEP_BUCKETS[i-1], STEP_BUCKETS[i]], the last beyond them all.
+    step_counts: tuple[float, ...] = ()
 
     @property
     def mean_step_s(self) -> float:
@@ -100,21 +116,44 @@ class StepTimes:
     def mean_batch(self) -> float:
         return self.sequences / self.steps if self.steps else 0.0
 
+    def step_quantile(self, q: float) -> float | None:
+        """The q-quantile of the step durations, linear within its bucket (as Prometheus'
+        histogram_quantile); None without steps."""
+        total = sum(self.step_counts)
+        if not total:
+            return None
+        rank, seen = q * total, 0.0
+        for i, count in enumerate(self.step_counts):
+            if count and seen + count >= rank:
+                if i == len(STEP_BUCKETS):
+                    return STEP_BUCKETS[-1]  # beyond the last bound: that bound, at least
+                lower = STEP_BUCKETS[i - 1] if i else 0.0
+                return lower + (STEP_BUCKETS[i] - lower) * (rank - seen) / count
+            seen += count
+        return STEP_BUCKETS[-1]
+
 
 Run = tuple[Summary, dict[str, StepTimes]]  # the figures, and the steps by role
 
 
-def simulated(profile: WorkerProfile, requests: list[WorkloadRequest], p: int, d: int) -> Run:
+def simulated(
+    profile: WorkerProfile,
+    requests: list[WorkloadRequest],
+    p: int,
+    d: int,
+    shared: SharedCores | None = None,
+) -> Run:
     sim_requests = [
         SimRequest(r.arrival_time, r.num_prompt_tokens or 1, r.max_tokens, label=r.label)
         for r in requests
     ]
-    result = Simulator(profile, SimConfig(p, d)).run(sim_requests)
+    result = Simulator(profile, SimConfig(p, d), shared).run(sim_requests)
     steps = {
         role: StepTimes(
             sum(s.num_steps for s in stats.values()),
             sum(s.busy_s for s in stats.values()),
             sum(s.num_step_sequences for s in stats.values()),
+            tuple(map(sum, zip(*(s.step_counts for s in stats.values()), strict=True))),
         )
         for role, stats in (("prefill", result.prefill_stats), ("decode", result.decode_stats))
     }
@@ -133,14 +172,20 @@ def role_steps(
     before: dict[str, WorkerCounters], after: dict[str, WorkerCounters]
 ) -> dict[str, StepTimes]:
     """What each role's workers did between two readings of their counters."""
-    totals: dict[str, list[float]] = {}
+    totals: dict[str, list] = {}
     for peer, end in after.items():
         start = before.get(peer, WorkerCounters(end.role))
-        total = totals.setdefault(end.role, [0.0, 0.0, 0.0])
+        total = totals.setdefault(end.role, [0.0, 0.0, 0.0, [0.0] * len(end.step_buckets)])
         total[0] += end.steps - start.steps
         total[1] += end.busy_s - start.busy_s
         total[2] += end.batch_sequences - start.batch_sequences
-    return {role: StepTimes(*total) for role, total in totals.items()}
+        cumulated = [b - a for a, b in zip(start.step_buckets, end.step_buckets, strict=True)]
+        for i, count in enumerate(cumulated):  # back to counts per bucket
+            total[3][i] += count - (cumulated[i - 1] if i else 0.0)
+    return {
+        role: StepTimes(steps, busy, sequences, tuple(counts))
+        for role, (steps, busy, sequences, counts) in totals.items()
+    }
 
 
 def slow_down(
@@ -160,17 +205,32 @@ def slow_down(
 
 
 def steps_table(rows: dict[str, tuple[dict[str, StepTimes], dict[str, StepTimes]]]) -> str:
-    lines = [f"{'config':<6} {'role':<8} {'steps sim/meas':>16} {'mean step ms sim/meas':>22}"
-             f" {'busy s sim/meas':>16} {'mean batch sim/meas':>20}"]  # fmt: skip
+    header = ("steps sim/meas", "mean step ms", "step p50 ms", "step p90 ms", "busy s", "batch")
+    widths = (15, 14, 13, 13, 13, 11)
+    lines = [f"{'config':<6} {'role':<8} " + " ".join(
+        f"{h:>{w}}" for h, w in zip(header, widths, strict=True)
+    )]  # fmt: skip
     for name, (sim, real) in rows.items():
         for role in ("prefill", "decode"):
             s, m = sim[role], real.get(role, StepTimes(0, 0))
+            cells = [
+                (s.steps, m.steps, "{:.0f}"),
+                (s.mean_step_s * 1e3, m.mean_step_s * 1e3, "{:.0f}"),
+                (_ms_or_none(s.step_quantile(0.5)), _ms_or_none(m.step_quantile(0.5)), "{}"),
+                (_ms_or_none(s.step_quantile(0.9)), _ms_or_none(m.step_quantile(0.9)), "{}"),
+                (s.busy_s, m.busy_s, "{:.1f}"),
+                (s.mean_batch, m.mean_batch, "{:.1f}"),
+            ]
+            shown = [f"{fmt.format(a)} / {fmt.format(b)}" for a, b, fmt in cells]
             lines.append(
-                f"{name:<6} {role:<8} {s.steps:>7.0f} / {m.steps:<6.0f} "
-                f"{s.mean_step_s * 1e3:>10.0f} / {m.mean_step_s * 1e3:<9.0f} "
-                f"{s.busy_s:>7.1f} / {m.busy_s:<6.1f} {s.mean_batch:>9.1f} / {m.mean_batch:<8.1f}"
+                f"{name:<6} {role:<8} "
+                + " ".join(f"{c:>{w}}" for c, w in zip(shown, widths, strict=True))
             )
     return "\n".join(lines)
+
+
+def _ms_or_none(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 def relative(simulated_s: float | None, measured_s: float | None) -> float | None:
@@ -213,60 +273,88 @@ def within(rows: dict[str, tuple[Summary, Summary]]) -> bool:
     )
 
 
+# The models a run is simulated with, in the order they are printed.
+MODELS = {
+    "profile": "the configuration's profile, as measured",
+    "shared cores": "shared cores: each step timed by the profile measured with as many busy",
+    "slowed": "the profile slowed by the run's own step times",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="loadtest/workloads/mixed64.jsonl")
     parser.add_argument("--profile", default=SHARED_PROFILES)
+    parser.add_argument(
+        "--shared-cores",
+        default=SHARED_CORES,
+        help="profiles measured with 1, 2, ... workers busy at once, comma-separated, for the "
+        "shared-cores model ('' for none)",
+    )
     parser.add_argument("--configs", default="1P1D,1P2D,2P1D")
     parser.add_argument("--cluster-args", default="", help="extra `tandem up` flags, one string")
-    parser.add_argument("--out", help="a JSON file for the table")
+    parser.add_argument("--out", help="a JSON file for the tables")
     args = parser.parse_args(argv)
     try:
         configs = parse_configs(args.configs)
         profiles = parse_profiles(args.profile, configs)
+        shared = None
+        if args.shared_cores:
+            files = args.shared_cores.split(",")
+            shared = SharedCores(tuple(WorkerProfile.load(f) for f in files))
         requests = read_workload(args.workload)
     except (ValidateError, ProfileError, OSError, ValueError) as error:
         print(f"plan_validate: {error}", file=sys.stderr)
         return 2
-    rows, steps, slowed_rows, factors = {}, {}, {}, {}
+    results = {model: {} for model in MODELS if model != "shared cores" or shared is not None}
+    factors = {}
     for p, d in configs:
         name, profile = f"{p}P{d}D", profiles[(p, d)]
-        real, real_steps = measured(requests, p, d, args.cluster_args.split())
-        sim, sim_steps = simulated(profile, requests, p, d)
-        factors[name] = slow_down(profile, real_steps, sim_steps, requests)
-        slowed, _ = simulated(profile.slowed(*factors[name]), requests, p, d)
-        rows[name], steps[name], slowed_rows[name] = (
-            (sim, real),
-            (sim_steps, real_steps),
-            (
-                slowed,
-                real,
-            ),
-        )
-        print(table(rows), steps_table(steps), sep="\n", flush=True)
-    print(f"profile as measured: within {TOLERANCE:.0%}: {within(rows)}; "
-          f"same ranking: {ranking(rows, 0) == ranking(rows, 1)}")  # fmt: skip
-    shown = ", ".join(f"{n} prefill x{f[0]:.2f} decode x{f[1]:.2f}" for n, f in factors.items())
-    print(f"\nslowed by the run's own step times ({shown}):")
-    print(table(slowed_rows))
-    print(f"profiled as it runs: within {TOLERANCE:.0%}: {within(slowed_rows)}; "
-          f"same ranking: {ranking(slowed_rows, 0) == ranking(slowed_rows, 1)}")  # fmt: skip
+        real = measured(requests, p, d, args.cluster_args.split())
+        results["profile"][name] = (simulated(profile, requests, p, d), real)
+        if shared is not None:
+            shared_run = simulated(shared.profiles[0], requests, p, d, shared)
+            results["shared cores"][name] = (shared_run, real)
+        factors[name] = slow_down(profile, real[1], results["profile"][name][0][1], requests)
+        slowed = simulated(profile.slowed(*factors[name]), requests, p, d)
+        results["slowed"][name] = (slowed, real)
+        print(report("profile", results["profile"]), flush=True)
+    for model, runs in results.items():
+        print(f"\n{MODELS[model]}:")
+        if model == "slowed":
+            print(", ".join(f"{n}: prefill x{f[0]:.2f}, decode x{f[1]:.2f}"
+                            for n, f in factors.items()))  # fmt: skip
+        print(report(model, runs))
     if args.out:
         data = {
-            n: {
-                "simulated": s.to_dict(),
-                "measured": m.to_dict(),
-                "simulated_slowed": slowed_rows[n][0].to_dict(),
-                "slow_down": {"prefill": factors[n][0], "decode": factors[n][1]},
-                "steps": {
-                    side: {role: vars(t) for role, t in by_role.items()}
-                    for side, by_role in zip(("simulated", "measured"), steps[n], strict=True)
-                },
-            }
-            for n, (s, m) in rows.items()
-        }
+            model: {name: {"simulated": run_dict(sim), "measured": run_dict(real)}
+                    for name, (sim, real) in runs.items()}
+            for model, runs in results.items()
+        }  # fmt: skip
+        data["slow_down"] = {n: {"prefill": f[0], "decode": f[1]} for n, f in factors.items()}
         Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     return 0
+
+
+def report(model: str, runs: dict[str, tuple[Run, Run]]) -> str:
+    """The figures' table, the steps' table and the verdict of one model's simulations."""
+    rows = {name: (sim[0], real[0]) for name, (sim, real) in runs.items()}
+    steps = {name: (sim[1], real[1]) for name, (sim, real) in runs.items()}
+    verdict = (
+        f"{model}: within {TOLERANCE:.0%}: {within(rows)}; "
+        f"same ranking: {ranking(rows, 0) == ranking(rows, 1)}"
+    )
+    return "\n".join((table(rows), steps_table(steps), verdict))
+
+
+def run_dict(run: Run) -> dict:
+    summary, steps = run
+    quantiles = {role: {"step_p50_s": t.step_quantile(0.5), "step_p90_s": t.step_quantile(0.9)}
+                 for role, t in steps.items()}  # fmt: skip
+    return {
+        **summary.to_dict(),
+        "steps": {role: {**vars(t), **quantiles[role]} for role, t in steps.items()},
+    }
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
 """Each worker's engine counters, read from the gateway's /metrics (which federates every peer's
-metrics under a `peer` label): its role, steps, time inside steps, and for decode workers the
-sequences its steps carried. Benchmarks take them before and after a run."""
+metrics under a `peer` label): its role, steps, time inside steps, its steps by duration, and for
+decode workers the sequences its steps carried. Benchmarks take them before and after a run."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from shared.metrics import STEP_BUCKETS
 
 STEPS = "tandem:engine_steps_total"
 BUSY_SECONDS = "tandem:engine_busy_seconds_total"
 BATCH_SEQUENCES = "tandem:decode_batch_size_sum"  # sequences over all decode steps
 BATCH_STEPS = "tandem:decode_batch_size_count"  # decode steps that carried sequences
+STEP_SECONDS = "tandem:engine_step_seconds_bucket"  # steps at most `le` seconds long
 # A peer's role, told by a counter only that role exports.
 ROLE_MARKERS = {
     "prefill": "tandem:prefill_tokens_total",
@@ -26,11 +29,15 @@ class WorkerCounters:
     busy_s: float = 0.0
     batch_sequences: float = 0.0  # decode: sequences summed over its steps
     batch_steps: float = 0.0
+    # Steps by duration, cumulated as Prometheus buckets are: [i] took at most STEP_BUCKETS[i]
+    # seconds, the last entry counts them all.
+    step_buckets: tuple[float, ...] = field(default=(0.0,) * (len(STEP_BUCKETS) + 1))
 
 
 def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
     """The counters of every peer that reports engine steps, by peer."""
     values: dict[str, dict[str, float]] = {}
+    buckets: dict[str, dict[float, float]] = {}
     roles: dict[str, str] = {}
     fields = {STEPS: "steps", BUSY_SECONDS: "busy_s", BATCH_SEQUENCES: "batch_sequences",
               BATCH_STEPS: "batch_steps"}  # fmt: skip
@@ -39,11 +46,18 @@ def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
             peer = sample.labels.get("peer", "")
             if sample.name in fields:
                 values.setdefault(peer, {})[fields[sample.name]] = sample.value
+            elif sample.name == STEP_SECONDS:
+                buckets.setdefault(peer, {})[float(sample.labels["le"])] = sample.value
             for role, marker in ROLE_MARKERS.items():
                 if sample.name == marker:
                     roles[peer] = role
+    bounds = (*STEP_BUCKETS, float("inf"))
     return {
-        peer: WorkerCounters(roles.get(peer, "unknown"), **found)
+        peer: WorkerCounters(
+            roles.get(peer, "unknown"),
+            **found,
+            step_buckets=tuple(buckets.get(peer, {}).get(b, 0.0) for b in bounds),
+        )
         for peer, found in values.items()
         if "busy_s" in found
     }

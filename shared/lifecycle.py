@@ -26,6 +26,7 @@ from shared.metrics import (
     ITL_BUCKETS,
     KV_BYTES_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
+    STEP_BUCKETS,
     TRANSFER_BUCKETS,
     TTFT_BUCKETS,
     name,
@@ -292,6 +293,9 @@ class WorkerEvents(_Events):
         self.steps = self.counter("engine_steps", "Engine steps completed")
         # Its rate is the worker's busy fraction (1.0: never idle between steps).
         self.busy = self.counter("engine_busy_seconds", "Wall time spent inside engine steps")
+        self.step_seconds = self.histogram(
+            "engine_step_seconds", "Wall time of each engine step", STEP_BUCKETS
+        )
         self.preemptions = self.counter(
             "num_preemptions", "Sequences preempted, by kind", ("kind",)
         )
@@ -338,6 +342,7 @@ class WorkerEvents(_Events):
     def step(self, duration_s: float) -> None:
         self.steps.inc()
         self.busy.inc(duration_s)
+        self.step_seconds.observe(duration_s)
 
     def refresh(self, heartbeat: wire.Heartbeat) -> None:
         """Sets the load gauges from the heartbeat the worker is about to send."""

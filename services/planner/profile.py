@@ -147,3 +147,20 @@ class WorkerProfile:
         if not isinstance(data, dict):
             raise ProfileError(f"profile {path} is not a JSON object")
         return cls.from_dict(data)
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """Workers that share one machine's cores (a local cluster): a step's time comes from the
+    profile measured with as many workers busy at once as are busy when the step starts, this
+    one included. `profiles[k - 1]`: measured with k busy (1: alone); past the last, the last.
+    On hardware of their own (a GPU each) workers need none of this."""
+
+    profiles: tuple[WorkerProfile, ...]
+
+    def __post_init__(self) -> None:
+        if not self.profiles:
+            raise ProfileError("shared cores need at least the profile measured alone")
+
+    def profile_for(self, num_busy: int) -> WorkerProfile:
+        return self.profiles[min(max(num_busy, 1), len(self.profiles)) - 1]

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.planner.events import EventQueue
-from services.planner.profile import WorkerProfile
+from services.planner.profile import SharedCores, WorkerProfile
 from services.planner.workers import SimDecodeWorker, SimPrefillWorker, WorkerStats
 from services.planner.workload import SimRequest
 from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
@@ -91,9 +91,14 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, profile: WorkerProfile, config: SimConfig):
+    def __init__(
+        self, profile: WorkerProfile, config: SimConfig, shared_cores: SharedCores | None = None
+    ):
+        """`shared_cores`: the workers share one machine (a local cluster), each step timed by
+        the profile measured with as many busy; None: each has hardware of its own, `profile`."""
         self.profile = profile
         self.config = config
+        self.shared_cores = shared_cores
         self.events = EventQueue()
         self.core = ClusterScheduler(config.limits)
         budget = config.max_num_batched_tokens or profile.settings.max_num_batched_tokens
@@ -132,6 +137,13 @@ class Simulator:
 
     def kv_arrived(self, decode_peer_id: str, job: wire.PrefillJob) -> None:
         self.decodes[decode_peer_id].on_kv(job)
+
+    def step_profile(self) -> WorkerProfile:
+        if self.shared_cores is None:
+            return self.profile
+        workers = (*self.prefills.values(), *self.decodes.values())
+        num_busy = 1 + sum(w.stepping for w in workers)  # those in a step, and this one
+        return self.shared_cores.profile_for(num_busy)
 
     # -- running ------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ simulator) that carries their messages to the scheduler core and their tokens to
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,6 +28,7 @@ from typing import Protocol
 from services.planner.profile import WorkerProfile
 from shared import wire
 from shared.engine.scheduler import MIN_CHUNK, prompt_shares
+from shared.metrics import STEP_BUCKETS
 
 
 class Cluster(Protocol):
@@ -39,6 +41,7 @@ class Cluster(Protocol):
     def first_token(self, request_id: str) -> None: ...
     def token_finished(self, request_id: str, num_output_tokens: int) -> None: ...
     def kv_arrived(self, decode_peer_id: str, job: wire.PrefillJob) -> None: ...
+    def step_profile(self) -> WorkerProfile: ...  # what times a step starting now
 
 
 @dataclass
@@ -47,6 +50,15 @@ class WorkerStats:
     num_steps: int = 0
     num_step_sequences: int = 0  # decode: sequences summed over its steps
     num_preemptions: int = 0
+    # Steps by duration: [i] counts those in (STEP_BUCKETS[i-1], STEP_BUCKETS[i]], the last one
+    # those beyond (the real workers' engine_step_seconds histogram, not cumulated).
+    step_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+
+    def record_step(self, duration_s: float, num_sequences: int = 0) -> None:
+        self.busy_s += duration_s
+        self.num_steps += 1
+        self.num_step_sequences += num_sequences
+        self.step_counts[bisect.bisect_left(STEP_BUCKETS, duration_s)] += 1
 
 
 @dataclass
@@ -104,10 +116,9 @@ class SimPrefillWorker:
         needs = [self.prompts[i].num_left for i in ids]
         bulk = [self.prompts[i].job.bulk for i in ids]
         shares = prompt_shares(needs, self.budget, self.token_cap, bulk)
-        duration = self.profile.prefill_time(sum(shares))
+        duration = self.cluster.step_profile().prefill_time(sum(shares))
         self.stepping = True
-        self.stats.busy_s += duration
-        self.stats.num_steps += 1
+        self.stats.record_step(duration)
         self.cluster.at(
             self.cluster.now + duration, self._end_step, dict(zip(ids, shares, strict=True))
         )
@@ -264,13 +275,11 @@ class SimDecodeWorker:
             return
         batch = list(self.running.values())
         context = sum(s.num_tokens for s in batch) / len(batch)
-        duration = self.profile.decode_time(len(batch), context)
+        duration = self.cluster.step_profile().decode_time(len(batch), context)
         if swap_tokens:
             duration += self.profile.transfer_time(swap_tokens)
         self.stepping = True
-        self.stats.busy_s += duration
-        self.stats.num_steps += 1
-        self.stats.num_step_sequences += len(batch)
+        self.stats.record_step(duration, len(batch))
         self.cluster.at(self.cluster.now + duration, self._end_step)
 
     def _admit(self) -> int:

@@ -141,6 +141,9 @@ def test_busy_seconds_add_up_the_steps_durations():
         events.step(duration_s)
     assert value(events, "tandem:engine_steps_total") == 3
     assert value(events, "tandem:engine_busy_seconds_total") == pytest.approx(0.875)
+    # Each step's time in the histogram: the 0.125 s step at or under 0.125, all three under 0.5.
+    assert value(events, "tandem:engine_step_seconds_bucket", le="0.125") == 1
+    assert value(events, "tandem:engine_step_seconds_bucket", le="0.5") == 3
 
 
 def test_host_tier_metrics_follow_the_engines_counters():

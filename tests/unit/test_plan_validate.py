@@ -22,6 +22,7 @@ from loadtest.plan_validate import (
 from loadtest.worker_metrics import WorkerCounters, worker_counters
 from loadtest.workload import read_workload
 from services.planner.profile import ProfileError
+from shared.metrics import STEP_BUCKETS
 from tests.unit.test_planner_sim import cpu_like_profile
 
 
@@ -41,6 +42,8 @@ def test_the_simulated_side_on_the_shipped_workload():
     decode = one_steps["decode"]
     assert decode.sequences == sum(r.max_tokens - 1 for r in requests)  # the first: prefill's
     assert 1 <= decode.mean_batch <= 64 and decode.mean_step_s > 0
+    assert sum(decode.step_counts) == decode.steps
+    assert 0 < decode.step_quantile(0.5) <= decode.step_quantile(0.9)
     assert "decode" in steps_table({"1P1D": (one_steps, one_steps)})
     assert one.num_ok == two.num_ok == len(requests)
     assert two.ttft_p90 <= one.ttft_p90
@@ -74,17 +77,41 @@ tandem:decode_batch_size_sum{peer="decode-1"} 200
 tandem:decode_generated_tokens_total{peer="decode-1"} 200
 tandem:num_requests_running{peer="scheduler"} 3
 """
+# decode-0's steps by duration: 20 at most 0.1 s, 80 at most 0.2 s, 100 in all.
+STEP_LINES = (
+    "".join(
+        f'tandem:engine_step_seconds_bucket{{peer="decode-0",le="{bound}"}} '
+        f"{0 if bound < 0.1 else 20 if bound < 0.2 else 80}\n"
+        for bound in STEP_BUCKETS
+    )
+    + 'tandem:engine_step_seconds_bucket{peer="decode-0",le="+Inf"} 100\n'
+)
 
 
 def test_the_workers_steps_are_read_from_their_counters():
-    after = worker_counters(METRICS)
+    after = worker_counters(METRICS + STEP_LINES)
     assert set(after) == {"prefill-0", "decode-0", "decode-1"}  # the scheduler has no steps
-    assert after["decode-0"] == WorkerCounters("decode", 100, 30, 800, 100)
+    decode = after["decode-0"]
+    assert (decode.role, decode.steps, decode.busy_s, decode.batch_sequences) == (
+        "decode",
+        100,
+        30,
+        800,
+    )
+    assert decode.step_buckets[STEP_BUCKETS.index(0.1)] == 20 and decode.step_buckets[-1] == 100
     before = {"decode-0": WorkerCounters("decode", 20, 6, 160, 20)}
     steps = role_steps(before, after)
-    assert steps["prefill"] == StepTimes(10, 4, 0)
-    assert steps["decode"] == StepTimes(130, 34, 840)  # decode-1 was not there before: all new
-    assert steps["decode"].mean_batch == pytest.approx(840 / 130)
+    assert (steps["prefill"].steps, steps["prefill"].busy_s) == (10, 4)
+    assert steps["prefill"].step_quantile(0.5) is None  # no bucket lines: durations unknown
+    decode = steps["decode"]  # decode-1 was not there before: all new
+    assert (decode.steps, decode.busy_s, decode.sequences) == (130, 34, 840)
+    assert decode.mean_batch == pytest.approx(840 / 130)
+    counts = decode.step_counts  # back from cumulated to per bucket
+    assert counts[STEP_BUCKETS.index(0.1)] == 20 and counts[STEP_BUCKETS.index(0.2)] == 60
+    assert counts[-1] == 20 and sum(counts) == 100
+    # The median: the 50th of 100, the 30th of the 60 in (0.15, 0.2].
+    assert decode.step_quantile(0.5) == pytest.approx(0.15 + 0.05 * 30 / 60)
+    assert decode.step_quantile(0.95) == STEP_BUCKETS[-1]  # beyond the last bound
 
 
 def test_the_slow_down_sets_the_run_against_the_profile():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.planner.profile import ProfileError, WorkerProfile, WorkerSettings
+from services.planner.profile import ProfileError, SharedCores, WorkerProfile, WorkerSettings
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import SimRequest, WorkloadError, load_workload
 from services.scheduler.core import SchedulerLimits
@@ -63,6 +63,29 @@ def test_a_tiny_scenario_answered_by_hand():
     assert result.decode_stats["decode0"].busy_s == 3 * 0.375
     assert result.utilization("prefill") == 1.5 / 2.5
     assert all(r.error is None and r.num_ends == 1 for r in result.records)
+
+
+def test_shared_cores_time_a_step_by_how_many_are_busy():
+    """The tiny scenario with a profile twice as slow whenever two workers step at once."""
+    alone = fixed_profile()
+    shared = SharedCores((alone, alone.slowed(prefill=2.0, decode=2.0)))
+    assert shared.profile_for(3) is shared.profiles[1] and shared.profile_for(1) is alone
+    requests = [
+        SimRequest(arrival_time=0.0, num_prompt_tokens=128, max_tokens=4),
+        SimRequest(arrival_time=0.125, num_prompt_tokens=128, max_tokens=2),
+        SimRequest(arrival_time=2.0, num_prompt_tokens=16, max_tokens=1),
+    ]
+    result = Simulator(alone, SimConfig(1, 1), shared).run(requests)
+    a, b, c = result.records
+    # A's first decode step starts at 0.75 while B's prefill runs (0.5-1.0): twice as long,
+    # 0.75-1.5; the next two alone: 1.875, 2.25.
+    assert (a.first_token_time, a.finish_time) == (0.5, 2.25)
+    assert (b.first_token_time, b.finish_time) == (1.0, 1.875)  # its prefill began alone
+    # C's prefill starts at 2.0, inside A's last decode step: 1.0 s instead of 0.5.
+    assert (c.first_token_time, c.finish_time) == (3.0, 3.0)
+    assert result.decode_stats["decode0"].busy_s == 0.75 + 2 * 0.375
+    with pytest.raises(ProfileError, match="alone"):
+        SharedCores(())
 
 
 def busy_workload(seed: int) -> list[SimRequest]:
