@@ -7,7 +7,8 @@ configuration, TTFT and TPOT p50/p90 simulated, measured and their relative diff
 issue's bar: within 20%), and whether the two rank the configurations alike (by mean of the
 four figures). Every worker of a local cluster shares this machine's cores, so the profile must
 be measured under the same sharing: `--profile` per configuration (`1P1D=a.json,...`), or one
-profile for all. Run it on a quiet machine.
+profile for all. Run it on a quiet machine; `--repeats 3` compares the medians of three
+measured runs per configuration (one run's figures spread by tens of percent).
 
 Each run is simulated three ways, each with its table of figures, of the workers' steps (read
 from the cluster's /metrics around the run: steps, time inside them, their p50/p90 duration,
@@ -31,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +171,18 @@ def measured(requests: list[WorkloadRequest], p: int, d: int, extra: list[str]) 
     return result.summary, role_steps(before, after)
 
 
+def median_run(runs: list[Run]) -> Run:
+    """Several measured runs of one configuration as one: each figure the median over the runs
+    that have it; the other fields and the steps those of the first run."""
+    first = runs[0][0]
+    medians = {}
+    for figure in FIGURES:
+        values = [getattr(summary, figure) for summary, _ in runs]
+        present = [v for v in values if v is not None]
+        medians[figure] = statistics.median(present) if present else None
+    return dataclasses.replace(first, **medians), runs[0][1]
+
+
 def role_steps(
     before: dict[str, WorkerCounters], after: dict[str, WorkerCounters]
 ) -> dict[str, StepTimes]:
@@ -293,9 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--configs", default="1P1D,1P2D,2P1D")
     parser.add_argument("--cluster-args", default="", help="extra `tandem up` flags, one string")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measured runs per configuration; their medians are compared (the real cluster's "
+        "figures spread by tens of percent between runs of one workload)",
+    )
     parser.add_argument("--out", help="a JSON file for the tables")
     args = parser.parse_args(argv)
     try:
+        if args.repeats < 1:
+            raise ValidateError(f"--repeats must be at least 1, got {args.repeats}")
         configs = parse_configs(args.configs)
         profiles = parse_profiles(args.profile, configs)
         shared = None
@@ -310,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     factors = {}
     for p, d in configs:
         name, profile = f"{p}P{d}D", profiles[(p, d)]
-        real = measured(requests, p, d, args.cluster_args.split())
+        runs = [measured(requests, p, d, args.cluster_args.split()) for _ in range(args.repeats)]
+        real = median_run(runs)
         results["profile"][name] = (simulated(profile, requests, p, d), real)
         if shared is not None:
             shared_run = simulated(shared.profiles[0], requests, p, d, shared)

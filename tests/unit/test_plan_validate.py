@@ -3,6 +3,9 @@ workers' step counters and the slow-down they give, refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+
 import pytest
 
 from loadtest.metrics import summarize
@@ -10,6 +13,7 @@ from loadtest.plan_validate import (
     StepTimes,
     ValidateError,
     main,
+    median_run,
     parse_configs,
     ranking,
     role_steps,
@@ -53,7 +57,20 @@ def test_the_simulated_side_on_the_shipped_workload():
     assert within({"1P1D": (one, one)}) and not within({"x": (one, summarize([]))})
 
 
+def test_repeated_runs_compare_by_their_medians():
+    requests = read_workload("loadtest/workloads/mixed64.jsonl")
+    summary, steps = simulated(cpu_like_profile(), requests, 1, 1)
+    slower = dataclasses.replace(summary, ttft_p50=3 * summary.ttft_p50, tpot_p90=None)
+    faster = dataclasses.replace(summary, ttft_p50=summary.ttft_p50 / 2)
+    median, median_steps = median_run([(slower, steps), (summary, steps), (faster, steps)])
+    assert median.ttft_p50 == summary.ttft_p50 and median_steps is steps
+    assert median.tpot_p90 == statistics.median([summary.tpot_p90, faster.tpot_p90])
+    assert median.num_ok == slower.num_ok  # the rest: the first run's
+
+
 def test_wrong_values_exit_2(capsys):
+    assert main(["--repeats", "0"]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
     assert main(["--configs", "1P"]) == 2
     assert "look like 1P2D" in capsys.readouterr().err
     assert main(["--profile", "/nonexistent.json"]) == 2
