@@ -283,7 +283,7 @@ class Simulator:
     def _to_decode(self, worker: SimDecodeWorker, message: wire.Message) -> None:
         match message:
             case wire.Reserve():
-                self.to_scheduler(worker.on_reserve(message))
+                worker.on_reserve(message)
             case wire.Cancel():
                 worker.on_cancel(message.request_id)
 

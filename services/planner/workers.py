@@ -10,7 +10,9 @@ simulator) that carries their messages to the scheduler core and their tokens to
   token at the step's end; its KV then travels to the decode target (the profile's transfer
   time, off the compute path), and on arrival the prefill reports the request done to the
   scheduler.
-* A decode worker reserves blocks when asked, admits a sequence when its KV arrives, and runs
+* A decode worker reserves blocks when asked (between its steps, as the real loop reads its
+  socket: a reservation asked mid-step is answered at the step's end), admits a sequence when
+  its KV arrives, and runs
   continuous batching: every step advances every running sequence by one token (step time by
   batch size and mean context), retires finished ones at once and admits waiting ones at the
   next step, up to `max_num_seqs`. A sequence that needs a block when none is free preempts the
@@ -218,6 +220,7 @@ class SimDecodeWorker:
     running: dict[str, _Sequence] = field(default_factory=dict)  # in admission order
     waiting: deque[_Sequence] = field(default_factory=deque)
     swapped: deque[_Sequence] = field(default_factory=deque)
+    pending_reserves: list[wire.Reserve] = field(default_factory=list)  # answered at step end
     stepping: bool = False
     stats: WorkerStats = field(default_factory=WorkerStats)
 
@@ -229,7 +232,15 @@ class SimDecodeWorker:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def on_reserve(self, reserve: wire.Reserve) -> wire.ReserveReply:
+    def on_reserve(self, reserve: wire.Reserve) -> None:
+        """Answers the scheduler, between steps as the real worker's loop does: a reservation
+        that arrives mid-step waits for the step's end (and the blocks it frees)."""
+        if self.stepping:
+            self.pending_reserves.append(reserve)
+        else:
+            self.cluster.to_scheduler(self._reserve(reserve))
+
+    def _reserve(self, reserve: wire.Reserve) -> wire.ReserveReply:
         num_blocks = self.blocks_for(reserve.num_tokens)
         ok = reserve.request_id not in self.reserved and num_blocks <= self.num_free_blocks
         if ok:
@@ -332,6 +343,9 @@ class SimDecodeWorker:
                 del self.running[sequence.request_id]
                 self.num_free_blocks += sequence.num_blocks
                 self._report(sequence)
+        reserves, self.pending_reserves = self.pending_reserves, []
+        for reserve in reserves:
+            self.cluster.to_scheduler(self._reserve(reserve))
         self._maybe_step()
 
     def _report(self, sequence: _Sequence) -> None:

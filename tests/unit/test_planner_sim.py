@@ -88,6 +88,20 @@ def test_shared_cores_time_a_step_by_how_many_are_busy():
         SharedCores(())
 
 
+def test_a_decode_worker_answers_reservations_between_its_steps():
+    """B arrives at 0.875, inside A's first decode step (0.75-1.125): without speculative
+    prefill its prefill waits for the reservation, answered at that step's end."""
+    requests = [
+        SimRequest(arrival_time=0.0, num_prompt_tokens=128, max_tokens=4),
+        SimRequest(arrival_time=0.875, num_prompt_tokens=16, max_tokens=2),
+    ]
+    config = SimConfig(1, 1, limits=SchedulerLimits(speculative_prefill=False))
+    a, b = Simulator(fixed_profile(), config).run(requests).records
+    assert (a.first_token_time, a.finish_time) == (0.5, 1.875)
+    # Prefill 1.125-1.625; KV (16 tokens) lands at 1.765625, mid-step; decodes 1.875-2.25.
+    assert (b.first_token_time, b.finish_time) == (1.625, 2.25)
+
+
 def busy_workload(seed: int) -> list[SimRequest]:
     spec = f"poisson:rate=6,n=240,prompt=8-1024,output=1-256,tenants=5,seed={seed}"
     return load_workload(spec)
