@@ -60,7 +60,8 @@ def family_gateway(request, cluster, tmp_path_factory):
             if httpx.get(url + "/ready", timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
-            time.sleep(0.3)
+            pass
+        time.sleep(0.3)
     else:
         process.kill()
         pytest.fail(f"the {family} gateway did not start:\n{(root / 'gateway.log').read_text()}")
