@@ -12,12 +12,12 @@ simulator) that carries their messages to the scheduler core and their tokens to
   scheduler.
 * A decode worker reserves blocks when asked (between its steps, as the real loop reads its
   socket: a reservation asked mid-step is answered at the step's end), admits a sequence when
-  its KV arrives, and runs
-  continuous batching: every step advances every running sequence by one token (step time by
-  batch size and mean context), retires finished ones at once and admits waiting ones at the
-  next step, up to `max_num_seqs`. A sequence that needs a block when none is free preempts the
-  latest admitted one by swap (its blocks freed, its progress kept); swapped sequences come back
-  first, before any new one, once their blocks and a growth block per running sequence are free.
+  its KV arrives, and runs continuous batching: every step advances every running sequence by
+  one token (step time by batch size and mean context), retires finished ones at once and admits
+  waiting ones at the next step, up to `max_num_seqs`. A sequence that needs a block when none
+  is free preempts the latest admitted one by swap (its blocks freed, its progress kept);
+  swapped sequences come back first, before any new one, once their blocks and a growth block
+  per running sequence are free.
 """
 
 from __future__ import annotations
