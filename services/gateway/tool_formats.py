@@ -18,7 +18,6 @@ included, or None when it is not a well-formed block of this format.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import string
 import uuid
@@ -28,6 +27,7 @@ from typing import Any
 
 Call = tuple[str, Any]  # a function's name and its arguments, parsed JSON
 
+_TAG = "<tool_call>"
 MISTRAL_MARKER = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
 _PYTHON_TAG = "<|python_tag|>"
@@ -40,21 +40,18 @@ class ToolFormat:
     openers: tuple[str, ...]  # texts that open a call block
     closer: str | None  # closes a block; None: a block runs to the end of the text
     only_at_start: bool  # a block opens only before any content
-    decode: Callable[[str], list[Call] | None]  # a block's text, openers stripped
+    decode: Callable[[str], list[Call] | None]  # a block's text from its opener, closer cut
     new_call_id: Callable[[], str]
 
     def calls(self, block: str) -> list[Call] | None:
         """The calls of a whole block (from its opener to its closer or the end), or None."""
-        for opener in self.openers:
-            if block.startswith(opener):
-                body = block[len(opener) :]
-                if self.closer is not None:
-                    if not body.endswith(self.closer):
-                        return None
-                    body = body[: -len(self.closer)]
-                # Llama's bare JSON opens on its own first character, which belongs to the body.
-                return self.decode(opener + body if opener == "{" else body)
-        return None
+        if not block.startswith(self.openers):
+            return None
+        if self.closer is not None:
+            if not block.endswith(self.closer):
+                return None
+            block = block[: -len(self.closer)]
+        return self.decode(block)
 
 
 def _openai_call_id() -> str:
@@ -78,7 +75,7 @@ def _call(obj: Any, arguments_keys: tuple[str, ...]) -> Call | None:
 
 def _tagged_calls(body: str) -> list[Call] | None:
     try:
-        call = _call(json.loads(body), ("arguments",))
+        call = _call(json.loads(body.removeprefix(_TAG)), ("arguments",))
     except json.JSONDecodeError:
         return None
     return None if call is None else [call]
@@ -86,7 +83,8 @@ def _tagged_calls(body: str) -> list[Call] | None:
 
 def _mistral_calls(body: str) -> list[Call] | None:
     calls: list[Call] = []
-    for part in body.split(MISTRAL_MARKER):  # the newer form repeats the marker once a call
+    # The newer form repeats the marker once a call.
+    for part in body.removeprefix(MISTRAL_MARKER).split(MISTRAL_MARKER):
         part = part.strip()
         if _MISTRAL_ARGS in part:
             name, _, arguments = part.partition(_MISTRAL_ARGS)
@@ -102,7 +100,7 @@ def _mistral_calls(body: str) -> list[Call] | None:
 
 def _llama3_calls(body: str) -> list[Call] | None:
     decoder, calls, at = json.JSONDecoder(), [], 0
-    body = body.strip()
+    body = body.strip().removeprefix(_PYTHON_TAG).strip()
     while at < len(body):
         try:
             obj, at = decoder.raw_decode(body, at)
@@ -123,9 +121,7 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-TAGGED = ToolFormat(
-    "tagged", ("<tool_call>",), "</tool_call>", False, _tagged_calls, _openai_call_id
-)
+TAGGED = ToolFormat("tagged", (_TAG,), "</tool_call>", False, _tagged_calls, _openai_call_id)
 MISTRAL = ToolFormat("mistral", (MISTRAL_MARKER,), None, False, _mistral_calls, _mistral_call_id)
 LLAMA3_JSON = ToolFormat(
     "llama3_json", (_PYTHON_TAG, "{"), None, True, _llama3_calls, _openai_call_id
@@ -133,9 +129,9 @@ LLAMA3_JSON = ToolFormat(
 
 # What in a template's text shows the call format it teaches; tried in this order.
 _TEMPLATE_SIGNS = (
-    (TAGGED, re.compile(re.escape("<tool_call>"))),
-    (MISTRAL, re.compile(re.escape(MISTRAL_MARKER))),
-    (LLAMA3_JSON, re.compile(r"\"parameters\": |<\|python_tag\|>")),
+    (TAGGED, (_TAG,)),
+    (MISTRAL, (MISTRAL_MARKER,)),
+    (LLAMA3_JSON, ('"parameters": ', _PYTHON_TAG)),
 )
 
 
@@ -147,8 +143,8 @@ def template_tool_format(tokenizer) -> ToolFormat | None:
         template = template.get("default") or template.get("tool_use")
     if not isinstance(template, str) or "tools" not in template:
         return None
-    for tool_format, sign in _TEMPLATE_SIGNS:
-        if sign.search(template):
+    for tool_format, signs in _TEMPLATE_SIGNS:
+        if any(sign in template for sign in signs):
             return tool_format
     return None
 
