@@ -71,6 +71,8 @@ def test_repeated_runs_compare_by_their_medians():
 def test_wrong_values_exit_2(capsys):
     assert main(["--repeats", "0"]) == 2
     assert "--repeats must be at least 1" in capsys.readouterr().err
+    assert main(["--shared-cores", "/nonexistent.json"]) == 2
+    assert "cannot read profile /nonexistent.json" in capsys.readouterr().err
     assert main(["--configs", "1P"]) == 2
     assert "look like 1P2D" in capsys.readouterr().err
     assert main(["--profile", "/nonexistent.json"]) == 2
