@@ -35,6 +35,9 @@ class Submit(Message):
     output_token_ids: TokenIds = field(default_factory=list)
     resumed_from: RequestId | None = None
     bulk: bool = False  # a batch job's line: served only from capacity interactive work leaves
+    # Seconds from now the gateway waits for the first token before it gives up (504): the
+    # scheduler refuses at once a request it forecasts to wait longer. None: no deadline.
+    first_token_deadline_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -223,12 +223,20 @@ class Generator:
             gateway_peer_id=self.cluster.peer_id,
             arrival_time=time.time(),
             bulk=bulk,
+            first_token_deadline_s=self._first_token_deadline(generation),
         )
         try:
             return await self.cluster.submit(submit)
         except SubmitRefused as refused:
             self.telemetry.failed(None, choice_id, refused.status_code, refused.message)
             raise _refusal_error(refused) from None
+
+    def _first_token_deadline(self, generation: Generation) -> float:
+        """What is left of the request's time for a first token (at least a millisecond: the
+        wire takes only a positive deadline)."""
+        waited = time.monotonic() - generation.arrived_at
+        limit = min(self.timeouts.first_token_s, self.timeouts.request_s)
+        return max(1e-3, limit - waited)
 
     async def _next_delta(
         self, deltas: AsyncIterator, generation: Generation, traces: list[ChoiceTrace]

@@ -16,11 +16,13 @@ then on its first token may have reached the client, so a refusal, a timeout or 
 hands it back to its gateway to resume (as after PREFILLING), never to the queue, which would
 send the first token twice.
 
-Admission bounds the queue by requests and by prompt tokens (past either, 429 with Retry-After) and
-refuses a prompt no decode worker could ever hold (400). The queue is ordered by the fair-share
-policy (`fair_share.py`; FCFS as a switch). Requests stay in the scheduler's queue until a prefill
-worker has room in its window (`PrefillWindow`: one big prompt and a few steps' worth of small
-ones in hand): the policy decides, not the order in which workers happen to receive work.
+Admission bounds the queue by requests and by prompt tokens (past either, 429 with Retry-After),
+refuses an interactive request forecast to wait too close to its gateway's first-token deadline
+(429; `wait_forecast.py`), and a prompt no decode worker could ever hold (400). The queue is
+ordered by the fair-share policy (`fair_share.py`; FCFS as a switch). Requests stay in the
+scheduler's queue until a prefill worker has room in its window (`PrefillWindow`: one big prompt
+and a few steps' worth of small ones in hand): the policy decides, not the order in which
+workers happen to receive work.
 Dispatch takes the policy's next request that a prefill window and a decode worker can take, asks
 that decode worker to reserve blocks for the prompt, and once it confirms, hands the prompt to the
 chosen prefill worker, naming the decode target. A request whose reservation is refused, or
@@ -49,6 +51,7 @@ from services.scheduler.fair_share import (
     QueuedRequest,
 )
 from services.scheduler.registry import WorkerRegistry, WorkerState
+from services.scheduler.wait_forecast import DispatchRate, refusal_for_deadline, requests_ahead
 from services.scheduler.worker_index import PrefillWindow  # noqa: F401 (its home was here)
 from shared import wire
 
@@ -80,6 +83,9 @@ class SchedulerLimits:
     # prompt's tokens prefills them itself, and no KV crosses the wire (0: never).
     local_prefill_max_tokens: int = 256
     speculative_prefill: bool = True  # a busy decode worker's reservation off the TTFT path
+    # Refuse (429) an interactive request whose forecast wait passes its gateway's first-token
+    # deadline, instead of queueing it to time out (`wait_forecast.py`).
+    refuse_past_deadline: bool = True
 
 
 @dataclass
@@ -171,6 +177,7 @@ class ClusterScheduler:
         self._admissions = itertools.count()
         # (deadline, request id) of requests reserving or prefilling, for the tick (lazy).
         self._deadlines: list[tuple[float, str]] = []
+        self.dispatch_rate = DispatchRate()  # from the backlog, for the wait forecast
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -329,6 +336,9 @@ class ClusterScheduler:
     ) -> tuple[int, str, float | None] | None:
         if submit.request_id in self.requests:
             return 400, f"request id {submit.request_id!r} is already in flight", None
+        deadline = submit.first_token_deadline_s
+        if deadline is not None and not deadline > 0:  # NaN too
+            return 400, f"first_token_deadline_s must be positive, got {deadline}", None
         capacity = self.registry.decode_room.max_capacity(
             lambda w: self.registry.is_healthy(w, now)
         )
@@ -353,7 +363,29 @@ class ClusterScheduler:
         )
         if too_many or too_long:
             return 429, "the queue is full; retry later", self.limits.retry_after_s
-        return None
+        return self._deadline_refusal(submit, now)
+
+    def _deadline_refusal(self, submit: wire.Submit, now: float) -> tuple[int, str, float] | None:
+        """429 for an interactive request forecast to wait past its first-token deadline. A
+        prioritized one goes before its party's queue, which the forecast counts: never refused
+        on it."""
+        deadline = submit.first_token_deadline_s
+        if deadline is None or submit.bulk or submit.priority > 0:
+            return None
+        if not self.limits.refuse_past_deadline:
+            return None
+        party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit))
+        ahead = requests_ahead(
+            self.queue.num_interactive_queued(),
+            self.queue.num_queued_in(party),
+            self.queue.num_backlogged_interactive_parties(),
+            fair=self.limits.fair_share.policy == "fair",
+        )
+        refusal = refusal_for_deadline(deadline, ahead, self.dispatch_rate.per_second(now))
+        if refusal is None:
+            return None
+        message, retry_after = refusal
+        return 429, message, retry_after
 
     def on_cancel(self, cancel: wire.Cancel, now: float) -> list[Outgoing]:
         request = self.requests.get(cancel.request_id)
@@ -478,6 +510,8 @@ class ClusterScheduler:
                 lambda w: self.registry.window(w).small_room,
             )
             out += self._reserve(request, prefill, now)
+            self.dispatch_rate.dispatched(now)
+        self.dispatch_rate.pass_ended(now, backlogged=len(self.queue) > 0)
         return out
 
     def _holders(self, submit: wire.Submit) -> tuple[list[int], set[str]]:

@@ -152,6 +152,15 @@ class FairQueue:
     def num_queued_by_party(self) -> dict[Party, int]:
         return {party: len(heap) for party, heap in self._index.parties.items()}
 
+    def num_interactive_queued(self) -> int:
+        return self._index.num_queued(False)
+
+    def num_queued_in(self, party: Party) -> int:
+        return len(self._index.parties.get(party, ()))
+
+    def num_backlogged_interactive_parties(self) -> int:
+        return sum(self._index.num_parties(name) for name in self.config.class_names)
+
     def party_for(self, tenant: str, num_prompt_tokens: int, bulk: bool = False) -> Party:
         class_name = BULK_CLASS if bulk else self.config.class_of(num_prompt_tokens)
         # One object per party, so that the many dict lookups by party find it by identity.

@@ -128,6 +128,13 @@ class QueueIndex:
     def sequence_of(self, request_id: str) -> int:
         return self.items[request_id][2]
 
+    def num_queued(self, bulk: bool) -> int:
+        return self._num_by_kind[bulk]
+
+    def num_parties(self, class_name: str) -> int:
+        """The class's backlogged parties."""
+        return self._num_parties.get(class_name, 0)
+
     def oldest(self, bulk: bool) -> QueuedRequest | None:
         """The earliest queued request of the kind (ties: the first queued)."""
         top = lazy_heap.live_top(self._by_arrival[bulk], self._arrival_live)

@@ -75,6 +75,11 @@ class SchedulerConfig(CurveSettings):
         "send the prefill job with a busy decode worker's reservation, not after its answer "
         "(the first token does not wait for the decode worker's step)",
     )
+    refuse_past_deadline: bool = setting(
+        True,
+        "refuse (429) an interactive request forecast to wait in the queue past its gateway's "
+        "first-token timeout, instead of queueing it to time out",
+    )
     route_queued_weight: float = setting(
         1.0, "prefill choice: weight of the prompt work a worker already holds"
     )
@@ -160,6 +165,7 @@ class SchedulerConfig(CurveSettings):
             routing=self.routing(),
             local_prefill_max_tokens=self.local_prefill_max_tokens,
             speculative_prefill=self.speculative_prefill,
+            refuse_past_deadline=self.refuse_past_deadline,
         )
 
 

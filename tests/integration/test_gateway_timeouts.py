@@ -27,7 +27,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_dir("smollm2")[0])
 
 
-async def run(tmp_path, tokenizer, timeouts: Timeouts, tokens_sent: int) -> tuple[list, list]:
+async def run(
+    tmp_path, tokenizer, timeouts: Timeouts, tokens_sent: int
+) -> tuple[list, list, wire.Submit]:
     context = zmq.asyncio.Context()
     scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
     telemetry = GatewayEvents(get_logger())
@@ -60,17 +62,27 @@ async def run(tmp_path, tokenizer, timeouts: Timeouts, tokens_sent: int) -> tupl
     scheduler.socket.close(linger=0)
     context.term()
     assert cancel.request_id == submit.request_id  # the cluster stops working on it
-    return got, errors
+    return got, errors, submit
 
 
 def test_no_first_token_in_time_is_a_504(tmp_path, tokenizer):
-    got, (error,) = asyncio.run(run(tmp_path, tokenizer, Timeouts(first_token_s=0.3), 0))
+    got, (error,), _ = asyncio.run(run(tmp_path, tokenizer, Timeouts(first_token_s=0.3), 0))
     assert not got and error.status == 504 and "first_token_timeout_s" in error.message
+
+
+def test_the_submit_tells_the_scheduler_what_is_left_of_the_first_token_time(tmp_path, tokenizer):
+    # What the scheduler's wait forecast weighs: the first-token limit, less the time taken
+    # at the gateway (tokenizing), and never past the whole request's limit.
+    timeouts = Timeouts(first_token_s=0.3, request_s=0.2)
+    *_, submit = asyncio.run(run(tmp_path, tokenizer, timeouts, 0))
+    assert 0.1 < submit.first_token_deadline_s <= 0.2
+    *_, submit = asyncio.run(run(tmp_path, tokenizer, Timeouts(first_token_s=0.3), 0))
+    assert 0.2 < submit.first_token_deadline_s <= 0.3
 
 
 def test_no_end_in_time_is_a_504_after_the_tokens_so_far(tmp_path, tokenizer):
     timeouts = Timeouts(first_token_s=0.3, request_s=1.0)
-    got, (error,) = asyncio.run(run(tmp_path, tokenizer, timeouts, 2))
+    got, (error,), _ = asyncio.run(run(tmp_path, tokenizer, timeouts, 2))
     assert [e.token_ids for e in got] == [[100], [101]]
     assert error.status == 504 and "request_timeout_s" in error.message
 
