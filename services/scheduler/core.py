@@ -51,7 +51,7 @@ from services.scheduler.fair_share import (
     QueuedRequest,
 )
 from services.scheduler.registry import WorkerRegistry, WorkerState
-from services.scheduler.wait_forecast import DispatchRate, refusal_for_deadline, requests_ahead
+from services.scheduler.wait_forecast import ServiceRate, queued_ahead, refusal_for_deadline
 from services.scheduler.worker_index import PrefillWindow  # noqa: F401 (its home was here)
 from shared import wire
 
@@ -177,7 +177,10 @@ class ClusterScheduler:
         self._admissions = itertools.count()
         # (deadline, request id) of requests reserving or prefilling, for the tick (lazy).
         self._deadlines: list[tuple[float, str]] = []
-        self.dispatch_rate = DispatchRate()  # from the backlog, for the wait forecast
+        # For the wait forecast: first tokens per second during a backlog, and the interactive
+        # requests dispatched that have not had theirs (in a prefill window or reserving).
+        self.service_rate = ServiceRate()
+        self.awaiting_first_token: set[str] = set()
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -375,13 +378,13 @@ class ClusterScheduler:
         if not self.limits.refuse_past_deadline:
             return None
         party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit))
-        ahead = requests_ahead(
+        ahead = len(self.awaiting_first_token) + queued_ahead(
             self.queue.num_interactive_queued(),
             self.queue.num_queued_in(party),
             self.queue.num_backlogged_interactive_parties(),
             fair=self.limits.fair_share.policy == "fair",
         )
-        refusal = refusal_for_deadline(deadline, ahead, self.dispatch_rate.per_second(now))
+        refusal = refusal_for_deadline(deadline, ahead, self.service_rate.per_second(now))
         if refusal is None:
             return None
         message, retry_after = refusal
@@ -467,6 +470,9 @@ class ClusterScheduler:
             prefill = self.registry.get(done.peer_id)
             if prefill is not None and done.peer_id != request.decode_peer_id:
                 self.registry.release(prefill, done.request_id)
+            self.awaiting_first_token.discard(done.request_id)
+            if done.finish_reason != "error":
+                self.service_rate.served(now)
             if done.finish_reason in (None, "stop", "length"):
                 self.num_predicted_cached_tokens += request.num_predicted_cached_tokens
                 self.num_actual_cached_tokens += done.num_cached_tokens
@@ -510,8 +516,9 @@ class ClusterScheduler:
                 lambda w: self.registry.window(w).small_room,
             )
             out += self._reserve(request, prefill, now)
-            self.dispatch_rate.dispatched(now)
-        self.dispatch_rate.pass_ended(now, backlogged=len(self.queue) > 0)
+            if not item.bulk:
+                self.awaiting_first_token.add(item.request_id)
+        self.service_rate.pass_ended(now, backlogged=len(self.queue) > 0)
         return out
 
     def _holders(self, submit: wire.Submit) -> tuple[list[int], set[str]]:
@@ -647,6 +654,7 @@ class ClusterScheduler:
     def _requeue(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
         """Back to the queue with its first arrival time (so it ages from then), releasing
         whatever workers hold for it."""
+        self.awaiting_first_token.discard(request.request_id)
         out = self._cancel_on_workers(request, cancel_reason) if cancel_reason else []
         if cancel_reason is None and request.decode_peer_id:
             worker = self.registry.get(request.decode_peer_id)
@@ -666,6 +674,7 @@ class ClusterScheduler:
 
     def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
         self.requests.pop(request.request_id, None)
+        self.awaiting_first_token.discard(request.request_id)
         if cancel_reason is not None or request.phase != Phase.QUEUED:
             self._abandon(request.request_id)
         if request.phase == Phase.QUEUED:

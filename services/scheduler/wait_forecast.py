@@ -2,25 +2,32 @@
 gateway's first-token deadline is refused at once (429, Retry-After) instead of queued and timed
 out minutes later (504) after holding a queue slot that a request with a chance could have had.
 
-The forecast is the request's place in the policy's order over the rate at which the cluster has
-been taking requests off a backlogged queue:
+The forecast is the request's place in line over the rate at which the cluster has been
+bringing requests to their first token while it had a backlog:
 
 * **Rate.** Only time the queue spent backlogged counts (after a dispatch pass some request
-  was left waiting): then dispatches are paced by the workers, while into an idle cluster they
-  are paced by the arrivals and say nothing of capacity. Each dispatch from a backlog is a
-  sample: the time since the previous one (or since the backlog began). The rate is the last
-  `max_samples` samples (none older than `horizon_s`) over their time, plus the time the
-  current backlog has gone without a dispatch (so a cluster that stopped taking requests is
-  seen slowing down before the next dispatch). Until `min_samples` are known there is no
-  forecast and nothing is refused on it (the first seconds of a flood are admitted by the queue
-  bounds alone, as before).
-* **Place.** Interactive requests go before bulk lines, so only queued interactive requests are
-  ahead of one. Under fair share a request waits for its own party's queue and, for each of
-  them and itself, one turn of every other backlogged party: `(own queued + 1) x backlogged
-  parties - 1` ahead, never more than the whole interactive queue (FCFS: the whole queue). Fair
-  share charges tokens, not requests, and aging turns every other choice to the oldest overdue
-  request; the forecast ignores both, which is close for a flood of similar prompts, the case
-  it is for. A request with nothing ahead is never refused: it goes at the next chance.
+  was left waiting): then the workers are the limit, while in an idle cluster the arrivals are,
+  and say nothing of capacity. Each first token (any request's, the prefill's or a decode
+  worker's local one) during a backlog is a sample: the time since the previous one (or since
+  the backlog began). First tokens, not dispatches: a dispatch only moves a request into a
+  prefill worker's window, where it may wait (or be cancelled) long after, and cancels free
+  windows fast, so dispatches counted optimistic exactly when requests were timing out. The
+  rate is one more than the last `max_samples` samples (none older than `horizon_s`) over
+  their time plus the time the current backlog has gone without a first token: one more, so
+  that it leans optimistic however few were seen (a slow start refuses little), and still
+  falls the longer nothing comes. That matters most when it looks worst: when every request
+  waits until it times out, none reaches its first token, and only the silence tells that the
+  cluster is not keeping up. Until the backlogs seen have lasted `min_span_s` there is no
+  forecast and nothing is refused on it.
+* **Place.** Interactive requests go before bulk lines, so only interactive requests are ahead
+  of one: those dispatched and still awaiting their first token (in a prefill window or
+  reserving), and those queued before it in the policy's order. Under fair share a request
+  waits for its own party's queue and, for each of them and itself, one turn of every other
+  backlogged party: `(own queued + 1) x backlogged parties - 1` queued ahead, never more than
+  the whole interactive queue (FCFS: the whole queue). Fair share charges tokens, not
+  requests, and aging turns every other choice to the oldest overdue request; the forecast
+  ignores both, which is close for a flood of similar prompts, the case it is for. A request
+  with nothing ahead is never refused: it goes at the next chance.
 * **Refusal.** The wait is `(ahead + 1) / rate` (its own turn counted); past `DEADLINE_SHARE`
   of the deadline the request is refused, with Retry-After the excess (1-60 s).
 
@@ -42,24 +49,25 @@ MAX_RETRY_AFTER_S = 60.0
 
 
 @dataclass
-class DispatchRate:
-    """Dispatches per second while the queue is backlogged (see the module doc)."""
+class ServiceRate:
+    """First tokens per second while the queue is backlogged (see the module doc)."""
 
-    min_samples: int = 8
     max_samples: int = 128
     horizon_s: float = 3600.0
+    min_span_s: float = 1.0
     _samples: deque[tuple[float, float]] = field(default_factory=deque)  # (when, seconds)
     _total_s: float = 0.0
-    _since: float | None = None  # the last dispatch (or the start) of the current backlog
+    _since: float | None = None  # the last first token (or the start) of the current backlog
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_samples <= self.max_samples:
+        if self.max_samples < 1 or not self.min_span_s > 0:
             raise ValueError(
-                f"need 1 <= min_samples <= max_samples, got {self.min_samples}, {self.max_samples}"
+                f"need max_samples >= 1 and min_span_s > 0, got {self.max_samples}, "
+                f"{self.min_span_s}"
             )
 
-    def dispatched(self, now: float) -> None:
-        """One request was dispatched; it counts if it was taken from a backlog."""
+    def served(self, now: float) -> None:
+        """A request got its first token; it counts if the queue is backlogged."""
         if self._since is None:
             return
         self._samples.append((now, now - self._since))
@@ -77,17 +85,17 @@ class DispatchRate:
             self._since = now
 
     def per_second(self, now: float) -> float | None:
-        """The rate, or None while too few dispatches from a backlog were seen to tell."""
+        """The rate, or None while the backlogs seen are too short to tell."""
         while self._samples and self._samples[0][0] < now - self.horizon_s:
             self._total_s -= self._samples.popleft()[1]
-        if len(self._samples) < self.min_samples:
-            return None
         stalled_s = now - self._since if self._since is not None else 0.0
         span = self._total_s + stalled_s
-        return len(self._samples) / span if span > 0 else None
+        if span < self.min_span_s:
+            return None
+        return (len(self._samples) + 1) / span
 
 
-def requests_ahead(
+def queued_ahead(
     num_interactive_queued: int, num_party_queued: int, num_backlogged_parties: int, fair: bool
 ) -> int:
     """Queued interactive requests the policy serves before one more of a party that has
