@@ -6,10 +6,12 @@ delivers what the core answers to the simulated peers (after `network_latency_s`
 core and sends every worker's heartbeat on the service's timers. Nothing of the scheduler is
 re-implemented here: admission, fair share, placement, reservations and timeouts are the core's.
 
-The gateway's part is played too: each request is submitted at its arrival time, refused ones
-(429, 400, 503) and failed ones (the core's timeout or loss messages) end with an error, and the
-first token and the finish come from the simulated workers. Every request ends exactly once;
-one still unfinished `drain_s` after the last arrival ends as "unfinished".
+The gateway's part is played too: each request is submitted at its arrival time with the
+gateway's first-token deadline (so the core's wait forecast refuses as it would), refused ones
+(429, 400, 503) and failed ones (the core's timeout or loss messages) end with an error, one
+without a first token `first_token_timeout_s` after its arrival ends with a 504 and is cancelled
+in the core, and the first token and the finish come from the simulated workers. Every request
+ends exactly once; one still unfinished `drain_s` after the last arrival ends as "unfinished".
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class SimConfig:
     heartbeat_interval_s: float = 0.5  # as the scheduler service's default
     network_latency_s: float = 0.0  # one way, every message through the scheduler
     drain_s: float = 3600.0  # simulated time after the last arrival before giving up
+    # The gateway's limit (its default): no first token this long after arrival is a 504, and
+    # the SUBMIT carries it as the deadline the core forecasts against. None: no limit.
+    first_token_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -45,6 +50,8 @@ class SimConfig:
             raise ValueError("max_num_batched_tokens must be at least 16")
         if not (self.heartbeat_interval_s > 0 and self.network_latency_s >= 0 and self.drain_s > 0):
             raise ValueError("heartbeat_interval_s and drain_s must be > 0, latency >= 0")
+        if self.first_token_timeout_s is not None and not self.first_token_timeout_s > 0:
+            raise ValueError("first_token_timeout_s must be > 0 (or None: no limit)")
 
 
 @dataclass
@@ -214,8 +221,20 @@ class Simulator:
             priority=request.priority,
             gateway_peer_id=GATEWAY,
             arrival_time=self.now,
+            first_token_deadline_s=self.config.first_token_timeout_s,
         )
         self.at(self.now + self.config.network_latency_s, self._deliver_to_core, submit)
+        if self.config.first_token_timeout_s is not None:
+            self.at(self.now + self.config.first_token_timeout_s, self._first_token_due, request_id)
+
+    def _first_token_due(self, request_id: str) -> None:
+        """The gateway's first-token limit: a 504, and the request cancelled in the cluster."""
+        record = self.records[request_id]
+        if record.first_token_time is not None or record.num_ends:
+            return
+        limit = self.config.first_token_timeout_s
+        self._end(request_id, f"504: no first token within {limit:g} s", None)
+        self.to_scheduler(wire.Cancel(request_id=request_id, reason="first token timeout"))
 
     def _tick(self) -> None:
         self._send(self.core.tick(self.now))
@@ -244,6 +263,8 @@ class Simulator:
                 out = core.on_reserve_reply(message, now)
             case wire.RequestDone():
                 out = core.on_request_done(message, now)
+            case wire.Cancel():
+                out = core.on_cancel(message, now)
             case _:
                 raise TypeError(f"the simulator sends no {type(message).__name__} to the core")
         self._send(out)

@@ -102,6 +102,41 @@ def test_a_decode_worker_answers_reservations_between_its_steps():
     assert (b.first_token_time, b.finish_time) == (1.625, 2.25)
 
 
+def test_the_gateways_first_token_limit_is_played():
+    requests = [
+        SimRequest(arrival_time=0.0, num_prompt_tokens=128, max_tokens=4),
+        SimRequest(arrival_time=0.125, num_prompt_tokens=128, max_tokens=2),
+    ]
+    config = dataclasses.replace(SimConfig(1, 1), first_token_timeout_s=0.75)
+    sim = Simulator(fixed_profile(), config)
+    a, b = sim.run(requests).records
+    # A as in the tiny scenario; B's first token would come at 1.0, 0.875 s after it arrived.
+    assert (a.first_token_time, a.finish_time, a.error) == (0.5, 1.875, None)
+    assert b.error.startswith("504") and b.finish_time == 0.125 + 0.75
+    assert b.first_token_time is None and b.num_ends == 1
+    assert "r1" not in sim.core.requests and "r1" in sim.core.abandoned  # cancelled there too
+
+
+def test_the_core_refuses_what_would_outwait_the_deadline_in_simulation_too():
+    limits = SchedulerLimits(max_queued_requests=10_000)
+    config = SimConfig(1, 1, limits=limits, first_token_timeout_s=10.0)
+    # 16 a second for 25 s where about 6 a second are served: without the limit all are
+    # served, the last first tokens 46 s late; with it (10 s), 169 served within 7.3 s and
+    # 231 refused at once, none timed out.
+    requests = [
+        SimRequest(arrival_time=i / 16, num_prompt_tokens=64, max_tokens=4) for i in range(400)
+    ]
+    result = Simulator(cpu_like_profile(max_num_seqs=32), config).run(requests)
+    errors = [r.error for r in result.records if r.error]
+    assert sum("429" in e and "deadline" in e for e in errors) > 150, errors[:3]
+    assert not any("504" in e for e in errors)
+    assert all(r.num_ends == 1 for r in result.records)
+    no_limit = dataclasses.replace(config, first_token_timeout_s=None)
+    result = Simulator(cpu_like_profile(max_num_seqs=32), no_limit).run(requests)
+    assert not any(r.error for r in result.records)  # all queued, all served, late
+    assert max(r.first_token_time - r.send_time for r in result.records) > 30
+
+
 def busy_workload(seed: int) -> list[SimRequest]:
     spec = f"poisson:rate=6,n=240,prompt=8-1024,output=1-256,tenants=5,seed={seed}"
     return load_workload(spec)
@@ -154,6 +189,7 @@ def test_more_workers_serve_more():
         (dict(num_prefill=0, num_decode=1), "at least one prefill"),
         (dict(num_prefill=1, num_decode=1, max_num_batched_tokens=8), "at least 16"),
         (dict(num_prefill=1, num_decode=1, heartbeat_interval_s=0), "heartbeat_interval_s"),
+        (dict(num_prefill=1, num_decode=1, first_token_timeout_s=0), "first_token_timeout_s"),
     ],
 )
 def test_wrong_config_values_are_refused(config, message):
