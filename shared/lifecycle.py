@@ -213,6 +213,16 @@ class SchedulerEvents(_Events):
             "prefix_index_actual_cached_tokens",
             "Prompt tokens the workers then found cached (the gap is the index's drift)",
         )
+        self.first_token_rate = self.gauge(
+            "scheduler_first_tokens_per_second",
+            "The wait forecast's pace: first tokens a second while the queue is backlogged "
+            "(0: not known yet)",
+        )
+        self.refused_past_deadline = self.gauge(
+            "requests_refused_past_deadline",
+            "Requests refused (429) because their forecast wait came too close to their "
+            "first-token deadline (since the scheduler started)",
+        )
         self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
 
     def queued(self, request_id: str, num_prompt_tokens: int, tenant: str) -> None:
@@ -252,6 +262,8 @@ class SchedulerEvents(_Events):
         self.in_flight.set(status.num_in_flight)
         self.cached_predicted.set(status.num_predicted_cached_tokens)
         self.cached_actual.set(status.num_actual_cached_tokens)
+        self.first_token_rate.set(status.first_tokens_per_s)
+        self.refused_past_deadline.set(status.num_refused_past_deadline)
         self._set_all(
             self.party_served,
             {(p.tenant, p.class_name): p.served_tokens for p in status.service},

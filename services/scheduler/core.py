@@ -181,6 +181,7 @@ class ClusterScheduler:
         # requests dispatched that have not had theirs (in a prefill window or reserving).
         self.service_rate = ServiceRate()
         self.awaiting_first_token: set[str] = set()
+        self.num_refused_past_deadline = 0
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -388,6 +389,7 @@ class ClusterScheduler:
         if refusal is None:
             return None
         message, retry_after = refusal
+        self.num_refused_past_deadline += 1
         return 429, message, retry_after
 
     def on_cancel(self, cancel: wire.Cancel, now: float) -> list[Outgoing]:
@@ -774,6 +776,8 @@ class ClusterScheduler:
             workers=[self._worker_status(w, now) for w in self.registry.workers.values()],
             num_predicted_cached_tokens=self.num_predicted_cached_tokens,
             num_actual_cached_tokens=self.num_actual_cached_tokens,
+            first_tokens_per_s=self.service_rate.per_second(now) or 0.0,
+            num_refused_past_deadline=self.num_refused_past_deadline,
         )
 
     def _service(self) -> list[wire.PartyService]:

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import start_cluster, stop_cluster
 
@@ -113,3 +114,23 @@ def test_a_request_that_would_outwait_its_deadline_is_refused_at_once(deadline_c
         assert response.json()["usage"]["completion_tokens"] == MAX_TOKENS
     info = deadline_cluster.wait_blocks_free()
     assert info["queued"] == 0 and info["in_flight"] == 0
+    # An operator sees the refusals and the pace they were judged by (the scheduler's gauges
+    # follow its periodic status).
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = scheduler_metrics(deadline_cluster.url)
+        refused = metrics["tandem:requests_refused_past_deadline"]
+        if refused == len(forecast) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert refused == len(forecast)
+    assert metrics["tandem:scheduler_first_tokens_per_second"] > 0
+
+
+def scheduler_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

@@ -140,6 +140,9 @@ def test_a_request_forecast_past_its_deadline_is_refused_with_retry_after():
     assert reply.message.status_code == 429 and "4 requests are ahead" in reply.message.message
     assert reply.message.retry_after_s == pytest.approx(5 * 16 / 17 - 2.5)
     assert "late" not in core.requests and len(core.queue) == 3  # nothing kept of it
+    status = core.cluster_status(16.0)
+    assert status.num_refused_past_deadline == 1
+    assert status.first_tokens_per_s == pytest.approx(17 / 16)
     assert core.on_submit(b"G", deadline_submit("in-time", 10.0), 16.0)[0].message.accepted
 
 
