@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import statistics
 import sys
@@ -45,6 +46,7 @@ import httpx
 from loadtest.client import run_workload
 from loadtest.metrics import Summary, summarize
 from loadtest.plan_search import to_records
+from loadtest.process_cpu import CLIENT, cpu_seconds_by_role, difference
 from loadtest.served import tandem_up
 from loadtest.worker_metrics import WorkerCounters, worker_counters
 from loadtest.workload import WorkloadRequest, read_workload
@@ -163,12 +165,43 @@ def simulated(
     return summarize(to_records(result)), steps
 
 
-def measured(requests: list[WorkloadRequest], p: int, d: int, extra: list[str]) -> Run:
+def measured(
+    requests: list[WorkloadRequest], p: int, d: int, extra: list[str]
+) -> tuple[Run, dict[str, float]]:
+    """The run's figures and steps, and the CPU seconds each role's processes (and the load
+    client) used during it."""
     with tandem_up(p, d, extra) as cluster:
         before = worker_counters(httpx.get(cluster.url + "/metrics", timeout=30).text)
+        cpu_before = cpu_seconds_by_role(cluster.process.pid)
         result = asyncio.run(run_workload(cluster.url, "smollm2", requests, name=f"{p}P{d}D"))
+        cpu = difference(cpu_before, cpu_seconds_by_role(cluster.process.pid))
         after = worker_counters(httpx.get(cluster.url + "/metrics", timeout=30).text)
-    return result.summary, role_steps(before, after)
+    return (result.summary, role_steps(before, after)), cpu
+
+
+WORKER_ROLES = ("prefill", "decode")
+
+
+def cpu_table(rows: dict[str, tuple[Summary, dict[str, float]]], num_cores: int) -> str:
+    """Where the machine's cores went during each measured run: the workers, and the rest (the
+    gateway, the scheduler, the batch service, `tandem up`, the load client), as core-seconds,
+    as a share of all cores over the run, and per output token streamed."""
+    lines = [
+        f"{'config':<6} {'wall s':>7} {'workers':>8} {'gateway':>8} {'sched.':>7} "
+        f"{'client':>7} {'others':>7} {'rest/cores':>11} {'rest ms/token':>14}"
+    ]
+    for name, (summary, cpu) in rows.items():
+        workers = sum(cpu.get(role, 0.0) for role in WORKER_ROLES)
+        gateway, scheduler, client = (cpu.get(r, 0.0) for r in ("gateway", "scheduler", CLIENT))
+        rest = sum(cpu.values()) - workers
+        others = rest - gateway - scheduler - client
+        share = rest / (summary.wall_s * num_cores) if summary.wall_s else 0.0
+        per_token = rest * 1e3 / summary.output_tokens if summary.output_tokens else 0.0
+        lines.append(
+            f"{name:<6} {summary.wall_s:>7.1f} {workers:>8.1f} {gateway:>8.1f} {scheduler:>7.1f} "
+            f"{client:>7.1f} {others:>7.1f} {share:>11.0%} {per_token:>14.2f}"
+        )
+    return "\n".join(lines)
 
 
 def median_run(runs: list[Run]) -> Run:
@@ -332,9 +365,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = {model: {} for model in MODELS if model != "shared cores" or shared is not None}
     factors = {}
+    cpu: dict[str, tuple[Summary, dict[str, float]]] = {}
     for p, d in configs:
         name, profile = f"{p}P{d}D", profiles[(p, d)]
-        runs = [measured(requests, p, d, args.cluster_args.split()) for _ in range(args.repeats)]
+        measurements = [
+            measured(requests, p, d, args.cluster_args.split()) for _ in range(args.repeats)
+        ]
+        runs = [run for run, _ in measurements]
+        cpu[name] = (runs[0][0], measurements[0][1])  # the first run's
         real = median_run(runs)
         results["profile"][name] = (simulated(profile, requests, p, d), real)
         if shared is not None:
@@ -350,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             print(", ".join(f"{n}: prefill x{f[0]:.2f}, decode x{f[1]:.2f}"
                             for n, f in factors.items()))  # fmt: skip
         print(report(model, runs))
+    print(f"\nCPU during the first measured run of each ({os.cpu_count()} cores):")
+    print(cpu_table(cpu, os.cpu_count() or 1))
     if args.out:
         data = {
             model: {name: {"simulated": run_dict(sim), "measured": run_dict(real)}
@@ -357,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             for model, runs in results.items()
         }  # fmt: skip
         data["slow_down"] = {n: {"prefill": f[0], "decode": f[1]} for n, f in factors.items()}
+        data["cpu_seconds"] = {name: by_role for name, (_, by_role) in cpu.items()}
         Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     return 0
 

@@ -12,6 +12,7 @@ from loadtest.metrics import summarize
 from loadtest.plan_validate import (
     StepTimes,
     ValidateError,
+    cpu_table,
     main,
     median_run,
     parse_configs,
@@ -148,3 +149,15 @@ def test_the_slow_down_sets_the_run_against_the_profile():
     assert slowed.transfer_time(100) == profile.transfer_time(100)
     with pytest.raises(ProfileError, match="positive"):
         profile.slowed(decode=0)
+
+
+def test_the_cpu_table_splits_the_workers_from_the_rest():
+    requests = read_workload("loadtest/workloads/mixed64.jsonl")
+    summary = dataclasses.replace(simulated(cpu_like_profile(), requests, 1, 1)[0],
+                                  wall_s=10.0, output_tokens=1000)  # fmt: skip
+    cpu = {"prefill": 8.0, "decode": 9.0, "gateway": 2.0, "scheduler": 1.0, "client": 1.0,
+           "up": 0.5, "batch": 0.5}  # fmt: skip
+    (header, row) = cpu_table({"1P1D": (summary, cpu)}, num_cores=2).splitlines()
+    # The rest: 5 core-seconds of 20, 5 ms per output token.
+    assert row.split() == ["1P1D", "10.0", "17.0", "2.0", "1.0", "1.0", "1.0", "25%", "5.00"]
+    assert "rest/cores" in header
