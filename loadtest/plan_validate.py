@@ -22,7 +22,14 @@ sequences per decode step) beside the simulation's, and its verdict:
 - `slowed`: the profile slowed by the run's own step times (the prefill workers' busy time
   against the simulation's, the decode workers' mean step against the profile's at their mean
   batch): the configuration profiled as it runs, which also takes in the gateway's, the
-  scheduler's and the client's share of the cores.
+  scheduler's and the client's share of the cores;
+- `fitted`: as `slowed`, but the decode step time fitted per batch size (the decode workers
+  count their steps, seconds and sequences per batch size range): where the cores are shared
+  with a busy prefill worker, big batches slow down more than small ones.
+
+It also prints where the cores went during each measured run (`loadtest/process_cpu.py`): the
+workers' CPU seconds, the gateway's, the scheduler's, the load client's, and the rest's share
+of the machine and CPU per output token.
 
     .venv/bin/python -m loadtest.plan_validate --workload loadtest/workloads/mixed64.jsonl \\
         --configs 1P1D,1P2D,2P1D  # the shipped shared-core profiles of this machine kind
@@ -112,6 +119,8 @@ class StepTimes:
     sequences: float = 0.0  # decode: sequences summed over its steps
     # Steps by duration: [i] in (STEP_BUCKETS[i-1], STEP_BUCKETS[i]], the last beyond them all.
     step_counts: tuple[float, ...] = ()
+    # Decode, measured: per batch size range, (steps, seconds, sequences).
+    by_batch: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def mean_step_s(self) -> float:
@@ -223,16 +232,23 @@ def role_steps(
     totals: dict[str, list] = {}
     for peer, end in after.items():
         start = before.get(peer, WorkerCounters(end.role))
-        total = totals.setdefault(end.role, [0.0, 0.0, 0.0, [0.0] * len(end.step_buckets)])
+        total = totals.setdefault(end.role, [0.0, 0.0, 0.0, [0.0] * len(end.step_buckets), {}])
         total[0] += end.steps - start.steps
         total[1] += end.busy_s - start.busy_s
         total[2] += end.batch_sequences - start.batch_sequences
         cumulated = [b - a for a, b in zip(start.step_buckets, end.step_buckets, strict=True)]
         for i, count in enumerate(cumulated):  # back to counts per bucket
             total[3][i] += count - (cumulated[i - 1] if i else 0.0)
+        for label, counts in end.by_batch.items():
+            earlier = start.by_batch.get(label, (0.0, 0.0, 0.0))
+            kept = total[4].setdefault(label, [0.0, 0.0, 0.0])
+            for i in range(3):
+                kept[i] += counts[i] - earlier[i]
     return {
-        role: StepTimes(steps, busy, sequences, tuple(counts))
-        for role, (steps, busy, sequences, counts) in totals.items()
+        role: StepTimes(
+            steps, busy, sequences, tuple(counts), {k: tuple(v) for k, v in by_batch.items()}
+        )
+        for role, (steps, busy, sequences, counts, by_batch) in totals.items()
     }
 
 
@@ -247,9 +263,31 @@ def slow_down(
     decode workers' mean step against the profile's at their mean batch and the workload's mean
     context (prompt and half the output)."""
     prefill = real["prefill"].busy_s / sim["prefill"].busy_s
-    context = sum((r.num_prompt_tokens or 1) + r.max_tokens / 2 for r in requests) / len(requests)
+    context = _mean_context(requests)
     decode = real["decode"].mean_step_s / profile.decode_time(real["decode"].mean_batch, context)
     return prefill, decode
+
+
+MIN_STEPS_PER_BATCH_RANGE = 5  # fewer steps in a batch size range: too few to fit it by
+
+
+def batch_factors(
+    profile: WorkerProfile, real: StepTimes, requests: list[WorkloadRequest]
+) -> list[tuple[float, float]]:
+    """(mean batch, factor) per batch size range the decode workers stepped in: their mean step
+    there against the profile's at that batch and the workload's mean context (as
+    `slow_down`). Ranges with too few steps are left out."""
+    context = _mean_context(requests)
+    factors = []
+    for steps, seconds, sequences in real.by_batch.values():
+        if steps >= MIN_STEPS_PER_BATCH_RANGE:
+            batch = sequences / steps
+            factors.append((batch, seconds / steps / profile.decode_time(batch, context)))
+    return factors
+
+
+def _mean_context(requests: list[WorkloadRequest]) -> float:
+    return sum((r.num_prompt_tokens or 1) + r.max_tokens / 2 for r in requests) / len(requests)
 
 
 def steps_table(rows: dict[str, tuple[dict[str, StepTimes], dict[str, StepTimes]]]) -> str:
@@ -326,6 +364,7 @@ MODELS = {
     "profile": "the configuration's profile, as measured",
     "shared cores": "shared cores: each step timed by the profile measured with as many busy",
     "slowed": "the profile slowed by the run's own step times",
+    "fitted": "the profile fitted to the run's own steps: prefill as slowed, decode per batch size",
 }
 
 
@@ -366,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {model: {} for model in MODELS if model != "shared cores" or shared is not None}
     factors = {}
     cpu: dict[str, tuple[Summary, dict[str, float]]] = {}
+    by_batch: dict[str, list[tuple[float, float]]] = {}
     for p, d in configs:
         name, profile = f"{p}P{d}D", profiles[(p, d)]
         measurements = [
@@ -379,14 +419,26 @@ def main(argv: list[str] | None = None) -> int:
             shared_run = simulated(shared.profiles[0], requests, p, d, shared)
             results["shared cores"][name] = (shared_run, real)
         factors[name] = slow_down(profile, real[1], results["profile"][name][0][1], requests)
-        slowed = simulated(profile.slowed(*factors[name]), requests, p, d)
-        results["slowed"][name] = (slowed, real)
+        slowed_profile = profile.slowed(*factors[name])
+        results["slowed"][name] = (simulated(slowed_profile, requests, p, d), real)
+        by_batch[name] = batch_factors(profile, real[1]["decode"], requests)
+        if by_batch[name]:
+            fitted_profile = profile.slowed(prefill=factors[name][0]).slowed_by_batch(
+                by_batch[name]
+            )
+            results["fitted"][name] = (simulated(fitted_profile, requests, p, d), real)
         print(report("profile", results["profile"]), flush=True)
     for model, runs in results.items():
+        if not runs:  # "fitted" without per-batch counters (a cluster older than them)
+            continue
         print(f"\n{MODELS[model]}:")
         if model == "slowed":
             print(", ".join(f"{n}: prefill x{f[0]:.2f}, decode x{f[1]:.2f}"
                             for n, f in factors.items()))  # fmt: skip
+        if model == "fitted":
+            for n, points in by_batch.items():
+                shown = ", ".join(f"{b:.1f}: x{f:.2f}" for b, f in sorted(points))
+                print(f"{n} decode by mean batch: {shown}")
         print(report(model, runs))
     print(f"\nCPU during the first measured run of each ({os.cpu_count()} cores):")
     print(cpu_table(cpu, os.cpu_count() or 1))
@@ -398,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         data["slow_down"] = {n: {"prefill": f[0], "decode": f[1]} for n, f in factors.items()}
         data["cpu_seconds"] = {name: by_role for name, (_, by_role) in cpu.items()}
+        data["decode_factors_by_batch"] = by_batch
         Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     return 0
 

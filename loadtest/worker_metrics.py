@@ -15,6 +15,12 @@ BUSY_SECONDS = "tandem:engine_busy_seconds_total"
 BATCH_SEQUENCES = "tandem:decode_batch_size_sum"  # sequences over all decode steps
 BATCH_STEPS = "tandem:decode_batch_size_count"  # decode steps that carried sequences
 STEP_SECONDS = "tandem:engine_step_seconds_bucket"  # steps at most `le` seconds long
+# Decode steps by batch size range (labelled `batch`): steps, seconds, sequences.
+BY_BATCH = {
+    "tandem:decode_steps_by_batch_total": 0,
+    "tandem:decode_step_seconds_by_batch_total": 1,
+    "tandem:decode_step_sequences_by_batch_total": 2,
+}
 # A peer's role, told by a counter only that role exports.
 ROLE_MARKERS = {
     "prefill": "tandem:prefill_tokens_total",
@@ -32,6 +38,8 @@ class WorkerCounters:
     # Steps by duration, cumulated as Prometheus buckets are: [i] took at most STEP_BUCKETS[i]
     # seconds, the last entry counts them all.
     step_buckets: tuple[float, ...] = field(default=(0.0,) * (len(STEP_BUCKETS) + 1))
+    # Decode: per batch size range, (steps, seconds, sequences).
+    by_batch: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
 def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
@@ -39,6 +47,7 @@ def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
     values: dict[str, dict[str, float]] = {}
     buckets: dict[str, dict[float, float]] = {}
     roles: dict[str, str] = {}
+    by_batch: dict[str, dict[str, list[float]]] = {}
     fields = {STEPS: "steps", BUSY_SECONDS: "busy_s", BATCH_SEQUENCES: "batch_sequences",
               BATCH_STEPS: "batch_steps"}  # fmt: skip
     for family in text_string_to_metric_families(metrics_text):
@@ -48,6 +57,10 @@ def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
                 values.setdefault(peer, {})[fields[sample.name]] = sample.value
             elif sample.name == STEP_SECONDS:
                 buckets.setdefault(peer, {})[float(sample.labels["le"])] = sample.value
+            elif sample.name in BY_BATCH:
+                ranges = by_batch.setdefault(peer, {})
+                triple = ranges.setdefault(sample.labels["batch"], [0.0, 0.0, 0.0])
+                triple[BY_BATCH[sample.name]] = sample.value
             for role, marker in ROLE_MARKERS.items():
                 if sample.name == marker:
                     roles[peer] = role
@@ -57,6 +70,7 @@ def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
             roles.get(peer, "unknown"),
             **found,
             step_buckets=tuple(buckets.get(peer, {}).get(b, 0.0) for b in bounds),
+            by_batch={label: tuple(t) for label, t in by_batch.get(peer, {}).items()},
         )
         for peer, found in values.items()
         if "busy_s" in found

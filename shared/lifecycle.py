@@ -29,6 +29,7 @@ from shared.metrics import (
     STEP_BUCKETS,
     TRANSFER_BUCKETS,
     TTFT_BUCKETS,
+    batch_range,
     name,
 )
 
@@ -351,7 +352,8 @@ class WorkerEvents(_Events):
             "model loaded", model=model, dtype=dtype, dtype_setting=dtype_setting, device=device
         )
 
-    def step(self, duration_s: float) -> None:
+    def step(self, duration_s: float, num_sequences: int = 0) -> None:
+        """One engine step and the sequences it carried (0: not told)."""
         self.steps.inc()
         self.busy.inc(duration_s)
         self.step_seconds.observe(duration_s)
@@ -436,10 +438,32 @@ class DecodeEvents(WorkerEvents):
         self.local_prefills = self.counter(
             "local_prefills", "Requests prefilled here from a cached prefix: no KV handoff"
         )
+        # Step time by batch size, so that a run can be profiled as it ran (`plan_validate`):
+        # per range of batch sizes (labelled by the range's upper bound, BATCH_SIZE_BUCKETS),
+        # the steps, their seconds and their sequences.
+        self.steps_by_batch = self.counter(
+            "decode_steps_by_batch", "Decode steps, by batch size range", ("batch",)
+        )
+        self.seconds_by_batch = self.counter(
+            "decode_step_seconds_by_batch", "Time in decode steps, by batch size range", ("batch",)
+        )
+        self.sequences_by_batch = self.counter(
+            "decode_step_sequences_by_batch",
+            "Sequences over decode steps, by batch size range",
+            ("batch",),
+        )
 
     def local_prefill(self, request_id: str, num_prompt_tokens: int) -> None:
         self.local_prefills.inc()
         self.log.info("local prefill", request_id=request_id, prompt_tokens=num_prompt_tokens)
+
+    def step(self, duration_s: float, num_sequences: int = 0) -> None:
+        super().step(duration_s, num_sequences)
+        if num_sequences > 0:
+            label = batch_range(num_sequences)
+            self.steps_by_batch.labels(label).inc()
+            self.seconds_by_batch.labels(label).inc(duration_s)
+            self.sequences_by_batch.labels(label).inc(num_sequences)
 
     def decode_step(self, num_sequences: int, num_tokens: int) -> None:
         if num_sequences == 0:  # a step that only moved swapped KV

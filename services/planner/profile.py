@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,28 @@ class WorkerProfile:
             decode_seconds=[[t * decode for t in row] for row in self.decode_seconds],
             metadata={**self.metadata, "slowed": {"prefill": prefill, "decode": decode}},
         )
+
+    def slowed_by_batch(self, factors: Sequence[tuple[float, float]]) -> WorkerProfile:
+        """Decode step times multiplied by a factor that depends on the batch size, given as
+        (batch size, factor) points (linear between them, constant beyond the first and the
+        last): the profile fitted, batch size by batch size, to the steps a run took."""
+        points = sorted(factors)
+        if not points or any(not (b > 0 and f > 0) for b, f in points):
+            raise ProfileError(f"batch factors must be positive (batch, factor) pairs: {points}")
+        if len({b for b, _ in points}) != len(points):
+            raise ProfileError(f"batch factors name a batch size twice: {points}")
+        sizes, values = [b for b, _ in points], [f for _, f in points]
+
+        def factor(batch_size: float) -> float:
+            clamped = min(max(batch_size, sizes[0]), sizes[-1])
+            return _interpolate(sizes, values, clamped)
+
+        rows = [
+            [t * factor(batch_size) for t in row]
+            for batch_size, row in zip(self.decode_batch_sizes, self.decode_seconds, strict=True)
+        ]
+        metadata = {**self.metadata, "slowed_by_batch": [list(p) for p in points]}
+        return dataclasses.replace(self, decode_seconds=rows, metadata=metadata)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -12,6 +12,7 @@ from loadtest.metrics import summarize
 from loadtest.plan_validate import (
     StepTimes,
     ValidateError,
+    batch_factors,
     cpu_table,
     main,
     median_run,
@@ -106,6 +107,14 @@ STEP_LINES = (
     )
     + 'tandem:engine_step_seconds_bucket{peer="decode-0",le="+Inf"} 100\n'
 )
+BY_BATCH_LINES = (
+    'tandem:decode_steps_by_batch_total{peer="decode-0",batch="4"} 60\n'
+    'tandem:decode_step_seconds_by_batch_total{peer="decode-0",batch="4"} 12\n'
+    'tandem:decode_step_sequences_by_batch_total{peer="decode-0",batch="4"} 210\n'
+    'tandem:decode_steps_by_batch_total{peer="decode-0",batch="16"} 40\n'
+    'tandem:decode_step_seconds_by_batch_total{peer="decode-0",batch="16"} 18\n'
+    'tandem:decode_step_sequences_by_batch_total{peer="decode-0",batch="16"} 590\n'
+)
 
 
 def test_the_workers_steps_are_read_from_their_counters():
@@ -161,3 +170,20 @@ def test_the_cpu_table_splits_the_workers_from_the_rest():
     # The rest: 5 core-seconds of 20, 5 ms per output token.
     assert row.split() == ["1P1D", "10.0", "17.0", "2.0", "1.0", "1.0", "1.0", "25%", "5.00"]
     assert "rest/cores" in header
+
+
+def test_decode_steps_by_batch_are_read_and_fit_the_profile_batch_by_batch():
+    after = worker_counters(METRICS + BY_BATCH_LINES)
+    assert after["decode-0"].by_batch == {"4": (60, 12, 210), "16": (40, 18, 590)}
+    before = {"decode-0": WorkerCounters("decode", by_batch={"4": (10, 2, 35)})}
+    decode = role_steps(before, after)["decode"]
+    assert decode.by_batch == {"4": (50, 10, 175), "16": (40, 18, 590)}
+    profile = cpu_like_profile()
+    requests = read_workload("loadtest/workloads/mixed64.jsonl")
+    context = sum(r.num_prompt_tokens + r.max_tokens / 2 for r in requests) / len(requests)
+    factors = dict(batch_factors(profile, decode, requests))
+    # (4, 3.5): 0.2 s a step; (16, 14.75): 0.45 s a step.
+    assert factors[3.5] == pytest.approx(0.2 / profile.decode_time(3.5, context))
+    assert factors[14.75] == pytest.approx(0.45 / profile.decode_time(14.75, context))
+    few = StepTimes(0, 0, by_batch={"4": (4, 1, 14)})
+    assert batch_factors(profile, few, requests) == []  # too few steps to fit by

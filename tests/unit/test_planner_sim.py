@@ -197,6 +197,20 @@ def test_wrong_config_values_are_refused(config, message):
         SimConfig(**config)
 
 
+def test_a_profile_slowed_batch_by_batch():
+    profile = cpu_like_profile()  # batch sizes 1, 8, 32, 64
+    fitted = profile.slowed_by_batch([(16.0, 3.0), (4.0, 2.0)])
+    # Constant below the first point and beyond the last; linear between (batch 8: 2 + 1/3).
+    assert [row[0] / base[0] for row, base in zip(
+        fitted.decode_seconds, profile.decode_seconds, strict=True
+    )] == pytest.approx([2.0, 2.0 + 4 / 12, 3.0, 3.0])  # fmt: skip
+    assert fitted.prefill_seconds == profile.prefill_seconds
+    assert fitted.metadata["slowed_by_batch"] == [[4.0, 2.0], [16.0, 3.0]]
+    for bad in ([], [(4.0, 0.0)], [(4.0, 1.0), (4.0, 2.0)]):
+        with pytest.raises(ProfileError):
+            profile.slowed_by_batch(bad)
+
+
 def test_profile_round_trips_and_refuses_bad_files(tmp_path):
     profile = cpu_like_profile()
     path = tmp_path / "p.json"
