@@ -16,15 +16,19 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def small_queue_cluster(tmp_path_factory):
-    cluster = start_cluster(
-        tmp_path_factory.mktemp("admission"),
+def one_prompt_at_a_time(tmp_path_factory, name: str, **env: str):
+    """A cluster whose prefill worker takes one 40-token prompt at a time (a few a second)."""
+    return start_cluster(
+        tmp_path_factory.mktemp(name),
         "--kv-cache-bytes",
         str(64 << 20),
-        # Two queued requests at most; a prefill worker takes one 40-token prompt at a time.
-        env={"TANDEM_MAX_QUEUED_REQUESTS": "2", "TANDEM_PREFILL_WINDOW_TOKENS": "64"},
+        env={"TANDEM_PREFILL_WINDOW_TOKENS": "64", **env},
     )
+
+
+@pytest.fixture(scope="module")
+def small_queue_cluster(tmp_path_factory):
+    cluster = one_prompt_at_a_time(tmp_path_factory, "admission", TANDEM_MAX_QUEUED_REQUESTS="2")
     yield cluster
     stop_cluster(cluster)
 
@@ -34,17 +38,25 @@ def body(i: int) -> dict:
             "temperature": 0, "ignore_eos": True}  # fmt: skip
 
 
-async def flood(url: str, count: int) -> list[httpx.Response]:
+async def stream_of_requests(url: str, count: int, interval_s: float) -> list[tuple]:
+    """(response, seconds it took) of `count` requests sent `interval_s` apart, in order (so
+    the first ones are admitted first)."""
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+
+        async def timed(i: int) -> tuple[httpx.Response, float]:
+            start = time.monotonic()
+            response = await client.post("/v1/completions", json=body(i))
+            return response, time.monotonic() - start
+
         tasks = []
-        for i in range(count):  # in order, so the first ones are admitted first
-            tasks.append(asyncio.create_task(client.post("/v1/completions", json=body(i))))
-            await asyncio.sleep(0.05)
+        for i in range(count):
+            tasks.append(asyncio.create_task(timed(i)))
+            await asyncio.sleep(interval_s)
         return await asyncio.gather(*tasks)
 
 
 def test_a_full_queue_answers_429_and_the_admitted_still_complete(small_queue_cluster):
-    responses = asyncio.run(flood(small_queue_cluster.url, 8))
+    responses = [r for r, _ in asyncio.run(stream_of_requests(small_queue_cluster.url, 8, 0.05))]
     refused = [r for r in responses if r.status_code == 429]
     served = [r for r in responses if r.status_code == 200]
     assert refused and served and len(refused) + len(served) == len(responses)
@@ -60,32 +72,10 @@ def test_a_full_queue_answers_429_and_the_admitted_still_complete(small_queue_cl
 
 @pytest.fixture(scope="module")
 def deadline_cluster(tmp_path_factory):
-    cluster = start_cluster(
-        tmp_path_factory.mktemp("deadline"),
-        "--kv-cache-bytes",
-        str(64 << 20),
-        # A prefill worker takes one 40-token prompt at a time (a few a second); a client
-        # waits 3 s for its first token.
-        env={"TANDEM_PREFILL_WINDOW_TOKENS": "64", "TANDEM_FIRST_TOKEN_TIMEOUT_S": "3"},
-    )
+    # A client waits 3 s for its first token.
+    cluster = one_prompt_at_a_time(tmp_path_factory, "deadline", TANDEM_FIRST_TOKEN_TIMEOUT_S="3")
     yield cluster
     stop_cluster(cluster)
-
-
-async def stream_of_requests(url: str, count: int, interval_s: float) -> list[tuple]:
-    """(response, seconds it took) of `count` requests sent `interval_s` apart."""
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-
-        async def timed(i: int) -> tuple[httpx.Response, float]:
-            start = time.monotonic()
-            response = await client.post("/v1/completions", json=body(i))
-            return response, time.monotonic() - start
-
-        tasks = []
-        for i in range(count):
-            tasks.append(asyncio.create_task(timed(i)))
-            await asyncio.sleep(interval_s)
-        return await asyncio.gather(*tasks)
 
 
 def test_a_request_that_would_outwait_its_deadline_is_refused_at_once(deadline_cluster):
