@@ -59,6 +59,7 @@ def batch_range(num_sequences: int) -> str:
     index = bisect.bisect_left(BATCH_SIZE_BUCKETS, num_sequences)
     return str(BATCH_SIZE_BUCKETS[index]) if index < len(BATCH_SIZE_BUCKETS) else "+Inf"
 
+
 STEP_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0,
     1.5, 2.0, 3.0, 5.0, 10.0, 30.0,

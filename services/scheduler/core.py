@@ -83,9 +83,11 @@ class SchedulerLimits:
     # prompt's tokens prefills them itself, and no KV crosses the wire (0: never).
     local_prefill_max_tokens: int = 256
     speculative_prefill: bool = True  # a busy decode worker's reservation off the TTFT path
-    # Refuse (429) an interactive request whose forecast wait passes its gateway's first-token
-    # deadline, instead of queueing it to time out (`wait_forecast.py`).
-    refuse_past_deadline: bool = True
+    # Refuse (429) an interactive request whose forecast wait comes too close to its gateway's
+    # first-token deadline, instead of queueing it to time out (`wait_forecast.py`). Off by
+    # default: the pace is counted in requests, and one learned from long prompts refuses a
+    # burst of short ones (seen in CI); in prompt tokens it would not.
+    refuse_past_deadline: bool = False
 
 
 @dataclass
@@ -370,9 +372,9 @@ class ClusterScheduler:
         return self._deadline_refusal(submit, now)
 
     def _deadline_refusal(self, submit: wire.Submit, now: float) -> tuple[int, str, float] | None:
-        """429 for an interactive request forecast to wait past its first-token deadline. A
-        prioritized one goes before its party's queue, which the forecast counts: never refused
-        on it."""
+        """429 for an interactive request forecast to wait too close to its first-token
+        deadline (`wait_forecast.py`). A prioritized one goes before its party's queue, which
+        the forecast counts: never refused on it."""
         deadline = submit.first_token_deadline_s
         if deadline is None or submit.bulk or submit.priority > 0:
             return None

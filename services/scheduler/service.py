@@ -76,7 +76,7 @@ class SchedulerConfig(CurveSettings):
         "(the first token does not wait for the decode worker's step)",
     )
     refuse_past_deadline: bool = setting(
-        True,
+        False,
         "refuse (429) an interactive request forecast to wait in the queue past its gateway's "
         "first-token timeout, instead of queueing it to time out",
     )

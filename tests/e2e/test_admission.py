@@ -4,6 +4,7 @@ before any work is done, and the requests admitted before it still complete."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import httpx
@@ -73,7 +74,12 @@ def test_a_full_queue_answers_429_and_the_admitted_still_complete(small_queue_cl
 @pytest.fixture(scope="module")
 def deadline_cluster(tmp_path_factory):
     # A client waits 3 s for its first token.
-    cluster = one_prompt_at_a_time(tmp_path_factory, "deadline", TANDEM_FIRST_TOKEN_TIMEOUT_S="3")
+    cluster = one_prompt_at_a_time(
+        tmp_path_factory,
+        "deadline",
+        TANDEM_FIRST_TOKEN_TIMEOUT_S="3",
+        TANDEM_REFUSE_PAST_DEADLINE=os.environ.get("TANDEM_REFUSE_PAST_DEADLINE", "true"),
+    )
     yield cluster
     stop_cluster(cluster)
 

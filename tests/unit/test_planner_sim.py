@@ -118,7 +118,7 @@ def test_the_gateways_first_token_limit_is_played():
 
 
 def test_the_core_refuses_what_would_outwait_the_deadline_in_simulation_too():
-    limits = SchedulerLimits(max_queued_requests=10_000)
+    limits = SchedulerLimits(max_queued_requests=10_000, refuse_past_deadline=True)
     config = SimConfig(1, 1, limits=limits, first_token_timeout_s=10.0)
     # 16 a second for 25 s where about 6 a second are served: without the limit all are
     # served, the last first tokens 46 s late; with it (10 s), 169 served within 7.3 s and

@@ -88,6 +88,7 @@ def deadline_submit(request_id: str, deadline: float | None, **fields) -> wire.S
 def serial_core(**limits) -> ClusterScheduler:
     """One request at a time (the decode worker has one seat), no speculation: a dispatch
     happens exactly when the one in flight finishes, its first token a second later."""
+    limits = {"refuse_past_deadline": True, **limits}
     c = ClusterScheduler(
         SchedulerLimits(max_queued_requests=100, speculative_prefill=False, **limits)
     )
@@ -175,9 +176,10 @@ def test_requests_the_forecast_does_not_refuse(fields):
     assert core.on_submit(b"G", request, 16.0)[0].message.accepted
 
 
-def test_the_refusal_can_be_switched_off():
+def test_the_refusal_can_be_switched_off_and_is_by_default():
     core = backlogged(refuse_past_deadline=False)
     assert core.on_submit(b"G", deadline_submit("x", 0.5), 16.0)[0].message.accepted
+    assert not SchedulerLimits().refuse_past_deadline
 
 
 def test_no_forecast_before_a_backlog_shows_the_pace():
