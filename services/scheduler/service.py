@@ -77,8 +77,9 @@ class SchedulerConfig(CurveSettings):
     )
     refuse_past_deadline: bool = setting(
         False,
-        "refuse (429) an interactive request forecast to wait in the queue past its gateway's "
-        "first-token timeout, instead of queueing it to time out",
+        "refuse (429) an interactive request forecast to wait past half its gateway's "
+        "first-token timeout, instead of queueing it to time out (off: the pace is counted in "
+        "requests, wrong when their sizes change)",
     )
     route_queued_weight: float = setting(
         1.0, "prefill choice: weight of the prompt work a worker already holds"
