@@ -197,14 +197,18 @@ class ScaleBench:
             num_output_tokens=1 if phase == "prefill" else 15,
         )
 
-    def run(self) -> dict:
+    def run(self, profiler: cProfile.Profile | None = None) -> dict:
         setup_start = time.perf_counter()
         self.setup()
         setup_s = time.perf_counter() - setup_start
         phases = self.by_phase()
+        if profiler is not None:
+            profiler.enable()
         for index in range(self.args.rounds):
             for _ in range(4):  # new requests arrive and leave; the queue stays full
                 self.round(phases, index)
+        if profiler is not None:
+            profiler.disable()
         tick_start = time.perf_counter()
         self.core.tick(self.now)
         tick_s = time.perf_counter() - tick_start
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = ScaleBench(args)
     if args.profile:
         profiler = cProfile.Profile()
-        result = profiler.runcall(bench.run)
+        result = bench.run(profiler)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     else:
         result = bench.run()
