@@ -216,8 +216,12 @@ class SchedulerEvents(_Events):
         )
         self.first_token_rate = self.gauge(
             "scheduler_first_tokens_per_second",
-            "The wait forecast's pace: first tokens a second while the queue is backlogged "
-            "(0: not known yet)",
+            "First tokens a second while the queue is backlogged (0: not known yet)",
+        )
+        self.prompt_token_rate = self.gauge(
+            "scheduler_prompt_tokens_per_second",
+            "The wait forecast's pace: prompt tokens brought to their first token a second while "
+            "the queue is backlogged (0: not known yet)",
         )
         self.refused_past_deadline = self.gauge(
             "requests_refused_past_deadline",
@@ -264,6 +268,7 @@ class SchedulerEvents(_Events):
         self.cached_predicted.set(status.num_predicted_cached_tokens)
         self.cached_actual.set(status.num_actual_cached_tokens)
         self.first_token_rate.set(status.first_tokens_per_s)
+        self.prompt_token_rate.set(status.prompt_tokens_per_s)
         self.refused_past_deadline.set(status.num_refused_past_deadline)
         self._set_all(
             self.party_served,

@@ -13,9 +13,9 @@ from typing import Annotated, ClassVar, Literal
 import torch
 import zmq
 
-SCHEMA_VERSION = 6  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
+SCHEMA_VERSION = 7  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
 # 5: the heartbeat's step time, bulk prefill jobs and transfers, speculative prefill; 6: the
-# submit's first-token deadline
+# submit's first-token deadline; 7: the status's prompt-token pace
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries

@@ -115,9 +115,11 @@ class ClusterStatus(Message):
     # workers then found, since the scheduler started: a drifting index shows as a gap.
     num_predicted_cached_tokens: int = 0
     num_actual_cached_tokens: int = 0
-    # The wait forecast: first tokens a second while the queue is backlogged (0: not known yet),
-    # and the requests it refused since the scheduler started.
+    # The wait forecast: first tokens, and their prompt tokens (its pace), a second while the
+    # queue is backlogged (0: not known yet), and the requests it refused since the scheduler
+    # started.
     first_tokens_per_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
     num_refused_past_deadline: int = 0
 
 

@@ -51,7 +51,12 @@ from services.scheduler.fair_share import (
     QueuedRequest,
 )
 from services.scheduler.registry import WorkerRegistry, WorkerState
-from services.scheduler.wait_forecast import ServiceRate, queued_ahead, refusal_for_deadline
+from services.scheduler.wait_forecast import (
+    InHand,
+    ServiceRate,
+    queued_work,
+    refusal_for_deadline,
+)
 from services.scheduler.worker_index import PrefillWindow  # noqa: F401 (its home was here)
 from shared import wire
 
@@ -84,10 +89,8 @@ class SchedulerLimits:
     local_prefill_max_tokens: int = 256
     speculative_prefill: bool = True  # a busy decode worker's reservation off the TTFT path
     # Refuse (429) an interactive request whose forecast wait comes too close to its gateway's
-    # first-token deadline, instead of queueing it to time out (`wait_forecast.py`). Off by
-    # default: the pace is counted in requests, and one learned from long prompts refuses a
-    # burst of short ones (seen in CI); in prompt tokens it would not.
-    refuse_past_deadline: bool = False
+    # first-token deadline, instead of queueing it to time out (`wait_forecast.py`).
+    refuse_past_deadline: bool = True
 
 
 @dataclass
@@ -182,7 +185,7 @@ class ClusterScheduler:
         # For the wait forecast: first tokens per second during a backlog, and the interactive
         # requests dispatched that have not had theirs (in a prefill window or reserving).
         self.service_rate = ServiceRate()
-        self.awaiting_first_token: set[str] = set()
+        self.awaiting_first_token = InHand()
         self.num_refused_past_deadline = 0
 
     # -- peers --------------------------------------------------------------------------------
@@ -380,19 +383,29 @@ class ClusterScheduler:
             return None
         if not self.limits.refuse_past_deadline:
             return None
-        party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit))
-        ahead = len(self.awaiting_first_token) + queued_ahead(
-            self.queue.num_interactive_queued(),
-            self.queue.num_queued_in(party),
+        num_tokens = num_prefill_tokens(submit)
+        party = self.queue.party_for(submit.tenant, num_tokens)
+        in_hand = self.awaiting_first_token
+        work = in_hand.num_tokens + queued_work(
+            num_tokens,
+            self.queue.num_queued_tokens_in(party),
+            self.queue.num_interactive_queued_tokens(),
             self.queue.num_backlogged_interactive_parties(),
             fair=self.limits.fair_share.policy == "fair",
         )
-        refusal = refusal_for_deadline(deadline, ahead, self.service_rate.per_second(now))
+        pace = self._prompt_token_pace(now, num_tokens)
+        refusal = refusal_for_deadline(deadline, num_tokens, work, pace)
         if refusal is None:
             return None
         message, retry_after = refusal
         self.num_refused_past_deadline += 1
         return 429, message, retry_after
+
+    def _prompt_token_pace(self, now: float, num_tokens: int = 0) -> float | None:
+        """The forecast's pace, its one more first token the size of the mean prompt in hand
+        (the next to come is one of them), or with none in hand `num_tokens`."""
+        next_num_tokens = self.awaiting_first_token.mean_tokens() or num_tokens
+        return self.service_rate.tokens_per_second(now, round(next_num_tokens))
 
     def on_cancel(self, cancel: wire.Cancel, now: float) -> list[Outgoing]:
         request = self.requests.get(cancel.request_id)
@@ -476,7 +489,7 @@ class ClusterScheduler:
                 self.registry.release(prefill, done.request_id)
             self.awaiting_first_token.discard(done.request_id)
             if done.finish_reason != "error":
-                self.service_rate.served(now)
+                self.service_rate.served(now, request.num_prefill_tokens)
             if done.finish_reason in (None, "stop", "length"):
                 self.num_predicted_cached_tokens += request.num_predicted_cached_tokens
                 self.num_actual_cached_tokens += done.num_cached_tokens
@@ -521,7 +534,7 @@ class ClusterScheduler:
             )
             out += self._reserve(request, prefill, now)
             if not item.bulk:
-                self.awaiting_first_token.add(item.request_id)
+                self.awaiting_first_token.add(item.request_id, item.num_prompt_tokens)
         self.service_rate.pass_ended(now, backlogged=len(self.queue) > 0)
         return out
 
@@ -779,6 +792,7 @@ class ClusterScheduler:
             num_predicted_cached_tokens=self.num_predicted_cached_tokens,
             num_actual_cached_tokens=self.num_actual_cached_tokens,
             first_tokens_per_s=self.service_rate.per_second(now) or 0.0,
+            prompt_tokens_per_s=self._prompt_token_pace(now) or 0.0,
             num_refused_past_deadline=self.num_refused_past_deadline,
         )
 

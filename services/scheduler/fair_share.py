@@ -152,11 +152,11 @@ class FairQueue:
     def num_queued_by_party(self) -> dict[Party, int]:
         return {party: len(heap) for party, heap in self._index.parties.items()}
 
-    def num_interactive_queued(self) -> int:
-        return self._index.num_queued(False)
+    def num_interactive_queued_tokens(self) -> int:
+        return self._index.num_queued_tokens(False)
 
-    def num_queued_in(self, party: Party) -> int:
-        return len(self._index.parties.get(party, ()))
+    def num_queued_tokens_in(self, party: Party) -> int:
+        return self._index.party_tokens.get(party, 0)
 
     def num_backlogged_interactive_parties(self) -> int:
         return sum(self._index.num_parties(name) for name in self.config.class_names)

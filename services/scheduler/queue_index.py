@@ -10,6 +10,7 @@ questions of them for every decision, and each is answered from an ordered view 
 * the requests by arrival, oldest first (lazy heaps of `(arrival, sequence, request id)`, one for
   interactive requests and one for bulk ones): the oldest, and the overdue ones;
 * the resuming requests (few: they go first);
+* the prompt tokens queued per party and per kind (interactive or bulk), for the wait forecast;
 * bounds on the prompt lengths queued per party and per class (widened as requests come, reset
   when the party or class empties: never narrower than the truth), so a choice that can place
   only some lengths passes over a party or a whole class at once.
@@ -44,6 +45,8 @@ class QueueIndex:
         self._sequence = itertools.count()
         self._by_arrival: dict[bool, list[ArrivalEntry]] = {False: [], True: []}  # by bulk
         self._num_by_kind = {False: 0, True: 0}
+        self._tokens_by_kind = {False: 0, True: 0}  # prompt tokens queued
+        self.party_tokens: dict[Party, int] = {}  # a backlogged party's prompt tokens queued
         # The same entries per kind and length bucket (lengths of one bit length), so a walk
         # for the oldest placeable request passes over the buckets none of which can be.
         self._by_bucket: dict[tuple[bool, int], list[ArrivalEntry]] = {}
@@ -69,6 +72,8 @@ class QueueIndex:
         self.items[item.request_id] = (party, item, sequence)
         arrivals = self._by_arrival[item.bulk]
         self._num_by_kind[item.bulk] += 1
+        self._tokens_by_kind[item.bulk] += item.num_prompt_tokens
+        self.party_tokens[party] = self.party_tokens.get(party, 0) + item.num_prompt_tokens
         lazy_heap.push(
             arrivals,
             (item.arrival, sequence, item.request_id),
@@ -96,6 +101,8 @@ class QueueIndex:
             return None
         party, item, _ = entry
         self._num_by_kind[item.bulk] -= 1
+        self._tokens_by_kind[item.bulk] -= item.num_prompt_tokens
+        self.party_tokens[party] -= item.num_prompt_tokens
         self._num_by_bucket[item.bulk, item.num_prompt_tokens.bit_length()] -= 1
         self.resumed.pop(request_id, None)
         heap = self.parties[party]
@@ -111,6 +118,7 @@ class QueueIndex:
         del self.parties[party]
         del self._version[party]
         del self.party_lengths[party]
+        del self.party_tokens[party]
         self._num_parties[party.class_name] -= 1
         if self._num_parties[party.class_name] == 0:
             del self._num_parties[party.class_name]
@@ -130,6 +138,9 @@ class QueueIndex:
 
     def num_queued(self, bulk: bool) -> int:
         return self._num_by_kind[bulk]
+
+    def num_queued_tokens(self, bulk: bool) -> int:
+        return self._tokens_by_kind[bulk]
 
     def num_parties(self, class_name: str) -> int:
         """The class's backlogged parties."""

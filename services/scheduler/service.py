@@ -76,10 +76,10 @@ class SchedulerConfig(CurveSettings):
         "(the first token does not wait for the decode worker's step)",
     )
     refuse_past_deadline: bool = setting(
-        False,
+        True,
         "refuse (429) an interactive request forecast to wait past half its gateway's "
-        "first-token timeout, instead of queueing it to time out (off: the pace is counted in "
-        "requests, wrong when their sizes change)",
+        "first-token timeout (the prompt tokens ahead of it at the pace served while "
+        "backlogged), instead of queueing it to time out",
     )
     route_queued_weight: float = setting(
         1.0, "prefill choice: weight of the prompt work a worker already holds"

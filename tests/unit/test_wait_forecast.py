@@ -9,33 +9,38 @@ import math
 import pytest
 
 from services.scheduler.core import ClusterScheduler, SchedulerLimits
-from services.scheduler.fair_share import FairShareConfig
-from services.scheduler.wait_forecast import ServiceRate, queued_ahead, refusal_for_deadline
+from services.scheduler.fair_share import FairQueue, FairShareConfig
+from services.scheduler.queued import QueuedRequest
+from services.scheduler.wait_forecast import InHand, ServiceRate, queued_work, refusal_for_deadline
 from shared import wire
 from tests.unit.test_scheduler_core import hello, sent, submit
 
 
-def test_the_rate_counts_only_time_spent_backlogged():
+def test_the_pace_counts_only_time_spent_backlogged():
     rate = ServiceRate(max_samples=4, horizon_s=100.0)
-    rate.served(1.0)  # in an idle cluster: paced by the arrivals, not counted
-    assert rate.per_second(1.0) is None
+    rate.served(1.0, 100)  # in an idle cluster: paced by the arrivals, not counted
+    assert rate.per_second(1.0) is None and rate.tokens_per_second(1.0, 10) is None
     rate.pass_ended(1.0, backlogged=True)  # someone is left waiting: a backlog begins
     assert rate.per_second(1.5) is None  # half a second of backlog: too short to tell
-    rate.served(2.0)
-    rate.served(4.0)
+    rate.served(2.0, 10)
+    rate.served(4.0, 30)
     assert rate.per_second(4.0) == pytest.approx((2 + 1) / 3.0)  # one more than seen
-    rate.served(5.0)
+    assert rate.tokens_per_second(4.0, 20) == pytest.approx((10 + 30 + 20) / 3.0)
+    rate.served(5.0, 40)
     assert rate.per_second(5.0) == pytest.approx(4 / 4.0)  # 1 + 2 + 1 s
     assert rate.per_second(7.0) == pytest.approx(4 / 6.0)  # 2 s without one: slowing down
+    assert rate.tokens_per_second(7.0, 0) == pytest.approx(80 / 6.0)
     rate.pass_ended(7.0, backlogged=False)  # the queue emptied
     assert rate.per_second(50.0) == pytest.approx(4 / 4.0)  # idle time is not counted
-    rate.served(60.0)  # idle again: not counted
+    rate.served(60.0, 1000)  # idle again: not counted
     rate.pass_ended(60.0, backlogged=True)
-    rate.served(61.0)
-    rate.served(61.5)  # five samples: the oldest (1 s) falls out
+    rate.served(61.0, 50)
+    rate.served(61.5, 60)  # five samples: the oldest (1 s, 10 tokens) falls out
     assert rate.per_second(61.5) == pytest.approx(5 / 4.5)  # 2 + 1 + 1 + 0.5 s
+    assert rate.tokens_per_second(61.5, 0) == pytest.approx((30 + 40 + 50 + 60) / 4.5)
     # All samples older than the horizon; the backlog has gone 108.5 s without a first token.
     assert rate.per_second(170.0) == pytest.approx(1 / 108.5)
+    assert rate.tokens_per_second(170.0, 217) == pytest.approx(2.0)
 
 
 def test_a_backlog_where_nothing_comes_out_is_seen_at_once():
@@ -44,6 +49,7 @@ def test_a_backlog_where_nothing_comes_out_is_seen_at_once():
     rate.pass_ended(0.0, backlogged=True)
     assert rate.per_second(0.5) is None
     assert rate.per_second(4.0) == pytest.approx(1 / 4.0)  # not even one in 4 s
+    assert rate.tokens_per_second(4.0, 100) == pytest.approx(25.0)
 
 
 def test_service_rate_settings_are_checked():
@@ -53,29 +59,64 @@ def test_service_rate_settings_are_checked():
         ServiceRate(min_span_s=0.0)
 
 
+def test_in_hand_keeps_the_prompt_tokens_of_its_requests():
+    in_hand = InHand()
+    assert in_hand.mean_tokens() is None and in_hand.num_tokens == 0
+    in_hand.add("a", 10)
+    in_hand.add("b", 30)
+    in_hand.add("a", 20)  # dispatched anew: counted once
+    assert set(in_hand) == {"a", "b"} and "a" in in_hand and len(in_hand) == 2
+    assert in_hand.num_tokens == 50 and in_hand.mean_tokens() == 25.0
+    in_hand.discard("a")
+    in_hand.discard("gone")
+    assert in_hand.num_tokens == 30 and list(in_hand) == ["b"]
+
+
 @pytest.mark.parametrize(
-    ("queued", "party_queued", "parties", "fair", "ahead"),
+    ("own", "party_queued", "queued", "parties", "fair", "work"),
     [
-        (10, 10, 1, True, 10),  # one flooding tenant: its whole queue
-        (10, 0, 1, True, 1),  # a newcomer beside it: one turn of the other party
-        (10, 3, 3, True, 10),  # (3 + 1) x 3 - 1 = 11, but only 10 are queued
-        (30, 2, 5, True, 14),  # (2 + 1) x 5 - 1
-        (30, 0, 5, False, 30),  # FCFS: everyone queued
-        (0, 0, 0, True, 0),
+        (10, 100, 100, 1, True, 110),  # one flooding tenant: its whole queue and itself
+        (10, 0, 100, 1, True, 20),  # a newcomer beside it: one turn of as much of the other
+        (10, 30, 100, 3, True, 110),  # (30 + 10) x 3 = 120, but only 100 + 10 are there
+        (10, 20, 300, 5, True, 150),  # (20 + 10) x 5
+        (10, 0, 300, 5, False, 310),  # FCFS: everyone queued
+        (10, 0, 0, 0, True, 10),  # nothing queued: itself
     ],
 )
-def test_queued_ahead(queued, party_queued, parties, fair, ahead):
-    assert queued_ahead(queued, party_queued, parties, fair) == ahead
+def test_queued_work(own, party_queued, queued, parties, fair, work):
+    assert queued_work(own, party_queued, queued, parties, fair) == work
 
 
 def test_refusal_past_half_the_deadline():
-    assert refusal_for_deadline(20.0, 100, None) is None  # no rate known
-    assert refusal_for_deadline(20.0, 19, 2.0) is None  # 19 + itself: 10 s, half of 20
-    assert refusal_for_deadline(1e-3, 0, 0.01) is None  # nothing ahead: goes at the next chance
-    message, retry_after = refusal_for_deadline(20.0, 29, 2.0)
-    assert retry_after == 5.0 and "29 requests" in message and "15 s" in message
-    assert refusal_for_deadline(20.0, 20, 2.0)[1] == 1.0  # at least a second
-    assert refusal_for_deadline(1.0, 10_000, 1.0)[1] == 60.0  # at most a minute
+    assert refusal_for_deadline(20.0, 10, 1000, None) is None  # no pace known
+    assert refusal_for_deadline(20.0, 10, 200, 20.0) is None  # 10 s, half of 20
+    assert refusal_for_deadline(1e-3, 10, 10, 0.01) is None  # nothing ahead: goes at once
+    message, retry_after = refusal_for_deadline(20.0, 10, 300, 20.0)
+    assert retry_after == 5.0 and "about 290 prompt tokens" in message and "15 s" in message
+    assert refusal_for_deadline(20.0, 10, 210, 20.0)[1] == 1.0  # at least a second
+    assert refusal_for_deadline(1.0, 10, 10_000, 1.0)[1] == 60.0  # at most a minute
+
+
+def test_the_queue_keeps_the_prompt_tokens_the_forecast_reads():
+    queue = FairQueue(FairShareConfig())
+    for request_id, tenant, num_tokens, bulk in [
+        ("a", "t", 10, False),
+        ("b", "t", 30, False),
+        ("c", "u", 5, False),
+        ("d", "t", 100, True),
+    ]:
+        queue.push(QueuedRequest(request_id, tenant, num_tokens, 0, 0.0, bulk=bulk))
+    t, u = queue.party_for("t", 10), queue.party_for("u", 5)
+    assert queue.num_interactive_queued_tokens() == 45
+    assert queue.num_queued_tokens_in(t) == 40 and queue.num_queued_tokens_in(u) == 5
+    assert queue.num_queued_tokens_in(queue.party_for("t", 100, bulk=True)) == 100
+    assert queue.num_backlogged_interactive_parties() == 2
+    queue.remove("b")
+    assert queue.pop_next(0.0).request_id in {"a", "c"}
+    queue.remove("a")
+    queue.remove("c")
+    assert queue.num_interactive_queued_tokens() == 0 and queue.num_queued_tokens_in(t) == 0
+    assert queue.num_backlogged_interactive_parties() == 0
 
 
 # -- the core ---------------------------------------------------------------------------------
@@ -94,7 +135,7 @@ def serial_core(**limits) -> ClusterScheduler:
     )
     c.on_hello(b"G", hello("g", "gateway"), 0.0)
     c.on_hello(b"P", hello("p", "prefill"), 0.0)
-    c.on_hello(b"D", hello("d", "decode"), 0.0)
+    c.on_hello(b"D", hello("d", "decode", blocks=1000), 0.0)
     c.registry.get("d").max_num_seqs = 1
     return c
 
@@ -104,7 +145,7 @@ def finish_in_flight(core: ClusterScheduler, now: float) -> None:
     (request,) = [r for r in core.requests.values() if r.decode_peer_id is not None]
     request_id = request.request_id
     out = core.on_reserve_reply(
-        wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=90), now
+        wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=900), now
     )
     assert sent(out, wire.PrefillJob)
     for phase, peer in (("prefill", "p"), ("decode", "d")):
@@ -119,46 +160,68 @@ def finish_in_flight(core: ClusterScheduler, now: float) -> None:
         core.on_request_done(done, now)
 
 
-def backlogged(**limits) -> ClusterScheduler:
+def backlogged(prompt_len: int = 20, **limits) -> ClusterScheduler:
     """20 requests of tenant t at 0 s (the first dispatched at once, the rest a backlog); one
     gets its first token and finishes each second from 1 to 16 s, making room for the next: at
     16 s, 16 first tokens in the 16 s backlogged (17/16 per second: one more than seen), one
-    dispatched awaiting its first token, 3 queued."""
+    dispatched awaiting its first token, 3 queued. Of 20 prompt tokens each, the pace is
+    17 x 20 / 16 = 21.25 prompt tokens a second."""
     core = serial_core(**limits)
     for i in range(20):
-        assert core.on_submit(b"G", submit(f"r{i}"), 0.0)[0].message.accepted
+        assert core.on_submit(b"G", submit(f"r{i}", prompt_len), 0.0)[0].message.accepted
     for second in range(1, 17):
         finish_in_flight(core, float(second))
-    assert len(core.queue) == 3 and core.awaiting_first_token == {"r16"}
+    assert len(core.queue) == 3 and set(core.awaiting_first_token) == {"r16"}
     assert core.service_rate.per_second(16.0) == pytest.approx(17 / 16)
     return core
 
 
 def test_a_request_forecast_past_its_deadline_is_refused_with_retry_after():
     core = backlogged()
-    # 1 in hand, 3 queued, and itself at 17/16 per second: 4.7 s, past half of 5 s.
+    # 20 tokens in hand, 60 queued and its own 20 at 21.25 a second: 4.7 s, past half of 5 s.
     (reply,) = core.on_submit(b"G", deadline_submit("late", 5.0), 16.0)
-    assert reply.message.status_code == 429 and "4 requests are ahead" in reply.message.message
-    assert reply.message.retry_after_s == pytest.approx(5 * 16 / 17 - 2.5)
+    assert reply.message.status_code == 429
+    assert "about 80 prompt tokens" in reply.message.message
+    assert reply.message.retry_after_s == pytest.approx(100 / 21.25 - 2.5)
     assert "late" not in core.requests and len(core.queue) == 3  # nothing kept of it
     status = core.cluster_status(16.0)
     assert status.num_refused_past_deadline == 1
     assert status.first_tokens_per_s == pytest.approx(17 / 16)
+    assert status.prompt_tokens_per_s == pytest.approx(21.25)
     assert core.on_submit(b"G", deadline_submit("in-time", 10.0), 16.0)[0].message.accepted
 
 
 def test_another_tenant_is_forecast_by_its_own_place():
     core = backlogged()
-    # Fair share: a newcomer waits for the one in hand, one turn of t's queue and its own
-    # (2.8 s), not for t's whole queue.
+    # Fair share: a newcomer waits for the one in hand, one turn of t's queue as big as itself
+    # and its own (60 tokens, 2.8 s), not for t's whole queue.
     assert core.on_submit(b"G", deadline_submit("u1", 6.0, tenant="u"), 16.0)[0].message.accepted
     (reply,) = core.on_submit(b"G", deadline_submit("u2", 6.0, tenant="u"), 16.0)
-    assert reply.message.status_code == 429  # behind u1 too: 1 + (1 + 1) x 2 - 1 = 4 ahead
+    assert reply.message.status_code == 429  # behind u1 too: 20 + (20 + 20) x 2 = 100 tokens
 
 
 def test_fcfs_forecasts_the_whole_queue_for_everyone():
     core = backlogged(fair_share=FairShareConfig(policy="fcfs"))
     (reply,) = core.on_submit(b"G", deadline_submit("u1", 6.0, tenant="u"), 16.0)
+    assert reply.message.status_code == 429
+
+
+def test_a_pace_learned_from_long_prompts_does_not_refuse_a_burst_of_short_ones():
+    """Counted in requests, 19 long prompts in 19 s forecast a burst of 40 short ones at 20
+    s; counted in prompt tokens, they take a second and a half."""
+    core = backlogged(prompt_len=400)
+    for second in range(17, 21):
+        finish_in_flight(core, float(second))
+    for i in range(40):
+        short = dataclasses.replace(submit(f"s{i}", prompt_len=10), first_token_deadline_s=4.0)
+        assert core.on_submit(b"G", short, 100.0)[0].message.accepted, i
+    # The pace: 19 x 400 tokens in 19 s, and one more short one in hand: 400.5 a second.
+    assert core.cluster_status(100.0).prompt_tokens_per_s == pytest.approx(7610 / 19)
+    # A long one behind them is forecast by its size: 10 in hand, 390 queued and its 400: 2 s.
+    long = dataclasses.replace(submit("long", prompt_len=400), first_token_deadline_s=4.2)
+    assert core.on_submit(b"G", long, 100.0)[0].message.accepted
+    long = dataclasses.replace(submit("long2", prompt_len=400), first_token_deadline_s=4.2)
+    (reply,) = core.on_submit(b"G", long, 100.0)  # and one more behind it: 3 s
     assert reply.message.status_code == 429
 
 
@@ -176,10 +239,10 @@ def test_requests_the_forecast_does_not_refuse(fields):
     assert core.on_submit(b"G", request, 16.0)[0].message.accepted
 
 
-def test_the_refusal_can_be_switched_off_and_is_by_default():
+def test_the_refusal_is_on_by_default_and_can_be_switched_off():
     core = backlogged(refuse_past_deadline=False)
     assert core.on_submit(b"G", deadline_submit("x", 0.5), 16.0)[0].message.accepted
-    assert not SchedulerLimits().refuse_past_deadline
+    assert SchedulerLimits().refuse_past_deadline
 
 
 def test_no_forecast_before_a_backlog_shows_the_pace():
@@ -197,16 +260,17 @@ def test_the_pace_outlives_an_idle_spell_and_nothing_ahead_is_never_refused():
     assert core.service_rate.per_second(100.0) == pytest.approx(20 / 19)  # idle not counted
     assert core.on_submit(b"G", deadline_submit("x", 1e-3), 100.0)[0].message.accepted  # runs
     (reply,) = core.on_submit(b"G", deadline_submit("y", 1e-3), 100.0)
-    assert reply.message.status_code == 429  # x is in hand: 1.9 s
+    assert reply.message.status_code == 429  # x is in hand: 40 tokens at 400 / 19 a second
     assert core.on_submit(b"G", deadline_submit("y", 4.0), 100.0)[0].message.accepted
 
 
 def test_a_request_leaves_the_ones_in_hand_at_its_first_token_or_its_end():
     core = backlogged()
     core.on_cancel(wire.Cancel(request_id="r16", reason="client gone"), 16.0)
-    assert not core.awaiting_first_token
+    assert not core.awaiting_first_token and core.awaiting_first_token.num_tokens == 0
     core.dispatch(16.0)  # as the next message or tick does
-    assert core.awaiting_first_token == {"r17"}  # the next one took its place
+    assert set(core.awaiting_first_token) == {"r17"}  # the next one took its place
+    assert core.awaiting_first_token.num_tokens == 20
     out = core.on_reserve_reply(
         wire.ReserveReply(request_id="r17", ok=False, num_free_blocks=0), 16.0
     )
