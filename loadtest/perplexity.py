@@ -11,8 +11,11 @@ loads it (`shared.engine.loader.load_model`) and
   greedily for `--new-tokens` tokens through the engine; reported are how many outputs equal
   float32's exactly, and the mean share of tokens before the first that differs.
 
-    .venv/bin/python -m loadtest.perplexity [--dtypes float32,bfloat16] [--window 256]
-        [--max-windows 16] [--new-tokens 32] [--json OUT]
+Besides the dtypes, `fp16-weights` is float32 with `--quantization fp16`, measured at its worst:
+every product reads the float16 weights (served, only decode steps of a few rows do).
+
+    .venv/bin/python -m loadtest.perplexity [--dtypes float32,bfloat16,fp16-weights]
+        [--window 256] [--max-windows 16] [--new-tokens 32] [--json OUT]
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ import torch.nn.functional as F
 from services.commands.generate import encode_prompt
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.kv_cache import KVCache
+from shared.engine import linear
 from shared.engine.loader import DTYPES, LoadedModel, load_model
 from shared.engine.model import rms_norm
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_batch import SequenceChunk, build_step_batch
 
 CORPUS = Path(__file__).with_name("corpus.txt")
+HALF_WEIGHTS = "fp16-weights"  # float32, every product from float16 weights
 CHAT_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -99,11 +104,22 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
     return {"exact": exact, "of": len(reference), "mean_prefix_share": sum(shares) / len(shares)}
 
 
+def load_format(model: str | None, name: str) -> LoadedModel:
+    if name != HALF_WEIGHTS:
+        return load_model(model, dtype=DTYPES[name])
+    served_rows = linear.HALF_WEIGHT_MAX_ROWS
+    linear.HALF_WEIGHT_MAX_ROWS = sys.maxsize  # read as the layers are made: all rows float16
+    try:
+        return load_model(model, dtype=torch.float32, linear_backend="fp16")
+    finally:
+        linear.HALF_WEIGHT_MAX_ROWS = served_rows
+
+
 def measure(args: argparse.Namespace) -> dict:
     results, reference = {}, None
     for name in args.dtypes:
         started = time.perf_counter()
-        loaded = load_model(args.model, dtype=DTYPES[name])
+        loaded = load_format(args.model, name)
         token_ids = loaded.tokenizer(args.text.read_text())["input_ids"]
         if args.max_windows:
             token_ids = token_ids[: args.max_windows * args.window]
@@ -135,9 +151,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
-    unknown = [d for d in args.dtypes if d not in DTYPES]
+    formats = [*DTYPES, HALF_WEIGHTS]
+    unknown = [d for d in args.dtypes if d not in formats]
     if unknown or not args.dtypes:
-        parser.error(f"--dtypes: unknown {unknown}; choose from {', '.join(DTYPES)}")
+        parser.error(f"--dtypes: unknown {unknown}; choose from {', '.join(formats)}")
     if args.window < 2 or args.new_tokens < 1 or args.max_windows < 0:
         parser.error("--window must be >= 2, --new-tokens >= 1, --max-windows >= 0")
     if not args.text.is_file():
@@ -149,11 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     results = measure(args)
-    print(f"{'dtype':>9} {'perplexity':>10} {'vs first':>9} {'greedy exact':>12} {'prefix':>7}")
+    print(f"{'format':>12} {'perplexity':>10} {'vs first':>9} {'greedy exact':>12} {'prefix':>7}")
     for name, entry in results.items():
         greedy = entry["greedy_vs_first"]
         print(
-            f"{name:>9} {entry['perplexity']:>10.4f} {entry['perplexity_vs_first']:>+8.2%} "
+            f"{name:>12} {entry['perplexity']:>10.4f} {entry['perplexity_vs_first']:>+8.2%} "
             f"{greedy['exact']:>6}/{greedy['of']:<5} {greedy['mean_prefix_share']:>6.1%}"
         )
     if args.json:

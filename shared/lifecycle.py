@@ -319,7 +319,9 @@ class WorkerEvents(_Events):
         )
         self._preemptions_seen = {"swap": 0, "recompute": 0}
         self.model_info = self.gauge(
-            "model_info", "The model this worker serves, and how (1)", ("model", "dtype", "device")
+            "model_info",
+            "The model this worker serves, and how (1)",
+            ("model", "dtype", "device", "quantization"),
         )
         # vLLM's prefix cache pair, in prompt tokens: hits / queries is the hit rate.
         self.prefix_queries = self.counter(
@@ -351,10 +353,17 @@ class WorkerEvents(_Events):
         self.host_bytes.set(tier.num_bytes if tier is not None else 0)
         self.retained_blocks.set(cache.num_retained)
 
-    def model_loaded(self, model: str, dtype: str, dtype_setting: str, device: str) -> None:
-        self.model_info.labels(model, dtype, device).set(1)
+    def model_loaded(
+        self, model: str, dtype: str, dtype_setting: str, device: str, quantization: str = "none"
+    ) -> None:
+        self.model_info.labels(model, dtype, device, quantization).set(1)
         self.log.info(
-            "model loaded", model=model, dtype=dtype, dtype_setting=dtype_setting, device=device
+            "model loaded",
+            model=model,
+            dtype=dtype,
+            dtype_setting=dtype_setting,
+            device=device,
+            quantization=quantization,
         )
 
     def step(self, duration_s: float, num_sequences: int = 0) -> None:

@@ -21,8 +21,11 @@ from shared.engine.loader import (
     DEVICE_HELP,
     DTYPE_CHOICES,
     DTYPE_HELP,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
     device_argument,
     dtype_name,
+    linear_backend_for,
     load_model,
     parse_device,
     parse_dtype,
@@ -76,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON object with token ids")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     parser.add_argument("--device", default="cpu", type=device_argument, help=DEVICE_HELP)
+    parser.add_argument(
+        "--quantization", default="none", choices=QUANTIZATION_CHOICES, help=QUANTIZATION_HELP
+    )
 
 
 def _token_ids(text: str) -> tuple[int, ...]:
@@ -140,7 +146,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     device = parse_device(args.device)
-    loaded = load_model(args.model, dtype=parse_dtype(args.dtype, device), device=device)
+    dtype = parse_dtype(args.dtype, device)
+    try:
+        backend = linear_backend_for(args.quantization, dtype, device)
+    except ValueError as error:
+        print(f"tandem generate: error: {error}", file=sys.stderr)
+        return 2
+    loaded = load_model(args.model, dtype=dtype, device=device, linear_backend=backend)
     loaded_at = time.perf_counter()
     engine = LLMEngine(loaded.model, EngineConfig(kv_cache_bytes=256 << 20))
     prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, args.chat)
@@ -159,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
     output = {
         "model": loaded.name,
         "dtype": dtype_name(loaded.model.dtype),
+        "quantization": args.quantization,
         "text": text,
         "prompt_token_ids": prompt_ids,
         "token_ids": token_ids,

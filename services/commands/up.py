@@ -33,6 +33,8 @@ from shared.engine.loader import (
     DEVICE_HELP,
     DTYPE_CHOICES,
     DTYPE_HELP,
+    QUANTIZATION_CHOICES,
+    QUANTIZATION_HELP,
     device_argument,
     resolve_model_dir,
 )
@@ -54,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=DTYPE_CHOICES,
         help=f"{DTYPE_HELP} (default: TANDEM_DTYPE, else auto)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATION_CHOICES,
+        help=f"{QUANTIZATION_HELP} (default: TANDEM_QUANTIZATION, else none)",
     )
     parser.add_argument(
         "--device",
@@ -157,6 +165,8 @@ class LocalCluster:
         ]
         if self.args.dtype:  # else each worker's own default (TANDEM_DTYPE, else auto)
             worker += ["--dtype", self.args.dtype]
+        if self.args.quantization:  # else TANDEM_QUANTIZATION, else none
+            worker += ["--quantization", self.args.quantization]
         for i in range(self.args.prefill):
             self._spawn(f"prefill-{i}", ["prefill", "--peer-id", f"prefill-{i}", *worker])
         for i in range(self.args.decode):

@@ -15,7 +15,15 @@ from shared.config import (
     setting,
 )
 from shared.engine.engine import EngineConfig
-from shared.engine.loader import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, parse_device, parse_dtype
+from shared.engine.loader import (
+    DEVICE_HELP,
+    DTYPE_CHOICES,
+    DTYPE_HELP,
+    QUANTIZATION_HELP,
+    linear_backend_for,
+    parse_device,
+    parse_dtype,
+)
 from shared.engine.swap import PREEMPTION_MODES
 
 
@@ -31,6 +39,7 @@ class WorkerConfig(CurveSettings):
     peer_id: str | None = setting(None, "unique name of this worker (default: role-host-pid)")
     model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2'")
     dtype: str = setting("auto", DTYPE_HELP)
+    quantization: str = setting("none", QUANTIZATION_HELP)
     device: str = setting("cpu", DEVICE_HELP)
     kv_cache_bytes: int = setting(512 << 20, "bytes of KV cache")
     block_size: int = setting(16, "tokens per KV block")
@@ -85,6 +94,10 @@ class WorkerConfig(CurveSettings):
             parse_device(self.device)
         except ValueError as error:
             raise ConfigError(f"{error} (--device / TANDEM_DEVICE)") from None
+        try:
+            self.linear_backend
+        except ValueError as error:
+            raise ConfigError(f"{error} (--quantization / TANDEM_QUANTIZATION)") from None
         require_address(self, "scheduler_address", "address", "advertise_address")
         require_port(self, "metrics_port")
         require_positive(
@@ -142,6 +155,11 @@ class WorkerConfig(CurveSettings):
     @property
     def torch_device(self):
         return parse_device(self.device)
+
+    @property
+    def linear_backend(self) -> str:
+        """The model's linear layers (`shared.engine.linear`), as `quantization` says."""
+        return linear_backend_for(self.quantization, self.torch_dtype, self.torch_device)
 
     def resolved_peer_id(self, role: str) -> str:
         return self.peer_id or f"{role}-{socket.gethostname()}-{os.getpid()}"

@@ -55,9 +55,18 @@ class WorkerLoop(abc.ABC):
         self.peer_id = config.resolved_peer_id(self.role)
         self.log = get_logger(peer_id=self.peer_id)
         self.events = self.events_class(self.log)
-        self.loaded = load_model(config.model, dtype=config.torch_dtype, device=config.torch_device)
+        self.loaded = load_model(
+            config.model,
+            dtype=config.torch_dtype,
+            device=config.torch_device,
+            linear_backend=config.linear_backend,
+        )
         self.events.model_loaded(
-            self.loaded.name, dtype_name(self.loaded.model.dtype), config.dtype, config.device
+            self.loaded.name,
+            dtype_name(self.loaded.model.dtype),
+            config.dtype,
+            config.device,
+            config.quantization,
         )
         self.engine = LLMEngine(
             self.loaded.model,

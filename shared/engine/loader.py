@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.engine.linear import half_weights_available
 from shared.engine.model import LlamaModel, load_hf_weights
 from shared.engine.model_config import ModelConfig
 
@@ -32,6 +33,32 @@ DEFAULT_MODEL = "smollm2"
 # picks; elsewhere bfloat16 is emulated and slower than float32, so `auto` keeps float32 there.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+QUANTIZATION_CHOICES = ("none", "fp16")
+QUANTIZATION_HELP = (
+    "none, or fp16: a float32 model on the CPU reads its weights as float16 for products of a "
+    "few rows (decode steps of small batches: half the bytes from memory, float32 arithmetic; "
+    "perplexity as float32's, tokens not bit-identical)"
+)
+
+
+def linear_backend_for(quantization: str, dtype: torch.dtype, device: torch.device) -> str:
+    """The linear layers' backend (`shared.engine.linear`) for a quantization setting, refused
+    with a clear ValueError where it cannot run."""
+    if quantization not in QUANTIZATION_CHOICES:
+        choices = ", ".join(QUANTIZATION_CHOICES)
+        raise ValueError(f"quantization must be one of {choices}, got {quantization!r}")
+    if quantization == "none":
+        return "auto"
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(
+            f"quantization fp16 needs a float32 model on the CPU, got {dtype_name(dtype)} on "
+            f"{device} (set --dtype float32)"
+        )
+    if not half_weights_available():
+        raise ValueError("quantization fp16 needs torch's FBGEMM float16 product (x86 CPUs)")
+    return "fp16"
+
+
 DTYPE_HELP = (
     "weights, activations and KV cache: auto (bfloat16 where the CPU has AMX or AVX512-BF16 or "
     "the GPU computes bfloat16, else float32), float32 (greedy output equals transformers'), "

@@ -4,10 +4,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.engine.linear import DenseLinear, OneDnnLinear, make_linear, onednn_can_pack
+from shared.engine.linear import (
+    HALF_WEIGHT_MAX_ROWS,
+    DenseLinear,
+    HalfWeightLinear,
+    OneDnnLinear,
+    half_weights_available,
+    make_linear,
+    onednn_can_pack,
+)
 
 needs_onednn = pytest.mark.skipif(
     not onednn_can_pack(torch.float32, "cpu"), reason="torch has no oneDNN on this CPU"
+)
+needs_half_weights = pytest.mark.skipif(
+    not (half_weights_available() and onednn_can_pack(torch.float32, "cpu")),
+    reason="torch has no FBGEMM float16 product or no oneDNN on this CPU",
 )
 
 
@@ -67,3 +79,40 @@ def test_unknown_backend_is_refused_by_name():
     weight, _ = random_weights(4, 4)
     with pytest.raises(ValueError, match="linear backend must be one of auto, onednn, dense"):
         make_linear(weight, backend="mkl")
+
+
+@needs_half_weights
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp16_weights_serve_few_rows_and_float32_the_rest(with_bias):
+    """Up to the threshold the product is the float16-rounded weight's (float32 arithmetic);
+    past it, the float32 oneDNN product, exactly."""
+    weight, bias = random_weights(97, 61)
+    bias = bias if with_bias else None
+    layer = make_linear(weight, bias, backend="fp16")
+    assert isinstance(layer, HalfWeightLinear)
+    half_rounded = weight.half().float()
+    for rows in (1, 5, HALF_WEIGHT_MAX_ROWS):
+        x = torch.randn(rows, 61, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(layer(x), F.linear(x, half_rounded, bias), rtol=1e-5, atol=1e-4)
+        assert not torch.allclose(layer(x), F.linear(x, weight, bias), rtol=0, atol=1e-6)
+    x = torch.randn(HALF_WEIGHT_MAX_ROWS + 1, 61)
+    packed = make_linear(weight, bias, backend="onednn")
+    assert torch.equal(layer(x), packed(x))
+
+
+@needs_half_weights
+def test_fp16_weights_count_rows_over_every_leading_dimension():
+    weight, bias = random_weights(16, 32)
+    layer = make_linear(weight, bias, backend="fp16")
+    few = torch.randn(2, 3, 32)  # 6 rows: float16 weights
+    torch.testing.assert_close(layer(few), F.linear(few, weight.half().float(), bias))
+    many = torch.randn(2, HALF_WEIGHT_MAX_ROWS, 32)  # float32
+    assert torch.equal(layer(many), make_linear(weight, bias, backend="onednn")(many))
+
+
+def test_fp16_weights_need_a_float32_model_on_the_cpu():
+    weight, _ = random_weights(8, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="fp16 weights need a float32 model"):
+        make_linear(weight, backend="fp16")
+    with pytest.raises(ValueError, match="fp16 weights need a float32 model"):
+        make_linear(torch.empty(4, 4, device="meta"), backend="fp16")
