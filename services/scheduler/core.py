@@ -182,8 +182,9 @@ class ClusterScheduler:
         self._admissions = itertools.count()
         # (deadline, request id) of requests reserving or prefilling, for the tick (lazy).
         self._deadlines: list[tuple[float, str]] = []
-        # For the wait forecast: first tokens per second during a backlog, and the interactive
-        # requests dispatched that have not had theirs (in a prefill window or reserving).
+        # For the wait forecast: first tokens (and their prompt tokens) per second during a
+        # backlog, and the interactive requests dispatched that have not had theirs (in a
+        # prefill window or reserving), with their prompt tokens.
         self.service_rate = ServiceRate()
         self.awaiting_first_token = InHand()
         self.num_refused_past_deadline = 0
