@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from services.commands.generate import encode_prompt
+from shared.engine import linear
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.kv_cache import KVCache
-from shared.engine import linear
 from shared.engine.loader import DTYPES, LoadedModel, load_model
 from shared.engine.model import rms_norm
 from shared.engine.sampling_params import SamplingParams

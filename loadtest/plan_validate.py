@@ -55,7 +55,7 @@ from loadtest.metrics import Summary, summarize
 from loadtest.plan_search import to_records
 from loadtest.process_cpu import CLIENT, cpu_seconds_by_role, difference
 from loadtest.served import tandem_up
-from loadtest.worker_metrics import WorkerCounters, worker_counters
+from loadtest.worker_metrics import BatchRange, WorkerCounters, worker_counters
 from loadtest.workload import WorkloadRequest, read_workload
 from services.planner.profile import ProfileError, SharedCores, WorkerProfile
 from services.planner.simulator import SimConfig, Simulator
@@ -119,8 +119,8 @@ class StepTimes:
     sequences: float = 0.0  # decode: sequences summed over its steps
     # Steps by duration: [i] in (STEP_BUCKETS[i-1], STEP_BUCKETS[i]], the last beyond them all.
     step_counts: tuple[float, ...] = ()
-    # Decode, measured: per batch size range, (steps, seconds, sequences).
-    by_batch: dict[str, tuple[float, float, float]] = dataclasses.field(default_factory=dict)
+    # Decode: per batch size range, (steps, seconds, sequences, context tokens).
+    by_batch: dict[str, BatchRange] = dataclasses.field(default_factory=dict)
 
     @property
     def mean_step_s(self) -> float:
@@ -168,10 +168,21 @@ def simulated(
             sum(s.busy_s for s in stats.values()),
             sum(s.num_step_sequences for s in stats.values()),
             tuple(map(sum, zip(*(s.step_counts for s in stats.values()), strict=True))),
+            _summed_ranges([s.by_batch for s in stats.values()]),
         )
         for role, stats in (("prefill", result.prefill_stats), ("decode", result.decode_stats))
     }
     return summarize(to_records(result)), steps
+
+
+def _summed_ranges(per_worker: list[dict[str, list[float]]]) -> dict[str, BatchRange]:
+    summed: dict[str, list[float]] = {}
+    for ranges in per_worker:
+        for label, counts in ranges.items():
+            kept = summed.setdefault(label, [0.0] * len(counts))
+            for i, count in enumerate(counts):
+                kept[i] += count
+    return {label: tuple(counts) for label, counts in summed.items()}
 
 
 def measured(
@@ -240,10 +251,10 @@ def role_steps(
         for i, count in enumerate(cumulated):  # back to counts per bucket
             total[3][i] += count - (cumulated[i - 1] if i else 0.0)
         for label, counts in end.by_batch.items():
-            earlier = start.by_batch.get(label, (0.0, 0.0, 0.0))
-            kept = total[4].setdefault(label, [0.0, 0.0, 0.0])
-            for i in range(3):
-                kept[i] += counts[i] - earlier[i]
+            earlier = start.by_batch.get(label, (0.0,) * len(counts))
+            kept = total[4].setdefault(label, [0.0] * len(counts))
+            for i, count in enumerate(counts):
+                kept[i] += count - earlier[i]
     return {
         role: StepTimes(
             steps, busy, sequences, tuple(counts), {k: tuple(v) for k, v in by_batch.items()}
@@ -275,13 +286,14 @@ def batch_factors(
     profile: WorkerProfile, real: StepTimes, requests: list[WorkloadRequest]
 ) -> list[tuple[float, float]]:
     """(mean batch, factor) per batch size range the decode workers stepped in: their mean step
-    there against the profile's at that batch and the workload's mean context (as
-    `slow_down`). Ranges with too few steps are left out."""
-    context = _mean_context(requests)
+    there against the profile's at that batch and the range's own mean context per sequence
+    (the workload's, as `slow_down`, from workers that do not count it). Ranges with too few
+    steps are left out."""
     factors = []
-    for steps, seconds, sequences in real.by_batch.values():
+    for steps, seconds, sequences, context_tokens in real.by_batch.values():
         if steps >= MIN_STEPS_PER_BATCH_RANGE:
             batch = sequences / steps
+            context = context_tokens / sequences if context_tokens else _mean_context(requests)
             factors.append((batch, seconds / steps / profile.decode_time(batch, context)))
     return factors
 
@@ -313,6 +325,35 @@ def steps_table(rows: dict[str, tuple[dict[str, StepTimes], dict[str, StepTimes]
                 + " ".join(f"{c:>{w}}" for c, w in zip(shown, widths, strict=True))
             )
     return "\n".join(lines)
+
+
+def batch_table(rows: dict[str, tuple[dict[str, StepTimes], dict[str, StepTimes]]]) -> str:
+    """Decode steps by batch size range, simulated against measured: how many, how long, at
+    what context per sequence (a range whose steps are longer, or more, than simulated is where
+    the TPOT goes missing)."""
+    header = ("steps sim/meas", "mean step ms", "context/seq")
+    widths = (15, 15, 13)
+    lines = [f"{'config':<6} {'batch':<7} " + " ".join(
+        f"{h:>{w}}" for h, w in zip(header, widths, strict=True)
+    )]  # fmt: skip
+    for name, (sim, real) in rows.items():
+        s, m = sim["decode"].by_batch, real.get("decode", StepTimes(0, 0)).by_batch
+        for label in sorted(s.keys() | m.keys(), key=float):
+            cells = [_range_cells(s.get(label)), _range_cells(m.get(label))]
+            shown = [f"{a} / {b}" for a, b in zip(*cells, strict=True)]
+            lines.append(
+                f"{name:<6} {label:<7} "
+                + " ".join(f"{c:>{w}}" for c, w in zip(shown, widths, strict=True))
+            )
+    return "\n".join(lines)
+
+
+def _range_cells(counts: BatchRange | None) -> tuple[str, str, str]:
+    if not counts or not counts[0]:
+        return "0", "-", "-"
+    steps, seconds, sequences, context_tokens = counts
+    context = f"{context_tokens / sequences:.0f}" if context_tokens else "-"
+    return f"{steps:.0f}", f"{seconds / steps * 1e3:.0f}", context
 
 
 def _ms_or_none(seconds: float | None) -> str:
@@ -463,7 +504,7 @@ def report(model: str, runs: dict[str, tuple[Run, Run]]) -> str:
         f"{model}: within {TOLERANCE:.0%}: {within(rows)}; "
         f"same ranking: {ranking(rows, 0) == ranking(rows, 1)}"
     )
-    return "\n".join((table(rows), steps_table(steps), verdict))
+    return "\n".join((table(rows), steps_table(steps), batch_table(steps), verdict))
 
 
 def run_dict(run: Run) -> dict:

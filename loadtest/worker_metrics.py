@@ -15,12 +15,15 @@ BUSY_SECONDS = "tandem:engine_busy_seconds_total"
 BATCH_SEQUENCES = "tandem:decode_batch_size_sum"  # sequences over all decode steps
 BATCH_STEPS = "tandem:decode_batch_size_count"  # decode steps that carried sequences
 STEP_SECONDS = "tandem:engine_step_seconds_bucket"  # steps at most `le` seconds long
-# Decode steps by batch size range (labelled `batch`): steps, seconds, sequences.
+# Decode steps by batch size range (labelled `batch`): steps, seconds, sequences, and the
+# tokens of context those sequences attended.
 BY_BATCH = {
     "tandem:decode_steps_by_batch_total": 0,
     "tandem:decode_step_seconds_by_batch_total": 1,
     "tandem:decode_step_sequences_by_batch_total": 2,
+    "tandem:decode_step_context_tokens_by_batch_total": 3,
 }
+BatchRange = tuple[float, float, float, float]  # steps, seconds, sequences, context tokens
 # A peer's role, told by a counter only that role exports.
 ROLE_MARKERS = {
     "prefill": "tandem:prefill_tokens_total",
@@ -38,8 +41,8 @@ class WorkerCounters:
     # Steps by duration, cumulated as Prometheus buckets are: [i] took at most STEP_BUCKETS[i]
     # seconds, the last entry counts them all.
     step_buckets: tuple[float, ...] = field(default=(0.0,) * (len(STEP_BUCKETS) + 1))
-    # Decode: per batch size range, (steps, seconds, sequences).
-    by_batch: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # Decode: per batch size range, (steps, seconds, sequences, context tokens).
+    by_batch: dict[str, BatchRange] = field(default_factory=dict)
 
 
 def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
@@ -59,8 +62,8 @@ def worker_counters(metrics_text: str) -> dict[str, WorkerCounters]:
                 buckets.setdefault(peer, {})[float(sample.labels["le"])] = sample.value
             elif sample.name in BY_BATCH:
                 ranges = by_batch.setdefault(peer, {})
-                triple = ranges.setdefault(sample.labels["batch"], [0.0, 0.0, 0.0])
-                triple[BY_BATCH[sample.name]] = sample.value
+                counts = ranges.setdefault(sample.labels["batch"], [0.0] * len(BY_BATCH))
+                counts[BY_BATCH[sample.name]] = sample.value
             for role, marker in ROLE_MARKERS.items():
                 if sample.name == marker:
                     roles[peer] = role

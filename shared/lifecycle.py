@@ -366,8 +366,9 @@ class WorkerEvents(_Events):
             quantization=quantization,
         )
 
-    def step(self, duration_s: float, num_sequences: int = 0) -> None:
-        """One engine step and the sequences it carried (0: not told)."""
+    def step(self, duration_s: float, num_sequences: int = 0, num_context_tokens: int = 0) -> None:
+        """One engine step, the sequences it carried and the tokens they attended (0: not
+        told)."""
         self.steps.inc()
         self.busy.inc(duration_s)
         self.step_seconds.observe(duration_s)
@@ -466,18 +467,24 @@ class DecodeEvents(WorkerEvents):
             "Sequences over decode steps, by batch size range",
             ("batch",),
         )
+        self.context_tokens_by_batch = self.counter(
+            "decode_step_context_tokens_by_batch",
+            "Tokens of context the sequences of decode steps attended, by batch size range",
+            ("batch",),
+        )
 
     def local_prefill(self, request_id: str, num_prompt_tokens: int) -> None:
         self.local_prefills.inc()
         self.log.info("local prefill", request_id=request_id, prompt_tokens=num_prompt_tokens)
 
-    def step(self, duration_s: float, num_sequences: int = 0) -> None:
-        super().step(duration_s, num_sequences)
+    def step(self, duration_s: float, num_sequences: int = 0, num_context_tokens: int = 0) -> None:
+        super().step(duration_s, num_sequences, num_context_tokens)
         if num_sequences > 0:
             label = batch_range(num_sequences)
             self.steps_by_batch.labels(label).inc()
             self.seconds_by_batch.labels(label).inc(duration_s)
             self.sequences_by_batch.labels(label).inc(num_sequences)
+            self.context_tokens_by_batch.labels(label).inc(num_context_tokens)
 
     def decode_step(self, num_sequences: int, num_tokens: int) -> None:
         if num_sequences == 0:  # a step that only moved swapped KV

@@ -30,7 +30,7 @@ from typing import Protocol
 from services.planner.profile import WorkerProfile
 from shared import wire
 from shared.engine.scheduler import MIN_CHUNK, prompt_shares
-from shared.metrics import STEP_BUCKETS
+from shared.metrics import STEP_BUCKETS, batch_range
 
 
 class Cluster(Protocol):
@@ -55,12 +55,23 @@ class WorkerStats:
     # Steps by duration: [i] counts those in (STEP_BUCKETS[i-1], STEP_BUCKETS[i]], the last one
     # those beyond (the real workers' engine_step_seconds histogram, not cumulated).
     step_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    # Decode steps by batch size range (the real workers' ranges and counters): steps, seconds,
+    # sequences and the tokens of context they attended.
+    by_batch: dict[str, list[float]] = field(default_factory=dict)
 
-    def record_step(self, duration_s: float, num_sequences: int = 0) -> None:
+    def record_step(
+        self, duration_s: float, num_sequences: int = 0, num_context_tokens: int = 0
+    ) -> None:
         self.busy_s += duration_s
         self.num_steps += 1
         self.num_step_sequences += num_sequences
         self.step_counts[bisect.bisect_left(STEP_BUCKETS, duration_s)] += 1
+        if num_sequences > 0:
+            counts = self.by_batch.setdefault(batch_range(num_sequences), [0.0, 0.0, 0.0, 0.0])
+            counts[0] += 1
+            counts[1] += duration_s
+            counts[2] += num_sequences
+            counts[3] += num_context_tokens
 
 
 @dataclass
@@ -285,12 +296,14 @@ class SimDecodeWorker:
         if not self.running:
             return
         batch = list(self.running.values())
-        context = sum(s.num_tokens for s in batch) / len(batch)
-        duration = self.cluster.step_profile().decode_time(len(batch), context)
+        num_context_tokens = sum(s.num_tokens for s in batch)
+        duration = self.cluster.step_profile().decode_time(
+            len(batch), num_context_tokens / len(batch)
+        )
         if swap_tokens:
             duration += self.profile.transfer_time(swap_tokens)
         self.stepping = True
-        self.stats.record_step(duration, len(batch))
+        self.stats.record_step(duration, len(batch), num_context_tokens)
         self.cluster.at(self.cluster.now + duration, self._end_step)
 
     def _admit(self) -> int:

@@ -95,7 +95,7 @@ class WorkerConfig(CurveSettings):
         except ValueError as error:
             raise ConfigError(f"{error} (--device / TANDEM_DEVICE)") from None
         try:
-            self.linear_backend
+            _ = self.linear_backend  # a quantization this dtype and device can run
         except ValueError as error:
             raise ConfigError(f"{error} (--quantization / TANDEM_QUANTIZATION)") from None
         require_address(self, "scheduler_address", "address", "advertise_address")

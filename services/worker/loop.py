@@ -163,7 +163,9 @@ class WorkerLoop(abc.ABC):
             self._step()
             step_s = time.monotonic() - started
             self.steps_completed += 1
-            self.events.step(step_s, self.engine.last_step_num_seqs)
+            self.events.step(
+                step_s, self.engine.last_step_num_seqs, self.engine.last_step_context_tokens
+            )
             self.step_s = smoothed(self.step_s, step_s)
             self._recent_batch_sizes.append(self.engine.last_step_num_seqs)
             del self._recent_batch_sizes[: -wire.MAX_RECENT_STEPS]

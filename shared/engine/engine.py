@@ -158,6 +158,7 @@ class LLMEngine:
             else None
         )
         self.last_step_num_seqs = 0  # sequences in the latest step (its batch size)
+        self.last_step_context_tokens = 0  # the tokens those sequences attended, summed
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model, ever
         self.swap_space = SwapSpace(self.config.swap_bytes)
         self.preemption = PreemptionCosts(self.config.preemption_mode)
@@ -358,6 +359,9 @@ class LLMEngine:
         self.scheduler.prompt_token_cap = self.prompt_token_cap()
         plan = self.scheduler.schedule()
         self.last_step_num_seqs = len(plan.chunks)
+        self.last_step_context_tokens = sum(
+            c.sequence.num_computed_tokens + c.num_tokens for c in plan.chunks
+        )
         self._swap(plan)
         if not plan.chunks:
             return []

@@ -39,7 +39,7 @@ LINEAR_BACKENDS = ("auto", "onednn", "dense", "fp16")
 # 128 gave the same speeds; a hint of 1 made every batch size slower (up to 1.4x at 8 rows).
 _PACKING_BATCH_HINT = 32
 
-# Rows up to which `HalfWeightLinear` reads float16 weights (measured crossover: 12 faster, 16 even).
+# Rows up to which `HalfWeightLinear` reads float16 weights (measured: 12 faster, 16 even).
 HALF_WEIGHT_MAX_ROWS = 12
 
 

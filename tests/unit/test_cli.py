@@ -16,6 +16,9 @@ def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+FP16_BF16 = ["--quantization", "fp16", "--dtype", "bfloat16"]  # float16 weights need float32
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
@@ -39,10 +42,8 @@ def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
         (["decode"], "needs --address"),
         (["prefill", "--dtype", "int4"], "dtype"),
         (["prefill", "--quantization", "int4"], "--quantization / TANDEM_QUANTIZATION"),
-        (["decode", "--address", "tcp://127.0.0.1:1", "--quantization", "fp16", "--dtype",
-          "bfloat16"], "needs a float32 model on the CPU"),
-        (["generate", "--prompt", "hi", "--quantization", "fp16", "--dtype", "bfloat16"],
-         "needs a float32 model on the CPU, got bfloat16"),
+        (["decode", "--address", "ipc://x", *FP16_BF16], "needs a float32 model on the CPU"),
+        (["generate", "--prompt", "hi", *FP16_BF16], "float32 model on the CPU, got bfloat16"),
         (["up", "--quantization", "int8"], "--quantization"),
         (["gateway", "--port", "0"], "port"),
         (["frobnicate"], "invalid choice"),

@@ -148,14 +148,16 @@ def test_busy_seconds_add_up_the_steps_durations():
 
 def test_decode_steps_are_counted_by_batch_size_range():
     events = DecodeEvents(get_logger())
-    for duration_s, batch in ((0.25, 3), (0.5, 4), (0.125, 1), (1.0, 600)):
-        events.step(duration_s, batch)
+    steps = ((0.25, 3, 300), (0.5, 4, 1000), (0.125, 1, 9), (1.0, 600, 0))
+    for duration_s, batch, context in steps:  # seconds, sequences, tokens of context
+        events.step(duration_s, batch, context)
     events.step(0.5)  # batch not told: only the totals
     assert value(events, "tandem:engine_steps_total") == 5
     # 3 and 4 fall in (2, 4]; 1 in [1, 1]; 600 beyond the last bound (512).
     assert value(events, "tandem:decode_steps_by_batch_total", batch="4") == 2
     assert value(events, "tandem:decode_step_seconds_by_batch_total", batch="4") == 0.75
     assert value(events, "tandem:decode_step_sequences_by_batch_total", batch="4") == 7
+    assert value(events, "tandem:decode_step_context_tokens_by_batch_total", batch="4") == 1300
     assert value(events, "tandem:decode_steps_by_batch_total", batch="1") == 1
     assert value(events, "tandem:decode_step_sequences_by_batch_total", batch="+Inf") == 600
 

@@ -13,6 +13,7 @@ from loadtest.plan_validate import (
     StepTimes,
     ValidateError,
     batch_factors,
+    batch_table,
     cpu_table,
     main,
     median_run,
@@ -51,6 +52,15 @@ def test_the_simulated_side_on_the_shipped_workload():
     assert sum(decode.step_counts) == decode.steps
     assert 0 < decode.step_quantile(0.5) <= decode.step_quantile(0.9)
     assert "decode" in steps_table({"1P1D": (one_steps, one_steps)})
+    # The simulated decode steps by batch size range add up to the whole, contexts included.
+    ranges = decode.by_batch.values()
+    assert sum(r[0] for r in ranges) == decode.steps
+    assert sum(r[1] for r in ranges) == pytest.approx(decode.busy_s)
+    assert sum(r[2] for r in ranges) == decode.sequences
+    prompt_tokens = min(r.num_prompt_tokens for r in requests)
+    assert all(r[3] >= r[2] * prompt_tokens for r in ranges)  # a context holds its prompt
+    shown = batch_table({"1P1D": (one_steps, one_steps)}).splitlines()
+    assert len(shown) == 1 + len(decode.by_batch) and "context/seq" in shown[0]
     assert one.num_ok == two.num_ok == len(requests)
     assert two.ttft_p90 <= one.ttft_p90
     rows = {"1P1D": (one, one), "2P2D": (two, one)}
@@ -114,6 +124,7 @@ BY_BATCH_LINES = (
     'tandem:decode_steps_by_batch_total{peer="decode-0",batch="16"} 40\n'
     'tandem:decode_step_seconds_by_batch_total{peer="decode-0",batch="16"} 18\n'
     'tandem:decode_step_sequences_by_batch_total{peer="decode-0",batch="16"} 590\n'
+    'tandem:decode_step_context_tokens_by_batch_total{peer="decode-0",batch="16"} 118000\n'
 )
 
 
@@ -174,16 +185,19 @@ def test_the_cpu_table_splits_the_workers_from_the_rest():
 
 def test_decode_steps_by_batch_are_read_and_fit_the_profile_batch_by_batch():
     after = worker_counters(METRICS + BY_BATCH_LINES)
-    assert after["decode-0"].by_batch == {"4": (60, 12, 210), "16": (40, 18, 590)}
-    before = {"decode-0": WorkerCounters("decode", by_batch={"4": (10, 2, 35)})}
+    # A worker older than the context counter reports none for "4" (read as 0).
+    assert after["decode-0"].by_batch == {"4": (60, 12, 210, 0), "16": (40, 18, 590, 118000)}
+    before = {"decode-0": WorkerCounters("decode", by_batch={"4": (10, 2, 35, 0)})}
     decode = role_steps(before, after)["decode"]
-    assert decode.by_batch == {"4": (50, 10, 175), "16": (40, 18, 590)}
+    assert decode.by_batch == {"4": (50, 10, 175, 0), "16": (40, 18, 590, 118000)}
     profile = cpu_like_profile()
     requests = read_workload("loadtest/workloads/mixed64.jsonl")
     context = sum(r.num_prompt_tokens + r.max_tokens / 2 for r in requests) / len(requests)
     factors = dict(batch_factors(profile, decode, requests))
-    # (4, 3.5): 0.2 s a step; (16, 14.75): 0.45 s a step.
+    # (4, 3.5): 0.2 s a step, at the workload's mean context (the range's is not known);
+    # (16, 14.75): 0.45 s a step, at the range's own 200 tokens a sequence.
     assert factors[3.5] == pytest.approx(0.2 / profile.decode_time(3.5, context))
-    assert factors[14.75] == pytest.approx(0.45 / profile.decode_time(14.75, context))
-    few = StepTimes(0, 0, by_batch={"4": (4, 1, 14)})
+    assert factors[14.75] == pytest.approx(0.45 / profile.decode_time(14.75, 200))
+    assert profile.decode_time(14.75, 200) != pytest.approx(profile.decode_time(14.75, context))
+    few = StepTimes(0, 0, by_batch={"4": (4, 1, 14, 400)})
     assert batch_factors(profile, few, requests) == []  # too few steps to fit by
