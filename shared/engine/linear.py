@@ -19,8 +19,9 @@ rows is bound by streaming the weights from memory, not by arithmetic, so for pr
 float16 product, float32 in, out and accumulated, as llama.cpp's F16 files are used), and larger
 products (prompt chunks, big batches), bound by arithmetic, keep the float32 oneDNN path, which is
 faster there. Both copies are kept (1.5x the weights' memory). Measured on an AVX2 AMD EPYC, one
-thread, SmolLM2 decode steps at 256 tokens of context: batch 1 105 -> 76 ms, 4 148 -> 108, 8
-196 -> 181, 12 253 -> 236; at 32 rows float16 was slower (485 -> 572), at 16 even. Quality:
+thread, SmolLM2 decode steps at 256 tokens of context (README, "Precision"): batch 1 113 -> 66
+ms, 4 146 -> 97, 8 178 -> 165, 12 229 -> 230; with float16 for every row count, 16 rows were
+even and 32 slower (485 -> 572), hence the threshold. Quality:
 perplexity within 0.01% of float32 with every product through float16 (`loadtest.perplexity`),
 but not bit-identical: float32 alone is the reference against transformers.
 """
