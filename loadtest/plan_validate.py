@@ -24,8 +24,9 @@ sequences per decode step) beside the simulation's, and its verdict:
   batch): the configuration profiled as it runs, which also takes in the gateway's, the
   scheduler's and the client's share of the cores;
 - `fitted`: as `slowed`, but the decode step time fitted per batch size (the decode workers
-  count their steps, seconds and sequences per batch size range): where the cores are shared
-  with a busy prefill worker, big batches slow down more than small ones.
+  count their steps, seconds, sequences and the context those attended per batch size range;
+  each range is fitted at its own context): where the cores are shared with a busy prefill
+  worker, big batches slow down more than small ones.
 
 It also prints where the cores went during each measured run (`loadtest/process_cpu.py`): the
 workers' CPU seconds, the gateway's, the scheduler's, the load client's, and the rest's share
@@ -45,6 +46,7 @@ import os
 import re
 import statistics
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,11 +180,21 @@ def simulated(
 def _summed_ranges(per_worker: list[dict[str, list[float]]]) -> dict[str, BatchRange]:
     summed: dict[str, list[float]] = {}
     for ranges in per_worker:
-        for label, counts in ranges.items():
-            kept = summed.setdefault(label, [0.0] * len(counts))
-            for i, count in enumerate(counts):
-                kept[i] += count
+        _add_ranges(summed, ranges)
     return {label: tuple(counts) for label, counts in summed.items()}
+
+
+def _add_ranges(
+    into: dict[str, list[float]],
+    ranges: Mapping[str, Sequence[float]],
+    earlier: Mapping[str, Sequence[float]] | None = None,
+) -> None:
+    """Adds each batch range's counts (less `earlier`'s, a previous reading) into `into`."""
+    for label, counts in ranges.items():
+        before = (earlier or {}).get(label, (0.0,) * len(counts))
+        kept = into.setdefault(label, [0.0] * len(counts))
+        for i, count in enumerate(counts):
+            kept[i] += count - before[i]
 
 
 def measured(
@@ -250,11 +262,7 @@ def role_steps(
         cumulated = [b - a for a, b in zip(start.step_buckets, end.step_buckets, strict=True)]
         for i, count in enumerate(cumulated):  # back to counts per bucket
             total[3][i] += count - (cumulated[i - 1] if i else 0.0)
-        for label, counts in end.by_batch.items():
-            earlier = start.by_batch.get(label, (0.0,) * len(counts))
-            kept = total[4].setdefault(label, [0.0] * len(counts))
-            for i, count in enumerate(counts):
-                kept[i] += count - earlier[i]
+        _add_ranges(total[4], end.by_batch, start.by_batch)
     return {
         role: StepTimes(
             steps, busy, sequences, tuple(counts), {k: tuple(v) for k, v in by_batch.items()}

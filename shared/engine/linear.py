@@ -68,8 +68,8 @@ class HalfWeightLinear:
 
     packed: torch.Tensor  # the float32 weight, oneDNN-packed
     packed_half: torch.ScriptObject  # the float16 copy (and the bias), FBGEMM-packed
-    bias: torch.Tensor | None = None
-    max_half_rows: int = HALF_WEIGHT_MAX_ROWS
+    bias: torch.Tensor | None
+    max_half_rows: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.max_half_rows * x.shape[-1]:
@@ -100,11 +100,9 @@ def make_linear(
     return OneDnnLinear(packed, bias)
 
 
-def half_weight_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, max_half_rows: int | None = None
-) -> HalfWeightLinear:
-    """`max_half_rows`: default `HALF_WEIGHT_MAX_ROWS`, read when called (so that a quality
-    measurement can load a model whose every product reads float16)."""
+def half_weight_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> HalfWeightLinear:
+    """The layer, its threshold `HALF_WEIGHT_MAX_ROWS` as it is when the layer is made (so that
+    a quality measurement can load a model whose every product reads float16)."""
     if weight.dtype != torch.float32 or not onednn_can_pack(weight.dtype, weight.device):
         raise ValueError(
             f"fp16 weights need a float32 model on a CPU with oneDNN, got {weight.dtype} on "
@@ -115,8 +113,7 @@ def half_weight_linear(
     weight = weight.contiguous()
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT)
     packed_half = torch.ops.quantized.linear_prepack_fp16(weight, bias)
-    rows = HALF_WEIGHT_MAX_ROWS if max_half_rows is None else max_half_rows
-    return HalfWeightLinear(packed, packed_half, bias, rows)
+    return HalfWeightLinear(packed, packed_half, bias, HALF_WEIGHT_MAX_ROWS)
 
 
 @functools.cache
