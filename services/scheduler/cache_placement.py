@@ -117,8 +117,9 @@ class CachePlacement:
         the prefill worker would. A decode worker in the middle of a big batch is slow to start
         (a step in progress, then a long step), and a prefill worker with little in hand is
         quick, so under load even a short suffix goes to the prefill worker (whose cache may hold
-        the prefix too). `prefill_held_tokens`: what the prefill worker holds besides this
-        prompt. Never a resumed request (its output is no prompt)."""
+        the prefix too). `prefill_held_tokens`: what the prompt would wait behind on the prefill
+        worker (for an interactive prompt, not the batch lines it holds: those yield). Never a
+        resumed request (its output is no prompt)."""
         if num_cached_blocks == 0 or submit.output_token_ids:
             return False
         uncached = len(submit.prompt_token_ids) - num_cached_blocks * decode.block_size

@@ -404,9 +404,12 @@ class ClusterScheduler:
 
     def _prompt_token_pace(self, now: float, num_tokens: int = 0) -> float | None:
         """The forecast's pace, its one more first token the size of the mean prompt in hand
-        (the next to come is one of them), or with none in hand `num_tokens`."""
+        (the next to come is one of them), or with none in hand `num_tokens`, and the prefill
+        workers' measured rates as its prior."""
         next_num_tokens = self.awaiting_first_token.mean_tokens() or num_tokens
-        return self.service_rate.tokens_per_second(now, round(next_num_tokens))
+        return self.service_rate.tokens_per_second(
+            now, round(next_num_tokens), self.registry.prefill_tokens_per_s
+        )
 
     def on_cancel(self, cancel: wire.Cancel, now: float) -> list[Outgoing]:
         request = self.requests.get(cancel.request_id)
@@ -438,7 +441,7 @@ class ClusterScheduler:
             )
             return [Outgoing(prefill.identity, grant)]
         submit = request.submit
-        held = self.registry.window(prefill).held_tokens - request.num_prefill_tokens
+        held = self._held_ahead(prefill, request)
         if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker, prefill, held):
             # The decode worker computes the short suffix itself: the prefill worker is out.
             self.registry.release(prefill, request.request_id)
@@ -584,7 +587,7 @@ class ClusterScheduler:
         self._set_deadline(request, now + self.limits.reserve_timeout_s)
         self.registry.promise(decode, request.num_blocks)
         self.registry.assign(decode, request.request_id, num_prompt_tokens)
-        self.registry.assign(prefill, request.request_id, num_prompt_tokens)
+        self.registry.assign(prefill, request.request_id, num_prompt_tokens, request.submit.bulk)
         submit = request.submit
         reserve = wire.Reserve(
             request_id=request.request_id,
@@ -625,8 +628,16 @@ class ClusterScheduler:
             return False
         submit = request.submit
         num_cached_blocks = self.placement.cached_on(decode.peer_id, submit) // decode.block_size
-        held = self.registry.window(prefill).held_tokens - request.num_prefill_tokens
+        held = self._held_ahead(prefill, request)
         return not self.placement.prefills_locally(submit, num_cached_blocks, decode, prefill, held)
+
+    def _held_ahead(self, prefill: WorkerState, request: TrackedRequest) -> int:
+        """The prompt tokens the prefill worker holds that the request's would wait behind: an
+        interactive prompt only the other interactive ones (batch lines yield to it in every
+        step), a batch line all of them."""
+        window = self.registry.window(prefill)
+        ahead = window.held_tokens if request.submit.bulk else window.interactive_tokens
+        return ahead - request.num_prefill_tokens
 
     def _enqueue(self, request: TrackedRequest) -> None:
         submit = request.submit

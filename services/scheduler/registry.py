@@ -35,6 +35,9 @@ class WorkerRegistry:
         self._registrations = itertools.count(1)
         self.prefill_room = PrefillRoom(window_tokens)
         self.decode_room = DecodeRoom(self._by_role["decode"])
+        # The prefill workers' measured rates summed (the wait forecast's prior), kept as they
+        # report, join and leave: no scan of a thousand workers per request.
+        self.prefill_tokens_per_s = 0.0
 
     def add(self, worker: WorkerState) -> None:
         self.remove(worker.peer_id)
@@ -43,6 +46,7 @@ class WorkerRegistry:
         self._by_role.setdefault(worker.role, {})[worker.peer_id] = worker
         if worker.role == "prefill":
             self.prefill_room.add(worker)
+            self.prefill_tokens_per_s += worker.prefill_tokens_per_s
         elif worker.role == "decode":
             self.decode_room.add(worker)
 
@@ -51,6 +55,8 @@ class WorkerRegistry:
         if worker is not None:
             del self._by_role[worker.role][peer_id]
             self.prefill_room.remove(peer_id)
+            if worker.role == "prefill":
+                self._add_prefill_rate(-worker.prefill_tokens_per_s)
         return worker
 
     def get(self, peer_id: str) -> WorkerState | None:
@@ -58,14 +64,17 @@ class WorkerRegistry:
 
     # -- changes to a worker's load (the indexes follow) ---------------------------------------
 
-    def assign(self, worker: WorkerState, request_id: str, num_prompt_tokens: int) -> None:
-        """The worker now holds state for the request (a prefill worker: its prompt tokens)."""
+    def assign(
+        self, worker: WorkerState, request_id: str, num_prompt_tokens: int, bulk: bool = False
+    ) -> None:
+        """The worker now holds state for the request (a prefill worker: its prompt tokens, and
+        whether they are a batch line's)."""
         worker.request_ids.add(request_id)
-        self._changed(worker, request_id, num_prompt_tokens)
+        self._changed(worker, request_id, num_prompt_tokens, bulk)
 
     def release(self, worker: WorkerState, request_id: str) -> None:
         worker.request_ids.discard(request_id)
-        self._changed(worker, request_id, None)
+        self._changed(worker, request_id, None, False)
 
     def promise(self, worker: WorkerState, num_blocks: int) -> None:
         """Blocks of a decode worker reserved since its last heartbeat."""
@@ -84,17 +93,25 @@ class WorkerRegistry:
 
     def report_prefill_rate(self, worker: WorkerState, tokens_per_s: float) -> None:
         if worker.prefill_tokens_per_s != tokens_per_s:
+            if worker.role == "prefill" and self.workers.get(worker.peer_id) is worker:
+                self._add_prefill_rate(tokens_per_s - worker.prefill_tokens_per_s)
             worker.prefill_tokens_per_s = tokens_per_s
             self.prefill_room.rate_changed(worker)
 
-    def _changed(self, worker: WorkerState, request_id: str, num_tokens: int | None) -> None:
+    def _add_prefill_rate(self, change: float) -> None:
+        # Clamped: float sums of ups and downs may stop a hair below zero when all have left.
+        self.prefill_tokens_per_s = max(0.0, self.prefill_tokens_per_s + change)
+
+    def _changed(
+        self, worker: WorkerState, request_id: str, num_tokens: int | None, bulk: bool
+    ) -> None:
         if self.workers.get(worker.peer_id) is not worker:
             return  # gone from the registry: nothing to index
         if worker.role == "prefill":
             if num_tokens is None:
                 self.prefill_room.release(worker, request_id)
             else:
-                self.prefill_room.hold(worker, request_id, num_tokens)
+                self.prefill_room.hold(worker, request_id, num_tokens, bulk)
         elif worker.role == "decode":
             self.decode_room.update(worker)
 

@@ -48,23 +48,32 @@ class PrefillWindow:
     num_big: int = 0  # big prompts held (at most one, but for a window built by hand)
     small_tokens: int = 0
     held_tokens: int = 0  # every prompt token held, big or small
+    bulk_tokens: int = 0  # of those, batch lines' (which yield every step to interactive prompts)
 
     @property
     def holds_big(self) -> bool:
         return self.num_big > 0
 
+    @property
+    def interactive_tokens(self) -> int:
+        """What an interactive prompt given to this worker now waits behind (besides the step
+        in progress): the engine takes interactive prompts before any batch line."""
+        return self.held_tokens - self.bulk_tokens
+
     def is_big(self, num_prompt_tokens: int) -> bool:
         return num_prompt_tokens > self.tokens // 2
 
-    def hold(self, num_prompt_tokens: int) -> None:
+    def hold(self, num_prompt_tokens: int, bulk: bool = False) -> None:
         self.held_tokens += num_prompt_tokens
+        self.bulk_tokens += num_prompt_tokens if bulk else 0
         if self.is_big(num_prompt_tokens):
             self.num_big += 1
         else:
             self.small_tokens += num_prompt_tokens
 
-    def release(self, num_prompt_tokens: int) -> None:
+    def release(self, num_prompt_tokens: int, bulk: bool = False) -> None:
         self.held_tokens -= num_prompt_tokens
+        self.bulk_tokens -= num_prompt_tokens if bulk else 0
         if self.is_big(num_prompt_tokens):
             self.num_big -= 1
         else:
@@ -92,7 +101,8 @@ class PrefillRoom:
     def __init__(self, window_tokens: int):
         self.window_tokens = window_tokens
         self.windows: dict[str, PrefillWindow] = {}
-        self._held: dict[str, dict[str, int]] = {}  # peer id -> request id -> prompt tokens
+        # peer id -> request id -> (prompt tokens, whether a batch line)
+        self._held: dict[str, dict[str, tuple[int, bool]]] = {}
         self._takers: dict[str, dict[str, WorkerState]] = {SMALL: {}, BIG: {}, BULK: {}}
         # kind -> measured rate -> lazy heap of (held tokens, -room, peer id)
         self._by_load: dict[str, dict[float, list[LoadEntry]]] = {SMALL: {}, BIG: {}, BULK: {}}
@@ -108,17 +118,19 @@ class PrefillRoom:
         for takers in self._takers.values():
             takers.pop(peer_id, None)
 
-    def hold(self, worker: WorkerState, request_id: str, num_prompt_tokens: int) -> None:
+    def hold(
+        self, worker: WorkerState, request_id: str, num_prompt_tokens: int, bulk: bool
+    ) -> None:
         held = self._held[worker.peer_id]
         if request_id not in held:
-            held[request_id] = num_prompt_tokens
-            self.windows[worker.peer_id].hold(num_prompt_tokens)
+            held[request_id] = (num_prompt_tokens, bulk)
+            self.windows[worker.peer_id].hold(num_prompt_tokens, bulk)
             self._sort(worker)
 
     def release(self, worker: WorkerState, request_id: str) -> None:
         held = self._held.get(worker.peer_id)
         if held is not None and request_id in held:
-            self.windows[worker.peer_id].release(held.pop(request_id))
+            self.windows[worker.peer_id].release(*held.pop(request_id))
             self._sort(worker)
 
     def rate_changed(self, worker: WorkerState) -> None:

@@ -348,7 +348,7 @@ class ClusterScheduler:
         request.phase = Phase.PREFILLING
         request.phase_deadline = now + self.limits.prefill_timeout_s
         submit = request.submit
-        held = self._num_held_tokens(prefill) - request.num_prefill_tokens
+        held = self._num_held_tokens(prefill, bulk=submit.bulk) - request.num_prefill_tokens
         if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker, prefill, held):
             # The decode worker computes the short suffix itself: the prefill worker is out.
             prefill.request_ids.discard(request.request_id)
@@ -425,10 +425,13 @@ class ClusterScheduler:
             out.append(self._reserve(self.requests[item.request_id], prefill, now))
         return out
 
-    def _num_held_tokens(self, worker: WorkerState) -> int:
-        """Prompt tokens assigned to a prefill worker and not yet done."""
+    def _num_held_tokens(self, worker: WorkerState, bulk: bool = True) -> int:
+        """Prompt tokens assigned to a prefill worker and not yet done (`bulk` false: only
+        interactive requests', what an interactive prompt waits behind)."""
         return sum(
-            self.requests[r].num_prefill_tokens for r in worker.request_ids if r in self.requests
+            self.requests[r].num_prefill_tokens
+            for r in worker.request_ids
+            if r in self.requests and (bulk or not self.requests[r].submit.bulk)
         )
 
     def _placeable(

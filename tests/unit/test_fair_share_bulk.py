@@ -135,3 +135,15 @@ def test_a_prefill_worker_takes_bulk_only_with_little_in_hand():
     big = PrefillWindow(2048)
     big.hold(1500)
     assert not big.takes(10, bulk=True) and big.takes(10)
+
+
+def test_an_interactive_prompt_waits_only_behind_the_interactive_tokens_a_window_holds():
+    from services.scheduler.core import PrefillWindow
+
+    window = PrefillWindow(2048)
+    window.hold(300, bulk=True)
+    window.hold(40)
+    assert (window.held_tokens, window.interactive_tokens) == (340, 40)
+    window.release(300, bulk=True)
+    window.release(40)
+    assert (window.held_tokens, window.bulk_tokens, window.interactive_tokens) == (0, 0, 0)

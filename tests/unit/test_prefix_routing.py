@@ -228,15 +228,16 @@ def test_a_local_prefill_waits_for_a_step_and_a_half_of_a_busy_decode_worker():
 
 
 @pytest.mark.parametrize(
-    "step_s,prefill_held,local",
+    "step_s,prefill_held,held_bulk,local",
     [
-        (0.01, 0, True),  # a short step: the suffix in the next one, no KV sent
-        (0.5, 0, False),  # a big batch's step (0.75 s) against 70 tokens at 300/s (0.23 s)
-        (0.5, 600, True),  # ... unless the prefill worker has 2 s of prompts in hand
+        (0.01, 0, False, True),  # a short step: the suffix in the next one, no KV sent
+        (0.5, 0, False, False),  # a big batch's step (0.75 s) against 70 tokens at 300/s (0.23 s)
+        (0.5, 600, False, True),  # ... unless the prefill worker has 2 s of prompts in hand
+        (0.5, 600, True, False),  # ... but a batch line's do not count: they yield to it
     ],
 )
 def test_a_busy_decode_worker_leaves_the_suffix_to_a_quicker_prefill_worker(
-    step_s, prefill_held, local
+    step_s, prefill_held, held_bulk, local
 ):
     # Not speculative: the index knows nothing of the decode worker's cache, and the choice
     # waits for its reply (speculation is for prompts it holds none of).
@@ -250,7 +251,8 @@ def test_a_busy_decode_worker_leaves_the_suffix_to_a_quicker_prefill_worker(
                                prefill_tokens_per_s=300.0)  # fmt: skip
     core.on_heartbeat(b"D", busy, 0.0)
     if prefill_held:  # a long prompt already handed to the prefill worker
-        core.on_submit(b"G", submit("held", prompt_len=prefill_held), 0.0)
+        held = dataclasses.replace(submit("held", prompt_len=prefill_held), bulk=held_bulk)
+        core.on_submit(b"G", held, 0.0)
         core.on_reserve_reply(
             wire.ReserveReply(request_id="held", ok=True, num_free_blocks=90), 0.0
         )

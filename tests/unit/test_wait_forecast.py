@@ -52,6 +52,36 @@ def test_a_backlog_where_nothing_comes_out_is_seen_at_once():
     assert rate.tokens_per_second(4.0, 100) == pytest.approx(25.0)
 
 
+def test_the_workers_own_rates_count_as_half_a_second_of_samples():
+    rate = ServiceRate()
+    rate.pass_ended(0.0, backlogged=True)
+    # A burst's first prefill step not yet through at 1.5 s: its silence alone would say
+    # 26 tokens in 1.5 s; with the workers' 150 a second as half a second more, 50.5.
+    assert rate.tokens_per_second(1.5, 26) == pytest.approx(26 / 1.5)
+    assert rate.tokens_per_second(1.5, 26, prior_tokens_per_s=150.0) == pytest.approx(101 / 2.0)
+    rate.served(2.0, 500)  # the step's batch: the backlog's own samples soon outweigh the prior
+    assert rate.tokens_per_second(2.0, 26, 150.0) == pytest.approx((500 + 26 + 75) / 2.5)
+    # A minute in which nothing came out still reads as slowness.
+    assert rate.tokens_per_second(62.0, 26, 150.0) == pytest.approx(601 / 62.5)
+
+
+def test_the_registry_sums_the_prefill_workers_rates_as_they_report_join_and_leave():
+    core = serial_core()
+    registry = core.registry
+    assert registry.prefill_tokens_per_s == 0.0
+    core.on_hello(b"Q", hello("q", "prefill"), 0.0)
+    registry.report_prefill_rate(registry.get("p"), 100.0)
+    registry.report_prefill_rate(registry.get("q"), 50.0)
+    registry.report_prefill_rate(registry.get("d"), 400.0)  # a decode worker's does not count
+    assert registry.prefill_tokens_per_s == pytest.approx(150.0)
+    registry.report_prefill_rate(registry.get("p"), 120.0)
+    assert registry.prefill_tokens_per_s == pytest.approx(170.0)
+    registry.remove("q")
+    assert registry.prefill_tokens_per_s == pytest.approx(120.0)
+    core.on_hello(b"P", hello("p", "prefill"), 1.0)  # joins again, not measured yet
+    assert registry.prefill_tokens_per_s == 0.0
+
+
 def test_service_rate_settings_are_checked():
     with pytest.raises(ValueError, match="max_samples"):
         ServiceRate(max_samples=0)
@@ -223,6 +253,22 @@ def test_a_pace_learned_from_long_prompts_does_not_refuse_a_burst_of_short_ones(
     long = dataclasses.replace(submit("long2", prompt_len=400), first_token_deadline_s=4.2)
     (reply,) = core.on_submit(b"G", long, 100.0)  # and one more behind it: 3 s
     assert reply.message.status_code == 429
+
+
+def test_a_burst_is_not_refused_before_the_first_prefill_step_brings_its_first_tokens():
+    """100 short prompts at once, 1.5 s in, nothing through yet: paced by the silence alone
+    (26 tokens in 1.5 s) the 2,626 tokens to go before one more take 151 s, past half its
+    120 s; with the prefill worker's measured 150 tokens a second as the prior, 52 s."""
+    core = serial_core()
+    for i in range(100):
+        request = dataclasses.replace(submit(f"b{i}", prompt_len=26), first_token_deadline_s=120.0)
+        assert core.on_submit(b"G", request, 0.0)[0].message.accepted, i
+    late = dataclasses.replace(submit("late", prompt_len=26), first_token_deadline_s=120.0)
+    assert core.on_submit(b"G", late, 1.5)[0].message.status_code == 429
+    core.registry.report_prefill_rate(core.registry.get("p"), 150.0)
+    assert core.on_submit(b"G", dataclasses.replace(late, request_id="late2"), 1.5)[
+        0
+    ].message.accepted
 
 
 @pytest.mark.parametrize(
