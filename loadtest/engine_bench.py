@@ -26,6 +26,7 @@ import time
 import torch
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.decode_graphs import DecodeGraphs, cuda_capture, eager_capture
 from shared.engine.kv_cache import KVCache
 from shared.engine.linear import LINEAR_BACKENDS
 from shared.engine.loader import (
@@ -78,20 +79,29 @@ def hf_prefill(hf_model, prompt_len: int):
     return lambda: hf_model(ids, use_cache=True)
 
 
-def ours_decode(model, batch_size: int, context: int, repeats: int):
-    """One engine decode step (batch build, forward, greedy sampling) at `context` tokens each."""
+def ours_decode(model, batch_size: int, context: int, repeats: int, graphs: bool = False):
+    """One engine decode step (batch build, forward, greedy sampling) at `context` tokens each;
+    with `graphs`, replayed from a CUDA graph (`DecodeGraphs`; on the CPU, its buffers and
+    padding without a graph). The caches' random K/V are drawn from a fixed seed, so an eager
+    and a graphed step sample the same tokens (`step.tokens_seen`, every step's)."""
     block_size = 16
     steps = repeats + 2
     blocks_per_seq = -(-(context + steps) // block_size)
     manager = BlockManager(batch_size * blocks_per_seq, block_size)
     cache = KVCache(model.config, manager.num_blocks, block_size, model.dtype, model.device)
+    generator = torch.Generator(device=model.device).manual_seed(batch_size)
     for tensor in cache.key_caches + cache.value_caches:
-        tensor.normal_()
+        tensor.normal_(generator=generator)
     tables = [manager.allocate(blocks_per_seq) for _ in range(batch_size)]
     sampler = Sampler()
     params = SamplingParams(temperature=0.0)
     rows = [SamplingRow(params, None, [], []) for _ in range(batch_size)]
     state = {"position": context, "tokens": [7] * batch_size}
+    run = model.step
+    if graphs:
+        capture = cuda_capture if model.device.type == "cuda" else eager_capture
+        replayer = DecodeGraphs(model, cache, batch_size, blocks_per_seq * block_size, capture)
+        run = lambda batch, _cache: replayer.run(batch)  # noqa: E731
 
     def step() -> None:
         position = state["position"]
@@ -100,10 +110,12 @@ def ours_decode(model, batch_size: int, context: int, repeats: int):
             for t, table in zip(state["tokens"], tables, strict=True)
         ]
         batch = build_step_batch(chunks, block_size, model.device)
-        logits = model.step(batch, cache)
+        logits = run(batch, cache)
         state["tokens"] = sampler(logits, rows).token_ids
         state["position"] = position + 1
+        step.tokens_seen.append(list(state["tokens"]))
 
+    step.tokens_seen = []
     return step
 
 
@@ -144,6 +156,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also time our decode step replayed from CUDA graphs (on the CPU: their buffers "
+        "and padding, no graph), and check it samples the eager step's tokens",
+    )
+    parser.add_argument(
         "--profile-batch",
         type=int,
         help="also profile 5 decode steps of each engine at this batch size (top operators)",
@@ -182,16 +200,20 @@ def main() -> None:
             f"prefill {args.prompt_len} tokens: ours {args.prompt_len / ours_s:7.1f} tok/s   "
             f"transformers {args.prompt_len / hf_s:7.1f} tok/s"
         )
-        print(f"{'batch':>5} {'ours ms':>9} {'hf ms':>9} {'hf/ours':>8} {'ours tok/s':>11}")
+        graphs_header = f" {'graphs ms':>10} {'eager/graphs':>13} {'same tokens':>12}"
+        print(
+            f"{'batch':>5} {'ours ms':>9} {'hf ms':>9} {'hf/ours':>8} {'ours tok/s':>11}"
+            + (graphs_header if args.cuda_graphs else "")
+        )
         for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-            ours, hf = paired_medians(
-                [
-                    ours_decode(loaded.model, batch_size, args.context, args.repeats),
-                    hf_decode(hf_model, batch_size, args.context),
-                ],
-                args.repeats,
-                device,
-            )
+            eager = ours_decode(loaded.model, batch_size, args.context, args.repeats)
+            fns = [eager, hf_decode(hf_model, batch_size, args.context)]
+            if args.cuda_graphs:
+                graphed = ours_decode(
+                    loaded.model, batch_size, args.context, args.repeats, graphs=True
+                )
+                fns.append(graphed)
+            ours, hf, *graphs_s = paired_medians(fns, args.repeats, device)
             row = {
                 "batch_size": batch_size,
                 "ours_ms": ours * 1e3,
@@ -199,11 +221,16 @@ def main() -> None:
                 "ours_tokens_per_s": batch_size / ours,
                 "hf_tokens_per_s": batch_size / hf,
             }
-            results["decode"].append(row)
-            print(
+            line = (
                 f"{batch_size:>5} {ours * 1e3:9.1f} {hf * 1e3:9.1f} {hf / ours:8.2f} "
                 f"{batch_size / ours:11.1f}"
             )
+            if graphs_s:
+                same = graphed.tokens_seen == eager.tokens_seen
+                row.update(graphs_ms=graphs_s[0] * 1e3, graphs_same_tokens=same)
+                line += f" {graphs_s[0] * 1e3:10.2f} {ours / graphs_s[0]:13.2f} {str(same):>12}"
+            results["decode"].append(row)
+            print(line)
         if args.profile_batch:
             steps = [
                 ("ours", ours_decode(loaded.model, args.profile_batch, args.context, 10)),

@@ -7,7 +7,9 @@
 #      memory and recompute, KV export and import);
 #   2. with a GGUF model (argument 2): the real model's greedy tokens against transformers'
 #      `generate` on the GPU, the engine benchmark in float32 and bfloat16, and the pipeline
-#      benchmark (transformers static batching, the bare engine, `tandem up --device cuda`).
+#      benchmark (transformers static batching, the bare engine, `tandem up --device cuda`),
+#      and the decode step replayed from CUDA graphs against the eager one at batch 1, 8, 64 and
+#      256 (`engine_bench --cuda-graphs`: step times side by side, and the same greedy tokens).
 #
 #   bash loadtest/gpu_check.sh OUT_DIR [GGUF_OR_MODEL_DIR]
 #
@@ -64,9 +66,10 @@ if [ -z "$model" ]; then
 fi
 if [ "$device" = cpu ]; then
     head -n 6 loadtest/workloads/mixed64.jsonl >"$out/small.jsonl"
-    sizes=1,8 repeats=3 workload=(--workload "$out/small.jsonl" --burst)
+    sizes=1,8 graph_sizes=1,8 repeats=3 workload=(--workload "$out/small.jsonl" --burst)
 else
-    sizes=1,8,32,64,256 repeats=20 workload=(--workload loadtest/workloads/mixed64.jsonl --burst)
+    sizes=1,8,32,64,256 graph_sizes=1,8,64,256 repeats=20
+    workload=(--workload loadtest/workloads/mixed64.jsonl --burst)
 fi
 step convert 600 "$py" -c "from shared.engine.loader import resolve_model_dir as r; print(r('$model'))"
 TANDEM_TEST_MODEL=$model step tests_smollm2_greedy 600 "${pytest[@]}" \
@@ -76,6 +79,9 @@ for dtype in float32 bfloat16; do
         --device "$device" --dtype "$dtype" --batch-sizes "$sizes" --repeats "$repeats" \
         --json "$out/engine_bench_$dtype.json"
 done
+step engine_bench_cuda_graphs 600 "$py" -m loadtest.engine_bench --model "$model" \
+    --device "$device" --dtype bfloat16 --batch-sizes "$graph_sizes" --repeats "$repeats" \
+    --cuda-graphs --json "$out/engine_bench_cuda_graphs.json"
 for dtype in float32 bfloat16; do
     step "pipeline_bench_$dtype" 900 "$py" -m loadtest.pipeline_bench --model "$model" \
         --device "$device" --dtype "$dtype" "${workload[@]}" --json "$out/pipeline_$dtype.json"

@@ -70,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"{DEVICE_HELP}; every worker shares it (cuda: one GPU)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="per decode worker")
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="decode workers replay decode steps from CUDA graphs (needs --device cuda)",
+    )
     parser.add_argument("--rpc-port", type=int, default=None, help="RPC front door TCP port")
     parser.add_argument(
         "--default-sampling",
@@ -132,6 +137,8 @@ class LocalCluster:
             raise ConfigError(f"--default-sampling: {error}") from None
         if getattr(self.args, "chat_template", None):
             read_chat_template(self.args.chat_template)
+        if getattr(self.args, "cuda_graphs", False) and not self.args.device.startswith("cuda"):
+            raise ConfigError(f"--cuda-graphs needs --device cuda, got {self.args.device}")
         resolve_model_dir(self.args.model)  # convert a GGUF once, before workers race to it
         num_workers = self.args.prefill + self.args.decode
         threads = max(1, (os.cpu_count() or 1) // num_workers)
@@ -179,6 +186,7 @@ class LocalCluster:
                     "--address",
                     self.address(f"decode-{i}"),
                     *worker,
+                    *(["--cuda-graphs", "true"] if self.args.cuda_graphs else []),
                 ],
             )
         gateway = [

@@ -50,6 +50,11 @@ class WorkerConfig(CurveSettings):
         "prefill: how long a step with prompt chunks may take (a short prompt's wait for the step "
         "in progress); none: the token budget alone",
     )
+    cuda_graphs: bool = setting(
+        False,
+        "decode, CUDA only: replay decode steps from CUDA graphs, one per batch-size bucket "
+        "(prompt chunks stay eager)",
+    )
     threads: int | None = setting(None, "torch threads (default: torch's choice)")
     transfer_timeout_s: float = setting(
         30.0, "prefill: how long a KV transfer may wait for its ack"
@@ -98,6 +103,11 @@ class WorkerConfig(CurveSettings):
             _ = self.linear_backend  # a quantization this dtype and device can run
         except ValueError as error:
             raise ConfigError(f"{error} (--quantization / TANDEM_QUANTIZATION)") from None
+        if self.cuda_graphs and self.torch_device.type != "cuda":
+            raise ConfigError(
+                f"cuda_graphs (--cuda-graphs / TANDEM_CUDA_GRAPHS) needs --device cuda, "
+                f"got {self.device}"
+            )
         require_address(self, "scheduler_address", "address", "advertise_address")
         require_port(self, "metrics_port")
         require_positive(
@@ -144,6 +154,7 @@ class WorkerConfig(CurveSettings):
             prefix_cache_max_blocks=self.prefix_cache_max_blocks,
             host_cache_bytes=self.host_cache_bytes,
             cache_model_id=self.model,
+            cuda_graphs=self.cuda_graphs,
             **overrides,
         )
 

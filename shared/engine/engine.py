@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.grammar import GrammarBinding
 from shared.engine.host_tier import HostTier
 from shared.engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
@@ -75,6 +76,9 @@ class EngineConfig:
     # Structured outputs: compiled grammars kept (bytes, LRU) and a compile's time limit.
     grammar_cache_bytes: int = 256 << 20
     grammar_compile_timeout_s: float = 30.0
+    # CUDA only: pure decode steps of up to max_num_seqs sequences replayed from CUDA graphs,
+    # one per batch-size bucket (`decode_graphs.py`); prompt chunks stay eager.
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -147,6 +151,7 @@ class LLMEngine:
             mc, self.config.block_size, model.dtype, self.config.kv_cache_bytes
         )
         self.kv_cache = KVCache(mc, num_blocks, self.config.block_size, model.dtype, model.device)
+        self.decode_graphs = self._decode_graphs()
         self.cache_key = CacheKey(
             self.config.cache_model_id or f"{mc.model_type}:{mc.num_layers}x{mc.hidden_size}",
             str(model.dtype).removeprefix("torch."),
@@ -424,6 +429,14 @@ class LLMEngine:
             self.swap_space.put(seq.request_id, keys, values)
             self.preemption.record_copy(len(block_ids) * self._bytes_per_block, watch.seconds)
 
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        if not self.config.cuda_graphs:
+            return None
+        if self.model.device.type != "cuda":
+            device = self.model.device
+            raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {device}")
+        return DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len)
+
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         batch = build_step_batch(
             [
@@ -440,6 +453,8 @@ class LLMEngine:
             self.config.block_size,
             self.model.device,
         )
+        if self.decode_graphs is not None and self.decode_graphs.takes(batch):
+            return self.decode_graphs.run(batch)
         return self.model.step(batch, self.kv_cache)
 
     def _postprocess(
