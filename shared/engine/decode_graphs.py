@@ -138,6 +138,10 @@ class DecodeGraphs:
         self._replays: dict[int, Callable[[], torch.Tensor]] = {}
         self.num_replays = 0
 
+    @property
+    def captured_buckets(self) -> set[int]:
+        return set(self._replays)
+
     def takes(self, batch: StepBatch) -> bool:
         """A pure decode step with a bucket, whose tables fit the full width."""
         return (

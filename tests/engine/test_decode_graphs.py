@@ -123,7 +123,7 @@ def test_a_padded_replay_gives_the_eager_logits_and_writes_only_the_real_slots(m
         flat, flat_old, flat_want = (t.view(-1, *t.shape[2:]) for t in (cache, old, want))
         assert torch.equal(flat[~real], flat_old[~real])
         torch.testing.assert_close(flat[real], flat_want[real], rtol=1e-4, atol=1e-4)
-    assert set(graphs._replays) == {4} and graphs.num_replays == 1
+    assert graphs.captured_buckets == {4} and graphs.num_replays == 1
 
 
 def test_prompt_chunks_and_batches_past_the_largest_bucket_stay_eager(model, device):
@@ -166,7 +166,7 @@ def test_an_engine_decoding_through_the_graphs_gives_the_eager_engines_tokens(mo
     assert run(graphed) == expected
     assert [len(expected[str(i)]) for i in range(len(prompts))] == lengths
     assert graphed.decode_graphs.num_replays > 10
-    assert len(graphed.decode_graphs._replays) >= 3  # several buckets captured and reused
+    assert len(graphed.decode_graphs.captured_buckets) >= 3  # several buckets captured and reused
 
 
 def test_cuda_graphs_are_refused_off_cuda():
