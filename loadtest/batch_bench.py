@@ -14,7 +14,10 @@ run, on the same prompts:
 3. `batch`: the prompts as one batch (Files + Batches API) while the trickle runs: drain time,
    output tokens/s, the trickle's TTFT p50/p99, lines lost or duplicated in the output, and each
    worker role's busy fraction from submission to drain (`tandem:engine_busy_seconds_total`,
-   the time inside engine steps, over the wall time). With a cluster started here, the trickle's
+   the time inside engine steps, over the wall time) and the machine's: its cores' time busy
+   (user, system, interrupts) over their time, from submission to drain, whatever ran on them,
+   so it measures the hardware only for a cluster on this machine with nothing else running.
+   With a cluster started here, the trickle's
    TTFT during the job is then split into its parts from the cluster's log
    (`loadtest.ttft_breakdown`).
 4. `naive`: the same prompts fired at once at /v1/completions, as a new user would: how many
@@ -41,6 +44,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
+import psutil
 
 from loadtest.served import tandem_up
 from loadtest.ttft_breakdown import breakdown
@@ -127,6 +131,21 @@ def busy_fractions(
     }
 
 
+def machine_cpu_busy_fraction(before: Any, after: Any) -> float:
+    """The share of the machine's core time spent busy between two `psutil.cpu_times()`:
+    user, nice, system and interrupts; idle, I/O wait and time stolen by a hypervisor count as
+    not busy. (Linux's guest time is already inside user.)"""
+    busy_fields = ("user", "nice", "system", "irq", "softirq")
+    idle_fields = ("idle", "iowait", "steal")
+
+    def spent(times: Any, fields: tuple[str, ...]) -> float:
+        return sum(getattr(times, field, 0.0) for field in fields)
+
+    busy = spent(after, busy_fields) - spent(before, busy_fields)
+    idle = spent(after, idle_fields) - spent(before, idle_fields)
+    return round(busy / (busy + idle), 3) if busy + idle > 0 else 0.0
+
+
 async def phase_alone(http: httpx.AsyncClient, model: str, args) -> dict[str, Any]:
     stop = asyncio.Event()
     task = asyncio.create_task(trickle(http, model, stop, args.trickle_every_s))
@@ -157,6 +176,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
     files = {"file": ("bench.jsonl", io.BytesIO(data))}
     uploaded = (await http.post("/v1/files", files=files, data={"purpose": "batch"})).json()
     busy_before = await busy_seconds(http)
+    cpu_before = psutil.cpu_times()
     started_at = time.time()
     started = time.monotonic()
     body = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions",
@@ -170,6 +190,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
     drain_s = time.monotonic() - started
     ended_at = time.time()
     busy = busy_fractions(busy_before, await busy_seconds(http), drain_s)
+    busy["machine_cpu_busy_fraction"] = machine_cpu_busy_fraction(cpu_before, psutil.cpu_times())
     stop.set()
     ttfts = await task
     output = (await http.get(f"/v1/files/{batch['output_file_id']}/content")).text.splitlines()

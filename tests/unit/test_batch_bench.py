@@ -21,6 +21,25 @@ def test_busy_fractions_average_each_role_over_the_wall_time():
     }
 
 
+def test_machine_cpu_busy_fraction_counts_idle_wait_and_steal_as_not_busy():
+    from collections import namedtuple
+
+    Times = namedtuple("Times", "user nice system idle iowait irq softirq steal")
+    before = Times(100.0, 0.0, 20.0, 50.0, 5.0, 1.0, 1.0, 0.0)
+    # 10 s of two cores: 15 user, 2 system, 1 softirq busy; 1 idle, 0.5 iowait, 0.5 stolen
+    after = Times(115.0, 0.0, 22.0, 51.0, 5.5, 1.0, 2.0, 0.5)
+    assert batch_bench.machine_cpu_busy_fraction(before, after) == 0.9
+    assert batch_bench.machine_cpu_busy_fraction(before, before) == 0.0
+
+
+def test_machine_cpu_busy_fraction_reads_this_machine():
+    import psutil
+
+    before = psutil.cpu_times()
+    sum(i * i for i in range(200_000))
+    assert 0.0 < batch_bench.machine_cpu_busy_fraction(before, psutil.cpu_times()) <= 1.0
+
+
 def test_ratios_compare_the_batch_with_the_burst_and_the_trickle_alone():
     phases = {
         "alone": {"ttft_p99_s": 0.2},
