@@ -52,6 +52,7 @@ from services.scheduler.fair_share import (
 )
 from services.scheduler.registry import WorkerRegistry, WorkerState
 from services.scheduler.wait_forecast import (
+    DEADLINE_SHARE,
     InHand,
     ServiceRate,
     queued_work,
@@ -91,6 +92,11 @@ class SchedulerLimits:
     # Refuse (429) an interactive request whose forecast wait comes too close to its gateway's
     # first-token deadline, instead of queueing it to time out (`wait_forecast.py`).
     refuse_past_deadline: bool = True
+    deadline_share: float = DEADLINE_SHARE  # ... once the forecast passes this share of it
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.deadline_share <= 1.0:
+            raise ValueError(f"deadline_share must be in (0, 1], got {self.deadline_share}")
 
 
 @dataclass
@@ -395,7 +401,7 @@ class ClusterScheduler:
             fair=self.limits.fair_share.policy == "fair",
         )
         pace = self._prompt_token_pace(now, num_tokens)
-        refusal = refusal_for_deadline(deadline, num_tokens, work, pace)
+        refusal = refusal_for_deadline(deadline, num_tokens, work, pace, self.limits.deadline_share)
         if refusal is None:
             return None
         message, retry_after = refusal

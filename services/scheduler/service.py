@@ -20,6 +20,7 @@ import zmq
 from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig
+from services.scheduler.wait_forecast import DEADLINE_SHARE
 from shared import wire
 from shared.config import (
     ConfigError,
@@ -77,9 +78,14 @@ class SchedulerConfig(CurveSettings):
     )
     refuse_past_deadline: bool = setting(
         True,
-        "refuse (429) an interactive request forecast to wait past half its gateway's "
-        "first-token timeout (the prompt tokens ahead of it at the pace served while "
+        "refuse (429) an interactive request forecast to wait past --deadline-share of its "
+        "gateway's first-token timeout (the prompt tokens ahead of it at the pace served while "
         "backlogged), instead of queueing it to time out",
+    )
+    deadline_share: float = setting(
+        DEADLINE_SHARE,
+        "the share of the first-token timeout a forecast wait may reach before a request is "
+        "refused (0-1: lower refuses earlier, with more margin for a forecast too hopeful)",
     )
     route_queued_weight: float = setting(
         1.0, "prefill choice: weight of the prompt work a worker already holds"
@@ -106,6 +112,11 @@ class SchedulerConfig(CurveSettings):
                 f"{error} (--route-queued-weight, --route-uncached-weight / "
                 "TANDEM_ROUTE_QUEUED_WEIGHT, TANDEM_ROUTE_UNCACHED_WEIGHT)"
             ) from None
+        if not 0.0 < self.deadline_share <= 1.0:
+            raise ConfigError(
+                f"deadline_share (--deadline-share / TANDEM_DEADLINE_SHARE) must be in (0, 1], "
+                f"got {self.deadline_share}"
+            )
         require_address(self, "address")
         require_port(self, "metrics_port")
         require_positive(
@@ -167,6 +178,7 @@ class SchedulerConfig(CurveSettings):
             local_prefill_max_tokens=self.local_prefill_max_tokens,
             speculative_prefill=self.speculative_prefill,
             refuse_past_deadline=self.refuse_past_deadline,
+            deadline_share=self.deadline_share,
         )
 
 

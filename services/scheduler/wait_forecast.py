@@ -39,8 +39,9 @@ second) would forecast a burst of short ones minutes away that is served in seco
   and the request (FCFS: that whole). Parties with less queued than `own` make it an upper
   bound, and aging turns every other choice to the oldest overdue request; the forecast
   ignores both. A request with nothing ahead is never refused: it goes at the next chance.
-* **Refusal.** The wait is the work over the pace; past `DEADLINE_SHARE` of the deadline the
-  request is refused, with Retry-After the excess (1-60 s).
+* **Refusal.** The wait is the work over the pace; past a share of the deadline (the
+  scheduler's `deadline_share`, `DEADLINE_SHARE` by default) the request is refused, with
+  Retry-After the excess (1-60 s).
 
 Only interactive requests whose gateway sends a deadline are refused this way: a batch line has
 its own pacing (the batch service keeps its window) and waits for spare capacity by design.
@@ -55,7 +56,7 @@ from dataclasses import dataclass, field
 # The forecast is an average and the deadline a hard cut: a request is refused once its forecast
 # passes this share of its deadline. The queue kept is still some seconds of work (the workers
 # never idle for it); what is cut is the tail that would time out.
-DEADLINE_SHARE = 0.5
+DEADLINE_SHARE = 0.75
 # The prefill workers' measured rates count as this many seconds of first tokens (see above).
 PRIOR_S = 0.5
 MIN_RETRY_AFTER_S = 1.0
@@ -181,16 +182,20 @@ def queued_work(
 
 
 def refusal_for_deadline(
-    deadline_s: float, num_tokens: int, work_tokens: int, tokens_per_s: float | None
+    deadline_s: float,
+    num_tokens: int,
+    work_tokens: int,
+    tokens_per_s: float | None,
+    share: float = DEADLINE_SHARE,
 ) -> tuple[str, float] | None:
     """(message, Retry-After seconds) if `work_tokens` of prompt (a request of `num_tokens` and
-    the work ahead of it) at `tokens_per_s` take longer than `DEADLINE_SHARE` of `deadline_s`;
-    None when they do not, when no pace is known or nothing is ahead. (Its own prompt counts:
-    where the pace is the prefill's, its first token comes when its prompt is through.)"""
+    the work ahead of it) at `tokens_per_s` take longer than `share` of `deadline_s`; None when
+    they do not, when no pace is known or nothing is ahead. (Its own prompt counts: where the
+    pace is the prefill's, its first token comes when its prompt is through.)"""
     if tokens_per_s is None or work_tokens <= num_tokens:  # nothing ahead: goes at once
         return None
     wait_s = work_tokens / tokens_per_s
-    if wait_s <= DEADLINE_SHARE * deadline_s:
+    if wait_s <= share * deadline_s:
         return None
     message = (
         f"the cluster is overloaded: the requests ahead of this one hold about "
@@ -198,6 +203,6 @@ def refusal_for_deadline(
         f"being served it would wait about {wait_s:.0f} s for a worker, too close to its "
         f"{deadline_s:.0f} s deadline for a first token; retry later"
     )
-    excess_s = wait_s - DEADLINE_SHARE * deadline_s
+    excess_s = wait_s - share * deadline_s
     retry_after = min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, excess_s))
     return message, retry_after

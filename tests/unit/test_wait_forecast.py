@@ -11,7 +11,13 @@ import pytest
 from services.scheduler.core import ClusterScheduler, SchedulerLimits
 from services.scheduler.fair_share import FairQueue, FairShareConfig
 from services.scheduler.queued import QueuedRequest
-from services.scheduler.wait_forecast import InHand, ServiceRate, queued_work, refusal_for_deadline
+from services.scheduler.wait_forecast import (
+    DEADLINE_SHARE,
+    InHand,
+    ServiceRate,
+    queued_work,
+    refusal_for_deadline,
+)
 from shared import wire
 from tests.unit.test_scheduler_core import hello, sent, submit
 
@@ -118,13 +124,23 @@ def test_queued_work(own, party_queued, queued, parties, fair, work):
 
 
 def test_refusal_past_half_the_deadline():
-    assert refusal_for_deadline(20.0, 10, 1000, None) is None  # no pace known
-    assert refusal_for_deadline(20.0, 10, 200, 20.0) is None  # 10 s, half of 20
-    assert refusal_for_deadline(1e-3, 10, 10, 0.01) is None  # nothing ahead: goes at once
-    message, retry_after = refusal_for_deadline(20.0, 10, 300, 20.0)
+    def refusal(*args):
+        return refusal_for_deadline(*args, share=0.5)
+
+    assert refusal(20.0, 10, 1000, None) is None  # no pace known
+    assert refusal(20.0, 10, 200, 20.0) is None  # 10 s, half of 20
+    assert refusal(1e-3, 10, 10, 0.01) is None  # nothing ahead: goes at once
+    message, retry_after = refusal(20.0, 10, 300, 20.0)
     assert retry_after == 5.0 and "about 290 prompt tokens" in message and "15 s" in message
-    assert refusal_for_deadline(20.0, 10, 210, 20.0)[1] == 1.0  # at least a second
-    assert refusal_for_deadline(1.0, 10, 10_000, 1.0)[1] == 60.0  # at most a minute
+    assert refusal(20.0, 10, 210, 20.0)[1] == 1.0  # at least a second
+    assert refusal(1.0, 10, 10_000, 1.0)[1] == 60.0  # at most a minute
+
+
+def test_refusal_past_three_quarters_of_the_deadline_by_default():
+    assert DEADLINE_SHARE == 0.75
+    assert refusal_for_deadline(20.0, 10, 300, 20.0) is None  # 15 s of 20
+    message, retry_after = refusal_for_deadline(20.0, 10, 340, 20.0)
+    assert retry_after == 2.0 and "17 s" in message  # 17 s, 2 past three quarters of 20
 
 
 def test_the_queue_keeps_the_prompt_tokens_the_forecast_reads():
@@ -159,7 +175,7 @@ def deadline_submit(request_id: str, deadline: float | None, **fields) -> wire.S
 def serial_core(**limits) -> ClusterScheduler:
     """One request at a time (the decode worker has one seat), no speculation: a dispatch
     happens exactly when the one in flight finishes, its first token a second later."""
-    limits = {"refuse_past_deadline": True, **limits}
+    limits = {"refuse_past_deadline": True, "deadline_share": 0.5, **limits}
     c = ClusterScheduler(
         SchedulerLimits(max_queued_requests=100, speculative_prefill=False, **limits)
     )
@@ -219,6 +235,23 @@ def test_a_request_forecast_past_its_deadline_is_refused_with_retry_after():
     assert status.first_tokens_per_s == pytest.approx(17 / 16)
     assert status.prompt_tokens_per_s == pytest.approx(21.25)
     assert core.on_submit(b"G", deadline_submit("in-time", 10.0), 16.0)[0].message.accepted
+
+
+def test_the_deadline_share_moves_the_cut():
+    # The same 4.7 s forecast: past half of 5 s, inside all of it.
+    assert core_refuses(backlogged(deadline_share=0.5), "late", 5.0)
+    assert not core_refuses(backlogged(deadline_share=1.0), "late", 5.0)
+
+
+def core_refuses(core: ClusterScheduler, request_id: str, deadline: float) -> bool:
+    (reply,) = core.on_submit(b"G", deadline_submit(request_id, deadline), 16.0)[:1]
+    return reply.message.status_code == 429
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_a_deadline_share_outside_its_range_is_refused(share):
+    with pytest.raises(ValueError, match="deadline_share"):
+        SchedulerLimits(deadline_share=share)
 
 
 def test_another_tenant_is_forecast_by_its_own_place():
