@@ -7,10 +7,10 @@ run, on the same prompts:
 
 1. `alone`: the interactive trickle on an idle cluster: its TTFT p50/p99.
 2. `burst`: the first `--burst-prompts` of the prompts (default 1,000: fewer than the
-   scheduler's queue holds) fired at once at /v1/completions: the best output tokens/s at
-   these lengths, which the batch is compared with. The wait forecast refuses those it
-   expects past half their first-token limit (at this machine's pace, about the last third of
-   1,000); the served ones' throughput is still the reference.
+   scheduler's queue holds) fired at once at /v1/completions: the output tokens/s of a burst
+   at these lengths, which the batch is compared with. The wait forecast refuses those it
+   expects past its share of their first-token limit; the served ones' throughput is the
+   reference (how many it admits moves it: see the README).
 3. `batch`: the prompts as one batch (Files + Batches API) while the trickle runs: drain time,
    output tokens/s, the trickle's TTFT p50/p99, lines lost or duplicated in the output, and each
    worker role's busy fraction from submission to drain (`tandem:engine_busy_seconds_total`,
