@@ -112,11 +112,10 @@ class SchedulerConfig(CurveSettings):
                 f"{error} (--route-queued-weight, --route-uncached-weight / "
                 "TANDEM_ROUTE_QUEUED_WEIGHT, TANDEM_ROUTE_UNCACHED_WEIGHT)"
             ) from None
-        if not 0.0 < self.deadline_share <= 1.0:
-            raise ConfigError(
-                f"deadline_share (--deadline-share / TANDEM_DEADLINE_SHARE) must be in (0, 1], "
-                f"got {self.deadline_share}"
-            )
+        try:  # the limits hold the rule
+            SchedulerLimits(deadline_share=self.deadline_share)
+        except ValueError as error:
+            raise ConfigError(f"{error} (--deadline-share / TANDEM_DEADLINE_SHARE)") from None
         require_address(self, "address")
         require_port(self, "metrics_port")
         require_positive(

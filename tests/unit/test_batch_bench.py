@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from loadtest import batch_bench
@@ -36,7 +38,9 @@ def test_machine_cpu_busy_fraction_reads_this_machine():
     import psutil
 
     before = psutil.cpu_times()
-    sum(i * i for i in range(200_000))
+    spin_until = time.monotonic() + 0.2  # some clock ticks of busy time (they come at 100 Hz)
+    while time.monotonic() < spin_until:
+        pass
     assert 0.0 < batch_bench.machine_cpu_busy_fraction(before, psutil.cpu_times()) <= 1.0
 
 
