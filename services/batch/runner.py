@@ -42,7 +42,7 @@ RETRY_STATUSES = (429, 503)  # backpressure: wait and retry, the window halves
 
 @dataclass(frozen=True)
 class RunLimits:
-    max_in_flight: int = 32
+    max_in_flight: int = 128
     line_timeout_s: float = 600.0
     max_attempts: int = 5  # per line, for cluster failures (5xx, no answer)
 

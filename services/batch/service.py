@@ -54,7 +54,12 @@ class BatchServiceConfig(CurveSettings):
     )
     max_file_bytes: int = setting(200 << 20, "largest uploaded file (413 past it)")
     max_lines: int = setting(50_000, "most requests in one batch's input file (400 past it)")
-    max_in_flight: int = setting(32, "most lines of one job in the cluster at once")
+    max_in_flight: int = setting(
+        128,
+        "most lines of one job in the cluster at once (the scheduler queues those it cannot "
+        "place yet; keep it above the decode workers' seats for batch lines plus a prefill "
+        "window of lines, or the job runs below the cluster's pace)",
+    )
     line_timeout_s: float = setting(600.0, "a line unanswered this long is tried again")
     max_attempts: int = setting(5, "tries per line when the cluster fails (5xx, no answer)")
     metrics_host: str = setting("127.0.0.1", "host of the Prometheus /metrics server")

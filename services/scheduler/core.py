@@ -58,7 +58,11 @@ from services.scheduler.wait_forecast import (
     queued_work,
     refusal_for_deadline,
 )
-from services.scheduler.worker_index import PrefillWindow  # noqa: F401 (its home was here)
+from services.scheduler.worker_index import (  # PrefillWindow: its home was here
+    BULK_SEAT_SHARE,
+    BULK_WINDOW_SHARE,
+    PrefillWindow,  # noqa: F401
+)
 from shared import wire
 
 MAX_ABANDONED = 65536  # request ids remembered as given up on, for the heartbeats' lease check
@@ -83,6 +87,8 @@ class SchedulerLimits:
     max_queue_time_s: float = 600.0  # longer in the queue: failed with a timeout, not kept
     retry_after_s: float = 1.0
     prefill_window_tokens: int = 2048  # prompt tokens in hand per prefill worker (see above)
+    bulk_window_share: float = BULK_WINDOW_SHARE  # ... of which batch lines may fill this share
+    bulk_seat_share: float = BULK_SEAT_SHARE  # and of a decode worker's seats, this share
     fair_share: FairShareConfig = field(default_factory=FairShareConfig)
     routing: RoutingWeights = field(default_factory=RoutingWeights)  # prefill choice by cache
     # Conditional disaggregation: a decode worker holding all but at most this many of a
@@ -95,8 +101,10 @@ class SchedulerLimits:
     deadline_share: float = DEADLINE_SHARE  # ... once the forecast passes this share of it
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.deadline_share <= 1.0:
-            raise ValueError(f"deadline_share must be in (0, 1], got {self.deadline_share}")
+        for name in ("deadline_share", "bulk_window_share", "bulk_seat_share"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
 
 
 @dataclass
@@ -177,6 +185,8 @@ class ClusterScheduler:
             self.limits.heartbeat_timeout_s,
             self.limits.progress_timeout_s,
             self.limits.prefill_window_tokens,
+            self.limits.bulk_window_share,
+            self.limits.bulk_seat_share,
         )
         self.queue = FairQueue(self.limits.fair_share)
         self.placement = CachePlacement(self.limits.routing, self.limits.local_prefill_max_tokens)
@@ -573,7 +583,8 @@ class ClusterScheduler:
             interactive.append((0, min(half, max_tokens)))
         if takes_big and max_tokens > half:
             interactive.append((half + 1, max_tokens))
-        bulk = [(0, max_tokens)] if takes_bulk else []
+        max_bulk_tokens = self.registry.max_decode_tokens(now, bulk=True) - 1 if takes_bulk else -1
+        bulk = [(0, max_bulk_tokens)] if max_bulk_tokens >= 0 else []
         return LengthRanges(tuple(interactive), tuple(bulk))
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> list[Outgoing]:
@@ -584,7 +595,8 @@ class ClusterScheduler:
         num_tokens = num_prompt_tokens + 1
         affinity = self.placement.decode_affinity(request.submit)
         holders = self._holders(request.submit)[1] if affinity is not None else None
-        decode = self.registry.pick_decode(num_tokens, now, affinity, holders)
+        bulk = request.submit.bulk
+        decode = self.registry.pick_decode(num_tokens, now, affinity, holders, bulk)
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING
         request.decode_peer_id = decode.peer_id

@@ -17,13 +17,25 @@ import functools
 import itertools
 from collections.abc import Callable, Iterator
 
-from services.scheduler.worker_index import DecodeRoom, PrefillRoom, PrefillWindow
+from services.scheduler.worker_index import (
+    BULK_SEAT_SHARE,
+    BULK_WINDOW_SHARE,
+    DecodeRoom,
+    PrefillRoom,
+    PrefillWindow,
+    bulk_seats,
+)
 from services.scheduler.worker_state import WorkerState
 
 
 class WorkerRegistry:
     def __init__(
-        self, heartbeat_timeout_s: float, progress_timeout_s: float, window_tokens: int = 2048
+        self,
+        heartbeat_timeout_s: float,
+        progress_timeout_s: float,
+        window_tokens: int = 2048,
+        bulk_window_share: float = BULK_WINDOW_SHARE,
+        bulk_seat_share: float = BULK_SEAT_SHARE,
     ):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         # A worker that holds work and completes no step for this long is stuck: it answers
@@ -33,8 +45,10 @@ class WorkerRegistry:
         # The same workers by role, so a dispatch does not sift a thousand of the other role.
         self._by_role: dict[str, dict[str, WorkerState]] = {"prefill": {}, "decode": {}}
         self._registrations = itertools.count(1)
-        self.prefill_room = PrefillRoom(window_tokens)
+        self.prefill_room = PrefillRoom(window_tokens, bulk_window_share)
         self.decode_room = DecodeRoom(self._by_role["decode"])
+        # The same workers for batch lines, which leave some seats to interactive requests.
+        self.bulk_decode_room = DecodeRoom(self._by_role["decode"], bulk_seats(bulk_seat_share))
         # The prefill workers' measured rates summed (the wait forecast's prior), kept as they
         # report, join and leave: no scan of a thousand workers per request.
         self.prefill_tokens_per_s = 0.0
@@ -49,6 +63,7 @@ class WorkerRegistry:
             self.prefill_tokens_per_s += worker.prefill_tokens_per_s
         elif worker.role == "decode":
             self.decode_room.add(worker)
+            self.bulk_decode_room.add(worker)
 
     def remove(self, peer_id: str) -> WorkerState | None:
         worker = self.workers.pop(peer_id, None)
@@ -79,7 +94,7 @@ class WorkerRegistry:
     def promise(self, worker: WorkerState, num_blocks: int) -> None:
         """Blocks of a decode worker reserved since its last heartbeat."""
         worker.num_promised_blocks += num_blocks
-        self.decode_room.update(worker)
+        self._decode_changed(worker)
 
     def report_free_blocks(
         self, worker: WorkerState, num_free_blocks: int, heartbeat: bool
@@ -89,7 +104,7 @@ class WorkerRegistry:
         if heartbeat:
             worker.num_promised_blocks = 0
         if worker.role == "decode":
-            self.decode_room.update(worker)
+            self._decode_changed(worker)
 
     def report_prefill_rate(self, worker: WorkerState, tokens_per_s: float) -> None:
         if worker.prefill_tokens_per_s != tokens_per_s:
@@ -113,7 +128,11 @@ class WorkerRegistry:
             else:
                 self.prefill_room.hold(worker, request_id, num_tokens, bulk)
         elif worker.role == "decode":
-            self.decode_room.update(worker)
+            self._decode_changed(worker)
+
+    def _decode_changed(self, worker: WorkerState) -> None:
+        self.decode_room.update(worker)
+        self.bulk_decode_room.update(worker)
 
     # -- who has room --------------------------------------------------------------------------
 
@@ -152,9 +171,11 @@ class WorkerRegistry:
         takers = self.prefill_room.takers(num_prompt_tokens, bulk)
         return any(self.is_healthy(w, now) for w in takers)
 
-    def max_decode_tokens(self, now: float) -> int:
-        """The most tokens some healthy decode worker with a seat free can hold now."""
-        return self.decode_room.max_tokens(lambda w: self.is_healthy(w, now))
+    def max_decode_tokens(self, now: float, bulk: bool = False) -> int:
+        """The most tokens some healthy decode worker with a seat free (for a batch line if
+        `bulk`) can hold now."""
+        room = self.bulk_decode_room if bulk else self.decode_room
+        return room.max_tokens(lambda w: self.is_healthy(w, now))
 
     def pick_decode(
         self,
@@ -162,26 +183,28 @@ class WorkerRegistry:
         now: float,
         affinity: Callable[[WorkerState], float] | None = None,
         holders: set[str] | None = None,
+        bulk: bool = False,
     ) -> WorkerState | None:
         """The decode worker with the best `affinity` (if given), then the most available
-        blocks, then the fewest requests, then the first registered, among those that can hold
-        `num_tokens`. `holders`, given with an affinity that rewards a cached prefix, names the
-        only workers holding one: the rest rank by seats taken (their affinity) from the index."""
+        blocks, then the fewest requests, then the first registered, among those with a seat
+        free (for a batch line if `bulk`) that can hold `num_tokens`. `holders`, given with an
+        affinity that rewards a cached prefix, names the only workers holding one: the rest
+        rank by seats taken (their affinity) from the index."""
         healthy = functools.partial(self.is_healthy, now=now)
+        room = self.bulk_decode_room if bulk else self.decode_room
         if affinity is None:  # the index's answer: no pass over the workers
-            return self.decode_room.best(num_tokens, healthy)
+            return room.best(num_tokens, healthy)
         if holders is None:
             workers = self.healthy("decode", now)
         else:
             by_id = self._by_role["decode"]
             workers = [by_id[p] for p in holders if p in by_id and healthy(by_id[p])]
-            rest = self.decode_room.least_busy(num_tokens, healthy, holders)
+            rest = room.least_busy(num_tokens, healthy, holders)
             workers += [rest] if rest is not None else []
         candidates = [
             w
             for w in workers
-            if w.num_available_blocks >= w.blocks_for(num_tokens)
-            and len(w.request_ids) < w.max_num_seqs
+            if w.num_available_blocks >= w.blocks_for(num_tokens) and room.has_seat(w)
         ]
         return max(
             candidates,

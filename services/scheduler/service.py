@@ -21,6 +21,7 @@ from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig
 from services.scheduler.wait_forecast import DEADLINE_SHARE
+from services.scheduler.worker_index import BULK_SEAT_SHARE, BULK_WINDOW_SHARE
 from shared import wire
 from shared.config import (
     ConfigError,
@@ -65,6 +66,17 @@ class SchedulerConfig(CurveSettings):
     )
     prefill_window_tokens: int = setting(
         2048, "prompt tokens handed to a prefill worker ahead of its progress"
+    )
+    bulk_window_share: float = setting(
+        BULK_WINDOW_SHARE,
+        "batch lines go to a prefill worker holding less than this share of its window (0-1: "
+        "higher keeps it busier between steps, lower leaves interactive prompts more room)",
+    )
+    bulk_seat_share: float = setting(
+        BULK_SEAT_SHARE,
+        "batch lines take at most this share of a decode worker's seats (--max-num-seqs), the "
+        "rest kept for interactive requests (0-1: higher batches more lines per step, lower "
+        "leaves more seats for a burst of chats)",
     )
     local_prefill_max_tokens: int = setting(
         256,
@@ -112,10 +124,12 @@ class SchedulerConfig(CurveSettings):
                 f"{error} (--route-queued-weight, --route-uncached-weight / "
                 "TANDEM_ROUTE_QUEUED_WEIGHT, TANDEM_ROUTE_UNCACHED_WEIGHT)"
             ) from None
-        try:  # the limits hold the rule
-            SchedulerLimits(deadline_share=self.deadline_share)
-        except ValueError as error:
-            raise ConfigError(f"{error} (--deadline-share / TANDEM_DEADLINE_SHARE)") from None
+        for name in ("deadline_share", "bulk_window_share", "bulk_seat_share"):
+            try:  # the limits hold the rule
+                SchedulerLimits(**{name: getattr(self, name)})
+            except ValueError as error:
+                flag = name.replace("_", "-")
+                raise ConfigError(f"{error} (--{flag} / TANDEM_{name.upper()})") from None
         require_address(self, "address")
         require_port(self, "metrics_port")
         require_positive(
@@ -172,6 +186,8 @@ class SchedulerConfig(CurveSettings):
             progress_timeout_s=self.progress_timeout_s,
             max_queue_time_s=self.max_queue_time_s,
             prefill_window_tokens=self.prefill_window_tokens,
+            bulk_window_share=self.bulk_window_share,
+            bulk_seat_share=self.bulk_seat_share,
             fair_share=self.fair_share(),
             routing=self.routing(),
             local_prefill_max_tokens=self.local_prefill_max_tokens,

@@ -31,6 +31,13 @@ if TYPE_CHECKING:
     from services.scheduler.worker_state import WorkerState
 
 SMALL, BIG, BULK = "small", "big", "bulk"  # what a prefill window may take
+# Batch lines fill a prefill window up to half: with the default window (four steps' budget of
+# 512 tokens) a step's worth waits while another runs, so the worker never idles between a
+# step's end and the scheduler's next lines (a quarter left it idle a tenth of a job).
+BULK_WINDOW_SHARE = 0.5
+# Batch lines take up to seven eighths of a decode worker's seats: the rest stay free for
+# interactive requests, which otherwise wait for a batch line to finish before they can start.
+BULK_SEAT_SHARE = 0.875
 
 
 @dataclass
@@ -45,6 +52,9 @@ class PrefillWindow:
     """
 
     tokens: int  # the window, in prompt tokens
+    # A batch line goes only to a worker holding less than this share of the window in small
+    # prompts (and no big one): enough that the next step's lines wait while one runs.
+    bulk_share: float = BULK_WINDOW_SHARE
     num_big: int = 0  # big prompts held (at most one, but for a window built by hand)
     small_tokens: int = 0
     held_tokens: int = 0  # every prompt token held, big or small
@@ -85,9 +95,10 @@ class PrefillWindow:
 
     def takes(self, num_prompt_tokens: int, bulk: bool = False) -> bool:
         if bulk:
-            # A batch line goes only to a worker with little in hand (a quarter window, no big
-            # prompt): what it holds is what a later interactive prompt waits behind.
-            return not self.holds_big and self.small_tokens < self.tokens // 4
+            # A batch line goes only to a worker with little in hand (`bulk_share` of the window,
+            # no big prompt). A later interactive prompt waits only for the step in progress
+            # (the engine takes it before batch lines), but it needs room in the window too.
+            return not self.holds_big and self.small_tokens < int(self.tokens * self.bulk_share)
         if self.is_big(num_prompt_tokens):
             return not self.holds_big
         return self.small_room > 0
@@ -98,8 +109,9 @@ class PrefillWindow:
 
 
 class PrefillRoom:
-    def __init__(self, window_tokens: int):
+    def __init__(self, window_tokens: int, bulk_share: float = BULK_WINDOW_SHARE):
         self.window_tokens = window_tokens
+        self.bulk_share = bulk_share
         self.windows: dict[str, PrefillWindow] = {}
         # peer id -> request id -> (prompt tokens, whether a batch line)
         self._held: dict[str, dict[str, tuple[int, bool]]] = {}
@@ -108,7 +120,7 @@ class PrefillRoom:
         self._by_load: dict[str, dict[float, list[LoadEntry]]] = {SMALL: {}, BIG: {}, BULK: {}}
 
     def add(self, worker: WorkerState) -> None:
-        self.windows[worker.peer_id] = PrefillWindow(self.window_tokens)
+        self.windows[worker.peer_id] = PrefillWindow(self.window_tokens, self.bulk_share)
         self._held[worker.peer_id] = {}
         self._sort(worker)
 
@@ -197,9 +209,26 @@ BusyEntry = tuple[float, int, int, int, str]
 DecodeEntry = tuple[int, int, int, str]
 
 
+def all_seats(worker: WorkerState) -> int:
+    return worker.max_num_seqs
+
+
+def bulk_seats(share: float) -> Callable[[WorkerState], int]:
+    """The seats of a decode worker a batch line may take: `share` of them (at least one), the
+    rest kept for interactive requests, which would otherwise wait in the queue for a batch
+    line to finish (the engine cannot make a running batch line yield its seat)."""
+    return lambda worker: max(1, int(worker.max_num_seqs * share))
+
+
 class DecodeRoom:
-    def __init__(self, workers: dict[str, WorkerState]):
+    """The decode workers with a seat free; `seats` says how many of a worker's count (all,
+    or for batch lines, `bulk_seats`)."""
+
+    def __init__(
+        self, workers: dict[str, WorkerState], seats: Callable[[WorkerState], int] = all_seats
+    ):
         self._workers = workers  # the registry's decode workers
+        self._seats = seats
         self._heaps: dict[int, list[DecodeEntry]] = {}  # block size -> its workers' entries
         self._by_busy: list[BusyEntry] = []
         # Each worker's last entry pushed (and seats): while they hold, its entries are live.
@@ -216,13 +245,14 @@ class DecodeRoom:
     def update(self, worker: WorkerState) -> None:
         """The worker's room or seats changed (or it registered): its entry follows. A worker
         with no seat free has none until one frees."""
-        if len(worker.request_ids) >= worker.max_num_seqs:
+        seats = self._seats(worker)
+        if len(worker.request_ids) >= seats:
             self._pushed.pop(worker.peer_id, None)  # its entries may go stale now
             return
         entry = _entry(worker)
-        if self._pushed.get(worker.peer_id) == (entry, worker.max_num_seqs):
+        if self._pushed.get(worker.peer_id) == (entry, seats):
             return  # unchanged (a heartbeat with the same figures): its entries are live
-        self._pushed[worker.peer_id] = (entry, worker.max_num_seqs)
+        self._pushed[worker.peer_id] = (entry, seats)
         heap = self._heaps.setdefault(worker.block_size, [])
         lazy_heap.push(heap, entry, len(self._workers), self._live)
         lazy_heap.push(self._by_busy, _busy_entry(worker), len(self._workers), self._busy_live)
@@ -275,16 +305,12 @@ class DecodeRoom:
             if top is None:
                 continue
             worker = self._workers[top[3]]  # the usual case: the top has a seat and is healthy
-            if len(worker.request_ids) < worker.max_num_seqs and healthy(worker):
+            if self.has_seat(worker) and healthy(worker):
                 yield worker
                 continue
             for entry in lazy_heap.in_order(heap):
                 worker = self._workers.get(entry[3])
-                if (
-                    self._live(entry)
-                    and len(worker.request_ids) < worker.max_num_seqs
-                    and healthy(worker)
-                ):
+                if self._live(entry) and self.has_seat(worker) and healthy(worker):
                     yield worker
                     break
 
@@ -294,11 +320,10 @@ class DecodeRoom:
 
     def _busy_live(self, entry: BusyEntry) -> bool:
         worker = self._workers.get(entry[4])
-        return (
-            worker is not None
-            and len(worker.request_ids) < worker.max_num_seqs
-            and _busy_entry(worker) == entry
-        )
+        return worker is not None and self.has_seat(worker) and _busy_entry(worker) == entry
+
+    def has_seat(self, worker: WorkerState) -> bool:
+        return len(worker.request_ids) < self._seats(worker)
 
     def _live(self, entry: DecodeEntry) -> bool:
         worker = self._workers.get(entry[3])

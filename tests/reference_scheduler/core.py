@@ -59,6 +59,8 @@ class SchedulerLimits:
     # Conditional disaggregation: a decode worker holding all but at most this many of a
     # prompt's tokens prefills them itself, and no KV crosses the wire (0: never).
     local_prefill_max_tokens: int = 256
+    bulk_window_share: float = 0.5  # batch lines fill a window up to this share
+    bulk_seat_share: float = 0.875  # and take up to this share of a decode worker's seats
 
 
 @dataclass
@@ -73,6 +75,7 @@ class PrefillWindow:
     """
 
     tokens: int  # the window, in prompt tokens
+    bulk_share: float = 0.5
     holds_big: bool = False
     small_tokens: int = 0
 
@@ -91,9 +94,9 @@ class PrefillWindow:
 
     def takes(self, num_prompt_tokens: int, bulk: bool = False) -> bool:
         if bulk:
-            # A batch line goes only to a worker with little in hand (a quarter window, no big
-            # prompt): what it holds is what a later interactive prompt waits behind.
-            return not self.holds_big and self.small_tokens < self.tokens // 4
+            # A batch line goes only to a worker with little in hand (`bulk_share` of the
+            # window, no big prompt).
+            return not self.holds_big and self.small_tokens < int(self.tokens * self.bulk_share)
         if self.is_big(num_prompt_tokens):
             return not self.holds_big
         return self.small_room > 0
@@ -440,7 +443,11 @@ class ClusterScheduler:
         """Some prefill worker's window takes it, and some decode worker can hold it."""
         if not any(window.takes(item.num_prompt_tokens, item.bulk) for window in windows.values()):
             return False
-        return self.registry.pick_decode(item.num_prompt_tokens + 1, now) is not None
+        num_tokens, seat_share = item.num_prompt_tokens + 1, self._seat_share(item.bulk)
+        return self.registry.pick_decode(num_tokens, now, None, seat_share) is not None
+
+    def _seat_share(self, bulk: bool) -> float:
+        return self.limits.bulk_seat_share if bulk else 1.0
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:
         num_prompt_tokens = request.num_prefill_tokens
@@ -449,7 +456,10 @@ class ClusterScheduler:
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
         decode = self.registry.pick_decode(
-            num_tokens, now, self.placement.decode_affinity(request.submit)
+            num_tokens,
+            now,
+            self.placement.decode_affinity(request.submit),
+            self._seat_share(request.submit.bulk),
         )
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING
@@ -474,7 +484,7 @@ class ClusterScheduler:
         return Outgoing(decode.identity, reserve)
 
     def _window(self, worker: WorkerState) -> PrefillWindow:
-        window = PrefillWindow(self.limits.prefill_window_tokens)
+        window = PrefillWindow(self.limits.prefill_window_tokens, self.limits.bulk_window_share)
         for request_id in worker.request_ids:
             request = self.requests.get(request_id)
             if request is not None:

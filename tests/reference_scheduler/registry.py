@@ -98,15 +98,20 @@ class WorkerRegistry:
         ]
 
     def pick_decode(
-        self, num_tokens: int, now: float, affinity: Callable[[WorkerState], float] | None = None
+        self,
+        num_tokens: int,
+        now: float,
+        affinity: Callable[[WorkerState], float] | None = None,
+        seat_share: float = 1.0,
     ) -> WorkerState | None:
         """The decode worker with the best `affinity` (if given), then the most available
-        blocks, among those that can hold `num_tokens`."""
+        blocks, among those that can hold `num_tokens` with a seat free among `seat_share` of
+        theirs (at least one)."""
         candidates = [
             w
             for w in self.healthy("decode", now)
             if w.num_available_blocks >= w.blocks_for(num_tokens)
-            and len(w.request_ids) < w.max_num_seqs
+            and len(w.request_ids) < max(1, int(w.max_num_seqs * seat_share))
         ]
         return max(
             candidates,

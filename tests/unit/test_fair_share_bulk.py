@@ -4,12 +4,14 @@ parties, and not holding back the interactive parties' virtual time."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.scheduler.core import ClusterScheduler, PrefillWindow, SchedulerLimits
 from services.scheduler.fair_share import (
     BULK_CLASS,
     FairQueue,
@@ -17,7 +19,9 @@ from services.scheduler.fair_share import (
     Party,
     QueuedRequest,
 )
+from shared import wire
 from tests.unit.test_fair_share import assert_serves_whenever_admissible
+from tests.unit.test_scheduler_core import hello, submit
 
 _ids = itertools.count()
 
@@ -123,23 +127,29 @@ def test_bulk_settings_are_checked():
 
 
 def test_a_prefill_worker_takes_bulk_only_with_little_in_hand():
-    from services.scheduler.core import PrefillWindow
-
     window = PrefillWindow(2048)
     assert window.takes(40, bulk=True)
-    window.hold(500)
-    assert window.takes(40, bulk=True)  # under a quarter window in hand
+    window.hold(1000)
+    assert window.takes(40, bulk=True)  # under half the window in hand
     window.hold(40)
-    assert not window.takes(40, bulk=True)  # 540 tokens ahead: interactive only now
+    assert not window.takes(40, bulk=True)  # 1,040 tokens ahead: interactive only now
     assert window.takes(40)
     big = PrefillWindow(2048)
     big.hold(1500)
     assert not big.takes(10, bulk=True) and big.takes(10)
 
 
-def test_an_interactive_prompt_waits_only_behind_the_interactive_tokens_a_window_holds():
-    from services.scheduler.core import PrefillWindow
+def test_the_bulk_share_of_a_window_is_a_setting():
+    quarter = PrefillWindow(2048, bulk_share=0.25)
+    quarter.hold(520)
+    assert not quarter.takes(40, bulk=True) and quarter.takes(40)
+    core = ClusterScheduler(SchedulerLimits(bulk_window_share=0.25))
+    assert core.registry.prefill_room.bulk_share == 0.25
+    with pytest.raises(ValueError, match="bulk_window_share"):
+        SchedulerLimits(bulk_window_share=0)
 
+
+def test_an_interactive_prompt_waits_only_behind_the_interactive_tokens_a_window_holds():
     window = PrefillWindow(2048)
     window.hold(300, bulk=True)
     window.hold(40)
@@ -147,3 +157,38 @@ def test_an_interactive_prompt_waits_only_behind_the_interactive_tokens_a_window
     window.release(300, bulk=True)
     window.release(40)
     assert (window.held_tokens, window.bulk_tokens, window.interactive_tokens) == (0, 0, 0)
+
+
+def bulk_core(**limits):
+    core = ClusterScheduler(SchedulerLimits(**limits))
+    for identity, peer_id, role in ((b"G", "g", "gateway"), (b"P", "p", "prefill")):
+        core.on_hello(identity, hello(peer_id, role), 0.0)
+    core.on_hello(b"D", hello("d", "decode"), 0.0)  # eight seats
+    return core
+
+
+def reserved_ids(out) -> list[str]:
+    return [o.message.request_id for o in out if isinstance(o.message, wire.Reserve)]
+
+
+def test_batch_lines_leave_a_decode_workers_last_seats_to_interactive_requests():
+    core = bulk_core()
+    placed = []
+    for i in range(8):
+        line = dataclasses.replace(submit(f"b{i}"), bulk=True)
+        placed += reserved_ids(core.on_submit(b"G", line, 0.0))
+    assert placed == [f"b{i}" for i in range(7)]  # seven eighths of eight seats
+    assert len(core.queue) == 1
+    assert reserved_ids(core.on_submit(b"G", submit("chat"), 0.0)) == ["chat"]
+    assert len(core.queue) == 1  # the eighth line still waits for a batch seat
+
+
+def test_the_bulk_seat_share_is_a_setting():
+    core = bulk_core(bulk_seat_share=1.0)
+    placed = []
+    for i in range(8):
+        line = dataclasses.replace(submit(f"b{i}"), bulk=True)
+        placed += reserved_ids(core.on_submit(b"G", line, 0.0))
+    assert len(placed) == 8 and not len(core.queue)
+    with pytest.raises(ValueError, match="bulk_seat_share"):
+        bulk_core(bulk_seat_share=1.5)
