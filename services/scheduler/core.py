@@ -76,6 +76,10 @@ class Phase(enum.IntEnum):
     DECODING = 3
 
 
+# The limits that are shares of something, each in (0, 1].
+SHARES = ("deadline_share", "bulk_window_share", "bulk_seat_share")
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_queued_requests: int = 1024
@@ -101,7 +105,7 @@ class SchedulerLimits:
     deadline_share: float = DEADLINE_SHARE  # ... once the forecast passes this share of it
 
     def __post_init__(self) -> None:
-        for name in ("deadline_share", "bulk_window_share", "bulk_seat_share"):
+        for name in SHARES:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")

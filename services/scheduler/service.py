@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from services.scheduler.cache_routing import RoutingWeights
-from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
+from services.scheduler.core import SHARES, ClusterScheduler, Outgoing, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig
 from services.scheduler.wait_forecast import DEADLINE_SHARE
 from services.scheduler.worker_index import BULK_SEAT_SHARE, BULK_WINDOW_SHARE
@@ -124,7 +124,7 @@ class SchedulerConfig(CurveSettings):
                 f"{error} (--route-queued-weight, --route-uncached-weight / "
                 "TANDEM_ROUTE_QUEUED_WEIGHT, TANDEM_ROUTE_UNCACHED_WEIGHT)"
             ) from None
-        for name in ("deadline_share", "bulk_window_share", "bulk_seat_share"):
+        for name in SHARES:
             try:  # the limits hold the rule
                 SchedulerLimits(**{name: getattr(self, name)})
             except ValueError as error:

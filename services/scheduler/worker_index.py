@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 SMALL, BIG, BULK = "small", "big", "bulk"  # what a prefill window may take
 # Batch lines fill a prefill window up to half: with the default window (four steps' budget of
-# 512 tokens) a step's worth waits while another runs, so the worker never idles between a
-# step's end and the scheduler's next lines (a quarter left it idle a tenth of a job).
+# 512 tokens) a step's worth waits while another runs, so the worker does not wait between a
+# step's end and the scheduler's next lines. An interactive prompt still waits only for the step
+# in progress (the engine takes it first), and finds half the window free.
 BULK_WINDOW_SHARE = 0.5
 # Batch lines take up to seven eighths of a decode worker's seats: the rest stay free for
 # interactive requests, which otherwise wait for a batch line to finish before they can start.
