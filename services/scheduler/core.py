@@ -587,8 +587,10 @@ class ClusterScheduler:
             interactive.append((0, min(half, max_tokens)))
         if takes_big and max_tokens > half:
             interactive.append((half + 1, max_tokens))
-        max_bulk_tokens = self.registry.max_decode_tokens(now, bulk=True) - 1 if takes_bulk else -1
-        bulk = [(0, max_bulk_tokens)] if max_bulk_tokens >= 0 else []
+        bulk = []
+        if takes_bulk and self.queue.holds_bulk():  # (no batch job: no question of its seats)
+            max_bulk_tokens = self.registry.max_decode_tokens(now, bulk=True) - 1
+            bulk = [(0, max_bulk_tokens)] if max_bulk_tokens >= 0 else []
         return LengthRanges(tuple(interactive), tuple(bulk))
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> list[Outgoing]:

@@ -158,6 +158,10 @@ class FairQueue:
     def num_queued_tokens_in(self, party: Party) -> int:
         return self._index.party_tokens.get(party, 0)
 
+    def holds_bulk(self) -> bool:
+        """Some bulk request is queued."""
+        return self._index.num_parties(BULK_CLASS) > 0
+
     def num_backlogged_interactive_parties(self) -> int:
         return sum(self._index.num_parties(name) for name in self.config.class_names)
 

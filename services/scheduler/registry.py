@@ -47,8 +47,10 @@ class WorkerRegistry:
         self._registrations = itertools.count(1)
         self.prefill_room = PrefillRoom(window_tokens, bulk_window_share)
         self.decode_room = DecodeRoom(self._by_role["decode"])
-        # The same workers for batch lines, which leave some seats to interactive requests.
-        self.bulk_decode_room = DecodeRoom(self._by_role["decode"], bulk_seats(bulk_seat_share))
+        # The same workers for batch lines, which leave some seats to interactive requests:
+        # built when first asked (`_room`), so a cluster that runs no job keeps no second index.
+        self.bulk_seat_share = bulk_seat_share
+        self._bulk_decode_room: DecodeRoom | None = None
         # The prefill workers' measured rates summed (the wait forecast's prior), kept as they
         # report, join and leave: no scan of a thousand workers per request.
         self.prefill_tokens_per_s = 0.0
@@ -63,7 +65,8 @@ class WorkerRegistry:
             self.prefill_tokens_per_s += worker.prefill_tokens_per_s
         elif worker.role == "decode":
             self.decode_room.add(worker)
-            self.bulk_decode_room.add(worker)
+            if self._bulk_decode_room is not None:
+                self._bulk_decode_room.add(worker)
 
     def remove(self, peer_id: str) -> WorkerState | None:
         worker = self.workers.pop(peer_id, None)
@@ -132,7 +135,19 @@ class WorkerRegistry:
 
     def _decode_changed(self, worker: WorkerState) -> None:
         self.decode_room.update(worker)
-        self.bulk_decode_room.update(worker)
+        if self._bulk_decode_room is not None:
+            self._bulk_decode_room.update(worker)
+
+    def _room(self, bulk: bool) -> DecodeRoom:
+        """The decode workers with a seat free for an interactive request, or a batch line."""
+        if not bulk:
+            return self.decode_room
+        if self._bulk_decode_room is None:
+            room = DecodeRoom(self._by_role["decode"], bulk_seats(self.bulk_seat_share))
+            for worker in self._by_role["decode"].values():
+                room.add(worker)
+            self._bulk_decode_room = room
+        return self._bulk_decode_room
 
     # -- who has room --------------------------------------------------------------------------
 
@@ -174,8 +189,7 @@ class WorkerRegistry:
     def max_decode_tokens(self, now: float, bulk: bool = False) -> int:
         """The most tokens some healthy decode worker with a seat free (for a batch line if
         `bulk`) can hold now."""
-        room = self.bulk_decode_room if bulk else self.decode_room
-        return room.max_tokens(lambda w: self.is_healthy(w, now))
+        return self._room(bulk).max_tokens(lambda w: self.is_healthy(w, now))
 
     def pick_decode(
         self,
@@ -191,7 +205,7 @@ class WorkerRegistry:
         affinity that rewards a cached prefix, names the only workers holding one: the rest
         rank by seats taken (their affinity) from the index."""
         healthy = functools.partial(self.is_healthy, now=now)
-        room = self.bulk_decode_room if bulk else self.decode_room
+        room = self._room(bulk)
         if affinity is None:  # the index's answer: no pass over the workers
             return room.best(num_tokens, healthy)
         if holders is None:
