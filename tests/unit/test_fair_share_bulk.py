@@ -192,3 +192,12 @@ def test_the_bulk_seat_share_is_a_setting():
     assert len(placed) == 8 and not len(core.queue)
     with pytest.raises(ValueError, match="bulk_seat_share"):
         bulk_core(bulk_seat_share=1.5)
+
+
+def test_a_decode_worker_joining_mid_job_takes_batch_lines():
+    core = bulk_core()
+    for i in range(8):  # the batch seats' index is built at the first line: d's seven
+        core.on_submit(b"G", dataclasses.replace(submit(f"b{i}"), bulk=True), 0.0)
+    assert len(core.queue) == 1
+    out = core.on_hello(b"E", hello("e", "decode"), 0.0)
+    assert reserved_ids(out) == ["b7"] and core.requests["b7"].decode_peer_id == "e"
