@@ -44,6 +44,10 @@ class AttentionGroup:
     output_rows: torch.Tensor | None  # prefill: the real query rows, in padded order
     real: torch.Tensor | None  # prefill: [seqs, max_q], which padded query rows are real
     max_query_len: int
+    # prefill: no member has context before its run of queries, so SDPA's own causal flag (query
+    # i sees keys 0..i) is the mask on every real row, and lets the CPU flash kernel skip key
+    # blocks past each query block, where a mask makes it visit them all.
+    causal: bool = False
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,7 @@ def _group(
     rows = torch.where(real, starts[:, None] + offsets, starts[:, None])
     positions = (context_lens - query_lens)[:, None] + offsets
     mask = (key_positions <= positions[:, :, None])[:, None]
+    causal = bool((context_lens == query_lens).all())
     return AttentionGroup(
         block_ids,
         num_seqs,
@@ -192,4 +197,5 @@ def _group(
         rows[real],
         real,
         max_query_len,
+        causal,
     )

@@ -156,7 +156,8 @@ def _attend_prefill(
         padded.transpose(1, 2),
         key.transpose(1, 2),
         value.transpose(1, 2),
-        attn_mask=group.mask,
+        attn_mask=None if group.causal else group.mask,
+        is_causal=group.causal,
         scale=scale,
         enable_gqa=True,
     )

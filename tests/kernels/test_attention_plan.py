@@ -81,3 +81,41 @@ def test_a_long_tailed_decode_batch_splits_and_matches():
     out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
     assert (out - naive_attention(batch)).abs().max() < 1e-5
     assert torch.isfinite(out).all()
+
+
+def _plan_one_group(batch, block_size: int):
+    return plan_attention(
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_start_loc,
+        block_size=block_size,
+        max_query_len=batch.max_query_len,
+        max_context_len=batch.max_context_len,
+        slack=100.0,
+        min_waste=10**9,
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_fresh_prompts_attend_with_the_causal_flag_and_match(block_size):
+    # Unequal lengths: padded query rows and keys past the shorter prompts must stay unseen.
+    batch = make_batch(
+        [(23, 23), (5, 5), (40, 40)],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=block_size,
+    )
+    plan = _plan_one_group(batch, block_size)
+    assert [group.causal for group in plan.prefill] == [True]
+    out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
+    assert (out - naive_attention(batch)).abs().max() < 1e-5
+
+
+def test_a_prompt_after_cached_context_keeps_the_mask():
+    # (30, 12): 18 cached tokens, so query i sees keys 0..18+i, which the causal flag would cut.
+    batch = make_batch([(30, 12), (7, 7)], num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
+    plan = _plan_one_group(batch, 16)
+    assert [group.causal for group in plan.prefill] == [False]
+    out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
+    assert (out - naive_attention(batch)).abs().max() < 1e-5
