@@ -35,6 +35,7 @@ from loadtest.client import run_workload
 from loadtest.metrics import Result
 from loadtest.pipeline_bench import _pair_ms
 from loadtest.served import free_port, tandem_up
+from loadtest.worker_metrics import WorkerCounters, worker_counters
 from loadtest.workload import WorkloadRequest, read_workload
 
 DEFAULT_WORKLOAD = "loadtest/workloads/mixed64.jsonl"
@@ -142,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"tandem ready in {cluster.startup_s:.1f} s; {len(requests)} requests", flush=True
             )
+            before = _counters(cluster.url)
             results["tandem"] = burst(cluster.url, "smollm2", requests, "tandem")
             results["tandem"].extra["dtypes"] = _served_dtypes(cluster.url)
+            work = worker_work(before, _counters(cluster.url), results["tandem"].summary.wall_s)
+            results["tandem"].extra["workers"] = work
+            print(workers_table(work), flush=True)
     if args.llama_server:
         gguf = Path(args.llama_gguf or f16_gguf(args.llama_quantize, Path(tempfile.gettempdir())))
         with llama_server(args.llama_server, gguf, args.slots, args.context_per_slot) as url:
@@ -158,6 +163,43 @@ def main(argv: list[str] | None = None) -> int:
         }
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 1 if any(r.summary.num_errors for r in results.values()) else 0
+
+
+def worker_work(
+    before: dict[str, WorkerCounters], after: dict[str, WorkerCounters], wall_s: float
+) -> dict[str, dict[str, Any]]:
+    """Each tandem worker's share of the burst: time inside engine steps over the wall, steps,
+    and for decode workers the mean sequences per step (where the time went, beside the
+    throughput)."""
+    work = {}
+    for peer, end in sorted(after.items()):
+        start = before.get(peer, WorkerCounters(end.role))
+        steps = end.steps - start.steps
+        batch_steps = end.batch_steps - start.batch_steps
+        work[peer] = {
+            "role": end.role,
+            "busy": (end.busy_s - start.busy_s) / wall_s if wall_s > 0 else 0.0,
+            "steps": steps,
+            "mean_batch": (
+                (end.batch_sequences - start.batch_sequences) / batch_steps if batch_steps else None
+            ),
+        }
+    return work
+
+
+def workers_table(work: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for peer, w in work.items():
+        batch = "" if w["mean_batch"] is None else f", {w['mean_batch']:.1f} sequences per step"
+        rows.append(
+            f"  {peer} ({w['role']}): busy {w['busy']:.0%} of the wall, {w['steps']:.0f} steps"
+            + batch
+        )
+    return "tandem's workers during the burst:\n" + "\n".join(rows)
+
+
+def _counters(url: str) -> dict[str, WorkerCounters]:
+    return worker_counters(httpx.get(url + "/metrics", timeout=30, trust_env=False).text)
 
 
 def _served_dtypes(url: str) -> list[str]:

@@ -59,6 +59,7 @@ def test_one_group_per_sequence_gives_the_same_attention(kind, block_size):
         max_context_len=batch.max_context_len,
         slack=1.0,
         min_waste=0,
+        decode_min_waste=0,
     )
     assert len(plan.decode) + len(plan.prefill) > 1
     out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
@@ -119,3 +120,17 @@ def test_a_prompt_after_cached_context_keeps_the_mask():
     assert [group.causal for group in plan.prefill] == [False]
     out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
     assert (out - naive_attention(batch)).abs().max() < 1e-5
+
+
+def test_decode_groups_waste_less_than_prefill_groups():
+    # Ten 40-token contexts beside a 200-token one: 1,600 padded keys in one group, within the
+    # prefill bound of 4,096 pairs but past decode's 256. One short context rides with the long
+    # one (160 padded keys), the rest form their own group.
+    seqs = [(200, 1)] + [(40, 1)] * 10
+    batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=8, block_size=16)
+    args = (batch.block_tables, batch.context_lens, batch.query_start_loc)
+    sizes = dict(block_size=16, max_query_len=1, max_context_len=200)
+    assert [g.num_seqs for g in plan_attention(*args, **sizes).decode] == [2, 9]
+    assert bucket_by_padding([1] * 11, [200] + [40] * 10) == [list(range(11))]
+    one = plan_attention(*args, **sizes, decode_min_waste=4096)
+    assert [g.num_seqs for g in one.decode] == [11]
