@@ -9,6 +9,20 @@ from kernels.attention_plan import bucket_by_padding, plan_attention
 from kernels.attention_reference import paged_attention_reference
 from tests.kernels.test_paged_attention import BATCHES, make_batch, naive_attention
 
+
+def plan_for(batch, block_size: int, **bounds):
+    """The plan of a test batch; `bounds` override the planner's grouping bounds."""
+    return plan_attention(
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_start_loc,
+        block_size=block_size,
+        max_query_len=batch.max_query_len,
+        max_context_len=batch.max_context_len,
+        **bounds,
+    )
+
+
 lengths = st.lists(
     st.integers(1, 2000).flatmap(lambda ctx: st.tuples(st.integers(1, ctx), st.just(ctx))),
     min_size=1,
@@ -50,17 +64,7 @@ def test_one_group_per_sequence_gives_the_same_attention(kind, block_size):
     batch = make_batch(
         BATCHES[kind], num_heads=6, num_kv_heads=2, head_dim=16, block_size=block_size
     )
-    plan = plan_attention(
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_start_loc,
-        block_size=block_size,
-        max_query_len=batch.max_query_len,
-        max_context_len=batch.max_context_len,
-        slack=1.0,
-        min_waste=0,
-        decode_min_waste=0,
-    )
+    plan = plan_for(batch, block_size, slack=1.0, min_waste=0, decode_min_waste=0)
     assert len(plan.decode) + len(plan.prefill) > 1
     out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
     assert (out - naive_attention(batch)).abs().max() < 1e-5
@@ -69,32 +73,11 @@ def test_one_group_per_sequence_gives_the_same_attention(kind, block_size):
 def test_a_long_tailed_decode_batch_splits_and_matches():
     seqs = [(5, 1)] * 6 + [(300, 1), (290, 1)]
     batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=8, block_size=16)
-    plan = plan_attention(
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_start_loc,
-        block_size=16,
-        max_query_len=1,
-        max_context_len=300,
-        min_waste=0,
-    )
+    plan = plan_for(batch, 16, decode_min_waste=0)
     assert [g.num_seqs for g in plan.decode] == [2, 6] and not plan.prefill
     out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
     assert (out - naive_attention(batch)).abs().max() < 1e-5
     assert torch.isfinite(out).all()
-
-
-def _plan_one_group(batch, block_size: int):
-    return plan_attention(
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_start_loc,
-        block_size=block_size,
-        max_query_len=batch.max_query_len,
-        max_context_len=batch.max_context_len,
-        slack=100.0,
-        min_waste=10**9,
-    )
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
@@ -107,7 +90,7 @@ def test_fresh_prompts_attend_with_the_causal_flag_and_match(block_size):
         head_dim=16,
         block_size=block_size,
     )
-    plan = _plan_one_group(batch, block_size)
+    plan = plan_for(batch, block_size, slack=100.0, min_waste=10**9)
     assert [group.causal for group in plan.prefill] == [True]
     out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
     assert (out - naive_attention(batch)).abs().max() < 1e-5
@@ -116,7 +99,7 @@ def test_fresh_prompts_attend_with_the_causal_flag_and_match(block_size):
 def test_a_prompt_after_cached_context_keeps_the_mask():
     # (30, 12): 18 cached tokens, so query i sees keys 0..18+i, which the causal flag would cut.
     batch = make_batch([(30, 12), (7, 7)], num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
-    plan = _plan_one_group(batch, 16)
+    plan = plan_for(batch, 16, slack=100.0, min_waste=10**9)
     assert [group.causal for group in plan.prefill] == [False]
     out = paged_attention_reference(*batch.args(), **batch.kwargs(), plan=plan)
     assert (out - naive_attention(batch)).abs().max() < 1e-5
@@ -128,9 +111,6 @@ def test_decode_groups_waste_less_than_prefill_groups():
     # one (160 padded keys), the rest form their own group.
     seqs = [(200, 1)] + [(40, 1)] * 10
     batch = make_batch(seqs, num_heads=4, num_kv_heads=2, head_dim=8, block_size=16)
-    args = (batch.block_tables, batch.context_lens, batch.query_start_loc)
-    sizes = dict(block_size=16, max_query_len=1, max_context_len=200)
-    assert [g.num_seqs for g in plan_attention(*args, **sizes).decode] == [2, 9]
+    assert [g.num_seqs for g in plan_for(batch, 16).decode] == [2, 9]
     assert bucket_by_padding([1] * 11, [200] + [40] * 10) == [list(range(11))]
-    one = plan_attention(*args, **sizes, decode_min_waste=4096)
-    assert [g.num_seqs for g in one.decode] == [11]
+    assert [g.num_seqs for g in plan_for(batch, 16, decode_min_waste=4096).decode] == [11]
