@@ -11,8 +11,9 @@ loads it (`shared.engine.loader.load_model`) and
   greedily for `--new-tokens` tokens through the engine; reported are how many outputs equal
   float32's exactly, and the mean share of tokens before the first that differs.
 
-Besides the dtypes, `fp16-weights` is float32 with `--quantization fp16`, measured at its worst:
-every product reads the float16 weights (served, only decode steps of a few rows do).
+Besides the dtypes, `fp16-weights` is float32 with `--quantization fp16`, and
+`bfloat16-fp16-weights` bfloat16 with it, each measured at its worst: every product reads the
+float16 weights (served, only decode steps of a few rows do).
 
     .venv/bin/python -m loadtest.perplexity [--dtypes float32,bfloat16,fp16-weights]
         [--window 256] [--max-windows 16] [--new-tokens 32] [--json OUT]
@@ -40,7 +41,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_batch import SequenceChunk, build_step_batch
 
 CORPUS = Path(__file__).with_name("corpus.txt")
-HALF_WEIGHTS = "fp16-weights"  # float32, every product from float16 weights
+# `--quantization fp16` formats: the model's dtype, every product from float16 weights
+HALF_WEIGHTS = {"fp16-weights": torch.float32, "bfloat16-fp16-weights": torch.bfloat16}
 CHAT_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -105,12 +107,13 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
 
 
 def load_format(model: str | None, name: str) -> LoadedModel:
-    if name != HALF_WEIGHTS:
+    if name not in HALF_WEIGHTS:
         return load_model(model, dtype=DTYPES[name])
     served_rows = linear.HALF_WEIGHT_MAX_ROWS
-    linear.HALF_WEIGHT_MAX_ROWS = sys.maxsize  # read as the layers are made: all rows float16
+    # Read as the layers are made: all rows float16.
+    linear.HALF_WEIGHT_MAX_ROWS = dict.fromkeys(served_rows, sys.maxsize)
     try:
-        return load_model(model, dtype=torch.float32, linear_backend="fp16")
+        return load_model(model, dtype=HALF_WEIGHTS[name], linear_backend="fp16")
     finally:
         linear.HALF_WEIGHT_MAX_ROWS = served_rows
 
@@ -151,7 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     args.dtypes = args.dtypes.split(",")
-    formats = [*DTYPES, HALF_WEIGHTS]
+    formats = [*DTYPES, *HALF_WEIGHTS]
     unknown = [d for d in args.dtypes if d not in formats]
     if unknown or not args.dtypes:
         parser.error(f"--dtypes: unknown {unknown}; choose from {', '.join(formats)}")

@@ -13,17 +13,22 @@ So on CPUs with oneDNN the model keeps its weights packed (`OneDnnLinear`); on C
 dtypes the CPU's oneDNN cannot pack (float16 without AVX512-FP16), plain `F.linear`
 (`DenseLinear`). `backend="dense"` forces the latter anywhere, for comparisons.
 
-`backend="fp16"` (`HalfWeightLinear`, float32 models on the CPU only): a decode step of a few
-rows is bound by streaming the weights from memory, not by arithmetic, so for products of at most
-`HALF_WEIGHT_MAX_ROWS` rows the weights are read as float16 (half the bytes: FBGEMM's packed
+`backend="fp16"` (`HalfWeightLinear`, float32 and bfloat16 models on the CPU): a decode step of
+a few rows is bound by streaming the weights from memory, not by arithmetic, so for products of
+at most `HALF_WEIGHT_MAX_ROWS[dtype]` rows the weights are read as float16 (FBGEMM's packed
 float16 product, float32 in, out and accumulated, as llama.cpp's F16 files are used), and larger
-products (prompt chunks, big batches), bound by arithmetic, keep the float32 oneDNN path, which is
-faster there. Both copies are kept (1.5x the weights' memory). Measured on an AVX2 AMD EPYC, one
-thread, SmolLM2 decode steps at 256 tokens of context (README, "Precision"): batch 1 113 -> 66
-ms, 4 146 -> 97, 8 178 -> 165, 12 229 -> 230; with float16 for every row count, 16 rows were
-even and 32 slower (485 -> 572), hence the threshold. Quality:
-perplexity within 0.01% of float32 with every product through float16 (`loadtest.perplexity`),
-but not bit-identical: float32 alone is the reference against transformers.
+products (prompt chunks, big batches), bound by arithmetic, keep the model dtype's oneDNN path,
+which is faster there. Both copies are kept (float32 models: 1.5x the weights' memory; bfloat16:
+2x). For float32 the float16 copy halves the bytes; for bfloat16 it streams as many bytes, but
+oneDNN's bfloat16 product of 1-3 rows runs well below the memory's speed (SmolLM2's matrices,
+one step's worth, one thread of an AVX512-BF16 EPYC: 1 row 25.1 ms in bfloat16 against 15.4
+through the float16 copy, 2 rows 29.6 against 15.7, 3 rows 21.9 against 16.8, 4 rows even).
+float32, measured on an AVX2 AMD EPYC, one thread, SmolLM2 decode steps at 256 tokens of
+context (README, "Precision"): batch 1 113 -> 66 ms, 4 146 -> 97, 8 178 -> 165, 12 229 -> 230;
+with float16 for every row count, 16 rows were even and 32 slower (485 -> 572), hence the
+threshold. Quality: perplexity within 0.01% of float32 with every product through float16
+(`loadtest.perplexity`), but not bit-identical: float32 alone is the reference against
+transformers.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ LINEAR_BACKENDS = ("auto", "onednn", "dense", "fp16")
 # 128 gave the same speeds; a hint of 1 made every batch size slower (up to 1.4x at 8 rows).
 _PACKING_BATCH_HINT = 32
 
-# Rows up to which `HalfWeightLinear` reads float16 weights (measured: 12 faster, 16 even).
-HALF_WEIGHT_MAX_ROWS = 12
+# Rows up to which `HalfWeightLinear` reads float16 weights, by the model's dtype (measured:
+# float32 12 rows faster, 16 even; bfloat16 3 rows faster, 4 even).
+HALF_WEIGHT_MAX_ROWS = {torch.float32: 12, torch.bfloat16: 3}
 
 
 @dataclass(frozen=True)
@@ -64,16 +70,17 @@ class OneDnnLinear:
 
 @dataclass(frozen=True)
 class HalfWeightLinear:
-    """float32 activations; weights read as float16 for products of few rows (see the doc)."""
+    """Activations in the model's dtype; weights read as float16 for products of few rows (see
+    the doc), computed in float32 and handed back in the model's dtype."""
 
-    packed: torch.Tensor  # the float32 weight, oneDNN-packed
+    packed: torch.Tensor  # the weight in the model's dtype, oneDNN-packed
     packed_half: torch.ScriptObject  # the float16 copy (and the bias), FBGEMM-packed
     bias: torch.Tensor | None
     max_half_rows: int
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.max_half_rows * x.shape[-1]:
-            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed_half)
+            return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed_half).to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -101,19 +108,21 @@ def make_linear(
 
 
 def half_weight_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> HalfWeightLinear:
-    """The layer, its threshold `HALF_WEIGHT_MAX_ROWS` as it is when the layer is made (so that
-    a quality measurement can load a model whose every product reads float16)."""
-    if weight.dtype != torch.float32 or not onednn_can_pack(weight.dtype, weight.device):
+    """The layer, its threshold `HALF_WEIGHT_MAX_ROWS[dtype]` as it is when the layer is made
+    (so that a quality measurement can load a model whose every product reads float16)."""
+    if weight.dtype not in HALF_WEIGHT_MAX_ROWS or not onednn_can_pack(weight.dtype, weight.device):
         raise ValueError(
-            f"fp16 weights need a float32 model on a CPU with oneDNN, got {weight.dtype} on "
-            f"{weight.device}"
+            "fp16 weights need a float32 or bfloat16 model on a CPU with oneDNN, got "
+            f"{weight.dtype} on {weight.device}"
         )
     if not half_weights_available():
         raise ValueError("fp16 weights need torch's FBGEMM float16 product, absent here")
     weight = weight.contiguous()
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT)
-    packed_half = torch.ops.quantized.linear_prepack_fp16(weight, bias)
-    return HalfWeightLinear(packed, packed_half, bias, HALF_WEIGHT_MAX_ROWS)
+    packed_half = torch.ops.quantized.linear_prepack_fp16(
+        weight.float(), None if bias is None else bias.float()
+    )
+    return HalfWeightLinear(packed, packed_half, bias, HALF_WEIGHT_MAX_ROWS[weight.dtype])
 
 
 @functools.cache

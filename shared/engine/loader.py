@@ -35,9 +35,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_CHOICES = ("auto", *DTYPES)
 QUANTIZATION_CHOICES = ("none", "fp16")
 QUANTIZATION_HELP = (
-    "none, or fp16: a float32 model on the CPU reads its weights as float16 for products of a "
-    "few rows (decode steps of small batches: half the bytes from memory, float32 arithmetic; "
-    "perplexity as float32's, tokens not bit-identical)"
+    "none, or fp16: a float32 or bfloat16 model on the CPU reads its weights as float16 for "
+    "products of a few rows (decode steps of small batches: FBGEMM's float16 product, float32 "
+    "arithmetic; perplexity as float32's, tokens not bit-identical; a second copy of the weights)"
 )
 
 
@@ -49,10 +49,10 @@ def linear_backend_for(quantization: str, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"quantization must be one of {choices}, got {quantization!r}")
     if quantization == "none":
         return "auto"
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
-            f"quantization fp16 needs a float32 model on the CPU, got {dtype_name(dtype)} on "
-            f"{device} (set --dtype float32)"
+            "quantization fp16 needs a float32 or bfloat16 model on the CPU, got "
+            f"{dtype_name(dtype)} on {device} (set --dtype float32 or bfloat16)"
         )
     if not half_weights_available():
         raise ValueError("quantization fp16 needs torch's FBGEMM float16 product (x86 CPUs)")

@@ -91,11 +91,12 @@ def test_fp16_weights_serve_few_rows_and_float32_the_rest(with_bias):
     layer = make_linear(weight, bias, backend="fp16")
     assert isinstance(layer, HalfWeightLinear)
     half_rounded = weight.half().float()
-    for rows in (1, 5, HALF_WEIGHT_MAX_ROWS):
+    limit = HALF_WEIGHT_MAX_ROWS[torch.float32]
+    for rows in (1, 5, limit):
         x = torch.randn(rows, 61, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(layer(x), F.linear(x, half_rounded, bias), rtol=1e-5, atol=1e-4)
         assert not torch.allclose(layer(x), F.linear(x, weight, bias), rtol=0, atol=1e-6)
-    x = torch.randn(HALF_WEIGHT_MAX_ROWS + 1, 61)
+    x = torch.randn(limit + 1, 61)
     packed = make_linear(weight, bias, backend="onednn")
     assert torch.equal(layer(x), packed(x))
 
@@ -106,13 +107,36 @@ def test_fp16_weights_count_rows_over_every_leading_dimension():
     layer = make_linear(weight, bias, backend="fp16")
     few = torch.randn(2, 3, 32)  # 6 rows: float16 weights
     torch.testing.assert_close(layer(few), F.linear(few, weight.half().float(), bias))
-    many = torch.randn(2, HALF_WEIGHT_MAX_ROWS, 32)  # float32
+    many = torch.randn(2, HALF_WEIGHT_MAX_ROWS[torch.float32], 32)  # float32
     assert torch.equal(layer(many), make_linear(weight, bias, backend="onednn")(many))
 
 
-def test_fp16_weights_need_a_float32_model_on_the_cpu():
-    weight, _ = random_weights(8, 8, torch.bfloat16)
-    with pytest.raises(ValueError, match="fp16 weights need a float32 model"):
+def test_fp16_weights_need_a_float32_or_bfloat16_model_on_the_cpu():
+    weight, _ = random_weights(8, 8, torch.float16)
+    with pytest.raises(ValueError, match="fp16 weights need a float32 or bfloat16 model"):
         make_linear(weight, backend="fp16")
-    with pytest.raises(ValueError, match="fp16 weights need a float32 model"):
+    with pytest.raises(ValueError, match="fp16 weights need a float32 or bfloat16 model"):
         make_linear(torch.empty(4, 4, device="meta"), backend="fp16")
+
+
+@needs_half_weights
+@pytest.mark.skipif(
+    not onednn_can_pack(torch.bfloat16, "cpu"), reason="this CPU's oneDNN packs no bfloat16"
+)
+def test_fp16_weights_of_a_bfloat16_model_serve_few_rows_and_bfloat16_the_rest():
+    """Up to the bfloat16 threshold: the float16-rounded weight's product in float32, handed
+    back in bfloat16; past it, the bfloat16 oneDNN product, exactly."""
+    weight, bias = random_weights(97, 61)
+    weight, bias = weight.bfloat16(), bias.bfloat16()
+    layer = make_linear(weight, bias, backend="fp16")
+    limit = HALF_WEIGHT_MAX_ROWS[torch.bfloat16]
+    assert layer.max_half_rows == limit
+    half_rounded = weight.float().half().float()
+    for rows in (1, limit):
+        x = torch.randn(rows, 61, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        expected = F.linear(x.float(), half_rounded, bias.float()).bfloat16()
+        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    x = torch.randn(limit + 1, 61).bfloat16()
+    assert torch.equal(layer(x), make_linear(weight, bias, backend="onednn")(x))

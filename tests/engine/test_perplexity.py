@@ -2,12 +2,15 @@
 transformers' logits on the same windows, and float32 agrees with itself exactly."""
 
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from loadtest.perplexity import CORPUS, agreement, parse_args, perplexity
+from loadtest.perplexity import CORPUS, agreement, load_format, parse_args, perplexity
+from shared.engine import linear
+from shared.engine.linear import half_weights_available, onednn_can_pack
 
 pytestmark = pytest.mark.slow
 WINDOW = 48
@@ -48,3 +51,19 @@ def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
         parse_args(argv)
     assert info.value.code == 2 and "error" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    not (half_weights_available() and onednn_can_pack(torch.bfloat16, "cpu")),
+    reason="needs FBGEMM's float16 product and oneDNN bfloat16 packing",
+)
+@pytest.mark.parametrize(
+    "name,dtype", [("fp16-weights", torch.float32), ("bfloat16-fp16-weights", torch.bfloat16)]
+)
+def test_fp16_weight_formats_read_float16_for_every_product(name, dtype):
+    served = dict(linear.HALF_WEIGHT_MAX_ROWS)
+    loaded = load_format(None, name)
+    layer = loaded.model.layers[0].qkv
+    assert isinstance(layer, linear.HalfWeightLinear) and loaded.model.dtype == dtype
+    assert layer.max_half_rows == sys.maxsize
+    assert served == linear.HALF_WEIGHT_MAX_ROWS  # the served thresholds are put back

@@ -16,7 +16,7 @@ def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-FP16_BF16 = ["--quantization", "fp16", "--dtype", "bfloat16"]  # float16 weights need float32
+FP16_F16 = ["--quantization", "fp16", "--dtype", "float16"]  # a float16 copy of float16: no
 
 
 @pytest.mark.parametrize(
@@ -42,8 +42,8 @@ FP16_BF16 = ["--quantization", "fp16", "--dtype", "bfloat16"]  # float16 weights
         (["decode"], "needs --address"),
         (["prefill", "--dtype", "int4"], "dtype"),
         (["prefill", "--quantization", "int4"], "--quantization / TANDEM_QUANTIZATION"),
-        (["decode", "--address", "ipc://x", *FP16_BF16], "needs a float32 model on the CPU"),
-        (["generate", "--prompt", "hi", *FP16_BF16], "float32 model on the CPU, got bfloat16"),
+        (["decode", "--address", "ipc://x", *FP16_F16], "needs a float32 or bfloat16 model"),
+        (["generate", "--prompt", "hi", *FP16_F16], "bfloat16 model on the CPU, got float16"),
         (["up", "--quantization", "int8"], "--quantization"),
         (["up", "--cuda-graphs"], "--cuda-graphs needs --device cuda, got cpu"),
         (["decode", "--address", "ipc://x", "--cuda-graphs", "true"], "needs --device cuda"),
