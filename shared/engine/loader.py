@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.engine.linear import half_weights_available
+from shared.engine.linear import HALF_WEIGHT_MAX_ROWS, half_weights_available
 from shared.engine.model import LlamaModel, load_hf_weights
 from shared.engine.model_config import ModelConfig
 
@@ -49,7 +49,7 @@ def linear_backend_for(quantization: str, dtype: torch.dtype, device: torch.devi
         raise ValueError(f"quantization must be one of {choices}, got {quantization!r}")
     if quantization == "none":
         return "auto"
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+    if device.type != "cpu" or dtype not in HALF_WEIGHT_MAX_ROWS:  # the dtypes it serves
         raise ValueError(
             "quantization fp16 needs a float32 or bfloat16 model on the CPU, got "
             f"{dtype_name(dtype)} on {device} (set --dtype float32 or bfloat16)"
