@@ -57,9 +57,21 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """The decode sequences of a batch, for a kernel that reads each one's context through its
+    block table itself (`kernels.cpu_decode_attention`): nothing to gather, pad or group."""
+
+    seq_ids: torch.Tensor  # int32 [n]: the sequences (rows of the block tables) that decode
+    query_rows: torch.Tensor  # int32 [n]: each one's query row (its new token)
+    max_context_len: int  # the longest of their contexts
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     decode: tuple[AttentionGroup, ...]  # sequences with one new token
     prefill: tuple[AttentionGroup, ...]  # sequences with a run of new tokens (prompt or chunk)
+    # With `paged_decode`, the decode sequences as rows instead of groups (`decode` is empty).
+    decode_rows: DecodeRows | None = None
 
     @property
     def is_plain_decode(self) -> bool:
@@ -111,11 +123,15 @@ def plan_attention(
     slack: float = DEFAULT_SLACK,
     min_waste: int = DEFAULT_MIN_WASTE,
     decode_min_waste: int = DEFAULT_DECODE_MIN_WASTE,
+    paged_decode: bool = False,
 ) -> AttentionPlan:
     """The groups of one step's batch; see the module doc. `min_waste` bounds the prefill
-    groups, `decode_min_waste` the decode ones."""
+    groups, `decode_min_waste` the decode ones. With `paged_decode`, the decode sequences are
+    not grouped but listed (`AttentionPlan.decode_rows`), for a kernel that reads the cache
+    through the block tables."""
     contexts = context_lens.tolist()
-    if max_query_len == 1:  # pure decode: query row i is sequence i's new token
+    # A pure decode step: query row i is sequence i's new token.
+    if max_query_len == 1 and not paged_decode:
         buckets = bucket_by_padding(
             [1] * len(contexts), contexts, slack=slack, min_waste=decode_min_waste
         )
@@ -123,21 +139,35 @@ def plan_attention(
             group = _group(block_tables, context_lens, block_size, max_context_len, None, 1)
             return AttentionPlan(decode=(group,), prefill=())
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    kinds: dict[bool, list[AttentionGroup]] = {True: [], False: []}  # is decode -> its groups
-    for is_decode in kinds:
-        seq_ids = [i for i, q in enumerate(query_lens) if (q == 1) == is_decode]
+    decoding = [i for i, q in enumerate(query_lens) if q == 1]
+    prefilling = [i for i, q in enumerate(query_lens) if q != 1]
+
+    def groups(seq_ids: list[int], waste: int) -> tuple[AttentionGroup, ...]:
         buckets = bucket_by_padding(
             [query_lens[i] for i in seq_ids],
             [contexts[i] for i in seq_ids],
             slack=slack,
-            min_waste=decode_min_waste if is_decode else min_waste,
+            min_waste=waste,
         )
-        for bucket in buckets:
-            members = torch.tensor([seq_ids[j] for j in bucket], device=block_tables.device)
-            kinds[is_decode].append(
-                _member_group(members, block_tables, context_lens, query_start_loc, block_size)
+        return tuple(
+            _member_group(
+                torch.tensor([seq_ids[j] for j in bucket], device=block_tables.device),
+                block_tables,
+                context_lens,
+                query_start_loc,
+                block_size,
             )
-    return AttentionPlan(decode=tuple(kinds[True]), prefill=tuple(kinds[False]))
+            for bucket in buckets
+        )
+
+    if not paged_decode:
+        return AttentionPlan(groups(decoding, decode_min_waste), groups(prefilling, min_waste))
+    rows = None
+    if decoding:
+        seq_ids = torch.tensor(decoding, dtype=torch.int32, device=block_tables.device)
+        query_rows = query_start_loc[:-1].index_select(0, seq_ids).contiguous()
+        rows = DecodeRows(seq_ids, query_rows, max(contexts[i] for i in decoding))
+    return AttentionPlan(decode=(), prefill=groups(prefilling, min_waste), decode_rows=rows)
 
 
 def _member_group(

@@ -56,7 +56,7 @@ def paged_attention_reference(
         rows = group.query_rows
         output[rows] = _attend_decode(query[rows], key_cache, value_cache, group, scale)
     for group in plan.prefill:
-        output[group.output_rows] = _attend_prefill(query, key_cache, value_cache, group, scale)
+        output[group.output_rows] = attend_prefill(query, key_cache, value_cache, group, scale)
     return output
 
 
@@ -137,7 +137,7 @@ def _attend_decode_16bit(
     return own.permute(0, 3, 1, 2).reshape(num_seqs, num_heads, head_dim)
 
 
-def _attend_prefill(
+def attend_prefill(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_plan import AttentionPlan
-from kernels.attention_reference import paged_attention_reference
+from kernels.attention_reference import attend_prefill, paged_attention_reference
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.optional_triton import tl, triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,6 +42,7 @@ def paged_attention(
     max_context_len: int,
     use_triton: bool | None = None,
     plan: AttentionPlan | None = None,
+    decode_kernel: CpuDecodeAttention | None = None,
 ) -> torch.Tensor:
     """Attention output `[num_tokens, num_heads, head_dim]` in the query's dtype.
 
@@ -48,7 +50,9 @@ def paged_attention(
     index values are not checked, as that would sync the device on every layer.
 
     `use_triton=None` picks the Triton decode kernel exactly for decode batches on CUDA; tests pass
-    True to run it on CPU tensors under TRITON_INTERPRET=1.
+    True to run it on CPU tensors under TRITON_INTERPRET=1. A plan made with `paged_decode` lists
+    its decode rows for `decode_kernel` (`kernels.cpu_decode_attention`), and the reference
+    attends its prefill groups.
     """
     _check_inputs(
         query,
@@ -60,6 +64,10 @@ def paged_attention(
         max_query_len=max_query_len,
         max_context_len=max_context_len,
     )
+    if plan is not None and plan.decode_rows is not None:
+        return _with_decode_kernel(
+            query, key_cache, value_cache, block_tables, context_lens, scale, plan, decode_kernel
+        )
     if use_triton is None:
         use_triton = query.is_cuda and max_query_len == 1
     if not use_triton:
@@ -80,6 +88,34 @@ def paged_attention(
     return _paged_decode_attention_triton(
         query, key_cache, value_cache, block_tables, context_lens, scale
     )
+
+
+def _with_decode_kernel(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    plan: AttentionPlan,
+    decode_kernel: CpuDecodeAttention | None,
+) -> torch.Tensor:
+    if decode_kernel is None:
+        raise ValueError("a plan with decode rows needs the decode kernel that reads them")
+    output = query.new_empty(query.shape)
+    decode_kernel(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        plan.decode_rows,
+        output,
+        scale=scale,
+    )
+    for group in plan.prefill:
+        output[group.output_rows] = attend_prefill(query, key_cache, value_cache, group, scale)
+    return output
 
 
 @triton.jit

@@ -30,6 +30,8 @@ from shared.engine.decode_graphs import DecodeGraphs, cuda_capture, eager_captur
 from shared.engine.kv_cache import KVCache
 from shared.engine.linear import LINEAR_BACKENDS
 from shared.engine.loader import (
+    DECODE_ATTENTION_CHOICES,
+    DECODE_ATTENTION_HELP,
     DEVICE_HELP,
     DTYPE_CHOICES,
     device_argument,
@@ -150,6 +152,12 @@ def main() -> None:
         choices=LINEAR_BACKENDS,
         help="our engine's matmuls: oneDNN-packed weights where the CPU can (auto), or F.linear",
     )
+    parser.add_argument(
+        "--decode-attention",
+        default="auto",
+        choices=DECODE_ATTENTION_CHOICES,
+        help=DECODE_ATTENTION_HELP,
+    )
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -174,7 +182,13 @@ def main() -> None:
 
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
-    loaded = load_model(args.model, dtype=dtype, device=device, linear_backend=args.linear_backend)
+    loaded = load_model(
+        args.model,
+        dtype=dtype,
+        device=device,
+        linear_backend=args.linear_backend,
+        decode_attention=args.decode_attention,
+    )
     hf_model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval().to(device)
     results: dict = {
         "threads": args.threads,

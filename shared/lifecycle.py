@@ -354,7 +354,13 @@ class WorkerEvents(_Events):
         self.retained_blocks.set(cache.num_retained)
 
     def model_loaded(
-        self, model: str, dtype: str, dtype_setting: str, device: str, quantization: str = "none"
+        self,
+        model: str,
+        dtype: str,
+        dtype_setting: str,
+        device: str,
+        quantization: str = "none",
+        decode_attention: str = "reference",
     ) -> None:
         self.model_info.labels(model, dtype, device, quantization).set(1)
         self.log.info(
@@ -364,6 +370,7 @@ class WorkerEvents(_Events):
             dtype_setting=dtype_setting,
             device=device,
             quantization=quantization,
+            decode_attention=decode_attention,
         )
 
     def step(self, duration_s: float, num_sequences: int = 0, num_context_tokens: int = 0) -> None:

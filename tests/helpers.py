@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from shared.engine.model import LlamaModel, load_hf_weights
 from shared.engine.model_config import ModelConfig
 
@@ -40,7 +41,10 @@ def tiny_hf_model(
 
 
 def our_model_from_hf(
-    hf_model, dtype: torch.dtype = torch.float32, linear_backend: str = "auto"
+    hf_model,
+    dtype: torch.dtype = torch.float32,
+    linear_backend: str = "auto",
+    decode_kernel: CpuDecodeAttention | None = None,
 ) -> LlamaModel:
     """Our model on the same weights and device as `hf_model`."""
     config = ModelConfig.from_hf(hf_model.config)
@@ -50,6 +54,7 @@ def our_model_from_hf(
         dtype,
         hf_model.device,
         linear_backend=linear_backend,
+        decode_kernel=decode_kernel,
     )
 
 

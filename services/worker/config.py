@@ -16,6 +16,8 @@ from shared.config import (
 )
 from shared.engine.engine import EngineConfig
 from shared.engine.loader import (
+    DECODE_ATTENTION_CHOICES,
+    DECODE_ATTENTION_HELP,
     DEVICE_HELP,
     DTYPE_CHOICES,
     DTYPE_HELP,
@@ -40,6 +42,7 @@ class WorkerConfig(CurveSettings):
     model: str = setting("smollm2", "a HF directory, a .gguf file, or 'smollm2'")
     dtype: str = setting("auto", DTYPE_HELP)
     quantization: str = setting("none", QUANTIZATION_HELP)
+    decode_attention: str = setting("auto", DECODE_ATTENTION_HELP)
     device: str = setting("cpu", DEVICE_HELP)
     kv_cache_bytes: int = setting(512 << 20, "bytes of KV cache")
     block_size: int = setting(16, "tokens per KV block")
@@ -94,6 +97,12 @@ class WorkerConfig(CurveSettings):
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(
                 f"dtype (--dtype / TANDEM_DTYPE) must be one of {', '.join(DTYPE_CHOICES)}"
+            )
+        if self.decode_attention not in DECODE_ATTENTION_CHOICES:
+            choices = ", ".join(DECODE_ATTENTION_CHOICES)
+            raise ConfigError(
+                f"decode_attention (--decode-attention / TANDEM_DECODE_ATTENTION) must be one of "
+                f"{choices}, got {self.decode_attention!r}"
             )
         try:
             parse_device(self.device)

@@ -60,6 +60,7 @@ class WorkerLoop(abc.ABC):
             dtype=config.torch_dtype,
             device=config.torch_device,
             linear_backend=config.linear_backend,
+            decode_attention=config.decode_attention,
         )
         self.events.model_loaded(
             self.loaded.name,
@@ -67,6 +68,7 @@ class WorkerLoop(abc.ABC):
             config.dtype,
             config.device,
             config.quantization,
+            "reference" if self.loaded.model.decode_kernel is None else "native",
         )
         self.engine = LLMEngine(
             self.loaded.model,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -23,6 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kernels import cpu_decode_attention
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from shared.engine.linear import HALF_WEIGHT_MAX_ROWS, half_weights_available
 from shared.engine.model import LlamaModel, load_hf_weights
 from shared.engine.model_config import ModelConfig
@@ -38,6 +41,14 @@ QUANTIZATION_HELP = (
     "none, or fp16: a float32 or bfloat16 model on the CPU reads its weights as float16 for "
     "products of a few rows (decode steps of small batches: FBGEMM's float16 product, float32 "
     "arithmetic; perplexity as float32's, tokens not bit-identical; a second copy of the weights)"
+)
+
+
+DECODE_ATTENTION_CHOICES = ("auto", "native", "reference")
+DECODE_ATTENTION_HELP = (
+    "decode attention of a bfloat16 model on the CPU: auto (the C kernel, compiled on first use "
+    "with the system's C compiler, where one is found; else the torch reference), native (the C "
+    "kernel or an error), reference (torch)"
 )
 
 
@@ -75,6 +86,36 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer
     path: Path  # the Hugging Face directory the weights came from (the cache, for a GGUF)
     name: str  # the name the API reports
+
+
+def decode_kernel_for(
+    setting: str, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> CpuDecodeAttention | None:
+    """The decode attention kernel `setting` asks for (None: the torch reference); `native`
+    raises ValueError where the kernel cannot serve the model or be built, `auto` then falls
+    back to the reference."""
+    if setting not in DECODE_ATTENTION_CHOICES:
+        choices = ", ".join(DECODE_ATTENTION_CHOICES)
+        raise ValueError(f"decode attention must be one of {choices}, got {setting!r}")
+    if setting == "reference":
+        return None
+    shape = (config.num_heads, config.num_kv_heads, config.head_dim)
+    if not cpu_decode_attention.supports(dtype, device, *shape):
+        if setting == "native":
+            raise ValueError(
+                "the native decode attention serves bfloat16 models on the CPU (head_dim up to "
+                f"{cpu_decode_attention.MAX_HEAD_DIM}), got {dtype_name(dtype)} on {device}"
+            )
+        return None
+    try:
+        return cpu_decode_attention.build(cache_dir() / "kernels")
+    except cpu_decode_attention.KernelUnavailable as error:
+        if setting == "native":
+            raise ValueError(f"the native decode attention is unavailable: {error}") from None
+        logging.getLogger(__name__).warning(
+            "decode attention falls back to the torch reference: %s", error
+        )
+        return None
 
 
 def cache_dir() -> Path:
@@ -227,6 +268,7 @@ def load_model(
     device: torch.device | str = "cpu",
     max_model_len: int | None = None,
     linear_backend: str = "auto",
+    decode_attention: str = "auto",
 ) -> LoadedModel:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -239,6 +281,7 @@ def load_model(
         device,
         max_positions=max_model_len,
         linear_backend=linear_backend,
+        decode_kernel=decode_kernel_for(decode_attention, config, dtype, torch.device(device)),
     )
     tokenizer = AutoTokenizer.from_pretrained(directory)
     return LoadedModel(weights, config, tokenizer, directory, name)

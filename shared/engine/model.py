@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_plan import AttentionPlan, plan_attention
+from kernels.cpu_decode_attention import CpuDecodeAttention
 from kernels.kv_write import write_kv
 from kernels.paged_attention import paged_attention
 from shared.engine.kv_cache import KVCache
@@ -65,12 +66,16 @@ class LlamaModel:
         final_norm: torch.Tensor,
         lm_head: Linear,
         max_positions: int | None = None,
+        decode_kernel: CpuDecodeAttention | None = None,
     ):
         self.config = config
         self.layers = layers
         self.embed_tokens = embed_tokens
         self.final_norm = final_norm
         self.lm_head = lm_head
+        # Decode rows' attention on the CPU, read straight from the cache (bfloat16; None: the
+        # torch reference's groups).
+        self.decode_kernel = decode_kernel
         self.dtype = embed_tokens.dtype
         self.device = embed_tokens.device
         self.max_positions = max_positions or config.max_position_embeddings
@@ -117,6 +122,7 @@ class LlamaModel:
                 block_size=kv_cache.block_size,
                 max_query_len=batch.max_query_len,
                 max_context_len=batch.max_context_len,
+                paged_decode=self.decode_kernel is not None,
             )
         return StepContext(batch, cos, sin, plan)
 
@@ -150,6 +156,7 @@ class LlamaModel:
             max_query_len=batch.max_query_len,
             max_context_len=batch.max_context_len,
             plan=context.attention_plan,
+            decode_kernel=self.decode_kernel,
         )
         return layer.o(out.reshape(num_tokens, self._q_size))
 
@@ -166,9 +173,11 @@ def load_hf_weights(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     linear_backend: str = "auto",
+    decode_kernel: CpuDecodeAttention | None = None,
 ) -> LlamaModel:
     """Builds the model from transformers' parameter names (`model.layers.0.self_attn...`);
-    `linear_backend` is `shared.engine.linear`'s (`auto`: oneDNN-packed where the CPU can)."""
+    `linear_backend` is `shared.engine.linear`'s (`auto`: oneDNN-packed where the CPU can);
+    `decode_kernel` attends decode rows on the CPU (see `LlamaModel`)."""
     w = {name: t for name, t in named_tensors}
     missing: list[str] = []
 
@@ -214,4 +223,4 @@ def load_hf_weights(
     if missing or leftovers:
         raise ValueError(f"weights do not match the config: missing {missing}, unused {leftovers}")
     head = make_linear(lm_head, None, linear_backend)
-    return LlamaModel(config, layers, embed, final_norm, head, max_positions)
+    return LlamaModel(config, layers, embed, final_norm, head, max_positions, decode_kernel)

@@ -4,9 +4,11 @@ device (`TANDEM_TEST_DEVICE`: on CUDA, decode steps run the compiled Triton kern
 import pytest
 import torch
 
+from kernels import cpu_decode_attention
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_cache import KVCache
 from shared.engine.step_batch import SequenceChunk, build_step_batch
+from tests.conftest import TEST_DEVICE
 from tests.helpers import our_model_from_hf, tiny_hf_model
 
 TOLERANCE = 1e-4
@@ -173,3 +175,23 @@ def test_half_precision_tracks_transformers(dtype, device):
     for ours, position in ((decoded[0], 25), (logits[0], len(prompt) - 1)):
         scale = expected[position].abs().max().item()
         assert (ours - expected[position]).abs().max().item() < 0.05 * scale, position
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the C decode kernel serves CPU tensors only")
+def test_bfloat16_with_the_cpu_decode_kernel_tracks_transformers(tmp_path):
+    """Decode rows through `kernels.cpu_decode_attention`, alone and in a step that also carries
+    another sequence's prompt chunk (the reference attends the chunk)."""
+    hf = tiny_hf_model("llama", seed=8)
+    ours = our_model_from_hf(hf, torch.bfloat16, decode_kernel=cpu_decode_attention.build(tmp_path))
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    other = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(10)).tolist()
+    runner = PagedRunner(ours, 16)
+    runner.run({0: prompt[:25]})
+    decoded = runner.run({0: [prompt[25]]})
+    mixed = runner.run({0: [prompt[26]], 1: other})
+    expected = hf_logits(hf.to(torch.bfloat16), prompt)
+    expected_other = hf_logits(hf, other)
+    checks = ((decoded[0], expected[25]), (mixed[0], expected[26]), (mixed[1], expected_other[-1]))
+    for logits, truth in checks:
+        scale = truth.abs().max().item()
+        assert (logits - truth).abs().max().item() < 0.05 * scale

@@ -1,0 +1,138 @@
+/* Paged decode attention for bfloat16 KV caches on the CPU (see kernels/cpu_decode_attention.py).
+ *
+ * One task per (decoding sequence, kv head): the task reads that kv head's keys and values
+ * straight from the cache blocks its block table names, up to its context length, and serves the
+ * query heads of its group together (grouped-query attention repeats nothing). Scores, softmax
+ * and the weighted sum of values are float32; only the output is rounded to bfloat16. Nothing is
+ * gathered, padded or masked: a task never reads a slot past its context.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+
+static inline float bf16_to_float(uint16_t value) {
+    uint32_t bits = (uint32_t)value << 16;
+    float result;
+    memcpy(&result, &bits, sizeof result);
+    return result;
+}
+
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+typedef struct {
+    const uint16_t *query; /* [rows, heads, head_dim], strides below, last dimension dense */
+    int64_t query_row_stride, query_head_stride;
+    const uint16_t *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim], dense */
+    const int32_t *block_tables;             /* [seqs, max_blocks] */
+    int64_t block_table_stride;
+    const int32_t *context_lens; /* [seqs] */
+    const int32_t *seq_ids;      /* [n]: the batch's sequences that decode */
+    const int32_t *query_rows;   /* [n]: each one's query (and output) row */
+    uint16_t *out;               /* [rows, heads, head_dim], strides below, last dimension dense */
+    int64_t out_row_stride, out_head_stride;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} Problem;
+
+static void attend(const Problem *p, int64_t task, float *scores) {
+    const int64_t group = p->num_heads / p->num_kv_heads, dim = p->head_dim;
+    const int64_t i = task / p->num_kv_heads, kv_head = task % p->num_kv_heads;
+    const int64_t seq = p->seq_ids[i], row = p->query_rows[i];
+    const int64_t context = p->context_lens[seq];
+    const int32_t *table = p->block_tables + seq * p->block_table_stride;
+    const int64_t slot_stride = p->num_kv_heads * dim, block_stride = p->block_size * slot_stride;
+    float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row_f[MAX_HEAD_DIM];
+    float max_score[MAX_GROUP], sum[MAX_GROUP];
+
+    for (int64_t g = 0; g < group; g++) {
+        const uint16_t *src = p->query + row * p->query_row_stride +
+                              (kv_head * group + g) * p->query_head_stride;
+        for (int64_t d = 0; d < dim; d++) q[g][d] = bf16_to_float(src[d]) * p->scale;
+        max_score[g] = -FLT_MAX; /* built with -ffast-math: no infinities */
+    }
+    for (int64_t start = 0; start < context; start += p->block_size) {
+        const uint16_t *key = p->key_cache + table[start / p->block_size] * block_stride + kv_head * dim;
+        const int64_t end = start + p->block_size < context ? start + p->block_size : context;
+        for (int64_t t = start; t < end; t++, key += slot_stride) {
+            for (int64_t d = 0; d < dim; d++) row_f[d] = bf16_to_float(key[d]);
+            for (int64_t g = 0; g < group; g++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < dim; d++) dot += q[g][d] * row_f[d];
+                scores[g * context + t] = dot;
+                if (dot > max_score[g]) max_score[g] = dot;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * context, total = 0.0f, top = max_score[g];
+        for (int64_t t = 0; t < context; t++) {
+            s[t] = expf(s[t] - top);
+            total += s[t];
+        }
+        sum[g] = total;
+        memset(acc[g], 0, sizeof(float) * dim);
+    }
+    for (int64_t start = 0; start < context; start += p->block_size) {
+        const uint16_t *value =
+            p->value_cache + table[start / p->block_size] * block_stride + kv_head * dim;
+        const int64_t end = start + p->block_size < context ? start + p->block_size : context;
+        for (int64_t t = start; t < end; t++, value += slot_stride) {
+            for (int64_t d = 0; d < dim; d++) row_f[d] = bf16_to_float(value[d]);
+            for (int64_t g = 0; g < group; g++) {
+                const float weight = scores[g * context + t];
+                for (int64_t d = 0; d < dim; d++) acc[g][d] += weight * row_f[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        uint16_t *dst = p->out + row * p->out_row_stride + (kv_head * group + g) * p->out_head_stride;
+        const float inverse = 1.0f / sum[g];
+        for (int64_t d = 0; d < dim; d++) dst[d] = float_to_bf16(acc[g][d] * inverse);
+    }
+}
+
+/* Returns 0, or -1 for shapes past the fixed per-task buffers, -2 when out of memory. */
+int tandem_paged_decode_bf16(const uint16_t *query, int64_t query_row_stride,
+                             int64_t query_head_stride, const uint16_t *key_cache,
+                             const uint16_t *value_cache, const int32_t *block_tables,
+                             int64_t block_table_stride, const int32_t *context_lens,
+                             const int32_t *seq_ids, const int32_t *query_rows, int64_t num_decode,
+                             uint16_t *out, int64_t out_row_stride, int64_t out_head_stride,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             int64_t block_size, int64_t max_context_len, float scale,
+                             int num_threads) {
+    if (head_dim > MAX_HEAD_DIM || num_heads / num_kv_heads > MAX_GROUP) return -1;
+    const Problem problem = {query,        query_row_stride, query_head_stride, key_cache,
+                             value_cache,  block_tables,     block_table_stride, context_lens,
+                             seq_ids,      query_rows,       out,               out_row_stride,
+                             out_head_stride, num_heads,     num_kv_heads,      head_dim,
+                             block_size,   scale};
+    const int64_t tasks = num_decode * num_kv_heads;
+    const int64_t scratch = (num_heads / num_kv_heads) * max_context_len;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && tasks > 1)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(scratch > 0 ? scratch : 1));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (scores != NULL) attend(&problem, task, scores);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}

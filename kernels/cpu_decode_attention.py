@@ -1,0 +1,200 @@
+"""Paged decode attention on the CPU for bfloat16 KV caches, in C (`cpu_decode_attention.c`).
+
+The pure-torch reference attends a decode group by gathering every sequence's blocks into a
+padded copy, zeroing the padding, and running two `bmm` over it. In a served decode step that is
+a third of the step (py-spy on the decode worker of `loadtest.race`: attention 35%, of which the
+gather ~40%), because every layer copies every sequence's whole context before reading it.
+This kernel reads each sequence's keys and values straight from its cache blocks, up to its
+context length, one task per (sequence, kv head) serving that kv head's query heads together:
+no gather, no padding, no mask, and scores, softmax and the weighted sum in float32 (the
+reference rounds the probabilities to bfloat16 before the second product, so this is the more
+accurate of the two). float32 models keep the reference: it is the path whose greedy tokens equal
+transformers'.
+
+The C source is compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU
+at hand (`-march=native`), into a cache directory, under a name that hashes the source, the
+flags and the CPU's feature flags (a cache shared between machines never hands one CPU another's
+instructions). It takes about a second. Without a compiler, `build` raises `KernelUnavailable`
+with the reason, and the model keeps the reference. The C function parallelizes over its tasks
+with OpenMP, which resolves to torch's own libgomp once torch is loaded (one runtime, one thread
+count: `torch.get_num_threads()`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kernels.attention_plan import DecodeRows
+
+SOURCE = Path(__file__).with_suffix(".c")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_LIBRARIES = ("-lmvec", "-lm")  # -ffast-math vectorizes expf through glibc's libmvec
+# The per-task buffers of the C code (`MAX_HEAD_DIM`, `MAX_GROUP`).
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+_COMPILE_TIMEOUT_S = 120
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here (no compiler, a failed compile, ...)."""
+
+
+def supports(
+    dtype: torch.dtype, device: torch.device | str, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether the kernel serves a model of this shape, dtype and device."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.bfloat16
+        and head_dim <= MAX_HEAD_DIM
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
+
+
+class CpuDecodeAttention:
+    """The loaded kernel: `__call__` writes the decode rows' attention into `out`."""
+
+    def __init__(self, library: Path):
+        self.library = library
+        self._function = ctypes.CDLL(str(library)).tandem_paged_decode_bf16
+        i64, pointer = ctypes.c_int64, ctypes.c_void_p
+        self._function.argtypes = [
+            *(pointer, i64, i64),  # query, its row and head strides
+            *(pointer, pointer),  # key and value caches
+            *(pointer, i64, pointer),  # block tables, their row stride, context lengths
+            *(pointer, pointer, i64),  # seq ids, query rows, how many
+            *(pointer, i64, i64),  # out, its row and head strides
+            *(i64, i64, i64, i64, i64),  # heads, kv heads, head dim, block size, longest context
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
+        self._function.restype = ctypes.c_int
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        rows: DecodeRows,
+        out: torch.Tensor,
+        *,
+        scale: float,
+    ) -> None:
+        """query and out `[tokens, heads, head_dim]` bfloat16 (any row and head strides), the
+        caches `[blocks, block_size, kv_heads, head_dim]` bfloat16 and dense, block tables
+        `[seqs, max_blocks]` and context lengths `[seqs]` int32: `out[rows.query_rows[i]]` gets
+        the attention of query row `rows.query_rows[i]` over sequence `rows.seq_ids[i]`'s
+        context. Index values are not checked (as in the other kernels): they come from the
+        engine's own batch."""
+        _check(query, key_cache, value_cache, block_tables, context_lens, rows, out)
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        status = self._function(
+            query.data_ptr(),
+            query.stride(0),
+            query.stride(1),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            context_lens.data_ptr(),
+            rows.seq_ids.data_ptr(),
+            rows.query_rows.data_ptr(),
+            rows.seq_ids.shape[0],
+            out.data_ptr(),
+            out.stride(0),
+            out.stride(1),
+            query.shape[1],
+            key_cache.shape[2],
+            query.shape[2],
+            key_cache.shape[1],
+            rows.max_context_len,
+            scale,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"cpu decode attention failed with status {status}")
+
+
+def _check(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    rows: DecodeRows,
+    out: torch.Tensor,
+) -> None:
+    tensors = (query, key_cache, value_cache, out)
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+        raise ValueError("cpu decode attention takes bfloat16 CPU tensors")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("cpu decode attention needs dense KV caches")
+    if out.stride(-1) != 1 or out.shape != query.shape:
+        raise ValueError("out must have the query's shape and a dense last dimension")
+    if not supports(query.dtype, query.device, query.shape[1], key_cache.shape[2], query.shape[2]):
+        raise ValueError(f"cpu decode attention does not serve a query shaped {query.shape}")
+    if key_cache.shape[-1] != query.shape[-1] or value_cache.shape != key_cache.shape:
+        raise ValueError("the caches' head_dim must be the query's")
+    indices = (block_tables, context_lens, rows.seq_ids, rows.query_rows)
+    if any(t.dtype != torch.int32 for t in indices) or block_tables.stride(-1) != 1:
+        raise ValueError("block tables, context lengths and rows must be int32")
+    if not all(t.is_contiguous() for t in indices[1:]):
+        raise ValueError("context lengths and rows must be dense")
+
+
+def build(build_dir: Path) -> CpuDecodeAttention:
+    """The kernel compiled for this CPU into `build_dir` (once: later calls load it), or
+    `KernelUnavailable` saying why not."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise KernelUnavailable(f"no C compiler ({compiler!r} not found)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join((compiler, *_FLAGS)).encode(), _cpu_flags()])
+    ).hexdigest()[:16]
+    library = build_dir / f"cpu_decode_attention-{key}.so"
+    if not library.exists():
+        _compile(compiler, library)
+    try:
+        return CpuDecodeAttention(library)
+    except OSError as error:
+        raise KernelUnavailable(f"cannot load {library}: {error}") from None
+
+
+def _compile(compiler: str, library: Path) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Workers starting together may compile at once: each writes its own file, then renames it
+    # into place (atomic), so none loads a half-written library.
+    partial = library.with_suffix(f".{os.getpid()}.tmp")
+    command = [compiler, *_FLAGS, str(SOURCE), "-o", str(partial), *_LIBRARIES]
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise KernelUnavailable(f"{' '.join(command)} failed: {error}") from None
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        message = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise KernelUnavailable(f"{' '.join(command)} failed: {' / '.join(message)}")
+    os.replace(partial, library)
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags (what `-march=native` compiles for), as Linux reports them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b"unknown"
+    return next((line.encode() for line in lines if line.startswith("flags")), b"unknown")

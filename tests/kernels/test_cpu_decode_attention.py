@@ -1,0 +1,252 @@
+"""The C decode attention for bfloat16 CPU caches: against the float64 oracle on the awkward
+batches of the reference's tests (NaN in every slot no sequence owns, shuffled blocks, padding
+entries pointing at live blocks), beside the reference's prefill groups in mixed batches, its
+input checks, its build (compiler missing or failing, the cached library reused) and the
+loader's choice of it."""
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu_decode_attention
+from kernels.attention_plan import DecodeRows, plan_attention
+from kernels.attention_reference import paged_attention_reference
+from kernels.cpu_decode_attention import CpuDecodeAttention, KernelUnavailable
+from kernels.paged_attention import paged_attention
+from shared.engine.loader import decode_kernel_for
+from shared.engine.model_config import ModelConfig
+from tests.kernels.test_paged_attention import DECODE, MIXED, Batch, make_batch, naive_attention
+
+# bfloat16 inputs, float32 arithmetic, a bfloat16 output: one rounding of values of size ~1.
+TOLERANCE = 2e-2
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory) -> CpuDecodeAttention:
+    return cpu_decode_attention.build(tmp_path_factory.mktemp("kernels"))
+
+
+def run(kernel: CpuDecodeAttention, batch: Batch) -> torch.Tensor:
+    plan = plan_attention(
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_start_loc,
+        block_size=batch.key_cache.shape[1],
+        max_query_len=batch.max_query_len,
+        max_context_len=batch.max_context_len,
+        paged_decode=True,
+    )
+    return paged_attention(*batch.args(), **batch.kwargs(), plan=plan, decode_kernel=kernel)
+
+
+def bf16_batch(seqs, **shape) -> Batch:
+    return make_batch(seqs, dtype=torch.bfloat16, **shape)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(2, 2, 24), (6, 2, 64), (9, 3, 64)])
+@pytest.mark.parametrize("seqs", [DECODE, MIXED], ids=["decode", "mixed"])
+def test_matches_the_oracle(kernel, seqs, num_heads, num_kv_heads, head_dim, block_size):
+    batch = bf16_batch(
+        seqs,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    out = run(kernel, batch)
+    assert out.shape == batch.query.shape and out.dtype == torch.bfloat16
+    assert not out.isnan().any()
+    assert (out.double() - naive_attention(batch).double()).abs().max() < TOLERANCE
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seqs=st.lists(
+        st.integers(1, 70).flatmap(lambda ctx: st.tuples(st.just(ctx), st.integers(1, ctx))),
+        min_size=1,
+        max_size=6,
+    ),
+    block_size=st.sampled_from([1, 4, 16]),
+    kv_heads_and_group=st.sampled_from([(1, 1), (2, 3), (3, 4)]),
+)
+def test_matches_the_oracle_on_random_batches(kernel, seqs, block_size, kv_heads_and_group):
+    num_kv_heads, group = kv_heads_and_group
+    batch = bf16_batch(
+        seqs,
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        block_size=block_size,
+    )
+    assert (run(kernel, batch).double() - naive_attention(batch).double()).abs().max() < TOLERANCE
+
+
+def test_long_contexts_are_closer_to_the_oracle_than_the_reference(kernel):
+    """The reference rounds its probabilities to bfloat16 before weighting the values; the
+    kernel keeps them in float32."""
+    seqs = [(900, 1), (517, 1), (64, 1), (1, 1), (300, 1)]
+    batch = bf16_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    truth = naive_attention(batch).double()
+    ours = (run(kernel, batch).double() - truth).abs().mean()
+    reference = paged_attention_reference(*batch.args(), **batch.kwargs())
+    assert ours < (reference.double() - truth).abs().mean()
+
+
+def test_threads_do_not_change_the_result(kernel):
+    batch = bf16_batch(
+        [(300, 1), (5, 1), (77, 1), (160, 1)],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(kernel, batch)
+        torch.set_num_threads(2)
+        two = run(kernel, batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_accepts_a_strided_query(kernel):
+    batch = bf16_batch(MIXED, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
+    # The model hands over a view of the fused QKV projection: rows are not contiguous.
+    fused = torch.cat([batch.query.flatten(1), torch.randn(batch.query.shape[0], 5).bfloat16()], 1)
+    strided = replace(batch, query=fused[:, : batch.query[0].numel()].view(batch.query.shape))
+    assert not strided.query.is_contiguous()
+    assert torch.equal(run(kernel, strided), run(kernel, batch))
+
+
+def decode_call(kernel: CpuDecodeAttention, batch: Batch, **changes) -> None:
+    n = batch.context_lens.shape[0]
+    rows = DecodeRows(torch.arange(n, dtype=torch.int32), torch.arange(n, dtype=torch.int32), 33)
+    args = {
+        "query": batch.query,
+        "key_cache": batch.key_cache,
+        "value_cache": batch.value_cache,
+        "block_tables": batch.block_tables,
+        "context_lens": batch.context_lens,
+        "rows": rows,
+        "out": torch.empty_like(batch.query),
+    }
+    args.update(changes)
+    kernel(**args, scale=batch.scale)
+
+
+BAD_INPUTS = {
+    "float32 query": (lambda b: {"query": b.query.float()}, "bfloat16"),
+    "sparse cache": (lambda b: {"key_cache": b.key_cache[:, ::2]}, "dense KV caches"),
+    "int64 tables": (lambda b: {"block_tables": b.block_tables.long()}, "int32"),
+    "out too small": (lambda b: {"out": b.query[:1].clone()}, "query's shape"),
+    "head_dim 512": (
+        lambda b: {
+            "query": torch.zeros(5, 6, 512).bfloat16(),
+            "out": torch.zeros(5, 6, 512).bfloat16(),
+        },
+        "does not serve",
+    ),
+    "cache head_dim": (
+        lambda b: {"query": b.query[..., :8], "out": torch.empty_like(b.query[..., :8])},
+        "caches' head_dim",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_inputs_raise_value_error(kernel, name):
+    change, message = BAD_INPUTS[name]
+    batch = bf16_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
+    with pytest.raises(ValueError, match=message):
+        decode_call(kernel, batch, **change(batch))
+
+
+def test_a_plan_with_decode_rows_needs_the_kernel():
+    batch = bf16_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
+    plan = plan_attention(
+        batch.block_tables,
+        batch.context_lens,
+        batch.query_start_loc,
+        block_size=16,
+        max_query_len=1,
+        max_context_len=batch.max_context_len,
+        paged_decode=True,
+    )
+    with pytest.raises(ValueError, match="decode kernel"):
+        paged_attention(*batch.args(), **batch.kwargs(), plan=plan)
+
+
+def test_build_reuses_the_compiled_library(tmp_path):
+    first = cpu_decode_attention.build(tmp_path)
+    stamp = first.library.stat().st_mtime_ns
+    second = cpu_decode_attention.build(tmp_path)
+    assert second.library == first.library and second.library.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.library.name]  # no temporary left
+
+
+def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(KernelUnavailable, match="no C compiler"):
+        cpu_decode_attention.build(tmp_path)
+
+
+def test_a_failing_compiler_leaves_nothing_behind(tmp_path, monkeypatch):
+    compiler = tmp_path / "bin" / "cc"
+    compiler.parent.mkdir()
+    compiler.write_text("#!/bin/sh\necho 'cc: fatal error: out of luck' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    build_dir = tmp_path / "kernels"
+    with pytest.raises(KernelUnavailable, match="out of luck"):
+        cpu_decode_attention.build(build_dir)
+    assert not any(build_dir.iterdir())
+
+
+SMOLLM2_SHAPE = ModelConfig(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=1,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+
+
+def test_the_loader_builds_it_for_bfloat16_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    kernel = decode_kernel_for("auto", SMOLLM2_SHAPE, torch.bfloat16, cpu)
+    assert isinstance(kernel, CpuDecodeAttention)
+    assert kernel.library.parent == Path(tmp_path) / "kernels"
+    assert decode_kernel_for("native", SMOLLM2_SHAPE, torch.bfloat16, cpu) is not None
+    assert decode_kernel_for("reference", SMOLLM2_SHAPE, torch.bfloat16, cpu) is None
+    # float32 keeps the reference: its greedy tokens are transformers'.
+    assert decode_kernel_for("auto", SMOLLM2_SHAPE, torch.float32, cpu) is None
+    with pytest.raises(ValueError, match="bfloat16 models on the CPU"):
+        decode_kernel_for("native", SMOLLM2_SHAPE, torch.float32, cpu)
+    with pytest.raises(ValueError, match="must be one of auto, native, reference"):
+        decode_kernel_for("fast", SMOLLM2_SHAPE, torch.bfloat16, cpu)
+
+
+def test_the_loader_falls_back_without_a_compiler(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING):
+        assert decode_kernel_for("auto", SMOLLM2_SHAPE, torch.bfloat16, cpu) is None
+    assert "falls back to the torch reference: no C compiler" in caplog.text
+    with pytest.raises(ValueError, match="unavailable: no C compiler"):
+        decode_kernel_for("native", SMOLLM2_SHAPE, torch.bfloat16, cpu)
