@@ -66,7 +66,7 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (WorkerConfig, [], {"TANDEM_HOST_CACHE_BYTES": "1G"}, "TANDEM_HOST_CACHE_BYTES"),
         (WorkerConfig, ["--think-time-retention-s", "-1"], {}, "TANDEM_THINK_TIME_RETENTION_S"),
         (WorkerConfig, [], {"TANDEM_THINK_TIME_RETENTION_S": "long"}, "THINK_TIME_RETENTION"),
-        (WorkerConfig, ["--decode-attention", "fast"], {}, "must be one of auto, native, reference"),
+        (WorkerConfig, ["--decode-attention", "fast"], {}, "one of auto, native, reference"),
         (WorkerConfig, [], {"TANDEM_DECODE_ATTENTION": "c"}, "--decode-attention "),
         (SchedulerConfig, [], {"TANDEM_METRICS_PORT": "-1"}, "TANDEM_METRICS_PORT"),
         (SchedulerConfig, ["--metrics-port", "http"], {}, "--metrics-port: expected an integer"),
