@@ -7,6 +7,8 @@ loads it (`shared.engine.loader.load_model`) and
 - perplexity: the text (`loadtest/corpus.txt` by default) is cut into windows of `--window`
   tokens; each window is one prefill through the engine's own paged forward, and every token after
   a window's first is scored by the logits before it (exp of the mean negative log-likelihood);
+- decode perplexity: the same windows scored through decode steps (all windows one batch, one
+  token each per step), so that decode attention is measured too;
 - greedy agreement: the reference prompts (chat and plain, as `tandem generate` encodes them) run
   greedily for `--new-tokens` tokens through the engine; reported are how many outputs equal
   float32's exactly, and the mean share of tokens before the first that differs.
@@ -16,7 +18,8 @@ Besides the dtypes, `fp16-weights` is float32 with `--quantization fp16`, and
 float16 weights (served, only decode steps of a few rows do).
 
     .venv/bin/python -m loadtest.perplexity [--dtypes float32,bfloat16,fp16-weights]
-        [--window 256] [--max-windows 16] [--new-tokens 32] [--json OUT]
+        [--window 256] [--max-windows 16] [--new-tokens 32] [--decode-attention reference]
+        [--json OUT]
 """
 
 from __future__ import annotations
@@ -84,6 +87,29 @@ def perplexity(loaded: LoadedModel, token_ids: list[int], window: int) -> tuple[
     return math.exp(total_nll / num_scored), num_scored
 
 
+@torch.inference_mode()
+def decode_perplexity(loaded: LoadedModel, token_ids: list[int], window: int) -> float:
+    """Perplexity over the same windows, scored through decode steps instead of one prefill:
+    the windows run side by side as a batch, one token each per step (teacher forcing), so every
+    logit comes from the decode path (decode attention over the cache: the C kernel or the
+    reference's groups, as the model was loaded)."""
+    windows = [token_ids[s : s + window] for s in range(0, len(token_ids) - 1, window)]
+    windows = [w for w in windows if len(w) >= 2]
+    model = loaded.model
+    blocks = -(-window // BLOCK_SIZE)
+    cache = KVCache(model.config, blocks * len(windows), BLOCK_SIZE, model.dtype, model.device)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(windows))]
+    total_nll, num_scored = 0.0, 0
+    for position in range(max(len(w) for w in windows) - 1):
+        live = [i for i, w in enumerate(windows) if position < len(w) - 1]
+        chunks = [SequenceChunk([windows[i][position]], position, tables[i]) for i in live]
+        logits = model.step(build_step_batch(chunks, BLOCK_SIZE, model.device), cache)
+        targets = torch.tensor([windows[i][position + 1] for i in live], device=logits.device)
+        total_nll += F.cross_entropy(logits, targets, reduction="sum").item()
+        num_scored += len(live)
+    return math.exp(total_nll / num_scored)
+
+
 def reference_prompts(tokenizer) -> list[list[int]]:
     chat = [encode_prompt(tokenizer, p, chat=True) for p in CHAT_PROMPTS]
     return chat + [encode_prompt(tokenizer, p, chat=False) for p in PLAIN_PROMPTS]
@@ -106,14 +132,19 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict[str, f
     return {"exact": exact, "of": len(reference), "mean_prefix_share": sum(shares) / len(shares)}
 
 
-def load_format(model: str | None, name: str) -> LoadedModel:
+def load_format(model: str | None, name: str, decode_attention: str = "auto") -> LoadedModel:
     if name not in HALF_WEIGHTS:
-        return load_model(model, dtype=DTYPES[name])
+        return load_model(model, dtype=DTYPES[name], decode_attention=decode_attention)
     served_rows = linear.HALF_WEIGHT_MAX_ROWS
     # Read as the layers are made: all rows float16.
     linear.HALF_WEIGHT_MAX_ROWS = dict.fromkeys(served_rows, sys.maxsize)
     try:
-        return load_model(model, dtype=HALF_WEIGHTS[name], linear_backend="fp16")
+        return load_model(
+            model,
+            dtype=HALF_WEIGHTS[name],
+            linear_backend="fp16",
+            decode_attention=decode_attention,
+        )
     finally:
         linear.HALF_WEIGHT_MAX_ROWS = served_rows
 
@@ -122,15 +153,18 @@ def measure(args: argparse.Namespace) -> dict:
     results, reference = {}, None
     for name in args.dtypes:
         started = time.perf_counter()
-        loaded = load_format(args.model, name)
+        loaded = load_format(args.model, name, args.decode_attention)
         token_ids = loaded.tokenizer(args.text.read_text())["input_ids"]
         if args.max_windows:
             token_ids = token_ids[: args.max_windows * args.window]
         value, num_scored = perplexity(loaded, token_ids, args.window)
+        decoded = decode_perplexity(loaded, token_ids, args.window)
         outputs = greedy_outputs(loaded, reference_prompts(loaded.tokenizer), args.new_tokens)
         reference = reference if reference is not None else outputs
         results[name] = {
             "perplexity": value,
+            "decode_perplexity": decoded,
+            "decode_attention": "reference" if loaded.model.decode_kernel is None else "native",
             "tokens_scored": num_scored,
             "greedy_vs_first": agreement(reference, outputs),
             "seconds": time.perf_counter() - started,
@@ -150,6 +184,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=256, help="tokens per scored window")
     parser.add_argument("--max-windows", type=int, default=16, help="0: the whole text")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt")
+    parser.add_argument(
+        "--decode-attention",
+        default="auto",
+        choices=("auto", "reference"),
+        help="auto: the C kernel where the format has one (bfloat16 on the CPU); reference: torch",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -169,11 +209,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     results = measure(args)
-    print(f"{'format':>12} {'perplexity':>10} {'vs first':>9} {'greedy exact':>12} {'prefix':>7}")
+    print(
+        f"{'format':>12} {'perplexity':>10} {'vs first':>9} {'decode ppl':>10} {'attention':>9} "
+        f"{'greedy exact':>12} {'prefix':>7}"
+    )
     for name, entry in results.items():
         greedy = entry["greedy_vs_first"]
         print(
             f"{name:>12} {entry['perplexity']:>10.4f} {entry['perplexity_vs_first']:>+8.2%} "
+            f"{entry['decode_perplexity']:>10.4f} {entry['decode_attention']:>9} "
             f"{greedy['exact']:>6}/{greedy['of']:<5} {greedy['mean_prefix_share']:>6.1%}"
         )
     if args.json:

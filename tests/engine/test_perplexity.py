@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loadtest.perplexity import CORPUS, agreement, load_format, parse_args, perplexity
+from loadtest.perplexity import (
+    CORPUS,
+    agreement,
+    decode_perplexity,
+    load_format,
+    parse_args,
+    perplexity,
+)
 from shared.engine import linear
 from shared.engine.linear import half_weights_available, onednn_can_pack
 
@@ -36,6 +43,13 @@ def test_perplexity_equals_transformers(smollm2, smollm2_hf):
     assert 1.0 < ours < 1000.0  # a real model on plain English, not a uniform guess (~49,152)
 
 
+def test_decode_perplexity_equals_the_prefill_one_in_float32(smollm2):
+    """The same windows scored one decode step at a time (float32: the reference attention)."""
+    token_ids = smollm2.tokenizer(CORPUS.read_text())["input_ids"][: 2 * WINDOW + 5]
+    prefill, _ = perplexity(smollm2, token_ids, WINDOW)
+    assert decode_perplexity(smollm2, token_ids, WINDOW) == pytest.approx(prefill, rel=1e-4)
+
+
 def test_agreement_counts_the_shared_prefix():
     reference = [[1, 2, 3, 4], [5, 6]]
     assert agreement(reference, reference) == {"exact": 2, "of": 2, "mean_prefix_share": 1.0}
@@ -45,7 +59,13 @@ def test_agreement_counts_the_shared_prefix():
 
 
 @pytest.mark.parametrize(
-    "argv", [["--dtypes", "float64"], ["--window", "1"], ["--text", "/nonexistent"]]
+    "argv",
+    [
+        ["--dtypes", "float64"],
+        ["--window", "1"],
+        ["--text", "/nonexistent"],
+        ["--decode-attention", "native"],
+    ],
 )
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
