@@ -2,9 +2,12 @@
  *
  * One task per (decoding sequence, kv head): the task reads that kv head's keys and values
  * straight from the cache blocks its block table names, up to its context length, and serves the
- * query heads of its group together (grouped-query attention repeats nothing). Scores, softmax
- * and the weighted sum of values are float32; only the output is rounded to bfloat16. Nothing is
- * gathered, padded or masked: a task never reads a slot past its context.
+ * query heads of its group together (grouped-query attention repeats nothing): each key row is
+ * converted once and scored against every query head, then each query head weighs the values in
+ * turn, its accumulator kept in registers across the context (one pass over the values for all
+ * heads, accumulators stored and reloaded per row, measured 1.4x slower at 32 x 512 tokens).
+ * Scores, softmax and the weighted sum of values are float32; only the output is rounded to
+ * bfloat16. Nothing is gathered, padded or masked: a task never reads a slot past its context.
  */
 #include <float.h>
 #include <math.h>
@@ -45,15 +48,17 @@ typedef struct {
     float scale;
 } Problem;
 
-static void attend(const Problem *p, int64_t task, float *scores) {
-    const int64_t group = p->num_heads / p->num_kv_heads, dim = p->head_dim;
+/* Inlined into a copy per common head_dim (below), so that the loops over `dim` have a constant
+ * trip count: unrolled, vectorized without remainder handling, the accumulators in registers. */
+static inline __attribute__((always_inline)) void attend_dim(const Problem *p, int64_t task,
+                                                             float *scores, const int64_t dim) {
+    const int64_t group = p->num_heads / p->num_kv_heads;
     const int64_t i = task / p->num_kv_heads, kv_head = task % p->num_kv_heads;
     const int64_t seq = p->seq_ids[i], row = p->query_rows[i];
     const int64_t context = p->context_lens[seq];
     const int32_t *table = p->block_tables + seq * p->block_table_stride;
     const int64_t slot_stride = p->num_kv_heads * dim, block_stride = p->block_size * slot_stride;
-    float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row_f[MAX_HEAD_DIM];
-    float max_score[MAX_GROUP], sum[MAX_GROUP];
+    float q[MAX_GROUP][MAX_HEAD_DIM], row_f[MAX_HEAD_DIM], max_score[MAX_GROUP];
 
     for (int64_t g = 0; g < group; g++) {
         const uint16_t *src = p->query + row * p->query_row_stride +
@@ -62,7 +67,8 @@ static void attend(const Problem *p, int64_t task, float *scores) {
         max_score[g] = -FLT_MAX; /* built with -ffast-math: no infinities */
     }
     for (int64_t start = 0; start < context; start += p->block_size) {
-        const uint16_t *key = p->key_cache + table[start / p->block_size] * block_stride + kv_head * dim;
+        const uint16_t *key =
+            p->key_cache + table[start / p->block_size] * block_stride + kv_head * dim;
         const int64_t end = start + p->block_size < context ? start + p->block_size : context;
         for (int64_t t = start; t < end; t++, key += slot_stride) {
             for (int64_t d = 0; d < dim; d++) row_f[d] = bf16_to_float(key[d]);
@@ -80,25 +86,30 @@ static void attend(const Problem *p, int64_t task, float *scores) {
             s[t] = expf(s[t] - top);
             total += s[t];
         }
-        sum[g] = total;
-        memset(acc[g], 0, sizeof(float) * dim);
-    }
-    for (int64_t start = 0; start < context; start += p->block_size) {
-        const uint16_t *value =
-            p->value_cache + table[start / p->block_size] * block_stride + kv_head * dim;
-        const int64_t end = start + p->block_size < context ? start + p->block_size : context;
-        for (int64_t t = start; t < end; t++, value += slot_stride) {
-            for (int64_t d = 0; d < dim; d++) row_f[d] = bf16_to_float(value[d]);
-            for (int64_t g = 0; g < group; g++) {
-                const float weight = scores[g * context + t];
-                for (int64_t d = 0; d < dim; d++) acc[g][d] += weight * row_f[d];
+        /* One query head at a time: its accumulator stays in registers across the context
+         * (a kv head's values are read once per query head of its group, from cache after the
+         * first). */
+        float acc[MAX_HEAD_DIM] = {0};
+        for (int64_t start = 0; start < context; start += p->block_size) {
+            const uint16_t *value =
+                p->value_cache + table[start / p->block_size] * block_stride + kv_head * dim;
+            const int64_t end = start + p->block_size < context ? start + p->block_size : context;
+            for (int64_t t = start; t < end; t++, value += slot_stride) {
+                const float weight = s[t];
+                for (int64_t d = 0; d < dim; d++) acc[d] += weight * bf16_to_float(value[d]);
             }
         }
-    }
-    for (int64_t g = 0; g < group; g++) {
         uint16_t *dst = p->out + row * p->out_row_stride + (kv_head * group + g) * p->out_head_stride;
-        const float inverse = 1.0f / sum[g];
-        for (int64_t d = 0; d < dim; d++) dst[d] = float_to_bf16(acc[g][d] * inverse);
+        const float inverse = 1.0f / total;
+        for (int64_t d = 0; d < dim; d++) dst[d] = float_to_bf16(acc[d] * inverse);
+    }
+}
+
+static void attend(const Problem *p, int64_t task, float *scores) {
+    switch (p->head_dim) {
+    case 64: attend_dim(p, task, scores, 64); break;
+    case 128: attend_dim(p, task, scores, 128); break;
+    default: attend_dim(p, task, scores, p->head_dim);
     }
 }
 

@@ -3,8 +3,10 @@ a decode step over long-tailed contexts, the shape a serving decode worker sees.
 
 Each `--contexts` list is one batch (one sequence per entry, that many tokens of context), its
 blocks scattered over a cache of `--pool-blocks` blocks as a busy worker's are. For every bound
-in `--min-wastes`, one engine decode step (`LlamaModel.step`) is timed, the bounds in
-alternation, medians; the groups each bound makes are printed beside.
+in `--min-wastes`, one engine decode step (`LlamaModel.step`) is timed on the torch reference's
+groups, and for a bfloat16 model the same step with the C decode kernel
+(`kernels.cpu_decode_attention`, which groups nothing), in alternation, medians; the groups each
+bound makes are printed beside.
 
     .venv/bin/python -m loadtest.decode_groups_bench --dtype bfloat16 \
         --contexts 30,45,60,80,100,130,150,180,220,300,450,800 --contexts 60,70,90,120,200,380,700
@@ -70,22 +72,26 @@ def groups_of(contexts: Sequence[int], min_waste: int) -> list[int]:
     return [group.num_seqs for group in plan.decode]
 
 
-def time_bounds(step: Callable[[], None], min_wastes: Sequence[int], repeats: int) -> list[float]:
-    """Median seconds of `step` under each bound, run in alternation after a warm-up."""
-    original = model_module.plan_attention
-    times: list[list[float]] = [[] for _ in min_wastes]
+def time_bounds(
+    model: LlamaModel, step: Callable[[], None], min_wastes: Sequence[int], repeats: int
+) -> list[float]:
+    """Median seconds of `step` under each bound of the reference's groups, then (where the
+    model has it) with the C decode kernel, run in alternation after a warm-up."""
+    original, kernel = model_module.plan_attention, model.decode_kernel
+    settings = [(functools.partial(original, decode_min_waste=w), None) for w in min_wastes]
+    if kernel is not None:
+        settings.append((original, kernel))
+    times: list[list[float]] = [[] for _ in settings]
     try:
         for round_index in range(repeats + 1):
-            for i, min_waste in enumerate(min_wastes):
-                model_module.plan_attention = functools.partial(
-                    original, decode_min_waste=min_waste
-                )
+            for samples, (plan, decode_kernel) in zip(times, settings, strict=True):
+                model_module.plan_attention, model.decode_kernel = plan, decode_kernel
                 start = time.perf_counter()
                 step()
                 if round_index:  # the first round warms up
-                    times[i].append(time.perf_counter() - start)
+                    samples.append(time.perf_counter() - start)
     finally:
-        model_module.plan_attention = original
+        model_module.plan_attention, model.decode_kernel = original, kernel
     return [statistics.median(t) for t in times]
 
 
@@ -103,11 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(args.model, dtype=parse_dtype(args.dtype, torch.device("cpu"))).model
     for contexts in args.contexts:
         step = decode_step(model, contexts, args.pool_blocks)
-        seconds = time_bounds(step, args.min_wastes, args.repeats)
+        seconds = time_bounds(model, step, args.min_wastes, args.repeats)
         print(f"{len(contexts)} sequences, contexts {min(contexts)}-{max(contexts)}:")
-        for min_waste, s in zip(args.min_wastes, seconds, strict=True):
+        for min_waste, s in zip(args.min_wastes, seconds, strict=False):
             print(f"  decode_min_waste {min_waste:>5}: {s * 1e3:7.1f} ms, groups "
                   f"{groups_of(contexts, min_waste)}")  # fmt: skip
+        if len(seconds) > len(args.min_wastes):
+            print(f"  C decode kernel:        {seconds[-1] * 1e3:7.1f} ms, no groups")
 
 
 if __name__ == "__main__":
