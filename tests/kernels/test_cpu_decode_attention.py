@@ -19,7 +19,7 @@ from kernels.attention_reference import paged_attention_reference
 from kernels.cpu_decode_attention import CpuDecodeAttention, KernelUnavailable
 from kernels.paged_attention import paged_attention
 from shared.engine.loader import decode_kernel_for
-from shared.engine.model_config import ModelConfig
+from tests.helpers import TINY_KV_CONFIG
 from tests.kernels.test_paged_attention import DECODE, MIXED, Batch, make_batch, naive_attention
 
 # bfloat16 inputs, float32 arithmetic, a bfloat16 output: one rounding of values of size ~1.
@@ -210,19 +210,8 @@ def test_a_failing_compiler_leaves_nothing_behind(tmp_path, monkeypatch):
     assert not any(build_dir.iterdir())
 
 
-SMOLLM2_SHAPE = ModelConfig(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=1,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-)
+# SmolLM2's attention shape: what the loader checks before building the kernel.
+SMOLLM2_SHAPE = replace(TINY_KV_CONFIG, num_heads=9, num_kv_heads=3, head_dim=64)
 
 
 def test_the_loader_builds_it_for_bfloat16_on_the_cpu(tmp_path, monkeypatch):
