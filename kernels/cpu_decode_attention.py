@@ -12,12 +12,13 @@ accurate of the two). float32 models keep the reference: it is the path whose gr
 transformers'.
 
 The C source is compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU
-at hand (`-march=native`), into a cache directory, under a name that hashes the source, the
-flags and the CPU's feature flags (a cache shared between machines never hands one CPU another's
-instructions). It takes about a second. Without a compiler, `build` raises `KernelUnavailable`
-with the reason, and the model keeps the reference. The C function parallelizes over its tasks
-with OpenMP, which resolves to torch's own libgomp once torch is loaded (one runtime, one thread
-count: `torch.get_num_threads()`).
+at hand (`-march=native`; `-ffast-math` when compiling, not when linking, see `_COMPILE_FLAGS`),
+into a cache directory, under a name that hashes the source, the flags and the CPU's feature
+flags (a cache shared between machines never hands one CPU another's instructions). It takes
+about a second. Without a compiler, `build` raises `KernelUnavailable` with the reason, and the
+model keeps the reference. The C function parallelizes over its tasks with OpenMP, which
+resolves to torch's own libgomp once torch is loaded (one runtime, one thread count:
+`torch.get_num_threads()`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ import torch
 from kernels.attention_plan import DecodeRows
 
 SOURCE = Path(__file__).with_suffix(".c")
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
-_LIBRARIES = ("-lmvec", "-lm")  # -ffast-math vectorizes expf through glibc's libmvec
+# Compiled with -ffast-math (reassociated sums vectorize; expf through glibc's libmvec), but
+# linked without it: a library linked with -ffast-math carries crtfastmath.o, which at load time
+# sets flush-to-zero for the whole process, changing every other float computation in it.
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+_LINK_FLAGS = ("-shared", "-fopenmp")
+_LIBRARIES = ("-lmvec", "-lm")
 # The per-task buffers of the C code (`MAX_HEAD_DIM`, `MAX_GROUP`).
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
@@ -161,7 +166,9 @@ def build(build_dir: Path) -> CpuDecodeAttention:
         raise KernelUnavailable(f"no C compiler ({compiler!r} not found)")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
-        b"\0".join([source, " ".join((compiler, *_FLAGS)).encode(), _cpu_flags()])
+        b"\0".join(
+            [source, " ".join((compiler, *_COMPILE_FLAGS, *_LINK_FLAGS)).encode(), _cpu_flags()]
+        )
     ).hexdigest()[:16]
     library = build_dir / f"cpu_decode_attention-{key}.so"
     if not library.exists():
@@ -174,10 +181,20 @@ def build(build_dir: Path) -> CpuDecodeAttention:
 
 def _compile(compiler: str, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
-    # Workers starting together may compile at once: each writes its own file, then renames it
-    # into place (atomic), so none loads a half-written library.
+    # Workers starting together may compile at once: each writes its own files, then renames the
+    # library into place (atomic), so none loads a half-written one.
     partial = library.with_suffix(f".{os.getpid()}.tmp")
-    command = [compiler, *_FLAGS, str(SOURCE), "-o", str(partial), *_LIBRARIES]
+    obj = library.with_suffix(f".{os.getpid()}.o")
+    try:
+        _run([compiler, *_COMPILE_FLAGS, str(SOURCE), "-o", str(obj)])
+        _run([compiler, *_LINK_FLAGS, str(obj), "-o", str(partial), *_LIBRARIES])
+        os.replace(partial, library)
+    finally:
+        obj.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+
+
+def _run(command: list[str]) -> None:
     try:
         result = subprocess.run(
             command, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False
@@ -185,10 +202,8 @@ def _compile(compiler: str, library: Path) -> None:
     except (OSError, subprocess.TimeoutExpired) as error:
         raise KernelUnavailable(f"{' '.join(command)} failed: {error}") from None
     if result.returncode != 0:
-        partial.unlink(missing_ok=True)
         message = (result.stderr or result.stdout).strip().splitlines()[-3:]
         raise KernelUnavailable(f"{' '.join(command)} failed: {' / '.join(message)}")
-    os.replace(partial, library)
 
 
 def _cpu_flags() -> bytes:

@@ -5,6 +5,8 @@ input checks, its build (compiler missing or failing, the cached library reused)
 loader's choice of it."""
 
 import logging
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -190,6 +192,18 @@ def test_build_reuses_the_compiled_library(tmp_path):
     second = cpu_decode_attention.build(tmp_path)
     assert second.library == first.library and second.library.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.library.name]  # no temporary left
+
+
+def test_loading_it_leaves_the_process_floating_point_alone(tmp_path):
+    """A library linked with -ffast-math would turn on flush-to-zero for the whole process at
+    load time (subnormal results become 0 everywhere, the scheduler's and sampler's included)."""
+    script = (
+        "import sys; from pathlib import Path; from kernels import cpu_decode_attention as k; "
+        f"k.build(Path({str(tmp_path)!r})); tiny = sys.float_info.min; "
+        "sys.exit(0 if tiny / 2 > 0 else 'flush-to-zero is on')"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
