@@ -33,30 +33,42 @@ static inline uint16_t float_to_bf16(float value) {
     return (uint16_t)(bits >> 16);
 }
 
+/* Everything one call needs; kernels/cpu_decode_attention.py mirrors it field by field. */
 typedef struct {
-    const uint16_t *query; /* [rows, heads, head_dim], strides below, last dimension dense */
-    int64_t query_row_stride, query_head_stride;
-    const uint16_t *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim], dense */
-    const int32_t *block_tables;             /* [seqs, max_blocks] */
-    int64_t block_table_stride;
-    const int32_t *context_lens; /* [seqs] */
-    const int32_t *seq_ids;      /* [n]: the batch's sequences that decode */
-    const int32_t *query_rows;   /* [n]: each one's query (and output) row */
-    uint16_t *out;               /* [rows, heads, head_dim], strides below, last dimension dense */
+    const uint16_t *query; /* [num_rows, heads, head_dim], last dimension dense */
+    int64_t query_row_stride, query_head_stride, num_rows;
+    const uint16_t *key_cache, *value_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+    int64_t num_blocks, block_size;
+    const int32_t *block_tables; /* [num_seqs, table_width] */
+    int64_t block_table_stride, table_width;
+    const int32_t *context_lens; /* [num_seqs] */
+    int64_t num_seqs;
+    const int32_t *seq_ids;    /* [num_decode]: the batch's sequences that decode */
+    const int32_t *query_rows; /* [num_decode]: each one's query (and output) row */
+    int64_t num_decode, max_context_len;
+    uint16_t *out; /* like the query */
     int64_t out_row_stride, out_head_stride;
-    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    int64_t num_heads, num_kv_heads, head_dim;
     float scale;
 } Problem;
 
+enum { OK = 0, BAD_SHAPE = -1, OUT_OF_MEMORY = -2, BAD_INDEX = -3 };
+
 /* Inlined into a copy per common head_dim (below), so that the loops over `dim` have a constant
  * trip count: unrolled, vectorized without remainder handling, the accumulators in registers. */
-static inline __attribute__((always_inline)) void attend_dim(const Problem *p, int64_t task,
-                                                             float *scores, const int64_t dim) {
+static inline __attribute__((always_inline)) int attend_dim(const Problem *p, int64_t task,
+                                                            float *scores, const int64_t dim) {
     const int64_t group = p->num_heads / p->num_kv_heads;
     const int64_t i = task / p->num_kv_heads, kv_head = task % p->num_kv_heads;
     const int64_t seq = p->seq_ids[i], row = p->query_rows[i];
+    if (seq < 0 || seq >= p->num_seqs || row < 0 || row >= p->num_rows) return BAD_INDEX;
     const int64_t context = p->context_lens[seq];
+    /* The scores buffer holds max_context_len per query head; the table names its blocks. */
+    if (context < 1 || context > p->max_context_len || context > p->table_width * p->block_size)
+        return BAD_INDEX;
     const int32_t *table = p->block_tables + seq * p->block_table_stride;
+    for (int64_t b = 0; b * p->block_size < context; b++)
+        if (table[b] < 0 || table[b] >= p->num_blocks) return BAD_INDEX;
     const int64_t slot_stride = p->num_kv_heads * dim, block_stride = p->block_size * slot_stride;
     float q[MAX_GROUP][MAX_HEAD_DIM], row_f[MAX_HEAD_DIM], max_score[MAX_GROUP];
 
@@ -103,47 +115,42 @@ static inline __attribute__((always_inline)) void attend_dim(const Problem *p, i
         const float inverse = 1.0f / total;
         for (int64_t d = 0; d < dim; d++) dst[d] = float_to_bf16(acc[d] * inverse);
     }
+    return OK;
 }
 
-static void attend(const Problem *p, int64_t task, float *scores) {
+static int attend(const Problem *p, int64_t task, float *scores) {
     switch (p->head_dim) {
-    case 64: attend_dim(p, task, scores, 64); break;
-    case 128: attend_dim(p, task, scores, 128); break;
-    default: attend_dim(p, task, scores, p->head_dim);
+    case 64: return attend_dim(p, task, scores, 64);
+    case 128: return attend_dim(p, task, scores, 128);
+    default: return attend_dim(p, task, scores, p->head_dim);
     }
 }
 
-/* Returns 0, or -1 for shapes past the fixed per-task buffers, -2 when out of memory. */
-int tandem_paged_decode_bf16(const uint16_t *query, int64_t query_row_stride,
-                             int64_t query_head_stride, const uint16_t *key_cache,
-                             const uint16_t *value_cache, const int32_t *block_tables,
-                             int64_t block_table_stride, const int32_t *context_lens,
-                             const int32_t *seq_ids, const int32_t *query_rows, int64_t num_decode,
-                             uint16_t *out, int64_t out_row_stride, int64_t out_head_stride,
-                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                             int64_t block_size, int64_t max_context_len, float scale,
-                             int num_threads) {
-    if (head_dim > MAX_HEAD_DIM || num_heads / num_kv_heads > MAX_GROUP) return -1;
-    const Problem problem = {query,        query_row_stride, query_head_stride, key_cache,
-                             value_cache,  block_tables,     block_table_stride, context_lens,
-                             seq_ids,      query_rows,       out,               out_row_stride,
-                             out_head_stride, num_heads,     num_kv_heads,      head_dim,
-                             block_size,   scale};
-    const int64_t tasks = num_decode * num_kv_heads;
-    const int64_t scratch = (num_heads / num_kv_heads) * max_context_len;
-    int failed = 0;
+/* Writes the attention of every decode row into `out`. Returns OK, BAD_SHAPE (past the fixed
+ * per-task buffers), OUT_OF_MEMORY, or BAD_INDEX (a sequence, row, context length or block id out
+ * of range: such a task reads and writes nothing). */
+int tandem_paged_decode_bf16(const Problem *problem, int num_threads) {
+    if (problem->head_dim > MAX_HEAD_DIM || problem->num_heads / problem->num_kv_heads > MAX_GROUP)
+        return BAD_SHAPE;
+    const int64_t tasks = problem->num_decode * problem->num_kv_heads;
+    const int64_t scratch = (problem->num_heads / problem->num_kv_heads) * problem->max_context_len;
+    int status = OK;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && tasks > 1)
     {
         float *scores = malloc(sizeof(float) * (size_t)(scratch > 0 ? scratch : 1));
         if (scores == NULL) {
 #pragma omp atomic write
-            failed = 1;
+            status = OUT_OF_MEMORY;
         }
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < tasks; task++) {
-            if (scores != NULL) attend(&problem, task, scores);
+            const int result = scores != NULL ? attend(problem, task, scores) : OUT_OF_MEMORY;
+            if (result != OK) {
+#pragma omp atomic write
+                status = result;
+            }
         }
         free(scores);
     }
-    return failed ? -2 : 0;
+    return status;
 }

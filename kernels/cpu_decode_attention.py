@@ -64,23 +64,41 @@ def supports(
     )
 
 
+_I64, _POINTER = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Problem(ctypes.Structure):
+    """The C `Problem`, field by field (names and order must match `cpu_decode_attention.c`)."""
+
+    _fields_ = [
+        *(("query", _POINTER), ("query_row_stride", _I64), ("query_head_stride", _I64)),
+        ("num_rows", _I64),
+        *(("key_cache", _POINTER), ("value_cache", _POINTER)),
+        *(("num_blocks", _I64), ("block_size", _I64)),
+        *(("block_tables", _POINTER), ("block_table_stride", _I64), ("table_width", _I64)),
+        *(("context_lens", _POINTER), ("num_seqs", _I64)),
+        *(("seq_ids", _POINTER), ("query_rows", _POINTER)),
+        *(("num_decode", _I64), ("max_context_len", _I64)),
+        *(("out", _POINTER), ("out_row_stride", _I64), ("out_head_stride", _I64)),
+        *(("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64)),
+        ("scale", ctypes.c_float),
+    ]
+
+
+_STATUS = {
+    -1: "a head_dim or query group past the kernel's buffers",
+    -2: "out of memory",
+    -3: "a sequence, row, context length or block id of the batch out of range",
+}
+
+
 class CpuDecodeAttention:
     """The loaded kernel: `__call__` writes the decode rows' attention into `out`."""
 
     def __init__(self, library: Path):
         self.library = library
         self._function = ctypes.CDLL(str(library)).tandem_paged_decode_bf16
-        i64, pointer = ctypes.c_int64, ctypes.c_void_p
-        self._function.argtypes = [
-            *(pointer, i64, i64),  # query, its row and head strides
-            *(pointer, pointer),  # key and value caches
-            *(pointer, i64, pointer),  # block tables, their row stride, context lengths
-            *(pointer, pointer, i64),  # seq ids, query rows, how many
-            *(pointer, i64, i64),  # out, its row and head strides
-            *(i64, i64, i64, i64, i64),  # heads, kv heads, head dim, block size, longest context
-            ctypes.c_float,
-            ctypes.c_int,
-        ]
+        self._function.argtypes = [ctypes.POINTER(_Problem), ctypes.c_int]
         self._function.restype = ctypes.c_int
 
     def __call__(
@@ -99,36 +117,28 @@ class CpuDecodeAttention:
         caches `[blocks, block_size, kv_heads, head_dim]` bfloat16 and dense, block tables
         `[seqs, max_blocks]` and context lengths `[seqs]` int32: `out[rows.query_rows[i]]` gets
         the attention of query row `rows.query_rows[i]` over sequence `rows.seq_ids[i]`'s
-        context. Index values are not checked (as in the other kernels): they come from the
-        engine's own batch."""
+        context. Indices out of range (a block id past the cache, a context longer than its
+        table or than `rows.max_context_len`) raise ValueError instead of reading past memory;
+        the rows the call wrote are then unspecified."""
         _check(query, key_cache, value_cache, block_tables, context_lens, rows, out)
         if query.stride(-1) != 1:
             query = query.contiguous()
-        status = self._function(
-            query.data_ptr(),
-            query.stride(0),
-            query.stride(1),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.stride(0),
-            context_lens.data_ptr(),
-            rows.seq_ids.data_ptr(),
-            rows.query_rows.data_ptr(),
-            rows.seq_ids.shape[0],
-            out.data_ptr(),
-            out.stride(0),
-            out.stride(1),
-            query.shape[1],
-            key_cache.shape[2],
-            query.shape[2],
-            key_cache.shape[1],
-            rows.max_context_len,
+        problem = _Problem(
+            query.data_ptr(), query.stride(0), query.stride(1), query.shape[0],
+            key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0], key_cache.shape[1],
+            block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+            context_lens.data_ptr(), context_lens.shape[0],
+            rows.seq_ids.data_ptr(), rows.query_rows.data_ptr(),
+            rows.seq_ids.shape[0], rows.max_context_len,
+            out.data_ptr(), out.stride(0), out.stride(1),
+            query.shape[1], key_cache.shape[2], query.shape[2],
             scale,
-            torch.get_num_threads(),
-        )
+        )  # fmt: skip
+        status = self._function(ctypes.byref(problem), torch.get_num_threads())
+        if status == -3:
+            raise ValueError(f"cpu decode attention: {_STATUS[status]}")
         if status != 0:
-            raise RuntimeError(f"cpu decode attention failed with status {status}")
+            raise RuntimeError(f"cpu decode attention failed: {_STATUS.get(status, status)}")
 
 
 def _check(
@@ -156,6 +166,8 @@ def _check(
         raise ValueError("block tables, context lengths and rows must be int32")
     if not all(t.is_contiguous() for t in indices[1:]):
         raise ValueError("context lengths and rows must be dense")
+    if rows.seq_ids.shape != rows.query_rows.shape:
+        raise ValueError("rows need one query row per sequence id")
 
 
 def build(build_dir: Path) -> CpuDecodeAttention:

@@ -130,7 +130,8 @@ def test_accepts_a_strided_query(kernel):
 
 def decode_call(kernel: CpuDecodeAttention, batch: Batch, **changes) -> None:
     n = batch.context_lens.shape[0]
-    rows = DecodeRows(torch.arange(n, dtype=torch.int32), torch.arange(n, dtype=torch.int32), 33)
+    ids = torch.arange(n, dtype=torch.int32)
+    rows = DecodeRows(ids, ids.clone(), batch.max_context_len)
     args = {
         "query": batch.query,
         "key_cache": batch.key_cache,
@@ -169,6 +170,38 @@ def test_bad_inputs_raise_value_error(kernel, name):
     batch = bf16_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
     with pytest.raises(ValueError, match=message):
         decode_call(kernel, batch, **change(batch))
+
+
+def _with_table_entry(batch: Batch, value: int) -> dict:
+    tables = batch.block_tables.clone()
+    tables[2, 0] = value
+    return {"block_tables": tables}
+
+
+def _rows(seq_ids: list[int], query_rows: list[int], max_context_len: int = 33) -> dict:
+    ids = torch.tensor(seq_ids, dtype=torch.int32)
+    return {"rows": DecodeRows(ids, torch.tensor(query_rows, dtype=torch.int32), max_context_len)}
+
+
+# Each would read or write past its tensor: the kernel refuses instead (no task touches memory).
+OUT_OF_RANGE = {
+    "block id past the cache": lambda b: _with_table_entry(b, b.key_cache.shape[0]),
+    "negative block id": lambda b: _with_table_entry(b, -1),
+    "context longer than its table": lambda b: {
+        "context_lens": torch.tensor([17, 1, 10_000, 16, 5], dtype=torch.int32)
+    },
+    "context longer than the scratch": lambda b: _rows([0, 1, 2], [0, 1, 2], max_context_len=20),
+    "sequence id": lambda b: _rows([0, 5], [0, 1]),
+    "query row": lambda b: _rows([0, 1], [0, 5]),
+    "rows of unequal length": lambda b: _rows([0, 1], [0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OUT_OF_RANGE))
+def test_indices_out_of_range_raise_value_error(kernel, name):
+    batch = bf16_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
+    with pytest.raises(ValueError, match="out of range|one query row per sequence"):
+        decode_call(kernel, batch, **OUT_OF_RANGE[name](batch))
 
 
 def test_a_plan_with_decode_rows_needs_the_kernel():
