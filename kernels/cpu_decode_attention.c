@@ -50,9 +50,45 @@ typedef struct {
     int64_t out_row_stride, out_head_stride;
     int64_t num_heads, num_kv_heads, head_dim;
     float scale;
+    /* Optional (NULL key_new: the cache already holds the new tokens and the query is rotated):
+     * the new tokens' unrotated K and V, [num_rows, kv_heads, head_dim] (last dimension dense),
+     * their rotary cos and sin, [num_rows, head_dim] dense, and their cache slots, [num_rows] (a
+     * negative slot is not written). Each task then rotates its query heads and its kv head's new
+     * key, writes that key and value into the cache, and attends, all in one pass. */
+    const uint16_t *key_new, *value_new;
+    int64_t key_new_row_stride, key_new_head_stride, value_new_row_stride, value_new_head_stride;
+    const uint16_t *cos, *sin;
+    const int64_t *slot_mapping;
 } Problem;
 
 enum { OK = 0, BAD_SHAPE = -1, OUT_OF_MEMORY = -2, BAD_INDEX = -3 };
+
+/* x rotated by rotary embedding in the rotate-half layout: x * cos + (-x2, x1) * sin. */
+static inline void rotate(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t dim,
+                          float *out) {
+    const int64_t half = dim / 2;
+    for (int64_t d = 0; d < dim; d++) {
+        const float partner = d < half ? -bf16_to_float(x[d + half]) : bf16_to_float(x[d - half]);
+        out[d] = bf16_to_float(x[d]) * bf16_to_float(cos[d]) + partner * bf16_to_float(sin[d]);
+    }
+}
+
+/* The new token's K (rotated) and V for one kv head, into its cache slot. */
+static inline int write_new_kv(const Problem *p, int64_t row, int64_t kv_head, int64_t dim) {
+    const int64_t slot = p->slot_mapping[row];
+    if (slot < 0) return OK;
+    if (slot >= p->num_blocks * p->block_size) return BAD_INDEX;
+    const int64_t offset = (slot * p->num_kv_heads + kv_head) * dim;
+    float rotated[MAX_HEAD_DIM];
+    rotate(p->key_new + row * p->key_new_row_stride + kv_head * p->key_new_head_stride,
+           p->cos + row * dim, p->sin + row * dim, dim, rotated);
+    uint16_t *key = (uint16_t *)p->key_cache + offset;
+    for (int64_t d = 0; d < dim; d++) key[d] = float_to_bf16(rotated[d]);
+    memcpy((uint16_t *)p->value_cache + offset,
+           p->value_new + row * p->value_new_row_stride + kv_head * p->value_new_head_stride,
+           sizeof(uint16_t) * dim);
+    return OK;
+}
 
 /* Inlined into a copy per common head_dim (below), so that the loops over `dim` have a constant
  * trip count: unrolled, vectorized without remainder handling, the accumulators in registers. */
@@ -72,10 +108,16 @@ static inline __attribute__((always_inline)) int attend_dim(const Problem *p, in
     const int64_t slot_stride = p->num_kv_heads * dim, block_stride = p->block_size * slot_stride;
     float q[MAX_GROUP][MAX_HEAD_DIM], row_f[MAX_HEAD_DIM], max_score[MAX_GROUP];
 
+    if (p->key_new != NULL && write_new_kv(p, row, kv_head, dim) != OK) return BAD_INDEX;
     for (int64_t g = 0; g < group; g++) {
         const uint16_t *src = p->query + row * p->query_row_stride +
                               (kv_head * group + g) * p->query_head_stride;
-        for (int64_t d = 0; d < dim; d++) q[g][d] = bf16_to_float(src[d]) * p->scale;
+        if (p->key_new != NULL) {
+            rotate(src, p->cos + row * dim, p->sin + row * dim, dim, q[g]);
+            for (int64_t d = 0; d < dim; d++) q[g][d] *= p->scale;
+        } else {
+            for (int64_t d = 0; d < dim; d++) q[g][d] = bf16_to_float(src[d]) * p->scale;
+        }
         max_score[g] = -FLT_MAX; /* built with -ffast-math: no infinities */
     }
     for (int64_t start = 0; start < context; start += p->block_size) {

@@ -28,6 +28,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -82,7 +83,26 @@ class _Problem(ctypes.Structure):
         *(("out", _POINTER), ("out_row_stride", _I64), ("out_head_stride", _I64)),
         *(("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64)),
         ("scale", ctypes.c_float),
+        *(("key_new", _POINTER), ("value_new", _POINTER)),
+        *(("key_new_row_stride", _I64), ("key_new_head_stride", _I64)),
+        *(("value_new_row_stride", _I64), ("value_new_head_stride", _I64)),
+        *(("cos", _POINTER), ("sin", _POINTER), ("slot_mapping", _POINTER)),
     ]
+
+
+@dataclass(frozen=True)
+class NewTokens:
+    """A pure decode step's new tokens, for the kernel to rotate and write itself: their
+    unrotated keys and values `[rows, kv_heads, head_dim]` (views of the fused projection are
+    fine), rotary `cos` and `sin` `[rows, 1, head_dim]` (`RotaryEmbedding.lookup`), and their
+    cache slots `[rows]` int64 (negative: not written). The query handed beside them is then
+    unrotated too."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 _STATUS = {
@@ -112,6 +132,7 @@ class CpuDecodeAttention:
         out: torch.Tensor,
         *,
         scale: float,
+        new_tokens: NewTokens | None = None,
     ) -> None:
         """query and out `[tokens, heads, head_dim]` bfloat16 (any row and head strides), the
         caches `[blocks, block_size, kv_heads, head_dim]` bfloat16 and dense, block tables
@@ -119,7 +140,9 @@ class CpuDecodeAttention:
         the attention of query row `rows.query_rows[i]` over sequence `rows.seq_ids[i]`'s
         context. Indices out of range (a block id past the cache, a context longer than its
         table or than `rows.max_context_len`) raise ValueError instead of reading past memory;
-        the rows the call wrote are then unspecified."""
+        the rows the call wrote are then unspecified. With `new_tokens`, the query is unrotated
+        and the kernel first rotates it and writes the new keys and values into the caches
+        (see `NewTokens`)."""
         _check(query, key_cache, value_cache, block_tables, context_lens, rows, out)
         if query.stride(-1) != 1:
             query = query.contiguous()
@@ -134,11 +157,35 @@ class CpuDecodeAttention:
             query.shape[1], key_cache.shape[2], query.shape[2],
             scale,
         )  # fmt: skip
+        if new_tokens is not None:
+            _add_new_tokens(problem, new_tokens, query)
         status = self._function(ctypes.byref(problem), torch.get_num_threads())
         if status == -3:
             raise ValueError(f"cpu decode attention: {_STATUS[status]}")
         if status != 0:
             raise RuntimeError(f"cpu decode attention failed: {_STATUS.get(status, status)}")
+
+
+def _add_new_tokens(problem: _Problem, new: NewTokens, query: torch.Tensor) -> None:
+    rows, heads, dim = query.shape
+    kv_shape = (rows, problem.num_kv_heads, dim)
+    if new.key.shape != kv_shape or new.value.shape != kv_shape:
+        raise ValueError(f"new keys and values must be {list(kv_shape)}")
+    if new.key.stride(-1) != 1 or new.value.stride(-1) != 1:
+        raise ValueError("new keys and values need a dense last dimension")
+    tables = (new.cos, new.sin)
+    if any(t.shape != (rows, 1, dim) or not t.is_contiguous() for t in tables):
+        raise ValueError(f"cos and sin must be dense [{rows}, 1, {dim}]")
+    if {new.key.dtype, new.value.dtype, new.cos.dtype, new.sin.dtype} != {torch.bfloat16}:
+        raise ValueError("new keys, values, cos and sin must be bfloat16")
+    slots = new.slot_mapping
+    if slots.shape != (rows,) or slots.dtype != torch.int64 or not slots.is_contiguous():
+        raise ValueError(f"slot_mapping must be dense int64 [{rows}]")
+    problem.key_new, problem.value_new = new.key.data_ptr(), new.value.data_ptr()
+    problem.key_new_row_stride, problem.key_new_head_stride = new.key.stride()[:2]
+    problem.value_new_row_stride, problem.value_new_head_stride = new.value.stride()[:2]
+    problem.cos, problem.sin = new.cos.data_ptr(), new.sin.data_ptr()
+    problem.slot_mapping = slots.data_ptr()
 
 
 def _check(

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_plan import AttentionPlan, plan_attention
-from kernels.cpu_decode_attention import CpuDecodeAttention
+from kernels.cpu_decode_attention import CpuDecodeAttention, NewTokens
 from kernels.kv_write import write_kv
 from kernels.paged_attention import paged_attention
 from shared.engine.kv_cache import KVCache
@@ -47,6 +47,9 @@ class StepContext:
     cos: torch.Tensor  # [tokens, 1, head_dim]
     sin: torch.Tensor
     attention_plan: AttentionPlan | None  # the CPU reference's gather indices and masks
+    # A pure decode step on the C decode kernel: it rotates, writes the new K/V and attends in one
+    # call per layer (the dozen torch calls of rotary and KV write cost more than the work).
+    fused_decode: bool = False
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,7 +127,8 @@ class LlamaModel:
                 max_context_len=batch.max_context_len,
                 paged_decode=self.decode_kernel is not None,
             )
-        return StepContext(batch, cos, sin, plan)
+        fused = plan is not None and plan.decode_rows is not None and not plan.prefill
+        return StepContext(batch, cos, sin, plan, fused)
 
     def _attention(
         self,
@@ -143,6 +147,8 @@ class LlamaModel:
         q = q.view(num_tokens, c.num_heads, c.head_dim)
         k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
         v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        if context.fused_decode:
+            return layer.o(self._fused_decode(q, k, v, context, key_cache, value_cache))
         q, k = apply_rotary(q, k, context.cos, context.sin)
         write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         out = paged_attention(
@@ -159,6 +165,31 @@ class LlamaModel:
             decode_kernel=self.decode_kernel,
         )
         return layer.o(out.reshape(num_tokens, self._q_size))
+
+    def _fused_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        context: StepContext,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotary, KV write and attention of a pure decode step in the C kernel's one call."""
+        batch = context.batch
+        out = q.new_empty(q.shape)
+        self.decode_kernel(
+            q,
+            key_cache,
+            value_cache,
+            batch.block_tables,
+            batch.context_lens,
+            context.attention_plan.decode_rows,
+            out,
+            scale=self._scale,
+            new_tokens=NewTokens(k, v, context.cos, context.sin, batch.slot_mapping),
+        )
+        return out.view(q.shape[0], self._q_size)
 
     def _mlp(self, layer: DecoderLayerWeights, hidden: torch.Tensor) -> torch.Tensor:
         x = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps)

@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 from kernels import cpu_decode_attention
 from kernels.attention_plan import DecodeRows, plan_attention
 from kernels.attention_reference import paged_attention_reference
-from kernels.cpu_decode_attention import CpuDecodeAttention, KernelUnavailable
+from kernels.cpu_decode_attention import CpuDecodeAttention, KernelUnavailable, NewTokens
+from kernels.kv_write import write_kv
 from kernels.paged_attention import paged_attention
 from shared.engine.loader import decode_kernel_for
+from shared.engine.rope import RotaryEmbedding, apply_rotary
 from tests.helpers import TINY_KV_CONFIG
 from tests.kernels.test_paged_attention import DECODE, MIXED, Batch, make_batch, naive_attention
 
@@ -286,3 +288,75 @@ def test_the_loader_falls_back_without_a_compiler(tmp_path, monkeypatch, caplog)
     assert "falls back to the torch reference: no C compiler" in caplog.text
     with pytest.raises(ValueError, match="unavailable: no C compiler"):
         decode_kernel_for("native", SMOLLM2_SHAPE, torch.bfloat16, cpu)
+
+
+def fused_case(num_rows: int = 5, seed: int = 3):
+    """A decode batch whose new tokens are not yet in the cache: their unrotated q/k/v, the
+    rotary tables of their positions and their slots (each sequence's last position)."""
+    batch = bf16_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
+    gen = torch.Generator().manual_seed(seed)
+    rotary = RotaryEmbedding({"rope_theta": 10000.0}, 16, 64, dtype=torch.bfloat16)
+    positions = (batch.context_lens - 1).long()
+    cos, sin = rotary.lookup(positions)
+    tables = batch.block_tables.long()
+    slots = tables[torch.arange(num_rows), positions // 16] * 16 + positions % 16
+    q, k, v = (torch.randn(num_rows, h, 16, generator=gen).bfloat16() for h in (6, 2, 2))
+    return batch, replace(batch, query=q), NewTokens(k, v, cos, sin, slots)
+
+
+def test_fused_rotary_and_kv_write_match_the_separate_steps(kernel):
+    batch, unrotated, new = fused_case()
+    ids = torch.arange(5, dtype=torch.int32)
+    rows = DecodeRows(ids, ids.clone(), batch.max_context_len)
+    # Separately: torch's rotary and KV write, then the kernel on the written cache.
+    q, k = apply_rotary(unrotated.query, new.key, new.cos, new.sin)
+    separate_keys, separate_values = batch.key_cache.clone(), batch.value_cache.clone()
+    write_kv(k, new.value, separate_keys, separate_values, new.slot_mapping)
+    expected = torch.empty_like(q)
+    kernel(q, separate_keys, separate_values, batch.block_tables, batch.context_lens, rows,
+           expected, scale=batch.scale)  # fmt: skip
+    fused = torch.empty_like(q)
+    kernel(unrotated.query, batch.key_cache, batch.value_cache, batch.block_tables,
+           batch.context_lens, rows, fused, scale=batch.scale, new_tokens=new)  # fmt: skip
+    # The kernel rotates in float32 and rounds once; torch rounds each product to bfloat16.
+    slots = new.slot_mapping
+    key_rows = batch.key_cache.view(-1, 2, 16)[slots].float()
+    assert (key_rows - separate_keys.view(-1, 2, 16)[slots].float()).abs().max() < TOLERANCE
+    assert torch.equal(batch.value_cache.view(-1, 2, 16)[slots], new.value)
+    assert (fused.float() - expected.float()).abs().max() < TOLERANCE
+
+
+def test_fused_write_skips_negative_slots_and_refuses_slots_past_the_cache(kernel):
+    batch, unrotated, new = fused_case()
+    ids = torch.arange(5, dtype=torch.int32)
+    rows = DecodeRows(ids, ids.clone(), batch.max_context_len)
+    before = batch.value_cache.clone()
+    skipped = replace(new, slot_mapping=torch.full((5,), -1, dtype=torch.int64))
+    kernel(unrotated.query, batch.key_cache, batch.value_cache, batch.block_tables,
+           batch.context_lens, rows, torch.empty_like(unrotated.query), scale=batch.scale,
+           new_tokens=skipped)  # fmt: skip
+    assert torch.equal(batch.value_cache.nan_to_num(), before.nan_to_num())
+    past = replace(new, slot_mapping=torch.full((5,), batch.key_cache.shape[0] * 16))
+    with pytest.raises(ValueError, match="out of range"):
+        kernel(unrotated.query, batch.key_cache, batch.value_cache, batch.block_tables,
+               batch.context_lens, rows, torch.empty_like(unrotated.query), scale=batch.scale,
+               new_tokens=past)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda n: {"key": n.key[:3]}, "new keys and values"),
+        (lambda n: {"cos": n.cos.float()}, "bfloat16"),
+        (lambda n: {"sin": n.sin[:, :, :8]}, "cos and sin"),
+        (lambda n: {"slot_mapping": n.slot_mapping.int()}, "slot_mapping"),
+    ],
+)
+def test_fused_inputs_are_checked(kernel, change, message):
+    batch, unrotated, new = fused_case()
+    ids = torch.arange(5, dtype=torch.int32)
+    rows = DecodeRows(ids, ids.clone(), batch.max_context_len)
+    with pytest.raises(ValueError, match=message):
+        kernel(unrotated.query, batch.key_cache, batch.value_cache, batch.block_tables,
+               batch.context_lens, rows, torch.empty_like(unrotated.query), scale=batch.scale,
+               new_tokens=replace(new, **change(new)))  # fmt: skip
