@@ -9,7 +9,9 @@ context length, one task per (sequence, kv head) serving that kv head's query he
 no gather, no padding, no mask, and scores, softmax and the weighted sum in float32 (the
 reference rounds the probabilities to bfloat16 before the second product, so this is the more
 accurate of the two). float32 models keep the reference: it is the path whose greedy tokens equal
-transformers'.
+transformers'. In a step of decode rows only, the same call also rotates the query and the new
+key and writes the new key and value into the cache (`NewTokens`), so that a decode layer's
+attention is one call instead of a dozen.
 
 The C source is compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU
 at hand (`-march=native`; `-ffast-math` when compiling, not when linking, see `_COMPILE_FLAGS`),

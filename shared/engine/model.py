@@ -48,7 +48,8 @@ class StepContext:
     sin: torch.Tensor
     attention_plan: AttentionPlan | None  # the CPU reference's gather indices and masks
     # A pure decode step on the C decode kernel: it rotates, writes the new K/V and attends in one
-    # call per layer (the dozen torch calls of rotary and KV write cost more than the work).
+    # call per layer (torch's dozen calls for rotary and the KV write made decode steps of 1-16
+    # sequences 8-9% longer).
     fused_decode: bool = False
 
 
