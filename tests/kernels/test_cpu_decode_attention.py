@@ -292,7 +292,8 @@ def test_the_loader_falls_back_without_a_compiler(tmp_path, monkeypatch, caplog)
 
 def fused_case(num_rows: int = 5, seed: int = 3):
     """A decode batch whose new tokens are not yet in the cache: their unrotated q/k/v, the
-    rotary tables of their positions and their slots (each sequence's last position)."""
+    rotary tables of their positions and their slots (each sequence's last position), and the
+    rows (every sequence decodes)."""
     batch = bf16_batch(DECODE, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
     gen = torch.Generator().manual_seed(seed)
     rotary = RotaryEmbedding({"rope_theta": 10000.0}, 16, 64, dtype=torch.bfloat16)
@@ -301,13 +302,13 @@ def fused_case(num_rows: int = 5, seed: int = 3):
     tables = batch.block_tables.long()
     slots = tables[torch.arange(num_rows), positions // 16] * 16 + positions % 16
     q, k, v = (torch.randn(num_rows, h, 16, generator=gen).bfloat16() for h in (6, 2, 2))
-    return batch, replace(batch, query=q), NewTokens(k, v, cos, sin, slots)
+    ids = torch.arange(num_rows, dtype=torch.int32)
+    rows = DecodeRows(ids, ids.clone(), batch.max_context_len)
+    return batch, replace(batch, query=q), NewTokens(k, v, cos, sin, slots), rows
 
 
 def test_fused_rotary_and_kv_write_match_the_separate_steps(kernel):
-    batch, unrotated, new = fused_case()
-    ids = torch.arange(5, dtype=torch.int32)
-    rows = DecodeRows(ids, ids.clone(), batch.max_context_len)
+    batch, unrotated, new, rows = fused_case()
     # Separately: torch's rotary and KV write, then the kernel on the written cache.
     q, k = apply_rotary(unrotated.query, new.key, new.cos, new.sin)
     separate_keys, separate_values = batch.key_cache.clone(), batch.value_cache.clone()
@@ -327,9 +328,7 @@ def test_fused_rotary_and_kv_write_match_the_separate_steps(kernel):
 
 
 def test_fused_write_skips_negative_slots_and_refuses_slots_past_the_cache(kernel):
-    batch, unrotated, new = fused_case()
-    ids = torch.arange(5, dtype=torch.int32)
-    rows = DecodeRows(ids, ids.clone(), batch.max_context_len)
+    batch, unrotated, new, rows = fused_case()
     before = batch.value_cache.clone()
     skipped = replace(new, slot_mapping=torch.full((5,), -1, dtype=torch.int64))
     kernel(unrotated.query, batch.key_cache, batch.value_cache, batch.block_tables,
@@ -353,9 +352,7 @@ def test_fused_write_skips_negative_slots_and_refuses_slots_past_the_cache(kerne
     ],
 )
 def test_fused_inputs_are_checked(kernel, change, message):
-    batch, unrotated, new = fused_case()
-    ids = torch.arange(5, dtype=torch.int32)
-    rows = DecodeRows(ids, ids.clone(), batch.max_context_len)
+    batch, unrotated, new, rows = fused_case()
     with pytest.raises(ValueError, match=message):
         kernel(unrotated.query, batch.key_cache, batch.value_cache, batch.block_tables,
                batch.context_lens, rows, torch.empty_like(unrotated.query), scale=batch.scale,
