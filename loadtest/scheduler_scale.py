@@ -2,15 +2,19 @@
 thousand queued requests and ten thousand tenants, and the time each decision takes.
 
 The core is driven directly (no sockets), the way the simulator drives it: workers register,
-the queue is filled, then each round plays one request's life through the messages the service
-would hand the core: a decode worker's reservation reply, the prefill's report (which frees its
-window: the next request is dispatched), the decode's report (which frees a seat), a new submit
-(so the queue stays full), and a heartbeat from a worker taken in turn. A *decision* is one
-request dispatched (the policy's choice and its placement). The figures: decisions per second
-over the time spent in the core's handlers, and the p50/p99 time of the handler calls that made
-decisions, divided by the decisions each made; plus the time of a tick (timeouts and expiry).
-Handler times are the thread's CPU time (`time.thread_time`), so that other processes on a
-shared machine do not inflate them.
+the queue is filled, then each round plays the messages the service would hand the core in a
+steady state: every reservation made since the last round answered, the oldest prefill's report
+(which frees its window: the next requests are dispatched), decode reports while more than
+1,000 requests decode (or half the decode seats, if fewer: which free seats), new submits (as many as left the queue, so it stays
+full), and a heartbeat from a worker taken in turn. So each request dispatched lives its whole
+life in the core, and nothing times out. A *decision* is one request dispatched (the policy's
+choice and its placement). The figures: decisions per second over the time spent in the core's
+handlers (all of them), the p50/p99 time of the handler calls that made decisions, divided by
+the decisions each made, the longest handler call (a garbage collection of the heap lands in
+one), and each handler's mean time, the tick's (timeouts and expiry, every 250 rounds: a round
+is a simulated millisecond) included. Handler times are
+the thread's CPU time (`time.thread_time`), so that other processes on a shared machine do not
+inflate them.
 
 `--prefix-cache`: the workers keep prefix caches (as real workers do): each registers a cache
 key and its heartbeats carry its whole set of cached block hashes, a few of the 64 system prompts
@@ -18,27 +22,31 @@ the requests start with (tenant-salted: tenants share them only with themselves)
 cache-aware placement (`cache_placement.py`) is in play.
 
     .venv/bin/python -m loadtest.scheduler_scale [--prefill 1000 --decode 1000 --queued 100000
-        --tenants 10000 --rounds 2000] [--prefix-cache] [--profile]
+        --tenants 10000 --rounds 8000] [--prefix-cache] [--gc freeze|default] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import random
 import statistics
 import time
 import zlib
-from collections import deque
+from collections import Counter, deque
 
 from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
 from shared import wire
 from shared.engine.prefix_cache import CacheKey, worker_cache_key
+from shared.gc_policy import SurvivorFreezer
 
 CACHE_KEY = worker_cache_key(CacheKey("m", "float32", 16), shared_between_tenants=False)
 NUM_SYSTEM_PROMPTS = 64  # with --prefix-cache, every prompt starts with one of these
 SYSTEM_PROMPT_TOKENS = 32
+MAX_NUM_SEQS = 64  # each decode worker's seats
+TICK_EVERY_ROUNDS = 250  # a round is 1 ms: the service ticks every half heartbeat interval
 
 
 def hello(peer_id: str, role: str, prefix_cache: bool = False) -> wire.Hello:
@@ -50,7 +58,7 @@ def hello(peer_id: str, role: str, prefix_cache: bool = False) -> wire.Hello:
         address=f"sim://{peer_id}",
         num_kv_blocks=0 if role == "gateway" else 4096,
         block_size=0 if role == "gateway" else 16,
-        max_num_seqs=0 if role == "gateway" else 64,
+        max_num_seqs=0 if role == "gateway" else MAX_NUM_SEQS,
         cache_key=CACHE_KEY if prefix_cache and role != "gateway" else None,
     )
 
@@ -68,25 +76,39 @@ class ScaleBench:
         self.core = ClusterScheduler(limits)
         self.now = 0.0
         self.num_submitted = 0
-        self.call_seconds: list[float] = []  # per handler call that made decisions, per decision
-        self.busy_s = 0.0
-        self.num_decisions = 0
+        # Requests by where they stand in the play (the core's phases, as the messages went).
+        self.reserving: deque[str] = deque()
+        self.prefilling: deque[str] = deque()
+        self.decoding: deque[str] = deque()
+        self.max_decoding = min(1000, args.decode * MAX_NUM_SEQS // 2)
+        self.freezer: SurvivorFreezer | None = None  # --gc freeze: as the service runs
+        self.reset_counts()
         self.cache_seq: dict[str, int] = {}
         self.workers = [f"prefill{i}" for i in range(args.prefill)]
         self.workers += [f"decode{i}" for i in range(args.decode)]
 
     def call(self, handler, *args) -> list:
-        before = len(self.core.dispatched)
         start = time.thread_time()
         out = handler(*args, self.now)
         elapsed = time.thread_time() - start
-        decisions = len(self.core.dispatched) - before
-        self.core.take_dispatched()
+        dispatched = self.core.take_dispatched()
+        self.reserving.extend(d.request_id for d in dispatched)
         self.busy_s += elapsed
-        if decisions:
-            self.num_decisions += decisions
-            self.call_seconds.extend([elapsed / decisions] * decisions)
+        self.max_call_s = max(self.max_call_s, elapsed)
+        self.handler_s[handler.__name__] += elapsed
+        self.handler_calls[handler.__name__] += 1
+        if dispatched:
+            self.num_decisions += len(dispatched)
+            self.call_seconds.extend([elapsed / len(dispatched)] * len(dispatched))
         return out
+
+    def reset_counts(self) -> None:
+        self.call_seconds: list[float] = []  # per handler call that made decisions, per decision
+        self.busy_s = 0.0
+        self.max_call_s = 0.0
+        self.num_decisions = 0
+        self.handler_s: Counter[str] = Counter()
+        self.handler_calls: Counter[str] = Counter()
 
     def submit(self) -> None:
         index = self.num_submitted
@@ -129,42 +151,45 @@ class ScaleBench:
             self.core.on_hello(peer_id.encode(), hello(peer_id, role, prefix_cache), 0.0)
             if prefix_cache:
                 self.core.on_heartbeat(peer_id.encode(), self.heartbeat(peer_id, 0), 0.0)
-        in_flight_limit = sum(1 for _ in self.workers) * 64
+        in_flight_limit = len(self.workers) * MAX_NUM_SEQS
         for _ in range(self.args.queued + min(in_flight_limit, self.args.queued)):
             self.submit()
             if len(self.core.queue) >= self.args.queued:
                 break
-        self.busy_s, self.num_decisions, self.call_seconds = 0.0, 0, []
+        self.round(0)  # the first reservations answered: the steady state from here
+        if self.args.gc == "freeze":
+            self.freezer = SurvivorFreezer()
+        self.reset_counts()
 
-    def by_phase(self) -> dict[Phase, deque[str]]:
-        phases: dict[Phase, deque[str]] = {p: deque() for p in Phase}
-        for request in self.core.requests.values():
-            phases[request.phase].append(request.request_id)
-        return phases
-
-    def round(self, phases: dict[Phase, deque[str]], heartbeat_index: int) -> None:
+    def round(self, heartbeat_index: int) -> None:
         core = self.core
         self.now += 0.001
-        if phases[Phase.RESERVING]:
-            request = core.requests.get(phases[Phase.RESERVING].popleft())
+        reserving, self.reserving = self.reserving, deque()
+        for request_id in reserving:
+            request = core.requests.get(request_id)
             if request is not None and request.phase == Phase.RESERVING:
-                reply = wire.ReserveReply(
-                    request_id=request.request_id, ok=True, num_free_blocks=4096
-                )
+                reply = wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=4096)
                 self.call(core.on_reserve_reply, reply)
-                phases[Phase.PREFILLING].append(request.request_id)
-        if phases[Phase.PREFILLING]:
-            request = core.requests.get(phases[Phase.PREFILLING].popleft())
+                self.prefilling.append(request_id)
+        if self.prefilling:
+            request = core.requests.get(self.prefilling.popleft())
             if request is not None and request.phase == Phase.PREFILLING:
                 self.call(core.on_request_done, self.done(request, "prefill"))
-                phases[Phase.DECODING].append(request.request_id)
-        if len(phases[Phase.DECODING]) > 1000:
-            request = core.requests.get(phases[Phase.DECODING].popleft())
+                self.decoding.append(request.request_id)
+        while len(self.decoding) > self.max_decoding:
+            request = core.requests.get(self.decoding.popleft())
             if request is not None:
                 self.call(core.on_request_done, self.done(request, "decode"))
-        self.submit()
+        while len(core.queue) < self.args.queued:
+            self.submit()
         peer_id = self.workers[heartbeat_index % len(self.workers)]
         self.call(core.on_heartbeat, peer_id.encode(), self.heartbeat(peer_id, heartbeat_index))
+        if heartbeat_index % TICK_EVERY_ROUNDS == 0:
+            self.call(core.tick)
+        if self.freezer is not None:  # the service does this on its timer: its time counts
+            start = time.thread_time()
+            self.freezer.after_collections()
+            self.busy_s += time.thread_time() - start
 
     def heartbeat(self, peer_id: str, steps_completed: int) -> wire.Heartbeat:
         cache = {}
@@ -201,17 +226,16 @@ class ScaleBench:
         setup_start = time.perf_counter()
         self.setup()
         setup_s = time.perf_counter() - setup_start
-        phases = self.by_phase()
         if profiler is not None:
             profiler.enable()
-        for index in range(self.args.rounds):
-            for _ in range(4):  # new requests arrive and leave; the queue stays full
-                self.round(phases, index)
-        if profiler is not None:
-            profiler.disable()
-        tick_start = time.perf_counter()
-        self.core.tick(self.now)
-        tick_s = time.perf_counter() - tick_start
+        try:
+            for index in range(self.args.rounds):
+                self.round(index)
+        finally:
+            if profiler is not None:
+                profiler.disable()
+            if self.freezer is not None:
+                gc.unfreeze()  # the process as it was (a test runs the bench in its own)
         ordered = sorted(self.call_seconds)
         return {
             "num_prefill": self.args.prefill,
@@ -219,11 +243,16 @@ class ScaleBench:
             "num_queued": len(self.core.queue),
             "num_tenants": self.args.tenants,
             "prefix_cache": self.args.prefix_cache,
+            "gc": self.args.gc,
             "num_decisions": self.num_decisions,
             "decisions_per_s": self.num_decisions / self.busy_s if self.busy_s else 0.0,
             "decision_p50_ms": statistics.median(ordered) * 1e3 if ordered else None,
             "decision_p99_ms": ordered[int(0.99 * (len(ordered) - 1))] * 1e3 if ordered else None,
-            "tick_ms": tick_s * 1e3,
+            "max_call_ms": self.max_call_s * 1e3,
+            **{
+                f"{name}_us": self.handler_s[name] / calls * 1e6
+                for name, calls in sorted(self.handler_calls.items())
+            },
             "setup_s": setup_s,
         }
 
@@ -234,9 +263,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", type=int, default=1000)
     parser.add_argument("--queued", type=int, default=100_000)
     parser.add_argument("--tenants", type=int, default=10_000)
-    parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=8000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prefix-cache", action="store_true", help="workers keep prefix caches")
+    parser.add_argument(
+        "--gc",
+        choices=("freeze", "default"),
+        default="freeze",
+        help="garbage collection as the scheduler service runs it (survivors frozen, "
+        "shared/gc_policy.py) or Python's default",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile the rounds: top 25")
     args = parser.parse_args(argv)
     for name in ("prefill", "decode", "queued", "tenants", "rounds"):
@@ -250,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         result = bench.run()
     for key, value in result.items():
-        if isinstance(value, bool):
+        if isinstance(value, (bool, str)):
             print(f"{key:>18}: {value}")
         else:
             print(

@@ -34,6 +34,7 @@ from shared.config import (
     setting,
 )
 from shared.curve import Security
+from shared.gc_policy import DEFAULT_THAW_EVERY_S, SurvivorFreezer
 from shared.lifecycle import SchedulerEvents
 from shared.logs import configure_logging, get_logger
 from shared.metrics import serve_metrics
@@ -109,9 +110,20 @@ class SchedulerConfig(CurveSettings):
         None, "HTTP port of the Prometheus /metrics (0: any free port; unset: not served)"
     )
     metrics_host: str = setting("127.0.0.1", "host the /metrics server binds")
+    gc_thaw_every_s: float = setting(
+        DEFAULT_THAW_EVERY_S,
+        "garbage collection: what survives a full collection is frozen (never walked again), "
+        "and once per this many seconds the whole heap is walked; 0: Python's default, every "
+        "full collection walks every queued request (shared/gc_policy.py)",
+    )
 
     def __post_init__(self) -> None:
         self.curve_keys()
+        if not self.gc_thaw_every_s >= 0:
+            raise ConfigError(
+                f"gc_thaw_every_s (--gc-thaw-every-s / TANDEM_GC_THAW_EVERY_S) must be >= 0, "
+                f"got {self.gc_thaw_every_s}"
+            )
         if self.local_prefill_max_tokens < 0:
             raise ConfigError(
                 "local_prefill_max_tokens (--local-prefill-max-tokens / "
@@ -251,6 +263,8 @@ class SchedulerService:
         )
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        thaw_every_s = self.config.gc_thaw_every_s
+        freezer = SurvivorFreezer(thaw_every_s) if thaw_every_s > 0 else None
         next_tick = 0.0
         try:
             while not self._stopping:
@@ -267,8 +281,12 @@ class SchedulerService:
                         )
                     self._send(self.core.tick(now))
                     self._broadcast_status(now)
+                    if freezer is not None:
+                        freezer.after_collections()
                     next_tick = now + self.config.heartbeat_interval_s / 2
         finally:
+            if freezer is not None:
+                freezer.close()
             self.socket.close(linger=0)
             self.security.stop()
             self.log.info("scheduler stopped")

@@ -3,23 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import gc
 
 import pytest
 
-from loadtest.scheduler_scale import ScaleBench, main
+from loadtest.scheduler_scale import TICK_EVERY_ROUNDS, ScaleBench, main
 
 
-def tiny(prefix_cache: bool = False) -> argparse.Namespace:
+def tiny(prefix_cache: bool = False, gc: str = "default") -> argparse.Namespace:
     return argparse.Namespace(
-        prefill=4, decode=4, queued=300, tenants=20, rounds=40, seed=0, prefix_cache=prefix_cache
+        prefill=4,
+        decode=4,
+        queued=300,
+        tenants=20,
+        rounds=600,
+        seed=0,
+        prefix_cache=prefix_cache,
+        gc=gc,
     )
 
 
-def test_a_tiny_run_dispatches_and_keeps_the_queue_full():
-    result = ScaleBench(tiny()).run()
+def test_a_tiny_run_plays_whole_lives_and_keeps_the_queue_full():
+    bench = ScaleBench(tiny())
+    result = bench.run()
     assert result["num_decisions"] > 0
-    assert result["num_queued"] >= 250  # new submits keep it near --queued
+    assert result["num_queued"] == 300  # new submits keep it at --queued
     assert result["decision_p99_ms"] >= result["decision_p50_ms"] > 0
+    assert result["max_call_ms"] >= result["decision_p99_ms"]
+    # Every reservation is answered in the round after it: the ticks find nothing timed out.
+    assert bench.handler_calls["tick"] == 600 // TICK_EVERY_ROUNDS + 1
+    assert bench.handler_calls["on_reserve_reply"] >= result["num_decisions"] - 8 * 64
+    assert all(f"{name}_us" in result for name in ("on_submit", "on_heartbeat", "tick"))
+
+
+def test_frozen_survivors_as_the_service_runs_leave_the_process_thawed():
+    bench = ScaleBench(tiny(gc="freeze"))
+    result = bench.run()
+    assert result["gc"] == "freeze" and bench.freezer is not None
+    assert result["num_decisions"] > 0
+    assert gc.get_freeze_count() == 0
 
 
 def test_with_prefix_caches_the_placement_counts_cached_prompts():

@@ -1,0 +1,68 @@
+"""Garbage collection for a process whose heap is mostly long-lived objects.
+
+The scheduler holds every queued request (about ten objects the cyclic collector tracks each:
+the SUBMIT, its prompt list, the core's records, index entries), so at 100,000 queued it tracks
+over a million objects, and each full collection walks all of them: 0.9 s during which the loop
+neither dispatches nor answers a heartbeat. CPython triggers a full collection once a quarter as
+many objects again have survived into the oldest generation, so under a steady stream that
+pause comes back every few seconds (`loadtest/scheduler_scale.py`, `--gc`).
+
+`SurvivorFreezer` moves what each full collection kept into the permanent generation
+(`gc.freeze`), so the next one walks only what arrived since. Objects freed by their reference
+counts are freed as ever, frozen or not; what a frozen object cannot be is collected as part of
+a reference cycle. The scheduler core makes no cyclic garbage (`tests/unit/test_gc_policy.py`
+holds it to that); for the rest of the process (sockets, logging, the metrics thread) the
+freezer thaws everything once per `thaw_every_s`, so the full collection after that walks the
+whole heap once and takes whatever cycles died frozen: one long pause an hour instead of one
+every few seconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+DEFAULT_THAW_EVERY_S = 3600.0
+
+
+def num_full_collections() -> int:
+    return gc.get_stats()[-1]["collections"]
+
+
+class SurvivorFreezer:
+    """Call `after_collections` on the loop's timer: it freezes the survivors of any full
+    collection since the last call, and thaws the heap once per `thaw_every_s`."""
+
+    def __init__(
+        self,
+        thaw_every_s: float = DEFAULT_THAW_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not thaw_every_s > 0:
+            raise ValueError(f"thaw_every_s must be positive, got {thaw_every_s}")
+        self.thaw_every_s = thaw_every_s
+        self.clock = clock
+        self.num_freezes = 0
+        self.num_thaws = 0
+        gc.freeze()  # what the start made (modules, configuration) lives as long as the process
+        self._seen_full_collections = num_full_collections()
+        self._last_thaw = clock()
+
+    def after_collections(self) -> None:
+        now = self.clock()
+        if now - self._last_thaw >= self.thaw_every_s:
+            gc.unfreeze()  # back in the oldest generation: the next full collection walks it all
+            self._last_thaw = now
+            self.num_thaws += 1
+            self._seen_full_collections = num_full_collections()
+            return
+        full = num_full_collections()
+        if full != self._seen_full_collections:
+            gc.freeze()
+            self._seen_full_collections = full
+            self.num_freezes += 1
+
+    def close(self) -> None:
+        """Thaws the heap: the process's collection as it was."""
+        gc.unfreeze()

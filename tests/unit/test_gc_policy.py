@@ -1,0 +1,103 @@
+"""Frozen survivors (`shared/gc_policy.py`): what a full collection kept is frozen, the heap is
+thawed on its period, and the scheduler core makes no cyclic garbage (which a frozen heap would
+keep)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import pytest
+
+from loadtest.scheduler_scale import ScaleBench
+from services.scheduler.core import Phase
+from shared import wire
+from shared.gc_policy import SurvivorFreezer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def thawed_after():
+    yield
+    gc.unfreeze()  # the test process's collection as it was
+
+
+def test_survivors_of_a_full_collection_are_frozen_and_thawed_on_the_period(thawed_after):
+    clock = Clock()
+    freezer = SurvivorFreezer(thaw_every_s=60.0, clock=clock)
+    frozen_at_start = gc.get_freeze_count()
+    assert frozen_at_start > 0  # the start's objects
+    kept = [[index] for index in range(1000)]  # tracked objects made after the start
+    freezer.after_collections()
+    assert freezer.num_freezes == 0  # no full collection since: nothing to freeze
+    gc.collect()
+    clock.now = 1.0
+    freezer.after_collections()
+    assert freezer.num_freezes == 1
+    assert gc.get_freeze_count() >= frozen_at_start + len(kept)
+    freezer.after_collections()
+    assert freezer.num_freezes == 1  # once per full collection
+    clock.now = 61.0
+    freezer.after_collections()
+    assert (freezer.num_thaws, gc.get_freeze_count()) == (1, 0)
+    gc.collect()
+    clock.now = 62.0
+    freezer.after_collections()
+    assert freezer.num_freezes == 2 and gc.get_freeze_count() > 0
+    freezer.close()
+    assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("thaw_every_s", [0.0, -1.0, float("nan")])
+def test_a_period_that_is_not_positive_is_refused(thaw_every_s):
+    with pytest.raises(ValueError, match="thaw_every_s must be positive"):
+        SurvivorFreezer(thaw_every_s)
+
+
+def test_the_scheduler_core_makes_no_cyclic_garbage():
+    """Requests dispatched, served, refused, cancelled, requeued by a worker's loss, timed out:
+    whatever the core lets go, reference counting frees (a frozen cycle would stay)."""
+    args = argparse.Namespace(
+        prefill=4, decode=4, queued=300, tenants=20, rounds=200, seed=0, prefix_cache=True
+    )
+    args.gc = "default"
+    bench = ScaleBench(args)
+    gc.collect()
+    gc.disable()
+    try:
+        bench.setup()
+        for index in range(args.rounds):
+            bench.round(index)
+        core = bench.core
+        queued = [r for r in core.requests.values() if r.phase == Phase.QUEUED][:20]
+        prefilling = [r for r in core.requests.values() if r.phase == Phase.PREFILLING][:5]
+        assert len(queued) == 20 and len(prefilling) == 5
+        for request in queued + prefilling:
+            core.on_cancel(wire.Cancel(request_id=request.request_id, reason="client"), bench.now)
+        core.tick(bench.now)  # the prefill windows the cancels freed take the next requests
+        reserving = [r for r in core.requests.values() if r.phase == Phase.RESERVING]
+        assert reserving
+        for request in reserving:
+            refused = wire.ReserveReply(request_id=request.request_id, ok=False, num_free_blocks=0)
+            core.on_reserve_reply(refused, bench.now)
+        core.tick(bench.now + 1e3)  # every reservation and prefill past its deadline
+        core.on_hello(b"decode0", bench_hello(bench, "decode0"), bench.now)  # a worker rejoins
+        core.tick(bench.now + 1e6)  # every queued request past the queue-time limit
+        del bench, core, queued, reserving, prefilling
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0
+
+
+def bench_hello(bench: ScaleBench, peer_id: str) -> wire.Hello:
+    from loadtest.scheduler_scale import hello
+
+    return hello(peer_id, "decode", bench.args.prefix_cache)
