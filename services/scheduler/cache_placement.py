@@ -35,7 +35,10 @@ class CachePlacement:
         self.index = PrefixIndex()
         self.weights = weights
         self.local_prefill_max_tokens = local_prefill_max_tokens
-        self._last_hashed: tuple[wire.Submit, tuple[str | None, int], list[int]] | None = None
+        # Each request's chain, hashed once while the core holds it: its admission, its
+        # dispatch and its reservation's answer each ask, with other requests' between them.
+        # Kept for that very SUBMIT under the same cache key, until the core `forget`s it.
+        self._chains: dict[str, tuple[wire.Submit, tuple[str | None, int], list[int]]] = {}
 
     @property
     def active(self) -> bool:
@@ -46,16 +49,23 @@ class CachePlacement:
         return self.prompt_hashes(submit)
 
     def prompt_hashes(self, submit: wire.Submit) -> list[int]:
-        """The chain of the request's full blocks. One decision asks it several times of the
-        same request (hashing a long prompt is the costliest step of a choice): the last answer
-        is kept, for that very SUBMIT object under the same cache key."""
+        """The chain of the request's full blocks, hashed once (hashing a long prompt is the
+        costliest step of a choice, and a request's life asks it four times or more)."""
         key = (self.index.cache_key, self.index.block_size)
-        last = self._last_hashed
-        if last is not None and last[0] is submit and last[1] == key:
-            return last[2]
+        kept = self._chains.get(submit.request_id)
+        if kept is not None and kept[0] is submit and kept[1] == key:
+            return kept[2]
         hashes = self.index.prompt_hashes(prefill_tokens(submit), submit.tenant)
-        self._last_hashed = (submit, key, hashes)
+        self._chains[submit.request_id] = (submit, key, hashes)
         return hashes
+
+    def forget(self, request_id: str) -> None:
+        """The request left the core: its chain goes."""
+        self._chains.pop(request_id, None)
+
+    @property
+    def num_chains_kept(self) -> int:
+        return len(self._chains)
 
     def cached_on(self, peer_id: str, submit: wire.Submit) -> int:
         """Prompt tokens `peer_id` holds cached (never the block holding the last token)."""

@@ -548,6 +548,7 @@ class ClusterScheduler:
 
     def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
         self.requests.pop(request.request_id, None)
+        self.placement.forget(request.request_id)
         if cancel_reason is not None or request.phase != Phase.QUEUED:
             self._abandon(request.request_id)
         if request.phase == Phase.QUEUED:

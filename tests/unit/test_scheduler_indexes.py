@@ -98,6 +98,8 @@ class Twins:
             r: (t.phase, t.prefill_peer_id, t.decode_peer_id) for r, t in new.requests.items()
         } == {r: (t.phase, t.prefill_peer_id, t.decode_peer_id) for r, t in old.requests.items()}
         assert new.num_queued_tokens == old.num_queued_tokens
+        # A request's block chain is kept while the core holds it, no longer.
+        assert new.placement.num_chains_kept <= len(new.requests)
         for peer_id, worker in new.registry.workers.items():
             twin = old.registry.get(peer_id)
             assert worker.request_ids == twin.request_ids
