@@ -5,16 +5,16 @@ The core is driven directly (no sockets), the way the simulator drives it: worke
 the queue is filled, then each round plays the messages the service would hand the core in a
 steady state: every reservation made since the last round answered, the oldest prefill's report
 (which frees its window: the next requests are dispatched), decode reports while more than
-1,000 requests decode (or half the decode seats, if fewer: which free seats), new submits (as many as left the queue, so it stays
-full), and a heartbeat from a worker taken in turn. So each request dispatched lives its whole
-life in the core, and nothing times out. A *decision* is one request dispatched (the policy's
-choice and its placement). The figures: decisions per second over the time spent in the core's
-handlers (all of them), the p50/p99 time of the handler calls that made decisions, divided by
-the decisions each made, the longest handler call (a garbage collection of the heap lands in
-one), and each handler's mean time, the tick's (timeouts and expiry, every 250 rounds: a round
-is a simulated millisecond) included. Handler times are
-the thread's CPU time (`time.thread_time`), so that other processes on a shared machine do not
-inflate them.
+1,000 requests decode (or half the decode seats, if fewer), new submits (as many as left the
+queue, so it stays full), and a heartbeat from a worker taken in turn. So each request
+dispatched lives its whole life in the core, and nothing times out. A *decision* is one
+request dispatched (the policy's choice and its placement). The figures: decisions per second
+over the time spent in the core's handlers (all of them), the p50/p99 time of the handler
+calls that made decisions, divided by the decisions each made, the longest handler call (a
+garbage collection of the heap lands in one), and each handler's mean time, the tick's
+(timeouts and expiry, every 250 rounds: a round is a simulated millisecond) included. Handler
+times are the thread's CPU time (`time.thread_time`), so that other processes on a shared
+machine do not inflate them.
 
 `--prefix-cache`: the workers keep prefix caches (as real workers do): each registers a cache
 key and its heartbeats carry its whole set of cached block hashes, a few of the 64 system prompts
