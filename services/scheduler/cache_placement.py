@@ -26,7 +26,10 @@ from shared import wire
 
 
 def prefill_tokens(submit: wire.Submit) -> list[int]:
-    """What a prefill computes: the prompt, and the tokens a resumed request has already."""
+    """What a prefill computes: the prompt, and the tokens a resumed request has already (the
+    SUBMIT's own prompt list when it has none: no message changes a list it was given)."""
+    if not submit.output_token_ids:
+        return submit.prompt_token_ids
     return list(submit.prompt_token_ids) + list(submit.output_token_ids)
 
 

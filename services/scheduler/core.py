@@ -40,7 +40,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from services.scheduler.cache_holders import CacheHolders
-from services.scheduler.cache_placement import CachePlacement
+from services.scheduler.cache_placement import CachePlacement, prefill_tokens
 from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.candidates import prefill_candidates
 from services.scheduler.fair_share import (
@@ -609,15 +609,14 @@ class ClusterScheduler:
         request.prefill_peer_id = prefill.peer_id
         request.num_blocks = decode.blocks_for(num_tokens)
         self._set_deadline(request, now + self.limits.reserve_timeout_s)
-        self.registry.promise(decode, request.num_blocks)
-        self.registry.assign(decode, request.request_id, num_prompt_tokens)
+        self.registry.reserve(decode, request.request_id, request.num_blocks)
         self.registry.assign(prefill, request.request_id, num_prompt_tokens, request.submit.bulk)
         submit = request.submit
         reserve = wire.Reserve(
             request_id=request.request_id,
             num_tokens=num_tokens,
             lease_s=self.limits.prefill_timeout_s,
-            token_ids=list(submit.prompt_token_ids) + list(submit.output_token_ids),
+            token_ids=prefill_tokens(submit),
             cache_salt=submit.tenant,
         )
         out = [Outgoing(decode.identity, reserve)]

@@ -8,7 +8,8 @@ so two requests dispatched between heartbeats cannot both count on the same bloc
 
 The registry keeps indexes over its workers (`worker_index.py`: prefill windows, decode workers
 by room), so every change to a worker's load goes through it: `assign` and `release` a request,
-`promise` blocks, `report_free_blocks`. A dispatch then reads who has room without a scan.
+`reserve` a decode worker's blocks, `report_free_blocks`. A dispatch then reads who has room
+without a scan.
 """
 
 from __future__ import annotations
@@ -94,10 +95,13 @@ class WorkerRegistry:
         worker.request_ids.discard(request_id)
         self._changed(worker, request_id, None, False)
 
-    def promise(self, worker: WorkerState, num_blocks: int) -> None:
-        """Blocks of a decode worker reserved since its last heartbeat."""
+    def reserve(self, worker: WorkerState, request_id: str, num_blocks: int) -> None:
+        """A decode worker now holds state for the request and has promised it blocks (counted
+        until its next heartbeat, which reflects them): one change for its indexes."""
+        worker.request_ids.add(request_id)
         worker.num_promised_blocks += num_blocks
-        self._decode_changed(worker)
+        if self.workers.get(worker.peer_id) is worker:
+            self._decode_changed(worker)
 
     def report_free_blocks(
         self, worker: WorkerState, num_free_blocks: int, heartbeat: bool
