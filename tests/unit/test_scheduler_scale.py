@@ -57,3 +57,12 @@ def test_wrong_values_exit_2(capsys):
         main(["--prefill", "0"])
     assert exit_info.value.code == 2
     assert "--prefill must be at least 1" in capsys.readouterr().err
+
+
+def test_the_profile_counts_function_calls_per_decision(capsys):
+    flags = "--prefill 4 --decode 4 --queued 300 --tenants 20 --rounds 300 --profile"
+    main(flags.split())
+    printed = capsys.readouterr().out
+    calls = float(printed.split("calls_per_decision:")[1].split()[0].replace(",", ""))
+    assert calls > 10  # a decision is many calls: the figure is per decision, not in total
+    assert "tottime" in printed  # the profile's table came first
