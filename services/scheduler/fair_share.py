@@ -118,13 +118,20 @@ class LengthRanges:
     def empty(self) -> bool:
         return not self.interactive and not self.bulk
 
+    # (loops, not any(...): every choice asks these several times)
     def meet(self, bulk: bool, low: int, high: int) -> bool:
         """Whether some range of the kind meets [low, high]."""
-        return any(lo <= high and low <= hi for lo, hi in (self.bulk if bulk else self.interactive))
+        for lo, hi in self.bulk if bulk else self.interactive:  # noqa: SIM110
+            if lo <= high and low <= hi:
+                return True
+        return False
 
     def __call__(self, item: QueuedRequest) -> bool:
         n = item.num_prompt_tokens
-        return any(lo <= n <= hi for lo, hi in (self.bulk if item.bulk else self.interactive))
+        for lo, hi in self.bulk if item.bulk else self.interactive:  # noqa: SIM110
+            if lo <= n <= hi:
+                return True
+        return False
 
 
 class FairQueue:
@@ -233,7 +240,10 @@ class FairQueue:
             aged_bulk = None
         # Someone is overdue if the oldest of either kind is (the oldest waited longest).
         max_wait = self.config.max_wait_s
-        if not any(i is not None and now - i.arrival >= max_wait for i in (oldest, aged_bulk)):
+        if not (
+            (oldest is not None and now - oldest.arrival >= max_wait)
+            or (aged_bulk is not None and now - aged_bulk.arrival >= max_wait)
+        ):
             self._last_was_aged = False  # no one is overdue: aging's turn starts afresh
             overdue: Iterator[QueuedRequest] = iter(())
         else:

@@ -187,8 +187,11 @@ class WorkerRegistry:
             yield (w for w in group if self.is_healthy(w, now))
 
     def takes_prefill(self, num_prompt_tokens: int, bulk: bool, now: float) -> bool:
-        takers = self.prefill_room.takers(num_prompt_tokens, bulk)
-        return any(self.is_healthy(w, now) for w in takers)
+        # (a loop, not any(...): a dispatch asks this thrice per choice)
+        for worker in self.prefill_room.takers(num_prompt_tokens, bulk):
+            if worker.making_progress(now, self.progress_timeout_s):
+                return True
+        return False
 
     def max_decode_tokens(self, now: float, bulk: bool = False) -> int:
         """The most tokens some healthy decode worker with a seat free (for a batch line if
