@@ -125,19 +125,18 @@ class TrackedRequest:
     num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
     index: int = 0  # its place among the requests admitted: the order a tick handles them in
     speculative: bool = False  # its prefill job went out with the reservation (await_grant)
+    # Read off the SUBMIT (which never changes) once: every decision asks them several times.
+    request_id: str = field(init=False)
+    num_prefill_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.request_id = self.submit.request_id
+        self.num_prefill_tokens = num_prefill_tokens(self.submit)
 
     @property
     def prefill_began(self) -> bool:
         """A prefill worker holds it, and its first token may have reached the client."""
         return self.phase >= Phase.PREFILLING or self.speculative
-
-    @property
-    def request_id(self) -> str:
-        return self.submit.request_id
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return num_prefill_tokens(self.submit)
 
 
 def num_prefill_tokens(submit: wire.Submit) -> int:
