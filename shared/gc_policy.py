@@ -2,19 +2,19 @@
 
 The scheduler holds every queued request (about ten objects the cyclic collector tracks each:
 the SUBMIT, its prompt list, the core's records, index entries), so at 100,000 queued it tracks
-over a million objects, and each full collection walks all of them: 0.9 s during which the loop
+over a million objects, and each full collection walks all of them: 0.9-1.0 s in which the loop
 neither dispatches nor answers a heartbeat. CPython triggers a full collection once a quarter as
 many objects again have survived into the oldest generation, so under a steady stream that
 pause comes back every few seconds (`loadtest/scheduler_scale.py`, `--gc`).
 
 `SurvivorFreezer` moves what each full collection kept into the permanent generation
 (`gc.freeze`), so the next one walks only what arrived since. Objects freed by their reference
-counts are freed as ever, frozen or not; what a frozen object cannot be is collected as part of
-a reference cycle. The scheduler core makes no cyclic garbage (`tests/unit/test_gc_policy.py`
-holds it to that); for the rest of the process (sockets, logging, the metrics thread) the
-freezer thaws everything once per `thaw_every_s`, so the full collection after that walks the
-whole heap once and takes whatever cycles died frozen: one long pause an hour instead of one
-every few seconds.
+counts are freed as ever, frozen or not; what a frozen object escapes is collection as part of a
+reference cycle that died. The scheduler core makes no cyclic garbage
+(`tests/unit/test_gc_policy.py` holds it to that); for the rest of the process (sockets,
+logging, the metrics thread) the freezer thaws everything once per `thaw_every_s`, so the full
+collection after that walks the whole heap once and takes whatever cycles died frozen: one long
+pause an hour instead of one every few seconds.
 """
 
 from __future__ import annotations
