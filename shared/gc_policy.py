@@ -15,6 +15,9 @@ reference cycle that died. The scheduler core makes no cyclic garbage
 logging, the metrics thread) the freezer thaws everything once per `thaw_every_s`, so the full
 collection after that walks the whole heap once and takes whatever cycles died frozen: one long
 pause an hour instead of one every few seconds.
+
+`CollectionTimer` times every collection (the scheduler's `/metrics`:
+`tandem:scheduler_gc_pause_seconds` by generation), so the pauses are seen, not guessed.
 """
 
 from __future__ import annotations
@@ -66,3 +69,23 @@ class SurvivorFreezer:
     def close(self) -> None:
         """Thaws the heap: the process's collection as it was."""
         gc.unfreeze()
+
+
+class CollectionTimer:
+    """Hands each collection's generation and wall seconds to `observe` (from the thread that
+    triggered it), until `close`."""
+
+    def __init__(self, observe: Callable[[int, float], None]):
+        self.observe = observe
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.observe(info["generation"], time.perf_counter() - self._started)
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)

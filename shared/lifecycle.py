@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from shared import wire
 from shared.metrics import (
     BATCH_SIZE_BUCKETS,
+    GC_PAUSE_BUCKETS,
     ITL_BUCKETS,
     KV_BYTES_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -228,7 +229,17 @@ class SchedulerEvents(_Events):
             "Requests refused (429) because their forecast wait came too close to their "
             "first-token deadline (since the scheduler started)",
         )
+        self.gc_pauses = self.histogram(
+            "scheduler_gc_pause_seconds",
+            "The cyclic garbage collector's collections, by generation: the scheduler loop "
+            "stands still through each (shared/gc_policy.py)",
+            GC_PAUSE_BUCKETS,
+            ("generation",),
+        )
         self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
+
+    def gc_paused(self, generation: int, seconds: float) -> None:
+        self.gc_pauses.labels(str(generation)).observe(seconds)
 
     def queued(self, request_id: str, num_prompt_tokens: int, tenant: str) -> None:
         self.log.info(

@@ -58,6 +58,11 @@ STEP_BUCKETS = (
 )  # fmt: skip  # one engine step's seconds: a small model's on a CPU to a long prefill chunk
 
 
+GC_PAUSE_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip  # a collection of the young generation to a full walk of a million objects
+
+
 def batch_range(num_sequences: int) -> str:
     """The label of the BATCH_SIZE_BUCKETS range a batch size falls in: its upper bound."""
     index = bisect.bisect_left(BATCH_SIZE_BUCKETS, num_sequences)

@@ -34,7 +34,7 @@ from shared.config import (
     setting,
 )
 from shared.curve import Security
-from shared.gc_policy import DEFAULT_THAW_EVERY_S, SurvivorFreezer
+from shared.gc_policy import DEFAULT_THAW_EVERY_S, CollectionTimer, SurvivorFreezer
 from shared.lifecycle import SchedulerEvents
 from shared.logs import configure_logging, get_logger
 from shared.metrics import serve_metrics
@@ -263,6 +263,7 @@ class SchedulerService:
         )
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        gc_timer = CollectionTimer(self.events.gc_paused)
         thaw_every_s = self.config.gc_thaw_every_s
         freezer = SurvivorFreezer(thaw_every_s) if thaw_every_s > 0 else None
         next_tick = 0.0
@@ -285,6 +286,7 @@ class SchedulerService:
                         freezer.after_collections()
                     next_tick = now + self.config.heartbeat_interval_s / 2
         finally:
+            gc_timer.close()
             if freezer is not None:
                 freezer.close()
             self.socket.close(linger=0)

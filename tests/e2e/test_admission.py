@@ -123,6 +123,8 @@ def test_a_request_that_would_outwait_its_deadline_is_refused_at_once(deadline_c
     assert refused == len(forecast)
     assert metrics["tandem:scheduler_first_tokens_per_second"] > 0
     assert metrics["tandem:scheduler_prompt_tokens_per_second"] > 0
+    # The scheduler's collector pauses are timed (a generation's count: some collection ran).
+    assert metrics["tandem:scheduler_gc_pause_seconds_count"] > 0
 
 
 def scheduler_metrics(url: str) -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""Frozen survivors (`shared/gc_policy.py`): what a full collection kept is frozen, the heap is
-thawed on its period, and the scheduler core makes no cyclic garbage (which a frozen heap would
-keep)."""
+"""Garbage collection (`shared/gc_policy.py`): what a full collection kept is frozen, the heap
+is thawed on its period, the scheduler core makes no cyclic garbage (which a frozen heap would
+keep), and every collection is timed into the scheduler's metrics."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import argparse
 import gc
 
 import pytest
+from prometheus_client import generate_latest
 
 from loadtest.scheduler_scale import ScaleBench
 from services.scheduler.core import Phase
 from shared import wire
-from shared.gc_policy import SurvivorFreezer
+from shared.gc_policy import CollectionTimer, SurvivorFreezer
+from shared.lifecycle import SchedulerEvents
+from shared.logs import get_logger
 
 
 class Clock:
@@ -101,3 +104,29 @@ def bench_hello(bench: ScaleBench, peer_id: str) -> wire.Hello:
     from loadtest.scheduler_scale import hello
 
     return hello(peer_id, "decode", bench.args.prefix_cache)
+
+
+def test_every_collection_is_timed_by_generation_until_closed():
+    seen = []
+    timer = CollectionTimer(lambda generation, seconds: seen.append((generation, seconds)))
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        timer.close()
+    assert [generation for generation, _ in seen][-2:] == [2, 0]
+    assert all(seconds >= 0 for _, seconds in seen)
+    count = len(seen)
+    gc.collect()
+    assert len(seen) == count  # closed: no longer called
+    timer.close()  # twice is harmless
+
+
+def test_the_scheduler_exports_the_pauses():
+    events = SchedulerEvents(get_logger())
+    events.gc_paused(2, 0.9)
+    events.gc_paused(0, 0.001)
+    exposition = generate_latest(events.registry).decode()
+    assert 'tandem:scheduler_gc_pause_seconds_count{generation="2"} 1.0' in exposition
+    assert 'tandem:scheduler_gc_pause_seconds_bucket{generation="2",le="1.0"} 1.0' in exposition
+    assert 'tandem:scheduler_gc_pause_seconds_bucket{generation="2",le="0.5"} 0.0' in exposition
