@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import pstats
 import random
 import statistics
@@ -235,7 +234,7 @@ class ScaleBench:
             if profiler is not None:
                 profiler.disable()
             if self.freezer is not None:
-                gc.unfreeze()  # the process as it was (a test runs the bench in its own)
+                self.freezer.close()  # the process as it was (a test runs the bench in its own)
         ordered = sorted(self.call_seconds)
         return {
             "num_prefill": self.args.prefill,

@@ -10,7 +10,7 @@ import gc
 import pytest
 from prometheus_client import generate_latest
 
-from loadtest.scheduler_scale import ScaleBench
+from loadtest.scheduler_scale import ScaleBench, hello
 from services.scheduler.core import Phase
 from shared import wire
 from shared.gc_policy import CollectionTimer, SurvivorFreezer
@@ -68,9 +68,15 @@ def test_the_scheduler_core_makes_no_cyclic_garbage():
     """Requests dispatched, served, refused, cancelled, requeued by a worker's loss, timed out:
     whatever the core lets go, reference counting frees (a frozen cycle would stay)."""
     args = argparse.Namespace(
-        prefill=4, decode=4, queued=300, tenants=20, rounds=200, seed=0, prefix_cache=True
+        prefill=4,
+        decode=4,
+        queued=300,
+        tenants=20,
+        rounds=200,
+        seed=0,
+        prefix_cache=True,
+        gc="default",
     )
-    args.gc = "default"
     bench = ScaleBench(args)
     gc.collect()
     gc.disable()
@@ -91,19 +97,14 @@ def test_the_scheduler_core_makes_no_cyclic_garbage():
             refused = wire.ReserveReply(request_id=request.request_id, ok=False, num_free_blocks=0)
             core.on_reserve_reply(refused, bench.now)
         core.tick(bench.now + 1e3)  # every reservation and prefill past its deadline
-        core.on_hello(b"decode0", bench_hello(bench, "decode0"), bench.now)  # a worker rejoins
+        rejoin = hello("decode0", "decode", prefix_cache=True)
+        core.on_hello(b"decode0", rejoin, bench.now)  # a worker rejoins: its requests requeued
         core.tick(bench.now + 1e6)  # every queued request past the queue-time limit
         del bench, core, queued, reserving, prefilling
         found = gc.collect()
     finally:
         gc.enable()
     assert found == 0
-
-
-def bench_hello(bench: ScaleBench, peer_id: str) -> wire.Hello:
-    from loadtest.scheduler_scale import hello
-
-    return hello(peer_id, "decode", bench.args.prefix_cache)
 
 
 def test_every_collection_is_timed_by_generation_until_closed():
