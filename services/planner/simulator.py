@@ -118,8 +118,10 @@ class Simulator:
             f"decode{i}": SimDecodeWorker(f"decode{i}", profile, self, num_blocks)
             for i in range(config.num_decode)
         }
+        self.workers = (*self.prefills.values(), *self.decodes.values())
         self.records: dict[str, SimRecord] = {}
         self.num_open = 0
+        self.at = self.events.at  # bound once: every event is scheduled through it
         self.queue_timeline: list[tuple[float, int, int]] = []
 
     # -- the Cluster interface the workers use ------------------------------------------------
@@ -127,9 +129,6 @@ class Simulator:
     @property
     def now(self) -> float:
         return self.events.now
-
-    def at(self, time_s: float, callback, *args) -> None:
-        self.events.at(time_s, callback, *args)
 
     def to_scheduler(self, message: wire.Message) -> None:
         self.at(self.now + self.config.network_latency_s, self._deliver_to_core, message)
@@ -148,8 +147,7 @@ class Simulator:
     def step_profile(self) -> WorkerProfile:
         if self.shared_cores is None:
             return self.profile
-        workers = (*self.prefills.values(), *self.decodes.values())
-        num_busy = 1 + sum(w.stepping for w in workers)  # those in a step, and this one
+        num_busy = 1 + sum(w.stepping for w in self.workers)  # those in a step, and this one
         return self.shared_cores.profile_for(num_busy)
 
     # -- running ------------------------------------------------------------------------------
@@ -187,8 +185,7 @@ class Simulator:
         for peer_id, worker in self.decodes.items():
             hello = self._hello(peer_id, "decode", worker.num_total_blocks)
             self._send(self.core.on_hello(peer_id.encode(), hello, 0.0))
-        for worker in [*self.prefills.values(), *self.decodes.values()]:
-            self.at(self.config.heartbeat_interval_s, self._heartbeat, worker)
+        self.at(self.config.heartbeat_interval_s, self._heartbeats)
 
     def _hello(self, peer_id: str, role: str, num_blocks: int) -> wire.Hello:
         settings = self.profile.settings
@@ -241,9 +238,17 @@ class Simulator:
         self.queue_timeline.append((self.now, len(self.core.queue), len(self.core.requests)))
         self.at(self.now + self.config.heartbeat_interval_s / 2, self._tick)
 
-    def _heartbeat(self, worker: SimPrefillWorker | SimDecodeWorker) -> None:
-        self.to_scheduler(worker.heartbeat())
-        self.at(self.now + self.config.heartbeat_interval_s, self._heartbeat, worker)
+    def _heartbeats(self) -> None:
+        """Every worker's heartbeat: their timers run in step (all start together), so one event
+        sends them all and one delivers them all, in the order one event each would have."""
+        beats = [worker.heartbeat() for worker in self.workers]
+        self.at(self.now + self.config.network_latency_s, self._deliver_heartbeats, beats)
+        self.at(self.now + self.config.heartbeat_interval_s, self._heartbeats)
+
+    def _deliver_heartbeats(self, beats: list[wire.Heartbeat]) -> None:
+        core = self.core
+        for beat in beats:
+            self._send(core.on_heartbeat(beat.peer_id.encode(), beat, self.now))
 
     def _give_up(self) -> None:
         for request_id, record in list(self.records.items()):

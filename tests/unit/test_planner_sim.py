@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from services.planner.profile import ProfileError, SharedCores, WorkerProfile, WorkerSettings
+from services.planner.profile import (
+    ProfileError,
+    SharedCores,
+    WorkerProfile,
+    WorkerSettings,
+    _interpolate,
+)
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import SimRequest, WorkloadError, load_workload
 from services.scheduler.core import SchedulerLimits
@@ -171,6 +177,44 @@ def test_conservation_laws():
         if record.error is None:
             assert record.completion_tokens == record.max_tokens
             assert record.send_time <= record.first_token_time <= record.finish_time
+
+
+def test_every_worker_heartbeats_on_the_services_timer():
+    """The heartbeats of all workers go out in one event a round: each reaches the core every
+    interval, the last round's after the simulation's end is never played."""
+    interval = 0.25
+    sim = Simulator(cpu_like_profile(), SimConfig(3, 2, heartbeat_interval_s=interval))
+    requests = [
+        SimRequest(arrival_time=0.1 * i, num_prompt_tokens=64, max_tokens=8) for i in range(6)
+    ]
+    result = sim.run(requests)
+    last_round = (sim.now // interval) * interval
+    heard = {w.peer_id: w.last_heartbeat for w in sim.core.registry.workers.values()}
+    assert set(heard) == {*sim.prefills, *sim.decodes}
+    assert set(heard.values()) == {last_round} and last_round >= interval
+    assert all(r.error is None for r in result.records)
+
+
+def test_the_decode_curve_is_bilinear_on_the_measured_grid():
+    profile = cpu_like_profile()
+
+    def every_row_then_across(batch_size: float, context: float) -> float:
+        rows = profile.decode_seconds
+        by_context = [_interpolate(profile.decode_contexts, row, context) for row in rows]
+        return max(_interpolate(profile.decode_batch_sizes, by_context, batch_size), 1e-6)
+
+    assert profile.decode_time(8, 1024) == 0.2
+    assert profile.decode_time(1, 576) == pytest.approx(0.085)  # halfway along the contexts
+    assert profile.decode_time(20, 576) == pytest.approx((0.175 + 0.45) / 2)
+    for batch_size in (1, 3, 8, 50, 64, 100):
+        for context in (1, 128, 500.5, 1024, 4000):
+            expected = every_row_then_across(batch_size, context)
+            assert profile.decode_time(batch_size, context) == expected
+    one_context = dataclasses.replace(
+        profile, decode_contexts=[512], decode_seconds=[[0.1], [0.3], [0.5], [0.9]]
+    )
+    assert one_context.decode_time(8, 5000) == 0.3
+    assert one_context.decode_time(4.5, 10) == pytest.approx(0.2)
 
 
 def test_more_workers_serve_more():
