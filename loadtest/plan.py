@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from loadtest.plan_search import Candidate, Plan, PlanError, evaluate, parse_slo, search
+from loadtest.plan_search import Candidate, Judges, Plan, PlanError, parse_slo, search
 from services.planner.profile import ProfileError, WorkerProfile
-from services.planner.simulator import SimConfig
 from services.planner.workload import WorkloadError, load_workload
 from services.scheduler.core import SchedulerLimits
 
@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-splits", type=int, default=8, help="P:D splits tried per cost")
     parser.add_argument("--max-queued-requests", type=int, default=1024, help="the scheduler's")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        help="configurations simulated side by side, a process each (default: the usable cores)",
+    )
     parser.add_argument("--emit", choices=EMITS, help="print compose --scale flags or k8s patch")
     parser.add_argument("--out", help="folder for plan.json and goodput-vs-cost.png")
 
@@ -49,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         profile = WorkerProfile.load(args.profile)
         requests = load_workload(args.workload)
         budgets = _budgets(args.chunk_budgets, profile.settings.max_num_batched_tokens)
-        for name in ("max_workers", "max_splits", "max_queued_requests"):
-            minimum = 2 if name != "max_queued_requests" else 1
+        for name in ("max_workers", "max_splits", "max_queued_requests", "jobs"):
+            minimum = 2 if name in ("max_workers", "max_splits") else 1
             if getattr(args, name) < minimum:
                 flag = "--" + name.replace("_", "-")
                 raise PlanError(f"{flag} must be at least {minimum}, got {getattr(args, name)}")
@@ -58,13 +66,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem plan: {error}", file=sys.stderr)
         return 2
     limits = SchedulerLimits(max_queued_requests=args.max_queued_requests)
-
-    def judge(num_prefill: int, num_decode: int, budget: int) -> Candidate:
-        config = SimConfig(num_prefill, num_decode, limits, max_num_batched_tokens=budget)
-        return evaluate(profile, requests, config, slo)
-
-    plan = search(args.max_workers, budgets, judge, args.max_splits)
-    print(report(plan, slo, args.max_workers, len(requests)))
+    with Judges(profile, requests, limits, slo, args.jobs) as judges:
+        plan = search(args.max_workers, budgets, judges, args.max_splits)
+    print(report(plan, slo, args.max_workers, len(requests), args.jobs))
     if args.out:
         _write(plan, Path(args.out))
     if plan.best is None:
@@ -104,7 +108,9 @@ def describe(candidate: Candidate) -> str:
     )
 
 
-def report(plan: Plan, slo: dict[str, float], max_workers: int, num_requests: int) -> str:
+def report(
+    plan: Plan, slo: dict[str, float], max_workers: int, num_requests: int, jobs: int = 1
+) -> str:
     objectives = ", ".join(f"{k} <= {_ms(v)} ms" for k, v in slo.items())
     lines = []
     if plan.best is None:
@@ -120,8 +126,9 @@ def report(plan: Plan, slo: dict[str, float], max_workers: int, num_requests: in
         lines += [f"  {describe(c)}" for c in plan.runners_up()]
     lines.append(goodput_chart(plan))
     lines.append(
-        f"simulated {len(plan.tried)} configurations x {num_requests} requests: "
-        f"{plan.num_events} events in {plan.real_s:.1f} s = {plan.events_per_s:,.0f} events/s"
+        f"simulated {len(plan.tried)} configurations x {num_requests} requests "
+        f"({jobs} at a time): {plan.num_events} events in {plan.real_s:.1f} s = "
+        f"{plan.events_per_s:,.0f} events/s"
     )
     return "\n".join(lines)
 

@@ -12,15 +12,18 @@ first cost where some configuration meets the objectives.
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from loadtest.metrics import RequestRecord, Summary, summarize
 from services.planner.profile import WorkerProfile
 from services.planner.simulator import SimConfig, SimResult, Simulator
 from services.planner.workload import SimRequest
+from services.scheduler.core import SchedulerLimits
 
 SLO_KEYS = tuple(f"{m}_{p}" for m in ("ttft", "tpot", "e2e") for p in ("p50", "p90", "p99"))
 LINEAR_COSTS = 16  # every cost up to this is tried; beyond, doubling then bisection
@@ -113,6 +116,77 @@ def evaluate(
     )
 
 
+# (prefill workers, decode workers, chunk budget): one configuration to simulate
+Configuration = tuple[int, int, int]
+# What every configuration of one plan is simulated with: profile, workload, limits, objectives.
+Work = tuple[WorkerProfile, list[SimRequest], SchedulerLimits, dict[str, float]]
+
+
+class Judges:
+    """Simulates configurations: side by side in `jobs` processes, each given the profile and
+    the workload once when it starts, or in this process when `jobs` is 1. The answers are the
+    same either way (a simulation depends on nothing but its inputs) and come in the order
+    asked. A context manager: leaving it stops the processes."""
+
+    def __init__(
+        self,
+        profile: WorkerProfile,
+        requests: list[SimRequest],
+        limits: SchedulerLimits,
+        slo: dict[str, float],
+        jobs: int = 1,
+    ):
+        if jobs < 1:
+            raise PlanError(f"jobs must be at least 1, got {jobs}")
+        self._work: Work = (profile, requests, limits, slo)
+        self._pool: ProcessPoolExecutor | None = None
+        if jobs > 1:
+            # Forked where the platform can: the workload is then shared, not pickled.
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else None)
+            self._pool = ProcessPoolExecutor(
+                jobs, mp_context=context, initializer=_hold, initargs=self._work
+            )
+
+    def __call__(self, configurations: list[Configuration]) -> list[Candidate]:
+        if self._pool is None or len(configurations) == 1:
+            return [_judge(self._work, c) for c in configurations]
+        return list(self._pool.map(_judged, configurations))
+
+    def __enter__(self) -> Judges:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+
+_held: Work | None = None
+
+
+def _hold(
+    profile: WorkerProfile,
+    requests: list[SimRequest],
+    limits: SchedulerLimits,
+    slo: dict[str, float],
+) -> None:
+    """A judging process's start: what every configuration it simulates shares."""
+    global _held
+    _held = (profile, requests, limits, slo)
+
+
+def _judged(configuration: Configuration) -> Candidate:
+    assert _held is not None, "a judging process starts with _hold"
+    return _judge(_held, configuration)
+
+
+def _judge(work: Work, configuration: Configuration) -> Candidate:
+    profile, requests, limits, slo = work
+    num_prefill, num_decode, budget = configuration
+    config = SimConfig(num_prefill, num_decode, limits, max_num_batched_tokens=budget)
+    return evaluate(profile, requests, config, slo)
+
+
 def splits(cost: int, max_splits: int) -> list[tuple[int, int]]:
     """(prefill, decode) pairs adding up to `cost`, at most `max_splits`, spread evenly."""
     num_prefill = list(range(1, cost))
@@ -153,17 +227,19 @@ def _rank(candidate: Candidate) -> tuple:
 def search(
     max_workers: int,
     chunk_budgets: list[int],
-    judge: Callable[[int, int, int], Candidate],
+    judge: Callable[[list[Configuration]], list[Candidate]],
     max_splits: int = 8,
 ) -> Plan:
-    """The cheapest meeting configuration within `max_workers` (see the module doc)."""
+    """The cheapest meeting configuration within `max_workers` (see the module doc). `judge`
+    simulates the configurations of one cost (all at once: it may run them side by side) and
+    returns their candidates in the same order."""
     started = time.perf_counter()
     plan = Plan(best=None)
 
     def best_at(cost: int) -> Candidate | None:
-        found = [
-            judge(p, d, budget) for p, d in splits(cost, max_splits) for budget in chunk_budgets
-        ]
+        found = judge(
+            [(p, d, budget) for p, d in splits(cost, max_splits) for budget in chunk_budgets]
+        )
         plan.tried.extend(found)
         meeting = sorted((c for c in found if c.meets), key=_rank)
         return meeting[0] if meeting else None
