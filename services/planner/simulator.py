@@ -122,6 +122,9 @@ class Simulator:
         self.records: dict[str, SimRecord] = {}
         self.num_open = 0
         self.at = self.events.at  # bound once: every event is scheduled through it
+        # Events that come in time order wait in lanes, out of the heap (see events.py).
+        self._arrivals = self.events.lane()
+        self._first_token_deadlines = self.events.lane()  # a fixed time after each arrival
         self.queue_timeline: list[tuple[float, int, int]] = []
 
     # -- the Cluster interface the workers use ------------------------------------------------
@@ -155,8 +158,10 @@ class Simulator:
     def run(self, requests: list[SimRequest]) -> SimResult:
         started = time.perf_counter()
         self._register()
-        for index, request in enumerate(requests):
-            self.at(request.arrival_time, self._arrive, index, request)
+        # In arrival order; same-time arrivals in the workload's (a stable sort), numbered as
+        # they come, so they run in the order one heap entry each would.
+        for index in sorted(range(len(requests)), key=lambda i: requests[i].arrival_time):
+            self._arrivals.at(requests[index].arrival_time, self._arrive, index, requests[index])
         self.num_open = len(requests)
         last_arrival = max((r.arrival_time for r in requests), default=0.0)
         self.at(last_arrival + self.config.drain_s, self._give_up)
@@ -222,7 +227,8 @@ class Simulator:
         )
         self.at(self.now + self.config.network_latency_s, self._deliver_to_core, submit)
         if self.config.first_token_timeout_s is not None:
-            self.at(self.now + self.config.first_token_timeout_s, self._first_token_due, request_id)
+            due = self.now + self.config.first_token_timeout_s
+            self._first_token_deadlines.at(due, self._first_token_due, request_id)
 
     def _first_token_due(self, request_id: str) -> None:
         """The gateway's first-token limit: a 504, and the request cancelled in the cluster."""

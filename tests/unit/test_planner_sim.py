@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from services.planner.events import EventQueue
 from services.planner.profile import (
     ProfileError,
     SharedCores,
@@ -193,6 +194,49 @@ def test_every_worker_heartbeats_on_the_services_timer():
     assert set(heard) == {*sim.prefills, *sim.decodes}
     assert set(heard.values()) == {last_round} and last_round >= interval
     assert all(r.error is None for r in result.records)
+
+
+def test_a_lane_runs_its_events_when_the_heap_would():
+    """Events in a lane run in the order (time, then scheduling order) they would from the
+    heap, ties with heap events included, also when scheduled while others run."""
+
+    def play(use_lane: bool) -> list[tuple[str, float]]:
+        events = EventQueue()
+        lane = events.lane() if use_lane else events
+        ran: list[tuple[str, float]] = []
+
+        def note(name: str) -> None:
+            ran.append((name, events.now))
+            if name == "a1":  # scheduled mid-run: after the same-time ones scheduled before
+                events.at(events.now, note, "h-late")
+                lane.at(events.now + 1.0, note, "a-late")
+
+        events.at(1.0, note, "h1")
+        for name, time in (("a0", 0.5), ("a1", 1.0), ("a2", 1.0), ("a3", 2.0)):
+            lane.at(time, note, name)
+        events.at(1.0, note, "h2")
+        events.at(0.5, note, "h0")
+        while events.run_next():
+            pass
+        return ran
+
+    assert play(use_lane=True) == play(use_lane=False)
+    assert [name for name, _ in play(use_lane=True)] == [
+        "a0",
+        "h0",
+        "h1",
+        "a1",
+        "a2",
+        "h2",
+        "h-late",
+        "a3",
+        "a-late",
+    ]
+    events = EventQueue()
+    lane = events.lane()
+    lane.at(2.0, print)
+    with pytest.raises(ValueError, match="time order"):
+        lane.at(1.0, print)
 
 
 def test_the_decode_curve_is_bilinear_on_the_measured_grid():
