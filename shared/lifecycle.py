@@ -55,6 +55,20 @@ class _Events:
     ) -> Histogram:
         return Histogram(name(suffix), doc, labels, buckets=buckets, registry=self.registry)
 
+    def time_collections(self, service: str, what_stands_still: str) -> None:
+        """`<service>_gc_pause_seconds`: each cyclic collection by generation, fed by
+        `gc_paused` (a `shared.gc_policy.CollectionTimer` the service runs)."""
+        self.gc_pauses = self.histogram(
+            f"{service}_gc_pause_seconds",
+            f"The cyclic garbage collector's collections, by generation: {what_stands_still} "
+            "stands still through each (shared/gc_policy.py)",
+            GC_PAUSE_BUCKETS,
+            ("generation",),
+        )
+
+    def gc_paused(self, generation: int, seconds: float) -> None:
+        self.gc_pauses.labels(str(generation)).observe(seconds)
+
 
 # -- gateway --------------------------------------------------------------------------------------
 
@@ -80,6 +94,7 @@ class GatewayEvents(_Events):
         self.in_flight = self.gauge(
             "gateway_requests_in_flight", "Cluster requests this gateway waits on"
         )
+        self.time_collections("gateway", "the event loop (every stream, every call)")
         self.ttft = self.histogram(
             "time_to_first_token_seconds", "Arrival to first token, per choice", TTFT_BUCKETS
         )
@@ -229,17 +244,8 @@ class SchedulerEvents(_Events):
             "Requests refused (429) because their forecast wait came too close to their "
             "first-token deadline (since the scheduler started)",
         )
-        self.gc_pauses = self.histogram(
-            "scheduler_gc_pause_seconds",
-            "The cyclic garbage collector's collections, by generation: the scheduler loop "
-            "stands still through each (shared/gc_policy.py)",
-            GC_PAUSE_BUCKETS,
-            ("generation",),
-        )
+        self.time_collections("scheduler", "the scheduler loop")
         self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
-
-    def gc_paused(self, generation: int, seconds: float) -> None:
-        self.gc_pauses.labels(str(generation)).observe(seconds)
 
     def queued(self, request_id: str, num_prompt_tokens: int, tenant: str) -> None:
         self.log.info(
@@ -325,6 +331,7 @@ class WorkerEvents(_Events):
         self.step_seconds = self.histogram(
             "engine_step_seconds", "Wall time of each engine step", STEP_BUCKETS
         )
+        self.time_collections("worker", "the worker loop (its steps, its socket)")
         self.preemptions = self.counter(
             "num_preemptions", "Sequences preempted, by kind", ("kind",)
         )

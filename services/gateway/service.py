@@ -31,6 +31,7 @@ from shared.config import (
 )
 from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
 from shared.engine.sampling_defaults import parse_default_sampling, sampling_defaults
+from shared.gc_policy import CollectionTimer
 from shared.lifecycle import GatewayEvents
 from shared.logs import configure_logging, get_logger
 
@@ -174,18 +175,20 @@ def build_gateway(config: GatewayConfig):
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        await cluster.start()
-        if rpc is not None:
-            await rpc.start()
-        if batch is not None:
-            await batch.start()
-        get_logger().info("gateway ready", port=config.port, model=name, rpc=config.rpc_address)
-        yield
-        if batch is not None:
-            await batch.close()
-        if rpc is not None:
-            await rpc.close()  # first: its calls cancel their requests through the cluster link
-        await cluster.close()
+        # Every collection timed into /metrics while the app runs (gateway_gc_pause_seconds).
+        with contextlib.closing(CollectionTimer(telemetry.gc_paused)):
+            await cluster.start()
+            if rpc is not None:
+                await rpc.start()
+            if batch is not None:
+                await batch.start()
+            get_logger().info("gateway ready", port=config.port, model=name, rpc=config.rpc_address)
+            yield
+            if batch is not None:
+                await batch.close()
+            if rpc is not None:
+                await rpc.close()  # first: its calls cancel theirs through the cluster link
+            await cluster.close()
 
     app = build_app(generator, config.max_body_bytes, keys, lifespan=lifespan)
     if batch is not None:

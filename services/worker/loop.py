@@ -25,6 +25,7 @@ from shared.curve import Security
 from shared.engine.engine import LLMEngine
 from shared.engine.loader import dtype_name, load_model
 from shared.engine.prefix_cache import worker_cache_key
+from shared.gc_policy import CollectionTimer
 from shared.lifecycle import WorkerEvents
 from shared.logs import get_logger
 from shared.metrics import serve_metrics
@@ -139,10 +140,12 @@ class WorkerLoop(abc.ABC):
             blocks=self.engine.block_manager.num_blocks,
             metrics=self.metrics_address,
         )
+        gc_timer = CollectionTimer(self.events.gc_paused)
         try:
             while not self._stopping:
                 self.run_once()
         finally:
+            gc_timer.close()
             self.close()
 
     def health(self) -> str | None:

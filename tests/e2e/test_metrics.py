@@ -42,7 +42,17 @@ def test_every_service_serves_metrics_that_parse(cluster):
     for peer, address in addresses.items():
         names = {name for name, _ in scrape(address)}
         assert any(name.startswith("tandem:") for name in names), peer
+        # Every service times its garbage collections (a sample once one has run: an idle
+        # worker may not have collected yet; the busy gateway has, below).
+        service = "scheduler" if peer == "scheduler" else "worker"
+        text = httpx.get(address + "/metrics", timeout=10).text
+        assert f"# TYPE tandem:{service}_gc_pause_seconds histogram" in text, peer
     merged = scrape(cluster.url)
+    for _ in range(20):  # each scrape parses every peer's metrics: the gateway soon collects
+        if total(merged, "tandem:gateway_gc_pause_seconds_count") > 0:
+            break
+        merged = scrape(cluster.url)
+    assert total(merged, "tandem:gateway_gc_pause_seconds_count") > 0
     peers = {dict(labels).get("peer") for _, labels in merged}
     assert set(addresses) <= peers  # the gateway's one scrape target covers every service
     assert total(merged, "tandem:peer_scrape_up") == len(addresses)

@@ -14,7 +14,7 @@ from loadtest.scheduler_scale import ScaleBench, hello
 from services.scheduler.core import Phase
 from shared import wire
 from shared.gc_policy import CollectionTimer, SurvivorFreezer
-from shared.lifecycle import SchedulerEvents
+from shared.lifecycle import DecodeEvents, GatewayEvents, PrefillEvents, SchedulerEvents
 from shared.logs import get_logger
 
 
@@ -123,11 +123,22 @@ def test_every_collection_is_timed_by_generation_until_closed():
     timer.close()  # twice is harmless
 
 
-def test_the_scheduler_exports_the_pauses():
-    events = SchedulerEvents(get_logger())
+@pytest.mark.parametrize(
+    "events_class, service",
+    [
+        (SchedulerEvents, "scheduler"),
+        (GatewayEvents, "gateway"),
+        (PrefillEvents, "worker"),
+        (DecodeEvents, "worker"),
+    ],
+)
+def test_every_service_exports_the_pauses(events_class, service):
+    events = events_class(get_logger())
     events.gc_paused(2, 0.9)
     events.gc_paused(0, 0.001)
     exposition = generate_latest(events.registry).decode()
-    assert 'tandem:scheduler_gc_pause_seconds_count{generation="2"} 1.0' in exposition
-    assert 'tandem:scheduler_gc_pause_seconds_bucket{generation="2",le="1.0"} 1.0' in exposition
-    assert 'tandem:scheduler_gc_pause_seconds_bucket{generation="2",le="0.5"} 0.0' in exposition
+    metric = f"tandem:{service}_gc_pause_seconds"
+    assert f'{metric}_count{{generation="2"}} 1.0' in exposition
+    assert f'{metric}_bucket{{generation="2",le="1.0"}} 1.0' in exposition
+    assert f'{metric}_bucket{{generation="2",le="0.5"}} 0.0' in exposition
+    assert f'{metric}_count{{generation="0"}} 1.0' in exposition
