@@ -66,9 +66,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem plan: {error}", file=sys.stderr)
         return 2
     limits = SchedulerLimits(max_queued_requests=args.max_queued_requests)
-    with Judges(profile, requests, limits, slo, args.jobs) as judges:
+    # No more processes than one cost has configurations: each holds a simulation's memory.
+    jobs = min(args.jobs, args.max_splits * len(budgets))
+    with Judges(profile, requests, limits, slo, jobs) as judges:
         plan = search(args.max_workers, budgets, judges, args.max_splits)
-    print(report(plan, slo, args.max_workers, len(requests), args.jobs))
+    print(report(plan, slo, args.max_workers, len(requests), jobs))
     if args.out:
         _write(plan, Path(args.out))
     if plan.best is None:

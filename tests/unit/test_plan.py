@@ -58,6 +58,9 @@ def test_plan_finds_a_configuration_that_meets_its_slos_when_resimulated(
     out = capsys.readouterr().out
     assert "cheapest configuration meeting" in out and "runners-up:" in out
     assert "(2 at a time)" in out and "events/s" in out and "goodput" in out
+    capped = ["--jobs", "64", "--max-splits", "2", "--chunk-budgets", "256,512"]
+    cli.main(["plan", *flags[:-2], *capped])  # meeting or not, it runs 4 at a time:
+    assert "(4 at a time)" in capsys.readouterr().out  # 2 splits x 2 budgets a cost
     best = json.loads((tmp_path / "plan.json").read_text())["best"]
     assert f"--scale prefill={best['num_prefill']} --scale decode={best['num_decode']}" in out
     assert (tmp_path / "goodput-vs-cost.png").stat().st_size > 0
