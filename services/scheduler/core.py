@@ -39,6 +39,7 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from services.scheduler import lazy_heap
 from services.scheduler.cache_holders import CacheHolders
 from services.scheduler.cache_placement import CachePlacement, prefill_tokens
 from services.scheduler.cache_routing import RoutingWeights
@@ -321,15 +322,22 @@ class ClusterScheduler:
         }
         heap = self._deadlines
         while heap and now > heap[0][0]:
-            deadline, request_id = heapq.heappop(heap)
-            request = self.requests.get(request_id)
-            if request is not None and request.phase_deadline == deadline:
-                due[request_id] = request
+            entry = heapq.heappop(heap)
+            if self._deadline_is_live(entry):
+                due[entry[1]] = self.requests[entry[1]]
         return sorted(due.values(), key=lambda r: r.index)
 
     def _set_deadline(self, request: TrackedRequest, deadline: float) -> None:
         request.phase_deadline = deadline
-        heapq.heappush(self._deadlines, (deadline, request.request_id))
+        # A finished request's entry is stale (prefill deadlines are minutes away while a
+        # prefill takes seconds): rebuilt from the live ones when the stale dominate, the heap
+        # stays near the requests in flight instead of growing to the arrival rate x 300 s.
+        entry = (deadline, request.request_id)
+        lazy_heap.push(self._deadlines, entry, len(self.requests), self._deadline_is_live)
+
+    def _deadline_is_live(self, entry: tuple[float, str]) -> bool:
+        request = self.requests.get(entry[1])
+        return request is not None and request.phase_deadline == entry[0]
 
     # -- requests -----------------------------------------------------------------------------
 

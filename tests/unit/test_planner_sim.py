@@ -17,6 +17,7 @@ from services.planner.profile import (
 )
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import SimRequest, WorkloadError, load_workload
+from services.scheduler import lazy_heap
 from services.scheduler.core import SchedulerLimits
 
 
@@ -237,6 +238,19 @@ def test_a_lane_runs_its_events_when_the_heap_would():
     lane.at(2.0, print)
     with pytest.raises(ValueError, match="time order"):
         lane.at(1.0, print)
+
+
+def test_finished_requests_leave_no_deadlines_piling_up_in_the_core():
+    """The core's phase deadlines (a prefill's is 300 s away) are a lazy heap: a finished
+    request's entry is stale, and the heap is rebuilt from the live ones, not left to grow
+    with every request served."""
+    sim = Simulator(cpu_like_profile(), SimConfig(2, 2))
+    requests = [
+        SimRequest(arrival_time=0.05 * i, num_prompt_tokens=32, max_tokens=2) for i in range(600)
+    ]
+    result = sim.run(requests)
+    assert all(r.error is None for r in result.records)
+    assert len(sim.core._deadlines) <= 2 * len(sim.core.requests) + lazy_heap.REBUILD_SLACK
 
 
 def test_the_decode_curve_is_bilinear_on_the_measured_grid():
