@@ -42,13 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs",
         type=int,
-        default=len(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else os.cpu_count(),
+        default=_usable_cores(),
         help="configurations simulated side by side, a process each (default: the usable cores)",
     )
     parser.add_argument("--emit", choices=EMITS, help="print compose --scale flags or k8s patch")
     parser.add_argument("--out", help="folder for plan.json and goodput-vs-cost.png")
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -93,18 +93,11 @@ class WorkerProfile:
 
     def decode_time(self, batch_size: int, context: float) -> float:
         """Seconds for a decode step of `batch_size` sequences of `context` tokens each (mean)."""
-        # `_interpolate` along the contexts of the two rows around the batch size, then between
-        # them, written out: the simulator asks this once per decode step.
-        sizes, contexts = self.decode_batch_sizes, self.decode_contexts
-        rows = self.decode_seconds
-        if len(contexts) == 1:
-            by_context = [row[0] for row in rows]
-        else:
-            j = min(max(bisect.bisect_right(contexts, context), 1), len(contexts) - 1)
-            c0, c1 = contexts[j - 1], contexts[j]
-            by_context = [
-                row[j - 1] + (row[j] - row[j - 1]) * (context - c0) / (c1 - c0) for row in rows
-            ]
+        sizes, rows = self.decode_batch_sizes, self.decode_seconds
+        if len(sizes) > 1:  # only the two rows around the batch size count
+            i = min(max(bisect.bisect_right(sizes, batch_size), 1), len(sizes) - 1)
+            sizes, rows = sizes[i - 1 : i + 1], rows[i - 1 : i + 1]
+        by_context = [_interpolate(self.decode_contexts, row, context) for row in rows]
         return max(_interpolate(sizes, by_context, batch_size), 1e-6)
 
     def transfer_time(self, num_tokens: int) -> float:
