@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import time
 
 from loadtest.plan import DEFAULT_PROFILE
@@ -47,19 +48,24 @@ def measure(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefill", type=int, default=1000)
     parser.add_argument("--decode", type=int, default=1000)
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     args = parser.parse_args(argv)
-    profile = WorkerProfile.load(args.profile)
-    figures = measure(profile, args.prefill, args.decode, args.workload)
+    try:
+        profile = WorkerProfile.load(args.profile)
+        figures = measure(profile, args.prefill, args.decode, args.workload)
+    except ValueError as error:  # ProfileError and WorkloadError are ValueErrors, as SimConfig's
+        print(f"sim_scale: {error}", file=sys.stderr)
+        return 2
     width = max(map(len, figures))
     for name, value in figures.items():
         print(f"{name:>{width}}: {value}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

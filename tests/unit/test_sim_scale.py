@@ -16,7 +16,19 @@ def test_a_tiny_run_serves_everything_and_reports_its_speed():
 
 
 def test_the_command_prints_every_figure(capsys):
-    main(["--prefill", "2", "--decode", "2", "--workload", "poisson:rate=2,n=10,output=1-4"])
+    assert (
+        main(["--prefill", "2", "--decode", "2", "--workload", "poisson:rate=2,n=10,output=1-4"])
+        == 0
+    )
     out = capsys.readouterr().out
     for name in ("events_per_cpu_s", "requests_per_cpu_s", "simulated_s_per_cpu_s", "peak_rss"):
         assert name in out
+
+
+def test_wrong_values_exit_2_naming_them(tmp_path, capsys):
+    assert main(["--prefill", "0", "--workload", "poisson:rate=2,n=10"]) == 2
+    assert "at least one prefill" in capsys.readouterr().err
+    assert main(["--workload", "poisson:rate=-1"]) == 2
+    assert "positive" in capsys.readouterr().err
+    assert main(["--profile", str(tmp_path / "none.json")]) == 2
+    assert "cannot read profile" in capsys.readouterr().err
