@@ -151,7 +151,7 @@ def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
         return read_workload(args.workload)
     from transformers import AutoTokenizer
 
-    from shared.engine.loader import resolve_model_dir
+    from shared.engine.model_files import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.tokenizer)[0])
     return generate(tokenizer, args.generator or "mix", args.num, args.seed)

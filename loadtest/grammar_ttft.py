@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--num must be >= {NUM_WARMUP}, --rounds >= 1 and --rate > 0")
     from transformers import AutoTokenizer
 
-    from shared.engine.loader import resolve_model_dir
+    from shared.engine.model_files import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2")[0])
     constrained = with_arrivals(generate(tokenizer, "json", args.num, args.seed), args.rate)

@@ -38,7 +38,8 @@ DEFAULT_WORKLOAD = "loadtest/workloads/mixed64.jsonl"
 def run_static_baseline(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> Result:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.engine.loader import parse_device, parse_dtype, resolve_model_dir
+    from shared.engine.loader import parse_device, parse_dtype
+    from shared.engine.model_files import resolve_model_dir
 
     directory, _ = resolve_model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -63,7 +64,7 @@ def run_engine_baseline(args: argparse.Namespace, requests: Sequence[WorkloadReq
 
 
 def run_cluster(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> Result:
-    from shared.engine.loader import resolve_model_dir
+    from shared.engine.model_files import resolve_model_dir
 
     served_name = resolve_model_dir(args.model)[1]
     extra = [

@@ -44,7 +44,7 @@ DEFAULT_WORKLOAD = "loadtest/workloads/mixed64.jsonl"
 def f16_gguf(quantize_bin: str, out_dir: Path) -> Path:
     """The default model's GGUF requantized to F16 (its Q4_1 weights dequantized: the same
     numbers tandem serves), made once into `out_dir`."""
-    from shared.engine.loader import default_gguf_path
+    from shared.engine.model_files import default_gguf_path
 
     target = out_dir / "SmolLM2-135M-Instruct.F16.gguf"
     if not target.is_file():

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoTokenizer
 
-    from shared.engine.loader import resolve_model_dir
+    from shared.engine.model_files import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model)[0])
     requests = build_workload(

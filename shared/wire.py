@@ -37,12 +37,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import msgpack
-import torch
 import zmq
 import zmq.asyncio
 
 from shared.wire_base import (
-    DTYPES,
+    DTYPE_NAMES,
     MAX_CONSTRAINT_CHARS,
     MAX_HEADER_BYTES,
     MAX_HELD_IDS,
@@ -68,6 +67,7 @@ from shared.wire_base import (
     RequestId,
     Role,
     SamplingSpec,
+    Tensor,
     TensorOf,
     TensorRef,
     TokenDelta,
@@ -111,7 +111,7 @@ __all__ = [
     "Cancel",
     "ClusterStatus",
     "ConstraintSpec",
-    "DTYPES",
+    "DTYPE_NAMES",
     "FrameLike",
     "GeneratorState",
     "Heartbeat",
@@ -151,6 +151,7 @@ __all__ = [
     "SamplingSpec",
     "Submit",
     "SubmitReply",
+    "Tensor",
     "TensorOf",
     "TensorRef",
     "TokenDelta",
@@ -201,7 +202,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     send with `socket.send_multipart(frames, copy=False)` and leave the tensors unmodified."""
     if not isinstance(msg, Message):
         raise WireError(f"not a message: {_type_name(msg)}")
-    tensors: list[torch.Tensor] = []
+    tensors: list[Tensor] = []
     fields = _MESSAGE_CODECS[msg.TYPE].to_wire(msg, tensors)
     try:
         header = msgpack.packb(fields, use_bin_type=True)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
-import torch
 import zmq
 
 SCHEMA_VERSION = 7  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
@@ -28,16 +27,18 @@ MAX_LIST_LEN = 4096  # any other list
 MAX_TENSOR_DIMS = 8
 MAX_CONSTRAINT_CHARS = 64 << 10  # a schema, regex or grammar (the engine's cap)
 
-# The dtypes a tensor frame may hold, by their header name.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# The dtypes a tensor frame may hold, by their header name (torch's name for each).
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "int64", "int32", "uint8")
+
+if TYPE_CHECKING:
+    from torch import Tensor
+else:
+
+    class Tensor:
+        """`torch.Tensor` in the messages' annotations without importing torch (a scheduler,
+        a planner and a client never touch a tensor): the codec frames a field of this type as
+        a tensor, and imports torch when one is sent or received."""
+
 
 FrameLike = bytes | memoryview | zmq.Frame  # what decode accepts per frame
 
@@ -57,7 +58,7 @@ class MaxLen:
 class TensorOf:
     """Annotation metadata: the dtypes (header names) and number of dimensions a tensor may have."""
 
-    dtypes: tuple[str, ...] = tuple(DTYPES)
+    dtypes: tuple[str, ...] = DTYPE_NAMES
     ndim: int | None = None  # None: any, up to MAX_TENSOR_DIMS
 
 
@@ -65,8 +66,8 @@ RequestId = Annotated[str, MaxLen(MAX_REQUEST_ID_LEN)]
 TokenIds = Annotated[list[int], MaxLen(MAX_TOKEN_IDS)]
 Role = Literal["gateway", "prefill", "decode"]
 Phase = Literal["prefill", "decode"]
-KvBlocks = Annotated[torch.Tensor, TensorOf(ndim=5)]
-GeneratorState = Annotated[torch.Tensor, TensorOf(dtypes=("uint8",), ndim=1)]
+KvBlocks = Annotated[Tensor, TensorOf(ndim=5)]
+GeneratorState = Annotated[Tensor, TensorOf(dtypes=("uint8",), ndim=1)]
 CallId = Annotated[str, MaxLen(MAX_REQUEST_ID_LEN)]
 JsonText = Annotated[str, MaxLen(MAX_JSON_LEN)]
 

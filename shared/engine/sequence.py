@@ -12,11 +12,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from shared.engine.sampling_params import SamplingParams, make_generator
+
+if TYPE_CHECKING:  # the planner's simulated workers share the engine's scheduler, not torch
+    import torch
 
 
 class SequenceStatus(enum.IntEnum):

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from shared import wire
-from shared.engine.loader import resolve_model_dir
+from shared.engine.model_files import resolve_model_dir
 from tests.helpers import tiny_hf_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

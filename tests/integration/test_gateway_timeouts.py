@@ -22,7 +22,7 @@ from tests.integration.test_gateway_resume import FakeScheduler, delta, submit
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from shared.engine.loader import resolve_model_dir
+    from shared.engine.model_files import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir("smollm2")[0])
 

@@ -15,7 +15,7 @@ from services.gateway.openai_protocol import ApiError, parse_chat_request
 from services.gateway.service import use_chat_template
 from services.gateway.tool_formats import LLAMA3_JSON, MISTRAL, TAGGED, template_tool_format
 from shared.config import ConfigError
-from shared.engine.loader import resolve_model_dir
+from shared.engine.model_files import resolve_model_dir
 from tests.helpers import chat_template
 
 MODEL = "smollm2"

@@ -27,7 +27,7 @@ TEXTS = {
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from shared.engine.loader import resolve_model_dir
+    from shared.engine.model_files import resolve_model_dir
 
     directory, _ = resolve_model_dir()
     return AutoTokenizer.from_pretrained(directory)

@@ -22,7 +22,7 @@ from shared.engine.grammar import (
     MaskBuffer,
     wait_compiled,
 )
-from shared.engine.loader import resolve_model_dir
+from shared.engine.model_files import resolve_model_dir
 from shared.engine.sampling import Sampler, SamplingRow
 from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from shared.engine.loader import FINGERPRINT_SPAN, gguf_fingerprint, parse_dtype
+from shared.engine.loader import parse_dtype
+from shared.engine.model_files import FINGERPRINT_SPAN, gguf_fingerprint
 
 
 def write_file(path, size: int, seed: int = 0):

@@ -126,7 +126,7 @@ def test_the_committed_default_workload():
 def test_the_default_workload_text_round_trips_through_the_real_tokenizer():
     from transformers import AutoTokenizer
 
-    from shared.engine.loader import resolve_model_dir
+    from shared.engine.model_files import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir()[0])
     for request in read_workload(MIXED64):
