@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from services.planner.caches import SIM_CACHE_KEY, SimCache
 from services.planner.events import EventQueue
 from services.planner.profile import SharedCores, WorkerProfile
 from services.planner.workers import SimDecodeWorker, SimPrefillWorker, WorkerStats
@@ -42,6 +43,9 @@ class SimConfig:
     # The gateway's limit (its default): no first token this long after arrival is a 504, and
     # the SUBMIT carries it as the deadline the core forecasts against. None: no limit.
     first_token_timeout_s: float | None = 300.0
+    # Every worker keeps a prefix cache of its pool's size (`caches.py`), as `tandem up`'s do;
+    # off, every prompt is computed whole on a prefill worker.
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -109,13 +113,17 @@ class Simulator:
         self.events = EventQueue()
         self.core = ClusterScheduler(config.limits)
         budget = config.max_num_batched_tokens or profile.settings.max_num_batched_tokens
+        num_blocks = config.num_kv_blocks or profile.num_kv_blocks
         self.prefills = {
-            f"prefill{i}": SimPrefillWorker(f"prefill{i}", profile, self, budget)
+            f"prefill{i}": SimPrefillWorker(
+                f"prefill{i}", profile, self, budget, self._cache(num_blocks)
+            )
             for i in range(config.num_prefill)
         }
-        num_blocks = config.num_kv_blocks or profile.num_kv_blocks
         self.decodes = {
-            f"decode{i}": SimDecodeWorker(f"decode{i}", profile, self, num_blocks)
+            f"decode{i}": SimDecodeWorker(
+                f"decode{i}", profile, self, num_blocks, cache=self._cache(num_blocks)
+            )
             for i in range(config.num_decode)
         }
         self.workers = (*self.prefills.values(), *self.decodes.values())
@@ -126,6 +134,11 @@ class Simulator:
         self._arrivals = self.events.lane()
         self._first_token_deadlines = self.events.lane()  # a fixed time after each arrival
         self.queue_timeline: list[tuple[float, int, int]] = []
+
+    def _cache(self, num_blocks: int) -> SimCache | None:
+        if not self.config.prefix_cache:
+            return None
+        return SimCache(self.profile.settings.block_size, num_blocks)
 
     # -- the Cluster interface the workers use ------------------------------------------------
 
@@ -203,6 +216,7 @@ class Simulator:
             num_kv_blocks=num_blocks,
             block_size=settings.block_size if role != "gateway" else 0,
             max_num_seqs=settings.max_num_seqs if role != "gateway" else 0,
+            cache_key=SIM_CACHE_KEY if self.config.prefix_cache and role != "gateway" else None,
         )
 
     def _arrive(self, index: int, request: SimRequest) -> None:
@@ -217,7 +231,7 @@ class Simulator:
         )
         submit = wire.Submit(
             request_id=request_id,
-            prompt_token_ids=[0] * request.num_prompt_tokens,
+            prompt_token_ids=request.prompt(index),
             sampling=wire.SamplingSpec(max_tokens=request.max_tokens, ignore_eos=True),
             tenant=request.tenant,
             priority=request.priority,
@@ -316,6 +330,8 @@ class Simulator:
         match message:
             case wire.Reserve():
                 worker.on_reserve(message)
+            case wire.PrefillJob():  # it holds all of the prompt but a short suffix
+                worker.on_job(message)
             case wire.Cancel():
                 worker.on_cancel(message.request_id)
 

@@ -18,6 +18,13 @@ simulator) that carries their messages to the scheduler core and their tokens to
   is free preempts the latest admitted one by swap (its blocks freed, its progress kept);
   swapped sequences come back first, before any new one, once their blocks and a growth block
   per running sequence are free.
+
+With prefix caches (`caches.py`), a prefill worker computes only the prompt past the blocks it
+holds and sends only the blocks past those the decode worker said it holds (`num_skip_blocks`);
+a decode worker answers a reservation with the leading blocks it holds (fewer new ones taken),
+and takes a prefill job itself when the scheduler sends it one (a conversation's next turn: it
+holds all but a short suffix), computing the suffix in its next step (that step lasts the
+suffix's prefill time longer), whose end is the first token.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.planner.caches import SimCache
 from services.planner.profile import WorkerProfile
 from shared import wire
 from shared.engine.scheduler import MIN_CHUNK, prompt_shares
@@ -79,14 +87,24 @@ class _Prompt:
     job: wire.PrefillJob
     num_tokens: int  # prompt tokens in all
     num_left: int  # prompt tokens not yet computed
+    hashes: list[int] = field(default_factory=list)  # its full blocks', for the prefix cache
+    started: bool = False  # a step has computed some of it
 
 
 class SimPrefillWorker:
-    def __init__(self, peer_id: str, profile: WorkerProfile, cluster: Cluster, budget: int):
+    def __init__(
+        self,
+        peer_id: str,
+        profile: WorkerProfile,
+        cluster: Cluster,
+        budget: int,
+        cache: SimCache | None = None,
+    ):
         self.peer_id = peer_id
         self.profile = profile
         self.cluster = cluster
         self.budget = budget  # max_num_batched_tokens
+        self.cache = cache
         self.prompts: dict[str, _Prompt] = {}  # in arrival order
         self.in_transfer: set[str] = set()
         # Speculative jobs: grants come before or after the prefill; KV goes once both are in.
@@ -106,7 +124,11 @@ class SimPrefillWorker:
 
     def on_job(self, job: wire.PrefillJob) -> None:
         num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
-        self.prompts[job.request_id] = _Prompt(job, num_tokens, num_tokens)
+        prompt = _Prompt(job, num_tokens, num_tokens)
+        if self.cache is not None:  # the blocks it holds are not computed again
+            prompt.hashes = self.cache.prompt_hashes(job_tokens(job), job.cache_salt)
+            prompt.num_left -= self.cache.num_cached_blocks(prompt.hashes) * self.cache.block_size
+        self.prompts[job.request_id] = prompt
         self._maybe_step()
 
     def on_cancel(self, request_id: str) -> None:
@@ -139,10 +161,10 @@ class SimPrefillWorker:
     def _sharers(self) -> list[str]:
         """The prompts in progress and as many new ones as the capped budget seats (as the
         engine's step scheduler: one per MIN_CHUNK tokens, at least one)."""
-        started = [i for i, p in self.prompts.items() if p.num_left < p.num_tokens]
+        started = [i for i, p in self.prompts.items() if p.started]
         # Interactive prompts ahead of unstarted bulk ones, as the engine's queue keeps them.
         waiting = sorted(
-            (i for i, p in self.prompts.items() if p.num_left == p.num_tokens),
+            (i for i, p in self.prompts.items() if not p.started),
             key=lambda i: self.prompts[i].job.bulk,
         )
         budget = self.budget if self.token_cap is None else min(self.budget, self.token_cap)
@@ -156,8 +178,11 @@ class SimPrefillWorker:
             if prompt is None:  # cancelled mid-step
                 continue
             prompt.num_left -= share
+            prompt.started = prompt.started or share > 0
             if prompt.num_left == 0:
                 del self.prompts[request_id]
+                if self.cache is not None:
+                    self.cache.store(prompt.hashes)
                 self._finish(prompt.job)
         self._maybe_step()
 
@@ -174,9 +199,11 @@ class SimPrefillWorker:
         self._transfer(job)
 
     def _transfer(self, job: wire.PrefillJob) -> None:
+        """The KV goes to the decode worker, but for the leading blocks it said it holds."""
         self.in_transfer.add(job.request_id)
         num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
-        arrival = self.cluster.now + self.profile.transfer_time(num_tokens)
+        num_tokens -= job.num_skip_blocks * self.profile.settings.block_size
+        arrival = self.cluster.now + self.profile.transfer_time(max(0, num_tokens))
         self.cluster.at(arrival, self._transferred, job)
 
     def _transferred(self, job: wire.PrefillJob) -> None:
@@ -207,7 +234,17 @@ class SimPrefillWorker:
             steps_completed=self.stats.num_steps,
             sent_at=self.cluster.now,
             request_ids=[*self.prompts, *self.in_transfer],
+            **(self.cache.heartbeat_fields() if self.cache is not None else {}),
         )
+
+
+def job_tokens(job: wire.PrefillJob) -> list[int]:
+    """What a prefill computes: the prompt, and the tokens a resumed request has."""
+    return (
+        [*job.prompt_token_ids, *job.output_token_ids]
+        if job.output_token_ids
+        else job.prompt_token_ids
+    )
 
 
 @dataclass
@@ -232,8 +269,13 @@ class SimDecodeWorker:
     waiting: deque[_Sequence] = field(default_factory=deque)
     swapped: deque[_Sequence] = field(default_factory=deque)
     pending_reserves: list[wire.Reserve] = field(default_factory=list)  # answered at step end
+    # Prefill jobs taken here, waiting for the next step: (job, its blocks, tokens to compute,
+    # its chain); `prefilling_here` names them until their step ends (a cancel takes the name).
+    local_jobs: list[tuple[wire.PrefillJob, int, int, list[int]]] = field(default_factory=list)
+    prefilling_here: set[str] = field(default_factory=set)
     stepping: bool = False
     stats: WorkerStats = field(default_factory=WorkerStats)
+    cache: SimCache | None = None
 
     def __post_init__(self) -> None:
         self.num_free_blocks = self.num_total_blocks
@@ -252,19 +294,45 @@ class SimDecodeWorker:
             self.cluster.to_scheduler(self._reserve(reserve))
 
     def _reserve(self, reserve: wire.Reserve) -> wire.ReserveReply:
+        """Blocks for the prompt and its first step, but for the leading ones held cached (the
+        prefill worker skips sending those), with room for all of them asked, as the real
+        worker does."""
         num_blocks = self.blocks_for(reserve.num_tokens)
         ok = reserve.request_id not in self.reserved and num_blocks <= self.num_free_blocks
+        num_cached = 0
         if ok:
-            self.reserved[reserve.request_id] = num_blocks
-            self.num_free_blocks -= num_blocks
+            if self.cache is not None:
+                hashes = self.cache.prompt_hashes(reserve.token_ids, reserve.cache_salt)
+                num_cached = self.cache.num_cached_blocks(hashes)
+            self.reserved[reserve.request_id] = num_blocks - num_cached
+            self.num_free_blocks -= num_blocks - num_cached
         return wire.ReserveReply(
-            request_id=reserve.request_id, ok=ok, num_free_blocks=self.num_free_blocks
+            request_id=reserve.request_id,
+            ok=ok,
+            num_free_blocks=self.num_free_blocks,
+            num_cached_blocks=num_cached,
         )
+
+    def on_job(self, job: wire.PrefillJob) -> None:
+        """A prefill job sent here (the scheduler found this worker holds all of the prompt
+        but a short suffix): computed in the next step, no KV crossing the wire."""
+        num_blocks = self.reserved.pop(job.request_id, None)
+        if num_blocks is None:  # its reservation is gone: the real worker reports an error
+            self._report_prefill(job.request_id, "error")
+            return
+        tokens = job_tokens(job)
+        hashes = self.cache.prompt_hashes(tokens, job.cache_salt) if self.cache else []
+        num_cached = self.cache.num_cached_blocks(hashes) * self.block_size if self.cache else 0
+        self.local_jobs.append((job, num_blocks, len(tokens) - num_cached, hashes))
+        self.prefilling_here.add(job.request_id)
+        self._maybe_step()
 
     def on_kv(self, job: wire.PrefillJob) -> None:
         num_blocks = self.reserved.pop(job.request_id, None)
         if num_blocks is None:
             return  # the reservation was cancelled meanwhile
+        if self.cache is not None:  # the prompt's blocks are here now, named in the cache
+            self.cache.store(self.cache.prompt_hashes(job_tokens(job), job.cache_salt))
         num_output = len(job.output_token_ids) + 1  # the first token came from the prefill
         sequence = _Sequence(
             job.request_id,
@@ -279,6 +347,11 @@ class SimDecodeWorker:
     def on_cancel(self, request_id: str) -> None:
         if request_id in self.reserved:
             self.num_free_blocks += self.reserved.pop(request_id)
+        if request_id in self.prefilling_here:
+            self.prefilling_here.discard(request_id)
+            for entry in [e for e in self.local_jobs if e[0].request_id == request_id]:
+                self.local_jobs.remove(entry)  # not in a step yet: its blocks go back now
+                self.num_free_blocks += entry[1]
         sequence = self.running.pop(request_id, None)
         if sequence is not None:
             self.num_free_blocks += sequence.num_blocks
@@ -293,18 +366,22 @@ class SimDecodeWorker:
             return
         swap_tokens = self._admit()
         swap_tokens += self._grow()
-        if not self.running:
+        if not self.running and not self.local_jobs:
             return
+        profile = self.cluster.step_profile()
         batch = list(self.running.values())
         num_context_tokens = sum(s.num_tokens for s in batch)
-        duration = self.cluster.step_profile().decode_time(
-            len(batch), num_context_tokens / len(batch)
-        )
+        duration = 0.0
+        if batch:
+            duration = profile.decode_time(len(batch), num_context_tokens / len(batch))
         if swap_tokens:
             duration += self.profile.transfer_time(swap_tokens)
+        local, self.local_jobs = self.local_jobs, []
+        if local:  # the suffixes prefilled here lengthen the step by their prefill time
+            duration += profile.prefill_time(sum(entry[2] for entry in local))
         self.stepping = True
         self.stats.record_step(duration, len(batch), num_context_tokens)
-        self.cluster.at(self.cluster.now + duration, self._end_step)
+        self.cluster.at(self.cluster.now + duration, self._end_step, local)
 
     def _admit(self) -> int:
         """Swapped sequences first (returns the tokens copied back), then waiting ones."""
@@ -346,7 +423,7 @@ class SimDecodeWorker:
                 sequence.num_blocks += need
         return num_swapped_out
 
-    def _end_step(self) -> None:
+    def _end_step(self, local: list[tuple[wire.PrefillJob, int, int, list[int]]]) -> None:
         self.stepping = False
         for sequence in list(self.running.values()):
             sequence.num_generated += 1
@@ -356,10 +433,49 @@ class SimDecodeWorker:
                 del self.running[sequence.request_id]
                 self.num_free_blocks += sequence.num_blocks
                 self._report(sequence)
+        for job, num_blocks, _, hashes in local:
+            self._prefilled_here(job, num_blocks, hashes)
         reserves, self.pending_reserves = self.pending_reserves, []
         for reserve in reserves:
             self.cluster.to_scheduler(self._reserve(reserve))
         self._maybe_step()
+
+    def _prefilled_here(self, job: wire.PrefillJob, num_blocks: int, hashes: list[int]) -> None:
+        """A suffix prefilled here has its first token: reported as a prefill worker would,
+        and the sequence decodes here from the next step (or ends, at one token)."""
+        if job.request_id not in self.prefilling_here:
+            self.num_free_blocks += num_blocks  # cancelled during the step
+            return
+        self.prefilling_here.discard(job.request_id)
+        if self.cache is not None:
+            self.cache.store(hashes)
+        self.cluster.first_token(job.request_id)
+        num_output = len(job.output_token_ids) + 1
+        if num_output >= job.sampling.max_tokens:
+            self.num_free_blocks += num_blocks
+            self.cluster.token_finished(job.request_id, num_output)
+            self._report_prefill(job.request_id, "length")
+            return
+        num_tokens = len(job.prompt_token_ids) + num_output
+        sequence = _Sequence(
+            job.request_id, num_tokens, num_output, job.sampling.max_tokens, num_blocks
+        )
+        if len(self.running) < self.max_num_seqs:
+            self.running[job.request_id] = sequence
+        else:
+            self.waiting.appendleft(sequence)
+        self._report_prefill(job.request_id, None)
+
+    def _report_prefill(self, request_id: str, finish_reason: str | None) -> None:
+        done = wire.RequestDone(
+            request_id=request_id,
+            peer_id=self.peer_id,
+            phase="prefill",
+            finish_reason=finish_reason,
+            num_prompt_tokens=0,
+            num_output_tokens=1 if finish_reason != "error" else 0,
+        )
+        self.cluster.to_scheduler(done)
 
     def _report(self, sequence: _Sequence) -> None:
         self.cluster.token_finished(sequence.request_id, sequence.num_generated)
@@ -376,7 +492,7 @@ class SimDecodeWorker:
     def held_ids(self) -> list[str]:
         waiting = [s.request_id for s in self.waiting]
         swapped = [s.request_id for s in self.swapped]
-        return [*self.reserved, *self.running, *waiting, *swapped]
+        return [*self.reserved, *self.prefilling_here, *self.running, *waiting, *swapped]
 
     def heartbeat(self) -> wire.Heartbeat:
         return wire.Heartbeat(
@@ -390,4 +506,5 @@ class SimDecodeWorker:
             num_swapped=len(self.swapped),
             num_swap_preemptions=self.stats.num_preemptions,
             request_ids=self.held_ids(),
+            **(self.cache.heartbeat_fields() if self.cache is not None else {}),
         )

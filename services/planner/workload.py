@@ -1,14 +1,19 @@
-"""What the simulator replays: requests with an arrival time, a prompt length and an output length.
+"""What the simulator replays: requests with an arrival time, a prompt and an output length.
 
 Either the JSONL files `tandem bench` replays (one request a line: `arrival_time`, `max_tokens`,
 and the prompt as `prompt_token_ids`, else `num_prompt_tokens`, else `prompt` text counted at four
 characters a token), or a generated process described in one string:
 
-    poisson:rate=2,n=1000,prompt=8-1024,output=1-256[,tenants=10][,seed=0]
+    poisson:rate=2,n=1000,prompt=8-1024,output=1-256[,tenants=10][,prefix=512][,seed=0]
 
 Poisson arrivals at `rate` requests/s; lengths log-normal with the median at the geometric middle
 of the range and the 99th percentile at its top (clipped to the range), as the bench's generator
 draws them. Every request generates exactly `max_tokens` tokens (the bench's `ignore_eos`).
+
+The tokens matter only to simulated prefix caches (`SimConfig.prefix_cache`): a JSONL file's
+`prompt_token_ids` are kept (`python -m loadtest.workload --generator agents` writes the agent
+hub's conversations so); a generated prompt starts with `prefix` tokens its tenant's prompts all
+share (a system prompt, at most the prompt's length) and goes on with tokens no other prompt has.
 """
 
 from __future__ import annotations
@@ -35,6 +40,16 @@ class SimRequest:
     tenant: str = "default"
     label: str = ""
     priority: int = 0
+    prompt_token_ids: tuple[int, ...] | None = None  # the prompt itself, when the workload has it
+    num_shared_tokens: int = 0  # else: the leading tokens every prompt of its tenant shares
+
+    def prompt(self, index: int) -> list[int]:
+        """Its prompt's tokens: its own, or a shared prefix and then tokens only the request
+        numbered `index` has."""
+        if self.prompt_token_ids is not None:
+            return list(self.prompt_token_ids)
+        num_shared = min(self.num_shared_tokens, self.num_prompt_tokens)
+        return [0] * num_shared + [index + 1] * (self.num_prompt_tokens - num_shared)
 
 
 def load_workload(spec: str) -> list[SimRequest]:
@@ -62,8 +77,10 @@ def _read_jsonl(path: Path) -> list[SimRequest]:
 
 
 def _from_line(data: dict) -> SimRequest:
+    token_ids = None
     if "prompt_token_ids" in data:
-        num_prompt_tokens = len(data["prompt_token_ids"])
+        token_ids = tuple(int(t) for t in data["prompt_token_ids"])
+        num_prompt_tokens = len(token_ids)
     elif "num_prompt_tokens" in data:
         num_prompt_tokens = int(data["num_prompt_tokens"])
     else:
@@ -74,6 +91,7 @@ def _from_line(data: dict) -> SimRequest:
         max_tokens=int(data["max_tokens"]),
         tenant=str(data.get("tenant", "default")),
         label=str(data.get("label", "")),
+        prompt_token_ids=token_ids,
     )
     if request.num_prompt_tokens < 1 or request.max_tokens < 1 or request.arrival_time < 0:
         raise ValueError("prompt and max_tokens must be >= 1 and arrival_time >= 0")
@@ -93,7 +111,7 @@ def _parse_range(name: str, text: str) -> tuple[int, int]:
 
 def _generate(spec: str) -> list[SimRequest]:
     fields = {"rate": "1", "n": "100", "prompt": "8-1024", "output": "1-256", "tenants": "1"}
-    fields["seed"] = "0"
+    fields.update(prefix="0", seed="0")
     for part in spec.removeprefix("poisson:").split(","):
         key, sep, value = part.partition("=")
         if not sep or key not in fields:
@@ -103,10 +121,13 @@ def _generate(spec: str) -> list[SimRequest]:
     try:
         rate, num_requests = float(fields["rate"]), int(fields["n"])
         num_tenants, seed = int(fields["tenants"]), int(fields["seed"])
+        num_shared = int(fields["prefix"])
     except ValueError as error:
         raise WorkloadError(f"workload {spec!r}: {error}") from None
     if not (rate > 0 and num_requests > 0 and num_tenants > 0):
         raise WorkloadError("rate, n and tenants must be positive")
+    if num_shared < 0:
+        raise WorkloadError(f"prefix must be >= 0 tokens, got {num_shared}")
     prompts = _parse_range("prompt", fields["prompt"])
     outputs = _parse_range("output", fields["output"])
     rng = random.Random(seed)
@@ -119,6 +140,7 @@ def _generate(spec: str) -> list[SimRequest]:
                 num_prompt_tokens=_long_tailed(rng, *prompts),
                 max_tokens=_long_tailed(rng, *outputs),
                 tenant=f"tenant{index % num_tenants}",
+                num_shared_tokens=num_shared,
             )
         )
     return requests
