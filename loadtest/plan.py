@@ -45,6 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_usable_cores(),
         help="configurations simulated side by side, a process each (default: the usable cores)",
     )
+    parser.add_argument(
+        "--prefix-cache",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="simulate the workers' prefix caches (auto: when the workload's prompts share "
+        "tokens: a JSONL file with prompt_token_ids, or poisson:...,prefix=N)",
+    )
     parser.add_argument("--emit", choices=EMITS, help="print compose --scale flags or k8s patch")
     parser.add_argument("--out", help="folder for plan.json and goodput-vs-cost.png")
 
@@ -72,9 +79,12 @@ def run(args: argparse.Namespace) -> int:
     limits = SchedulerLimits(max_queued_requests=args.max_queued_requests)
     # No more processes than one cost has configurations: each holds a simulation's memory.
     jobs = min(args.jobs, args.max_splits * len(budgets))
-    with Judges(profile, requests, limits, slo, jobs) as judges:
+    prefix_cache = args.prefix_cache == "on" or (
+        args.prefix_cache == "auto" and any(r.shares_tokens for r in requests)
+    )
+    with Judges(profile, requests, limits, slo, jobs, prefix_cache) as judges:
         plan = search(args.max_workers, budgets, judges, args.max_splits)
-    print(report(plan, slo, args.max_workers, len(requests), jobs))
+    print(report(plan, slo, args.max_workers, len(requests), jobs, prefix_cache))
     if args.out:
         _write(plan, Path(args.out))
     if plan.best is None:
@@ -115,7 +125,12 @@ def describe(candidate: Candidate) -> str:
 
 
 def report(
-    plan: Plan, slo: dict[str, float], max_workers: int, num_requests: int, jobs: int = 1
+    plan: Plan,
+    slo: dict[str, float],
+    max_workers: int,
+    num_requests: int,
+    jobs: int = 1,
+    prefix_cache: bool = False,
 ) -> str:
     objectives = ", ".join(f"{k} <= {_ms(v)} ms" for k, v in slo.items())
     lines = []
@@ -133,7 +148,8 @@ def report(
     lines.append(goodput_chart(plan))
     lines.append(
         f"simulated {len(plan.tried)} configurations x {num_requests} requests "
-        f"({jobs} at a time): {plan.num_events} events in {plan.real_s:.1f} s = "
+        f"({jobs} at a time, prefix caches {'on' if prefix_cache else 'off'}): "
+        f"{plan.num_events} events in {plan.real_s:.1f} s = "
         f"{plan.events_per_s:,.0f} events/s"
     )
     return "\n".join(lines)

@@ -118,8 +118,9 @@ def evaluate(
 
 # (prefill workers, decode workers, chunk budget): one configuration to simulate
 Configuration = tuple[int, int, int]
-# What every configuration of one plan is simulated with: profile, workload, limits, objectives.
-Work = tuple[WorkerProfile, list[SimRequest], SchedulerLimits, dict[str, float]]
+# What every configuration of one plan is simulated with: profile, workload, limits, objectives,
+# whether the workers keep prefix caches.
+Work = tuple[WorkerProfile, list[SimRequest], SchedulerLimits, dict[str, float], bool]
 
 
 class Judges:
@@ -135,10 +136,11 @@ class Judges:
         limits: SchedulerLimits,
         slo: dict[str, float],
         jobs: int = 1,
+        prefix_cache: bool = False,
     ):
         if jobs < 1:
             raise PlanError(f"jobs must be at least 1, got {jobs}")
-        self._work: Work = (profile, requests, limits, slo)
+        self._work: Work = (profile, requests, limits, slo, prefix_cache)
         self._pool: ProcessPoolExecutor | None = None
         if jobs > 1:
             # Forked where the platform can: the workload is then shared, not pickled.
@@ -169,10 +171,11 @@ def _hold(
     requests: list[SimRequest],
     limits: SchedulerLimits,
     slo: dict[str, float],
+    prefix_cache: bool,
 ) -> None:
     """A judging process's start: what every configuration it simulates shares."""
     global _held
-    _held = (profile, requests, limits, slo)
+    _held = (profile, requests, limits, slo, prefix_cache)
 
 
 def _judged(configuration: Configuration) -> Candidate:
@@ -181,9 +184,11 @@ def _judged(configuration: Configuration) -> Candidate:
 
 
 def _judge(work: Work, configuration: Configuration) -> Candidate:
-    profile, requests, limits, slo = work
+    profile, requests, limits, slo, prefix_cache = work
     num_prefill, num_decode, budget = configuration
-    config = SimConfig(num_prefill, num_decode, limits, max_num_batched_tokens=budget)
+    config = SimConfig(
+        num_prefill, num_decode, limits, max_num_batched_tokens=budget, prefix_cache=prefix_cache
+    )
     return evaluate(profile, requests, config, slo)
 
 

@@ -28,6 +28,10 @@ sequences per decode step) beside the simulation's, and its verdict:
   each range is fitted at its own context): where the cores are shared with a busy prefill
   worker, big batches slow down more than small ones.
 
+With `--prefix-cache on` (the default, as `tandem up`'s workers) the cluster's workers keep
+prefix caches and so do the simulated ones (`services/planner/caches.py`), the workload's token
+ids given to both; `off` turns both off.
+
 It also prints where the cores went during each measured run (`loadtest/process_cpu.py`): the
 workers' CPU seconds, the gateway's, the scheduler's, the load client's, and the rest's share
 of the machine and CPU per output token.
@@ -56,7 +60,7 @@ from loadtest.client import run_workload
 from loadtest.metrics import Summary, summarize
 from loadtest.plan_search import to_records
 from loadtest.process_cpu import CLIENT, cpu_seconds_by_role, difference
-from loadtest.served import tandem_up
+from loadtest.served import environment, tandem_up
 from loadtest.worker_metrics import BatchRange, WorkerCounters, worker_counters
 from loadtest.workload import WorkloadRequest, read_workload
 from services.planner.profile import ProfileError, SharedCores, WorkerProfile
@@ -65,6 +69,8 @@ from services.planner.workload import SimRequest
 from shared.metrics import STEP_BUCKETS
 
 FIGURES = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+# The workers' setting (`--prefix-cache` sets it for the clusters it starts).
+PREFIX_CACHING_ENV = "TANDEM_ENABLE_PREFIX_CACHING"
 # Profiles measured on this machine kind as `tandem up`'s workers share it: one torch thread
 # each, two (1P1D) or three (1P2D, 2P1D) profiles measured at once.
 SHARED_PROFILES = (
@@ -83,6 +89,10 @@ TOLERANCE = 0.2
 
 class ValidateError(ValueError):
     pass
+
+
+def _off(value: str) -> bool:
+    return value.strip().lower() in ("0", "false", "no", "off")
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
@@ -158,12 +168,20 @@ def simulated(
     p: int,
     d: int,
     shared: SharedCores | None = None,
+    prefix_cache: bool = False,
 ) -> Run:
     sim_requests = [
-        SimRequest(r.arrival_time, r.num_prompt_tokens or 1, r.max_tokens, label=r.label)
+        SimRequest(
+            r.arrival_time,
+            r.num_prompt_tokens or 1,
+            r.max_tokens,
+            label=r.label,
+            prompt_token_ids=tuple(r.prompt_token_ids) if r.prompt_token_ids else None,
+        )
         for r in requests
     ]
-    result = Simulator(profile, SimConfig(p, d), shared).run(sim_requests)
+    config = SimConfig(p, d, prefix_cache=prefix_cache)
+    result = Simulator(profile, config, shared).run(sim_requests)
     steps = {
         role: StepTimes(
             sum(s.num_steps for s in stats.values()),
@@ -198,11 +216,12 @@ def _add_ranges(
 
 
 def measured(
-    requests: list[WorkloadRequest], p: int, d: int, extra: list[str]
+    requests: list[WorkloadRequest], p: int, d: int, extra: list[str], caches: bool
 ) -> tuple[Run, dict[str, float]]:
     """The run's figures and steps, and the CPU seconds each role's processes (and the load
     client) used during it."""
-    with tandem_up(p, d, extra) as cluster:
+    settings = {PREFIX_CACHING_ENV: "true" if caches else "false"}
+    with environment(settings), tandem_up(p, d, extra) as cluster:
         before = worker_counters(httpx.get(cluster.url + "/metrics", timeout=30).text)
         cpu_before = cpu_seconds_by_role(cluster.process.pid)
         result = asyncio.run(run_workload(cluster.url, "smollm2", requests, name=f"{p}P{d}D"))
@@ -436,8 +455,16 @@ def main(argv: list[str] | None = None) -> int:
         help="measured runs per configuration; their medians are compared (the real cluster's "
         "figures spread by tens of percent between runs of one workload)",
     )
+    parser.add_argument(
+        "--prefix-cache",
+        choices=("on", "off"),
+        default="off" if _off(os.environ.get(PREFIX_CACHING_ENV, "")) else "on",
+        help=f"the workers' prefix caches, in the cluster and in the simulation alike (default: "
+        f"{PREFIX_CACHING_ENV}, else on, as `tandem up`)",
+    )
     parser.add_argument("--out", help="a JSON file for the tables")
     args = parser.parse_args(argv)
+    caches = args.prefix_cache == "on"
     try:
         if args.repeats < 1:
             raise ValidateError(f"--repeats must be at least 1, got {args.repeats}")
@@ -458,24 +485,25 @@ def main(argv: list[str] | None = None) -> int:
     for p, d in configs:
         name, profile = f"{p}P{d}D", profiles[(p, d)]
         measurements = [
-            measured(requests, p, d, args.cluster_args.split()) for _ in range(args.repeats)
+            measured(requests, p, d, args.cluster_args.split(), caches) for _ in range(args.repeats)
         ]
         runs = [run for run, _ in measurements]
         cpu[name] = (runs[0][0], measurements[0][1])  # the first run's
         real = median_run(runs)
-        results["profile"][name] = (simulated(profile, requests, p, d), real)
+        results["profile"][name] = (simulated(profile, requests, p, d, None, caches), real)
         if shared is not None:
-            shared_run = simulated(shared.profiles[0], requests, p, d, shared)
+            shared_run = simulated(shared.profiles[0], requests, p, d, shared, caches)
             results["shared cores"][name] = (shared_run, real)
         factors[name] = slow_down(profile, real[1], results["profile"][name][0][1], requests)
         slowed_profile = profile.slowed(*factors[name])
-        results["slowed"][name] = (simulated(slowed_profile, requests, p, d), real)
+        results["slowed"][name] = (simulated(slowed_profile, requests, p, d, None, caches), real)
         by_batch[name] = batch_factors(profile, real[1]["decode"], requests)
         if by_batch[name]:
             fitted_profile = profile.slowed(prefill=factors[name][0]).slowed_by_batch(
                 by_batch[name]
             )
-            results["fitted"][name] = (simulated(fitted_profile, requests, p, d), real)
+            fitted_run = simulated(fitted_profile, requests, p, d, None, caches)
+            results["fitted"][name] = (fitted_run, real)
         print(report("profile", results["profile"]), flush=True)
     for model, runs in results.items():
         if not runs:  # "fitted" without per-batch counters (a cluster older than them)

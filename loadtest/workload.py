@@ -16,6 +16,10 @@ random choice comes from its own stream seeded by (seed, purpose), so a differen
 prompts and lengths unchanged.
 
     .venv/bin/python -m loadtest.workload --out loadtest/workloads/mixed64.jsonl [--rate 2]
+
+`--generator NAME` writes one of `tandem bench`'s built-in workloads instead
+(`loadtest/generators.py`: chat, long, bulk, mix, agents, json), so that `tandem plan` can
+replay it: `--generator agents` keeps the conversations' shared prefixes in the token ids.
 """
 
 from __future__ import annotations
@@ -245,16 +249,29 @@ def main(argv: list[str] | None = None) -> None:
         help="LOW,HIGH output tokens (default 1,256)",
     )
     parser.add_argument("--model", default=None, help="whose tokenizer (default: smollm2)")
+    parser.add_argument(
+        "--generator",
+        help="one of `tandem bench`'s built-in workloads (chat, long, bulk, mix, agents, json) "
+        "instead of the long-tailed ranges",
+    )
     args = parser.parse_args(argv)
+    from loadtest.generators import GENERATORS, generate, with_arrivals
+
+    if args.generator is not None and args.generator not in GENERATORS:
+        parser.error(f"--generator must be one of {', '.join(GENERATORS)}, got {args.generator!r}")
 
     from transformers import AutoTokenizer
 
     from shared.engine.model_files import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model)[0])
-    requests = build_workload(
-        tokenizer, args.num, args.seed, args.rate, args.prompt_range, args.output_range
-    )
+    if args.generator is not None:
+        built = generate(tokenizer, args.generator, args.num, args.seed)
+        requests = with_arrivals(built, args.rate, args.seed)
+    else:
+        requests = build_workload(
+            tokenizer, args.num, args.seed, args.rate, args.prompt_range, args.output_range
+        )
     write_workload(args.out, requests)
     prompt_lens = sorted(r.num_prompt_tokens or 0 for r in requests)
     output_lens = sorted(r.max_tokens for r in requests)

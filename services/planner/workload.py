@@ -43,6 +43,11 @@ class SimRequest:
     prompt_token_ids: tuple[int, ...] | None = None  # the prompt itself, when the workload has it
     num_shared_tokens: int = 0  # else: the leading tokens every prompt of its tenant shares
 
+    @property
+    def shares_tokens(self) -> bool:
+        """Whether its prompt can share tokens with others' (a cache has something to find)."""
+        return self.prompt_token_ids is not None or self.num_shared_tokens > 0
+
     def prompt(self, index: int) -> list[int]:
         """Its prompt's tokens: its own, or a shared prefix and then tokens only the request
         numbered `index` has."""

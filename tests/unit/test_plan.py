@@ -57,10 +57,11 @@ def test_plan_finds_a_configuration_that_meets_its_slos_when_resimulated(
     assert cli.main(["plan", *flags, "--emit", "compose", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "cheapest configuration meeting" in out and "runners-up:" in out
-    assert "(2 at a time)" in out and "events/s" in out and "goodput" in out
+    assert "(2 at a time, prefix caches off)" in out and "events/s" in out and "goodput" in out
     capped = ["--jobs", "64", "--max-splits", "2", "--chunk-budgets", "256,512"]
     cli.main(["plan", *flags[:-2], *capped])  # meeting or not, it runs 4 at a time:
-    assert "(4 at a time)" in capsys.readouterr().out  # 2 splits x 2 budgets a cost
+    capped_out = capsys.readouterr().out  # 2 splits x 2 budgets a cost
+    assert "(4 at a time, prefix caches off)" in capped_out
     best = json.loads((tmp_path / "plan.json").read_text())["best"]
     assert f"--scale prefill={best['num_prefill']} --scale decode={best['num_decode']}" in out
     assert (tmp_path / "goodput-vs-cost.png").stat().st_size > 0
@@ -141,3 +142,18 @@ def test_wrong_profile_or_workload_exit_2(profile_path, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         plan(profile_path, "--slo", "ttft_p99=1s", "--emit", "helm")
     assert exit_info.value.code == 2
+
+
+def test_a_shared_prefix_is_planned_with_the_workers_caches(profile_path, capsys):
+    """Prompts starting with their tenant's 512-token system prompt: with the caches simulated
+    (auto: the workload shares tokens) the system prompt is computed once per prefill worker,
+    and fewer prefill workers meet the objective than when every prompt is computed whole."""
+    shared = "poisson:rate=2,n=60,prompt=600-1200,output=4-16,prefix=512,tenants=2,seed=1"
+    flags = ["--workload", shared, "--profile", profile_path, "--max-workers", "6"]
+    flags += ["--slo", "ttft_p99=8s,tpot_p99=500ms", "--jobs", "1"]
+    assert cli.main(["plan", *flags]) == 0
+    cached = capsys.readouterr().out
+    assert "prefix caches on" in cached and cached.splitlines()[1].split()[0] == "3P1D"
+    assert cli.main(["plan", *flags, "--prefix-cache", "off"]) == 0
+    whole = capsys.readouterr().out
+    assert "prefix caches off" in whole and whole.splitlines()[1].split()[0] == "5P1D"
