@@ -107,8 +107,9 @@ class SimPrefillWorker:
         self.cache = cache
         self.prompts: dict[str, _Prompt] = {}  # in arrival order
         self.in_transfer: set[str] = set()
-        # Speculative jobs: grants come before or after the prefill; KV goes once both are in.
-        self.granted: set[str] = set()
+        # Speculative jobs: grants come before or after the prefill; KV goes once both are in,
+        # but for the leading blocks the grant says the decode worker holds.
+        self.granted: dict[str, int] = {}  # request id -> blocks not to send
         self.awaiting_grant: dict[str, wire.PrefillJob] = {}
         self.stepping = False
         self.stats = WorkerStats()
@@ -134,15 +135,15 @@ class SimPrefillWorker:
     def on_cancel(self, request_id: str) -> None:
         self.prompts.pop(request_id, None)
         self.in_transfer.discard(request_id)
-        self.granted.discard(request_id)
+        self.granted.pop(request_id, None)
         self.awaiting_grant.pop(request_id, None)
 
     def on_grant(self, grant: wire.PrefillGrant) -> None:
         job = self.awaiting_grant.pop(grant.request_id, None)
         if job is not None:
-            self._transfer(job)
+            self._transfer(job, grant.num_skip_blocks)
         else:  # the prefill is still running (a cancel forgets it)
-            self.granted.add(grant.request_id)
+            self.granted[grant.request_id] = grant.num_skip_blocks
 
     def _maybe_step(self) -> None:
         if self.stepping or not self.prompts:
@@ -195,14 +196,13 @@ class SimPrefillWorker:
         if job.await_grant and job.request_id not in self.granted:
             self.awaiting_grant[job.request_id] = job  # its reservation is not confirmed yet
             return
-        self.granted.discard(job.request_id)
-        self._transfer(job)
+        self._transfer(job, self.granted.pop(job.request_id, job.num_skip_blocks))
 
-    def _transfer(self, job: wire.PrefillJob) -> None:
+    def _transfer(self, job: wire.PrefillJob, num_skip_blocks: int) -> None:
         """The KV goes to the decode worker, but for the leading blocks it said it holds."""
         self.in_transfer.add(job.request_id)
         num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
-        num_tokens -= job.num_skip_blocks * self.profile.settings.block_size
+        num_tokens -= num_skip_blocks * self.profile.settings.block_size
         arrival = self.cluster.now + self.profile.transfer_time(max(0, num_tokens))
         self.cluster.at(arrival, self._transferred, job)
 

@@ -138,3 +138,58 @@ def test_shared_prefixes_and_token_ids_in_workloads(tmp_path):
     assert request.prompt(0) == [5, 6, 7]
     with pytest.raises(ValueError, match="prefix"):
         load_workload("poisson:prefix=-1")
+
+
+class Recorder:
+    """Just the simulator's clock and event list, to watch one prefill worker alone."""
+
+    now = 0.0
+
+    def __init__(self, profile):
+        self.profile = profile
+        self.events: list[tuple[float, object, tuple]] = []
+
+    def at(self, time: float, callback, *args) -> None:
+        self.events.append((time, callback, args))
+
+    def run_next(self) -> None:
+        self.events.sort(key=lambda e: e[0])
+        time, callback, args = self.events.pop(0)
+        self.now = time
+        callback(*args)
+
+    def step_profile(self):
+        return self.profile
+
+    def first_token(self, request_id: str) -> None: ...
+    def to_scheduler(self, message) -> None: ...
+    def kv_arrived(self, decode_peer_id: str, job) -> None: ...
+
+
+@pytest.mark.parametrize("grant_first", [True, False])
+def test_a_speculative_prefill_sends_only_what_its_grant_says_is_missing(grant_first):
+    """The grant (after the reservation's answer) names the blocks the decode worker holds; the
+    KV then sent is the rest, whether the grant comes before the prefill ends or after."""
+    from services.planner.workers import SimPrefillWorker
+    from shared import wire
+
+    cluster = Recorder(fixed_profile())
+    worker = SimPrefillWorker("p", cluster.profile, cluster, budget=512)
+    job = wire.PrefillJob(
+        request_id="r",
+        prompt_token_ids=PROMPT,
+        sampling=wire.SamplingSpec(max_tokens=4),
+        gateway_address="g",
+        decode_peer_id="d",
+        decode_address="d",
+        await_grant=True,
+    )
+    grant = wire.PrefillGrant(request_id="r", num_skip_blocks=2)
+    worker.on_job(job)
+    if grant_first:
+        worker.on_grant(grant)
+    cluster.run_next()  # the prefill step ends at 0.5
+    if not grant_first:
+        worker.on_grant(grant)
+    (transfer,) = cluster.events
+    assert transfer[0] == 0.5 + 0.125 + (64 - 32) / 1024
