@@ -37,6 +37,7 @@ from typing import Protocol
 from services.planner.caches import SimCache
 from services.planner.profile import WorkerProfile
 from shared import wire
+from shared.engine.pace import INITIAL_PREFILL_TOKENS_PER_S, prefill_rate, smoothed
 from shared.engine.scheduler import MIN_CHUNK, prompt_shares
 from shared.metrics import STEP_BUCKETS, batch_range
 
@@ -83,6 +84,21 @@ class WorkerStats:
 
 
 @dataclass
+class Pace:
+    """What a worker's heartbeat says of its pace, measured as the real workers measure it
+    (`shared/engine/pace.py`): the core's routing and wait forecast read both."""
+
+    step_s: float = 0.0
+    prefill_tokens_per_s: float = INITIAL_PREFILL_TOKENS_PER_S
+
+    def stepped(self, seconds: float, num_prompt_tokens: int) -> None:
+        self.step_s = smoothed(self.step_s, seconds)
+        self.prefill_tokens_per_s = prefill_rate(
+            self.prefill_tokens_per_s, num_prompt_tokens, seconds
+        )
+
+
+@dataclass
 class _Prompt:
     job: wire.PrefillJob
     num_tokens: int  # prompt tokens in all
@@ -113,6 +129,7 @@ class SimPrefillWorker:
         self.awaiting_grant: dict[str, wire.PrefillJob] = {}
         self.stepping = False
         self.stats = WorkerStats()
+        self.pace = Pace()
         self.token_cap = self._token_cap(profile.settings.step_time_target_s)
 
     def _token_cap(self, target_s: float | None) -> int | None:
@@ -156,7 +173,10 @@ class SimPrefillWorker:
         self.stepping = True
         self.stats.record_step(duration)
         self.cluster.at(
-            self.cluster.now + duration, self._end_step, dict(zip(ids, shares, strict=True))
+            self.cluster.now + duration,
+            self._end_step,
+            dict(zip(ids, shares, strict=True)),
+            duration,
         )
 
     def _sharers(self) -> list[str]:
@@ -172,8 +192,9 @@ class SimPrefillWorker:
         num_newcomers = max(1, budget // MIN_CHUNK - len(started))
         return started + waiting[:num_newcomers]
 
-    def _end_step(self, shares: dict[str, int]) -> None:
+    def _end_step(self, shares: dict[str, int], duration: float) -> None:
         self.stepping = False
+        self.pace.stepped(duration, sum(shares.values()))
         for request_id, share in shares.items():
             prompt = self.prompts.get(request_id)
             if prompt is None:  # cancelled mid-step
@@ -234,6 +255,8 @@ class SimPrefillWorker:
             steps_completed=self.stats.num_steps,
             sent_at=self.cluster.now,
             request_ids=[*self.prompts, *self.in_transfer],
+            step_s=self.pace.step_s,
+            prefill_tokens_per_s=self.pace.prefill_tokens_per_s,
             **(self.cache.heartbeat_fields() if self.cache is not None else {}),
         )
 
@@ -245,6 +268,16 @@ def job_tokens(job: wire.PrefillJob) -> list[int]:
         if job.output_token_ids
         else job.prompt_token_ids
     )
+
+
+@dataclass
+class _LocalPrefill:
+    """A prefill job a decode worker computes itself (it holds all of the prompt but this)."""
+
+    job: wire.PrefillJob
+    num_blocks: int  # its reservation's, which become its sequence's
+    num_tokens: int  # to compute: the prompt past the blocks this worker holds
+    hashes: list[int]  # the prompt's chain, named in the cache once computed
 
 
 @dataclass
@@ -269,13 +302,14 @@ class SimDecodeWorker:
     waiting: deque[_Sequence] = field(default_factory=deque)
     swapped: deque[_Sequence] = field(default_factory=deque)
     pending_reserves: list[wire.Reserve] = field(default_factory=list)  # answered at step end
-    # Prefill jobs taken here, waiting for the next step: (job, its blocks, tokens to compute,
-    # its chain); `prefilling_here` names them until their step ends (a cancel takes the name).
-    local_jobs: list[tuple[wire.PrefillJob, int, int, list[int]]] = field(default_factory=list)
+    # Prefill jobs taken here, waiting for the next step; `prefilling_here` names them until
+    # their step ends (a cancel takes the name).
+    local_jobs: list[_LocalPrefill] = field(default_factory=list)
     prefilling_here: set[str] = field(default_factory=set)
     stepping: bool = False
     stats: WorkerStats = field(default_factory=WorkerStats)
     cache: SimCache | None = None
+    pace: Pace = field(default_factory=Pace)
 
     def __post_init__(self) -> None:
         self.num_free_blocks = self.num_total_blocks
@@ -323,7 +357,7 @@ class SimDecodeWorker:
         tokens = job_tokens(job)
         hashes = self.cache.prompt_hashes(tokens, job.cache_salt) if self.cache else []
         num_cached = self.cache.num_cached_blocks(hashes) * self.block_size if self.cache else 0
-        self.local_jobs.append((job, num_blocks, len(tokens) - num_cached, hashes))
+        self.local_jobs.append(_LocalPrefill(job, num_blocks, len(tokens) - num_cached, hashes))
         self.prefilling_here.add(job.request_id)
         self._maybe_step()
 
@@ -349,9 +383,9 @@ class SimDecodeWorker:
             self.num_free_blocks += self.reserved.pop(request_id)
         if request_id in self.prefilling_here:
             self.prefilling_here.discard(request_id)
-            for entry in [e for e in self.local_jobs if e[0].request_id == request_id]:
-                self.local_jobs.remove(entry)  # not in a step yet: its blocks go back now
-                self.num_free_blocks += entry[1]
+            for local in [j for j in self.local_jobs if j.job.request_id == request_id]:
+                self.local_jobs.remove(local)  # not in a step yet: its blocks go back now
+                self.num_free_blocks += local.num_blocks
         sequence = self.running.pop(request_id, None)
         if sequence is not None:
             self.num_free_blocks += sequence.num_blocks
@@ -378,10 +412,10 @@ class SimDecodeWorker:
             duration += self.profile.transfer_time(swap_tokens)
         local, self.local_jobs = self.local_jobs, []
         if local:  # the suffixes prefilled here lengthen the step by their prefill time
-            duration += profile.prefill_time(sum(entry[2] for entry in local))
+            duration += profile.prefill_time(sum(j.num_tokens for j in local))
         self.stepping = True
         self.stats.record_step(duration, len(batch), num_context_tokens)
-        self.cluster.at(self.cluster.now + duration, self._end_step, local)
+        self.cluster.at(self.cluster.now + duration, self._end_step, local, duration)
 
     def _admit(self) -> int:
         """Swapped sequences first (returns the tokens copied back), then waiting ones."""
@@ -423,8 +457,9 @@ class SimDecodeWorker:
                 sequence.num_blocks += need
         return num_swapped_out
 
-    def _end_step(self, local: list[tuple[wire.PrefillJob, int, int, list[int]]]) -> None:
+    def _end_step(self, local: list[_LocalPrefill], duration: float) -> None:
         self.stepping = False
+        self.pace.stepped(duration, sum(j.num_tokens for j in local))
         for sequence in list(self.running.values()):
             sequence.num_generated += 1
             sequence.num_generated_here += 1
@@ -433,22 +468,23 @@ class SimDecodeWorker:
                 del self.running[sequence.request_id]
                 self.num_free_blocks += sequence.num_blocks
                 self._report(sequence)
-        for job, num_blocks, _, hashes in local:
-            self._prefilled_here(job, num_blocks, hashes)
+        for prefilled in local:
+            self._prefilled_here(prefilled)
         reserves, self.pending_reserves = self.pending_reserves, []
         for reserve in reserves:
             self.cluster.to_scheduler(self._reserve(reserve))
         self._maybe_step()
 
-    def _prefilled_here(self, job: wire.PrefillJob, num_blocks: int, hashes: list[int]) -> None:
+    def _prefilled_here(self, prefilled: _LocalPrefill) -> None:
         """A suffix prefilled here has its first token: reported as a prefill worker would,
         and the sequence decodes here from the next step (or ends, at one token)."""
+        job, num_blocks = prefilled.job, prefilled.num_blocks
         if job.request_id not in self.prefilling_here:
             self.num_free_blocks += num_blocks  # cancelled during the step
             return
         self.prefilling_here.discard(job.request_id)
         if self.cache is not None:
-            self.cache.store(hashes)
+            self.cache.store(prefilled.hashes)
         self.cluster.first_token(job.request_id)
         num_output = len(job.output_token_ids) + 1
         if num_output >= job.sampling.max_tokens:
@@ -506,5 +542,7 @@ class SimDecodeWorker:
             num_swapped=len(self.swapped),
             num_swap_preemptions=self.stats.num_preemptions,
             request_ids=self.held_ids(),
+            step_s=self.pace.step_s,
+            prefill_tokens_per_s=self.pace.prefill_tokens_per_s,
             **(self.cache.heartbeat_fields() if self.cache is not None else {}),
         )

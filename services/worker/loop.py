@@ -24,6 +24,7 @@ from shared import wire
 from shared.curve import Security
 from shared.engine.engine import LLMEngine
 from shared.engine.loader import dtype_name, load_model
+from shared.engine.pace import smoothed
 from shared.engine.prefix_cache import worker_cache_key
 from shared.gc_policy import CollectionTimer
 from shared.lifecycle import WorkerEvents
@@ -31,12 +32,6 @@ from shared.logs import get_logger
 from shared.metrics import serve_metrics
 
 LOOP_STALL_S = 60.0  # /health fails when the loop has not turned this long (one step is less)
-STEP_SMOOTHING = 0.3  # weight of the newest step in the moving average of step durations
-
-
-def smoothed(average: float, newest: float) -> float:
-    """The moving average of step durations; the first step stands alone."""
-    return newest if average == 0 else (1 - STEP_SMOOTHING) * average + STEP_SMOOTHING * newest
 
 
 class WorkerLoop(abc.ABC):

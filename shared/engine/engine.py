@@ -34,8 +34,6 @@ from shared.engine.step_batch import SequenceChunk, build_step_batch
 from shared.engine.swap import PreemptionCosts, Stopwatch, SwapSpace
 from shared.errors import InvalidRequestError
 
-MIN_MEASURED_PREFILL_TOKENS = 64  # prompt tokens in a step that make it a prefill rate sample
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -388,8 +386,7 @@ class LLMEngine:
         # Prompt chunks are longer than one token; a step with enough of them samples the rate
         # (its decode tokens ride along and are counted in the time, not the tokens).
         num_prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
-        if num_prompt_tokens >= MIN_MEASURED_PREFILL_TOKENS:
-            self.preemption.record_prefill(num_prompt_tokens, seconds)
+        self.preemption.record_prefill(num_prompt_tokens, seconds)
 
     def _built_matchers(self, chunks: list[ScheduledChunk]) -> list[Any]:
         """The grammar matchers, already built, of the sequences this step will sample (those

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.engine.pace import INITIAL_PREFILL_TOKENS_PER_S, prefill_rate, smoothed_rate
+
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-# Starting guesses, replaced by measurements as soon as there are any: a memcpy-bound copy, and
-# prefill on two CPU cores for a 135M-parameter model.
+# A starting guess, replaced by measurements as soon as there are any: a memcpy-bound copy (the
+# prefill rate's is `pace.INITIAL_PREFILL_TOKENS_PER_S`).
 INITIAL_COPY_BYTES_PER_S = 2e9
-INITIAL_PREFILL_TOKENS_PER_S = 500.0
-RATE_SMOOTHING = 0.3  # weight of the newest measurement in the moving average
 
 
 @dataclass
@@ -102,11 +102,10 @@ class PreemptionCosts:
 
     def record_copy(self, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0 and seconds > 0:
-            self.copy_bytes_per_s = _smooth(self.copy_bytes_per_s, num_bytes / seconds)
+            self.copy_bytes_per_s = smoothed_rate(self.copy_bytes_per_s, num_bytes / seconds)
 
     def record_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0 and seconds > 0:
-            self.prefill_tokens_per_s = _smooth(self.prefill_tokens_per_s, num_tokens / seconds)
+        self.prefill_tokens_per_s = prefill_rate(self.prefill_tokens_per_s, num_tokens, seconds)
 
 
 class Stopwatch:
@@ -116,10 +115,6 @@ class Stopwatch:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.start
-
-
-def _smooth(old: float, new: float) -> float:
-    return (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * new
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.loop import STEP_SMOOTHING, smoothed
+from shared.engine.pace import STEP_SMOOTHING, smoothed
 
 
 def test_the_first_step_stands_alone_and_later_ones_move_the_average_by_their_weight():
