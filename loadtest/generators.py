@@ -15,10 +15,16 @@ Two workloads of the agent hub stand apart:
 - `json`: short questions answered under a JSON schema (`response_format`), so decoding is
   constrained and ends where the structure does: EOS is not ignored and the token count is not
   checked against `max_tokens`.
+
+Written to a JSONL file, a built-in workload is replayed by `tandem bench --workload` and by
+`tandem plan` (whose simulated prefix caches find the agents' shared prefixes in the ids):
+
+    .venv/bin/python -m loadtest.generators agents --num 32 --rate 0.5 --out agents32.jsonl
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,9 +36,11 @@ from loadtest.workload import (
     arrival_times,
     build_workload,
     corpus_window,
+    load_tokenizer,
     long_tailed_lengths,
     stream,
     tokenize_corpus,
+    write_workload,
 )
 
 
@@ -166,3 +174,24 @@ def with_arrivals(
     """The same requests, all at once (`rate` None) or as a Poisson process at `rate` per s."""
     times = arrival_times(stream(seed, f"arrivals-{rate}"), len(requests), rate)
     return [dataclasses.replace(r, arrival_time=t) for r, t in zip(requests, times, strict=True)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="write a built-in workload as JSONL")
+    parser.add_argument("name", choices=GENERATORS)
+    parser.add_argument("--out", required=True, help="the JSONL file to write")
+    parser.add_argument("--num", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=None, help="Poisson rate (req/s); else burst")
+    parser.add_argument("--model", default=None, help="whose tokenizer (default: smollm2)")
+    args = parser.parse_args(argv)
+    if args.num < 1:
+        parser.error(f"--num must be at least 1, got {args.num}")
+    built = generate(load_tokenizer(args.model), args.name, args.num, args.seed)
+    requests = with_arrivals(built, args.rate, args.seed)
+    write_workload(args.out, requests)
+    print(f"wrote {len(requests)} {args.name} requests to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

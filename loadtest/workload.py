@@ -16,10 +16,6 @@ random choice comes from its own stream seeded by (seed, purpose), so a differen
 prompts and lengths unchanged.
 
     .venv/bin/python -m loadtest.workload --out loadtest/workloads/mixed64.jsonl [--rate 2]
-
-`--generator NAME` writes one of `tandem bench`'s built-in workloads instead
-(`loadtest/generators.py`: chat, long, bulk, mix, agents, json), so that `tandem plan` can
-replay it: `--generator agents` keeps the conversations' shared prefixes in the token ids.
 """
 
 from __future__ import annotations
@@ -230,6 +226,15 @@ def parse_range(value: str) -> tuple[int, int]:
     return low, high
 
 
+def load_tokenizer(model: str | None = None) -> Any:
+    """The model's tokenizer (default: smollm2), whose tokens a written workload holds."""
+    from transformers import AutoTokenizer
+
+    from shared.engine.model_files import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model)[0])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="the JSONL file to write")
@@ -249,29 +254,16 @@ def main(argv: list[str] | None = None) -> None:
         help="LOW,HIGH output tokens (default 1,256)",
     )
     parser.add_argument("--model", default=None, help="whose tokenizer (default: smollm2)")
-    parser.add_argument(
-        "--generator",
-        help="one of `tandem bench`'s built-in workloads (chat, long, bulk, mix, agents, json) "
-        "instead of the long-tailed ranges",
-    )
     args = parser.parse_args(argv)
-    from loadtest.generators import GENERATORS, generate, with_arrivals
 
-    if args.generator is not None and args.generator not in GENERATORS:
-        parser.error(f"--generator must be one of {', '.join(GENERATORS)}, got {args.generator!r}")
-
-    from transformers import AutoTokenizer
-
-    from shared.engine.model_files import resolve_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model)[0])
-    if args.generator is not None:
-        built = generate(tokenizer, args.generator, args.num, args.seed)
-        requests = with_arrivals(built, args.rate, args.seed)
-    else:
-        requests = build_workload(
-            tokenizer, args.num, args.seed, args.rate, args.prompt_range, args.output_range
-        )
+    requests = build_workload(
+        load_tokenizer(args.model),
+        args.num,
+        args.seed,
+        args.rate,
+        args.prompt_range,
+        args.output_range,
+    )
     write_workload(args.out, requests)
     prompt_lens = sorted(r.num_prompt_tokens or 0 for r in requests)
     output_lens = sorted(r.max_tokens for r in requests)

@@ -235,15 +235,7 @@ class SimPrefillWorker:
         self._report(job.request_id, None)
 
     def _report(self, request_id: str, finish_reason: str | None) -> None:
-        done = wire.RequestDone(
-            request_id=request_id,
-            peer_id=self.peer_id,
-            phase="prefill",
-            finish_reason=finish_reason,
-            num_prompt_tokens=0,
-            num_output_tokens=1,
-        )
-        self.cluster.to_scheduler(done)
+        self.cluster.to_scheduler(prefill_done(self.peer_id, request_id, finish_reason))
 
     def heartbeat(self) -> wire.Heartbeat:
         return wire.Heartbeat(
@@ -259,6 +251,19 @@ class SimPrefillWorker:
             prefill_tokens_per_s=self.pace.prefill_tokens_per_s,
             **(self.cache.heartbeat_fields() if self.cache is not None else {}),
         )
+
+
+def prefill_done(peer_id: str, request_id: str, finish_reason: str | None) -> wire.RequestDone:
+    """A prefill's report to the scheduler: its first token made (charged to the party), or
+    an error."""
+    return wire.RequestDone(
+        request_id=request_id,
+        peer_id=peer_id,
+        phase="prefill",
+        finish_reason=finish_reason,
+        num_prompt_tokens=0,
+        num_output_tokens=0 if finish_reason == "error" else 1,
+    )
 
 
 def job_tokens(job: wire.PrefillJob) -> list[int]:
@@ -503,15 +508,7 @@ class SimDecodeWorker:
         self._report_prefill(job.request_id, None)
 
     def _report_prefill(self, request_id: str, finish_reason: str | None) -> None:
-        done = wire.RequestDone(
-            request_id=request_id,
-            peer_id=self.peer_id,
-            phase="prefill",
-            finish_reason=finish_reason,
-            num_prompt_tokens=0,
-            num_output_tokens=1 if finish_reason != "error" else 0,
-        )
-        self.cluster.to_scheduler(done)
+        self.cluster.to_scheduler(prefill_done(self.peer_id, request_id, finish_reason))
 
     def _report(self, sequence: _Sequence) -> None:
         self.cluster.token_finished(sequence.request_id, sequence.num_generated)

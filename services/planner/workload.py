@@ -11,7 +11,7 @@ of the range and the 99th percentile at its top (clipped to the range), as the b
 draws them. Every request generates exactly `max_tokens` tokens (the bench's `ignore_eos`).
 
 The tokens matter only to simulated prefix caches (`SimConfig.prefix_cache`): a JSONL file's
-`prompt_token_ids` are kept (`python -m loadtest.workload --generator agents` writes the agent
+`prompt_token_ids` are kept (`python -m loadtest.generators agents` writes the agent
 hub's conversations so); a generated prompt starts with `prefix` tokens its tenant's prompts all
 share (a system prompt, at most the prompt's length) and goes on with tokens no other prompt has.
 """

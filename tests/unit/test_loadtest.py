@@ -136,17 +136,21 @@ def test_the_default_workload_text_round_trips_through_the_real_tokenizer():
 
 
 def test_a_built_in_generator_is_written_for_the_planner_with_its_shared_prefixes(tmp_path):
-    from loadtest.workload import main
+    from loadtest.generators import main
     from services.planner.workload import load_workload
 
     path = tmp_path / "agents.jsonl"
-    main(["--generator", "agents", "--num", "8", "--rate", "1", "--out", str(path)])
+    main(["agents", "--num", "8", "--rate", "1", "--out", str(path)])
     written = read_workload(path)
     assert len(written) == 8 and all(r.label == "agents" for r in written)
     planned = load_workload(str(path))
     system = planned[0].prompt_token_ids[:512]
     assert all(r.shares_tokens and r.prompt_token_ids[:512] == system for r in planned)
     assert [r.arrival_time for r in planned] == sorted(r.arrival_time for r in written)
+    for wrong in (["nope"], ["agents", "--num", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*wrong, "--out", str(tmp_path / "wrong.jsonl")])
+        assert exit_info.value.code == 2 and not (tmp_path / "wrong.jsonl").exists()
 
 
 # --- metrics -----------------------------------------------------------------------------------
