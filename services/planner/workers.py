@@ -91,11 +91,12 @@ class Pace:
     step_s: float = 0.0
     prefill_tokens_per_s: float = INITIAL_PREFILL_TOKENS_PER_S
 
-    def stepped(self, seconds: float, num_prompt_tokens: int) -> None:
+    def stepped(self, seconds: float, num_prompt_tokens: int = 0) -> None:
         self.step_s = smoothed(self.step_s, seconds)
-        self.prefill_tokens_per_s = prefill_rate(
-            self.prefill_tokens_per_s, num_prompt_tokens, seconds
-        )
+        if num_prompt_tokens:  # (a decode step, the usual one, samples no rate)
+            self.prefill_tokens_per_s = prefill_rate(
+                self.prefill_tokens_per_s, num_prompt_tokens, seconds
+            )
 
 
 @dataclass
@@ -464,7 +465,7 @@ class SimDecodeWorker:
 
     def _end_step(self, local: list[_LocalPrefill], duration: float) -> None:
         self.stepping = False
-        self.pace.stepped(duration, sum(j.num_tokens for j in local))
+        self.pace.stepped(duration, sum(j.num_tokens for j in local) if local else 0)
         for sequence in list(self.running.values()):
             sequence.num_generated += 1
             sequence.num_generated_here += 1

@@ -11,10 +11,25 @@ Pure: candidates in, a choice out.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_TOKENS_PER_S = 300.0  # until a worker has measured its rate (a CPU's order of magnitude)
+RATE_STEPS_PER_DOUBLING = 16  # routing reads a measured rate to within 2.2%
+
+
+def routing_rate(tokens_per_s: float) -> float:
+    """A worker's measured prefill rate as routing reads it: on a grid of 16 steps a doubling
+    (each 4.4% above the last). The measurement is a moving average that never repeats itself
+    exactly, so a thousand workers of one kind would report a thousand rates, and the index,
+    which keeps workers per rate (`candidates.py`), would hand the placement all thousand to
+    compare; on the grid they are a few groups, and rates that close are noise, not a reason to
+    prefer one worker. 0 (not measured) stays 0."""
+    if not tokens_per_s > 0:
+        return 0.0
+    steps = round(math.log2(tokens_per_s) * RATE_STEPS_PER_DOUBLING)
+    return 2.0 ** (steps / RATE_STEPS_PER_DOUBLING)
 
 
 @dataclass(frozen=True)

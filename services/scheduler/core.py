@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from services.scheduler import lazy_heap
 from services.scheduler.cache_holders import CacheHolders
 from services.scheduler.cache_placement import CachePlacement, prefill_tokens
-from services.scheduler.cache_routing import RoutingWeights
+from services.scheduler.cache_routing import RoutingWeights, routing_rate
 from services.scheduler.candidates import prefill_candidates
 from services.scheduler.fair_share import (
     FairQueue,
@@ -257,7 +257,7 @@ class ClusterScheduler:
         worker.num_waiting = heartbeat.num_waiting
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
-        self.registry.report_prefill_rate(worker, heartbeat.prefill_tokens_per_s)
+        self.registry.report_prefill_rate(worker, routing_rate(heartbeat.prefill_tokens_per_s))
         worker.step_s = heartbeat.step_s  # no index reads it: routing asks it of one worker
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens

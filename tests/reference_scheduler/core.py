@@ -27,7 +27,7 @@ import functools
 from dataclasses import dataclass, field
 
 from services.scheduler.cache_placement import CachePlacement
-from services.scheduler.cache_routing import RoutingWeights
+from services.scheduler.cache_routing import RoutingWeights, routing_rate
 from shared import wire
 from tests.reference_scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
 from tests.reference_scheduler.registry import WorkerRegistry, WorkerState
@@ -224,7 +224,7 @@ class ClusterScheduler:
         worker.num_waiting = heartbeat.num_waiting
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
-        worker.prefill_tokens_per_s = heartbeat.prefill_tokens_per_s
+        worker.prefill_tokens_per_s = routing_rate(heartbeat.prefill_tokens_per_s)
         worker.step_s = heartbeat.step_s
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens

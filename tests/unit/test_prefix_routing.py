@@ -17,6 +17,7 @@ from services.scheduler.cache_routing import (
     decode_affinity,
     local_prefill_wait_s,
     predicted_wait_s,
+    routing_rate,
 )
 from services.scheduler.core import ClusterScheduler, SchedulerLimits
 from services.scheduler.prefix_index import PrefixIndex
@@ -301,3 +302,28 @@ def test_a_busy_decode_worker_holding_the_prefix_gets_a_speculative_job_unless_l
     else:  # a quick step: the decode worker takes the 6-token suffix itself
         (job,) = sent(out, wire.PrefillJob)
         assert job.identity == b"D"
+
+
+def test_measured_rates_are_read_on_a_grid():
+    assert routing_rate(0.0) == 0.0 and routing_rate(-1.0) == 0.0 and routing_rate(512.0) == 512.0
+    rates = [500.0 * (1 + i / 1000) for i in range(100)]  # 500 to 549.5 tokens/s
+    on_grid = [routing_rate(r) for r in rates]
+    assert all(abs(g / r - 1) <= 0.022 for g, r in zip(on_grid, rates, strict=True))
+    assert on_grid == sorted(on_grid) and len(set(on_grid)) == 4  # a 10% spread: 4 steps
+
+
+def test_a_thousand_measured_rates_leave_the_placement_a_few_workers_to_compare():
+    """Real workers report moving averages that never repeat exactly: the index keeps workers per
+    rate, and without the grid each of them was a group of one, compared at every decision."""
+    from services.scheduler.candidates import prefill_candidates
+
+    core = ClusterScheduler(SchedulerLimits())
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    for i in range(1000):
+        peer_id = f"p{i}"
+        core.on_hello(peer_id.encode(), hello(peer_id, "prefill"), 0.0)
+        measured = dataclasses.replace(heartbeat(peer_id), prefill_tokens_per_s=500.0 + i / 10)
+        core.on_heartbeat(peer_id.encode(), measured, 0.0)
+    candidates = prefill_candidates(core.registry, RoutingWeights(), 64, False, 0.0, set())
+    groups = {routing_rate(500.0 + i / 10) for i in range(1000)}  # a 20% spread
+    assert len(candidates) == len(groups) == 6  # the least loaded of each (all 1,000 before)
