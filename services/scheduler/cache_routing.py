@@ -25,8 +25,9 @@ def routing_rate(tokens_per_s: float) -> float:
     exactly, so a thousand workers of one kind would report a thousand rates, and the index,
     which keeps workers per rate (`candidates.py`), would hand the placement all thousand to
     compare; on the grid they are a few groups, and rates that close are noise, not a reason to
-    prefer one worker. 0 (not measured) stays 0."""
-    if not tokens_per_s > 0:
+    prefer one worker. 0 (not measured) stays 0, and so does a rate no worker can have (NaN,
+    infinite, negative: a heartbeat's floats are not range-checked on the wire)."""
+    if not 0.0 < tokens_per_s < math.inf:
         return 0.0
     steps = round(math.log2(tokens_per_s) * RATE_STEPS_PER_DOUBLING)
     return 2.0 ** (steps / RATE_STEPS_PER_DOUBLING)

@@ -305,7 +305,9 @@ def test_a_busy_decode_worker_holding_the_prefix_gets_a_speculative_job_unless_l
 
 
 def test_measured_rates_are_read_on_a_grid():
-    assert routing_rate(0.0) == 0.0 and routing_rate(-1.0) == 0.0 and routing_rate(512.0) == 512.0
+    assert routing_rate(512.0) == 512.0
+    for impossible in (0.0, -1.0, float("nan"), float("inf"), -float("inf")):
+        assert routing_rate(impossible) == 0.0
     rates = [500.0 * (1 + i / 1000) for i in range(100)]  # 500 to 549.5 tokens/s
     on_grid = [routing_rate(r) for r in rates]
     assert all(abs(g / r - 1) <= 0.022 for g, r in zip(on_grid, rates, strict=True))
@@ -327,3 +329,14 @@ def test_a_thousand_measured_rates_leave_the_placement_a_few_workers_to_compare(
     candidates = prefill_candidates(core.registry, RoutingWeights(), 64, False, 0.0, set())
     groups = {routing_rate(500.0 + i / 10) for i in range(1000)}  # a 20% spread
     assert len(candidates) == len(groups) == 6  # the least loaded of each (all 1,000 before)
+
+
+def test_a_heartbeat_with_an_impossible_rate_is_read_as_unmeasured():
+    core = ClusterScheduler(SchedulerLimits())
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", hello("p", "prefill"), 0.0)
+    core.on_hello(b"D", hello("d", "decode"), 0.0)
+    for rate in (float("inf"), float("nan"), -5.0):
+        core.on_heartbeat(b"P", dataclasses.replace(heartbeat("p"), prefill_tokens_per_s=rate), 0.0)
+        assert core.registry.get("p").prefill_tokens_per_s == 0.0
+    assert sent(core.on_submit(b"G", submit("r", prompt_len=40), 0.0), wire.Reserve)
