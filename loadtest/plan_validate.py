@@ -66,6 +66,7 @@ from loadtest.workload import WorkloadRequest, read_workload
 from services.planner.profile import ProfileError, SharedCores, WorkerProfile
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import SimRequest
+from shared.config import parse_value
 from shared.metrics import STEP_BUCKETS
 
 FIGURES = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
@@ -91,8 +92,11 @@ class ValidateError(ValueError):
     pass
 
 
-def _off(value: str) -> bool:
-    return value.strip().lower() in ("0", "false", "no", "off")
+def caching_default() -> str:
+    """`--prefix-cache`'s default: the workers' own setting from the environment, read as they
+    read it, else on (as `tandem up`)."""
+    raw = os.environ.get(PREFIX_CACHING_ENV)
+    return "on" if raw is None or parse_value(raw, bool) else "off"
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
@@ -437,6 +441,11 @@ MODELS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        default_caching = caching_default()
+    except ValueError as error:
+        print(f"plan_validate: {PREFIX_CACHING_ENV}: {error}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="loadtest/workloads/mixed64.jsonl")
     parser.add_argument("--profile", default=SHARED_PROFILES)
@@ -458,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prefix-cache",
         choices=("on", "off"),
-        default="off" if _off(os.environ.get(PREFIX_CACHING_ENV, "")) else "on",
+        default=default_caching,
         help=f"the workers' prefix caches, in the cluster and in the simulation alike (default: "
         f"{PREFIX_CACHING_ENV}, else on, as `tandem up`)",
     )

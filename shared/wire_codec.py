@@ -279,9 +279,14 @@ def _torch_dtype(name: str) -> torch.dtype:
     return _torch_dtypes()[name]
 
 
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {dtype: name for name, dtype in _torch_dtypes().items()}
+
+
 def _dtype_name(dtype: torch.dtype) -> str | None:
     """The header name of a torch dtype; None for one the wire does not carry."""
-    return next((name for name, d in _torch_dtypes().items() if d == dtype), None)
+    return _dtype_names().get(dtype)
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -18,13 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from shared.engine.prefix_cache import (
-    TENANTS_SEPARATOR,
-    CacheKey,
-    block_hash,
-    root_hash_of,
-    worker_cache_key,
-)
+from shared.engine.prefix_cache import CacheKey, prompt_chain, worker_cache_key
 
 # Every simulated worker's cache key (the cluster's must agree): tenants keep their own blocks,
 # as the real workers' default (`share_prefix_cache` off).
@@ -37,9 +31,6 @@ class SimCache:
             raise ValueError("a cache needs block_size >= 1 and capacity >= 0")
         self.block_size = block_size
         self.capacity = capacity
-        self.key = SIM_CACHE_KEY
-        self._key_text, _, tenants = SIM_CACHE_KEY.rpartition(TENANTS_SEPARATOR)
-        self._salted = tenants != "shared"
         self._held: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._touched: set[int] = set()  # stored or evicted since the last heartbeat's batch
         self._seq = 0
@@ -48,15 +39,9 @@ class SimCache:
         return len(self._held)
 
     def prompt_hashes(self, token_ids: list[int], salt: str | None) -> list[int]:
-        """The chain of the full blocks before the one holding the last token (a worker always
-        computes that one), as the scheduler's index hashes a prompt."""
-        parent = root_hash_of(self._key_text, salt if self._salted else None)
-        hashes = []
-        size = self.block_size
-        for start in range(0, (len(token_ids) - 1) // size * size, size):
-            parent = block_hash(parent, token_ids[start : start + size])
-            hashes.append(parent)
-        return hashes
+        """The chain of the full blocks before the one holding the last token, as the
+        scheduler's index hashes a prompt."""
+        return prompt_chain(SIM_CACHE_KEY, self.block_size, token_ids, salt)
 
     def num_cached_blocks(self, hashes: list[int]) -> int:
         """The leading blocks of the chain held, each touched (recently used)."""

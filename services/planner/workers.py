@@ -36,6 +36,7 @@ from typing import Protocol
 
 from services.planner.caches import SimCache
 from services.planner.profile import WorkerProfile
+from services.scheduler.cache_placement import prefill_tokens
 from shared import wire
 from shared.engine.pace import INITIAL_PREFILL_TOKENS_PER_S, prefill_rate, smoothed
 from shared.engine.scheduler import MIN_CHUNK, prompt_shares
@@ -91,12 +92,11 @@ class Pace:
     step_s: float = 0.0
     prefill_tokens_per_s: float = INITIAL_PREFILL_TOKENS_PER_S
 
-    def stepped(self, seconds: float, num_prompt_tokens: int = 0) -> None:
+    def stepped(self, seconds: float, num_prompt_tokens: int) -> None:
         self.step_s = smoothed(self.step_s, seconds)
-        if num_prompt_tokens:  # (a decode step, the usual one, samples no rate)
-            self.prefill_tokens_per_s = prefill_rate(
-                self.prefill_tokens_per_s, num_prompt_tokens, seconds
-            )
+        self.prefill_tokens_per_s = prefill_rate(
+            self.prefill_tokens_per_s, num_prompt_tokens, seconds
+        )
 
 
 @dataclass
@@ -145,7 +145,7 @@ class SimPrefillWorker:
         num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
         prompt = _Prompt(job, num_tokens, num_tokens)
         if self.cache is not None:  # the blocks it holds are not computed again
-            prompt.hashes = self.cache.prompt_hashes(job_tokens(job), job.cache_salt)
+            prompt.hashes = self.cache.prompt_hashes(prefill_tokens(job), job.cache_salt)
             prompt.num_left -= self.cache.num_cached_blocks(prompt.hashes) * self.cache.block_size
         self.prompts[job.request_id] = prompt
         self._maybe_step()
@@ -267,15 +267,6 @@ def prefill_done(peer_id: str, request_id: str, finish_reason: str | None) -> wi
     )
 
 
-def job_tokens(job: wire.PrefillJob) -> list[int]:
-    """What a prefill computes: the prompt, and the tokens a resumed request has."""
-    return (
-        [*job.prompt_token_ids, *job.output_token_ids]
-        if job.output_token_ids
-        else job.prompt_token_ids
-    )
-
-
 @dataclass
 class _LocalPrefill:
     """A prefill job a decode worker computes itself (it holds all of the prompt but this)."""
@@ -304,6 +295,8 @@ class SimDecodeWorker:
     num_total_blocks: int
     num_free_blocks: int = field(init=False)
     reserved: dict[str, int] = field(default_factory=dict)  # request id -> blocks
+    # With a cache: a reservation's prompt chain, hashed once for its KV or its prefill here.
+    chains: dict[str, list[int]] = field(default_factory=dict)
     running: dict[str, _Sequence] = field(default_factory=dict)  # in admission order
     waiting: deque[_Sequence] = field(default_factory=deque)
     swapped: deque[_Sequence] = field(default_factory=deque)
@@ -344,6 +337,7 @@ class SimDecodeWorker:
             if self.cache is not None:
                 hashes = self.cache.prompt_hashes(reserve.token_ids, reserve.cache_salt)
                 num_cached = self.cache.num_cached_blocks(hashes)
+                self.chains[reserve.request_id] = hashes
             self.reserved[reserve.request_id] = num_blocks - num_cached
             self.num_free_blocks -= num_blocks - num_cached
         return wire.ReserveReply(
@@ -357,22 +351,23 @@ class SimDecodeWorker:
         """A prefill job sent here (the scheduler found this worker holds all of the prompt
         but a short suffix): computed in the next step, no KV crossing the wire."""
         num_blocks = self.reserved.pop(job.request_id, None)
+        hashes = self.chains.pop(job.request_id, [])
         if num_blocks is None:  # its reservation is gone: the real worker reports an error
             self._report_prefill(job.request_id, "error")
             return
-        tokens = job_tokens(job)
-        hashes = self.cache.prompt_hashes(tokens, job.cache_salt) if self.cache else []
         num_cached = self.cache.num_cached_blocks(hashes) * self.block_size if self.cache else 0
-        self.local_jobs.append(_LocalPrefill(job, num_blocks, len(tokens) - num_cached, hashes))
+        num_tokens = len(prefill_tokens(job)) - num_cached
+        self.local_jobs.append(_LocalPrefill(job, num_blocks, num_tokens, hashes))
         self.prefilling_here.add(job.request_id)
         self._maybe_step()
 
     def on_kv(self, job: wire.PrefillJob) -> None:
         num_blocks = self.reserved.pop(job.request_id, None)
+        hashes = self.chains.pop(job.request_id, [])
         if num_blocks is None:
             return  # the reservation was cancelled meanwhile
         if self.cache is not None:  # the prompt's blocks are here now, named in the cache
-            self.cache.store(self.cache.prompt_hashes(job_tokens(job), job.cache_salt))
+            self.cache.store(hashes)
         num_output = len(job.output_token_ids) + 1  # the first token came from the prefill
         sequence = _Sequence(
             job.request_id,
@@ -387,6 +382,7 @@ class SimDecodeWorker:
     def on_cancel(self, request_id: str) -> None:
         if request_id in self.reserved:
             self.num_free_blocks += self.reserved.pop(request_id)
+            self.chains.pop(request_id, None)
         if request_id in self.prefilling_here:
             self.prefilling_here.discard(request_id)
             for local in [j for j in self.local_jobs if j.job.request_id == request_id]:
@@ -465,7 +461,7 @@ class SimDecodeWorker:
 
     def _end_step(self, local: list[_LocalPrefill], duration: float) -> None:
         self.stepping = False
-        self.pace.stepped(duration, sum(j.num_tokens for j in local) if local else 0)
+        self.pace.stepped(duration, sum(j.num_tokens for j in local))
         for sequence in list(self.running.values()):
             sequence.num_generated += 1
             sequence.num_generated_here += 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.engine.prefix_cache import TENANTS_SEPARATOR, block_hash, root_hash_of
+from shared.engine.prefix_cache import prompt_chain
 
 
 @dataclass
@@ -85,14 +85,7 @@ class PrefixIndex:
         block holding the last token is left out: a worker always computes it."""
         if self.cache_key is None:
             return []
-        hashes = []
-        key_text, _, tenants = self.cache_key.rpartition(TENANTS_SEPARATOR)
-        parent = root_hash_of(key_text, None if tenants == "shared" else salt)
-        size = self.block_size
-        for start in range(0, (len(token_ids) - 1) // size * size, size):
-            parent = block_hash(parent, token_ids[start : start + size])
-            hashes.append(parent)
-        return hashes
+        return prompt_chain(self.cache_key, self.block_size, token_ids, salt)
 
     def num_cached_tokens(self, peer_id: str, hashes: list[int]) -> int:
         """Prompt tokens the worker holds as a cached prefix, as far as the index knows."""

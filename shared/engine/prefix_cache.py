@@ -90,6 +90,22 @@ def chain_hashes(
         yield previous
 
 
+def prompt_chain(
+    worker_key: str, block_size: int, token_ids: list[int], salt: str | None
+) -> list[int]:
+    """The chain of a prompt's full blocks before the one holding its last token (a worker
+    always computes that one), as workers announcing `worker_key` (`worker_cache_key`) name
+    them: salted by the tenant unless they share blocks between tenants. The scheduler's index
+    hashes prompts with it, and so do the planner's simulated workers."""
+    key_text, _, tenants = worker_key.rpartition(TENANTS_SEPARATOR)
+    parent = root_hash_of(key_text, None if tenants == "shared" else salt)
+    hashes = []
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 class Eviction(NamedTuple):
     """A cached block the pool took back: its id (free now), its hash and its protection."""
 

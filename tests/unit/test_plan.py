@@ -139,9 +139,10 @@ def test_wrong_profile_or_workload_exit_2(profile_path, tmp_path, capsys):
     flags = ["plan", "--workload", "poisson:rate=-1", "--slo", "ttft_p99=1s"]
     assert cli.main([*flags, "--profile", profile_path]) == 2
     assert "positive" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_info:
-        plan(profile_path, "--slo", "ttft_p99=1s", "--emit", "helm")
-    assert exit_info.value.code == 2
+    for wrong_choice in (["--emit", "helm"], ["--prefix-cache", "maybe"]):
+        with pytest.raises(SystemExit) as exit_info:
+            plan(profile_path, "--slo", "ttft_p99=1s", *wrong_choice)
+        assert exit_info.value.code == 2
 
 
 def test_a_shared_prefix_is_planned_with_the_workers_caches(profile_path, capsys):

@@ -14,6 +14,7 @@ from loadtest.plan_validate import (
     ValidateError,
     batch_factors,
     batch_table,
+    caching_default,
     cpu_table,
     main,
     median_run,
@@ -80,7 +81,18 @@ def test_repeated_runs_compare_by_their_medians():
     assert median.num_ok == slower.num_ok  # the rest: the first run's
 
 
-def test_wrong_values_exit_2(capsys):
+def test_wrong_values_exit_2(capsys, monkeypatch):
+    for wrong in (["--prefix-cache", "maybe"], ["--configs", "1P1D", "--repeats", "x"]):
+        with pytest.raises(SystemExit):
+            main(wrong)
+    capsys.readouterr()
+    monkeypatch.setenv("TANDEM_ENABLE_PREFIX_CACHING", "sometimes")
+    assert main([]) == 2
+    assert "TANDEM_ENABLE_PREFIX_CACHING: expected a boolean" in capsys.readouterr().err
+    monkeypatch.setenv("TANDEM_ENABLE_PREFIX_CACHING", "false")
+    assert caching_default() == "off"
+    monkeypatch.delenv("TANDEM_ENABLE_PREFIX_CACHING")
+    assert caching_default() == "on"
     assert main(["--repeats", "0"]) == 2
     assert "--repeats must be at least 1" in capsys.readouterr().err
     assert main(["--shared-cores", "/nonexistent.json"]) == 2
