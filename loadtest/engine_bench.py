@@ -66,12 +66,14 @@ def paired_medians(fns, repeats: int, device: torch.device | str = "cpu") -> lis
     return [statistics.median(samples) for samples in times]
 
 
-def ours_prefill(model, prompt_len: int):
+def ours_prefill(model, prompt_len: int, context: int = 0):
+    """One prefill step of `prompt_len` tokens after `context` tokens already in the KV cache
+    (a cached prefix, or a long prompt's earlier chunks), which its attention reads."""
     block_size = 16
-    num_blocks = -(-prompt_len // block_size)
+    num_blocks = -(-(context + prompt_len) // block_size)
     cache = KVCache(model.config, num_blocks, block_size, model.dtype, model.device)
     tokens = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
-    chunk = SequenceChunk(tokens, 0, list(range(num_blocks)))
+    chunk = SequenceChunk(tokens, context, list(range(num_blocks)))
     batch = build_step_batch([chunk], block_size, model.device)
     return lambda: model.step(batch, cache)
 

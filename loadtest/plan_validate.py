@@ -7,8 +7,11 @@ configuration, TTFT and TPOT p50/p90 simulated, measured and their relative diff
 issue's bar: within 20%), and whether the two rank the configurations alike (by mean of the
 four figures). Every worker of a local cluster shares this machine's cores, so the profile must
 be measured under the same sharing: `--profile` per configuration (`1P1D=a.json,...`), or one
-profile for all. Run it on a quiet machine; `--repeats 3` compares the medians of three
-measured runs per configuration (one run's figures spread by tens of percent).
+profile for all, or `measure`: each configuration profiled here just before its runs, as many
+`tandem profile --threads 1` at once as it has workers, their median (`profile_at_once.py`;
+a shared machine's speed moves between days by more than the bar). Run it on a quiet
+machine; `--repeats 3` compares the medians of three measured runs per configuration (one
+run's figures spread by tens of percent).
 
 Each run is simulated three ways, each with its table of figures, of the workers' steps (read
 from the cluster's /metrics around the run: steps, time inside them, their p50/p90 duration,
@@ -60,6 +63,7 @@ from loadtest.client import run_workload
 from loadtest.metrics import Summary, summarize
 from loadtest.plan_search import to_records
 from loadtest.process_cpu import CLIENT, cpu_seconds_by_role, difference
+from loadtest.profile_at_once import brief, measure_at_once
 from loadtest.served import environment, tandem_up
 from loadtest.worker_metrics import BatchRange, WorkerCounters, worker_counters
 from loadtest.workload import WorkloadRequest, read_workload
@@ -86,6 +90,8 @@ SHARED_CORES = (
     "loadtest/profiles/cpu-smollm2-1thread-3shared.json"
 )
 TOLERANCE = 0.2
+# `--profile measure`, `--shared-cores measure`: profiled here, minutes before the runs.
+MEASURE = "measure"
 
 
 class ValidateError(ValueError):
@@ -448,12 +454,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="loadtest/workloads/mixed64.jsonl")
-    parser.add_argument("--profile", default=SHARED_PROFILES)
+    parser.add_argument(
+        "--profile",
+        default=SHARED_PROFILES,
+        help="one profile file, NAME=file per configuration, or `measure`: each configuration "
+        "profiled here just before its runs, as many at once as it has workers",
+    )
     parser.add_argument(
         "--shared-cores",
         default=SHARED_CORES,
         help="profiles measured with 1, 2, ... workers busy at once, comma-separated, for the "
-        "shared-cores model ('' for none)",
+        "shared-cores model ('' for none; `measure`: profiled here before the first run)",
+    )
+    parser.add_argument(
+        "--profile-repeats", type=int, default=5, help="with `measure`: timed runs per point"
+    )
+    parser.add_argument(
+        "--profile-args", default="", help="with `measure`: extra `tandem profile` flags"
     )
     parser.add_argument("--configs", default="1P1D,1P2D,2P1D")
     parser.add_argument("--cluster-args", default="", help="extra `tandem up` flags, one string")
@@ -475,24 +492,41 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     caches = args.prefix_cache == "on"
     try:
-        if args.repeats < 1:
-            raise ValidateError(f"--repeats must be at least 1, got {args.repeats}")
+        for name in ("repeats", "profile_repeats"):
+            if getattr(args, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValidateError(f"{flag} must be at least 1, got {getattr(args, name)}")
         configs = parse_configs(args.configs)
-        profiles = parse_profiles(args.profile, configs)
+        measure = args.profile == MEASURE
+        profiles = {} if measure else parse_profiles(args.profile, configs)
         shared = None
-        if args.shared_cores:
+        if args.shared_cores and args.shared_cores != MEASURE:
             files = args.shared_cores.split(",")
             shared = SharedCores(tuple(WorkerProfile.load(f) for f in files))
         requests = read_workload(args.workload)
     except (ValidateError, ProfileError, OSError, ValueError) as error:
         print(f"plan_validate: {error}", file=sys.stderr)
         return 2
+    try:
+        if args.shared_cores == MEASURE:
+            most = max(p + d for p, d in configs)
+            shared = SharedCores(tuple(measured_profile(n, args) for n in range(1, most + 1)))
+    except ProfileError as error:
+        print(f"plan_validate: {error}", file=sys.stderr)
+        return 1
     results = {model: {} for model in MODELS if model != "shared cores" or shared is not None}
     factors = {}
     cpu: dict[str, tuple[Summary, dict[str, float]]] = {}
     by_batch: dict[str, list[tuple[float, float]]] = {}
     for p, d in configs:
-        name, profile = f"{p}P{d}D", profiles[(p, d)]
+        name = f"{p}P{d}D"
+        if measure:
+            try:
+                profiles[(p, d)] = measured_profile(p + d, args)
+            except ProfileError as error:
+                print(f"plan_validate: {error}", file=sys.stderr)
+                return 1
+        profile = profiles[(p, d)]
         measurements = [
             measured(requests, p, d, args.cluster_args.split(), caches) for _ in range(args.repeats)
         ]
@@ -537,8 +571,18 @@ def main(argv: list[str] | None = None) -> int:
         data["slow_down"] = {n: {"prefill": f[0], "decode": f[1]} for n, f in factors.items()}
         data["cpu_seconds"] = {name: by_role for name, (_, by_role) in cpu.items()}
         data["decode_factors_by_batch"] = by_batch
+        if measure:
+            data["measured_profiles"] = {f"{p}P{d}D": f.to_dict() for (p, d), f in profiles.items()}
+        if args.shared_cores == MEASURE and shared is not None:
+            data["measured_shared_cores"] = [f.to_dict() for f in shared.profiles]
         Path(args.out).write_text(json.dumps(data, indent=2) + "\n")
     return 0
+
+
+def measured_profile(num_at_once: int, args: argparse.Namespace) -> WorkerProfile:
+    profile = measure_at_once(num_at_once, args.profile_repeats, args.profile_args.split())
+    print(f"profiled, {num_at_once} at once: {brief(profile)}", flush=True)
+    return profile
 
 
 def report(model: str, runs: dict[str, tuple[Run, Run]]) -> str:

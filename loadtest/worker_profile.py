@@ -5,7 +5,10 @@ builders, medians of runs in alternation after a warm-up) over a grid of sizes, 
 handoff's cost over a real ZeroMQ socket pair, and writes the curves the simulator reads
 (`services/planner/profile.py`):
 
-* prefill: one step's time by prompt tokens (`--prefill-tokens`);
+* prefill: one step's time by prompt tokens (`--prefill-tokens`), and what context before a
+  chunk adds: the grid's middle prompt size timed after each of `--prefill-contexts` tokens
+  already in the KV cache, beside the same size alone, fitted to a cost per (token computed,
+  token of context) pair (least squares through the origin);
 * decode: one step's time by batch size (`--batch-sizes`) and context per sequence
   (`--contexts`);
 * transfer: messages of KV-sized byte frames sent without copying over an ipc socket pair, fitted
@@ -33,9 +36,16 @@ from pathlib import Path
 import torch
 import zmq
 
-from loadtest.engine_bench import median_seconds, ours_decode, ours_prefill
+from loadtest.engine_bench import median_seconds, ours_decode, ours_prefill, paired_medians
 from services.planner.profile import WorkerProfile, WorkerSettings
-from shared.engine.loader import DEVICE_HELP, device_argument, load_model, parse_device, parse_dtype
+from shared.engine.loader import (
+    DEVICE_HELP,
+    DTYPE_CHOICES,
+    device_argument,
+    load_model,
+    parse_device,
+    parse_dtype,
+)
 
 TRANSFER_SIZES = (1 << 16, 1 << 20, 1 << 23, 1 << 25)  # bytes of one KV handoff's frame
 
@@ -58,8 +68,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="a HF directory, a .gguf, or smollm2")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
     parser.add_argument("--device", default="cpu", type=device_argument, help=DEVICE_HELP)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="the workers' dtype: auto (the default) resolves as theirs does on this device",
+    )
     parser.add_argument("--prefill-tokens", default="16,64,128,256,512")
+    parser.add_argument(
+        "--prefill-contexts",
+        default="512,1024",
+        help="tokens of context (a cached prefix, earlier chunks) a prefill chunk is timed after",
+    )
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--contexts", default="128,1024", help="tokens of context per sequence")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
@@ -74,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         grid = {
             "prefill_tokens": _sizes("--prefill-tokens", args.prefill_tokens),
+            "prefill_contexts": _sizes("--prefill-contexts", args.prefill_contexts),
             "batch_sizes": _sizes("--batch-sizes", args.batch_sizes),
             "contexts": _sizes("--contexts", args.contexts),
         }
@@ -86,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = parse_device(args.device)
-    model = load_model(args.model, dtype=parse_dtype(args.dtype), device=device).model
+    dtype = parse_dtype(args.dtype, device)
+    model = load_model(args.model, dtype=dtype, device=device).model
     settings = WorkerSettings(
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -97,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "machine": f"{platform.node()} {platform.machine()} {platform.processor()}".strip(),
         "threads": args.threads,
-        "dtype": args.dtype,
+        "dtype": str(dtype).removeprefix("torch."),  # auto resolved
         "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "note": args.note,
         "load_average_1m_before": os.getloadavg()[0],  # a busy machine measures slow steps
@@ -121,6 +143,7 @@ def measure_profile(
     """Times `model` (our engine's LlamaModel) over the grid; see the module doc."""
     with torch.inference_mode():
         prefill = [median_seconds(ours_prefill(model, n), repeats) for n in grid["prefill_tokens"]]
+        context_cost = measure_context_cost(model, grid, repeats)
         decode = [
             [
                 median_seconds(ours_decode(model, batch, context, repeats), repeats)
@@ -138,9 +161,33 @@ def measure_profile(
         kv_bytes_per_token=kv_bytes_per_token(model),
         transfer_latency_s=latency_s,
         transfer_bytes_per_s=bytes_per_s,
+        prefill_s_per_context_pair=context_cost,
         settings=settings,
         metadata=metadata,
     )
+
+
+def measure_context_cost(model, grid: dict[str, list[int]], repeats: int) -> float:
+    """Seconds per (token computed, token of context before it): the grid's middle prompt size
+    timed after each context the model's positions hold, in alternation with it alone (0: no
+    context fits)."""
+    sizes = grid["prefill_tokens"]
+    num_tokens = sizes[len(sizes) // 2]
+    contexts = [c for c in grid["prefill_contexts"] if c + num_tokens <= model.max_positions]
+    if not contexts:
+        return 0.0
+    steps = [ours_prefill(model, num_tokens)] + [
+        ours_prefill(model, num_tokens, context) for context in contexts
+    ]
+    alone, *after = paired_medians(steps, repeats)
+    return context_cost([num_tokens * c for c in contexts], [t - alone for t in after])
+
+
+def context_cost(pairs: list[int], extra_seconds: list[float]) -> float:
+    """The least-squares slope through the origin of extra seconds by pairs, never below 0 (a
+    noisy machine can time a longer step shorter)."""
+    covariance = sum(p * s for p, s in zip(pairs, extra_seconds, strict=True))
+    return max(covariance / sum(p * p for p in pairs), 0.0)
 
 
 def kv_bytes_per_token(model) -> int:
@@ -195,6 +242,8 @@ def describe(profile: WorkerProfile) -> str:
             f"{n} tok {s * 1e3:.0f} ms"
             for n, s in zip(profile.prefill_tokens, profile.prefill_seconds, strict=True)
         )
+        + f"; context: {profile.prefill_s_per_context_pair * 1e9:.0f} ns per (token, context "
+        "token) pair"
     ]
     for batch, row in zip(profile.decode_batch_sizes, profile.decode_seconds, strict=True):
         cells = ", ".join(

@@ -170,7 +170,12 @@ class SimPrefillWorker:
         needs = [self.prompts[i].num_left for i in ids]
         bulk = [self.prompts[i].job.bulk for i in ids]
         shares = prompt_shares(needs, self.budget, self.token_cap, bulk)
-        duration = self.cluster.step_profile().prefill_time(sum(shares))
+        # Each chunk's attention reads what of its prompt is already in the KV cache.
+        pairs = sum(
+            share * (self.prompts[i].num_tokens - self.prompts[i].num_left)
+            for i, share in zip(ids, shares, strict=True)
+        )
+        duration = self.cluster.step_profile().prefill_time(sum(shares), pairs)
         self.stepping = True
         self.stats.record_step(duration)
         self.cluster.at(
@@ -274,6 +279,7 @@ class _LocalPrefill:
     job: wire.PrefillJob
     num_blocks: int  # its reservation's, which become its sequence's
     num_tokens: int  # to compute: the prompt past the blocks this worker holds
+    num_cached: int  # the prompt's tokens in those blocks, which the suffix's attention reads
     hashes: list[int]  # the prompt's chain, named in the cache once computed
 
 
@@ -357,7 +363,7 @@ class SimDecodeWorker:
             return
         num_cached = self.cache.num_cached_blocks(hashes) * self.block_size if self.cache else 0
         num_tokens = len(prefill_tokens(job)) - num_cached
-        self.local_jobs.append(_LocalPrefill(job, num_blocks, num_tokens, hashes))
+        self.local_jobs.append(_LocalPrefill(job, num_blocks, num_tokens, num_cached, hashes))
         self.prefilling_here.add(job.request_id)
         self._maybe_step()
 
@@ -414,7 +420,8 @@ class SimDecodeWorker:
             duration += self.profile.transfer_time(swap_tokens)
         local, self.local_jobs = self.local_jobs, []
         if local:  # the suffixes prefilled here lengthen the step by their prefill time
-            duration += profile.prefill_time(sum(j.num_tokens for j in local))
+            pairs = sum(j.num_tokens * j.num_cached for j in local)
+            duration += profile.prefill_time(sum(j.num_tokens for j in local), pairs)
         self.stepping = True
         self.stats.record_step(duration, len(batch), num_context_tokens)
         self.cluster.at(self.cluster.now + duration, self._end_step, local, duration)

@@ -95,6 +95,8 @@ def test_wrong_values_exit_2(capsys, monkeypatch):
     assert caching_default() == "on"
     assert main(["--repeats", "0"]) == 2
     assert "--repeats must be at least 1" in capsys.readouterr().err
+    assert main(["--profile", "measure", "--profile-repeats", "0"]) == 2
+    assert "--profile-repeats must be at least 1" in capsys.readouterr().err
     assert main(["--shared-cores", "/nonexistent.json"]) == 2
     assert "cannot read profile /nonexistent.json" in capsys.readouterr().err
     assert main(["--configs", "1P"]) == 2

@@ -3,11 +3,13 @@ real core, and what a cached prefix saves (prefill compute, KV sent, the prefill
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from services.planner.caches import SIM_CACHE_KEY, SimCache
+from services.planner.profile import WorkerProfile
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import SimRequest, load_workload
 from services.scheduler.core import SchedulerLimits
@@ -65,14 +67,15 @@ def test_heartbeats_send_the_whole_set_then_each_change_by_its_state_now():
     assert beat()["cache_stored"] == [] and index.num_cached_tokens("w", first) == 16
 
 
-def conversation(prefix_cache: bool, **limits) -> Simulator:
+def conversation(prefix_cache: bool, profile: WorkerProfile | None = None, **limits) -> Simulator:
     """A turn, then its next one (the same prompt and 16 tokens more) well after it finished."""
     requests = [
         SimRequest(0.0, len(PROMPT), 2, tenant="t", prompt_token_ids=tuple(PROMPT)),
         SimRequest(10.0, 80, 2, tenant="t", prompt_token_ids=(*PROMPT, *range(16))),
     ]
     limits = SchedulerLimits(**limits)
-    sim = Simulator(fixed_profile(), SimConfig(1, 1, limits, prefix_cache=prefix_cache))
+    config = SimConfig(1, 1, limits, prefix_cache=prefix_cache)
+    sim = Simulator(profile or fixed_profile(), config)
     sim.run(requests)
     return sim
 
@@ -102,6 +105,20 @@ def test_a_next_turn_is_prefilled_on_the_decode_worker_holding_its_prefix_by_han
     assert (b.first_token_time, b.finish_time, b.completion_tokens) == (10.5, 10.875, 2)
     assert sim.prefills["prefill0"].stats.num_steps == 1
     assert sim.decodes["decode0"].stats.num_steps == 3  # a's, b's suffix, b's second token
+
+
+def test_a_suffix_pays_for_reading_its_cached_prefix_on_either_worker():
+    """At 1/1024 s a (token computed, token of context) pair, turn two's 32 tokens computed
+    after its 48 cached ones take 1.5 s longer, on the prefill worker (first token 12.0 instead
+    of 10.5) as on the decode worker that prefills it itself (and its next step ends 0.375 s
+    later)."""
+    profile = dataclasses.replace(fixed_profile(), prefill_s_per_context_pair=1 / 1024)
+    remote = conversation(True, profile, local_prefill_max_tokens=0)
+    assert [r.first_token_time for r in remote.records.values()] == [0.5, 12.0]
+    local = conversation(True, profile)
+    assert local.prefills["prefill0"].stats.num_steps == 1  # the decode worker's, as before
+    turn_two = list(local.records.values())[1]
+    assert (turn_two.first_token_time, turn_two.finish_time) == (12.0, 12.375)
 
 
 def test_a_cached_prefix_is_not_computed_again():

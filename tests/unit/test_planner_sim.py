@@ -73,6 +73,19 @@ def test_a_tiny_scenario_answered_by_hand():
     assert all(r.error is None and r.num_ends == 1 for r in result.records)
 
 
+def test_a_chunk_after_context_takes_longer_by_the_profiles_cost_per_pair():
+    # 48 prompt tokens in chunks of 16: after 0, 16 and 32 tokens of context. At 1/1024 s a
+    # pair the steps take 0.5, 0.75 and 1.0 s (0.5 s each without the cost).
+    profile = dataclasses.replace(fixed_profile(), prefill_s_per_context_pair=1 / 1024)
+    config = SimConfig(1, 1, max_num_batched_tokens=16)
+    request = SimRequest(arrival_time=0.0, num_prompt_tokens=48, max_tokens=1)
+    (record,) = Simulator(profile, config).run([request]).records
+    assert record.first_token_time == 0.5 + 0.75 + 1.0
+    (record,) = Simulator(fixed_profile(), config).run([request]).records
+    assert record.first_token_time == 1.5
+    assert profile.slowed(prefill=2.0).prefill_time(16, 16 * 16) == 2 * 0.75
+
+
 def test_shared_cores_time_a_step_by_how_many_are_busy():
     """The tiny scenario with a profile twice as slow whenever two workers step at once."""
     alone = fixed_profile()
@@ -313,6 +326,25 @@ def test_a_profile_slowed_batch_by_batch():
             profile.slowed_by_batch(bad)
 
 
+def test_the_median_of_profiles_measured_at_once():
+    base = cpu_like_profile()
+    # One run caught a slow moment at one point, another at another: the median has neither.
+    slow_prefill = dataclasses.replace(base, prefill_seconds=[0.05, 0.9, 1.4])
+    slow_decode = dataclasses.replace(
+        base, decode_seconds=[[0.3, 0.09], *base.decode_seconds[1:]], transfer_latency_s=0.004
+    )
+    median = WorkerProfile.median_of([slow_prefill, base, slow_decode])
+    assert median.prefill_seconds == base.prefill_seconds
+    assert median.decode_seconds == base.decode_seconds
+    assert median.transfer_latency_s == 0.002 and median.metadata["median_of"] == 3
+    # Two: their mean, point by point.
+    assert WorkerProfile.median_of([base, slow_prefill]).prefill_seconds[1] == pytest.approx(0.625)
+    other_grid = dataclasses.replace(base, prefill_tokens=[16, 128, 1024])
+    for wrong in ([], [base, other_grid], [base, cpu_like_profile(block_size=32)]):
+        with pytest.raises(ProfileError):
+            WorkerProfile.median_of(wrong)
+
+
 def test_profile_round_trips_and_refuses_bad_files(tmp_path):
     profile = cpu_like_profile()
     path = tmp_path / "p.json"
@@ -327,10 +359,15 @@ def test_profile_round_trips_and_refuses_bad_files(tmp_path):
         ({"decode_seconds": [[0.1]]}, "decode_seconds"),
         ({"transfer_bytes_per_s": 0}, "positive"),
         ({"surprise": 1}, "fields"),
+        ({"prefill_s_per_context_pair": -1e-6}, "non-negative"),
+        ({"prefill_s_per_context_pair": float("nan")}, "non-negative"),
     ]:
         path.write_text(json.dumps({**data, **change}))
         with pytest.raises(ProfileError, match=message):
             WorkerProfile.load(path)
+    del data["prefill_s_per_context_pair"]  # a profile older than the field: no context cost
+    path.write_text(json.dumps(data))
+    assert WorkerProfile.load(path).prefill_s_per_context_pair == 0.0
     path.write_text("[1, 2]")
     with pytest.raises(ProfileError, match="not a JSON object"):
         WorkerProfile.load(path)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.worker_profile import kv_bytes_per_token, measure_profile, measure_transfer
+from loadtest.worker_profile import (
+    context_cost,
+    kv_bytes_per_token,
+    measure_profile,
+    measure_transfer,
+)
 from services.commands import cli
 from services.planner.profile import WorkerProfile, WorkerSettings
 from tests.helpers import our_model_from_hf, tiny_hf_model
@@ -12,15 +17,28 @@ from tests.helpers import our_model_from_hf, tiny_hf_model
 
 def test_measures_a_profile_the_simulator_reads(tmp_path):
     model = our_model_from_hf(tiny_hf_model())
-    grid = {"prefill_tokens": [16, 64], "batch_sizes": [1, 4], "contexts": [32, 64]}
+    grid = {
+        "prefill_tokens": [16, 64],
+        "prefill_contexts": [64, 128, 4096],  # past the tiny model's 512 positions: skipped
+        "batch_sizes": [1, 4],
+        "contexts": [32, 64],
+    }
     profile = measure_profile(model, grid, 1, WorkerSettings(), {"note": "test"})
     assert profile.decode_batch_sizes == [1, 4] and len(profile.decode_seconds[1]) == 2
+    assert 0 <= profile.prefill_s_per_context_pair < 1e-3
     # 2 (K and V) x 2 layers x 2 KV heads x head dim 16 x 4 bytes
     assert kv_bytes_per_token(model) == profile.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     assert profile.transfer_bytes_per_s > 0 and profile.transfer_latency_s >= 0
     path = tmp_path / "p.json"
     profile.save(path)
     assert WorkerProfile.load(path).metadata == {"note": "test"}
+
+
+def test_the_context_cost_is_a_slope_through_the_origin():
+    # 1 us a pair, read off two points whose noise cancels; a negative slope reads as none.
+    assert context_cost([1000, 2000], [0.0011, 0.0019]) == pytest.approx(0.98e-6)
+    assert context_cost([1000, 2000], [0.001, 0.002]) == pytest.approx(1e-6)
+    assert context_cost([1000], [-0.001]) == 0.0
 
 
 def test_transfer_fit_is_a_latency_and_a_bandwidth():
@@ -36,6 +54,7 @@ def test_transfer_fit_is_a_latency_and_a_bandwidth():
         (["--contexts", "lots"], "integers"),
         (["--prefill-tokens", "0,16"], "positive"),
         (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--prefill-contexts", "1024,512"], "increasing"),
     ],
 )
 def test_wrong_flag_values_exit_2(tmp_path, capsys, flags, message):
