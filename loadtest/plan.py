@@ -22,7 +22,7 @@ from pathlib import Path
 
 from loadtest.plan_search import Candidate, Judges, Plan, PlanError, parse_slo, search
 from services.planner.profile import ProfileError, WorkerProfile
-from services.planner.workload import WorkloadError, load_workload
+from services.planner.workload import SimRequest, WorkloadError, load_workload
 from services.scheduler.core import SchedulerLimits
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-smollm2-2threads.json"
@@ -82,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
     prefix_cache = args.prefix_cache == "on" or (
         args.prefix_cache == "auto" and any(r.shares_tokens for r in requests)
     )
+    note = context_note(profile, requests, min(budgets), prefix_cache)
+    if note is not None:
+        print(f"tandem plan: note: {note}", file=sys.stderr)
     with Judges(profile, requests, limits, slo, jobs, prefix_cache) as judges:
         plan = search(args.max_workers, budgets, judges, args.max_splits)
     print(report(plan, slo, args.max_workers, len(requests), jobs, prefix_cache))
@@ -92,6 +95,23 @@ def run(args: argparse.Namespace) -> int:
     if args.emit:
         print(emit(plan.best, args.emit))
     return 0
+
+
+def context_note(
+    profile: WorkerProfile, requests: list[SimRequest], budget: int, prefix_cache: bool
+) -> str | None:
+    """What a profile without a context cost gets wrong here, if anything: prompts read from a
+    cache, or longer than a step's budget (chunked), have chunks after context, timed as if
+    alone."""
+    if profile.prefill_s_per_context_pair > 0:
+        return None
+    if not (prefix_cache or any(r.num_prompt_tokens > budget for r in requests)):
+        return None
+    return (
+        "the profile has no prefill context cost (measured before `tandem profile` timed it): "
+        "prompt chunks after a cached prefix or after their prompt's earlier chunks are timed "
+        "as if alone, so prefills come out short; a profile measured now has it"
+    )
 
 
 def _budgets(text: str | None, default: int) -> list[int]:

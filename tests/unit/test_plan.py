@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from loadtest.plan import context_note
 from loadtest.plan_search import Judges, PlanError, evaluate, parse_slo, search, splits
 from services.commands import cli
 from services.planner.simulator import SimConfig
@@ -158,3 +160,19 @@ def test_a_shared_prefix_is_planned_with_the_workers_caches(profile_path, capsys
     assert cli.main(["plan", *flags, "--prefix-cache", "off"]) == 0
     whole = capsys.readouterr().out
     assert "prefix caches off" in whole and whole.splitlines()[1].split()[0] == "5P1D"
+
+
+def test_a_profile_without_a_context_cost_is_noted_where_it_matters(profile_path, capsys):
+    """The shared prefix above read from the caches: its chunks come after context, which a
+    profile measured before the context cost times as if alone; said on stderr, once."""
+    shared = "poisson:rate=2,n=20,prompt=600-1200,output=4-16,prefix=512,tenants=2,seed=1"
+    flags = ["--workload", shared, "--slo", "ttft_p99=60s,tpot_p99=5s", "--jobs", "1"]
+    assert cli.main(["plan", *flags, "--profile", profile_path, "--max-workers", "2"]) == 0
+    assert capsys.readouterr().err.count("no prefill context cost") == 1
+    profile = cpu_like_profile()
+    requests = load_workload(shared)
+    assert context_note(profile, requests, 512, prefix_cache=True) is not None
+    assert context_note(profile, requests, 2048, prefix_cache=False) is None  # none chunked
+    assert context_note(profile, requests, 512, prefix_cache=False) is not None  # chunked
+    measured = dataclasses.replace(profile, prefill_s_per_context_pair=1e-6)
+    assert context_note(measured, requests, 512, prefix_cache=True) is None
