@@ -5,11 +5,11 @@ simulator) that carries their messages to the scheduler core and their tokens to
 
 * A prefill worker runs steps while it holds prompts. Each step shares a token budget between
   the prompts in progress and a few new ones with the engine's own rules (`prompt_shares`: a
-  floor each, the rest to the shortest; the time target's cap at the profile's prefill rate,
-  raised to finish short prompts; `lighten`). A prompt finished in a step has its first
-  token at the step's end; its KV then travels to the decode target (the profile's transfer
-  time, off the compute path), and on arrival the prefill reports the request done to the
-  scheduler.
+  floor each, the rest to the shortest; the time target's cap at the prefill rate the worker
+  has measured, as the engine's, raised to finish short prompts; `lighten`). A prompt finished
+  in a step has its first token at the step's end; its KV then travels to the decode target
+  (the profile's transfer time, off the compute path), and on arrival the prefill reports the
+  request done to the scheduler.
 * A decode worker reserves blocks when asked (between its steps, as the real loop reads its
   socket: a reservation asked mid-step is answered at the step's end), admits a sequence when
   its KV arrives, and runs continuous batching: every step advances every running sequence by
@@ -131,15 +131,17 @@ class SimPrefillWorker:
         self.stepping = False
         self.stats = WorkerStats()
         self.pace = Pace()
-        self.token_cap = self._token_cap(profile.settings.step_time_target_s)
 
-    def _token_cap(self, target_s: float | None) -> int | None:
-        """The engine's cap for the time target (`LLMEngine.prompt_token_cap`), at the rate of a
-        full step of the profile."""
+    @property
+    def token_cap(self) -> int | None:
+        """The engine's cap for the time target (`LLMEngine.prompt_token_cap`): at the prefill
+        rate measured so far, as the engine measures it (a fixed rate from a full step of the
+        profile put a 200-token suffix, which runs faster per token than 512 fresh ones, into two
+        steps where the engine takes it in one)."""
+        target_s = self.profile.settings.step_time_target_s
         if target_s is None:
             return None
-        tokens_per_s = self.budget / self.profile.prefill_time(self.budget)
-        return max(MIN_CHUNK, int(target_s * tokens_per_s))
+        return max(MIN_CHUNK, int(target_s * self.pace.prefill_tokens_per_s))
 
     def on_job(self, job: wire.PrefillJob) -> None:
         num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
@@ -166,10 +168,11 @@ class SimPrefillWorker:
     def _maybe_step(self) -> None:
         if self.stepping or not self.prompts:
             return
-        ids = self._sharers()
+        cap = self.token_cap
+        ids = self._sharers(cap)
         needs = [self.prompts[i].num_left for i in ids]
         bulk = [self.prompts[i].job.bulk for i in ids]
-        shares = prompt_shares(needs, self.budget, self.token_cap, bulk)
+        shares = prompt_shares(needs, self.budget, cap, bulk)
         # Each chunk's attention reads what of its prompt is already in the KV cache.
         pairs = sum(
             share * (self.prompts[i].num_tokens - self.prompts[i].num_left)
@@ -185,7 +188,7 @@ class SimPrefillWorker:
             duration,
         )
 
-    def _sharers(self) -> list[str]:
+    def _sharers(self, cap: int | None) -> list[str]:
         """The prompts in progress and as many new ones as the capped budget seats (as the
         engine's step scheduler: one per MIN_CHUNK tokens, at least one)."""
         started = [i for i, p in self.prompts.items() if p.started]
@@ -194,7 +197,7 @@ class SimPrefillWorker:
             (i for i, p in self.prompts.items() if not p.started),
             key=lambda i: self.prompts[i].job.bulk,
         )
-        budget = self.budget if self.token_cap is None else min(self.budget, self.token_cap)
+        budget = self.budget if cap is None else min(self.budget, cap)
         num_newcomers = max(1, budget // MIN_CHUNK - len(started))
         return started + waiting[:num_newcomers]
 
