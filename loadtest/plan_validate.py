@@ -9,7 +9,7 @@ four figures). Every worker of a local cluster shares this machine's cores, so t
 be measured under the same sharing: `--profile` per configuration (`1P1D=a.json,...`), or one
 profile for all, or `measure`: each configuration profiled here just before its runs, as many
 `tandem profile --threads 1` at once as it has workers, their median (`profile_at_once.py`;
-a shared machine's speed moves between days by more than the bar). Run it on a quiet
+a shared machine's speed moves within hours by more than the bar). Run it on a quiet
 machine; `--repeats 3` compares the medians of three measured runs per configuration (one
 run's figures spread by tens of percent).
 
