@@ -4,11 +4,11 @@
 The shipped profiles were measured at some other time: on a shared machine the cores' speed
 moves by more than the validation's bar within hours (a batch-1 decode step measured at 30 ms
 one morning and 17 ms that afternoon, same machine kind, same command), so `plan_validate
---profile measure` profiles each configuration minutes before its cluster runs. Each of the processes
-measures the whole grid, all at about the same point at the same time (same grid, same order,
-same speed), and any one point of one process may have caught a bad moment of the time slicing
-(three measured together read a batch-1 decode step at 15, 15 and 32 ms): the median of the
-processes is the profile.
+--profile measure` profiles each configuration minutes before its cluster runs. Each of the
+processes measures the whole grid, all at about the same point at the same time (same grid,
+same order, same speed), and any one point of one process may have caught a bad moment of the
+time slicing (three measured together read a batch-1 decode step at 15, 15 and 32 ms): the
+median of the processes is the profile.
 """
 
 from __future__ import annotations
