@@ -101,11 +101,17 @@ def context_note(
     profile: WorkerProfile, requests: list[SimRequest], budget: int, prefix_cache: bool
 ) -> str | None:
     """What a profile without a context cost gets wrong here, if anything: prompts read from a
-    cache, or longer than a step's budget (chunked), have chunks after context, timed as if
-    alone."""
+    cache, or chunked (longer than a step's budget, or than one step within the time target),
+    have chunks after context, timed as if alone."""
     if profile.prefill_s_per_context_pair > 0:
         return None
-    if not (prefix_cache or any(r.num_prompt_tokens > budget for r in requests)):
+    target_s = profile.settings.step_time_target_s
+
+    def chunked(num_tokens: int) -> bool:
+        too_slow = target_s is not None and profile.prefill_time(num_tokens) > target_s
+        return num_tokens > budget or too_slow
+
+    if not (prefix_cache or any(chunked(r.num_prompt_tokens) for r in requests)):
         return None
     return (
         "the profile has no prefill context cost (measured before `tandem profile` timed it): "

@@ -172,7 +172,10 @@ def test_a_profile_without_a_context_cost_is_noted_where_it_matters(profile_path
     profile = cpu_like_profile()
     requests = load_workload(shared)
     assert context_note(profile, requests, 512, prefix_cache=True) is not None
-    assert context_note(profile, requests, 2048, prefix_cache=False) is None  # none chunked
     assert context_note(profile, requests, 512, prefix_cache=False) is not None  # chunked
+    # A budget that holds every prompt, but steps capped to 0.2 s: chunked all the same.
+    assert context_note(profile, requests, 2048, prefix_cache=False) is not None
+    uncapped = cpu_like_profile(step_time_target_s=None)
+    assert context_note(uncapped, requests, 2048, prefix_cache=False) is None  # none chunked
     measured = dataclasses.replace(profile, prefill_s_per_context_pair=1e-6)
     assert context_note(measured, requests, 512, prefix_cache=True) is None
