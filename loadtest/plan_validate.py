@@ -53,7 +53,7 @@ import os
 import re
 import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +143,9 @@ class StepTimes:
     step_counts: tuple[float, ...] = ()
     # Decode: per batch size range, (steps, seconds, sequences, context tokens).
     by_batch: dict[str, BatchRange] = dataclasses.field(default_factory=dict)
+    # Each worker's steps, most first: how the core spread the work (a run where one of two
+    # decode workers took every request reads as (687, 0)).
+    worker_steps: tuple[float, ...] = ()
 
     @property
     def mean_step_s(self) -> float:
@@ -199,10 +202,15 @@ def simulated(
             sum(s.num_step_sequences for s in stats.values()),
             tuple(map(sum, zip(*(s.step_counts for s in stats.values()), strict=True))),
             _summed_ranges([s.by_batch for s in stats.values()]),
+            most_first(s.num_steps for s in stats.values()),
         )
         for role, stats in (("prefill", result.prefill_stats), ("decode", result.decode_stats))
     }
     return summarize(to_records(result)), steps
+
+
+def most_first(worker_steps: Iterable[float]) -> tuple[float, ...]:
+    return tuple(sorted(worker_steps, reverse=True))
 
 
 def _summed_ranges(per_worker: list[dict[str, list[float]]]) -> dict[str, BatchRange]:
@@ -284,7 +292,7 @@ def role_steps(
     totals: dict[str, list] = {}
     for peer, end in after.items():
         start = before.get(peer, WorkerCounters(end.role))
-        total = totals.setdefault(end.role, [0.0, 0.0, 0.0, [0.0] * len(end.step_buckets), {}])
+        total = totals.setdefault(end.role, [0.0, 0.0, 0.0, [0.0] * len(end.step_buckets), {}, []])
         total[0] += end.steps - start.steps
         total[1] += end.busy_s - start.busy_s
         total[2] += end.batch_sequences - start.batch_sequences
@@ -292,11 +300,17 @@ def role_steps(
         for i, count in enumerate(cumulated):  # back to counts per bucket
             total[3][i] += count - (cumulated[i - 1] if i else 0.0)
         _add_ranges(total[4], end.by_batch, start.by_batch)
+        total[5].append(end.steps - start.steps)
     return {
         role: StepTimes(
-            steps, busy, sequences, tuple(counts), {k: tuple(v) for k, v in by_batch.items()}
+            steps,
+            busy,
+            sequences,
+            tuple(counts),
+            {k: tuple(v) for k, v in by_batch.items()},
+            most_first(per_worker),
         )
-        for role, (steps, busy, sequences, counts, by_batch) in totals.items()
+        for role, (steps, busy, sequences, counts, by_batch, per_worker) in totals.items()
     }
 
 
@@ -340,8 +354,16 @@ def _mean_context(requests: list[WorkloadRequest]) -> float:
 
 
 def steps_table(rows: dict[str, tuple[dict[str, StepTimes], dict[str, StepTimes]]]) -> str:
-    header = ("steps sim/meas", "mean step ms", "step p50 ms", "step p90 ms", "busy s", "batch")
-    widths = (15, 14, 13, 13, 13, 11)
+    header = (
+        "steps sim/meas",
+        "mean step ms",
+        "step p50 ms",
+        "step p90 ms",
+        "busy s",
+        "batch",
+        "steps per worker",
+    )
+    widths = (15, 14, 13, 13, 13, 11, 17)
     lines = [f"{'config':<6} {'role':<8} " + " ".join(
         f"{h:>{w}}" for h, w in zip(header, widths, strict=True)
     )]  # fmt: skip
@@ -355,6 +377,7 @@ def steps_table(rows: dict[str, tuple[dict[str, StepTimes], dict[str, StepTimes]
                 (_ms_or_none(s.step_quantile(0.9)), _ms_or_none(m.step_quantile(0.9)), "{}"),
                 (s.busy_s, m.busy_s, "{:.1f}"),
                 (s.mean_batch, m.mean_batch, "{:.1f}"),
+                (_per_worker(s.worker_steps), _per_worker(m.worker_steps), "{}"),
             ]
             shown = [f"{fmt.format(a)} / {fmt.format(b)}" for a, b, fmt in cells]
             lines.append(
@@ -362,6 +385,10 @@ def steps_table(rows: dict[str, tuple[dict[str, StepTimes], dict[str, StepTimes]
                 + " ".join(f"{c:>{w}}" for c, w in zip(shown, widths, strict=True))
             )
     return "\n".join(lines)
+
+
+def _per_worker(worker_steps: tuple[float, ...]) -> str:
+    return "+".join(f"{steps:.0f}" for steps in worker_steps) or "-"
 
 
 def batch_table(rows: dict[str, tuple[dict[str, StepTimes], dict[str, StepTimes]]]) -> str:

@@ -43,11 +43,19 @@ def test_parse_configs():
 
 def test_the_simulated_side_on_the_shipped_workload():
     requests = read_workload("loadtest/workloads/mixed64.jsonl")
-    (one, one_steps), (two, _) = (
+    (one, one_steps), (two, two_steps) = (
         simulated(cpu_like_profile(), requests, 1, 1),
         simulated(cpu_like_profile(), requests, 2, 2),
     )
     decode = one_steps["decode"]
+    assert decode.worker_steps == (decode.steps,)
+    for steps in two_steps.values():  # each worker's, most first, adding up to the role's
+        assert len(steps.worker_steps) == 2 and sum(steps.worker_steps) == steps.steps
+        assert steps.worker_steps[0] >= steps.worker_steps[1]
+    shown = steps_table({"2P2D": (two_steps, two_steps)})
+    assert "steps per worker" in shown.splitlines()[0]
+    worker_cells = "+".join(f"{s:.0f}" for s in two_steps["decode"].worker_steps)
+    assert f"{worker_cells} / {worker_cells}" in shown
     assert decode.sequences == sum(r.max_tokens - 1 for r in requests)  # the first: prefill's
     assert 1 <= decode.mean_batch <= 64 and decode.mean_step_s > 0
     assert sum(decode.step_counts) == decode.steps
@@ -159,6 +167,7 @@ def test_the_workers_steps_are_read_from_their_counters():
     assert steps["prefill"].step_quantile(0.5) is None  # no bucket lines: durations unknown
     decode = steps["decode"]  # decode-1 was not there before: all new
     assert (decode.steps, decode.busy_s, decode.sequences) == (130, 34, 840)
+    assert decode.worker_steps == (80, 50)  # each worker's, most first
     assert decode.mean_batch == pytest.approx(840 / 130)
     counts = decode.step_counts  # back from cumulated to per bucket
     assert counts[STEP_BUCKETS.index(0.1)] == 20 and counts[STEP_BUCKETS.index(0.2)] == 60
