@@ -7,7 +7,10 @@ searches the worker counts and chunk budgets (`loadtest/plan_search.py`). It pri
 configuration meeting every objective with its predicted percentiles, the runners-up, the
 simulator's speed, and writes a plot of goodput against cost; `--emit compose|k8s` prints the
 `docker compose --scale` flags or a kustomize overlay with the replica counts. When nothing
-within `--max-workers` meets the objectives it says so, shows the closest, and exits 1.
+within `--max-workers` meets the objectives it says so, shows the closest, and exits 1. A
+configuration's simulation stops as soon as its objectives can no longer be met (its verdict
+is the same, found sooner: `services/planner/slo_watch.py`); `--simulate-all` plays every one
+to the end, for goodput figures of the failing ones too.
 
     tandem plan --workload poisson:rate=2,n=500 --slo ttft_p99=2s,tpot_p99=100ms --max-workers 8
 """
@@ -52,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="simulate the workers' prefix caches (auto: when the workload's prompts share "
         "tokens: a JSONL file with prompt_token_ids, or poisson:...,prefix=N)",
     )
+    parser.add_argument(
+        "--simulate-all",
+        action="store_true",
+        help="simulate every configuration to its end, not only until it cannot meet the SLOs",
+    )
     parser.add_argument("--emit", choices=EMITS, help="print compose --scale flags or k8s patch")
     parser.add_argument("--out", help="folder for plan.json and goodput-vs-cost.png")
 
@@ -85,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     note = context_note(profile, requests, min(budgets), prefix_cache)
     if note is not None:
         print(f"tandem plan: note: {note}", file=sys.stderr)
-    with Judges(profile, requests, limits, slo, jobs, prefix_cache) as judges:
+    cut_hopeless = not args.simulate_all
+    with Judges(profile, requests, limits, slo, jobs, prefix_cache, cut_hopeless) as judges:
         plan = search(args.max_workers, budgets, judges, args.max_splits)
     print(report(plan, slo, args.max_workers, len(requests), jobs, prefix_cache))
     if args.out:
@@ -137,6 +146,11 @@ def _ms(seconds: float | None) -> str:
 
 
 def describe(candidate: Candidate) -> str:
+    if candidate.cut_short is not None:
+        return (
+            f"{candidate.name:<22} cost {candidate.cost:>4}  fails  cut short at "
+            f"{candidate.cut_at_s:.1f} s simulated: {candidate.cut_short}"
+        )
     s, u = candidate.summary, candidate.utilization
     goodput = f"{s.goodput_rps:.2f}" if s.goodput_rps is not None else "-"
     return (
@@ -182,15 +196,24 @@ def report(
 
 
 def goodput_chart(plan: Plan, width: int = 40) -> str:
-    """Best goodput at each cost tried, as a text bar chart."""
-    by_cost: dict[int, float] = {}
+    """Best goodput at each cost tried, as a text bar chart (of the configurations simulated
+    to their end: a cost whose every configuration was cut short has none)."""
+    by_cost: dict[int, float | None] = {}
     for c in plan.tried:
-        by_cost[c.cost] = max(by_cost.get(c.cost, 0.0), c.summary.goodput_rps or 0.0)
-    top = max(by_cost.values(), default=0.0) or 1.0
+        known = by_cost.get(c.cost)
+        if c.cut_short is None:
+            by_cost[c.cost] = max(known or 0.0, c.summary.goodput_rps or 0.0)
+        else:
+            by_cost.setdefault(c.cost, None)
+    top = max((g for g in by_cost.values() if g is not None), default=0.0) or 1.0
     rows = ["goodput (req/s meeting the TTFT and TPOT objectives) by cost (workers):"]
     for cost in sorted(by_cost):
-        bar = "#" * round(width * by_cost[cost] / top)
-        rows.append(f"  {cost:>5} | {bar:<{width}} {by_cost[cost]:.2f}")
+        goodput = by_cost[cost]
+        if goodput is None:
+            rows.append(f"  {cost:>5} | (cut short: cannot meet them)")
+            continue
+        bar = "#" * round(width * goodput / top)
+        rows.append(f"  {cost:>5} | {bar:<{width}} {goodput:.2f}")
     return "\n".join(rows)
 
 
@@ -233,6 +256,8 @@ def _write(plan: Plan, folder: Path) -> None:
             "summary": c.summary.to_dict(),
             "utilization": c.utilization,
             "num_preemptions": c.num_preemptions,
+            "cut_short": c.cut_short,
+            "cut_at_s": c.cut_at_s,
         }
         for c in plan.tried
     ]
@@ -241,7 +266,11 @@ def _write(plan: Plan, folder: Path) -> None:
     (folder / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
     figure, axis = plt.subplots(figsize=(6, 4))
     for meets, marker in ((True, "o"), (False, "x")):
-        points = [(c.cost, c.summary.goodput_rps or 0.0) for c in plan.tried if c.meets is meets]
+        points = [
+            (c.cost, c.summary.goodput_rps or 0.0)
+            for c in plan.tried
+            if c.meets is meets and c.cut_short is None  # a part's goodput is no figure
+        ]
         if points:
             axis.scatter(
                 *zip(*points, strict=True), marker=marker, label="meets" if meets else "fails"

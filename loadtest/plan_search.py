@@ -79,6 +79,10 @@ class Candidate:
     max_queued: int
     num_events: int
     real_s: float
+    # Its simulation stopped once the objectives could no longer be met: why, and when
+    # (simulated seconds); its figures are then those of the part simulated.
+    cut_short: str | None = None
+    cut_at_s: float | None = None
 
     @property
     def cost(self) -> int:
@@ -94,8 +98,11 @@ def evaluate(
     requests: list[SimRequest],
     config: SimConfig,
     slo: dict[str, float],
+    cut_hopeless: bool = False,
 ) -> Candidate:
-    result = Simulator(profile, config).run(requests)
+    """Simulates one configuration and judges it; `cut_hopeless`: stop the simulation as soon as
+    the objectives can no longer be met (the verdict is the same, found sooner)."""
+    result = Simulator(profile, config).run(requests, slo if cut_hopeless else None)
     summary = summarize(to_records(result), slo.get("ttft_p99"), slo.get("tpot_p99"))
     within = all(
         getattr(summary, key) is not None and getattr(summary, key) <= target
@@ -107,20 +114,22 @@ def evaluate(
         num_decode=config.num_decode,
         chunk_budget=config.max_num_batched_tokens or profile.settings.max_num_batched_tokens,
         summary=summary,
-        meets=summary.num_errors == 0 and within,
+        meets=result.cut_short is None and summary.num_errors == 0 and within,
         utilization={r: result.utilization(r) for r in ("prefill", "decode")},
         num_preemptions=result.num_preemptions,
         max_queued=max((q for _, q, _ in result.queue_timeline), default=0),
         num_events=result.num_events,
         real_s=result.real_s,
+        cut_short=result.cut_short,
+        cut_at_s=result.cut_at_s,
     )
 
 
 # (prefill workers, decode workers, chunk budget): one configuration to simulate
 Configuration = tuple[int, int, int]
 # What every configuration of one plan is simulated with: profile, workload, limits, objectives,
-# whether the workers keep prefix caches.
-Work = tuple[WorkerProfile, list[SimRequest], SchedulerLimits, dict[str, float], bool]
+# whether the workers keep prefix caches, whether a hopeless simulation stops.
+Work = tuple[WorkerProfile, list[SimRequest], SchedulerLimits, dict[str, float], bool, bool]
 
 
 class Judges:
@@ -137,10 +146,11 @@ class Judges:
         slo: dict[str, float],
         jobs: int = 1,
         prefix_cache: bool = False,
+        cut_hopeless: bool = True,
     ):
         if jobs < 1:
             raise PlanError(f"jobs must be at least 1, got {jobs}")
-        self._work: Work = (profile, requests, limits, slo, prefix_cache)
+        self._work: Work = (profile, requests, limits, slo, prefix_cache, cut_hopeless)
         self._pool: ProcessPoolExecutor | None = None
         if jobs > 1:
             # Forked where the platform can: the workload is then shared, not pickled.
@@ -172,10 +182,11 @@ def _hold(
     limits: SchedulerLimits,
     slo: dict[str, float],
     prefix_cache: bool,
+    cut_hopeless: bool,
 ) -> None:
     """A judging process's start: what every configuration it simulates shares."""
     global _held
-    _held = (profile, requests, limits, slo, prefix_cache)
+    _held = (profile, requests, limits, slo, prefix_cache, cut_hopeless)
 
 
 def _judged(configuration: Configuration) -> Candidate:
@@ -184,12 +195,12 @@ def _judged(configuration: Configuration) -> Candidate:
 
 
 def _judge(work: Work, configuration: Configuration) -> Candidate:
-    profile, requests, limits, slo, prefix_cache = work
+    profile, requests, limits, slo, prefix_cache, cut_hopeless = work
     num_prefill, num_decode, budget = configuration
     config = SimConfig(
         num_prefill, num_decode, limits, max_num_batched_tokens=budget, prefix_cache=prefix_cache
     )
-    return evaluate(profile, requests, config, slo)
+    return evaluate(profile, requests, config, slo, cut_hopeless)
 
 
 def splits(cost: int, max_splits: int) -> list[tuple[int, int]]:
@@ -222,10 +233,13 @@ class Plan:
 
 
 def _rank(candidate: Candidate) -> tuple:
-    """Meeting ones first, cheapest then best goodput; then failing ones, closest first."""
+    """Meeting ones first, cheapest then best goodput; then failing ones, closest first: those
+    simulated to the end by goodput, then those cut short, the latest cut first."""
     goodput = candidate.summary.goodput_rps or 0.0
     if candidate.meets:
         return (0, candidate.cost, -goodput, candidate.num_prefill)
+    if candidate.cut_at_s is not None:
+        return (2, -candidate.cut_at_s, candidate.cost, candidate.num_prefill)
     return (1, -goodput, candidate.cost, candidate.num_prefill)
 
 

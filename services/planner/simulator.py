@@ -16,12 +16,15 @@ ends exactly once; one still unfinished `drain_s` after the last arrival ends as
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.planner.caches import SIM_CACHE_KEY, SimCache
-from services.planner.events import EventQueue
+from services.planner.events import EventQueue, Lane
 from services.planner.profile import SharedCores, WorkerProfile
+from services.planner.slo_watch import SloWatch
 from services.planner.workers import SimDecodeWorker, SimPrefillWorker, WorkerStats
 from services.planner.workload import SimRequest
 from services.scheduler.core import ClusterScheduler, Outgoing, SchedulerLimits
@@ -84,6 +87,10 @@ class SimResult:
     queue_timeline: list[tuple[float, int, int]]  # (time, queued, in flight) at each tick
     num_events: int
     real_s: float  # how long the simulation took
+    # Stopped once its objectives could no longer be met (`run(objectives=...)`): why, and at
+    # what simulated time. Its records are then partly open (no end), its figures a part's.
+    cut_short: str | None = None
+    cut_at_s: float | None = None
 
     @property
     def num_preemptions(self) -> int:
@@ -133,6 +140,8 @@ class Simulator:
         # Events that come in time order wait in lanes, out of the heap (see events.py).
         self._arrivals = self.events.lane()
         self._first_token_deadlines = self.events.lane()  # a fixed time after each arrival
+        self.watch: SloWatch | None = None  # with `run(objectives=...)`
+        self._waits: list[tuple[int, float, Lane]] = []  # objective, target, its checks' lane
         self.queue_timeline: list[tuple[float, int, int]] = []
 
     def _cache(self, num_blocks: int) -> SimCache | None:
@@ -168,8 +177,15 @@ class Simulator:
 
     # -- running ------------------------------------------------------------------------------
 
-    def run(self, requests: list[SimRequest]) -> SimResult:
+    def run(
+        self, requests: list[SimRequest], objectives: Mapping[str, float] | None = None
+    ) -> SimResult:
+        """Plays the workload to its end; with `objectives` ({'ttft_p99': 2.0, ...}), only
+        until they can no longer be met (`slo_watch.py`): what happened until then is what a
+        whole run would have done."""
         started = time.perf_counter()
+        if objectives:
+            self._watch_objectives(objectives, requests)
         self._register()
         # In arrival order; same-time arrivals in the workload's (a stable sort), numbered as
         # they come, so they run in the order one heap entry each would.
@@ -179,8 +195,10 @@ class Simulator:
         last_arrival = max((r.arrival_time for r in requests), default=0.0)
         self.at(last_arrival + self.config.drain_s, self._give_up)
         self.at(0.0, self._tick)
+        watch = self.watch
         while self.num_open and self.events.run_next():
-            pass
+            if watch is not None and watch.verdict is not None:
+                break
         records = sorted(self.records.values(), key=lambda r: r.index)
         ends = [r.finish_time for r in records if r.finish_time is not None]
         first = min((r.send_time for r in records), default=0.0)
@@ -192,7 +210,30 @@ class Simulator:
             queue_timeline=self.queue_timeline,
             num_events=self.events.num_events,
             real_s=time.perf_counter() - started,
+            cut_short=watch.verdict if watch is not None else None,
+            cut_at_s=self.now if watch is not None and watch.verdict is not None else None,
         )
+
+    def _watch_objectives(self, slo: Mapping[str, float], requests: list[SimRequest]) -> None:
+        num_multi_token = sum(r.max_tokens >= 2 for r in requests)
+        self.watch = SloWatch(slo, len(requests), num_multi_token)
+        # Each waiting objective checks every request its target after arrival: in arrival
+        # order, so a lane each.
+        self._waits = [
+            (index, objective.target_s, self.events.lane())
+            for index, objective in enumerate(self.watch.objectives)
+            if objective.waits
+        ]
+
+    def _check_waiting(self, index: int, request_id: str) -> None:
+        """Objective `index`'s target has passed since the request arrived: without its first
+        token (or its end, for e2e) then, it can only be over."""
+        watch, record = self.watch, self.records[request_id]
+        assert watch is not None, "only a watched run checks its waits"
+        metric = watch.objectives[index].metric
+        waiting = record.first_token_time is None if metric == "ttft" else record.num_ends == 0
+        if waiting:
+            watch.over(index)
 
     def _register(self) -> None:
         gateway = self._hello(GATEWAY, "gateway", 0)
@@ -243,6 +284,10 @@ class Simulator:
         if self.config.first_token_timeout_s is not None:
             due = self.now + self.config.first_token_timeout_s
             self._first_token_deadlines.at(due, self._first_token_due, request_id)
+        for index, target_s, lane in self._waits:
+            # Just after the target: a first token (or end) exactly at it is within it.
+            due = math.nextafter(self.now + target_s, math.inf)
+            lane.at(due, self._check_waiting, index, request_id)
 
     def _first_token_due(self, request_id: str) -> None:
         """The gateway's first-token limit: a 504, and the request cancelled in the cluster."""
@@ -344,3 +389,10 @@ class Simulator:
         record.error = error
         record.completion_tokens = num_output_tokens
         self.num_open -= 1
+        if self.watch is not None:
+            if error is not None:
+                self.watch.failed(error)
+            elif record.first_token_time is not None and (num_output_tokens or 0) >= 2:
+                # Computed as the bench's records compute it, to the last bit.
+                ttft, e2e = record.first_token_time - record.send_time, self.now - record.send_time
+                self.watch.finished((e2e - ttft) / (num_output_tokens - 1))

@@ -108,11 +108,36 @@ def test_side_by_side_judges_answer_as_one_process_does():
         Judges(cpu_like_profile(), requests, SchedulerLimits(), slo, 0)
 
 
+def test_cutting_hopeless_simulations_short_changes_no_verdict():
+    """Stopping each simulation once its objectives can no longer be met tries the same
+    configurations, judges each the same and picks the same cheapest, with the same figures,
+    in fewer events; the cut ones say why, and rank after the failures simulated whole."""
+    slo = parse_slo("ttft_p99=2s,tpot_p99=300ms")
+    requests = load_workload(BUSY)
+    plans = []
+    for cut in (False, True):
+        with Judges(cpu_like_profile(), requests, SchedulerLimits(), slo, 1, False, cut) as judge:
+            plans.append(search(6, [256, 512], judge, max_splits=3))
+    whole, cut = plans
+    assert [c.name for c in cut.tried] == [c.name for c in whole.tried]
+    assert [c.meets for c in cut.tried] == [c.meets for c in whole.tried]
+    assert cut.best.name == whole.best.name and cut.best.summary == whole.best.summary
+    assert all(c.cut_short is None for c in whole.tried)
+    cut_short = [c for c in cut.tried if c.cut_short is not None]
+    assert cut_short and all(not c.meets for c in cut_short)
+    assert all("can no longer be within" in c.cut_short for c in cut_short)
+    assert cut.num_events < 0.7 * whole.num_events
+    assert cut.runners_up(len(cut.tried))[-1].cut_short is not None
+
+
 def test_plan_refuses_when_nothing_within_the_limits_meets(profile_path, capsys):
     assert plan(profile_path, "--slo", "ttft_p99=10ms", "--max-workers", "3") == 1
     out = capsys.readouterr().out
     assert "no configuration of at most 3 workers meets ttft_p99 <= 10 ms" in out
-    assert "the closest" in out
+    assert "the closest" in out and "cut short at" in out and "(cut short: cannot meet" in out
+    assert plan(profile_path, "--slo", "ttft_p99=10ms", "--max-workers", "3", "--simulate-all") == 1
+    whole = capsys.readouterr().out
+    assert "cut short" not in whole and "TTFT ms p50" in whole
 
 
 @pytest.mark.parametrize(
