@@ -96,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
     cut_hopeless = not args.simulate_all
     with Judges(profile, requests, limits, slo, jobs, prefix_cache, cut_hopeless) as judges:
         plan = search(args.max_workers, budgets, judges, args.max_splits)
+        closest = plan.runners_up(1)
+        if plan.best is None and closest and closest[0].cut_short is not None:
+            # A refusal should say how far off the best try is, not only when it gave up.
+            plan.closest_whole = judges.whole(closest[0])
     print(report(plan, slo, args.max_workers, len(requests), jobs, prefix_cache))
     if args.out:
         _write(plan, Path(args.out))
@@ -180,6 +184,9 @@ def report(
             f"request served; the closest:"
         )
         lines += [f"  {describe(c)}" for c in plan.runners_up()]
+        if plan.closest_whole is not None:
+            lines.append("the closest, simulated to its end:")
+            lines.append(f"  {describe(plan.closest_whole)}")
     else:
         lines.append(f"cheapest configuration meeting {objectives}:")
         lines.append(f"  {describe(plan.best)}")

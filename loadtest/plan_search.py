@@ -165,6 +165,11 @@ class Judges:
             return [_judge(self._work, c) for c in configurations]
         return list(self._pool.map(_judged, configurations))
 
+    def whole(self, candidate: Candidate) -> Candidate:
+        """The candidate's configuration simulated to its end (in this process)."""
+        configuration = (candidate.num_prefill, candidate.num_decode, candidate.chunk_budget)
+        return _judge((*self._work[:-1], False), configuration)
+
     def __enter__(self) -> Judges:
         return self
 
@@ -217,6 +222,8 @@ class Plan:
     best: Candidate | None
     tried: list[Candidate] = field(default_factory=list)
     real_s: float = 0.0
+    # When none meets and the closest was cut short: it again, simulated to its end.
+    closest_whole: Candidate | None = None
 
     @property
     def num_events(self) -> int:
