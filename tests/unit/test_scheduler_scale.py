@@ -7,6 +7,7 @@ import gc
 
 import pytest
 
+from loadtest import core_floor
 from loadtest.scheduler_scale import TICK_EVERY_ROUNDS, ScaleBench, main
 
 
@@ -66,3 +67,14 @@ def test_the_profile_counts_function_calls_per_decision(capsys):
     calls = float(printed.split("calls_per_decision:")[1].split()[0].replace(",", ""))
     assert calls > 10  # a decision is many calls: the figure is per decision, not in total
     assert "tottime" in printed  # the profile's table came first
+
+
+def test_the_core_floor_plays_every_life_through_and_refuses_no_requests(capsys):
+    """The FIFO core's floor: every request's life ends (the measure asserts it), in some
+    microseconds; a request count below 1 exits 2 naming it."""
+    assert 0 < core_floor.measure(200) < 0.01
+    assert core_floor.main(["--requests", "50"]) == 0
+    assert "us per request life" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        core_floor.main(["--requests", "0"])
+    assert exited.value.code == 2 and "--requests must be at least 1" in capsys.readouterr().err
