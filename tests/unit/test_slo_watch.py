@@ -89,3 +89,17 @@ def test_a_watched_simulation_is_the_whole_one_cut_where_it_can_no_longer_meet()
     unwatched = evaluate(cpu_like_profile(), requests, roomy, parse_slo("ttft_p99=60s"))
     assert watched.meets and watched.cut_short is None
     assert watched.summary == unwatched.summary
+
+
+@pytest.mark.parametrize("slo", ["e2e_p90=8s", "tpot_p50=150ms", "ttft_p50=1s,e2e_p99=60s"])
+def test_every_kind_of_objective_cuts_only_a_run_that_misses_it(slo):
+    """Whatever the objectives, a cut run is one whose whole run misses them: the verdict names
+    an objective the whole run's figure is over."""
+    requests = load_workload(BUSY)
+    objectives_s = parse_slo(slo)
+    whole = evaluate(cpu_like_profile(), requests, SimConfig(1, 1), objectives_s)
+    cut = evaluate(cpu_like_profile(), requests, SimConfig(1, 1), objectives_s, True)
+    assert not whole.meets and cut.cut_short is not None and not cut.meets
+    missed = cut.cut_short.split(" ")[0]
+    assert getattr(whole.summary, missed) > objectives_s[missed]
+    assert cut.num_events < whole.num_events
