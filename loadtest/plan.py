@@ -214,14 +214,26 @@ def goodput_chart(plan: Plan, width: int = 40) -> str:
             by_cost.setdefault(c.cost, None)
     top = max((g for g in by_cost.values() if g is not None), default=0.0) or 1.0
     rows = ["goodput (req/s meeting the TTFT and TPOT objectives) by cost (workers):"]
+    cut: list[int] = []  # consecutive costs tried whose configurations were all cut short
     for cost in sorted(by_cost):
         goodput = by_cost[cost]
         if goodput is None:
-            rows.append(f"  {cost:>5} | (cut short: cannot meet them)")
+            cut.append(cost)
             continue
+        rows += _cut_row(cut)
+        cut = []
         bar = "#" * round(width * goodput / top)
         rows.append(f"  {cost:>5} | {bar:<{width}} {goodput:.2f}")
-    return "\n".join(rows)
+    return "\n".join(rows + _cut_row(cut))
+
+
+def _cut_row(costs: list[int]) -> list[str]:
+    """One row for a run of costs whose every configuration was cut short."""
+    if not costs:
+        return []
+    label = f"{costs[0]}" if len(costs) == 1 else f"{costs[0]}-{costs[-1]}"
+    tried = f" ({len(costs)} costs tried)" if len(costs) > 1 else ""
+    return [f"  {label:>5} | cut short: none can meet them{tried}"]
 
 
 def emit(best: Candidate, kind: str) -> str:
