@@ -258,6 +258,21 @@ def emit(best: Candidate, kind: str) -> str:
     )
 
 
+def _row(c: Candidate) -> dict:
+    return {
+        "num_prefill": c.num_prefill,
+        "num_decode": c.num_decode,
+        "chunk_budget": c.chunk_budget,
+        "cost": c.cost,
+        "meets": c.meets,
+        "summary": c.summary.to_dict(),
+        "utilization": c.utilization,
+        "num_preemptions": c.num_preemptions,
+        "cut_short": c.cut_short,
+        "cut_at_s": c.cut_at_s,
+    }
+
+
 def _write(plan: Plan, folder: Path) -> None:
     import matplotlib
 
@@ -265,38 +280,26 @@ def _write(plan: Plan, folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [
-        {
-            "num_prefill": c.num_prefill,
-            "num_decode": c.num_decode,
-            "chunk_budget": c.chunk_budget,
-            "cost": c.cost,
-            "meets": c.meets,
-            "summary": c.summary.to_dict(),
-            "utilization": c.utilization,
-            "num_preemptions": c.num_preemptions,
-            "cut_short": c.cut_short,
-            "cut_at_s": c.cut_at_s,
-        }
-        for c in plan.tried
-    ]
+    rows = [_row(c) for c in plan.tried]
     best = rows[plan.tried.index(plan.best)] if plan.best else None
     data = {"best": best, "tried": rows, "events_per_s": plan.events_per_s}
+    if plan.closest_whole is not None:
+        data["closest_whole"] = _row(plan.closest_whole)
     (folder / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
     figure, axis = plt.subplots(figsize=(6, 4))
+    # Those simulated to their end: a cut one's goodput is a part's, no figure.
+    whole = [c for c in plan.tried if c.cut_short is None]
+    whole += [plan.closest_whole] if plan.closest_whole is not None else []
     for meets, marker in ((True, "o"), (False, "x")):
-        points = [
-            (c.cost, c.summary.goodput_rps or 0.0)
-            for c in plan.tried
-            if c.meets is meets and c.cut_short is None  # a part's goodput is no figure
-        ]
+        points = [(c.cost, c.summary.goodput_rps or 0.0) for c in whole if c.meets is meets]
         if points:
             axis.scatter(
                 *zip(*points, strict=True), marker=marker, label="meets" if meets else "fails"
             )
     axis.set_xlabel("cost (workers)")
     axis.set_ylabel("goodput (req/s within the SLOs)")
-    axis.legend()
+    if whole:
+        axis.legend()
     figure.tight_layout()
     figure.savefig(folder / "goodput-vs-cost.png", dpi=110)
     plt.close(figure)

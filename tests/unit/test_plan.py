@@ -130,8 +130,12 @@ def test_cutting_hopeless_simulations_short_changes_no_verdict():
     assert cut.runners_up(len(cut.tried))[-1].cut_short is not None
 
 
-def test_plan_refuses_when_nothing_within_the_limits_meets(profile_path, capsys):
-    assert plan(profile_path, "--slo", "ttft_p99=10ms", "--max-workers", "3") == 1
+def test_plan_refuses_when_nothing_within_the_limits_meets(profile_path, tmp_path, capsys):
+    flags = ["--slo", "ttft_p99=10ms", "--max-workers", "3"]
+    assert plan(profile_path, *flags, "--out", str(tmp_path)) == 1
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["best"] is None and saved["closest_whole"]["cut_short"] is None
+    assert all(t["cut_short"] is not None for t in saved["tried"])
     out = capsys.readouterr().out
     assert "no configuration of at most 3 workers meets ttft_p99 <= 10 ms" in out
     assert "the closest" in out and "cut short at" in out
