@@ -13,44 +13,39 @@ transformers'. In a step of decode rows only, the same call also rotates the que
 key and writes the new key and value into the cache (`NewTokens`), so that a decode layer's
 attention is one call instead of a dozen.
 
-The C source is compiled on first use with the system's C compiler (`$CC`, else `cc`) for the CPU
-at hand (`-march=native`; `-ffast-math` when compiling, not when linking, see `_COMPILE_FLAGS`),
-into a cache directory, under a name that hashes the source, the flags and the CPU's feature
-flags (a cache shared between machines never hands one CPU another's instructions). It takes
-about a second. Without a compiler, `build` raises `KernelUnavailable` with the reason, and the
-model keeps the reference. The C function parallelizes over its tasks with OpenMP, which
-resolves to torch's own libgomp once torch is loaded (one runtime, one thread count:
-`torch.get_num_threads()`).
+The C source is compiled on first use (`shared/native_build.py`) for the CPU at hand
+(`-march=native`; `-ffast-math` when compiling, not when linking, see `_COMPILE_FLAGS`), cached
+under a name that hashes the source, the flags and the CPU's feature flags (a cache shared
+between machines never hands one CPU another's instructions). Without a compiler, `build`
+raises `KernelUnavailable` with the reason, and the model keeps the reference. The C function
+parallelizes over its tasks with OpenMP, which resolves to torch's own libgomp once torch is
+loaded (one runtime, one thread count: `torch.get_num_threads()`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kernels.attention_plan import DecodeRows
+from shared import native_build
 
 SOURCE = Path(__file__).with_suffix(".c")
 # Compiled with -ffast-math (reassociated sums vectorize; expf through glibc's libmvec), but
 # linked without it: a library linked with -ffast-math carries crtfastmath.o, which at load time
 # sets flush-to-zero for the whole process, changing every other float computation in it.
-_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 _LINK_FLAGS = ("-shared", "-fopenmp")
 _LIBRARIES = ("-lmvec", "-lm")
 # The per-task buffers of the C code (`MAX_HEAD_DIM`, `MAX_GROUP`).
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
-_COMPILE_TIMEOUT_S = 120
 
 
-class KernelUnavailable(RuntimeError):
+class KernelUnavailable(native_build.NativeUnavailable):
     """The kernel cannot be built or loaded here (no compiler, a failed compile, ...)."""
 
 
@@ -222,55 +217,18 @@ def _check(
 def build(build_dir: Path) -> CpuDecodeAttention:
     """The kernel compiled for this CPU into `build_dir` (once: later calls load it), or
     `KernelUnavailable` saying why not."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise KernelUnavailable(f"no C compiler ({compiler!r} not found)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join(
-            [source, " ".join((compiler, *_COMPILE_FLAGS, *_LINK_FLAGS)).encode(), _cpu_flags()]
+    try:
+        library = native_build.compile_cached(
+            SOURCE,
+            build_dir,
+            _COMPILE_FLAGS,
+            _LINK_FLAGS,
+            _LIBRARIES,
+            key_extra=native_build.cpu_flags(),
         )
-    ).hexdigest()[:16]
-    library = build_dir / f"cpu_decode_attention-{key}.so"
-    if not library.exists():
-        _compile(compiler, library)
+    except native_build.NativeUnavailable as error:
+        raise KernelUnavailable(str(error)) from None
     try:
         return CpuDecodeAttention(library)
     except OSError as error:
         raise KernelUnavailable(f"cannot load {library}: {error}") from None
-
-
-def _compile(compiler: str, library: Path) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    # Workers starting together may compile at once: each writes its own files, then renames the
-    # library into place (atomic), so none loads a half-written one.
-    partial = library.with_suffix(f".{os.getpid()}.tmp")
-    obj = library.with_suffix(f".{os.getpid()}.o")
-    try:
-        _run([compiler, *_COMPILE_FLAGS, str(SOURCE), "-o", str(obj)])
-        _run([compiler, *_LINK_FLAGS, str(obj), "-o", str(partial), *_LIBRARIES])
-        os.replace(partial, library)
-    finally:
-        obj.unlink(missing_ok=True)
-        partial.unlink(missing_ok=True)
-
-
-def _run(command: list[str]) -> None:
-    try:
-        result = subprocess.run(
-            command, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise KernelUnavailable(f"{' '.join(command)} failed: {error}") from None
-    if result.returncode != 0:
-        message = (result.stderr or result.stdout).strip().splitlines()[-3:]
-        raise KernelUnavailable(f"{' '.join(command)} failed: {' / '.join(message)}")
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags (what `-march=native` compiles for), as Linux reports them."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return b"unknown"
-    return next((line.encode() for line in lines if line.startswith("flags")), b"unknown")

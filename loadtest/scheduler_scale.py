@@ -23,6 +23,7 @@ cache-aware placement (`cache_placement.py`) is in play.
 
     .venv/bin/python -m loadtest.scheduler_scale [--prefill 1000 --decode 1000 --queued 100000
         --tenants 10000 --rounds 8000] [--prefix-cache] [--gc freeze|default] [--profile]
+        [--queue-index auto|native|python]
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import zlib
 from collections import Counter, deque
 
 from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
+from services.scheduler.fair_share import FairShareConfig
+from services.scheduler.queue_index_native import QUEUE_INDEXES
 from shared import wire
 from shared.engine.prefix_cache import CacheKey, worker_cache_key
 from shared.gc_policy import SurvivorFreezer
@@ -78,6 +81,7 @@ class ScaleBench:
             max_queued_tokens=1 << 40,
             heartbeat_timeout_s=1e9,
             max_queue_time_s=1e9,
+            fair_share=FairShareConfig(queue_index=args.queue_index),
         )
         self.core = ClusterScheduler(limits)
         self.now = 0.0
@@ -251,6 +255,7 @@ class ScaleBench:
             "num_tenants": self.args.tenants,
             "prefix_cache": self.args.prefix_cache,
             "gc": self.args.gc,
+            "queue_index": self.core.queue.index_kind,
             "num_decisions": self.num_decisions,
             "decisions_per_s": self.num_decisions / self.busy_s if self.busy_s else 0.0,
             "decision_p50_ms": statistics.median(ordered) * 1e3 if ordered else None,
@@ -284,6 +289,12 @@ def main(argv: list[str] | None = None) -> None:
         "--profile",
         action="store_true",
         help="cProfile the rounds: top 25, and the function calls per decision",
+    )
+    parser.add_argument(
+        "--queue-index",
+        choices=QUEUE_INDEXES,
+        default="auto",
+        help="the fair queue's indexes: C (queue_index.c) if it builds, C, or Python",
     )
     args = parser.parse_args(argv)
     for name in ("prefill", "decode", "queued", "tenants", "rounds"):

@@ -15,6 +15,7 @@ import os
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 ENV_PREFIX = "TANDEM_"
@@ -23,6 +24,11 @@ C = TypeVar("C")
 
 class ConfigError(ValueError):
     """A setting has a value the service refuses; the message names flag and variable."""
+
+
+def cache_dir() -> Path:
+    """Where tandem keeps what it builds once: converted models, compiled C."""
+    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 
 
 def env_name(field_name: str) -> str:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from services.scheduler.queue_index import QueueIndex
+from services.scheduler.queue_index_native import QUEUE_INDEXES, index_type
 from services.scheduler.queued import Party, QueuedRequest
 
 POLICIES = ("fair", "fcfs")
@@ -65,6 +66,9 @@ class FairShareConfig:
     max_wait_s: float = 30.0  # aging bound
     bulk_max_wait_s: float = 300.0  # a bulk request waiting this long competes as interactive
     bulk_weight: float = 1.0  # the bulk parties' weight among themselves
+    # The queue's indexes: C if it builds here (`auto`), C or fail (`native`), or `python`.
+    # The same decisions either way (`queue_index_native.py`).
+    queue_index: str = "auto"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -92,6 +96,10 @@ class FairShareConfig:
             raise ValueError(f"bulk_max_wait_s must be positive, got {self.bulk_max_wait_s}")
         if not self.bulk_weight > 0:
             raise ValueError(f"bulk_weight must be positive, got {self.bulk_weight}")
+        if self.queue_index not in QUEUE_INDEXES:
+            raise ValueError(
+                f"queue_index must be one of {', '.join(QUEUE_INDEXES)}, got {self.queue_index!r}"
+            )
 
     def class_of(self, num_prompt_tokens: int) -> str:
         return self.class_names[bisect.bisect_right(self.class_thresholds, num_prompt_tokens)]
@@ -143,27 +151,32 @@ class FairQueue:
         self.counters: dict[Party, float] = {}  # weighted service received
         self.served_tokens: dict[Party, int] = {}  # unweighted prompt + output tokens, for status
         self.virtual_time = 0.0
-        self._index = QueueIndex()
+        self._index: QueueIndex = index_type(config.queue_index)()
         self._last_was_aged = False  # aging takes every other choice at most
         self._party_objects: dict[tuple[str, str], Party] = {}
 
+    @property
+    def index_kind(self) -> str:
+        """Which queue index serves: `native` (C) or `python`."""
+        return "python" if type(self._index) is QueueIndex else "native"
+
     def __len__(self) -> int:
-        return len(self._index.items)
+        return len(self._index)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._index.items
+        return request_id in self._index
 
     def __iter__(self) -> Iterator[QueuedRequest]:
-        return (item for _, item, _ in self._index.items.values())
+        return iter(self._index.queued())
 
     def num_queued_by_party(self) -> dict[Party, int]:
-        return {party: len(heap) for party, heap in self._index.parties.items()}
+        return self._index.num_queued_by_party()
 
     def num_interactive_queued_tokens(self) -> int:
         return self._index.num_queued_tokens(False)
 
     def num_queued_tokens_in(self, party: Party) -> int:
-        return self._index.party_tokens.get(party, 0)
+        return self._index.queued_tokens_of(party)
 
     def holds_bulk(self) -> bool:
         """Some bulk request is queued."""
@@ -181,10 +194,10 @@ class FairQueue:
         return party
 
     def push(self, item: QueuedRequest) -> None:
-        if item.request_id in self._index.items:
+        if item.request_id in self._index:
             raise ValueError(f"request {item.request_id!r} is already queued")
         party = self.party_for(item.tenant, item.num_prompt_tokens, item.bulk)
-        if party not in self._index.parties:  # (re-)entering: no credit for the time it was away
+        if not self._index.backlogged(party):  # (re-)entering: no credit for the time it was away
             self._advance_virtual_time()
             self.counters[party] = max(self.counters.get(party, 0.0), self.virtual_time)
         self._index.add(party, item, self.counters[party])
@@ -194,7 +207,7 @@ class FairQueue:
         if found is None:
             return None
         party, item = found
-        if not self._index.parties[party]:
+        if self._index.party_size(party) == 0:
             self._advance_virtual_time()  # the leaving party's counter still counts here
             self._index.drop_party(party)
         return item
@@ -212,7 +225,7 @@ class FairQueue:
         if item is None:
             return None
         self._last_was_aged = by_aging
-        party = self._index.items[item.request_id][0]
+        party = self._index.party_of(item.request_id)
         self.remove(item.request_id)
         self.charge(party, num_prompt_tokens=item.num_prompt_tokens - item.num_cached_tokens)
         return item
@@ -294,7 +307,7 @@ class FairQueue:
 
     def _resuming(self, eligible: Callable[[QueuedRequest], bool]) -> list[QueuedRequest]:
         """The eligible resuming requests, oldest first (ties: the first queued)."""
-        items = [item for item in self._index.resumed.values() if eligible(item)]
+        items = [item for item in self._index.resumed_items() if eligible(item)]
         return sorted(items, key=lambda i: (i.arrival, self._index.sequence_of(i.request_id)))
 
     def _choose_interactive(
@@ -337,7 +350,7 @@ class FairQueue:
     ) -> tuple[QueuedRequest | None, bool]:
         """The choice when no interactive request can be placed: among every request, which
         comes down to the bulk ones (the interactive ones were all found inadmissible)."""
-        if not self._index.items:
+        if not len(self._index):
             return None, False
         first = next((i for i in self._resuming(lambda _: True) if admissible(i)), None)
         if first is not None:
@@ -362,7 +375,7 @@ class FairQueue:
         # The usual case at once: the least-served party's first request can be placed.
         party = self._index.least_served_party(class_names, lengths_meet)
         if party is not None:
-            first = next(self._index.party_in_order(party))
+            first = self._index.first_of(party)
             if admissible(first):
                 return first
         for party in self._index.parties_by_counter(class_names, lengths_meet):
@@ -383,7 +396,7 @@ class FairQueue:
         self.counters[party] = counter + cost / self.config.weight(party)
         served = self.served_tokens.get(party, 0)
         self.served_tokens[party] = served + num_prompt_tokens + num_output_tokens
-        if party in self._index.parties:
+        if self._index.backlogged(party):
             self._index.set_counter(party, self.counters[party])
 
     def _advance_virtual_time(self) -> None:

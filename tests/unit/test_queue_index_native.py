@@ -1,0 +1,256 @@
+"""The C queue index (`queue_index.c`) answers as the Python one (`queue_index.py`), question by
+question.
+
+Random sequences of the changes the fair queue makes (requests of every kind queued and taken
+out, parties dropped when emptied, or left listed a while, counters moved) drive both indexes,
+and after every change every question the policy asks is put to both, with the same answer
+required: the same objects in the same order. Then the C type's guards: a walk over a heap that
+changed raises instead of reading a moved array, and wrong input gets a clear error. And the
+choice between them (`FairShareConfig.queue_index`), with and without a C compiler.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.scheduler import queue_index_native
+from services.scheduler.fair_share import FairQueue, FairShareConfig
+from services.scheduler.queue_index import QueueIndex
+from services.scheduler.queued import Party, QueuedRequest
+from shared.native_build import NativeUnavailable
+
+CLASSES = ("short", "long", "bulk")
+
+
+@pytest.fixture(scope="module")
+def native_type():
+    return queue_index_native.native_type()
+
+
+class Twins:
+    """Both indexes, the same changes, every answer compared."""
+
+    def __init__(self, rng: random.Random, native_type: type):
+        self.rng = rng
+        self.python, self.native = QueueIndex(), native_type()
+        self.parties = [Party(f"t{i}", c) for i in range(6) for c in CLASSES]
+        self.num_added = 0
+        self.now = 0.0
+
+    def both(self, name: str, *args):
+        ours = getattr(self.native, name)(*args)
+        theirs = getattr(self.python, name)(*args)
+        if name in (
+            "queued",
+            "by_arrival",
+            "by_arrival_within",
+            "parties_by_counter",
+            "party_in_order",
+        ):
+            ours, theirs = list(ours), list(theirs)
+        assert _same(ours, theirs), (name, args, ours, theirs)
+        return theirs
+
+    # -- changes --------------------------------------------------------------------------
+
+    def add(self) -> None:
+        rng = self.rng
+        party = rng.choice(self.parties)
+        self.now += rng.choice((0.0, 0.0, 0.5, 1.0, 3.0))  # ties in arrival are common
+        item = QueuedRequest(
+            request_id=f"r{self.num_added}",
+            tenant=party.tenant,
+            num_prompt_tokens=rng.choice((0, 1, 7, 16, 17, 300, 1024, 1025, 5000)),
+            priority=rng.choice((0, 0, 0, 1, 2)),
+            arrival=self.now,
+            resumed=rng.random() < 0.1,
+            bulk=party.class_name == "bulk",
+        )
+        self.num_added += 1
+        counter = rng.choice((0.0, 0.0, 5.0, 12.5, self.now))  # ties in counters too
+        self.both("add", party, item, counter)
+
+    def discard(self) -> None:
+        rng = self.rng
+        known = [i.request_id for i in self.python.queued()]
+        request_id = rng.choice(known) if known and rng.random() < 0.9 else "nobody"
+        self.both("discard", request_id)
+        for party in self.parties:
+            if (
+                self.python.backlogged(party)
+                and self.python.party_size(party) == 0
+                and rng.random() < 0.8  # else left listed a while, empty, as the policy may
+            ):
+                self.both("drop_party", party)
+
+    def set_counter(self) -> None:
+        listed = [p for p in self.parties if self.python.backlogged(p)]
+        if listed:
+            counter = self.rng.choice((0.0, 5.0, 12.5, 40.0))
+            self.both("set_counter", self.rng.choice(listed), counter)
+
+    # -- questions ------------------------------------------------------------------------
+
+    def ask_everything(self) -> None:
+        rng = self.rng
+        assert len(self.native) == len(self.python)
+        queued = self.both("queued")
+        for item in queued:
+            assert item.request_id in self.native
+            self.both("sequence_of", item.request_id)
+            self.both("party_of", item.request_id)
+        assert "nobody" not in self.native
+        self.both("num_queued_by_party")
+        self.both("resumed_items")
+        self.both("class_names")
+        for party in self.parties:
+            self.both("queued_tokens_of", party)
+            if self.both("backlogged", party):
+                if self.both("party_size", party):
+                    self.both("first_of", party)
+                self.both("party_in_order", party)
+        for bulk in (False, True):
+            self.both("num_queued", bulk)
+            self.both("num_queued_tokens", bulk)
+            self.both("oldest", bulk)
+            self.both("by_arrival", bulk)
+            low = rng.choice((0, 1, 16, 1024))
+            high = low + rng.choice((0, 15, 500, 10_000))
+            self.both("by_arrival_within", bulk, _overlapping(low, high))
+        for name in CLASSES + ("nameless",):
+            self.both("num_parties", name)
+        names = rng.sample(CLASSES, rng.randint(0, 3))
+        self.both("min_counter", names)
+        low = rng.choice((0, 1, 17, 1025))
+        high = low + rng.choice((0, 100, 10_000))
+
+        def meet(class_name: str, lo: int, hi: int) -> bool:
+            return class_name == "bulk" or (lo <= high and low <= hi)
+
+        self.both("least_served_party", names, meet)
+        self.both("parties_by_counter", names, meet)
+
+
+def _overlapping(low: int, high: int):
+    return lambda lo, hi: lo <= high and low <= hi
+
+
+def _same(ours, theirs) -> bool:
+    """Equal, and the requests and parties in them the very objects given."""
+    if isinstance(theirs, (list, tuple)):
+        return (
+            isinstance(ours, (list, tuple))
+            and len(ours) == len(theirs)
+            and all(_same(a, b) for a, b in zip(ours, theirs, strict=True))
+        )
+    if isinstance(theirs, dict):
+        return isinstance(ours, dict) and list(ours.items()) == list(theirs.items())
+    if isinstance(theirs, QueuedRequest):
+        return ours is theirs
+    return type(ours) is type(theirs) and ours == theirs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_c_index_answers_as_the_python_one(seed, native_type):
+    rng = random.Random(seed)
+    twins = Twins(rng, native_type)
+    for _ in range(400):
+        change = rng.random()
+        if change < 0.5:
+            twins.add()
+        elif change < 0.85:
+            twins.discard()
+        else:
+            twins.set_counter()
+        twins.ask_everything()
+
+
+def test_the_c_index_keeps_its_answers_through_heap_rebuilds(native_type):
+    """Thousands of changes: the lazy heaps fill with stale entries and are rebuilt many times
+    (every `REBUILD_SLACK` stale entries past twice the live ones)."""
+    rng = random.Random(99)
+    twins = Twins(rng, native_type)
+    for step in range(6000):
+        if rng.random() < 0.5 or len(twins.python) < 5:
+            twins.add()
+        else:
+            twins.discard()
+        if rng.random() < 0.3:
+            twins.set_counter()
+        if step % 500 == 0:
+            twins.ask_everything()
+    twins.ask_everything()
+
+
+def queued(request_id: str, tenant: str = "t", tokens: int = 10, arrival: float = 0.0):
+    return QueuedRequest(request_id, tenant, tokens, priority=0, arrival=arrival)
+
+
+def test_a_walk_over_a_changed_heap_raises_instead_of_reading_on(native_type):
+    index = native_type()
+    party = Party("t", "short")
+    for number in range(5):
+        index.add(party, queued(f"r{number}", arrival=number), 0.0)
+    walk = index.by_arrival(False)
+    assert next(walk).request_id == "r0"
+    index.add(party, queued("late", arrival=9.0), 0.0)
+    with pytest.raises(RuntimeError, match="changed during a walk"):
+        next(walk)
+    index.add(Party("u", "short"), queued("other", tenant="u"), 1.0)
+    counters = index.parties_by_counter(["short"], lambda *_: True)
+    assert next(counters) == party
+    index.set_counter(party, 3.0)
+    with pytest.raises(RuntimeError, match="changed during a walk"):
+        next(counters)
+
+
+def test_wrong_input_gets_a_clear_error_and_changes_nothing(native_type):
+    index = native_type()
+    party = Party("t", "short")
+    index.add(party, queued("r1"), 0.0)
+    with pytest.raises(ValueError, match="already queued"):
+        index.add(party, queued("r1"), 0.0)
+    with pytest.raises(TypeError, match="tuple of str"):
+        index.add(("t", 7), queued("r2"), 0.0)
+    with pytest.raises(TypeError, match="tuple of str"):
+        index.add("t", queued("r2"), 0.0)
+    with pytest.raises(AttributeError):
+        index.add(party, object(), 0.0)
+    with pytest.raises(TypeError):
+        index.add(party, queued("r2"), "zero")
+    with pytest.raises(ValueError, match="still has requests"):
+        index.drop_party(party)
+    with pytest.raises(KeyError):
+        index.set_counter(Party("nobody", "short"), 1.0)
+    with pytest.raises(KeyError):
+        index.sequence_of("r9")
+    with pytest.raises(ValueError, match="bits must be"):
+        index.arrival_walk(False, 65)
+    with pytest.raises(TypeError, match="takes no arguments"):
+        native_type(1)
+    assert len(index) == 1 and [i.request_id for i in index.queued()] == ["r1"]
+    (item,) = index.queued()
+    assert index.discard("r2") is None and index.discard("r1") == (party, item)
+
+
+def test_the_fair_queue_takes_the_index_the_config_names(native_type):
+    assert type(FairQueue(FairShareConfig(queue_index="python"))._index) is QueueIndex
+    assert type(FairQueue(FairShareConfig(queue_index="native"))._index) is native_type
+    queue = FairQueue(FairShareConfig())  # auto, with a compiler
+    assert type(queue._index) is native_type and queue.index_kind == "native"
+    with pytest.raises(ValueError, match="queue_index must be one of auto, native, python"):
+        FairShareConfig(queue_index="rust")
+
+
+def test_without_a_compiler_auto_keeps_python_and_native_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    queue_index_native.native_type.cache_clear()
+    try:
+        with pytest.raises(NativeUnavailable, match="no C compiler"):
+            queue_index_native.index_type("native")
+        assert queue_index_native.index_type("auto") is QueueIndex
+    finally:
+        queue_index_native.native_type.cache_clear()
