@@ -48,10 +48,9 @@ from dataclasses import dataclass, field
 
 from services.scheduler.queue_index import QueueIndex
 from services.scheduler.queue_index_native import QUEUE_INDEXES, index_type
-from services.scheduler.queued import Party, QueuedRequest
+from services.scheduler.queued import BULK_CLASS, Party, QueuedRequest
 
 POLICIES = ("fair", "fcfs")
-BULK_CLASS = "bulk"  # the class of every bulk request, whatever its length
 
 
 @dataclass(frozen=True)
@@ -152,6 +151,9 @@ class FairQueue:
         self.served_tokens: dict[Party, int] = {}  # unweighted prompt + output tokens, for status
         self.virtual_time = 0.0
         self._index: QueueIndex = index_type(config.queue_index)()
+        # The C index makes the whole choice in one call (`queue_index.c`); the Python one
+        # is walked by the methods below, the reference.
+        self._native_choice = getattr(self._index, "choose", None)
         self._last_was_aged = False  # aging takes every other choice at most
         self._party_objects: dict[tuple[str, str], Party] = {}
 
@@ -247,6 +249,19 @@ class FairQueue:
     ) -> tuple[QueuedRequest | None, bool]:
         """The interactive choice (bulk requests past `bulk_max_wait_s` count as interactive);
         when it has no one to place, the fair choice among the bulk requests."""
+        if self._native_choice is not None and (lengths is None or type(lengths) is LengthRanges):
+            item, by_aging, no_one_overdue = self._native_choice(
+                now,
+                admissible,
+                lengths,
+                self._last_was_aged,
+                self.config.max_wait_s,
+                self.config.bulk_max_wait_s,
+                self.config.policy == "fcfs",
+            )
+            if no_one_overdue:
+                self._last_was_aged = False  # aging's turn starts afresh
+            return item, by_aging
         # The oldest of each kind first: the walks below must find their heaps settled.
         oldest, aged_bulk = self._index.oldest(False), self._index.oldest(True)
         if aged_bulk is not None and now - aged_bulk.arrival < self.config.bulk_max_wait_s:

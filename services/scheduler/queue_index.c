@@ -179,6 +179,7 @@ typedef struct {
     int has_lengths;
     int64_t min_len, max_len;
     int64_t entered; /* when it last became backlogged: class_names() keeps that order */
+    int is_bulk;     /* the bulk class (`queued.BULK_CLASS`) */
 } ClassSlot;
 
 typedef struct {
@@ -207,7 +208,8 @@ typedef struct {
 } QueueIndex;
 
 static PyObject *str_request_id, *str_priority, *str_num_prompt_tokens, *str_arrival, *str_bulk,
-    *str_resumed;
+    *str_resumed, *str_interactive;
+static PyObject *bulk_class_name; /* `queued.BULK_CLASS`, set by the loader */
 
 /* -- slots ----------------------------------------------------------------------------------- */
 
@@ -258,6 +260,7 @@ static Py_ssize_t class_slot(QueueIndex *self, PyObject *name) {
     if (put_slot(self->class_slot_of, name, slot) < 0) return -1;
     Py_INCREF(name);
     grown[slot].name = name;
+    grown[slot].is_bulk = bulk_class_name != NULL && PyUnicode_Compare(name, bulk_class_name) == 0;
     self->num_classes++;
     return slot;
 }
@@ -1015,6 +1018,487 @@ static PyObject *QueueIndex_bucket_bits(QueueIndex *self, PyObject *bulk) {
     return found;
 }
 
+/* -- the fair choice (`FairQueue._choose_with_bulk` and what it calls) ----------------------
+
+   The policy's choice made here in one call, step for step as `fair_share.py` makes it with the
+   Python index, which stays its reference (the core's twin test runs both). `admissible` is
+   checked here when it is the `LengthRanges` given as `lengths` (as the core's dispatch passes
+   it), else called. */
+
+#define MAX_RANGES 16
+
+typedef struct {
+    int64_t lo, hi;
+} Range;
+
+typedef struct {
+    QueueIndex *index;
+    double now, max_wait, bulk_max_wait;
+    int fcfs;
+    PyObject *admissible; /* NULL: checked here against the ranges */
+    int has_lengths;      /* `lengths` given: whole parties, classes, buckets passed over */
+    Range ranges[2][MAX_RANGES];
+    Py_ssize_t num_ranges[2];
+} Choice;
+
+static int read_ranges(PyObject *pairs, Range *out, Py_ssize_t *num) {
+    PyObject *seq = PySequence_Fast(pairs, "LengthRanges holds tuples of (low, high)");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_RANGES) {
+        PyErr_Format(PyExc_ValueError, "at most %d length ranges per kind", MAX_RANGES);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long lo, hi;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "LL", &lo, &hi)) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        out[i].lo = lo;
+        out[i].hi = hi;
+    }
+    *num = n;
+    Py_DECREF(seq);
+    return 0;
+}
+
+/* `LengthRanges.meet`: whether some range of the kind meets [low, high]. */
+static int ranges_meet(Choice *c, int bulk, int64_t low, int64_t high) {
+    if (!c->has_lengths) return 1;
+    for (Py_ssize_t i = 0; i < c->num_ranges[bulk]; i++)
+        if (c->ranges[bulk][i].lo <= high && low <= c->ranges[bulk][i].hi) return 1;
+    return 0;
+}
+
+/* 1, 0, or -1 on error. */
+static int admissible(Choice *c, Py_ssize_t rslot) {
+    Request *r = &c->index->requests[rslot];
+    if (c->admissible == NULL) {
+        for (Py_ssize_t i = 0; i < c->num_ranges[r->bulk]; i++)
+            if (c->ranges[r->bulk][i].lo <= r->tokens && r->tokens <= c->ranges[r->bulk][i].hi)
+                return 1;
+        return 0;
+    }
+    PyObject *answer = PyObject_CallOneArg(c->admissible, r->item);
+    if (answer == NULL) return -1;
+    int truth = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    return truth;
+}
+
+static int eligible(Choice *c, Py_ssize_t rslot) {
+    Request *r = &c->index->requests[rslot];
+    return !r->bulk || c->now - r->arrival >= c->bulk_max_wait;
+}
+
+static int earlier(QueueIndex *self, Py_ssize_t a, Py_ssize_t b) {
+    Request *x = &self->requests[a], *y = &self->requests[b];
+    ArrivalEntry ex = {x->arrival, x->seq, a}, ey = {y->arrival, y->seq, b};
+    return !arrival_less(&ey, &ex); /* ties: the first (a) */
+}
+
+/* The first admissible resuming request (eligible ones only, if asked), oldest first. */
+static int first_resuming(Choice *c, int only_eligible, Py_ssize_t *found) {
+    *found = -1;
+    QueueIndex *self = c->index;
+    Py_ssize_t n = PyDict_GET_SIZE(self->resumed);
+    if (n == 0) return 0;
+    ArrivalEntry *order = PyMem_Malloc((size_t)n * sizeof(ArrivalEntry));
+    if (order == NULL) return PyErr_NoMemory(), -1;
+    Py_ssize_t pos = 0, count = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(self->resumed, &pos, &key, &value)) {
+        Py_ssize_t rslot = lookup_slot(self->slot_of, key);
+        if (rslot < 0) {
+            PyMem_Free(order);
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        if (only_eligible && !eligible(c, rslot)) continue;
+        Request *r = &self->requests[rslot];
+        ArrivalEntry e = {r->arrival, r->seq, rslot};
+        order[count++] = e;
+    }
+    /* few: insertion sort */
+    for (Py_ssize_t i = 1; i < count; i++) {
+        ArrivalEntry e = order[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && arrival_less(&e, &order[j - 1]); j--) order[j] = order[j - 1];
+        order[j] = e;
+    }
+    int status = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int ok = admissible(c, order[i].req);
+        if (ok < 0) {
+            status = -1;
+            break;
+        }
+        if (ok) {
+            *found = order[i].req;
+            break;
+        }
+    }
+    PyMem_Free(order);
+    return status;
+}
+
+/* A cursor: one lazy heap's live entries smallest first, the heap left as it is. */
+typedef struct {
+    Py_ssize_t *frontier;
+    Py_ssize_t len, cap;
+} Cursor;
+
+#define DEFINE_CURSOR(NAME, HEAP, ENTRY, LESS, LIVE)                                          \
+    static int NAME##_push(Cursor *k, HEAP *h, Py_ssize_t position) {                         \
+        if (k->len == k->cap) {                                                               \
+            Py_ssize_t cap = k->cap ? 2 * k->cap : 16;                                        \
+            Py_ssize_t *grown = PyMem_Realloc(k->frontier, (size_t)cap * sizeof(Py_ssize_t)); \
+            if (grown == NULL) return PyErr_NoMemory(), -1;                                   \
+            k->frontier = grown;                                                              \
+            k->cap = cap;                                                                     \
+        }                                                                                     \
+        Py_ssize_t pos = k->len++;                                                            \
+        while (pos > 0) {                                                                     \
+            Py_ssize_t parent = (pos - 1) >> 1;                                               \
+            if (!LESS(&h->data[position], &h->data[k->frontier[parent]])) break;              \
+            k->frontier[pos] = k->frontier[parent];                                           \
+            pos = parent;                                                                     \
+        }                                                                                     \
+        k->frontier[pos] = position;                                                          \
+        return 0;                                                                             \
+    }                                                                                         \
+    /* The next live entry, or NULL (at the end, or on error: -1 in *error). */               \
+    static ENTRY *NAME##_next(QueueIndex *self, Cursor *k, HEAP *h, int *error) {             \
+        while (k->len > 0) {                                                                  \
+            Py_ssize_t top = k->frontier[0], last = k->frontier[--k->len], pos = 0;           \
+            for (;;) {                                                                        \
+                Py_ssize_t child = 2 * pos + 1;                                               \
+                if (child >= k->len) break;                                                   \
+                if (child + 1 < k->len &&                                                     \
+                    LESS(&h->data[k->frontier[child + 1]], &h->data[k->frontier[child]]))     \
+                    child++;                                                                  \
+                if (!LESS(&h->data[k->frontier[child]], &h->data[last])) break;               \
+                k->frontier[pos] = k->frontier[child];                                        \
+                pos = child;                                                                  \
+            }                                                                                 \
+            if (k->len > 0) k->frontier[pos] = last;                                          \
+            Py_ssize_t child = 2 * top + 1;                                                   \
+            if ((child < h->len && NAME##_push(k, h, child) < 0) ||                           \
+                (child + 1 < h->len && NAME##_push(k, h, child + 1) < 0)) {                   \
+                *error = -1;                                                                  \
+                return NULL;                                                                  \
+            }                                                                                 \
+            if (LIVE(self, &h->data[top])) return &h->data[top];                              \
+        }                                                                                     \
+        return NULL;                                                                          \
+    }
+
+DEFINE_CURSOR(arrival_cursor, ArrivalHeap, ArrivalEntry, arrival_less, arrival_live)
+DEFINE_CURSOR(counter_cursor, CounterHeap, CounterEntry, counter_less, counter_live)
+
+#define MAX_STREAMS (2 * NUM_BUCKETS)
+
+/* Several heaps' walks merged (arrivals: the overdue; counters: the parties by counter). */
+typedef struct {
+    Cursor cursor;
+    void *heap;
+    void *head; /* its next live entry; NULL: done */
+    int kind;
+} Stream;
+
+static void free_streams(Stream *streams, int n) {
+    for (int i = 0; i < n; i++) PyMem_Free(streams[i].cursor.frontier);
+}
+
+/* The first admissible overdue request, oldest first (ties: the first queued), in `found`;
+   of the lengths `lengths` may place, if given. */
+static int oldest_overdue(Choice *c, Py_ssize_t *found) {
+    *found = -1;
+    QueueIndex *self = c->index;
+    Stream streams[MAX_STREAMS];
+    int n = 0, error = 0, done[2] = {0, 0}, status = 0;
+    for (int kind = 0; kind < 2; kind++) {
+        for (int bits = -1; bits < NUM_BUCKETS; bits++) {
+            ArrivalHeap *h;
+            if (!c->has_lengths) {
+                if (bits >= 0) break;
+                h = &self->by_arrival[kind];
+            } else {
+                if (bits < 0) continue;
+                /* a bucket's lengths: those of bit length `bits` (64: INT64_MIN's alone) */
+                int64_t low = bits == 0 ? 0 : (bits >= 64 ? INT64_MAX : (int64_t)1 << (bits - 1));
+                int64_t high = bits == 0 ? 0 : (bits >= 63 ? INT64_MAX : ((int64_t)1 << bits) - 1);
+                if (!self->bucket_made[kind][bits] || !ranges_meet(c, kind, low, high)) continue;
+                h = &self->by_bucket[kind][bits];
+            }
+            arrival_live_top(self, h);
+            Stream *s = &streams[n++];
+            memset(s, 0, sizeof(Stream));
+            s->heap = h;
+            s->kind = kind;
+            if (h->len > 0 && arrival_cursor_push(&s->cursor, h, 0) < 0) goto fail;
+            s->head = arrival_cursor_next(self, &s->cursor, h, &error);
+            if (error) goto fail;
+        }
+    }
+    for (;;) {
+        int best = -1;
+        for (int i = 0; i < n; i++)
+            if (streams[i].head != NULL && !done[streams[i].kind] &&
+                (best < 0 || arrival_less(streams[i].head, streams[best].head)))
+                best = i;
+        if (best < 0) break;
+        Stream *s = &streams[best];
+        ArrivalEntry *e = s->head;
+        double age = c->now - e->arrival;
+        if (age < c->max_wait || (s->kind && age < c->bulk_max_wait)) {
+            done[s->kind] = 1; /* the rest of its kind came later still */
+            continue;
+        }
+        int ok = admissible(c, e->req);
+        if (ok < 0) goto fail;
+        if (ok) {
+            *found = e->req;
+            break;
+        }
+        s->head = arrival_cursor_next(self, &s->cursor, s->heap, &error);
+        if (error) goto fail;
+    }
+    free_streams(streams, n);
+    return status;
+fail:
+    free_streams(streams, n);
+    return -1;
+}
+
+/* Whether a request passes the choice's filter: eligible (if asked) and admissible. */
+static int passes(Choice *c, Py_ssize_t rslot, int only_eligible) {
+    if (only_eligible && !eligible(c, rslot)) return 0;
+    return admissible(c, rslot);
+}
+
+/* A party's first passing request in its order (sorted only past the first). */
+static int party_pick(Choice *c, PartySlot *p, int only_eligible, Py_ssize_t *found) {
+    *found = -1;
+    PartyHeap *h = &p->heap;
+    if (h->len == 0) return 0;
+    int ok = passes(c, h->data[0].req, only_eligible);
+    if (ok != 0) {
+        if (ok > 0) *found = h->data[0].req;
+        return ok < 0 ? -1 : 0;
+    }
+    PartyEntry *sorted = PyMem_Malloc((size_t)h->len * sizeof(PartyEntry));
+    if (sorted == NULL) return PyErr_NoMemory(), -1;
+    memcpy(sorted, h->data, (size_t)h->len * sizeof(PartyEntry));
+    qsort(sorted, (size_t)h->len, sizeof(PartyEntry), party_entry_order);
+    int status = 0;
+    for (Py_ssize_t i = 1; i < h->len; i++) {
+        ok = passes(c, sorted[i].req, only_eligible);
+        if (ok < 0) {
+            status = -1;
+            break;
+        }
+        if (ok) {
+            *found = sorted[i].req;
+            break;
+        }
+    }
+    PyMem_Free(sorted);
+    return status;
+}
+
+static int class_meets(Choice *c, ClassSlot *k) {
+    return k->has_lengths && ranges_meet(c, k->is_bulk, k->min_len, k->max_len);
+}
+
+static int party_meets(Choice *c, PartySlot *p) {
+    return ranges_meet(c, c->index->classes[p->class_slot].is_bulk, p->min_len, p->max_len);
+}
+
+/* The fair choice: the first passing request of the least-served backlogged party (ties: by
+   tenant, then class) among the classes in `wanted` (a flag per class slot). */
+static int least_served(Choice *c, const char *wanted, int only_eligible, Py_ssize_t *found) {
+    *found = -1;
+    QueueIndex *self = c->index;
+    CounterEntry *best = NULL;
+    for (Py_ssize_t i = 0; i < self->num_classes; i++) {
+        ClassSlot *k = &self->classes[i];
+        if (!wanted[i] || !class_meets(c, k)) continue;
+        CounterEntry *top = counter_live_top(self, &k->heap);
+        if (top != NULL && (best == NULL || counter_less(top, best))) best = top;
+    }
+    if (best == NULL) return 0; /* no class both wanted and meeting the lengths */
+    PartySlot *p = &self->parties[best->party_slot];
+    if (p->heap.len > 0 && party_meets(c, p)) { /* the usual case at once */
+        int ok = passes(c, p->heap.data[0].req, only_eligible);
+        if (ok < 0) return -1;
+        if (ok) {
+            *found = p->heap.data[0].req;
+            return 0;
+        }
+    }
+    Stream *streams = PyMem_Calloc((size_t)self->num_classes, sizeof(Stream));
+    if (streams == NULL) return PyErr_NoMemory(), -1;
+    int n = 0, error = 0;
+    for (Py_ssize_t i = 0; i < self->num_classes; i++) {
+        ClassSlot *k = &self->classes[i];
+        if (!wanted[i] || !class_meets(c, k)) continue;
+        Stream *s = &streams[n++];
+        memset(s, 0, sizeof(Stream));
+        s->heap = &k->heap;
+        if (k->heap.len > 0 && counter_cursor_push(&s->cursor, &k->heap, 0) < 0) goto fail;
+        s->head = counter_cursor_next(self, &s->cursor, &k->heap, &error);
+        if (error) goto fail;
+    }
+    for (;;) {
+        int at = -1;
+        for (int i = 0; i < n; i++)
+            if (streams[i].head != NULL && (at < 0 || counter_less(streams[i].head, streams[at].head)))
+                at = i;
+        if (at < 0) break;
+        Stream *s = &streams[at];
+        PartySlot *party = &self->parties[((CounterEntry *)s->head)->party_slot];
+        if (party_meets(c, party)) {
+            if (party_pick(c, party, only_eligible, found) < 0) goto fail;
+            if (*found >= 0) break;
+        }
+        s->head = counter_cursor_next(self, &s->cursor, s->heap, &error);
+        if (error) goto fail;
+    }
+    free_streams(streams, n);
+    PyMem_Free(streams);
+    return 0;
+fail:
+    free_streams(streams, n);
+    PyMem_Free(streams);
+    return -1;
+}
+
+static int choose_interactive(Choice *c, int someone_overdue, Py_ssize_t oldest, Py_ssize_t aged,
+                              int last_was_aged, Py_ssize_t *found, int *by_aging) {
+    *found = -1;
+    *by_aging = 0;
+    if (oldest < 0 && aged < 0) return 0;
+    if (first_resuming(c, 1, found) < 0) return -1;
+    if (*found >= 0) return 0;
+    QueueIndex *self = c->index;
+    if (c->fcfs) { /* strict: the oldest, or no one (head-of-line blocking) */
+        Py_ssize_t first = oldest < 0 ? aged : (aged < 0 || earlier(self, oldest, aged) ? oldest : aged);
+        int ok = admissible(c, first);
+        if (ok > 0) *found = first;
+        return ok < 0 ? -1 : 0;
+    }
+    Py_ssize_t overdue = -1;
+    if (someone_overdue && oldest_overdue(c, &overdue) < 0) return -1;
+    if (overdue >= 0 && !last_was_aged) {
+        *found = overdue;
+        *by_aging = 1;
+        return 0;
+    }
+    char wanted[self->num_classes + 1];
+    for (Py_ssize_t i = 0; i < self->num_classes; i++)
+        wanted[i] = self->classes[i].num_parties > 0 && (!self->classes[i].is_bulk || aged >= 0);
+    Py_ssize_t fair;
+    if (least_served(c, wanted, 1, &fair) < 0) return -1;
+    if (fair < 0) {
+        *found = overdue;
+        *by_aging = overdue >= 0;
+        return 0;
+    }
+    *found = fair;
+    *by_aging = fair == overdue;
+    return 0;
+}
+
+static int choose_bulk(Choice *c, Py_ssize_t *found) {
+    *found = -1;
+    QueueIndex *self = c->index;
+    if (PyDict_GET_SIZE(self->slot_of) == 0) return 0;
+    if (first_resuming(c, 0, found) < 0) return -1;
+    if (*found >= 0) return 0;
+    if (c->fcfs) {
+        ArrivalEntry *a = arrival_live_top(self, &self->by_arrival[0]);
+        ArrivalEntry *b = arrival_live_top(self, &self->by_arrival[1]);
+        Py_ssize_t first = a == NULL ? b->req : (b == NULL || earlier(self, a->req, b->req) ? a->req : b->req);
+        int ok = admissible(c, first);
+        if (ok > 0) *found = first;
+        return ok < 0 ? -1 : 0;
+    }
+    char wanted[self->num_classes + 1];
+    for (Py_ssize_t i = 0; i < self->num_classes; i++)
+        wanted[i] = self->classes[i].num_parties > 0 && self->classes[i].is_bulk;
+    return least_served(c, wanted, 0, found);
+}
+
+/* choose(now, admissible, lengths, last_was_aged, max_wait_s, bulk_max_wait_s, fcfs)
+   -> (request or None, chosen by aging, no one overdue) */
+static PyObject *QueueIndex_choose(QueueIndex *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "choose(now, admissible, lengths, last_was_aged, "
+                                         "max_wait_s, bulk_max_wait_s, fcfs)");
+        return NULL;
+    }
+    Choice c;
+    memset(&c, 0, sizeof(Choice));
+    c.index = self;
+    c.now = PyFloat_AsDouble(args[0]);
+    c.max_wait = PyFloat_AsDouble(args[4]);
+    c.bulk_max_wait = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    int last_was_aged = PyObject_IsTrue(args[3]), fcfs = PyObject_IsTrue(args[6]);
+    if (last_was_aged < 0 || fcfs < 0) return NULL;
+    c.fcfs = fcfs;
+    PyObject *lengths = args[2];
+    c.has_lengths = lengths != Py_None;
+    if (c.has_lengths) {
+        PyObject *interactive = PyObject_GetAttr(lengths, str_interactive);
+        if (interactive == NULL) return NULL;
+        int status = read_ranges(interactive, c.ranges[0], &c.num_ranges[0]);
+        Py_DECREF(interactive);
+        if (status < 0) return NULL;
+        PyObject *bulk = PyObject_GetAttr(lengths, str_bulk);
+        if (bulk == NULL) return NULL;
+        status = read_ranges(bulk, c.ranges[1], &c.num_ranges[1]);
+        Py_DECREF(bulk);
+        if (status < 0) return NULL;
+    }
+    c.admissible = (c.has_lengths && args[1] == lengths) ? NULL : args[1];
+    ArrivalEntry *top = arrival_live_top(self, &self->by_arrival[0]);
+    Py_ssize_t oldest = top ? top->req : -1;
+    top = arrival_live_top(self, &self->by_arrival[1]);
+    Py_ssize_t aged = top ? top->req : -1;
+    if (aged >= 0 && c.now - self->requests[aged].arrival < c.bulk_max_wait) aged = -1;
+    int someone_overdue =
+        (oldest >= 0 && c.now - self->requests[oldest].arrival >= c.max_wait) ||
+        (aged >= 0 && c.now - self->requests[aged].arrival >= c.max_wait);
+    if (!someone_overdue) last_was_aged = 0;
+    Py_ssize_t found = -1;
+    int by_aging = 0;
+    if (!(c.has_lengths && c.num_ranges[0] == 0 && c.num_ranges[1] == 0)) {
+        if (choose_interactive(&c, someone_overdue, oldest, aged, last_was_aged, &found,
+                               &by_aging) < 0)
+            return NULL;
+        if (found < 0) { /* work conservation: what interactive work leaves goes to bulk */
+            by_aging = 0;
+            if (choose_bulk(&c, &found) < 0) return NULL;
+        }
+    }
+    return Py_BuildValue("(OOO)", found >= 0 ? self->requests[found].item : Py_None,
+                         by_aging ? Py_True : Py_False, someone_overdue ? Py_False : Py_True);
+}
+
+static PyObject *set_bulk_class(PyObject *module, PyObject *name) {
+    if (!PyUnicode_Check(name)) {
+        PyErr_SetString(PyExc_TypeError, "the bulk class is a str");
+        return NULL;
+    }
+    Py_INCREF(name);
+    Py_XSETREF(bulk_class_name, name);
+    Py_RETURN_NONE;
+}
+
 /* -- the type -------------------------------------------------------------------------------- */
 
 static PyObject *QueueIndex_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -1096,6 +1580,8 @@ static PyMethodDef QueueIndex_methods[] = {
     {"arrival_walk", (PyCFunction)(void (*)(void))QueueIndex_arrival_walk, FAST, NULL},
     {"counter_walk", (PyCFunction)QueueIndex_counter_walk, METH_O, NULL},
     {"bucket_bits", (PyCFunction)QueueIndex_bucket_bits, METH_O, NULL},
+    {"choose", (PyCFunction)(void (*)(void))QueueIndex_choose, FAST,
+     "the fair choice: (request or None, by aging, no one overdue)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1115,8 +1601,14 @@ static PyTypeObject QueueIndexType = {
     .tp_new = QueueIndex_new,
 };
 
+static PyMethodDef module_functions[] = {
+    {"set_bulk_class", set_bulk_class, METH_O, "the bulk class's name (before any index is used)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_tandem_queue_index", NULL, -1, NULL, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "_tandem_queue_index", NULL, -1, module_functions,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__tandem_queue_index(void) {
@@ -1129,6 +1621,7 @@ PyMODINIT_FUNC PyInit__tandem_queue_index(void) {
     INTERN(str_arrival, "arrival")
     INTERN(str_bulk, "bulk")
     INTERN(str_resumed, "resumed")
+    INTERN(str_interactive, "interactive")
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&QueueIndexType);

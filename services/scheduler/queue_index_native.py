@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from services.scheduler.queue_index import QueueIndex
-from services.scheduler.queued import Party, QueuedRequest
+from services.scheduler.queued import BULK_CLASS, Party, QueuedRequest
 from shared import native_build
 from shared.config import cache_dir
 from shared.logs import get_logger
@@ -58,6 +58,7 @@ def native_type() -> type:
     cannot be built or loaded here."""
     build_dir = cache_dir() / "native"
     module = native_build.load_extension(SOURCE, MODULE_NAME, build_dir)
+    module.set_bulk_class(BULK_CLASS)
 
     class NativeQueueIndex(module.QueueIndex):
         __slots__ = ()

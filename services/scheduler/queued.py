@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+# The class of every bulk request (a batch job's line), whatever its length.
+BULK_CLASS = "bulk"
+
 
 class Party(NamedTuple):
     """A fair-share account. A tuple: a decision looks parties up some twenty-five times, and a

@@ -16,7 +16,7 @@ import random
 import pytest
 
 from services.scheduler import queue_index_native
-from services.scheduler.fair_share import FairQueue, FairShareConfig
+from services.scheduler.fair_share import FairQueue, FairShareConfig, LengthRanges
 from services.scheduler.queue_index import QueueIndex
 from services.scheduler.queued import Party, QueuedRequest
 from shared.native_build import NativeUnavailable
@@ -254,3 +254,104 @@ def test_without_a_compiler_auto_keeps_python_and_native_says_why(tmp_path, monk
         assert queue_index_native.index_type("auto") is QueueIndex
     finally:
         queue_index_native.native_type.cache_clear()
+
+
+class QueueTwins:
+    """Two fair queues, one choosing in C (`QueueIndex.choose`), one in Python over the Python
+    index, fed the same requests, charges and time, asked for the same choices."""
+
+    def __init__(self, rng: random.Random, policy: str):
+        self.rng = rng
+        config = dict(policy=policy, class_thresholds=(64,), max_wait_s=4.0, bulk_max_wait_s=10.0)
+        self.python = FairQueue(FairShareConfig(queue_index="python", **config))
+        self.native = FairQueue(FairShareConfig(queue_index="native", **config))
+        self.native_choices = 0
+        choose = self.native._native_choice
+
+        def counted(*args):
+            self.native_choices += 1
+            return choose(*args)
+
+        self.native._native_choice = counted
+        self.now = 0.0
+        self.num_pushed = 0
+
+    def push(self) -> None:
+        rng = self.rng
+        self.now += rng.choice((0.0, 0.0, 0.3, 1.0, 2.5))
+        item = QueuedRequest(
+            request_id=f"r{self.num_pushed}",
+            tenant=rng.choice(("a", "b", "c", "d")),
+            num_prompt_tokens=rng.choice((1, 5, 30, 64, 65, 200, 900)),
+            priority=rng.choice((0, 0, 0, 1)),
+            arrival=self.now,
+            resumed=rng.random() < 0.05,
+            bulk=rng.random() < 0.3,
+            num_cached_tokens=rng.choice((0, 0, 4)),
+        )
+        self.num_pushed += 1
+        self.python.push(item)
+        self.native.push(item)
+
+    def lengths(self) -> LengthRanges:
+        rng = self.rng
+        pairs = [(0, 64), (65, 300), (0, 10), (100, 1000), (0, 1000)]
+        interactive = tuple(rng.sample(pairs, rng.randint(0, 2)))
+        bulk = tuple(rng.sample(pairs, rng.randint(0, 1)))
+        return LengthRanges(interactive, bulk)
+
+    def pop(self) -> None:
+        rng = self.rng
+        self.now += rng.choice((0.0, 0.5, 3.0))
+        how = rng.random()
+        if how < 0.6:  # as the core asks: the ranges are the test of admissibility
+            lengths = self.lengths()
+            args = (self.now, lengths, lengths)
+        elif how < 0.8:  # any test, with a promise of lengths: some requests refused
+            lengths = self.lengths()
+            refused = {i.request_id for i in self.python if rng.random() < 0.5}
+            args = (self.now, lambda i: lengths(i) and i.request_id not in refused, lengths)
+        else:  # any test, no promise
+            limit = rng.choice((10, 100, 1000))
+            args = (self.now, lambda i: i.num_prompt_tokens <= limit, None)
+        peeked = self.native.peek_next(*args)
+        assert peeked is self.python.peek_next(*args)
+        popped = self.native.pop_next(*args)
+        assert popped is self.python.pop_next(*args) and popped is peeked
+        assert self.native._last_was_aged == self.python._last_was_aged
+        if popped is not None and rng.random() < 0.5:
+            party = self.python.party_for(popped.tenant, popped.num_prompt_tokens, popped.bulk)
+            tokens = rng.randint(1, 50)
+            self.python.charge(party, num_output_tokens=tokens)
+            self.native.charge(party, num_output_tokens=tokens)
+
+    def remove(self) -> None:
+        queued = [i.request_id for i in self.python]
+        if queued:
+            request_id = self.rng.choice(queued)
+            assert self.native.remove(request_id) is self.python.remove(request_id)
+
+    def compare(self) -> None:
+        assert self.native.counters == self.python.counters
+        assert self.native.virtual_time == self.python.virtual_time
+        assert [i.request_id for i in self.native] == [i.request_id for i in self.python]
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_c_choice_is_the_python_policys(seed, policy, native_type):
+    """Every kind of choice: overdue requests (aging every other turn), bulk lines aged into the
+    interactive choice or taking what it leaves, resumed requests first, the least-served party
+    passed over when its first request does not fit, fcfs's head-of-line blocking."""
+    rng = random.Random(seed)
+    twins = QueueTwins(rng, policy)
+    for _ in range(500):
+        change = rng.random()
+        if change < 0.45:
+            twins.push()
+        elif change < 0.9:
+            twins.pop()
+        else:
+            twins.remove()
+        twins.compare()
+    assert twins.native_choices > 400  # (peek and pop) the C choice made them
