@@ -11,6 +11,9 @@ temporary files and renames the library into place (atomic), so none loads a hal
 
 Without a compiler, or when it fails, `compile_cached` raises `NativeUnavailable` with the
 reason (the compiler's last lines), and leaves nothing behind; the caller keeps its Python path.
+
+`TANDEM_NATIVE_CFLAGS` adds flags to every compile and link (part of the hash): the tests build
+the scheduler's C with AddressSanitizer and UBSan through it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ def compile_cached(
     command = compiler()
     if shutil.which(command) is None:
         raise NativeUnavailable(f"no C compiler ({command!r} not found)")
+    extra = tuple(os.environ.get("TANDEM_NATIVE_CFLAGS", "").split())
+    compile_flags, link_flags = (*compile_flags, *extra), (*link_flags, *extra)
     flags = " ".join((command, *compile_flags, *link_flags, *libraries)).encode()
     key = hashlib.sha256(b"\0".join([source.read_bytes(), flags, key_extra])).hexdigest()[:16]
     library = build_dir / f"{source.stem}-{key}.so"
