@@ -13,7 +13,7 @@ transformers'. In a step of decode rows only, the same call also rotates the que
 key and writes the new key and value into the cache (`NewTokens`), so that a decode layer's
 attention is one call instead of a dozen.
 
-The C source is compiled on first use (`shared/native_build.py`) for the CPU at hand
+The C source is compiled on first use (`kernels/native_build.py`) for the CPU at hand
 (`-march=native`; `-ffast-math` when compiling, not when linking, see `_COMPILE_FLAGS`), cached
 under a name that hashes the source, the flags and the CPU's feature flags (a cache shared
 between machines never hands one CPU another's instructions). Without a compiler, `build`
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import native_build
 from kernels.attention_plan import DecodeRows
-from shared import native_build
 
 SOURCE = Path(__file__).with_suffix(".c")
 # Compiled with -ffast-math (reassociated sums vectorize; expf through glibc's libmvec), but

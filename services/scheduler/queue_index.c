@@ -1,6 +1,6 @@
 /* The fair queue's indexes in C: `queue_index.py`'s QueueIndex, decision for decision.
 
-   Loaded by `queue_index_native.py` (compiled on first use, `shared/native_build.py`), which adds
+   Loaded by `queue_index_native.py` (compiled on first use, `kernels/native_build.py`), which adds
    the rarely taken merged walks in Python on top of the walks here. The Python QueueIndex is the
    reference: `tests/unit/test_queue_index_native.py` drives both with the same changes and asks
    both the same questions after each.

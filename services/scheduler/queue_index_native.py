@@ -19,9 +19,9 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from kernels import native_build
 from services.scheduler.queue_index import QueueIndex
 from services.scheduler.queued import BULK_CLASS, Party, QueuedRequest
-from shared import native_build
 from shared.config import cache_dir
 from shared.logs import get_logger
 

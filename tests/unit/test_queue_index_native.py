@@ -15,11 +15,11 @@ import random
 
 import pytest
 
+from kernels.native_build import NativeUnavailable
 from services.scheduler import queue_index_native
 from services.scheduler.fair_share import FairQueue, FairShareConfig, LengthRanges
 from services.scheduler.queue_index import QueueIndex
 from services.scheduler.queued import Party, QueuedRequest
-from shared.native_build import NativeUnavailable
 
 CLASSES = ("short", "long", "bulk")
 
