@@ -40,22 +40,31 @@ def index_type(choice: str) -> type:
         return native_type()
     if choice != "auto":
         raise ValueError(f"queue_index must be one of {', '.join(QUEUE_INDEXES)}, got {choice!r}")
-    try:
-        return native_type()
-    except native_build.NativeUnavailable as error:
-        _warn_once(str(error))
+    built, reason = _native_or_reason()
+    if built is None:
         return QueueIndex
+    return built
 
 
 @functools.cache
-def _warn_once(reason: str) -> None:
-    log.warning("native queue index unavailable, using the Python one", reason=reason)
+def _native_or_reason() -> tuple[type | None, str]:
+    """`auto`'s answer, once per process: a failed build is not retried for every queue (the
+    planner makes a core per configuration it simulates), and is said once."""
+    try:
+        return native_type(), ""
+    except native_build.NativeUnavailable as error:
+        log.warning("native queue index unavailable, using the Python one", reason=str(error))
+        return None, str(error)
 
 
-@functools.cache
 def native_type() -> type:
-    """The C index with its merged walks (built once per process); `NativeUnavailable` if it
-    cannot be built or loaded here."""
+    """The C index with its merged walks; `NativeUnavailable` if it cannot be built or loaded
+    here."""
+    return _native_type()
+
+
+@functools.cache
+def _native_type() -> type:
     build_dir = cache_dir() / "native"
     module = native_build.load_extension(SOURCE, MODULE_NAME, build_dir)
     module.set_bulk_class(BULK_CLASS)

@@ -247,13 +247,19 @@ def test_the_fair_queue_takes_the_index_the_config_names(native_type):
 def test_without_a_compiler_auto_keeps_python_and_native_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    queue_index_native.native_type.cache_clear()
+    caches = (queue_index_native._native_type, queue_index_native._native_or_reason)
+    for cache in caches:
+        cache.cache_clear()
     try:
         with pytest.raises(NativeUnavailable, match="no C compiler"):
             queue_index_native.index_type("native")
         assert queue_index_native.index_type("auto") is QueueIndex
+        monkeypatch.delenv("CC")  # a compiler now: auto keeps its first answer for the process
+        assert queue_index_native.index_type("auto") is QueueIndex
+        assert not (tmp_path / "native").exists()  # and nothing was built on the way
     finally:
-        queue_index_native.native_type.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
 
 
 class QueueTwins:
