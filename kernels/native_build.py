@@ -46,16 +46,19 @@ def compile_cached(
     link_flags: tuple[str, ...],
     libraries: tuple[str, ...] = (),
     key_extra: bytes = b"",
+    headers: tuple[Path, ...] = (),
 ) -> Path:
     """The shared library built from `source` into `build_dir` (compiled once: later calls find
-    it), named `<source stem>-<hash>.so`."""
+    it), named `<source stem>-<hash>.so`. `headers`: the files `source` includes (beside it),
+    hashed with it, so an edit of one builds afresh too."""
     command = compiler()
     if shutil.which(command) is None:
         raise NativeUnavailable(f"no C compiler ({command!r} not found)")
     extra = tuple(os.environ.get("TANDEM_NATIVE_CFLAGS", "").split())
     compile_flags, link_flags = (*compile_flags, *extra), (*link_flags, *extra)
     flags = " ".join((command, *compile_flags, *link_flags, *libraries)).encode()
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), flags, key_extra])).hexdigest()[:16]
+    texts = [source.read_bytes(), *(header.read_bytes() for header in headers)]
+    key = hashlib.sha256(b"\0".join([*texts, flags, key_extra])).hexdigest()[:16]
     library = build_dir / f"{source.stem}-{key}.so"
     if not library.exists():
         _compile(command, source, library, compile_flags, link_flags, libraries)
@@ -103,9 +106,12 @@ def cpu_flags() -> bytes:
     return next((line.encode() for line in lines if line.startswith("flags")), b"unknown")
 
 
-def load_extension(source: Path, module_name: str, build_dir: Path) -> ModuleType:
-    """A CPython extension module (its `PyInit_<module_name>`) built from `source` for the
-    running Python, loaded (not imported into `sys.modules`: each caller holds its module)."""
+def load_extension(
+    source: Path, module_name: str, build_dir: Path, headers: tuple[Path, ...] = ()
+) -> ModuleType:
+    """A CPython extension module (its `PyInit_<module_name>`) built from `source` (which
+    includes `headers`) for the running Python, loaded (not imported into `sys.modules`: each
+    caller holds its module)."""
     include = sysconfig.get_paths()["include"]
     if not (Path(include) / "Python.h").exists():
         raise NativeUnavailable(f"no Python headers ({include}/Python.h not found)")
@@ -116,6 +122,7 @@ def load_extension(source: Path, module_name: str, build_dir: Path) -> ModuleTyp
         compile_flags=("-O2", "-fPIC", "-Wall", "-Werror", f"-I{include}"),
         link_flags=("-shared",),
         key_extra=abi,
+        headers=headers,
     )
     loader = importlib.machinery.ExtensionFileLoader(module_name, str(library))
     spec = importlib.util.spec_from_file_location(module_name, library, loader=loader)

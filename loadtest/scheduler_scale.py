@@ -23,7 +23,7 @@ cache-aware placement (`cache_placement.py`) is in play.
 
     .venv/bin/python -m loadtest.scheduler_scale [--prefill 1000 --decode 1000 --queued 100000
         --tenants 10000 --rounds 8000] [--prefix-cache] [--gc freeze|default] [--profile]
-        [--queue-index auto|native|python]
+        [--indexes auto|native|python]
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ import zlib
 from collections import Counter, deque
 
 from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
-from services.scheduler.fair_share import FairShareConfig
-from services.scheduler.queue_index_native import QUEUE_INDEXES
+from services.scheduler.native_indexes import INDEXES
 from shared import wire
 from shared.engine.prefix_cache import CacheKey, worker_cache_key
 from shared.gc_policy import SurvivorFreezer
@@ -81,7 +80,7 @@ class ScaleBench:
             max_queued_tokens=1 << 40,
             heartbeat_timeout_s=1e9,
             max_queue_time_s=1e9,
-            fair_share=FairShareConfig(queue_index=args.queue_index),
+            indexes=args.indexes,
         )
         self.core = ClusterScheduler(limits)
         self.now = 0.0
@@ -256,6 +255,7 @@ class ScaleBench:
             "prefix_cache": self.args.prefix_cache,
             "gc": self.args.gc,
             "queue_index": self.core.queue.index_kind,
+            "decode_room": self.core.registry.decode_room_kind,
             "num_decisions": self.num_decisions,
             "decisions_per_s": self.num_decisions / self.busy_s if self.busy_s else 0.0,
             "decision_p50_ms": statistics.median(ordered) * 1e3 if ordered else None,
@@ -291,10 +291,10 @@ def main(argv: list[str] | None = None) -> None:
         help="cProfile the rounds: top 25, and the function calls per decision",
     )
     parser.add_argument(
-        "--queue-index",
-        choices=QUEUE_INDEXES,
+        "--indexes",
+        choices=INDEXES,
         default="auto",
-        help="the fair queue's indexes: C (queue_index.c) if it builds, C, or Python",
+        help="the fair queue's and the decode room's indexes: C if it builds, C, or Python",
     )
     args = parser.parse_args(argv)
     for name in ("prefill", "decode", "queued", "tenants", "rounds"):

@@ -51,6 +51,7 @@ from services.scheduler.fair_share import (
     Party,
     QueuedRequest,
 )
+from services.scheduler.native_indexes import check_choice
 from services.scheduler.registry import WorkerRegistry, WorkerState
 from services.scheduler.wait_forecast import (
     DEADLINE_SHARE,
@@ -104,12 +105,16 @@ class SchedulerLimits:
     # first-token deadline, instead of queueing it to time out (`wait_forecast.py`).
     refuse_past_deadline: bool = True
     deadline_share: float = DEADLINE_SHARE  # ... once the forecast passes this share of it
+    # The queue's and the decode room's indexes: C where it builds (`auto`), C or fail
+    # (`native`), or `python`. The same decisions either way (`native_indexes.py`).
+    indexes: str = "auto"
 
     def __post_init__(self) -> None:
         for name in SHARES:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
+        check_choice(self.indexes)
 
 
 @dataclass
@@ -191,8 +196,9 @@ class ClusterScheduler:
             self.limits.prefill_window_tokens,
             self.limits.bulk_window_share,
             self.limits.bulk_seat_share,
+            self.limits.indexes,
         )
-        self.queue = FairQueue(self.limits.fair_share)
+        self.queue = FairQueue(self.limits.fair_share, self.limits.indexes)
         self.placement = CachePlacement(self.limits.routing, self.limits.local_prefill_max_tokens)
         self.prefix_index = self.placement.index
         self.cache_holders = CacheHolders(self.prefix_index)  # the index read backwards
@@ -376,9 +382,7 @@ class ClusterScheduler:
         deadline = submit.first_token_deadline_s
         if deadline is not None and not deadline > 0:  # NaN too
             return 400, f"first_token_deadline_s must be positive, got {deadline}", None
-        capacity = self.registry.decode_room.max_capacity(
-            lambda w: self.registry.is_healthy(w, now)
-        )
+        capacity = self.registry.max_decode_capacity(now)
         if capacity is None or not self.registry.any_healthy("prefill", now):
             message = "no prefill or no decode worker is registered and making progress"
             return 503, message, self.limits.retry_after_s

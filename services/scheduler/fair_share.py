@@ -46,8 +46,9 @@ import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from services.scheduler.native_indexes import kind
 from services.scheduler.queue_index import QueueIndex
-from services.scheduler.queue_index_native import QUEUE_INDEXES, index_type
+from services.scheduler.queue_index_native import queue_index_type
 from services.scheduler.queued import BULK_CLASS, Party, QueuedRequest
 
 POLICIES = ("fair", "fcfs")
@@ -65,9 +66,6 @@ class FairShareConfig:
     max_wait_s: float = 30.0  # aging bound
     bulk_max_wait_s: float = 300.0  # a bulk request waiting this long competes as interactive
     bulk_weight: float = 1.0  # the bulk parties' weight among themselves
-    # The queue's indexes: C if it builds here (`auto`), C or fail (`native`), or `python`.
-    # The same decisions either way (`queue_index_native.py`).
-    queue_index: str = "auto"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -95,10 +93,6 @@ class FairShareConfig:
             raise ValueError(f"bulk_max_wait_s must be positive, got {self.bulk_max_wait_s}")
         if not self.bulk_weight > 0:
             raise ValueError(f"bulk_weight must be positive, got {self.bulk_weight}")
-        if self.queue_index not in QUEUE_INDEXES:
-            raise ValueError(
-                f"queue_index must be one of {', '.join(QUEUE_INDEXES)}, got {self.queue_index!r}"
-            )
 
     def class_of(self, num_prompt_tokens: int) -> str:
         return self.class_names[bisect.bisect_right(self.class_thresholds, num_prompt_tokens)]
@@ -145,12 +139,13 @@ class FairQueue:
     """The scheduler's queue under the policy; see the module doc. Its requests and parties are
     kept in ordered indexes (`queue_index.py`), so a choice costs no scan of either."""
 
-    def __init__(self, config: FairShareConfig):
+    def __init__(self, config: FairShareConfig, indexes: str = "auto"):
+        """`indexes`: C or Python (`native_indexes.py`); the same decisions either way."""
         self.config = config
         self.counters: dict[Party, float] = {}  # weighted service received
         self.served_tokens: dict[Party, int] = {}  # unweighted prompt + output tokens, for status
         self.virtual_time = 0.0
-        self._index: QueueIndex = index_type(config.queue_index)()
+        self._index: QueueIndex = queue_index_type(indexes)()
         # The C index makes the whole choice in one call (`queue_index.c`); the Python one
         # is walked by the methods below, the reference.
         self._native_choice = getattr(self._index, "choose", None)
@@ -160,7 +155,7 @@ class FairQueue:
     @property
     def index_kind(self) -> str:
         """Which queue index serves: `native` (C) or `python`."""
-        return "python" if type(self._index) is QueueIndex else "native"
+        return kind(self._index, QueueIndex)
 
     def __len__(self) -> int:
         return len(self._index)

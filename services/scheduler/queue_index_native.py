@@ -8,8 +8,7 @@ both with the same changes and compares every answer, and the core's twin test
 merged walks taken only when the usual choice fails (overdue requests by arrival, parties by
 counter past the least served) are written here over its single-heap walks.
 
-`FairShareConfig.queue_index` chooses: `auto` (the C index if it builds here, else the Python
-one, with a warning saying why), `native` (fail without it) or `python`.
+`native_indexes.py` chooses between them, with the scheduler's other C index.
 """
 
 from __future__ import annotations
@@ -17,56 +16,22 @@ from __future__ import annotations
 import functools
 import heapq
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 
-from kernels import native_build
+from services.scheduler import native_indexes
 from services.scheduler.queue_index import QueueIndex
 from services.scheduler.queued import BULK_CLASS, Party, QueuedRequest
-from shared.config import cache_dir
-from shared.logs import get_logger
-
-QUEUE_INDEXES = ("auto", "native", "python")
-SOURCE = Path(__file__).with_name("queue_index.c")
-MODULE_NAME = "_tandem_queue_index"
-
-log = get_logger(component="scheduler")
 
 
-def index_type(choice: str) -> type:
-    """The index class `choice` names (see the module doc)."""
-    if choice == "python":
-        return QueueIndex
-    if choice == "native":
-        return native_type()
-    if choice != "auto":
-        raise ValueError(f"queue_index must be one of {', '.join(QUEUE_INDEXES)}, got {choice!r}")
-    built, reason = _native_or_reason()
-    if built is None:
-        return QueueIndex
-    return built
+def queue_index_type(choice: str) -> type:
+    """The index class `choice` (`native_indexes.INDEXES`) names."""
+    return native_indexes.pick(choice, QueueIndex, native_type)
 
 
 @functools.cache
-def _native_or_reason() -> tuple[type | None, str]:
-    """`auto`'s answer, once per process: a failed build is not retried for every queue (the
-    planner makes a core per configuration it simulates), and is said once."""
-    try:
-        return native_type(), ""
-    except native_build.NativeUnavailable as error:
-        log.warning("native queue index unavailable, using the Python one", reason=str(error))
-        return None, str(error)
-
-
 def native_type() -> type:
     """The C index with its merged walks; `NativeUnavailable` if it cannot be built or loaded
     here."""
-    return _native_type()
-
-
-@functools.cache
-def _native_type() -> type:
-    build_dir = cache_dir() / "native"
-    module = native_build.load_extension(SOURCE, MODULE_NAME, build_dir)
+    module = native_indexes.load("queue_index.c", "_tandem_queue_index")
     module.set_bulk_class(BULK_CLASS)
 
     class NativeQueueIndex(module.QueueIndex):

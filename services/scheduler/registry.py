@@ -14,17 +14,16 @@ without a scan.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Iterator
 
+from services.scheduler.native_indexes import decode_room_type, kind
 from services.scheduler.worker_index import (
     BULK_SEAT_SHARE,
     BULK_WINDOW_SHARE,
     DecodeRoom,
     PrefillRoom,
     PrefillWindow,
-    bulk_seats,
 )
 from services.scheduler.worker_state import WorkerState
 
@@ -37,6 +36,7 @@ class WorkerRegistry:
         window_tokens: int = 2048,
         bulk_window_share: float = BULK_WINDOW_SHARE,
         bulk_seat_share: float = BULK_SEAT_SHARE,
+        indexes: str = "auto",
     ):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         # A worker that holds work and completes no step for this long is stuck: it answers
@@ -47,7 +47,9 @@ class WorkerRegistry:
         self._by_role: dict[str, dict[str, WorkerState]] = {"prefill": {}, "decode": {}}
         self._registrations = itertools.count(1)
         self.prefill_room = PrefillRoom(window_tokens, bulk_window_share)
-        self.decode_room = DecodeRoom(self._by_role["decode"])
+        # The decode room in C or Python (`native_indexes.py`): the same answers either way.
+        self._decode_room_type = decode_room_type(indexes)
+        self.decode_room: DecodeRoom = self._decode_room_type(self._by_role["decode"])
         # The same workers for batch lines, which leave some seats to interactive requests:
         # built when first asked (`_room`), so a cluster that runs no job keeps no second index.
         self.bulk_seat_share = bulk_seat_share
@@ -74,6 +76,9 @@ class WorkerRegistry:
         if worker is not None:
             del self._by_role[worker.role][peer_id]
             self.prefill_room.remove(peer_id)
+            for room in (self.decode_room, self._bulk_decode_room):
+                if worker.role == "decode" and room is not None:
+                    room.remove(peer_id)
             if worker.role == "prefill":
                 self._add_prefill_rate(-worker.prefill_tokens_per_s)
         return worker
@@ -147,11 +152,16 @@ class WorkerRegistry:
         if not bulk:
             return self.decode_room
         if self._bulk_decode_room is None:
-            room = DecodeRoom(self._by_role["decode"], bulk_seats(self.bulk_seat_share))
+            room = self._decode_room_type(self._by_role["decode"], self.bulk_seat_share)
             for worker in self._by_role["decode"].values():
                 room.add(worker)
             self._bulk_decode_room = room
         return self._bulk_decode_room
+
+    @property
+    def decode_room_kind(self) -> str:
+        """Which decode room serves: `native` (C) or `python`."""
+        return kind(self.decode_room, DecodeRoom)
 
     # -- who has room --------------------------------------------------------------------------
 
@@ -196,7 +206,11 @@ class WorkerRegistry:
     def max_decode_tokens(self, now: float, bulk: bool = False) -> int:
         """The most tokens some healthy decode worker with a seat free (for a batch line if
         `bulk`) can hold now."""
-        return self._room(bulk).max_tokens(lambda w: self.is_healthy(w, now))
+        return self._room(bulk).max_tokens(now, self.progress_timeout_s)
+
+    def max_decode_capacity(self, now: float) -> int | None:
+        """The largest KV cache, in tokens, of a healthy decode worker (None: none is)."""
+        return self.decode_room.max_capacity(now, self.progress_timeout_s)
 
     def pick_decode(
         self,
@@ -211,16 +225,18 @@ class WorkerRegistry:
         free (for a batch line if `bulk`) that can hold `num_tokens`. `holders`, given with an
         affinity that rewards a cached prefix, names the only workers holding one: the rest
         rank by seats taken (their affinity) from the index."""
-        healthy = functools.partial(self.is_healthy, now=now)
+        timeout_s = self.progress_timeout_s
         room = self._room(bulk)
         if affinity is None:  # the index's answer: no pass over the workers
-            return room.best(num_tokens, healthy)
+            return room.best(num_tokens, now, timeout_s)
         if holders is None:
             workers = self.healthy("decode", now)
         else:
             by_id = self._by_role["decode"]
-            workers = [by_id[p] for p in holders if p in by_id and healthy(by_id[p])]
-            rest = room.least_busy(num_tokens, healthy, holders)
+            workers = [
+                by_id[p] for p in holders if p in by_id and by_id[p].making_progress(now, timeout_s)
+            ]
+            rest = room.least_busy(num_tokens, now, timeout_s, holders)
             workers += [rest] if rest is not None else []
         candidates = [
             w

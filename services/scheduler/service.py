@@ -20,7 +20,6 @@ import zmq
 from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.core import SHARES, ClusterScheduler, Outgoing, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig
-from services.scheduler.queue_index_native import QUEUE_INDEXES
 from services.scheduler.wait_forecast import DEADLINE_SHARE
 from services.scheduler.worker_index import BULK_SEAT_SHARE, BULK_WINDOW_SHARE
 from shared import wire
@@ -111,11 +110,11 @@ class SchedulerConfig(CurveSettings):
         None, "HTTP port of the Prometheus /metrics (0: any free port; unset: not served)"
     )
     metrics_host: str = setting("127.0.0.1", "host the /metrics server binds")
-    queue_index: str = setting(
+    indexes: str = setting(
         "auto",
-        "the fair queue's indexes: auto (in C, compiled here on first use with $CC or cc, if it "
-        "builds; else Python, with a warning), native (C or fail) or python (the same decisions "
-        "either way)",
+        "the fair queue's and the decode room's indexes: auto (in C, compiled here on first use "
+        "with $CC or cc, if it builds; else Python, with a warning), native (C or fail) or "
+        "python (the same decisions either way)",
     )
     gc_thaw_every_s: float = setting(
         DEFAULT_THAW_EVERY_S,
@@ -143,7 +142,7 @@ class SchedulerConfig(CurveSettings):
                 f"{error} (--route-queued-weight, --route-uncached-weight / "
                 "TANDEM_ROUTE_QUEUED_WEIGHT, TANDEM_ROUTE_UNCACHED_WEIGHT)"
             ) from None
-        for name in SHARES:
+        for name in (*SHARES, "indexes"):
             try:  # the limits hold the rule
                 SchedulerLimits(**{name: getattr(self, name)})
             except ValueError as error:
@@ -164,11 +163,6 @@ class SchedulerConfig(CurveSettings):
             "max_queue_wait_s",
             "prefill_window_tokens",
         )
-        if self.queue_index not in QUEUE_INDEXES:
-            raise ConfigError(
-                f"queue_index (--queue-index / TANDEM_QUEUE_INDEX) must be one of "
-                f"{', '.join(QUEUE_INDEXES)}, got {self.queue_index!r}"
-            )
         try:
             self.fair_share()
         except ValueError as error:
@@ -195,7 +189,6 @@ class SchedulerConfig(CurveSettings):
             class_weights=self.class_weights,
             tenant_weights=weights,
             max_wait_s=self.max_queue_wait_s,
-            queue_index=self.queue_index,
         )
 
     def routing(self) -> RoutingWeights:
@@ -219,7 +212,21 @@ class SchedulerConfig(CurveSettings):
             speculative_prefill=self.speculative_prefill,
             refuse_past_deadline=self.refuse_past_deadline,
             deadline_share=self.deadline_share,
+            indexes=self.indexes,
         )
+
+
+def worker_shape_refusal(hello: wire.Hello) -> str | None:
+    """Why a worker's KV cache, as its HELLO describes it, cannot be counted in (the registry
+    divides by its block size and seats); None when it can, and for a gateway."""
+    if hello.role == "gateway":
+        return None
+    if hello.block_size >= 1 and hello.max_num_seqs >= 1 and hello.num_kv_blocks >= 0:
+        return None
+    return (
+        f"a {hello.role} worker needs block_size >= 1, max_num_seqs >= 1 and num_kv_blocks >= "
+        f"0, got {hello.block_size}, {hello.max_num_seqs} and {hello.num_kv_blocks}"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,6 +283,7 @@ class SchedulerService:
             address=self.config.address,
             metrics=self.metrics_address,
             queue_index=self.core.queue.index_kind,
+            decode_room=self.core.registry.decode_room_kind,
         )
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
@@ -358,6 +366,8 @@ class SchedulerService:
             error = f"schema version {hello.schema_version} != scheduler's {wire.SCHEMA_VERSION}"
         elif hello.model != self.config.model:
             error = f"model {hello.model!r} != cluster model {self.config.model!r}"
+        elif (error := worker_shape_refusal(hello)) is not None:
+            pass
         else:
             error = self.core.prefix_index.refusal(hello.cache_key)
         ack = wire.HelloAck(

@@ -21,7 +21,7 @@ skip unhealthy workers as they meet them (rare: a stuck worker).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -210,26 +210,20 @@ BusyEntry = tuple[float, int, int, int, str]
 DecodeEntry = tuple[int, int, int, str]
 
 
-def all_seats(worker: WorkerState) -> int:
-    return worker.max_num_seqs
-
-
-def bulk_seats(share: float) -> Callable[[WorkerState], int]:
-    """The seats of a decode worker a batch line may take: `share` of them (at least one), the
-    rest kept for interactive requests, which would otherwise wait in the queue for a batch
-    line to finish (the engine cannot make a running batch line yield its seat)."""
-    return lambda worker: max(1, int(worker.max_num_seqs * share))
-
-
 class DecodeRoom:
-    """The decode workers with a seat free; `seats` says how many of a worker's count (all,
-    or for batch lines, `bulk_seats`)."""
+    """The decode workers with a seat free: all of a worker's seats, or for batch lines
+    `seat_share` of them (at least one), the rest kept for interactive requests, which would
+    otherwise wait in the queue for a batch line to finish (the engine cannot make a running
+    batch line yield its seat).
 
-    def __init__(
-        self, workers: dict[str, WorkerState], seats: Callable[[WorkerState], int] = all_seats
-    ):
+    Health is `WorkerState.making_progress(now, timeout_s)`, asked of the workers a question
+    meets. `decode_room.c` is the same room in C (`native_indexes.py` chooses)."""
+
+    def __init__(self, workers: dict[str, WorkerState], seat_share: float | None = None):
+        if seat_share is not None and not 0 < seat_share <= 1:
+            raise ValueError(f"seat_share must be in (0, 1], got {seat_share!r}")
         self._workers = workers  # the registry's decode workers
-        self._seats = seats
+        self._seat_share = seat_share
         self._heaps: dict[int, list[DecodeEntry]] = {}  # block size -> its workers' entries
         self._by_busy: list[BusyEntry] = []
         # Each worker's last entry pushed (and seats): while they hold, its entries are live.
@@ -242,6 +236,10 @@ class DecodeRoom:
         entry = (-capacity, worker.order, worker.peer_id)
         lazy_heap.push(self._capacities, entry, len(self._workers), self._registered)
         self.update(worker)
+
+    def remove(self, peer_id: str) -> None:
+        """The worker left the registry (its entries are stale already)."""
+        self._pushed.pop(peer_id, None)
 
     def update(self, worker: WorkerState) -> None:
         """The worker's room or seats changed (or it registered): its entry follows. A worker
@@ -259,7 +257,7 @@ class DecodeRoom:
         lazy_heap.push(self._by_busy, _busy_entry(worker), len(self._workers), self._busy_live)
 
     def least_busy(
-        self, num_tokens: int, healthy: Callable[[WorkerState], bool], excluded: set[str]
+        self, num_tokens: int, now: float, timeout_s: float, excluded: Container[str]
     ) -> WorkerState | None:
         """The healthy worker with a seat free, not `excluded`, that can hold `num_tokens`, with
         the smallest share of its seats taken (then the most available blocks, the fewest
@@ -272,33 +270,48 @@ class DecodeRoom:
                 and entry[4] not in excluded
                 and self._busy_live(entry)
                 and worker.num_available_blocks >= worker.blocks_for(num_tokens)
-                and healthy(worker)
+                and worker.making_progress(now, timeout_s)
             ):
                 return worker
         return None
 
-    def best(self, num_tokens: int, healthy: Callable[[WorkerState], bool]) -> WorkerState | None:
+    def best(self, num_tokens: int, now: float, timeout_s: float) -> WorkerState | None:
         """The healthy worker with a seat free and the most available blocks (then the fewest
         requests, then the first registered) that can hold `num_tokens`; None if none can."""
         found = [
-            w for w in self._tops(healthy) if w.num_available_blocks >= w.blocks_for(num_tokens)
+            w
+            for w in self._tops(now, timeout_s)
+            if w.num_available_blocks >= w.blocks_for(num_tokens)
         ]
         return min(found, key=_entry, default=None)
 
-    def max_tokens(self, healthy: Callable[[WorkerState], bool]) -> int:
+    def max_tokens(self, now: float, timeout_s: float) -> int:
         """The most tokens a healthy worker with a seat free can hold now (0: none can)."""
-        tokens = [w.num_available_blocks * w.block_size for w in self._tops(healthy)]
+        tokens = [w.num_available_blocks * w.block_size for w in self._tops(now, timeout_s)]
         return max(tokens, default=0)
 
-    def max_capacity(self, healthy: Callable[[WorkerState], bool]) -> int | None:
+    def max_capacity(self, now: float, timeout_s: float) -> int | None:
         """The largest KV cache, in tokens, of a healthy worker (None: no worker is healthy)."""
         lazy_heap.live_top(self._capacities, self._registered)
         for entry in lazy_heap.in_order(self._capacities):
-            if self._registered(entry) and healthy(self._workers[entry[2]]):
+            if self._registered(entry) and self._workers[entry[2]].making_progress(now, timeout_s):
                 return -entry[0]
         return None
 
-    def _tops(self, healthy: Callable[[WorkerState], bool]) -> Iterator[WorkerState]:
+    def has_seat(self, worker: WorkerState) -> bool:
+        return len(worker.request_ids) < self._seats(worker)
+
+    def num_entries(self) -> int:
+        """The entries in all heaps, live or stale (what the index holds)."""
+        heaps = [*self._heaps.values(), self._by_busy, self._capacities]
+        return sum(len(heap) for heap in heaps)
+
+    def _seats(self, worker: WorkerState) -> int:
+        if self._seat_share is None:
+            return worker.max_num_seqs
+        return max(1, int(worker.max_num_seqs * self._seat_share))
+
+    def _tops(self, now: float, timeout_s: float) -> Iterator[WorkerState]:
         """Per block size, the first healthy worker with a seat free: the one that can hold the
         most tokens of its block size."""
         for heap in self._heaps.values():
@@ -306,12 +319,16 @@ class DecodeRoom:
             if top is None:
                 continue
             worker = self._workers[top[3]]  # the usual case: the top has a seat and is healthy
-            if self.has_seat(worker) and healthy(worker):
+            if self.has_seat(worker) and worker.making_progress(now, timeout_s):
                 yield worker
                 continue
             for entry in lazy_heap.in_order(heap):
                 worker = self._workers.get(entry[3])
-                if self._live(entry) and self.has_seat(worker) and healthy(worker):
+                if (
+                    self._live(entry)
+                    and self.has_seat(worker)
+                    and worker.making_progress(now, timeout_s)
+                ):
                     yield worker
                     break
 
@@ -322,9 +339,6 @@ class DecodeRoom:
     def _busy_live(self, entry: BusyEntry) -> bool:
         worker = self._workers.get(entry[4])
         return worker is not None and self.has_seat(worker) and _busy_entry(worker) == entry
-
-    def has_seat(self, worker: WorkerState) -> bool:
-        return len(worker.request_ids) < self._seats(worker)
 
     def _live(self, entry: DecodeEntry) -> bool:
         worker = self._workers.get(entry[3])

@@ -295,8 +295,9 @@ def test_up_brings_every_service_to_health(compose_cluster):
     ports = json.loads(docker("inspect", "--format", "{{json .NetworkSettings.Ports}}", gateway.ID))
     bound = {binding["HostIp"] for bindings in ports.values() if bindings for binding in bindings}
     assert bound == {"127.0.0.1"}, ports
-    # The scheduler compiled its C queue index in the container (else it says `python`).
-    assert '"queue_index": "native"' in compose_cluster.compose_run("logs", "scheduler")
+    # The scheduler compiled its C indexes in the container (else they say `python`).
+    logs = compose_cluster.compose_run("logs", "scheduler")
+    assert '"queue_index": "native"' in logs and '"decode_room": "native"' in logs
 
 
 def test_openai_client_completes_and_streams_the_engines_greedy_text(compose_cluster, references):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 
+import httpx
 import pytest
 import zmq
 
@@ -44,6 +45,37 @@ def send_to_every_socket(addresses: dict[str, str], messages: list[list[bytes]])
             sock.close()
     finally:
         context.term()
+
+
+def say_hello(address: str, **shape) -> wire.Message | None:
+    """A decode worker's HELLO with this KV shape; the scheduler's answer (None: 5 s of silence)."""
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    figures = {"num_kv_blocks": 64, "block_size": 16, "max_num_seqs": 4, **shape}
+    hello = wire.Hello(schema_version=wire.SCHEMA_VERSION, role="decode", peer_id="odd-worker",
+                       model="smollm2", address="ipc:///nowhere", **figures)  # fmt: skip
+    try:
+        wire.send(sock, hello)
+        return wire.recv(sock) if sock.poll(5000) else None
+    finally:
+        sock.close()
+        context.term()
+
+
+def test_a_worker_whose_kv_cache_cannot_be_counted_in_is_refused(cluster, openai_client):
+    address = socket_addresses(cluster.log())["scheduler"]
+    decode_workers = httpx.get(cluster.url + "/ready").json()["decode_workers"]
+    for shape in ({"block_size": 0}, {"max_num_seqs": 0}, {"num_kv_blocks": -1}):
+        answer = say_hello(address, **shape)
+        assert isinstance(answer, wire.HelloAck) and not answer.accepted, (shape, answer)
+        assert "needs block_size >= 1, max_num_seqs >= 1" in answer.error
+    response = openai_client.completions.create(
+        model="smollm2", prompt="Still there?", max_tokens=4, temperature=0
+    )
+    assert response.usage.completion_tokens >= 1
+    assert httpx.get(cluster.url + "/ready").json()["decode_workers"] == decode_workers
 
 
 def test_garbage_frames_are_dropped_and_cluster_still_serves(cluster, openai_client):

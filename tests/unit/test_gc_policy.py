@@ -64,11 +64,11 @@ def test_a_period_that_is_not_positive_is_refused(thaw_every_s):
         SurvivorFreezer(thaw_every_s)
 
 
-@pytest.mark.parametrize("queue_index", ["native", "python"])
-def test_the_scheduler_core_makes_no_cyclic_garbage(queue_index):
+@pytest.mark.parametrize("indexes", ["native", "python"])
+def test_the_scheduler_core_makes_no_cyclic_garbage(indexes):
     """Requests dispatched, served, refused, cancelled, requeued by a worker's loss, timed out:
     whatever the core lets go, reference counting frees (a frozen cycle would stay), with
-    either queue index."""
+    either set of indexes."""
     args = argparse.Namespace(
         prefill=4,
         decode=4,
@@ -78,7 +78,7 @@ def test_the_scheduler_core_makes_no_cyclic_garbage(queue_index):
         seed=0,
         prefix_cache=True,
         gc="default",
-        queue_index=queue_index,
+        indexes=indexes,
     )
     bench = ScaleBench(args)
     gc.collect()

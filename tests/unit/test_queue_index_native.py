@@ -6,7 +6,7 @@ out, parties dropped when emptied, or left listed a while, counters moved) drive
 and after every change every question the policy asks is put to both, with the same answer
 required: the same objects in the same order. Then the C type's guards: a walk over a heap that
 changed raises instead of reading a moved array, and wrong input gets a clear error. And the
-choice between them (`FairShareConfig.queue_index`), with and without a C compiler.
+choice between them (`SchedulerLimits.indexes`), with and without a C compiler.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ import random
 import pytest
 
 from kernels.native_build import NativeUnavailable
-from services.scheduler import queue_index_native
+from services.scheduler import native_indexes, queue_index_native
+from services.scheduler.core import SchedulerLimits
 from services.scheduler.fair_share import FairQueue, FairShareConfig, LengthRanges
 from services.scheduler.queue_index import QueueIndex
 from services.scheduler.queued import Party, QueuedRequest
+from services.scheduler.registry import WorkerRegistry
+from services.scheduler.worker_index import DecodeRoom
 
 CLASSES = ("short", "long", "bulk")
 
@@ -236,26 +239,39 @@ def test_wrong_input_gets_a_clear_error_and_changes_nothing(native_type):
 
 
 def test_the_fair_queue_takes_the_index_the_config_names(native_type):
-    assert type(FairQueue(FairShareConfig(queue_index="python"))._index) is QueueIndex
-    assert type(FairQueue(FairShareConfig(queue_index="native"))._index) is native_type
+    assert type(FairQueue(FairShareConfig(), "python")._index) is QueueIndex
+    assert type(FairQueue(FairShareConfig(), "native")._index) is native_type
     queue = FairQueue(FairShareConfig())  # auto, with a compiler
     assert type(queue._index) is native_type and queue.index_kind == "native"
-    with pytest.raises(ValueError, match="queue_index must be one of auto, native, python"):
-        FairShareConfig(queue_index="rust")
+    with pytest.raises(ValueError, match="indexes must be one of auto, native, python"):
+        FairQueue(FairShareConfig(), "rust")
+    with pytest.raises(ValueError, match="indexes must be one of auto, native, python"):
+        SchedulerLimits(indexes="C")
 
 
 def test_without_a_compiler_auto_keeps_python_and_native_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    caches = (queue_index_native._native_type, queue_index_native._native_or_reason)
+    caches = (
+        queue_index_native.native_type,
+        native_indexes.native_decode_room,
+        native_indexes._native_or_none,
+    )
     for cache in caches:
         cache.cache_clear()
     try:
-        with pytest.raises(NativeUnavailable, match="no C compiler"):
-            queue_index_native.index_type("native")
-        assert queue_index_native.index_type("auto") is QueueIndex
+        for choose, python_type in (
+            (queue_index_native.queue_index_type, QueueIndex),
+            (native_indexes.decode_room_type, DecodeRoom),
+        ):
+            with pytest.raises(NativeUnavailable, match="no C compiler"):
+                choose("native")
+            assert choose("auto") is python_type
         monkeypatch.delenv("CC")  # a compiler now: auto keeps its first answer for the process
-        assert queue_index_native.index_type("auto") is QueueIndex
+        assert queue_index_native.queue_index_type("auto") is QueueIndex
+        assert native_indexes.decode_room_type("auto") is DecodeRoom
+        registry = WorkerRegistry(10.0, 60.0)  # the service's start line says which it runs
+        assert registry.decode_room_kind == "python"
         assert not (tmp_path / "native").exists()  # and nothing was built on the way
     finally:
         for cache in caches:
@@ -269,8 +285,8 @@ class QueueTwins:
     def __init__(self, rng: random.Random, policy: str):
         self.rng = rng
         config = dict(policy=policy, class_thresholds=(64,), max_wait_s=4.0, bulk_max_wait_s=10.0)
-        self.python = FairQueue(FairShareConfig(queue_index="python", **config))
-        self.native = FairQueue(FairShareConfig(queue_index="native", **config))
+        self.python = FairQueue(FairShareConfig(**config), "python")
+        self.native = FairQueue(FairShareConfig(**config), "native")
         self.native_choices = 0
         choose = self.native._native_choice
 

@@ -10,7 +10,9 @@ from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
 from shared import wire
 
 
-def hello(peer_id: str, role: str, blocks: int = 100, address: str | None = None) -> wire.Hello:
+def hello(
+    peer_id: str, role: str, blocks: int = 100, address: str | None = None, seats: int = 8
+) -> wire.Hello:
     return wire.Hello(
         schema_version=wire.SCHEMA_VERSION,
         role=role,
@@ -19,7 +21,7 @@ def hello(peer_id: str, role: str, blocks: int = 100, address: str | None = None
         address=address or (f"ipc://{peer_id}" if role != "prefill" else None),
         num_kv_blocks=0 if role == "gateway" else blocks,
         block_size=0 if role == "gateway" else 16,
-        max_num_seqs=0 if role == "gateway" else 8,
+        max_num_seqs=0 if role == "gateway" else seats,
     )
 
 
@@ -108,7 +110,7 @@ def test_no_worker_answers_503():
 
 def test_full_queue_answers_429_before_any_work(core):
     # Without a decode reply nothing leaves RESERVING; the decode worker has room for only 1.
-    core.registry.get("d").max_num_seqs = 1
+    core.on_hello(b"D", hello("d", "decode", seats=1), 0.0)
     replies = [core.on_submit(b"G", submit(f"r{i}"), 0.0)[0].message for i in range(6)]
     assert [r.status_code for r in replies] == [200, 200, 200, 200, 200, 429]
     assert replies[-1].retry_after_s is not None
@@ -154,7 +156,7 @@ def test_silent_prefill_worker_gives_its_requests_back_to_the_gateway(core):
 
 
 def test_a_resumed_request_is_not_refused_for_load(core):
-    core.registry.get("d").max_num_seqs = 1  # one in RESERVING, the rest stay queued
+    core.on_hello(b"D", hello("d", "decode", seats=1), 0.0)  # one in RESERVING, the rest queue
     replies = [core.on_submit(b"G", submit(f"q{i}"), 0.0)[0].message for i in range(6)]
     assert replies[-1].status_code == 429
     (reply,) = sent(core.on_submit(b"G", resumed("r", "r~1", [7]), 0.0), wire.SubmitReply)
@@ -236,7 +238,8 @@ def test_cancel_reaches_every_party(core, phase_steps):
 
 
 def test_cancel_of_queued_request_frees_its_queue_slot(core):
-    core.registry.get("d").max_num_seqs = 0  # nothing dispatches
+    core.on_hello(b"D", hello("d", "decode", seats=1), 0.0)
+    core.on_submit(b"G", submit("first"), 0.0)  # takes the only seat: nothing more dispatches
     core.on_submit(b"G", submit("r"), 0.0)
     assert core.queue and core.num_queued_tokens == 20
     assert core.on_cancel(wire.Cancel(request_id="r", reason="x"), 0.0) == []
@@ -304,8 +307,7 @@ def test_a_request_queued_past_the_limit_gets_a_timeout():
     c = ClusterScheduler(SchedulerLimits(max_queue_time_s=5.0, heartbeat_timeout_s=100.0))
     c.on_hello(b"G", hello("g", "gateway"), 0.0)
     c.on_hello(b"P", hello("p", "prefill"), 0.0)
-    c.on_hello(b"D", hello("d", "decode"), 0.0)
-    c.registry.get("d").max_num_seqs = 1
+    c.on_hello(b"D", hello("d", "decode", seats=1), 0.0)
     c.on_submit(b"G", submit("first"), 0.0)  # holds the only decode slot (never confirmed)
     c.requests["first"].phase_deadline = float("inf")
     c.on_submit(b"G", submit("r"), 0.0)

@@ -34,14 +34,13 @@ CACHE_KEY = worker_cache_key(CacheKey("m", "float32", 4), shared_between_tenants
 PREFIXES = [[100 + i] * 24 for i in range(3)]  # prompts share these, so caches can hit
 
 
-def limits(module, fair_share_type, policy: str, routing: RoutingWeights, queue_index=None):
-    # The reference has one queue index; the indexed core runs on either (`queue_index`).
-    extra_fair = {"queue_index": queue_index} if queue_index is not None else {}
+def limits(module, fair_share_type, policy: str, routing: RoutingWeights, indexes=None):
     fair = fair_share_type(
-        policy=policy, class_thresholds=(24,), max_wait_s=2.0, bulk_max_wait_s=5.0, **extra_fair
+        policy=policy, class_thresholds=(24,), max_wait_s=2.0, bulk_max_wait_s=5.0
     )
-    # The reference predates speculative prefill (tested on its own in test_scheduler_core).
-    extra = {"speculative_prefill": False} if module is not reference else {}
+    # The reference predates speculative prefill (tested on its own in test_scheduler_core),
+    # and has one set of indexes; the indexed core runs on either (`indexes`).
+    extra = {"speculative_prefill": False, "indexes": indexes} if module is not reference else {}
     return module.SchedulerLimits(
         **extra,
         max_queued_requests=40,
@@ -67,12 +66,12 @@ class Twins:
         policy: str,
         caches: bool,
         routing: RoutingWeights | None = None,
-        queue_index: str = "auto",
+        indexes: str = "auto",
     ):
         self.rng, self.caches = rng, caches
         routing = routing or RoutingWeights()
         self.new = indexed.ClusterScheduler(
-            limits(indexed, FairShareConfig, policy, routing, queue_index)
+            limits(indexed, FairShareConfig, policy, routing, indexes)
         )
         self.old = reference.ClusterScheduler(
             limits(reference, ReferenceFairShareConfig, policy, routing)
@@ -290,10 +289,10 @@ def run_twins(
     caches: bool,
     num_steps: int,
     routing: RoutingWeights | None = None,
-    queue_index: str = "auto",
+    indexes: str = "auto",
 ) -> None:
     rng = random.Random(seed)
-    twins = Twins(rng, policy, caches, routing, queue_index)
+    twins = Twins(rng, policy, caches, routing, indexes)
     for _ in range(3):
         twins.hello_worker()
     for _ in range(num_steps):
@@ -304,18 +303,18 @@ def run_twins(
 
 
 # Both queue indexes (the C one and the Python one) under the same core.
-@pytest.mark.parametrize("queue_index", ["native", "python"])
+@pytest.mark.parametrize("indexes", ["native", "python"])
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), policy=st.sampled_from(("fair", "fair", "fcfs")))
-def test_indexed_core_decides_as_the_scanning_one(queue_index, seed, policy):
-    run_twins(seed, policy, caches=False, num_steps=250, queue_index=queue_index)
+def test_indexed_core_decides_as_the_scanning_one(indexes, seed, policy):
+    run_twins(seed, policy, caches=False, num_steps=250, indexes=indexes)
 
 
-@pytest.mark.parametrize("queue_index", ["native", "python"])
+@pytest.mark.parametrize("indexes", ["native", "python"])
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_indexed_core_decides_as_the_scanning_one_with_prefix_caches(queue_index, seed):
-    run_twins(seed, "fair", caches=True, num_steps=250, queue_index=queue_index)
+def test_indexed_core_decides_as_the_scanning_one_with_prefix_caches(indexes, seed):
+    run_twins(seed, "fair", caches=True, num_steps=250, indexes=indexes)
 
 
 @settings(max_examples=10, deadline=None)
@@ -381,19 +380,20 @@ def test_a_subject_pushed_unchanged_again_and_again_does_not_grow_the_heap():
     assert len(heap) <= 2 + lazy_heap.REBUILD_SLACK
 
 
-def test_decode_room_keeps_a_worker_through_a_full_spell_and_repeated_heartbeats():
+@pytest.mark.parametrize("indexes", ["native", "python"])
+def test_decode_room_keeps_a_worker_through_a_full_spell_and_repeated_heartbeats(indexes):
     from services.scheduler.registry import WorkerRegistry, WorkerState
 
-    registry = WorkerRegistry(10.0, 60.0)
+    registry = WorkerRegistry(10.0, 60.0, indexes=indexes)
     worker = WorkerState("d", "decode", b"d", None, 100, 16, 2, last_heartbeat=0.0)
     worker.num_free_blocks = 100
     registry.add(worker)
     for _ in range(500):  # the same figures, heartbeat after heartbeat
         registry.report_free_blocks(worker, 100, heartbeat=True)
-    assert len(registry.decode_room._heaps[16]) <= 2 + lazy_heap.REBUILD_SLACK
+    assert registry.decode_room.num_entries() <= 3 * (2 + lazy_heap.REBUILD_SLACK)
     registry.assign(worker, "a", 10)
     registry.assign(worker, "b", 10)  # no seat free: out of the index
     assert registry.pick_decode(16, 0.0) is None  # (its last entry found stale and dropped)
     registry.release(worker, "b")  # back to the figures it had before the full spell
     assert registry.pick_decode(16, 0.0) is worker
-    assert registry.decode_room.least_busy(16, lambda w: True, set()) is worker
+    assert registry.decode_room.least_busy(16, 0.0, 60.0, set()) is worker

@@ -21,7 +21,7 @@ def tiny(prefix_cache: bool = False, gc: str = "default") -> argparse.Namespace:
         seed=0,
         prefix_cache=prefix_cache,
         gc=gc,
-        queue_index="auto",
+        indexes="auto",
     )
 
 

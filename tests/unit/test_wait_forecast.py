@@ -181,8 +181,7 @@ def serial_core(**limits) -> ClusterScheduler:
     )
     c.on_hello(b"G", hello("g", "gateway"), 0.0)
     c.on_hello(b"P", hello("p", "prefill"), 0.0)
-    c.on_hello(b"D", hello("d", "decode", blocks=1000), 0.0)
-    c.registry.get("d").max_num_seqs = 1
+    c.on_hello(b"D", hello("d", "decode", blocks=1000, seats=1), 0.0)
     return c
 
 

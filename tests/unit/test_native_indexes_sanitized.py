@@ -1,9 +1,10 @@
-"""The scheduler's C (`queue_index.c`) under AddressSanitizer and UndefinedBehaviorSanitizer.
+"""The scheduler's C (`queue_index.c`, `decode_room.c`) under AddressSanitizer and
+UndefinedBehaviorSanitizer.
 
-A read past an array or a use after free in the C index would not fail a twin test reliably (the
+A read past an array or a use after free in the C indexes would not fail a twin test reliably (the
 memory read may hold anything, or what was there before): it would crash a scheduler some day,
 or decide from garbage. So the twin tests run once more in a child process whose build of the
-C index is instrumented (`TANDEM_NATIVE_CFLAGS`, a cache of its own), with the sanitizers'
+C indexes is instrumented (`TANDEM_NATIVE_CFLAGS`, a cache of its own), with the sanitizers'
 runtimes preloaded (the interpreter is not instrumented) and Python's allocator set to malloc so
 that every C array is an allocation the sanitizer watches. Any report ends the child (no
 recovery) and fails this test with it.
@@ -42,6 +43,7 @@ def test_the_twin_tests_run_clean_under_the_sanitizers(tmp_path):
     }
     tests = [
         "tests/unit/test_queue_index_native.py",
+        "tests/unit/test_decode_room_native.py",
         "tests/unit/test_scheduler_indexes.py::test_indexed_core_decides_as_the_scanning_one[native]",
         "tests/unit/test_scheduler_indexes.py"
         "::test_indexed_core_decides_as_the_scanning_one_with_prefix_caches[native]",
@@ -56,5 +58,7 @@ def test_the_twin_tests_run_clean_under_the_sanitizers(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "Sanitizer" not in output, output[-6000:]
     passed = re.search(r"(\d+) passed", output)
-    assert passed and int(passed.group(1)) >= 30, output[-2000:]  # the twins all ran
-    assert list((tmp_path / "native").glob("queue_index-*.so")), "no instrumented build ran"
+    assert passed and int(passed.group(1)) >= 45, output[-2000:]  # the twins all ran
+    for source in ("queue_index", "decode_room"):
+        built = list((tmp_path / "native").glob(f"{source}-*.so"))
+        assert built, f"no instrumented build of {source}.c ran"
