@@ -7,7 +7,7 @@ thousand prefill and a thousand decode workers, Poisson arrivals at 500 requests
 
     .venv/bin/python -m loadtest.sim_scale [--prefill 1000 --decode 1000]
         [--workload poisson:rate=500,n=20000,prompt=8-512,output=1-64,tenants=1000]
-        [--profile loadtest/profiles/cpu-smollm2-2threads.json]
+        [--profile loadtest/profiles/cpu-smollm2-2threads.json] [--indexes auto|native|python]
 """
 
 from __future__ import annotations
@@ -21,22 +21,30 @@ from loadtest.plan import DEFAULT_PROFILE
 from services.planner.profile import WorkerProfile
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import load_workload
+from services.scheduler.core import SchedulerLimits
+from services.scheduler.native_indexes import INDEXES
 
 DEFAULT_WORKLOAD = "poisson:rate=500,n=20000,prompt=8-512,output=1-64,tenants=1000"
 
 
 def measure(
-    profile: WorkerProfile, num_prefill: int, num_decode: int, workload: str
+    profile: WorkerProfile,
+    num_prefill: int,
+    num_decode: int,
+    workload: str,
+    indexes: str = "auto",
 ) -> dict[str, str]:
     """One simulation, timed in this process's CPU time: the figures, formatted."""
     requests = load_workload(workload)
-    simulator = Simulator(profile, SimConfig(num_prefill, num_decode))
+    limits = SchedulerLimits(indexes=indexes)
+    simulator = Simulator(profile, SimConfig(num_prefill, num_decode, limits=limits))
     started = time.process_time()
     result = simulator.run(requests)
     cpu_s = max(time.process_time() - started, 1e-9)
     served = sum(r.error is None for r in result.records)
     return {
         "workers": f"{num_prefill} P + {num_decode} D",
+        "indexes": simulator.core.registry.decode_room_kind,
         "requests": f"{len(requests):,} ({served:,} served)",
         "events": f"{result.num_events:,}",
         "cpu_s": f"{cpu_s:.1f}",
@@ -54,10 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=1000)
     parser.add_argument("--workload", default=DEFAULT_WORKLOAD)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    parser.add_argument(
+        "--indexes", choices=INDEXES, default="auto", help="the scheduler core's (C or Python)"
+    )
     args = parser.parse_args(argv)
     try:
         profile = WorkerProfile.load(args.profile)
-        figures = measure(profile, args.prefill, args.decode, args.workload)
+        figures = measure(profile, args.prefill, args.decode, args.workload, args.indexes)
     except ValueError as error:  # ProfileError and WorkloadError are ValueErrors, as SimConfig's
         print(f"sim_scale: {error}", file=sys.stderr)
         return 2
