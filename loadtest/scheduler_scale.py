@@ -256,6 +256,7 @@ class ScaleBench:
             "gc": self.args.gc,
             "queue_index": self.core.queue.index_kind,
             "decode_room": self.core.registry.decode_room_kind,
+            "prefill_room": self.core.registry.prefill_room_kind,
             "num_decisions": self.num_decisions,
             "decisions_per_s": self.num_decisions / self.busy_s if self.busy_s else 0.0,
             "decision_p50_ms": statistics.median(ordered) * 1e3 if ordered else None,
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         "--indexes",
         choices=INDEXES,
         default="auto",
-        help="the fair queue's and the decode room's indexes: C if it builds, C, or Python",
+        help="the fair queue's and the registry's rooms' indexes: C if it builds, C, or Python",
     )
     args = parser.parse_args(argv)
     for name in ("prefill", "decode", "queued", "tenants", "rounds"):

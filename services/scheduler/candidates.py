@@ -36,7 +36,7 @@ def prefill_candidates(
             if (
                 worker is not None
                 and worker.role == "prefill"
-                and registry.window(worker).takes(num_prompt_tokens, bulk)
+                and registry.window_takes(worker, num_prompt_tokens, bulk)
                 and registry.is_healthy(worker, now)
             ):
                 candidates.append(worker)
@@ -46,7 +46,7 @@ def prefill_candidates(
         if first is None:
             continue
         candidates.append(first)
-        held = registry.window(first).held_tokens
+        held = registry.held_tokens(first)
         if not _longer_wait(weights, first.prefill_tokens_per_s, held, num_prompt_tokens):
             candidates += others
     return candidates

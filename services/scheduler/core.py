@@ -564,8 +564,8 @@ class ClusterScheduler:
             prefill = self.placement.choose_prefill(
                 candidates,
                 request.submit,
-                lambda w: self.registry.window(w).held_tokens,
-                lambda w: self.registry.window(w).small_room,
+                self.registry.held_tokens,
+                self.registry.small_room,
             )
             out += self._reserve(request, prefill, now)
             if not item.bulk:
@@ -669,8 +669,9 @@ class ClusterScheduler:
         """The prompt tokens the prefill worker holds that the request's would wait behind: an
         interactive prompt only the other interactive ones (batch lines yield to it in every
         step), a batch line all of them."""
-        window = self.registry.window(prefill)
-        ahead = window.held_tokens if request.submit.bulk else window.interactive_tokens
+        registry = self.registry
+        bulk = request.submit.bulk
+        ahead = registry.held_tokens(prefill) if bulk else registry.interactive_tokens(prefill)
         return ahead - request.num_prefill_tokens
 
     def _enqueue(self, request: TrackedRequest) -> None:

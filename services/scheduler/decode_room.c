@@ -208,9 +208,8 @@ static inline int capacity_live(DecodeRoom *self, const CapacityEntry *e) {
     return s->peer_id != NULL && s->order == e->order && registered(self, s);
 }
 
-/* Per heap type: the live top (stale entries above it dropped), a push that rebuilds the heap
-   from its live entries (one per worker) when the stale ones dominate, and an in-order walk (a
-   frontier of positions, the heap left as it is). */
+/* Per heap type: the live top (stale entries above it dropped), and a push that rebuilds the
+   heap from its live entries (one per worker) when the stale ones dominate. */
 #define DEFINE_LAZY(NAME, HEAP, ENTRY, LESS, LIVE)                                            \
     static ENTRY *NAME##_live_top(DecodeRoom *self, HEAP *h) {                                \
         while (h->len > 0 && !LIVE(self, &h->data[0])) HEAP##_pop(h);                         \
@@ -232,77 +231,14 @@ static inline int capacity_live(DecodeRoom *self, const CapacityEntry *e) {
             HEAP##_heapify(h);                                                                \
         }                                                                                     \
         return 0;                                                                             \
-    }                                                                                         \
-    typedef struct {                                                                          \
-        HEAP *heap;                                                                           \
-        uint64_t changes;                                                                     \
-        Py_ssize_t *front, len, cap;                                                          \
-        Py_ssize_t local[32];                                                                 \
-    } NAME##Walk;                                                                             \
-    static inline int NAME##_walk_less(NAME##Walk *w, Py_ssize_t a, Py_ssize_t b) {           \
-        return LESS(&w->heap->data[w->front[a]], &w->heap->data[w->front[b]]);                \
-    }                                                                                         \
-    static int NAME##_walk_push(NAME##Walk *w, Py_ssize_t position) {                         \
-        if (w->len == w->cap) {                                                               \
-            Py_ssize_t cap = 2 * w->cap;                                                      \
-            Py_ssize_t *front = PyMem_Malloc((size_t)cap * sizeof(Py_ssize_t));               \
-            if (front == NULL) return PyErr_NoMemory(), -1;                                   \
-            memcpy(front, w->front, (size_t)w->len * sizeof(Py_ssize_t));                     \
-            if (w->front != w->local) PyMem_Free(w->front);                                   \
-            w->front = front;                                                                 \
-            w->cap = cap;                                                                     \
-        }                                                                                     \
-        Py_ssize_t pos = w->len++;                                                            \
-        w->front[pos] = position;                                                             \
-        while (pos > 0) {                                                                     \
-            Py_ssize_t parent = (pos - 1) >> 1;                                               \
-            if (!NAME##_walk_less(w, pos, parent)) break;                                     \
-            Py_ssize_t held = w->front[pos];                                                  \
-            w->front[pos] = w->front[parent];                                                 \
-            w->front[parent] = held;                                                          \
-            pos = parent;                                                                     \
-        }                                                                                     \
-        return 0;                                                                             \
-    }                                                                                         \
-    static void NAME##_walk_start(NAME##Walk *w, HEAP *h) {                                   \
-        w->heap = h;                                                                          \
-        w->changes = h->changes;                                                              \
-        w->front = w->local;                                                                  \
-        w->cap = 32;                                                                          \
-        w->len = 0;                                                                           \
-        if (h->len > 0) w->front[w->len++] = 0;                                               \
-    }                                                                                         \
-    /* The next entry's position, -1 when done, -2 with an exception. */                     \
-    static Py_ssize_t NAME##_walk_next(NAME##Walk *w) {                                       \
-        if (w->changes != w->heap->changes) {                                                 \
-            PyErr_SetString(PyExc_RuntimeError, "the decode room changed while it was read"); \
-            return -2;                                                                        \
-        }                                                                                     \
-        if (w->len == 0) return -1;                                                           \
-        Py_ssize_t top = w->front[0];                                                         \
-        w->front[0] = w->front[--w->len];                                                     \
-        for (Py_ssize_t pos = 0;;) {                                                          \
-            Py_ssize_t child = 2 * pos + 1, least = pos;                                      \
-            if (child < w->len && NAME##_walk_less(w, child, least)) least = child;           \
-            if (child + 1 < w->len && NAME##_walk_less(w, child + 1, least)) least = child + 1; \
-            if (least == pos) break;                                                          \
-            Py_ssize_t held = w->front[pos];                                                  \
-            w->front[pos] = w->front[least];                                                  \
-            w->front[least] = held;                                                           \
-            pos = least;                                                                      \
-        }                                                                                     \
-        Py_ssize_t child = 2 * top + 1;                                                       \
-        if (child < w->heap->len && NAME##_walk_push(w, child) < 0) return -2;                \
-        if (child + 1 < w->heap->len && NAME##_walk_push(w, child + 1) < 0) return -2;        \
-        return top;                                                                           \
-    }                                                                                         \
-    static void NAME##_walk_end(NAME##Walk *w) {                                              \
-        if (w->front != w->local) PyMem_Free(w->front);                                       \
     }
 
 DEFINE_LAZY(room, RoomHeap, RoomEntry, room_less, room_live)
 DEFINE_LAZY(busy, BusyHeap, BusyEntry, busy_less, busy_live)
 DEFINE_LAZY(capacity, CapacityHeap, CapacityEntry, capacity_less, capacity_live)
+DEFINE_WALK(RoomHeap, room_less)
+DEFINE_WALK(BusyHeap, busy_less)
+DEFINE_WALK(CapacityHeap, capacity_less)
 
 /* -- slots ------------------------------------------------------------------------------------- */
 
@@ -507,24 +443,24 @@ static Py_ssize_t tops(DecodeRoom *self, double now, double timeout_s, Py_ssize_
                 continue;
             }
         }
-        roomWalk walk;
-        room_walk_start(&walk, heap);
+        RoomHeapWalk walk;
+        RoomHeapWalk_start(&walk, heap);
         for (;;) {
-            Py_ssize_t position = room_walk_next(&walk);
+            Py_ssize_t position = RoomHeapWalk_next(&walk);
             if (position == -1) break;
-            if (position == -2) return room_walk_end(&walk), -1;
+            if (position == -2) return RoomHeapWalk_end(&walk), -1;
             RoomEntry *e = &heap->data[position];
             s = &self->slots[e->slot];
             if (!room_live(self, e) || !has_seat(s)) continue;
             Py_ssize_t slot = e->slot;
             int healthy = healthy_in(s, now, timeout_s, &heap->changes, walk.changes);
-            if (healthy < 0) return room_walk_end(&walk), -1;
+            if (healthy < 0) return RoomHeapWalk_end(&walk), -1;
             if (healthy) {
                 out[found++] = slot;
                 break;
             }
         }
-        room_walk_end(&walk);
+        RoomHeapWalk_end(&walk);
     }
     return found;
 }
@@ -601,25 +537,25 @@ static PyObject *DecodeRoom_max_capacity(DecodeRoom *self, PyObject *const *args
     if (read_now(args, nargs, 0, 2, "max_capacity", &now, &timeout_s) < 0) return NULL;
     CapacityHeap *heap = &self->capacities;
     capacity_live_top(self, heap);
-    capacityWalk walk;
-    capacity_walk_start(&walk, heap);
+    CapacityHeapWalk walk;
+    CapacityHeapWalk_start(&walk, heap);
     PyObject *result = Py_None;
     for (;;) {
-        Py_ssize_t position = capacity_walk_next(&walk);
+        Py_ssize_t position = CapacityHeapWalk_next(&walk);
         if (position == -1) break;
-        if (position == -2) return capacity_walk_end(&walk), NULL;
+        if (position == -2) return CapacityHeapWalk_end(&walk), NULL;
         CapacityEntry *e = &heap->data[position];
         if (!capacity_live(self, e)) continue;
         int64_t capacity = -e->neg_capacity;
         int healthy = healthy_in(&self->slots[e->slot], now, timeout_s, &heap->changes,
                                  walk.changes);
-        if (healthy < 0) return capacity_walk_end(&walk), NULL;
+        if (healthy < 0) return CapacityHeapWalk_end(&walk), NULL;
         if (healthy) {
-            capacity_walk_end(&walk);
+            CapacityHeapWalk_end(&walk);
             return PyLong_FromLongLong(capacity);
         }
     }
-    capacity_walk_end(&walk);
+    CapacityHeapWalk_end(&walk);
     Py_INCREF(result);
     return result;
 }
@@ -634,12 +570,12 @@ static PyObject *DecodeRoom_least_busy(DecodeRoom *self, PyObject *const *args,
     PyObject *excluded = args[3];
     BusyHeap *heap = &self->by_busy;
     busy_live_top(self, heap);
-    busyWalk walk;
-    busy_walk_start(&walk, heap);
+    BusyHeapWalk walk;
+    BusyHeapWalk_start(&walk, heap);
     for (;;) {
-        Py_ssize_t position = busy_walk_next(&walk);
+        Py_ssize_t position = BusyHeapWalk_next(&walk);
         if (position == -1) break;
-        if (position == -2) return busy_walk_end(&walk), NULL;
+        if (position == -2) return BusyHeapWalk_end(&walk), NULL;
         BusyEntry *e = &heap->data[position];
         if (!busy_live(self, e)) continue;
         Slot *s = &self->slots[e->slot];
@@ -648,21 +584,21 @@ static PyObject *DecodeRoom_least_busy(DecodeRoom *self, PyObject *const *args,
         Py_INCREF(peer_id);
         int is_excluded = PySequence_Contains(excluded, peer_id);
         Py_DECREF(peer_id);
-        if (is_excluded < 0) return busy_walk_end(&walk), NULL;
+        if (is_excluded < 0) return BusyHeapWalk_end(&walk), NULL;
         if (heap->changes != walk.changes) { /* (a container's own __contains__ ran) */
             PyErr_SetString(PyExc_RuntimeError, "the decode room changed while it was read");
-            return busy_walk_end(&walk), NULL;
+            return BusyHeapWalk_end(&walk), NULL;
         }
         if (is_excluded) continue;
         int healthy = healthy_in(s, now, timeout_s, &heap->changes, walk.changes);
-        if (healthy < 0) return busy_walk_end(&walk), NULL;
+        if (healthy < 0) return BusyHeapWalk_end(&walk), NULL;
         if (healthy) {
-            busy_walk_end(&walk);
+            BusyHeapWalk_end(&walk);
             Py_INCREF(worker);
             return worker;
         }
     }
-    busy_walk_end(&walk);
+    BusyHeapWalk_end(&walk);
     Py_RETURN_NONE;
 }
 

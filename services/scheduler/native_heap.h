@@ -10,6 +10,7 @@
 
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 #define DEFINE_HEAP(NAME, T, LESS)                                                            \
     typedef struct {                                                                          \
@@ -69,6 +70,79 @@
     static void NAME##_heapify(NAME *h) {                                                     \
         for (Py_ssize_t i = h->len / 2 - 1; i >= 0; i--) NAME##_sift_down(h, i);              \
         h->changes++;                                                                         \
+    }
+
+/* `DEFINE_WALK(HEAP, LESS)` defines HEAP##Walk: the heap's entries smallest first, found as
+   they are asked for (a frontier of positions ordered by their entries: k entries cost
+   O(k log k)), the heap left as it is, as `lazy_heap.in_order`. `_next` gives the next
+   entry's position, -1 when done, or -2 with RuntimeError set when the heap changed since the
+   walk started (its array may have moved). `_end` frees what `_start` and `_next` took. */
+#define DEFINE_WALK(HEAP, LESS)                                                               \
+    typedef struct {                                                                          \
+        HEAP *heap;                                                                           \
+        uint64_t changes;                                                                     \
+        Py_ssize_t *front, len, cap;                                                          \
+        Py_ssize_t local[32];                                                                 \
+    } HEAP##Walk;                                                                             \
+    static inline int HEAP##Walk_less(HEAP##Walk *w, Py_ssize_t a, Py_ssize_t b) {            \
+        return LESS(&w->heap->data[w->front[a]], &w->heap->data[w->front[b]]);                \
+    }                                                                                         \
+    static int HEAP##Walk_push(HEAP##Walk *w, Py_ssize_t position) {                          \
+        if (w->len == w->cap) {                                                               \
+            Py_ssize_t cap = 2 * w->cap;                                                      \
+            Py_ssize_t *front = PyMem_Malloc((size_t)cap * sizeof(Py_ssize_t));               \
+            if (front == NULL) return PyErr_NoMemory(), -1;                                   \
+            memcpy(front, w->front, (size_t)w->len * sizeof(Py_ssize_t));                     \
+            if (w->front != w->local) PyMem_Free(w->front);                                   \
+            w->front = front;                                                                 \
+            w->cap = cap;                                                                     \
+        }                                                                                     \
+        Py_ssize_t pos = w->len++;                                                            \
+        w->front[pos] = position;                                                             \
+        while (pos > 0) {                                                                     \
+            Py_ssize_t parent = (pos - 1) >> 1;                                               \
+            if (!HEAP##Walk_less(w, pos, parent)) break;                                      \
+            Py_ssize_t held = w->front[pos];                                                  \
+            w->front[pos] = w->front[parent];                                                 \
+            w->front[parent] = held;                                                          \
+            pos = parent;                                                                     \
+        }                                                                                     \
+        return 0;                                                                             \
+    }                                                                                         \
+    static void HEAP##Walk_start(HEAP##Walk *w, HEAP *h) {                                    \
+        w->heap = h;                                                                          \
+        w->changes = h->changes;                                                              \
+        w->front = w->local;                                                                  \
+        w->cap = 32;                                                                          \
+        w->len = 0;                                                                           \
+        if (h->len > 0) w->front[w->len++] = 0;                                               \
+    }                                                                                         \
+    static Py_ssize_t HEAP##Walk_next(HEAP##Walk *w) {                                        \
+        if (w->changes != w->heap->changes) {                                                 \
+            PyErr_SetString(PyExc_RuntimeError, "the index changed while it was read");       \
+            return -2;                                                                        \
+        }                                                                                     \
+        if (w->len == 0) return -1;                                                           \
+        Py_ssize_t top = w->front[0];                                                         \
+        w->front[0] = w->front[--w->len];                                                     \
+        for (Py_ssize_t pos = 0;;) {                                                          \
+            Py_ssize_t child = 2 * pos + 1, least = pos;                                      \
+            if (child < w->len && HEAP##Walk_less(w, child, least)) least = child;            \
+            if (child + 1 < w->len && HEAP##Walk_less(w, child + 1, least)) least = child + 1; \
+            if (least == pos) break;                                                          \
+            Py_ssize_t held = w->front[pos];                                                  \
+            w->front[pos] = w->front[least];                                                  \
+            w->front[least] = held;                                                           \
+            pos = least;                                                                      \
+        }                                                                                     \
+        Py_ssize_t child = 2 * top + 1;                                                       \
+        if (child < w->heap->len && HEAP##Walk_push(w, child) < 0) return -2;                 \
+        if (child + 1 < w->heap->len && HEAP##Walk_push(w, child + 1) < 0) return -2;         \
+        return top;                                                                           \
+    }                                                                                         \
+    static void HEAP##Walk_end(HEAP##Walk *w) {                                               \
+        if (w->front != w->local) PyMem_Free(w->front);                                       \
+        w->front = w->local;                                                                  \
     }
 
 #endif

@@ -1,12 +1,13 @@
-"""Which of the scheduler's indexes run in C: the fair queue's (`queue_index.c`) and the decode
-workers' room (`decode_room.c`), each compiled on first use (`kernels/native_build.py`) beside a
-Python twin that stays the reference and the fallback.
+"""Which of the scheduler's indexes run in C: the fair queue's (`queue_index.c`) and the
+registry's rooms (`decode_room.c`, `prefill_room.c`), each compiled on first use
+(`kernels/native_build.py`) beside a Python twin that stays the reference and the fallback.
 
 One setting chooses for all (`SchedulerLimits.indexes`, the scheduler's `--indexes`): `auto` (C
 where it builds here, else Python with one warning saying why), `native` (fail without it) or
 `python`. The answers are the same either way: the twin tests drive both with the same changes
 and compare every answer (`tests/unit/test_queue_index_native.py`,
-`tests/unit/test_decode_room_native.py`), and the core's twin test runs on either.
+`tests/unit/test_decode_room_native.py`, `tests/unit/test_prefill_room_native.py`), and the
+core's twin test runs on either.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 from kernels import native_build
-from services.scheduler.worker_index import DecodeRoom
+from services.scheduler.worker_index import DecodeRoom, PrefillRoom
 from shared.config import cache_dir
 from shared.logs import get_logger
 
@@ -70,6 +71,16 @@ def native_decode_room() -> type:
 
 def decode_room_type(choice: str) -> type:
     return pick(choice, DecodeRoom, native_decode_room)
+
+
+@functools.cache
+def native_prefill_room() -> type:
+    """The C room; `NativeUnavailable` if it cannot be built or loaded here."""
+    return load("prefill_room.c", "_tandem_prefill_room").PrefillRoom
+
+
+def prefill_room_type(choice: str) -> type:
+    return pick(choice, PrefillRoom, native_prefill_room)
 
 
 def kind(index: object, python_type: type) -> str:

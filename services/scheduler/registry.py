@@ -15,15 +15,14 @@ without a scan.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-from services.scheduler.native_indexes import decode_room_type, kind
+from services.scheduler.native_indexes import decode_room_type, kind, prefill_room_type
 from services.scheduler.worker_index import (
     BULK_SEAT_SHARE,
     BULK_WINDOW_SHARE,
     DecodeRoom,
     PrefillRoom,
-    PrefillWindow,
 )
 from services.scheduler.worker_state import WorkerState
 
@@ -46,8 +45,10 @@ class WorkerRegistry:
         # The same workers by role, so a dispatch does not sift a thousand of the other role.
         self._by_role: dict[str, dict[str, WorkerState]] = {"prefill": {}, "decode": {}}
         self._registrations = itertools.count(1)
-        self.prefill_room = PrefillRoom(window_tokens, bulk_window_share)
-        # The decode room in C or Python (`native_indexes.py`): the same answers either way.
+        # The rooms in C or Python (`native_indexes.py`): the same answers either way.
+        self.prefill_room: PrefillRoom = prefill_room_type(indexes)(
+            window_tokens, bulk_window_share
+        )
         self._decode_room_type = decode_room_type(indexes)
         self.decode_room: DecodeRoom = self._decode_room_type(self._by_role["decode"])
         # The same workers for batch lines, which leave some seats to interactive requests:
@@ -163,6 +164,10 @@ class WorkerRegistry:
         """Which decode room serves: `native` (C) or `python`."""
         return kind(self.decode_room, DecodeRoom)
 
+    @property
+    def prefill_room_kind(self) -> str:
+        return kind(self.prefill_room, PrefillRoom)
+
     # -- who has room --------------------------------------------------------------------------
 
     def by_role(self, role: str) -> list[WorkerState]:
@@ -185,23 +190,29 @@ class WorkerRegistry:
             w for w in self.workers.values() if now - w.last_heartbeat > self.heartbeat_timeout_s
         ]
 
-    def window(self, worker: WorkerState) -> PrefillWindow:
-        return self.prefill_room.windows[worker.peer_id]
+    # A prefill worker's window (`PrefillWindow`): what it holds, and whether it takes more.
+    def held_tokens(self, worker: WorkerState) -> int:
+        return self.prefill_room.held_tokens(worker.peer_id)
+
+    def small_room(self, worker: WorkerState) -> int:
+        return self.prefill_room.small_room(worker.peer_id)
+
+    def interactive_tokens(self, worker: WorkerState) -> int:
+        return self.prefill_room.interactive_tokens(worker.peer_id)
+
+    def window_takes(self, worker: WorkerState, num_prompt_tokens: int, bulk: bool) -> bool:
+        return self.prefill_room.takes(worker.peer_id, num_prompt_tokens, bulk)
 
     def prefill_takers_by_load(
         self, num_prompt_tokens: int, bulk: bool, now: float
-    ) -> Iterator[Iterator[WorkerState]]:
+    ) -> Iterable[Iterator[WorkerState]]:
         """Per measured rate, the healthy prefill workers whose window takes such a prompt, by
         tokens held, then room (most first), then peer id (lazy walks)."""
-        for group in self.prefill_room.takers_by_load(num_prompt_tokens, bulk):
-            yield (w for w in group if self.is_healthy(w, now))
+        timeout_s = self.progress_timeout_s
+        return self.prefill_room.takers_by_load(num_prompt_tokens, bulk, now, timeout_s)
 
     def takes_prefill(self, num_prompt_tokens: int, bulk: bool, now: float) -> bool:
-        # (a loop, not any(...): a dispatch asks this thrice per choice)
-        for worker in self.prefill_room.takers(num_prompt_tokens, bulk):
-            if worker.making_progress(now, self.progress_timeout_s):
-                return True
-        return False
+        return self.prefill_room.takes_any(num_prompt_tokens, bulk, now, self.progress_timeout_s)
 
     def max_decode_tokens(self, now: float, bulk: bool = False) -> int:
         """The most tokens some healthy decode worker with a seat free (for a batch line if

@@ -284,6 +284,7 @@ class SchedulerService:
             metrics=self.metrics_address,
             queue_index=self.core.queue.index_kind,
             decode_room=self.core.registry.decode_room_kind,
+            prefill_room=self.core.registry.prefill_room_kind,
         )
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)

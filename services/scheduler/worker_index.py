@@ -110,6 +110,10 @@ class PrefillWindow:
 
 
 class PrefillRoom:
+    """The prefill workers' windows, and who takes what (see the module doc). Health is
+    `WorkerState.making_progress(now, timeout_s)`, asked of the workers a question meets.
+    `prefill_room.c` is the same room in C (`native_indexes.py` chooses)."""
+
     def __init__(self, window_tokens: int, bulk_share: float = BULK_WINDOW_SHARE):
         self.window_tokens = window_tokens
         self.bulk_share = bulk_share
@@ -150,13 +154,36 @@ class PrefillRoom:
         if worker.peer_id in self.windows:
             self._sort(worker)
 
-    def takers(self, num_prompt_tokens: int, bulk: bool) -> Iterator[WorkerState]:
-        """The workers whose window takes such a prompt (healthy or not)."""
-        return iter(self._takers[self._kind(num_prompt_tokens, bulk)].values())
+    # -- a worker's window ----------------------------------------------------------------------
 
-    def takers_by_load(self, num_prompt_tokens: int, bulk: bool) -> Iterator[Iterator[WorkerState]]:
-        """The takers of such a prompt, per measured rate, by tokens held (fewest first), then
-        room (most first), then peer id; healthy or not. Each walk is lazy: stop it early."""
+    def held_tokens(self, peer_id: str) -> int:
+        return self.windows[peer_id].held_tokens
+
+    def small_room(self, peer_id: str) -> int:
+        return self.windows[peer_id].small_room
+
+    def interactive_tokens(self, peer_id: str) -> int:
+        return self.windows[peer_id].interactive_tokens
+
+    def takes(self, peer_id: str, num_prompt_tokens: int, bulk: bool) -> bool:
+        return self.windows[peer_id].takes(num_prompt_tokens, bulk)
+
+    # -- who takes what -------------------------------------------------------------------------
+
+    def takes_any(self, num_prompt_tokens: int, bulk: bool, now: float, timeout_s: float) -> bool:
+        """Whether some healthy worker's window takes such a prompt."""
+        # (a loop, not any(...): a dispatch asks this thrice per choice)
+        for worker in self._takers[self._kind(num_prompt_tokens, bulk)].values():
+            if worker.making_progress(now, timeout_s):
+                return True
+        return False
+
+    def takers_by_load(
+        self, num_prompt_tokens: int, bulk: bool, now: float, timeout_s: float
+    ) -> Iterator[Iterator[WorkerState]]:
+        """The healthy takers of such a prompt, per measured rate, by tokens held (fewest
+        first), then room (most first), then peer id, each once. Each walk is lazy: stop it
+        early."""
         kind = self._kind(num_prompt_tokens, bulk)
         groups = self._by_load[kind]
         for rate in list(groups):
@@ -164,13 +191,24 @@ class PrefillRoom:
             if lazy_heap.live_top(heap, self._live_for(kind, rate)) is None:
                 del groups[rate]  # no live entry left
                 continue
-            yield self._walk(heap, kind, rate)
+            yield self._walk(heap, kind, rate, now, timeout_s)
 
-    def _walk(self, heap: list[LoadEntry], kind: str, rate: float) -> Iterator[WorkerState]:
+    def num_entries(self) -> int:
+        """The entries in all heaps, live or stale (what the index holds)."""
+        return sum(len(heap) for groups in self._by_load.values() for heap in groups.values())
+
+    def _walk(
+        self, heap: list[LoadEntry], kind: str, rate: float, now: float, timeout_s: float
+    ) -> Iterator[WorkerState]:
         live = self._live_for(kind, rate)
+        last = None
         for entry in lazy_heap.in_order(heap):
-            if live(entry):
-                yield self._takers[kind][entry[2]]
+            # A worker's live entries are equal, so they come together: it is yielded once.
+            if entry[2] != last and live(entry):
+                last = entry[2]
+                worker = self._takers[kind][entry[2]]
+                if worker.making_progress(now, timeout_s):
+                    yield worker
 
     def _kind(self, num_prompt_tokens: int, bulk: bool) -> str:
         big = num_prompt_tokens > self.window_tokens // 2

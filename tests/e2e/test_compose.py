@@ -297,7 +297,8 @@ def test_up_brings_every_service_to_health(compose_cluster):
     assert bound == {"127.0.0.1"}, ports
     # The scheduler compiled its C indexes in the container (else they say `python`).
     logs = compose_cluster.compose_run("logs", "scheduler")
-    assert '"queue_index": "native"' in logs and '"decode_room": "native"' in logs
+    for index in ("queue_index", "decode_room", "prefill_room"):
+        assert f'"{index}": "native"' in logs, index
 
 
 def test_openai_client_completes_and_streams_the_engines_greedy_text(compose_cluster, references):

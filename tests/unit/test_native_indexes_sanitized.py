@@ -1,5 +1,5 @@
-"""The scheduler's C (`queue_index.c`, `decode_room.c`) under AddressSanitizer and
-UndefinedBehaviorSanitizer.
+"""The scheduler's C (`queue_index.c`, `decode_room.c`, `prefill_room.c`) under
+AddressSanitizer and UndefinedBehaviorSanitizer.
 
 A read past an array or a use after free in the C indexes would not fail a twin test reliably (the
 memory read may hold anything, or what was there before): it would crash a scheduler some day,
@@ -44,6 +44,7 @@ def test_the_twin_tests_run_clean_under_the_sanitizers(tmp_path):
     tests = [
         "tests/unit/test_queue_index_native.py",
         "tests/unit/test_decode_room_native.py",
+        "tests/unit/test_prefill_room_native.py",
         "tests/unit/test_scheduler_indexes.py::test_indexed_core_decides_as_the_scanning_one[native]",
         "tests/unit/test_scheduler_indexes.py"
         "::test_indexed_core_decides_as_the_scanning_one_with_prefix_caches[native]",
@@ -58,7 +59,7 @@ def test_the_twin_tests_run_clean_under_the_sanitizers(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "Sanitizer" not in output, output[-6000:]
     passed = re.search(r"(\d+) passed", output)
-    assert passed and int(passed.group(1)) >= 45, output[-2000:]  # the twins all ran
-    for source in ("queue_index", "decode_room"):
+    assert passed and int(passed.group(1)) >= 58, output[-2000:]  # the twins all ran
+    for source in ("queue_index", "decode_room", "prefill_room"):
         built = list((tmp_path / "native").glob(f"{source}-*.so"))
         assert built, f"no instrumented build of {source}.c ran"

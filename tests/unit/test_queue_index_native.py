@@ -22,7 +22,7 @@ from services.scheduler.fair_share import FairQueue, FairShareConfig, LengthRang
 from services.scheduler.queue_index import QueueIndex
 from services.scheduler.queued import Party, QueuedRequest
 from services.scheduler.registry import WorkerRegistry
-from services.scheduler.worker_index import DecodeRoom
+from services.scheduler.worker_index import DecodeRoom, PrefillRoom
 
 CLASSES = ("short", "long", "bulk")
 
@@ -255,6 +255,7 @@ def test_without_a_compiler_auto_keeps_python_and_native_says_why(tmp_path, monk
     caches = (
         queue_index_native.native_type,
         native_indexes.native_decode_room,
+        native_indexes.native_prefill_room,
         native_indexes._native_or_none,
     )
     for cache in caches:
@@ -263,6 +264,7 @@ def test_without_a_compiler_auto_keeps_python_and_native_says_why(tmp_path, monk
         for choose, python_type in (
             (queue_index_native.queue_index_type, QueueIndex),
             (native_indexes.decode_room_type, DecodeRoom),
+            (native_indexes.prefill_room_type, PrefillRoom),
         ):
             with pytest.raises(NativeUnavailable, match="no C compiler"):
                 choose("native")
@@ -271,7 +273,7 @@ def test_without_a_compiler_auto_keeps_python_and_native_says_why(tmp_path, monk
         assert queue_index_native.queue_index_type("auto") is QueueIndex
         assert native_indexes.decode_room_type("auto") is DecodeRoom
         registry = WorkerRegistry(10.0, 60.0)  # the service's start line says which it runs
-        assert registry.decode_room_kind == "python"
+        assert registry.decode_room_kind == registry.prefill_room_kind == "python"
         assert not (tmp_path / "native").exists()  # and nothing was built on the way
     finally:
         for cache in caches:
