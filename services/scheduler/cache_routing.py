@@ -57,9 +57,26 @@ class PrefillCandidate:
 def predicted_wait_s(
     candidate: PrefillCandidate, num_prompt_tokens: int, weights: RoutingWeights
 ) -> float:
-    rate = candidate.tokens_per_s if candidate.tokens_per_s > 0 else DEFAULT_TOKENS_PER_S
-    uncached = max(0, num_prompt_tokens - candidate.num_cached_tokens)
-    return (weights.queued * candidate.num_queued_tokens + weights.uncached * uncached) / rate
+    return wait_s(
+        candidate.num_queued_tokens,
+        candidate.num_cached_tokens,
+        candidate.tokens_per_s,
+        num_prompt_tokens,
+        weights,
+    )
+
+
+def wait_s(
+    num_queued_tokens: int,
+    num_cached_tokens: int,
+    tokens_per_s: float,
+    num_prompt_tokens: int,
+    weights: RoutingWeights,
+) -> float:
+    """`predicted_wait_s` of a candidate with these figures (no candidate built)."""
+    rate = tokens_per_s if tokens_per_s > 0 else DEFAULT_TOKENS_PER_S
+    uncached = max(0, num_prompt_tokens - num_cached_tokens)
+    return (weights.queued * num_queued_tokens + weights.uncached * uncached) / rate
 
 
 def local_prefill_wait_s(

@@ -15,7 +15,7 @@ without changing a single answer:
 
 from __future__ import annotations
 
-from services.scheduler.cache_routing import PrefillCandidate, RoutingWeights, predicted_wait_s
+from services.scheduler.cache_routing import RoutingWeights, wait_s
 from services.scheduler.registry import WorkerRegistry, WorkerState
 
 
@@ -56,8 +56,5 @@ def _longer_wait(
     weights: RoutingWeights, tokens_per_s: float, num_held_tokens: int, num_tokens: int
 ) -> bool:
     """Whether one more token held makes a strictly longer predicted wait at this rate."""
-
-    def wait(held: int) -> float:
-        return predicted_wait_s(PrefillCandidate("", held, 0, tokens_per_s), num_tokens, weights)
-
-    return wait(num_held_tokens + 1) > wait(num_held_tokens)
+    longer = wait_s(num_held_tokens + 1, 0, tokens_per_s, num_tokens, weights)
+    return longer > wait_s(num_held_tokens, 0, tokens_per_s, num_tokens, weights)

@@ -585,9 +585,7 @@ class ClusterScheduler:
         """The prompt lengths some prefill worker's window takes and some decode worker can
         hold (with the first decode step) right now: exactly the requests dispatch can place."""
         half = self.limits.prefill_window_tokens // 2  # longer is big (`PrefillWindow`)
-        takes_small = self.registry.takes_prefill(0, False, now)
-        takes_big = self.registry.takes_prefill(half + 1, False, now)
-        takes_bulk = self.registry.takes_prefill(0, True, now)
+        takes_small, takes_big, takes_bulk = self.registry.prefill_kinds_taken(now)
         if not (takes_small or takes_big or takes_bulk):
             return LengthRanges()  # every window is full: the usual answer under load
         max_tokens = self.registry.max_decode_tokens(now) - 1

@@ -482,6 +482,35 @@ static PyObject *PrefillRoom_takes_any(PrefillRoom *self, PyObject *const *args,
     Py_RETURN_FALSE;
 }
 
+/* Whether a healthy worker takes a small prompt, a big one, a batch line: one call where a
+   dispatch asks all three. */
+static PyObject *PrefillRoom_kinds_taken(PrefillRoom *self, PyObject *const *args,
+                                         Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "kinds_taken() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    double now = PyFloat_AsDouble(args[0]);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    double timeout_s = PyFloat_AsDouble(args[1]);
+    if (timeout_s == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *answers = PyTuple_New(NUM_KINDS);
+    if (answers == NULL) return NULL;
+    for (int kind = 0; kind < NUM_KINDS; kind++) {
+        Kind *k = &self->kinds[kind];
+        int taken = 0;
+        for (Py_ssize_t i = 0; i < k->num_takers && !taken; i++) {
+            taken = healthy(self, &self->slots[k->takers[i]], now, timeout_s);
+            if (taken < 0) {
+                Py_DECREF(answers);
+                return NULL;
+            }
+        }
+        PyTuple_SET_ITEM(answers, kind, PyBool_FromLong(taken));
+    }
+    return answers;
+}
+
 /* A walk over one rate's takers of one kind: the healthy ones, by tokens held, then room (most
    first), then peer id; each worker once. */
 typedef struct {
@@ -685,6 +714,8 @@ static PyMethodDef PrefillRoom_methods[] = {
     {"rate_changed", (PyCFunction)PrefillRoom_rate_changed, METH_O, NULL},
     {"takes_any", (PyCFunction)(void (*)(void))PrefillRoom_takes_any, FAST,
      "takes_any(num_prompt_tokens, bulk, now, timeout_s): a healthy worker takes such a prompt"},
+    {"kinds_taken", (PyCFunction)(void (*)(void))PrefillRoom_kinds_taken, FAST,
+     "kinds_taken(now, timeout_s): (small, big, bulk), whether a healthy worker takes each"},
     {"takers_by_load", (PyCFunction)(void (*)(void))PrefillRoom_takers_by_load, FAST,
      "takers_by_load(num_prompt_tokens, bulk, now, timeout_s): per rate, a walk"},
     {"held_tokens", (PyCFunction)PrefillRoom_held_tokens, METH_O, NULL},

@@ -214,6 +214,11 @@ class WorkerRegistry:
     def takes_prefill(self, num_prompt_tokens: int, bulk: bool, now: float) -> bool:
         return self.prefill_room.takes_any(num_prompt_tokens, bulk, now, self.progress_timeout_s)
 
+    def prefill_kinds_taken(self, now: float) -> tuple[bool, bool, bool]:
+        """Whether a healthy prefill worker takes a small prompt, a big one (over half the
+        window), a batch line."""
+        return self.prefill_room.kinds_taken(now, self.progress_timeout_s)
+
     def max_decode_tokens(self, now: float, bulk: bool = False) -> int:
         """The most tokens some healthy decode worker with a seat free (for a batch line if
         `bulk`) can hold now."""

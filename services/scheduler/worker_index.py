@@ -178,6 +178,14 @@ class PrefillRoom:
                 return True
         return False
 
+    def kinds_taken(self, now: float, timeout_s: float) -> tuple[bool, bool, bool]:
+        """Whether a healthy worker takes a small prompt, a big one, a batch line."""
+        return (
+            self.takes_any(0, False, now, timeout_s),
+            self.takes_any(self.window_tokens // 2 + 1, False, now, timeout_s),
+            self.takes_any(0, True, now, timeout_s),
+        )
+
     def takers_by_load(
         self, num_prompt_tokens: int, bulk: bool, now: float, timeout_s: float
     ) -> Iterator[Iterator[WorkerState]]:

@@ -142,6 +142,7 @@ class Twins:
                 self.same(window_takes, peer_id, tokens, bulk)
         for peer_id in peers:
             self.same(window_figures, peer_id)
+        self.same(WorkerRegistry.prefill_kinds_taken, now)
 
     def same(self, question, *args) -> None:
         ours, theirs = question(self.native, *args), question(self.python, *args)
