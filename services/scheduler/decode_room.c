@@ -31,7 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "native_heap.h" /* DEFINE_HEAP */
+#include "native_common.h" /* slots, reading values, health, DEFINE_HEAP */
 
 #define REBUILD_SLACK 64
 
@@ -114,26 +114,6 @@ static PyObject *str_peer_id, *str_order, *str_block_size, *str_max_num_seqs,
 
 /* -- reading a WorkerState ------------------------------------------------------------------- */
 
-static int get_int64(PyObject *obj, PyObject *name, int64_t *out) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) return -1;
-    long long v = PyLong_AsLongLong(value);
-    Py_DECREF(value);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    *out = v;
-    return 0;
-}
-
-static int get_length(PyObject *obj, PyObject *name, int64_t *out) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) return -1;
-    Py_ssize_t n = PyObject_Size(value);
-    Py_DECREF(value);
-    if (n < 0) return -1;
-    *out = n;
-    return 0;
-}
-
 /* The worker's free blocks less those promised since its last heartbeat, and its requests. */
 static int read_load(PyObject *worker, int64_t *available, int64_t *num_requests) {
     int64_t free_blocks, promised;
@@ -146,21 +126,6 @@ static int read_load(PyObject *worker, int64_t *available, int64_t *num_requests
         return -1;
     }
     return 0;
-}
-
-/* `WorkerState.making_progress(now, timeout_s)`: 1, 0, or -1 with an exception. */
-static int making_progress(PyObject *worker, double now, double timeout_s) {
-    PyObject *busy = PyObject_GetAttr(worker, str_busy);
-    if (busy == NULL) return -1;
-    int is_busy = PyObject_IsTrue(busy);
-    Py_DECREF(busy);
-    if (is_busy <= 0) return is_busy < 0 ? -1 : 1;
-    PyObject *last = PyObject_GetAttr(worker, str_last_progress);
-    if (last == NULL) return -1;
-    double last_progress = PyFloat_AsDouble(last);
-    Py_DECREF(last);
-    if (last_progress == -1.0 && PyErr_Occurred()) return -1;
-    return now - last_progress <= timeout_s;
 }
 
 static int64_t seats_of(DecodeRoom *self, int64_t max_num_seqs) {
@@ -242,31 +207,8 @@ DEFINE_WALK(CapacityHeap, capacity_less)
 
 /* -- slots ------------------------------------------------------------------------------------- */
 
-static Py_ssize_t take_slot(DecodeRoom *self) {
-    if (self->num_free == 0) {
-        Py_ssize_t old = self->slots_cap, grown = old ? old * 2 : 64;
-        Slot *slots = PyMem_Realloc(self->slots, (size_t)grown * sizeof(Slot));
-        if (slots == NULL) return PyErr_NoMemory(), -1;
-        self->slots = slots;
-        Py_ssize_t *free_slots = PyMem_Realloc(self->free_slots, (size_t)grown * sizeof(Py_ssize_t));
-        if (free_slots == NULL) return PyErr_NoMemory(), -1;
-        self->free_slots = free_slots;
-        memset(&slots[old], 0, (size_t)(grown - old) * sizeof(Slot));
-        for (Py_ssize_t i = grown - 1; i >= old; i--) self->free_slots[self->num_free++] = i;
-        self->slots_cap = grown;
-    }
-    return self->free_slots[--self->num_free];
-}
-
-/* The slot of the peer id, or -1 (no error set) when the room has no such worker. */
-static Py_ssize_t slot_of(DecodeRoom *self, PyObject *peer_id) {
-    PyObject *found = PyDict_GetItemWithError(self->slot_of, peer_id);
-    if (found == NULL) return -1;
-    return PyLong_AsSsize_t(found);
-}
-
 static int free_slot(DecodeRoom *self, PyObject *peer_id) {
-    Py_ssize_t slot = slot_of(self, peer_id);
+    Py_ssize_t slot = lookup_slot(self->slot_of, peer_id);
     if (slot < 0) return PyErr_Occurred() ? -1 : 0;
     if (PyDict_DelItem(self->slot_of, peer_id) < 0) return -1;
     Slot *s = &self->slots[slot];
@@ -343,15 +285,9 @@ static PyObject *DecodeRoom_add(DecodeRoom *self, PyObject *worker) {
         goto fail;
     }
     if (free_slot(self, peer_id) < 0) goto fail; /* registered again: a fresh slot */
-    Py_ssize_t slot = take_slot(self);
+    Py_ssize_t slot = claim_slot((void **)&self->slots, &self->slots_cap, &self->free_slots,
+                                 &self->num_free, sizeof(Slot), self->slot_of, peer_id);
     if (slot < 0) goto fail;
-    PyObject *number = PyLong_FromSsize_t(slot);
-    if (number == NULL || PyDict_SetItem(self->slot_of, peer_id, number) < 0) {
-        Py_XDECREF(number);
-        self->free_slots[self->num_free++] = slot;
-        goto fail;
-    }
-    Py_DECREF(number);
     Slot *s = &self->slots[slot];
     s->peer_id = peer_id; /* the reference taken above */
     Py_INCREF(worker);
@@ -373,7 +309,7 @@ fail:
 static PyObject *DecodeRoom_update(DecodeRoom *self, PyObject *worker) {
     PyObject *peer_id = PyObject_GetAttr(worker, str_peer_id);
     if (peer_id == NULL) return NULL;
-    Py_ssize_t slot = slot_of(self, peer_id);
+    Py_ssize_t slot = lookup_slot(self->slot_of, peer_id);
     Py_DECREF(peer_id);
     if (slot < 0) {
         if (PyErr_Occurred()) return NULL;
@@ -415,7 +351,7 @@ static int read_tokens(PyObject *arg, int64_t *num_tokens) {
 static int healthy_in(Slot *s, double now, double timeout_s, uint64_t *changes, uint64_t before) {
     PyObject *worker = s->worker;
     Py_INCREF(worker);
-    int healthy = making_progress(worker, now, timeout_s);
+    int healthy = making_progress(worker, now, timeout_s, str_busy, str_last_progress);
     Py_DECREF(worker);
     if (healthy >= 0 && *changes != before) {
         PyErr_SetString(PyExc_RuntimeError, "the decode room changed while it was read");
@@ -425,8 +361,8 @@ static int healthy_in(Slot *s, double now, double timeout_s, uint64_t *changes, 
 }
 
 /* Per block size, the first healthy worker with a seat free (the one that can hold the most
-   tokens of its block size), its slot written to tops[i]; returns how many, -1 on error. */
-static Py_ssize_t tops(DecodeRoom *self, double now, double timeout_s, Py_ssize_t *out) {
+   tokens of its block size), its slot written to out[i]; returns how many, -1 on error. */
+static Py_ssize_t tops_into(DecodeRoom *self, double now, double timeout_s, Py_ssize_t *out) {
     Py_ssize_t found = 0;
     for (Py_ssize_t g = 0; g < self->num_groups; g++) {
         RoomHeap *heap = &self->groups[g].heap;
@@ -473,62 +409,68 @@ static int better(Slot *a, Slot *b) {
     return room_less(&x, &y);
 }
 
-/* Room for one slot per block size, on the stack when there are few. */
+/* The tops' slots (`tops_into`), on the stack when there are few block sizes. */
 #define MAX_LOCAL_GROUPS 8
+typedef struct {
+    Py_ssize_t *slots, len;
+    Py_ssize_t local[MAX_LOCAL_GROUPS];
+} Tops;
+
+static int find_tops(DecodeRoom *self, double now, double timeout_s, Tops *t) {
+    t->slots = t->local;
+    if (self->num_groups > MAX_LOCAL_GROUPS &&
+        (t->slots = PyMem_Malloc((size_t)self->num_groups * sizeof(Py_ssize_t))) == NULL)
+        return PyErr_NoMemory(), -1;
+    t->len = tops_into(self, now, timeout_s, t->slots);
+    if (t->len >= 0) return 0;
+    if (t->slots != t->local) PyMem_Free(t->slots);
+    return -1;
+}
+
+static void tops_end(Tops *t) {
+    if (t->slots != t->local) PyMem_Free(t->slots);
+}
 
 static PyObject *DecodeRoom_best(DecodeRoom *self, PyObject *const *args, Py_ssize_t nargs) {
     double now, timeout_s;
     int64_t num_tokens;
+    Tops tops;
     if (read_now(args, nargs, 1, 3, "best", &now, &timeout_s) < 0 ||
-        read_tokens(args[0], &num_tokens) < 0)
+        read_tokens(args[0], &num_tokens) < 0 || find_tops(self, now, timeout_s, &tops) < 0)
         return NULL;
-    Py_ssize_t local[MAX_LOCAL_GROUPS], *slots = local;
-    if (self->num_groups > MAX_LOCAL_GROUPS &&
-        (slots = PyMem_Malloc((size_t)self->num_groups * sizeof(Py_ssize_t))) == NULL)
-        return PyErr_NoMemory();
-    Py_ssize_t n = tops(self, now, timeout_s, slots);
-    PyObject *result = NULL;
-    if (n >= 0) {
-        Slot *best = NULL;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Slot *s = &self->slots[slots[i]];
-            if (s->available >= blocks_for(num_tokens, s->block_size) &&
-                (best == NULL || better(s, best)))
-                best = s;
-        }
-        result = best ? best->worker : Py_None;
-        Py_INCREF(result);
+    Slot *best = NULL;
+    for (Py_ssize_t i = 0; i < tops.len; i++) {
+        Slot *s = &self->slots[tops.slots[i]];
+        if (s->available >= blocks_for(num_tokens, s->block_size) &&
+            (best == NULL || better(s, best)))
+            best = s;
     }
-    if (slots != local) PyMem_Free(slots);
+    tops_end(&tops);
+    PyObject *result = best ? best->worker : Py_None;
+    Py_INCREF(result);
     return result;
 }
 
 static PyObject *DecodeRoom_max_tokens(DecodeRoom *self, PyObject *const *args,
                                        Py_ssize_t nargs) {
     double now, timeout_s;
-    if (read_now(args, nargs, 0, 2, "max_tokens", &now, &timeout_s) < 0) return NULL;
-    Py_ssize_t local[MAX_LOCAL_GROUPS], *slots = local;
-    if (self->num_groups > MAX_LOCAL_GROUPS &&
-        (slots = PyMem_Malloc((size_t)self->num_groups * sizeof(Py_ssize_t))) == NULL)
-        return PyErr_NoMemory();
-    Py_ssize_t n = tops(self, now, timeout_s, slots);
-    PyObject *result = NULL;
-    if (n >= 0) {
-        int64_t most = 0, tokens;
-        int any = 0, overflow = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Slot *s = &self->slots[slots[i]];
-            overflow |= __builtin_mul_overflow(s->available, s->block_size, &tokens);
-            if (!any || tokens > most) most = tokens;
-            any = 1;
-        }
-        if (overflow)
-            PyErr_SetString(PyExc_OverflowError, "a decode worker's room is out of range");
-        else
-            result = PyLong_FromLongLong(most);
+    Tops tops;
+    if (read_now(args, nargs, 0, 2, "max_tokens", &now, &timeout_s) < 0 ||
+        find_tops(self, now, timeout_s, &tops) < 0)
+        return NULL;
+    int64_t most = 0, tokens;
+    int overflow = 0;
+    for (Py_ssize_t i = 0; i < tops.len; i++) {
+        Slot *s = &self->slots[tops.slots[i]];
+        overflow |= __builtin_mul_overflow(s->available, s->block_size, &tokens);
+        if (i == 0 || tokens > most) most = tokens;
     }
-    if (slots != local) PyMem_Free(slots);
-    return result;
+    tops_end(&tops);
+    if (overflow) {
+        PyErr_SetString(PyExc_OverflowError, "a decode worker's room is out of range");
+        return NULL;
+    }
+    return PyLong_FromLongLong(most);
 }
 
 static PyObject *DecodeRoom_max_capacity(DecodeRoom *self, PyObject *const *args,
@@ -539,7 +481,6 @@ static PyObject *DecodeRoom_max_capacity(DecodeRoom *self, PyObject *const *args
     capacity_live_top(self, heap);
     CapacityHeapWalk walk;
     CapacityHeapWalk_start(&walk, heap);
-    PyObject *result = Py_None;
     for (;;) {
         Py_ssize_t position = CapacityHeapWalk_next(&walk);
         if (position == -1) break;
@@ -556,8 +497,7 @@ static PyObject *DecodeRoom_max_capacity(DecodeRoom *self, PyObject *const *args
         }
     }
     CapacityHeapWalk_end(&walk);
-    Py_INCREF(result);
-    return result;
+    Py_RETURN_NONE;
 }
 
 static PyObject *DecodeRoom_least_busy(DecodeRoom *self, PyObject *const *args,

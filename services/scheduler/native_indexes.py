@@ -24,7 +24,7 @@ from shared.logs import get_logger
 
 INDEXES = ("auto", "native", "python")
 HERE = Path(__file__).parent
-HEADERS = (HERE / "native_heap.h",)
+HEADERS = (HERE / "native_common.h",)
 
 log = get_logger(component="scheduler")
 

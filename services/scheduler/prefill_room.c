@@ -28,7 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "native_heap.h" /* DEFINE_HEAP, DEFINE_WALK */
+#include "native_common.h" /* slots, reading values, health, DEFINE_HEAP */
 
 #define REBUILD_SLACK 64
 #define NUM_KINDS 3 /* what a window may take: */
@@ -126,27 +126,12 @@ static int read_rate(PyObject *worker, double *rate) {
     return (*rate == -1.0 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* `WorkerState.making_progress(now, timeout_s)`: 1, 0, or -1 with an exception. */
-static int making_progress(PyObject *worker, double now, double timeout_s) {
-    PyObject *busy = PyObject_GetAttr(worker, str_busy);
-    if (busy == NULL) return -1;
-    int is_busy = PyObject_IsTrue(busy);
-    Py_DECREF(busy);
-    if (is_busy <= 0) return is_busy < 0 ? -1 : 1;
-    PyObject *last = PyObject_GetAttr(worker, str_last_progress);
-    if (last == NULL) return -1;
-    double last_progress = PyFloat_AsDouble(last);
-    Py_DECREF(last);
-    if (last_progress == -1.0 && PyErr_Occurred()) return -1;
-    return now - last_progress <= timeout_s;
-}
-
 /* A slot's health, the room checked unchanged by the read (see the top). */
 static int healthy(PrefillRoom *self, Slot *s, double now, double timeout_s) {
     uint64_t before = self->changes;
     PyObject *worker = s->worker;
     Py_INCREF(worker);
-    int answer = making_progress(worker, now, timeout_s);
+    int answer = making_progress(worker, now, timeout_s, str_busy, str_last_progress);
     Py_DECREF(worker);
     if (answer >= 0 && self->changes != before) {
         PyErr_SetString(PyExc_RuntimeError, "the prefill room changed while it was read");
@@ -274,40 +259,17 @@ static int sort(PrefillRoom *self, Py_ssize_t slot) {
 
 /* -- slots ------------------------------------------------------------------------------------- */
 
-static Py_ssize_t take_slot(PrefillRoom *self) {
-    if (self->num_free == 0) {
-        Py_ssize_t old = self->slots_cap, grown = old ? old * 2 : 64;
-        Slot *slots = PyMem_Realloc(self->slots, (size_t)grown * sizeof(Slot));
-        if (slots == NULL) return PyErr_NoMemory(), -1;
-        self->slots = slots;
-        Py_ssize_t *free_slots = PyMem_Realloc(self->free_slots, (size_t)grown * sizeof(Py_ssize_t));
-        if (free_slots == NULL) return PyErr_NoMemory(), -1;
-        self->free_slots = free_slots;
-        memset(&slots[old], 0, (size_t)(grown - old) * sizeof(Slot));
-        for (Py_ssize_t i = grown - 1; i >= old; i--) self->free_slots[self->num_free++] = i;
-        self->slots_cap = grown;
-    }
-    return self->free_slots[--self->num_free];
-}
-
-/* The slot of the peer id, or -1 (no error set) when the room has no such worker. */
-static Py_ssize_t slot_of(PrefillRoom *self, PyObject *peer_id) {
-    PyObject *found = PyDict_GetItemWithError(self->slot_of, peer_id);
-    if (found == NULL) return -1;
-    return PyLong_AsSsize_t(found);
-}
-
 /* The slot of a worker's peer id, or -1 (no error set) when the room has no such worker. */
 static Py_ssize_t slot_of_worker(PrefillRoom *self, PyObject *worker) {
     PyObject *peer_id = PyObject_GetAttr(worker, str_peer_id);
     if (peer_id == NULL) return -1;
-    Py_ssize_t slot = slot_of(self, peer_id);
+    Py_ssize_t slot = lookup_slot(self->slot_of, peer_id);
     Py_DECREF(peer_id);
     return slot;
 }
 
 static int free_slot(PrefillRoom *self, PyObject *peer_id) {
-    Py_ssize_t slot = slot_of(self, peer_id);
+    Py_ssize_t slot = lookup_slot(self->slot_of, peer_id);
     if (slot < 0) return PyErr_Occurred() ? -1 : 0;
     for (int kind = 0; kind < NUM_KINDS; kind++) set_taker(self, slot, kind, 0); /* no alloc */
     if (PyDict_DelItem(self->slot_of, peer_id) < 0) return -1;
@@ -338,15 +300,12 @@ static PyObject *PrefillRoom_add(PrefillRoom *self, PyObject *worker) {
         Py_DECREF(held);
         goto fail;
     }
-    Py_ssize_t slot = take_slot(self);
-    PyObject *number = slot < 0 ? NULL : PyLong_FromSsize_t(slot);
-    if (number == NULL || PyDict_SetItem(self->slot_of, peer_id, number) < 0) {
-        Py_XDECREF(number);
+    Py_ssize_t slot = claim_slot((void **)&self->slots, &self->slots_cap, &self->free_slots,
+                                 &self->num_free, sizeof(Slot), self->slot_of, peer_id);
+    if (slot < 0) {
         Py_DECREF(held);
-        if (slot >= 0) self->free_slots[self->num_free++] = slot;
         goto fail;
     }
-    Py_DECREF(number);
     Slot *s = &self->slots[slot];
     memset(s, 0, sizeof(Slot));
     s->peer_id = peer_id; /* the reference taken above */
@@ -597,7 +556,7 @@ static PyObject *PrefillRoom_takers_by_load(PrefillRoom *self, PyObject *const *
 
 /* A figure of the window of the worker with this peer id (KeyError: no such worker). */
 static Slot *window_of(PrefillRoom *self, PyObject *peer_id) {
-    Py_ssize_t slot = slot_of(self, peer_id);
+    Py_ssize_t slot = lookup_slot(self->slot_of, peer_id);
     if (slot < 0) {
         if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, peer_id);
         return NULL;

@@ -30,7 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native_heap.h" /* DEFINE_HEAP */
+#include "native_common.h" /* slots, reading values, DEFINE_HEAP */
 
 #define REBUILD_SLACK 64
 #define NUM_BUCKETS 65 /* bit lengths 0..64 */
@@ -153,41 +153,6 @@ static PyObject *bulk_class_name; /* `queued.BULK_CLASS`, set by the loader */
 
 /* -- slots ----------------------------------------------------------------------------------- */
 
-static Py_ssize_t take_slot(void **array, Py_ssize_t *cap, Py_ssize_t **free_list,
-                            Py_ssize_t *num_free, size_t size) {
-    if (*num_free == 0) {
-        Py_ssize_t old = *cap, grown = old ? old * 2 : 64;
-        void *data = PyMem_Realloc(*array, (size_t)grown * size);
-        if (data == NULL) return PyErr_NoMemory(), -1;
-        Py_ssize_t *free_data = PyMem_Realloc(*free_list, (size_t)grown * sizeof(Py_ssize_t));
-        if (free_data == NULL) {
-            *array = data;
-            return PyErr_NoMemory(), -1;
-        }
-        memset((char *)data + (size_t)old * size, 0, (size_t)(grown - old) * size);
-        *array = data;
-        *free_list = free_data;
-        for (Py_ssize_t i = grown - 1; i >= old; i--) (*free_list)[(*num_free)++] = i;
-        *cap = grown;
-    }
-    return (*free_list)[--(*num_free)];
-}
-
-/* The slot an int in one of the maps names, or -1 (no error set) when the key is absent. */
-static Py_ssize_t lookup_slot(PyObject *map, PyObject *key) {
-    PyObject *found = PyDict_GetItemWithError(map, key);
-    if (found == NULL) return -1;
-    return PyLong_AsSsize_t(found);
-}
-
-static int put_slot(PyObject *map, PyObject *key, Py_ssize_t slot) {
-    PyObject *value = PyLong_FromSsize_t(slot);
-    if (value == NULL) return -1;
-    int status = PyDict_SetItem(map, key, value);
-    Py_DECREF(value);
-    return status;
-}
-
 static Py_ssize_t class_slot(QueueIndex *self, PyObject *name) {
     Py_ssize_t slot = lookup_slot(self->class_slot_of, name);
     if (slot >= 0 || PyErr_Occurred()) return slot;
@@ -261,37 +226,7 @@ static int counter_push(QueueIndex *self, CounterHeap *h, CounterEntry e, Py_ssi
     return 0;
 }
 
-/* -- reading Python values ------------------------------------------------------------------- */
-
-static int get_int64(PyObject *obj, PyObject *name, int64_t *out) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) return -1;
-    long long v = PyLong_AsLongLong(value);
-    Py_DECREF(value);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    *out = v;
-    return 0;
-}
-
-static int get_double(PyObject *obj, PyObject *name, double *out) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) return -1;
-    double v = PyFloat_AsDouble(value);
-    Py_DECREF(value);
-    if (v == -1.0 && PyErr_Occurred()) return -1;
-    *out = v;
-    return 0;
-}
-
-static int get_truth(PyObject *obj, PyObject *name, int *out) {
-    PyObject *value = PyObject_GetAttr(obj, name);
-    if (value == NULL) return -1;
-    int v = PyObject_IsTrue(value);
-    Py_DECREF(value);
-    if (v < 0) return -1;
-    *out = v;
-    return 0;
-}
+/* -- numbers ------------------------------------------------------------------------------- */
 
 static int bit_length(int64_t n) {
     uint64_t magnitude = n < 0 ? (uint64_t)0 - (uint64_t)n : (uint64_t)n;

@@ -1,16 +1,128 @@
-/* Binary heaps of plain C entries for the scheduler's native indexes (`queue_index.c`,
-   `decode_room.c`). `DEFINE_HEAP(NAME, T, LESS)` defines a heap type NAME of entries T ordered by
+/* What the scheduler's native indexes (`queue_index.c`, `decode_room.c`, `prefill_room.c`) share:
+   slot arrays, reading Python attributes, a WorkerState's health, and binary heaps of plain C
+   entries with their in-order walks. Every function is `static inline` (a file that does not
+   use one compiles no copy of it, and no warning).
+
+   `DEFINE_HEAP(NAME, T, LESS)` defines a heap type NAME of entries T ordered by
    `LESS(const T *, const T *)`, with heapq's invariant (data[i] <= its children), so an index
    keeps heapq's answers. Every change counts in `changes`: a walk over the heap (an in-order
    iterator) compares it to know the heap did not move under it. Memory comes from PyMem (the
    caller holds the GIL). */
 
-#ifndef TANDEM_NATIVE_HEAP_H
-#define TANDEM_NATIVE_HEAP_H
+#ifndef TANDEM_NATIVE_COMMON_H
+#define TANDEM_NATIVE_COMMON_H
 
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+/* -- slots ----------------------------------------------------------------------------------- */
+
+/* A free slot of an array of `size`-byte entries (grown, zeroed, when none is free); -1 with
+   MemoryError. */
+static inline Py_ssize_t take_slot(void **array, Py_ssize_t *cap, Py_ssize_t **free_list,
+                                   Py_ssize_t *num_free, size_t size) {
+    if (*num_free == 0) {
+        Py_ssize_t old = *cap, grown = old ? old * 2 : 64;
+        void *data = PyMem_Realloc(*array, (size_t)grown * size);
+        if (data == NULL) return PyErr_NoMemory(), -1;
+        Py_ssize_t *free_data = PyMem_Realloc(*free_list, (size_t)grown * sizeof(Py_ssize_t));
+        if (free_data == NULL) {
+            *array = data;
+            return PyErr_NoMemory(), -1;
+        }
+        memset((char *)data + (size_t)old * size, 0, (size_t)(grown - old) * size);
+        *array = data;
+        *free_list = free_data;
+        for (Py_ssize_t i = grown - 1; i >= old; i--) (*free_list)[(*num_free)++] = i;
+        *cap = grown;
+    }
+    return (*free_list)[--(*num_free)];
+}
+
+/* The slot an int in one of the maps names, or -1 (no error set) when the key is absent. */
+static inline Py_ssize_t lookup_slot(PyObject *map, PyObject *key) {
+    PyObject *found = PyDict_GetItemWithError(map, key);
+    if (found == NULL) return -1;
+    return PyLong_AsSsize_t(found);
+}
+
+static inline int put_slot(PyObject *map, PyObject *key, Py_ssize_t slot) {
+    PyObject *value = PyLong_FromSsize_t(slot);
+    if (value == NULL) return -1;
+    int status = PyDict_SetItem(map, key, value);
+    Py_DECREF(value);
+    return status;
+}
+
+/* A free slot taken for `key` and named by it in `map` (key -> slot); -1 with an exception, the
+   slot given back. */
+static inline Py_ssize_t claim_slot(void **array, Py_ssize_t *cap, Py_ssize_t **free_list,
+                                    Py_ssize_t *num_free, size_t size, PyObject *map,
+                                    PyObject *key) {
+    Py_ssize_t slot = take_slot(array, cap, free_list, num_free, size);
+    if (slot >= 0 && put_slot(map, key, slot) < 0) {
+        (*free_list)[(*num_free)++] = slot;
+        return -1;
+    }
+    return slot;
+}
+
+/* -- reading Python values ------------------------------------------------------------------- */
+
+static inline int get_int64(PyObject *obj, PyObject *name, int64_t *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    long long v = PyLong_AsLongLong(value);
+    Py_DECREF(value);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+static inline int get_double(PyObject *obj, PyObject *name, double *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    double v = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    if (v == -1.0 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+static inline int get_truth(PyObject *obj, PyObject *name, int *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    int v = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (v < 0) return -1;
+    *out = v;
+    return 0;
+}
+
+static inline int get_length(PyObject *obj, PyObject *name, int64_t *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    Py_ssize_t n = PyObject_Size(value);
+    Py_DECREF(value);
+    if (n < 0) return -1;
+    *out = n;
+    return 0;
+}
+
+/* `WorkerState.making_progress(now, timeout_s)`, its attributes named by `busy` and
+   `last_progress` (interned): 1, 0, or -1 with an exception. */
+static inline int making_progress(PyObject *worker, double now, double timeout_s, PyObject *busy,
+                                  PyObject *last_progress) {
+    int is_busy;
+    double last;
+    if (get_truth(worker, busy, &is_busy) < 0) return -1;
+    if (!is_busy) return 1;
+    if (get_double(worker, last_progress, &last) < 0) return -1;
+    return now - last <= timeout_s;
+}
+
+/* -- binary heaps ---------------------------------------------------------------------------- */
 
 #define DEFINE_HEAP(NAME, T, LESS)                                                            \
     typedef struct {                                                                          \
