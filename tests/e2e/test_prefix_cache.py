@@ -4,6 +4,7 @@ the decode worker holding it, and idle workers hold no referenced block."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -79,10 +80,24 @@ def decode_queries(cluster) -> dict[str, int]:
     return {w["peer_id"]: w["prefix_query_tokens"] for w in workers if w["role"] == "decode"}
 
 
+def decode_worker_of(cluster, completion_id: str) -> str:
+    """The decode worker the scheduler gave a chat completion to (its one choice), from the
+    scheduler's "request dispatched" log line."""
+    for line in cluster.log().splitlines():
+        if line.startswith("[scheduler]") and "request dispatched" in line:
+            event = json.loads(line.split("]", 1)[1])
+            if event["request_id"] == f"{completion_id}-0":
+                return event["decode"]
+    raise AssertionError(f"no dispatch of {completion_id} in the scheduler's log")
+
+
 def test_a_conversation_survives_the_kill_of_the_decode_worker_holding_it(guarded_cluster, smollm2):
-    """Each turn's greedy answer equals the cache-off engine's. Turn 2 is prefilled on the
-    decode worker that kept turn 1 (its lookups grow); that worker is killed, and turn 3 is
-    still answered right, elsewhere. Idle, no block is referenced."""
+    """Each turn's greedy answer equals the cache-off engine's. Turn 2 goes to the decode worker
+    that kept turn 1 (which prefills the short new suffix itself when its wait is predicted no
+    longer than a prefill worker's: its lookups grow; a measured prefill rate above the decode
+    worker's unmeasured one sends the suffix to a prefill worker, which skips the blocks the
+    decode worker holds); that worker is killed, and turn 3 is still answered right, elsewhere.
+    Idle, no block is referenced."""
     wait_for_workers(guarded_cluster, num_prefill=2, num_decode=2)
     messages = [{"role": "system", "content": SYSTEM}]
     headers = {"Authorization": f"Bearer {ALPHA_KEY}"}
@@ -98,10 +113,16 @@ def test_a_conversation_survives_the_kill_of_the_decode_worker_holding_it(guarde
         assert response.status_code == 200, response.text
         answer = response.json()["choices"][0]["message"]["content"]
         assert answer == reference_turns(smollm2, messages), turn
+        served_by = decode_worker_of(guarded_cluster, response.json()["id"])
+        if turn == 0:
+            first_holder = served_by
         if turn == 1:
+            holder = served_by
+            assert holder == first_holder  # the cache-aware pick: the worker holding turn 1
             time.sleep(1.5)  # the workers' counters ride on heartbeats
             after = decode_queries(guarded_cluster)
-            (holder,) = [peer for peer in after if after[peer] > before.get(peer, 0)]
+            grown = {peer for peer in after if after[peer] > before.get(peer, 0)}
+            assert grown <= {holder}, (grown, holder)  # a local prefill only where it is cached
             os.kill(worker_pid(guarded_cluster.process.pid, holder), signal.SIGKILL)
         messages.append({"role": "assistant", "content": answer})
     assert holder is not None
