@@ -77,9 +77,10 @@ class WorkerRegistry:
         if worker is not None:
             del self._by_role[worker.role][peer_id]
             self.prefill_room.remove(peer_id)
-            for room in (self.decode_room, self._bulk_decode_room):
-                if worker.role == "decode" and room is not None:
-                    room.remove(peer_id)
+            if worker.role == "decode":
+                for room in (self.decode_room, self._bulk_decode_room):
+                    if room is not None:
+                        room.remove(peer_id)
             if worker.role == "prefill":
                 self._add_prefill_rate(-worker.prefill_tokens_per_s)
         return worker

@@ -367,10 +367,8 @@ class SchedulerService:
             error = f"schema version {hello.schema_version} != scheduler's {wire.SCHEMA_VERSION}"
         elif hello.model != self.config.model:
             error = f"model {hello.model!r} != cluster model {self.config.model!r}"
-        elif (error := worker_shape_refusal(hello)) is not None:
-            pass
         else:
-            error = self.core.prefix_index.refusal(hello.cache_key)
+            error = worker_shape_refusal(hello) or self.core.prefix_index.refusal(hello.cache_key)
         ack = wire.HelloAck(
             schema_version=wire.SCHEMA_VERSION,
             accepted=error is None,
