@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import zmq
 
-SCHEMA_VERSION = 7  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
+SCHEMA_VERSION = 8  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
 # 5: the heartbeat's step time, bulk prefill jobs and transfers, speculative prefill; 6: the
-# submit's first-token deadline; 7: the status's prompt-token pace
+# submit's first-token deadline; 7: the status's prompt-token pace; 8: token positions, and the
+# first token carried with the KV
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -155,6 +156,11 @@ class TokenDelta:
     # On a prefill's first delta: prompt tokens whose computation its prefix cache skipped
     # (never KV received over the wire); None from decode steps.
     num_cached_tokens: int | None = None
+    # The position of token_ids[0] in the request's output (the tokens a resumed attempt was
+    # given count), so the gateway drops what it has and sees what it lacks: two workers stream
+    # one request (the first token from prefill, the rest from decode) on two connections.
+    # None on the scheduler's deltas, which carry no tokens.
+    index: int | None = None
 
 
 # ----------------------------------------------------------------------------------------------

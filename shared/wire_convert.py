@@ -33,7 +33,10 @@ def sampling_spec(params: SamplingParams) -> wire.SamplingSpec:
     return wire.SamplingSpec(**values)
 
 
-def token_delta(output: RequestOutput, finish_reason: str | None = None) -> wire.TokenDelta:
+def token_delta(
+    output: RequestOutput, index: int, finish_reason: str | None = None
+) -> wire.TokenDelta:
+    """`output`'s new tokens as a delta whose first token is the output's `index`th."""
     has_logprobs = bool(output.new_logprobs)
     return wire.TokenDelta(
         request_id=output.request_id,
@@ -42,4 +45,5 @@ def token_delta(output: RequestOutput, finish_reason: str | None = None) -> wire
         top_logprobs=[list(lp.top or []) for lp in output.new_logprobs] if has_logprobs else None,
         finish_reason=finish_reason,
         error=output.error,
+        index=index,
     )

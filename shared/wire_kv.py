@@ -12,6 +12,7 @@ from shared.wire_base import (
     MessageType,
     RequestId,
     SamplingSpec,
+    TokenDelta,
     TokenIds,
 )
 
@@ -40,6 +41,10 @@ class KvTransfer(Message):
     priority: int = 0  # the request's priority, as in PrefillJob
     bulk: bool = False  # as in PrefillJob: a batch job's line, preempted before interactive ones
     cache_salt: str | None = None  # as in PrefillJob: names the blocks in the decode cache
+    # The delta the prefill worker streamed (the first token, its logprobs): the decode worker
+    # streams it again ahead of its own first token, so a gateway the first one never reached
+    # (its connection cut, or it is late) misses nothing. None: nothing to repeat.
+    first_delta: TokenDelta | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

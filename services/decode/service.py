@@ -23,6 +23,7 @@ from services.worker.loop import WorkerLoop
 from services.worker.streams import group_by_gateway
 from shared import wire
 from shared.config import ConfigError, add_config_arguments, config_from_args, expand_host
+from shared.deltas import joined
 from shared.engine.block_manager import NoFreeBlocksError
 from shared.engine.sequence import Sequence
 from shared.errors import InvalidRequestError
@@ -55,9 +56,12 @@ class Reservation:
 class Route:
     gateway_address: str
     num_prompt_tokens: int
-    num_output_tokens: int
+    num_output_tokens: int  # generated here
+    next_index: int  # the output position of the next token streamed
     # Prefilled here (conditional disaggregation): its sequence, until its first token.
     local_sequence: Sequence | None = None
+    # Prefilled elsewhere: the prefill worker's delta, streamed again ahead of the first here.
+    repeat: wire.TokenDelta | None = None
 
 
 class DecodeWorker(WorkerLoop):
@@ -155,7 +159,11 @@ class DecodeWorker(WorkerLoop):
             self._report(job.request_id, "prefill", "rejected", len(job.prompt_token_ids), 0)
             return
         self.routes[job.request_id] = Route(
-            job.gateway_address, len(job.prompt_token_ids), 0, self.engine.sequence(job.request_id)
+            job.gateway_address,
+            len(job.prompt_token_ids),
+            0,
+            next_index=len(job.output_token_ids),
+            local_sequence=self.engine.sequence(job.request_id),
         )
         self.events.local_prefill(job.request_id, len(job.prompt_token_ids))
 
@@ -210,7 +218,13 @@ class DecodeWorker(WorkerLoop):
                 self.blocks.free(reservation.block_ids)
             self.log.warning("kv refused", request_id=request_id, error=error)
             return wire.KvAck(request_id=request_id, ok=False, error=error)
-        self.routes[request_id] = Route(transfer.gateway_address, len(transfer.prompt_token_ids), 0)
+        self.routes[request_id] = Route(
+            transfer.gateway_address,
+            len(transfer.prompt_token_ids),
+            0,
+            next_index=len(transfer.output_token_ids),
+            repeat=transfer.first_delta,
+        )
         num_bytes = transfer.keys.numel() * transfer.keys.element_size() * 2
         self.events.kv_received(request_id, transfer.num_tokens, num_bytes)
         return wire.KvAck(request_id=request_id, ok=True, error=None)
@@ -282,10 +296,13 @@ class DecodeWorker(WorkerLoop):
             route = self.routes.get(output.request_id)
             if route is None:
                 continue
-            delta = token_delta(output, output.finish_reason)
+            delta = token_delta(output, route.next_index, output.finish_reason)
             if route.local_sequence is not None:
                 delta = self._first_local_token(output.request_id, route, delta, output.finished)
+            if route.repeat is not None:
+                delta, route.repeat = joined(route.repeat, delta), None
             route.num_output_tokens += len(output.new_token_ids)
+            route.next_index += len(output.new_token_ids)
             streamed.append((route.gateway_address, delta))
             if output.finished:
                 del self.routes[output.request_id]

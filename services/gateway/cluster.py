@@ -10,11 +10,14 @@ A request whose worker was lost comes back from the scheduler as a delta with fi
 knows which tokens reached the handler, so it resumes the request: a new attempt (id `<id>~<n>`)
 with those tokens prefilled after the prompt, on whatever workers the scheduler picks. The
 handler's queue goes on as if nothing happened: no token repeated, none skipped (deltas of an
-abandoned attempt are dropped by their id). Greedy output is unchanged; a sampled one continues
-from a fresh generator. After `MAX_RESUMES` losses (preemptions do not count: each attempt
-brings a token), or when no worker takes it within `RESUME_PATIENCE_S`, the handler gets an
-error delta naming why. A new scheduler epoch (the scheduler restarted) resumes the requests
-that had no token yet: the old scheduler's queue went with it.
+abandoned attempt are dropped by their id). Within an attempt each delta says where its tokens
+sit (`shared.deltas`): the first token comes from the prefill worker and again, ahead of the
+rest, from the decode worker, and the handler gets each once, in order. Greedy output is
+unchanged by a resumption; a sampled one continues from a fresh generator. After `MAX_RESUMES`
+losses (preemptions do not count: each attempt brings a token), or when no worker takes it
+within `RESUME_PATIENCE_S`, the handler gets an error delta naming why. A new scheduler epoch
+(the scheduler restarted) resumes the requests that had no token yet: the old scheduler's
+queue went with it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import zmq.asyncio
 
 from shared import wire
 from shared.curve import CurveKeys, Security
+from shared.deltas import after
 from shared.lifecycle import GatewayEvents
 from shared.logs import get_logger
 
@@ -212,9 +216,14 @@ class ClusterClient:
 
     # -- resuming a request whose worker was lost -----------------------------------------------
 
-    async def _resume(self, inflight: InFlight, reason: str, counted: bool = True) -> None:
+    async def _resume(
+        self, inflight: InFlight, reason: str, counted: bool = True, abandon: str | None = None
+    ) -> None:
         """A new attempt from the tokens the handler has. Only losses count toward the bound:
-        a preempted request comes back with at least one more token each time."""
+        a preempted request comes back with at least one more token each time. `abandon`: an
+        attempt still running that must stop first (its stream lost tokens)."""
+        if abandon is not None:
+            await wire.async_send(self.scheduler, wire.Cancel(request_id=abandon, reason=reason))
         first_id = inflight.submit.request_id
         if counted and inflight.num_resumes >= MAX_RESUMES:
             self._fail(inflight, f"{reason}; given up after {MAX_RESUMES} resumptions")
@@ -260,8 +269,10 @@ class ClusterClient:
             self._attempts.pop(inflight.attempt_id, None)
             self._start_resume(inflight, "the scheduler restarted")
 
-    def _start_resume(self, inflight: InFlight, reason: str, counted: bool = True) -> None:
-        task = asyncio.create_task(self._resume(inflight, reason, counted))
+    def _start_resume(
+        self, inflight: InFlight, reason: str, counted: bool = True, abandon: str | None = None
+    ) -> None:
+        task = asyncio.create_task(self._resume(inflight, reason, counted, abandon))
         self._resumes.add(task)
         task.add_done_callback(self._resumes.discard)
 
@@ -339,8 +350,16 @@ class ClusterClient:
                 reason = delta.error or delta.finish_reason
                 self._start_resume(inflight, reason, counted=delta.finish_reason == "lost")
                 continue
-            inflight.token_ids.extend(delta.token_ids)
-            inflight.queue.put_nowait(delta)
+            try:
+                fresh = after(delta, len(inflight.token_ids))
+            except ValueError as gap:  # a bug or a foreign peer: this attempt cannot be trusted
+                self.log.error("tokens missing", request_id=delta.request_id, error=str(gap))
+                del self._attempts[delta.request_id]
+                self._start_resume(inflight, f"tokens missing: {gap}", abandon=delta.request_id)
+                continue
+            if fresh is not None:
+                inflight.token_ids.extend(fresh.token_ids)
+                inflight.queue.put_nowait(fresh)
 
     async def _watch_scheduler(self) -> None:
         """Says HELLO again whenever the scheduler's status goes quiet (it may have restarted)."""

@@ -79,7 +79,7 @@ class PrefillWorker(WorkerLoop):
         # Speculative jobs: grants that came while the prefill ran (leading blocks to skip),
         # and finished prefills whose KV waits for its grant.
         self.grants: dict[str, int] = {}
-        self.awaiting_grant: dict[str, tuple[wire.PrefillJob, RequestOutput]] = {}
+        self.awaiting_grant: dict[str, tuple[wire.PrefillJob, RequestOutput, wire.TokenDelta]] = {}
         self._decode_sockets: dict[str, zmq.Socket] = {}
         self._num_cached: dict[str, int] = {}  # prompt tokens the cache spared, until reported
 
@@ -159,22 +159,24 @@ class PrefillWorker(WorkerLoop):
         finished = output.finish_reason == "stop" or num_generated >= job.sampling.max_tokens
         num_cached = self.engine.retained(job.request_id).num_cached_tokens
         self._num_cached[job.request_id] = num_cached
+        reason = None
         if finished:
             reason = "stop" if output.finish_reason == "stop" else "length"
+        delta = dataclasses.replace(
+            token_delta(output, len(job.output_token_ids), reason), num_cached_tokens=num_cached
+        )
+        if finished:
             self.engine.release(job.request_id)
             self._report(job, reason, num_generated)
-            delta = token_delta(output, reason)
         elif job.await_grant and job.request_id not in self.grants:
-            self.awaiting_grant[job.request_id] = (job, output)  # the KV waits for its grant
-            delta = token_delta(output)
+            self.awaiting_grant[job.request_id] = (job, output, delta)  # the KV awaits its grant
         else:
             if job.await_grant:
                 job = dataclasses.replace(job, num_skip_blocks=self.grants.pop(job.request_id))
-            self._send_kv(job, output)
-            delta = token_delta(output)
-        return dataclasses.replace(delta, num_cached_tokens=num_cached)
+            self._send_kv(job, output, delta)
+        return delta
 
-    def _send_kv(self, job: wire.PrefillJob, output: RequestOutput) -> None:
+    def _send_kv(self, job: wire.PrefillJob, output: RequestOutput, delta: wire.TokenDelta) -> None:
         seq = self.engine.retained(job.request_id)
         # The decode worker holds the leading blocks already (pinned when it reserved).
         # (A negative count from a faulty peer skips nothing: the whole KV goes.)
@@ -199,6 +201,7 @@ class PrefillWorker(WorkerLoop):
             priority=job.priority,
             cache_salt=None if self.config.share_prefix_cache else job.cache_salt,
             bulk=job.bulk,
+            first_delta=delta,
         )
         wire.send(self._decode_socket(job.decode_address), message)
         num_bytes = keys.numel() * keys.element_size() * 2
@@ -226,8 +229,9 @@ class PrefillWorker(WorkerLoop):
         """The decode worker's room is confirmed: the KV goes now, or when the prefill ends."""
         parked = self.awaiting_grant.pop(grant.request_id, None)
         if parked is not None:
-            job, output = parked
-            self._send_kv(dataclasses.replace(job, num_skip_blocks=grant.num_skip_blocks), output)
+            job, output, delta = parked
+            job = dataclasses.replace(job, num_skip_blocks=grant.num_skip_blocks)
+            self._send_kv(job, output, delta)
         elif grant.request_id in self.jobs:
             self.grants[grant.request_id] = grant.num_skip_blocks
         else:  # cancelled meanwhile, or finished at its first token

@@ -50,7 +50,8 @@ def setup(tmp_path, tiny_model_dir):
 
 
 def prefilled_transfer(model_dir, request_id, gateway_address, params, prompt=PROMPT):
-    """What a prefill worker would send: the prompt's KV and the first token, computed here."""
+    """What a prefill worker would send: the prompt's KV and the first token (and the delta
+    that streamed it), computed here."""
     loaded = load_model(model_dir)
     engine = LLMEngine(
         loaded.model, EngineConfig(num_blocks=64, block_size=4, retain_finished=True)
@@ -67,6 +68,7 @@ def prefilled_transfer(model_dir, request_id, gateway_address, params, prompt=PR
         block_size=4,
         keys=keys,
         values=values,
+        first_delta=wire.TokenDelta(request_id=request_id, token_ids=result.token_ids, index=0),
     ), loaded
 
 
@@ -83,21 +85,18 @@ def test_reserve_transfer_decode_and_stream(setup):
     wire.send(peer, transfer)
     ack = wire.recv(peer) if peer.poll(10_000) else None
     assert ack is not None and ack.ok, ack
-    tokens = list(transfer.output_token_ids)
-    while True:
-        assert gateway.poll(10_000), "no tokens streamed"
-        delta = wire.recv(gateway).deltas[0]
-        tokens += delta.token_ids
-        if delta.finish_reason:
-            break
+    # The decode worker streams the first token again, ahead of its own: the gateway keeps
+    # each once, by position, whichever arrives first.
+    tokens = stream_until_done(gateway)
+    assert tokens[0] == transfer.output_token_ids[0]
     expected = (
         LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4))
         .generate([PROMPT], params)[0]
         .token_ids
     )
-    assert tokens == expected and delta.finish_reason == "length"
+    assert tokens == expected
     done = scheduler.expect(wire.RequestDone)
-    assert done.phase == "decode" and done.num_output_tokens == 5
+    assert (done.phase, done.finish_reason, done.num_output_tokens) == ("decode", "length", 5)
     heartbeat = scheduler.expect(wire.Heartbeat, where=lambda h: h.num_running == 0)
     assert heartbeat.num_free_blocks == total_blocks(worker)
 
@@ -193,11 +192,14 @@ def test_worker_registers_again_when_the_scheduler_forgot_it(setup):
     assert hello.peer_id == "d" and hello.role == "decode"
 
 
-def stream_until_done(gateway) -> list[int]:
+def stream_until_done(gateway, start: int = 0) -> list[int]:
+    """The request's tokens from output position `start` on, from its deltas, each delta
+    checked to start where the last ended."""
     tokens = []
     while True:
         assert gateway.poll(10_000), "no tokens streamed"
         delta = wire.recv(gateway).deltas[0]
+        assert delta.index == start + len(tokens), (delta.index, start, tokens)
         tokens += delta.token_ids
         if delta.finish_reason:
             return tokens
@@ -214,7 +216,7 @@ def test_next_turn_reservation_pins_cached_blocks_and_takes_only_the_rest(setup)
     assert scheduler.expect(wire.ReserveReply).ok
     wire.send(peer, transfer)
     assert peer.poll(10_000) and wire.recv(peer).ok
-    reply = list(transfer.output_token_ids) + stream_until_done(gateway)
+    reply = stream_until_done(gateway)
     prompt_2 = PROMPT + reply + [9, 9, 9]  # 18 + 6 + 3 tokens; 23 ran on the worker
 
     def reserve(request_id: str) -> wire.ReserveReply:
@@ -240,7 +242,7 @@ def test_next_turn_reservation_pins_cached_blocks_and_takes_only_the_rest(setup)
     )
     wire.send(peer, partial)
     assert peer.poll(10_000) and wire.recv(peer).ok
-    tokens = list(partial.output_token_ids) + stream_until_done(gateway)
+    tokens = stream_until_done(gateway)
     expected = (
         LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4))
         .generate([prompt_2], params)[0]
@@ -260,7 +262,7 @@ def test_next_turn_prefilled_here_streams_the_right_answer_without_a_handoff(set
     assert scheduler.expect(wire.ReserveReply).ok
     wire.send(peer, transfer)
     assert peer.poll(10_000) and wire.recv(peer).ok
-    reply = list(transfer.output_token_ids) + stream_until_done(gateway)
+    reply = stream_until_done(gateway)
     assert scheduler.expect(wire.RequestDone).phase == "decode"
     prompt_2 = PROMPT + reply + [9, 9, 9]
     scheduler.send(
@@ -280,8 +282,9 @@ def test_next_turn_prefilled_here_streams_the_right_answer_without_a_handoff(set
     )
     assert gateway.poll(10_000)
     first = wire.recv(gateway).deltas[0]
+    assert first.index == 0 and len(first.token_ids) == 1
     assert first.num_cached_tokens == 20  # the 5 blocks pinned: 23 tokens ran here in turn 1
-    tokens = first.token_ids + stream_until_done(gateway)
+    tokens = first.token_ids + stream_until_done(gateway, start=1)
     expected = (
         LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4))
         .generate([prompt_2], params)[0]
@@ -304,7 +307,7 @@ def test_a_turn_evicted_to_host_ram_is_still_announced_and_pinned_from_there(set
     assert scheduler.expect(wire.ReserveReply).ok
     wire.send(peer, transfer)
     assert peer.poll(10_000) and wire.recv(peer).ok
-    reply = list(transfer.output_token_ids) + stream_until_done(gateway)
+    reply = stream_until_done(gateway)
     prompt_2 = PROMPT + reply + [9, 9, 9]
     turn_hashes = list(chain_hashes(root_hash(worker.engine.cache_key), prompt_2[:20], 4))
     everything = total_blocks(worker) * 4
@@ -337,6 +340,6 @@ def test_a_turn_evicted_to_host_ram_is_still_announced_and_pinned_from_there(set
         )
     )
     assert gateway.poll(10_000) and wire.recv(gateway).deltas[0].num_cached_tokens == 20
-    stream_until_done(gateway)
+    stream_until_done(gateway, start=1)
     assert worker.engine.prefix_cache.num_host_hit_tokens == 20
     assert worker.engine.config.finished_retention_s == 30.0  # the decode role's think time

@@ -194,3 +194,65 @@ def test_a_request_cancelled_while_resuming_leaves_nothing_running(tmp_path):
     resubmit, first, second = asyncio.run(cancelled_while_resuming(tmp_path))
     assert resubmit.request_id == "r~1"
     assert {first.request_id, second.request_id} == {"r~1"}  # the new attempt is called off
+
+
+# -- one attempt streamed by two workers: tokens by position ----------------------------------
+
+
+def at(request_id: str, tokens: list[int], index: int, finish: str | None = None) -> wire.Tokens:
+    return wire.Tokens(
+        deltas=[wire.TokenDelta(request_id=request_id, token_ids=tokens, index=index,
+                                finish_reason=finish)]
+    )  # fmt: skip
+
+
+async def streamed(tmp_path, messages: list[wire.Tokens], num_deltas: int) -> list:
+    """What the handler gets when a worker pushes `messages` to the gateway's stream socket."""
+    link = await Link.open(tmp_path)
+    worker = link.context.socket(zmq.PUSH)
+    worker.connect(f"ipc://{tmp_path}/stream")
+    for message in messages:
+        await wire.async_send(worker, message)
+    got = [await asyncio.wait_for(link.queue.get(), 5) for _ in range(num_deltas)]
+    worker.close(linger=0)
+    await link.close()
+    return [(d.token_ids, d.finish_reason) for d in got]
+
+
+def test_a_first_token_that_never_came_is_taken_from_the_decode_workers_repeat(tmp_path):
+    # The prefill worker's first token [7] was lost with its connection; the decode worker
+    # streams it again ahead of its own.
+    messages = [at("r", [7, 8], 0), at("r", [9], 2, "length")]
+    got = asyncio.run(streamed(tmp_path, messages, 2))
+    assert got == [([7, 8], None), ([9], "length")]
+
+
+def test_a_first_token_late_or_early_reaches_the_handler_once(tmp_path):
+    late = [at("r", [7, 8], 0), at("r", [7], 0), at("r", [9], 2, "length")]
+    assert asyncio.run(streamed(tmp_path, late, 2)) == [([7, 8], None), ([9], "length")]
+    early = [at("r", [7], 0), at("r", [7, 8], 0), at("r", [9], 2, "length")]
+    (tmp_path / "early").mkdir()
+    got = asyncio.run(streamed(tmp_path / "early", early, 3))
+    assert got == [([7], None), ([8], None), ([9], "length")]
+
+
+async def stream_with_a_hole(tmp_path) -> tuple[wire.Cancel, wire.Submit, list]:
+    link = await Link.open(tmp_path)
+    scheduler, queue = link.scheduler, link.queue
+    await scheduler.send(at("r", [7], 0))
+    await scheduler.send(at("r", [9], 2))  # token 1 never comes
+    cancel = await scheduler.expect(wire.Cancel)
+    resubmit = await scheduler.expect(wire.Submit)
+    await scheduler.reply(resubmit.request_id)
+    await scheduler.send(at("r", [10], 2))  # the abandoned attempt's: dropped
+    await scheduler.send(at(resubmit.request_id, [8, 9], 1, "length"))
+    got = [await asyncio.wait_for(queue.get(), 5) for _ in range(2)]
+    await link.close()
+    return cancel, resubmit, [(d.token_ids, d.finish_reason) for d in got]
+
+
+def test_a_stream_with_a_hole_is_abandoned_and_resumed_from_what_arrived(tmp_path):
+    cancel, resubmit, got = asyncio.run(stream_with_a_hole(tmp_path))
+    assert cancel.request_id == "r" and "tokens missing" in cancel.reason
+    assert resubmit.request_id == "r~1" and resubmit.output_token_ids == [7]
+    assert got == [([7], None), ([8, 9], "length")]

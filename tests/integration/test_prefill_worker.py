@@ -62,15 +62,31 @@ def test_first_token_streams_and_kv_reaches_decode(setup):
     assert gateway.poll(10_000)
     first = wire.recv(gateway).deltas[0]
     assert first.request_id == "r1" and len(first.token_ids) == 1 and first.finish_reason is None
+    assert first.index == 0
     assert decode.poll(10_000)
     identity, transfer = wire.recv_from(decode)
     assert transfer.num_tokens == len(PROMPT)
     assert transfer.output_token_ids == first.token_ids
+    assert transfer.first_delta == first  # the decode worker streams it again
     assert transfer.keys.shape[1] == 3 and transfer.keys.shape == transfer.values.shape
     wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
     done = scheduler.expect(wire.RequestDone)
     assert done.phase == "prefill" and done.finish_reason is None
     assert scheduler.expect(wire.Heartbeat).step_s > 0  # its step, timed for the routing
+
+
+def test_a_resumed_jobs_first_token_says_its_place_after_the_tokens_it_was_given(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    resumed = dataclasses.replace(job(tmp_path, "r~1", ignore_eos=True), output_token_ids=[5, 6])
+    scheduler.send(resumed)
+    assert gateway.poll(10_000)
+    first = wire.recv(gateway).deltas[0]
+    assert first.index == 2 and len(first.token_ids) == 1
+    assert decode.poll(10_000)
+    identity, transfer = wire.recv_from(decode)
+    assert transfer.output_token_ids == [5, 6, *first.token_ids] and transfer.first_delta == first
+    wire.send_to(decode, identity, wire.KvAck(request_id="r~1", ok=True, error=None))
+    assert scheduler.expect(wire.RequestDone).request_id == "r~1"
 
 
 def test_a_bulk_job_hands_its_class_on_with_the_kv(setup):
@@ -87,12 +103,14 @@ def test_a_speculative_jobs_first_token_streams_and_its_kv_waits_for_the_grant(s
     scheduler, gateway, decode, tmp_path = setup
     scheduler.send(dataclasses.replace(job(tmp_path, "spec", ignore_eos=True), await_grant=True))
     assert gateway.poll(10_000)
-    assert wire.recv(gateway).deltas[0].request_id == "spec"  # the first token, at once
+    first = wire.recv(gateway).deltas[0]
+    assert first.request_id == "spec"  # the first token, at once
     assert not decode.poll(500)  # no KV before the reservation is confirmed
     scheduler.send(wire.PrefillGrant(request_id="spec", num_skip_blocks=1))
     assert decode.poll(10_000)
     identity, transfer = wire.recv_from(decode)
     assert transfer.first_block == 1 and transfer.num_tokens == len(PROMPT)  # block 0 skipped
+    assert transfer.first_delta == first
     wire.send_to(decode, identity, wire.KvAck(request_id="spec", ok=True, error=None))
     assert scheduler.expect(wire.RequestDone).finish_reason is None
 
