@@ -206,6 +206,19 @@ def test_tensors_round_trip_bit_exactly(dtype):
     assert_same(decoded.values, values)
 
 
+def test_a_transfer_carries_the_first_tokens_delta():
+    first = wire.TokenDelta(request_id="r", token_ids=[4], logprobs=[-0.25],
+                            top_logprobs=[[(4, -0.25)]], num_cached_tokens=2, index=0)  # fmt: skip
+    keys = torch.zeros((1, 1, 4, 1, 2))
+    encoded = [bytes(f) for f in wire.encode(kv_transfer(keys, first_delta=first))]
+    assert wire.decode(encoded).first_delta == first
+    header = msgpack.unpackb(encoded[1])
+    for spoiled in ("not a delta", {**header["first_delta"], "token_ids": ["4"]}):
+        frames = [encoded[0], msgpack.packb({**header, "first_delta": spoiled}), *encoded[2:]]
+        with pytest.raises(WireError, match="first_delta"):
+            wire.decode(frames)
+
+
 def test_bf16_special_values_survive():
     values = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 3.14])
     keys = values.to(torch.bfloat16).reshape(1, 1, 1, 1, 7)
@@ -328,7 +341,7 @@ def test_async_helpers_over_inproc():
             pull.bind("inproc://tokens")
             push.connect("inproc://tokens")
             delta = wire.TokenDelta(request_id="r", token_ids=[5], logprobs=[-0.5],
-                                    top_logprobs=[[(5, -0.5), (9, -1.25)]])  # fmt: skip
+                                    top_logprobs=[[(5, -0.5), (9, -1.25)]], index=3)  # fmt: skip
             await wire.async_send(push, wire.Tokens(deltas=[delta]))
             assert await asyncio.wait_for(wire.async_recv(pull), 2) == wire.Tokens(deltas=[delta])
 
