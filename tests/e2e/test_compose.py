@@ -413,13 +413,15 @@ def test_a_partitioned_worker_leaves_rotation_and_rejoins(compose_cluster, refer
         docker("network", "disconnect", network, victim.ID)
         disconnected_at.append(time.monotonic())
 
-    texts = stream_all(compose_cluster.url, disconnect, after_chunks=1)
-    assert texts == references  # the others served every request, the cut-off one's too
-    info = compose_cluster.wait(num_prefill=1, num_decode=2, timeout_s=3 * HEARTBEAT_TIMEOUT_S)
-    assert time.monotonic() - disconnected_at[0] < 3 * HEARTBEAT_TIMEOUT_S, info
-    before = served_by_peer(compose_cluster.metrics(), "tandem:prefill_tokens_total")
-
-    docker("network", "connect", network, victim.ID)
+    try:
+        texts = stream_all(compose_cluster.url, disconnect, after_chunks=1)
+        assert texts == references  # the others served every request, the cut-off one's too
+        info = compose_cluster.wait(num_prefill=1, num_decode=2, timeout_s=3 * HEARTBEAT_TIMEOUT_S)
+        assert time.monotonic() - disconnected_at[0] < 3 * HEARTBEAT_TIMEOUT_S, info
+        before = served_by_peer(compose_cluster.metrics(), "tandem:prefill_tokens_total")
+    finally:  # a failure here must not leave the cluster short of a worker for the next tests
+        if disconnected_at:
+            docker("network", "connect", network, victim.ID)
     compose_cluster.wait(num_prefill=2, num_decode=2, timeout_s=6 * HEARTBEAT_TIMEOUT_S)
     rejoined: set[str] = set()
     for _ in range(3):
