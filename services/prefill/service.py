@@ -136,7 +136,7 @@ class PrefillWorker(WorkerLoop):
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        streamed = []
+        firsts = []
         for output in outputs:
             running = self.jobs.pop(output.request_id, None)
             if running is None:  # cancelled while its step ran
@@ -149,32 +149,37 @@ class PrefillWorker(WorkerLoop):
                 continue
             num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
             self.events.prefill_finished(job.request_id, running.started_at, num_tokens)
-            streamed.append((job.gateway_address, self._first_token(job, output)))
-        self.streams.send(group_by_gateway(streamed))
+            firsts.append((job, output, self._first_delta(job, output)))
+        # Every first token goes out before any KV is copied out for its transfer: the step's
+        # last prompt does not wait for the copies of the others'.
+        self.streams.send(group_by_gateway([(job.gateway_address, d) for job, _, d in firsts]))
+        for job, output, delta in firsts:
+            self._hand_on(job, output, delta)
 
-    def _first_token(self, job: wire.PrefillJob, output: RequestOutput) -> wire.TokenDelta:
-        """Streams the first token (with the prompt tokens the cache spared); hands the KV on
-        unless the request is over already."""
-        num_generated = len(job.output_token_ids) + 1
-        finished = output.finish_reason == "stop" or num_generated >= job.sampling.max_tokens
+    def _first_delta(self, job: wire.PrefillJob, output: RequestOutput) -> wire.TokenDelta:
+        """The first token's delta, with the prompt tokens the cache spared."""
         num_cached = self.engine.retained(job.request_id).num_cached_tokens
         self._num_cached[job.request_id] = num_cached
         reason = None
-        if finished:
-            reason = "stop" if output.finish_reason == "stop" else "length"
-        delta = dataclasses.replace(
-            token_delta(output, len(job.output_token_ids), reason), num_cached_tokens=num_cached
-        )
-        if finished:
+        if output.finish_reason == "stop":
+            reason = "stop"
+        elif len(job.output_token_ids) + 1 >= job.sampling.max_tokens:
+            reason = "length"
+        delta = token_delta(output, len(job.output_token_ids), reason)
+        return dataclasses.replace(delta, num_cached_tokens=num_cached)
+
+    def _hand_on(self, job: wire.PrefillJob, output: RequestOutput, delta: wire.TokenDelta) -> None:
+        """The KV goes to the decode worker (or waits for its grant), unless the request ended
+        at its first token."""
+        if delta.finish_reason is not None:
             self.engine.release(job.request_id)
-            self._report(job, reason, num_generated)
+            self._report(job, delta.finish_reason, len(job.output_token_ids) + 1)
         elif job.await_grant and job.request_id not in self.grants:
             self.awaiting_grant[job.request_id] = (job, output, delta)  # the KV awaits its grant
         else:
             if job.await_grant:
                 job = dataclasses.replace(job, num_skip_blocks=self.grants.pop(job.request_id))
             self._send_kv(job, output, delta)
-        return delta
 
     def _send_kv(self, job: wire.PrefillJob, output: RequestOutput, delta: wire.TokenDelta) -> None:
         seq = self.engine.retained(job.request_id)
