@@ -64,6 +64,25 @@ class Route:
     repeat: wire.TokenDelta | None = None
 
 
+def _first_delta_error(transfer: wire.KvTransfer) -> str | None:
+    """The delta streamed again must be the output's last tokens, at their place: the gateway
+    takes it as the truth where the prefill worker's copy never arrived."""
+    first = transfer.first_delta
+    if first is None:
+        return None
+    tail = transfer.output_token_ids[len(transfer.output_token_ids) - len(first.token_ids) :]
+    if (
+        first.request_id != transfer.request_id
+        or not first.token_ids
+        or first.token_ids != tail
+        or first.index != len(transfer.output_token_ids) - len(first.token_ids)
+        or first.finish_reason is not None
+        or first.error is not None
+    ):
+        return "first_delta is not the output's last token at its place"
+    return None
+
+
 class DecodeWorker(WorkerLoop):
     role = "decode"
     events_class = DecodeEvents
@@ -261,7 +280,7 @@ class DecodeWorker(WorkerLoop):
             != len(transfer.prompt_token_ids) + len(transfer.output_token_ids) - 1
         ):
             return "num_tokens does not match the prompt and output"
-        return None
+        return _first_delta_error(transfer)
 
     def _cancel(self, request_id: str, reason: str) -> None:
         reservation = self.reservations.pop(request_id, None)

@@ -178,6 +178,30 @@ def test_wrong_shaped_kv_is_refused_and_blocks_return(setup):
     assert heartbeat.num_free_blocks == total_blocks(worker)
 
 
+@pytest.mark.parametrize(
+    "spoiled",
+    [{"token_ids": [12345]}, {"index": 5}, {"request_id": "other"}, {"token_ids": []},
+     {"finish_reason": "stop"}],
+    ids=["token", "index", "request", "empty", "finished"],
+)  # fmt: skip
+def test_a_transfer_whose_first_delta_is_not_its_output_is_refused(setup, spoiled):
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    transfer, _ = prefilled_transfer(model_dir, "r1", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="r1", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    first = dataclasses.replace(transfer.first_delta, **spoiled)
+    wire.send(peer, dataclasses.replace(transfer, first_delta=first))
+    assert peer.poll(10_000)
+    ack = wire.recv(peer)
+    assert not ack.ok and "first_delta" in ack.error
+    assert not gateway.poll(200)  # nothing streamed
+    heartbeat = scheduler.expect(
+        wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
+    )
+    assert heartbeat.num_running == 0
+
+
 def test_worker_registers_again_when_the_scheduler_forgot_it(setup):
     scheduler, *_ = setup
     scheduler.send(
