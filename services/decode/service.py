@@ -57,7 +57,7 @@ class Route:
     gateway_address: str
     num_prompt_tokens: int
     num_output_tokens: int  # generated here
-    next_index: int  # the output position of the next token streamed
+    num_output_before: int  # output tokens made before it came here (a prefill's first, ...)
     # Prefilled here (conditional disaggregation): its sequence, until its first token.
     local_sequence: Sequence | None = None
     # Prefilled elsewhere: the prefill worker's delta, streamed again ahead of the first here.
@@ -181,7 +181,7 @@ class DecodeWorker(WorkerLoop):
             job.gateway_address,
             len(job.prompt_token_ids),
             0,
-            next_index=len(job.output_token_ids),
+            num_output_before=len(job.output_token_ids),
             local_sequence=self.engine.sequence(job.request_id),
         )
         self.events.local_prefill(job.request_id, len(job.prompt_token_ids))
@@ -241,7 +241,7 @@ class DecodeWorker(WorkerLoop):
             transfer.gateway_address,
             len(transfer.prompt_token_ids),
             0,
-            next_index=len(transfer.output_token_ids),
+            num_output_before=len(transfer.output_token_ids),
             repeat=transfer.first_delta,
         )
         num_bytes = transfer.keys.numel() * transfer.keys.element_size() * 2
@@ -315,13 +315,13 @@ class DecodeWorker(WorkerLoop):
             route = self.routes.get(output.request_id)
             if route is None:
                 continue
-            delta = token_delta(output, route.next_index, output.finish_reason)
+            index = route.num_output_before + route.num_output_tokens
+            delta = token_delta(output, index, output.finish_reason)
             if route.local_sequence is not None:
                 delta = self._first_local_token(output.request_id, route, delta, output.finished)
             if route.repeat is not None:
                 delta, route.repeat = joined(route.repeat, delta), None
             route.num_output_tokens += len(output.new_token_ids)
-            route.next_index += len(output.new_token_ids)
             streamed.append((route.gateway_address, delta))
             if output.finished:
                 del self.routes[output.request_id]
