@@ -85,14 +85,14 @@ def deadline_cluster(tmp_path_factory):
 
 
 def test_a_request_that_would_outwait_its_deadline_is_refused_at_once(deadline_cluster):
-    """Six times the requests the cluster serves: once the scheduler has seen its pace in the
-    backlog (a second), it refuses what would wait too close to the 3 s deadline (429 at once,
-    with Retry-After) and serves the rest in time, where it used to queue everything to time out
-    after 3 s (504). Measured, two runs: 21 and 19 served, 92 and 94 refused, 7 timed out (all
-    in the first second); with the pace in prompt tokens, 18 served, 94 refused, 8 timed out;
-    without the refusal (`TANDEM_REFUSE_PAST_DEADLINE=false`) 5-6 served, the rest timed
-    out."""
-    results = asyncio.run(stream_of_requests(deadline_cluster.url, 120, 0.08))
+    """Three times the requests the cluster serves (25 a second; it serves about 8): once the
+    scheduler has seen its pace in the backlog (a second), it refuses what would wait too close
+    to the 3 s deadline (429 at once, with Retry-After) and serves the rest in time, where it used
+    to queue everything to time out after 3 s (504). Measured, three runs: 74-79 served, 159-164
+    refused, 0-2 timed out; without the refusal (`TANDEM_REFUSE_PAST_DEADLINE=false`) 24 served,
+    216 timed out. (At 12.5 a second, once six times its pace, the cluster has since got faster:
+    31-54 refused here, 19 on a CI machine.)"""
+    results = asyncio.run(stream_of_requests(deadline_cluster.url, 240, 0.04))
     statuses = [response.status_code for response, _ in results]
     assert set(statuses) <= {200, 429, 504}, statuses
     forecast = [
@@ -100,13 +100,13 @@ def test_a_request_that_would_outwait_its_deadline_is_refused_at_once(deadline_c
         for response, took in results
         if response.status_code == 429 and "deadline" in response.json()["error"]["message"]
     ]
-    assert len(forecast) >= 20, statuses
+    assert len(forecast) >= len(results) // 4, statuses
     for response, took in forecast:
         assert float(response.headers["retry-after"]) >= 1
         assert took < 2.0  # answered at once, not after the deadline
     served = [response for response, _ in results if response.status_code == 200]
     assert len(served) >= 10, statuses
-    assert statuses.count(504) < len(results) // 4, statuses  # 115 of 120 without the refusal
+    assert statuses.count(504) < len(results) // 4, statuses  # 216 of 240 without the refusal
     for response in served:
         assert response.json()["usage"]["completion_tokens"] == MAX_TOKENS
     info = deadline_cluster.wait_blocks_free()
