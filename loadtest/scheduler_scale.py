@@ -230,6 +230,7 @@ class ScaleBench:
             finish_reason=None if phase == "prefill" else "length",
             num_prompt_tokens=0,
             num_output_tokens=1 if phase == "prefill" else 15,
+            output_length=None if phase == "prefill" else 16,  # as real workers say it
         )
 
     def run(self, profiler: cProfile.Profile | None = None) -> dict:

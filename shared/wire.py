@@ -99,6 +99,7 @@ from shared.wire_requests import (
     RequestDone,
     Reserve,
     ReserveReply,
+    StreamEnded,
     Submit,
     SubmitReply,
     Tokens,
@@ -149,6 +150,7 @@ __all__ = [
     "RpcRequest",
     "SCHEMA_VERSION",
     "SamplingSpec",
+    "StreamEnded",
     "Submit",
     "SubmitReply",
     "Tensor",
@@ -180,7 +182,7 @@ MESSAGE_CLASSES: dict[MessageType, type[Message]] = {
     for cls in (
         Hello, HelloAck, Heartbeat, Submit, SubmitReply, Cancel, Reserve, ReserveReply,
         PrefillJob, Tokens, KvTransfer, KvAck, RequestDone, ClusterStatus,
-        RpcRequest, RpcCancel, RpcEvent, PrefillGrant,
+        RpcRequest, RpcCancel, RpcEvent, PrefillGrant, StreamEnded,
     )
 }  # fmt: skip
 assert set(MESSAGE_CLASSES) == set(MessageType), "every message type has one class"

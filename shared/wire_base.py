@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import zmq
 
-SCHEMA_VERSION = 8  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
+SCHEMA_VERSION = 9  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
 # 5: the heartbeat's step time, bulk prefill jobs and transfers, speculative prefill; 6: the
 # submit's first-token deadline; 7: the status's prompt-token pace; 8: token positions, and the
-# first token carried with the KV
+# first token carried with the KV; 9: where a stream ended, told its gateway by the scheduler
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -94,6 +94,7 @@ class MessageType(enum.IntEnum):
     RPC_CANCEL = 16
     RPC_EVENT = 17
     PREFILL_GRANT = 18
+    STREAM_ENDED = 19
 
 
 # ----------------------------------------------------------------------------------------------

@@ -142,3 +142,19 @@ class RequestDone(Message):
     num_prompt_tokens: int
     num_output_tokens: int  # tokens generated on this worker
     num_cached_tokens: int = 0  # prefill phase: prompt tokens its prefix cache spared computing
+    # Where the request's stream ended, when it ended here (finished, or refused): the output's
+    # length, a resumed attempt's given tokens included. None when it went on elsewhere.
+    output_length: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamEnded(Message):
+    """Scheduler -> gateway: a worker ended this request's stream at `output_length` tokens,
+    for `finish_reason`. The stream says so too, on another connection and usually first; this
+    copy lets a gateway whose stream lost its last delta (a connection cut as it was sent)
+    finish or resume the request instead of waiting for its time limit."""
+
+    TYPE: ClassVar[MessageType] = MessageType.STREAM_ENDED
+    request_id: RequestId
+    finish_reason: str
+    output_length: int

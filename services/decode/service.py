@@ -175,7 +175,8 @@ class DecodeWorker(WorkerLoop):
                 request_id=job.request_id, token_ids=[], finish_reason="error", error=str(error)
             )
             self.streams.send({job.gateway_address: [delta]})
-            self._report(job.request_id, "prefill", "rejected", len(job.prompt_token_ids), 0)
+            num_prompt, output_length = len(job.prompt_token_ids), len(job.output_token_ids)
+            self._report(job.request_id, "prefill", "rejected", num_prompt, 0, 0, output_length)
             return
         self.routes[job.request_id] = Route(
             job.gateway_address,
@@ -194,7 +195,9 @@ class DecodeWorker(WorkerLoop):
         num_prompt: int,
         num_output: int,
         num_cached: int = 0,
+        output_length: int | None = None,
     ) -> None:
+        """`output_length`: where the request's stream ended, when it ended here."""
         self.link.send(
             wire.RequestDone(
                 request_id=request_id,
@@ -204,6 +207,7 @@ class DecodeWorker(WorkerLoop):
                 num_prompt_tokens=num_prompt,
                 num_output_tokens=num_output,
                 num_cached_tokens=num_cached,
+                output_length=output_length,
             )
         )
 
@@ -336,6 +340,7 @@ class DecodeWorker(WorkerLoop):
                         finish_reason=output.finish_reason,
                         num_prompt_tokens=route.num_prompt_tokens,
                         num_output_tokens=route.num_output_tokens,
+                        output_length=route.num_output_before + route.num_output_tokens,
                     )
                 )
         self.streams.send(group_by_gateway(streamed))

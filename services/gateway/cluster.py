@@ -18,6 +18,12 @@ losses (preemptions do not count: each attempt brings a token), or when no worke
 within `RESUME_PATIENCE_S`, the handler gets an error delta naming why. A new scheduler epoch
 (the scheduler restarted) resumes the requests that had no token yet: the old scheduler's
 queue went with it.
+
+A stream's last delta can be lost too (its connection cut as it was sent), and no later delta
+would show the hole. The scheduler passes on where the worker says the stream ended
+(STREAM_ENDED, on the other socket): if the stream's end has not come once its tokens stop
+arriving for `STREAM_END_GRACE_S`, the request ends here (every token came: only the finish was
+lost) or resumes from the tokens that did come, instead of waiting out its time limit.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 import zmq
@@ -43,6 +50,10 @@ RESUME_PATIENCE_S = 15.0  # how long a resumption waits for a worker to take it 
 # time out as 503s; the scheduler's own queue holds 1,024 by default, so a pile larger than that
 # would mostly be refused anyway, only later.
 MAX_PENDING_SUBMITS = 1024
+# How long a stream may be silent, after its worker said it ended, before its end is taken as
+# lost. The two messages travel on different connections, and a busy gateway reads its stream
+# socket behind a backlog: a stream still bringing tokens is given this much again.
+STREAM_END_GRACE_S = 5.0
 
 
 class SubmitRefused(Exception):
@@ -63,6 +74,7 @@ class InFlight:
     token_ids: list[int] = field(default_factory=list)  # every token handed to the handler
     num_resumes: int = 0  # after losses: bounded by MAX_RESUMES
     num_attempts: int = 1  # every attempt, preemptions' included (each brings a token)
+    ended: bool = False  # the stream's last delta (its finish) is on the queue
 
 
 @dataclass
@@ -96,6 +108,7 @@ class ClusterClient:
         keys: CurveKeys | None = None,
         status_timeout_s: float = 3.0,
         max_pending_submits: int = MAX_PENDING_SUBMITS,
+        stream_end_grace_s: float = STREAM_END_GRACE_S,
     ):
         self.scheduler_address = scheduler_address
         self.max_pending_submits = max_pending_submits
@@ -104,6 +117,7 @@ class ClusterClient:
         self.peer_id = peer_id
         self.model = model
         self.status_timeout_s = status_timeout_s
+        self.stream_end_grace_s = stream_end_grace_s
         self.view = ClusterView()
         self.log = get_logger(peer_id=peer_id)
         self.telemetry = telemetry
@@ -112,7 +126,7 @@ class ClusterClient:
         self._attempts: dict[str, str] = {}  # attempt id -> first id
         self._replies: dict[str, asyncio.Future[wire.SubmitReply]] = {}
         self._tasks: list[asyncio.Task] = []
-        self._resumes: set[asyncio.Task] = set()  # held so they are not collected mid-flight
+        self._chores: set[asyncio.Task] = set()  # held so they are not collected mid-flight
 
     async def start(self) -> None:
         self.context = zmq.asyncio.Context()
@@ -272,9 +286,12 @@ class ClusterClient:
     def _start_resume(
         self, inflight: InFlight, reason: str, counted: bool = True, abandon: str | None = None
     ) -> None:
-        task = asyncio.create_task(self._resume(inflight, reason, counted, abandon))
-        self._resumes.add(task)
-        task.add_done_callback(self._resumes.discard)
+        self._start_chore(self._resume(inflight, reason, counted, abandon))
+
+    def _start_chore(self, coroutine: Coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
 
     def _fail(self, inflight: InFlight, error: str) -> None:
         if self._requests.get(inflight.submit.request_id) is inflight:
@@ -282,6 +299,48 @@ class ClusterClient:
                 request_id=inflight.attempt_id, token_ids=[], finish_reason="error", error=error
             )
             inflight.queue.put_nowait(delta)
+
+    # -- a stream whose end was lost ------------------------------------------------------------
+
+    def _on_stream_ended(self, ended: wire.StreamEnded) -> None:
+        inflight = self._current(ended.request_id)
+        if inflight is not None and not inflight.ended:
+            self._start_chore(self._await_stream_end(inflight, ended))
+
+    async def _await_stream_end(self, inflight: InFlight, ended: wire.StreamEnded) -> None:
+        """Waits for the stream's end while its tokens still come; then takes it as lost."""
+        num_seen = -1
+        while len(inflight.token_ids) != num_seen:
+            num_seen = len(inflight.token_ids)
+            await asyncio.sleep(self.stream_end_grace_s)
+            if inflight.ended or self._current(ended.request_id) is not inflight:
+                return  # it ended, or moved on (resumed, cancelled)
+        del self._attempts[ended.request_id]  # its late deltas are dropped from now on
+        self.log.warning("stream end lost", request_id=ended.request_id, num_tokens=num_seen,
+                         output_length=ended.output_length)  # fmt: skip
+        if num_seen < ended.output_length:
+            reason = f"the stream's last tokens were lost ({num_seen} of {ended.output_length})"
+            await self._resume(inflight, reason)
+        elif ended.finish_reason in ("stop", "length"):  # only the finish was lost
+            inflight.ended = True
+            logprobs = inflight.submit.sampling.logprobs
+            finish = wire.TokenDelta(
+                request_id=ended.request_id,
+                token_ids=[],
+                logprobs=None if logprobs is None else [],
+                top_logprobs=[] if logprobs else None,
+                finish_reason=ended.finish_reason,
+                index=num_seen,
+            )
+            inflight.queue.put_nowait(finish)
+        else:
+            self._fail(inflight, f"its worker ended it ({ended.finish_reason}); why was lost")
+
+    def _current(self, attempt_id: str) -> InFlight | None:
+        """The request this attempt runs, if it is the attempt now running it."""
+        first_id = self._attempts.get(attempt_id)
+        inflight = self._requests.get(first_id) if first_id is not None else None
+        return inflight if inflight is not None and inflight.attempt_id == attempt_id else None
 
     # -- readers ------------------------------------------------------------------------------
 
@@ -320,6 +379,8 @@ class ClusterClient:
                     )
                 case wire.Tokens():
                     self._route(message)
+                case wire.StreamEnded():
+                    self._on_stream_ended(message)
                 case wire.HelloAck():
                     if not message.accepted:
                         self.log.error("scheduler refused this gateway", error=message.error)
@@ -341,9 +402,8 @@ class ClusterClient:
 
     def _route(self, tokens: wire.Tokens) -> None:
         for delta in tokens.deltas:
-            first_id = self._attempts.get(delta.request_id)
-            inflight = self._requests.get(first_id) if first_id is not None else None
-            if inflight is None or inflight.attempt_id != delta.request_id:
+            inflight = self._current(delta.request_id)
+            if inflight is None:
                 continue  # finished, cancelled, or an abandoned attempt
             if delta.finish_reason in ("lost", "preempted"):
                 del self._attempts[delta.request_id]  # its late deltas are dropped from now on
@@ -359,6 +419,7 @@ class ClusterClient:
                 continue
             if fresh is not None:
                 inflight.token_ids.extend(fresh.token_ids)
+                inflight.ended = fresh.finish_reason is not None
                 inflight.queue.put_nowait(fresh)
 
     async def _watch_scheduler(self) -> None:

@@ -173,7 +173,9 @@ class PrefillWorker(WorkerLoop):
         at its first token."""
         if delta.finish_reason is not None:
             self.engine.release(job.request_id)
-            self._report(job, delta.finish_reason, len(job.output_token_ids) + 1)
+            num_made = len(delta.token_ids)
+            output_length = len(job.output_token_ids) + num_made
+            self._report(job, delta.finish_reason, num_made, output_length)
         elif job.await_grant and job.request_id not in self.grants:
             self.awaiting_grant[job.request_id] = (job, output, delta)  # the KV awaits its grant
         else:
@@ -215,7 +217,7 @@ class PrefillWorker(WorkerLoop):
             job,
             message,
             time.monotonic() + self.config.transfer_timeout_s,
-            len(message.output_token_ids),
+            len(output.new_token_ids),  # made here: a resumed attempt's given ones were not
             sent_at,
         )
 
@@ -264,7 +266,14 @@ class PrefillWorker(WorkerLoop):
                 self.events.kv_failed(request_id, "timeout", None)
                 self._report(transfer.job, "error", transfer.num_output_tokens)
 
-    def _report(self, job: wire.PrefillJob, finish_reason: str | None, num_output: int) -> None:
+    def _report(
+        self,
+        job: wire.PrefillJob,
+        finish_reason: str | None,
+        num_output: int,
+        output_length: int | None = None,
+    ) -> None:
+        """`output_length`: where the request's stream ended, when it ended here."""
         self.link.send(
             wire.RequestDone(
                 request_id=job.request_id,
@@ -274,6 +283,7 @@ class PrefillWorker(WorkerLoop):
                 num_prompt_tokens=len(job.prompt_token_ids),
                 num_output_tokens=num_output,
                 num_cached_tokens=self._num_cached.pop(job.request_id, 0),
+                output_length=output_length,
             )
         )
 
@@ -283,7 +293,7 @@ class PrefillWorker(WorkerLoop):
         )
         self.streams.send({job.gateway_address: [delta]})
         # Not "error", which asks the scheduler to re-route: this request can never run.
-        self._report(job, "rejected", 0)
+        self._report(job, "rejected", 0, len(job.output_token_ids))
 
     def _close(self) -> None:
         for sock in self._decode_sockets.values():

@@ -535,12 +535,26 @@ class ClusterScheduler:
             if done.finish_reason == "error":  # the transfer failed: try again elsewhere
                 return self._lose(request, "the KV transfer failed") + self.dispatch(now)
             # Finished at its first token: the decode reservation is no longer needed.
-            return self._forget(request, cancel_reason="finished in prefill") + self.dispatch(now)
+            out = self._forget(request, cancel_reason="finished in prefill")
+            return out + self._stream_ended(request, done) + self.dispatch(now)
         if done.finish_reason == "preempted":  # handed back by the decode worker for recompute
             reason = f"preempted on {done.peer_id} for recompute"
             return self._lose(request, reason, "preempted") + self.dispatch(now)
         self._forget(request, cancel_reason=None)
-        return self.dispatch(now)
+        return self._stream_ended(request, done) + self.dispatch(now)
+
+    def _stream_ended(self, request: TrackedRequest, done: wire.RequestDone) -> list[Outgoing]:
+        """Tells the request's gateway where its worker ended the stream: the stream's last
+        delta travels on another connection, and if that one lost it, nothing else would."""
+        gateway = self.gateways.get(request.gateway_peer_id)
+        if gateway is None or done.output_length is None or done.finish_reason is None:
+            return []
+        ended = wire.StreamEnded(
+            request_id=request.request_id,
+            finish_reason=done.finish_reason,
+            output_length=done.output_length,
+        )
+        return [Outgoing(gateway.identity, ended)]
 
     # -- dispatch -----------------------------------------------------------------------------
 

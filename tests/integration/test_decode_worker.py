@@ -97,6 +97,7 @@ def test_reserve_transfer_decode_and_stream(setup):
     assert tokens == expected
     done = scheduler.expect(wire.RequestDone)
     assert (done.phase, done.finish_reason, done.num_output_tokens) == ("decode", "length", 5)
+    assert done.output_length == len(tokens) == 6  # where its stream ended: the gateway checks
     heartbeat = scheduler.expect(wire.Heartbeat, where=lambda h: h.num_running == 0)
     assert heartbeat.num_free_blocks == total_blocks(worker)
 
@@ -317,6 +318,7 @@ def test_next_turn_prefilled_here_streams_the_right_answer_without_a_handoff(set
     assert tokens == expected
     phases = [scheduler.expect(wire.RequestDone) for _ in range(2)]
     assert [(d.phase, d.finish_reason) for d in phases] == [("prefill", None), ("decode", "length")]
+    assert [d.output_length for d in phases] == [None, len(tokens)]
     assert worker.engine.num_computed_prompt_tokens < len(prompt_2)
 
 

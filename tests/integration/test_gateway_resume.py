@@ -4,6 +4,8 @@ played by the test on a real ROUTER socket."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import zmq
@@ -15,10 +17,10 @@ from shared.lifecycle import GatewayEvents
 from shared.logs import get_logger
 
 
-def submit(request_id: str) -> wire.Submit:
+def submit(request_id: str, **sampling) -> wire.Submit:
     return wire.Submit(
         request_id=request_id, prompt_token_ids=[1, 2, 3],
-        sampling=wire.SamplingSpec(max_tokens=10), tenant="t", priority=0,
+        sampling=wire.SamplingSpec(max_tokens=10, **sampling), tenant="t", priority=0,
         gateway_peer_id="g", arrival_time=0.0,
     )  # fmt: skip
 
@@ -34,6 +36,7 @@ def delta(request_id: str, tokens: list[int], finish: str | None = None) -> wire
 class FakeScheduler:
     def __init__(self, context: zmq.asyncio.Context, address: str):
         self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)  # a failed test must not hang at teardown
         self.socket.bind(address)
         self.gateway = b""
 
@@ -64,15 +67,16 @@ class Link:
     queue: asyncio.Queue
 
     @classmethod
-    async def open(cls, tmp_path) -> Link:
+    async def open(cls, tmp_path, stream_end_grace_s: float = 5.0, **sampling) -> Link:
         context = zmq.asyncio.Context()
         scheduler = FakeScheduler(context, f"ipc://{tmp_path}/scheduler")
         client = ClusterClient(f"ipc://{tmp_path}/scheduler", f"ipc://{tmp_path}/stream",
                                f"ipc://{tmp_path}/stream", "g", "m",
-                               GatewayEvents(get_logger()))  # fmt: skip
+                               GatewayEvents(get_logger()),
+                               stream_end_grace_s=stream_end_grace_s)  # fmt: skip
         await client.start()
         await scheduler.expect(wire.Hello)
-        submitted = asyncio.create_task(client.submit(submit("r")))
+        submitted = asyncio.create_task(client.submit(submit("r", **sampling)))
         await scheduler.expect(wire.Submit)
         await scheduler.reply("r")
         return cls(context, scheduler, client, await submitted)
@@ -256,3 +260,97 @@ def test_a_stream_with_a_hole_is_abandoned_and_resumed_from_what_arrived(tmp_pat
     assert cancel.request_id == "r" and "tokens missing" in cancel.reason
     assert resubmit.request_id == "r~1" and resubmit.output_token_ids == [7]
     assert got == [([7], None), ([8, 9], "length")]
+
+
+# -- a stream whose last delta was lost: the scheduler says where it ended --------------------
+
+GRACE_S = 0.3
+
+
+@contextlib.asynccontextmanager
+async def opened(tmp_path, stream_end_grace_s: float, **sampling) -> AsyncIterator[Link]:
+    """`Link.open`, closed however the scenario ends (a failure must not hang the session)."""
+    link = await Link.open(tmp_path, stream_end_grace_s, **sampling)
+    try:
+        yield link
+    finally:
+        await link.close()
+
+
+def ended(request_id: str, finish: str, length: int) -> wire.StreamEnded:
+    return wire.StreamEnded(request_id=request_id, finish_reason=finish, output_length=length)
+
+
+async def last_tokens_lost(tmp_path) -> tuple[wire.Submit, list]:
+    async with opened(tmp_path, GRACE_S) as link:
+        scheduler, queue = link.scheduler, link.queue
+        await scheduler.send(at("r", [7], 0))
+        await scheduler.send(at("r", [8], 1))
+        # The worker's last delta, [9] with the finish, never comes.
+        await scheduler.send(ended("r", "length", 3))
+        resubmit = await asyncio.wait_for(scheduler.expect(wire.Submit), 5)
+        await scheduler.reply(resubmit.request_id)
+        await scheduler.send(at("r", [9], 2, "length"))  # far too late, from the ended attempt
+        await scheduler.send(at(resubmit.request_id, [9], 2, "length"))
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(3)]
+    return resubmit, [(d.token_ids, d.finish_reason) for d in got]
+
+
+def test_a_stream_whose_last_tokens_were_lost_resumes_from_what_came(tmp_path):
+    resubmit, got = asyncio.run(last_tokens_lost(tmp_path))
+    assert resubmit.request_id == "r~1" and resubmit.output_token_ids == [7, 8]
+    assert got == [([7], None), ([8], None), ([9], "length")]
+
+
+async def finish_lost(tmp_path, finish: str, **sampling) -> tuple[wire.TokenDelta, bool]:
+    async with opened(tmp_path, GRACE_S, **sampling) as link:
+        scheduler, queue = link.scheduler, link.queue
+        num_tokens = 0 if finish == "rejected" else 2
+        if num_tokens:
+            await scheduler.send(at("r", [7, 8], 0))
+            await asyncio.wait_for(queue.get(), 5)
+        await scheduler.send(ended("r", finish, num_tokens))  # every token came, not the end
+        last = await asyncio.wait_for(queue.get(), 5)
+        resubmitted = await quiet_for(scheduler, wire.Submit, 3 * GRACE_S)
+    return last, resubmitted
+
+
+async def quiet_for(scheduler: FakeScheduler, kind: type, seconds: float) -> bool:
+    """Whether a message of `kind` came within `seconds`."""
+    try:
+        await asyncio.wait_for(scheduler.expect(kind), seconds)
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_stream_whose_finish_alone_was_lost_ends_as_its_worker_ended_it(tmp_path):
+    last, resubmitted = asyncio.run(finish_lost(tmp_path, "stop", logprobs=0))
+    assert (last.token_ids, last.finish_reason, last.index, last.logprobs) == ([], "stop", 2, [])
+    assert not resubmitted
+
+
+def test_a_refusal_whose_message_was_lost_fails_with_a_clear_error(tmp_path):
+    last, resubmitted = asyncio.run(finish_lost(tmp_path, "rejected"))
+    assert last.finish_reason == "error" and "rejected" in last.error and not resubmitted
+
+
+async def end_told_ahead_of_a_slow_stream(tmp_path) -> tuple[list, bool]:
+    """The scheduler's word comes first (the gateway reads its stream behind a backlog), and
+    the tokens trickle in for longer than the grace, each well within it: nothing is resumed."""
+    grace_s = 1.0
+    async with opened(tmp_path, grace_s) as link:
+        scheduler, queue = link.scheduler, link.queue
+        await scheduler.send(ended("r", "length", 6))
+        for index in range(6):
+            await asyncio.sleep(grace_s / 4)
+            await scheduler.send(at("r", [index], index, "length" if index == 5 else None))
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(6)]
+        resubmitted = await quiet_for(scheduler, wire.Submit, 2 * grace_s)
+    return [(d.token_ids, d.finish_reason) for d in got], resubmitted
+
+
+def test_a_stream_still_coming_after_its_end_was_told_is_waited_for(tmp_path):
+    got, resubmitted = asyncio.run(end_told_ahead_of_a_slow_stream(tmp_path))
+    assert got == [([i], None) for i in range(5)] + [([5], "length")]
+    assert not resubmitted

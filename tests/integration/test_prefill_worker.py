@@ -72,6 +72,7 @@ def test_first_token_streams_and_kv_reaches_decode(setup):
     wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
     done = scheduler.expect(wire.RequestDone)
     assert done.phase == "prefill" and done.finish_reason is None
+    assert done.output_length is None  # its stream goes on at the decode worker
     assert scheduler.expect(wire.Heartbeat).step_s > 0  # its step, timed for the routing
 
 
@@ -86,7 +87,20 @@ def test_a_resumed_jobs_first_token_says_its_place_after_the_tokens_it_was_given
     identity, transfer = wire.recv_from(decode)
     assert transfer.output_token_ids == [5, 6, *first.token_ids] and transfer.first_delta == first
     wire.send_to(decode, identity, wire.KvAck(request_id="r~1", ok=True, error=None))
-    assert scheduler.expect(wire.RequestDone).request_id == "r~1"
+    done = scheduler.expect(wire.RequestDone)
+    assert done.request_id == "r~1" and done.num_output_tokens == 1  # made here: [5, 6] were not
+
+
+def test_a_resumed_job_over_at_its_first_token_says_where_its_stream_ended(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    resumed = dataclasses.replace(
+        job(tmp_path, "r~1", max_tokens=3, ignore_eos=True), output_token_ids=[5, 6]
+    )
+    scheduler.send(resumed)
+    assert gateway.poll(10_000)
+    assert wire.recv(gateway).deltas[0].finish_reason == "length"
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.finish_reason, done.num_output_tokens, done.output_length) == ("length", 1, 3)
 
 
 def test_a_bulk_job_hands_its_class_on_with_the_kv(setup):
@@ -159,7 +173,7 @@ def test_request_over_at_its_first_token_ends_in_prefill(setup):
     delta = wire.recv(gateway).deltas[0]
     assert delta.finish_reason == "length"
     done = scheduler.expect(wire.RequestDone)
-    assert done.finish_reason == "length"
+    assert (done.finish_reason, done.output_length) == ("length", 1)
     assert not decode.poll(300)  # no KV was sent
 
 
@@ -177,7 +191,8 @@ def test_invalid_job_gets_an_error_to_the_gateway(setup):
     assert gateway.poll(10_000)
     delta = wire.recv(gateway).deltas[0]
     assert delta.finish_reason == "error" and "prompt" in delta.error
-    assert scheduler.expect(wire.RequestDone).finish_reason == "rejected"
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.finish_reason, done.output_length) == ("rejected", 0)
 
 
 def test_a_repeated_prompt_computes_only_its_last_block_and_says_so(setup):

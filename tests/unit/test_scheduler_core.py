@@ -344,6 +344,43 @@ def test_a_sequence_handed_back_for_recompute_goes_to_its_gateway(core):
     assert "r" not in core.requests and not core.registry.get("d").request_ids
 
 
+def test_where_a_stream_ended_goes_to_its_gateway(core):
+    """The stream's last delta travels on another connection: the gateway learns the end from
+    the scheduler too, so a lost one does not leave the request waiting."""
+    run_to_decoding(core, "r")
+    done = wire.RequestDone(request_id="r", peer_id="d", phase="decode", finish_reason="stop",
+                            num_prompt_tokens=20, num_output_tokens=4,
+                            output_length=5)  # fmt: skip
+    (ended,) = sent(core.on_request_done(done, 1.0), wire.StreamEnded)
+    assert ended.identity == b"G" and ended.message == wire.StreamEnded(
+        request_id="r", finish_reason="stop", output_length=5
+    )
+    assert not sent(core.on_request_done(done, 1.1), wire.StreamEnded)  # once: it is forgotten
+
+
+def test_a_request_over_at_its_first_token_tells_its_gateway_where_it_ended(core):
+    core.on_submit(b"G", submit("r", max_tokens=1), 0.0)
+    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    done = wire.RequestDone(request_id="r", peer_id="p", phase="prefill", finish_reason="length",
+                            num_prompt_tokens=20, num_output_tokens=1,
+                            output_length=1)  # fmt: skip
+    (ended,) = sent(core.on_request_done(done, 0.1), wire.StreamEnded)
+    assert ended.message.output_length == 1 and ended.message.finish_reason == "length"
+
+
+def test_no_stream_end_is_told_for_a_request_that_goes_on(core):
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    handed_on = wire.RequestDone(request_id="r", peer_id="p", phase="prefill",
+                                 finish_reason=None, num_prompt_tokens=20,
+                                 num_output_tokens=1)  # fmt: skip
+    assert not sent(core.on_request_done(handed_on, 0.1), wire.StreamEnded)
+    preempted = wire.RequestDone(request_id="r", peer_id="d", phase="decode",
+                                 finish_reason="preempted", num_prompt_tokens=20,
+                                 num_output_tokens=3)  # fmt: skip
+    assert not sent(core.on_request_done(preempted, 0.2), wire.StreamEnded)
+
+
 # -- speculative prefill ---------------------------------------------------------------------
 
 
