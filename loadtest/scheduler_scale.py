@@ -218,8 +218,15 @@ class ScaleBench:
             steps_completed=steps_completed,
             sent_at=self.now,
             prefill_tokens_per_s=measured_rate(peer_id, steps_completed),
+            request_ids=self.held_ids(peer_id),
             **cache,
         )
+
+    def held_ids(self, peer_id: str) -> list[str]:
+        """What a real worker lists: the requests it holds (every one the core gave it is; the
+        core checks a decode worker's list against its own)."""
+        worker = self.core.registry.get(peer_id)
+        return list(worker.request_ids) if worker is not None else []
 
     def done(self, request, phase: str) -> wire.RequestDone:
         peer_id = request.prefill_peer_id if phase == "prefill" else request.decode_peer_id

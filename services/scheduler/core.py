@@ -69,6 +69,10 @@ from shared import wire
 
 MAX_ABANDONED = 65536  # request ids remembered as given up on, for the heartbeats' lease check
 MAX_PARTIES_SHOWN = 256  # the status lists at most this many tenant/class accounts
+# Heartbeats of its decode worker that may leave out a decoding request before it is taken as
+# ended unheard. One can be stale: sent before the worker took the KV, it may arrive after the
+# prefill worker's report of the handoff (another connection). Two in a row cannot.
+UNLISTED_BEATS = 2
 
 
 class Phase(enum.IntEnum):
@@ -131,6 +135,7 @@ class TrackedRequest:
     num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
     index: int = 0  # its place among the requests admitted: the order a tick handles them in
     speculative: bool = False  # its prefill job went out with the reservation (await_grant)
+    num_unlisted_beats: int = 0  # decoding, yet left out of its worker's heartbeats (see there)
     # Read off the SUBMIT (which never changes) once: every decision asks them several times.
     request_id: str = field(init=False)
     num_prefill_tokens: int = field(init=False)
@@ -292,7 +297,26 @@ class ClusterScheduler:
             for request_id in heartbeat.request_ids
             if request_id in self.abandoned
         ]
+        if worker.role == "decode" and len(heartbeat.request_ids) < wire.MAX_HELD_IDS:
+            stale += self._ended_unheard(worker, heartbeat.request_ids)
         return stale + self.dispatch(now)
+
+    def _ended_unheard(self, worker: WorkerState, held_ids: list[str]) -> list[Outgoing]:
+        """Requests decoding on this worker that its heartbeats no longer list: it ended them
+        and its REQUEST_DONE was lost (a reset connection drops what it held), or it lost
+        them. Held here, they would take a seat and count as in flight forever. Each goes
+        back to its gateway, which drops the word if the stream had ended and resumes the
+        request from its tokens if not."""
+        out: list[Outgoing] = []
+        for request_id in worker.request_ids.difference(held_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.phase != Phase.DECODING:
+                continue  # a reservation the worker may not have seen yet
+            request.num_unlisted_beats += 1
+            if request.num_unlisted_beats >= UNLISTED_BEATS:
+                reason = f"{worker.peer_id} no longer holds it (its end went unheard)"
+                out += self._lose(request, reason)
+        return out
 
     def tick(self, now: float) -> list[Outgoing]:
         """Takes silent workers out of rotation and re-routes requests whose phase timed out."""

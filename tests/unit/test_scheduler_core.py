@@ -381,6 +381,39 @@ def test_no_stream_end_is_told_for_a_request_that_goes_on(core):
     assert not sent(core.on_request_done(preempted, 0.2), wire.StreamEnded)
 
 
+def beat(core: ClusterScheduler, held: list[str], now: float) -> list:
+    return core.on_heartbeat(b"D", dataclasses.replace(heartbeat("d"), request_ids=held), now)
+
+
+def test_a_decoding_request_its_worker_stops_listing_goes_back_to_its_gateway(core):
+    """Its REQUEST_DONE was lost (a reset connection): held here it would take a seat and count
+    as in flight forever. One heartbeat may be stale (sent before the worker took the KV)."""
+    run_to_decoding(core, "r")
+    assert not lost_deltas(beat(core, [], 1.0))
+    out = beat(core, [], 2.0)
+    (delta,) = lost_deltas(out)
+    assert delta.request_id == "r" and delta.finish_reason == "lost"
+    assert "d no longer holds it" in delta.error
+    assert "r" not in core.requests and not core.registry.get("d").request_ids
+
+
+def test_a_listed_request_or_a_reservation_is_left_alone(core):
+    run_to_decoding(core, "r")
+    core.on_submit(b"G", submit("s"), 0.5)  # reserving on d: the RESERVE may not be there yet
+    for t in (1.0, 2.0, 3.0):
+        assert not lost_deltas(beat(core, ["r"], t))
+    assert core.requests["r"].phase == Phase.DECODING and "s" in core.requests
+
+
+def test_a_full_list_of_held_ids_proves_nothing_missing(core):
+    """A worker holding more than a heartbeat carries lists only the first ones."""
+    run_to_decoding(core, "r")
+    full = [f"other-{i}" for i in range(wire.MAX_HELD_IDS)]
+    for t in (1.0, 2.0, 3.0):
+        assert not lost_deltas(beat(core, full, t))
+    assert core.requests["r"].phase == Phase.DECODING
+
+
 # -- speculative prefill ---------------------------------------------------------------------
 
 
