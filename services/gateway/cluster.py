@@ -303,6 +303,11 @@ class ClusterClient:
     # -- a stream whose end was lost ------------------------------------------------------------
 
     def _on_stream_ended(self, ended: wire.StreamEnded) -> None:
+        if ended.output_length < 0:
+            length = ended.output_length
+            self.log.warning("dropped a negative stream end", request_id=ended.request_id,
+                             output_length=length)  # fmt: skip
+            return
         inflight = self._current(ended.request_id)
         if inflight is not None and not inflight.ended:
             self._start_chore(self._await_stream_end(inflight, ended))

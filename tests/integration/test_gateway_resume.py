@@ -354,3 +354,22 @@ def test_a_stream_still_coming_after_its_end_was_told_is_waited_for(tmp_path):
     got, resubmitted = asyncio.run(end_told_ahead_of_a_slow_stream(tmp_path))
     assert got == [([i], None) for i in range(5)] + [([5], "length")]
     assert not resubmitted
+
+
+async def wrong_stream_ends(tmp_path) -> tuple[list, bool]:
+    """A stream end for an attempt this gateway does not run, and one with a negative length:
+    both dropped, and the request's own stream goes on untouched."""
+    async with opened(tmp_path, GRACE_S) as link:
+        scheduler, queue = link.scheduler, link.queue
+        await scheduler.send(at("r", [7], 0))
+        await scheduler.send(ended("someone-else", "length", 3))
+        await scheduler.send(ended("r", "length", -1))
+        resubmitted = await quiet_for(scheduler, wire.Submit, 3 * GRACE_S)
+        await scheduler.send(at("r", [8], 1, "length"))
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(2)]
+    return [(d.token_ids, d.finish_reason) for d in got], resubmitted
+
+
+def test_a_wrong_stream_end_is_dropped_and_loses_nothing(tmp_path):
+    got, resubmitted = asyncio.run(wrong_stream_ends(tmp_path))
+    assert got == [([7], None), ([8], "length")] and not resubmitted
