@@ -87,19 +87,28 @@ class Link:
         self.context.term()
 
 
+@contextlib.asynccontextmanager
+async def opened(tmp_path, stream_end_grace_s: float = 5.0, **sampling) -> AsyncIterator[Link]:
+    """`Link.open`, closed however the scenario ends (a failure must not hang the session)."""
+    link = await Link.open(tmp_path, stream_end_grace_s, **sampling)
+    try:
+        yield link
+    finally:
+        await link.close()
+
+
 async def scenario(tmp_path, refuse_resume: bool) -> tuple[list[wire.TokenDelta], list]:
-    link = await Link.open(tmp_path)
-    scheduler, queue = link.scheduler, link.queue
-    await scheduler.send(delta("r", [7]))
-    await scheduler.send(delta("r", [8]))
-    await scheduler.send(delta("r", [], finish="lost"))
-    await scheduler.send(delta("r", [99]))  # late, from the lost attempt: dropped
-    resubmit = await scheduler.expect(wire.Submit)
-    await scheduler.reply(resubmit.request_id, 400 if refuse_resume else 200)
-    if not refuse_resume:
-        await scheduler.send(delta(resubmit.request_id, [9], finish="length"))
-    got = [await asyncio.wait_for(queue.get(), 5) for _ in range(3)]
-    await link.close()
+    async with opened(tmp_path) as link:
+        scheduler, queue = link.scheduler, link.queue
+        await scheduler.send(delta("r", [7]))
+        await scheduler.send(delta("r", [8]))
+        await scheduler.send(delta("r", [], finish="lost"))
+        await scheduler.send(delta("r", [99]))  # late, from the lost attempt: dropped
+        resubmit = await scheduler.expect(wire.Submit)
+        await scheduler.reply(resubmit.request_id, 400 if refuse_resume else 200)
+        if not refuse_resume:
+            await scheduler.send(delta(resubmit.request_id, [9], finish="length"))
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(3)]
     return got, [resubmit]
 
 
@@ -118,32 +127,30 @@ def test_a_lost_request_that_cannot_resume_ends_with_a_clear_error(tmp_path):
 
 
 async def lost_every_time(tmp_path) -> wire.TokenDelta:
-    link = await Link.open(tmp_path)
-    scheduler, queue = link.scheduler, link.queue
-    attempt = "r"
-    for _ in range(MAX_RESUMES):
+    async with opened(tmp_path) as link:
+        scheduler, queue = link.scheduler, link.queue
+        attempt = "r"
+        for _ in range(MAX_RESUMES):
+            await scheduler.send(delta(attempt, [], finish="lost"))
+            attempt = (await scheduler.expect(wire.Submit)).request_id
+            await scheduler.reply(attempt)
         await scheduler.send(delta(attempt, [], finish="lost"))
-        attempt = (await scheduler.expect(wire.Submit)).request_id
-        await scheduler.reply(attempt)
-    await scheduler.send(delta(attempt, [], finish="lost"))
-    last = await asyncio.wait_for(queue.get(), 5)
-    await link.close()
+        last = await asyncio.wait_for(queue.get(), 5)
     return last
 
 
 async def preempted_often(tmp_path, times: int) -> tuple[wire.TokenDelta, list[str]]:
-    link = await Link.open(tmp_path)
-    scheduler, queue = link.scheduler, link.queue
-    attempt, attempts = "r", []
-    for token in range(times):  # each attempt brings a token, then is handed back
-        await scheduler.send(delta(attempt, [token]))
-        await scheduler.send(delta(attempt, [], finish="preempted"))
-        attempt = (await scheduler.expect(wire.Submit)).request_id
-        attempts.append(attempt)
-        await scheduler.reply(attempt)
-    await scheduler.send(delta(attempt, [99], finish="length"))
-    got = [await asyncio.wait_for(queue.get(), 5) for _ in range(times + 1)]
-    await link.close()
+    async with opened(tmp_path) as link:
+        scheduler, queue = link.scheduler, link.queue
+        attempt, attempts = "r", []
+        for token in range(times):  # each attempt brings a token, then is handed back
+            await scheduler.send(delta(attempt, [token]))
+            await scheduler.send(delta(attempt, [], finish="preempted"))
+            attempt = (await scheduler.expect(wire.Submit)).request_id
+            attempts.append(attempt)
+            await scheduler.reply(attempt)
+        await scheduler.send(delta(attempt, [99], finish="length"))
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(times + 1)]
     return got, attempts
 
 
@@ -161,17 +168,16 @@ def test_resumptions_are_bounded(tmp_path):
 
 
 async def refused_once(tmp_path) -> tuple[list[wire.TokenDelta], list[str]]:
-    link = await Link.open(tmp_path)
-    scheduler, queue = link.scheduler, link.queue
-    await scheduler.send(delta("r", [], finish="lost"))
-    attempts = []
-    for status in (503, 200):  # no worker just now, then one is back
-        attempt = await scheduler.expect(wire.Submit)
-        attempts.append(attempt.request_id)
-        await scheduler.reply(attempt.request_id, status)
-    await scheduler.send(delta(attempts[-1], [5], finish="length"))
-    got = [await asyncio.wait_for(queue.get(), 5)]
-    await link.close()
+    async with opened(tmp_path) as link:
+        scheduler, queue = link.scheduler, link.queue
+        await scheduler.send(delta("r", [], finish="lost"))
+        attempts = []
+        for status in (503, 200):  # no worker just now, then one is back
+            attempt = await scheduler.expect(wire.Submit)
+            attempts.append(attempt.request_id)
+            await scheduler.reply(attempt.request_id, status)
+        await scheduler.send(delta(attempts[-1], [5], finish="length"))
+        got = [await asyncio.wait_for(queue.get(), 5)]
     return got, attempts
 
 
@@ -182,15 +188,14 @@ def test_a_resumption_waits_out_a_moment_with_no_worker(tmp_path):
 
 
 async def cancelled_while_resuming(tmp_path) -> tuple[wire.Message, ...]:
-    link = await Link.open(tmp_path)
-    scheduler = link.scheduler
-    await scheduler.send(delta("r", [], finish="lost"))
-    resubmit = await scheduler.expect(wire.Submit)  # the resumption waits for its answer
-    await link.client.cancel("r", "client gone")  # the client leaves meanwhile
-    first_cancel = await scheduler.expect(wire.Cancel)
-    await scheduler.reply(resubmit.request_id)
-    second_cancel = await asyncio.wait_for(scheduler.expect(wire.Cancel), 5)
-    await link.close()
+    async with opened(tmp_path) as link:
+        scheduler = link.scheduler
+        await scheduler.send(delta("r", [], finish="lost"))
+        resubmit = await scheduler.expect(wire.Submit)  # the resumption waits for its answer
+        await link.client.cancel("r", "client gone")  # the client leaves meanwhile
+        first_cancel = await scheduler.expect(wire.Cancel)
+        await scheduler.reply(resubmit.request_id)
+        second_cancel = await asyncio.wait_for(scheduler.expect(wire.Cancel), 5)
     return resubmit, first_cancel, second_cancel
 
 
@@ -212,14 +217,15 @@ def at(request_id: str, tokens: list[int], index: int, finish: str | None = None
 
 async def streamed(tmp_path, messages: list[wire.Tokens], num_deltas: int) -> list:
     """What the handler gets when a worker pushes `messages` to the gateway's stream socket."""
-    link = await Link.open(tmp_path)
-    worker = link.context.socket(zmq.PUSH)
-    worker.connect(f"ipc://{tmp_path}/stream")
-    for message in messages:
-        await wire.async_send(worker, message)
-    got = [await asyncio.wait_for(link.queue.get(), 5) for _ in range(num_deltas)]
-    worker.close(linger=0)
-    await link.close()
+    async with opened(tmp_path) as link:
+        worker = link.context.socket(zmq.PUSH)
+        try:
+            worker.connect(f"ipc://{tmp_path}/stream")
+            for message in messages:
+                await wire.async_send(worker, message)
+            got = [await asyncio.wait_for(link.queue.get(), 5) for _ in range(num_deltas)]
+        finally:
+            worker.close(linger=0)  # an open socket would hang the context's term
     return [(d.token_ids, d.finish_reason) for d in got]
 
 
@@ -241,17 +247,16 @@ def test_a_first_token_late_or_early_reaches_the_handler_once(tmp_path):
 
 
 async def stream_with_a_hole(tmp_path) -> tuple[wire.Cancel, wire.Submit, list]:
-    link = await Link.open(tmp_path)
-    scheduler, queue = link.scheduler, link.queue
-    await scheduler.send(at("r", [7], 0))
-    await scheduler.send(at("r", [9], 2))  # token 1 never comes
-    cancel = await scheduler.expect(wire.Cancel)
-    resubmit = await scheduler.expect(wire.Submit)
-    await scheduler.reply(resubmit.request_id)
-    await scheduler.send(at("r", [10], 2))  # the abandoned attempt's: dropped
-    await scheduler.send(at(resubmit.request_id, [8, 9], 1, "length"))
-    got = [await asyncio.wait_for(queue.get(), 5) for _ in range(2)]
-    await link.close()
+    async with opened(tmp_path) as link:
+        scheduler, queue = link.scheduler, link.queue
+        await scheduler.send(at("r", [7], 0))
+        await scheduler.send(at("r", [9], 2))  # token 1 never comes
+        cancel = await scheduler.expect(wire.Cancel)
+        resubmit = await scheduler.expect(wire.Submit)
+        await scheduler.reply(resubmit.request_id)
+        await scheduler.send(at("r", [10], 2))  # the abandoned attempt's: dropped
+        await scheduler.send(at(resubmit.request_id, [8, 9], 1, "length"))
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(2)]
     return cancel, resubmit, [(d.token_ids, d.finish_reason) for d in got]
 
 
@@ -265,16 +270,6 @@ def test_a_stream_with_a_hole_is_abandoned_and_resumed_from_what_arrived(tmp_pat
 # -- a stream whose last delta was lost: the scheduler says where it ended --------------------
 
 GRACE_S = 0.3
-
-
-@contextlib.asynccontextmanager
-async def opened(tmp_path, stream_end_grace_s: float, **sampling) -> AsyncIterator[Link]:
-    """`Link.open`, closed however the scenario ends (a failure must not hang the session)."""
-    link = await Link.open(tmp_path, stream_end_grace_s, **sampling)
-    try:
-        yield link
-    finally:
-        await link.close()
 
 
 def ended(request_id: str, finish: str, length: int) -> wire.StreamEnded:
