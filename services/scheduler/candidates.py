@@ -15,6 +15,8 @@ without changing a single answer:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 from services.scheduler.cache_routing import RoutingWeights, wait_s
 from services.scheduler.registry import WorkerRegistry, WorkerState
 
@@ -41,7 +43,7 @@ def prefill_candidates(
             ):
                 candidates.append(worker)
     for group in registry.prefill_takers_by_load(num_prompt_tokens, bulk, now):
-        others = (w for w in group if w.peer_id not in holders)
+        others = _not_held(group, holders)
         first = next(others, None)
         if first is None:
             continue
@@ -50,6 +52,13 @@ def prefill_candidates(
         if not _longer_wait(weights, first.prefill_tokens_per_s, held, num_prompt_tokens):
             candidates += others
     return candidates
+
+
+def _not_held(group: Iterable[WorkerState], holders: set[str]) -> Iterator[WorkerState]:
+    """Lazily (a group can be every worker; the first one is the usual answer)."""
+    for worker in group:
+        if worker.peer_id not in holders:
+            yield worker
 
 
 def _longer_wait(

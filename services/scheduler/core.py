@@ -176,7 +176,7 @@ class Dispatched:
 @dataclass
 class Outgoing:
     identity: bytes
-    message: object
+    message: wire.Message
 
 
 @dataclass
@@ -474,7 +474,8 @@ class ClusterScheduler:
 
     def on_reserve_reply(self, reply: wire.ReserveReply, now: float) -> list[Outgoing]:
         request = self.requests.get(reply.request_id)
-        worker = self.registry.get(request.decode_peer_id) if request else None
+        decode_peer_id = request.decode_peer_id if request else None
+        worker = self.registry.get(decode_peer_id) if decode_peer_id else None
         if request is None or request.phase != Phase.RESERVING or worker is None:
             return []
         if not reply.ok:
@@ -519,9 +520,9 @@ class ClusterScheduler:
             request_id=submit.request_id,
             prompt_token_ids=submit.prompt_token_ids,
             sampling=submit.sampling,
-            gateway_address=self.gateways[request.gateway_peer_id].address,
+            gateway_address=self.gateways[request.gateway_peer_id].address,  # type: ignore[arg-type]
             decode_peer_id=decode.peer_id,
-            decode_address=decode.address,
+            decode_address=decode.address,  # type: ignore[arg-type]
             output_token_ids=submit.output_token_ids,
             priority=submit.priority,
             cache_salt=submit.tenant,
@@ -869,7 +870,7 @@ class ClusterScheduler:
             num_in_flight=len(self.requests),
             num_swap_preemptions=sum(w.num_preemptions["swap"] for w in decode),
             num_recompute_preemptions=sum(w.num_preemptions["recompute"] for w in decode),
-            policy=self.queue.config.policy,
+            policy=self.queue.config.policy,  # type: ignore[arg-type]  # checked in its config
             max_queue_wait_s=self.max_queue_wait_s,
             service=self._service(),
             workers=[self._worker_status(w, now) for w in self.registry.workers.values()],
@@ -897,7 +898,7 @@ class ClusterScheduler:
     def _worker_status(self, worker: WorkerState, now: float) -> wire.WorkerStatus:
         return wire.WorkerStatus(
             peer_id=worker.peer_id,
-            role=worker.role,
+            role=worker.role,  # type: ignore[arg-type]  # a HELLO's, checked by the codec
             healthy=worker.making_progress(now, self.limits.progress_timeout_s),
             heartbeat_age_s=max(0.0, now - worker.last_heartbeat),
             num_running=worker.num_running,

@@ -46,7 +46,7 @@ import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from services.scheduler.native_indexes import kind
+from services.scheduler.native_indexes import NativeOrPython, kind
 from services.scheduler.queue_index import QueueIndex
 from services.scheduler.queue_index_native import queue_index_type
 from services.scheduler.queued import BULK_CLASS, Party, QueuedRequest
@@ -145,7 +145,7 @@ class FairQueue:
         self.counters: dict[Party, float] = {}  # weighted service received
         self.served_tokens: dict[Party, int] = {}  # unweighted prompt + output tokens, for status
         self.virtual_time = 0.0
-        self._index: QueueIndex = queue_index_type(indexes)()
+        self._index: NativeOrPython = queue_index_type(indexes)()
         # The C index makes the whole choice in one call (`queue_index.c`); the Python one
         # is walked by the methods below, the reference.
         self._native_choice = getattr(self._index, "choose", None)
@@ -419,10 +419,13 @@ class FairQueue:
 
 
 def _earliest(
-    index: QueueIndex, first: QueuedRequest | None, second: QueuedRequest | None
+    index: NativeOrPython, first: QueuedRequest | None, second: QueuedRequest | None
 ) -> QueuedRequest:
     """The earlier of two requests (ties: the first queued); either may be None, not both."""
-    if first is None or second is None:
-        return first or second
+    if second is None:
+        assert first is not None, "either may be None, not both"
+        return first
+    if first is None:
+        return second
     key = lambda i: (i.arrival, index.sequence_of(i.request_id))  # noqa: E731
     return first if key(first) <= key(second) else second

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from kernels import native_build
 from services.scheduler.worker_index import DecodeRoom, PrefillRoom
@@ -23,6 +24,10 @@ from shared.config import cache_dir
 from shared.logs import get_logger
 
 INDEXES = ("auto", "native", "python")
+# An index of either kind: the Python class or its C twin, alike to their callers. Typed
+# loosely on purpose: the compiled scheduler (`services/compiled.py`) checks annotated types
+# at run time.
+NativeOrPython = Any
 HERE = Path(__file__).parent
 HEADERS = (HERE / "native_common.h",)
 

@@ -139,9 +139,10 @@ class QueueIndex:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.items
 
-    def queued(self) -> Iterable[QueuedRequest]:
+    def queued(self) -> Iterator[QueuedRequest]:
         """Every queued request, in the order they were queued."""
-        return (item for _, item, _ in self.items.values())
+        for _, item, _ in self.items.values():
+            yield item
 
     def sequence_of(self, request_id: str) -> int:
         return self.items[request_id][2]

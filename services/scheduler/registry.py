@@ -17,7 +17,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 
-from services.scheduler.native_indexes import decode_room_type, kind, prefill_room_type
+from services.scheduler.native_indexes import (
+    NativeOrPython,
+    decode_room_type,
+    kind,
+    prefill_room_type,
+)
 from services.scheduler.worker_index import (
     BULK_SEAT_SHARE,
     BULK_WINDOW_SHARE,
@@ -46,15 +51,15 @@ class WorkerRegistry:
         self._by_role: dict[str, dict[str, WorkerState]] = {"prefill": {}, "decode": {}}
         self._registrations = itertools.count(1)
         # The rooms in C or Python (`native_indexes.py`): the same answers either way.
-        self.prefill_room: PrefillRoom = prefill_room_type(indexes)(
+        self.prefill_room: NativeOrPython = prefill_room_type(indexes)(
             window_tokens, bulk_window_share
         )
         self._decode_room_type = decode_room_type(indexes)
-        self.decode_room: DecodeRoom = self._decode_room_type(self._by_role["decode"])
+        self.decode_room: NativeOrPython = self._decode_room_type(self._by_role["decode"])
         # The same workers for batch lines, which leave some seats to interactive requests:
         # built when first asked (`_room`), so a cluster that runs no job keeps no second index.
         self.bulk_seat_share = bulk_seat_share
-        self._bulk_decode_room: DecodeRoom | None = None
+        self._bulk_decode_room: NativeOrPython | None = None
         # The prefill workers' measured rates summed (the wait forecast's prior), kept as they
         # report, join and leave: no scan of a thousand workers per request.
         self.prefill_tokens_per_s = 0.0
@@ -149,7 +154,7 @@ class WorkerRegistry:
         if self._bulk_decode_room is not None:
             self._bulk_decode_room.update(worker)
 
-    def _room(self, bulk: bool) -> DecodeRoom:
+    def _room(self, bulk: bool) -> NativeOrPython:
         """The decode workers with a seat free for an interactive request, or a batch line."""
         if not bulk:
             return self.decode_room

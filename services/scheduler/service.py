@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from services import compiled
+from services.scheduler import core as core_module
 from services.scheduler.cache_routing import RoutingWeights
 from services.scheduler.core import SHARES, ClusterScheduler, Outgoing, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig
@@ -282,6 +284,7 @@ class SchedulerService:
             "scheduler listening",
             address=self.config.address,
             metrics=self.metrics_address,
+            core=compiled.kind(core_module),
             queue_index=self.core.queue.index_kind,
             decode_room=self.core.registry.decode_room_kind,
             prefill_room=self.core.registry.prefill_room_kind,

@@ -349,7 +349,7 @@ class DecodeRoom:
 
     def num_entries(self) -> int:
         """The entries in all heaps, live or stale (what the index holds)."""
-        heaps = [*self._heaps.values(), self._by_busy, self._capacities]
+        heaps: list[list] = [*self._heaps.values(), self._by_busy, self._capacities]
         return sum(len(heap) for heap in heaps)
 
     def _seats(self, worker: WorkerState) -> int:
@@ -369,12 +369,10 @@ class DecodeRoom:
                 yield worker
                 continue
             for entry in lazy_heap.in_order(heap):
-                worker = self._workers.get(entry[3])
-                if (
-                    self._live(entry)
-                    and self.has_seat(worker)
-                    and worker.making_progress(now, timeout_s)
-                ):
+                if not self._live(entry):
+                    continue
+                worker = self._workers[entry[3]]  # live: registered
+                if self.has_seat(worker) and worker.making_progress(now, timeout_s):
                     yield worker
                     break
 

@@ -1,0 +1,181 @@
+"""tandem's hottest Python compiled to C by mypyc, as an option: the same source, run faster.
+
+`TANDEM_COMPILED=on` makes a process import the modules `PACKAGES` names (the scheduler's: its
+core, fair queue, registry, their indexes and placements) as C extensions that mypyc built from
+this very source; `off` (the default) imports the Python. It acts when a package is first
+imported (its `__init__.py` calls `activate`), so it is an environment variable, not a flag: the
+scheduler service, `tandem plan`'s simulator and the benches all follow it.
+
+The build is cached under the cache directory by a hash of the sources, mypy's version and the
+Python ABI: an edit of any compiled module builds afresh, a stale build is never loaded. It takes
+minutes (mypy type-checks, then the C compiler); `python -m services.scheduler.compiled` builds
+ahead of time. Without mypy (`pip install 'tandem-serve[compiled]'`) or a C compiler the build
+fails with the reason, and `on` fails the import: an operator who asked for it hears why.
+
+Compiled code checks the annotated types at run time, so the compiled modules keep their
+annotations true (the C indexes, duck-typed twins of the Python ones, are typed
+`NativeOrPython`), and a generator expression there is a list to mypyc: lazy walks are written
+as generator functions. The tests run the simulator's scenarios and the policy's tests against
+both and require the same results (`tests/unit/test_compiled.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import MutableSequence
+from pathlib import Path
+from types import ModuleType
+
+from shared.config import cache_dir
+
+ENV = "TANDEM_COMPILED"
+CHOICES = ("off", "on")
+SERVICES = Path(__file__).parent
+ROOT = SERVICES.parent  # the repository (or site-packages) holding `services`, `shared`
+SCHEDULER = (
+    "cache_holders",
+    "cache_placement",
+    "cache_routing",
+    "candidates",
+    "core",
+    "fair_share",
+    "lazy_heap",
+    "prefix_index",
+    "queue_index",
+    "queued",
+    "registry",
+    "wait_forecast",
+    "worker_index",
+    "worker_state",
+)
+# The packages compiled, by name under `services`, and their modules; one build holds all.
+PACKAGES = {"scheduler": SCHEDULER}
+BUILD_TIMEOUT_S = 1200
+
+
+class CompiledUnavailable(RuntimeError):
+    """The compiled modules cannot be built here (no mypy, no compiler, a failed build)."""
+
+
+def choice() -> str:
+    value = os.environ.get(ENV, "off").strip().lower() or "off"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {value!r}")
+    return value
+
+
+def activate(package: str, package_path: MutableSequence[str]) -> bool:
+    """Puts the compiled modules ahead of the sources in `services.<package>`'s path, if the
+    environment asks for them (building them first if needed); whether it did."""
+    if choice() == "off":
+        return False
+    build = build_dir()
+    if not build.exists():
+        build_modules(build)
+    lib = str(build / "lib")  # the modules' shared runtime (one per build)
+    if lib not in sys.path:
+        sys.path.insert(0, lib)
+    package_path.insert(0, str(build / package))
+    return True
+
+
+def kind(module: ModuleType) -> str:
+    """How `module` runs: `compiled` (an extension built here) or `python`."""
+    return "python" if (module.__file__ or "").endswith(".py") else "compiled"
+
+
+def build_dir() -> Path:
+    return cache_dir() / "compiled" / _key()
+
+
+def _key() -> str:
+    digest = hashlib.sha256()
+    for package, modules in PACKAGES.items():
+        for name in modules:
+            source = (SERVICES / package / f"{name}.py").read_bytes()
+            digest.update(f"{package}.{name}".encode() + b"\0" + source + b"\0")
+    abi = f"{sysconfig.get_config_var('EXT_SUFFIX')} {sys.version} {_mypy_version()}"
+    digest.update(abi.encode())
+    return digest.hexdigest()[:16]
+
+
+def _mypy_version() -> str:
+    try:
+        return importlib.metadata.version("mypy")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def build_modules(build: Path) -> None:
+    """Compiles `PACKAGES` with mypyc into `build` (a folder of modules per package, `lib/` their
+    shared runtime), staged beside it and renamed into place, so processes building at once
+    never load a half-written build."""
+    if _mypy_version() == "none":
+        raise CompiledUnavailable(f"{ENV}=on needs mypy: pip install 'tandem-serve[compiled]'")
+    build.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=build.parent, prefix="building-") as work:
+        work_dir = Path(work)
+        (work_dir / "services").mkdir()
+        shutil.copy(SERVICES / "__init__.py", work_dir / "services")
+        files = []
+        for package, modules in PACKAGES.items():
+            # Every module of the package: mypy follows the compiled ones' imports.
+            shutil.copytree(SERVICES / package, work_dir / "services" / package,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.so"))  # fmt: skip
+            files += [f"services/{package}/{name}.py" for name in modules]
+        _run_mypyc(work_dir, files)
+        staged = work_dir / "staged"
+        (staged / "lib").mkdir(parents=True)
+        for package in PACKAGES:
+            (staged / package).mkdir()
+            for library in (work_dir / "services" / package).glob("*.so"):
+                shutil.move(library, staged / package)
+        for library in work_dir.glob("*.so"):
+            shutil.move(library, staged / "lib")
+        try:
+            os.replace(staged, build)
+        except OSError:
+            if not build.exists():  # (else another process built it first: theirs stands)
+                raise
+
+
+def _run_mypyc(work_dir: Path, files: list[str]) -> None:
+    command = [sys.executable, "-m", "mypyc", "--ignore-missing-imports"]
+    command += ["--follow-imports=silent", *files]
+    env = {**os.environ, "MYPYPATH": str(ROOT)}  # `shared`, `kernels`: read, not compiled
+    try:
+        result = subprocess.run(
+            command,
+            cwd=work_dir,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise CompiledUnavailable(f"mypyc failed: {error}") from None
+    if result.returncode != 0:
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        errors = [line for line in lines if "error" in line] or lines
+        raise CompiledUnavailable("mypyc failed: " + " / ".join(errors[-5:]))
+
+
+def main() -> None:
+    """Builds the compiled modules (if not built yet) and prints where they lie."""
+    build = build_dir()
+    if not build.exists():
+        print(f"building {build} (minutes) ...", flush=True)
+        build_modules(build)
+    print(build)
+
+
+if __name__ == "__main__":
+    main()
