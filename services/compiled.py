@@ -1,14 +1,15 @@
 """tandem's hottest Python compiled to C by mypyc, as an option: the same source, run faster.
 
-`TANDEM_COMPILED=on` makes a process import the modules `PACKAGES` names (the scheduler's: its
-core, fair queue, registry, their indexes and placements) as C extensions that mypyc built from
-this very source; `off` (the default) imports the Python. It acts when a package is first
-imported (its `__init__.py` calls `activate`), so it is an environment variable, not a flag: the
-scheduler service, `tandem plan`'s simulator and the benches all follow it.
+`TANDEM_COMPILED=on` makes a process import the modules `PACKAGES` names (the scheduler's core,
+fair queue, registry, indexes and placements; the simulator's event loop and workers) as C
+extensions that mypyc built from this very source; `off` (the default) imports the Python. It
+acts when a package is first imported (its `__init__.py` calls `activate`), so it is an
+environment variable, not a flag: the scheduler service, `tandem plan`'s simulator and the
+benches all follow it.
 
 The build is cached under the cache directory by a hash of the sources, mypy's version and the
 Python ABI: an edit of any compiled module builds afresh, a stale build is never loaded. It takes
-minutes (mypy type-checks, then the C compiler); `python -m services.scheduler.compiled` builds
+minutes (mypy type-checks, then the C compiler); `python -m services.compiled` builds
 ahead of time. Without mypy (`pip install 'tandem-serve[compiled]'`) or a C compiler the build
 fails with the reason, and `on` fails the import: an operator who asked for it hears why.
 
@@ -55,8 +56,10 @@ SCHEDULER = (
     "worker_index",
     "worker_state",
 )
+# The simulator that drives the scheduler's core (`tandem plan`): its event loop and workers.
+PLANNER = ("caches", "events", "profile", "simulator", "slo_watch", "workers", "workload")
 # The packages compiled, by name under `services`, and their modules; one build holds all.
-PACKAGES = {"scheduler": SCHEDULER}
+PACKAGES = {"scheduler": SCHEDULER, "planner": PLANNER}
 BUILD_TIMEOUT_S = 1200
 
 

@@ -36,7 +36,7 @@ class ProfileError(ValueError):
     """A profile file that cannot be used, with the reason."""
 
 
-def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise linear through (xs, ys), extended along the end segments; one point: constant."""
     if len(xs) == 1:
         return ys[0]
@@ -45,7 +45,7 @@ def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def _check_axis(name: str, values: list[float]) -> None:
+def _check_axis(name: str, values: Sequence[float]) -> None:
     if not values or any(b <= a for a, b in zip(values, values[1:], strict=False)):
         raise ProfileError(f"{name} must be a non-empty increasing list, got {values}")
 
@@ -103,7 +103,7 @@ class WorkerProfile:
         seconds = _interpolate(self.prefill_tokens, self.prefill_seconds, num_tokens)
         return max(seconds + self.prefill_s_per_context_pair * num_context_pairs, 1e-6)
 
-    def decode_time(self, batch_size: int, context: float) -> float:
+    def decode_time(self, batch_size: float, context: float) -> float:
         """Seconds for a decode step of `batch_size` sequences of `context` tokens each (mean)."""
         sizes, rows = self.decode_batch_sizes, self.decode_seconds
         if len(sizes) > 1:  # only the two rows around the batch size count

@@ -133,7 +133,10 @@ class Simulator:
             )
             for i in range(config.num_decode)
         }
-        self.workers = (*self.prefills.values(), *self.decodes.values())
+        self.workers: tuple[SimPrefillWorker | SimDecodeWorker, ...] = (
+            *self.prefills.values(),
+            *self.decodes.values(),
+        )
         self.records: dict[str, SimRecord] = {}
         self.num_open = 0
         self.at = self.events.at  # bound once: every event is scheduled through it
@@ -250,7 +253,7 @@ class Simulator:
         settings = self.profile.settings
         return wire.Hello(
             schema_version=wire.SCHEMA_VERSION,
-            role=role,
+            role=role,  # type: ignore[arg-type]  # its callers name one of the three
             peer_id=peer_id,
             model="simulated",
             address=f"sim://{peer_id}",
@@ -392,7 +395,11 @@ class Simulator:
         if self.watch is not None:
             if error is not None:
                 self.watch.failed(error)
-            elif record.first_token_time is not None and (num_output_tokens or 0) >= 2:
+            elif (
+                record.first_token_time is not None
+                and num_output_tokens is not None
+                and num_output_tokens >= 2
+            ):
                 # Computed as the bench's records compute it, to the last bit.
                 ttft, e2e = record.first_token_time - record.send_time, self.now - record.send_time
                 self.watch.finished((e2e - ttft) / (num_output_tokens - 1))

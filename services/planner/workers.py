@@ -46,7 +46,8 @@ from shared.metrics import STEP_BUCKETS, batch_range
 class Cluster(Protocol):
     """What a simulated worker needs from the simulator."""
 
-    now: float
+    @property
+    def now(self) -> float: ...
 
     def at(self, time: float, callback, *args) -> None: ...
     def to_scheduler(self, message: wire.Message) -> None: ...

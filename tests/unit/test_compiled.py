@@ -1,11 +1,12 @@
-"""The compiled scheduler (`services/compiled.py`): built by mypyc from the same source, it must
-decide exactly as the Python one. Each check runs a fresh interpreter with `TANDEM_COMPILED`
-set, since the choice acts when the package is first imported."""
+"""The compiled scheduler and simulator (`services/compiled.py`): built by mypyc from the same
+source, they must decide exactly as the Python. Each check runs a fresh interpreter with
+`TANDEM_COMPILED` set, since the choice acts when a package is first imported."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -27,13 +28,14 @@ from loadtest.plan import DEFAULT_PROFILE
 from services.planner.profile import WorkerProfile
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import load_workload
+import services.planner.simulator as simulator
 import services.scheduler.core as core
 
 profile = WorkerProfile.load(str(DEFAULT_PROFILE))
 
 def tied():  # same-time arrivals, shuffled: ties broken by the core's order alone
     requests = load_workload("poisson:rate=4,n=300,prompt=8-512,output=1-64,tenants=7,seed=3")
-    requests = [dataclasses.replace(r, arrival_time=round(r.arrival_time)) for r in requests]
+    requests = [dataclasses.replace(r, arrival_time=float(round(r.arrival_time))) for r in requests]
     random.Random(1).shuffle(requests)
     return requests
 
@@ -46,7 +48,7 @@ scenarios = {
     "prefix_cache": (SimConfig(3, 2, prefix_cache=True),
                      "poisson:rate=2,n=300,prompt=600-1200,output=4-64,prefix=512,tenants=3"),
 }
-out = {"core": core.__file__}
+out = {"files": [core.__file__, simulator.__file__]}
 for name, (config, workload) in scenarios.items():
     result = Simulator(profile, config).run(tied() if workload is None else load_workload(workload))
     facts = [[dataclasses.asdict(r) for r in result.records],
@@ -74,7 +76,11 @@ POLICY_TESTS = [
     "tests/unit/test_decode_room_native.py",
     "tests/unit/test_prefill_room_native.py",
     "tests/unit/test_planner_sim.py",
+    "tests/unit/test_planner_caches.py",
     "tests/unit/test_plan.py",
+    "tests/unit/test_plan_shards.py",
+    "tests/unit/test_plan_validate.py",
+    "tests/unit/test_sim_scale.py",
 ]
 
 
@@ -94,21 +100,23 @@ def build() -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-def test_the_compiled_scheduler_simulates_exactly_as_the_python_one(build):
+def test_compiled_the_simulator_and_the_scheduler_play_exactly_as_the_python(build):
     by_choice = {}
     for choice in ("off", "on"):
         result = run(["-c", SCENARIOS], choice)
         assert result.returncode == 0, result.stderr[-3000:]
         by_choice[choice] = json.loads(result.stdout.strip().splitlines()[-1])
-    python, native = by_choice["off"].pop("core"), by_choice["on"].pop("core")
-    assert python.endswith("core.py")
-    assert native.startswith(str(build / "scheduler")) and native.endswith(".so")
+    python, native = by_choice["off"].pop("files"), by_choice["on"].pop("files")
+    assert [Path(f).name for f in python] == ["core.py", "simulator.py"]
+    # (A module first imported by another compiled one is named under the build's `lib/`.)
+    assert all(f.startswith(str(build)) and f.endswith(".so") for f in native), native
     assert by_choice["on"] == by_choice["off"]
 
 
-def test_the_policy_tests_pass_on_the_compiled_scheduler(build):
-    check = "import services.scheduler.fair_share as f; assert type(f._earliest).__name__ == "
-    check += "'builtin_function_or_method', f.__file__"
+def test_the_policy_and_simulator_tests_pass_compiled(build):
+    check = "import services.scheduler.fair_share as f, services.planner.profile as p\n"
+    check += "for function in (f._earliest, p._interpolate):\n"
+    check += "    assert type(function).__name__ == 'builtin_function_or_method', function"
     assert run(["-c", check], "on").returncode == 0  # the tests below run compiled code
     result = run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", FOREIGN_TYPES,
                   *POLICY_TESTS], "on")  # fmt: skip
@@ -154,17 +162,16 @@ def test_an_edited_source_gets_a_build_of_its_own(monkeypatch, tmp_path):
     before = compiled.build_dir()
     copy = tmp_path / "services"
     copy.mkdir()
-    (copy / "scheduler").symlink_to(ROOT / "services" / "scheduler")
+    for package in compiled.PACKAGES:
+        (copy / package).symlink_to(ROOT / "services" / package)
     monkeypatch.setattr(compiled, "SERVICES", copy)
     assert compiled.build_dir() == before  # the same sources: the same build
-    edited = tmp_path / "edited" / "scheduler"
-    edited.mkdir(parents=True)
-    for name in compiled.SCHEDULER:
-        (edited / f"{name}.py").write_bytes(
-            (ROOT / "services/scheduler" / f"{name}.py").read_bytes()
-        )
-    (edited / "core.py").write_text((edited / "core.py").read_text() + "\n# an edit\n")
-    monkeypatch.setattr(compiled, "SERVICES", edited.parent)
+    edited = tmp_path / "edited"
+    for package in compiled.PACKAGES:
+        shutil.copytree(ROOT / "services" / package, edited / package)
+    core = edited / "scheduler" / "core.py"
+    core.write_text(core.read_text() + "\n# an edit\n")
+    monkeypatch.setattr(compiled, "SERVICES", edited)
     assert compiled.build_dir() != before
 
 
