@@ -7,10 +7,12 @@ acts when a package is first imported (its `__init__.py` calls `activate`), so i
 environment variable, not a flag: the scheduler service, `tandem plan`'s simulator and the
 benches all follow it.
 
-The build is cached under the cache directory by a hash of the sources, mypy's version and the
-Python ABI: an edit of any compiled module builds afresh, a stale build is never loaded. It takes
-minutes (mypy type-checks, then the C compiler); `python -m services.compiled` builds
-ahead of time. Without mypy (`pip install 'tandem-serve[compiled]'`) or a C compiler the build
+The build is cached under the cache directory by a hash of every source it reads (the packages,
+`shared` and `kernels` for their types, this recipe), mypy's version and the Python ABI: an edit
+of any of them builds afresh, a stale build is never loaded. mypy reads copies of them in a
+scratch folder (it refuses site-packages on its path, where an installed tandem lives). It takes
+minutes (mypy type-checks, then the C compiler); `python -m services.compiled` builds ahead of
+time. Without mypy (`pip install 'tandem-serve[compiled]'`) or a C compiler the build
 fails with the reason, and `on` fails the import: an operator who asked for it hears why.
 
 Compiled code checks the annotated types at run time, so the compiled modules keep their
@@ -60,6 +62,8 @@ SCHEDULER = (
 PLANNER = ("caches", "events", "profile", "simulator", "slo_watch", "workers", "workload")
 # The packages compiled, by name under `services`, and their modules; one build holds all.
 PACKAGES = {"scheduler": SCHEDULER, "planner": PLANNER}
+# Read for their types, not compiled.
+TYPED_TREES = ("shared", "kernels")
 BUILD_TIMEOUT_S = 1200
 
 
@@ -100,13 +104,24 @@ def build_dir() -> Path:
 
 def _key() -> str:
     digest = hashlib.sha256()
-    for package, modules in PACKAGES.items():
-        for name in modules:
-            source = (SERVICES / package / f"{name}.py").read_bytes()
-            digest.update(f"{package}.{name}".encode() + b"\0" + source + b"\0")
+    for path, source in _typed_sources():
+        digest.update(path.encode() + b"\0" + source.read_bytes() + b"\0")
     abi = f"{sysconfig.get_config_var('EXT_SUFFIX')} {sys.version} {_mypy_version()}"
     digest.update(abi.encode())
     return digest.hexdigest()[:16]
+
+
+def _typed_sources() -> list[tuple[str, Path]]:
+    """Every source the build reads, by its path in the build: the packages' modules (the
+    compiled ones, and their siblings for their types), `shared`'s and `kernels`' (the compiled
+    code expects what their annotations say: an edit there may change what it must check), and
+    this module (the recipe)."""
+    sources = [(f"services/{p.name}", p) for p in (SERVICES / "__init__.py", Path(__file__))]
+    for package in PACKAGES:
+        sources += [(f"services/{package}/{p.name}", p) for p in (SERVICES / package).glob("*.py")]
+    for tree in TYPED_TREES:
+        sources += [(str(p.relative_to(ROOT)), p) for p in (ROOT / tree).rglob("*.py")]
+    return sorted(sources)
 
 
 def _mypy_version() -> str:
@@ -125,14 +140,10 @@ def build_modules(build: Path) -> None:
     build.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=build.parent, prefix="building-") as work:
         work_dir = Path(work)
-        (work_dir / "services").mkdir()
-        shutil.copy(SERVICES / "__init__.py", work_dir / "services")
-        files = []
-        for package, modules in PACKAGES.items():
-            # Every module of the package: mypy follows the compiled ones' imports.
-            shutil.copytree(SERVICES / package, work_dir / "services" / package,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.so"))  # fmt: skip
-            files += [f"services/{package}/{name}.py" for name in modules]
+        for path, source in _typed_sources():  # mypy reads them here, never in site-packages
+            (work_dir / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, work_dir / path)
+        files = [f"services/{p}/{name}.py" for p, modules in PACKAGES.items() for name in modules]
         _run_mypyc(work_dir, files)
         staged = work_dir / "staged"
         (staged / "lib").mkdir(parents=True)
@@ -152,7 +163,7 @@ def build_modules(build: Path) -> None:
 def _run_mypyc(work_dir: Path, files: list[str]) -> None:
     command = [sys.executable, "-m", "mypyc", "--ignore-missing-imports"]
     command += ["--follow-imports=silent", *files]
-    env = {**os.environ, "MYPYPATH": str(ROOT)}  # `shared`, `kernels`: read, not compiled
+    env = {k: v for k, v in os.environ.items() if k != "MYPYPATH"}  # all it reads is here
     try:
         result = subprocess.run(
             command,

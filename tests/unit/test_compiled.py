@@ -162,11 +162,14 @@ def test_an_edited_source_gets_a_build_of_its_own(monkeypatch, tmp_path):
     before = compiled.build_dir()
     copy = tmp_path / "services"
     copy.mkdir()
+    (copy / "__init__.py").symlink_to(ROOT / "services" / "__init__.py")
     for package in compiled.PACKAGES:
         (copy / package).symlink_to(ROOT / "services" / package)
     monkeypatch.setattr(compiled, "SERVICES", copy)
     assert compiled.build_dir() == before  # the same sources: the same build
     edited = tmp_path / "edited"
+    edited.mkdir()
+    shutil.copy(ROOT / "services" / "__init__.py", edited)
     for package in compiled.PACKAGES:
         shutil.copytree(ROOT / "services" / package, edited / package)
     core = edited / "scheduler" / "core.py"
@@ -211,3 +214,15 @@ def test_the_scheduler_service_runs_the_chosen_core_and_says_which(build, tmp_pa
         context.term()
         process.terminate()
         process.wait(10)
+
+
+def test_an_edit_of_the_types_it_reads_gets_a_build_of_its_own(monkeypatch, tmp_path):
+    """`shared`'s annotations are what the compiled code checks its calls' answers against."""
+    before = compiled.build_dir()
+    for tree in compiled.TYPED_TREES:
+        shutil.copytree(ROOT / tree, tmp_path / tree, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(compiled, "ROOT", tmp_path)
+    assert compiled.build_dir() == before
+    wire_base = tmp_path / "shared" / "wire_base.py"
+    wire_base.write_text(wire_base.read_text() + "\n# an edit\n")
+    assert compiled.build_dir() != before
