@@ -178,7 +178,7 @@ def _run_mypyc(work_dir: Path, files: list[str]) -> None:
         raise CompiledUnavailable(f"mypyc failed: {error}") from None
     if result.returncode != 0:
         lines = (result.stdout + result.stderr).strip().splitlines()
-        errors = [line for line in lines if "error" in line] or lines
+        errors = [line for line in lines if ": error:" in line] or lines  # mypy's, or cc's
         raise CompiledUnavailable("mypyc failed: " + " / ".join(errors[-5:]))
 
 
