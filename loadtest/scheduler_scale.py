@@ -3,17 +3,22 @@ thousand queued requests and ten thousand tenants, and the time each decision ta
 
 The core is driven directly (no sockets), the way the simulator drives it: workers register,
 the queue is filled, then each round plays the messages the service would hand the core in a
-steady state: every reservation made since the last round answered, the oldest prefill's report
-(which frees its window: the next requests are dispatched), decode reports while more than
-1,000 requests decode (or half the decode seats, if fewer), new submits (as many as left the
-queue, so it stays full), and a heartbeat from a worker taken in turn. So each request
-dispatched lives its whole life in the core, and nothing times out. A *decision* is one
-request dispatched (the policy's choice and its placement). The figures: decisions per second
-over the time spent in the core's handlers (all of them), the p50/p99 time of the handler
-calls that made decisions, divided by the decisions each made, the longest handler call (a
-garbage collection of the heap lands in one), and each handler's mean time, the tick's
-(timeouts and expiry, every 250 rounds: a round is a simulated millisecond) included. Handler
-times are the thread's CPU time (`time.thread_time`), so that other processes on a shared
+steady state: every reservation made since the last round answered, the report of every prefill
+that began `--prefill-ms` rounds ago (which frees its window: the next requests are
+dispatched), decode reports while more than 1,000 requests decode (or half the decode seats, if
+fewer), new submits (as many as left the queue, so it stays full), and the heartbeats due (each
+worker's every 500 rounds, as the service asks: four a round with 2,000 workers). So each request
+dispatched lives its whole life in the core, nothing times out, and as many requests leave the
+prefill windows a round as enter them: the rate the bench settles at is the cluster's, not the
+bench's. (Until December 2026 it reported one prefill a round, whatever was dispatched: after a
+few thousand rounds every window was full and the rounds made 0.6 decisions each, so the figure
+fell with `--rounds`, the per-round heartbeat and tick spread over fewer decisions.)
+A *decision* is one request dispatched (the policy's choice and its placement). The figures:
+decisions per second over the time spent in the core's handlers (all of them), the p50/p99 time
+of the handler calls that made decisions, divided by the decisions each made, the longest
+handler call (a garbage collection of the heap lands in one), and each handler's mean time, the
+tick's (timeouts and expiry, every 250 rounds: a round is a simulated millisecond) included.
+Handler times are the thread's CPU time (`time.thread_time`), so that other processes on a shared
 machine do not inflate them.
 
 `--prefix-cache`: the workers keep prefix caches (as real workers do): each registers a cache
@@ -22,8 +27,8 @@ the requests start with (tenant-salted: tenants share them only with themselves)
 cache-aware placement (`cache_placement.py`) is in play.
 
     .venv/bin/python -m loadtest.scheduler_scale [--prefill 1000 --decode 1000 --queued 100000
-        --tenants 10000 --rounds 8000] [--prefix-cache] [--gc freeze|default] [--profile]
-        [--indexes auto|native|python]
+        --tenants 10000 --rounds 1000 --prefill-ms 20] [--prefix-cache] [--gc freeze|default]
+        [--profile] [--indexes auto|native|python]
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ NUM_SYSTEM_PROMPTS = 64  # with --prefix-cache, every prompt starts with one of 
 SYSTEM_PROMPT_TOKENS = 32
 MAX_NUM_SEQS = 64  # each decode worker's seats
 TICK_EVERY_ROUNDS = 250  # a round is 1 ms: the service ticks every half heartbeat interval
+HEARTBEAT_EVERY_ROUNDS = 500  # each worker's (the service's default interval, 0.5 s)
 
 
 def measured_rate(peer_id: str, beat: int) -> float:
@@ -87,7 +93,7 @@ class ScaleBench:
         self.num_submitted = 0
         # Requests by where they stand in the play (the core's phases, as the messages went).
         self.reserving: deque[str] = deque()
-        self.prefilling: deque[str] = deque()
+        self.prefilling: deque[tuple[int, str]] = deque()  # (round it began, request id)
         self.decoding: deque[str] = deque()
         self.max_decoding = min(1000, args.decode * MAX_NUM_SEQS // 2)
         self.freezer: SurvivorFreezer | None = None  # --gc freeze: as the service runs
@@ -170,7 +176,14 @@ class ScaleBench:
             self.freezer = SurvivorFreezer()
         self.reset_counts()
 
-    def round(self, heartbeat_index: int) -> None:
+    def beats_due(self, round_index: int) -> range:
+        """The heartbeats (numbered from the first) that fall in this round: every worker's
+        once in `HEARTBEAT_EVERY_ROUNDS`, spread evenly, taken in turn."""
+        num_workers = len(self.workers)
+        first = round_index * num_workers // HEARTBEAT_EVERY_ROUNDS
+        return range(first, (round_index + 1) * num_workers // HEARTBEAT_EVERY_ROUNDS)
+
+    def round(self, round_index: int) -> None:
         core = self.core
         self.now += 0.001
         reserving, self.reserving = self.reserving, deque()
@@ -179,9 +192,10 @@ class ScaleBench:
             if request is not None and request.phase == Phase.RESERVING:
                 reply = wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=4096)
                 self.call(core.on_reserve_reply, reply)
-                self.prefilling.append(request_id)
-        if self.prefilling:
-            request = core.requests.get(self.prefilling.popleft())
+                self.prefilling.append((round_index, request_id))
+        prefilled_by = round_index - self.args.prefill_ms
+        while self.prefilling and self.prefilling[0][0] <= prefilled_by:
+            request = core.requests.get(self.prefilling.popleft()[1])
             if request is not None and request.phase == Phase.PREFILLING:
                 self.call(core.on_request_done, self.done(request, "prefill"))
                 self.decoding.append(request.request_id)
@@ -191,9 +205,11 @@ class ScaleBench:
                 self.call(core.on_request_done, self.done(request, "decode"))
         while len(core.queue) < self.args.queued:
             self.submit()
-        peer_id = self.workers[heartbeat_index % len(self.workers)]
-        self.call(core.on_heartbeat, peer_id.encode(), self.heartbeat(peer_id, heartbeat_index))
-        if heartbeat_index % TICK_EVERY_ROUNDS == 0:
+        for beat in self.beats_due(round_index):
+            peer_id = self.workers[beat % len(self.workers)]
+            steps = beat // len(self.workers)
+            self.call(core.on_heartbeat, peer_id.encode(), self.heartbeat(peer_id, steps))
+        if round_index % TICK_EVERY_ROUNDS == 0:
             self.call(core.tick)
         if self.freezer is not None:  # the service does this on its timer: its time counts
             start = time.thread_time()
@@ -284,8 +300,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", type=int, default=1000)
     parser.add_argument("--queued", type=int, default=100_000)
     parser.add_argument("--tenants", type=int, default=10_000)
-    parser.add_argument("--rounds", type=int, default=8000)
+    parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prefill-ms",
+        type=int,
+        default=20,
+        help="rounds (simulated ms) from a prefill's start to its report",
+    )
     parser.add_argument("--prefix-cache", action="store_true", help="workers keep prefix caches")
     parser.add_argument(
         "--gc",
@@ -306,9 +328,10 @@ def main(argv: list[str] | None = None) -> None:
         help="the fair queue's and the registry's rooms' indexes: C if it builds, C, or Python",
     )
     args = parser.parse_args(argv)
-    for name in ("prefill", "decode", "queued", "tenants", "rounds"):
+    for name in ("prefill", "decode", "queued", "tenants", "rounds", "prefill_ms"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+            flag = name.replace("_", "-")
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, name)}")
     bench = ScaleBench(args)
     if args.profile:
         profiler = cProfile.Profile()

@@ -76,6 +76,7 @@ def test_the_scheduler_core_makes_no_cyclic_garbage(indexes):
         tenants=20,
         rounds=200,
         seed=0,
+        prefill_ms=20,
         prefix_cache=True,
         gc="default",
         indexes=indexes,

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
+from services.scheduler.core import MAX_ABANDONED, ClusterScheduler, Phase, SchedulerLimits
 from shared import wire
 
 
@@ -331,6 +331,21 @@ def test_a_worker_still_holding_an_abandoned_request_is_told_again(core):
     run_to_decoding(core, "s", now=3.0)
     live = dataclasses.replace(heartbeat("d"), request_ids=["s"])
     assert not sent(core.on_heartbeat(b"D", live, 4.0), wire.Cancel)  # a live one is left alone
+
+
+def test_the_memory_of_abandoned_requests_is_bounded_and_forgets_the_oldest_first(core):
+    run_to_decoding(core, "r")
+    core.on_cancel(wire.Cancel(request_id="r", reason="client gone"), 1.0)
+    for number in range(MAX_ABANDONED - 1):  # (the one way in: a real life is too slow here)
+        core._abandon(f"x{number}")
+    core._abandon("r")  # given up on again: it keeps its place, the oldest
+    assert len(core.abandoned) == MAX_ABANDONED and next(iter(core.abandoned)) == "r"
+    core._abandon("newest")
+    assert len(core.abandoned) == MAX_ABANDONED
+    assert "r" not in core.abandoned and "x0" in core.abandoned and "newest" in core.abandoned
+    held = dataclasses.replace(heartbeat("d"), request_ids=["r", "x0"])
+    (cancel,) = sent(core.on_heartbeat(b"D", held, 2.0), wire.Cancel)
+    assert cancel.message.request_id == "x0"  # r is forgotten: its worker's word is believed
 
 
 def test_a_sequence_handed_back_for_recompute_goes_to_its_gateway(core):

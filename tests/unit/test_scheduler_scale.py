@@ -8,7 +8,12 @@ import gc
 import pytest
 
 from loadtest import core_floor
-from loadtest.scheduler_scale import TICK_EVERY_ROUNDS, ScaleBench, main
+from loadtest.scheduler_scale import (
+    HEARTBEAT_EVERY_ROUNDS,
+    TICK_EVERY_ROUNDS,
+    ScaleBench,
+    main,
+)
 
 
 def tiny(prefix_cache: bool = False, gc: str = "default") -> argparse.Namespace:
@@ -19,6 +24,7 @@ def tiny(prefix_cache: bool = False, gc: str = "default") -> argparse.Namespace:
         tenants=20,
         rounds=600,
         seed=0,
+        prefill_ms=20,
         prefix_cache=prefix_cache,
         gc=gc,
         indexes="auto",
@@ -36,6 +42,27 @@ def test_a_tiny_run_plays_whole_lives_and_keeps_the_queue_full():
     assert bench.handler_calls["tick"] == 600 // TICK_EVERY_ROUNDS + 1
     assert bench.handler_calls["on_reserve_reply"] >= result["num_decisions"] - 8 * 64
     assert all(f"{name}_us" in result for name in ("on_submit", "on_heartbeat", "tick"))
+
+
+def test_prefills_report_after_their_time_and_every_worker_beats_at_the_service_interval():
+    """As many requests leave the prefill windows a round as enter them: each prefill reports
+    `prefill_ms` rounds after it began, none earlier, so the decisions keep coming after the
+    windows first fill; each worker beats once every `HEARTBEAT_EVERY_ROUNDS` rounds."""
+    args = tiny()
+    args.rounds = HEARTBEAT_EVERY_ROUNDS
+    bench = ScaleBench(args)
+    bench.setup()
+    began: dict[str, int] = {}
+    reported: dict[str, int] = {}
+    for index in range(args.rounds):
+        bench.round(index)
+        began.update((r, i) for i, r in bench.prefilling if r not in began)
+        reported.update((r, index) for r in bench.decoding if r not in reported)
+    assert reported
+    assert all(reported[r] - began[r] == args.prefill_ms for r in reported if r in began)
+    late = [r for r, i in reported.items() if i >= args.rounds // 2]
+    assert len(late) > 4 * 64  # the second half still turns requests over, not a trickle
+    assert bench.handler_calls["on_heartbeat"] == len(bench.workers)
 
 
 def test_frozen_survivors_as_the_service_runs_leave_the_process_thawed():
