@@ -55,7 +55,11 @@ class QueueIndex:
         self._num_parties: dict[str, int] = {}  # class -> backlogged parties
         self._version: dict[Party, int] = {}  # a backlogged party's current entry
         self._versions = itertools.count()
-        self.party_lengths: dict[Party, list[int]] = {}  # [min, max] prompt tokens queued
+        # [min, max] prompt tokens queued. A request at a bound leaving marks them stale: they
+        # are recomputed before they are next read (kept only widening, they went stale, and a
+        # walk then sorted every party that could no longer place anything).
+        self._party_lengths: dict[Party, list[int]] = {}
+        self._stale_lengths: set[Party] = set()
         self.class_lengths: dict[str, list[int]] = {}
 
     # -- changes ------------------------------------------------------------------------------
@@ -90,7 +94,7 @@ class QueueIndex:
         )
         if item.resumed:
             self.resumed[item.request_id] = item
-        _widen(self.party_lengths, party, item.num_prompt_tokens)
+        _widen(self._party_lengths, party, item.num_prompt_tokens)
         _widen(self.class_lengths, party.class_name, item.num_prompt_tokens)
 
     def discard(self, request_id: str) -> tuple[Party, QueuedRequest] | None:
@@ -105,6 +109,8 @@ class QueueIndex:
         self.party_tokens[party] -= item.num_prompt_tokens
         self._num_by_bucket[item.bulk, item.num_prompt_tokens.bit_length()] -= 1
         self.resumed.pop(request_id, None)
+        if item.num_prompt_tokens in self._party_lengths[party]:
+            self._stale_lengths.add(party)
         heap = self.parties[party]
         if heap[0][-1] == request_id:  # the usual case: the party's first is served
             heapq.heappop(heap)
@@ -117,7 +123,8 @@ class QueueIndex:
         """A party whose queue emptied is no longer backlogged."""
         del self.parties[party]
         del self._version[party]
-        del self.party_lengths[party]
+        del self._party_lengths[party]
+        self._stale_lengths.discard(party)
         del self.party_tokens[party]
         self._num_parties[party.class_name] -= 1
         if self._num_parties[party.class_name] == 0:
@@ -236,7 +243,7 @@ class QueueIndex:
                 best = top
         if best is None:
             return None
-        bounds = self.party_lengths[best[4]]
+        bounds = self.party_lengths(best[4])
         return best[4] if lengths_meet(best[4].class_name, bounds[0], bounds[1]) else None
 
     def parties_by_counter(
@@ -256,9 +263,18 @@ class QueueIndex:
             party = entry[4]
             if not self._counter_live(entry):
                 continue
-            bounds = self.party_lengths[party]
+            bounds = self.party_lengths(party)
             if lengths_meet(party.class_name, bounds[0], bounds[1]):
                 yield party
+
+    def party_lengths(self, party: Party) -> list[int]:
+        """The backlogged party's [min, max] prompt tokens queued, exact."""
+        bounds = self._party_lengths[party]
+        heap = self.parties[party]
+        if party in self._stale_lengths and heap:
+            bounds[:] = [min(key[1] for key in heap), max(key[1] for key in heap)]
+            self._stale_lengths.discard(party)
+        return bounds
 
     def party_in_order(self, party: Party) -> Iterator[QueuedRequest]:
         """A party's requests in its order: the first at once, the rest sorted if asked for."""

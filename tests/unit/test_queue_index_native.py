@@ -113,6 +113,9 @@ class Twins:
             if self.both("backlogged", party):
                 if self.both("party_size", party):
                     self.both("first_of", party)
+                    lengths = [i.num_prompt_tokens for i in self.python.party_in_order(party)]
+                    exact = [min(lengths), max(lengths)]  # not widened only: exact
+                    assert list(self.both("party_lengths", party)) == exact
                 self.both("party_in_order", party)
         for bulk in (False, True):
             self.both("num_queued", bulk)
@@ -189,6 +192,33 @@ def test_the_c_index_keeps_its_answers_through_heap_rebuilds(native_type):
 
 def queued(request_id: str, tenant: str = "t", tokens: int = 10, arrival: float = 0.0):
     return QueuedRequest(request_id, tenant, tokens, priority=0, arrival=arrival)
+
+
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_a_party_whose_requests_at_its_bounds_left_is_passed_over_by_length(kind, native_type):
+    """A walk for a short prompt passes over a party whose short requests were served: its
+    bounds follow what it holds (once they only widened, and every such party was sorted in
+    vain, a choice in thousands)."""
+    index = QueueIndex() if kind == "python" else native_type()
+    served, long_only = Party("served", "short"), Party("short-left", "short")
+    for number, tokens in enumerate((10, 500, 2000)):
+        index.add(served, queued(f"s{number}", "served", tokens), 0.0)
+    index.add(long_only, queued("l0", "short-left", 20), 1.0)
+    index.add(long_only, queued("l1", "short-left", 20), 1.0)
+    assert list(index.party_lengths(served)) == [10, 2000]
+    index.discard("s0")
+    index.discard("s2")
+    assert list(index.party_lengths(served)) == [500, 500]
+    index.add(served, queued("s3", "served", 700), 0.0)  # widened from the exact bounds
+    assert list(index.party_lengths(served)) == [500, 700]
+
+    def short(class_name: str, low: int, high: int) -> bool:
+        return low <= 100
+
+    assert list(index.parties_by_counter(["short"], short)) == [long_only]
+    assert index.least_served_party(["short"], short) is None  # served is first, too long
+    index.discard("l0")  # at both bounds, one of two such: the bounds stay
+    assert list(index.party_lengths(long_only)) == [20, 20]
 
 
 def test_a_walk_over_a_changed_heap_raises_instead_of_reading_on(native_type):
