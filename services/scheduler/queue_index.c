@@ -967,6 +967,12 @@ static int ranges_meet(Choice *c, int bulk, int64_t low, int64_t high) {
     return 0;
 }
 
+/* A length bucket's lengths: those of bit length `bits` (64: INT64_MIN's alone). */
+static void bucket_lengths(int bits, int64_t *low, int64_t *high) {
+    *low = bits == 0 ? 0 : (bits >= 64 ? INT64_MAX : (int64_t)1 << (bits - 1));
+    *high = bits == 0 ? 0 : (bits >= 63 ? INT64_MAX : ((int64_t)1 << bits) - 1);
+}
+
 /* 1, 0, or -1 on error. */
 static int admissible(Choice *c, Py_ssize_t rslot) {
     Request *r = &c->index->requests[rslot];
@@ -1122,9 +1128,8 @@ static int oldest_overdue(Choice *c, Py_ssize_t *found) {
                 h = &self->by_arrival[kind];
             } else {
                 if (bits < 0) continue;
-                /* a bucket's lengths: those of bit length `bits` (64: INT64_MIN's alone) */
-                int64_t low = bits == 0 ? 0 : (bits >= 64 ? INT64_MAX : (int64_t)1 << (bits - 1));
-                int64_t high = bits == 0 ? 0 : (bits >= 63 ? INT64_MAX : ((int64_t)1 << bits) - 1);
+                int64_t low, high;
+                bucket_lengths(bits, &low, &high);
                 if (!self->bucket_made[kind][bits] || !ranges_meet(c, kind, low, high)) continue;
                 h = &self->by_bucket[kind][bits];
             }
@@ -1213,6 +1218,20 @@ static int party_meets(Choice *c, PartySlot *p) {
     return ranges_meet(c, c->index->classes[p->class_slot].is_bulk, p->min_len, p->max_len);
 }
 
+/* Whether some queued request's length may lie in the choice's ranges (by the buckets'
+   counts, which removals keep exact). When none can, the walk over every party is spared:
+   a full decode pool asks for prompts shorter than any queued, at every dispatch. */
+static int some_length_fits(Choice *c) {
+    for (int kind = 0; kind < 2; kind++)
+        for (int bits = 0; bits < NUM_BUCKETS; bits++) {
+            int64_t low, high;
+            bucket_lengths(bits, &low, &high);
+            if (c->index->num_by_bucket[kind][bits] > 0 && ranges_meet(c, kind, low, high))
+                return 1;
+        }
+    return 0;
+}
+
 /* The fair choice: the first passing request of the least-served backlogged party (ties: by
    tenant, then class) among the classes in `wanted` (a flag per class slot). */
 static int least_served(Choice *c, const char *wanted, int only_eligible, Py_ssize_t *found) {
@@ -1235,6 +1254,8 @@ static int least_served(Choice *c, const char *wanted, int only_eligible, Py_ssi
             return 0;
         }
     }
+    /* (admissible by the lengths alone: a request outside them cannot pass) */
+    if (c->has_lengths && c->admissible == NULL && !some_length_fits(c)) return 0;
     Stream *streams = PyMem_Calloc((size_t)self->num_classes, sizeof(Stream));
     if (streams == NULL) return PyErr_NoMemory(), -1;
     int n = 0, error = 0;

@@ -221,6 +221,22 @@ def test_a_party_whose_requests_at_its_bounds_left_is_passed_over_by_length(kind
     assert list(index.party_lengths(long_only)) == [20, 20]
 
 
+@pytest.mark.parametrize("kind", ["python", "native"])
+def test_when_no_queued_prompt_fits_the_lengths_no_one_is_chosen_and_a_fitting_one_is(kind):
+    """A full decode pool asks for prompts shorter than any queued: no one is chosen (the C
+    choice then skips its walk over every party, by the length buckets' counts), and a range
+    that reaches into a bucket finds the one request in it, past parties that have none."""
+    queue = FairQueue(FairShareConfig(), kind)
+    for number in range(60):
+        tokens = 33 if number == 59 else (40, 64, 300, 1500)[number % 4]
+        queue.push(queued(f"r{number}", f"t{number}", tokens, arrival=0.0))
+    queue.charge(queue.party_for("t59", 33), num_prompt_tokens=10_000)  # served the most
+    assert queue.pop_next(1.0, *[LengthRanges(((0, 32),))] * 2) is None  # (none overdue)
+    assert len(queue) == 60
+    fits = LengthRanges(((0, 39),))
+    assert queue.pop_next(1.0, fits, fits).request_id == "r59"
+
+
 def test_a_walk_over_a_changed_heap_raises_instead_of_reading_on(native_type):
     index = native_type()
     party = Party("t", "short")
