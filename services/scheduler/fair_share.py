@@ -388,6 +388,15 @@ class FairQueue:
             first = self._index.first_of(party)
             if admissible(first):
                 return first
+        # No queued prompt's length fits (a full decode pool asks for shorter ones than any),
+        # so none is admissible (`LengthRanges`' promise): no walk over every party to find
+        # none. (The C index checks this in its own choice.)
+        if (
+            lengths is not None
+            and isinstance(self._index, QueueIndex)
+            and not self._index.some_length_fits(lengths.meet)
+        ):
+            return None
         for party in self._index.parties_by_counter(class_names, lengths_meet):
             for item in self._index.party_in_order(party):
                 if admissible(item):

@@ -1254,8 +1254,8 @@ static int least_served(Choice *c, const char *wanted, int only_eligible, Py_ssi
             return 0;
         }
     }
-    /* (admissible by the lengths alone: a request outside them cannot pass) */
-    if (c->has_lengths && c->admissible == NULL && !some_length_fits(c)) return 0;
+    /* (lengths given promise that no request outside them is admissible) */
+    if (c->has_lengths && !some_length_fits(c)) return 0;
     Stream *streams = PyMem_Calloc((size_t)self->num_classes, sizeof(Stream));
     if (streams == NULL) return PyErr_NoMemory(), -1;
     int n = 0, error = 0;

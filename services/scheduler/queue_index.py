@@ -267,6 +267,15 @@ class QueueIndex:
             if lengths_meet(party.class_name, bounds[0], bounds[1]):
                 yield party
 
+    def some_length_fits(self, meet: Callable[[bool, int, int], bool]) -> bool:
+        """Whether some queued request's length may meet `meet(bulk, low, high)`, by the
+        length buckets' counts (which removals keep exact)."""
+        for (bulk, bits), count in self._num_by_bucket.items():
+            low, high = (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
+            if count > 0 and meet(bulk, low, high):
+                return True
+        return False
+
     def party_lengths(self, party: Party) -> list[int]:
         """The backlogged party's [min, max] prompt tokens queued, exact."""
         bounds = self._party_lengths[party]

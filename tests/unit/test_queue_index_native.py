@@ -223,7 +223,7 @@ def test_a_party_whose_requests_at_its_bounds_left_is_passed_over_by_length(kind
 
 @pytest.mark.parametrize("kind", ["python", "native"])
 def test_when_no_queued_prompt_fits_the_lengths_no_one_is_chosen_and_a_fitting_one_is(kind):
-    """A full decode pool asks for prompts shorter than any queued: no one is chosen (the C
+    """A full decode pool asks for prompts shorter than any queued: no one is chosen (the
     choice then skips its walk over every party, by the length buckets' counts), and a range
     that reaches into a bucket finds the one request in it, past parties that have none."""
     queue = FairQueue(FairShareConfig(), kind)
