@@ -207,7 +207,7 @@ class QueueIndex:
         the rest may still be outside: the caller checks each request)."""
         walks = []
         for (kind, bits), heap in self._by_bucket.items():
-            low, high = (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
+            low, high = bucket_lengths(bits)
             if kind == bulk and lengths_meet(low, high):
                 lazy_heap.live_top(heap, self._arrival_live)
                 walks.append(lazy_heap.in_order(heap))
@@ -271,7 +271,7 @@ class QueueIndex:
         """Whether some queued request's length may meet `meet(bulk, low, high)`, by the
         length buckets' counts (which removals keep exact)."""
         for (bulk, bits), count in self._num_by_bucket.items():
-            low, high = (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
+            low, high = bucket_lengths(bits)
             if count > 0 and meet(bulk, low, high):
                 return True
         return False
@@ -299,6 +299,11 @@ class QueueIndex:
 
     def _counter_live(self, entry: CounterEntry) -> bool:
         return self._version.get(entry[4]) == entry[3]
+
+
+def bucket_lengths(bits: int) -> tuple[int, int]:
+    """A length bucket's lengths: those of bit length `bits`."""
+    return (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
 
 
 def _widen(bounds: dict, key: object, num_tokens: int) -> None:

@@ -18,7 +18,7 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator
 
 from services.scheduler import native_indexes
-from services.scheduler.queue_index import QueueIndex
+from services.scheduler.queue_index import QueueIndex, bucket_lengths
 from services.scheduler.queued import BULK_CLASS, Party, QueuedRequest
 
 
@@ -47,7 +47,7 @@ def native_type() -> type:
             """As `by_arrival`, passing over the length buckets `lengths_meet` rules out."""
             walks = []
             for bits in self.bucket_bits(bulk):
-                low, high = (0, 0) if bits == 0 else (1 << (bits - 1), (1 << bits) - 1)
+                low, high = bucket_lengths(bits)
                 if lengths_meet(low, high):
                     walks.append(self.arrival_walk(bulk, bits))
             return (item for _, _, item in heapq.merge(*walks))
