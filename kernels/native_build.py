@@ -29,6 +29,7 @@ from pathlib import Path
 from types import ModuleType
 
 COMPILE_TIMEOUT_S = 120
+DIAGNOSTIC_LINES = 5  # of a failed build's output, in its error
 
 
 class NativeUnavailable(RuntimeError):
@@ -86,15 +87,39 @@ def _compile(
 
 
 def _run(command: list[str]) -> None:
+    run_build_tool(
+        command, label=" ".join(command), error=NativeUnavailable, timeout_s=COMPILE_TIMEOUT_S
+    )
+
+
+def run_build_tool(
+    command: list[str],
+    *,
+    label: str,
+    error: type[Exception],
+    timeout_s: float,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Runs a build tool (a C compiler, mypyc) to its end. A failure to start, a timeout or a
+    non-zero exit raises `error` naming the tool (`label`) and what went wrong: the last
+    `file:line: error:` lines (what compilers and mypy print), else the output's last lines."""
     try:
         result = subprocess.run(
-            command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False
+            command,
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
         )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise NativeUnavailable(f"{' '.join(command)} failed: {error}") from None
+    except (OSError, subprocess.TimeoutExpired) as failure:
+        raise error(f"{label} failed: {failure}") from None
     if result.returncode != 0:
-        message = (result.stderr or result.stdout).strip().splitlines()[-3:]
-        raise NativeUnavailable(f"{' '.join(command)} failed: {' / '.join(message)}")
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        errors = [line for line in lines if ": error:" in line] or lines
+        raise error(f"{label} failed: {' / '.join(errors[-DIAGNOSTIC_LINES:])}")
 
 
 def cpu_flags() -> bytes:

@@ -28,7 +28,6 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -36,6 +35,7 @@ from collections.abc import MutableSequence
 from pathlib import Path
 from types import ModuleType
 
+from kernels import native_build
 from shared.config import cache_dir
 
 ENV = "TANDEM_COMPILED"
@@ -164,22 +164,14 @@ def _run_mypyc(work_dir: Path, files: list[str]) -> None:
     command = [sys.executable, "-m", "mypyc", "--ignore-missing-imports"]
     command += ["--follow-imports=silent", *files]
     env = {k: v for k, v in os.environ.items() if k != "MYPYPATH"}  # all it reads is here
-    try:
-        result = subprocess.run(
-            command,
-            cwd=work_dir,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise CompiledUnavailable(f"mypyc failed: {error}") from None
-    if result.returncode != 0:
-        lines = (result.stdout + result.stderr).strip().splitlines()
-        errors = [line for line in lines if ": error:" in line] or lines  # mypy's, or cc's
-        raise CompiledUnavailable("mypyc failed: " + " / ".join(errors[-5:]))
+    native_build.run_build_tool(
+        command,
+        label="mypyc",
+        error=CompiledUnavailable,
+        timeout_s=BUILD_TIMEOUT_S,
+        cwd=work_dir,
+        env=env,
+    )
 
 
 def main() -> None:

@@ -42,6 +42,26 @@ def test_an_edited_header_builds_afresh_and_an_unchanged_one_reuses_the_build(tm
 def test_a_failed_compile_says_why_and_leaves_nothing(tmp_path):
     source = tmp_path / "broken.c"
     source.write_text("this is not C\n")
-    with pytest.raises(native_build.NativeUnavailable, match="failed"):
+    with pytest.raises(native_build.NativeUnavailable, match=r"failed: .*broken\.c:1:.*error:"):
         native_build.load_extension(source, "_broken", tmp_path / "build")
     assert not list((tmp_path / "build").glob("*"))
+
+
+def test_a_build_tool_that_cannot_start_or_outlives_its_time_raises_the_callers_error(tmp_path):
+    class ToolFailed(RuntimeError):
+        pass
+
+    missing = [str(tmp_path / "no-such-tool")]
+    with pytest.raises(ToolFailed, match="the tool failed: .*No such file"):
+        native_build.run_build_tool(missing, label="the tool", error=ToolFailed, timeout_s=5)
+    slow = ["sleep", "5"]
+    with pytest.raises(ToolFailed, match="sleep failed: .*timed out after 0.2 seconds"):
+        native_build.run_build_tool(slow, label="sleep", error=ToolFailed, timeout_s=0.2)
+
+
+def test_a_failed_build_tool_without_diagnostics_reports_its_last_lines(tmp_path):
+    script = "; ".join(f"echo line{i}" for i in range(8)) + "; exit 3"
+    with pytest.raises(RuntimeError, match=r"sh failed: line3 / line4 / line5 / line6 / line7$"):
+        native_build.run_build_tool(
+            ["sh", "-c", script], label="sh", error=RuntimeError, timeout_s=5
+        )
