@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 
 import pytest
@@ -408,3 +409,32 @@ def test_network_latency_delays_first_tokens():
     far = Simulator(fixed_profile(), config).run(requests).records[0]
     # submit, reserve, reserve reply and the prefill job each cross the network once
     assert far.first_token_time - near.first_token_time == pytest.approx(4 * 0.125)
+
+
+def test_a_simulation_makes_no_cyclic_garbage_and_leaves_the_collector_as_it_was():
+    """A run pauses the cyclic collector (`shared.gc_policy.collector_paused`): sound only while
+    nothing the simulator or the core lets go is in a reference cycle. Overload (refusals,
+    queue timeouts, swap preemptions), the gateway's first-token limit (cancels), prefix caches
+    (local prefills, grants), network latency and objectives that cut a run short: the
+    unreachable objects after each run, the simulator still held, are none."""
+    cached = "poisson:rate=2,n=120,prompt=600-1200,output=4-64,prefix=512,tenants=3"
+    scenarios = [
+        (SimConfig(2, 2, limits=SchedulerLimits(max_queued_requests=64, max_queue_time_s=30.0),
+                   num_kv_blocks=160), busy_workload(4), None),
+        (SimConfig(1, 1, first_token_timeout_s=2.0), busy_workload(5), None),
+        (SimConfig(3, 2, prefix_cache=True, network_latency_s=0.003), load_workload(cached), None),
+        (SimConfig(1, 1), busy_workload(6), {"ttft_p99": 0.5}),
+    ]  # fmt: skip
+    for config, requests, objectives in scenarios:
+        sim = Simulator(cpu_like_profile(max_num_seqs=32), config)
+        gc.collect()  # the last simulation, let go (its workers and it refer to each other)
+        result = sim.run(requests, objectives=objectives)
+        assert gc.isenabled()
+        assert gc.collect() == 0, config
+    assert result.cut_short  # the last one was stopped by its objective
+    gc.disable()
+    try:
+        Simulator(cpu_like_profile(), SimConfig(1, 1)).run(busy_workload(7)[:20])
+        assert not gc.isenabled()  # left off, as it was
+    finally:
+        gc.enable()
