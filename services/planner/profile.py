@@ -105,12 +105,15 @@ class WorkerProfile:
 
     def decode_time(self, batch_size: float, context: float) -> float:
         """Seconds for a decode step of `batch_size` sequences of `context` tokens each (mean)."""
-        sizes, rows = self.decode_batch_sizes, self.decode_seconds
-        if len(sizes) > 1:  # only the two rows around the batch size count
-            i = min(max(bisect.bisect_right(sizes, batch_size), 1), len(sizes) - 1)
-            sizes, rows = sizes[i - 1 : i + 1], rows[i - 1 : i + 1]
-        by_context = [_interpolate(self.decode_contexts, row, context) for row in rows]
-        return max(_interpolate(sizes, by_context, batch_size), 1e-6)
+        sizes, rows, contexts = self.decode_batch_sizes, self.decode_seconds, self.decode_contexts
+        if len(sizes) == 1:
+            return max(_interpolate(contexts, rows[0], context), 1e-6)
+        # Only the two rows around the batch size count: each at the context, then between them.
+        i = min(max(bisect.bisect_right(sizes, batch_size), 1), len(sizes) - 1)
+        low = _interpolate(contexts, rows[i - 1], context)
+        high = _interpolate(contexts, rows[i], context)
+        x0, x1 = sizes[i - 1], sizes[i]
+        return max(low + (high - low) * (batch_size - x0) / (x1 - x0), 1e-6)
 
     def transfer_time(self, num_tokens: int) -> float:
         """Seconds to hand the KV of `num_tokens` tokens from a prefill to a decode worker."""
