@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import heapq
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from services.scheduler import native_indexes
 from services.scheduler.queue_index import QueueIndex, bucket_lengths
@@ -34,7 +35,9 @@ def native_type() -> type:
     module = native_indexes.load("queue_index.c", "_tandem_queue_index")
     module.set_bulk_class(BULK_CLASS)
 
-    class NativeQueueIndex(module.QueueIndex):
+    native_base: Any = module.QueueIndex  # a type loaded at run time: mypy cannot name it
+
+    class NativeQueueIndex(native_base):
         __slots__ = ()
 
         def by_arrival(self, bulk: bool) -> Iterator[QueuedRequest]:

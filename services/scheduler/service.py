@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import signal
 import time
 import uuid
@@ -297,7 +298,8 @@ class SchedulerService:
         next_tick = 0.0
         try:
             while not self._stopping:
-                timeout_ms = max(0.0, next_tick - time.monotonic()) * 1000
+                # Whole milliseconds, rounded up: pyzmq truncates, which spins the last one.
+                timeout_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
                 if poller.poll(timeout_ms):
                     self._drain()
                 now = self._last_turn = time.monotonic()
