@@ -17,8 +17,8 @@ collection after that walks the whole heap once and takes whatever cycles died f
 pause an hour instead of one every few seconds.
 
 `collector_paused` turns the collector off around work that makes no cyclic garbage, where its
-passes are pure cost: the simulator's run (about 7% of a large simulation's CPU was collection,
-walking a heap of records and queued requests that were never garbage).
+passes are pure cost: the simulator's run (a million simulated requests took 314 s of CPU with
+the collector walking their records and arrivals, none of them garbage, and 230 s without).
 
 `CollectionTimer` times every collection (the scheduler's `/metrics`:
 `tandem:scheduler_gc_pause_seconds` by generation), so the pauses are seen, not guessed.
