@@ -10,8 +10,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import itertools
 import types
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import (
     TYPE_CHECKING,
     Annotated,
@@ -71,7 +72,12 @@ class _Decoding:
 
 class _Codec(abc.ABC):
     """Turns a field value into its header form (collecting tensors) and checks it back.
-    `leaf`: the header form is the value itself, so lists of leaves pass through unwalked."""
+    `leaf`: the header form is the value itself, so lists of leaves pass through unwalked.
+
+    A `WireError` from `from_wire` begins with the `path` it was given. A map or list hands its
+    items only their own step (`.name`, `[3]`, precomputed or empty) and puts its path in front
+    of an error on the way out, so a valid message builds no path strings at all (they were a
+    fifth of decoding a heartbeat)."""
 
     leaf = True
 
@@ -95,6 +101,13 @@ class _Exact(_Codec):
         if self.max_len is not None and len(value) > self.max_len:
             raise WireError(f"{path}: string of {len(value)} chars exceeds {self.max_len}")
         return value
+
+    def all_pass(self, values: list) -> bool:
+        """Whether every one of `values` passes: one pass over the types, one over lengths."""
+        kind, max_len = self.kind, self.max_len
+        if not all(type(x) is kind for x in values):
+            return False
+        return max_len is None or all(len(x) <= max_len for x in values)
 
 
 class _Float(_Codec):
@@ -139,11 +152,11 @@ class _List(_Codec):
             raise WireError(f"{path}: expected list, got {_type_name(value)}")
         if len(value) > self.max_len:
             raise WireError(f"{path}: list of {len(value)} entries exceeds {self.max_len}")
-        # Fast path for token id lists (up to a million entries): one pass over the types.
-        int_items = isinstance(self.item, _Exact) and self.item.kind is int
-        if int_items and all(type(x) is int for x in value):
+        # Fast path for lists of ints or strings (token ids, up to a million; request ids); the
+        # item by item walk names the first bad one.
+        if isinstance(self.item, _Exact) and self.item.all_pass(value):
             return value
-        return [self.item.from_wire(x, f"{path}[{i}]", ctx) for i, x in enumerate(value)]
+        return _items(self.item, value, path, ctx)
 
 
 class _Tuple(_Codec):
@@ -155,10 +168,25 @@ class _Tuple(_Codec):
     def from_wire(self, value: Any, path: str, ctx: _Decoding) -> tuple:
         if type(value) is not list or len(value) != len(self.items):
             raise WireError(f"{path}: expected an array of {len(self.items)}, got {value!r:.80}")
-        return tuple(
-            c.from_wire(x, f"{path}[{i}]", ctx)
-            for i, (c, x) in enumerate(zip(self.items, value, strict=True))
-        )
+        return tuple(_each(self.items, value, path, ctx))
+
+
+def _items(item: _Codec, values: list, path: str, ctx: _Decoding) -> list:
+    """Each of `values` checked by `item`; an error names its index after `path`."""
+    return _each(itertools.repeat(item, len(values)), values, path, ctx)
+
+
+def _each(codecs: Iterable[_Codec], values: list, path: str, ctx: _Decoding) -> list:
+    """Each of `values` checked by its codec; an error names its index after `path`."""
+    checked = []
+    index = 0
+    try:
+        for codec, value in zip(codecs, values, strict=True):
+            checked.append(codec.from_wire(value, "", ctx))
+            index += 1
+    except WireError as error:
+        raise WireError(f"{path}[{index}]{error}") from None
+    return checked
 
 
 class _Struct(_Codec):
@@ -170,6 +198,7 @@ class _Struct(_Codec):
     def __init__(self, cls: type):
         self.cls = cls
         self.fields: dict[str, _Codec] = {}
+        self.steps = {f.name: f".{f.name}" for f in dataclasses.fields(cls)}  # in an error's path
         self.required: frozenset[str] = frozenset(
             f.name
             for f in dataclasses.fields(cls)
@@ -188,10 +217,13 @@ class _Struct(_Codec):
         missing = self.required - value.keys()
         if missing:
             raise WireError(f"{path}: missing required field(s) {sorted(missing)}")
-        return self.cls(
-            **{name: c.from_wire(value[name], f"{path}.{name}", ctx)
-               for name, c in self.fields.items() if name in value}
-        )  # fmt: skip
+        steps = self.steps
+        try:
+            checked = {name: c.from_wire(value[name], steps[name], ctx)
+                       for name, c in self.fields.items() if name in value}  # fmt: skip
+        except WireError as error:
+            raise WireError(f"{path}{error}") from None
+        return self.cls(**checked)
 
 
 class _Tensor(_Codec):

@@ -433,6 +433,14 @@ GARBAGE = {
         submit(prompt_token_ids=[True]),
         "Submit.prompt_token_ids[0]: expected int, got bool",
     ),
+    "int in str list": (
+        heartbeat(request_ids=["r1", 7]),
+        "Heartbeat.request_ids[1]: expected str, got int",
+    ),
+    "long id in a list of ids": (
+        heartbeat(request_ids=["r1", "r" * 129]),
+        "Heartbeat.request_ids[1]: string of 129 chars exceeds 128",
+    ),
     "list for map": (submit(sampling=[]), "Submit.sampling: expected a map, got list"),
     "nested wrong type": (submit(sampling={"top_k": True}), "Submit.sampling.top_k: expected int"),
     "nested unknown field": (
@@ -464,6 +472,24 @@ GARBAGE = {
             ),
         ],
         "Tokens.deltas[0].top_logprobs[0][0]: expected an array of 2",
+    ),
+    "deep nested pair item": (
+        [
+            b"\x0a",
+            msgpack.packb(
+                {
+                    "deltas": [
+                        {"request_id": "r", "token_ids": [1]},
+                        {
+                            "request_id": "s",
+                            "token_ids": [2],
+                            "top_logprobs": [[[1, 0.5], [2, "x"]]],
+                        },
+                    ]
+                }
+            ),
+        ],
+        "Tokens.deltas[1].top_logprobs[0][1][1]: expected float, got str",
     ),
     "frame out of range": (
         tensor_frames({"frame": 9}),
