@@ -74,10 +74,10 @@ class _Codec(abc.ABC):
     """Turns a field value into its header form (collecting tensors) and checks it back.
     `leaf`: the header form is the value itself, so lists of leaves pass through unwalked.
 
-    A `WireError` from `from_wire` begins with the `path` it was given. A map or list hands its
-    items only their own step (`.name`, `[3]`, precomputed or empty) and puts its path in front
-    of an error on the way out, so a valid message builds no path strings at all (they were a
-    fifth of decoding a heartbeat)."""
+    A `WireError` from `from_wire` begins with the `path` it was given. A map hands each field
+    only its own step (`.name`, precomputed), a list hands its items nothing, and each puts its
+    path (and the index) in front of an error on the way out: a valid message builds no path
+    strings at all (they were about a tenth of decoding a small heartbeat)."""
 
     leaf = True
 
