@@ -12,6 +12,7 @@ from, so one scrape target suffices for a local cluster.
 from __future__ import annotations
 
 import bisect
+import functools
 import socket
 import threading
 from collections.abc import Callable
@@ -63,6 +64,7 @@ GC_PAUSE_BUCKETS = (
 )  # fmt: skip  # a collection of the young generation to a full walk of a million objects
 
 
+@functools.cache  # every engine step asks (and every simulated one): a label, not a new string
 def batch_range(num_sequences: int) -> str:
     """The label of the BATCH_SIZE_BUCKETS range a batch size falls in: its upper bound."""
     index = bisect.bisect_left(BATCH_SIZE_BUCKETS, num_sequences)

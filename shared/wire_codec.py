@@ -156,7 +156,7 @@ class _List(_Codec):
         # item by item walk names the first bad one.
         if isinstance(self.item, _Exact) and self.item.all_pass(value):
             return value
-        return _items(self.item, value, path, ctx)
+        return _each(itertools.repeat(self.item, len(value)), value, path, ctx)
 
 
 class _Tuple(_Codec):
@@ -169,11 +169,6 @@ class _Tuple(_Codec):
         if type(value) is not list or len(value) != len(self.items):
             raise WireError(f"{path}: expected an array of {len(self.items)}, got {value!r:.80}")
         return tuple(_each(self.items, value, path, ctx))
-
-
-def _items(item: _Codec, values: list, path: str, ctx: _Decoding) -> list:
-    """Each of `values` checked by `item`; an error names its index after `path`."""
-    return _each(itertools.repeat(item, len(values)), values, path, ctx)
 
 
 def _each(codecs: Iterable[_Codec], values: list, path: str, ctx: _Decoding) -> list:

@@ -57,10 +57,6 @@ class Cluster(Protocol):
     def step_profile(self) -> WorkerProfile: ...  # what times a step starting now
 
 
-# Batch sizes' range labels, by batch size (one step records one: a label, not a new string).
-_BATCH_LABELS: dict[int, str] = {}
-
-
 @dataclass
 class WorkerStats:
     busy_s: float = 0.0  # time spent in steps
@@ -82,9 +78,7 @@ class WorkerStats:
         self.num_step_sequences += num_sequences
         self.step_counts[bisect.bisect_left(STEP_BUCKETS, duration_s)] += 1
         if num_sequences > 0:
-            label = _BATCH_LABELS.get(num_sequences)
-            if label is None:
-                label = _BATCH_LABELS[num_sequences] = batch_range(num_sequences)
+            label = batch_range(num_sequences)
             counts = self.by_batch.get(label)
             if counts is None:
                 counts = self.by_batch[label] = [0.0, 0.0, 0.0, 0.0]
