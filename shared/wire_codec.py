@@ -26,6 +26,7 @@ from typing import (
 
 import msgpack
 
+from shared.gc_policy import untrack_atoms
 from shared.wire_base import (
     DTYPE_NAMES,
     MAX_HEADER_BYTES,
@@ -43,6 +44,11 @@ from shared.wire_base import (
 
 if TYPE_CHECKING:
     import torch
+
+# A list of atoms at least this long is untracked as it is decoded. Shorter ones cost a
+# collection less than the call (about 0.2 us, some 20 items' visits in the collections a
+# held list lives through).
+UNTRACK_MIN_LEN = 64
 
 # ----------------------------------------------------------------------------------------------
 # Codecs: one per annotation, built once at import
@@ -103,11 +109,13 @@ class _Exact(_Codec):
         return value
 
     def all_pass(self, values: list) -> bool:
-        """Whether every one of `values` passes: one pass over the types, one over lengths."""
+        """Whether every one of `values` passes: one pass over the types, one over lengths.
+        The types are counted in C (`map`, `list.count`): a generator's step per item took
+        twice as long as unpacking the item (1,500 token ids: 34 against 17 us)."""
         kind, max_len = self.kind, self.max_len
-        if not all(type(x) is kind for x in values):
+        if list(map(type, values)).count(kind) != len(values):
             return False
-        return max_len is None or all(len(x) <= max_len for x in values)
+        return max_len is None or max(map(len, values), default=0) <= max_len
 
 
 class _Float(_Codec):
@@ -153,8 +161,12 @@ class _List(_Codec):
         if len(value) > self.max_len:
             raise WireError(f"{path}: list of {len(value)} entries exceeds {self.max_len}")
         # Fast path for lists of ints or strings (token ids, up to a million; request ids); the
-        # item by item walk names the first bad one.
+        # item by item walk names the first bad one. A long list of them is held (a prompt,
+        # queued in the scheduler, kept by a worker) and holds no container: off the
+        # collector's books (`untrack_atoms`).
         if isinstance(self.item, _Exact) and self.item.all_pass(value):
+            if len(value) >= UNTRACK_MIN_LEN:
+                untrack_atoms(value)
             return value
         return _each(itertools.repeat(self.item, len(value)), value, path, ctx)
 

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from loadtest.scheduler_scale import ScaleBench, hello
 from services.scheduler.core import Phase
 from shared import wire
-from shared.gc_policy import CollectionTimer, SurvivorFreezer
+from shared.gc_policy import CollectionTimer, SurvivorFreezer, untrack_atoms
 from shared.lifecycle import DecodeEvents, GatewayEvents, PrefillEvents, SchedulerEvents
 from shared.logs import get_logger
 
@@ -62,6 +62,15 @@ def test_survivors_of_a_full_collection_are_frozen_and_thawed_on_the_period(thaw
 def test_a_period_that_is_not_positive_is_refused(thaw_every_s):
     with pytest.raises(ValueError, match="thaw_every_s must be positive"):
         SurvivorFreezer(thaw_every_s)
+
+
+def test_a_list_of_atoms_untracked_stays_a_list():
+    prompt = list(range(100))
+    untrack_atoms(prompt)
+    untrack_atoms(prompt)  # again: no effect, as CPython's own call
+    assert not gc.is_tracked(prompt)
+    prompt.append(100)
+    assert prompt == list(range(101)) and sum(prompt) == 5050
 
 
 @pytest.mark.parametrize("indexes", ["native", "python"])

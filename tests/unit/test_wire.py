@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import re
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from shared import wire
 from shared.engine.sampling_params import SamplingParams
 from shared.wire import MessageType, WireError
-from shared.wire_codec import _numel
+from shared.wire_codec import UNTRACK_MIN_LEN, _numel
 
 # ----------------------------------------------------------------------------------------------
 # Strategies derived from the field annotations, the same way the module derives its codecs.
@@ -164,6 +165,56 @@ def test_a_million_prompt_tokens_are_accepted():
         decode_address="a",
     )
     assert wire.decode(wire.encode(msg)) == msg
+
+
+def submit_of(num_tokens: int) -> wire.Submit:
+    return wire.Submit(
+        request_id="r",
+        prompt_token_ids=list(range(num_tokens)),
+        sampling=wire.SamplingSpec(),
+        tenant="t",
+        priority=0,
+        gateway_peer_id="g",
+        arrival_time=0.0,
+    )
+
+
+def test_long_lists_of_atoms_are_decoded_off_the_collectors_books():
+    """A queued prompt is held for its whole wait: the collector would walk every token id of
+    it in each collection it lived through."""
+    long = wire.decode(wire.encode(submit_of(UNTRACK_MIN_LEN)))
+    assert long.prompt_token_ids == list(range(UNTRACK_MIN_LEN))
+    assert not gc.is_tracked(long.prompt_token_ids)
+    short = wire.decode(wire.encode(submit_of(UNTRACK_MIN_LEN - 1)))
+    assert gc.is_tracked(short.prompt_token_ids)  # the call would cost more than it saves
+    ids = [f"r{i}" for i in range(UNTRACK_MIN_LEN)]
+    beat = wire.Heartbeat(
+        peer_id="d",
+        num_waiting=0,
+        num_running=0,
+        num_free_blocks=0,
+        num_total_blocks=0,
+        steps_completed=0,
+        sent_at=0.0,
+        request_ids=ids,
+    )
+    assert not gc.is_tracked(wire.decode(wire.encode(beat)).request_ids)
+    # A list of containers stays tracked: it could be part of a cycle.
+    deltas = [wire.TokenDelta(request_id=f"r{i}", token_ids=[1]) for i in range(UNTRACK_MIN_LEN)]
+    assert gc.is_tracked(wire.decode(wire.encode(wire.Tokens(deltas=deltas))).deltas)
+
+
+def test_a_list_that_fails_the_one_pass_check_is_named_item_by_item():
+    for spoiled, message in (
+        ([0] * 100 + [True], "prompt_token_ids[100]: expected int, got bool"),
+        ([0] * 100 + [1.5], "prompt_token_ids[100]: expected int, got float"),
+        (["0"] + [0] * 100, "prompt_token_ids[0]: expected int, got str"),
+    ):
+        code, header = wire.encode(submit_of(4))
+        fields = msgpack.unpackb(header)
+        fields["prompt_token_ids"] = spoiled
+        with pytest.raises(WireError, match=re.escape(message)):
+            wire.decode([code, msgpack.packb(fields)])
 
 
 # ----------------------------------------------------------------------------------------------
