@@ -23,13 +23,11 @@ scheduler which prefixes it holds.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from shared.engine.block_chain import chain_blocks, digest
 from shared.engine.retention import Clock, RetentionLru
 
 HASH_SCHEME = "blake2b64-chain-v1"  # change when the hash changes: old indexes must not match
@@ -58,10 +56,6 @@ def worker_cache_key(key: CacheKey, shared_between_tenants: bool) -> str:
     return f"{key}{TENANTS_SEPARATOR}{'shared' if shared_between_tenants else 'own'}"
 
 
-def _digest(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
 def root_hash(key: CacheKey, salt: str | None = None) -> int:
     """The parent hash of a sequence's first block: the cache key, plus the salt (tenant or
     `cache_salt`) that keeps one tenant's blocks from matching another's."""
@@ -71,23 +65,17 @@ def root_hash(key: CacheKey, salt: str | None = None) -> int:
 def root_hash_of(key_text: str, salt: str | None = None) -> int:
     """`root_hash` from the key's text, as workers send it to the scheduler."""
     salt_part = "" if salt is None else f"|salt:{salt}"
-    return _digest(f"{key_text}{salt_part}".encode())
-
-
-def block_hash(parent: int, token_ids: list[int]) -> int:
-    """The hash of one full block after the block hashed `parent`."""
-    return _digest(struct.pack(f"<Q{len(token_ids)}q", parent, *token_ids))
+    return digest(f"{key_text}{salt_part}".encode())
 
 
 def chain_hashes(
     root: int, token_ids: list[int], block_size: int, parent: int | None = None, start: int = 0
-) -> Iterator[int]:
+) -> list[int]:
     """Hashes of the full blocks of `token_ids` from block index `start` on (whose parent hash is
     `parent`, or the root when `start` is 0)."""
-    previous = root if parent is None else parent
-    for begin in range(start * block_size, len(token_ids) - block_size + 1, block_size):
-        previous = block_hash(previous, token_ids[begin : begin + block_size])
-        yield previous
+    first = root if parent is None else parent
+    num_blocks = max(0, len(token_ids) // block_size - start)
+    return chain_blocks(first, token_ids, block_size, start, num_blocks)
 
 
 def prompt_chain(
@@ -98,12 +86,9 @@ def prompt_chain(
     them: salted by the tenant unless they share blocks between tenants. The scheduler's index
     hashes prompts with it, and so do the planner's simulated workers."""
     key_text, _, tenants = worker_key.rpartition(TENANTS_SEPARATOR)
-    parent = root_hash_of(key_text, None if tenants == "shared" else salt)
-    hashes = []
-    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+    root = root_hash_of(key_text, None if tenants == "shared" else salt)
+    num_blocks = max(0, (len(token_ids) - 1) // block_size)
+    return chain_blocks(root, token_ids, block_size, 0, num_blocks)
 
 
 class Eviction(NamedTuple):

@@ -1,5 +1,5 @@
-"""The scheduler's C (`queue_index.c`, `decode_room.c`, `prefill_room.c`) under
-AddressSanitizer and UndefinedBehaviorSanitizer.
+"""The scheduler's C (`queue_index.c`, `decode_room.c`, `prefill_room.c`) and the prefix cache's
+block chain (`block_chain.c`) under AddressSanitizer and UndefinedBehaviorSanitizer.
 
 A read past an array or a use after free in the C indexes would not fail a twin test reliably (the
 memory read may hold anything, or what was there before): it would crash a scheduler some day,
@@ -48,6 +48,7 @@ def test_the_twin_tests_run_clean_under_the_sanitizers(tmp_path):
         "tests/unit/test_scheduler_indexes.py::test_indexed_core_decides_as_the_scanning_one[native]",
         "tests/unit/test_scheduler_indexes.py"
         "::test_indexed_core_decides_as_the_scanning_one_with_prefix_caches[native]",
+        "tests/unit/test_block_chain.py",
     ]
     # -s: a sanitizer's report goes to the process's stderr, which pytest's capture would lose
     # when the report ends the process.
@@ -60,6 +61,6 @@ def test_the_twin_tests_run_clean_under_the_sanitizers(tmp_path):
     assert done.returncode == 0 and "Sanitizer" not in output, output[-6000:]
     passed = re.search(r"(\d+) passed", output)
     assert passed and int(passed.group(1)) >= 58, output[-2000:]  # the twins all ran
-    for source in ("queue_index", "decode_room", "prefill_room"):
+    for source in ("queue_index", "decode_room", "prefill_room", "block_chain"):
         built = list((tmp_path / "native").glob(f"{source}-*.so"))
         assert built, f"no instrumented build of {source}.c ran"

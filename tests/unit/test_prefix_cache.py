@@ -5,14 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.engine.block_chain import block_hash
 from shared.engine.block_manager import BlockManager
-from shared.engine.prefix_cache import (
-    CacheKey,
-    PrefixCache,
-    block_hash,
-    chain_hashes,
-    root_hash,
-)
+from shared.engine.prefix_cache import CacheKey, PrefixCache, chain_hashes, root_hash
 
 KEY = CacheKey("smollm2", "float32", 4)
 
