@@ -118,46 +118,50 @@ static PyObject *chain(PyObject *module, PyObject *args) {
     Py_ssize_t num_words = block_size + 1;
     Py_ssize_t room = (num_words + WORDS_PER_BLOCK - 1) / WORDS_PER_BLOCK * WORDS_PER_BLOCK;
     uint64_t *words = PyMem_Calloc((size_t)room, sizeof(uint64_t));
-    PyObject *hashes = PyList_New(num_blocks);
-    if (words == NULL || hashes == NULL) {
-        PyMem_Free(words);
-        Py_XDECREF(hashes);
-        Py_DECREF(tokens);
-        return words == NULL ? PyErr_NoMemory() : NULL;
+    uint64_t *chained = PyMem_Malloc((size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(uint64_t));
+    PyObject *hashes = NULL;
+    if (words == NULL || chained == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    for (Py_ssize_t block = 0; block < num_blocks; block++) {
-        PyObject **block_items = items + (first_block + block) * block_size;
+    Py_ssize_t num_hashed = 0;
+    for (; num_hashed < num_blocks; num_hashed++) {
+        PyObject **block_items = items + (first_block + num_hashed) * block_size;
+        int hashable = 1;
         words[0] = parent;
-        for (Py_ssize_t i = 0; i < block_size; i++) {
+        for (Py_ssize_t i = 0; i < block_size && hashable; i++) {
             if (!PyLong_Check(block_items[i])) { /* no __index__ call: it could change the list */
                 PyErr_Format(PyExc_TypeError, "token ids must be ints, got %.50s",
                              Py_TYPE(block_items[i])->tp_name);
-                goto fail;
+                goto done;
             }
-            long long token = PyLong_AsLongLong(block_items[i]);
-            if (token == -1 && PyErr_Occurred()) goto fail;
+            int overflow;
+            long long token = PyLong_AsLongLongAndOverflow(block_items[i], &overflow);
+            hashable = !overflow;
             words[i + 1] = (uint64_t)token;
         }
-        parent = digest_words(words, num_words);
-        PyObject *value = PyLong_FromUnsignedLongLong(parent);
-        if (value == NULL) goto fail;
-        PyList_SET_ITEM(hashes, block, value);
+        if (!hashable) break; /* outside int64: no hash, the chain ends (see block_chain.py) */
+        parent = chained[num_hashed] = digest_words(words, num_words);
     }
+    hashes = PyList_New(num_hashed);
+    for (Py_ssize_t i = 0; hashes != NULL && i < num_hashed; i++) {
+        PyObject *value = PyLong_FromUnsignedLongLong(chained[i]);
+        if (value == NULL) Py_CLEAR(hashes);
+        else PyList_SET_ITEM(hashes, i, value);
+    }
+done:
     PyMem_Free(words);
+    PyMem_Free(chained);
     Py_DECREF(tokens);
     return hashes;
-fail:
-    PyMem_Free(words);
-    Py_DECREF(hashes);
-    Py_DECREF(tokens);
-    return NULL;
 }
 
 static PyMethodDef METHODS[] = {
     {"chain", chain, METH_VARARGS,
      "chain(parent, token_ids, block_size, first_block, num_blocks): the hashes of the blocks "
      "token_ids[first_block * block_size:(first_block + num_blocks) * block_size], each "
-     "chained on the one before, the first on `parent`."},
+     "chained on the one before, the first on `parent`; it ends before a block holding a token "
+     "id outside int64."},
     {NULL, NULL, 0, NULL},
 };
 

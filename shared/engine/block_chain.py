@@ -23,6 +23,7 @@ from shared.config import cache_dir
 from shared.logs import get_logger
 
 CHAINS = ("auto", "native", "python")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 log = get_logger(component="prefix_cache")
 
@@ -43,13 +44,27 @@ def python_chain(
     parent: int, token_ids: Sequence[int], block_size: int, first_block: int, num_blocks: int
 ) -> list[int]:
     """The hashes of blocks `first_block` to `first_block + num_blocks` of `token_ids`, the
-    first chained on `parent`."""
+    first chained on `parent`. The chain ends before a block holding a token id outside int64:
+    no model has one and the workers refuse it, but a message may carry one (the wire takes
+    any int), and the scheduler and the decode workers hash a prompt before any worker has
+    checked it. Such a block is never cached, so no hash is the truth: nothing matches it."""
     hashes = []
     begin = first_block * block_size
     for start in range(begin, begin + num_blocks * block_size, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+        block = token_ids[start : start + block_size]
+        try:
+            parent = block_hash(parent, block)
+        except struct.error:
+            if _outside_int64(block):
+                break
+            raise
         hashes.append(parent)
     return hashes
+
+
+def _outside_int64(token_ids: Sequence[int]) -> bool:
+    ints = all(isinstance(token, int) for token in token_ids)
+    return ints and not all(INT64_MIN <= token <= INT64_MAX for token in token_ids)
 
 
 @functools.cache

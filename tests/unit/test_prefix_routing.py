@@ -180,6 +180,28 @@ def test_core_sends_a_prompt_to_the_prefill_worker_holding_its_prefix():
     assert (status.num_predicted_cached_tokens, status.num_actual_cached_tokens) == (64, 48)
 
 
+def test_a_prompt_token_outside_int64_is_placed_not_a_crash():
+    """The wire takes any int (msgpack carries up to 2**64 - 1); no worker holds such a block,
+    so the prompt's chain ends before it and the request is placed on what precedes it (the
+    prefill worker's engine then refuses it with a clear error). It used to raise out of the
+    core's dispatch, which ends the scheduler's loop."""
+    core = ClusterScheduler(SchedulerLimits())
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
+    core.on_hello(b"D", dataclasses.replace(hello("d", "decode", blocks=1000), cache_key=OWN), 0.0)
+    request = submit("r", prompt_len=80)
+    tokens = [*request.prompt_token_ids[:40], 2**64 - 1, *request.prompt_token_ids[41:]]
+    spoiled = wire.decode(wire.encode(dataclasses.replace(request, prompt_token_ids=tokens)))
+    assert core.placement.prompt_hashes(spoiled) == core.placement.prompt_hashes(request)[:2]
+    (reply,) = sent(core.on_submit(b"G", spoiled, 0.0), wire.SubmitReply)
+    assert reply.message.accepted
+    out = core.on_reserve_reply(
+        wire.ReserveReply(request_id="r", ok=True, num_free_blocks=900), 0.0
+    )
+    (job,) = sent(out, wire.PrefillJob)
+    assert job.message.prompt_token_ids == tokens
+
+
 def test_a_conversation_returns_to_its_decode_worker_unless_it_is_far_busier():
     holder = decode_affinity(num_cached_tokens=900, num_tokens=1000, num_requests=4, max_num_seqs=8)
     idle = decode_affinity(num_cached_tokens=0, num_tokens=1000, num_requests=0, max_num_seqs=8)
