@@ -26,6 +26,7 @@ MAX_STR_LEN = 4096  # any other string
 MAX_JSON_LEN = 8 << 20  # an RPC call's JSON body or event (the HTTP API's body limit)
 MAX_LIST_LEN = 4096  # any other list
 MAX_TENSOR_DIMS = 8
+MAX_COUNT = 1 << 40  # any count a worker reports (tokens, blocks, steps): a thousand years of steps
 MAX_CONSTRAINT_CHARS = 64 << 10  # a schema, regex or grammar (the engine's cap)
 
 # The dtypes a tensor frame may hold, by their header name (torch's name for each).
@@ -56,6 +57,14 @@ class MaxLen:
 
 
 @dataclass(frozen=True)
+class Range:
+    """Annotation metadata: the least and the most an int field may be (both included)."""
+
+    low: int
+    high: int
+
+
+@dataclass(frozen=True)
 class TensorOf:
     """Annotation metadata: the dtypes (header names) and number of dimensions a tensor may have."""
 
@@ -65,6 +74,10 @@ class TensorOf:
 
 RequestId = Annotated[str, MaxLen(MAX_REQUEST_ID_LEN)]
 TokenIds = Annotated[list[int], MaxLen(MAX_TOKEN_IDS)]
+# A worker's count of tokens, blocks, sequences or steps. MessagePack carries any int up to
+# 2**64 - 1; bounded, a count fits the scheduler's C indexes, and the cluster's sums of them
+# fit the status it encodes again.
+Count = Annotated[int, Range(0, MAX_COUNT)]
 Role = Literal["gateway", "prefill", "decode"]
 Phase = Literal["prefill", "decode"]
 KvBlocks = Annotated[Tensor, TensorOf(ndim=5)]

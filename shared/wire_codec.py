@@ -36,6 +36,7 @@ from shared.wire_base import (
     MAX_TOKEN_IDS,
     FrameLike,
     MaxLen,
+    Range,
     Tensor,
     TensorOf,
     TensorRef,
@@ -116,6 +117,25 @@ class _Exact(_Codec):
         if list(map(type, values)).count(kind) != len(values):
             return False
         return max_len is None or max(map(len, values), default=0) <= max_len
+
+
+class _BoundedInt(_Exact):
+    """An int within [low, high]: a count a worker reports."""
+
+    def __init__(self, low: int, high: int):
+        super().__init__(int)
+        self.low, self.high = low, high
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> Any:
+        super().from_wire(value, path, ctx)
+        if not self.low <= value <= self.high:
+            raise WireError(f"{path}: {value} is outside [{self.low}, {self.high}]")
+        return value
+
+    def all_pass(self, values: list) -> bool:
+        if not super().all_pass(values):
+            return False
+        return not values or (min(values) >= self.low and max(values) <= self.high)
 
 
 class _Float(_Codec):
@@ -259,16 +279,22 @@ class _Tensor(_Codec):
         return _tensor_from_buffer(buf, dtype, ref.shape)
 
 
-def _codec_for(tp: Any, max_len: int | None = None, spec: TensorOf | None = None) -> _Codec:
+def _codec_for(
+    tp: Any,
+    max_len: int | None = None,
+    spec: TensorOf | None = None,
+    bounds: Range | None = None,
+) -> _Codec:
     origin, args = get_origin(tp), get_args(tp)
     if origin is Annotated:
         meta = tp.__metadata__
         max_len = next((m.value for m in meta if isinstance(m, MaxLen)), max_len)
         spec = next((m for m in meta if isinstance(m, TensorOf)), spec)
-        return _codec_for(args[0], max_len, spec)
+        bounds = next((m for m in meta if isinstance(m, Range)), bounds)
+        return _codec_for(args[0], max_len, spec, bounds)
     if origin in (Union, types.UnionType):
         (inner,) = [a for a in args if a is not type(None)]  # only `X | None` is supported
-        return _Optional(_codec_for(inner, max_len, spec))
+        return _Optional(_codec_for(inner, max_len, spec, bounds))
     if origin is Literal:
         return _Choice(args)
     if origin is list:
@@ -277,6 +303,8 @@ def _codec_for(tp: Any, max_len: int | None = None, spec: TensorOf | None = None
         return _Tuple(tuple(_codec_for(a) for a in args))
     if tp is float:
         return _Float()
+    if tp is int and bounds is not None:
+        return _BoundedInt(bounds.low, bounds.high)
     if tp in (int, bool):
         return _Exact(tp)
     if tp is str:

@@ -11,6 +11,7 @@ from shared.wire_base import (
     MAX_HELD_IDS,
     MAX_RECENT_STEPS,
     MAX_TOKEN_IDS,
+    Count,
     MaxLen,
     Message,
     MessageType,
@@ -63,29 +64,31 @@ class Heartbeat(Message):
 
     TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
     peer_id: str
-    num_waiting: int  # sequences queued, not yet running
-    num_running: int  # sequences in the running batch
-    num_free_blocks: int  # free KV blocks (not reserved, not in use, not claimed by preempted)
-    num_total_blocks: int
-    steps_completed: int  # engine steps since start; stuck while busy means unhealthy
+    num_waiting: Count  # sequences queued, not yet running
+    num_running: Count  # sequences in the running batch
+    num_free_blocks: Count  # free KV blocks (not reserved, not in use, not claimed by preempted)
+    num_total_blocks: Count
+    steps_completed: Count  # engine steps since start; stuck while busy means unhealthy
     sent_at: float  # sender's wall clock (time.time()), seconds
-    num_swapped: int = 0  # preempted sequences whose KV waits in host memory
-    num_swap_preemptions: int = 0  # since start: sequences swapped out to make room
-    num_recompute_preemptions: int = 0  # since start: sequences dropped to be recomputed
+    num_swapped: Count = 0  # preempted sequences whose KV waits in host memory
+    num_swap_preemptions: Count = 0  # since start: sequences swapped out to make room
+    num_recompute_preemptions: Count = 0  # since start: sequences dropped to be recomputed
     # The requests it holds state for (reservations, jobs, transfers, sequences): the lease
     # check. The scheduler cancels any it has given up on, in case that cancel went astray.
     request_ids: Annotated[list[RequestId], MaxLen(MAX_HELD_IDS)] = field(default_factory=list)
     # Sequences in each engine step since the last heartbeat, oldest first (the batch picture).
-    recent_batch_sizes: Annotated[list[int], MaxLen(MAX_RECENT_STEPS)] = field(default_factory=list)
+    recent_batch_sizes: Annotated[list[Count], MaxLen(MAX_RECENT_STEPS)] = field(
+        default_factory=list
+    )
     # Prefix cache events (block hashes) since the previous heartbeat. Heartbeats are numbered
     # 1, 2, ... from HELLO on: a number skipped means events were lost, and the scheduler
     # forgets the worker's set until the next full one (the first, then every few seconds).
-    cache_events_seq: int = 0  # 0: the worker keeps no prefix cache
+    cache_events_seq: Count = 0  # 0: the worker keeps no prefix cache
     cache_full: bool = False  # cache_stored is the worker's whole set, not a change
     cache_stored: Annotated[list[int], MaxLen(MAX_TOKEN_IDS)] = field(default_factory=list)
     cache_evicted: Annotated[list[int], MaxLen(MAX_TOKEN_IDS)] = field(default_factory=list)
-    num_prefix_query_tokens: int = 0  # since start: prompt tokens looked up in the cache
-    num_prefix_hit_tokens: int = 0  # since start: of them, found (their computation skipped)
+    num_prefix_query_tokens: Count = 0  # since start: prompt tokens looked up in the cache
+    num_prefix_hit_tokens: Count = 0  # since start: of them, found (their computation skipped)
     prefill_tokens_per_s: float = 0.0  # the engine's measured prefill rate (0: not yet)
     step_s: float = 0.0  # its engine steps' recent duration (moving average), seconds; 0: none
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from shared.wire_base import (
+    Count,
     Message,
     MessageType,
     Phase,
@@ -82,8 +83,8 @@ class ReserveReply(Message):
     TYPE: ClassVar[MessageType] = MessageType.RESERVE_REPLY
     request_id: RequestId
     ok: bool  # blocks held for the lease
-    num_free_blocks: int  # free blocks after the reservation (or now, when refused)
-    num_cached_blocks: int = 0  # leading blocks of the KV it holds already (pinned for the lease)
+    num_free_blocks: Count  # free blocks after the reservation (or now, when refused)
+    num_cached_blocks: Count = 0  # leading blocks of the KV it holds already (pinned for the lease)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,12 +140,12 @@ class RequestDone(Message):
     peer_id: str  # the reporting worker
     phase: Phase  # prefill: KV handed to decode; decode: generation over
     finish_reason: str | None  # None when the prefill phase ends normally
-    num_prompt_tokens: int
-    num_output_tokens: int  # tokens generated on this worker
-    num_cached_tokens: int = 0  # prefill phase: prompt tokens its prefix cache spared computing
+    num_prompt_tokens: Count
+    num_output_tokens: Count  # tokens generated on this worker
+    num_cached_tokens: Count = 0  # prefill phase: prompt tokens its prefix cache spared computing
     # Where the request's stream ended, when it ended here (finished, or refused): the output's
     # length, a resumed attempt's given tokens included. None when it went on elsewhere.
-    output_length: int | None = None
+    output_length: Count | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -70,6 +70,9 @@ from shared import wire
 
 MAX_ABANDONED = 65536  # request ids remembered as given up on, for the heartbeats' lease check
 MAX_PARTIES_SHOWN = 256  # the status lists at most this many tenant/class accounts
+# A SUBMIT's priority: an int32, as the gateway's API takes it (the fair queue's C index keeps
+# it in 64 bits; the wire takes any int).
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 # Heartbeats of its decode worker that may leave out a decoding request before it is taken as
 # ended unheard. One can be stale: sent before the worker took the KV, it may arrive after the
 # prefill worker's report of the handoff (another connection). Two in a row cannot.
@@ -423,6 +426,11 @@ class ClusterScheduler:
                 ),
                 None,
             )
+        if submit.gateway_peer_id not in self.gateways:  # its tokens would have nowhere to go
+            return 400, f"gateway {submit.gateway_peer_id!r} has not said HELLO", None
+        if not PRIORITY_MIN <= submit.priority <= PRIORITY_MAX:
+            bounds = f"[{PRIORITY_MIN}, {PRIORITY_MAX}]"
+            return 400, f"priority must be in {bounds} (as the API), got {submit.priority}", None
         if submit.resumed_from is not None:
             return None  # admitted before its worker was lost: load does not refuse it now
         too_many = len(self.queue) >= self.limits.max_queued_requests

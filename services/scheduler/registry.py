@@ -118,8 +118,10 @@ class WorkerRegistry:
     def report_free_blocks(
         self, worker: WorkerState, num_free_blocks: int, heartbeat: bool
     ) -> None:
-        """The worker's own count; a heartbeat's already reflects every reservation made."""
-        worker.num_free_blocks = num_free_blocks
+        """The worker's own count; a heartbeat's already reflects every reservation made.
+        Read within its pool (the HELLO's blocks): a count past it is a broken report, and the
+        wire takes any int, which the C rooms cannot hold."""
+        worker.num_free_blocks = min(max(0, num_free_blocks), worker.num_total_blocks)
         if heartbeat:
             worker.num_promised_blocks = 0
         if worker.role == "decode":

@@ -219,16 +219,28 @@ class SchedulerConfig(CurveSettings):
         )
 
 
+# Beyond any real worker's, and small enough that the registry's C rooms count in 64 bits
+# (blocks times block size, seats summed over a thousand workers): the wire takes any int.
+MAX_BLOCK_SIZE = 1 << 16
+MAX_NUM_SEQS = 1 << 20
+MAX_KV_BLOCKS = 1 << 40
+
+
 def worker_shape_refusal(hello: wire.Hello) -> str | None:
     """Why a worker's KV cache, as its HELLO describes it, cannot be counted in (the registry
     divides by its block size and seats); None when it can, and for a gateway."""
     if hello.role == "gateway":
         return None
-    if hello.block_size >= 1 and hello.max_num_seqs >= 1 and hello.num_kv_blocks >= 0:
+    if (
+        1 <= hello.block_size <= MAX_BLOCK_SIZE
+        and 1 <= hello.max_num_seqs <= MAX_NUM_SEQS
+        and 0 <= hello.num_kv_blocks <= MAX_KV_BLOCKS
+    ):
         return None
     return (
-        f"a {hello.role} worker needs block_size >= 1, max_num_seqs >= 1 and num_kv_blocks >= "
-        f"0, got {hello.block_size}, {hello.max_num_seqs} and {hello.num_kv_blocks}"
+        f"a {hello.role} worker needs block_size in [1, {MAX_BLOCK_SIZE}], max_num_seqs in "
+        f"[1, {MAX_NUM_SEQS}] and num_kv_blocks in [0, {MAX_KV_BLOCKS}], got "
+        f"{hello.block_size}, {hello.max_num_seqs} and {hello.num_kv_blocks}"
     )
 
 

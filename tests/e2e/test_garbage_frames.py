@@ -67,10 +67,12 @@ def say_hello(address: str, **shape) -> wire.Message | None:
 def test_a_worker_whose_kv_cache_cannot_be_counted_in_is_refused(cluster, openai_client):
     address = socket_addresses(cluster.log())["scheduler"]
     decode_workers = httpx.get(cluster.url + "/ready").json()["decode_workers"]
-    for shape in ({"block_size": 0}, {"max_num_seqs": 0}, {"num_kv_blocks": -1}):
+    shapes = [{"block_size": 0}, {"max_num_seqs": 0}, {"num_kv_blocks": -1}]
+    shapes += [{"block_size": 2**63}, {"max_num_seqs": 2**64 - 1}, {"num_kv_blocks": 2**62}]
+    for shape in shapes:
         answer = say_hello(address, **shape)
         assert isinstance(answer, wire.HelloAck) and not answer.accepted, (shape, answer)
-        assert "needs block_size >= 1, max_num_seqs >= 1" in answer.error
+        assert "needs block_size in [1, 65536], max_num_seqs in [1, " in answer.error
     response = openai_client.completions.create(
         model="smollm2", prompt="Still there?", max_tokens=4, temperature=0
     )

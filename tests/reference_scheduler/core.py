@@ -129,6 +129,11 @@ def num_prefill_tokens(submit: wire.Submit) -> int:
     return len(submit.prompt_token_ids) + len(submit.output_token_ids)
 
 
+def within_pool(worker: WorkerState, num_free_blocks: int) -> int:
+    """A reported free-block count, read within the worker's pool (as the registry reads it)."""
+    return min(max(0, num_free_blocks), worker.num_total_blocks)
+
+
 @dataclass
 class GatewayState:
     peer_id: str
@@ -219,7 +224,7 @@ class ClusterScheduler:
             )
             return [Outgoing(identity, ack)]
         worker.last_heartbeat = now
-        worker.num_free_blocks = heartbeat.num_free_blocks
+        worker.num_free_blocks = within_pool(worker, heartbeat.num_free_blocks)
         worker.num_running = heartbeat.num_running
         worker.num_waiting = heartbeat.num_waiting
         worker.num_swapped = heartbeat.num_swapped
@@ -343,7 +348,7 @@ class ClusterScheduler:
         if request is None or request.phase != Phase.RESERVING or worker is None:
             return []
         if not reply.ok:
-            worker.num_free_blocks = reply.num_free_blocks
+            worker.num_free_blocks = within_pool(worker, reply.num_free_blocks)
             return self._requeue(request, cancel_reason=None) + self.dispatch(now)
         prefill = self.registry.get(request.prefill_peer_id) if request.prefill_peer_id else None
         if prefill is None or not prefill.making_progress(now, self.limits.progress_timeout_s):

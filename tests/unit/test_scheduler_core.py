@@ -102,6 +102,14 @@ def test_request_goes_reserve_prefill_decode_done(core):
     assert not core.requests and not core.registry.get("d").request_ids
 
 
+def test_a_free_block_count_is_read_within_the_workers_pool(core):
+    """A report past the pool (a broken worker) would have more placed on it than it holds."""
+    core.on_heartbeat(b"D", heartbeat("d", free=wire.MAX_COUNT), 0.0)
+    assert core.registry.get("d").num_free_blocks == 100  # its HELLO's pool
+    core.on_heartbeat(b"D", heartbeat("d", free=40), 0.0)
+    assert core.registry.get("d").num_free_blocks == 40
+
+
 def test_no_worker_answers_503():
     c = ClusterScheduler(SchedulerLimits())
     out = c.on_submit(b"G", submit("r"), 0.0)

@@ -47,16 +47,19 @@ def _tensors(spec: wire.TensorOf) -> st.SearchStrategy[torch.Tensor]:
     return st.builds(build, st.sampled_from(spec.dtypes), shapes, st.integers(0, 2**32 - 1))
 
 
-def strategy_for(tp: Any, max_len: int | None = None, spec: Any = None) -> st.SearchStrategy:
+def strategy_for(
+    tp: Any, max_len: int | None = None, spec: Any = None, bounds: Any = None
+) -> st.SearchStrategy:
     origin, args = get_origin(tp), get_args(tp)
     if origin is Annotated:
         meta = tp.__metadata__
         max_len = next((m.value for m in meta if isinstance(m, wire.MaxLen)), max_len)
         spec = next((m for m in meta if isinstance(m, wire.TensorOf)), spec)
-        return strategy_for(args[0], max_len, spec)
+        bounds = next((m for m in meta if isinstance(m, wire.Range)), bounds)
+        return strategy_for(args[0], max_len, spec, bounds)
     if origin in (Union, types.UnionType):
         (inner,) = [a for a in args if a is not type(None)]
-        return st.none() | strategy_for(inner, max_len, spec)
+        return st.none() | strategy_for(inner, max_len, spec, bounds)
     if origin is Literal:
         return st.sampled_from(args)
     if origin is list:
@@ -67,6 +70,8 @@ def strategy_for(tp: Any, max_len: int | None = None, spec: Any = None) -> st.Se
         return st.floats(allow_nan=False)  # NaN != NaN; NaN bits are covered by the tensors
     if tp is bool:
         return st.booleans()
+    if tp is int and bounds is not None:
+        return st.integers(bounds.low, bounds.high)
     if tp is int:
         return st.integers(-(2**63), 2**64 - 1)  # what msgpack carries
     if tp is str:
@@ -202,6 +207,46 @@ def test_long_lists_of_atoms_are_decoded_off_the_collectors_books():
     # A list of containers stays tracked: it could be part of a cycle.
     deltas = [wire.TokenDelta(request_id=f"r{i}", token_ids=[1]) for i in range(UNTRACK_MIN_LEN)]
     assert gc.is_tracked(wire.decode(wire.encode(wire.Tokens(deltas=deltas))).deltas)
+
+
+WORKER_COUNTS = {
+    wire.Heartbeat: (
+        "num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "steps_completed",
+        "num_swapped", "num_swap_preemptions", "num_recompute_preemptions", "cache_events_seq",
+        "num_prefix_query_tokens", "num_prefix_hit_tokens",
+    ),
+    wire.ReserveReply: ("num_free_blocks", "num_cached_blocks"),
+    wire.RequestDone: (
+        "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "output_length"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", WORKER_COUNTS, ids=lambda c: c.__name__)
+def test_the_counts_a_worker_reports_are_bounded(cls):
+    """The scheduler keeps them in C (its rooms) and sums them into the status it encodes
+    again: 2**64 - 1 free blocks from one worker, or a running count that sums past what
+    MessagePack carries, ended its loop."""
+    valid = {
+        wire.Heartbeat: dict(peer_id="d", num_waiting=0, num_running=0, num_free_blocks=0,
+                             num_total_blocks=0, steps_completed=0, sent_at=0.0),
+        wire.ReserveReply: dict(request_id="r", ok=True, num_free_blocks=0),
+        wire.RequestDone: dict(request_id="r", peer_id="p", phase="decode", finish_reason=None,
+                               num_prompt_tokens=0, num_output_tokens=0),
+    }[cls]  # fmt: skip
+    code, header = wire.encode(cls(**valid))
+    for name in WORKER_COUNTS[cls]:
+        for value in (-1, wire.MAX_COUNT + 1, 2**64 - 1):
+            fields = {**msgpack.unpackb(header), name: value}
+            outside = f"{cls.__name__}.{name}: {value} is outside [0, {wire.MAX_COUNT}]"
+            with pytest.raises(WireError, match=re.escape(outside)):
+                wire.decode([code, msgpack.packb(fields)])
+        fields = {**msgpack.unpackb(header), name: wire.MAX_COUNT}
+        assert getattr(wire.decode([code, msgpack.packb(fields)]), name) == wire.MAX_COUNT
+    if cls is wire.Heartbeat:  # a list of counts, checked in one pass, named item by item
+        beat = {**msgpack.unpackb(header), "recent_batch_sizes": [3, 2**63]}
+        with pytest.raises(WireError, match=re.escape("recent_batch_sizes[1]: 922337")):
+            wire.decode([code, msgpack.packb(beat)])
 
 
 def test_a_list_that_fails_the_one_pass_check_is_named_item_by_item():
