@@ -68,7 +68,7 @@ class Reserve(Message):
 
     TYPE: ClassVar[MessageType] = MessageType.RESERVE
     request_id: RequestId
-    num_tokens: int  # tokens whose K/V will arrive (blocks = ceil(num_tokens / block_size))
+    num_tokens: Count  # tokens whose K/V will arrive (blocks = ceil(num_tokens / block_size))
     lease_s: float  # the reservation lapses unless the KV arrives within this many seconds
     # The tokens whose K/V will arrive and their cache salt: the worker holds (pins) the leading
     # full blocks it has cached, and only the rest is sent. Empty: no lookup.

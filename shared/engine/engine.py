@@ -253,6 +253,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         if not output_token_ids:
             raise ValueError("a prefilled sequence carries at least its first sampled token")
+        self._validate_token_ids([*prompt_token_ids, *output_token_ids], params, "token_ids")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, bulk=bulk)
         seq.output_token_ids = list(output_token_ids)
         seq.num_computed_tokens = seq.num_tokens - 1
@@ -329,13 +330,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    def _validate_token_ids(
+        self, token_ids: SequenceOf[int], params: SamplingParams, param: str = "prompt"
+    ) -> None:
+        """Every id the model reads (the tokens) or the sampler indexes logits by (the stop
+        ids, suppressed until `min_tokens`) is in the vocabulary: one past it raised in the
+        middle of a step, which ends the worker and every sequence in its batch."""
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(param, f"token ids must be integers in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab})")
+
     def _validate_prompt(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        self._validate_token_ids(prompt_token_ids, params)
         if num_prompt >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",

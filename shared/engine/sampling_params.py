@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # imported where a generator is made: a gateway validates wit
     import torch
 
 MAX_LOGPROBS = 20
+# Past any vocabulary; the sampler builds its top-k column as int64, which 2**63 overflowed in
+# the middle of a step (the whole batch's).
+MAX_TOP_K = 2**31 - 1
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts no larger value
 _FLOAT_FIELDS = (
     "temperature",
@@ -103,9 +106,9 @@ class SamplingParams:
         )
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(
-            self.top_k in (-1, 0) or self.top_k >= 1,
+            self.top_k in (-1, 0) or 1 <= self.top_k <= MAX_TOP_K,
             "top_k",
-            f"must be >= 1, or 0 or -1 for no limit, got {self.top_k}",
+            f"must be in [1, {MAX_TOP_K}], or 0 or -1 for no limit, got {self.top_k}",
         )
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")

@@ -210,6 +210,13 @@ def test_logprobs_present_and_finite(openai_client):
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
         ({"model": "gpt-5", "prompt": "x"}, 404, "model"),
         ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
+        # Each of these reached a worker and ended it in the middle of a step, batch and all.
+        (
+            {"model": MODEL, "prompt": "x", "stop_token_ids": [10**9], "min_tokens": 1},
+            400,
+            "stop_token_ids",
+        ),
+        ({"model": MODEL, "prompt": "x", "top_k": 2**63}, 400, "top_k"),
     ],
 )
 def test_errors_have_openai_shape(cluster, body, status, param):

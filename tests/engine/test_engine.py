@@ -232,6 +232,9 @@ def test_eos_semantics_follow_vllm(model):
         ([5] * 600, GREEDY, "prompt"),  # longer than the tiny model's 512-token context
         ([5] * 500, dataclasses.replace(GREEDY, max_tokens=20), "max_tokens"),
         ([5, 300], GREEDY, "prompt"),  # token id outside the vocabulary
+        # The sampler indexes the logits by a stop id until min_tokens: one past the
+        # vocabulary raised in the middle of the step, ending the worker and its batch.
+        ([5], dataclasses.replace(GREEDY, stop_token_ids=(10**9,), min_tokens=1), "stop_token_ids"),
     ],
 )
 def test_wrong_input_names_the_field(model, prompt, params, field):
@@ -241,7 +244,24 @@ def test_wrong_input_names_the_field(model, prompt, params, field):
     assert error.value.param == field
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", -1), ("temperature", -0.5)])
+def test_a_prefilled_sequence_outside_the_vocabulary_is_refused(model):
+    """A decode worker admits what a KV transfer says: its ids are checked like a prompt's."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    blocks = engine.block_manager.allocate(1)
+    for prompt, output, params, field in (
+        ([5, 6], [2**63], GREEDY, "token_ids"),
+        ([5, -1], [7], GREEDY, "token_ids"),
+        ([5, 6], [7], dataclasses.replace(GREEDY, stop_token_ids=(300,)), "stop_token_ids"),
+    ):
+        with pytest.raises(InvalidRequestError) as error:
+            engine.add_prefilled("r", prompt, output, params, blocks)
+        assert error.value.param == field
+    engine.add_prefilled("r", [5, 6], [7], GREEDY, blocks)  # in range: admitted
+
+
+@pytest.mark.parametrize(
+    "field,value", [("max_tokens", -1), ("temperature", -0.5), ("top_k", 2**31), ("top_k", 2**63)]
+)
 def test_wrong_sampling_values_name_the_field(field, value):
     with pytest.raises(InvalidRequestError) as error:
         SamplingParams(**{field: value})

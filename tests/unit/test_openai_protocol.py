@@ -201,6 +201,7 @@ INVALID_COMMON = [
     ({"top_k": 1.0}, "top_k"),
     ({"top_k": -2}, "top_k"),
     ({"top_k": True}, "top_k"),
+    ({"top_k": 2**63}, "top_k"),  # int64 overflowed in the sampler's column, mid-step
     ({"min_p": 1.5}, "min_p"),
     ({"min_p": -0.1}, "min_p"),
     ({"ignore_eos": 1}, "ignore_eos"),
