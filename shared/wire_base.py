@@ -26,7 +26,7 @@ MAX_STR_LEN = 4096  # any other string
 MAX_JSON_LEN = 8 << 20  # an RPC call's JSON body or event (the HTTP API's body limit)
 MAX_LIST_LEN = 4096  # any other list
 MAX_TENSOR_DIMS = 8
-MAX_COUNT = 1 << 40  # any count a worker reports (tokens, blocks, steps): a thousand years of steps
+MAX_COUNT = 1 << 40  # any count a worker reports (tokens, blocks, steps): centuries of steps
 MAX_CONSTRAINT_CHARS = 64 << 10  # a schema, regex or grammar (the engine's cap)
 
 # The dtypes a tensor frame may hold, by their header name (torch's name for each).
