@@ -22,7 +22,6 @@ from kernels import native_build
 from shared.config import cache_dir
 from shared.logs import get_logger
 
-CHAINS = ("auto", "native", "python")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 log = get_logger(component="prefix_cache")
@@ -75,20 +74,9 @@ def native_chain() -> ChainFunction:
     return module.chain
 
 
-def chain_function(choice: str = "auto") -> ChainFunction:
-    """`auto`: C where it builds, else Python (said once); `native`: C or NativeUnavailable;
-    `python`: the reference."""
-    if choice not in CHAINS:
-        raise ValueError(f"chain must be one of {', '.join(CHAINS)}, got {choice!r}")
-    if choice == "python":
-        return python_chain
-    if choice == "native":
-        return native_chain()
-    return _auto_chain()
-
-
 @functools.cache
 def _auto_chain() -> ChainFunction:
+    """C where it builds here, else Python (said once)."""
     try:
         return native_chain()
     except native_build.NativeUnavailable as error:

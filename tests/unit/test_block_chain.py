@@ -1,7 +1,7 @@
 """The prefix cache's block chain: the C hashes (`block_chain.c`) are the Python reference's,
 whatever the block size, the offset, the parent and the token values (a chain ends before a
-token outside int64); bad arguments are refused with a clear error by both; `auto` falls back
-to Python where the C cannot be built."""
+token outside int64); bad arguments are refused with a clear error by both; the chain falls
+back to Python where the C cannot be built."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from kernels import native_build
 from shared.engine import block_chain
-from shared.engine.block_chain import block_hash, chain_function, python_chain
+from shared.engine.block_chain import block_hash, native_chain, python_chain
 from shared.engine.prefix_cache import chain_hashes, prompt_chain
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -20,7 +20,7 @@ INT64 = (-(2**63), 2**63 - 1)
 
 @pytest.fixture(scope="module")
 def native():
-    return chain_function("native")
+    return native_chain()
 
 
 def random_tokens(rng: random.Random, count: int, outside: float = 0.0) -> list[int]:
@@ -116,11 +116,6 @@ def test_bad_arguments_are_refused_by_both(native):
         native(0, 5, 16, 0, 1)
 
 
-def test_a_choice_that_is_not_one_is_refused():
-    with pytest.raises(ValueError, match="chain must be one of auto, native, python"):
-        chain_function("fast")
-
-
 def test_auto_hashes_in_python_where_the_c_cannot_be_built(monkeypatch):
     def unavailable():
         raise native_build.NativeUnavailable("no C compiler ('cc' not found)")
@@ -128,7 +123,7 @@ def test_auto_hashes_in_python_where_the_c_cannot_be_built(monkeypatch):
     monkeypatch.setattr(block_chain, "native_chain", unavailable)
     block_chain._auto_chain.cache_clear()
     try:
-        assert chain_function("auto") is python_chain
+        assert block_chain._auto_chain() is python_chain
         assert chain_hashes(5, list(range(32)), 16) == python_chain(5, list(range(32)), 16, 0, 2)
     finally:
         block_chain._auto_chain.cache_clear()

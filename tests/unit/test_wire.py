@@ -172,38 +172,16 @@ def test_a_million_prompt_tokens_are_accepted():
     assert wire.decode(wire.encode(msg)) == msg
 
 
-def submit_of(num_tokens: int) -> wire.Submit:
-    return wire.Submit(
-        request_id="r",
-        prompt_token_ids=list(range(num_tokens)),
-        sampling=wire.SamplingSpec(),
-        tenant="t",
-        priority=0,
-        gateway_peer_id="g",
-        arrival_time=0.0,
-    )
-
-
 def test_long_lists_of_atoms_are_decoded_off_the_collectors_books():
     """A queued prompt is held for its whole wait: the collector would walk every token id of
     it in each collection it lived through."""
-    long = wire.decode(wire.encode(submit_of(UNTRACK_MIN_LEN)))
+    long = wire.decode(submit(prompt_token_ids=list(range(UNTRACK_MIN_LEN))))
     assert long.prompt_token_ids == list(range(UNTRACK_MIN_LEN))
     assert not gc.is_tracked(long.prompt_token_ids)
-    short = wire.decode(wire.encode(submit_of(UNTRACK_MIN_LEN - 1)))
+    short = wire.decode(submit(prompt_token_ids=list(range(UNTRACK_MIN_LEN - 1))))
     assert gc.is_tracked(short.prompt_token_ids)  # the call would cost more than it saves
     ids = [f"r{i}" for i in range(UNTRACK_MIN_LEN)]
-    beat = wire.Heartbeat(
-        peer_id="d",
-        num_waiting=0,
-        num_running=0,
-        num_free_blocks=0,
-        num_total_blocks=0,
-        steps_completed=0,
-        sent_at=0.0,
-        request_ids=ids,
-    )
-    assert not gc.is_tracked(wire.decode(wire.encode(beat)).request_ids)
+    assert not gc.is_tracked(wire.decode(heartbeat(request_ids=ids)).request_ids)
     # A list of containers stays tracked: it could be part of a cycle.
     deltas = [wire.TokenDelta(request_id=f"r{i}", token_ids=[1]) for i in range(UNTRACK_MIN_LEN)]
     assert gc.is_tracked(wire.decode(wire.encode(wire.Tokens(deltas=deltas))).deltas)
@@ -227,14 +205,16 @@ def test_the_counts_a_worker_reports_are_bounded(cls):
     """The scheduler keeps them in C (its rooms) and sums them into the status it encodes
     again: 2**64 - 1 free blocks from one worker, or a running count that sums past what
     MessagePack carries, ended its loop."""
-    valid = {
-        wire.Heartbeat: dict(peer_id="d", num_waiting=0, num_running=0, num_free_blocks=0,
-                             num_total_blocks=0, steps_completed=0, sent_at=0.0),
-        wire.ReserveReply: dict(request_id="r", ok=True, num_free_blocks=0),
-        wire.RequestDone: dict(request_id="r", peer_id="p", phase="decode", finish_reason=None,
-                               num_prompt_tokens=0, num_output_tokens=0),
+    code, header = {
+        wire.Heartbeat: heartbeat(),
+        wire.ReserveReply: wire.encode(
+            wire.ReserveReply(request_id="r", ok=True, num_free_blocks=0)
+        ),
+        wire.RequestDone: wire.encode(
+            wire.RequestDone(request_id="r", peer_id="p", phase="decode", finish_reason=None,
+                             num_prompt_tokens=0, num_output_tokens=0)
+        ),
     }[cls]  # fmt: skip
-    code, header = wire.encode(cls(**valid))
     for name in WORKER_COUNTS[cls]:
         for value in (-1, wire.MAX_COUNT + 1, 2**64 - 1):
             fields = {**msgpack.unpackb(header), name: value}
@@ -255,11 +235,8 @@ def test_a_list_that_fails_the_one_pass_check_is_named_item_by_item():
         ([0] * 100 + [1.5], "prompt_token_ids[100]: expected int, got float"),
         (["0"] + [0] * 100, "prompt_token_ids[0]: expected int, got str"),
     ):
-        code, header = wire.encode(submit_of(4))
-        fields = msgpack.unpackb(header)
-        fields["prompt_token_ids"] = spoiled
         with pytest.raises(WireError, match=re.escape(message)):
-            wire.decode([code, msgpack.packb(fields)])
+            wire.decode(submit(prompt_token_ids=spoiled))
 
 
 # ----------------------------------------------------------------------------------------------
