@@ -54,6 +54,7 @@ MAX_PENDING_SUBMITS = 1024
 # lost. The two messages travel on different connections, and a busy gateway reads its stream
 # socket behind a backlog: a stream still bringing tokens is given this much again.
 STREAM_END_GRACE_S = 5.0
+MAX_RETRY_AFTER_S = 3600.0  # the longest wait a refusal may ask of a client, seconds
 
 
 class SubmitRefused(Exception):
@@ -62,6 +63,21 @@ class SubmitRefused(Exception):
         self.status_code = status_code
         self.message = message
         self.retry_after_s = retry_after_s
+
+
+def refusal(reply: wire.SubmitReply) -> SubmitRefused:
+    """A refused SUBMIT as the gateway answers it. The wire checks types only: a status that
+    is not an HTTP error becomes 502, and a retry delay that is not a finite number of seconds
+    within `MAX_RETRY_AFTER_S` is dropped (a NaN failed the Retry-After header's rounding, and an
+    infinite one put a resumption to sleep for good)."""
+    status = reply.status_code if 400 <= reply.status_code <= 599 else 502
+    message = reply.message or "refused"
+    if status != reply.status_code:
+        message = f"the scheduler refused with status {reply.status_code}: {message}"
+    retry_after_s = reply.retry_after_s
+    if retry_after_s is not None and not 0.0 <= retry_after_s <= MAX_RETRY_AFTER_S:
+        retry_after_s = None  # also NaN: every comparison with it is false
+    return SubmitRefused(status, message, retry_after_s)
 
 
 @dataclass
@@ -210,7 +226,7 @@ class ClusterClient:
         finally:
             self._replies.pop(submit.request_id, None)
         if not reply.accepted:
-            raise SubmitRefused(reply.status_code, reply.message or "refused", reply.retry_after_s)
+            raise refusal(reply)
 
     async def cancel(self, request_id: str, reason: str) -> None:
         inflight = self._drop(request_id)
