@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -97,9 +98,14 @@ def parse_value(raw: Any, annotation: Any) -> Any:
             raise ValueError(f"expected an integer, got {raw!r}") from None
     if annotation is float:
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
             raise ValueError(f"expected a number, got {raw!r}") from None
+        # float() also reads "nan" and "inf", which every "> 0" check lets through: a NaN
+        # heartbeat interval would stop a worker's heartbeats (no time is ever past it).
+        if not math.isfinite(value):
+            raise ValueError(f"expected a finite number, got {raw!r}")
+        return value
     if typing.get_origin(annotation) is tuple:
         item_type = typing.get_args(annotation)[0]  # tuple[X, ...]
         return tuple(
@@ -124,9 +130,9 @@ def setting(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's 
 def require_positive(config: Any, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
-        if value is not None and value <= 0:
+        if value is not None and not 0 < value < math.inf:  # NaN fails every comparison
             raise ConfigError(
-                f"{name} ({flag_name(name)} / {env_name(name)}) must be > 0, got {value}"
+                f"{name} ({flag_name(name)} / {env_name(name)}) must be > 0 and finite, got {value}"
             )
 
 

@@ -7,6 +7,7 @@ heartbeat with HelloAck(error=UNKNOWN_PEER), and the worker says HELLO again.
 
 from __future__ import annotations
 
+import math
 import time
 
 import zmq
@@ -42,7 +43,10 @@ class SchedulerLink:
                 if isinstance(message, wire.HelloAck):
                     if not message.accepted:
                         raise HandshakeError(f"scheduler refused this worker: {message.error}")
-                    self.heartbeat_interval_s = message.heartbeat_interval_s
+                    interval = message.heartbeat_interval_s
+                    if not 0 < interval < math.inf:  # NaN would stop the heartbeats for good
+                        raise HandshakeError(f"scheduler asked for a heartbeat every {interval} s")
+                    self.heartbeat_interval_s = interval
                     return
         raise HandshakeError(f"no answer from the scheduler within {timeout_s:.0f} s")
 
