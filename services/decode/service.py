@@ -161,18 +161,22 @@ class DecodeWorker(WorkerLoop):
             self._report(job.request_id, "prefill", "error", len(job.prompt_token_ids), 0)
             return
         self.blocks.free(reservation.block_ids)
-        try:
-            self.engine.add_request(
-                list(job.prompt_token_ids),
-                sampling_params(job.sampling),
-                job.request_id,
-                priority=job.priority,
-                cache_salt=self._salt(job.cache_salt),
-                bulk=job.bulk,
-            )
-        except InvalidRequestError as error:
+        refusal = self.streams.check(job.gateway_address)
+        if refusal is None:
+            try:
+                self.engine.add_request(
+                    list(job.prompt_token_ids),
+                    sampling_params(job.sampling),
+                    job.request_id,
+                    priority=job.priority,
+                    cache_salt=self._salt(job.cache_salt),
+                    bulk=job.bulk,
+                )
+            except InvalidRequestError as error:
+                refusal = str(error)
+        if refusal is not None:
             delta = wire.TokenDelta(
-                request_id=job.request_id, token_ids=[], finish_reason="error", error=str(error)
+                request_id=job.request_id, token_ids=[], finish_reason="error", error=refusal
             )
             self.streams.send({job.gateway_address: [delta]})
             num_prompt, output_length = len(job.prompt_token_ids), len(job.output_token_ids)
@@ -260,6 +264,9 @@ class DecodeWorker(WorkerLoop):
     ) -> str | None:
         if reservation is None:
             return "no reservation (it lapsed or was cancelled)"
+        unreachable = self.streams.check(transfer.gateway_address)
+        if unreachable is not None:
+            return unreachable
         if transfer.block_size != self.config.block_size:
             return f"block size {transfer.block_size} != this worker's {self.config.block_size}"
         if transfer.first_block != reservation.num_cached_blocks:

@@ -101,6 +101,11 @@ class PrefillWorker(WorkerLoop):
     def _accept_job(self, job: wire.PrefillJob) -> None:
         if job.request_id in self.held_request_ids():
             self._cancel(job.request_id, "dispatched again")  # the new attempt replaces the old
+        unreachable = self.streams.check(job.gateway_address) or self._check_decode(job)
+        if unreachable is not None:
+            self.log.warning("prefill job refused", request_id=job.request_id, error=unreachable)
+            self._fail(job, unreachable)
+            return
         try:
             params = sampling_params(job.sampling)
             # Only the first token is sampled here; the decode worker generates the rest.
@@ -220,6 +225,16 @@ class PrefillWorker(WorkerLoop):
             len(output.new_token_ids),  # made here: a resumed attempt's given ones were not
             sent_at,
         )
+
+    def _check_decode(self, job: wire.PrefillJob) -> str | None:
+        """Why the job's KV could not be shipped to its decode worker's address, or None."""
+        try:
+            self._decode_socket(job.decode_address)
+        except zmq.ZMQError as error:
+            return f"the decode address {job.decode_address!r} cannot be connected to: " + (
+                error.strerror
+            )
+        return None
 
     def _decode_socket(self, address: str) -> zmq.Socket:
         sock = self._decode_sockets.get(address)

@@ -378,6 +378,24 @@ class SchedulerService:
             self.events.refused(submit.request_id, reply.status_code, reply.message or "")
         return out
 
+    def _address_refusal(self, hello: wire.Hello) -> str | None:
+        """Why others could not connect to the address a gateway or decode worker gives (the
+        workers stream tokens to a gateway's and ship KV to a decode worker's), or None. Tried
+        on a scratch socket: only ZeroMQ knows what it refuses ("tcp://*:5", "tcp://host:port",
+        an ipc path too long for a socket), and a worker told such an address ended on it."""
+        if hello.role == "prefill":
+            return None
+        if hello.address is None:
+            return f"a {hello.role} must give the address others connect to"
+        probe = self.context.socket(zmq.PUSH)
+        try:
+            probe.connect(hello.address)
+        except zmq.ZMQError as error:
+            return f"address {hello.address!r} cannot be connected to: {error.strerror}"
+        finally:
+            probe.close(linger=0)
+        return None
+
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> list[Outgoing]:
         error = None
         if hello.schema_version != wire.SCHEMA_VERSION:
@@ -385,7 +403,11 @@ class SchedulerService:
         elif hello.model != self.config.model:
             error = f"model {hello.model!r} != cluster model {self.config.model!r}"
         else:
-            error = worker_shape_refusal(hello) or self.core.prefix_index.refusal(hello.cache_key)
+            error = (
+                worker_shape_refusal(hello)
+                or self._address_refusal(hello)
+                or self.core.prefix_index.refusal(hello.cache_key)
+            )
         ack = wire.HelloAck(
             schema_version=wire.SCHEMA_VERSION,
             accepted=error is None,

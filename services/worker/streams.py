@@ -30,6 +30,16 @@ class GatewayStreams:
             self._sockets[address] = sock
         return sock
 
+    def check(self, address: str) -> str | None:
+        """Why tokens cannot be streamed to `address` (ZeroMQ cannot connect to it: not an
+        endpoint, an unknown transport), or None. A worker asks before it takes a request on:
+        the address comes from the wire, and a connect that raises mid-step ended the worker."""
+        try:
+            self._socket(address)
+        except zmq.ZMQError as error:
+            return f"the gateway address {address!r} cannot be connected to: {error.strerror}"
+        return None
+
     def send(self, deltas_by_address: dict[str, list[wire.TokenDelta]]) -> None:
         for address, deltas in deltas_by_address.items():
             frames = wire.encode(wire.Tokens(deltas=deltas))
@@ -37,6 +47,9 @@ class GatewayStreams:
                 self._socket(address).send_multipart(frames, flags=zmq.NOBLOCK)
             except zmq.Again:
                 self.log.warning("gateway stream full; tokens dropped", gateway=address)
+            except zmq.ZMQError as error:  # an address never checked: a refusal's last words
+                self.log.warning("gateway address unusable; tokens dropped", gateway=address,
+                                 error=error.strerror)  # fmt: skip
 
     def close(self) -> None:
         for sock in self._sockets.values():

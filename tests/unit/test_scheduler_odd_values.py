@@ -11,8 +11,10 @@ fit 64 bits, and a SUBMIT naming a gateway that never said HELLO (its first toke
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -58,6 +60,11 @@ class OddPeers:
             return
         self.service._send(self.service._handle(identity, message, self.now))
 
+    def address(self, peer_id: str, odd: bool) -> str | None:
+        if odd:
+            return self.rng.choice([None, "", "zz", "tcp://*:5", f"ipc:///nowhere/{peer_id}"])
+        return f"ipc:///nowhere/{peer_id}"
+
     def hello(self, peer_id: str, role: str) -> None:
         odd = self.rng.random() < 0.2
         self.deliver(
@@ -67,7 +74,7 @@ class OddPeers:
                 role=role,
                 peer_id=peer_id,
                 model=self.service.config.model,
-                address=None if role == "prefill" else f"ipc:///nowhere/{peer_id}",
+                address=None if role == "prefill" else self.address(peer_id, odd),
                 num_kv_blocks=0 if role == "gateway" else (self.int_() if odd else 200),
                 block_size=0 if role == "gateway" else (self.int_() if odd else 16),
                 max_num_seqs=0 if role == "gateway" else (self.int_() if odd else 8),
@@ -181,17 +188,63 @@ class OddPeers:
                 self.hello(f"{role}{self.rng.randrange(4)}", role)
 
 
-@pytest.mark.parametrize("indexes", ["native", "python"])
-@pytest.mark.parametrize("caches", [False, True], ids=["no-caches", "prefix-caches"])
-def test_odd_values_are_refused_or_read_within_bounds_never_a_crash(indexes, caches):
+@contextlib.contextmanager
+def scheduler_service(name: str, indexes: str = "auto") -> Iterator[SchedulerService]:
+    """A scheduler service bound in process, its messages handed to it by the test."""
     context = zmq.Context()
-    address = f"inproc://odd-values-{indexes}-{caches}"
-    service = SchedulerService(SchedulerConfig(address=address, indexes=indexes), context)
+    config = SchedulerConfig(address=f"inproc://odd-values-{name}", indexes=indexes)
+    service = SchedulerService(config, context)
     try:
-        for seed in range(12):
-            service.core = type(service.core)(service.config.limits())  # a fresh core a run
-            OddPeers(service, seed, caches).play(300)
+        yield service
     finally:
         service.socket.close(linger=0)
         service.security.stop()
         context.term()
+
+
+@pytest.mark.parametrize("indexes", ["native", "python"])
+@pytest.mark.parametrize("caches", [False, True], ids=["no-caches", "prefix-caches"])
+def test_odd_values_are_refused_or_read_within_bounds_never_a_crash(indexes, caches):
+    with scheduler_service(f"{indexes}-{caches}", indexes) as service:
+        for seed in range(12):
+            service.core = type(service.core)(service.config.limits())  # a fresh core a run
+            OddPeers(service, seed, caches).play(300)
+
+
+def hello_ack(service: SchedulerService, role: str, address: str | None) -> wire.HelloAck:
+    block_size, num_blocks, num_seqs = (0, 0, 0) if role == "gateway" else (16, 64, 8)
+    hello = wire.Hello(schema_version=wire.SCHEMA_VERSION, role=role, peer_id=f"{role}-1",
+                       model=service.config.model, address=address, num_kv_blocks=num_blocks,
+                       block_size=block_size, max_num_seqs=num_seqs)  # fmt: skip
+    ack = service._handle(b"peer", hello, 0.0)[0].message
+    assert isinstance(ack, wire.HelloAck)
+    return ack
+
+
+@pytest.mark.parametrize(
+    "role, address, reason",
+    [
+        ("gateway", "zz", "cannot be connected to: Invalid argument"),
+        ("gateway", "tcp://*:5", "cannot be connected to"),
+        ("decode", "tcp://host:port", "cannot be connected to"),
+        ("decode", "ipc:///" + "x" * 200, "'ipc:///xxx"),
+        ("decode", None, "a decode must give the address others connect to"),
+        ("gateway", None, "a gateway must give"),
+    ],
+)
+def test_a_hello_whose_address_others_cannot_reach_is_refused_by_name(role, address, reason):
+    """Workers connect to a gateway's address (tokens) and a decode worker's (KV): one that
+    ZeroMQ refuses to connect to ended the worker that was told it, mid-step."""
+    with scheduler_service(f"address-{role}-{len(address or '')}") as service:
+        ack = hello_ack(service, role, address)
+        assert not ack.accepted and reason in ack.error
+        assert not service.core.gateways and not service.core.registry.workers
+
+
+@pytest.mark.parametrize(
+    "role, address", [("gateway", "tcp://127.0.0.1:5"), ("decode", "ipc:///nowhere/d"),
+                      ("prefill", None), ("decode", "tcp://decode-1.cluster.local:7000")]
+)  # fmt: skip
+def test_a_hello_with_a_sound_address_is_accepted(role, address):
+    with scheduler_service(f"sound-{role}-{len(address or '')}") as service:
+        assert hello_ack(service, role, address).accepted
