@@ -1,0 +1,103 @@
+"""How long the wire takes to decode the messages a scheduler reads most: a SUBMIT (prompts of
+32 to 1,500 tokens), a worker's HEARTBEAT (quiet, and with a prefix cache's events), a RESERVE
+reply and a REQUEST_DONE. Each figure is the median of `--repeats` timings of `--number`
+decodes, in microseconds per message, of the process's CPU time.
+
+    .venv/bin/python -m loadtest.wire_decode [--number 20000] [--repeats 7]
+
+Run it against another checkout (`PYTHONPATH=<checkout>`) to compare side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+from shared import wire
+
+
+def submit(num_tokens: int) -> wire.Submit:
+    return wire.Submit(
+        request_id="req-000123",
+        prompt_token_ids=[(i * 7919) % 49152 for i in range(num_tokens)],
+        sampling=wire.SamplingSpec(max_tokens=256, temperature=0.7, top_p=0.9),
+        tenant="tenant-42",
+        priority=0,
+        gateway_peer_id="gateway-0",
+        arrival_time=1764892800.25,
+        first_token_deadline_s=30.0,
+    )
+
+
+def heartbeat(cache_events: int) -> wire.Heartbeat:
+    return wire.Heartbeat(
+        peer_id="decode-17",
+        num_waiting=2,
+        num_running=31,
+        num_free_blocks=1204,
+        num_total_blocks=4096,
+        steps_completed=918273,
+        sent_at=1764892800.5,
+        request_ids=[f"req-{i:06d}" for i in range(33)],
+        recent_batch_sizes=[31, 31, 32, 31],
+        cache_events_seq=5 if cache_events else 0,
+        cache_stored=list(range(10**12, 10**12 + cache_events)),
+        num_prefix_query_tokens=10**6,
+        num_prefix_hit_tokens=6 * 10**5,
+        prefill_tokens_per_s=5123.5,
+        step_s=0.031,
+    )
+
+
+MESSAGES: dict[str, Callable[[], wire.Message]] = {
+    "submit_32": lambda: submit(32),
+    "submit_415": lambda: submit(415),
+    "submit_1500": lambda: submit(1500),
+    "heartbeat": lambda: heartbeat(0),
+    "heartbeat_cache_events": lambda: heartbeat(16),
+    "reserve_reply": lambda: wire.ReserveReply(
+        request_id="req-000123", ok=True, num_free_blocks=1200, num_cached_blocks=3
+    ),
+    "request_done": lambda: wire.RequestDone(
+        request_id="req-000123",
+        peer_id="decode-17",
+        phase="decode",
+        finish_reason="stop",
+        num_prompt_tokens=415,
+        num_output_tokens=211,
+        output_length=211,
+    ),  # fmt: skip
+}
+
+
+def time_decodes(frames: list, number: int, repeats: int) -> float:
+    """The median over `repeats` of the CPU time per decode, microseconds."""
+    decode = wire.decode
+    runs = []
+    for _ in range(repeats):
+        started = time.process_time()
+        for _ in range(number):
+            decode(frames)
+        runs.append((time.process_time() - started) / number * 1e6)
+    return statistics.median(runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--number", type=int, default=20000, help="decodes per timing")
+    parser.add_argument("--repeats", type=int, default=7, help="timings per message")
+    args = parser.parse_args(argv)
+    if args.number < 1 or args.repeats < 1:
+        parser.error("--number and --repeats must be at least 1")
+    for name, build in MESSAGES.items():
+        message = build()
+        frames = [bytes(frame) for frame in wire.encode(message)]  # as a socket hands them over
+        assert wire.decode(frames) == message
+        print(f"{name:>24}: {time_decodes(frames, args.number, args.repeats):7.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
