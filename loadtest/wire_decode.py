@@ -1,7 +1,8 @@
-"""How long the wire takes to decode the messages a scheduler reads most: a SUBMIT (prompts of
+"""How long the wire takes to decode the messages read most: the scheduler's SUBMIT (prompts of
 32 to 1,500 tokens), a worker's HEARTBEAT (quiet, and with a prefix cache's events), a RESERVE
-reply and a REQUEST_DONE. Each figure is the median of `--repeats` timings of `--number`
-decodes, in microseconds per message, of the process's CPU time.
+reply and a REQUEST_DONE, and the gateway's TOKENS (a decode step's deltas, 8 and 64). Each
+figure is the median of `--repeats` timings of `--number` decodes, in microseconds per message,
+of the process's CPU time.
 
     .venv/bin/python -m loadtest.wire_decode [--number 20000] [--repeats 7]
 
@@ -51,12 +52,24 @@ def heartbeat(cache_events: int) -> wire.Heartbeat:
     )
 
 
+def tokens(num_deltas: int) -> wire.Tokens:
+    """A decode step's tokens for one gateway: one delta per sequence of that gateway's."""
+    return wire.Tokens(
+        deltas=[
+            wire.TokenDelta(request_id=f"req-{i:06d}", token_ids=[1000 + i], index=57 + i)
+            for i in range(num_deltas)
+        ]
+    )
+
+
 MESSAGES: dict[str, Callable[[], wire.Message]] = {
     "submit_32": lambda: submit(32),
     "submit_415": lambda: submit(415),
     "submit_1500": lambda: submit(1500),
     "heartbeat": lambda: heartbeat(0),
     "heartbeat_cache_events": lambda: heartbeat(16),
+    "tokens_8": lambda: tokens(8),
+    "tokens_64": lambda: tokens(64),
     "reserve_reply": lambda: wire.ReserveReply(
         request_id="req-000123", ok=True, num_free_blocks=1200, num_cached_blocks=3
     ),
