@@ -80,7 +80,7 @@ def say_hello(address: str, secure) -> wire.Message | None:
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
     hello = wire.Hello(schema_version=wire.SCHEMA_VERSION, role="gateway", peer_id="g",
-                       model="smollm2", address=None, num_kv_blocks=0, block_size=0,
+                       model="smollm2", address="ipc:///nowhere/g", num_kv_blocks=0, block_size=0,
                        max_num_seqs=0)  # fmt: skip
     wire.send(socket, hello)
     answer = wire.recv(socket) if socket.poll(3000) else None

@@ -197,8 +197,8 @@ def test_the_scheduler_service_runs_the_chosen_core_and_says_which(build, tmp_pa
             time.sleep(0.1)
         socket.connect(address)
         wire.send(socket, wire.Hello(schema_version=wire.SCHEMA_VERSION, role="gateway",
-                                     peer_id="g", model="smollm2", address=None, num_kv_blocks=0,
-                                     block_size=0, max_num_seqs=0))  # fmt: skip
+                                     peer_id="g", model="smollm2", address="ipc:///g",
+                                     num_kv_blocks=0, block_size=0, max_num_seqs=0))  # fmt: skip
         assert socket.poll(10_000) and wire.recv(socket).accepted
         submit = wire.Submit(request_id="r", prompt_token_ids=[1, 2, 3],
                              sampling=wire.SamplingSpec(max_tokens=4), tenant="t", priority=0,
