@@ -1,10 +1,11 @@
-"""How long the wire takes to decode the messages read most: the scheduler's SUBMIT (prompts of
-32 to 1,500 tokens), a worker's HEARTBEAT (quiet, and with a prefix cache's events), a RESERVE
-reply and a REQUEST_DONE, and the gateway's TOKENS (a decode step's deltas, 8 and 64). Each
-figure is the median of `--repeats` timings of `--number` decodes, in microseconds per message,
-of the process's CPU time.
+"""How long the wire takes to decode and to encode the messages sent most: the scheduler's SUBMIT
+(prompts of 32 to 1,500 tokens), a worker's HEARTBEAT (quiet, and with a prefix cache's events),
+a RESERVE reply and a REQUEST_DONE, and the TOKENS a decode worker sends its gateway every step
+(8 and 64 deltas). Each figure is the median of `--repeats` timings of `--number` calls, in
+microseconds per message, of the process's CPU time; decoding starts from the frames as a
+socket hands them over.
 
-    .venv/bin/python -m loadtest.wire_decode [--number 20000] [--repeats 7]
+    .venv/bin/python -m loadtest.wire_speed [--number 20000] [--repeats 7]
 
 Run it against another checkout (`PYTHONPATH=<checkout>`) to compare side by side.
 """
@@ -12,6 +13,7 @@ Run it against another checkout (`PYTHONPATH=<checkout>`) to compare side by sid
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -85,21 +87,20 @@ MESSAGES: dict[str, Callable[[], wire.Message]] = {
 }
 
 
-def time_decodes(frames: list, number: int, repeats: int) -> float:
-    """The median over `repeats` of the CPU time per decode, microseconds."""
-    decode = wire.decode
+def median_time(call: Callable[[], object], number: int, repeats: int) -> float:
+    """The median over `repeats` of the CPU time per call, microseconds."""
     runs = []
     for _ in range(repeats):
         started = time.process_time()
         for _ in range(number):
-            decode(frames)
+            call()
         runs.append((time.process_time() - started) / number * 1e6)
     return statistics.median(runs)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--number", type=int, default=20000, help="decodes per timing")
+    parser.add_argument("--number", type=int, default=20000, help="calls per timing")
     parser.add_argument("--repeats", type=int, default=7, help="timings per message")
     args = parser.parse_args(argv)
     if args.number < 1 or args.repeats < 1:
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         message = build()
         frames = [bytes(frame) for frame in wire.encode(message)]  # as a socket hands them over
         assert wire.decode(frames) == message
-        print(f"{name:>24}: {time_decodes(frames, args.number, args.repeats):7.2f} us")
+        decode_us = median_time(functools.partial(wire.decode, frames), args.number, args.repeats)
+        encode_us = median_time(functools.partial(wire.encode, message), args.number, args.repeats)
+        print(f"{name:>24}: decode {decode_us:7.2f} us, encode {encode_us:7.2f} us")
     return 0
 
 
