@@ -1,10 +1,10 @@
 """How the wire's values are checked and framed: one codec per field annotation (int, float, bool,
 bounded str or list, literal choice, optional, nested map, tensor), built once at import, that
-checks a decoded value and names the offending field in its `WireError`; per map, a generated
-function doing the same checks inline, the codecs walked only to name a value that fails;
-tensors as zero-copy frames; the header's MessagePack, unpacked with explicit limits and ext
-types refused. Any conversation's messages (`shared.wire`, `shared.wire_batch`) are encoded with
-these.
+checks a decoded value and names the offending field in its `WireError`; per map, generated
+functions that check it inline (the codecs walked only to name a value that fails) and write
+it as one dict display; tensors as zero-copy frames; the header's MessagePack, unpacked with
+explicit limits and ext types refused. Any conversation's messages (`shared.wire`,
+`shared.wire_batch`) are encoded with these.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ def _codec_for(
 
 
 # ----------------------------------------------------------------------------------------------
-# Fast checkers: a map's checks as one generated function
+# Generated per map: a checker (its checks inline) and a writer (its header map)
 
 
 def _fast_checker(struct: _Struct) -> Callable[[Any, _Decoding], Any] | None:
