@@ -262,6 +262,19 @@ def decode(frames: Sequence[FrameLike]) -> Message:
 # Sockets. ROUTER helpers expect DEALER peers: [identity, type, header, tensors...], no delimiter.
 
 
+def connect_refusal(socket: zmq.Socket, address: str) -> str | None:
+    """Connects `socket` to an address a peer sent; if ZeroMQ refuses it (not an endpoint, an
+    unknown transport, "tcp://*:5", an ipc path too long), closes the socket and says why. An
+    address from the wire is tried so before anything relies on it: a connect that raised in
+    the middle of a worker's step ended the worker."""
+    try:
+        socket.connect(address)
+    except zmq.ZMQError as error:
+        socket.close(linger=0)
+        return f"address {address!r} cannot be connected to: {error.strerror}"
+    return None
+
+
 def send(socket: zmq.Socket, msg: Message) -> None:
     socket.send_multipart(encode(msg), copy=False)
 

@@ -101,7 +101,9 @@ class PrefillWorker(WorkerLoop):
     def _accept_job(self, job: wire.PrefillJob) -> None:
         if job.request_id in self.held_request_ids():
             self._cancel(job.request_id, "dispatched again")  # the new attempt replaces the old
-        unreachable = self.streams.check(job.gateway_address) or self._check_decode(job)
+        unreachable = self.streams.check(job.gateway_address) or self._open_decode(
+            job.decode_address
+        )
         if unreachable is not None:
             self.log.warning("prefill job refused", request_id=job.request_id, error=unreachable)
             self._fail(job, unreachable)
@@ -215,7 +217,7 @@ class PrefillWorker(WorkerLoop):
             bulk=job.bulk,
             first_delta=delta,
         )
-        wire.send(self._decode_socket(job.decode_address), message)
+        wire.send(self._decode_sockets[job.decode_address], message)  # opened at acceptance
         num_bytes = keys.numel() * keys.element_size() * 2
         sent_at = self.events.kv_sent(job.request_id, job.decode_peer_id, num_bytes)
         self.transfers[job.request_id] = PendingTransfer(
@@ -226,26 +228,19 @@ class PrefillWorker(WorkerLoop):
             sent_at,
         )
 
-    def _check_decode(self, job: wire.PrefillJob) -> str | None:
-        """Why the job's KV could not be shipped to its decode worker's address, or None."""
-        try:
-            self._decode_socket(job.decode_address)
-        except zmq.ZMQError as error:
-            return f"the decode address {job.decode_address!r} cannot be connected to: " + (
-                error.strerror
-            )
-        return None
-
-    def _decode_socket(self, address: str) -> zmq.Socket:
-        sock = self._decode_sockets.get(address)
-        if sock is None:
-            sock = self.security.client(self.context.socket(zmq.DEALER))
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
-            sock.connect(address)
+    def _open_decode(self, address: str) -> str | None:
+        """Why KV cannot be shipped to the decode worker at `address`, or None; connects to it
+        the first time (`wire.connect_refusal`)."""
+        if address in self._decode_sockets:
+            return None
+        sock = self.security.client(self.context.socket(zmq.DEALER))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        refusal = wire.connect_refusal(sock, address)
+        if refusal is None:
             self.add_socket(sock)
             self._decode_sockets[address] = sock
-        return sock
+        return None if refusal is None else f"the decode {refusal}"
 
     def _on_grant(self, grant: wire.PrefillGrant) -> None:
         """The decode worker's room is confirmed: the KV goes now, or when the prefill ends."""

@@ -381,20 +381,15 @@ class SchedulerService:
     def _address_refusal(self, hello: wire.Hello) -> str | None:
         """Why others could not connect to the address a gateway or decode worker gives (the
         workers stream tokens to a gateway's and ship KV to a decode worker's), or None. Tried
-        on a scratch socket: only ZeroMQ knows what it refuses ("tcp://*:5", "tcp://host:port",
-        an ipc path too long for a socket), and a worker told such an address ended on it."""
+        on a scratch socket: only ZeroMQ knows what it refuses."""
         if hello.role == "prefill":
             return None
         if hello.address is None:
             return f"a {hello.role} must give the address others connect to"
         probe = self.context.socket(zmq.PUSH)
-        try:
-            probe.connect(hello.address)
-        except zmq.ZMQError as error:
-            return f"address {hello.address!r} cannot be connected to: {error.strerror}"
-        finally:
-            probe.close(linger=0)
-        return None
+        refusal = wire.connect_refusal(probe, hello.address)
+        probe.close(linger=0)
+        return refusal
 
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> list[Outgoing]:
         error = None

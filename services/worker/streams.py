@@ -20,36 +20,30 @@ class GatewayStreams:
         self._sockets: dict[str, zmq.Socket] = {}
         self.log = get_logger()
 
-    def _socket(self, address: str) -> zmq.Socket:
-        sock = self._sockets.get(address)
-        if sock is None:
-            sock = self.security.client(self.context.socket(zmq.PUSH))
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            sock.connect(address)
-            self._sockets[address] = sock
-        return sock
-
     def check(self, address: str) -> str | None:
-        """Why tokens cannot be streamed to `address` (ZeroMQ cannot connect to it: not an
-        endpoint, an unknown transport), or None. A worker asks before it takes a request on:
-        the address comes from the wire, and a connect that raises mid-step ended the worker."""
-        try:
-            self._socket(address)
-        except zmq.ZMQError as error:
-            return f"the gateway address {address!r} cannot be connected to: {error.strerror}"
-        return None
+        """Why tokens cannot be streamed to `address`, or None; connects to it the first time.
+        A worker asks before it takes a request on (`wire.connect_refusal`)."""
+        if address in self._sockets:
+            return None
+        sock = self.security.client(self.context.socket(zmq.PUSH))
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        refusal = wire.connect_refusal(sock, address)
+        if refusal is None:
+            self._sockets[address] = sock
+        return None if refusal is None else f"the gateway {refusal}"
 
     def send(self, deltas_by_address: dict[str, list[wire.TokenDelta]]) -> None:
         for address, deltas in deltas_by_address.items():
+            refusal = self.check(address)
+            if refusal is not None:  # an address never checked: a refusal's last words
+                self.log.warning("gateway stream unusable; tokens dropped", error=refusal)
+                continue
             frames = wire.encode(wire.Tokens(deltas=deltas))
             try:
-                self._socket(address).send_multipart(frames, flags=zmq.NOBLOCK)
+                self._sockets[address].send_multipart(frames, flags=zmq.NOBLOCK)
             except zmq.Again:
                 self.log.warning("gateway stream full; tokens dropped", gateway=address)
-            except zmq.ZMQError as error:  # an address never checked: a refusal's last words
-                self.log.warning("gateway address unusable; tokens dropped", gateway=address,
-                                 error=error.strerror)  # fmt: skip
 
     def close(self) -> None:
         for sock in self._sockets.values():

@@ -390,6 +390,24 @@ def test_tensors_cross_inproc_sockets(context, kinds):
     assert wire.recv(receiver) == wire.Cancel(request_id="r", reason="done")
 
 
+@pytest.mark.parametrize(
+    "address", ["", "zz", "tcp://*:5", "tcp://host:port", "ipc://" + "x" * 200]
+)
+def test_an_address_zeromq_refuses_is_named_and_its_socket_closed(context, address):
+    socket = context.socket(zmq.PUSH)
+    refusal = wire.connect_refusal(socket, address)
+    assert refusal is not None and refusal.startswith(f"address {address!r} cannot be connected")
+    assert socket.closed  # a socket left open per refused address would leak its descriptors
+
+
+def test_a_sound_address_is_connected(context):
+    socket = context.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, 0)
+    assert wire.connect_refusal(socket, "tcp://decode-1.cluster.local:7000") is None
+    assert not socket.closed
+    socket.close()
+
+
 def test_router_helpers_name_the_peer(context):
     router = context.socket(zmq.ROUTER)
     router.bind("inproc://router")
