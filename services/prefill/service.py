@@ -25,6 +25,7 @@ import zmq
 
 from services.worker.config import WorkerConfig
 from services.worker.loop import WorkerLoop
+from services.worker.peer_sockets import PeerSockets
 from services.worker.streams import group_by_gateway
 from shared import wire
 from shared.config import add_config_arguments, config_from_args
@@ -80,7 +81,12 @@ class PrefillWorker(WorkerLoop):
         # and finished prefills whose KV waits for its grant.
         self.grants: dict[str, int] = {}
         self.awaiting_grant: dict[str, tuple[wire.PrefillJob, RequestOutput, wire.TokenDelta]] = {}
-        self._decode_sockets: dict[str, zmq.Socket] = {}
+        # Closed idle only while no job of this worker's names the address (`_close_idle`).
+        self.decode_sockets = PeerSockets(
+            self._open_decode_socket,
+            config.peer_socket_idle_s,
+            self.poller,  # for KV_ACKs
+        )
         self._num_cached: dict[str, int] = {}  # prompt tokens the cache spared, until reported
 
     # -- messages -----------------------------------------------------------------------------
@@ -101,7 +107,7 @@ class PrefillWorker(WorkerLoop):
     def _accept_job(self, job: wire.PrefillJob) -> None:
         if job.request_id in self.held_request_ids():
             self._cancel(job.request_id, "dispatched again")  # the new attempt replaces the old
-        unreachable = self.streams.check(job.gateway_address) or self._open_decode(
+        unreachable = self.streams.check(job.gateway_address) or self._check_decode(
             job.decode_address
         )
         if unreachable is not None:
@@ -217,7 +223,7 @@ class PrefillWorker(WorkerLoop):
             bulk=job.bulk,
             first_delta=delta,
         )
-        wire.send(self._decode_sockets[job.decode_address], message)  # opened at acceptance
+        wire.send(self.decode_sockets[job.decode_address], message)  # open since acceptance
         num_bytes = keys.numel() * keys.element_size() * 2
         sent_at = self.events.kv_sent(job.request_id, job.decode_peer_id, num_bytes)
         self.transfers[job.request_id] = PendingTransfer(
@@ -228,19 +234,17 @@ class PrefillWorker(WorkerLoop):
             sent_at,
         )
 
-    def _open_decode(self, address: str) -> str | None:
+    def _check_decode(self, address: str) -> str | None:
         """Why KV cannot be shipped to the decode worker at `address`, or None; connects to it
-        the first time (`wire.connect_refusal`)."""
-        if address in self._decode_sockets:
-            return None
+        if not connected."""
+        refusal = self.decode_sockets.check(address)
+        return None if refusal is None else f"the decode {refusal}"
+
+    def _open_decode_socket(self) -> zmq.Socket:
         sock = self.security.client(self.context.socket(zmq.DEALER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
-        refusal = wire.connect_refusal(sock, address)
-        if refusal is None:
-            self.add_socket(sock)
-            self._decode_sockets[address] = sock
-        return None if refusal is None else f"the decode {refusal}"
+        return sock
 
     def _on_grant(self, grant: wire.PrefillGrant) -> None:
         """The decode worker's room is confirmed: the KV goes now, or when the prefill ends."""
@@ -305,6 +309,19 @@ class PrefillWorker(WorkerLoop):
         # Not "error", which asks the scheduler to re-route: this request can never run.
         self._report(job, "rejected", 0, len(job.output_token_ids))
 
+    def _close_idle(self) -> None:
+        super()._close_idle()
+        in_use = {job.decode_address for job in self._jobs_held()}
+        for address in self.decode_sockets.close_idle(in_use):
+            self.log.info("closed an idle decode socket", decode=address)
+
+    def _jobs_held(self) -> list[wire.PrefillJob]:
+        """Every job whose KV is yet to ship or be acknowledged."""
+        return [
+            *(running.job for running in self.jobs.values()),
+            *(parked[0] for parked in self.awaiting_grant.values()),
+            *(transfer.job for transfer in self.transfers.values()),
+        ]
+
     def _close(self) -> None:
-        for sock in self._decode_sockets.values():
-            sock.close(linger=0)
+        self.decode_sockets.close()

@@ -62,6 +62,11 @@ class WorkerConfig(CurveSettings):
     transfer_timeout_s: float = setting(
         30.0, "prefill: how long a KV transfer may wait for its ack"
     )
+    peer_socket_idle_s: float = setting(
+        300.0,
+        "close a socket to a gateway or decode worker unused this long (a peer that restarted "
+        "elsewhere left its old address behind)",
+    )
     swap_bytes: int = setting(
         512 << 20, "decode: host memory for preempted sequences' KV (0: recompute only)"
     )
@@ -127,6 +132,7 @@ class WorkerConfig(CurveSettings):
             "max_num_batched_tokens",
             "threads",
             "transfer_timeout_s",
+            "peer_socket_idle_s",
             "step_time_target_s",
         )
         if self.prefix_cache_max_blocks is not None and self.prefix_cache_max_blocks < 0:

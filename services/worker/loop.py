@@ -99,7 +99,7 @@ class WorkerLoop(abc.ABC):
             ),
             self.security,
         )
-        self.streams = GatewayStreams(self.context, self.security)
+        self.streams = GatewayStreams(self.context, self.security, config.peer_socket_idle_s)
         cache = self.engine.prefix_cache
         self.cache_events = (
             CacheEventStream(cache, host_tier=self.engine.host_tier) if cache is not None else None
@@ -177,6 +177,7 @@ class WorkerLoop(abc.ABC):
             self.events.refresh_host_tier(self.engine.prefix_cache, self.engine.host_tier)
             self.link.send_heartbeat(heartbeat, now)
             self._recent_batch_sizes = []
+            self._close_idle()  # (as often as a heartbeat: the walk is over every peer socket)
 
     def _drain(self, sock: zmq.Socket) -> None:
         is_router = sock in self._router_sockets
@@ -235,6 +236,11 @@ class WorkerLoop(abc.ABC):
             num_prefix_query_tokens=cache.num_query_tokens,
             num_prefix_hit_tokens=cache.num_hit_tokens,
         )
+
+    def _close_idle(self) -> None:
+        """Closes the sockets to peers no request has used for `peer_socket_idle_s`."""
+        for address in self.streams.close_idle():
+            self.log.info("closed an idle gateway stream", gateway=address)
 
     def close(self) -> None:
         self._close()

@@ -8,34 +8,39 @@ from collections import defaultdict
 
 import zmq
 
+from services.worker.peer_sockets import PeerSockets
 from shared import wire
 from shared.curve import Security
 from shared.logs import get_logger
 
 
 class GatewayStreams:
-    def __init__(self, context: zmq.Context, security: Security):
+    def __init__(self, context: zmq.Context, security: Security, idle_s: float):
         self.context = context
         self.security = security
-        self._sockets: dict[str, zmq.Socket] = {}
+        # An idle gateway socket closes with no regard for the requests naming it: nothing was
+        # sent on it for `idle_s`, and the next send opens it again.
+        self._sockets = PeerSockets(self._open_socket, idle_s)
         self.log = get_logger()
 
-    def check(self, address: str) -> str | None:
-        """Why tokens cannot be streamed to `address`, or None; connects to it the first time.
-        A worker asks before it takes a request on (`wire.connect_refusal`)."""
-        if address in self._sockets:
-            return None
+    def __len__(self) -> int:
+        return len(self._sockets)
+
+    def _open_socket(self) -> zmq.Socket:
         sock = self.security.client(self.context.socket(zmq.PUSH))
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.SNDHWM, 10_000)
-        refusal = wire.connect_refusal(sock, address)
-        if refusal is None:
-            self._sockets[address] = sock
+        return sock
+
+    def check(self, address: str) -> str | None:
+        """Why tokens cannot be streamed to `address`, or None; connects to it if not connected.
+        A worker asks before it takes a request on (`wire.connect_refusal`)."""
+        refusal = self._sockets.check(address)
         return None if refusal is None else f"the gateway {refusal}"
 
     def send(self, deltas_by_address: dict[str, list[wire.TokenDelta]]) -> None:
         for address, deltas in deltas_by_address.items():
-            refusal = self.check(address)
+            refusal = self.check(address)  # (reopens a socket closed idle)
             if refusal is not None:  # an address never checked: a refusal's last words
                 self.log.warning("gateway stream unusable; tokens dropped", error=refusal)
                 continue
@@ -45,9 +50,11 @@ class GatewayStreams:
             except zmq.Again:
                 self.log.warning("gateway stream full; tokens dropped", gateway=address)
 
+    def close_idle(self) -> list[str]:
+        return self._sockets.close_idle()
+
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close()
+        self._sockets.close()
 
 
 def group_by_gateway(

@@ -58,6 +58,8 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (WorkerConfig, ["--device", "gpu"], {}, "device must be cpu, cuda or cuda:N"),
         (WorkerConfig, [], {"TANDEM_DEVICE": "cpu:1"}, "TANDEM_DEVICE"),
         (WorkerConfig, ["--step-time-target-s", "0"], {}, "step_time_target_s"),
+        (WorkerConfig, ["--peer-socket-idle-s", "0"], {}, "peer_socket_idle_s"),
+        (WorkerConfig, [], {"TANDEM_PEER_SOCKET_IDLE_S": "nan"}, "expected a finite number"),
         (WorkerConfig, [], {"TANDEM_STEP_TIME_TARGET_S": "soon"}, "TANDEM_STEP_TIME_TARGET_S"),
         (WorkerConfig, ["--prefix-cache-max-blocks", "-1"], {}, "TANDEM_PREFIX_CACHE_MAX_BLOCKS"),
         (WorkerConfig, [], {"TANDEM_ENABLE_PREFIX_CACHING": "maybe"}, "expected a boolean"),
