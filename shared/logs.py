@@ -18,17 +18,19 @@ def configure_logging(service: str, level: str | None = None) -> None:
     log_format = os.environ.get("TANDEM_LOG_FORMAT") or (
         "console" if sys.stderr.isatty() else "json"
     )
-    renderer = (
-        structlog.dev.ConsoleRenderer(colors=False)
+    # The console renderer prints a traceback itself; JSON needs it made a string first (else a
+    # line logged with its exception reads `"exc_info": true`, the traceback lost).
+    renderers = (
+        [structlog.dev.ConsoleRenderer(colors=False)]
         if log_format == "console"
-        else structlog.processors.JSONRenderer()
+        else [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
+            *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, 20)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
