@@ -69,6 +69,25 @@ class _Events:
     def gc_paused(self, generation: int, seconds: float) -> None:
         self.gc_pauses.labels(str(generation)).observe(seconds)
 
+    def count_message_failures(self, what_goes_on: str) -> None:
+        """`message_failures_total`: messages whose handling raised, fed by `message_failed`."""
+        self.message_failures = self.counter(
+            "message_failures",
+            f"Messages whose handling raised an unexpected exception, by type (each logged with "
+            f"its traceback): the request it names was abandoned, {what_goes_on} went on",
+            ("type",),
+        )
+
+    def message_failed(self, kind: str, request_id: str | None, error: Exception) -> None:
+        self.message_failures.labels(kind).inc()
+        self.log.error(
+            "message handling failed",
+            type=kind,
+            request_id=request_id,
+            error=repr(error),
+            exc_info=error,
+        )
+
 
 # -- gateway --------------------------------------------------------------------------------------
 
@@ -245,6 +264,7 @@ class SchedulerEvents(_Events):
             "first-token deadline (since the scheduler started)",
         )
         self.time_collections("scheduler", "the scheduler loop")
+        self.count_message_failures("the scheduler")
         self._shown: dict[Gauge, set[tuple[str, ...]]] = {}
 
     def queued(self, request_id: str, num_prompt_tokens: int, tenant: str) -> None:
@@ -332,6 +352,7 @@ class WorkerEvents(_Events):
             "engine_step_seconds", "Wall time of each engine step", STEP_BUCKETS
         )
         self.time_collections("worker", "the worker loop (its steps, its socket)")
+        self.count_message_failures("the worker and the rest of its batch")
         self.preemptions = self.counter(
             "num_preemptions", "Sequences preempted, by kind", ("kind",)
         )

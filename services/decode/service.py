@@ -175,12 +175,7 @@ class DecodeWorker(WorkerLoop):
             except InvalidRequestError as error:
                 refusal = str(error)
         if refusal is not None:
-            delta = wire.TokenDelta(
-                request_id=job.request_id, token_ids=[], finish_reason="error", error=refusal
-            )
-            self.streams.send({job.gateway_address: [delta]})
-            num_prompt, output_length = len(job.prompt_token_ids), len(job.output_token_ids)
-            self._report(job.request_id, "prefill", "rejected", num_prompt, 0, 0, output_length)
+            self._refuse_here(job, refusal)
             return
         self.routes[job.request_id] = Route(
             job.gateway_address,
@@ -190,6 +185,16 @@ class DecodeWorker(WorkerLoop):
             local_sequence=self.engine.sequence(job.request_id),
         )
         self.events.local_prefill(job.request_id, len(job.prompt_token_ids))
+
+    def _refuse_here(self, job: wire.PrefillJob, refusal: str) -> None:
+        """A prefill job this worker cannot run ends for good: an error to its gateway, and
+        "rejected" to the scheduler."""
+        delta = wire.TokenDelta(
+            request_id=job.request_id, token_ids=[], finish_reason="error", error=refusal
+        )
+        self.streams.send({job.gateway_address: [delta]})
+        num_prompt, output_length = len(job.prompt_token_ids), len(job.output_token_ids)
+        self._report(job.request_id, "prefill", "rejected", num_prompt, 0, 0, output_length)
 
     def _report(
         self,
@@ -217,7 +222,9 @@ class DecodeWorker(WorkerLoop):
 
     def _admit(self, transfer: wire.KvTransfer) -> wire.KvAck:
         request_id = transfer.request_id
-        reservation = self.reservations.pop(request_id, None)
+        # Held in `reservations` until the engine owns its blocks: a failure in between
+        # (`WorkerLoop._handle_guarded`) must find them to free them.
+        reservation = self.reservations.get(request_id)
         error = self._transfer_error(transfer, reservation)
         if error is None:
             first, num_blocks = transfer.first_block, transfer.keys.shape[1]
@@ -240,7 +247,10 @@ class DecodeWorker(WorkerLoop):
                 )
             except (InvalidRequestError, ValueError) as exc:
                 error = str(exc)
+            else:
+                del self.reservations[request_id]  # its blocks are the sequence's now
         if error is not None:
+            self.reservations.pop(request_id, None)
             if reservation is not None and request_id not in self.routes:
                 self.blocks.free(reservation.block_ids)
             self.log.warning("kv refused", request_id=request_id, error=error)
@@ -300,6 +310,25 @@ class DecodeWorker(WorkerLoop):
         if self.routes.pop(request_id, None) is not None:
             self.engine.abort(request_id)
         self.log.info("decode cancelled", request_id=request_id, reason=reason)
+
+    def _abandon(self, message: wire.Message, identity: bytes | None, reason: str) -> None:
+        """Frees what the request holds here, the engine's sequence included, and answers the
+        message as a refusal: a KV transfer's sender hears the KV refused (it reports the
+        attempt failed: the request is resumed elsewhere, a bounded number of times), a
+        reservation is refused, a local prefill ends for good."""
+        request_id = message.request_id  # type: ignore[attr-defined]
+        self._cancel(request_id, reason)
+        self.engine.abort(request_id)  # one the engine took before its route was set
+        match message:
+            case wire.KvTransfer() if identity is not None:
+                ack = wire.KvAck(request_id=request_id, ok=False, error=reason)
+                wire.send_to(self.kv_socket, identity, ack)
+            case wire.Reserve():
+                free = self.num_available_blocks()
+                reply = wire.ReserveReply(request_id=request_id, ok=False, num_free_blocks=free)
+                self.link.send(reply)
+            case wire.PrefillJob():
+                self._refuse_here(message, reason)
 
     def held_request_ids(self) -> list[str]:
         return [*self.reservations, *self.routes]

@@ -309,6 +309,26 @@ class PrefillWorker(WorkerLoop):
         # Not "error", which asks the scheduler to re-route: this request can never run.
         self._report(job, "rejected", 0, len(job.output_token_ids))
 
+    def _abandon(self, message: wire.Message, identity: bytes | None, reason: str) -> None:
+        """Ends the request for good, as a job that can never run (`_fail`): no other worker
+        would fare better with the message that broke this one."""
+        request_id = message.request_id  # type: ignore[attr-defined]
+        job = self._held_job(request_id)
+        if job is None and isinstance(message, wire.PrefillJob):
+            job = message
+        self._cancel(request_id, reason)
+        if job is not None:
+            self._fail(job, reason)
+
+    def _held_job(self, request_id: str) -> wire.PrefillJob | None:
+        if (running := self.jobs.get(request_id)) is not None:
+            return running.job
+        if (parked := self.awaiting_grant.get(request_id)) is not None:
+            return parked[0]
+        if (transfer := self.transfers.get(request_id)) is not None:
+            return transfer.job
+        return None
+
     def _close_idle(self) -> None:
         super()._close_idle()
         in_use = {job.decode_address for job in self._jobs_held()}

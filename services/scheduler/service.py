@@ -37,6 +37,7 @@ from shared.config import (
     setting,
 )
 from shared.curve import Security
+from shared.failures import FailureWindow
 from shared.gc_policy import DEFAULT_THAW_EVERY_S, CollectionTimer, SurvivorFreezer
 from shared.lifecycle import SchedulerEvents
 from shared.logs import configure_logging, get_logger
@@ -271,6 +272,7 @@ class SchedulerService:
         self.metrics_address: str | None = None
         self.epoch = uuid.uuid4().hex  # tells gateways this is a new scheduler, after a restart
         self._last_turn = time.monotonic()
+        self.failures = FailureWindow()  # of messages: see `_handle_guarded`
         self._stopping = False
 
     def stop(self, *_: object) -> None:
@@ -347,7 +349,42 @@ class SchedulerService:
             except wire.WireError as error:
                 self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
                 continue
-            self._send(self._handle(identity, message, time.monotonic()))
+            self._send(self._handle_guarded(identity, message, time.monotonic()))
+
+    def _handle_guarded(self, identity: bytes, message: wire.Message, now: float) -> list[Outgoing]:
+        """`_handle`, where an exception the core did not mean (its refusals are answers, not
+        raised: one raised is a bug) costs that message, not the scheduler: an exit would take
+        the queue with it, and the gateways would resume every request it held, the one that
+        broke it among them. The exception is logged with its traceback and counted; a SUBMIT
+        is refused (500) and forgotten, anything else dropped, and the core's ticks settle what
+        it left half done (deadlines, the workers' heartbeat lists). Failures that persist
+        mean the core's state is wrong: the scheduler exits (`shared.failures`)."""
+        try:
+            return self._handle(identity, message, now)
+        except Exception as error:
+            request_id = getattr(message, "request_id", None)
+            self.events.message_failed(type(message).__name__, request_id, error)
+            self.failures.record()  # raises, and the scheduler exits, when failures persist
+            if isinstance(message, wire.Submit):
+                return self._submit_failed(identity, message, error, now)
+            return []
+
+    def _submit_failed(
+        self, identity: bytes, submit: wire.Submit, error: Exception, now: float
+    ) -> list[Outgoing]:
+        """Refuses a SUBMIT whose handling raised, and forgets what of it the core took in."""
+        message = f"the scheduler failed on this request ({type(error).__name__}; its log has "
+        message += "the traceback)"
+        refusal = wire.SubmitReply(
+            request_id=submit.request_id,
+            accepted=False,
+            status_code=500,
+            message=message,
+            retry_after_s=None,
+        )
+        self.events.refused(submit.request_id, 500, message)
+        cancel = wire.Cancel(request_id=submit.request_id, reason="the scheduler failed on it")
+        return [Outgoing(identity, refusal)] + self._handle_guarded(identity, cancel, now)
 
     def _handle(self, identity: bytes, message: wire.Message, now: float) -> list[Outgoing]:
         core = self.core

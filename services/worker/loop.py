@@ -26,6 +26,7 @@ from shared.engine.engine import LLMEngine
 from shared.engine.loader import dtype_name, load_model
 from shared.engine.pace import smoothed
 from shared.engine.prefix_cache import worker_cache_key
+from shared.failures import FailureWindow
 from shared.gc_policy import CollectionTimer
 from shared.lifecycle import WorkerEvents
 from shared.logs import get_logger
@@ -107,6 +108,7 @@ class WorkerLoop(abc.ABC):
         self.poller = zmq.Poller()
         self.poller.register(self.link.socket, zmq.POLLIN)
         self._router_sockets: set[zmq.Socket] = set()
+        self.failures = FailureWindow()  # of messages: see `_handle_guarded`
         self.steps_completed = 0
         self.step_s = 0.0  # recent step duration, moving average (the scheduler's routing reads it)
         self._recent_batch_sizes: list[int] = []  # since the last heartbeat
@@ -195,7 +197,28 @@ class WorkerLoop(abc.ABC):
             if isinstance(message, wire.HelloAck):
                 self.link.on_hello_ack(message, self.log)
             else:
-                self._handle(message, identity)
+                self._handle_guarded(message, identity)
+
+    def _handle_guarded(self, message: wire.Message, identity: bytes | None) -> None:
+        """`_handle`, where an exception it did not mean (every refusal it means is answered,
+        not raised: one raised is a bug) costs the request the message names, not the worker
+        and every request it holds: the exception is logged with its traceback and counted,
+        and the role drops what it holds of the request and ends it (`_abandon`). A message
+        that ended the worker would end the next worker the request was resumed on too (one
+        HTTP request once ended four prefill workers in turn). The engine's step is not
+        guarded: a step that raised leaves the whole batch in doubt, and the worker exits; so
+        does one whose messages keep failing (`shared.failures`)."""
+        try:
+            self._handle(message, identity)
+        except Exception as error:
+            kind = type(message).__name__
+            request_id = getattr(message, "request_id", None)
+            self.events.message_failed(kind, request_id, error)
+            self.failures.record()  # raises, and the worker exits, when failures persist
+            if isinstance(request_id, str):
+                reason = f"the {self.role} worker failed on this request's {kind} "
+                reason += f"({type(error).__name__}; its log has the traceback)"
+                self._abandon(message, identity, reason)
 
     def num_available_blocks(self) -> int:
         """Free blocks not claimed by preempted sequences waiting to resume."""
@@ -254,6 +277,11 @@ class WorkerLoop(abc.ABC):
     @abc.abstractmethod
     def _handle(self, message: wire.Message, identity: bytes | None) -> None:
         """One decoded message; `identity` is set when it came through a ROUTER socket."""
+
+    @abc.abstractmethod
+    def _abandon(self, message: wire.Message, identity: bytes | None, reason: str) -> None:
+        """Drops what the worker holds of the request `message` names, whose handling raised,
+        and answers for it with `reason` as the role's refusals do."""
 
     @abc.abstractmethod
     def held_request_ids(self) -> list[str]:

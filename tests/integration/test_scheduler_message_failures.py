@@ -1,0 +1,128 @@
+"""A message whose handling raises costs that message, not the scheduler: through the service's
+own socket and loop (`_drain`), a SUBMIT that raised after the core took it in is refused with
+500 and forgotten (its decode reservation let go), and the next one is served; failures that
+persist end the loop (`shared.failures`). The exception is injected: the core has no known one,
+its fuzz (`tests/unit/test_scheduler_odd_values.py`) looks for them."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from services.scheduler.service import SchedulerConfig, SchedulerService
+from shared import wire
+from shared.failures import DEFAULT_LIMIT, PersistentFailures
+
+
+class Peer:
+    """A gateway or worker: a DEALER on the scheduler's ROUTER."""
+
+    def __init__(self, context: zmq.Context, address: str, identity: bytes):
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, identity)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+
+    def next(self) -> wire.Message:
+        assert self.socket.poll(5000)
+        return wire.recv(self.socket)
+
+    def received(self) -> list[wire.Message]:
+        messages = []
+        while self.socket.poll(200):
+            messages.append(wire.recv(self.socket))
+        return messages
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    context = zmq.Context()
+    service = SchedulerService(SchedulerConfig(address=f"ipc://{tmp_path}/s"), context)
+    peers = {name: Peer(context, service.config.address, name.encode()) for name in "gpd"}
+    for name, role in (("g", "gateway"), ("p", "prefill"), ("d", "decode")):
+        hello = wire.Hello(
+            schema_version=wire.SCHEMA_VERSION,
+            role=role,
+            peer_id=name,
+            model=service.config.model,
+            address=None if role == "prefill" else f"ipc://{tmp_path}/{name}",
+            num_kv_blocks=0 if role == "gateway" else 64,
+            block_size=0 if role == "gateway" else 16,
+            max_num_seqs=0 if role == "gateway" else 8,
+        )
+        deliver(service, peers[name], hello)
+        assert peers[name].received()[0].accepted
+    yield service, peers
+    service.socket.close(linger=0)
+    service.security.stop()
+    context.destroy(linger=0)
+
+
+def deliver(service: SchedulerService, peer: Peer, message: wire.Message) -> None:
+    """Sends `message` on `peer`'s socket and turns the service's loop over what arrived."""
+    wire.send(peer.socket, message)
+    assert service.socket.poll(5000)
+    service._drain()
+
+
+def submit(request_id: str) -> wire.Submit:
+    return wire.Submit(
+        request_id=request_id,
+        prompt_token_ids=[7] * 40,
+        sampling=wire.SamplingSpec(max_tokens=8),
+        tenant="t",
+        priority=0,
+        gateway_peer_id="g",
+        arrival_time=0.0,
+    )
+
+
+def raise_after(service: SchedulerService) -> None:
+    """The service's SUBMIT handling raises once the core has taken the request in (queued,
+    then dispatched: the decode worker asked to reserve)."""
+    real = service._submit
+
+    def submit_then_raise(*args):
+        real(*args)
+        raise RuntimeError("injected")
+
+    service._submit = submit_then_raise  # type: ignore[method-assign]
+
+
+def failures(service: SchedulerService, kind: str) -> float | None:
+    return service.events.registry.get_sample_value("tandem:message_failures_total", {"type": kind})
+
+
+def test_a_submit_that_raises_is_refused_and_forgotten_and_the_next_is_served(cluster):
+    service, peers = cluster
+    raise_after(service)
+    deliver(service, peers["g"], submit("poison"))
+    [reply] = peers["g"].received()
+    assert isinstance(reply, wire.SubmitReply) and not reply.accepted
+    assert reply.status_code == 500
+    assert reply.message == (
+        "the scheduler failed on this request (RuntimeError; its log has the traceback)"
+    )
+    assert failures(service, "Submit") == 1
+    # What the core had done is undone: its reservation (which never went out: the handler
+    # that made it raised) is cancelled and let go.
+    [told] = peers["d"].received()
+    assert isinstance(told, wire.Cancel) and told.request_id == "poison"
+    assert "poison" not in service.core.requests and len(service.core.queue) == 0
+    assert not service.core.registry.get("d").request_ids
+
+    del service._submit  # the class's own again
+    deliver(service, peers["g"], submit("r1"))
+    [reply] = peers["g"].received()
+    assert reply.accepted and reply.request_id == "r1"
+    assert [type(m) for m in peers["d"].received()] == [wire.Reserve]
+
+
+def test_failures_that_persist_end_the_loop(cluster):
+    service, peers = cluster
+    service._submit = lambda *args: 1 / 0  # type: ignore[method-assign]
+    for index in range(DEFAULT_LIMIT):
+        deliver(service, peers["g"], submit(f"r{index}"))
+        assert peers["g"].next().status_code == 500
+    with pytest.raises(PersistentFailures, match="21 messages failed within 10 s"):
+        deliver(service, peers["g"], submit("one-too-many"))

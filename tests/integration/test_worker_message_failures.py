@@ -1,0 +1,183 @@
+"""A message whose handling raises costs the request it names, not the worker and its batch: a
+real worker loop (the tiny model, in a thread), its sockets, and the test playing the scheduler,
+the gateway and the peer worker. The exception is injected once into the engine (no known one
+is left: `test_worker_odd_values.py` looks for them); the worker must answer for the request as
+its refusals do, let go of what the request held, count it, and serve the next request."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from services.decode.service import DecodeWorker
+from services.prefill.service import PrefillWorker
+from services.worker.config import WorkerConfig
+from shared import wire
+from shared.engine.sampling_params import SamplingParams
+from shared.failures import DEFAULT_LIMIT, PersistentFailures
+from tests.integration.conftest import FakeScheduler, WorkerThread
+from tests.integration.test_decode_worker import PROMPT, prefilled_transfer, stream_until_done
+
+
+def raise_once(obj: object, name: str) -> None:
+    """`obj.name` raises RuntimeError the first time it is called, and works after."""
+    real = getattr(obj, name)
+
+    def once(*args, **kwargs):
+        setattr(obj, name, real)
+        raise RuntimeError("injected")
+
+    setattr(obj, name, once)
+
+
+def next_delta(gateway: zmq.Socket) -> wire.TokenDelta:
+    assert gateway.poll(10_000), "no delta streamed"
+    return wire.recv(gateway).deltas[0]
+
+
+def failures(worker, kind: str) -> float | None:
+    return worker.events.registry.get_sample_value("tandem:message_failures_total", {"type": kind})
+
+
+@pytest.fixture
+def parties(tmp_path):
+    context = zmq.Context()
+    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/s.sock")
+    gateway = context.socket(zmq.PULL)
+    gateway.setsockopt(zmq.LINGER, 0)
+    gateway.bind(f"ipc://{tmp_path}/g.sock")
+    yield context, scheduler, gateway, tmp_path
+    context.destroy(linger=0)
+
+
+def config(tmp_path, model_dir, **overrides) -> WorkerConfig:
+    return WorkerConfig(
+        scheduler_address=f"ipc://{tmp_path}/s.sock",
+        model=str(model_dir),
+        dtype="float32",
+        kv_cache_bytes=1 << 20,
+        block_size=4,
+        **overrides,
+    )
+
+
+@pytest.fixture
+def prefill(parties, tiny_model_dir):
+    context, scheduler, gateway, tmp_path = parties
+    decode = context.socket(zmq.ROUTER)  # plays the decode worker's KV socket
+    decode.setsockopt(zmq.LINGER, 0)
+    decode.bind(f"ipc://{tmp_path}/d.sock")
+    worker = PrefillWorker(config(tmp_path, tiny_model_dir, peer_id="p"), context)
+    thread = WorkerThread(worker).start()
+    scheduler.expect(wire.Heartbeat)
+    yield scheduler, gateway, decode, worker, tmp_path
+    thread.stop()
+
+
+def prefill_job(tmp_path, request_id: str) -> wire.PrefillJob:
+    return wire.PrefillJob(
+        request_id=request_id,
+        prompt_token_ids=PROMPT,
+        sampling=wire.SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True),
+        gateway_address=f"ipc://{tmp_path}/g.sock",
+        decode_peer_id="d",
+        decode_address=f"ipc://{tmp_path}/d.sock",
+    )
+
+
+def test_a_prefill_job_that_raises_ends_its_request_and_the_worker_serves_on(prefill):
+    scheduler, gateway, decode, worker, tmp_path = prefill
+    raise_once(worker.engine, "add_request")
+    scheduler.send(prefill_job(tmp_path, "poison"))
+    delta = next_delta(gateway)
+    assert (delta.request_id, delta.finish_reason) == ("poison", "error")
+    assert delta.error == (
+        "the prefill worker failed on this request's PrefillJob (RuntimeError; its log has the "
+        "traceback)"
+    )
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("poison", "rejected")  # not re-routed
+    assert failures(worker, "PrefillJob") == 1
+
+    scheduler.send(prefill_job(tmp_path, "r1"))
+    assert next_delta(gateway).request_id == "r1"
+    assert decode.poll(10_000)
+    identity, transfer = wire.recv_from(decode)
+    assert transfer.request_id == "r1"
+    wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("r1", None)
+    heartbeat = scheduler.expect(wire.Heartbeat)
+    assert heartbeat.request_ids == [] and heartbeat.num_running == 0
+
+
+def test_messages_that_keep_failing_end_the_worker(parties, tiny_model_dir):
+    """Straight through the guard, no thread (which would die with the worker)."""
+    context, scheduler, gateway, tmp_path = parties
+    worker = PrefillWorker(config(tmp_path, tiny_model_dir, peer_id="p"), context)
+    worker.engine.add_request = lambda *args, **kwargs: 1 / 0
+    jobs = [prefill_job(tmp_path, f"r{index}") for index in range(DEFAULT_LIMIT + 1)]
+    try:
+        for job in jobs[:-1]:
+            worker._handle_guarded(job, None)  # each refused, as above
+        with pytest.raises(PersistentFailures):
+            worker._handle_guarded(jobs[-1], None)
+    finally:
+        worker.close()
+    assert failures(worker, "PrefillJob") == DEFAULT_LIMIT + 1
+    refused = [next_delta(gateway) for _ in range(DEFAULT_LIMIT)]
+    assert [delta.request_id for delta in refused] == [job.request_id for job in jobs[:-1]]
+    assert all("ZeroDivisionError" in delta.error for delta in refused)
+
+
+@pytest.fixture
+def decode(parties, tiny_model_dir):
+    context, scheduler, gateway, tmp_path = parties
+    settings = config(tmp_path, tiny_model_dir, peer_id="d", address=f"ipc://{tmp_path}/d.sock")
+    worker = DecodeWorker(settings, context)
+    thread = WorkerThread(worker).start()
+    scheduler.expect(wire.Heartbeat)
+    peer = context.socket(zmq.DEALER)  # plays the prefill worker
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(settings.address)
+    yield scheduler, gateway, peer, worker, f"ipc://{tmp_path}/g.sock", tiny_model_dir
+    thread.stop()
+
+
+def test_a_kv_transfer_that_raises_is_refused_its_blocks_freed_and_the_worker_serves_on(decode):
+    scheduler, gateway, peer, worker, gateway_address, model_dir = decode
+    total = worker.blocks.num_blocks
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for request_id in ("poison", "r1"):
+        scheduler.send(wire.Reserve(request_id=request_id, num_tokens=len(PROMPT) + 1, lease_s=30))
+        assert scheduler.expect(wire.ReserveReply).ok
+        if request_id == "poison":
+            raise_once(worker.engine, "add_prefilled")
+        transfer, _ = prefilled_transfer(model_dir, request_id, gateway_address, params)
+        wire.send(peer, transfer)
+        assert peer.poll(10_000)
+        ack = wire.recv(peer)
+        if request_id == "poison":
+            # Refused as a KV the worker cannot take: the prefill worker reports the attempt
+            # failed, and the request is resumed elsewhere (a bounded number of times).
+            assert (ack.request_id, ack.ok) == ("poison", False)
+            assert "failed on this request's KvTransfer (RuntimeError" in ack.error
+            beat = scheduler.expect(wire.Heartbeat, where=lambda h: h.num_free_blocks == total)
+            assert beat.request_ids == []  # its reservation let go
+    assert ack.ok and ack.request_id == "r1"
+    assert len(stream_until_done(gateway)) == 4
+    assert failures(worker, "KvTransfer") == 1
+
+
+def test_a_reservation_that_raises_is_refused_and_the_worker_serves_on(decode):
+    scheduler, gateway, peer, worker, gateway_address, model_dir = decode
+    raise_once(worker.engine, "pin_cached_prefix")
+    reserve = wire.Reserve(request_id="poison", num_tokens=len(PROMPT) + 1, lease_s=30,
+                           token_ids=PROMPT)  # fmt: skip
+    scheduler.send(reserve)
+    reply = scheduler.expect(wire.ReserveReply)
+    assert (reply.request_id, reply.ok) == ("poison", False)
+    assert reply.num_free_blocks == worker.blocks.num_blocks
+    scheduler.send(wire.Reserve(request_id="r1", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    assert failures(worker, "Reserve") == 1
