@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import zmq
 
-SCHEMA_VERSION = 9  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
+SCHEMA_VERSION = 10  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
 # 5: the heartbeat's step time, bulk prefill jobs and transfers, speculative prefill; 6: the
 # submit's first-token deadline; 7: the status's prompt-token pace; 8: token positions, and the
-# first token carried with the KV; 9: where a stream ended, told its gateway by the scheduler
+# first token carried with the KV; 9: where a stream ended, told its gateway by the scheduler;
+# 10: the sampling's logit bias
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -150,6 +151,7 @@ class SamplingSpec:
     min_tokens: int = 0  # EOS and stop tokens suppressed until this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # finish on any of these
     constraint: ConstraintSpec | None = None  # what the output must match (structured output)
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, added logit)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,7 @@ def sampling_params(spec: wire.SamplingSpec) -> SamplingParams:
     """Raises InvalidRequestError (naming the field) for values the engine refuses."""
     values = {name: getattr(spec, name) for name in _FIELDS}
     values["stop_token_ids"] = tuple(values["stop_token_ids"])
+    values["logit_bias"] = tuple(values["logit_bias"])
     if spec.constraint is not None:
         values["constraint"] = Constraint(spec.constraint.kind, spec.constraint.spec)
     return SamplingParams(**values)
@@ -27,6 +28,7 @@ def sampling_params(spec: wire.SamplingSpec) -> SamplingParams:
 def sampling_spec(params: SamplingParams) -> wire.SamplingSpec:
     values = {name: getattr(params, name) for name in _FIELDS}
     values["stop_token_ids"] = list(values["stop_token_ids"])
+    values["logit_bias"] = list(values["logit_bias"])
     if params.constraint is not None:
         constraint = params.constraint
         values["constraint"] = wire.ConstraintSpec(kind=constraint.kind, spec=constraint.spec)

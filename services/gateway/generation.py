@@ -137,6 +137,8 @@ class Generator:
         )
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise bad_request("stop_token_ids", f"ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in params.logit_bias_ids):
+            raise bad_request("logit_bias", f"token ids must be in [0, {self.vocab_size})")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.telemetry.arrived(request_id, len(prompt_ids), request.user or "default", request.n)
         return Generation(

@@ -19,6 +19,7 @@ No sockets and no tokenizer here: the gateway's HTTP layer and detokenizer live 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -65,6 +66,7 @@ _COMMON_FIELDS = frozenset(
     {"model", "max_tokens", "stop", "n", "stream", "stream_options", "user", "logprobs"}
     | {"priority"}  # tandem's extension, as are top_k, min_p, ... in _SAMPLING_FIELDS
     | {"response_format", "structured_outputs"}  # see services.gateway.structured_outputs
+    | {"logit_bias"}
     | set(_SAMPLING_FIELDS)
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
@@ -78,7 +80,6 @@ _IGNORED_FIELDS = frozenset(
 # (null always does); any other value is refused rather than silently ignored.
 _UNSUPPORTED_FIELDS: Mapping[str, tuple[Any, ...]] = MappingProxyType(
     {
-        "logit_bias": ({},),
         "tools": ([],),
         "tool_choice": ("none",),
         "functions": ([],),
@@ -220,6 +221,21 @@ def _sampling_params(kwargs: Mapping[str, Any], max_tokens: int) -> SamplingPara
 
 
 # --- field readers: JSON null is "not given"; each failure names the field -----------------------
+
+
+def _parse_logit_bias(value: Any) -> tuple[tuple[int, Any], ...] | None:
+    """OpenAI's object of token id (a JSON key: a string) to bias, as (id, bias) pairs; the
+    biases' types and ranges are SamplingParams' to check, the ids' vocabulary the gateway's."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        _fail("logit_bias", f"must be an object mapping token ids to biases, got {value!r}")
+    pairs = []
+    for key, bias in value.items():
+        if not re.fullmatch(r"-?[0-9]{1,12}", key):
+            _fail("logit_bias", f"keys must be token ids (integers), got {key!r}")
+        pairs.append((int(key), bias))
+    return tuple(pairs)
 
 
 def _is_int(value: Any) -> bool:
@@ -437,6 +453,9 @@ def _build(
     if is_number and not 0 <= temperature <= MAX_TEMPERATURE:
         _fail("temperature", f"must be in [0, {MAX_TEMPERATURE}], got {temperature}")
     sampling_kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    logit_bias = _parse_logit_bias(body.get("logit_bias"))
+    if logit_bias:
+        sampling_kwargs["logit_bias"] = logit_bias
     if logprobs is not None:
         sampling_kwargs["logprobs"] = logprobs
     try:

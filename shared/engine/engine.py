@@ -334,13 +334,15 @@ class LLMEngine:
         self, token_ids: SequenceOf[int], params: SamplingParams, param: str = "prompt"
     ) -> None:
         """Every id the model reads (the tokens) or the sampler indexes logits by (the stop
-        ids, suppressed until `min_tokens`) is in the vocabulary: one past it raised in the
-        middle of a step, which ends the worker and every sequence in its batch."""
+        ids, suppressed until `min_tokens`; the biased ids) is in the vocabulary: one past it
+        raised in the middle of a step, which ends the worker and every sequence in its batch."""
         vocab = self.model.config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(param, f"token ids must be integers in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias_ids):
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
 
     def _validate_prompt(self, prompt_token_ids: SequenceOf[int], params: SamplingParams) -> None:
         num_prompt = len(prompt_token_ids)

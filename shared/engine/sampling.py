@@ -3,7 +3,8 @@
 Per row, in this order: suppressed tokens (e.g. EOS under `min_tokens`) go to -inf (unless the
 row's grammar allows nothing else: a complete structure ends the choice); the repetition
 penalty scales logits of tokens seen in the prompt or output; frequency and presence penalties are
-subtracted for tokens in the output. A greedy row then takes the argmax. Any other row is divided
+subtracted for tokens in the output; the request's `logit_bias` is added to its tokens' logits.
+A greedy row then takes the argmax. Any other row is divided
 by its temperature and filtered: top-k, then top-p on the renormalized survivors, then min-p; the
 token is drawn from what is left.
 
@@ -12,8 +13,8 @@ as p (q_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is i wi
 p_i). Each row draws exactly `vocab` uniforms (q = -log u) from its own CPU generator per step,
 whatever it keeps, and every filter computes each row from that row alone, so a seeded request
 yields the same tokens whatever else shares the batch and wherever it sits in it. Filtering runs
-batched; only the draws loop over rows. A batch of greedy rows without penalties or suppression
-takes one vectorized argmax, the decode loop's hot path.
+batched; only the draws loop over rows. A batch of greedy rows without penalties, bias or
+suppression takes one vectorized argmax, the decode loop's hot path.
 
 Top-k and top-p need the best tokens in order. A partial sort of the best 1024 settles almost
 every row (its top-k lies within them, or they hold top_p of the mass); only the rest, flat
@@ -51,7 +52,12 @@ class SamplingRow:
     def is_plain_greedy(self) -> bool:
         """Its token is the argmax of the raw logits."""
         params = self.params
-        return params.greedy and not params.has_penalties and len(self.suppressed_token_ids) == 0
+        return (
+            params.greedy
+            and not params.has_penalties
+            and not params.logit_bias
+            and len(self.suppressed_token_ids) == 0
+        )
 
 
 @dataclass
@@ -181,7 +187,8 @@ def _race(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.T
 
 
 def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Logits after suppression and penalties; a copy, the caller's tensor stays untouched."""
+    """Logits after suppression, penalties and the request's logit bias; a copy, the caller's
+    tensor stays untouched."""
     work = logits.clone()
     for i, row in enumerate(rows):
         if len(row.suppressed_token_ids) > 0:
@@ -190,7 +197,17 @@ def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
             work[i] = apply_penalties(
                 work[i], row.params, row.prompt_token_ids, row.output_token_ids
             )
+        if row.params.logit_bias:
+            _add_logit_bias(work[i], row.params)
     return work
+
+
+def _add_logit_bias(logits: torch.Tensor, params: SamplingParams) -> None:
+    """OpenAI's `logit_bias`: each listed token's logit moved by its bias (a token at -inf,
+    suppressed or out of the grammar, stays there)."""
+    token_ids = _long_tensor(params.logit_bias_ids, logits.device)
+    biases = torch.tensor([bias for _, bias in params.logit_bias], dtype=logits.dtype)
+    logits[token_ids] += biases.to(logits.device)
 
 
 def _suppress(logits: torch.Tensor, row: SamplingRow) -> None:

@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # imported where a generator is made: a gateway validates wit
     import torch
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 4096  # tokens biased per request (the wire's longest list, `MAX_LIST_LEN`)
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 # Past any vocabulary; the sampler builds its top-k column as int64, which 2**63 overflowed in
 # the middle of a step (the whole batch's).
 MAX_TOP_K = 2**31 - 1
@@ -71,6 +73,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     constraint: Constraint | None = None  # structured output: what the output must match
+    # Added to the logits of these tokens before sampling (after penalties), as (token id,
+    # bias) pairs sorted by id; a dict {id: bias} is taken too. Logprobs stay the model's own.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         self._normalize_types()
@@ -91,6 +96,7 @@ class SamplingParams:
         ids = self.stop_token_ids
         _check(isinstance(ids, (list, tuple)), "stop_token_ids", "must be a list of token ids")
         self._set("stop_token_ids", tuple(_as_int("stop_token_ids", i) for i in ids))
+        self._set("logit_bias", _logit_bias_pairs(self.logit_bias))
         _check(
             self.constraint is None or isinstance(self.constraint, Constraint),
             "constraint",
@@ -127,10 +133,32 @@ class SamplingParams:
         )
         ids = self.stop_token_ids
         _check(all(i >= 0 for i in ids), "stop_token_ids", f"ids must be >= 0, got {list(ids)}")
+        self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        pairs = self.logit_bias
+        _check(
+            len(pairs) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS} tokens, got {len(pairs)}",
+        )
+        for token_id, bias in pairs:
+            _check(token_id >= 0, "logit_bias", f"token ids must be >= 0, got {token_id}")
+            _check(
+                -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS,
+                "logit_bias",
+                f"biases must be in [-100, 100], got {bias} for token {token_id}",
+            )
+        ids = [token_id for token_id, _ in pairs]
+        _check(len(set(ids)) == len(ids), "logit_bias", "each token id at most once")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def logit_bias_ids(self) -> tuple[int, ...]:
+        return tuple(token_id for token_id, _ in self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:
@@ -139,6 +167,26 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs sorted by id, from pairs or a dict; types checked, not ranges."""
+    if isinstance(value, dict):
+        value = list(value.items())
+    _check(
+        isinstance(value, (list, tuple)),
+        "logit_bias",
+        "must map token ids to biases (a dict, or (id, bias) pairs)",
+    )
+    pairs = []
+    for pair in value:
+        _check(
+            isinstance(pair, (list, tuple)) and len(pair) == 2,
+            "logit_bias",
+            f"must map token ids to biases, got the item {pair!r}",
+        )
+        pairs.append((_as_int("logit_bias", pair[0]), _as_float("logit_bias", pair[1])))
+    return tuple(sorted(pairs))
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

@@ -217,6 +217,7 @@ def test_logprobs_present_and_finite(openai_client):
             "stop_token_ids",
         ),
         ({"model": MODEL, "prompt": "x", "top_k": 2**63}, 400, "top_k"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"1000000000": 1}}, 400, "logit_bias"),
     ],
 )
 def test_errors_have_openai_shape(cluster, body, status, param):
@@ -259,6 +260,27 @@ def test_disconnect_mid_stream_frees_blocks(cluster):
     info = cluster.wait_blocks_free()
     assert info["in_flight"] == 0
     assert info["decode_free_blocks"] == info["decode_total_blocks"]
+
+
+def test_logit_bias_steers_every_token_as_the_engine_does(openai_client, smollm2):
+    """Banned and favoured tokens, at the prefill worker's first token and the decode
+    worker's steps after it: the cluster's output is the engine's with the same bias."""
+    prompt = "The capital of France is"
+    prompt_ids = smollm2.tokenizer(prompt).input_ids
+    greedy = engine_greedy(smollm2, prompt_ids, 12)
+    bias = {greedy[0]: -100.0, greedy[1]: -100.0, greedy[4]: 3.5}
+    response = openai_client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        logit_bias={str(token_id): value for token_id, value in bias.items()},
+    )
+    params = SamplingParams(max_tokens=12, temperature=0.0, logit_bias=bias)
+    engine = LLMEngine(smollm2.model, EngineConfig(num_blocks=64))
+    expected = engine.generate([prompt_ids], params)[0].token_ids
+    assert expected[0] != greedy[0] and greedy[0] not in expected
+    assert response.choices[0].text == smollm2.tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_min_tokens_holds_eos_back_with_or_without_ignore_eos(openai_client):

@@ -235,6 +235,7 @@ def test_eos_semantics_follow_vllm(model):
         # The sampler indexes the logits by a stop id until min_tokens: one past the
         # vocabulary raised in the middle of the step, ending the worker and its batch.
         ([5], dataclasses.replace(GREEDY, stop_token_ids=(10**9,), min_tokens=1), "stop_token_ids"),
+        ([5], SamplingParams(temperature=0, logit_bias={300: 5.0}), "logit_bias"),  # likewise
     ],
 )
 def test_wrong_input_names_the_field(model, prompt, params, field):
@@ -252,6 +253,7 @@ def test_a_prefilled_sequence_outside_the_vocabulary_is_refused(model):
         ([5, 6], [2**63], GREEDY, "token_ids"),
         ([5, -1], [7], GREEDY, "token_ids"),
         ([5, 6], [7], dataclasses.replace(GREEDY, stop_token_ids=(300,)), "stop_token_ids"),
+        ([5, 6], [7], dataclasses.replace(GREEDY, logit_bias=((300, 1.0),)), "logit_bias"),
     ):
         with pytest.raises(InvalidRequestError) as error:
             engine.add_prefilled("r", prompt, output, params, blocks)

@@ -118,7 +118,6 @@ class TestEnvelope:
     @pytest.mark.parametrize(
         ("field", "value"),
         [
-            ("logit_bias", {"50256": -100}),
             ("functions", [{"name": "f"}]),
             ("suffix", "end"),
             ("best_of", 2),
@@ -134,8 +133,6 @@ class TestEnvelope:
     @pytest.mark.parametrize(
         ("field", "value"),
         [
-            ("logit_bias", None),
-            ("logit_bias", {}),
             ("tools", []),
             ("tool_choice", "none"),
             ("response_format", {"type": "text"}),
@@ -217,6 +214,17 @@ INVALID_COMMON = [
     ({"frequency_penalty": True}, "frequency_penalty"),
     ({"stop_token_ids": [1, -2]}, "stop_token_ids"),
     ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"logit_bias": [[5, 1]]}, "logit_bias"),  # OpenAI's is an object
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"5.0": 1}}, "logit_bias"),
+    ({"logit_bias": {" 5": 1}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": {"5": None}}, "logit_bias"),
+    ({"logit_bias": {"5": True}}, "logit_bias"),
+    ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),  # the same token twice
+    ({"logit_bias": {str(i): 1 for i in range(4097)}}, "logit_bias"),
     ({"priority": 1.5}, "priority"),
     ({"priority": True}, "priority"),
     ({"priority": 2**40}, "priority"),
@@ -264,6 +272,14 @@ def test_sampling_fields_reach_sampling_params():
     request = completion(max_tokens=50, **fields)
     expected = SamplingParams(max_tokens=50, **{**fields, "stop_token_ids": (7, 8)})
     assert request.sampling_params(10, MAX_LEN) == expected
+
+
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_logit_bias_maps_token_ids_to_biases(parse):
+    params = parse(logit_bias={"50256": -100, "7": 5, "0": 0.25}).sampling_params(1, MAX_LEN)
+    assert params.logit_bias == ((0, 0.25), (7, 5.0), (50256, -100.0))
+    for nothing in (None, {}):
+        assert parse(logit_bias=nothing).sampling_params(1, MAX_LEN).logit_bias == ()
 
 
 def test_ints_are_accepted_for_numbers():

@@ -96,6 +96,18 @@ INVALID = [
     ("stop_token_ids", "12"),
     ("stop_token_ids", 7),
     ("constraint", {"kind": "regex", "spec": "a+"}),
+    ("logit_bias", {1: 100.5}),
+    ("logit_bias", {1: -101}),
+    ("logit_bias", {1: math.nan}),
+    ("logit_bias", {1: math.inf}),
+    ("logit_bias", {-1: 5.0}),
+    ("logit_bias", {"7": 5.0}),  # a JSON key: the gateway makes it an int
+    ("logit_bias", {True: 5.0}),
+    ("logit_bias", {1: "5"}),
+    ("logit_bias", [(1, 2.0), (1, 3.0)]),
+    ("logit_bias", [(1,)]),
+    ("logit_bias", "1:5"),
+    ("logit_bias", {i: 1.0 for i in range(4097)}),
 ]
 
 
@@ -334,6 +346,63 @@ def test_draws_follow_the_distribution(params: SamplingParams, keep) -> None:
     expected_counts = num_draws * expected[support]
     statistic = ((counts[support] - expected_counts) ** 2 / expected_counts).sum().item()
     assert statistic < CHI2_CRITICAL_P001[int(support.sum()) - 1]
+
+
+# --- logit bias -------------------------------------------------------------------------------
+
+
+def test_logit_bias_is_normalized_to_pairs_sorted_by_id() -> None:
+    assert SamplingParams(logit_bias={5: 100, 2: -1}).logit_bias == ((2, -1.0), (5, 100.0))
+    assert SamplingParams(logit_bias=[[9, 0.5]]).logit_bias == ((9, 0.5),)
+    assert SamplingParams(logit_bias={5: 1}).logit_bias_ids == (5,)
+
+
+def test_the_longest_logit_bias_fits_the_wire() -> None:
+    from shared.engine.sampling_params import MAX_LOGIT_BIAS
+    from shared.wire_base import MAX_LIST_LEN
+
+    assert MAX_LOGIT_BIAS == MAX_LIST_LEN
+    assert len(SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}).logit_bias)
+
+
+def test_logit_bias_moves_the_greedy_choice_and_leaves_logprobs_the_models() -> None:
+    """LOGITS' argmax is 1; +100 on 5 forces 5, -100 on 1 bans it (3 is next), a small bias
+    moves the choice only where it overturns the order."""
+    cases = [({5: 100}, 5), ({1: -100}, 3), ({0: 1.0}, 1), ({0: 2.1}, 0)]
+    rows = [make_row(SamplingParams(temperature=0, logit_bias=b, logprobs=1)) for b, _ in cases]
+    out = Sampler()(LOGITS.expand(len(rows), -1), rows)
+    assert out.token_ids == [expected for _, expected in cases]
+    raw = torch.log_softmax(LOGITS, dim=-1)
+    for token_id, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        assert logprob == pytest.approx(raw[token_id].item())
+        assert top[0][0] == 1  # the model's own best token, bias or not
+
+
+def test_a_biased_row_leaves_the_plain_greedy_path_and_its_batch_mates_alone() -> None:
+    biased = make_row(SamplingParams(temperature=0, logit_bias={2: 50}))
+    plain = make_row(SamplingParams(temperature=0))
+    assert not biased.is_plain_greedy and plain.is_plain_greedy
+    assert Sampler()(LOGITS.expand(2, -1), [biased, plain]).token_ids == [2, 1]
+
+
+def test_a_suppressed_token_stays_suppressed_whatever_its_bias() -> None:
+    row = make_row(SamplingParams(temperature=0, logit_bias={5: 100}), suppressed=[5])
+    assert Sampler()(LOGITS.unsqueeze(0), [row]).token_ids == [1]
+
+
+def test_biased_draws_follow_the_biased_distribution() -> None:
+    """A bias b multiplies a token's probability by e^b before renormalizing."""
+    bias = {0: 2.0, 1: -1.0, 5: 0.7}
+    params = SamplingParams(seed=21, logit_bias=bias)
+    num_draws = 20_000
+    shifted = LOGITS.clone().double()
+    for token_id, value in bias.items():
+        shifted[token_id] += value
+    expected = torch.softmax(shifted, dim=-1)
+    counts = torch.bincount(torch.tensor(draw_many(params, LOGITS, num_draws)), minlength=6)
+    expected_counts = num_draws * expected
+    statistic = ((counts - expected_counts) ** 2 / expected_counts).sum().item()
+    assert statistic < CHI2_CRITICAL_P001[5]
 
 
 # --- penalties, suppression, greedy -----------------------------------------------------------
