@@ -23,6 +23,11 @@ machine do not inflate them. `rounds_cpu_s` is the whole rounds' CPU time, the b
 and the decoding of every SUBMIT included: a collection is charged to whatever allocation
 triggers it, inside a handler or not, so what changes the collector's work shows there too.
 
+`--token-ids distinct`: prompts of distinct token ids, as real ones are (each an int object the
+queue holds and the core's forgetting frees; 41 bytes a token in all, 1.6 GiB at 100,000 queued
+of ~415 tokens), instead of one id repeated (the default, the same small int throughout, which the
+figures before December 5 were measured with and which flatters the core by some 13%).
+
 `--prefix-cache`: the workers keep prefix caches (as real workers do): each registers a cache
 key and its heartbeats carry its whole set of cached block hashes, a few of the 64 system prompts
 the requests start with (tenant-salted: tenants share them only with themselves), so the core's
@@ -30,6 +35,7 @@ cache-aware placement (`cache_placement.py`) is in play.
 
     .venv/bin/python -m loadtest.scheduler_scale [--prefill 1000 --decode 1000 --queued 100000
         --tenants 10000 --rounds 1000 --prefill-ms 20] [--prefix-cache] [--gc freeze|default]
+        [--token-ids repeated|distinct]
         [--profile] [--indexes auto|native|python]
 """
 
@@ -39,6 +45,7 @@ import argparse
 import cProfile
 import pstats
 import random
+import resource
 import statistics
 import time
 import zlib
@@ -54,6 +61,8 @@ CACHE_KEY = worker_cache_key(CacheKey("m", "float32", 16), shared_between_tenant
 NUM_SYSTEM_PROMPTS = 64  # with --prefix-cache, every prompt starts with one of these
 SYSTEM_PROMPT_TOKENS = 32
 MAX_NUM_SEQS = 64  # each decode worker's seats
+VOCAB = 49152  # the default model's (`--token-ids distinct` draws below it)
+FIRST_DISTINCT_ID = 257  # past CPython's cached small ints: every token an object of its own
 TICK_EVERY_ROUNDS = 250  # a round is 1 ms: the service ticks every half heartbeat interval
 HEARTBEAT_EVERY_ROUNDS = 500  # each worker's (the service's default interval, 0.5 s)
 
@@ -83,6 +92,10 @@ class ScaleBench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.rng = random.Random(args.seed)
+        # Drawn once, apart from `rng` (the same requests either way); a prompt is a slice, and
+        # the core gets fresh int objects anyway: a SUBMIT reaches it decoded from its frames.
+        token_rng = random.Random(args.seed + 1)
+        self.token_pool = [token_rng.randrange(FIRST_DISTINCT_ID, VOCAB) for _ in range(1 << 16)]
         limits = SchedulerLimits(
             max_queued_requests=args.queued * 2,
             max_queued_tokens=1 << 40,
@@ -131,7 +144,11 @@ class ScaleBench:
         index = self.num_submitted
         self.num_submitted += 1
         length = self.rng.choice((32, 64, 128, 256, 512, 1500))
-        prompt = [0] * length
+        if self.args.token_ids == "distinct":
+            start = index * 7919 % (len(self.token_pool) - length)
+            prompt = self.token_pool[start : start + length]
+        else:
+            prompt = [0] * length
         tenant = f"tenant{self.rng.randrange(self.args.tenants)}"
         if self.args.prefix_cache:
             prompt[:SYSTEM_PROMPT_TOKENS] = self.system_prompt(tenant)
@@ -300,6 +317,7 @@ class ScaleBench:
             },
             "setup_s": setup_s,
             "rounds_cpu_s": self.rounds_s,
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
 
 
@@ -318,6 +336,13 @@ def main(argv: list[str] | None = None) -> None:
         help="rounds (simulated ms) from a prefill's start to its report",
     )
     parser.add_argument("--prefix-cache", action="store_true", help="workers keep prefix caches")
+    parser.add_argument(
+        "--token-ids",
+        choices=("repeated", "distinct"),
+        default="repeated",
+        help="prompts of one id repeated, or of distinct ids as real prompts are (an int "
+        "object each, held while queued and freed when the request is forgotten)",
+    )
     parser.add_argument(
         "--gc",
         choices=("freeze", "default"),

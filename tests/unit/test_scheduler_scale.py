@@ -16,7 +16,9 @@ from loadtest.scheduler_scale import (
 )
 
 
-def tiny(prefix_cache: bool = False, gc: str = "default") -> argparse.Namespace:
+def tiny(
+    prefix_cache: bool = False, gc: str = "default", token_ids: str = "repeated"
+) -> argparse.Namespace:
     return argparse.Namespace(
         prefill=4,
         decode=4,
@@ -28,6 +30,7 @@ def tiny(prefix_cache: bool = False, gc: str = "default") -> argparse.Namespace:
         prefix_cache=prefix_cache,
         gc=gc,
         indexes="auto",
+        token_ids=token_ids,
     )
 
 
@@ -42,6 +45,18 @@ def test_a_tiny_run_plays_whole_lives_and_keeps_the_queue_full():
     assert bench.handler_calls["tick"] == 600 // TICK_EVERY_ROUNDS + 1
     assert bench.handler_calls["on_reserve_reply"] >= result["num_decisions"] - 8 * 64
     assert all(f"{name}_us" in result for name in ("on_submit", "on_heartbeat", "tick"))
+
+
+def test_distinct_token_ids_change_what_the_queue_holds_not_what_the_core_decides():
+    """Without prefix caches the core never reads a prompt's ids: the same decisions."""
+    runs = {kind: ScaleBench(tiny(token_ids=kind)) for kind in ("repeated", "distinct")}
+    results = {kind: bench.run() for kind, bench in runs.items()}
+    assert results["distinct"]["num_decisions"] == results["repeated"]["num_decisions"] > 0
+    held = {
+        kind: {t for r in bench.core.requests.values() for t in r.submit.prompt_token_ids}
+        for kind, bench in runs.items()
+    }
+    assert held["repeated"] == {0} and len(held["distinct"]) > 1000
 
 
 def test_prefills_report_after_their_time_and_every_worker_beats_at_the_service_interval():
