@@ -1,10 +1,11 @@
 """Messages the wire accepts but no sound scheduler or peer sends, through a real worker's own
 entry (its `_handle`, then its loop's turn: the engine's step, the timers, the heartbeat): token
-ids outside the vocabulary and past int64, counts past int32 and int64, NaN and infinite
-sampling values and leases, KV of the wrong shape, grants and acks for requests it never had.
-Each must be refused or read within bounds: an exception ends the worker's loop, and every
-request on it with it. The tiny model stands in for the real one (the numbers do not matter,
-the checks do); every heartbeat the worker builds must still encode.
+ids outside the vocabulary and past int64 (prompts, stop ids, logit biases), counts past int32
+and int64, NaN and infinite sampling values and leases, KV of the wrong shape, grants and acks
+for requests it never had. Each must be refused or read within bounds: an exception there is a
+bug (the loop's guard would end the request, `WorkerLoop._handle_guarded`; a step's ends the
+worker and every request on it). The tiny model stands in for the real one (the numbers do not
+matter, the checks do); every heartbeat the worker builds must still encode.
 
 Found so far (each was a crash): a stop token id outside the vocabulary (the sampler indexed the
 logits by it mid-step; one HTTP request ended four prefill workers in turn), and a gateway or
@@ -56,6 +57,8 @@ class OddScheduler:
             return rng.choice(ODD_FLOATS)
         if isinstance(value, str):
             return rng.choice(["", "ipc:///nowhere", "zz"])
+        if isinstance(value, list) and value and isinstance(value[0], tuple):  # logit_bias
+            return [(rng.choice(ODD_INTS), rng.choice([1.0, *ODD_FLOATS])) for _ in range(2)]
         if isinstance(value, list):
             return rng.choice([[], [rng.choice(ODD_INTS)], [VOCAB] * 3, value * 9])
         if isinstance(value, torch.Tensor):
@@ -87,6 +90,7 @@ class OddScheduler:
             logprobs=rng.choice([None, 0, 2]),
             min_tokens=rng.choice([0, 2]),
             stop_token_ids=rng.choice([[], [3]]),
+            logit_bias=rng.choice([[], [(3, 2.5)], [(VOCAB - 1, -100.0), (0, 1.0)]]),
         )
         return self.spoiled(sound)
 
