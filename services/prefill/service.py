@@ -156,7 +156,7 @@ class PrefillWorker(WorkerLoop):
                 self.engine.release(output.request_id)
                 continue
             job = running.job
-            if output.error is not None:  # its grammar failed to compile
+            if output.error is not None:  # its grammar failed to compile, or its sampling
                 self.engine.release(job.request_id)
                 self._fail(job, output.error)
                 continue

@@ -206,8 +206,9 @@ class WorkerLoop(abc.ABC):
         and the role drops what it holds of the request and ends it (`_abandon`). A message
         that ended the worker would end the next worker the request was resumed on too (one
         HTTP request once ended four prefill workers in turn). The engine's step is not
-        guarded: a step that raised leaves the whole batch in doubt, and the worker exits; so
-        does one whose messages keep failing (`shared.failures`)."""
+        guarded here (its sampler isolates a failing row itself, `LLMEngine._sample`): a step
+        that raised leaves the whole batch in doubt, and the worker exits; so does one whose
+        messages keep failing (`shared.failures`)."""
         try:
             self._handle(message, identity)
         except Exception as error:

@@ -26,13 +26,16 @@ from shared.engine.model import LlamaModel
 from shared.engine.prefix_blocks import cache_computed_blocks, take_cached_prefix
 from shared.engine.prefix_cache import CacheKey, PrefixCache, chain_hashes, root_hash
 from shared.engine.retention import Clock
-from shared.engine.sampling import Sampler, SamplingRow
+from shared.engine.sampling import Sampler, SamplerOutput, SamplingRow
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import MIN_CHUNK, ScheduledChunk, StepPlan, StepScheduler
 from shared.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from shared.engine.step_batch import SequenceChunk, build_step_batch
 from shared.engine.swap import PreemptionCosts, Stopwatch, SwapSpace
 from shared.errors import InvalidRequestError
+from shared.logs import get_logger
+
+log = get_logger(component="engine")
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
-    error: str | None = None  # why an "abort" the engine chose (a grammar that failed)
+    error: str | None = None  # why an "abort" the engine chose (a grammar, or the sampler, failed)
 
     @property
     def finished(self) -> bool:
@@ -189,6 +192,7 @@ class LLMEngine:
             hand_back_recomputed=self.config.hand_back_recomputed,
         )
         self.sampler = Sampler()
+        self.num_sampler_failures = 0  # rows the sampler raised on (`_sample`): bugs, each logged
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.grammar = GrammarBinding(
             tokenizer,
@@ -491,9 +495,15 @@ class LLMEngine:
                 rows.append(self._sampling_row(seq))
         if not rows:
             return outputs
-        sampled = self.sampler(logits[sampled_rows], rows)
+        sampled, failed = self._sample(logits[sampled_rows], rows)
         for i, index in enumerate(sampled_rows):
             seq = chunks[index].sequence
+            if i in failed:  # the sampler raised on this row alone: it ends, the batch goes on
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                outputs.append(
+                    RequestOutput(seq.request_id, [], finish_reason="abort", error=failed[i])
+                )
+                continue
             token = sampled.token_ids[i]
             seq.output_token_ids.append(token)
             if seq.grammar is not None:
@@ -509,6 +519,35 @@ class LLMEngine:
                 out.finish_reason = status.finish_reason
             outputs.append(out)
         return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[SamplerOutput, dict[int, str]]:
+        """The sampler over the step's rows, and why each row it failed on failed. Should the
+        batch raise (a bug some row's parameters hit: a stop id past the vocabulary once made
+        every worker that took one request exit, batch and all), each row is sampled alone,
+        and only the rows that raise again fail. (A seeded row may have drawn in the failed
+        pass: its tokens from here differ from an undisturbed run's.)"""
+        try:
+            return self.sampler(logits, rows), {}
+        except Exception as error:
+            log.error("the sampler failed on a batch; sampling row by row", exc_info=error)
+        token_ids: list[int] = []
+        logprobs: list[float | None] = []
+        top_logprobs: list[list[tuple[int, float]] | None] = []
+        failed: dict[int, str] = {}
+        for i, row in enumerate(rows):
+            try:
+                one = self.sampler(logits[i : i + 1], [row])
+            except Exception as error:
+                log.error("the sampler failed on a row", row=i, exc_info=error)
+                failed[i] = f"the sampler failed on this request ({type(error).__name__})"
+                self.num_sampler_failures += 1
+                one = SamplerOutput([0], [None], [None])
+            token_ids += one.token_ids
+            logprobs += one.logprobs
+            top_logprobs += one.top_logprobs
+        return SamplerOutput(token_ids, logprobs, top_logprobs), failed
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         del self._sequences[seq.request_id]

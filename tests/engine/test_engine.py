@@ -245,6 +245,36 @@ def test_wrong_input_names_the_field(model, prompt, params, field):
     assert error.value.param == field
 
 
+def test_a_row_the_sampler_fails_on_ends_alone_and_its_batch_goes_on(model):
+    """A bug one request's parameters hit in the sampler (here the stop id past the vocabulary
+    that validation once let through, put back past it) used to raise out of the step: the
+    worker exited with every sequence. Now that row aborts with the error, and the others
+    decode as they would have without it."""
+    prompts = {"a": [5, 6, 7], "poison": [1, 2, 3, 4], "b": [8, 9]}
+    alone = LLMEngine(model, EngineConfig(num_blocks=64))
+    expected = dict(zip("ab", alone.generate([prompts["a"], prompts["b"]], GREEDY), strict=True))
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    for request_id, prompt in prompts.items():
+        engine.add_request(prompt, GREEDY, request_id)
+    poisoned = dataclasses.replace(GREEDY, stop_token_ids=(10**9,), min_tokens=3)
+    engine._sequences["poison"].params = poisoned  # past the engine's own check
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    finished = {}
+    for out in engine.run_until_done():
+        tokens[out.request_id] += out.new_token_ids
+        if out.finished:
+            finished[out.request_id] = (out.finish_reason, out.error)
+    assert finished["poison"] == (
+        "abort",
+        "the sampler failed on this request (IndexError)",
+    )
+    assert tokens["poison"] == [] and engine.num_sampler_failures == 1
+    for request_id in "ab":
+        assert finished[request_id] == ("length", None)
+        assert tokens[request_id] == expected[request_id].token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_a_prefilled_sequence_outside_the_vocabulary_is_refused(model):
     """A decode worker admits what a KV transfer says: its ids are checked like a prompt's."""
     engine = LLMEngine(model, EngineConfig(num_blocks=64))

@@ -6,6 +6,8 @@ its refusals do, let go of what the request held, count it, and serve the next r
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import zmq
 
@@ -181,3 +183,43 @@ def test_a_reservation_that_raises_is_refused_and_the_worker_serves_on(decode):
     scheduler.send(wire.Reserve(request_id="r1", num_tokens=len(PROMPT) + 1, lease_s=30))
     assert scheduler.expect(wire.ReserveReply).ok
     assert failures(worker, "Reserve") == 1
+
+
+def test_a_sequence_the_sampler_fails_on_ends_with_its_error_and_the_worker_goes_on(decode):
+    """The sampler's own guard (`LLMEngine._sample`; a shared batch is
+    `tests/engine/test_engine.py`'s), in a real decode worker: a sequence whose parameters make
+    the sampler raise (a stop id past the vocabulary, put back past the engine's check) ends
+    with the error at its gateway and the scheduler; the next decodes to the end."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = decode
+    real = worker.engine.add_prefilled
+
+    def add_then_poison(request_id, *args, **kwargs):
+        real(request_id, *args, **kwargs)
+        if request_id == "poison":
+            seq = worker.engine._sequences[request_id]
+            seq.params = dataclasses.replace(seq.params, stop_token_ids=(10**9,), min_tokens=3)
+
+    worker.engine.add_prefilled = add_then_poison
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for request_id in ("poison", "r1"):  # both reserved before either decodes and reports
+        scheduler.send(wire.Reserve(request_id=request_id, num_tokens=len(PROMPT) + 6, lease_s=30))
+        assert scheduler.expect(wire.ReserveReply).ok
+    for request_id in ("poison", "r1"):
+        transfer, _ = prefilled_transfer(model_dir, request_id, gateway_address, params)
+        wire.send(peer, transfer)
+        assert peer.poll(10_000) and wire.recv(peer).ok
+    ended = {}
+    while len(ended) < 2:
+        delta = next_delta(gateway)
+        if delta.finish_reason is not None:
+            ended[delta.request_id] = (delta.finish_reason, delta.error)
+    assert ended == {
+        "poison": ("abort", "the sampler failed on this request (IndexError)"),
+        "r1": ("length", None),
+    }
+    reports = [scheduler.expect(wire.RequestDone) for _ in range(2)]
+    assert {(done.request_id, done.finish_reason) for done in reports} == {
+        ("poison", "abort"),
+        ("r1", "length"),
+    }
+    assert worker.engine.num_sampler_failures == 1
