@@ -353,6 +353,12 @@ class WorkerEvents(_Events):
         )
         self.time_collections("worker", "the worker loop (its steps, its socket)")
         self.count_message_failures("the worker and the rest of its batch")
+        self.sampler_failures = self.counter(
+            "sampler_failures",
+            "Requests the sampler raised on (a bug, each logged with its traceback): the request "
+            "ended with the error, the rest of its batch went on",
+        )
+        self._sampler_failures_seen = 0
         self.preemptions = self.counter(
             "num_preemptions", "Sequences preempted, by kind", ("kind",)
         )
@@ -411,6 +417,11 @@ class WorkerEvents(_Events):
             quantization=quantization,
             decode_attention=decode_attention,
         )
+
+    def sampler_failed_so_far(self, count: int) -> None:
+        """The engine's count of sampler failures since it started (`num_sampler_failures`)."""
+        self.sampler_failures.inc(count - self._sampler_failures_seen)
+        self._sampler_failures_seen = count
 
     def step(self, duration_s: float, num_sequences: int = 0, num_context_tokens: int = 0) -> None:
         """One engine step, the sequences it carried and the tokens they attended (0: not

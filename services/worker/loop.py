@@ -168,6 +168,7 @@ class WorkerLoop(abc.ABC):
             self.events.step(
                 step_s, self.engine.last_step_num_seqs, self.engine.last_step_context_tokens
             )
+            self.events.sampler_failed_so_far(self.engine.num_sampler_failures)
             self.step_s = smoothed(self.step_s, step_s)
             self._recent_batch_sizes.append(self.engine.last_step_num_seqs)
             del self._recent_batch_sizes[: -wire.MAX_RECENT_STEPS]

@@ -499,10 +499,13 @@ class LLMEngine:
         for i, index in enumerate(sampled_rows):
             seq = chunks[index].sequence
             if i in failed:  # the sampler raised on this row alone: it ends, the batch goes on
+                error = failed[i]
+                log.error("the sampler failed on a request", request_id=seq.request_id,
+                          exc_info=error)  # fmt: skip
+                self.num_sampler_failures += 1
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-                outputs.append(
-                    RequestOutput(seq.request_id, [], finish_reason="abort", error=failed[i])
-                )
+                why = f"the sampler failed on this request ({type(error).__name__})"
+                outputs.append(RequestOutput(seq.request_id, [], finish_reason="abort", error=why))
                 continue
             token = sampled.token_ids[i]
             seq.output_token_ids.append(token)
@@ -522,8 +525,8 @@ class LLMEngine:
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow]
-    ) -> tuple[SamplerOutput, dict[int, str]]:
-        """The sampler over the step's rows, and why each row it failed on failed. Should the
+    ) -> tuple[SamplerOutput, dict[int, Exception]]:
+        """The sampler over the step's rows, and what it raised on each row it failed on. Should the
         batch raise (a bug some row's parameters hit: a stop id past the vocabulary once made
         every worker that took one request exit, batch and all), each row is sampled alone,
         and only the rows that raise again fail. (A seeded row may have drawn in the failed
@@ -535,14 +538,12 @@ class LLMEngine:
         token_ids: list[int] = []
         logprobs: list[float | None] = []
         top_logprobs: list[list[tuple[int, float]] | None] = []
-        failed: dict[int, str] = {}
+        failed: dict[int, Exception] = {}
         for i, row in enumerate(rows):
             try:
                 one = self.sampler(logits[i : i + 1], [row])
             except Exception as error:
-                log.error("the sampler failed on a row", row=i, exc_info=error)
-                failed[i] = f"the sampler failed on this request ({type(error).__name__})"
-                self.num_sampler_failures += 1
+                failed[i] = error
                 one = SamplerOutput([0], [None], [None])
             token_ids += one.token_ids
             logprobs += one.logprobs

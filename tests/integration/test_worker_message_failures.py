@@ -7,6 +7,7 @@ its refusals do, let go of what the request held, count it, and serve the next r
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import zmq
@@ -223,3 +224,7 @@ def test_a_sequence_the_sampler_fails_on_ends_with_its_error_and_the_worker_goes
         ("r1", "length"),
     }
     assert worker.engine.num_sampler_failures == 1
+    deadline = time.monotonic() + 5  # counted as the step that ended it returns
+    while worker.events.registry.get_sample_value("tandem:sampler_failures_total") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
