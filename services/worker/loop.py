@@ -168,7 +168,6 @@ class WorkerLoop(abc.ABC):
             self.events.step(
                 step_s, self.engine.last_step_num_seqs, self.engine.last_step_context_tokens
             )
-            self.events.sampler_failed_so_far(self.engine.num_sampler_failures)
             self.step_s = smoothed(self.step_s, step_s)
             self._recent_batch_sizes.append(self.engine.last_step_num_seqs)
             del self._recent_batch_sizes[: -wire.MAX_RECENT_STEPS]
@@ -178,6 +177,7 @@ class WorkerLoop(abc.ABC):
             heartbeat = self._heartbeat()
             self.events.refresh(heartbeat)
             self.events.refresh_host_tier(self.engine.prefix_cache, self.engine.host_tier)
+            self.events.sampler_failed_so_far(self.engine.num_sampler_failures)
             self.link.send_heartbeat(heartbeat, now)
             self._recent_batch_sizes = []
             self._close_idle()  # (as often as a heartbeat: the walk is over every peer socket)
