@@ -105,6 +105,10 @@ def test_wrong_values_exit_2(capsys):
         main(["--prefill-ms", "0"])
     assert exit_info.value.code == 2
     assert "--prefill-ms must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--token-ids", "random"])
+    assert exit_info.value.code == 2
+    assert "--token-ids: invalid choice: 'random'" in capsys.readouterr().err
 
 
 def test_the_profile_counts_function_calls_per_decision(capsys):
