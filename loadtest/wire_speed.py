@@ -1,9 +1,10 @@
 """How long the wire takes to decode and to encode the messages sent most: the scheduler's SUBMIT
-(prompts of 32 to 1,500 tokens), a worker's HEARTBEAT (quiet, and with a prefix cache's events),
-a RESERVE reply and a REQUEST_DONE, and the TOKENS a decode worker sends its gateway every step
-(8 and 64 deltas). Each figure is the median of `--repeats` timings of `--number` calls, in
-microseconds per message, of the process's CPU time; decoding starts from the frames as a
-socket hands them over.
+(prompts of 32 to 1,500 tokens, and an agent's 32,768-token context), the PREFILL_JOB it forwards a
+prompt in (built from the SUBMIT as received), a worker's HEARTBEAT (quiet, and with a prefix
+cache's events), a RESERVE reply and a REQUEST_DONE, and the TOKENS a decode worker sends its
+gateway every step (8 and 64 deltas). Each figure is the median of `--repeats` timings of `--number`
+calls, in microseconds per message, of the process's CPU time (a 32,768-token message is timed
+`--number` / 64 times); decoding starts from the frames as a socket hands them over.
 
     .venv/bin/python -m loadtest.wire_speed [--number 20000] [--repeats 7]
 
@@ -31,6 +32,20 @@ def submit(num_tokens: int) -> wire.Submit:
         gateway_peer_id="gateway-0",
         arrival_time=1764892800.25,
         first_token_deadline_s=30.0,
+    )
+
+
+def prefill_job(num_tokens: int) -> wire.PrefillJob:
+    """What the scheduler sends a prefill worker: the prompt as its SUBMIT arrived."""
+    received = wire.decode([bytes(frame) for frame in wire.encode(submit(num_tokens))])
+    assert isinstance(received, wire.Submit)
+    return wire.PrefillJob(
+        request_id=received.request_id,
+        prompt_token_ids=received.prompt_token_ids,
+        sampling=received.sampling,
+        gateway_address="tcp://10.0.0.7:5560",
+        decode_peer_id="decode-17",
+        decode_address="tcp://10.0.0.9:5570",
     )
 
 
@@ -68,6 +83,8 @@ MESSAGES: dict[str, Callable[[], wire.Message]] = {
     "submit_32": lambda: submit(32),
     "submit_415": lambda: submit(415),
     "submit_1500": lambda: submit(1500),
+    "submit_32768": lambda: submit(32768),
+    "prefill_job_1500": lambda: prefill_job(1500),
     "heartbeat": lambda: heartbeat(0),
     "heartbeat_cache_events": lambda: heartbeat(16),
     "tokens_8": lambda: tokens(8),
@@ -109,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         message = build()
         frames = [bytes(frame) for frame in wire.encode(message)]  # as a socket hands them over
         assert wire.decode(frames) == message
-        decode_us = median_time(functools.partial(wire.decode, frames), args.number, args.repeats)
-        encode_us = median_time(functools.partial(wire.encode, message), args.number, args.repeats)
+        number = max(1, args.number // 64) if name.endswith("32768") else args.number
+        decode_us = median_time(functools.partial(wire.decode, frames), number, args.repeats)
+        encode_us = median_time(functools.partial(wire.encode, message), number, args.repeats)
         print(f"{name:>24}: decode {decode_us:7.2f} us, encode {encode_us:7.2f} us")
     return 0
 

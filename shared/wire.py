@@ -7,10 +7,11 @@ A message is a multipart ZeroMQ message:
     frame 2.. raw tensor bytes, one frame per tensor field, named in the header by a `TensorRef`
 
 Messages are frozen dataclasses; their type annotations are the schema. At import each annotation
-becomes a small codec (int, float, bool, bounded str or list, literal choice, optional, nested
-map, tensor) that checks a decoded value and names the offending field in its `WireError`. The
-header is unpacked with explicit limits and ext types refused; pickle is never used. `decode`
-trusts nothing; `encode` trusts its (typed) caller and checks only what it cannot send.
+becomes a small codec (int, float, bool, bounded str or list, literal choice, optional, nested map,
+tensor, packed token ids) that checks a decoded value and names the offending field in its
+`WireError`. The header is unpacked with explicit limits and ext types refused; pickle is never
+used. `decode` trusts nothing; `encode` trusts its (typed) caller and checks only what it cannot
+send.
 
 Tensors travel without copies. `encode` exposes each tensor's bytes as a memoryview over its own
 storage; that view owns a reference to the storage, so the frames themselves keep the tensors
@@ -20,6 +21,10 @@ receiver drops the decoded tensor: libzmq passes the same buffer across). `decod
 frame (a `zmq.Frame` from `recv_multipart(copy=False)`) with `torch.frombuffer`, no copy; an
 immutable one (`bytes`) is copied once into a `bytearray`, because a tensor over immutable memory
 is a write waiting to corrupt it (torch warns about exactly that).
+
+Token ids of a prompt or an output (`TokenIds`) travel in the header as one MessagePack bin of
+little-endian int32s and arrive as a `TokenArray` (an `array.array` of int32, equal to a list of
+the same ids): packed and unpacked in C, and held in 4 bytes a token by whoever keeps them.
 
 A field with a default may be left out of a header (it takes the default); every other field is
 required, and an unknown field is refused, so a schema change needs `SCHEMA_VERSION` bumped.
@@ -65,6 +70,7 @@ from shared.wire_base import (
     MaxLen,
     Message,
     MessageType,
+    PackedInt32,
     Phase,
     Range,
     RequestId,
@@ -73,6 +79,7 @@ from shared.wire_base import (
     Tensor,
     TensorOf,
     TensorRef,
+    TokenArray,
     TokenDelta,
     TokenIds,
     WireError,
@@ -141,6 +148,7 @@ __all__ = [
     "MaxLen",
     "Message",
     "MessageType",
+    "PackedInt32",
     "PartyService",
     "Phase",
     "PrefillGrant",
@@ -162,6 +170,7 @@ __all__ = [
     "Tensor",
     "TensorOf",
     "TensorRef",
+    "TokenArray",
     "TokenDelta",
     "TokenIds",
     "Tokens",

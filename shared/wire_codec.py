@@ -1,8 +1,8 @@
 """How the wire's values are checked and framed: one codec per field annotation (int, float, bool,
-bounded str or list, literal choice, optional, nested map, tensor), built once at import, that
-checks a decoded value and names the offending field in its `WireError`; per map, generated
-functions that check it inline (the codecs walked only to name a value that fails) and write
-it as one dict display; tensors as zero-copy frames; the header's MessagePack, unpacked with
+bounded str or list, literal choice, optional, nested map, tensor, packed int32s), built once at
+import, that checks a decoded value and names the offending field in its `WireError`; per map,
+generated functions that check it inline (the codecs walked only to name a value that fails) and
+write it as one dict display; tensors as zero-copy frames; the header's MessagePack, unpacked with
 explicit limits and ext types refused. Any conversation's messages (`shared.wire`,
 `shared.wire_batch`) are encoded with these.
 """
@@ -13,6 +13,7 @@ import abc
 import dataclasses
 import functools
 import itertools
+import sys
 import types
 from collections.abc import Callable, Iterable, Sequence
 from typing import (
@@ -38,10 +39,12 @@ from shared.wire_base import (
     MAX_TOKEN_IDS,
     FrameLike,
     MaxLen,
+    PackedInt32,
     Range,
     Tensor,
     TensorOf,
     TensorRef,
+    TokenArray,
     WireError,
 )
 
@@ -193,6 +196,40 @@ class _List(_Codec):
         return _each(itertools.repeat(self.item, len(value)), value, path, ctx)
 
 
+class _PackedIds(_Codec):
+    """A sequence of ints as one bin of little-endian int32s (`PackedInt32`), decoded to a
+    `TokenArray`: a prompt is packed and unpacked in C, and held in 4 bytes a token."""
+
+    leaf = False
+    swap = sys.byteorder != "little"  # the wire is little-endian, as every host we run on
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+
+    def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> bytes:
+        if type(value) is not TokenArray or self.swap:
+            try:
+                value = TokenArray(value)
+            except (TypeError, OverflowError) as error:
+                raise WireError(f"token ids must be ints within int32: {error}") from None
+            if self.swap:
+                value.byteswap()
+        return value.tobytes()
+
+    def from_wire(self, value: Any, path: str, ctx: _Decoding) -> TokenArray:
+        if type(value) is not bytes:
+            raise WireError(f"{path}: expected packed int32 token ids, got {_type_name(value)}")
+        if len(value) % 4:
+            raise WireError(f"{path}: {len(value)} bytes are not a whole number of int32s")
+        if len(value) // 4 > self.max_len:
+            raise WireError(f"{path}: {len(value) // 4} token ids exceed {self.max_len}")
+        ids = TokenArray()
+        ids.frombytes(value)
+        if self.swap:
+            ids.byteswap()
+        return ids
+
+
 class _Tuple(_Codec):
     """A fixed-length pair such as (token id, logprob); an array on the wire."""
 
@@ -314,6 +351,8 @@ def _codec_for(
         max_len = next((m.value for m in meta if isinstance(m, MaxLen)), max_len)
         spec = next((m for m in meta if isinstance(m, TensorOf)), spec)
         bounds = next((m for m in meta if isinstance(m, Range)), bounds)
+        if any(isinstance(m, PackedInt32) for m in meta):
+            return _PackedIds(max_len or MAX_LIST_LEN)
         return _codec_for(args[0], max_len, spec, bounds)
     if origin in (Union, types.UnionType):
         (inner,) = [a for a in args if a is not type(None)]  # only `X | None` is supported
@@ -570,7 +609,8 @@ def _unpack_header(view: memoryview) -> Any:
             # Any string fits in the header's bytes; each field's codec then checks its own
             # limit in characters (UTF-8 is up to 4 bytes per character).
             max_str_len=MAX_HEADER_BYTES,
-            max_bin_len=0,  # no field is binary; tensors travel in their own frames
+            # Only packed token ids are binary; tensors travel in their own frames.
+            max_bin_len=4 * MAX_TOKEN_IDS,
             max_array_len=MAX_TOKEN_IDS,
             max_map_len=64,  # more than any message's field count
         )

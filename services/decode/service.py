@@ -70,7 +70,8 @@ def _first_delta_error(transfer: wire.KvTransfer) -> str | None:
     first = transfer.first_delta
     if first is None:
         return None
-    tail = transfer.output_token_ids[len(transfer.output_token_ids) - len(first.token_ids) :]
+    output = transfer.output_token_ids
+    tail = list(output[len(output) - len(first.token_ids) :])  # a list, as the delta's ids
     if (
         first.request_id != transfer.request_id
         or not first.token_ids

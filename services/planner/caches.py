@@ -17,6 +17,7 @@ whole set on the first (as `services/worker/cache_events.py` sends them).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from shared.engine.prefix_cache import CacheKey, prompt_chain, worker_cache_key
 
@@ -38,7 +39,7 @@ class SimCache:
     def __len__(self) -> int:
         return len(self._held)
 
-    def prompt_hashes(self, token_ids: list[int], salt: str | None) -> list[int]:
+    def prompt_hashes(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
         """The chain of the full blocks before the one holding the last token, as the
         scheduler's index hashes a prompt."""
         return prompt_chain(SIM_CACHE_KEY, self.block_size, token_ids, salt)

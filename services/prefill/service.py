@@ -208,7 +208,7 @@ class PrefillWorker(WorkerLoop):
         self.engine.release(job.request_id)
         message = wire.KvTransfer(
             request_id=job.request_id,
-            prompt_token_ids=list(job.prompt_token_ids),
+            prompt_token_ids=job.prompt_token_ids,
             output_token_ids=list(job.output_token_ids) + list(output.new_token_ids),
             sampling=job.sampling,
             gateway_address=job.gateway_address,

@@ -25,9 +25,9 @@ from services.scheduler.registry import WorkerState
 from shared import wire
 
 
-def prefill_tokens(submit: wire.Submit | wire.PrefillJob) -> list[int]:
+def prefill_tokens(submit: wire.Submit | wire.PrefillJob) -> Sequence[int]:
     """What a prefill computes: the prompt, and the tokens a resumed request has already (the
-    message's own prompt list when it has none: no message changes a list it was given)."""
+    message's own prompt when it has none: no message changes the ids it was given)."""
     if not submit.output_token_ids:
         return submit.prompt_token_ids
     return list(submit.prompt_token_ids) + list(submit.output_token_ids)

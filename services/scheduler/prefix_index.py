@@ -17,6 +17,7 @@ would silently never match). The salt of a request's chain is its tenant, as the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shared.engine.prefix_cache import prompt_chain
@@ -80,7 +81,7 @@ class PrefixIndex:
         worker.last_seq = seq
         return not gap
 
-    def prompt_hashes(self, token_ids: list[int], salt: str | None) -> list[int]:
+    def prompt_hashes(self, token_ids: Sequence[int], salt: str | None) -> list[int]:
         """The chain of a prompt's full blocks, as a worker of this cluster names them. The
         block holding the last token is left out: a worker always computes it."""
         if self.cache_key is None:

@@ -7,7 +7,8 @@
  * field is one 8-byte message word of BLAKE2b, so the words are the values themselves (on any
  * host), and the digest is the first word of the state. Python's `hashlib` spends more on
  * building its objects than on the compression; here a block is two compressions (136 bytes
- * for 16 tokens, about 150 ns each) and a read of each token.
+ * for 16 tokens, about 150 ns each) and a read of each token: in place from an int32 buffer
+ * (a `TokenArray`, a prompt as the wire decodes it), else from a sequence's int objects.
  * `tests/unit/test_block_chain.py` holds it equal to the Python chain. */
 
 #define PY_SSIZE_T_CLEAN
@@ -93,6 +94,66 @@ static uint64_t digest_words(const uint64_t *words, Py_ssize_t num_words) {
     return h[0];
 }
 
+/* The token ids `chain` reads: an int32 buffer's (a `TokenArray`, as the wire decodes a prompt:
+ * read in place, no int objects at all), else a sequence's int objects. */
+typedef struct {
+    Py_buffer view;      /* with `ints`: the exported buffer, released by `tokens_release` */
+    const int32_t *ints; /* NULL: read `items` */
+    PyObject *sequence;  /* PySequence_Fast's list or tuple, when not a buffer */
+    PyObject **items;
+    Py_ssize_t length;
+} Tokens;
+
+static int tokens_open(Tokens *tokens, PyObject *object) {
+    memset(tokens, 0, sizeof(*tokens));
+    if (PyObject_CheckBuffer(object)) {
+        if (PyObject_GetBuffer(object, &tokens->view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) != 0)
+            return -1;
+        const char *format = tokens->view.format;
+        if (tokens->view.ndim == 1 && tokens->view.itemsize == (Py_ssize_t)sizeof(int32_t) &&
+            sizeof(int) == sizeof(int32_t) && format != NULL && strcmp(format, "i") == 0) {
+            tokens->ints = (const int32_t *)tokens->view.buf;
+            tokens->length = tokens->view.len / (Py_ssize_t)sizeof(int32_t);
+            return 0;
+        }
+        PyBuffer_Release(&tokens->view); /* bytes and other buffers: read as a sequence */
+    }
+    tokens->sequence = PySequence_Fast(object, "token_ids must be a sequence");
+    if (tokens->sequence == NULL) return -1;
+    tokens->items = PySequence_Fast_ITEMS(tokens->sequence);
+    tokens->length = PySequence_Fast_GET_SIZE(tokens->sequence);
+    return 0;
+}
+
+static void tokens_release(Tokens *tokens) {
+    if (tokens->ints != NULL) PyBuffer_Release(&tokens->view);
+    Py_XDECREF(tokens->sequence);
+}
+
+/* Token ids [start, start + count) as message words (int64, two's complement). 1: read; 0: one
+ * is outside int64 (no hash); -1: one is not an int (an exception is set). */
+static int read_words(const Tokens *tokens, Py_ssize_t start, Py_ssize_t count,
+                      uint64_t *words) {
+    if (tokens->ints != NULL) {
+        for (Py_ssize_t i = 0; i < count; i++)
+            words[i] = (uint64_t)(int64_t)tokens->ints[start + i];
+        return 1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = tokens->items[start + i];
+        if (!PyLong_Check(item)) { /* no __index__ call: it could change the list */
+            PyErr_Format(PyExc_TypeError, "token ids must be ints, got %.50s",
+                         Py_TYPE(item)->tp_name);
+            return -1;
+        }
+        int overflow;
+        long long token = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow) return 0;
+        words[i] = (uint64_t)token;
+    }
+    return 1;
+}
+
 static PyObject *chain(PyObject *module, PyObject *args) {
     PyObject *parent_object, *tokens_object;
     Py_ssize_t block_size, first_block, num_blocks;
@@ -108,14 +169,12 @@ static PyObject *chain(PyObject *module, PyObject *args) {
                      block_size, first_block, num_blocks);
         return NULL;
     }
-    PyObject *tokens = PySequence_Fast(tokens_object, "token_ids must be a sequence");
-    if (tokens == NULL) return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(tokens);
-    Py_ssize_t num_tokens = PySequence_Fast_GET_SIZE(tokens);
-    if (num_blocks > 0 && (first_block + num_blocks) > num_tokens / block_size) {
+    Tokens tokens;
+    if (tokens_open(&tokens, tokens_object) != 0) return NULL;
+    if (num_blocks > 0 && (first_block + num_blocks) > tokens.length / block_size) {
         PyErr_Format(PyExc_ValueError, "blocks %zd to %zd of %zd tokens in blocks of %zd",
-                     first_block, first_block + num_blocks, num_tokens, block_size);
-        Py_DECREF(tokens);
+                     first_block, first_block + num_blocks, tokens.length, block_size);
+        tokens_release(&tokens);
         return NULL;
     }
     Py_ssize_t num_words = block_size + 1;
@@ -129,21 +188,11 @@ static PyObject *chain(PyObject *module, PyObject *args) {
     }
     Py_ssize_t num_hashed = 0;
     for (; num_hashed < num_blocks; num_hashed++) {
-        PyObject **block_items = items + (first_block + num_hashed) * block_size;
-        int hashable = 1;
         words[0] = parent;
-        for (Py_ssize_t i = 0; i < block_size && hashable; i++) {
-            if (!PyLong_Check(block_items[i])) { /* no __index__ call: it could change the list */
-                PyErr_Format(PyExc_TypeError, "token ids must be ints, got %.50s",
-                             Py_TYPE(block_items[i])->tp_name);
-                goto done;
-            }
-            int overflow;
-            long long token = PyLong_AsLongLongAndOverflow(block_items[i], &overflow);
-            hashable = !overflow;
-            words[i + 1] = (uint64_t)token;
-        }
-        if (!hashable) break; /* outside int64: no hash, the chain ends (see block_chain.py) */
+        int read = read_words(&tokens, (first_block + num_hashed) * block_size, block_size,
+                              words + 1);
+        if (read < 0) goto done;
+        if (read == 0) break; /* outside int64: no hash, the chain ends (see block_chain.py) */
         parent = chained[num_hashed] = digest_words(words, num_words);
     }
     hashes = PyList_New(num_hashed);
@@ -155,7 +204,7 @@ static PyObject *chain(PyObject *module, PyObject *args) {
 done:
     PyMem_Free(words);
     PyMem_Free(chained);
-    Py_DECREF(tokens);
+    tokens_release(&tokens);
     return hashes;
 }
 

@@ -24,6 +24,7 @@ scheduler which prefixes it holds.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,7 +70,7 @@ def root_hash_of(key_text: str, salt: str | None = None) -> int:
 
 
 def chain_hashes(
-    root: int, token_ids: list[int], block_size: int, parent: int | None = None, start: int = 0
+    root: int, token_ids: Sequence[int], block_size: int, parent: int | None = None, start: int = 0
 ) -> list[int]:
     """Hashes of the full blocks of `token_ids` from block index `start` on (whose parent hash is
     `parent`, or the root when `start` is 0)."""
@@ -79,7 +80,7 @@ def chain_hashes(
 
 
 def prompt_chain(
-    worker_key: str, block_size: int, token_ids: list[int], salt: str | None
+    worker_key: str, block_size: int, token_ids: Sequence[int], salt: str | None
 ) -> list[int]:
     """The chain of a prompt's full blocks before the one holding its last token (a worker
     always computes that one), as workers announcing `worker_key` (`worker_cache_key`) name

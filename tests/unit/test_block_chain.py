@@ -5,6 +5,7 @@ back to Python where the C cannot be built."""
 
 from __future__ import annotations
 
+import array
 import random
 import struct
 
@@ -14,6 +15,7 @@ from kernels import native_build
 from shared.engine import block_chain
 from shared.engine.block_chain import block_hash, native_chain, python_chain
 from shared.engine.prefix_cache import chain_hashes, prompt_chain
+from shared.wire import TokenArray
 
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -52,6 +54,30 @@ def test_the_c_chain_is_the_python_one(native, block_size):
         expected = python_chain(parent, tokens, block_size, first, count)
         assert native(parent, tokens, block_size, first, count) == expected
         assert native(parent, tuple(tokens), block_size, first, count) == expected
+
+
+@pytest.mark.parametrize("block_size", [1, 15, 16, 17])
+def test_int32_token_arrays_are_read_in_place_and_hash_as_lists(native, block_size):
+    """A prompt as the wire decodes it (`TokenArray`) is hashed from its buffer; other buffers
+    (bytes, int64 arrays) are still read as sequences of ints."""
+    rng = random.Random(block_size)
+    for _ in range(20):
+        tokens = [rng.choice([-(2**31), 2**31 - 1, -1, 0, rng.randrange(49_152)])
+                  for _ in range(rng.randrange(0, 20 * block_size))]  # fmt: skip
+        num_full = len(tokens) // block_size
+        first = rng.randrange(0, num_full + 1)
+        count = rng.randrange(0, num_full - first + 1)
+        expected = python_chain(5, tokens, block_size, first, count)
+        assert native(5, TokenArray(tokens), block_size, first, count) == expected
+        assert native(5, memoryview(TokenArray(tokens)), block_size, first, count) == expected
+        assert native(5, array.array("q", tokens), block_size, first, count) == expected
+    data = bytes(range(32))
+    assert native(5, data, 16, 0, 2) == python_chain(5, list(data), 16, 0, 2)
+    with pytest.raises(ValueError, match="blocks 1 to 3 of 32 tokens in blocks of 16"):
+        native(0, TokenArray(range(32)), 16, 1, 2)
+    frozen = TokenArray(range(32))
+    native(0, frozen, 16, 0, 2)
+    frozen.append(1)  # the buffer was let go: the array may grow again
 
 
 def test_a_chain_is_each_block_hashed_on_the_one_before(native):

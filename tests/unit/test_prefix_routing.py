@@ -181,17 +181,20 @@ def test_core_sends_a_prompt_to_the_prefill_worker_holding_its_prefix():
 
 
 def test_a_prompt_token_outside_int64_is_placed_not_a_crash():
-    """The wire takes any int (msgpack carries up to 2**64 - 1); no worker holds such a block,
-    so the prompt's chain ends before it and the request is placed on what precedes it (the
-    prefill worker's engine then refuses it with a clear error). It used to raise out of the
-    core's dispatch, which ends the scheduler's loop."""
+    """No worker holds such a block, so the prompt's chain ends before it and the request is
+    placed on what precedes it (the prefill worker's engine then refuses it with a clear
+    error). It used to raise out of the core's dispatch, which ends the scheduler's loop. The
+    wire carries token ids as int32s now, so only an in-process caller (the simulator) can hand
+    the core one; a sender's is refused when it is encoded."""
     core = ClusterScheduler(SchedulerLimits())
     core.on_hello(b"G", hello("g", "gateway"), 0.0)
     core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
     core.on_hello(b"D", dataclasses.replace(hello("d", "decode", blocks=1000), cache_key=OWN), 0.0)
     request = submit("r", prompt_len=80)
     tokens = [*request.prompt_token_ids[:40], 2**64 - 1, *request.prompt_token_ids[41:]]
-    spoiled = wire.decode(wire.encode(dataclasses.replace(request, prompt_token_ids=tokens)))
+    spoiled = dataclasses.replace(request, prompt_token_ids=tokens)
+    with pytest.raises(wire.WireError, match="token ids must be ints within int32"):
+        wire.encode(spoiled)
     assert core.placement.prompt_hashes(spoiled) == core.placement.prompt_hashes(request)[:2]
     (reply,) = sent(core.on_submit(b"G", spoiled, 0.0), wire.SubmitReply)
     assert reply.message.accepted

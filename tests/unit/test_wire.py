@@ -56,6 +56,9 @@ def strategy_for(
         max_len = next((m.value for m in meta if isinstance(m, wire.MaxLen)), max_len)
         spec = next((m for m in meta if isinstance(m, wire.TensorOf)), spec)
         bounds = next((m for m in meta if isinstance(m, wire.Range)), bounds)
+        if any(isinstance(m, wire.PackedInt32) for m in meta):  # received as a TokenArray
+            ids = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=_SMALL)
+            return ids.map(wire.TokenArray)
         return strategy_for(args[0], max_len, spec, bounds)
     if origin in (Union, types.UnionType):
         (inner,) = [a for a in args if a is not type(None)]
@@ -86,7 +89,11 @@ def strategy_for(
 
 
 def assert_same(a: Any, b: Any) -> None:
-    """Equal, with tensors compared bit for bit (dtype, shape and bytes)."""
+    """Equal, with tensors compared bit for bit (dtype, shape and bytes); token ids received
+    (a `TokenArray`) as the sequence they were sent as."""
+    if isinstance(a, wire.TokenArray):
+        assert a == b and list(a) == list(b)
+        return
     assert type(a) is type(b)
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -150,7 +157,7 @@ def test_defaulted_fields_may_be_left_out_and_ints_pass_as_floats():
     assert reserve.lease_s == 5.0 and type(reserve.lease_s) is float
     job = {
         "request_id": "r",
-        "prompt_token_ids": [1, 2],
+        "prompt_token_ids": packed([1, 2]),
         "sampling": {"temperature": 0},
         "gateway_address": "g",
         "decode_peer_id": "d",
@@ -173,18 +180,42 @@ def test_a_million_prompt_tokens_are_accepted():
 
 
 def test_long_lists_of_atoms_are_decoded_off_the_collectors_books():
-    """A queued prompt is held for its whole wait: the collector would walk every token id of
-    it in each collection it lived through."""
-    long = wire.decode(submit(prompt_token_ids=list(range(UNTRACK_MIN_LEN))))
-    assert long.prompt_token_ids == list(range(UNTRACK_MIN_LEN))
-    assert not gc.is_tracked(long.prompt_token_ids)
-    short = wire.decode(submit(prompt_token_ids=list(range(UNTRACK_MIN_LEN - 1))))
-    assert gc.is_tracked(short.prompt_token_ids)  # the call would cost more than it saves
+    """A list a receiver holds long (a worker's cache events, ids in a heartbeat) would have
+    every item walked in each collection it lived through."""
+    long = wire.decode(heartbeat(cache_stored=list(range(UNTRACK_MIN_LEN))))
+    assert long.cache_stored == list(range(UNTRACK_MIN_LEN))
+    assert not gc.is_tracked(long.cache_stored)
+    short = wire.decode(heartbeat(cache_stored=list(range(UNTRACK_MIN_LEN - 1))))
+    assert gc.is_tracked(short.cache_stored)  # the call would cost more than it saves
     ids = [f"r{i}" for i in range(UNTRACK_MIN_LEN)]
     assert not gc.is_tracked(wire.decode(heartbeat(request_ids=ids)).request_ids)
     # A list of containers stays tracked: it could be part of a cycle.
     deltas = [wire.TokenDelta(request_id=f"r{i}", token_ids=[1]) for i in range(UNTRACK_MIN_LEN)]
     assert gc.is_tracked(wire.decode(wire.encode(wire.Tokens(deltas=deltas))).deltas)
+
+
+def test_prompts_travel_as_packed_int32s_and_arrive_as_token_arrays():
+    """A queued prompt is held for its whole wait: 4 bytes a token, no int objects."""
+    ids = [0, 1, -1, 2**31 - 1, -(2**31), 49151]
+    for sent in (ids, tuple(ids), wire.TokenArray(ids)):
+        frames = wire.encode(wire.Submit(
+            request_id="r", prompt_token_ids=sent, sampling=wire.SamplingSpec(), tenant="t",
+            priority=0, gateway_peer_id="g", arrival_time=0.0))  # fmt: skip
+        assert msgpack.unpackb(frames[1])["prompt_token_ids"] == packed(ids)
+        received = wire.decode(frames).prompt_token_ids
+        assert type(received) is wire.TokenArray and received.itemsize == 4
+        assert received == ids and ids == received and received == tuple(ids)
+        assert list(received) == ids and received.tolist() == ids
+        assert (received != ids) is False and received != ids[:-1] and received != ids + [0]
+    assert wire.TokenArray([1, 2]) == wire.TokenArray([1, 2]) != wire.TokenArray([2, 1])
+    assert wire.TokenArray([1]) != "1" and wire.TokenArray() == []
+
+
+@pytest.mark.parametrize("ids", [[2**31], [-(2**31) - 1], [1.0], ["1"], [None]])
+def test_token_ids_that_do_not_fit_int32_are_refused_when_sent(ids):
+    message = wire.Reserve(request_id="r", num_tokens=1, lease_s=1.0, token_ids=ids)
+    with pytest.raises(WireError, match="token ids must be ints within int32"):
+        wire.encode(message)
 
 
 WORKER_COUNTS = {
@@ -231,12 +262,12 @@ def test_the_counts_a_worker_reports_are_bounded(cls):
 
 def test_a_list_that_fails_the_one_pass_check_is_named_item_by_item():
     for spoiled, message in (
-        ([0] * 100 + [True], "prompt_token_ids[100]: expected int, got bool"),
-        ([0] * 100 + [1.5], "prompt_token_ids[100]: expected int, got float"),
-        (["0"] + [0] * 100, "prompt_token_ids[0]: expected int, got str"),
+        ([0] * 100 + [True], "cache_stored[100]: expected int, got bool"),
+        ([0] * 100 + [1.5], "cache_stored[100]: expected int, got float"),
+        (["0"] + [0] * 100, "cache_stored[0]: expected int, got str"),
     ):
         with pytest.raises(WireError, match=re.escape(message)):
-            wire.decode(submit(prompt_token_ids=spoiled))
+            wire.decode(heartbeat(cache_stored=spoiled))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -476,8 +507,13 @@ def heartbeat(**fields: Any) -> list[bytes]:
     return [b"\x03", msgpack.packb({**header, **fields})]
 
 
+def packed(token_ids: list[int]) -> bytes:
+    """Token ids as the wire carries them: little-endian int32s."""
+    return b"".join(token.to_bytes(4, "little", signed=True) for token in token_ids)
+
+
 def submit(**fields: Any) -> list[bytes]:
-    header = dict(request_id="r", prompt_token_ids=[1], sampling={}, tenant="t", priority=0,
+    header = dict(request_id="r", prompt_token_ids=packed([1]), sampling={}, tenant="t", priority=0,
                   gateway_peer_id="g", arrival_time=0.0)  # fmt: skip
     return [b"\x04", msgpack.packb({**header, **fields})]
 
@@ -500,7 +536,7 @@ GARBAGE = {
     "header is a list": ([b"\x06", msgpack.packb(["r", "x"])], "header must be a map, got list"),
     "header too large": ([b"\x06", bytes(wire.MAX_HEADER_BYTES + 1)], "exceeds"),
     "int map keys": ([b"\x06", msgpack.packb({1: "r"})], "not valid msgpack"),
-    "binary value": (cancel_frames(reason=b"bytes"), "max_bin_len"),
+    "binary value": (cancel_frames(reason=b"bytes"), "Cancel.reason: expected str, got bytes"),
     "ext type": (cancel_frames(reason=msgpack.ExtType(5, b"x")), "extension type 5"),
     "unknown field": (cancel_frames(bogus=1), "Cancel: unknown field(s) ['bogus']"),
     "missing field": (
@@ -512,17 +548,25 @@ GARBAGE = {
     "str for float": (heartbeat(sent_at="now"), "Heartbeat.sent_at: expected float, got str"),
     "bool for float": (heartbeat(sent_at=False), "Heartbeat.sent_at: expected float, got bool"),
     "None for str": (heartbeat(peer_id=None), "Heartbeat.peer_id: expected str, got None"),
-    "str for list": (
+    "str for token ids": (
         submit(prompt_token_ids="1 2 3"),
-        "Submit.prompt_token_ids: expected list, got str",
+        "Submit.prompt_token_ids: expected packed int32 token ids, got str",
+    ),
+    "list for token ids": (
+        submit(prompt_token_ids=[1, 2]),
+        "Submit.prompt_token_ids: expected packed int32 token ids, got list",
+    ),
+    "token ids cut short": (
+        submit(prompt_token_ids=packed([1, 2])[:-1]),
+        "Submit.prompt_token_ids: 7 bytes are not a whole number of int32s",
     ),
     "str in int list": (
-        submit(prompt_token_ids=[1, "2"]),
-        "Submit.prompt_token_ids[1]: expected int",
+        submit(sampling={"stop_token_ids": [1, "2"]}),
+        "Submit.sampling.stop_token_ids[1]: expected int",
     ),
     "bool in int list": (
-        submit(prompt_token_ids=[True]),
-        "Submit.prompt_token_ids[0]: expected int, got bool",
+        submit(sampling={"stop_token_ids": [True]}),
+        "Submit.sampling.stop_token_ids[0]: expected int, got bool",
     ),
     "int in str list": (
         heartbeat(request_ids=["r1", 7]),
@@ -554,7 +598,12 @@ GARBAGE = {
         submit(sampling={"stop_token_ids": [0] * 4097}),
         "list of 4097 entries exceeds 4096",
     ),
-    "prompt too long": (submit(prompt_token_ids=[0] * (wire.MAX_TOKEN_IDS + 1)), "max_array_len"),
+    "prompt too long": (submit(prompt_token_ids=bytes(4 * wire.MAX_TOKEN_IDS + 4)), "max_bin_len"),
+    "token id past int32 in a delta": (
+        [b"\x0a", msgpack.packb({"deltas": [{"request_id": "r", "token_ids": [1, 2**31]}]})],
+        "Tokens.deltas[0].token_ids[1]: 2147483648 is outside [-2147483648, 2147483647]",
+    ),
+    "int list too long": (heartbeat(cache_stored=[0] * (wire.MAX_TOKEN_IDS + 1)), "max_array_len"),
     "deep nested path": (
         [
             b"\x0a",
