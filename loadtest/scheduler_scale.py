@@ -23,10 +23,12 @@ machine do not inflate them. `rounds_cpu_s` is the whole rounds' CPU time, the b
 and the decoding of every SUBMIT included: a collection is charged to whatever allocation
 triggers it, inside a handler or not, so what changes the collector's work shows there too.
 
-`--token-ids distinct`: prompts of distinct token ids, as real ones are (each an int object the
-queue holds and the core's forgetting frees; 41 bytes a token in all, 1.6 GiB at 100,000 queued
-of ~415 tokens), instead of one id repeated (the default, the same small int throughout, which the
-figures before December 5 were measured with and which flatters the core by some 13%).
+`--token-ids distinct`: prompts of distinct token ids, as real ones are, instead of one id
+repeated (the default). While the wire decoded a prompt to a list, a distinct id was an int object
+the queue held and the core's forgetting freed (41 bytes a token in all, 1.6 GiB at 100,000
+queued of ~415 tokens) and the repeated one the same small int throughout, which flattered the
+core by some 13%; since prompts arrive as int32 arrays (`wire.TokenArray`, 4 bytes a token) the
+two cost the same.
 
 `--prefix-cache`: the workers keep prefix caches (as real workers do): each registers a cache
 key and its heartbeats carry its whole set of cached block hashes, a few of the 64 system prompts
@@ -162,7 +164,7 @@ class ScaleBench:
             arrival_time=self.now,
         )
         # As the service receives it: decoded from its frames (outside the handler's time),
-        # so the prompt list is what the codec hands the core (untracked, `untrack_atoms`).
+        # so the prompt is what the codec hands the core (a `TokenArray`).
         received = wire.decode(wire.encode(submit))
         assert isinstance(received, wire.Submit)
         self.call(self.core.on_submit, b"g", received)
@@ -340,8 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         "--token-ids",
         choices=("repeated", "distinct"),
         default="repeated",
-        help="prompts of one id repeated, or of distinct ids as real prompts are (an int "
-        "object each, held while queued and freed when the request is forgotten)",
+        help="prompts of one id repeated, or of distinct ids as real prompts are",
     )
     parser.add_argument(
         "--gc",

@@ -109,6 +109,10 @@ class TokenArray(array.array):
     __hash__ = None  # type: ignore[assignment]  # mutable, as a list
 
 
+if array.array("i").itemsize != 4:  # C's int: 4 bytes on every platform CPython builds for
+    raise ImportError("the wire packs token ids as int32, and this platform's C int is not")
+
+
 RequestId = Annotated[str, MaxLen(MAX_REQUEST_ID_LEN)]
 # A prompt or an output: any sequence of ints within int32 when sent (a list, a tuple, an
 # array), a `TokenArray` when received.

@@ -311,7 +311,7 @@ class LLMEngine:
         root = self._cache_root(cache_salt)
         if root is None:
             return []
-        hashes = chain_hashes(root, list(token_ids), self.block_manager.block_size)
+        hashes = chain_hashes(root, token_ids, self.block_manager.block_size)
         return take_cached_prefix(self.block_manager, hashes)
 
     def release(self, request_id: str) -> bool:

@@ -89,7 +89,7 @@ def test_the_scheduler_core_makes_no_cyclic_garbage(indexes):
         prefix_cache=True,
         gc="default",
         indexes=indexes,
-        token_ids="distinct",  # a prompt of int objects, as the service holds them
+        token_ids="distinct",  # prompts of distinct ids, as real ones (hashed by the caches)
     )
     bench = ScaleBench(args)
     gc.collect()

@@ -211,6 +211,18 @@ def test_prompts_travel_as_packed_int32s_and_arrive_as_token_arrays():
     assert wire.TokenArray([1]) != "1" and wire.TokenArray() == []
 
 
+def test_a_deltas_token_ids_may_be_any_int32():
+    for ids in ([-(2**31), 2**31 - 1], [0] * 9, [2**31 - 1] * 9):  # short, and past 8: C passes
+        tokens = wire.Tokens(deltas=[wire.TokenDelta(request_id="r", token_ids=ids)])
+        assert wire.decode(wire.encode(tokens)).deltas[0].token_ids == ids
+    for spoiled in ([0] * 8 + [2**31], [0] * 8 + [True]):
+        frames = wire.encode(
+            wire.Tokens(deltas=[wire.TokenDelta(request_id="r", token_ids=spoiled)])
+        )
+        with pytest.raises(WireError, match=re.escape("Tokens.deltas[0].token_ids[8]")):
+            wire.decode(frames)
+
+
 @pytest.mark.parametrize("ids", [[2**31], [-(2**31) - 1], [1.0], ["1"], [None]])
 def test_token_ids_that_do_not_fit_int32_are_refused_when_sent(ids):
     message = wire.Reserve(request_id="r", num_tokens=1, lease_s=1.0, token_ids=ids)
@@ -602,6 +614,14 @@ GARBAGE = {
     "token id past int32 in a delta": (
         [b"\x0a", msgpack.packb({"deltas": [{"request_id": "r", "token_ids": [1, 2**31]}]})],
         "Tokens.deltas[0].token_ids[1]: 2147483648 is outside [-2147483648, 2147483647]",
+    ),
+    "token id below int32 in a delta": (
+        [b"\x0a", msgpack.packb({"deltas": [{"request_id": "r", "token_ids": [-(2**31) - 1]}]})],
+        "Tokens.deltas[0].token_ids[0]: -2147483649 is outside [-2147483648, 2147483647]",
+    ),
+    "negative count in a short list": (
+        heartbeat(recent_batch_sizes=[1, -1]),
+        "Heartbeat.recent_batch_sizes[1]: -1 is outside",
     ),
     "int list too long": (heartbeat(cache_stored=[0] * (wire.MAX_TOKEN_IDS + 1)), "max_array_len"),
     "deep nested path": (
