@@ -383,6 +383,10 @@ class SchedulerService:
             retry_after_s=None,
         )
         self.events.refused(submit.request_id, 500, message)
+        # The core may have dispatched it before the handler raised: not logged nor timed as
+        # dispatched (the others it dispatched were, and their reservations time out).
+        kept = [d for d in self.core.take_dispatched() if d.request_id != submit.request_id]
+        self.core.dispatched = kept
         cancel = wire.Cancel(request_id=submit.request_id, reason="the scheduler failed on it")
         return [Outgoing(identity, refusal)] + self._handle_guarded(identity, cancel, now)
 

@@ -96,6 +96,14 @@ def failures(service: SchedulerService, kind: str) -> float | None:
 def test_a_submit_that_raises_is_refused_and_forgotten_and_the_next_is_served(cluster):
     service, peers = cluster
     raise_after(service)
+    dispatched = []
+    real_dispatched = service.events.dispatched
+
+    def record_dispatched(request_id: str, *args) -> None:
+        dispatched.append(request_id)
+        real_dispatched(request_id, *args)
+
+    service.events.dispatched = record_dispatched  # type: ignore[method-assign]
     deliver(service, peers["g"], submit("poison"))
     [reply] = peers["g"].received()
     assert isinstance(reply, wire.SubmitReply) and not reply.accepted
@@ -110,12 +118,14 @@ def test_a_submit_that_raises_is_refused_and_forgotten_and_the_next_is_served(cl
     assert isinstance(told, wire.Cancel) and told.request_id == "poison"
     assert "poison" not in service.core.requests and len(service.core.queue) == 0
     assert not service.core.registry.get("d").request_ids
+    assert dispatched == []  # neither logged nor timed as dispatched
 
     del service._submit  # the class's own again
     deliver(service, peers["g"], submit("r1"))
     [reply] = peers["g"].received()
     assert reply.accepted and reply.request_id == "r1"
     assert [type(m) for m in peers["d"].received()] == [wire.Reserve]
+    assert dispatched == ["r1"]
 
 
 def test_failures_that_persist_end_the_loop(cluster):
