@@ -44,9 +44,10 @@ def python_chain(
 ) -> list[int]:
     """The hashes of blocks `first_block` to `first_block + num_blocks` of `token_ids`, the
     first chained on `parent`. The chain ends before a block holding a token id outside int64:
-    no model has one and the workers refuse it, but a message may carry one (the wire takes
-    any int), and the scheduler and the decode workers hash a prompt before any worker has
-    checked it. Such a block is never cached, so no hash is the truth: nothing matches it."""
+    no model has one and the workers refuse it, and the wire carries int32s, but an in-process
+    caller (the simulator) may hand one over, and the scheduler and the decode workers hash a
+    prompt before any worker has checked it. Such a block is never cached, so no hash is the
+    truth: nothing matches it."""
     hashes = []
     begin = first_block * block_size
     for start in range(begin, begin + num_blocks * block_size, block_size):
