@@ -358,7 +358,12 @@ class WorkerEvents(_Events):
             "Requests the sampler raised on (a bug, each logged with its traceback): the request "
             "ended with the error, the rest of its batch went on",
         )
-        self._sampler_failures_seen = 0
+        self.model_failures = self.counter(
+            "model_failures",
+            "Requests the model's forward raised on when run alone (each logged with its "
+            "traceback): the request ended with the error, the rest of its batch went on",
+        )
+        self._failures_seen = {"sampler": 0, "model": 0}
         self.preemptions = self.counter(
             "num_preemptions", "Sequences preempted, by kind", ("kind",)
         )
@@ -418,10 +423,15 @@ class WorkerEvents(_Events):
             decode_attention=decode_attention,
         )
 
-    def sampler_failed_so_far(self, count: int) -> None:
-        """The engine's count of sampler failures since it started (`num_sampler_failures`)."""
-        self.sampler_failures.inc(count - self._sampler_failures_seen)
-        self._sampler_failures_seen = count
+    def engine_failed_so_far(self, num_sampler: int, num_model: int) -> None:
+        """The engine's counts of requests ended by a failure since it started
+        (`num_sampler_failures`, `num_model_failures`)."""
+        for kind, counter, count in (
+            ("sampler", self.sampler_failures, num_sampler),
+            ("model", self.model_failures, num_model),
+        ):
+            counter.inc(count - self._failures_seen[kind])
+            self._failures_seen[kind] = count
 
     def step(self, duration_s: float, num_sequences: int = 0, num_context_tokens: int = 0) -> None:
         """One engine step, the sequences it carried and the tokens they attended (0: not

@@ -81,3 +81,36 @@ CHAT_TEMPLATES = Path(__file__).parent / "chat_templates"
 def chat_template(name: str) -> str:
     """A chat template of tests/chat_templates (templates of each tool-call family)."""
     return (CHAT_TEMPLATES / name).read_text()
+
+
+class FailingModel:
+    """The real model, whose step raises when `fails(batch)` says so, after running it and
+    spoiling the KV it wrote (a forward that failed late leaves its batch's new slots holding
+    anything)."""
+
+    def __init__(self, model, fails):
+        self._model, self._fails = model, fails
+        self.num_raised = 0
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def step(self, batch, kv_cache):
+        logits = self._model.step(batch, kv_cache)
+        if self._fails(batch, kv_cache.block_size):
+            for cache in (*kv_cache.key_caches, *kv_cache.value_caches):
+                cache.view(-1, *cache.shape[2:])[batch.slot_mapping] = 7.0
+            self.num_raised += 1
+            raise RuntimeError("injected")
+        return logits
+
+
+def writes_into(engine, request_id: str):
+    """Whether a step's batch writes into a block `request_id` holds."""
+
+    def fails(batch, block_size):
+        seq = engine._sequences.get(request_id)
+        written = set((batch.slot_mapping // block_size).tolist())
+        return seq is not None and bool(written & set(seq.block_ids))
+
+    return fails

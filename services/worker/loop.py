@@ -177,7 +177,9 @@ class WorkerLoop(abc.ABC):
             heartbeat = self._heartbeat()
             self.events.refresh(heartbeat)
             self.events.refresh_host_tier(self.engine.prefix_cache, self.engine.host_tier)
-            self.events.sampler_failed_so_far(self.engine.num_sampler_failures)
+            self.events.engine_failed_so_far(
+                self.engine.num_sampler_failures, self.engine.num_model_failures
+            )
             self.link.send_heartbeat(heartbeat, now)
             self._recent_batch_sizes = []
             self._close_idle()  # (as often as a heartbeat: the walk is over every peer socket)

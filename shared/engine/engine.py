@@ -193,6 +193,7 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.num_sampler_failures = 0  # rows the sampler raised on (`_sample`): bugs, each logged
+        self.num_model_failures = 0  # sequences the model raised on alone (`_forward`)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.grammar = GrammarBinding(
             tokenizer,
@@ -393,9 +394,12 @@ class LLMEngine:
         )
         try:
             with Stopwatch() as watch:
-                logits = self._run(plan.chunks)
-            self._record_prefill_rate(plan.chunks, watch.seconds)
-            return self._postprocess(plan.chunks, logits)
+                ran, logits, failed = self._forward(plan.chunks)
+            if not failed:  # (a step run again chunk by chunk is no sample of the rate)
+                self._record_prefill_rate(ran, watch.seconds)
+            return [self._model_failed(c.sequence, e) for c, e in failed] + self._postprocess(
+                ran, logits
+            )
         finally:
             self.sampler.settle_masks()
 
@@ -450,6 +454,43 @@ class LLMEngine:
             device = self.model.device
             raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {device}")
         return DecodeGraphs(self.model, self.kv_cache, self.config.max_num_seqs, self.max_model_len)
+
+    def _forward(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], torch.Tensor, list[tuple[ScheduledChunk, Exception]]]:
+        """The chunks that ran, their logits (a row each) and the chunks the model raised on.
+        Should the batch's forward raise (a bug some request's shape hits; on a GPU, memory
+        the batch ran out of), each chunk runs alone, writing its KV slots again (a chunk's
+        forward writes only its own new tokens' slots, which no other sequence reads before
+        they are computed), and only the chunks that raise again fail. If every chunk does
+        (one alone included), the fault is the worker's, not a request's: the error
+        propagates, the worker ends, and the scheduler resumes its requests elsewhere."""
+        try:
+            return chunks, self._run(chunks), []
+        except Exception as error:
+            if len(chunks) == 1:
+                raise
+            log.error("the model failed on a batch; running its chunks one by one",
+                      num_chunks=len(chunks), exc_info=error)  # fmt: skip
+        ran, rows, failed = [], [], []
+        for chunk in chunks:
+            try:  # (a copy: a CUDA graph's logits are its static buffer, the next run's too)
+                rows.append(self._run([chunk]).clone())
+            except Exception as error:
+                failed.append((chunk, error))
+            else:
+                ran.append(chunk)
+        if not ran:
+            raise failed[0][1]
+        return ran, torch.cat(rows), failed
+
+    def _model_failed(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """A sequence whose chunk the model raised on alone ends with the error."""
+        log.error("the model failed on a request", request_id=seq.request_id, exc_info=error)
+        self.num_model_failures += 1
+        self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        why = f"the model failed on this request ({type(error).__name__})"
+        return RequestOutput(seq.request_id, [], finish_reason="abort", error=why)
 
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         batch = build_step_batch(

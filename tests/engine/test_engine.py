@@ -11,7 +11,7 @@ from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import MIN_CHUNK
 from shared.errors import InvalidRequestError
-from tests.helpers import our_model_from_hf, tiny_hf_model
+from tests.helpers import FailingModel, our_model_from_hf, tiny_hf_model, writes_into
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -273,6 +273,59 @@ def test_a_row_the_sampler_fails_on_ends_alone_and_its_batch_goes_on(model):
         assert finished[request_id] == ("length", None)
         assert tokens[request_id] == expected[request_id].token_ids
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("at_output", [0, 3], ids=["in-its-prefill", "mid-decode"])
+def test_a_sequence_the_model_fails_on_ends_alone_and_its_batch_goes_on(model, at_output):
+    """A forward that raises used to end the worker with its whole batch (resumed elsewhere,
+    where the request at fault did it again). Now the batch runs again chunk by chunk: the
+    sequence whose chunk raises alone ends with the error, the others decode exactly as they
+    would have (their spoiled KV slots written again)."""
+    prompts = {"a": [5, 6, 7], "poison": [1, 2, 3, 4], "b": [8, 9]}
+    alone = LLMEngine(model, EngineConfig(num_blocks=64))
+    expected = dict(zip("ab", alone.generate([prompts["a"], prompts["b"]], GREEDY), strict=True))
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
+    poison_writes = writes_into(engine, "poison")
+
+    def fails(batch, block_size):
+        seq = engine._sequences.get("poison")
+        ready = seq is not None and len(seq.output_token_ids) >= at_output
+        return ready and poison_writes(batch, block_size)
+
+    engine.model = failing = FailingModel(model, fails)
+    for request_id, prompt in prompts.items():
+        engine.add_request(prompt, GREEDY, request_id)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    finished = {}
+    for out in engine.run_until_done():
+        tokens[out.request_id] += out.new_token_ids
+        if out.finished:
+            finished[out.request_id] = (out.finish_reason, out.error)
+    assert finished["poison"] == ("abort", "the model failed on this request (RuntimeError)")
+    assert len(tokens["poison"]) == at_output
+    assert engine.num_model_failures == 1 and engine.num_sampler_failures == 0
+    assert failing.num_raised == 2  # the batch, then the poison alone
+    for request_id in "ab":
+        assert finished[request_id] == ("length", None)
+        assert tokens[request_id] == expected[request_id].token_ids
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_a_forward_that_fails_every_chunk_alone_is_the_workers_fault_and_raises(
+    model, num_requests
+):
+    """When no chunk runs alone either (a broken device, or one request by itself), no request
+    is to blame: the step raises as before, the worker ends, and the scheduler resumes its
+    requests elsewhere."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    engine.model = failing = FailingModel(model, lambda batch, block_size: True)
+    for index in range(num_requests):
+        engine.add_request([5, 6, index + 7], GREEDY, str(index))
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert failing.num_raised == (1 if num_requests == 1 else 1 + num_requests)
+    assert engine.num_model_failures == 0
 
 
 def test_a_prefilled_sequence_outside_the_vocabulary_is_refused(model):

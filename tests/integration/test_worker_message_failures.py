@@ -18,6 +18,7 @@ from services.worker.config import WorkerConfig
 from shared import wire
 from shared.engine.sampling_params import SamplingParams
 from shared.failures import DEFAULT_LIMIT, PersistentFailures
+from tests.helpers import FailingModel, writes_into
 from tests.integration.conftest import FakeScheduler, WorkerThread
 from tests.integration.test_decode_worker import PROMPT, prefilled_transfer, stream_until_done
 
@@ -226,5 +227,49 @@ def test_a_sequence_the_sampler_fails_on_ends_with_its_error_and_the_worker_goes
     assert worker.engine.num_sampler_failures == 1
     deadline = time.monotonic() + 5  # counted as the step that ended it returns
     while worker.events.registry.get_sample_value("tandem:sampler_failures_total") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_sequence_the_model_fails_on_ends_with_its_error_and_the_worker_goes_on(decode):
+    """The model's own guard (`LLMEngine._forward`; by hand in `tests/engine/test_engine.py`),
+    in a real decode worker: once a second request joins it, a sequence whose chunk makes the
+    forward raise, in its batch and alone, ends with the error at its gateway and the
+    scheduler; the worker lives, and the other request decodes to the end."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = decode
+    engine = worker.engine
+    poison_writes = writes_into(engine, "poison")
+    engine.model = failing = FailingModel(
+        engine.model, lambda batch, size: "r1" in engine._sequences and poison_writes(batch, size)
+    )
+    lengths = {"poison": 60, "r1": 6}  # the poison still decoding when r1 joins it
+    for request_id, max_tokens in lengths.items():
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        num_tokens = len(PROMPT) + max_tokens
+        scheduler.send(wire.Reserve(request_id=request_id, num_tokens=num_tokens, lease_s=30))
+        assert scheduler.expect(wire.ReserveReply).ok
+        transfer, _ = prefilled_transfer(model_dir, request_id, gateway_address, params)
+        wire.send(peer, transfer)
+        assert peer.poll(10_000) and wire.recv(peer).ok
+    ended, num_tokens = {}, dict.fromkeys(lengths, 0)
+    while len(ended) < 2:
+        assert gateway.poll(10_000), "no delta streamed"
+        for delta in wire.recv(gateway).deltas:  # (the step's deltas travel together)
+            num_tokens[delta.request_id] += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                ended[delta.request_id] = (delta.finish_reason, delta.error)
+    assert ended == {
+        "poison": ("abort", "the model failed on this request (RuntimeError)"),
+        "r1": ("length", None),
+    }
+    assert num_tokens["r1"] == 6 and num_tokens["poison"] < 60
+    reports = [scheduler.expect(wire.RequestDone) for _ in range(2)]
+    assert {(done.request_id, done.finish_reason) for done in reports} == {
+        ("poison", "abort"),
+        ("r1", "length"),
+    }
+    assert failing.num_raised == 2 and engine.num_model_failures == 1
+    deadline = time.monotonic() + 5  # counted at the next heartbeat
+    while worker.events.registry.get_sample_value("tandem:model_failures_total") != 1:
         assert time.monotonic() < deadline
         time.sleep(0.01)
