@@ -199,6 +199,11 @@ class ClusterScheduler:
     abandoned: OrderedDict[str, None] = field(default_factory=OrderedDict)
     # Dispatches since the service last took them (`take_dispatched`).
     dispatched: list[Dispatched] = field(default_factory=list)
+    # Messages built and not yet handed out: every message a handler makes goes here the
+    # moment its decision is taken, and the handler returns them all (`take_outbox`). Should a
+    # handler raise midway (a bug), what it had decided for other requests before is still
+    # here for the service to send, not lost with the exception.
+    outbox: list[Outgoing] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.registry = WorkerRegistry(
@@ -233,7 +238,8 @@ class ClusterScheduler:
             self.gateways[hello.peer_id] = GatewayState(hello.peer_id, identity, hello.address)
         else:
             old = self.registry.remove(hello.peer_id)
-            out = self._drop_worker(old) if old is not None else []
+            if old is not None:
+                self._drop_worker(old)
             self.prefix_index.register(hello.peer_id, hello.cache_key, hello.block_size)
             self.cache_holders.forget(hello.peer_id)
             self.registry.add(
@@ -252,8 +258,8 @@ class ClusterScheduler:
                     dtype=hello.dtype,
                 )
             )
-            return out + self.dispatch(now)
-        return []
+            self._dispatch(now)
+        return self.take_outbox()
 
     def on_heartbeat(
         self, identity: bytes, heartbeat: wire.Heartbeat, now: float
@@ -266,7 +272,8 @@ class ClusterScheduler:
                 error=wire.UNKNOWN_PEER,
                 heartbeat_interval_s=0.0,
             )
-            return [Outgoing(identity, ack)]
+            self._send(identity, ack)
+            return self.take_outbox()
         worker.last_heartbeat = now
         # The heartbeat's free-block count already reflects every reservation made so far.
         self.registry.report_free_blocks(worker, heartbeat.num_free_blocks, heartbeat=True)
@@ -298,22 +305,20 @@ class ClusterScheduler:
         }
         busy = heartbeat.num_running + heartbeat.num_waiting + heartbeat.num_swapped > 0
         worker.record_progress(heartbeat.steps_completed, busy, now)
-        stale = [
-            Outgoing(identity, wire.Cancel(request_id=request_id, reason="abandoned"))
-            for request_id in heartbeat.request_ids
-            if request_id in self.abandoned
-        ]
+        for request_id in heartbeat.request_ids:
+            if request_id in self.abandoned:
+                self._send(identity, wire.Cancel(request_id=request_id, reason="abandoned"))
         if worker.role == "decode" and len(heartbeat.request_ids) < wire.MAX_HELD_IDS:
-            stale += self._ended_unheard(worker, heartbeat.request_ids)
-        return stale + self.dispatch(now)
+            self._ended_unheard(worker, heartbeat.request_ids)
+        self._dispatch(now)
+        return self.take_outbox()
 
-    def _ended_unheard(self, worker: WorkerState, held_ids: list[str]) -> list[Outgoing]:
+    def _ended_unheard(self, worker: WorkerState, held_ids: list[str]) -> None:
         """Requests decoding on this worker that its heartbeats no longer list: it ended them
         and its REQUEST_DONE was lost (a reset connection drops what it held), or it lost
         them. Held here, they would take a seat and count as in flight forever. Each goes
         back to its gateway, which drops the word if the stream had ended and resumes the
         request from its tokens if not."""
-        out: list[Outgoing] = []
         for request_id in worker.request_ids.difference(held_ids):
             request = self.requests.get(request_id)
             if request is None or request.phase != Phase.DECODING:
@@ -321,31 +326,30 @@ class ClusterScheduler:
             request.num_unlisted_beats += 1
             if request.num_unlisted_beats >= UNLISTED_BEATS:
                 reason = f"{worker.peer_id} no longer holds it (its end went unheard)"
-                out += self._lose(request, reason)
-        return out
+                self._lose(request, reason)
 
     def tick(self, now: float) -> list[Outgoing]:
         """Takes silent workers out of rotation and re-routes requests whose phase timed out."""
-        out: list[Outgoing] = []
         for worker in self.registry.expired(now):
             self.registry.remove(worker.peer_id)
-            out += self._drop_worker(worker)
+            self._drop_worker(worker)
         for request in self._due(now):
             if (
                 request.phase == Phase.QUEUED
                 and now - request.arrival > self.limits.max_queue_time_s
             ):
-                out += self._time_out(request, now)
+                self._time_out(request, now)
                 continue
             if now <= request.phase_deadline:
                 continue
             if request.phase == Phase.RESERVING and request.speculative:
-                out += self._lose(request, "the decode worker's reservation timed out")
+                self._lose(request, "the decode worker's reservation timed out")
             elif request.phase == Phase.RESERVING:
-                out += self._requeue(request, cancel_reason="timed out")
+                self._requeue(request, cancel_reason="timed out")
             elif request.phase == Phase.PREFILLING:
-                out += self._lose(request, "the prefill and its KV transfer timed out")
-        return out + self.dispatch(now)
+                self._lose(request, "the prefill and its KV transfer timed out")
+        self._dispatch(now)
+        return self.take_outbox()
 
     def _due(self, now: float) -> list[TrackedRequest]:
         """The requests a tick may act on, in the order they were admitted: those queued past
@@ -388,7 +392,8 @@ class ClusterScheduler:
                 message=message,
                 retry_after_s=retry_after,
             )
-            return [Outgoing(identity, reply)]
+            self._send(identity, reply)
+            return self.take_outbox()
         party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit), submit.bulk)
         request = TrackedRequest(
             submit, submit.gateway_peer_id, party, arrival=now, index=next(self._admissions)
@@ -402,7 +407,9 @@ class ClusterScheduler:
             message=None,
             retry_after_s=None,
         )
-        return [Outgoing(identity, accepted)] + self.dispatch(now)
+        self._send(identity, accepted)
+        self._dispatch(now)
+        return self.take_outbox()
 
     def _admission_refusal(
         self, submit: wire.Submit, now: float
@@ -479,34 +486,43 @@ class ClusterScheduler:
 
     def on_cancel(self, cancel: wire.Cancel, now: float) -> list[Outgoing]:
         request = self.requests.get(cancel.request_id)
-        if request is None:
-            return []
-        return self._forget(request, cancel_reason=cancel.reason)
+        if request is not None:
+            self._forget(request, cancel_reason=cancel.reason)
+        return self.take_outbox()
 
     def on_reserve_reply(self, reply: wire.ReserveReply, now: float) -> list[Outgoing]:
+        self._reserve_answered(reply, now)
+        return self.take_outbox()
+
+    def _reserve_answered(self, reply: wire.ReserveReply, now: float) -> None:
         request = self.requests.get(reply.request_id)
         decode_peer_id = request.decode_peer_id if request else None
         worker = self.registry.get(decode_peer_id) if decode_peer_id else None
         if request is None or request.phase != Phase.RESERVING or worker is None:
-            return []
+            return
         if not reply.ok:
             self.registry.report_free_blocks(worker, reply.num_free_blocks, heartbeat=False)
             if request.speculative:
-                lost = self._lose(request, f"{worker.peer_id} had no room after all")
-                return lost + self.dispatch(now)
-            return self._requeue(request, cancel_reason=None) + self.dispatch(now)
+                self._lose(request, f"{worker.peer_id} had no room after all")
+            else:
+                self._requeue(request, cancel_reason=None)
+            self._dispatch(now)
+            return
         prefill = self.registry.get(request.prefill_peer_id) if request.prefill_peer_id else None
         if prefill is None or not prefill.making_progress(now, self.limits.progress_timeout_s):
             if request.speculative:
-                return self._lose(request, "its prefill worker stopped making progress")
-            return self._requeue(request, cancel_reason="no prefill worker")
+                self._lose(request, "its prefill worker stopped making progress")
+            else:
+                self._requeue(request, cancel_reason="no prefill worker")
+            return
         request.phase = Phase.PREFILLING
         self._set_deadline(request, now + self.limits.prefill_timeout_s)
         if request.speculative:  # the job is running: let its KV go
             grant = wire.PrefillGrant(
                 request_id=request.request_id, num_skip_blocks=reply.num_cached_blocks
             )
-            return [Outgoing(prefill.identity, grant)]
+            self._send(prefill.identity, grant)
+            return
         submit = request.submit
         held = self._held_ahead(prefill, request)
         if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker, prefill, held):
@@ -515,7 +531,7 @@ class ClusterScheduler:
             request.prefill_peer_id = worker.peer_id
             prefill = worker
         job = self._prefill_job(request, prefill, worker, reply.num_cached_blocks)
-        return [Outgoing(prefill.identity, job)]
+        self._send(prefill.identity, job)
 
     def _prefill_job(
         self,
@@ -543,9 +559,13 @@ class ClusterScheduler:
         )
 
     def on_request_done(self, done: wire.RequestDone, now: float) -> list[Outgoing]:
+        self._request_done(done, now)
+        return self.take_outbox()
+
+    def _request_done(self, done: wire.RequestDone, now: float) -> None:
         request = self.requests.get(done.request_id)
         if request is None:
-            return []
+            return
         if done.num_output_tokens > 0:
             self.queue.charge(request.party, num_output_tokens=done.num_output_tokens)
         if done.phase == "prefill":
@@ -554,7 +574,7 @@ class ClusterScheduler:
                 request.phase == Phase.RESERVING and request.speculative
             )
             if not prefilling or request.prefill_peer_id != done.peer_id:
-                return []  # a report from an attempt the scheduler already gave up on
+                return  # a report from an attempt the scheduler already gave up on
             prefill = self.registry.get(done.peer_id)
             if prefill is not None and done.peer_id != request.decode_peer_id:
                 self.registry.release(prefill, done.request_id)
@@ -567,36 +587,39 @@ class ClusterScheduler:
             if done.finish_reason is None:  # KV handed to the decode worker, which now owns it
                 request.phase = Phase.DECODING
                 request.prefill_peer_id = None
-                return self.dispatch(now)
-            if done.finish_reason == "error":  # the transfer failed: try again elsewhere
-                return self._lose(request, "the KV transfer failed") + self.dispatch(now)
-            # Finished at its first token: the decode reservation is no longer needed.
-            out = self._forget(request, cancel_reason="finished in prefill")
-            return out + self._stream_ended(request, done) + self.dispatch(now)
-        if done.finish_reason == "preempted":  # handed back by the decode worker for recompute
-            reason = f"preempted on {done.peer_id} for recompute"
-            return self._lose(request, reason, "preempted") + self.dispatch(now)
-        self._forget(request, cancel_reason=None)
-        return self._stream_ended(request, done) + self.dispatch(now)
+            elif done.finish_reason == "error":  # the transfer failed: try again elsewhere
+                self._lose(request, "the KV transfer failed")
+            else:  # finished at its first token: the decode reservation is no longer needed
+                self._forget(request, cancel_reason="finished in prefill")
+                self._stream_ended(request, done)
+        elif done.finish_reason == "preempted":  # handed back by the decode worker to recompute
+            self._lose(request, f"preempted on {done.peer_id} for recompute", "preempted")
+        else:
+            self._forget(request, cancel_reason=None)
+            self._stream_ended(request, done)
+        self._dispatch(now)
 
-    def _stream_ended(self, request: TrackedRequest, done: wire.RequestDone) -> list[Outgoing]:
+    def _stream_ended(self, request: TrackedRequest, done: wire.RequestDone) -> None:
         """Tells the request's gateway where its worker ended the stream: the stream's last
         delta travels on another connection, and if that one lost it, nothing else would."""
         gateway = self.gateways.get(request.gateway_peer_id)
         if gateway is None or done.output_length is None or done.finish_reason is None:
-            return []
+            return
         ended = wire.StreamEnded(
             request_id=request.request_id,
             finish_reason=done.finish_reason,
             output_length=done.output_length,
         )
-        return [Outgoing(gateway.identity, ended)]
+        self._send(gateway.identity, ended)
 
     # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch(self, now: float) -> list[Outgoing]:
         """Hands the policy's next requests to prefill workers with room, decode reserved first."""
-        out: list[Outgoing] = []
+        self._dispatch(now)
+        return self.take_outbox()
+
+    def _dispatch(self, now: float) -> None:
         while len(self.queue) and self.registry.any_healthy("prefill", now):
             lengths = self._placeable_lengths(now)
             item = self.queue.pop_next(now, lengths, lengths)
@@ -617,11 +640,10 @@ class ClusterScheduler:
                 self.registry.held_tokens,
                 self.registry.small_room,
             )
-            out += self._reserve(request, prefill, now)
+            self._reserve(request, prefill, now)
             if not item.bulk:
                 self.awaiting_first_token.add(item.request_id, item.num_prompt_tokens)
         self.service_rate.pass_ended(now, backlogged=len(self.queue) > 0)
-        return out
 
     def _holders(self, submit: wire.Submit) -> tuple[list[int], set[str]]:
         """The prompt's block hashes, and the workers holding its first block (those alone hold
@@ -652,7 +674,7 @@ class ClusterScheduler:
             bulk = [(0, max_bulk_tokens)] if max_bulk_tokens >= 0 else []
         return LengthRanges(tuple(interactive), tuple(bulk))
 
-    def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> list[Outgoing]:
+    def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> None:
         num_prompt_tokens = request.num_prefill_tokens
         self.num_queued_tokens -= num_prompt_tokens
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
@@ -678,11 +700,11 @@ class ClusterScheduler:
             token_ids=prefill_tokens(submit),
             cache_salt=submit.tenant,
         )
-        out = [Outgoing(decode.identity, reserve)]
+        self._send(decode.identity, reserve)
         if self._speculates(request, prefill, decode):
             request.speculative = True
             job = self._prefill_job(request, prefill, decode, 0, await_grant=True)
-            out.append(Outgoing(prefill.identity, job))
+            self._send(prefill.identity, job)
         self.dispatched.append(
             Dispatched(
                 request.request_id,
@@ -692,7 +714,6 @@ class ClusterScheduler:
                 request.speculative,
             )  # fmt: skip
         )
-        return out
 
     def _speculates(
         self, request: TrackedRequest, prefill: WorkerState, decode: WorkerState
@@ -746,8 +767,7 @@ class ClusterScheduler:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _cancel_on_workers(self, request: TrackedRequest, reason: str) -> list[Outgoing]:
-        out = []
+    def _cancel_on_workers(self, request: TrackedRequest, reason: str) -> None:
         # A prefill worker chosen for a request still reserving has heard nothing of it yet.
         prefill_holds_state = request.prefill_began
         for peer_id, holds_state in (
@@ -760,14 +780,14 @@ class ClusterScheduler:
             self.registry.release(worker, request.request_id)
             if holds_state:
                 cancel = wire.Cancel(request_id=request.request_id, reason=reason)
-                out.append(Outgoing(worker.identity, cancel))
-        return out
+                self._send(worker.identity, cancel)
 
-    def _requeue(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
+    def _requeue(self, request: TrackedRequest, cancel_reason: str | None) -> None:
         """Back to the queue with its first arrival time (so it ages from then), releasing
         whatever workers hold for it."""
         self.awaiting_first_token.discard(request.request_id)
-        out = self._cancel_on_workers(request, cancel_reason) if cancel_reason else []
+        if cancel_reason:
+            self._cancel_on_workers(request, cancel_reason)
         if cancel_reason is None and request.decode_peer_id:
             worker = self.registry.get(request.decode_peer_id)
             if worker is not None:
@@ -782,9 +802,8 @@ class ClusterScheduler:
         # The prompt was charged when dispatched; it will be again when dispatched anew.
         self.queue.charge(request.party, num_prompt_tokens=-request.num_prefill_tokens)
         self._enqueue(request)
-        return out
 
-    def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
+    def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> None:
         self.requests.pop(request.request_id, None)
         self.placement.forget(request.request_id)
         self.awaiting_first_token.discard(request.request_id)
@@ -793,44 +812,40 @@ class ClusterScheduler:
         if request.phase == Phase.QUEUED:
             self.queue.remove(request.request_id)
             self.num_queued_tokens -= request.num_prefill_tokens
-            return []
+            return
         if cancel_reason is not None:
-            return self._cancel_on_workers(request, cancel_reason)
+            self._cancel_on_workers(request, cancel_reason)
+            return
         for peer_id in (request.prefill_peer_id, request.decode_peer_id):
             worker = self.registry.get(peer_id) if peer_id else None
             if worker is not None:
                 self.registry.release(worker, request.request_id)
-        return []
 
-    def _drop_worker(self, worker: WorkerState) -> list[Outgoing]:
+    def _drop_worker(self, worker: WorkerState) -> None:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
         self.cache_holders.forget(worker.peer_id)
-        out: list[Outgoing] = []
         for request_id in list(worker.request_ids):
             request = self.requests.get(request_id)
             if request is None:
                 continue
             if request.prefill_began:
                 # If it is alive after all (a long stall), it must stop working for nobody.
-                out += self._lose(request, f"worker {worker.peer_id} stopped responding")
-                out.append(
-                    Outgoing(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
-                )
+                self._lose(request, f"worker {worker.peer_id} stopped responding")
+                self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
             else:
                 if request.decode_peer_id == worker.peer_id:
                     request.decode_peer_id = None
                 if request.prefill_peer_id == worker.peer_id:
                     request.prefill_peer_id = None
-                out += self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
-        return out
+                self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
 
-    def _time_out(self, request: TrackedRequest, now: float) -> list[Outgoing]:
+    def _time_out(self, request: TrackedRequest, now: float) -> None:
         """A request that waited in the queue past the limit: its client gets a 504."""
         self._forget(request, cancel_reason=None)
         gateway = self.gateways.get(request.gateway_peer_id)
         if gateway is None:
-            return []
+            return
         message = (
             f"queued {now - request.arrival:.0f} s without a worker free for it "
             f"(max_queue_time_s {self.limits.max_queue_time_s:g})"
@@ -838,7 +853,7 @@ class ClusterScheduler:
         delta = wire.TokenDelta(
             request_id=request.request_id, token_ids=[], finish_reason="timeout", error=message
         )
-        return [Outgoing(gateway.identity, wire.Tokens(deltas=[delta]))]
+        self._send(gateway.identity, wire.Tokens(deltas=[delta]))
 
     def _abandon(self, request_id: str) -> None:
         """Remembers a request given up on (a bounded memory: the oldest go first). A request
@@ -847,13 +862,11 @@ class ClusterScheduler:
         while len(self.abandoned) > MAX_ABANDONED:
             self.abandoned.popitem(last=False)
 
-    def _lose(
-        self, request: TrackedRequest, reason: str, finish_reason: str = "lost"
-    ) -> list[Outgoing]:
+    def _lose(self, request: TrackedRequest, reason: str, finish_reason: str = "lost") -> None:
         """Gives a request whose tokens may have reached its client back to its gateway, which
         alone knows which did: it resumes the request from them (or fails it). Re-running it
         here could repeat a token the client has or skip one it lacks."""
-        out = self._forget(request, cancel_reason="lost")
+        self._forget(request, cancel_reason="lost")
         gateway = self.gateways.get(request.gateway_peer_id)
         if gateway is not None:
             delta = wire.TokenDelta(
@@ -862,11 +875,18 @@ class ClusterScheduler:
                 finish_reason=finish_reason,
                 error=reason,
             )
-            out.append(Outgoing(gateway.identity, wire.Tokens(deltas=[delta])))
-        return out
+            self._send(gateway.identity, wire.Tokens(deltas=[delta]))
 
     def take_dispatched(self) -> list[Dispatched]:
         taken, self.dispatched = self.dispatched, []
+        return taken
+
+    def _send(self, identity: bytes, message: wire.Message) -> None:
+        self.outbox.append(Outgoing(identity, message))
+
+    def take_outbox(self) -> list[Outgoing]:
+        """The messages built since the last take, in the order their decisions were taken."""
+        taken, self.outbox = self.outbox, []
         return taken
 
     def cluster_status(self, now: float) -> wire.ClusterStatus:

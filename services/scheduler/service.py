@@ -355,19 +355,22 @@ class SchedulerService:
         """`_handle`, where an exception the core did not mean (its refusals are answers, not
         raised: one raised is a bug) costs that message, not the scheduler: an exit would take
         the queue with it, and the gateways would resume every request it held, the one that
-        broke it among them. The exception is logged with its traceback and counted; a SUBMIT
-        is refused (500) and forgotten, anything else dropped, and the core's ticks settle what
-        it left half done (deadlines, the workers' heartbeat lists). Failures that persist
-        mean the core's state is wrong: the scheduler exits (`shared.failures`)."""
+        broke it among them. The exception is logged with its traceback and counted; the
+        messages the core had built before it (for other requests too: a dispatch pass places
+        many) still go out; a SUBMIT is refused (500) and forgotten, anything else dropped, and
+        the core's ticks settle what it left half done (deadlines, the workers' heartbeat
+        lists). Failures that persist mean the core's state is wrong: the scheduler exits
+        (`shared.failures`)."""
         try:
             return self._handle(identity, message, now)
         except Exception as error:
+            built = self.core.take_outbox()
             request_id = getattr(message, "request_id", None)
             self.events.message_failed(type(message).__name__, request_id, error)
             self.failures.record()  # raises, and the scheduler exits, when failures persist
             if isinstance(message, wire.Submit):
-                return self._submit_failed(identity, message, error, now)
-            return []
+                return built + self._submit_failed(identity, message, error, now)
+            return built
 
     def _submit_failed(
         self, identity: bytes, submit: wire.Submit, error: Exception, now: float

@@ -128,6 +128,43 @@ def test_a_submit_that_raises_is_refused_and_forgotten_and_the_next_is_served(cl
     assert dispatched == ["r1"]
 
 
+def heartbeat(peer_id: str, num_free_blocks: int) -> wire.Heartbeat:
+    return wire.Heartbeat(
+        peer_id=peer_id, num_waiting=0, num_running=0, num_free_blocks=num_free_blocks,
+        num_total_blocks=64, steps_completed=0, sent_at=0.0,
+    )  # fmt: skip
+
+
+def test_what_a_failing_pass_decided_for_other_requests_still_goes_out(cluster):
+    """A dispatch pass places many requests, each decision's messages built as it is taken.
+    When the core raises on the second (here its decode pick), the first one's reservation is
+    sent all the same: it used to be lost with the exception, its request waiting out the
+    reservation's timeout (5 s) for a worker that never heard of it."""
+    service, peers = cluster
+    deliver(service, peers["d"], heartbeat("d", num_free_blocks=0))  # no room: both queue
+    for request_id in ("a", "b"):
+        deliver(service, peers["g"], submit(request_id))
+        [reply] = peers["g"].received()
+        assert reply.accepted and reply.request_id == request_id
+    assert peers["d"].received() == [] and len(service.core.queue) == 2
+    registry = service.core.registry
+    real_pick = registry.pick_decode
+    picks = []
+
+    def pick_then_raise(*args):
+        picks.append(args)
+        if len(picks) == 2:
+            raise RuntimeError("injected")
+        return real_pick(*args)
+
+    registry.pick_decode = pick_then_raise  # type: ignore[method-assign]
+    deliver(service, peers["d"], heartbeat("d", num_free_blocks=64))  # room: a pass places both
+    told = peers["d"].received()
+    assert [(type(m), m.request_id) for m in told] == [(wire.Reserve, "a")]
+    assert failures(service, "Heartbeat") == 1
+    assert service.core.outbox == []
+
+
 def test_failures_that_persist_end_the_loop(cluster):
     service, peers = cluster
     service._submit = lambda *args: 1 / 0  # type: ignore[method-assign]
