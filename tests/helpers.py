@@ -105,12 +105,14 @@ class FailingModel:
         return logits
 
 
-def writes_into(engine, request_id: str):
-    """Whether a step's batch writes into a block `request_id` holds."""
+def writes_into(engine, *request_ids: str):
+    """Whether a step's batch writes into a block one of `request_ids` holds."""
 
     def fails(batch, block_size):
-        seq = engine._sequences.get(request_id)
-        written = set((batch.slot_mapping // block_size).tolist())
-        return seq is not None and bool(written & set(seq.block_ids))
+        held = set()
+        for request_id in request_ids:
+            seq = engine._sequences.get(request_id)
+            held.update(seq.block_ids if seq is not None else ())
+        return bool(set((batch.slot_mapping // block_size).tolist()) & held)
 
     return fails

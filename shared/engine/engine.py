@@ -462,16 +462,28 @@ class LLMEngine:
         Should the batch's forward raise (a bug some request's shape hits; on a GPU, memory
         the batch ran out of), each chunk runs alone, writing its KV slots again (a chunk's
         forward writes only its own new tokens' slots, which no other sequence reads before
-        they are computed), and only the chunks that raise again fail. If every chunk does
-        (one alone included), the fault is the worker's, not a request's: the error
-        propagates, the worker ends, and the scheduler resumes its requests elsewhere."""
+        they are computed), and only the chunks that raise again fail. If none runs (one
+        alone included), the requests are to blame only if the model runs a forward of its
+        own (`_model_works`); if not, the fault is the worker's: the error propagates, the
+        worker ends, and the scheduler resumes its requests elsewhere."""
         try:
             return chunks, self._run(chunks), []
         except Exception as error:
             if len(chunks) == 1:
-                raise
-            log.error("the model failed on a batch; running its chunks one by one",
-                      num_chunks=len(chunks), exc_info=error)  # fmt: skip
+                failed = [(chunks[0], error)]
+                ran, rows = [], []
+            else:
+                log.error("the model failed on a batch; running its chunks one by one",
+                          num_chunks=len(chunks), exc_info=error)  # fmt: skip
+                ran, rows, failed = self._forward_one_by_one(chunks)
+        if not ran and not self._model_works():
+            raise failed[0][1]
+        logits = torch.cat(rows) if rows else torch.empty(0, device=self.model.device)
+        return ran, logits, failed
+
+    def _forward_one_by_one(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], list[torch.Tensor], list[tuple[ScheduledChunk, Exception]]]:
         ran, rows, failed = [], [], []
         for chunk in chunks:
             try:  # (a copy: a CUDA graph's logits are its static buffer, the next run's too)
@@ -480,9 +492,22 @@ class LLMEngine:
                 failed.append((chunk, error))
             else:
                 ran.append(chunk)
-        if not ran:
-            raise failed[0][1]
-        return ran, torch.cat(rows), failed
+        return ran, rows, failed
+
+    def _model_works(self) -> bool:
+        """Whether the model runs a forward of its own: one token into a free block of the
+        pool, given back after. With no block free it cannot tell, and says no."""
+        if not self.block_manager.can_allocate(1):
+            return False
+        block_ids = self.block_manager.allocate(1)
+        try:
+            self._run_batch([SequenceChunk(token_ids=[0], start_position=0, block_ids=block_ids)])
+        except Exception as error:
+            log.error("the model failed a forward of its own too", exc_info=error)
+            return False
+        finally:
+            self.block_manager.free(block_ids)
+        return True
 
     def _model_failed(self, seq: Sequence, error: Exception) -> RequestOutput:
         """A sequence whose chunk the model raised on alone ends with the error."""
@@ -493,7 +518,7 @@ class LLMEngine:
         return RequestOutput(seq.request_id, [], finish_reason="abort", error=why)
 
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        batch = build_step_batch(
+        return self._run_batch(
             [
                 SequenceChunk(
                     token_ids=c.sequence.token_ids_slice(
@@ -504,10 +529,11 @@ class LLMEngine:
                     block_ids=c.sequence.block_ids,
                 )
                 for c in chunks
-            ],
-            self.config.block_size,
-            self.model.device,
+            ]
         )
+
+    def _run_batch(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        batch = build_step_batch(chunks, self.config.block_size, self.model.device)
         if self.decode_graphs is not None and self.decode_graphs.takes(batch):
             return self.decode_graphs.run(batch)
         return self.model.step(batch, self.kv_cache)

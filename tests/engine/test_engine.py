@@ -312,20 +312,54 @@ def test_a_sequence_the_model_fails_on_ends_alone_and_its_batch_goes_on(model, a
 
 
 @pytest.mark.parametrize("num_requests", [1, 3])
-def test_a_forward_that_fails_every_chunk_alone_is_the_workers_fault_and_raises(
+def test_requests_the_model_fails_on_alone_end_when_it_runs_a_forward_of_its_own(
     model, num_requests
 ):
-    """When no chunk runs alone either (a broken device, or one request by itself), no request
-    is to blame: the step raises as before, the worker ends, and the scheduler resumes its
-    requests elsewhere."""
+    """No chunk of the step runs, alone either (a request by itself, or every one of the
+    batch's): the model runs one token of its own in a free block, and since that works the
+    requests are to blame: they end with the error, and the engine serves the next."""
+    poisons = [f"poison{index}" for index in range(num_requests)]
+    engine = LLMEngine(model, EngineConfig(num_blocks=64, block_size=4))
+    engine.model = failing = FailingModel(model, writes_into(engine, *poisons))
+    for index, request_id in enumerate(poisons):
+        engine.add_request([5, 6, index + 7], GREEDY, request_id)
+    outputs = engine.step()
+    assert sorted((o.request_id, o.finish_reason, o.error) for o in outputs) == [
+        (request_id, "abort", "the model failed on this request (RuntimeError)")
+        for request_id in poisons
+    ]
+    assert failing.num_raised == (1 if num_requests == 1 else 1 + num_requests)
+    assert engine.num_model_failures == num_requests and not engine.has_unfinished
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    alone = LLMEngine(model, EngineConfig(num_blocks=64)).generate([[8, 9]], GREEDY)
+    assert engine.generate([[8, 9]], GREEDY)[0].token_ids == alone[0].token_ids
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_a_model_that_fails_a_forward_of_its_own_too_is_the_workers_fault_and_raises(
+    model, num_requests
+):
+    """A broken device: no request is to blame. The step raises as before, the worker ends,
+    and the scheduler resumes its requests elsewhere."""
     engine = LLMEngine(model, EngineConfig(num_blocks=64))
     engine.model = failing = FailingModel(model, lambda batch, block_size: True)
     for index in range(num_requests):
         engine.add_request([5, 6, index + 7], GREEDY, str(index))
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
-    assert failing.num_raised == (1 if num_requests == 1 else 1 + num_requests)
+    assert failing.num_raised == (2 if num_requests == 1 else 2 + num_requests)
     assert engine.num_model_failures == 0
+    assert engine.block_manager.num_free_blocks == 64 - num_requests  # its own block back
+
+
+def test_with_no_block_free_for_a_forward_of_its_own_the_step_raises(model):
+    """It cannot tell a request's fault from its own: it raises, as before."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=1, block_size=16))
+    engine.model = failing = FailingModel(model, writes_into(engine, "poison"))
+    engine.add_request([5, 6, 7], GREEDY, "poison")
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert failing.num_raised == 1 and engine.num_model_failures == 0
 
 
 def test_a_prefilled_sequence_outside_the_vocabulary_is_refused(model):

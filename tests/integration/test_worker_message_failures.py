@@ -115,6 +115,37 @@ def test_a_prefill_job_that_raises_ends_its_request_and_the_worker_serves_on(pre
     assert heartbeat.request_ids == [] and heartbeat.num_running == 0
 
 
+def test_a_prompt_the_model_fails_on_alone_ends_for_good_and_the_worker_serves_on(prefill):
+    """A poison prompt by itself in a prefill worker (the idle cluster's case): the forward
+    raises on it alone, the model runs a token of its own, so the request is to blame. It ends
+    for good (an error to its gateway, "rejected" to the scheduler: resumed, it would end the
+    next worker), and the worker prefills the next prompt. It used to exit, and the request,
+    resumed, ended the next one, a bounded number of times."""
+    scheduler, gateway, decode, worker, tmp_path = prefill
+    engine = worker.engine
+    engine.model = failing = FailingModel(engine.model, writes_into(engine, "poison"))
+    scheduler.send(prefill_job(tmp_path, "poison"))
+    delta = next_delta(gateway)
+    assert (delta.request_id, delta.finish_reason) == ("poison", "error")
+    assert delta.error == "the model failed on this request (RuntimeError)"
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("poison", "rejected")
+    assert failing.num_raised == 1 and engine.num_model_failures == 1
+
+    scheduler.send(prefill_job(tmp_path, "r1"))
+    assert next_delta(gateway).request_id == "r1"
+    assert decode.poll(10_000)
+    identity, transfer = wire.recv_from(decode)
+    assert transfer.request_id == "r1"
+    wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("r1", None)
+    deadline = time.monotonic() + 5  # counted at the next heartbeat
+    while worker.events.registry.get_sample_value("tandem:model_failures_total") != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_messages_that_keep_failing_end_the_worker(parties, tiny_model_dir):
     """Straight through the guard, no thread (which would die with the worker)."""
     context, scheduler, gateway, tmp_path = parties
