@@ -881,6 +881,10 @@ class ClusterScheduler:
         taken, self.dispatched = self.dispatched, []
         return taken
 
+    def forget_dispatch(self, request_id: str) -> None:
+        """Drops a request's dispatch not yet taken (its handling failed: it was never one)."""
+        self.dispatched = [d for d in self.dispatched if d.request_id != request_id]
+
     def _send(self, identity: bytes, message: wire.Message) -> None:
         self.outbox.append(Outgoing(identity, message))
 

@@ -387,9 +387,8 @@ class SchedulerService:
         )
         self.events.refused(submit.request_id, 500, message)
         # The core may have dispatched it before the handler raised: not logged nor timed as
-        # dispatched (the others it dispatched were, and their reservations time out).
-        kept = [d for d in self.core.take_dispatched() if d.request_id != submit.request_id]
-        self.core.dispatched = kept
+        # dispatched (the others it dispatched are, and their reservations go out).
+        self.core.forget_dispatch(submit.request_id)
         cancel = wire.Cancel(request_id=submit.request_id, reason="the scheduler failed on it")
         return [Outgoing(identity, refusal)] + self._handle_guarded(identity, cancel, now)
 
