@@ -245,6 +245,17 @@ def test_wrong_input_names_the_field(model, prompt, params, field):
     assert error.value.param == field
 
 
+def run_to_the_end(engine, request_ids) -> tuple[dict, dict]:
+    """Every request's tokens, and how each finished (finish reason, error)."""
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+    finished = {}
+    for out in engine.run_until_done():
+        tokens[out.request_id] += out.new_token_ids
+        if out.finished:
+            finished[out.request_id] = (out.finish_reason, out.error)
+    return tokens, finished
+
+
 def test_a_row_the_sampler_fails_on_ends_alone_and_its_batch_goes_on(model):
     """A bug one request's parameters hit in the sampler (here the stop id past the vocabulary
     that validation once let through, put back past it) used to raise out of the step: the
@@ -258,12 +269,7 @@ def test_a_row_the_sampler_fails_on_ends_alone_and_its_batch_goes_on(model):
         engine.add_request(prompt, GREEDY, request_id)
     poisoned = dataclasses.replace(GREEDY, stop_token_ids=(10**9,), min_tokens=3)
     engine._sequences["poison"].params = poisoned  # past the engine's own check
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
-    finished = {}
-    for out in engine.run_until_done():
-        tokens[out.request_id] += out.new_token_ids
-        if out.finished:
-            finished[out.request_id] = (out.finish_reason, out.error)
+    tokens, finished = run_to_the_end(engine, prompts)
     assert finished["poison"] == (
         "abort",
         "the sampler failed on this request (IndexError)",
@@ -295,12 +301,7 @@ def test_a_sequence_the_model_fails_on_ends_alone_and_its_batch_goes_on(model, a
     engine.model = failing = FailingModel(model, fails)
     for request_id, prompt in prompts.items():
         engine.add_request(prompt, GREEDY, request_id)
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
-    finished = {}
-    for out in engine.run_until_done():
-        tokens[out.request_id] += out.new_token_ids
-        if out.finished:
-            finished[out.request_id] = (out.finish_reason, out.error)
+    tokens, finished = run_to_the_end(engine, prompts)
     assert finished["poison"] == ("abort", "the model failed on this request (RuntimeError)")
     assert len(tokens["poison"]) == at_output
     assert engine.num_model_failures == 1 and engine.num_sampler_failures == 0

@@ -89,6 +89,19 @@ def prefill_job(tmp_path, request_id: str) -> wire.PrefillJob:
     )
 
 
+def prefills_the_next_prompt(scheduler, gateway, decode, tmp_path) -> None:
+    """The worker serves on: a prompt's first token streams, its KV ships and is acknowledged,
+    and the scheduler hears the prefill is done."""
+    scheduler.send(prefill_job(tmp_path, "r1"))
+    assert next_delta(gateway).request_id == "r1"
+    assert decode.poll(10_000)
+    identity, transfer = wire.recv_from(decode)
+    assert transfer.request_id == "r1"
+    wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("r1", None)
+
+
 def test_a_prefill_job_that_raises_ends_its_request_and_the_worker_serves_on(prefill):
     scheduler, gateway, decode, worker, tmp_path = prefill
     raise_once(worker.engine, "add_request")
@@ -103,14 +116,7 @@ def test_a_prefill_job_that_raises_ends_its_request_and_the_worker_serves_on(pre
     assert (done.request_id, done.finish_reason) == ("poison", "rejected")  # not re-routed
     assert failures(worker, "PrefillJob") == 1
 
-    scheduler.send(prefill_job(tmp_path, "r1"))
-    assert next_delta(gateway).request_id == "r1"
-    assert decode.poll(10_000)
-    identity, transfer = wire.recv_from(decode)
-    assert transfer.request_id == "r1"
-    wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
-    done = scheduler.expect(wire.RequestDone)
-    assert (done.request_id, done.finish_reason) == ("r1", None)
+    prefills_the_next_prompt(scheduler, gateway, decode, tmp_path)
     heartbeat = scheduler.expect(wire.Heartbeat)
     assert heartbeat.request_ids == [] and heartbeat.num_running == 0
 
@@ -132,14 +138,7 @@ def test_a_prompt_the_model_fails_on_alone_ends_for_good_and_the_worker_serves_o
     assert (done.request_id, done.finish_reason) == ("poison", "rejected")
     assert failing.num_raised == 1 and engine.num_model_failures == 1
 
-    scheduler.send(prefill_job(tmp_path, "r1"))
-    assert next_delta(gateway).request_id == "r1"
-    assert decode.poll(10_000)
-    identity, transfer = wire.recv_from(decode)
-    assert transfer.request_id == "r1"
-    wire.send_to(decode, identity, wire.KvAck(request_id="r1", ok=True, error=None))
-    done = scheduler.expect(wire.RequestDone)
-    assert (done.request_id, done.finish_reason) == ("r1", None)
+    prefills_the_next_prompt(scheduler, gateway, decode, tmp_path)
     deadline = time.monotonic() + 5  # counted at the next heartbeat
     while worker.events.registry.get_sample_value("tandem:model_failures_total") != 1:
         assert time.monotonic() < deadline
