@@ -4,6 +4,10 @@
 forward, and post-processing samples a token for every sequence whose prompt (or recompute) is now
 complete, checks the stop conditions and retires finished sequences. This loop is the colocated
 baseline and the bare engine the served cluster is measured against.
+
+A request that makes the forward or the sampler raise ends alone with the error; the rest of
+its batch goes on (`_forward`, `_sample`). Only a model that fails a forward of its own too
+raises out of the step: then the worker is at fault, not a request.
 """
 
 from __future__ import annotations
