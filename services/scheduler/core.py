@@ -38,7 +38,9 @@ import enum
 import heapq
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from services.scheduler import lazy_heap
 from services.scheduler.cache_holders import CacheHolders
@@ -73,6 +75,8 @@ MAX_PARTIES_SHOWN = 256  # the status lists at most this many tenant/class accou
 # A SUBMIT's priority: an int32, as the gateway's API takes it (the fair queue's C index keeps
 # it in 64 bits; the wire takes any int).
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+T = TypeVar("T")
+
 # Heartbeats of its decode worker that may leave out a decoding request before it is taken as
 # ended unheard. One can be stale: sent before the worker took the KV, it may arrive after the
 # prefill worker's report of the handoff (another connection). Two in a row cannot.
@@ -181,6 +185,21 @@ class Dispatched:
 class Outgoing:
     identity: bytes
     message: wire.Message
+
+
+def each(items: list[T], handle: Callable[[T], None]) -> None:
+    """Calls `handle` on every item, past any whose handling raises (a bug: the core's refusals
+    are answers, never raised), then raises the first exception: one request's failure in a
+    pass over many does not strand the others."""
+    first: Exception | None = None
+    for item in items:
+        try:
+            handle(item)
+        except Exception as error:
+            if first is None:
+                first = error
+    if first is not None:
+        raise first
 
 
 @dataclass
@@ -333,23 +352,22 @@ class ClusterScheduler:
         for worker in self.registry.expired(now):
             self.registry.remove(worker.peer_id)
             self._drop_worker(worker)
-        for request in self._due(now):
-            if (
-                request.phase == Phase.QUEUED
-                and now - request.arrival > self.limits.max_queue_time_s
-            ):
-                self._time_out(request, now)
-                continue
-            if now <= request.phase_deadline:
-                continue
-            if request.phase == Phase.RESERVING and request.speculative:
-                self._lose(request, "the decode worker's reservation timed out")
-            elif request.phase == Phase.RESERVING:
-                self._requeue(request, cancel_reason="timed out")
-            elif request.phase == Phase.PREFILLING:
-                self._lose(request, "the prefill and its KV transfer timed out")
+        # (Every due one: their deadline entries are taken, so one left now is left for good.)
+        each(self._due(now), lambda request: self._settle_due(request, now))
         self._dispatch(now)
         return self.take_outbox()
+
+    def _settle_due(self, request: TrackedRequest, now: float) -> None:
+        if request.phase == Phase.QUEUED and now - request.arrival > self.limits.max_queue_time_s:
+            self._time_out(request, now)
+        elif now <= request.phase_deadline:
+            return
+        elif request.phase == Phase.RESERVING and request.speculative:
+            self._lose(request, "the decode worker's reservation timed out")
+        elif request.phase == Phase.RESERVING:
+            self._requeue(request, cancel_reason="timed out")
+        elif request.phase == Phase.PREFILLING:
+            self._lose(request, "the prefill and its KV transfer timed out")
 
     def _due(self, now: float) -> list[TrackedRequest]:
         """The requests a tick may act on, in the order they were admitted: those queued past
@@ -825,20 +843,23 @@ class ClusterScheduler:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
         self.cache_holders.forget(worker.peer_id)
-        for request_id in list(worker.request_ids):
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            if request.prefill_began:
-                # If it is alive after all (a long stall), it must stop working for nobody.
-                self._lose(request, f"worker {worker.peer_id} stopped responding")
-                self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
-            else:
-                if request.decode_peer_id == worker.peer_id:
-                    request.decode_peer_id = None
-                if request.prefill_peer_id == worker.peer_id:
-                    request.prefill_peer_id = None
-                self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
+        # (Every one: the worker is out of the registry, so one left now is stranded.)
+        each(list(worker.request_ids), lambda request_id: self._reroute(worker, request_id))
+
+    def _reroute(self, worker: WorkerState, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.prefill_began:
+            # If it is alive after all (a long stall), it must stop working for nobody.
+            self._lose(request, f"worker {worker.peer_id} stopped responding")
+            self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
+        else:
+            if request.decode_peer_id == worker.peer_id:
+                request.decode_peer_id = None
+            if request.prefill_peer_id == worker.peer_id:
+                request.prefill_peer_id = None
+            self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
 
     def _time_out(self, request: TrackedRequest, now: float) -> None:
         """A request that waited in the queue past the limit: its client gets a 504."""

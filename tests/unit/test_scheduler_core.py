@@ -517,3 +517,52 @@ def test_a_speculative_request_done_at_its_first_token_frees_its_reservation(cor
     assert b"D" in {o.identity for o in sent(out, wire.Cancel)} and "r" not in core.requests
     late = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90)
     assert core.on_reserve_reply(late, 0.2) == []  # the reservation's answer comes too late
+
+
+def raising_for(core: ClusterScheduler, name: str, request_id: str) -> None:
+    """The core's `name` (a method taking the request first) raises for `request_id`, a bug
+    that request alone hits, and works for every other."""
+    real = getattr(core, name)
+
+    def method(request, *args, **kwargs):
+        if request.request_id == request_id:
+            raise RuntimeError("injected")
+        return real(request, *args, **kwargs)
+
+    setattr(core, name, method)
+
+
+def test_a_dead_workers_other_requests_go_back_past_one_that_raises(core):
+    """The worker is out of the registry once dropped: a request of its left unhandled would
+    wait for nobody until its gateway's limit (an hour, decoding). So when handing one back
+    raises, the others still go back to their gateways, and the error is raised after."""
+    for request_id in ("a", "b"):
+        run_to_decoding(core, request_id)
+    poison, other = list(core.registry.get("d").request_ids)  # the first handled raises
+    raising_for(core, "_lose", poison)
+    core.on_heartbeat(b"P", heartbeat("p"), 3.0)  # d is silent from here
+    with pytest.raises(RuntimeError, match="injected"):
+        core.tick(3.5)
+    out = core.take_outbox()  # what the service sends when a handler raised
+    assert [d.request_id for d in lost_deltas(out)] == [other]
+    assert [o.message.request_id for o in sent(out, wire.Cancel)] == [other]
+    assert other not in core.requests and core.registry.get("d") is None
+
+
+def test_the_ticks_other_due_requests_are_settled_past_one_that_raises(core):
+    """The tick takes every due deadline off its heap before settling them: one left unsettled
+    would never be looked at again. Past one whose requeue raises, the others go back to the
+    queue (and are dispatched again at the next pass)."""
+    for request_id in ("a", "b"):
+        core.on_submit(b"G", submit(request_id), 0.0)
+    assert [core.requests[r].phase for r in "ab"] == [Phase.RESERVING] * 2
+    core.on_heartbeat(b"D", heartbeat("d"), 5.0)
+    core.on_heartbeat(b"P", heartbeat("p"), 5.0)
+    raising_for(core, "_requeue", "a")
+    with pytest.raises(RuntimeError, match="injected"):
+        core.tick(5.5)  # reserve_timeout_s = 5: both are due
+    out = core.take_outbox()
+    assert [(o.identity, o.message.request_id) for o in sent(out, wire.Cancel)] == [(b"D", "b")]
+    assert core.requests["b"].phase == Phase.QUEUED
+    (reserve,) = sent(core.dispatch(5.6), wire.Reserve)
+    assert reserve.message.request_id == "b"
