@@ -346,6 +346,9 @@ class Simulator:
 
     def _send(self, outgoing: list[Outgoing]) -> None:
         self.core.take_dispatched()  # the service logs them; nothing to do here
+        failures = self.core.take_placement_failures()
+        if failures:  # the core's bug, which the service would log: a simulation stops on it
+            raise failures[0][1]
         for item in outgoing:
             when = self.now + self.config.network_latency_s
             self.at(when, self._deliver_to_peer, item.identity.decode(), item.message)

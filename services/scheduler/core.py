@@ -223,6 +223,9 @@ class ClusterScheduler:
     # handler raise midway (a bug), what it had decided for other requests before is still
     # here for the service to send, not lost with the exception.
     outbox: list[Outgoing] = field(default_factory=list)
+    # Requests whose placement raised in a dispatch pass (a bug), each failed to its gateway,
+    # with the error: the handler that ran the pass went on (`take_placement_failures`).
+    placement_failures: list[tuple[str, Exception]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.registry = WorkerRegistry(
@@ -644,24 +647,51 @@ class ClusterScheduler:
             if item is None:
                 break
             request = self.requests[item.request_id]
-            candidates = prefill_candidates(
-                self.registry,
-                self.limits.routing,
-                item.num_prompt_tokens,
-                item.bulk,
-                now,
-                self._holders(request.submit)[1],
-            )
-            prefill = self.placement.choose_prefill(
-                candidates,
-                request.submit,
-                self.registry.held_tokens,
-                self.registry.small_room,
-            )
-            self._reserve(request, prefill, now)
-            if not item.bulk:
-                self.awaiting_first_token.add(item.request_id, item.num_prompt_tokens)
+            try:
+                self._place(request, item, now)
+            except Exception as error:
+                # Out of the queue, it would wait for nobody: it fails instead. The pass stops
+                # (a bug every request hits fails one a pass, and the service's failure window
+                # ends the scheduler) and the rest wait for the next.
+                self._placement_failed(request, error)
+                break
         self.service_rate.pass_ended(now, backlogged=len(self.queue) > 0)
+
+    def _place(self, request: TrackedRequest, item: QueuedRequest, now: float) -> None:
+        candidates = prefill_candidates(
+            self.registry,
+            self.limits.routing,
+            item.num_prompt_tokens,
+            item.bulk,
+            now,
+            self._holders(request.submit)[1],
+        )
+        prefill = self.placement.choose_prefill(
+            candidates,
+            request.submit,
+            self.registry.held_tokens,
+            self.registry.small_room,
+        )
+        self._reserve(request, prefill, now)
+        if not item.bulk:
+            self.awaiting_first_token.add(item.request_id, item.num_prompt_tokens)
+
+    def _placement_failed(self, request: TrackedRequest, error: Exception) -> None:
+        """Placing it raised midway (a bug): what of it was done is undone as for a request
+        given up on, its dispatch unsaid, and its gateway told (500). Not queued again, where it
+        would raise again."""
+        self.placement_failures.append((request.request_id, error))
+        self.forget_dispatch(request.request_id)
+        self._forget(request, cancel_reason="the scheduler failed to place it")
+        gateway = self.gateways.get(request.gateway_peer_id)
+        if gateway is None:
+            return
+        message = f"the scheduler failed to place this request ({type(error).__name__}; "
+        message += "its log has the traceback)"
+        delta = wire.TokenDelta(
+            request_id=request.request_id, token_ids=[], finish_reason="error", error=message
+        )
+        self._send(gateway.identity, wire.Tokens(deltas=[delta]))
 
     def _holders(self, submit: wire.Submit) -> tuple[list[int], set[str]]:
         """The prompt's block hashes, and the workers holding its first block (those alone hold
@@ -694,7 +724,6 @@ class ClusterScheduler:
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> None:
         num_prompt_tokens = request.num_prefill_tokens
-        self.num_queued_tokens -= num_prompt_tokens
         self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
@@ -703,6 +732,8 @@ class ClusterScheduler:
         bulk = request.submit.bulk
         decode = self.registry.pick_decode(num_tokens, now, affinity, holders, bulk)
         assert decode is not None, "the policy only picks placeable requests"
+        # Its tokens leave the queue's count as it leaves the phase (`_forget` reads it).
+        self.num_queued_tokens -= num_prompt_tokens
         request.phase = Phase.RESERVING
         request.decode_peer_id = decode.peer_id
         request.prefill_peer_id = prefill.peer_id
@@ -900,6 +931,12 @@ class ClusterScheduler:
 
     def take_dispatched(self) -> list[Dispatched]:
         taken, self.dispatched = self.dispatched, []
+        return taken
+
+    def take_placement_failures(self) -> list[tuple[str, Exception]]:
+        """The requests a dispatch pass failed since the last take because placing them raised,
+        with the errors: for the service to log with their tracebacks and count."""
+        taken, self.placement_failures = self.placement_failures, []
         return taken
 
     def forget_dispatch(self, request_id: str) -> None:

@@ -359,8 +359,9 @@ class SchedulerService:
         messages the core had built before it (for other requests too: a dispatch pass places
         many) still go out; a SUBMIT is refused (500) and forgotten, anything else dropped, and
         the core's ticks settle what it left half done (deadlines, the workers' heartbeat
-        lists). Failures that persist mean the core's state is wrong: the scheduler exits
-        (`shared.failures`)."""
+        lists). (A request whose placement raises in a dispatch pass is the core's to fail and
+        `_send`'s to log: the message that began the pass is handled.) Failures that persist
+        mean the core's state is wrong: the scheduler exits (`shared.failures`)."""
         try:
             return self._handle(identity, message, now)
         except Exception as error:
@@ -477,3 +478,9 @@ class SchedulerService:
                 wire.send_to(self.socket, item.identity, item.message)
             except zmq.ZMQError as error:
                 self.log.warning("send failed", error=str(error))
+        # Requests whose placement raised (a bug), failed to their gateways by the core in the
+        # messages just sent; the handler that ran the pass went on. Last: `record` may end the
+        # scheduler, which must not take those messages with it.
+        for request_id, error in self.core.take_placement_failures():
+            self.events.message_failed("dispatch", request_id, error)
+            self.failures.record()

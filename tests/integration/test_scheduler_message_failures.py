@@ -40,22 +40,26 @@ def cluster(tmp_path):
     service = SchedulerService(SchedulerConfig(address=f"ipc://{tmp_path}/s"), context)
     peers = {name: Peer(context, service.config.address, name.encode()) for name in "gpd"}
     for name, role in (("g", "gateway"), ("p", "prefill"), ("d", "decode")):
-        hello = wire.Hello(
-            schema_version=wire.SCHEMA_VERSION,
-            role=role,
-            peer_id=name,
-            model=service.config.model,
-            address=None if role == "prefill" else f"ipc://{tmp_path}/{name}",
-            num_kv_blocks=0 if role == "gateway" else 64,
-            block_size=0 if role == "gateway" else 16,
-            max_num_seqs=0 if role == "gateway" else 8,
-        )
-        deliver(service, peers[name], hello)
+        deliver(service, peers[name], hello(service, name, role, tmp_path))
         assert peers[name].received()[0].accepted
+    peers["d2"] = Peer(context, service.config.address, b"d2")  # joins in a test
     yield service, peers
     service.socket.close(linger=0)
     service.security.stop()
     context.destroy(linger=0)
+
+
+def hello(service: SchedulerService, name: str, role: str, tmp_path) -> wire.Hello:
+    return wire.Hello(
+        schema_version=wire.SCHEMA_VERSION,
+        role=role,
+        peer_id=name,
+        model=service.config.model,
+        address=None if role == "prefill" else f"ipc://{tmp_path}/{name}",
+        num_kv_blocks=0 if role == "gateway" else 64,
+        block_size=0 if role == "gateway" else 16,
+        max_num_seqs=0 if role == "gateway" else 8,
+    )
 
 
 def deliver(service: SchedulerService, peer: Peer, message: wire.Message) -> None:
@@ -139,7 +143,8 @@ def test_what_a_failing_pass_decided_for_other_requests_still_goes_out(cluster):
     """A dispatch pass places many requests, each decision's messages built as it is taken.
     When the core raises on the second (here its decode pick), the first one's reservation is
     sent all the same: it used to be lost with the exception, its request waiting out the
-    reservation's timeout (5 s) for a worker that never heard of it."""
+    reservation's timeout (5 s) for a worker that never heard of it. The second fails to its
+    gateway (it used to be left out of the queue, waiting for nobody)."""
     service, peers = cluster
     deliver(service, peers["d"], heartbeat("d", num_free_blocks=0))  # no room: both queue
     for request_id in ("a", "b"):
@@ -161,8 +166,54 @@ def test_what_a_failing_pass_decided_for_other_requests_still_goes_out(cluster):
     deliver(service, peers["d"], heartbeat("d", num_free_blocks=64))  # room: a pass places both
     told = peers["d"].received()
     assert [(type(m), m.request_id) for m in told] == [(wire.Reserve, "a")]
-    assert failures(service, "Heartbeat") == 1
+    [failed] = peers["g"].received()
+    assert [(d.request_id, d.finish_reason) for d in failed.deltas] == [("b", "error")]
+    assert failures(service, "dispatch") == 1 and failures(service, "Heartbeat") is None
+    assert "b" not in service.core.requests and service.core.num_queued_tokens == 0
     assert service.core.outbox == []
+
+
+def test_a_submit_whose_own_placement_raises_is_accepted_then_failed(cluster):
+    """The SUBMIT was handled (queued); the pass it began failed its request: the gateway hears
+    both, in order, and the failure is counted as the dispatch's, not the SUBMIT's."""
+    service, peers = cluster
+    registry = service.core.registry
+
+    def pick_raises(*args):
+        raise RuntimeError("injected")
+
+    registry.pick_decode = pick_raises  # type: ignore[method-assign]
+    deliver(service, peers["g"], submit("a"))
+    accepted, failed = peers["g"].received()
+    assert accepted.accepted and accepted.request_id == "a"
+    [delta] = failed.deltas
+    assert delta.request_id == "a" and delta.finish_reason == "error"
+    assert delta.error == (
+        "the scheduler failed to place this request (RuntimeError; its log has the traceback)"
+    )
+    assert failures(service, "dispatch") == 1 and failures(service, "Submit") is None
+    assert peers["d"].received() == [] and not service.core.requests
+
+
+def test_a_worker_whose_hello_begins_a_failing_pass_is_welcomed(cluster, tmp_path):
+    """A decode worker joining makes room: the pass its HELLO begins fails the queued request
+    whose placement raises, and the worker still has its acknowledgement (a HELLO unanswered
+    is sent again and again)."""
+    service, peers = cluster
+    deliver(service, peers["d"], heartbeat("d", num_free_blocks=0))  # no room: it queues
+    deliver(service, peers["g"], submit("a"))
+    assert peers["g"].received()[0].accepted and len(service.core.queue) == 1
+
+    def pick_raises(*args):
+        raise RuntimeError("injected")
+
+    service.core.registry.pick_decode = pick_raises  # type: ignore[method-assign]
+    deliver(service, peers["d2"], hello(service, "d2", "decode", tmp_path))
+    [ack] = peers["d2"].received()
+    assert isinstance(ack, wire.HelloAck) and ack.accepted
+    [failed] = peers["g"].received()
+    assert [(d.request_id, d.finish_reason) for d in failed.deltas] == [("a", "error")]
+    assert failures(service, "dispatch") == 1 and failures(service, "Hello") is None
 
 
 def test_failures_that_persist_end_the_loop(cluster):

@@ -438,3 +438,16 @@ def test_a_simulation_makes_no_cyclic_garbage_and_leaves_the_collector_as_it_was
         assert not gc.isenabled()  # left off, as it was
     finally:
         gc.enable()
+
+
+def test_when_a_placement_raises_the_simulation_stops_with_its_error():
+    """The core fails such a request and goes on (the service logs the error); a simulation,
+    which has no log to read, stops on it as on any other bug of the core's."""
+    sim = Simulator(fixed_profile(), SimConfig(1, 1))
+
+    def pick_raises(*args):
+        raise RuntimeError("injected")
+
+    sim.core.registry.pick_decode = pick_raises  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected"):
+        sim.run([SimRequest(arrival_time=0.0, num_prompt_tokens=16, max_tokens=2)])

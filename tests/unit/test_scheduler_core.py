@@ -6,7 +6,12 @@ import dataclasses
 
 import pytest
 
-from services.scheduler.core import MAX_ABANDONED, ClusterScheduler, Phase, SchedulerLimits
+from services.scheduler.core import (
+    MAX_ABANDONED,
+    ClusterScheduler,
+    Phase,
+    SchedulerLimits,
+)
 from shared import wire
 
 
@@ -566,3 +571,48 @@ def test_the_ticks_other_due_requests_are_settled_past_one_that_raises(core):
     assert core.requests["b"].phase == Phase.QUEUED
     (reserve,) = sent(core.dispatch(5.6), wire.Reserve)
     assert reserve.message.request_id == "b"
+
+
+def failed_deltas(out) -> list[wire.TokenDelta]:
+    return [d for d in lost_deltas(out) if d.finish_reason == "error"]
+
+
+def test_a_request_whose_placement_raises_fails_and_the_pass_stops_there(core):
+    """Out of the queue, a request whose placement raised would wait for nobody (QUEUED, in no
+    queue) until its gateway gave up on it. It fails to its gateway instead; the pass stops at
+    it (a bug every request hits fails one a pass), and the rest are placed by the next."""
+    core.on_heartbeat(b"D", heartbeat("d", free=0), 0.0)  # no room: both wait in the queue
+    for request_id in ("a", "b"):
+        core.on_submit(b"G", submit(request_id), 0.1)
+    raising_for(core, "_reserve", "a")
+    out = core.on_heartbeat(b"D", heartbeat("d"), 0.2)
+    [(request_id, error)] = core.take_placement_failures()
+    assert request_id == "a" and str(error) == "injected"
+    (delta,) = failed_deltas(out)
+    assert delta.request_id == "a" and "failed to place" in delta.error
+    assert "RuntimeError" in delta.error and not sent(out, wire.Reserve)
+    assert "a" not in core.requests and not core.take_dispatched()
+    assert core.requests["b"].phase == Phase.QUEUED and len(core.queue) == 1
+    assert core.num_queued_tokens == 20  # b's alone
+    (reserve,) = sent(core.dispatch(0.3), wire.Reserve)
+    assert reserve.message.request_id == "b" and core.num_queued_tokens == 0
+
+
+def test_when_a_placement_raises_midway_it_is_undone_on_the_workers(core):
+    """Raised after its reservation went out: the decode worker hears a cancel, both workers'
+    room comes back, and the SUBMIT that began the pass stands (accepted, then failed)."""
+    raising_for(core, "_speculates", "a")  # after the RESERVE is built, before the log
+    out = core.on_submit(b"G", submit("a"), 0.0)
+    assert [request_id for request_id, _ in core.take_placement_failures()] == ["a"]
+    assert [type(o.message) for o in out] == [
+        wire.SubmitReply,
+        wire.Reserve,
+        wire.Cancel,
+        wire.Tokens,
+    ]
+    assert out[0].message.accepted and out[2].identity == b"D"
+    assert [d.request_id for d in failed_deltas(out)] == ["a"]
+    assert not core.registry.get("d").request_ids and not core.registry.get("p").request_ids
+    assert core.registry.held_tokens(core.registry.get("p")) == 0 and core.num_queued_tokens == 0
+    assert not core.requests and not core.take_dispatched()
+    run_to_decoding(core, "b")  # the next request goes its whole way
