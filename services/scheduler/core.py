@@ -683,15 +683,8 @@ class ClusterScheduler:
         self.placement_failures.append((request.request_id, error))
         self.forget_dispatch(request.request_id)
         self._forget(request, cancel_reason="the scheduler failed to place it")
-        gateway = self.gateways.get(request.gateway_peer_id)
-        if gateway is None:
-            return
         message = f"the scheduler failed to place this request ({type(error).__name__}; "
-        message += "its log has the traceback)"
-        delta = wire.TokenDelta(
-            request_id=request.request_id, token_ids=[], finish_reason="error", error=message
-        )
-        self._send(gateway.identity, wire.Tokens(deltas=[delta]))
+        self._end_at_gateway(request, "error", message + "its log has the traceback)")
 
     def _holders(self, submit: wire.Submit) -> tuple[list[int], set[str]]:
         """The prompt's block hashes, and the workers holding its first block (those alone hold
@@ -895,17 +888,11 @@ class ClusterScheduler:
     def _time_out(self, request: TrackedRequest, now: float) -> None:
         """A request that waited in the queue past the limit: its client gets a 504."""
         self._forget(request, cancel_reason=None)
-        gateway = self.gateways.get(request.gateway_peer_id)
-        if gateway is None:
-            return
         message = (
             f"queued {now - request.arrival:.0f} s without a worker free for it "
             f"(max_queue_time_s {self.limits.max_queue_time_s:g})"
         )
-        delta = wire.TokenDelta(
-            request_id=request.request_id, token_ids=[], finish_reason="timeout", error=message
-        )
-        self._send(gateway.identity, wire.Tokens(deltas=[delta]))
+        self._end_at_gateway(request, "timeout", message)
 
     def _abandon(self, request_id: str) -> None:
         """Remembers a request given up on (a bounded memory: the oldest go first). A request
@@ -919,13 +906,18 @@ class ClusterScheduler:
         alone knows which did: it resumes the request from them (or fails it). Re-running it
         here could repeat a token the client has or skip one it lacks."""
         self._forget(request, cancel_reason="lost")
+        self._end_at_gateway(request, finish_reason, reason)
+
+    def _end_at_gateway(self, request: TrackedRequest, finish_reason: str, error: str) -> None:
+        """Tells the request's gateway (if it is still here) that the request ended so: a
+        delta with no tokens, its finish reason and the error."""
         gateway = self.gateways.get(request.gateway_peer_id)
         if gateway is not None:
             delta = wire.TokenDelta(
                 request_id=request.request_id,
                 token_ids=[],
                 finish_reason=finish_reason,
-                error=reason,
+                error=error,
             )
             self._send(gateway.identity, wire.Tokens(deltas=[delta]))
 
