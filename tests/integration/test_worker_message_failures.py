@@ -17,7 +17,7 @@ from services.prefill.service import PrefillWorker
 from services.worker.config import WorkerConfig
 from shared import wire
 from shared.engine.sampling_params import SamplingParams
-from shared.failures import DEFAULT_LIMIT, PersistentFailures
+from shared.failures import DEFAULT_LIMIT, FailureWindow, PersistentFailures
 from tests.helpers import FailingModel, writes_into
 from tests.integration.conftest import FakeScheduler, WorkerThread
 from tests.integration.test_decode_worker import PROMPT, prefilled_transfer, stream_until_done
@@ -149,6 +149,7 @@ def test_messages_that_keep_failing_end_the_worker(parties, tiny_model_dir):
     """Straight through the guard, no thread (which would die with the worker)."""
     context, scheduler, gateway, tmp_path = parties
     worker = PrefillWorker(config(tmp_path, tiny_model_dir, peer_id="p"), context)
+    worker.failures = FailureWindow(clock=lambda: 0.0)  # (the machine's speed does not decide)
     worker.engine.add_request = lambda *args, **kwargs: 1 / 0
     jobs = [prefill_job(tmp_path, f"r{index}") for index in range(DEFAULT_LIMIT + 1)]
     try:
