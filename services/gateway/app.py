@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.federation import cluster_metrics
@@ -36,6 +37,21 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+def routing_error(request: Request, error: HTTPException) -> JSONResponse:
+    """A path or method no route serves, in OpenAI's shape rather than the framework's."""
+    call = f"{request.method} {request.url.path}"
+    headers = {name.lower(): value for name, value in (error.headers or {}).items()}
+    if error.status_code == 404:
+        message = f"Invalid URL ({call})"
+    elif error.status_code == 405:
+        message = f"{call} is not allowed here; this path takes {headers.get('allow', 'no method')}"
+    else:
+        message = str(error.detail)
+    response = error_response(ApiError(error.status_code, message))
+    response.headers.update(headers)
+    return response
+
+
 def build_app(
     generator: Generator, max_body_bytes: int, keys: ApiKeys | None = None, lifespan=None
 ) -> FastAPI:
@@ -50,6 +66,10 @@ def build_app(
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, error: ApiError) -> JSONResponse:
         return error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def on_routing_error(request: Request, error: HTTPException) -> JSONResponse:
+        return routing_error(request, error)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

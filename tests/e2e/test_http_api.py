@@ -238,6 +238,24 @@ def test_body_that_is_not_json(cluster):
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
 
 
+def test_paths_and_methods_no_route_serves_answer_in_openais_shape(cluster):
+    unknown = httpx.post(cluster.url + "/v1/embeddings", json={"input": "x"}, timeout=30)
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == {
+        "message": "Invalid URL (POST /v1/embeddings)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    wrong_method = httpx.get(cluster.url + "/v1/chat/completions", timeout=30)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    error = wrong_method.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == (
+        "GET /v1/chat/completions is not allowed here; this path takes POST"
+    )
+
+
 def test_models_lists_the_served_model(openai_client):
     assert [m.id for m in openai_client.models.list().data] == [MODEL]
 
