@@ -99,21 +99,25 @@ def submit(api: Api, args: argparse.Namespace) -> int:
 
 
 def follow(api: Api, batch_id: str, interval_s: float = 1.0) -> dict[str, Any]:
-    """Polls until the batch ends, redrawing one progress line on stderr."""
-    started = time.monotonic()
-    tokens, first_done = 0, None
+    """Polls until the batch ends, redrawing one progress line on stderr. Its rates count from
+    the first poll that saw lines (or tokens) done: a batch followed midway did work before."""
+    first_done = first_tokens = None
     while True:
         batch = api.call("GET", f"/batches/{batch_id}").json()
         counts = batch["request_counts"]
         done = counts["completed"] + counts["failed"]
+        output_tokens = (batch.get("usage") or {}).get("output_tokens") or 0
+        now = time.monotonic()
         if first_done is None and done:
-            first_done = (time.monotonic(), done)
-        rate = _rate(first_done, done)
+            first_done = (now, done)
+        if first_tokens is None and output_tokens:
+            first_tokens = (now, output_tokens)
+        rate, token_rate = _rate(first_done, done, now), _rate(first_tokens, output_tokens, now)
         eta = f"{(counts['total'] - done) / rate:.0f} s" if rate else "?"
-        tokens = batch.get("usage", {}) or {}
+        tokens = f"  {token_rate:.0f} tokens/s" if token_rate else ""
         sys.stderr.write(
             f"\r{batch['status']:<11} {done}/{counts['total']} done ({counts['failed']} failed)"
-            f"  {rate:.1f} lines/s{_tokens_per_s(tokens, started)}  ETA {eta}   "
+            f"  {rate:.1f} lines/s{tokens}  ETA {eta}   "
         )
         sys.stderr.flush()
         if batch["status"] in ENDED:
@@ -122,18 +126,12 @@ def follow(api: Api, batch_id: str, interval_s: float = 1.0) -> dict[str, Any]:
         time.sleep(interval_s)
 
 
-def _rate(first_done: tuple[float, int] | None, done: int) -> float:
-    if first_done is None:
+def _rate(first: tuple[float, int] | None, count: int, now: float) -> float:
+    """Per second since `first` (when, and the count then), or 0 before there is a second."""
+    if first is None:
         return 0.0
-    elapsed = time.monotonic() - first_done[0]
-    return (done - first_done[1]) / elapsed if elapsed > 0 else 0.0
-
-
-def _tokens_per_s(usage: dict[str, Any], started: float) -> str:
-    output_tokens = usage.get("output_tokens")
-    if not output_tokens:
-        return ""
-    return f"  {output_tokens / (time.monotonic() - started):.0f} tokens/s"
+    elapsed = now - first[0]
+    return (count - first[1]) / elapsed if elapsed > 0 else 0.0
 
 
 def download(api: Api, args: argparse.Namespace) -> int:

@@ -36,3 +36,36 @@ def test_batch_bench_refuses_wrong_values_and_builds_distinct_prompts(capsys):
     assert len(set(batch_bench.prompts(50, "batch"))) == 50
     assert batch_bench.percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert batch_bench.percentile([], 0.99) is None
+
+
+def test_following_a_batch_midway_counts_its_rates_from_the_first_poll(monkeypatch, capsys):
+    """The progress line's lines/s and tokens/s count what was done while it watched, not what
+    the batch did before `--wait` began following it."""
+    import httpx
+
+    from services.commands import batch as batch_command
+
+    polls = iter(
+        [(100, 5_000, "in_progress"), (110, 5_400, "in_progress"), (120, 5_800, "completed")]
+    )
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        done, output_tokens, status = next(polls)
+        counts = {"total": 200, "completed": done, "failed": 0}
+        body = {
+            "status": status,
+            "request_counts": counts,
+            "usage": {"output_tokens": output_tokens},
+        }
+        return httpx.Response(200, json=body)
+
+    clock = iter([50.0, 51.0, 52.0])  # the follower began long after the batch did
+    monkeypatch.setattr(batch_command.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(batch_command.time, "sleep", lambda _: None)
+    api = batch_command.Api("http://tandem.test", None)
+    api.http = httpx.Client(base_url="http://tandem.test/v1", transport=httpx.MockTransport(answer))
+    assert batch_command.follow(api, "batch_1")["status"] == "completed"
+    lines = capsys.readouterr().err.split("\r")
+    assert "100/200 done" in lines[1] and "0.0 lines/s" in lines[1] and "tokens/s" not in lines[1]
+    assert "10.0 lines/s  400 tokens/s  ETA 9 s" in lines[2]
+    assert "10.0 lines/s  400 tokens/s  ETA 8 s" in lines[3]
