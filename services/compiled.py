@@ -67,8 +67,9 @@ TYPED_TREES = ("shared", "kernels")
 BUILD_TIMEOUT_S = 1200
 # mypy follows the compiled modules into the trees whose types they use, and no further: every
 # other import (torch, numpy, transformers, ...) is skipped, as Any. Following them, as mypy
-# does by default, made no difference to the C it generated (byte for byte) and took about four
-# of the build's five minutes; none of their types reaches the compiled modules' annotations.
+# does by default, made no difference to the C it generated (byte for byte) and took two thirds
+# of the build (4.9 of 7.4 minutes on a 2-core EPYC); none of their types reaches the compiled
+# modules' annotations.
 MYPY_CONFIG = """\
 [mypy]
 follow_imports = skip
