@@ -31,6 +31,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import MutableSequence
 from pathlib import Path
 from types import ModuleType
@@ -65,6 +66,7 @@ PACKAGES = {"scheduler": SCHEDULER, "planner": PLANNER}
 # Read for their types, not compiled.
 TYPED_TREES = ("shared", "kernels")
 BUILD_TIMEOUT_S = 1200
+BUILDING = "building-"  # a build's scratch folder, beside the builds
 # mypy follows the compiled modules into the trees whose types they use, and no further: every
 # other import (torch, numpy, transformers, ...) is skipped, as Any. Following them, as mypy
 # does by default, made no difference to the C it generated (byte for byte) and took two thirds
@@ -151,7 +153,8 @@ def build_modules(build: Path) -> None:
     if _mypy_version() == "none":
         raise CompiledUnavailable(f"{ENV}=on needs mypy: pip install 'tandem-serve[compiled]'")
     build.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=build.parent, prefix="building-") as work:
+    remove_abandoned_builds(build.parent)
+    with tempfile.TemporaryDirectory(dir=build.parent, prefix=BUILDING) as work:
         work_dir = Path(work)
         for path, source in _typed_sources():  # mypy reads them here, never in site-packages
             (work_dir / path).parent.mkdir(parents=True, exist_ok=True)
@@ -171,6 +174,19 @@ def build_modules(build: Path) -> None:
         except OSError:
             if not build.exists():  # (else another process built it first: theirs stands)
                 raise
+
+
+def remove_abandoned_builds(parent: Path, now: float | None = None) -> None:
+    """Removes the scratch folders of builds whose process was killed (a temporary folder
+    outlives a SIGKILL; each holds about 120 MB). A folder made longer ago than twice the
+    build's time limit belongs to no live build: that build would have been stopped."""
+    now = time.time() if now is None else now
+    for folder in parent.glob(BUILDING + "*"):
+        try:
+            if now - folder.stat().st_mtime > 2 * BUILD_TIMEOUT_S:
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:  # (another process removed it first)
+            continue
 
 
 def _run_mypyc(work_dir: Path, files: list[str]) -> None:

@@ -229,3 +229,20 @@ def test_an_edit_of_the_types_it_reads_gets_a_build_of_its_own(monkeypatch, tmp_
     wire_base = tmp_path / "shared" / "wire_base.py"
     wire_base.write_text(wire_base.read_text() + "\n# an edit\n")
     assert compiled.build_dir() != before
+
+
+def test_a_killed_builds_scratch_folder_is_removed_by_the_next_build(tmp_path):
+    """A build killed midway leaves its temporary folder (~120 MB); the next build removes
+    those older than any live build can be, and leaves a recent one (a build in progress)."""
+    now = time.time()
+    abandoned, in_progress = tmp_path / "building-abc", tmp_path / "building-def"
+    for folder in (abandoned, in_progress):
+        (folder / "services").mkdir(parents=True)
+        (folder / "services" / "core.py").write_text("")
+    old = now - 2 * compiled.BUILD_TIMEOUT_S - 60
+    os.utime(abandoned, (old, old))
+    finished = tmp_path / "0123456789abcdef"  # a finished build, however old, stays
+    finished.mkdir()
+    os.utime(finished, (old, old))
+    compiled.remove_abandoned_builds(tmp_path, now)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0123456789abcdef", "building-def"]
