@@ -1,4 +1,5 @@
-"""The gateway's HTTP API: OpenAI's completions, chat completions and models, plus health.
+"""The gateway's HTTP API: OpenAI's completions, chat completions and models, plus health and
+the tokenizer (`tokenize_api`).
 
 Handlers parse and validate the body (`openai_protocol`), tokenize and run the request through
 the cluster (`generation`), and answer either one JSON response or a stream of server-sent
@@ -21,9 +22,15 @@ from starlette.exceptions import HTTPException
 from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.federation import cluster_metrics
 from services.gateway.generation import ChoiceEvent, Generation, Generator
-from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
+from services.gateway.openai_protocol import (
+    ApiError,
+    model_not_found,
+    parse_chat_request,
+    parse_completion_request,
+)
 from services.gateway.openai_shapes import SSE_DONE, sse_event
 from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
+from services.gateway.tokenize_api import detokenize, tokenize
 from shared.metrics import CONTENT_TYPE
 
 
@@ -135,10 +142,8 @@ def build_app(
         body = await cluster_metrics(cluster.peer_id, generator.telemetry, cluster.view)
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        keys.check_header(request.headers.get("authorization"))
-        entry = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": model,
             "object": "model",
             "created": 0,
@@ -148,7 +153,28 @@ def build_app(
             # What the workers run in (`--dtype auto` resolved on each), as they registered.
             "dtypes": sorted({w.dtype for w in generator.cluster.view.workers if w.dtype}),
         }
-        return {"object": "list", "data": [entry]}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        keys.check_header(request.headers.get("authorization"))
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # (a model's name may hold slashes)
+    async def model_entry(request: Request, model_id: str) -> dict[str, Any]:
+        keys.check_header(request.headers.get("authorization"))
+        if model_id != model:
+            raise model_not_found(model_id)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> dict[str, Any]:
+        keys.check_header(request.headers.get("authorization"))
+        return tokenize(generator, await _read_json(request, max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request) -> dict[str, Any]:
+        keys.check_header(request.headers.get("authorization"))
+        return detokenize(generator, await _read_json(request, max_body_bytes))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -26,12 +26,13 @@ def test_without_a_valid_key_http_answers_401(guarded_cluster, key):
 
     client = openai_client(guarded_cluster.url, key or "x")
     headers = {} if not key else {"Authorization": f"Bearer {key}"}
-    for path in ("/v1/models", "/v1/completions"):
+    gets = ("/v1/models", "/v1/models/smollm2")
+    for path in (*gets, "/v1/completions", "/tokenize", "/detokenize"):
         response = httpx.request(
-            "GET" if path == "/v1/models" else "POST",
+            "GET" if path in gets else "POST",
             guarded_cluster.url + path,
             headers=headers,
-            json={"model": "smollm2", "prompt": "hi", "max_tokens": 2},
+            json={"model": "smollm2", "prompt": "hi", "max_tokens": 2, "tokens": [1]},
         )
         assert response.status_code == 401, path
         assert response.json()["error"]["code"] == "invalid_api_key"
