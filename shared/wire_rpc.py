@@ -18,11 +18,13 @@ from shared.wire_base import (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RpcRequest(Message):
-    """Client -> gateway: one completion or chat call."""
+    """Client -> gateway: one completion or chat call, or a use of the served model's
+    tokenizer (never streamed)."""
 
     TYPE: ClassVar[MessageType] = MessageType.RPC_REQUEST
     call_id: CallId  # chosen by the client, unique among its calls in flight; names its events
-    kind: Literal["completion", "chat"]  # /v1/completions or /v1/chat/completions
+    # /v1/completions, /v1/chat/completions, /tokenize or /detokenize
+    kind: Literal["completion", "chat", "tokenize", "detokenize"]
     body: JsonText  # the HTTP API's request body, as JSON text
     stream: bool  # chunks as they come, or one response; the body's `stream` must agree
     api_key: Annotated[str, MaxLen(256)] | None = None  # when the gateway has keys: one of them

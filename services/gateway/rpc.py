@@ -2,11 +2,12 @@
 
 A ROUTER socket takes `RpcRequest`s from DEALER clients (`rpc_client`). A request carries the
 HTTP API's JSON body as text, so it goes through the same parser, the same `Generator` and the
-same response builders as `/v1/completions` and `/v1/chat/completions`: the fields, defaults,
-validation errors and response shapes are the HTTP API's. Each call runs in its own task, keyed
-by (client identity, call id), and answers with `RpcEvent`s: a streaming call with one `chunk`
-per piece of text (OpenAI's chunk shape) and then `end`; a non-streaming call with one `response`;
-any call may instead end with an `error` carrying the HTTP status and OpenAI's error object.
+same response builders as `/v1/completions` and `/v1/chat/completions` (or `/tokenize` and
+`/detokenize`): the fields, defaults, validation errors and response shapes are the HTTP API's.
+Each call runs in its own task, keyed by (client identity, call id), and answers with
+`RpcEvent`s: a streaming call with one `chunk` per piece of text (OpenAI's chunk shape) and then
+`end`; a non-streaming call with one `response`; any call may instead end with an `error`
+carrying the HTTP status and OpenAI's error object.
 
 Cancelling a call's task closes its generation iterator, which cancels its requests in the
 cluster (queue entry, prefill job, KV blocks). That happens on `RpcCancel`, and when a client has
@@ -33,6 +34,7 @@ from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
 from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
+from services.gateway.tokenize_api import detokenize, tokenize
 from shared import wire
 from shared.curve import CurveKeys, Security
 from shared.logs import get_logger
@@ -44,6 +46,8 @@ _ENDPOINTS = {
     "completion": (parse_completion_request, "cmpl"),
     "chat": (parse_chat_request, "chatcmpl"),
 }
+# The tokenizer's kinds: one response, computed in the gateway (`tokenize_api`).
+_TOKENIZER_CALLS = {"tokenize": tokenize, "detokenize": detokenize}
 
 CallKey = tuple[bytes, str]  # (client identity, call id)
 
@@ -151,6 +155,9 @@ class RpcServer:
         call_id = request.call_id
         try:
             caller = self.keys.check(request.api_key)
+            if request.kind in _TOKENIZER_CALLS:
+                await self._send(identity, call_id, "response", self._tokenizer_answer(request))
+                return
             generation = self._prepare(request)
             tenant = tenant_of(caller, generation.request.user)
             events = self.generator.events(generation, tenant, bulk=request.bulk)
@@ -170,13 +177,21 @@ class RpcServer:
             self.log.exception("rpc call failed", call_id=call_id)
             await self._send_error(identity, call_id, ApiError(500, str(error), "server_error"))
 
-    def _prepare(self, request: wire.RpcRequest) -> Generation:
+    def _tokenizer_answer(self, request: wire.RpcRequest) -> dict[str, Any]:
+        if request.stream:
+            raise ApiError(400, f"a {request.kind} call is not streamed", param="stream")
+        return _TOKENIZER_CALLS[request.kind](self.generator, self._body(request))
+
+    def _body(self, request: wire.RpcRequest) -> Any:
         if len(request.body.encode()) > self.max_body_bytes:
             raise ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes")
         try:
-            body = json.loads(request.body)
+            return json.loads(request.body)
         except json.JSONDecodeError as error:
             raise ApiError(400, f"the body is not valid JSON: {error}") from None
+
+    def _prepare(self, request: wire.RpcRequest) -> Generation:
+        body = self._body(request)
         if isinstance(body, dict):
             body.setdefault("stream", request.stream)
         parse, id_prefix = _ENDPOINTS[request.kind]

@@ -38,7 +38,7 @@ from shared.curve import ClientKeys
 DEFAULT_TIMEOUT_S = 300.0
 CLOSE_LINGER_MS = 1000  # how long a closing socket lets queued cancels reach the gateway
 
-CallKind = Literal["completion", "chat"]
+CallKind = Literal["completion", "chat", "tokenize", "detokenize"]
 log = logging.getLogger(__name__)
 
 
@@ -143,6 +143,14 @@ class TandemClient:
 
     def chat(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
         return self._call("chat", body, timeout_s)
+
+    def tokenize(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
+        """`/tokenize`'s answer: the prompt tokens of a completion (`prompt`) or chat
+        (`messages`) body, as that call would send them."""
+        return self._call("tokenize", body, timeout_s)
+
+    def detokenize(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
+        return self._call("detokenize", body, timeout_s)
 
     def stream_completion(self, *, timeout_s: float | None = None, **body: Any) -> ChunkStream:
         return ChunkStream(self, "completion", body, timeout_s or self.timeout_s)
@@ -283,6 +291,12 @@ class AsyncTandemClient:
 
     async def chat(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
         return await self._call("chat", body, timeout_s)
+
+    async def tokenize(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
+        return await self._call("tokenize", body, timeout_s)
+
+    async def detokenize(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
+        return await self._call("detokenize", body, timeout_s)
 
     def stream_completion(self, *, timeout_s: float | None = None, **body: Any) -> AsyncChunkStream:
         return AsyncChunkStream(self, "completion", body, timeout_s or self.timeout_s)

@@ -85,6 +85,40 @@ def test_errors_have_the_http_status_and_body(client, body, status, param):
     assert raised.value.param == param
 
 
+def test_tokenize_and_detokenize_answer_as_http_does(cluster, client):
+    import httpx
+
+    chat = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 4}
+    http = httpx.post(cluster.url + "/tokenize", json=chat, timeout=60).json()
+    assert client.tokenize(**chat) == http and http["count"] > 10
+    text = {"model": MODEL, "tokens": http["tokens"]}
+    assert client.detokenize(**text)["prompt"].endswith(
+        "What is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+    async def run() -> dict:
+        async with AsyncTandemClient(cluster.rpc_address, timeout_s=120) as async_client:
+            return await async_client.tokenize(prompt="The capital of France is")
+
+    assert asyncio.run(run())["count"] == 5
+    for call, body, param in [
+        (client.tokenize, {"prompt": "x", "messages": chat["messages"]}, "prompt"),
+        (client.detokenize, {"tokens": [-3]}, "tokens"),
+    ]:
+        with pytest.raises(RpcError) as raised:
+            call(**body)
+        assert raised.value.status == 400 and raised.value.param == param
+    sock = _raw_socket(cluster)  # the tokenizer's calls are never streamed
+    try:
+        wire.send(sock, wire.RpcRequest(call_id="t", kind="tokenize", body=json.dumps(chat),
+                                        stream=True))  # fmt: skip
+        event = wire.recv(sock) if sock.poll(60_000) else None
+    finally:
+        sock.close(linger=0)
+    assert event is not None and (event.kind, event.status) == ("error", 400)
+    assert json.loads(event.body)["error"]["param"] == "stream"
+
+
 def test_cancel_mid_stream_frees_the_blocks(cluster, client):
     # Leaving the stream early.
     stream = client.stream_completion(**LONG_STREAM)

@@ -40,7 +40,7 @@ def test_retry_after_may_be_left_out():
         (MessageType.RPC_REQUEST, {"call_id": "1", "kind": "chat", "body": "{}", "stream": 1},
          "RpcRequest.stream: expected bool, got int"),
         (MessageType.RPC_REQUEST, {"call_id": "1", "kind": "embed", "body": "{}", "stream": False},
-         "RpcRequest.kind: expected one of ['completion', 'chat']"),
+         "RpcRequest.kind: expected one of ['completion', 'chat', 'tokenize', 'detokenize']"),
         (MessageType.RPC_REQUEST, {"call_id": 1, "kind": "chat", "body": "{}", "stream": False},
          "RpcRequest.call_id: expected str, got int"),
         (MessageType.RPC_REQUEST, {"call_id": "1", "kind": "chat", "body": {"model": "m"},
