@@ -192,6 +192,7 @@ class SamplingSpec:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # divides (or multiplies) logits of seen tokens
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    prompt_logprobs: int | None = None  # the prompt tokens' too (with their top n); None: not
     ignore_eos: bool = False  # keep generating past EOS
     min_tokens: int = 0  # EOS and stop tokens suppressed until this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # finish on any of these
@@ -208,6 +209,10 @@ class TokenDelta:
     logprobs: list[float] | None = None  # per new token the chosen token's logprob, if asked
     # per new token its top-n (token id, logprob), best first, if asked with logprobs >= 1
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # On the first token's delta, when asked (`prompt_logprobs`): each prompt token's logprob
+    # but the first's (it has none), and their top n as `top_logprobs`.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     # "stop", "length" or "abort" on the request's last delta; "lost" when the worker holding
     # it is gone (its gateway resumes it elsewhere from the tokens it has, or fails it);
     # "timeout" (with `error`) when it waited past a limit, such as the queue's; "preempted"

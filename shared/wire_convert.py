@@ -40,11 +40,14 @@ def token_delta(
 ) -> wire.TokenDelta:
     """`output`'s new tokens as a delta whose first token is the output's `index`th."""
     has_logprobs = bool(output.new_logprobs)
+    prompt = output.prompt_logprobs
     return wire.TokenDelta(
         request_id=output.request_id,
         token_ids=list(output.new_token_ids),
         logprobs=[lp.logprob for lp in output.new_logprobs] if has_logprobs else None,
         top_logprobs=[list(lp.top or []) for lp in output.new_logprobs] if has_logprobs else None,
+        prompt_logprobs=None if prompt is None else [lp.logprob for lp in prompt],
+        prompt_top_logprobs=None if prompt is None else [list(lp.top or []) for lp in prompt],
         finish_reason=finish_reason,
         error=output.error,
         index=index,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shared.engine import prompt_logprobs
 from shared.engine.block_manager import BlockManager
 from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.grammar import GrammarBinding
@@ -117,6 +118,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # On a prompt's first token, when asked: its tokens' logprobs (`Sequence.prompt_logprobs`).
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     error: str | None = None  # why an "abort" the engine chose (a grammar, or the sampler, failed)
 
@@ -133,6 +136,7 @@ class GenerationResult:
     logprobs: list[TokenLogprobs]
     finish_reason: str
     num_cached_tokens: int = 0  # prompt tokens the prefix cache spared computing
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when asked: the prompt's, but the 1st
 
 
 class LLMEngine:
@@ -232,7 +236,10 @@ class LLMEngine:
         if request_id in self._sequences:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, bulk=bulk)
-        seq.cache_root = self._cache_root(cache_salt)
+        if params.prompt_logprobs is None:
+            seq.cache_root = self._cache_root(cache_salt)
+        else:  # computed whole: a cached prefix would have no logits (and it is not cached)
+            seq.prompt_logprobs = []
         replayed = (
             prompt_token_ids[len(prompt_token_ids) - num_generated :] if num_generated else ()
         )
@@ -522,19 +529,37 @@ class LLMEngine:
         return RequestOutput(seq.request_id, [], finish_reason="abort", error=why)
 
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        return self._run_batch(
-            [
-                SequenceChunk(
-                    token_ids=c.sequence.token_ids_slice(
-                        c.sequence.num_computed_tokens,
-                        c.sequence.num_computed_tokens + c.num_tokens,
-                    ),
-                    start_position=c.sequence.num_computed_tokens,
-                    block_ids=c.sequence.block_ids,
-                )
-                for c in chunks
-            ]
-        )
+        sequence_chunks = [
+            SequenceChunk(
+                token_ids=c.sequence.token_ids_slice(
+                    c.sequence.num_computed_tokens,
+                    c.sequence.num_computed_tokens + c.num_tokens,
+                ),
+                start_position=c.sequence.num_computed_tokens,
+                block_ids=c.sequence.block_ids,
+            )
+            for c in chunks
+        ]
+        scored = self._prompt_rows(chunks)
+        if not scored:
+            return self._run_batch(sequence_chunks)
+        # Some prompt asks for its logprobs: every token's hidden state, not the last alone.
+        batch = build_step_batch(sequence_chunks, self.config.block_size, self.model.device)
+        hidden = self.model.forward(batch, self.kv_cache)
+        for rows in scored:
+            prompt_logprobs.score(rows, hidden, self.model.logits)
+        return self.model.logits(hidden.index_select(0, batch.last_token_indices))
+
+    @staticmethod
+    def _prompt_rows(chunks: list[ScheduledChunk]) -> list[prompt_logprobs.ScoredRows]:
+        scored, row = [], 0
+        for c in chunks:
+            start = c.sequence.num_computed_tokens
+            rows = prompt_logprobs.rows_to_score(c.sequence, row, start, c.num_tokens)
+            if rows is not None:
+                scored.append(rows)
+            row += c.num_tokens
+        return scored
 
     def _run_batch(self, chunks: list[SequenceChunk]) -> torch.Tensor:
         batch = build_step_batch(chunks, self.config.block_size, self.model.device)
@@ -583,6 +608,8 @@ class LLMEngine:
             if seq.grammar is not None:
                 seq.grammar.accept(token)
             out = RequestOutput(seq.request_id, [token])
+            if seq.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
+                out.prompt_logprobs = seq.prompt_logprobs
             if sampled.logprobs[i] is not None:
                 lp = TokenLogprobs(sampled.logprobs[i], sampled.top_logprobs[i])
                 seq.output_logprobs.append(lp)
@@ -698,6 +725,7 @@ class LLMEngine:
                 sequences[rid].output_logprobs,
                 finish[rid],
                 sequences[rid].num_cached_tokens,
+                sequences[rid].prompt_logprobs,
             )
             for rid in ids
         ]

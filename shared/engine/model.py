@@ -3,7 +3,8 @@
 One forward runs a `StepBatch` (prompt chunks and decode tokens flattened together): each layer
 projects q, k and v in one matmul, rotates q and k, writes the new k and v into the cache at the
 batch's slots, attends through the block tables (`kernels.paged_attention`), and runs the SwiGLU
-MLP with gate and up fused into one matmul. Only each sequence's last token reaches the LM head.
+MLP with gate and up fused into one matmul. Only each sequence's last token reaches the LM head
+(and a prompt's every token when its prompt logprobs are asked: `logits`).
 
 Weights are held as plain tensors and `shared.engine.linear` layers (no autograd, no nn.Module),
 loaded from transformers' names by `load_hf_weights`, which fuses q/k/v and gate/up as it goes and
@@ -98,9 +99,12 @@ class LlamaModel:
     def step(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """Runs one step; returns float32 logits [num_seqs, vocab] of each sequence's last token."""
         hidden = self.forward(batch, kv_cache)
-        last = hidden.index_select(0, batch.last_token_indices)
-        last = rms_norm(last, self.final_norm, self.config.rms_norm_eps)
-        return self.lm_head(last).float()
+        return self.logits(hidden.index_select(0, batch.last_token_indices))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of `forward`'s hidden states [rows, hidden]."""
+        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)).float()
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:

@@ -69,6 +69,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    # The prompt's tokens too (each but the first, as the model predicted it from those before:
+    # what `echo` shows and perplexity needs), with the top n; None: not asked. A prompt asking
+    # is computed whole (its prefix is never taken from the cache) and not cached.
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -89,7 +93,7 @@ class SamplingParams:
             self._set(name, _as_int(name, getattr(self, name)))
         for name in _FLOAT_FIELDS:
             self._set(name, _as_float(name, getattr(self, name)))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._set(name, _as_int(name, getattr(self, name)))
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
@@ -125,12 +129,10 @@ class SamplingParams:
         _check(penalty > 0, "repetition_penalty", f"must be > 0, got {penalty}")
         seed = self.seed
         _check(seed is None or 0 <= seed <= _MAX_SEED, "seed", f"must be in [0, 2**64), got {seed}")
-        n = self.logprobs
-        _check(
-            n is None or 0 <= n <= MAX_LOGPROBS,
-            "logprobs",
-            f"must be in [0, {MAX_LOGPROBS}], got {n}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            within = n is None or 0 <= n <= MAX_LOGPROBS
+            _check(within, name, f"must be in [0, {MAX_LOGPROBS}], got {n}")
         ids = self.stop_token_ids
         _check(all(i >= 0 for i in ids), "stop_token_ids", f"ids must be >= 0, got {list(ids)}")
         self._check_logit_bias()

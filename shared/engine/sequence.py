@@ -60,6 +60,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With `prompt_logprobs` asked: entry p is prompt token p+1's, from the logits at position p,
+    # filled chunk by chunk as the prompt is computed (the first token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -87,6 +87,9 @@ INVALID = [
     ("logprobs", -1),
     ("logprobs", 21),
     ("logprobs", True),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21),
+    ("prompt_logprobs", 2.0),
     ("ignore_eos", 1),
     ("min_tokens", -1),
     ("min_tokens", 17),  # more than the default max_tokens of 16
