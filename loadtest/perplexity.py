@@ -73,13 +73,17 @@ def window_logits(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
     return model.lm_head(hidden).float()
 
 
+def windows(token_ids: list[int], window: int) -> list[list[int]]:
+    """`token_ids` cut into consecutive windows of `window` tokens, each scored on its own (a
+    last one of a single token, with nothing to score, left out)."""
+    pieces = [token_ids[start : start + window] for start in range(0, len(token_ids), window)]
+    return [piece for piece in pieces if len(piece) >= 2]
+
+
 def perplexity(loaded: LoadedModel, token_ids: list[int], window: int) -> tuple[float, int]:
     """(perplexity, tokens scored) over consecutive windows of `token_ids`."""
     total_nll, num_scored = 0.0, 0
-    for start in range(0, len(token_ids) - 1, window):
-        piece = token_ids[start : start + window]
-        if len(piece) < 2:
-            break
+    for piece in windows(token_ids, window):
         logits = window_logits(loaded, piece)[:-1]
         targets = torch.tensor(piece[1:], device=logits.device)
         total_nll += F.cross_entropy(logits, targets, reduction="sum").item()
@@ -93,18 +97,17 @@ def decode_perplexity(loaded: LoadedModel, token_ids: list[int], window: int) ->
     the windows run side by side as a batch, one token each per step (teacher forcing), so every
     logit comes from the decode path (decode attention over the cache: the C kernel or the
     reference's groups, as the model was loaded)."""
-    windows = [token_ids[s : s + window] for s in range(0, len(token_ids) - 1, window)]
-    windows = [w for w in windows if len(w) >= 2]
+    pieces = windows(token_ids, window)
     model = loaded.model
     blocks = -(-window // BLOCK_SIZE)
-    cache = KVCache(model.config, blocks * len(windows), BLOCK_SIZE, model.dtype, model.device)
-    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(windows))]
+    cache = KVCache(model.config, blocks * len(pieces), BLOCK_SIZE, model.dtype, model.device)
+    tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(pieces))]
     total_nll, num_scored = 0.0, 0
-    for position in range(max(len(w) for w in windows) - 1):
-        live = [i for i, w in enumerate(windows) if position < len(w) - 1]
-        chunks = [SequenceChunk([windows[i][position]], position, tables[i]) for i in live]
+    for position in range(max(len(w) for w in pieces) - 1):
+        live = [i for i, w in enumerate(pieces) if position < len(w) - 1]
+        chunks = [SequenceChunk([pieces[i][position]], position, tables[i]) for i in live]
         logits = model.step(build_step_batch(chunks, BLOCK_SIZE, model.device), cache)
-        targets = torch.tensor([windows[i][position + 1] for i in live], device=logits.device)
+        targets = torch.tensor([pieces[i][position + 1] for i in live], device=logits.device)
         total_nll += F.cross_entropy(logits, targets, reduction="sum").item()
         num_scored += len(live)
     return math.exp(total_nll / num_scored)

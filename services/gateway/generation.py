@@ -20,6 +20,7 @@ from typing import Any
 from services.gateway.chat_prompt import chat_prompt_ids
 from services.gateway.cluster import ClusterClient, SubmitRefused
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
+from services.gateway.echo import echoed_logprobs, echoed_text
 from services.gateway.openai_protocol import ApiError, GenerationRequest, bad_request
 from services.gateway.openai_shapes import TokenLogprob
 from services.gateway.tool_formats import (
@@ -167,6 +168,7 @@ class Generator:
         queues: list[asyncio.Queue] = []
         traces: list[ChoiceTrace] = []
         running = set(range(request.n))
+        echo_pending = set(range(request.n)) if request.echo else set()
         parses_calls = request.tools is not None and request.tools.choice == "auto"
         kept_ids = self._marker_ids if parses_calls else frozenset()
         texts = [
@@ -196,6 +198,9 @@ class Generator:
                         generation.num_cached_tokens, delta.num_cached_tokens
                     )
                 event = self._traced_advance(traces[index], texts[index], index, delta)
+                if index in echo_pending and delta.token_ids:
+                    echo_pending.discard(index)
+                    event = self._echoed(generation, event, delta)
                 if event.finish_reason is not None:
                     running.discard(index)
                     self.cluster.finished(choice_ids[index])
@@ -298,17 +303,32 @@ class Generator:
             return None
         tops = delta.top_logprobs or [[] for _ in delta.token_ids]
         return [
-            TokenLogprob(
-                text=self.tokenizer.decode([token]),
-                token_bytes=token_bytes(self.tokenizer, token),
-                logprob=logprob,
-                top=tuple(
-                    TokenLogprob(self.tokenizer.decode([t]), token_bytes(self.tokenizer, t), lp)
-                    for t, lp in top
-                ),
-            )
+            self._token_view(token, logprob, tuple(self._token_view(t, lp) for t, lp in top))
             for token, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)
         ]
+
+    def _token_view(
+        self, token: int, logprob: float | None, top: tuple[TokenLogprob, ...] = ()
+    ) -> TokenLogprob:
+        text = self.tokenizer.decode([token])
+        return TokenLogprob(text, token_bytes(self.tokenizer, token), logprob, top)
+
+    def _echoed(
+        self, generation: Generation, event: ChoiceEvent, delta: wire.TokenDelta
+    ) -> ChoiceEvent:
+        """A choice's first event with the prompt before it (`echo`)."""
+        request, prompt_ids = generation.request, generation.prompt_token_ids
+        text = echoed_text(self.tokenizer, request.prompt_text, prompt_ids)
+        logprobs = None
+        if request.logprobs is not None:
+            logprobs = echoed_logprobs(prompt_ids, delta, self._token_view)
+        if request.max_tokens == 0:  # the prompt alone: its token computed alongside is not shown
+            return ChoiceEvent(event.index, text, [], logprobs, "length")
+        if logprobs is not None:
+            logprobs += event.logprobs or []
+        return ChoiceEvent(
+            event.index, text + event.text, event.token_ids, logprobs, event.finish_reason
+        )
 
 
 def _refusal_error(refused: SubmitRefused) -> ApiError:

@@ -69,7 +69,7 @@ _COMMON_FIELDS = frozenset(
     | {"logit_bias"}
     | set(_SAMPLING_FIELDS)
 )
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _CHAT_FIELDS |= {"tools", "tool_choice"}  # see services.gateway.tools (refused on completions)
 # Fields that change nothing tandem produces: accepted and ignored.
@@ -173,6 +173,9 @@ class GenerationRequest:
     user: str | None
     priority: int
     tools: ToolSetup | None = None  # chat with `tools`: calls are parsed from the output
+    # Completions' `echo`: each choice's text (and logprobs) start with the prompt's. With
+    # `max_tokens` 0 (echo only) a choice is the prompt alone: one token is computed, not shown.
+    echo: bool = False
     # The same conversation as chat templates that render tools take it (tool_calls parsed, no
     # tool text added); services.gateway.chat_prompt chooses between the two.
     template_messages: list[dict[str, Any]] | None = None
@@ -193,6 +196,8 @@ class GenerationRequest:
         one that does not fit beside the prompt is refused, as is a prompt that leaves no room
         at all."""
         room = max_model_len - num_prompt_tokens
+        if self.max_tokens == 0:  # echo only: the prompt's logprobs come with a first token
+            return _sampling_params({**(defaults or {}), **self.sampling_kwargs}, 1)
         if room < 1:
             _fail(
                 self.prompt_param,
@@ -301,10 +306,10 @@ def _check_model(body: Mapping[str, Any], served_model: str) -> str:
 
 
 def _parse_prompt(value: Any, max_model_len: int) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids); batched prompts are refused."""
+    """(text, None) or (None, token ids); batched prompts (more than one) are refused."""
     if isinstance(value, str) and value:
         return value, None
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+    if _is_token_list(value):
         if min(value) < 0:
             _fail("prompt", "token ids must be >= 0")
         if len(value) >= max_model_len:
@@ -312,9 +317,15 @@ def _parse_prompt(value: Any, max_model_len: int) -> tuple[str | None, list[int]
         return None, list(value)
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0]:
         return value[0], None
+    if isinstance(value, list) and len(value) == 1 and _is_token_list(value[0]):
+        return _parse_prompt(value[0], max_model_len)  # a batch of one (lm-eval sends it so)
     if isinstance(value, list) and len(value) > 1:
         _fail("prompt", "batched prompts are not supported: send one prompt per request")
-    _fail("prompt", "must be a non-empty string, a non-empty list of token ids, or [string]")
+    _fail("prompt", "must be a non-empty string or list of token ids, alone or in a list")
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
 
 
 def _parse_messages(value: Any) -> list[dict[str, Any]]:
@@ -393,13 +404,14 @@ def _parse_stop(value: Any) -> tuple[str, ...]:
 
 
 def _parse_max_tokens(
-    body: Mapping[str, Any], names: Sequence[str], max_model_len: int
+    body: Mapping[str, Any], names: Sequence[str], max_model_len: int, least: int = 1
 ) -> tuple[int | None, str]:
     """(max_tokens or None, the field it came from). Every name is checked; the last given
-    wins (chat's `max_completion_tokens` supersedes the deprecated `max_tokens`)."""
+    wins (chat's `max_completion_tokens` supersedes the deprecated `max_tokens`). `least`: 0
+    for a completion that echoes its prompt."""
     chosen: tuple[int | None, str] = (None, names[0])
     for name in names:
-        value = _int_field(body, name, 1, None)
+        value = _int_field(body, name, least, None)
         if value is not None:
             if value >= max_model_len:
                 _fail(name, f"must be < {max_model_len}, the model's context length")
@@ -445,6 +457,7 @@ def _build(
     prompt_token_ids: list[int] | None = None,
     messages: list[dict[str, Any]] | None = None,
     tools: ToolSetup | None = None,
+    echo: bool = False,
 ) -> GenerationRequest:
     """The fields both endpoints share; the sampling fields are checked here by building a
     SamplingParams once (with the largest max_tokens the request could get)."""
@@ -458,6 +471,8 @@ def _build(
         sampling_kwargs["logit_bias"] = logit_bias
     if logprobs is not None:
         sampling_kwargs["logprobs"] = logprobs
+        if echo:  # the echoed prompt's tokens come with theirs
+            sampling_kwargs["prompt_logprobs"] = logprobs
     try:
         constraint = parse_constraint(body)
     except InvalidRequestError as error:
@@ -489,6 +504,7 @@ def _build(
         user=_str_field(body, "user", MAX_USER_CHARS),
         priority=priority or 0,
         tools=tools,
+        echo=echo,
     )
 
 
@@ -497,15 +513,17 @@ def parse_completion_request(body: Any, served_model: str, max_model_len: int) -
     body = _check_fields(body, _COMPLETION_FIELDS)
     model = _check_model(body, served_model)
     prompt_text, prompt_token_ids = _parse_prompt(body.get("prompt"), max_model_len)
+    echo = bool(_bool_field(body, "echo"))
     return _build(
         body,
         model,
         max_model_len,
         chat=False,
-        max_tokens=_parse_max_tokens(body, ("max_tokens",), max_model_len),
+        max_tokens=_parse_max_tokens(body, ("max_tokens",), max_model_len, least=0 if echo else 1),
         logprobs=_int_field(body, "logprobs", 0, MAX_LOGPROBS),
         prompt_text=prompt_text,
         prompt_token_ids=prompt_token_ids,
+        echo=echo,
     )
 
 

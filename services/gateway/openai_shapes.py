@@ -23,7 +23,7 @@ class TokenLogprob:
 
     text: str
     token_bytes: bytes  # the token's own bytes: part of a character when it splits one
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token (nothing predicted it)
     top: tuple[TokenLogprob, ...] = ()
 
 
@@ -38,8 +38,8 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] | None = None  # None: not asked
 
 
-def _logprob(value: float) -> float:
-    return max(value, _MIN_LOGPROB)
+def _logprob(value: float | None) -> float | None:
+    return None if value is None else max(value, _MIN_LOGPROB)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -61,12 +61,12 @@ def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) ->
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token.text)
-    top_logprobs = []
+    top_logprobs: list[dict[str, float] | None] = []
     for token in tokens:
         top: dict[str, float] = {}
         for alternative in token.top:
             top.setdefault(alternative.text, _logprob(alternative.logprob))
-        top_logprobs.append(top)
+        top_logprobs.append(None if token.logprob is None else top)
     return {
         "tokens": [token.text for token in tokens],
         "token_logprobs": [_logprob(token.logprob) for token in tokens],

@@ -134,8 +134,12 @@ class CachePlacement:
         worker (for an interactive prompt, not the batch lines it holds: those yield). Never a
         resumed request (its output is no prompt), nor a batch line: its first token is no one's
         wait, and the decode worker's steps are a job's pace (a 1,000-line job prefilled a third
-        of its lines there while the prefill worker idled a third of the time)."""
+        of its lines there while the prefill worker idled a third of the time). Nor a prompt
+        whose logprobs are asked: it is computed whole, cached prefix or not (the prefill worker
+        computes it all and sends only the blocks the decode worker lacks)."""
         if num_cached_blocks == 0 or submit.output_token_ids or submit.bulk:
+            return False
+        if submit.sampling.prompt_logprobs is not None:
             return False
         uncached = len(submit.prompt_token_ids) - num_cached_blocks * decode.block_size
         if uncached > self.local_prefill_max_tokens:

@@ -739,8 +739,7 @@ class ClusterScheduler:
             request_id=request.request_id,
             num_tokens=num_tokens,
             lease_s=self.limits.prefill_timeout_s,
-            # A prompt whose logprobs are asked is computed whole: no cached prefix is looked up.
-            token_ids=prefill_tokens(submit) if submit.sampling.prompt_logprobs is None else [],
+            token_ids=prefill_tokens(submit),
             cache_salt=submit.tenant,
         )
         self._send(decode.identity, reserve)

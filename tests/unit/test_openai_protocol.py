@@ -122,8 +122,6 @@ class TestEnvelope:
             ("suffix", "end"),
             ("best_of", 2),
             ("best_of", True),
-            ("echo", True),
-            ("echo", 0),
         ],
     )
     def test_unsupported_field_is_refused(self, parse, base, field, value):
@@ -137,7 +135,6 @@ class TestEnvelope:
             ("tool_choice", "none"),
             ("response_format", {"type": "text"}),
             ("best_of", 1),
-            ("echo", False),
             ("suffix", None),
         ],
     )
@@ -367,13 +364,14 @@ def test_prompt_forms():
     assert completion(prompt=["Hi"]).prompt_text == "Hi"
     request = completion(prompt=[1, 2, 3])
     assert (request.prompt_text, request.prompt_token_ids) == (None, [1, 2, 3])
+    assert completion(prompt=[[1, 2, 3]]).prompt_token_ids == [1, 2, 3]  # a batch of one
     assert completion(prompt="Hi").prompt_token_ids is None and request.messages is None
 
 
 @pytest.mark.parametrize(
     "prompt",
-    [None, "", [], [""], ["a", "b"], [1, "a"], [1, True], [True], [1.0], [[1, 2]], [-1], 3]
-    + [{"a": 1}],
+    [None, "", [], [""], ["a", "b"], [1, "a"], [1, True], [True], [1.0], [[1, 2], [3]], [-1], 3]
+    + [{"a": 1}, [[]], [[-1]], [[1, "a"]], [[[1]]], [["a"]]],
 )
 def test_invalid_prompt(prompt):
     assert_bad(parse_completion_request, COMPLETION, {"prompt": prompt}, "prompt")
@@ -392,6 +390,41 @@ def test_completion_logprobs_mapping(logprobs):
     request = completion(logprobs=logprobs)
     assert request.logprobs == logprobs
     assert request.sampling_params(1, MAX_LEN).logprobs == logprobs
+
+
+def test_echo_asks_for_the_prompts_logprobs_with_the_outputs():
+    plain = completion()
+    assert not plain.echo and plain.sampling_params(1, MAX_LEN).prompt_logprobs is None
+    request = completion(echo=True, logprobs=2)
+    assert request.echo and request.sampling_params(1, MAX_LEN).prompt_logprobs == 2
+    assert completion(echo=True).sampling_params(1, MAX_LEN).prompt_logprobs is None
+    assert completion(echo=False, logprobs=2).sampling_params(1, MAX_LEN).prompt_logprobs is None
+
+
+def test_echo_alone_computes_one_token_and_fits_a_full_context():
+    request = completion(echo=True, max_tokens=0, logprobs=0)
+    assert request.max_tokens == 0
+    assert request.sampling_params(MAX_LEN - 1, MAX_LEN).max_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0, "echo": False}, "max_tokens"),
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),
+        ({"echo": "yes"}, "echo"),
+        ({"echo": 1}, "echo"),
+    ],
+)
+def test_invalid_echo(fields, param):
+    assert_bad(parse_completion_request, COMPLETION, fields, param)
+
+
+def test_echo_is_not_a_chat_field():
+    error = assert_bad(parse_chat_request, CHAT, {"echo": True}, "echo")
+    assert "not supported" in error.message
+    parse_chat_request({**CHAT, "echo": False}, MODEL, MAX_LEN)
 
 
 @pytest.mark.parametrize("logprobs", [-1, 21, True, False, 1.0, "5"])
@@ -543,6 +576,13 @@ def test_completion_logprobs_shape():
         "top_logprobs": [{"Hello": -0.5, "Hi": -1.5}, {" world": -0.25, " there": -2.0}],
         "text_offset": [4, 9],
     }
+
+
+def test_an_echoed_prompts_first_token_has_null_logprobs():
+    first = TokenLogprob("Hello", b"Hello", None)
+    result = completion_logprobs([first, *HELLO[1:]])
+    assert result["token_logprobs"] == [None, -0.25]
+    assert result["top_logprobs"] == [None, {" world": -0.25, " there": -2.0}]
 
 
 def test_completion_logprobs_keep_the_best_of_equal_texts_and_clamp_infinity():

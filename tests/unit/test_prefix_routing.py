@@ -216,12 +216,20 @@ def test_a_conversation_returns_to_its_decode_worker_unless_it_is_far_busier():
 
 
 @pytest.mark.parametrize("cached_blocks,local", [(4, True), (1, False), (0, False)])
-def test_a_decode_worker_holding_all_but_a_short_suffix_prefills_it_itself(cached_blocks, local):
+@pytest.mark.parametrize("prompt_logprobs", [None, 0])
+def test_a_decode_worker_holding_all_but_a_short_suffix_prefills_it_itself(
+    cached_blocks, local, prompt_logprobs
+):
+    """Unless the prompt's logprobs are asked: the prefill worker computes it all (and sends
+    only the blocks the decode worker lacks)."""
+    local = local and prompt_logprobs is None
     core = ClusterScheduler(SchedulerLimits(local_prefill_max_tokens=20))
     core.on_hello(b"G", hello("g", "gateway"), 0.0)
     core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
     core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
-    out = core.on_submit(b"G", submit("r", prompt_len=70), 0.0)
+    request = submit("r", prompt_len=70)
+    sampling = dataclasses.replace(request.sampling, prompt_logprobs=prompt_logprobs)
+    out = core.on_submit(b"G", dataclasses.replace(request, sampling=sampling), 0.0)
     (reserve,) = sent(out, wire.Reserve)
     assert reserve.message.token_ids == [5] * 70 and reserve.message.cache_salt == "t"
     reply = wire.ReserveReply(
