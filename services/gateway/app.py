@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,6 +20,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from services.gateway.auth import ApiKeys, tenant_of
+from services.gateway.batched_prompts import (
+    batched_chunks,
+    batched_response,
+    first_events,
+    split_prompts,
+)
 from services.gateway.federation import cluster_metrics
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import (
@@ -180,6 +186,12 @@ def build_app(
     async def completions(request: Request) -> Response:
         keys.check_header(request.headers.get("authorization"))  # before reading the body
         body = await _read_json(request, max_body_bytes)
+        bodies = split_prompts(body)
+        if bodies is not None:  # a batch of prompts: each its own request, answered as one
+            parsed = [parse_completion_request(b, model, generator.max_model_len) for b in bodies]
+            generations = [generator.prepare(p, "cmpl") for p in parsed]
+            caller = tenant(request, generations[0])
+            return await _serve_batch(request, generator, generations, caller)
         parsed = parse_completion_request(body, model, generator.max_model_len)
         generation = generator.prepare(parsed, "cmpl")
         return await _serve(request, generator, generation, tenant(request, generation))
@@ -217,7 +229,23 @@ async def _serve(
     if generation.request.stream:
         first = await _first_event(events)  # refusals (429, 503) still answer with a status
         return StreamingResponse(_sse(generation, first, events), media_type="text/event-stream")
-    task = asyncio.create_task(collect_response(generation, events))
+    return await _answer_unless_gone(request, collect_response(generation, events))
+
+
+async def _serve_batch(
+    request: Request, generator: Generator, generations: list[Generation], tenant: str
+) -> Response:
+    if generations[0].request.stream:
+        started = await first_events(generator, generations, tenant)
+        chunks = batched_chunks(generations, started)
+        return StreamingResponse(_sse_of(chunks), media_type="text/event-stream")
+    return await _answer_unless_gone(request, batched_response(generator, generations, tenant))
+
+
+async def _answer_unless_gone(request: Request, answer: Coroutine[Any, Any, dict]) -> Response:
+    """The answer once computed, or 499 (and the computation cancelled, its cluster requests
+    with it) as soon as the client disconnects."""
+    task = asyncio.create_task(answer)
     while not task.done():
         done, _ = await asyncio.wait({task}, timeout=0.5)
         if not done and await request.is_disconnected():
@@ -225,6 +253,17 @@ async def _serve(
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)
     return JSONResponse(task.result())
+
+
+async def _sse_of(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield sse_event(chunk)
+    except ApiError as error:
+        yield sse_event(error.body())
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    yield SSE_DONE
 
 
 async def _first_event(events: AsyncIterator[ChoiceEvent]) -> ChoiceEvent | None:

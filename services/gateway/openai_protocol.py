@@ -306,7 +306,9 @@ def _check_model(body: Mapping[str, Any], served_model: str) -> str:
 
 
 def _parse_prompt(value: Any, max_model_len: int) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids); batched prompts (more than one) are refused."""
+    """(text, None) or (None, token ids). A batch of prompts is refused here: the HTTP route
+    splits one into a request per prompt first (`batched_prompts`), and the RPC door, the batch
+    service and /tokenize take one prompt a call."""
     if isinstance(value, str) and value:
         return value, None
     if _is_token_list(value):
@@ -320,7 +322,7 @@ def _parse_prompt(value: Any, max_model_len: int) -> tuple[str | None, list[int]
     if isinstance(value, list) and len(value) == 1 and _is_token_list(value[0]):
         return _parse_prompt(value[0], max_model_len)  # a batch of one (lm-eval sends it so)
     if isinstance(value, list) and len(value) > 1:
-        _fail("prompt", "batched prompts are not supported: send one prompt per request")
+        _fail("prompt", "a batch of prompts is taken by HTTP /v1/completions only: one a call here")
     _fail("prompt", "must be a non-empty string or list of token ids, alone or in a list")
 
 
