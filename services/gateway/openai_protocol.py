@@ -72,9 +72,10 @@ _COMMON_FIELDS = frozenset(
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _CHAT_FIELDS |= {"tools", "tool_choice"}  # see services.gateway.tools (refused on completions)
-# Fields that change nothing tandem produces: accepted and ignored.
+# Fields that change nothing tandem produces: accepted and ignored. (`parallel_tool_calls` is
+# read by chat's tools, `services.gateway.tools`, and changes nothing else.)
 _IGNORED_FIELDS = frozenset(
-    {"store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key"}
+    {"store", "metadata", "service_tier", "prompt_cache_key", "parallel_tool_calls"}
 )
 # Known OpenAI fields tandem does not implement, each with the values that ask for nothing
 # (null always does); any other value is refused rather than silently ignored.

@@ -12,6 +12,8 @@ schema, whatever the format.
   `index`). A block that runs to the end of the text is judged when the choice finishes.
 - Text that could still be the start of an opener is held back until it is not (as stop strings
   are).
+- With `parallel_tool_calls: false` the first call alone is kept: later blocks that parse as
+  calls are dropped, neither calls nor content.
 - A block that does not parse, or names an unknown tool, stays in the content verbatim, as does
   an unclosed tagged block when the choice ends (`length`), and a forced call that is incomplete.
 - Content is trimmed of surrounding whitespace (the newlines models put around calls): a
@@ -151,6 +153,8 @@ class ToolCallParser:
         unknown tool (the block is then content)."""
         if not found or any(name not in self._names for name, _ in found):
             return None
+        if not self.setup.parallel:  # one call a choice: the first is kept, later ones dropped
+            found = found[: max(0, 1 - self.num_calls)]
         calls = []
         for name, arguments in found:
             calls.append({

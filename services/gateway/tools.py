@@ -14,6 +14,8 @@ history are rendered the same way, and `tool` messages keep their role.
 - `"required"` or a named function: decoding is constrained by a JSON schema to one call of the
   given tools (`name` fixed by `const`, `arguments` by the tool's `parameters`), so even a 135M
   model returns a call that parses. The output is that call's JSON, without tags.
+- `parallel_tool_calls: false`: a choice has at most one call, its first; calls the model writes
+  after it are dropped (neither calls nor content), as vLLM does.
 
 A response with calls finishes with `"tool_calls"`. The calls are cut out of the output by
 services.gateway.tool_output, for streamed and whole responses alike.
@@ -45,6 +47,7 @@ class ToolSetup:
 
     functions: tuple[Mapping[str, Any], ...]
     choice: str  # "none", "auto", "required", or the name of the function to call
+    parallel: bool = True  # `parallel_tool_calls`: false, a choice's first call alone is kept
 
     @property
     def forced(self) -> bool:
@@ -87,6 +90,9 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
     """`tools` and `tool_choice` checked; None without tools. InvalidRequestError names the
     field of any bad value, an unknown tool name in `tool_choice` included."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequestError("parallel_tool_calls", "must be true or false")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise InvalidRequestError("tool_choice", "names a tool, but `tools` is empty")
@@ -97,7 +103,7 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tools", "tool names must be distinct")
-    return ToolSetup(functions, _parse_choice(choice, names))
+    return ToolSetup(functions, _parse_choice(choice, names), parallel is not False)
 
 
 def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:

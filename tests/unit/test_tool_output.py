@@ -118,6 +118,28 @@ def test_llama3_calls_are_an_answer_that_begins_as_json():
         assert extract_tool_calls(auto, text, LLAMA3_JSON) == (text, [])
 
 
+@pytest.mark.parametrize("tool_format", FORMAT_TEXTS, ids=lambda f: f.name)
+@given(data=st.data())
+def test_without_parallel_calls_a_choice_keeps_its_first_call_alone(tool_format, data):
+    """However the text is streamed: the first call, the same content as with parallel calls
+    (the calls dropped are not content either)."""
+    text = data.draw(st.sampled_from(FORMAT_TEXTS[tool_format]))
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=12))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    content, calls = streamed(setup(parallel_tool_calls=False), pieces, tool_format)
+    parallel_content, parallel_calls = extract_tool_calls(setup(), text, tool_format)
+    assert content == (parallel_content or "")
+    assert names_and_arguments(calls) == names_and_arguments(parallel_calls[:1])
+    assert [c["index"] for c in calls] == list(range(len(calls)))
+
+
+def test_parallel_calls_are_the_default():
+    assert setup().parallel and setup(parallel_tool_calls=True).parallel
+    assert not setup(parallel_tool_calls=False).parallel
+    content, calls = extract_tool_calls(setup(parallel_tool_calls=False), TEXTS[0])
+    assert content == "Sure." and names_and_arguments(calls) == [("get_weather", {"city": "Oslo"})]
+
+
 def test_a_tagged_call_is_only_content_in_another_format():
     assert extract_tool_calls(setup(), OSLO, MISTRAL) == (OSLO, [])
     assert extract_tool_calls(setup(), "[TOOL_CALLS]" + MISTRAL_CALLS, TAGGED)[1] == []

@@ -104,6 +104,8 @@ def test_history_with_calls_and_results_is_rendered():
          "tools[0].function.returns", "unknown"),
         ({"tools": [WEATHER], "tool_choice": "required",
           "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or"),
+        ({"parallel_tool_calls": 0}, "parallel_tool_calls", "true or false"),
     ],
 )  # fmt: skip
 def test_bad_tool_fields_are_refused(fields, param, match):
