@@ -179,6 +179,19 @@ def test_a_million_prompt_tokens_are_accepted():
     assert wire.decode(wire.encode(msg)) == msg
 
 
+def test_a_long_prompts_logprobs_travel_on_its_first_delta():
+    """As many as the prompt has tokens (past the 4,096 of other lists), with their top n."""
+    num = 8191
+    delta = wire.TokenDelta(
+        request_id="r",
+        token_ids=[7],
+        prompt_logprobs=[-1.5] * num,
+        prompt_top_logprobs=[[(3, -0.5), (9, -2.0)]] * num,
+        index=0,
+    )
+    assert wire.decode(wire.encode(wire.Tokens(deltas=[delta]))) == wire.Tokens(deltas=[delta])
+
+
 def test_long_lists_of_atoms_are_decoded_off_the_collectors_books():
     """A list a receiver holds long (a worker's cache events, ids in a heartbeat) would have
     every item walked in each collection it lived through."""
