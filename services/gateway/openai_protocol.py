@@ -47,6 +47,10 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_USER_CHARS = 256
 MAX_TEMPERATURE = 2.0  # OpenAI's range; SamplingParams alone would accept any temperature >= 0
+# An echoed prompt's logprobs travel in one message header (at most 16 MiB): a logprob and its
+# top n per token, ~11 bytes each (an 8,191-token prompt with 20 alternatives took 1.9 MB), so
+# about 6 MiB at most.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 19
 
 # Client fields handed to SamplingParams as they are; it checks their types and ranges.
 _SAMPLING_FIELDS = (
@@ -197,6 +201,15 @@ class GenerationRequest:
         one that does not fit beside the prompt is refused, as is a prompt that leaves no room
         at all."""
         room = max_model_len - num_prompt_tokens
+        if self.echo and self.logprobs is not None:
+            entries = num_prompt_tokens * (1 + self.logprobs)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                _fail(
+                    "logprobs",
+                    f"echoing {num_prompt_tokens} prompt tokens with {self.logprobs} logprobs "
+                    f"each is more than one answer carries ({MAX_PROMPT_LOGPROB_ENTRIES} "
+                    "logprobs in all): ask for fewer, or send a shorter prompt",
+                )
         if self.max_tokens == 0:  # echo only: the prompt's logprobs come with a first token
             return _sampling_params({**(defaults or {}), **self.sampling_kwargs}, 1)
         if room < 1:

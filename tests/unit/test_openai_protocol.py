@@ -401,6 +401,19 @@ def test_echo_asks_for_the_prompts_logprobs_with_the_outputs():
     assert completion(echo=False, logprobs=2).sampling_params(1, MAX_LEN).prompt_logprobs is None
 
 
+def test_echoed_logprobs_are_bounded_by_what_one_answer_carries():
+    from services.gateway.openai_protocol import MAX_PROMPT_LOGPROB_ENTRIES
+
+    big = 10**6
+    fits = MAX_PROMPT_LOGPROB_ENTRIES // 21
+    completion(echo=True, logprobs=20).sampling_params(fits, big)
+    with pytest.raises(ApiError) as raised:
+        completion(echo=True, logprobs=20).sampling_params(fits + 1, big)
+    assert raised.value.param == "logprobs" and "fewer" in raised.value.message
+    completion(echo=True).sampling_params(fits + 1, big)  # no logprobs: only text
+    completion(logprobs=20).sampling_params(fits + 1, big)  # no echo: the output's alone
+
+
 def test_echo_alone_computes_one_token_and_fits_a_full_context():
     request = completion(echo=True, max_tokens=0, logprobs=0)
     assert request.max_tokens == 0
