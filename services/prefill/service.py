@@ -164,8 +164,13 @@ class PrefillWorker(WorkerLoop):
             self.events.prefill_finished(job.request_id, running.started_at, num_tokens)
             firsts.append((job, output, self._first_delta(job, output)))
         # Every first token goes out before any KV is copied out for its transfer: the step's
-        # last prompt does not wait for the copies of the others'.
-        self.streams.send(group_by_gateway([(job.gateway_address, d) for job, _, d in firsts]))
+        # last prompt does not wait for the copies of the others'. One carrying its prompt's
+        # logprobs (up to megabytes) goes in a message of its own, which a header bounds.
+        scored = [(job.gateway_address, d) for job, _, d in firsts if d.prompt_logprobs is not None]
+        plain = [(job.gateway_address, d) for job, _, d in firsts if d.prompt_logprobs is None]
+        self.streams.send(group_by_gateway(plain))
+        for address, delta in scored:
+            self.streams.send({address: [delta]})
         for job, output, delta in firsts:
             self._hand_on(job, output, delta)
 
