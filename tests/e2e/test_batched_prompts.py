@@ -79,6 +79,7 @@ def test_a_streamed_batch_equals_the_whole_answer(cluster):
     ids=["no-room", "empty", "negative-id", "too-many"],
 )
 def test_one_bad_prompt_refuses_the_batch_before_anything_runs(cluster, prompt):
+    cluster.wait_blocks_free()  # (what earlier tests left running has ended)
     response = complete(cluster, prompt=prompt, max_tokens=4)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "prompt"
