@@ -7,21 +7,11 @@ import httpx
 import openai
 import pytest
 
+from tests.unit.test_tools import WEATHER
+
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 USER_X = {"role": "user", "content": "x"}
 
 
@@ -44,7 +34,7 @@ def test_tokenize_counts_the_prompt_tokens_a_completion_reports(cluster, openai_
     assert text == {"prompt": prompt}
 
 
-@pytest.mark.parametrize("tools", [None, [WEATHER_TOOL]], ids=["plain", "tools"])
+@pytest.mark.parametrize("tools", [None, [WEATHER]], ids=["plain", "tools"])
 def test_tokenize_counts_the_prompt_tokens_a_chat_reports(cluster, openai_client, tools):
     """The chat template and the tools' rendering are generation's own: the same count."""
     messages = [
