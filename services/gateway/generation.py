@@ -141,7 +141,8 @@ class Generator:
         if any(not 0 <= t < self.vocab_size for t in params.logit_bias_ids):
             raise bad_request("logit_bias", f"token ids must be in [0, {self.vocab_size})")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        self.telemetry.arrived(request_id, len(prompt_ids), request.user or "default", request.n)
+        num_choices = request.num_candidates
+        self.telemetry.arrived(request_id, len(prompt_ids), request.user or "default", num_choices)
         return Generation(
             request, prompt_ids, params, request_id, int(time.time()), arrived_at, self.tool_format
         )
@@ -164,11 +165,12 @@ class Generator:
     ) -> AsyncIterator[ChoiceEvent]:
         """The choices' events; `bulk`: the scheduler's bulk class (a batch job's line)."""
         request = generation.request
-        choice_ids = [f"{generation.request_id}-{i}" for i in range(request.n)]
+        num_choices = request.num_candidates  # (`best_of`'s candidates, or the n choices)
+        choice_ids = [f"{generation.request_id}-{i}" for i in range(num_choices)]
         queues: list[asyncio.Queue] = []
         traces: list[ChoiceTrace] = []
-        running = set(range(request.n))
-        echo_pending = set(range(request.n)) if request.echo else set()
+        running = set(range(num_choices))
+        echo_pending = set(range(num_choices)) if request.echo else set()
         parses_calls = request.tools is not None and request.tools.choice == "auto"
         kept_ids = self._marker_ids if parses_calls else frozenset()
         texts = [
@@ -177,7 +179,7 @@ class Generator:
                 StopStringMatcher(request.stop),
                 generation.params.min_tokens,
             )
-            for _ in range(request.n)
+            for _ in range(num_choices)
         ]
         try:
             for index, choice_id in enumerate(choice_ids):

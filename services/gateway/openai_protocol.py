@@ -73,7 +73,7 @@ _COMMON_FIELDS = frozenset(
     | {"logit_bias"}
     | set(_SAMPLING_FIELDS)
 )
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _CHAT_FIELDS |= {"tools", "tool_choice"}  # see services.gateway.tools (refused on completions)
 # Fields that change nothing tandem produces: accepted and ignored. (`parallel_tool_calls` is
@@ -181,6 +181,15 @@ class GenerationRequest:
     # Completions' `echo`: each choice's text (and logprobs) start with the prompt's. With
     # `max_tokens` 0 (echo only) a choice is the prompt alone: one token is computed, not shown.
     echo: bool = False
+    # Completions' `best_of`: this many candidates run, and the `n` of highest mean logprob per
+    # token are answered (never streamed). None: n.
+    best_of: int | None = None
+
+    @property
+    def num_candidates(self) -> int:
+        """Choices generated: `best_of` of them when given, else `n`."""
+        return max(self.n, self.best_of or 0)
+
     # The same conversation as chat templates that render tools take it (tool_calls parsed, no
     # tool text added); services.gateway.chat_prompt chooses between the two.
     template_messages: list[dict[str, Any]] | None = None
@@ -453,6 +462,17 @@ def _parse_stream(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage"))
 
 
+def _parse_best_of(body: Mapping[str, Any], n: int) -> int | None:
+    best_of = _int_field(body, "best_of", 1, MAX_N)
+    if best_of is None:
+        return None
+    if best_of < n:
+        _fail("best_of", f"must be at least n ({n}), got {best_of}")
+    if best_of > n and body.get("stream"):
+        _fail("best_of", "more candidates than n cannot be streamed: only the best are answered")
+    return best_of
+
+
 def _parse_chat_logprobs(body: Mapping[str, Any]) -> int | None:
     wanted = _bool_field(body, "logprobs")
     top = _int_field(body, "top_logprobs", 0, MAX_LOGPROBS)
@@ -485,10 +505,14 @@ def _build(
     logit_bias = _parse_logit_bias(body.get("logit_bias"))
     if logit_bias:
         sampling_kwargs["logit_bias"] = logit_bias
+    n = _int_field(body, "n", 1, MAX_N) or 1
+    best_of = _parse_best_of(body, n)
     if logprobs is not None:
         sampling_kwargs["logprobs"] = logprobs
         if echo:  # the echoed prompt's tokens come with theirs
             sampling_kwargs["prompt_logprobs"] = logprobs
+    elif best_of is not None and best_of > n:  # candidates are ranked by their logprobs
+        sampling_kwargs["logprobs"] = 0
     try:
         constraint = parse_constraint(body)
     except InvalidRequestError as error:
@@ -513,7 +537,7 @@ def _build(
         max_tokens_param=max_tokens[1],
         sampling_kwargs=MappingProxyType(sampling_kwargs),
         stop=_parse_stop(body.get("stop")),
-        n=_int_field(body, "n", 1, MAX_N) or 1,
+        n=n,
         stream=stream,
         include_usage=include_usage,
         logprobs=logprobs,
@@ -521,6 +545,7 @@ def _build(
         priority=priority or 0,
         tools=tools,
         echo=echo,
+        best_of=best_of,
     )
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 from services.gateway.generation import ChoiceEvent, Generation
 from services.gateway.openai_shapes import (
     ChoiceResult,
+    TokenLogprob,
     chat_chunk,
     chat_logprobs,
     chat_response,
@@ -68,6 +71,23 @@ class StreamChunks:
         return out.content or None, out.calls or None, finish
 
 
+def best_of(
+    candidates: list[ChoiceResult], logprobs: list[list[TokenLogprob]], n: int
+) -> list[ChoiceResult]:
+    """The `n` candidates of highest mean logprob per generated token (OpenAI's "best"), best
+    first, numbered from 0; a candidate without tokens ranks last."""
+
+    def mean_logprob(i: int) -> float:
+        num_tokens = len(candidates[i].token_ids)
+        if num_tokens == 0:
+            return -math.inf
+        generated = logprobs[i][len(logprobs[i]) - num_tokens :]  # (after an echoed prompt's)
+        return sum(token.logprob or 0.0 for token in generated) / num_tokens
+
+    ranked = sorted(range(len(candidates)), key=mean_logprob, reverse=True)[:n]
+    return [dataclasses.replace(candidates[i], index=new) for new, i in enumerate(ranked)]
+
+
 def final_usage_chunk(generation: Generation, num_completion_tokens: int) -> dict[str, Any]:
     req = generation.request
     usage = usage_dict(
@@ -79,22 +99,28 @@ def final_usage_chunk(generation: Generation, num_completion_tokens: int) -> dic
 async def collect_response(
     generation: Generation, events: AsyncIterator[ChoiceEvent]
 ) -> dict[str, Any]:
-    """The whole (non-streaming) response once every choice has finished."""
+    """The whole (non-streaming) response once every choice has finished; with `best_of`, the
+    n best of its candidates (the usage counts every candidate's tokens, as OpenAI bills)."""
     req = generation.request
-    texts = [""] * req.n
-    token_ids: list[list[int]] = [[] for _ in range(req.n)]
-    logprobs: list[list | None] = [[] if req.logprobs is not None else None for _ in range(req.n)]
-    finish: list[str] = ["length"] * req.n
+    count = req.num_candidates
+    texts = [""] * count
+    token_ids: list[list[int]] = [[] for _ in range(count)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
+    finish: list[str] = ["length"] * count
     async for event in events:
         texts[event.index] += event.text
         token_ids[event.index] += event.token_ids
-        if event.logprobs is not None and logprobs[event.index] is not None:
+        if event.logprobs is not None:
             logprobs[event.index] += event.logprobs
         if event.finish_reason is not None:
             finish[event.index] = event.finish_reason
+    asked = req.logprobs is not None
     choices = [
-        ChoiceResult(i, texts[i], finish[i], token_ids[i], logprobs[i]) for i in range(req.n)
+        ChoiceResult(i, texts[i], finish[i], token_ids[i], logprobs[i] if asked else None)
+        for i in range(count)
     ]
+    if count > req.n:
+        choices = best_of(choices, logprobs, req.n)
     usage = usage_dict(
         generation.num_prompt_tokens,
         sum(len(t) for t in token_ids),

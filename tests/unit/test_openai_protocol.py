@@ -120,8 +120,6 @@ class TestEnvelope:
         [
             ("functions", [{"name": "f"}]),
             ("suffix", "end"),
-            ("best_of", 2),
-            ("best_of", True),
         ],
     )
     def test_unsupported_field_is_refused(self, parse, base, field, value):
@@ -432,6 +430,36 @@ def test_echo_alone_computes_one_token_and_fits_a_full_context():
 )
 def test_invalid_echo(fields, param):
     assert_bad(parse_completion_request, COMPLETION, fields, param)
+
+
+def test_best_of_runs_candidates_ranked_by_their_logprobs():
+    request = completion(best_of=3)
+    assert (request.n, request.best_of, request.num_candidates) == (1, 3, 3)
+    assert request.logprobs is None and request.sampling_params(1, MAX_LEN).logprobs == 0
+    assert completion(best_of=3, logprobs=2).sampling_params(1, MAX_LEN).logprobs == 2
+    assert completion(n=2, best_of=2, stream=True).num_candidates == 2  # none to drop: streams
+    assert completion(n=3).num_candidates == 3 and completion().best_of is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"best_of": 1, "n": 2},
+        {"best_of": 3, "stream": True},
+        {"best_of": 0},
+        {"best_of": 9},
+        {"best_of": True},
+        {"best_of": 2.0},
+    ],
+)
+def test_invalid_best_of(fields):
+    assert_bad(parse_completion_request, COMPLETION, fields, "best_of")
+
+
+def test_best_of_is_not_a_chat_field():
+    error = assert_bad(parse_chat_request, CHAT, {"best_of": 2}, "best_of")
+    assert "not supported" in error.message
+    assert parse_chat_request({**CHAT, "best_of": 1}, MODEL, MAX_LEN).num_candidates == 1
 
 
 def test_echo_is_not_a_chat_field():
