@@ -28,7 +28,10 @@ MAX_RSS_GROWTH_BYTES = 150 << 20
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "n", "stop", "stream", "stream_options", "logprobs", "top_logprobs",
           "seed", "user", "presence_penalty", "frequency_penalty", "ignore_eos", "priority",
-          "echo", "logit_bias", "min_tokens", "role", "content"]  # fmt: skip
+          "echo", "logit_bias", "min_tokens", "role", "content", "best_of", "tokens",
+          "return_token_strs", "parallel_tool_calls"]  # fmt: skip
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions",
+         "tokenize": "/tokenize", "detokenize": "/detokenize"}  # fmt: skip
 
 scalars = st.one_of(
     st.none(),
@@ -106,10 +109,9 @@ def test_malformed_http_bodies_get_4xx_never_5xx(cluster, memory_before):
 
     @settings(max_examples=HTTP_EXAMPLES, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(body=st.one_of(bodies, json_values), path=st.sampled_from(["completions", "chat"]))
+    @given(body=st.one_of(bodies, json_values), path=st.sampled_from(sorted(PATHS)))
     def json_bodies(body, path):
-        url = "/v1/completions" if path == "completions" else "/v1/chat/completions"
-        check_answer(client.post(url, content=json.dumps(body, allow_nan=True)), body)
+        check_answer(client.post(PATHS[path], content=json.dumps(body, allow_nan=True)), body)
 
     @settings(max_examples=HTTP_EXAMPLES // 5, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))  # fmt: skip
