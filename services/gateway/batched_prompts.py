@@ -58,12 +58,8 @@ async def batched_response(
         for j, response in enumerate(responses)
         for choice in response["choices"]
     ]
-    return {**responses[0], "choices": choices, "usage": summed_usage(generations, responses)}
-
-
-def summed_usage(generations: list[Generation], responses: list[dict[str, Any]]) -> dict:
-    completion = sum(r["usage"]["completion_tokens"] for r in responses)
-    return _usage(generations, completion)
+    usage = _usage(generations, sum(r["usage"]["completion_tokens"] for r in responses))
+    return {**responses[0], "choices": choices, "usage": usage}
 
 
 def _usage(generations: list[Generation], num_completion_tokens: int) -> dict:
@@ -105,7 +101,7 @@ async def batched_chunks(
     merged: asyncio.Queue[tuple[int, ChoiceEvent | None | BaseException]] = asyncio.Queue()
     n = generations[0].request.n
 
-    async def pump(j: int, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent | None):
+    async def pump(j: int, events: AsyncIterator[ChoiceEvent], first: ChoiceEvent | None) -> None:
         try:
             if first is not None:
                 await merged.put((j, first))
