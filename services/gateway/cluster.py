@@ -263,9 +263,14 @@ class ClusterClient:
         inflight.num_attempts += 1
         inflight.attempt_id = attempt_id
         self._attempts[attempt_id] = first_id
+        sampling = inflight.submit.sampling
+        if inflight.token_ids and sampling.prompt_logprobs is not None:
+            # They came with the first token: the new attempt need not compute them again.
+            sampling = dataclasses.replace(sampling, prompt_logprobs=None)
         submit = dataclasses.replace(
             inflight.submit,
             request_id=attempt_id,
+            sampling=sampling,
             output_token_ids=list(inflight.token_ids),
             resumed_from=previous,
             arrival_time=time.time(),

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -124,6 +125,22 @@ def test_a_lost_request_that_cannot_resume_ends_with_a_clear_error(tmp_path):
     assert [d.token_ids for d in got[:2]] == [[7], [8]]
     assert got[2].finish_reason == "error"
     assert "d0 stopped responding" in got[2].error and "refused (400)" in got[2].error
+
+
+async def resubmitted_after(tmp_path, tokens: list[int]) -> wire.Submit:
+    async with opened(tmp_path, prompt_logprobs=2) as link:
+        if tokens:
+            await link.scheduler.send(delta("r", tokens))
+        await link.scheduler.send(delta("r", [], finish="lost"))
+        return await link.scheduler.expect(wire.Submit)
+
+
+@pytest.mark.parametrize(("tokens", "expected"), [([], 2), ([7, 8], None)])
+def test_prompt_logprobs_are_asked_again_only_if_they_never_came(tmp_path, tokens, expected):
+    """They come with the first token: a resumption after it does not compute them again."""
+    resubmit = asyncio.run(resubmitted_after(tmp_path, tokens))
+    assert resubmit.sampling.prompt_logprobs == expected
+    assert resubmit.output_token_ids == tokens
 
 
 async def lost_every_time(tmp_path) -> wire.TokenDelta:
