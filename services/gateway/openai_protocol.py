@@ -178,6 +178,9 @@ class GenerationRequest:
     user: str | None
     priority: int
     tools: ToolSetup | None = None  # chat with `tools`: calls are parsed from the output
+    # The same conversation as chat templates that render tools take it (tool_calls parsed, no
+    # tool text added); services.gateway.chat_prompt chooses between the two.
+    template_messages: list[dict[str, Any]] | None = None
     # Completions' `echo`: each choice's text (and logprobs) start with the prompt's. With
     # `max_tokens` 0 (echo only) a choice is the prompt alone: one token is computed, not shown.
     echo: bool = False
@@ -189,10 +192,6 @@ class GenerationRequest:
     def num_candidates(self) -> int:
         """Choices generated: `best_of` of them when given, else `n`."""
         return max(self.n, self.best_of or 0)
-
-    # The same conversation as chat templates that render tools take it (tool_calls parsed, no
-    # tool text added); services.gateway.chat_prompt chooses between the two.
-    template_messages: list[dict[str, Any]] | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -219,14 +218,14 @@ class GenerationRequest:
                     f"each is more than one answer carries ({MAX_PROMPT_LOGPROB_ENTRIES} "
                     "logprobs in all): ask for fewer, or send a shorter prompt",
                 )
-        if self.max_tokens == 0:  # echo only: the prompt's logprobs come with a first token
-            return _sampling_params({**(defaults or {}), **self.sampling_kwargs}, 1)
-        if room < 1:
+        if room < 1:  # (an echo alone too: its logprobs come with one token computed)
             _fail(
                 self.prompt_param,
                 f"the prompt is {num_prompt_tokens} tokens, which leaves no room for output "
                 f"in this model's context of {max_model_len} tokens",
             )
+        if self.max_tokens == 0:  # echo only: the prompt's logprobs come with a first token
+            return _sampling_params({**(defaults or {}), **self.sampling_kwargs}, 1)
         if self.max_tokens is None:
             default = CHAT_DEFAULT_MAX_TOKENS if self.chat else COMPLETION_DEFAULT_MAX_TOKENS
             max_tokens = min(default, room)

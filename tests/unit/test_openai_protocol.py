@@ -416,6 +416,9 @@ def test_echo_alone_computes_one_token_and_fits_a_full_context():
     request = completion(echo=True, max_tokens=0, logprobs=0)
     assert request.max_tokens == 0
     assert request.sampling_params(MAX_LEN - 1, MAX_LEN).max_tokens == 1
+    with pytest.raises(ApiError) as raised:  # the one token needs its place
+        request.sampling_params(MAX_LEN, MAX_LEN)
+    assert raised.value.param == "prompt"
 
 
 @pytest.mark.parametrize(
