@@ -76,6 +76,7 @@ MAX_PARTIES_SHOWN = 256  # the status lists at most this many tenant/class accou
 # it in 64 bits; the wire takes any int).
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 T = TypeVar("T")
+NOTHING_PLACEABLE = LengthRanges()  # shared: treated as frozen, and the usual answer under load
 
 # Heartbeats of its decode worker that may leave out a decoding request before it is taken as
 # ended unheard. One can be stale: sent before the worker took the KV, it may arrive after the
@@ -129,28 +130,35 @@ class SchedulerLimits:
         check_choice(self.indexes)
 
 
-@dataclass
 class TrackedRequest:
-    submit: wire.Submit
-    gateway_peer_id: str
-    party: Party  # the fair-share account it is charged to
-    phase: Phase = Phase.QUEUED
-    decode_peer_id: str | None = None
-    prefill_peer_id: str | None = None
-    phase_deadline: float = float("inf")
-    num_blocks: int = 0  # blocks reserved on the decode worker
-    arrival: float = 0.0  # the scheduler's clock when it was first queued
-    num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
-    index: int = 0  # its place among the requests admitted: the order a tick handles them in
-    speculative: bool = False  # its prefill job went out with the reservation (await_grant)
-    num_unlisted_beats: int = 0  # decoding, yet left out of its worker's heartbeats (see there)
-    # Read off the SUBMIT (which never changes) once: every decision asks them several times.
-    request_id: str = field(init=False)
-    num_prefill_tokens: int = field(init=False)
+    """A request from its SUBMIT to its end, as the core follows it. A class with its own
+    `__init__`, not a dataclass: mypyc compiles this one to C, where it runs a dataclass's
+    generated `__init__` as Python, and the core makes one per request."""
 
-    def __post_init__(self) -> None:
-        self.request_id = self.submit.request_id
-        self.num_prefill_tokens = num_prefill_tokens(self.submit)
+    def __init__(
+        self,
+        submit: wire.Submit,
+        gateway_peer_id: str,
+        party: Party,  # the fair-share account it is charged to
+        arrival: float = 0.0,  # the scheduler's clock when it was first queued
+        index: int = 0,  # its place among the requests admitted: the order a tick handles them in
+    ) -> None:
+        self.submit = submit
+        self.gateway_peer_id = gateway_peer_id
+        self.party = party
+        self.arrival = arrival
+        self.index = index
+        self.phase = Phase.QUEUED
+        self.decode_peer_id: str | None = None
+        self.prefill_peer_id: str | None = None
+        self.phase_deadline = float("inf")
+        self.num_blocks = 0  # blocks reserved on the decode worker
+        self.num_predicted_cached_tokens = 0  # where its prefill went, as the prefix index knew
+        self.speculative = False  # its prefill job went out with the reservation (await_grant)
+        self.num_unlisted_beats = 0  # decoding, yet left out of its worker's heartbeats (see there)
+        # Read off the SUBMIT (which never changes) once: every decision asks them several times.
+        self.request_id = submit.request_id
+        self.num_prefill_tokens = num_prefill_tokens(submit)
 
     @property
     def prefill_began(self) -> bool:
@@ -170,21 +178,39 @@ class GatewayState:
     address: str | None
 
 
-@dataclass(frozen=True)
 class Dispatched:
-    """A request handed on: for the service's log line and queue-time metric."""
+    """A request handed on: for the service's log line and queue-time metric. (Its own
+    `__init__`, as `Outgoing`'s: one per decision. Treated as frozen.)"""
 
-    request_id: str
-    queue_s: float
-    prefill_peer_id: str
-    decode_peer_id: str
-    speculative: bool = False  # the prefill job went with the reservation
+    __slots__ = ("request_id", "queue_s", "prefill_peer_id", "decode_peer_id", "speculative")
+
+    def __init__(
+        self,
+        request_id: str,
+        queue_s: float,
+        prefill_peer_id: str,
+        decode_peer_id: str,
+        speculative: bool = False,  # the prefill job went with the reservation
+    ) -> None:
+        self.request_id = request_id
+        self.queue_s = queue_s
+        self.prefill_peer_id = prefill_peer_id
+        self.decode_peer_id = decode_peer_id
+        self.speculative = speculative
 
 
-@dataclass
 class Outgoing:
-    identity: bytes
-    message: wire.Message
+    """A message and the identity of the peer it goes to. (Its own `__init__`: a dataclass's
+    runs as Python under mypyc, and a request's life sends about five.)"""
+
+    __slots__ = ("identity", "message")
+
+    def __init__(self, identity: bytes, message: wire.Message) -> None:
+        self.identity = identity
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"Outgoing(identity={self.identity!r}, message={self.message!r})"
 
 
 def each(items: list[T], handle: Callable[[T], None]) -> None:
@@ -700,10 +726,10 @@ class ClusterScheduler:
         half = self.limits.prefill_window_tokens // 2  # longer is big (`PrefillWindow`)
         takes_small, takes_big, takes_bulk = self.registry.prefill_kinds_taken(now)
         if not (takes_small or takes_big or takes_bulk):
-            return LengthRanges()  # every window is full: the usual answer under load
+            return NOTHING_PLACEABLE  # every window is full: the usual answer under load
         max_tokens = self.registry.max_decode_tokens(now) - 1
         if max_tokens < 0:
-            return LengthRanges()
+            return NOTHING_PLACEABLE
         interactive = []
         if takes_small:
             interactive.append((0, min(half, max_tokens)))
@@ -804,6 +830,8 @@ class ClusterScheduler:
     def _most_cached(self, submit: wire.Submit) -> int:
         """The most of the prompt any worker holds cached (only a holder of its first block
         holds any)."""
+        if not self.placement.active:
+            return 0  # (every SUBMIT asks: no lists made for nothing)
         hashes, holders = self._holders(submit)
         return max((self.prefix_index.num_cached_tokens(p, hashes) for p in holders), default=0)
 

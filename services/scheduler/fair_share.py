@@ -104,16 +104,35 @@ class FairShareConfig:
         return self.tenant_weights.get(party.tenant, 1.0) * class_weight
 
 
-@dataclass(frozen=True)
 class LengthRanges:
     """Which prompt lengths the caller can place now, as inclusive ranges of
     `num_prompt_tokens`: one set for interactive requests, one for bulk ones. Called on a
     request, it says whether the request's length lies in its kind's ranges. Given to a choice
     as `lengths`, it is a promise that no request outside them is admissible, so the choice
-    passes over whole parties and classes whose queued lengths lie outside."""
+    passes over whole parties and classes whose queued lengths lie outside. (Its own
+    `__init__`, not a dataclass's, which compiled code runs as Python: dispatch makes one per
+    pass. Treated as frozen.)"""
 
-    interactive: tuple[tuple[int, int], ...] = ()
-    bulk: tuple[tuple[int, int], ...] = ()
+    __slots__ = ("interactive", "bulk")
+
+    def __init__(
+        self,
+        interactive: tuple[tuple[int, int], ...] = (),
+        bulk: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        self.interactive = interactive
+        self.bulk = bulk
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LengthRanges):
+            return NotImplemented
+        return self.interactive == other.interactive and self.bulk == other.bulk
+
+    def __hash__(self) -> int:
+        return hash((self.interactive, self.bulk))
+
+    def __repr__(self) -> str:
+        return f"LengthRanges(interactive={self.interactive!r}, bulk={self.bulk!r})"
 
     @property
     def empty(self) -> bool:

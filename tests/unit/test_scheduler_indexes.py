@@ -90,7 +90,10 @@ class Twins:
             (o.identity, o.message) for o in old_out
         ], handler
         # (Never speculative here: the reference's tuples lack that last field.)
-        new_dispatched = [dataclasses.astuple(d)[:4] for d in self.new.take_dispatched()]
+        new_dispatched = [
+            (d.request_id, d.queue_s, d.prefill_peer_id, d.decode_peer_id)
+            for d in self.new.take_dispatched()
+        ]
         assert new_dispatched == [dataclasses.astuple(d) for d in self.old.take_dispatched()]
         self.compare_state()
 
