@@ -225,6 +225,13 @@ class RpcServer:
 
     async def _send(self, identity: bytes, call_id: str, kind: str, body: Any) -> None:
         text = "" if body is None else _json(body)
+        if len(text) > wire.MAX_JSON_LEN:  # the client would drop it as malformed, and wait
+            raise ApiError(
+                400,
+                f"the answer is {len(text):,} characters of JSON, more than one RPC event "
+                f"carries ({wire.MAX_JSON_LEN:,}): ask for less (fewer tokens, logprobs or "
+                "choices), or use the HTTP API, which has no such limit",
+            )
         event = wire.RpcEvent(call_id=call_id, kind=kind, body=text, status=200,
                               done=kind != "chunk")  # fmt: skip
         await self._route(identity, event)

@@ -119,6 +119,21 @@ def test_tokenize_and_detokenize_answer_as_http_does(cluster, client):
     assert json.loads(event.body)["error"]["param"] == "stream"
 
 
+def test_an_answer_over_one_events_limit_is_refused_not_lost(cluster, client):
+    """The client drops an event over the wire's JSON limit as malformed: sent, it would leave
+    the call waiting for good. The gateway answers 400 instead, naming the way round."""
+    import httpx
+
+    prompt = " a" * 1_500_000  # 1.5 million tokens: their ids fit one event, with strings not
+    assert client.tokenize(prompt=prompt)["count"] == 1_500_000
+    with pytest.raises(RpcError) as raised:
+        client.tokenize(prompt=prompt, return_token_strs=True, timeout_s=60)
+    assert raised.value.status == 400 and "HTTP API" in raised.value.body["error"]["message"]
+    body = {"prompt": prompt, "return_token_strs": True}
+    http = httpx.post(cluster.url + "/tokenize", json=body, timeout=120).json()
+    assert http["token_strs"][:2] == ["Ġa", "Ġa"] and http["count"] == 1_500_000
+
+
 def test_cancel_mid_stream_frees_the_blocks(cluster, client):
     # Leaving the stream early.
     stream = client.stream_completion(**LONG_STREAM)
