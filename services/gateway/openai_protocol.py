@@ -265,7 +265,8 @@ def _parse_logit_bias(value: Any) -> tuple[tuple[int, Any], ...] | None:
     return tuple(pairs)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An integer as JSON gives one (`true` is a bool, not 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -273,7 +274,7 @@ def _int_field(body: Mapping[str, Any], name: str, low: int, high: int | None) -
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value):
+    if not is_int(value):
         _fail(name, f"must be an integer, got {value!r}")
     if value < low or (high is not None and value > high):
         _fail(name, f"must be in [{low}, {high if high is not None else 'inf'}], got {value}")
@@ -349,7 +350,7 @@ def _parse_prompt(value: Any, max_model_len: int) -> tuple[str | None, list[int]
 
 
 def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
 
 
 def _parse_messages(value: Any) -> list[dict[str, Any]]:
@@ -497,7 +498,7 @@ def _build(
     """The fields both endpoints share; the sampling fields are checked here by building a
     SamplingParams once (with the largest max_tokens the request could get)."""
     temperature = body.get("temperature")
-    is_number = _is_int(temperature) or isinstance(temperature, float)
+    is_number = is_int(temperature) or isinstance(temperature, float)
     if is_number and not 0 <= temperature <= MAX_TEMPERATURE:
         _fail("temperature", f"must be in [0, {MAX_TEMPERATURE}], got {temperature}")
     sampling_kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}

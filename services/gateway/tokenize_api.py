@@ -23,6 +23,7 @@ from services.gateway.generation import Generator
 from services.gateway.openai_protocol import (
     ApiError,
     bad_request,
+    is_int,
     model_not_found,
     parse_chat_request,
     parse_completion_request,
@@ -60,7 +61,7 @@ def detokenize(generator: Generator, body: Any) -> dict[str, Any]:
     if unknown:
         raise bad_request(unknown[0], f"unknown field `{unknown[0]}`")
     token_ids = body.get("tokens")
-    if not isinstance(token_ids, list) or not all(_is_int(t) for t in token_ids):
+    if not isinstance(token_ids, list) or not all(is_int(t) for t in token_ids):
         raise bad_request("tokens", "`tokens` is required and must be a list of token ids")
     vocab_size = generator.vocab_size
     if any(not 0 <= t < vocab_size for t in token_ids):
@@ -78,7 +79,3 @@ def _with_model(body: Any, served_model: str) -> dict[str, Any]:
     if model != served_model:
         raise model_not_found(model)
     return {**body, "model": model}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
