@@ -64,10 +64,18 @@ def _request(
     api_key: str | None,
     bulk: bool = False,
 ) -> wire.RpcRequest:
+    text = json.dumps(body)
+    if len(text) > wire.MAX_JSON_LEN:  # the gateway would drop it as malformed, and we wait
+        # Answered here as the HTTP API answers a body over its limit (nothing was sent).
+        message = (
+            f"the request body is {len(text):,} characters of JSON, more than one RPC call "
+            f"carries ({wire.MAX_JSON_LEN:,}); nothing was sent"
+        )
+        error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+        raise RpcError(413, {"error": error})
     return wire.RpcRequest(
-        call_id=call_id, kind=kind, body=json.dumps(body), stream=stream, api_key=api_key,
-        bulk=bulk,
-    )  # fmt: skip
+        call_id=call_id, kind=kind, body=text, stream=stream, api_key=api_key, bulk=bulk
+    )
 
 
 def _payload(event: wire.RpcEvent) -> dict[str, Any] | None:

@@ -132,6 +132,11 @@ def test_an_answer_over_one_events_limit_is_refused_not_lost(cluster, client):
     body = {"prompt": prompt, "return_token_strs": True}
     http = httpx.post(cluster.url + "/tokenize", json=body, timeout=120).json()
     assert http["token_strs"][:2] == ["Ġa", "Ġa"] and http["count"] == 1_500_000
+    # A call over the limit the other way is refused by the client, before it is sent.
+    with pytest.raises(RpcError, match="nothing was sent") as raised:
+        client.tokenize(prompt=" a" * 4_200_000, timeout_s=60)
+    assert raised.value.status == 413
+    assert client.tokenize(prompt="Hi")["count"] == 1  # the connection still serves
 
 
 def test_cancel_mid_stream_frees_the_blocks(cluster, client):
