@@ -4,8 +4,9 @@ the tokenizer (`tokenize_api`).
 Handlers parse and validate the body (`openai_protocol`), tokenize and run the request through
 the cluster (`generation`), and answer either one JSON response or a stream of server-sent
 events ending with `data: [DONE]`. Every error has OpenAI's shape. A client that disconnects
-cancels its request everywhere: a stream's generator is closed by the server, and a non-streaming
-handler watches the connection while it waits.
+cancels its request everywhere: a handler watches the connection while it waits on the cluster (a
+stream for its first event, so a request queued or prefilling is cancelled too), and a stream
+that has begun is closed by the server.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,9 +36,16 @@ from services.gateway.openai_protocol import (
     parse_completion_request,
 )
 from services.gateway.openai_shapes import SSE_DONE, sse_event
-from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
+from services.gateway.responses import (
+    StreamChunks,
+    collect_response,
+    final_usage_chunk,
+    first_event,
+)
 from services.gateway.tokenize_api import detokenize, tokenize
 from shared.metrics import CONTENT_TYPE
+
+T = TypeVar("T")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -222,37 +230,55 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
         raise ApiError(400, f"the body is not valid JSON: {error}") from None
 
 
+SSE_MEDIA_TYPE = "text/event-stream"
+CLIENT_POLL_S = 0.5  # how often a handler waiting on the cluster looks whether its client left
+
+
+class ClientGone(Exception):
+    """The client disconnected while its handler waited on the cluster."""
+
+
 async def _serve(
     request: Request, generator: Generator, generation: Generation, tenant: str
 ) -> Response:
     events = generator.events(generation, tenant)
-    if generation.request.stream:
-        first = await _first_event(events)  # refusals (429, 503) still answer with a status
-        return StreamingResponse(_sse(generation, first, events), media_type="text/event-stream")
-    return await _answer_unless_gone(request, collect_response(generation, events))
+    try:
+        if generation.request.stream:
+            first = await _unless_gone(request, first_event(events))
+            return StreamingResponse(_sse(generation, first, events), media_type=SSE_MEDIA_TYPE)
+        return JSONResponse(await _unless_gone(request, collect_response(generation, events)))
+    except ClientGone:
+        await events.aclose()  # type: ignore[attr-defined]
+        return Response(status_code=499)
 
 
 async def _serve_batch(
     request: Request, generator: Generator, generations: list[Generation], tenant: str
 ) -> Response:
-    if generations[0].request.stream:
-        started = await first_events(generator, generations, tenant)
-        chunks = batched_chunks(generations, started)
-        return StreamingResponse(_sse_of(chunks), media_type="text/event-stream")
-    return await _answer_unless_gone(request, batched_response(generator, generations, tenant))
+    try:
+        if generations[0].request.stream:
+            started = await _unless_gone(request, first_events(generator, generations, tenant))
+            chunks = batched_chunks(generations, started)
+            return StreamingResponse(_sse_of(chunks), media_type=SSE_MEDIA_TYPE)
+        return JSONResponse(
+            await _unless_gone(request, batched_response(generator, generations, tenant))
+        )
+    except ClientGone:
+        return Response(status_code=499)
 
 
-async def _answer_unless_gone(request: Request, answer: Coroutine[Any, Any, dict]) -> Response:
-    """The answer once computed, or 499 (and the computation cancelled, its cluster requests
-    with it) as soon as the client disconnects."""
-    task = asyncio.create_task(answer)
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; ClientGone, the work cancelled (its cluster requests with it: a queued
+    prompt leaves the queue unprefilled), as soon as the client disconnects. A stream waits
+    here for its first event, a whole answer for its last: either may take minutes in a queue."""
+    task = asyncio.create_task(work)
     while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
+        done, _ = await asyncio.wait({task}, timeout=CLIENT_POLL_S)
         if not done and await request.is_disconnected():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            return Response(status_code=499)
-    return JSONResponse(task.result())
+            raise ClientGone
+    return task.result()
 
 
 async def _sse_of(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -264,13 +290,6 @@ async def _sse_of(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
     yield SSE_DONE
-
-
-async def _first_event(events: AsyncIterator[ChoiceEvent]) -> ChoiceEvent | None:
-    try:
-        return await anext(events)
-    except StopAsyncIteration:
-        return None
 
 
 async def _sse(

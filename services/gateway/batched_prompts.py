@@ -18,7 +18,7 @@ from typing import Any
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.openai_protocol import bad_request
 from services.gateway.openai_shapes import usage_chunk, usage_dict
-from services.gateway.responses import StreamChunks, collect_response
+from services.gateway.responses import StreamChunks, collect_response, first_event
 
 MAX_PROMPTS = 64  # prompts in one request (each with its `n` choices)
 
@@ -73,23 +73,20 @@ def _usage(generations: list[Generation], num_completion_tokens: int) -> dict:
 async def first_events(
     generator: Generator, generations: list[Generation], tenant: str
 ) -> list[tuple[AsyncIterator[ChoiceEvent], ChoiceEvent | None]]:
-    """Every prompt's events started, and each one's first event awaited: a refusal (429, 503)
-    still answers with a status. A prompt refused closes the others'."""
-    started: list[tuple[AsyncIterator[ChoiceEvent], ChoiceEvent | None]] = []
+    """Every prompt's events started side by side, and each one's first event awaited: a
+    refusal (429, 503) still answers with a status. A prompt refused, or the wait cancelled
+    (the client gone), closes them all, which cancels their cluster requests."""
+    streams = [generator.events(generation, tenant) for generation in generations]
     try:
-        for generation in generations:
-            events = generator.events(generation, tenant)
-            started.append((events, None))
-            try:
-                first = await anext(events)
-            except StopAsyncIteration:
-                first = None
-            started[-1] = (events, first)
-    except BaseException:
-        for events, _ in started:
-            await events.aclose()
+        async with asyncio.TaskGroup() as group:  # one failing cancels the others
+            firsts = [group.create_task(first_event(events)) for events in streams]
+    except BaseException as failed:
+        for events in streams:
+            await events.aclose()  # type: ignore[attr-defined]
+        if isinstance(failed, BaseExceptionGroup):  # the first prompt's error is the request's
+            raise failed.exceptions[0] from None
         raise
-    return started
+    return [(events, first.result()) for events, first in zip(streams, firsts, strict=True)]
 
 
 async def batched_chunks(

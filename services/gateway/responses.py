@@ -23,6 +23,15 @@ from services.gateway.openai_shapes import (
 from services.gateway.tool_output import ToolCallParser, extract_tool_calls
 
 
+async def first_event(events: AsyncIterator[ChoiceEvent]) -> ChoiceEvent | None:
+    """The events' first (None when there is none), awaited before a stream's answer starts, so
+    that a refusal (429, 503) still answers with a status."""
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+
+
 class StreamChunks:
     """A generation's stream chunks, event by event: each chat choice's first chunk carries the
     role; with tools, calls are cut out of the text as it streams (services.gateway.tool_output),

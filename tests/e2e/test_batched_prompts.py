@@ -4,6 +4,9 @@ choices equal that prompt sent alone, at OpenAI's indices, streamed or whole."""
 from __future__ import annotations
 
 import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -71,6 +74,32 @@ def test_a_streamed_batch_equals_the_whole_answer(cluster):
                 usages.append(chunk["usage"])
     assert texts == [c["text"] for c in whole["choices"]] and len(ids) == 1
     assert usages == [whole["usage"]]
+
+
+def test_a_streamed_batchs_prompts_wait_side_by_side(cluster):
+    """A streamed batch starts when every prompt has its first token (so that a refusal still
+    answers with a status), and its prompts are all submitted at once, not each after the
+    previous one's first token."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1_000, 40_000) for _ in range(300)] for _ in range(4)]
+    body = {"prompt": prompts, "max_tokens": 4, "ignore_eos": True, "stream": True}
+
+    def streamed_indices() -> list[int]:
+        with httpx.stream(
+            "POST", cluster.url + "/v1/completions", json={"model": MODEL, **body}, timeout=120
+        ) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+        return sorted({json.loads(line[6:])["choices"][0]["index"] for line in lines})
+
+    cluster.wait_blocks_free()
+    in_flight = []
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(streamed_indices)
+        while not answer.done():
+            in_flight.append(cluster.ready_info()["in_flight"])
+            time.sleep(0.05)
+    assert answer.result() == [0, 1, 2, 3]
+    assert max(in_flight) == len(prompts)
 
 
 @pytest.mark.parametrize(

@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared.engine.engine import EngineConfig, LLMEngine
 from shared.engine.sampling_params import SamplingParams
@@ -278,6 +282,58 @@ def test_disconnect_mid_stream_frees_blocks(cluster):
     info = cluster.wait_blocks_free()
     assert info["in_flight"] == 0
     assert info["decode_free_blocks"] == info["decode_total_blocks"]
+
+
+def test_clients_gone_before_their_answers_leave_the_queue_unprefilled(cluster):
+    """Clients that give up while their requests wait behind others (a stream before its first
+    token, a whole answer, a stream of two prompts) cancel them where they wait: their prompts
+    are never prefilled, and the requests ahead of them are answered."""
+    rng = random.Random(11)
+
+    def body(prompt_tokens: int, **fields) -> dict:
+        prompt = [rng.randrange(1_000, 40_000) for _ in range(prompt_tokens)]  # no cache hits
+        return {"model": MODEL, "prompt": prompt, "max_tokens": 1, **fields}
+
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(cluster.url + "/v1/completions", json=body, timeout=300)
+
+    prefilled_before = prefilled_tokens(cluster)
+    with ThreadPoolExecutor(2) as pool:  # ahead: the prefill worker's window, full
+        ahead = [pool.submit(post, body(1_500)) for _ in range(2)]
+        deadline = time.monotonic() + 30
+        while cluster.ready_info()["in_flight"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = [body(400, stream=True), body(400), body(200, stream=True)]
+        gone[2]["prompt"] = [gone[2]["prompt"], body(200)["prompt"]]
+        asyncio.run(give_up_after(cluster.url, gone, seconds=1.0))
+        assert [answer.result().status_code for answer in ahead] == [200, 200]
+    info = cluster.wait_blocks_free()
+    assert info["in_flight"] == 0 and info["queued"] == 0
+    assert prefilled_tokens(cluster) - prefilled_before == 2 * 1_500
+
+
+async def give_up_after(url: str, bodies: list[dict], seconds: float) -> None:
+    """Each body posted; each client closes its connection after `seconds` with no answer."""
+    async with httpx.AsyncClient(base_url=url, timeout=seconds) as client:
+
+        async def one(body: dict) -> None:
+            with pytest.raises(httpx.ReadTimeout):
+                async with client.stream("POST", "/v1/completions", json=body) as response:
+                    await response.aread()
+                    pytest.fail(f"answered {response.status_code} while queued behind others")
+
+        await asyncio.gather(*(one(body) for body in bodies))
+
+
+def prefilled_tokens(cluster) -> float:
+    """Prompt tokens the prefill workers ran (the gateway's federation of their metrics)."""
+    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "tandem:prefill_tokens_total"
+    )
 
 
 def test_logit_bias_steers_every_token_as_the_engine_does(openai_client, smollm2):
