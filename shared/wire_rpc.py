@@ -42,13 +42,16 @@ class RpcCancel(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RpcEvent(Message):
     """Gateway -> client: one event of a call. A streaming call gets chunks and then an `end`
-    (SSE's `[DONE]`); a non-streaming one gets one response; either may end with an error."""
+    (SSE's `[DONE]`); a non-streaming one gets one response; either may end with an error.
+    While a client's calls wait with nothing to send, the gateway sends it a `waiting` event
+    now and then (a probe: it fails at once when the client has gone, which cancels its calls);
+    clients drop it."""
 
     TYPE: ClassVar[MessageType] = MessageType.RPC_EVENT
     call_id: CallId
-    kind: Literal["chunk", "response", "error", "end"]
+    kind: Literal["chunk", "response", "error", "end", "waiting"]
     # JSON text: an OpenAI stream chunk, the whole OpenAI response, or OpenAI's error object
-    # ({"error": {"message", "type", "param", "code"}}); empty for `end`.
+    # ({"error": {"message", "type", "param", "code"}}); empty for `end` and `waiting`.
     body: JsonText
     status: int  # as HTTP would answer: 200 for chunks, responses and end; the error's status
     retry_after_s: float | None = None  # with 429/503: when to try again

@@ -12,9 +12,12 @@ carrying the HTTP status and OpenAI's error object.
 Cancelling a call's task closes its generation iterator, which cancels its requests in the
 cluster (queue entry, prefill job, KV blocks). That happens on `RpcCancel`, and when a client has
 vanished: the socket is ROUTER_MANDATORY, so an event to a peer that disconnected fails at once
-and every call of that peer is cancelled. (ZeroMQ does not tell a ROUTER when a peer leaves, so a
-vanished client's non-streaming call is noticed only when its response is due.) Malformed frames
-are logged and dropped; the loop never dies of a client's mistake.
+and every call of that peer is cancelled. ZeroMQ does not tell a ROUTER when a peer leaves, so
+a client whose calls wait with nothing sent to it for `PROBE_S` (queued, prefilling, or a whole
+answer being generated) is sent a `waiting` event, which fails so once it has gone; and ZMTP
+heartbeats close a connection whose peer answers none for `client_timeout_s` (a host gone
+without closing its connections, a client process stopped). Malformed frames are logged and
+dropped; the loop never dies of a client's mistake.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import contextlib
 import errno
 import functools
 import json
+import math
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -40,6 +45,7 @@ from shared.curve import CurveKeys, Security
 from shared.logs import get_logger
 
 MAX_CALLS_PER_CLIENT = 256  # calls in flight per client connection; more are answered 429
+PROBE_S = 2.0  # a client with calls in flight and no event sent for this long is probed
 
 # Per call kind: the HTTP endpoint's parser and its response id prefix.
 _ENDPOINTS = {
@@ -64,16 +70,22 @@ class RpcServer:
         max_body_bytes: int = 8 << 20,
         keys: ApiKeys | None = None,
         curve: CurveKeys | None = None,
+        client_timeout_s: float = 30.0,
     ):
+        """`client_timeout_s`: a client connection that answers no ZMTP heartbeat for this long
+        is closed (its calls are then cancelled)."""
         self.keys = keys or ApiKeys({})
         self.curve = curve
         self.generator = generator
         self.address = address
         self.max_body_bytes = max_body_bytes
+        self.client_timeout_s = client_timeout_s
         self.log = get_logger(component="rpc", address=address)
         self._calls: dict[CallKey, asyncio.Task] = {}
         self._replies: set[asyncio.Task] = set()  # refusals and cancel answers being sent
+        self._last_sent: dict[bytes, float] = {}  # per client with calls: its last event's time
         self._loop_task: asyncio.Task | None = None
+        self._probe_task: asyncio.Task | None = None
         self._closing = False
 
     async def start(self) -> None:
@@ -84,13 +96,18 @@ class RpcServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, not silence
+        timeout_ms = round(self.client_timeout_s * 1000)  # pings a few times in a timeout
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(5_000, max(1, timeout_ms // 4)))
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         self.socket.bind(self.address)
         self._loop_task = asyncio.create_task(self._serve())
+        self._probe_task = asyncio.create_task(self._probe_waiting_clients())
         self.log.info("rpc listening")
 
     async def close(self) -> None:
         self._closing = True
-        tasks = [t for t in (self._loop_task, *self._calls.values(), *self._replies) if t]
+        tasks = [self._loop_task, self._probe_task, *self._calls.values(), *self._replies]
+        tasks = [task for task in tasks if task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -117,6 +134,25 @@ class RpcServer:
                         task.cancel()
                 case _:
                     self.log.warning("dropped unexpected message", type=type(message).__name__)
+
+    async def _probe_waiting_clients(self) -> None:
+        """Every `PROBE_S`, a `waiting` event to each client with calls in flight that has been
+        sent nothing for as long: to a client gone it fails, and its calls are cancelled."""
+        while True:
+            await asyncio.sleep(PROBE_S)
+            waiting: dict[bytes, str] = {}  # client -> one of its calls
+            for identity, call_id in self._calls:
+                waiting.setdefault(identity, call_id)
+            for identity in self._last_sent.keys() - waiting.keys():
+                del self._last_sent[identity]  # (no calls left: nothing to probe for)
+            probed_before = time.monotonic() - PROBE_S
+            for identity, call_id in waiting.items():
+                if self._last_sent.get(identity, -math.inf) > probed_before:
+                    continue  # it was just sent something
+                probe = wire.RpcEvent(call_id=call_id, kind="waiting", body="", status=200,
+                                      done=False)  # fmt: skip
+                with contextlib.suppress(_ClientGone):  # (its calls are cancelled)
+                    await self._route(identity, probe)
 
     def _start_call(self, identity: bytes, request: wire.RpcRequest) -> None:
         key = (identity, request.call_id)
@@ -256,6 +292,7 @@ class RpcServer:
                 raise
             self._drop_client(identity)
             raise _ClientGone from None
+        self._last_sent[identity] = time.monotonic()
 
     def _drop_client(self, identity: bytes) -> None:
         """Cancels the other calls of a client that disconnected; the caller's own call ends by

@@ -91,7 +91,9 @@ def _as_event(frames: list) -> wire.RpcEvent | None:
     except wire.WireError as error:
         log.warning("dropped malformed message from the gateway: %s", error)
         return None
-    return message if isinstance(message, wire.RpcEvent) else None
+    if not isinstance(message, wire.RpcEvent) or message.kind == "waiting":
+        return None  # (`waiting`: the gateway's probe that this client is still there)
+    return message
 
 
 def _unreachable(address: str, timeout_s: float) -> str:

@@ -56,6 +56,11 @@ class GatewayConfig(CurveSettings):
     max_body_bytes: int = setting(8 << 20, "largest accepted HTTP request body")
     max_model_len: int | None = setting(None, "context length (default: the model's)")
     rpc_address: str | None = setting(None, "ZeroMQ RPC ROUTER to bind (default: no RPC door)")
+    rpc_client_timeout_s: float = setting(
+        30.0,
+        "an RPC client connection that answers no heartbeat this long is closed, its calls "
+        "cancelled (a host gone, a process stopped)",
+    )
     api_keys: tuple[str, ...] = setting(
         (), "API keys clients must present, each key or key=tenant (none: no authentication)"
     )
@@ -101,6 +106,7 @@ class GatewayConfig(CurveSettings):
             "max_model_len",
             "first_token_timeout_s",
             "request_timeout_s",
+            "rpc_client_timeout_s",
         )
         self.keys()  # refuses bad keys at start-up
         if self.chat_template is not None:
@@ -166,7 +172,12 @@ def build_gateway(config: GatewayConfig):
     rpc = None
     if config.rpc_address is not None:
         rpc = RpcServer(
-            generator, config.rpc_address, config.max_body_bytes, keys, config.curve_keys()
+            generator,
+            config.rpc_address,
+            config.max_body_bytes,
+            keys,
+            config.curve_keys(),
+            client_timeout_s=config.rpc_client_timeout_s,
         )
 
     batch = None

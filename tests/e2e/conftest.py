@@ -105,6 +105,7 @@ def cluster(tmp_path_factory) -> RunningCluster:
         str(256 << 20),
         num_decode=2,
         rpc=True,
+        env={"TANDEM_RPC_CLIENT_TIMEOUT_S": "4"},  # (a stopped RPC client is noticed in seconds)
     )
     yield running
     stop_cluster(running)

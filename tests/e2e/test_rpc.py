@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -16,6 +20,7 @@ from tests.e2e.test_garbage_frames import GARBAGE
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
+REPO = Path(__file__).resolve().parents[2]
 LONG_STREAM = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 400,
                "ignore_eos": True, "temperature": 0}  # fmt: skip
 
@@ -165,6 +170,39 @@ def test_cancel_mid_stream_frees_the_blocks(cluster, client):
     sock.close(linger=0)
     _assert_blocks_free(cluster)
     assert "rpc client gone" in cluster.log()
+
+
+@pytest.mark.parametrize("end", ["killed", "stopped"])
+def test_a_client_gone_while_its_answer_is_generated_has_the_call_cancelled(cluster, end):
+    """A client process killed (its connection closed) or stopped (its connection silent) while
+    a whole answer is generated: ZeroMQ tells the gateway nothing, its probe and heartbeats do
+    (4 s in this cluster), and the call is cancelled in seconds, not left to run 3,000 steps."""
+    cluster.wait_blocks_free()
+    call = (
+        "from services.gateway.rpc_client import TandemClient\n"
+        f"with TandemClient({cluster.rpc_address!r}, timeout_s=600) as client:\n"
+        f"    client.completion(**{LONG_STREAM | {'max_tokens': 3_000}!r})\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", call], cwd=REPO)
+    try:
+        assert wait_for_in_flight(cluster, lambda n: n == 1, timeout_s=60), "never submitted"
+        time.sleep(1.0)  # (generating)
+        process.send_signal(signal.SIGKILL if end == "killed" else signal.SIGSTOP)
+        assert wait_for_in_flight(cluster, lambda n: n == 0, timeout_s=15), "still generating"
+    finally:
+        process.kill()
+        process.wait()
+    info = cluster.wait_blocks_free()
+    assert info["decode_free_blocks"] == info["decode_total_blocks"]
+
+
+def wait_for_in_flight(cluster, wanted, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if wanted(cluster.ready_info()["in_flight"]):
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_garbage_and_misuse_are_dropped_or_refused(cluster, client):

@@ -77,6 +77,7 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (GatewayConfig, ["--port", "-1"], {}, "port"),
         (GatewayConfig, ["--first-token-timeout-s", "0"], {}, "first_token_timeout_s"),
         (GatewayConfig, [], {"TANDEM_REQUEST_TIMEOUT_S": "soon"}, "TANDEM_REQUEST_TIMEOUT_S"),
+        (GatewayConfig, [], {"TANDEM_RPC_CLIENT_TIMEOUT_S": "0"}, "rpc_client_timeout_s"),
         (SchedulerConfig, ["--max-queue-time-s", "-1"], {}, "max_queue_time_s"),
         (SchedulerConfig, ["--route-queued-weight", "-1"], {}, "--route-queued-weight"),
         (SchedulerConfig, ["--local-prefill-max-tokens", "-1"], {}, "local_prefill_max_tokens"),
