@@ -205,9 +205,10 @@ class Generator:
                     event = self._echoed(generation, event, delta)
                 if event.finish_reason is not None:
                     running.discard(index)
-                    self.cluster.finished(choice_ids[index])
-                    if delta.finish_reason is None:  # a stop string ended it early
+                    if delta.finish_reason is None:  # a stop string ended it: workers stop too
                         await self.cluster.cancel(choice_ids[index], "stop string")
+                    else:  # (`finished` first would leave `cancel` nothing to cancel)
+                        self.cluster.finished(choice_ids[index])
                 yield event
                 if not running:
                     return

@@ -284,6 +284,20 @@ def test_disconnect_mid_stream_frees_blocks(cluster):
     assert info["decode_free_blocks"] == info["decode_total_blocks"]
 
 
+def test_a_stop_string_stops_the_workers_too(cluster):
+    """A stop string ends the choice at the gateway and its request in the cluster: the decode
+    worker does not go on to `max_tokens` for nobody (until 2026-12-06 it did)."""
+    cluster.wait_blocks_free()
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 3_000,
+            "ignore_eos": True, "temperature": 0, "stop": [" "]}  # fmt: skip
+    response = httpx.post(cluster.url + "/v1/completions", json=body, timeout=120).json()
+    assert response["choices"][0]["finish_reason"] == "stop", response
+    deadline = time.monotonic() + 5
+    while cluster.ready_info()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.ready_info()["in_flight"] == 0, "still decoding after its stop string"
+
+
 def test_clients_gone_before_their_answers_leave_the_queue_unprefilled(cluster):
     """Clients that give up while their requests wait behind others (a stream before its first
     token, a whole answer, a stream of two prompts) cancel them where they wait: their prompts
