@@ -215,14 +215,21 @@ class ClusterClient:
         reply_future = asyncio.get_running_loop().create_future()
         self._replies[submit.request_id] = reply_future
         try:
-            await wire.async_send(self.scheduler, submit)
-            reply = await asyncio.wait_for(reply_future, timeout_s)
+            async with asyncio.timeout(timeout_s):  # (wait_for could swallow a cancel)
+                await wire.async_send(self.scheduler, submit)
+                reply = await reply_future
         except TimeoutError:
             # The scheduler may have queued it and be late answering (a flood of submits): a
             # request its client was told failed must not run, nor run twice when retried.
             cancel = wire.Cancel(request_id=submit.request_id, reason="submit not answered")
             await wire.async_send(self.scheduler, cancel)
             raise SubmitRefused(503, "the scheduler did not answer", 1.0) from None
+        except asyncio.CancelledError:
+            # The caller left (its client gone) with the SUBMIT sent, or perhaps sent: once
+            # admitted it must not run for nobody (a cancel of a request unknown is ignored).
+            cancel = wire.Cancel(request_id=submit.request_id, reason="caller gone")
+            self._start_chore(wire.async_send(self.scheduler, cancel))
+            raise
         finally:
             self._replies.pop(submit.request_id, None)
         if not reply.accepted:

@@ -126,6 +126,24 @@ def test_a_submit_the_scheduler_does_not_answer_in_time_is_a_503_and_is_cancelle
     assert cancel.request_id == "late"
 
 
+def test_a_submit_whose_caller_leaves_before_the_answer_is_cancelled(tmp_path):
+    """A client gone while its SUBMIT awaits the scheduler's answer: once admitted, the request
+    must not run for nobody (the gateway forgets it at once, so only a CANCEL can stop it)."""
+
+    async def scenario() -> wire.Cancel:
+        async with PlayedCluster(tmp_path) as played:
+            caller = asyncio.create_task(played.cluster.submit(submit("left")))
+            assert (await played.scheduler.expect(wire.Submit)).request_id == "left"
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            cancel = await asyncio.wait_for(played.scheduler.expect(wire.Cancel), 10)
+            await played.scheduler.reply("left")  # admitted after all: dropped
+        return cancel
+
+    assert asyncio.run(scenario()).request_id == "left"
+
+
 def test_past_the_pending_submits_bound_a_request_is_refused_at_once_with_429(tmp_path):
     async def scenario() -> tuple[SubmitRefused, list]:
         async with PlayedCluster(tmp_path, max_pending_submits=2) as played:
