@@ -23,7 +23,7 @@ from services.batch.store import Store
 from services.batch.validation import raw_lines
 
 Result = tuple[int, dict[str, Any], bytes | None]
-_WINDOW = re.compile(r"(\d+)([hms])")
+_WINDOW = re.compile(r"(\d{1,9})([hms])")  # (int() refuses over 4,300 digits)
 _SECONDS = {"h": 3600, "m": 60, "s": 1}
 MAX_METADATA_KEYS = 16
 CONTENT_CHUNK_BYTES = 1 << 20
@@ -167,7 +167,7 @@ class BatchApi:
 
     def batch_create(self, tenant: str, params: dict, _: bytes | None) -> Result:
         endpoint = params.get("endpoint")
-        if endpoint not in KINDS:
+        if not isinstance(endpoint, str) or endpoint not in KINDS:  # ([] is not even hashable)
             raise ApiFailure(400, f"endpoint must be one of {', '.join(KINDS)}", "endpoint")
         window_s = _window_seconds(params.get("completion_window"))
         metadata = params.get("metadata")

@@ -14,7 +14,7 @@ import time
 
 from services.batch.runner import JobRunner, RunLimits
 from services.batch.store import Store
-from services.batch.validation import validate
+from services.batch.validation import error, validate
 from services.gateway.rpc_client import AsyncTandemClient
 from shared.logs import get_logger
 
@@ -68,10 +68,24 @@ class JobManager:
             await runner.run()
         except asyncio.CancelledError:
             raise
-        except Exception:  # a bug must not take the service down; the job resumes on restart
+        except Exception as failure:  # a bug must not take the service down
             self.log.exception("batch job failed", batch_id=batch_id)
+            self._fail_if_unvalidated(batch_id, failure)  # (a run resumes on restart)
         finally:
             self.runners.pop(batch_id, None)
+
+    def _fail_if_unvalidated(self, batch_id: str, failure: Exception) -> None:
+        """A validation that raised would raise again at every restart: the batch fails, and
+        says why, rather than stay `validating` for ever."""
+        if self.store.get_batch(batch_id)["status"] != "validating":
+            return
+        message = f"the input file could not be validated: {failure!r}"
+        self.store.update_batch(
+            batch_id,
+            status="failed",
+            failed_at=int(time.time()),
+            errors={"object": "list", "data": [error("validation_failed", message)]},
+        )
 
     async def _validate(self, batch: dict) -> bool:
         # Runs on the loop, page by page in SQLite: 50,000 lines take about a second.

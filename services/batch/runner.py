@@ -16,8 +16,10 @@ limit, a bad sampling value): it goes to the output or error file (`answers`). C
 `max_attempts`; a worker's death is handled below us (the gateway resumes the request).
 
 Cancel stops the feed and aborts the lines in flight (their answers are not written); expiry
-(`expires_at` passed) stops the feed, lets the lines in flight finish, and answers every line
-never started with a `batch_expired` error. Then the job is finalized: its output and error
+(`expires_at` passed) stops the feed, lets the lines in flight finish (a line still refused
+with 429/503 then stops retrying), and answers every line never started with a
+`batch_expired` error. A line whose call fails in a way not foreseen is answered with a 500:
+every line is answered exactly once. Then the job is finalized: its output and error
 files are registered and the batch object gets their ids.
 """
 
@@ -47,6 +49,14 @@ class RunLimits:
     max_attempts: int = 5  # per line, for cluster failures (5xx, no answer)
 
 
+class _WindowClosed(Exception):
+    """The completion window passed while a line waited for the cluster to take it."""
+
+
+def _error_body(kind: str, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
 class JobRunner:
     """Runs one job to its end state; `cancel()` asks it to stop."""
 
@@ -74,6 +84,8 @@ class JobRunner:
                 for task in tasks:
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if ended == "completed" and self.store.num_pending(self.batch_id):
+                ended = "expired"  # lines the window closed on while they waited for room
             if ended == "expired":
                 self._expire_rest(answers)
             self._finalize(answers, ended)
@@ -87,8 +99,8 @@ class JobRunner:
         with open(self.store.path_of(batch["input_file_id"]), "rb") as source:
             while True:
                 page = self.store.pending_lines(self.batch_id, cursor, PAGE_LINES)
-                if not page:
-                    return "completed"
+                if not page:  # all fed; a cancel or the deadline still counts while some run
+                    return await self._wait_for_slot(batch, until_idle=True) or "completed"
                 for row in page:
                     ended = await self._wait_for_slot(batch)
                     if ended is not None:
@@ -122,7 +134,13 @@ class JobRunner:
 
     async def _answer(self, kind: str, batch: dict, line: dict, answers: Answers) -> None:
         try:
-            status, body = await self._call(kind, batch, line)
+            try:
+                status, body = await self._call(kind, batch, line)
+            except _WindowClosed:
+                return  # left pending: answered `batch_expired`, as the lines never started
+            except Exception as error:  # a bug here must not lose the line: a 500 answers it
+                self.log.exception("line failed", custom_id=line["custom_id"])
+                status, body = 500, _error_body("server_error", f"the line failed: {error!r}")
             answers.response(line["custom_id"], status, body)
         finally:
             self.tasks.discard(asyncio.current_task())  # before the wake-up: the slot is free
@@ -131,17 +149,18 @@ class JobRunner:
     async def _call(self, kind: str, batch: dict, line: dict) -> tuple[int, dict[str, Any]]:
         # The owner's tenant is charged, whatever the line says (tenancy: see the service doc).
         body = {**line["body"], "stream": False, "user": batch["_tenant"]}
-        call = self.client.chat if kind == "chat" else self.client.completion
         failures = 0
         while True:
             try:
-                response = await call(timeout_s=self.limits.line_timeout_s, **body)
+                response = await self.client.call(kind, body, self.limits.line_timeout_s)
                 self.window = min(self.limits.max_in_flight, self.window + 1)
                 return 200, response
             except RpcError as error:
                 if error.status in RETRY_STATUSES:
                     self.window = max(1.0, self.window / 2)
                     await asyncio.sleep(error.retry_after_s or 1.0)
+                    if time.time() >= batch["expires_at"]:  # (a cluster that stays full)
+                        raise _WindowClosed from None
                     continue
                 if error.status < 500 or failures + 1 >= self.limits.max_attempts:
                     return error.status, error.body
@@ -150,14 +169,7 @@ class JobRunner:
             except TimeoutError as error:
                 failures += 1
                 if failures >= self.limits.max_attempts:
-                    return 504, {
-                        "error": {
-                            "message": str(error),
-                            "type": "timeout",
-                            "param": None,
-                            "code": None,
-                        }
-                    }
+                    return 504, _error_body("timeout", str(error))
                 self.log.warning("line timed out, retrying", custom_id=line["custom_id"])
             await asyncio.sleep(min(8.0, 0.5 * 2**failures))
 

@@ -64,10 +64,15 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # chat content parts, or token ids
-        return "".join(
-            part.get("text", "") if isinstance(part, dict) else f"{part}," for part in content
-        )
+        return "".join(_part_text(part) for part in content)
     return ""
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, dict):  # a content part: its text, when it is one (else the parser's 400)
+        text = part.get("text")
+        return text if isinstance(text, str) else ""
+    return f"{part},"
 
 
 def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | None, str, list[dict]]:
@@ -75,7 +80,7 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
     numbers."""
     try:
         line = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # (an int over 4,300 digits, deep nesting too)
         return None, "", [error("invalid_json", f"the line is not valid JSON: {e}")]
     if not isinstance(line, dict):
         return None, "", [error("invalid_json", "the line must be a JSON object")]

@@ -334,6 +334,13 @@ class AsyncTandemClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    async def call(
+        self, kind: CallKind, body: dict[str, Any], timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """One non-streaming call with `body` as it is (the keyword methods take the body as
+        keywords, so a field named like their own arguments could not be sent)."""
+        return await self._call(kind, body, timeout_s)
+
     async def _call(self, kind: CallKind, body: dict[str, Any], timeout_s: float | None) -> dict:
         call_id = await self._start(kind, body, stream=False)
         try:

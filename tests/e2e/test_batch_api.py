@@ -187,7 +187,9 @@ def test_limits_and_wrong_values_get_clear_errors(batch_cluster):
     small = upload(api, [line("s", "x")])
     for wrong in (
         {"endpoint": "/v1/embeddings"},
+        {"endpoint": []},
         {"completion_window": "tomorrow"},
+        {"completion_window": "1" * 5_000 + "h"},
         {"input_file_id": "file-nope"},
         {"metadata": {"k": 5}},
     ):

@@ -1,0 +1,181 @@
+"""The batch service's job runner and job manager where the cluster cannot make them misbehave on
+demand: a line whose call fails in a way nobody foresaw, a cluster that stays full past the
+deadline, a cancel while the last lines run, input no parser expected, a validation that raises.
+Each is answered exactly once per line and ends in a terminal state. The client is played (its
+one method, `call`); the store, the files and the answers are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from services.batch import jobs, runner
+from services.batch.jobs import JobManager
+from services.batch.runner import JobRunner, RunLimits
+from services.batch.store import Store
+from services.batch.validation import check_line, validate
+from services.gateway.rpc_client import RpcError
+
+FULL = RpcError(503, {"error": {"message": "full", "type": "overloaded"}}, retry_after_s=0.02)
+
+
+class PlayedClient:
+    """Answers each line by its prompt: "ok" answers, "bug" raises what no one foresaw, "full"
+    is refused with 503 for ever, "slow" waits until cancelled."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    async def call(self, kind: str, body: dict, timeout_s: float | None = None) -> dict:
+        self.bodies.append(body)
+        match body["prompt"]:
+            case "bug":
+                raise KeyError("choices")
+            case "full":
+                raise FULL
+            case "slow":
+                await asyncio.Event().wait()
+        return {"choices": [{"text": body["prompt"]}], "usage": {"completion_tokens": 1}}
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(tmp_path)
+    yield store
+    store.close()
+
+
+def line(custom_id: str, prompt: str, **extra) -> bytes:
+    body = {"model": "m", "prompt": prompt, **extra}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+                       "body": body}).encode()  # fmt: skip
+
+
+def validated_batch(store: Store, lines: list[bytes], expires_in_s: float = 3600) -> dict:
+    store.path_of("file-in").write_bytes(b"\n".join(lines) + b"\n")
+    batch = {"id": "batch_x", "status": "in_progress", "created_at": 0, "endpoint":
+             "/v1/completions", "input_file_id": "file-in", "_tenant": "t",
+             "expires_at": time.time() + expires_in_s}  # fmt: skip
+    store.add_batch(batch, "t")
+    num_lines, errors = validate(store, batch, ["m"])
+    assert errors == []
+    store.set_total(batch["id"], num_lines)
+    return batch
+
+
+def run(store: Store, client: PlayedClient, cancel_after_s: float | None = None) -> dict:
+    async def scenario() -> None:
+        job = JobRunner(store, client, "batch_x", RunLimits(max_in_flight=4))
+        if cancel_after_s is not None:
+            asyncio.get_running_loop().call_later(cancel_after_s, job.cancel)
+        await asyncio.wait_for(job.run(), 20)
+
+    asyncio.run(scenario())
+    return store.get_batch("batch_x")
+
+
+def answered(store: Store, batch: dict) -> dict[str, int]:
+    """custom_id -> the status its answer carries, over the output and error files."""
+    statuses = {}
+    for key in ("output_file_id", "error_file_id"):
+        if batch.get(key):
+            for text in store.path_of(batch[key]).read_text().splitlines():
+                answer = json.loads(text)
+                assert answer["custom_id"] not in statuses, "answered twice"
+                response = answer["response"]
+                statuses[answer["custom_id"]] = response["status_code"] if response else 0
+    return statuses
+
+
+def test_a_line_whose_call_fails_unforeseen_is_answered_500_and_the_rest_run(store):
+    validated_batch(store, [line("a", "ok"), line("b", "bug"), line("c", "ok")])
+    batch = run(store, PlayedClient())
+    assert batch["status"] == "completed"
+    assert answered(store, batch) == {"a": 200, "b": 500, "c": 200}
+    assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+
+
+def test_body_fields_named_like_the_clients_arguments_are_sent_as_they_are(store):
+    """`timeout_s` or `self` in a line's body went to the client's keyword methods as their own
+    arguments: a TypeError that lost the line while the batch said completed."""
+    validated_batch(store, [line("a", "ok", timeout_s=5, self=1)])
+    client = PlayedClient()
+    batch = run(store, client)
+    assert answered(store, batch) == {"a": 200}
+    assert client.bodies[0]["timeout_s"] == 5 and client.bodies[0]["self"] == 1
+
+
+def test_a_cluster_full_past_the_deadline_lets_the_batch_expire(store):
+    validated_batch(store, [line("a", "ok"), line("b", "full")], expires_in_s=1.0)
+    batch = run(store, PlayedClient())
+    assert batch["status"] == "expired"
+    assert answered(store, batch) == {"a": 200, "b": 0}  # b: `batch_expired`, no response
+    errors = store.path_of(batch["error_file_id"]).read_text()
+    assert "batch_expired" in errors
+
+
+def test_a_cancel_while_the_last_lines_run_cancels(store, monkeypatch):
+    """Every line fed (the last page full, so the feed finds no next page) while some still
+    run: a cancel then still ends the batch as cancelled."""
+    monkeypatch.setattr(runner, "PAGE_LINES", 2)
+    validated_batch(store, [line("a", "ok"), line("b", "slow")])
+    batch = run(store, PlayedClient(), cancel_after_s=0.5)
+    assert batch["status"] == "cancelled"
+    assert answered(store, batch) == {"a": 200}
+
+
+@pytest.mark.parametrize(
+    "text, custom_id, codes",
+    [
+        (
+            json.dumps(
+                {
+                    "custom_id": "a",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": "m",
+                        "messages": [{"role": "user", "content": [{"type": "text", "text": None}]}],
+                    },
+                }
+            ).encode(),
+            "a",
+            [],
+        ),  # fmt: skip
+        (b'{"custom_id": "a", "n": ' + b"1" * 5_000 + b"}", None, ["invalid_json"]),
+        (b"[" * 200_000, None, ["invalid_json"]),
+    ],
+    ids=["text-part-null", "int-of-5000-digits", "nested-200000-deep"],
+)
+def test_input_no_parser_expected_is_checked_not_a_crash(text, custom_id, codes):
+    """Each raised past the check (a TypeError, a ValueError, a RecursionError) and left the
+    batch `validating` for ever. A null text part is the gateway's 400 when the line runs."""
+    found_id, _, problems = check_line(text, "/v1/chat/completions", ["m"])
+    assert (found_id, [p["code"] for p in problems]) == (custom_id, codes)
+
+
+def test_a_validation_that_raises_fails_the_batch_instead_of_leaving_it_validating(
+    store, monkeypatch
+):
+    store.path_of("file-in").write_bytes(line("a", "ok") + b"\n")
+    store.add_batch({"id": "batch_x", "status": "validating", "created_at": 0, "endpoint":
+                     "/v1/completions", "input_file_id": "file-in", "_models": ["m"],
+                     "expires_at": time.time() + 60}, "t")  # fmt: skip
+
+    def raising(*_args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(jobs, "validate", raising)
+
+    async def scenario() -> None:
+        manager = JobManager(store, PlayedClient(), RunLimits())
+        await manager._drive("batch_x")
+
+    asyncio.run(scenario())
+    batch = store.get_batch("batch_x")
+    assert batch["status"] == "failed"
+    assert batch["errors"]["data"][0]["code"] == "validation_failed"
+    assert "a bug" in batch["errors"]["data"][0]["message"]
