@@ -226,7 +226,7 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
             raise ApiError(413, f"the request body exceeds {max_body_bytes} bytes")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # (ints over 4,300 digits, deep nesting too)
         raise ApiError(400, f"the body is not valid JSON: {error}") from None
 
 

@@ -99,7 +99,7 @@ def add_batch_routes(app: FastAPI, link: BatchLink, keys: ApiKeys, model: str) -
             raise ApiError(413, f"the request body exceeds {MAX_BATCH_BODY_BYTES} bytes")
         try:
             params = json.loads(raw)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:
             raise ApiError(400, f"the body is not valid JSON: {error}") from None
         if not isinstance(params, dict):
             raise ApiError(400, "the body must be a JSON object")

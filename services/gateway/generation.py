@@ -184,8 +184,8 @@ class Generator:
         try:
             for index, choice_id in enumerate(choice_ids):
                 params = generation.params
-                if params.seed is not None:
-                    params = dataclasses.replace(params, seed=params.seed + index)
+                if params.seed is not None:  # (wrapping: a seed must stay under 2**64)
+                    params = dataclasses.replace(params, seed=(params.seed + index) % 2**64)
                 queues.append(await self._submit(generation, choice_id, params, tenant, bulk))
                 traces.append(
                     self.telemetry.submitted(

@@ -223,7 +223,7 @@ class RpcServer:
             raise ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes")
         try:
             return json.loads(request.body)
-        except json.JSONDecodeError as error:
+        except (ValueError, RecursionError) as error:  # (ints over 4,300 digits, deep nesting)
             raise ApiError(400, f"the body is not valid JSON: {error}") from None
 
     def _prepare(self, request: wire.RpcRequest) -> Generation:

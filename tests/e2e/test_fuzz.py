@@ -126,6 +126,12 @@ def test_malformed_http_bodies_get_4xx_never_5xx(cluster, memory_before):
         # NaN and infinities are not JSON, but Python's parser takes them: still a 4xx.
         body = {"model": "smollm2", "prompt": "x", "max_tokens": 2, "temperature": math.nan}
         check_answer(client.post("/v1/completions", content=json.dumps(body)), body)
+        # What the parser refuses past JSONDecodeError: an int over 4,300 digits, deep nesting.
+        for raw_body in (b'{"seed": ' + b"1" * 5_000 + b"}", b"[" * 100_000):
+            assert client.post("/v1/completions", content=raw_body).status_code == 400
+        # The n choices' seeds are seed, seed + 1, ...: past 2**64 they wrap, not fail.
+        body = {"model": "smollm2", "prompt": "x", "max_tokens": 2, "seed": 2**64 - 1, "n": 2}
+        assert client.post("/v1/completions", json=body).status_code == 200
 
 
 def field_names(code: int) -> list[str]:

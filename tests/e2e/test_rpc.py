@@ -218,10 +218,31 @@ def test_garbage_and_misuse_are_dropped_or_refused(cluster, client):
     finally:
         sock.close(linger=0)
     assert [(e.kind, e.status) for e in events] == [("error", 409), ("response", 200)]
+    assert [status for status, _ in _raw_calls(cluster, UNPARSABLE_JSON)] == [400, 400]
     answer = client.completion(model=MODEL, prompt="Still there?", max_tokens=2, temperature=0)
     assert answer["usage"]["completion_tokens"] >= 1
     rpc_lines = [line for line in cluster.log().splitlines() if '"component": "rpc"' in line]
     assert any("dropped malformed" in line for line in rpc_lines)
+
+
+# JSON that Python's parser refuses past JSONDecodeError (the client's json.dumps would too).
+UNPARSABLE_JSON = ['{"seed": ' + "1" * 5_000 + "}", "[" * 100_000]
+
+
+def _raw_calls(cluster, bodies: list[str]) -> list[tuple[int, str]]:
+    """(status, error message) of each body sent as a completion call from a raw socket."""
+    sock = _raw_socket(cluster)
+    try:
+        answers = []
+        for n, body in enumerate(bodies):
+            call = wire.RpcRequest(call_id=f"raw-{n}", kind="completion", body=body, stream=False)
+            wire.send(sock, call)
+            assert sock.poll(60_000), "no answer"
+            event = wire.recv(sock)
+            answers.append((event.status, json.loads(event.body)["error"]["message"]))
+        return answers
+    finally:
+        sock.close(linger=0)
 
 
 def _raw_socket(cluster) -> zmq.Socket:
