@@ -202,8 +202,9 @@ class TandemClient:
         if not self._socket.poll(self.timeout_s * 1000, zmq.POLLOUT):
             raise TimeoutError(_unreachable(self.address, self.timeout_s))
         call_id = next(self._call_ids)
+        request = _request(call_id, kind, body, stream, self.api_key)  # (may refuse: 413)
         self._inbox[call_id] = deque()
-        wire.send(self._socket, _request(call_id, kind, body, stream, self.api_key))
+        wire.send(self._socket, request)
         return call_id
 
     def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
@@ -358,8 +359,8 @@ class AsyncTandemClient:
         if not await self._socket.poll(self.timeout_s * 1000, zmq.POLLOUT):
             raise TimeoutError(_unreachable(self.address, self.timeout_s))
         call_id = next(self._call_ids)
+        request = _request(call_id, kind, body, stream, self.api_key, self.bulk)  # (may be 413)
         self._inbox[call_id] = asyncio.Queue()
-        request = _request(call_id, kind, body, stream, self.api_key, self.bulk)
         await wire.async_send(self._socket, request)
         return call_id
 
