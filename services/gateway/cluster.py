@@ -221,14 +221,12 @@ class ClusterClient:
         except TimeoutError:
             # The scheduler may have queued it and be late answering (a flood of submits): a
             # request its client was told failed must not run, nor run twice when retried.
-            cancel = wire.Cancel(request_id=submit.request_id, reason="submit not answered")
-            await wire.async_send(self.scheduler, cancel)
+            self._send_cancel(submit.request_id, "submit not answered")
             raise SubmitRefused(503, "the scheduler did not answer", 1.0) from None
         except asyncio.CancelledError:
             # The caller left (its client gone) with the SUBMIT sent, or perhaps sent: once
             # admitted it must not run for nobody (a cancel of a request unknown is ignored).
-            cancel = wire.Cancel(request_id=submit.request_id, reason="caller gone")
-            self._start_chore(wire.async_send(self.scheduler, cancel))
+            self._send_cancel(submit.request_id, "caller gone")
             raise
         finally:
             self._replies.pop(submit.request_id, None)
@@ -238,8 +236,18 @@ class ClusterClient:
     async def cancel(self, request_id: str, reason: str) -> None:
         inflight = self._drop(request_id)
         if inflight is not None:
-            cancel = wire.Cancel(request_id=inflight.attempt_id, reason=reason)
-            await wire.async_send(self.scheduler, cancel)
+            self._send_cancel(inflight.attempt_id, reason)
+
+    def _send_cancel(self, request_id: str, reason: str) -> None:
+        """A CANCEL sent without waiting. With the scheduler unreachable long enough the
+        socket's queue (SNDHWM, 1,000 messages) fills, and a send that waited would hang its
+        handler until the scheduler returned; so it is dropped then, and logged (a SUBMIT
+        queued before it may then run for nobody once the scheduler is back)."""
+        cancel = wire.Cancel(request_id=request_id, reason=reason)
+        sent = self.scheduler.send_multipart(wire.encode(cancel), flags=zmq.NOBLOCK, copy=False)
+        # (an asyncio socket answers NOBLOCK with a future done at once, zmq.Again its error)
+        if sent.done() and not sent.cancelled() and isinstance(sent.exception(), zmq.Again):
+            self.log.warning("cancel dropped: the scheduler's queue is full", request_id=request_id)
 
     def finished(self, request_id: str) -> None:
         """The handler saw the last delta; later deltas (none expected) are dropped."""
@@ -260,7 +268,7 @@ class ClusterClient:
         a preempted request comes back with at least one more token each time. `abandon`: an
         attempt still running that must stop first (its stream lost tokens)."""
         if abandon is not None:
-            await wire.async_send(self.scheduler, wire.Cancel(request_id=abandon, reason=reason))
+            self._send_cancel(abandon, reason)
         first_id = inflight.submit.request_id
         if counted and inflight.num_resumes >= MAX_RESUMES:
             self._fail(inflight, f"{reason}; given up after {MAX_RESUMES} resumptions")
@@ -290,8 +298,7 @@ class ClusterClient:
             try:
                 await self._send_submit(submit, timeout_s=10.0)
                 if self._requests.get(first_id) is not inflight:  # cancelled while submitting
-                    cancel = wire.Cancel(request_id=attempt_id, reason="client gone")
-                    await wire.async_send(self.scheduler, cancel)
+                    self._send_cancel(attempt_id, "client gone")
                 return
             except SubmitRefused as refused:
                 # 503: no worker registered just now (a restarted one may be on its way back).

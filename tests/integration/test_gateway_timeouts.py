@@ -144,6 +144,31 @@ def test_a_submit_whose_caller_leaves_before_the_answer_is_cancelled(tmp_path):
     assert asyncio.run(scenario()).request_id == "left"
 
 
+def test_with_the_scheduler_unreachable_submits_are_refused_in_time_and_cancels_never_wait(
+    tmp_path,
+):
+    """No scheduler at all: each SUBMIT refused with 503 after its timeout leaves a CANCEL
+    behind, and past 1,000 messages the socket's queue is full. Submits must still be refused
+    in their time, and no cancel may wait for room (it hung the handler until the scheduler
+    came back)."""
+
+    async def scenario() -> list:
+        cluster = ClusterClient(f"ipc://{tmp_path}/nobody", f"ipc://{tmp_path}/stream",
+                                f"ipc://{tmp_path}/stream", "g", "smollm2",
+                                GatewayEvents(get_logger()), max_pending_submits=5_000)  # fmt: skip
+        await cluster.start()
+        try:
+            submits = [cluster.submit(submit(f"r{i}"), timeout_s=0.5) for i in range(1_500)]
+            return await asyncio.wait_for(asyncio.gather(*submits, return_exceptions=True), 30)
+        finally:
+            await cluster.close()
+
+    answers = asyncio.run(scenario())
+    assert {(type(a).__name__, getattr(a, "status_code", None)) for a in answers} == {
+        ("SubmitRefused", 503)
+    }
+
+
 def test_past_the_pending_submits_bound_a_request_is_refused_at_once_with_429(tmp_path):
     async def scenario() -> tuple[SubmitRefused, list]:
         async with PlayedCluster(tmp_path, max_pending_submits=2) as played:
