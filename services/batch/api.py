@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.batch.jobs import JobManager
+from services.batch.jobs import UNFINISHED, JobManager
 from services.batch.runner import KINDS
 from services.batch.store import Store
 from services.batch.validation import raw_lines
@@ -148,6 +148,15 @@ class BatchApi:
 
     def file_delete(self, tenant: str, params: dict, _: bytes | None) -> Result:
         row = self._file(tenant, params)
+        unfinished = self.store.batches_in(*UNFINISHED)
+        using = [batch["id"] for batch in unfinished if batch["input_file_id"] == row["id"]]
+        if using:  # (its job reads lines from it until it ends, and again after a restart)
+            raise ApiFailure(
+                409,
+                f"the file is the input of {using[0]}, which has not finished: cancel it, or "
+                "delete the file once it has ended",
+                "file_id",
+            )
         self.store.delete_file(tenant, row["id"])
         return 200, {"id": row["id"], "object": "file", "deleted": True}, None
 

@@ -2,7 +2,10 @@
 
 Calls may run concurrently; a reader task matches each `BatchReply` to its call by `call_id`.
 A batch service that does not answer within `timeout_s` (down, restarting) is answered 503 with
-a Retry-After, so clients retry instead of hanging; a late reply is then dropped.
+a Retry-After, so clients retry instead of hanging; a late reply is then dropped. A call is
+sent only over a live connection (IMMEDIATE), never queued for a service that is down: queued,
+it ran once the service came back, after its client had been told 503 and had retried (two
+batches for one).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class BatchLink:
     async def start(self) -> None:
         socket = self.security.client(zmq.asyncio.Context.instance().socket(zmq.DEALER))
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a service not connected
         socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_CHUNK_BYTES + (1 << 20))
         socket.connect(self.address)
         self._socket = socket
@@ -61,8 +65,9 @@ class BatchLink:
             call_id=call_id, op=op, tenant=tenant, params=json.dumps(params)
         )
         try:
-            await wire_batch.async_send(self._socket, message, data)
-            reply, chunk = await asyncio.wait_for(future, self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # the send too: it waits for a link
+                await wire_batch.async_send(self._socket, message, data)
+                reply, chunk = await future
         except TimeoutError:
             error = ApiError(503, "the batch service did not answer", "server_error")
             error.retry_after_s = 5.0

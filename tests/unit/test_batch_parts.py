@@ -204,3 +204,20 @@ def test_files_are_seen_only_by_their_tenant_and_bounded(store):
     status, body, _ = api.handle("file_upload_chunk", "alice", begun, b"x" * 11)
     assert status == 413 and "10 bytes" in body["error"]["message"]
     assert api.handle("file_upload_begin", "alice", {"purpose": "tune"}, None)[0] == 400
+
+
+def test_a_file_an_unfinished_batch_reads_cannot_be_deleted_until_it_ends(store):
+    """Deleted under a running job, its bytes were gone at the next restart, and the job could
+    neither resume nor end."""
+    api = BatchApi(store, jobs=None, limits=Limits())
+    store.path_of("file-in").write_bytes(good() + b"\n")
+    store.add_file("file-in", "alice", "batch", "in.jsonl", len(good()) + 1)
+    batch = {"id": "batch_x", "status": "in_progress", "created_at": 0, "endpoint":
+             "/v1/completions", "input_file_id": "file-in"}  # fmt: skip
+    store.add_batch(batch, "alice")
+    status, body, _ = api.handle("file_delete", "alice", {"file_id": "file-in"}, None)
+    assert status == 409 and "batch_x" in body["error"]["message"]
+    assert store.path_of("file-in").exists()
+    store.update_batch("batch_x", status="completed")
+    assert api.handle("file_delete", "alice", {"file_id": "file-in"}, None)[0] == 200
+    assert not store.path_of("file-in").exists()
