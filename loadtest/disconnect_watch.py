@@ -18,16 +18,14 @@ import time
 from pathlib import Path
 
 import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 
 from loadtest.served import free_port
+from services.gateway import app as gateway
 
 
-def build_app():
-    from fastapi import FastAPI, Request
-    from fastapi.responses import Response
-
-    from services.gateway import app as gateway
-
+def build_app() -> FastAPI:
     app = FastAPI()
     never = asyncio.Event()
 
@@ -59,6 +57,8 @@ async def hold_waiting(port: int, pid: int, num_requests: int, seconds: float) -
         before, start = cpu_seconds(pid), time.monotonic()
         await asyncio.sleep(seconds)
         share = (cpu_seconds(pid) - before) / (time.monotonic() - start)
+        answered = sum(request.done() for request in waiting)
+        assert answered == 0, f"{answered} requests were answered: they should all be waiting"
         for request in waiting:
             request.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import statistics
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -396,3 +399,14 @@ def test_client_sends_the_api_key_as_a_bearer_token():
     assert b"authorization: bearer sk-test-0123456789" in fake.heads[0].lower()
     _, fake = run_fake([req(1, 2)])
     assert b"authorization" not in fake.heads[0].lower()
+
+
+def test_the_disconnect_watch_bench_holds_its_requests_waiting_and_reports():
+    """`loadtest.disconnect_watch` (what watching for disconnects costs the gateway) runs, and
+    its requests really wait in `_unless_gone` (it asserts none was answered)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtest.disconnect_watch", "--requests", "20", "--seconds", "0.5"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"20 requests waiting: the server used [\d.]+% of a core", result.stdout)
