@@ -50,6 +50,10 @@ class Limits:
     max_file_bytes: int = 200 << 20
     max_lines: int = 50_000
     max_list_limit: int = 100
+    # An upload the gateway stopped relaying (its client gone, a chunk timed out) is dropped
+    # once idle this long, and a tenant has at most so many in progress.
+    upload_idle_s: float = 600.0
+    max_uploads_per_tenant: int = 16
 
 
 @dataclass
@@ -58,6 +62,7 @@ class _Upload:
     purpose: str
     filename: str
     path: Path
+    touched_at: float  # (time.monotonic) when it began, or its last chunk came
     size: int = 0
 
 
@@ -114,14 +119,21 @@ class BatchApi:
         if params.get("purpose") != "batch":
             raise ApiFailure(400, "purpose must be 'batch'", "purpose")
         filename = str(params.get("filename") or "upload.jsonl")[:256]
+        self._drop_idle_uploads()
+        in_progress = sum(upload.tenant == tenant for upload in self._uploads.values())
+        if in_progress >= self.limits.max_uploads_per_tenant:
+            raise ApiFailure(
+                429, f"{self.limits.max_uploads_per_tenant} uploads are in progress already", "file"
+            )
         upload_id = secrets.token_hex(12)
         path = self.uploads_dir / upload_id
         path.touch()
-        self._uploads[upload_id] = _Upload(tenant, "batch", filename, path)
+        self._uploads[upload_id] = _Upload(tenant, "batch", filename, path, time.monotonic())
         return 200, {"upload_id": upload_id}, None
 
     def file_upload_chunk(self, tenant: str, params: dict, data: bytes | None) -> Result:
         upload = self._upload(tenant, params)
+        upload.touched_at = time.monotonic()
         upload.size += len(data or b"")
         if upload.size > self.limits.max_file_bytes:
             self._drop_upload(params["upload_id"])
@@ -271,6 +283,12 @@ class BatchApi:
         if upload is None or upload.tenant != tenant:
             raise ApiFailure(404, "no such upload in progress", "upload_id")
         return upload
+
+    def _drop_idle_uploads(self) -> None:
+        idle_since = time.monotonic() - self.limits.upload_idle_s
+        for upload_id, upload in list(self._uploads.items()):
+            if upload.touched_at < idle_since:
+                self._drop_upload(upload_id)
 
     def _drop_upload(self, upload_id: str) -> None:
         upload = self._uploads.pop(upload_id)

@@ -5,6 +5,7 @@ store in a temporary directory)."""
 from __future__ import annotations
 
 import json
+import time
 
 import msgpack
 import pytest
@@ -221,3 +222,25 @@ def test_a_file_an_unfinished_batch_reads_cannot_be_deleted_until_it_ends(store)
     store.update_batch("batch_x", status="completed")
     assert api.handle("file_delete", "alice", {"file_id": "file-in"}, None)[0] == 200
     assert not store.path_of("file-in").exists()
+
+
+def test_uploads_left_idle_are_dropped_and_a_tenant_has_few_in_progress(store, monkeypatch):
+    """An upload the gateway stopped relaying (its client gone, a chunk timed out) kept its
+    entry and its bytes on disk until the service restarted."""
+    now = [1_000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    api = BatchApi(store, jobs=None, limits=Limits(upload_idle_s=60, max_uploads_per_tenant=2))
+    begin = lambda tenant: api.handle("file_upload_begin", tenant, {"purpose": "batch"}, None)  # noqa: E731
+    _, left, _ = begin("alice")
+    assert api.handle("file_upload_chunk", "alice", left, b"half a file")[0] == 200
+    _, other, _ = begin("alice")
+    status, body, _ = begin("alice")
+    assert status == 429 and "2 uploads" in body["error"]["message"]
+    assert begin("bob")[0] == 200  # (per tenant)
+    now[0] += 30
+    assert api.handle("file_upload_chunk", "alice", other, b"x")[0] == 200  # (touched: kept)
+    now[0] += 45  # `left` idle 75 s, `other` 45 s
+    assert begin("alice")[0] == 200
+    assert api.handle("file_upload_chunk", "alice", left, b"rest")[0] == 404
+    assert not (store.directory / "uploads" / left["upload_id"]).exists()
+    assert api.handle("file_upload_end", "alice", other, None)[0] == 200
