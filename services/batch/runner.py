@@ -199,6 +199,7 @@ class JobRunner:
             self._register(error_file_id(self.batch_id), tenant, "batch_output", error_bytes)
             changes["error_file_id"] = error_file_id(self.batch_id)
         self.store.update_batch(self.batch_id, **changes)
+        self.store.drop_lines(self.batch_id)  # (their counts are the batch's: up to 50,000 rows)
         self.log.info("batch finished", status=ended, **batch["request_counts"])
 
     def _register(self, file_id: str, tenant: str, purpose: str, size: int) -> None:

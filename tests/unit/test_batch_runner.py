@@ -96,6 +96,8 @@ def test_a_line_whose_call_fails_unforeseen_is_answered_500_and_the_rest_run(sto
     assert batch["status"] == "completed"
     assert answered(store, batch) == {"a": 200, "b": 500, "c": 200}
     assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    lines_left = store.db.execute("SELECT COUNT(*) FROM lines WHERE batch_id = 'batch_x'")
+    assert lines_left.fetchone()[0] == 0  # a finished batch's rows are dropped; counts stay
 
 
 def test_body_fields_named_like_the_clients_arguments_are_sent_as_they_are(store):
