@@ -39,7 +39,7 @@ class InstantClient:
     def __init__(self) -> None:
         self.num_calls = 0
 
-    async def completion(self, timeout_s: float, **body: Any) -> dict[str, Any]:
+    async def call(self, kind: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         self.num_calls += 1
         await asyncio.sleep(0)  # yield, as a real call would
         return {
@@ -49,8 +49,6 @@ class InstantClient:
             "choices": [{"index": 0, "text": " and so on.", "finish_reason": "length"}],
             "usage": {"prompt_tokens": 12, "completion_tokens": 4, "total_tokens": 16},
         }
-
-    chat = completion
 
 
 def write_input(path: Path, num_lines: int) -> None:
