@@ -39,6 +39,7 @@ and decode, the socket helpers) and re-exports them, so callers say `wire.Submit
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import msgpack
@@ -189,6 +190,7 @@ __all__ = [
     "recv",
     "recv_from",
     "send",
+    "send_or_drop",
     "send_to",
 ]
 
@@ -299,6 +301,22 @@ def send_to(socket: zmq.Socket, identity: bytes, msg: Message) -> None:
 def recv_from(socket: zmq.Socket) -> tuple[bytes, Message]:
     identity, *frames = socket.recv_multipart(copy=False)
     return identity.bytes, _decode_from(identity.bytes, frames)
+
+
+def send_or_drop(socket: zmq.Socket, msg: Message) -> bool:
+    """A best-effort message (a cancel) sent without waiting: False, dropped, when the socket
+    has no room or no connection to take it. An asyncio socket answers NOBLOCK with a future
+    done at once (zmq.Again its error); its outcome is taken, never left unretrieved."""
+    try:
+        sent = socket.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    if not isinstance(sent, asyncio.Future):
+        return True
+    if not sent.done():  # (not expected: then its outcome is taken when it comes)
+        sent.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return True
+    return sent.cancelled() or not isinstance(sent.exception(), zmq.Again)
 
 
 async def async_send(socket: zmq.asyncio.Socket, msg: Message) -> None:

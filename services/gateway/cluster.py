@@ -243,10 +243,7 @@ class ClusterClient:
         socket's queue (SNDHWM, 1,000 messages) fills, and a send that waited would hang its
         handler until the scheduler returned; so it is dropped then, and logged (a SUBMIT
         queued before it may then run for nobody once the scheduler is back)."""
-        cancel = wire.Cancel(request_id=request_id, reason=reason)
-        sent = self.scheduler.send_multipart(wire.encode(cancel), flags=zmq.NOBLOCK, copy=False)
-        # (an asyncio socket answers NOBLOCK with a future done at once, zmq.Again its error)
-        if sent.done() and not sent.cancelled() and isinstance(sent.exception(), zmq.Again):
+        if not wire.send_or_drop(self.scheduler, wire.Cancel(request_id=request_id, reason=reason)):
             self.log.warning("cancel dropped: the scheduler's queue is full", request_id=request_id)
 
     def finished(self, request_id: str) -> None:

@@ -103,17 +103,6 @@ def _unreachable(address: str, timeout_s: float) -> str:
     )
 
 
-def _send_if_connected(socket: zmq.Socket, message: wire.Message) -> None:
-    """A best-effort message (a cancel): dropped, not waited on, when there is no connection.
-    On an asyncio socket the send is a future; its failure is taken, not left unretrieved."""
-    try:
-        sent = socket.send_multipart(wire.encode(message), flags=zmq.NOBLOCK, copy=False)
-    except zmq.Again:
-        return
-    if isinstance(sent, asyncio.Future):
-        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
 def _dealer(context: zmq.Context, address: str, curve: ClientKeys | None = None) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
     if curve is not None:
@@ -171,7 +160,7 @@ class TandemClient:
     def cancel(self, call_id: str) -> None:
         """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
         if call_id in self._inbox:
-            _send_if_connected(self._socket, wire.RpcCancel(call_id=call_id))
+            wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
     def close(self) -> None:
         for call_id in list(self._inbox):
@@ -225,7 +214,7 @@ class TandemClient:
     def _abandon(self, call_id: str) -> None:
         """Cancels a call nobody waits for any more; its late events are dropped."""
         if self._inbox.pop(call_id, None) is not None and not self._socket.closed:
-            _send_if_connected(self._socket, wire.RpcCancel(call_id=call_id))
+            wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
 
 class ChunkStream:
@@ -318,7 +307,7 @@ class AsyncTandemClient:
     async def cancel(self, call_id: str) -> None:
         """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
         if call_id in self._inbox:
-            _send_if_connected(self._socket, wire.RpcCancel(call_id=call_id))
+            wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
     async def close(self) -> None:
         for call_id in list(self._inbox):
@@ -382,7 +371,7 @@ class AsyncTandemClient:
     async def _abandon(self, call_id: str) -> None:
         """Cancels a call nobody waits for any more; its late events are dropped."""
         if self._inbox.pop(call_id, None) is not None and not self._socket.closed:
-            _send_if_connected(self._socket, wire.RpcCancel(call_id=call_id))
+            wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
     def _abandon_soon(self, call_id: str) -> None:
         """`_abandon` from where nothing may be awaited: a cancelled task, a finalizer."""
