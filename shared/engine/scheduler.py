@@ -26,14 +26,17 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    finishing ones' first tokens are not held up by a long prompt's big chunk (`lighten`). Bulk
    prompts (batch jobs' lines) never raise the cap, take the budget after interactive ones, and
    get nothing in a step that brings an interactive prompt to its first token.
-4. Swapped sequences come back first, most urgent first, when blocks are free for their KV plus
-   one growth block per running sequence (so a sequence swapped in is not swapped straight out
-   again); the engine copies their KV back before the step runs. No waiting sequence is admitted
-   while any is swapped out, nor in a step that preempted: preempted sequences resume before
-   new ones are admitted.
+4. Swapped sequences come back first, most urgent first, when blocks are free for their KV and
+   next token plus one growth block per running sequence (so a sequence swapped in is not
+   swapped straight out again), blocks a worker does not promise to new arrivals
+   (`blocks_to_resume`); the engine copies their KV back before the step runs. No waiting
+   sequence is admitted while any is swapped out, nor in a step that preempted: preempted
+   sequences resume before new ones are admitted.
 5. With a prefix cache, a newcomer first takes the cached blocks its tokens start with
    (`attach_cached_prefix`) and counts them computed, so its need, its share and its chunks
-   cover only the uncached suffix; a newcomer not admitted after all gives them back. Blocks
+   cover only the uncached suffix; a newcomer not admitted after all gives them back, and so
+   does every newcomer before a running sequence would be preempted for want of blocks, or
+   before a later newcomer's pins would keep an earlier one out. Blocks
    copied back from the host tier take free blocks, so only those left after one growth block
    per running sequence (`_spare_blocks`).
 """
@@ -177,6 +180,7 @@ class StepScheduler:
         # Most prompt tokens in the next step, from a step time target (None: the budget alone).
         self.prompt_token_cap: int | None = None
         self._plan = StepPlan()
+        self._pinning: list[Sequence] = []  # this step's newcomers holding cached blocks
 
     @property
     def has_work(self) -> bool:
@@ -186,7 +190,12 @@ class StepScheduler:
         """Blocks the preempted sequences need to come back: their first claim on freed blocks,
         which a worker must not promise to new arrivals."""
         preempted = self.swapped + [seq for seq in self.waiting if seq.num_preemptions > 0]
-        return sum(self.block_manager.num_blocks_for(seq.num_tokens) for seq in preempted)
+        if not preempted:
+            return 0
+        # Each comes back beside a growth block per running sequence (`_swap_in`): promised
+        # away, those would keep it out for as long as arrivals keep coming.
+        kv = sum(self.block_manager.num_blocks_for(seq.num_tokens) for seq in preempted)
+        return kv + len(self.running)
 
     def add(self, sequence: Sequence) -> None:
         """Queues a newcomer: in arrival order, except that an interactive one goes ahead of
@@ -223,6 +232,7 @@ class StepScheduler:
         newcomers = list(itertools.islice(self.waiting, num_newcomers))
         for seq in newcomers:  # before their needs are counted: only the uncached suffix runs
             attach_cached_prefix(seq, self.block_manager, self._spare_blocks())
+        self._pinning = newcomers  # give their cached blocks back before anyone is preempted
         sharers = in_prompt + newcomers
         needs = [seq.num_uncomputed_tokens for seq in sharers]
         shares = prompt_shares(needs, full_budget, cap, [seq.bulk for seq in sharers])
@@ -236,26 +246,45 @@ class StepScheduler:
             if num_tokens == 0 or not self._reserve(seq, num_tokens):
                 continue
             scheduled.append(ScheduledChunk(seq, num_tokens))
-        if self.num_preemptions != num_preemptions or self.swapped:
-            for seq in newcomers:
-                detach_blocks(seq, self.block_manager)
+        if self.num_preemptions != num_preemptions or self.swapped or not self._pinning:
+            self._release_pins()
             return plan
-        for seq in newcomers:
+        self._admit(newcomers, share_of, scheduled)
+        return plan
+
+    def _admit(
+        self, newcomers: list[Sequence], share_of: dict[int, int], scheduled: list[ScheduledChunk]
+    ) -> None:
+        """Admits the newcomers in order while the pool holds their chunks. One that does not fit
+        first takes back the pins of those behind it (they wait a step): a later newcomer's
+        cached blocks never keep an earlier one out."""
+        for index, seq in enumerate(newcomers):
             num_tokens = share_of[id(seq)]
             target = seq.num_computed_tokens + num_tokens
-            if num_tokens == 0 or not self.block_manager.can_allocate(
-                self.block_manager.num_new_blocks_for(seq.block_ids, target)
-            ):
-                for unadmitted in newcomers[newcomers.index(seq) :]:
-                    detach_blocks(unadmitted, self.block_manager)
-                break
+            needed = self.block_manager.num_new_blocks_for(seq.block_ids, target)
+            last = num_tokens > 0 and not self.block_manager.can_allocate(needed)
+            if last:
+                self._pinning = newcomers[index + 1 :]
+                self._release_pins()
+            if num_tokens == 0 or not self.block_manager.can_allocate(needed):
+                self._pinning = newcomers[index:]
+                self._release_pins()
+                return
             self.waiting.popleft()
             self._count_cache_hit(seq)
             self.block_manager.grow(seq.block_ids, target)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledChunk(seq, num_tokens))
-        return plan
+            if last:
+                return
+        self._pinning = []
+
+    def _release_pins(self) -> None:
+        """Newcomers not admitted this step give back the cached blocks they took."""
+        for seq in self._pinning:
+            detach_blocks(seq, self.block_manager)
+        self._pinning = []
 
     def _spare_blocks(self) -> int:
         """Free blocks a newcomer may fill from the host tier: what leaves every running
@@ -281,7 +310,9 @@ class StepScheduler:
     def _swap_in(self, plan: StepPlan) -> None:
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            needed = self.block_manager.num_blocks_for(seq.num_computed_tokens)
+            # Its KV and its next token, beside a growth block per running sequence: one that
+            # came back to less would be the first victim of its own step.
+            needed = self.block_manager.num_blocks_for(seq.num_computed_tokens + 1)
             if not self.block_manager.can_allocate(needed + len(self.running)):
                 return
             self.swapped.pop(0)
@@ -296,6 +327,9 @@ class StepScheduler:
         while not self.block_manager.can_allocate(
             self.block_manager.num_new_blocks_for(seq.block_ids, target)
         ):
+            if self._pinning:  # newcomers' pinned cache blocks go back first: they wait a step
+                self._release_pins()
+                continue
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:

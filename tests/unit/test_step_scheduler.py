@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.engine.block_manager import BlockManager
+from shared.engine.prefix_blocks import cache_computed_blocks
+from shared.engine.prefix_cache import PrefixCache
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import (
     MIN_CHUNK,
@@ -278,3 +280,88 @@ def test_an_interactive_prompt_arriving_among_bulk_lines_finishes_in_a_light_ste
     assert step["chat"] == 40
     assert all(n == 1 for name, n in step.items() if name != "chat")  # decodes only
     assert sum(run_step(scheduler).values()) > 1  # then the bulk prompts go on
+
+
+def cached_scheduler(num_blocks: int, block_size: int = 2, mode: str = "recompute"):
+    return StepScheduler(
+        BlockManager(num_blocks, block_size, PrefixCache()),
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        choose_preemption=lambda seq, num_blocks: mode,
+    )
+
+
+def cached_seq(name: str, token_ids: list[int]) -> Sequence:
+    sequence = Sequence(name, token_ids, SamplingParams(max_tokens=8))
+    sequence.cache_root = 1
+    return sequence
+
+
+def test_a_newcomers_cached_prefix_never_costs_a_running_sequence_its_blocks():
+    """A newcomer's cached blocks are pinned before the running sequences grow: when the pool
+    cannot hold both, the newcomer gives its pins back; it does not preempt, nor stall the
+    worker (it did both: the pins made the running sequence's growth look impossible)."""
+    scheduler = cached_scheduler(num_blocks=4)
+    warm = cached_seq("warm", [1, 2, 3, 4])
+    scheduler.add(warm)
+    run_step(scheduler)
+    cache_computed_blocks(warm, scheduler.block_manager)  # as the engine does after a step
+    scheduler.finish(warm, SequenceStatus.FINISHED_STOPPED)  # [1,2] and [3,4] stay cached
+    running = cached_seq("r", [9, 9, 9, 9])
+    running.cache_root = None
+    scheduler.add(running)
+    run_step(scheduler)  # r: two blocks, four tokens computed, a fifth token to decode
+    scheduler.add(cached_seq("n", [1, 2, 3, 4, 5]))  # its first two blocks are cached
+    plan = scheduler.schedule()
+    assert [(c.sequence.request_id, c.num_tokens) for c in plan.chunks] == [("r", 1)]
+    assert scheduler.num_preemptions == 0
+    scheduler.block_manager.check_invariants()
+    steps = [run_step(scheduler) for _ in range(3)]
+    assert all(steps), steps  # every step computes something
+
+
+def test_a_later_newcomers_pins_do_not_keep_the_head_newcomer_out():
+    scheduler = cached_scheduler(num_blocks=3)
+    warm = cached_seq("warm", [1, 2, 3, 4])
+    scheduler.add(warm)
+    run_step(scheduler)
+    cache_computed_blocks(warm, scheduler.block_manager)  # as the engine does after a step
+    scheduler.finish(warm, SequenceStatus.FINISHED_STOPPED)  # two cached blocks of three
+    head = cached_seq("head", [7, 7, 7, 7, 7])  # nothing cached: needs all three blocks
+    scheduler.add(head)
+    scheduler.add(cached_seq("later", [1, 2, 3, 4, 5]))
+    assert run_step(scheduler) == {"head": 5}
+    scheduler.block_manager.check_invariants()
+
+
+def test_a_swapped_sequence_comes_back_with_room_for_its_next_token():
+    scheduler = make_scheduler(num_blocks=3, mode="swap")
+    a = seq("a", 32)
+    scheduler.add(a)
+    run_step(scheduler)  # two full blocks: its next token needs a third
+    held = scheduler.block_manager.allocate(1)  # another holder (a reservation)
+    scheduler.schedule()
+    assert scheduler.swapped == [a]
+    for _ in range(3):  # only two blocks free: it must not come back to go straight out
+        plan = scheduler.schedule()
+        assert not plan.swap_in and not plan.swap_out
+    scheduler.block_manager.free(held)
+    plan = scheduler.schedule()
+    assert [s.request_id for s, _ in plan.swap_in] == ["a"] and not plan.swap_out
+    assert [(c.sequence.request_id, c.num_tokens) for c in plan.chunks] == [("a", 1)]
+
+
+def test_blocks_to_resume_keep_a_growth_block_for_every_sequence_a_resume_must_fit_beside():
+    """What a worker promises new arrivals leaves the swapped-out sequences enough to come back
+    (the swap-in asks for a growth block per running sequence beside their KV)."""
+    scheduler = make_scheduler(num_blocks=12, mode="swap")
+    for name in ("a", "b", "c", "s"):
+        scheduler.add(seq(name, 32))
+    run_step(scheduler)  # four sequences of two full blocks: 8 of 12 blocks
+    s = scheduler.running[-1]
+    scheduler.preempt(s)  # swapped out with 32 tokens computed
+    promised = scheduler.block_manager.num_free_blocks - scheduler.blocks_to_resume()
+    held = scheduler.block_manager.allocate(max(0, promised))  # a reservation takes all of it
+    plan = scheduler.schedule()
+    assert [x.request_id for x, _ in plan.swap_in] == ["s"] and not plan.swap_out
+    scheduler.block_manager.free(held)
