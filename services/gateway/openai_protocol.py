@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from services.gateway.structured_outputs import parse_constraint
 from services.gateway.tools import ToolSetup, fallback_messages, parse_history_calls, parse_tools
+from shared.engine.constraint import to_grammar
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from shared.errors import InvalidRequestError
 
@@ -520,7 +521,11 @@ def _build(
     if tools is not None and tools.forced:
         if constraint is not None:
             _fail("tool_choice", "a forced tool call cannot be combined with another constraint")
-        constraint = tools.constraint()
+        try:
+            constraint = tools.constraint()
+            to_grammar(constraint)  # a schema the engine refuses is a 400 now, not a failed call
+        except InvalidRequestError as error:
+            raise from_invalid_request(error) from None
     if constraint is not None:
         sampling_kwargs["constraint"] = constraint
     _sampling_params(sampling_kwargs, max_tokens[0] or max_model_len - 1)

@@ -29,7 +29,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.engine.constraint import Constraint, check_schema_keywords
+from shared.engine.constraint import (
+    MAX_SPEC_CHARS,
+    Constraint,
+    check_schema_keywords,
+    rebase_refs,
+)
 from shared.errors import InvalidRequestError
 
 MAX_TOOLS = 64
@@ -63,7 +68,7 @@ class ToolSetup:
                 "type": "object",
                 "properties": {
                     "name": {"const": f["name"]},
-                    "arguments": f.get("parameters") or _NO_ARGUMENTS,
+                    "arguments": {"$ref": f"#/$defs/{f['name']}"},
                 },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
@@ -71,7 +76,21 @@ class ToolSetup:
             for f in chosen
         ]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return Constraint("json_schema", json.dumps(schema), "tools")
+        # Each tool's parameters under `$defs`, named by the tool, their own `$ref`s (a pydantic
+        # model's `#/$defs/...`) rebased there: they point into the parameters, not this root.
+        schema["$defs"] = {
+            f["name"]: rebase_refs(f.get("parameters") or _NO_ARGUMENTS, f"#/$defs/{f['name']}")
+            for f in chosen
+        }
+        text = json.dumps(schema)
+        if len(text) > MAX_SPEC_CHARS:
+            raise InvalidRequestError(
+                "tools",
+                f"the parameters of the tools a forced call may use come to {len(text)}"
+                f" characters of schema; tool_choice {self.choice!r} takes at most"
+                f" {MAX_SPEC_CHARS} (name one tool, or shorten their schemas)",
+            )
+        return Constraint("json_schema", text, "tools")
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools in OpenAI's request form, as chat templates that render tools take them."""
@@ -133,6 +152,11 @@ def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
     if parameters is not None:
         if not isinstance(parameters, dict):
             raise InvalidRequestError(f"{where}.function.parameters", "must be a JSON schema")
+        if parameters.get("type", "object") != "object":
+            raise InvalidRequestError(
+                f"{where}.function.parameters",
+                'must describe an object ("type": "object"): a call\'s arguments are one',
+            )
         check_schema_keywords(parameters, f"{where}.function.parameters")
     return function
 

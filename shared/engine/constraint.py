@@ -137,6 +137,27 @@ def check_schema_keywords(schema: Any, where: str, depth: int = 0) -> None:
             check_schema_keywords(value, f"{where}.{key}", depth + 1)
 
 
+def rebase_refs(schema: Any, base: str) -> Any:
+    """A copy of `schema` to be placed at the JSON pointer `base` of a larger document: its local
+    `$ref`s (`#`, `#/...`), which point into `schema` itself, point there still. Only schema
+    positions are walked (an `enum` or `const` value holding a "$ref" key is data)."""
+    if not isinstance(schema, dict):
+        return schema
+    rebased: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            rebased[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            rebased[key] = [rebase_refs(sub, base) for sub in value]
+        elif key in ("items", "additionalProperties"):
+            rebased[key] = rebase_refs(value, base)
+        else:
+            rebased[key] = value
+    return rebased
+
+
 def to_grammar(constraint: Constraint) -> Any:
     """The constraint as an xgrammar `Grammar` (no tokenizer needed): parses it, so a syntax
     error surfaces here as an InvalidRequestError naming the field."""

@@ -56,7 +56,8 @@ def test_forced_calls_are_constrained_to_the_tools_schemas():
     )
     schema = json.loads(named.sampling_params(10, MAX_LEN).constraint.spec)
     assert schema["properties"]["name"] == {"const": "now"}
-    assert schema["properties"]["arguments"]["additionalProperties"] is False  # exactly {}
+    assert schema["properties"]["arguments"] == {"$ref": "#/$defs/now"}
+    assert schema["$defs"]["now"]["additionalProperties"] is False  # exactly {}
     required = chat(tools=[WEATHER, NOW], tool_choice="required")
     constraint = required.sampling_params(10, MAX_LEN).constraint
     assert len(json.loads(constraint.spec)["anyOf"]) == 2
@@ -106,6 +107,19 @@ def test_history_with_calls_and_results_is_rendered():
           "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
         ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or"),
         ({"parallel_tool_calls": 0}, "parallel_tool_calls", "true or false"),
+        ({"tools": [{"type": "function",
+                     "function": {"name": "f", "parameters": {"type": "string"}}}]},
+         "tools[0].function.parameters", '"type": "object"'),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "objekt"}}}}}],
+          "tool_choice": "required"}, "tools", "invalid json_schema"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}],
+          "tool_choice": "required"}, "tools", "invalid json_schema"),
+        ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+            "type": "object", "properties": {
+                f"p{j}": {"type": "string", "description": "x" * 80} for j in range(30)}}}}
+            for i in range(40)], "tool_choice": "required"}, "tools", "name one tool"),
     ],
 )  # fmt: skip
 def test_bad_tool_fields_are_refused(fields, param, match):
@@ -114,3 +128,39 @@ def test_bad_tool_fields_are_refused(fields, param, match):
 
 def test_completions_refuse_tools():
     refused("tools", "not supported", parse=parse_completion_request, tools=[WEATHER])
+
+
+PYDANTIC_STYLE = {  # what `Model.model_json_schema()` gives: its sub-models under `$defs`
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {"where": {"$ref": "#/$defs/Place"}, "when": {"type": "string"}},
+            "required": ["where", "when"],
+            "$defs": {
+                "Place": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string"},
+                        "near": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]},
+                    },
+                    "required": ["city", "near"],
+                }
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "book"}}])
+def test_a_forced_call_keeps_the_tools_own_refs(choice):
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    request = chat(tools=[PYDANTIC_STYLE, NOW], tool_choice=choice)
+    grammar = to_grammar(request.sampling_params(10, MAX_LEN).constraint)
+    call = {"name": "book", "arguments": {"where": {"city": "Oslo", "near": {"city": "Bergen",
+            "near": None}}, "when": "noon"}}  # fmt: skip
+    assert accepts(grammar, json.dumps(call))
+    call["arguments"]["where"]["near"] = {"town": "Bergen"}
+    assert not accepts(grammar, json.dumps(call))
