@@ -135,6 +135,44 @@ def check_schema_keywords(schema: Any, where: str, depth: int = 0) -> None:
                 check_schema_keywords(sub, f"{where}.{key}[{i}]", depth + 1)
         elif key in ("items", "additionalProperties"):
             check_schema_keywords(value, f"{where}.{key}", depth + 1)
+    _check_combination(schema, where)
+
+
+# xgrammar reads the first of these a subschema has and ignores every other keyword beside it
+# (`type` beside `const` or `enum` changes nothing their values do not already fix).
+_EXCLUSIVE = (("$ref", frozenset()), ("const", {"type"}), ("enum", {"type"}), ("anyOf", set()))
+_CONTAINERS = frozenset({"$defs", "definitions"})
+
+
+def _check_combination(schema: dict[str, Any], where: str) -> None:
+    """Refuses keywords that are each enforced, but not beside one another: the output would
+    meet one and break the other while the request called it valid."""
+    keywords = [k for k in schema if k not in _ANNOTATIONS and k not in _CONTAINERS]
+    for first, beside in _EXCLUSIVE:
+        if first in schema:
+            ignored = [k for k in keywords if k != first and k not in beside]
+            if ignored:
+                raise InvalidRequestError(
+                    where,
+                    f"`{first}` beside `{ignored[0]}` cannot be enforced: only the `{first}`"
+                    f" would be (move `{ignored[0]}` into what the `{first}` names)",
+                )
+            break
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        raise InvalidRequestError(
+            where,
+            "`pattern` beside `minLength`/`maxLength` cannot be enforced: bound the"
+            " length in the pattern",
+        )
+    required, properties = schema.get("required"), schema.get("properties") or {}
+    closed = schema.get("additionalProperties", False) is False  # strict: false by default
+    if isinstance(required, list) and isinstance(properties, dict) and closed:
+        missing = [name for name in required if name not in properties]
+        if missing:
+            raise InvalidRequestError(
+                f"{where}.required",
+                f"names {missing[0]!r}, which `properties` does not list: no output could have it",
+            )
 
 
 def rebase_refs(schema: Any, base: str) -> Any:
@@ -172,8 +210,10 @@ def to_grammar(constraint: Constraint) -> Any:
                     '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
                 )
             case "json_schema":
-                return xgr.Grammar.from_json_schema(
-                    constraint.spec, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                return _escaped_bounded_strings(
+                    xgr.Grammar.from_json_schema(
+                        constraint.spec, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                    )
                 )
             case "regex":
                 return xgr.Grammar.from_regex(constraint.spec)
@@ -188,3 +228,24 @@ def to_grammar(constraint: Constraint) -> Any:
         raise InvalidRequestError(
             constraint.param, f"invalid {constraint.kind}: {message}"
         ) from None
+
+
+# The character class xgrammar 0.2.8-0.2.9 writes for a string with `minLength` or `maxLength`
+# (a rule `x_characters` repeated `{2, 4}`, or inline for bounds of one): anything but a quote,
+# a backslash, CR and LF. So a tab or a NUL went out raw (invalid JSON) and no escape could:
+# `"a\nb"` (escaped) was refused, `"a<TAB>b"` taken. (A plain string's class also excludes
+# control characters and has its own escape rule; a `pattern` is printed as a `Regex(...)`.)
+_BOUNDED_CHARACTER = r"[^\"\\\r\n]"
+# What a JSON string's character is: one unescaped (not a control character), or one escape
+# (`basic_escape`, the rule xgrammar's every JSON grammar defines), each counted one.
+_JSON_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
+
+
+def _escaped_bounded_strings(grammar: Any) -> Any:
+    """The grammar with its length-bounded strings' characters made JSON's (see above)."""
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if _BOUNDED_CHARACTER not in text or "basic_escape ::=" not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHARACTER, _JSON_CHARACTER))

@@ -2,6 +2,7 @@
 cached within a byte bound, matchers rebuilt by replay, batch masks applied in place."""
 
 import json
+import re
 import time
 from concurrent.futures import Future
 
@@ -35,6 +36,77 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+
+
+def accepts(constraint: Constraint, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(to_grammar(constraint), text)
+
+
+@pytest.mark.parametrize(
+    ("schema", "where", "message"),
+    [
+        ({"type": "object", "properties": {"a": {}}, "anyOf": [{"type": "object"}]},
+         "p", "`anyOf` beside `type`"),
+        ({"type": "string", "pattern": "^[A-Z]+$", "maxLength": 3}, "p", "`pattern` beside"),
+        ({"$ref": "#/$defs/S", "maxLength": 2, "$defs": {"S": {"type": "string"}}},
+         "p", "`$ref` beside `maxLength`"),
+        ({"const": "a", "minLength": 2}, "p", "`const` beside `minLength`"),
+        ({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["nmae"]},
+         "p.required", "'nmae'"),
+        ({"type": "object", "properties": {"o": {"enum": ["a"], "maxLength": 0}}},
+         "p.properties.o", "`enum` beside `maxLength`"),
+    ],
+)  # fmt: skip
+def test_keywords_enforced_alone_but_not_together_are_refused(schema, where, message):
+    """xgrammar takes the first of `$ref`, `const`, `enum`, `anyOf` and ignores the rest beside
+    it, and a pattern's string ignores its length bounds: each was accepted, and output broke the
+    schema it was said to meet."""
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
+        schema_constraint(schema, "p")
+    assert info.value.param == where
+
+
+def test_the_common_combinations_stay_allowed():
+    for schema in (
+        {"type": "string", "enum": ["a", "b"], "description": "a choice"},
+        {"type": "string", "const": "x"},
+        {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Opt"},
+        {"$ref": "#/$defs/S", "description": "d", "$defs": {"S": {"type": "string"}}},
+        {
+            "type": "object",
+            "properties": {"a": {}},
+            "required": ["b"],
+            "additionalProperties": True,
+        },
+    ):
+        to_grammar(schema_constraint(schema, "p"))
+
+
+def test_length_bounded_strings_are_json_strings():
+    """A string with `minLength`/`maxLength` took raw control characters (invalid JSON) and no
+    escapes; now an escape is one character of its length, as JSON counts."""
+    bounded = schema_constraint(
+        {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 4},
+         "l": {"type": "array", "items": {"type": "string", "maxLength": 1}},
+         "o": {"type": "string", "minLength": 1, "maxLength": 1}},
+         "required": ["s", "l"]}, "p")  # fmt: skip
+    for text, ok in [
+        ('{"s": "ab", "l": []}', True),
+        ('{"s": "a\\tb", "l": ["\\n"]}', True),
+        ('{"s": "\\u00e9\\"\\\\", "l": ["x"]}', True),
+        ('{"s": "a\\tbcd", "l": []}', False),  # five characters
+        ('{"s": "a\tb", "l": []}', False),  # a raw tab
+        ('{"s": "ab", "l": ["\u0000"]}', False),  # a raw NUL
+        ('{"s": "a", "l": []}', False),
+        ('{"s": "ab", "l": ["xy"]}', False),
+        ('{"s": "ab", "l": [], "o": "\\t"}', True),  # bounds of one are written inline
+        ('{"s": "ab", "l": [], "o": "\t"}', False),
+    ]:
+        assert accepts(bounded, text) is ok, text
+        if ok:
+            json.loads(text)
 
 
 @pytest.fixture(scope="module")
