@@ -156,6 +156,7 @@ class TrackedRequest:
         self.num_predicted_cached_tokens = 0  # where its prefill went, as the prefix index knew
         self.speculative = False  # its prefill job went out with the reservation (await_grant)
         self.num_unlisted_beats = 0  # decoding, yet left out of its worker's heartbeats (see there)
+        self.num_charged_tokens = 0  # what its last dispatch charged its party: a requeue's refund
         # Read off the SUBMIT (which never changes) once: every decision asks them several times.
         self.request_id = submit.request_id
         self.num_prefill_tokens = num_prefill_tokens(submit)
@@ -673,6 +674,7 @@ class ClusterScheduler:
             if item is None:
                 break
             request = self.requests[item.request_id]
+            request.num_charged_tokens = item.num_prompt_tokens - item.num_cached_tokens
             try:
                 self._place(request, item, now)
             except Exception as error:
@@ -869,8 +871,8 @@ class ClusterScheduler:
         request.phase = Phase.QUEUED
         request.decode_peer_id = request.prefill_peer_id = None
         request.phase_deadline = float("inf")
-        # The prompt was charged when dispatched; it will be again when dispatched anew.
-        self.queue.charge(request.party, num_prompt_tokens=-request.num_prefill_tokens)
+        # Its uncached part was charged when dispatched; it will be again when dispatched anew.
+        self.queue.charge(request.party, num_prompt_tokens=-request.num_charged_tokens)
         self._enqueue(request)
 
     def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> None:

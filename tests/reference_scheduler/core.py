@@ -114,6 +114,7 @@ class TrackedRequest:
     num_blocks: int = 0  # blocks reserved on the decode worker
     arrival: float = 0.0  # the scheduler's clock when it was first queued
     num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
+    num_charged_tokens: int = 0  # what its last dispatch charged its party: a requeue's refund
 
     @property
     def request_id(self) -> str:
@@ -420,6 +421,8 @@ class ClusterScheduler:
             item = self.queue.pop_next(now, functools.partial(self._placeable, windows, now))
             if item is None:
                 break
+            charged = item.num_prompt_tokens - item.num_cached_tokens
+            self.requests[item.request_id].num_charged_tokens = charged
             prefill = self.placement.choose_prefill(
                 [
                     w
@@ -546,8 +549,8 @@ class ClusterScheduler:
         request.phase = Phase.QUEUED
         request.decode_peer_id = request.prefill_peer_id = None
         request.phase_deadline = float("inf")
-        # The prompt was charged when dispatched; it will be again when dispatched anew.
-        self.queue.charge(request.party, num_prompt_tokens=-request.num_prefill_tokens)
+        # Its uncached part was charged when dispatched; it will be again when dispatched anew.
+        self.queue.charge(request.party, num_prompt_tokens=-request.num_charged_tokens)
         self._enqueue(request)
         return out
 

@@ -19,7 +19,7 @@ from services.scheduler.cache_routing import (
     predicted_wait_s,
     routing_rate,
 )
-from services.scheduler.core import ClusterScheduler, SchedulerLimits
+from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
 from services.scheduler.prefix_index import PrefixIndex
 from services.worker.cache_events import CacheEventStream
 from shared import wire
@@ -310,6 +310,27 @@ def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():
     core.on_submit(b"G", dataclasses.replace(submit("s", prompt_len=80), tenant="u"), 0.0)
     served = {party.tenant: tokens for party, tokens in core.queue.served_tokens.items()}
     assert served == {"t": 80 - 64, "u": 80}
+
+
+def test_a_requeued_request_gets_back_what_it_was_charged_not_more():
+    """A refused reservation refunds the uncached part it was charged: refunding the whole
+    prompt gave its tenant credit (served tokens below zero) at every requeue."""
+    core = ClusterScheduler(SchedulerLimits())
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
+    core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
+    request = submit("r", prompt_len=80)
+    hashes = list(chain_hashes(root_hash(KEY, "t"), request.prompt_token_ids, 16))[:4]
+    beat = dataclasses.replace(heartbeat("p"), cache_events_seq=1, cache_full=True,
+                               cache_stored=hashes)  # fmt: skip
+    core.on_heartbeat(b"P", beat, 0.0)
+    core.on_submit(b"G", request, 0.0)
+    (party,) = core.queue.served_tokens
+    assert core.queue.served_tokens[party] == 80 - 64
+    # No room after all (it waits queued: the reply says the worker is full).
+    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0), 0.0)
+    assert core.requests["r"].phase == Phase.QUEUED
+    assert core.queue.served_tokens[party] == 0
 
 
 @pytest.mark.parametrize("step_s,speculative", [(0.5, True), (0.001, False)])
