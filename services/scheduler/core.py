@@ -911,6 +911,9 @@ class ClusterScheduler:
         else:
             if request.decode_peer_id == worker.peer_id:
                 request.decode_peer_id = None
+                # Alive after all (a stall), it would hold the reservation for its lease, and
+                # refuse the request as a duplicate when it rejoined and was asked again.
+                self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
             if request.prefill_peer_id == worker.peer_id:
                 request.prefill_peer_id = None
             self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")

@@ -588,6 +588,8 @@ class ClusterScheduler:
             else:
                 if request.decode_peer_id == worker.peer_id:
                     request.decode_peer_id = None
+                    cancel = wire.Cancel(request_id=request_id, reason="lost")
+                    out.append(Outgoing(worker.identity, cancel))
                 if request.prefill_peer_id == worker.peer_id:
                     request.prefill_peer_id = None
                 out += self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")

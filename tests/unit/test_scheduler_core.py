@@ -198,6 +198,19 @@ def test_decode_worker_lost_mid_stream_goes_back_to_the_gateway(core):
     assert "r" not in core.requests
 
 
+def test_a_decode_worker_dropped_while_reserving_lets_the_reservation_go(core):
+    """If it was only stalled, its reservation would outlive the attempt: asked again when it
+    rejoined, it refused the request as a duplicate until the lease ran out."""
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_heartbeat(b"X", heartbeat("p"), 3.0)
+    out = core.tick(3.5)
+    assert [(o.identity, o.message.request_id) for o in sent(out, wire.Cancel)] == [(b"D", "r")]
+    assert core.requests["r"].phase == Phase.QUEUED
+    out = core.on_hello(b"D", hello("d", "decode"), 4.0)  # back: asked again, after the cancel
+    (reserve,) = sent(out, wire.Reserve)
+    assert reserve.identity == b"D" and reserve.message.request_id == "r"
+
+
 def test_late_joining_worker_is_used_at_once():
     c = ClusterScheduler(SchedulerLimits())
     c.on_hello(b"G", hello("g", "gateway"), 0.0)
