@@ -324,6 +324,9 @@ class ClusterScheduler:
             self._send(identity, ack)
             return self.take_outbox()
         worker.last_heartbeat = now
+        # A connection that dropped and came back is a new ROUTER identity (workers set none):
+        # what is sent to the worker goes where it now listens, not to the dead connection.
+        worker.identity = identity
         # The heartbeat's free-block count already reflects every reservation made so far.
         self.registry.report_free_blocks(worker, heartbeat.num_free_blocks, heartbeat=True)
         worker.num_running = heartbeat.num_running

@@ -139,7 +139,7 @@ def test_refused_reservation_requeues_and_tries_later(core):
     out = core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0), 0.0)
     assert not sent(out, wire.Reserve)  # the worker reported no room
     assert core.requests["r"].phase == Phase.QUEUED
-    out = core.on_heartbeat(b"X", heartbeat("d", free=100), 0.5)
+    out = core.on_heartbeat(b"D", heartbeat("d", free=100), 0.5)
     assert sent(out, wire.Reserve)
 
 
@@ -155,8 +155,8 @@ def test_silent_prefill_worker_gives_its_requests_back_to_the_gateway(core):
     core.on_submit(b"G", submit("r"), 0.0)
     core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
     core.on_hello(b"P2", hello("p2", "prefill"), 1.0)
-    core.on_heartbeat(b"X", heartbeat("d"), 2.5)
-    core.on_heartbeat(b"X", heartbeat("p2"), 2.5)
+    core.on_heartbeat(b"D", heartbeat("d"), 2.5)
+    core.on_heartbeat(b"P2", heartbeat("p2"), 2.5)
     out = core.tick(3.5)  # p (holding the prefill job) has been silent for 3.5 s > 3 s
     assert core.registry.get("p") is None
     # Its first token may have reached the client: only the gateway knows, so it decides.
@@ -189,7 +189,7 @@ def test_a_resumed_request_is_prefilled_with_its_tokens(core):
 
 def test_decode_worker_lost_mid_stream_goes_back_to_the_gateway(core):
     run_to_decoding(core, "r")
-    core.on_heartbeat(b"X", heartbeat("p"), 3.0)
+    core.on_heartbeat(b"P", heartbeat("p"), 3.0)
     out = core.tick(3.5)
     (delta,) = lost_deltas(out)
     assert delta.finish_reason == "lost" and "worker d stopped responding" in delta.error
@@ -202,13 +202,22 @@ def test_a_decode_worker_dropped_while_reserving_lets_the_reservation_go(core):
     """If it was only stalled, its reservation would outlive the attempt: asked again when it
     rejoined, it refused the request as a duplicate until the lease ran out."""
     core.on_submit(b"G", submit("r"), 0.0)
-    core.on_heartbeat(b"X", heartbeat("p"), 3.0)
+    core.on_heartbeat(b"P", heartbeat("p"), 3.0)
     out = core.tick(3.5)
     assert [(o.identity, o.message.request_id) for o in sent(out, wire.Cancel)] == [(b"D", "r")]
     assert core.requests["r"].phase == Phase.QUEUED
     out = core.on_hello(b"D", hello("d", "decode"), 4.0)  # back: asked again, after the cancel
     (reserve,) = sent(out, wire.Reserve)
     assert reserve.identity == b"D" and reserve.message.request_id == "r"
+
+
+def test_a_worker_that_reconnected_is_sent_to_where_it_now_listens(core):
+    """A dropped and re-made connection is a new ROUTER identity: its heartbeats kept it
+    registered while every RESERVE and job went to the dead connection."""
+    core.on_heartbeat(b"D-again", heartbeat("d"), 1.0)
+    out = core.on_submit(b"G", submit("r"), 1.0)
+    (reserve,) = sent(out, wire.Reserve)
+    assert reserve.identity == b"D-again"
 
 
 def test_late_joining_worker_is_used_at_once():
@@ -245,8 +254,8 @@ def test_transfer_failure_reroutes(core):
 
 def test_reservation_timeout_requeues(core):
     core.on_submit(b"G", submit("r"), 0.0)
-    core.on_heartbeat(b"X", heartbeat("d"), 5.0)
-    core.on_heartbeat(b"X", heartbeat("p"), 5.0)
+    core.on_heartbeat(b"D", heartbeat("d"), 5.0)
+    core.on_heartbeat(b"P", heartbeat("p"), 5.0)
     out = core.tick(5.5)  # reserve_timeout_s = 5
     assert sent(out, wire.Cancel) and sent(out, wire.Reserve)
 
