@@ -318,14 +318,7 @@ class SchedulerService:
                     self._drain()
                 now = self._last_turn = time.monotonic()
                 if now >= next_tick:
-                    for worker in self.core.registry.expired(now):
-                        self.log.warning(
-                            "worker left rotation",
-                            peer_id=worker.peer_id,
-                            silent_s=round(now - worker.last_heartbeat, 1),
-                        )
-                    self._send(self.core.tick(now))
-                    self._broadcast_status(now)
+                    self._tick_guarded(now)
                     if freezer is not None:
                         freezer.after_collections()
                     next_tick = now + self.config.heartbeat_interval_s / 2
@@ -351,6 +344,25 @@ class SchedulerService:
                 continue
             self._send(self._handle_guarded(identity, message, time.monotonic()))
 
+    def _tick_guarded(self, now: float) -> None:
+        """The periodic turn: workers gone silent dropped, deadlines settled, the status sent.
+        An exception costs this turn, as one in a message's handling costs that message (see
+        `_handle_guarded`): what the core built before it still goes out, and the next turn
+        settles the rest; it ended the scheduler, and the queue with it."""
+        try:
+            for worker in self.core.registry.expired(now):
+                self.log.warning(
+                    "worker left rotation",
+                    peer_id=worker.peer_id,
+                    silent_s=round(now - worker.last_heartbeat, 1),
+                )
+            self._send(self.core.tick(now))
+            self._broadcast_status(now)
+        except Exception as error:
+            self._send(self.core.take_outbox())
+            self.events.message_failed("tick", None, error)
+            self.failures.record()  # raises, and the scheduler exits, when failures persist
+
     def _handle_guarded(self, identity: bytes, message: wire.Message, now: float) -> list[Outgoing]:
         """`_handle`, where an exception the core did not mean (its refusals are answers, not
         raised: one raised is a bug) costs that message, not the scheduler: an exit would take
@@ -370,6 +382,9 @@ class SchedulerService:
             self.events.message_failed(type(message).__name__, request_id, error)
             self.failures.record()  # raises, and the scheduler exits, when failures persist
             if isinstance(message, wire.Submit):
+                # Its acceptance may be built already (the pass after it raised): the refusal
+                # is its one answer.
+                built = [o for o in built if not _answers(o.message, message.request_id)]
                 return built + self._submit_failed(identity, message, error, now)
             return built
 
@@ -484,3 +499,7 @@ class SchedulerService:
         for request_id, error in self.core.take_placement_failures():
             self.events.message_failed("dispatch", request_id, error)
             self.failures.record()
+
+
+def _answers(message: wire.Message, request_id: str) -> bool:
+    return isinstance(message, wire.SubmitReply) and message.request_id == request_id

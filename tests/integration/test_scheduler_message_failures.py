@@ -132,6 +132,47 @@ def test_a_submit_that_raises_is_refused_and_forgotten_and_the_next_is_served(cl
     assert dispatched == ["r1"]
 
 
+def test_a_submit_that_raises_after_its_acceptance_was_built_has_one_answer(cluster):
+    """The core built the SUBMIT's acceptance, then the dispatch pass after it raised outside
+    the placement's guard: the gateway heard "accepted", then "refused", kept the first and
+    waited for a request the scheduler had forgotten."""
+    service, peers = cluster
+
+    def raises(*args):
+        raise RuntimeError("injected")
+
+    service.core._placeable_lengths = raises  # type: ignore[method-assign]
+    deliver(service, peers["g"], submit("poison"))
+    replies = peers["g"].received()
+    assert [(type(r), r.accepted, r.status_code) for r in replies] == [
+        (wire.SubmitReply, False, 500)
+    ]
+    assert "poison" not in service.core.requests and len(service.core.queue) == 0
+    del service.core._placeable_lengths
+    deliver(service, peers["g"], submit("r1"))
+    [reply] = peers["g"].received()
+    assert reply.accepted
+
+
+def test_a_tick_that_raises_costs_that_turn_not_the_scheduler(cluster):
+    """The periodic turn had no guard: one exception ended the scheduler and its queue."""
+    service, peers = cluster
+    real_tick = service.core.tick
+
+    def cancel_then_raise(now):
+        service.core._send(b"d", wire.Cancel(request_id="x", reason="built before the raise"))
+        raise RuntimeError("injected")
+
+    service.core.tick = cancel_then_raise  # type: ignore[method-assign]
+    service._tick_guarded(1.0)
+    assert failures(service, "tick") == 1
+    [told] = peers["d"].received()
+    assert told.request_id == "x"  # what was built before the raise went out
+    service.core.tick = real_tick  # type: ignore[method-assign]
+    service._tick_guarded(2.0)
+    assert failures(service, "tick") == 1
+
+
 def heartbeat(peer_id: str, num_free_blocks: int) -> wire.Heartbeat:
     return wire.Heartbeat(
         peer_id=peer_id, num_waiting=0, num_running=0, num_free_blocks=num_free_blocks,
