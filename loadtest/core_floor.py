@@ -90,7 +90,9 @@ def lives(
             gateway_peer_id="gateway",
             arrival_time=0.0,
         )
-        reply = wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=1000)
+        reply = wire.ReserveReply(
+            request_id=request_id, peer_id="decode0", ok=True, num_free_blocks=1000
+        )
         prefilled, decoded = (
             wire.RequestDone(
                 request_id=request_id,

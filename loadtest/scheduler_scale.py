@@ -215,7 +215,12 @@ class ScaleBench:
         for request_id in reserving:
             request = core.requests.get(request_id)
             if request is not None and request.phase == Phase.RESERVING:
-                reply = wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=4096)
+                reply = wire.ReserveReply(
+                    request_id=request_id,
+                    peer_id=request.decode_peer_id,
+                    ok=True,
+                    num_free_blocks=4096,
+                )
                 self.call(core.on_reserve_reply, reply)
                 self.prefilling.append((round_index, request_id))
         prefilled_by = round_index - self.args.prefill_ms

@@ -90,7 +90,11 @@ MESSAGES: dict[str, Callable[[], wire.Message]] = {
     "tokens_8": lambda: tokens(8),
     "tokens_64": lambda: tokens(64),
     "reserve_reply": lambda: wire.ReserveReply(
-        request_id="req-000123", ok=True, num_free_blocks=1200, num_cached_blocks=3
+        request_id="req-000123",
+        peer_id="decode-17",
+        ok=True,
+        num_free_blocks=1200,
+        num_cached_blocks=3,
     ),
     "request_done": lambda: wire.RequestDone(
         request_id="req-000123",

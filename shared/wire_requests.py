@@ -82,6 +82,7 @@ class ReserveReply(Message):
 
     TYPE: ClassVar[MessageType] = MessageType.RESERVE_REPLY
     request_id: RequestId
+    peer_id: str  # the answering worker: a late answer from one since passed over is dropped
     ok: bool  # blocks held for the lease
     num_free_blocks: Count  # free blocks after the reservation (or now, when refused)
     num_cached_blocks: Count = 0  # leading blocks of the KV it holds already (pinned for the lease)

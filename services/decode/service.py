@@ -147,6 +147,7 @@ class DecodeWorker(WorkerLoop):
         self.link.send(
             wire.ReserveReply(
                 request_id=reserve.request_id,
+                peer_id=self.peer_id,
                 ok=ok,
                 num_free_blocks=self.num_available_blocks(),
                 num_cached_blocks=len(cached),
@@ -326,7 +327,9 @@ class DecodeWorker(WorkerLoop):
                 wire.send_to(self.kv_socket, identity, ack)
             case wire.Reserve():
                 free = self.num_available_blocks()
-                reply = wire.ReserveReply(request_id=request_id, ok=False, num_free_blocks=free)
+                reply = wire.ReserveReply(
+                    request_id=request_id, peer_id=self.peer_id, ok=False, num_free_blocks=free
+                )
                 self.link.send(reply)
             case wire.PrefillJob():
                 self._refuse_here(message, reason)

@@ -355,6 +355,7 @@ class SimDecodeWorker:
             self.num_free_blocks -= num_blocks - num_cached
         return wire.ReserveReply(
             request_id=reserve.request_id,
+            peer_id=self.peer_id,
             ok=ok,
             num_free_blocks=self.num_free_blocks,
             num_cached_blocks=num_cached,

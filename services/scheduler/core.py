@@ -551,6 +551,10 @@ class ClusterScheduler:
         worker = self.registry.get(decode_peer_id) if decode_peer_id else None
         if request is None or request.phase != Phase.RESERVING or worker is None:
             return
+        if reply.peer_id != decode_peer_id:
+            # A late answer to an attempt given up on (its reservation timed out, and the
+            # worker was told to let it go): the request now waits on another worker's.
+            return
         if not reply.ok:
             self.registry.report_free_blocks(worker, reply.num_free_blocks, heartbeat=False)
             if request.speculative:

@@ -348,6 +348,8 @@ class ClusterScheduler:
         worker = self.registry.get(request.decode_peer_id) if request else None
         if request is None or request.phase != Phase.RESERVING or worker is None:
             return []
+        if reply.peer_id != request.decode_peer_id:  # a late answer to an attempt given up on
+            return []
         if not reply.ok:
             worker.num_free_blocks = within_pool(worker, reply.num_free_blocks)
             return self._requeue(request, cancel_reason=None) + self.dispatch(now)

@@ -108,7 +108,12 @@ def test_the_scheduler_core_makes_no_cyclic_garbage(indexes):
         reserving = [r for r in core.requests.values() if r.phase == Phase.RESERVING]
         assert reserving
         for request in reserving:
-            refused = wire.ReserveReply(request_id=request.request_id, ok=False, num_free_blocks=0)
+            refused = wire.ReserveReply(
+                request_id=request.request_id,
+                peer_id=request.decode_peer_id,
+                ok=False,
+                num_free_blocks=0,
+            )
             core.on_reserve_reply(refused, bench.now)
         core.tick(bench.now + 1e3)  # every reservation and prefill past its deadline
         rejoin = hello("decode0", "decode", prefix_cache=True)

@@ -161,7 +161,7 @@ def test_core_sends_a_prompt_to_the_prefill_worker_holding_its_prefix():
     assert core.prefix_index.num_cached_tokens("p2", hashes) == 64
     core.on_submit(b"G", request, 0.0)
     out = core.on_reserve_reply(
-        wire.ReserveReply(request_id="r", ok=True, num_free_blocks=900), 0.0
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=900), 0.0
     )
     (job,) = sent(out, wire.PrefillJob)
     assert job.identity == b"Pp2" and job.message.cache_salt == "t"
@@ -199,7 +199,7 @@ def test_a_prompt_token_outside_int64_is_placed_not_a_crash():
     (reply,) = sent(core.on_submit(b"G", spoiled, 0.0), wire.SubmitReply)
     assert reply.message.accepted
     out = core.on_reserve_reply(
-        wire.ReserveReply(request_id="r", ok=True, num_free_blocks=900), 0.0
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=900), 0.0
     )
     (job,) = sent(out, wire.PrefillJob)
     assert job.message.prompt_token_ids == tokens
@@ -233,7 +233,7 @@ def test_a_decode_worker_holding_all_but_a_short_suffix_prefills_it_itself(
     (reserve,) = sent(out, wire.Reserve)
     assert reserve.message.token_ids == [5] * 70 and reserve.message.cache_salt == "t"
     reply = wire.ReserveReply(
-        request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=cached_blocks
+        peer_id="d", request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=cached_blocks
     )
     (job,) = sent(core.on_reserve_reply(reply, 0.0), wire.PrefillJob)
     # 70 - 64 = 6 tokens left to compute: the decode worker does it; 70 - 16 = 54 is too many.
@@ -288,10 +288,12 @@ def test_a_busy_decode_worker_leaves_the_suffix_to_a_quicker_prefill_worker(
         held = dataclasses.replace(submit("held", prompt_len=prefill_held), bulk=held_bulk)
         core.on_submit(b"G", held, 0.0)
         core.on_reserve_reply(
-            wire.ReserveReply(request_id="held", ok=True, num_free_blocks=90), 0.0
+            wire.ReserveReply(peer_id="d", request_id="held", ok=True, num_free_blocks=90), 0.0
         )
     (reserve,) = sent(core.on_submit(b"G", submit("r", prompt_len=70), 0.0), wire.Reserve)
-    reply = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=4)
+    reply = wire.ReserveReply(
+        peer_id="d", request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=4
+    )
     (job,) = sent(core.on_reserve_reply(reply, 0.0), wire.PrefillJob)
     assert job.identity == (b"D" if local else b"P")
 
@@ -328,7 +330,9 @@ def test_a_requeued_request_gets_back_what_it_was_charged_not_more():
     (party,) = core.queue.served_tokens
     assert core.queue.served_tokens[party] == 80 - 64
     # No room after all (it waits queued: the reply says the worker is full).
-    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=False, num_free_blocks=0), 0.0
+    )
     assert core.requests["r"].phase == Phase.QUEUED
     assert core.queue.served_tokens[party] == 0
 
@@ -348,7 +352,9 @@ def test_a_busy_decode_worker_holding_the_prefix_gets_a_speculative_job_unless_l
     core.on_heartbeat(b"D", beat, 0.0)
     out = core.on_submit(b"G", request, 0.0)
     assert bool(sent(out, wire.PrefillJob)) == speculative
-    reply = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=4)
+    reply = wire.ReserveReply(
+        peer_id="d", request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=4
+    )
     out = core.on_reserve_reply(reply, 0.0)
     if speculative:  # the blocks it holds are skipped all the same, by the grant
         (grant,) = sent(out, wire.PrefillGrant)

@@ -73,7 +73,7 @@ def run_to_decoding(core: ClusterScheduler, request_id: str, now: float = 0.0):
     out = core.on_submit(b"G", submit(request_id), now)
     (reserve,) = sent(out, wire.Reserve)
     out = core.on_reserve_reply(
-        wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=90), now
+        wire.ReserveReply(peer_id="d", request_id=request_id, ok=True, num_free_blocks=90), now
     )
     (job,) = sent(out, wire.PrefillJob)
     assert job.message.decode_peer_id == "d" and job.message.gateway_address == "ipc://g"
@@ -136,7 +136,9 @@ def test_prompt_that_never_fits_answers_400(core):
 
 def test_refused_reservation_requeues_and_tries_later(core):
     core.on_submit(b"G", submit("r"), 0.0)
-    out = core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0), 0.0)
+    out = core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=False, num_free_blocks=0), 0.0
+    )
     assert not sent(out, wire.Reserve)  # the worker reported no room
     assert core.requests["r"].phase == Phase.QUEUED
     out = core.on_heartbeat(b"D", heartbeat("d", free=100), 0.5)
@@ -153,7 +155,9 @@ def resumed(request_id: str, attempt: str, outputs: list[int]) -> wire.Submit:
 
 def test_silent_prefill_worker_gives_its_requests_back_to_the_gateway(core):
     core.on_submit(b"G", submit("r"), 0.0)
-    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
     core.on_hello(b"P2", hello("p2", "prefill"), 1.0)
     core.on_heartbeat(b"D", heartbeat("d"), 2.5)
     core.on_heartbeat(b"P2", heartbeat("p2"), 2.5)
@@ -181,7 +185,7 @@ def test_a_resumed_request_is_prefilled_with_its_tokens(core):
     (reserve,) = sent(out, wire.Reserve)
     assert reserve.message.num_tokens == 20 + 3 + 1  # prompt, its tokens, the next one
     out = core.on_reserve_reply(
-        wire.ReserveReply(request_id="r~1", ok=True, num_free_blocks=90), 0.0
+        wire.ReserveReply(peer_id="d", request_id="r~1", ok=True, num_free_blocks=90), 0.0
     )
     (job,) = sent(out, wire.PrefillJob)
     assert job.message.output_token_ids == [7, 8, 9]
@@ -235,7 +239,9 @@ def test_late_joining_worker_is_used_at_once():
 
 def test_transfer_failure_reroutes(core):
     core.on_submit(b"G", submit("r"), 0.0)
-    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
     out = core.on_request_done(
         wire.RequestDone(
             request_id="r",
@@ -260,11 +266,36 @@ def test_reservation_timeout_requeues(core):
     assert sent(out, wire.Cancel) and sent(out, wire.Reserve)
 
 
+@pytest.mark.parametrize("late_ok", [True, False])
+def test_a_late_answer_from_a_worker_passed_over_is_dropped(core, late_ok):
+    """After a reservation timed out on d and went to d2, d's late answer was taken for d2's:
+    a yes sent the prefill to d2 with d's cached blocks (d2 then refused the KV), a no requeued
+    the request and left d2's reservation behind."""
+    core.on_hello(b"D2", hello("d2", "decode"), 0.0)
+    out = core.on_submit(b"G", submit("r"), 0.0)
+    (first,) = sent(out, wire.Reserve)
+    passed_over = "d" if first.identity == b"D" else "d2"
+    for identity, peer in ((b"D", "d"), (b"D2", "d2"), (b"P", "p")):
+        core.on_heartbeat(identity, heartbeat(peer, free=100 if peer != passed_over else 0), 5.0)
+    out = core.tick(5.5)  # reserve_timeout_s = 5
+    (again,) = sent(out, wire.Reserve)
+    assert again.identity != first.identity
+    late = wire.ReserveReply(request_id="r", peer_id=passed_over, ok=late_ok, num_free_blocks=90)
+    assert core.on_reserve_reply(late, 5.6) == []
+    assert core.requests["r"].phase == Phase.RESERVING
+    chosen = "d2" if passed_over == "d" else "d"
+    answer = wire.ReserveReply(request_id="r", peer_id=chosen, ok=True, num_free_blocks=90)
+    (job,) = sent(core.on_reserve_reply(answer, 5.7), wire.PrefillJob)
+    assert job.message.decode_peer_id == chosen
+
+
 @pytest.mark.parametrize("phase_steps", [0, 1, 2])
 def test_cancel_reaches_every_party(core, phase_steps):
     core.on_submit(b"G", submit("r"), 0.0)
     if phase_steps >= 1:
-        core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+        core.on_reserve_reply(
+            wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+        )
     out = core.on_cancel(wire.Cancel(request_id="r", reason="client gone"), 1.0)
     targets = {o.identity for o in sent(out, wire.Cancel)}
     assert targets == ({b"D", b"P"} if phase_steps >= 1 else {b"D"})
@@ -289,7 +320,9 @@ def test_heartbeat_from_unknown_peer_asks_it_to_register_again(core):
 
 def test_stale_prefill_report_from_an_abandoned_attempt_is_ignored(core):
     core.on_submit(b"G", submit("r"), 0.0)
-    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
     core.on_heartbeat(b"D", heartbeat("d"), 3.0)
     core.tick(3.5)  # p is dropped; the gateway gets r back
     core.on_hello(b"P", hello("p", "prefill"), 4.0)  # p comes back
@@ -410,7 +443,9 @@ def test_where_a_stream_ended_goes_to_its_gateway(core):
 
 def test_a_request_over_at_its_first_token_tells_its_gateway_where_it_ended(core):
     core.on_submit(b"G", submit("r", max_tokens=1), 0.0)
-    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
     done = wire.RequestDone(request_id="r", peer_id="p", phase="prefill", finish_reason="length",
                             num_prompt_tokens=20, num_output_tokens=1,
                             output_length=1)  # fmt: skip
@@ -420,7 +455,9 @@ def test_a_request_over_at_its_first_token_tells_its_gateway_where_it_ended(core
 
 def test_no_stream_end_is_told_for_a_request_that_goes_on(core):
     core.on_submit(b"G", submit("r"), 0.0)
-    core.on_reserve_reply(wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
     handed_on = wire.RequestDone(request_id="r", peer_id="p", phase="prefill",
                                  finish_reason=None, num_prompt_tokens=20,
                                  num_output_tokens=1)  # fmt: skip
@@ -480,7 +517,9 @@ def test_a_busy_decode_workers_reservation_and_the_prefill_go_out_together(core)
     assert reserve.identity == b"D" and job.identity == b"P"
     assert job.message.await_grant and job.message.num_skip_blocks == 0
     assert core.requests["r"].phase == Phase.RESERVING and core.take_dispatched()[0].speculative
-    reply = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=1)
+    reply = wire.ReserveReply(
+        peer_id="d", request_id="r", ok=True, num_free_blocks=90, num_cached_blocks=1
+    )
     (grant,) = core.on_reserve_reply(reply, 0.0)
     assert grant.identity == b"P" and grant.message == wire.PrefillGrant(
         request_id="r", num_skip_blocks=1
@@ -516,7 +555,7 @@ def test_a_speculative_request_that_cannot_go_on_goes_back_to_its_gateway(core, 
     busy(core)
     core.on_submit(b"G", submit("r"), 0.0)
     if how == "refused":
-        reply = wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0)
+        reply = wire.ReserveReply(peer_id="d", request_id="r", ok=False, num_free_blocks=0)
         out = core.on_reserve_reply(reply, 0.5)
     elif how == "timed out":  # both workers alive, the reservation's answer lost
         later = core.limits.reserve_timeout_s + 1
@@ -542,7 +581,7 @@ def test_a_speculative_request_done_at_its_first_token_frees_its_reservation(cor
                             num_prompt_tokens=20, num_output_tokens=1)  # fmt: skip
     out = core.on_request_done(done, 0.1)
     assert b"D" in {o.identity for o in sent(out, wire.Cancel)} and "r" not in core.requests
-    late = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=90)
+    late = wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90)
     assert core.on_reserve_reply(late, 0.2) == []  # the reservation's answer comes too late
 
 

@@ -38,7 +38,7 @@ def reserved(outgoing) -> list[str]:
 
 def finish_prefill(core: ClusterScheduler, request_id: str, now: float) -> list:
     core.on_reserve_reply(
-        wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=900), now
+        wire.ReserveReply(peer_id="d", request_id=request_id, ok=True, num_free_blocks=900), now
     )
     done = wire.RequestDone(
         request_id=request_id,
@@ -96,7 +96,7 @@ def test_generated_tokens_are_charged_and_a_requeue_refunds_the_prompt():
     core.on_submit(b"G", tenant_submit("r", "t", prompt_len=20), 0.0)
     party = Party("t", "short")
     assert core.queue.counters[party] == 20.0  # the prompt, charged at dispatch
-    refused = wire.ReserveReply(request_id="r", ok=False, num_free_blocks=0)
+    refused = wire.ReserveReply(peer_id="d", request_id="r", ok=False, num_free_blocks=0)
     assert reserved(core.on_reserve_reply(refused, 0.0)) == []
     assert core.queue.counters[party] == 0.0  # back in the queue: refunded
     assert reserved(core.on_heartbeat(b"D", heartbeat("d", free=1000), 0.5)) == ["r"]
@@ -165,6 +165,6 @@ def test_bad_fair_share_settings_fail_at_start_with_their_name(environ, message)
 def test_the_priority_travels_with_the_prefill_job():
     core = make_core()
     core.on_submit(b"G", dataclasses.replace(submit("r"), priority=3), 0.0)
-    reply = wire.ReserveReply(request_id="r", ok=True, num_free_blocks=900)
+    reply = wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=900)
     (job,) = sent(core.on_reserve_reply(reply, 0.0), wire.PrefillJob)
     assert job.message.priority == 3

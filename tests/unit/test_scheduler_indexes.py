@@ -186,8 +186,10 @@ class Twins:
         if not ids:
             return
         rng = self.rng
+        request_id = rng.choice(ids)
         message = wire.ReserveReply(
-            request_id=rng.choice(ids),
+            request_id=request_id,
+            peer_id=self.new.requests[request_id].decode_peer_id or "",
             ok=rng.random() < 0.8,
             num_free_blocks=rng.randint(0, 30),
             num_cached_blocks=rng.choice((0, 0, 2, 6)) if self.caches else 0,

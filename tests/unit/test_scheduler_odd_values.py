@@ -110,13 +110,15 @@ class OddPeers:
         )
 
     def reserve_reply(self) -> None:
+        worker = self.worker()
         reply = wire.ReserveReply(
             request_id=self.request_id(),
+            peer_id=worker,
             ok=self.rng.random() < 0.8,
             num_free_blocks=self.int_(),
             num_cached_blocks=self.rng.choice([0, self.int_()]),
         )
-        self.deliver(self.worker().encode(), reply)
+        self.deliver(worker.encode(), reply)
 
     def request_done(self) -> None:
         request_id = self.request_id()

@@ -190,7 +190,7 @@ def finish_in_flight(core: ClusterScheduler, now: float) -> None:
     (request,) = [r for r in core.requests.values() if r.decode_peer_id is not None]
     request_id = request.request_id
     out = core.on_reserve_reply(
-        wire.ReserveReply(request_id=request_id, ok=True, num_free_blocks=900), now
+        wire.ReserveReply(peer_id="d", request_id=request_id, ok=True, num_free_blocks=900), now
     )
     assert sent(out, wire.PrefillJob)
     for phase, peer in (("prefill", "p"), ("decode", "d")):
@@ -350,7 +350,7 @@ def test_a_request_leaves_the_ones_in_hand_at_its_first_token_or_its_end():
     assert set(core.awaiting_first_token) == {"r17"}  # the next one took its place
     assert core.awaiting_first_token.num_tokens == 20
     out = core.on_reserve_reply(
-        wire.ReserveReply(request_id="r17", ok=False, num_free_blocks=0), 16.0
+        wire.ReserveReply(peer_id="d", request_id="r17", ok=False, num_free_blocks=0), 16.0
     )
     assert not sent(out, wire.PrefillJob)
     assert "r17" not in core.awaiting_first_token  # back in the queue: counted there

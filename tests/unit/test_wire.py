@@ -264,7 +264,7 @@ def test_the_counts_a_worker_reports_are_bounded(cls):
     code, header = {
         wire.Heartbeat: heartbeat(),
         wire.ReserveReply: wire.encode(
-            wire.ReserveReply(request_id="r", ok=True, num_free_blocks=0)
+            wire.ReserveReply(request_id="r", peer_id="d", ok=True, num_free_blocks=0)
         ),
         wire.RequestDone: wire.encode(
             wire.RequestDone(request_id="r", peer_id="p", phase="decode", finish_reason=None,
