@@ -158,6 +158,7 @@ class PrefillWorker(WorkerLoop):
             job = running.job
             if output.error is not None:  # its grammar failed to compile, or its sampling
                 self.engine.release(job.request_id)
+                self.grants.pop(job.request_id, None)
                 self._fail(job, output.error)
                 continue
             num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
@@ -189,16 +190,17 @@ class PrefillWorker(WorkerLoop):
     def _hand_on(self, job: wire.PrefillJob, output: RequestOutput, delta: wire.TokenDelta) -> None:
         """The KV goes to the decode worker (or waits for its grant), unless the request ended
         at its first token."""
+        granted = self.grants.pop(job.request_id, None)  # (kept past its job, kept for good)
         if delta.finish_reason is not None:
             self.engine.release(job.request_id)
             num_made = len(delta.token_ids)
             output_length = len(job.output_token_ids) + num_made
             self._report(job, delta.finish_reason, num_made, output_length)
-        elif job.await_grant and job.request_id not in self.grants:
+        elif job.await_grant and granted is None:
             self.awaiting_grant[job.request_id] = (job, output, delta)  # the KV awaits its grant
         else:
-            if job.await_grant:
-                job = dataclasses.replace(job, num_skip_blocks=self.grants.pop(job.request_id))
+            if granted is not None:
+                job = dataclasses.replace(job, num_skip_blocks=granted)
             self._send_kv(job, output, delta)
 
     def _send_kv(self, job: wire.PrefillJob, output: RequestOutput, delta: wire.TokenDelta) -> None:

@@ -17,7 +17,12 @@ PROMPT = [5, 17, 33, 9, 101, 7, 64, 12, 3, 99, 41]
 
 
 @pytest.fixture
-def setup(tmp_path, tiny_model_dir):
+def setup(running):
+    return running[:4]
+
+
+@pytest.fixture
+def running(tmp_path, tiny_model_dir):
     context = zmq.Context()
     scheduler = FakeScheduler(context, f"ipc://{tmp_path}/s.sock")
     gateway = context.socket(zmq.PULL)
@@ -35,7 +40,7 @@ def setup(tmp_path, tiny_model_dir):
     )
     worker = WorkerThread(PrefillWorker(config, context)).start()
     scheduler.expect(wire.Heartbeat)
-    yield scheduler, gateway, decode, tmp_path
+    yield scheduler, gateway, decode, tmp_path, worker.worker
     worker.stop()
     for sock in (gateway, decode, scheduler.socket):
         sock.close(linger=0)
@@ -156,6 +161,18 @@ def test_a_cancelled_speculative_job_frees_its_kv_and_a_late_grant_sends_nothing
         return "gone" not in beat.request_ids and beat.num_free_blocks == free_before
 
     assert scheduler.expect(wire.Heartbeat, timeout_s=10, where=idle)
+
+
+def test_a_grant_for_a_job_over_at_its_first_token_is_not_kept(running):
+    """A grant that came while the prefill ran was kept for the KV; a job that ended at its
+    first token sends none, and the grant stayed for the worker's life."""
+    scheduler, gateway, decode, tmp_path, worker = running
+    spec = dataclasses.replace(job(tmp_path, "one", max_tokens=1), await_grant=True)
+    scheduler.send(spec)
+    scheduler.send(wire.PrefillGrant(request_id="one", num_skip_blocks=0))
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("one", "length")
+    assert not decode.poll(300) and worker.grants == {}
 
 
 def test_unacknowledged_transfer_is_abandoned_and_reported(setup):
