@@ -78,9 +78,10 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 T = TypeVar("T")
 NOTHING_PLACEABLE = LengthRanges()  # shared: treated as frozen, and the usual answer under load
 
-# Heartbeats of its decode worker that may leave out a decoding request before it is taken as
-# ended unheard. One can be stale: sent before the worker took the KV, it may arrive after the
-# prefill worker's report of the handoff (another connection). Two in a row cannot.
+# Heartbeats of its decode worker that may leave out a decoding request (of its prefill worker,
+# a prefilling one) before it is taken as ended unheard. One can be stale: sent before the
+# worker took the KV, it may arrive after the prefill worker's report of the handoff (another
+# connection); sent before a prefill job arrived, after the scheduler sent it. Two cannot.
 UNLISTED_BEATS = 2
 
 
@@ -360,21 +361,28 @@ class ClusterScheduler:
         for request_id in heartbeat.request_ids:
             if request_id in self.abandoned:
                 self._send(identity, wire.Cancel(request_id=request_id, reason="abandoned"))
-        if worker.role == "decode" and len(heartbeat.request_ids) < wire.MAX_HELD_IDS:
+        if len(heartbeat.request_ids) < wire.MAX_HELD_IDS:  # (a full list proves nothing)
             self._ended_unheard(worker, heartbeat.request_ids)
         self._dispatch(now)
         return self.take_outbox()
 
     def _ended_unheard(self, worker: WorkerState, held_ids: list[str]) -> None:
-        """Requests decoding on this worker that its heartbeats no longer list: it ended them
-        and its REQUEST_DONE was lost (a reset connection drops what it held), or it lost
-        them. Held here, they would take a seat and count as in flight forever. Each goes
-        back to its gateway, which drops the word if the stream had ended and resumes the
-        request from its tokens if not."""
+        """Requests decoding on this decode worker, or prefilling on this prefill worker, that
+        its heartbeats no longer list: it ended them and its REQUEST_DONE was lost (a reset
+        connection drops what it held), it lost them, or their job never reached it (a send
+        dropped). Held here, they would take a seat or a window and count as in flight
+        until a deadline (the prefill's: minutes). Each goes back to its gateway, which drops
+        the word if the stream had ended and resumes the request from its tokens if not.
+        (A worker's report goes out before the heartbeat that leaves its request out, on the
+        same connection; one heartbeat sent before a job arrived is what UNLISTED_BEATS
+        allows for.)"""
+        phase = Phase.DECODING if worker.role == "decode" else Phase.PREFILLING
         for request_id in worker.request_ids.difference(held_ids):
             request = self.requests.get(request_id)
-            if request is None or request.phase != Phase.DECODING:
-                continue  # a reservation the worker may not have seen yet
+            if request is None or request.phase != phase:
+                continue  # a reservation, or a job, the worker may not have seen yet
+            if phase == Phase.PREFILLING and request.prefill_peer_id != worker.peer_id:
+                continue
             request.num_unlisted_beats += 1
             if request.num_unlisted_beats >= UNLISTED_BEATS:
                 reason = f"{worker.peer_id} no longer holds it (its end went unheard)"
@@ -642,6 +650,7 @@ class ClusterScheduler:
             if done.finish_reason is None:  # KV handed to the decode worker, which now owns it
                 request.phase = Phase.DECODING
                 request.prefill_peer_id = None
+                request.num_unlisted_beats = 0  # the prefill worker's count is not the decode's
             elif done.finish_reason == "error":  # the transfer failed: try again elsewhere
                 self._lose(request, "the KV transfer failed")
             else:  # finished at its first token: the decode reservation is no longer needed

@@ -224,6 +224,38 @@ def test_a_worker_that_reconnected_is_sent_to_where_it_now_listens(core):
     assert reserve.identity == b"D-again"
 
 
+def test_a_prefill_job_its_worker_never_got_goes_back_in_two_heartbeats(core):
+    """A job dropped on its way (a reset connection) waited out the prefill timeout (300 s)
+    while the worker's heartbeats said it held nothing."""
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
+    assert core.requests["r"].phase == Phase.PREFILLING
+    core.on_heartbeat(b"P", heartbeat("p"), 0.5)  # sent before the job arrived: allowed for
+    assert core.requests["r"].phase == Phase.PREFILLING
+    out = core.on_heartbeat(b"P", heartbeat("p"), 1.0)
+    (delta,) = lost_deltas(out)
+    assert delta.request_id == "r" and "no longer holds it" in delta.error
+    assert not core.registry.get("p").request_ids and not core.registry.get("d").request_ids
+
+
+def test_a_prefill_job_its_worker_lists_is_left_alone(core):
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
+    core.on_heartbeat(b"P", heartbeat("p"), 0.5)  # one stale beat, then it holds it
+    for beat in range(1, 5):
+        listed = dataclasses.replace(heartbeat("p"), request_ids=["r"])
+        assert lost_deltas(core.on_heartbeat(b"P", listed, 0.5 + beat)) == []
+    core.on_request_done(
+        wire.RequestDone(request_id="r", peer_id="p", phase="prefill", finish_reason=None,
+                         num_prompt_tokens=20, num_output_tokens=1), 5.0)  # fmt: skip
+    core.on_heartbeat(b"D", heartbeat("d"), 6.0)  # one stale decode beat: not yet lost
+    assert core.requests["r"].phase == Phase.DECODING
+
+
 def test_late_joining_worker_is_used_at_once():
     c = ClusterScheduler(SchedulerLimits())
     c.on_hello(b"G", hello("g", "gateway"), 0.0)
