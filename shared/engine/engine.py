@@ -41,6 +41,10 @@ from shared.errors import InvalidRequestError
 from shared.logs import get_logger
 
 log = get_logger(component="engine")
+DEAD_END = (
+    "the output constraint allows no next token: its grammar leads nowhere from here, or asks"
+    " for text this model's vocabulary cannot spell"
+)
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ class GenerationResult:
     finish_reason: str
     num_cached_tokens: int = 0  # prompt tokens the prefix cache spared computing
     prompt_logprobs: list[TokenLogprobs] | None = None  # when asked: the prompt's, but the 1st
+    error: str | None = None  # why it ended "abort"
 
 
 class LLMEngine:
@@ -604,9 +609,15 @@ class LLMEngine:
                 outputs.append(RequestOutput(seq.request_id, [], finish_reason="abort", error=why))
                 continue
             token = sampled.token_ids[i]
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                # A dead end: the output so far can never be completed (a grammar whose rules
+                # lead nowhere, or text this vocabulary cannot spell). It ends now, with the
+                # reason, instead of drawing token 0 until max_tokens.
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                out = RequestOutput(seq.request_id, [], finish_reason="abort", error=DEAD_END)
+                outputs.append(out)
+                continue
             seq.output_token_ids.append(token)
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
             out = RequestOutput(seq.request_id, [token])
             if seq.prompt_logprobs is not None and len(seq.output_token_ids) == 1:
                 out.prompt_logprobs = seq.prompt_logprobs
@@ -713,10 +724,11 @@ class LLMEngine:
             params = [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         sequences = {rid: self._sequences[rid] for rid in ids}
-        finish = {}
+        finish, errors = {}, {}
         for out in self.run_until_done():
             if out.finished:
                 finish[out.request_id] = out.finish_reason
+                errors[out.request_id] = out.error
         return [
             GenerationResult(
                 rid,
@@ -726,6 +738,7 @@ class LLMEngine:
                 finish[rid],
                 sequences[rid].num_cached_tokens,
                 sequences[rid].prompt_logprobs,
+                errors[rid],
             )
             for rid in ids
         ]

@@ -161,9 +161,13 @@ class GrammarState:
             self.matcher = matcher
         return self.matcher
 
-    def accept(self, token_id: int) -> None:
-        if self.matcher is not None and not self.matcher.is_terminated():
-            self.matcher.accept_token(token_id)
+    def accept(self, token_id: int) -> bool:
+        """Advances the matcher by a sampled token; False if the grammar refuses it, which a
+        masked draw yields only where the grammar allowed no token at all (a dead end: every
+        logit was -inf, and the draw fell on token 0)."""
+        if self.matcher is None or self.matcher.is_terminated():
+            return True
+        return bool(self.matcher.accept_token(token_id))
 
     @property
     def is_terminated(self) -> bool:

@@ -85,3 +85,16 @@ def test_a_complete_structure_ends_the_choice_despite_min_tokens_or_ignore_eos(e
             (result,) = engine.generate([prompt], params)
             assert result.finish_reason == "stop", fields
             assert text(smollm2, result.token_ids) in ("up", "down"), fields
+
+
+def test_a_grammar_with_no_way_on_ends_its_request_with_the_reason(engine, prompt):
+    """Where the grammar allows no token at all, every logit was -inf and the draw fell on token
+    0, again and again until max_tokens, the request called complete ("length"); the row beside
+    it is untouched."""
+    dead_end = Constraint("grammar", 'root ::= "a" x\nx ::= x "b"')  # "a", then nothing can
+    stuck = SamplingParams(max_tokens=30, temperature=0, constraint=dead_end)
+    free = SamplingParams(max_tokens=5, temperature=0)
+    ended, beside = engine.generate([prompt, prompt], [stuck, free])
+    assert ended.finish_reason == "abort" and "allows no next token" in ended.error
+    assert len(ended.token_ids) == 1  # the "a"
+    assert beside.finish_reason == "length" and len(beside.token_ids) == 5
