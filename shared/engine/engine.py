@@ -705,6 +705,10 @@ class LLMEngine:
         ):
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            if seq.grammar is not None and seq.grammar.only_end_allowed():
+                # Cut where the structure was complete anyway: the answer is whole, and says so
+                # (clients such as the OpenAI SDK's `parse` refuse a "length" answer).
+                return SequenceStatus.FINISHED_STOPPED
             return SequenceStatus.FINISHED_LENGTH
         return None
 

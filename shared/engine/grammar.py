@@ -173,6 +173,21 @@ class GrammarState:
     def is_terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
 
+    def only_end_allowed(self) -> bool:
+        """The output so far is complete and nothing could extend it: the grammar allows only a
+        stop token next (a JSON object closed, a choice spelled out). One mask fill: asked once,
+        where a sequence reaches max_tokens."""
+        matcher = self.matcher
+        if matcher is None or matcher.is_terminated() or not matcher.is_completed():
+            return False
+        vocab_size = self._future.result().tokenizer_info.vocab_size
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed = torch.zeros(1, vocab_size)
+        xgr.apply_token_bitmask_inplace(allowed, bitmask)
+        allowed_ids = torch.isfinite(allowed[0]).nonzero().flatten().tolist()
+        return set(allowed_ids) <= set(matcher.stop_token_ids)
+
 
 class MaskBuffer:
     """A reused token bitmask, grown to the largest batch seen, and the masks filled ahead.

@@ -98,3 +98,23 @@ def test_a_grammar_with_no_way_on_ends_its_request_with_the_reason(engine, promp
     assert ended.finish_reason == "abort" and "allows no next token" in ended.error
     assert len(ended.token_ids) == 1  # the "a"
     assert beside.finish_reason == "length" and len(beside.token_ids) == 5
+
+
+def test_cut_where_the_structure_is_complete_says_stop(engine, prompt):
+    """max_tokens running out on the last token of a choice (or a JSON object's closing brace)
+    left a whole answer labelled "length"; one the grammar could still extend stays "length"."""
+    choice = choice_constraint(["up", "down"], "c")
+    (free,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0, constraint=choice)
+    )
+    spelled = [t for t in free.token_ids if t not in engine.eos_token_ids]
+    assert free.finish_reason == "stop" and len(spelled) < len(free.token_ids)  # EOS drawn last
+    (cut,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=len(spelled), temperature=0, constraint=choice)
+    )
+    assert cut.token_ids == spelled and cut.finish_reason == "stop"
+    digits = Constraint("regex", "[0-9]+")  # complete after one digit, yet it may go on
+    (open_ended,) = engine.generate(
+        [prompt], SamplingParams(max_tokens=1, temperature=0, constraint=digits)
+    )
+    assert open_ended.finish_reason == "length"
