@@ -25,7 +25,7 @@ from shared import wire
 from shared.config import ConfigError, add_config_arguments, config_from_args, expand_host
 from shared.deltas import joined
 from shared.engine.block_manager import NoFreeBlocksError
-from shared.engine.sequence import Sequence
+from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import InvalidRequestError
 from shared.lifecycle import DecodeEvents
 from shared.logs import configure_logging
@@ -162,7 +162,12 @@ class DecodeWorker(WorkerLoop):
         if reservation is None:
             self._report(job.request_id, "prefill", "error", len(job.prompt_token_ids), 0)
             return
-        self.blocks.free(reservation.block_ids)
+        # Its cached prefix stays protected as a finished turn's is (plain LRU, a reservation
+        # taken before the engine admits the sequence evicted the very blocks it came for), and
+        # the blocks stay its own in what this worker offers (`num_available_blocks`).
+        retention = self.engine.config.finished_retention_s
+        retain_until = self.engine.clock() + retention if retention > 0 else None
+        self.blocks.free(reservation.block_ids, retain_until=retain_until)
         refusal = self.streams.check(job.gateway_address)
         if refusal is None:
             try:
@@ -336,6 +341,20 @@ class DecodeWorker(WorkerLoop):
 
     def held_request_ids(self) -> list[str]:
         return [*self.reservations, *self.routes]
+
+    def num_available_blocks(self) -> int:
+        """What the pool offers new reservations, less the blocks of local prefills the engine
+        has not admitted yet: their reservations went back to the pool for the engine to take
+        again, and until it does they are theirs (a reservation in between took them, and the
+        prefill waited behind it)."""
+        waiting = [
+            route.local_sequence
+            for route in self.routes.values()
+            if route.local_sequence is not None
+            and route.local_sequence.status == SequenceStatus.WAITING
+        ]
+        claimed = sum(self.blocks.num_blocks_for(seq.num_tokens + 1) for seq in waiting)
+        return max(0, super().num_available_blocks() - claimed)
 
     def _on_timers(self, now: float) -> None:
         """Reservations whose KV did not arrive within the lease return to the pool."""

@@ -322,6 +322,43 @@ def test_next_turn_prefilled_here_streams_the_right_answer_without_a_handoff(set
     assert worker.engine.num_computed_prompt_tokens < len(prompt_2)
 
 
+def test_a_local_prefills_blocks_are_not_offered_before_the_engine_takes_them(setup):
+    """The reservation of a prompt prefilled here went back to the pool as the job arrived, for
+    the engine to take again at its next step: a RESERVE handled in between was offered them
+    (and could evict the cached prefix the job was routed here for)."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    transfer, _ = prefilled_transfer(model_dir, "t1", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, transfer)
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    reply = stream_until_done(gateway)
+    prompt_2 = PROMPT + reply + [9, 9, 9]
+    scheduler.send(
+        wire.Reserve(request_id="t2", num_tokens=len(prompt_2) + 1, lease_s=30, token_ids=prompt_2)
+    )
+    reserved = scheduler.expect(wire.ReserveReply)
+    assert reserved.ok and reserved.num_cached_blocks == 5
+    job = wire.PrefillJob(
+        request_id="t2",
+        prompt_token_ids=prompt_2,
+        sampling=sampling_spec(params),
+        gateway_address=gateway_address,
+        decode_peer_id="d",
+        decode_address="unused",
+        num_skip_blocks=5,
+    )
+    greedy = wire.Reserve(request_id="x", num_tokens=(reserved.num_free_blocks + 1) * 4, lease_s=30)
+    scheduler.send(job)
+    scheduler.send(greedy)  # handled with the job, before the engine's next step
+    refused = scheduler.expect(wire.ReserveReply)
+    assert refused.request_id == "x" and not refused.ok
+    assert gateway.poll(10_000)
+    first = wire.recv(gateway).deltas[0]
+    assert first.num_cached_tokens == 20  # its prefix was still there
+
+
 def test_a_turn_evicted_to_host_ram_is_still_announced_and_pinned_from_there(setup):
     """A reservation that needs the whole pool evicts turn 1's cached blocks: they move to the
     host tier, the heartbeats keep announcing them (never as evicted), and turn 2's reservation
