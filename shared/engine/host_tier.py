@@ -29,6 +29,9 @@ from shared.engine.kv_cache import KVCache
 from shared.engine.prefix_cache import Eviction
 from shared.engine.retention import Clock, RetentionLru
 from shared.engine.swap import SwapSpace
+from shared.logs import get_logger
+
+log = get_logger(component="host_tier")
 
 
 class HostTier:
@@ -91,8 +94,16 @@ class HostTier:
                 continue
             if not self._make_room(self.bytes_per_block):
                 continue
-            keys, values = self.kv_cache.read_blocks([eviction.block_id])
-            self._kv[block_hash] = (keys.cpu(), values.cpu())
+            try:
+                keys, values = self.kv_cache.read_blocks([eviction.block_id])
+                copy = (keys.cpu(), values.cpu())
+            except (RuntimeError, MemoryError) as error:
+                # The tier is a cache: a copy that fails (host memory exhausted) loses this
+                # block's second life, never the block (its id is being reused by the caller).
+                log.warning("a block's copy to host memory failed", error=str(error))
+                self.num_dropped_blocks += 1
+                continue
+            self._kv[block_hash] = copy
             self._order.add(block_hash, eviction.retain_until)
             self._touched.append(block_hash)
             self.num_demoted_blocks += 1

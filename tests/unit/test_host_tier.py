@@ -126,6 +126,26 @@ def test_evicted_blocks_go_to_host_and_come_back_on_a_hit_with_their_kv():
     tier.check_invariants()
 
 
+def test_a_copy_to_host_that_fails_loses_that_copy_not_the_blocks():
+    """The host copy of an evicted block raising (host memory exhausted) escaped mid-allocation:
+    the evicted ids were in no free queue, no cache and no table, and the pool shrank for good
+    (a decode worker's free-block reports with it)."""
+    bm, tier, kv, _ = tier_manager(num_blocks=4, tier_blocks=8)
+    computed(bm, kv, [10, 11, 12, 13])
+
+    def no_host_memory(block_ids):
+        raise RuntimeError("out of host memory")
+
+    kv.read_blocks = no_host_memory  # type: ignore[method-assign]
+    taken = bm.allocate(3)  # evicts 10, 11, 12: their host copies fail, the blocks are reused
+    assert len(taken) == 3 and tier.num_bytes == 0 and not tier.holds(10)
+    assert tier.num_dropped_blocks == 3
+    bm.free(taken)
+    bm.check_invariants()
+    tier.check_invariants()
+    assert bm.num_free_blocks == 4
+
+
 def test_the_tier_drops_least_recently_used_first_and_never_exceeds_its_budget():
     clock = FakeClock()
     bm, tier, kv, _ = tier_manager(num_blocks=2, tier_blocks=3, clock=clock)
