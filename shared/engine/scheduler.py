@@ -355,13 +355,24 @@ class StepScheduler:
         else:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+            self._requeue_preempted(seq)
         self.block_manager.free(seq.block_ids)
         seq.block_ids.clear()
         seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.num_preemptions_by_mode[mode] += 1
+
+    def _requeue_preempted(self, seq: Sequence) -> None:
+        """Back among the preempted sequences at the head of the queue, in urgency order: a
+        victim of a later step does not go ahead of a more urgent one still waiting (within a
+        step the tail's victims come least urgent first, so the order was right there only)."""
+        index = 0
+        for waiting in self.waiting:
+            if waiting.num_preemptions == 0 or _urgency(waiting) > _urgency(seq):
+                break
+            index += 1
+        self.waiting.insert(index, seq)
 
     def finish(
         self, seq: Sequence, status: SequenceStatus, retain_until: float | None = None

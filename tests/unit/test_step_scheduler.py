@@ -365,3 +365,16 @@ def test_blocks_to_resume_keep_a_growth_block_for_every_sequence_a_resume_must_f
     plan = scheduler.schedule()
     assert [x.request_id for x, _ in plan.swap_in] == ["s"] and not plan.swap_out
     scheduler.block_manager.free(held)
+
+
+def test_recompute_victims_of_later_steps_wait_behind_more_urgent_ones():
+    scheduler = make_scheduler(num_blocks=100)
+    for name in ("old", "mid", "new"):
+        scheduler.add(seq(name, 16))
+    run_step(scheduler)
+    old, mid, new = scheduler.running
+    scheduler.preempt(mid)  # a step's victim
+    scheduler.add(seq("later", 16))  # a newcomer: behind every preempted sequence
+    scheduler.preempt(old)  # a later step's: older, so more urgent than mid
+    scheduler.preempt(new)
+    assert [s.request_id for s in scheduler.waiting] == ["old", "mid", "new", "later"]
