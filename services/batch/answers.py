@@ -44,8 +44,13 @@ class Answers:
         self._errors = open(self.error_path, "ab")  # noqa: SIM115
 
     def close(self) -> None:
+        """Closes the files; one left empty is removed (no line went there: the batch names
+        no such file, and it stayed on disk for good)."""
         self._output.close()
         self._errors.close()
+        for path in (self.output_path, self.error_path):
+            if path.exists() and path.stat().st_size == 0:
+                path.unlink()
 
     def recover(self) -> int:
         """Marks every answer already in the files; the number that were unknown to SQLite."""

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from services.batch import jobs, runner
+from services.batch import answers, jobs, runner
 from services.batch.jobs import JobManager
 from services.batch.runner import JobRunner, RunLimits
 from services.batch.store import Store
@@ -98,6 +98,23 @@ def test_a_line_whose_call_fails_unforeseen_is_answered_500_and_the_rest_run(sto
     assert batch["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
     lines_left = store.db.execute("SELECT COUNT(*) FROM lines WHERE batch_id = 'batch_x'")
     assert lines_left.fetchone()[0] == 0  # a finished batch's rows are dropped; counts stay
+
+
+@pytest.mark.parametrize(("prompt", "kept"), [("ok", "output"), ("bug", "error")])
+def test_an_answer_file_left_empty_is_not_left_on_disk(store, prompt, kept):
+    """A batch with no failed line has no error file (OpenAI's `error_file_id` is null), nor
+    one with no successful line an output file: each stayed on disk, empty, for good."""
+    validated_batch(store, [line("a", prompt), line("b", prompt)])
+    batch = run(store, PlayedClient())
+    on_disk = {
+        name: store.path_of(file_id("batch_x")).exists()
+        for name, file_id in (("output", answers.output_file_id), ("error", answers.error_file_id))
+    }
+    assert on_disk == {"output": kept == "output", "error": kept == "error"}
+    assert batch[f"{kept}_file_id"] is not None
+    assert [key for key in ("output_file_id", "error_file_id") if batch.get(key)] == [
+        f"{kept}_file_id"
+    ]
 
 
 def test_body_fields_named_like_the_clients_arguments_are_sent_as_they_are(store):
