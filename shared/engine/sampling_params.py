@@ -44,9 +44,13 @@ def _as_int(name: str, value: object) -> int:
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidRequestError(name, f"must be a number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int past the largest float (JSON allows 300 digits and more)
+        raise InvalidRequestError(name, "must be a number a float can hold") from None
+    if not math.isfinite(number):
         raise InvalidRequestError(name, f"must be finite, got {value!r}")
-    return float(value)
+    return number
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -283,6 +283,19 @@ def test_ints_are_accepted_for_numbers():
     assert isinstance(params.temperature, float)
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [{"top_p": 10**309}, {"min_p": -(10**400)}, {"presence_penalty": 10**309},
+     {"frequency_penalty": 10**309}, {"repetition_penalty": 10**309},
+     {"logit_bias": {"1": 10**309}}],
+)  # fmt: skip
+def test_an_int_past_the_largest_float_is_a_400_naming_its_field(fields):
+    """JSON's ints have no bound: one past a float's range raised OverflowError (a 500 in no
+    OpenAI shape) where the number became a float."""
+    (param,) = fields
+    assert_bad(parse_completion_request, COMPLETION, fields, param)
+
+
 @pytest.mark.parametrize("top_k", [-1, 0, 1, 50])
 def test_top_k_off_or_positive(top_k):
     assert completion(top_k=top_k).sampling_params(1, MAX_LEN).top_k == top_k
