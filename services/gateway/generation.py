@@ -195,6 +195,10 @@ class Generator:
             deltas = _merge(queues)
             while True:
                 index, delta = await self._next_delta(deltas, generation, traces)
+                if index not in running:
+                    # A choice a stop string ended: what its workers sent before they heard
+                    # the cancel is not its output (a second finish, tokens in the usage).
+                    continue
                 if delta.num_cached_tokens:
                     generation.num_cached_tokens = max(
                         generation.num_cached_tokens, delta.num_cached_tokens
@@ -322,12 +326,12 @@ class Generator:
         """A choice's first event with the prompt before it (`echo`)."""
         request, prompt_ids = generation.request, generation.prompt_token_ids
         text = echoed_text(self.tokenizer, request.prompt_text, prompt_ids)
-        logprobs = None
+        logprobs = event.logprobs  # unasked, best_of's ranking still reads them (none shown)
         if request.logprobs is not None:
             logprobs = echoed_logprobs(prompt_ids, delta, self._token_view)
         if request.max_tokens == 0:  # the prompt alone: its token computed alongside is not shown
             return ChoiceEvent(event.index, text, [], logprobs, "length")
-        if logprobs is not None:
+        if request.logprobs is not None:
             logprobs += event.logprobs or []
         return ChoiceEvent(
             event.index, text + event.text, event.token_ids, logprobs, event.finish_reason

@@ -40,6 +40,7 @@ class StreamChunks:
     def __init__(self, generation: Generation) -> None:
         self.generation = generation
         self._role_sent: set[int] = set()
+        self._text_offsets: dict[int, int] = {}  # per choice: where its next token's text starts
         tools, n = generation.request.tools, generation.request.n
         self._parsers = None
         if tools is not None:
@@ -49,7 +50,11 @@ class StreamChunks:
         """The event's chunk; None when it has nothing to send."""
         generation, req = self.generation, self.generation.request
         if not req.chat:
-            logprobs = completion_logprobs(event.logprobs) if event.logprobs is not None else None
+            logprobs = None
+            if event.logprobs is not None:  # offsets run on from the choice's earlier chunks
+                offset = self._text_offsets.get(event.index, 0)
+                logprobs = completion_logprobs(event.logprobs, offset)
+                self._text_offsets[event.index] = offset + sum(len(t.text) for t in event.logprobs)
             return completion_chunk(
                 generation.request_id, req.model, generation.created,
                 event.index, event.text, event.finish_reason, logprobs,

@@ -102,6 +102,9 @@ def test_a_streamed_echo_equals_the_whole_answer(cluster):
     assert "".join(c["text"] for c in chunks) == whole["text"]
     tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
     assert tokens == whole["logprobs"]["tokens"]
+    # Offsets run on from chunk to chunk, as the whole answer's (each chunk began at 0).
+    offsets = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == whole["logprobs"]["text_offset"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,109 @@
+"""The gateway's choice events against a played cluster (each choice's deltas queued ahead, as
+the stream reader would have put them): what a choice's workers sent after a stop string ended
+it, and best_of's ranking of echoed candidates. The tokenizer is the real model's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway.generation import Generator
+from services.gateway.openai_protocol import parse_completion_request
+from services.gateway.responses import StreamChunks, collect_response
+from shared import wire
+from shared.engine.model_files import resolve_model_dir
+from shared.lifecycle import GatewayEvents
+from shared.logs import get_logger
+
+MODEL = "m"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    directory, _ = resolve_model_dir(None)
+    return AutoTokenizer.from_pretrained(directory)
+
+
+class PlayedCluster:
+    """Each choice's deltas (by its index) are in its queue when it is submitted."""
+
+    peer_id = "g"
+
+    def __init__(self, deltas_by_choice: dict[int, list[wire.TokenDelta]]):
+        self.deltas_by_choice = deltas_by_choice
+        self.cancelled: list[str] = []
+
+    async def submit(self, submit: wire.Submit, timeout_s: float = 10.0) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        for delta in self.deltas_by_choice[int(submit.request_id.rsplit("-", 1)[1])]:
+            queue.put_nowait(delta)
+        return queue
+
+    async def cancel(self, request_id: str, reason: str) -> None:
+        self.cancelled.append(request_id)
+
+    def finished(self, request_id: str) -> None:
+        pass
+
+
+def delta(token_ids, finish=None, logprobs=None) -> wire.TokenDelta:
+    return wire.TokenDelta(
+        request_id="x", token_ids=token_ids, finish_reason=finish, logprobs=logprobs
+    )
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+async def run(tokenizer, body: dict, deltas_by_choice, collect: bool):
+    generator = Generator(
+        PlayedCluster(deltas_by_choice), tokenizer, MODEL, 8192, GatewayEvents(get_logger())
+    )
+    request = parse_completion_request({"model": MODEL, **body}, MODEL, 8192)
+    generation = generator.prepare(request, "cmpl")
+    events = generator.events(generation, "t")
+    if collect:
+        return await collect_response(generation, events)
+    chunks = StreamChunks(generation)
+    return [chunk async for event in events if (chunk := chunks.chunk(event)) is not None]
+
+
+def test_what_workers_sent_after_a_stop_string_ended_a_choice_is_not_output(tokenizer):
+    """A stop string ends choice 0 at its second delta; its third, sent before the workers heard
+    the cancel, made a second finish for index 0 and counted in the usage."""
+    one, stop, more = ids(tokenizer, " one"), ids(tokenizer, "."), ids(tokenizer, " two")
+    deltas = {
+        0: [delta(one), delta(stop), delta(more)],
+        1: [delta(ids(tokenizer, " three"), finish="length")],
+    }
+    body = {"prompt": "Count:", "n": 2, "stop": ["."], "max_tokens": 8, "stream": True}
+    chunks = asyncio.run(run(tokenizer, body, deltas, collect=False))
+    finishes = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted((c["index"], c["finish_reason"]) for c in finishes) == [
+        (0, "stop"),
+        (1, "length"),
+    ]
+    whole = asyncio.run(run(tokenizer, {**body, "stream": False}, deltas, collect=True))
+    assert whole["choices"][0]["text"] == " one"
+    expected = len(one) + len(stop) + len(ids(tokenizer, " three"))
+    assert whole["usage"]["completion_tokens"] == expected
+
+
+def test_echoed_candidates_are_ranked_by_their_own_tokens_logprobs(tokenizer):
+    """With `echo` and no `logprobs`, the first event's logprobs (asked for the ranking) were
+    dropped, and the ranking read the wrong tokens' (a negative slice)."""
+    best, worse = ids(tokenizer, " a b c"), ids(tokenizer, " x y z")
+    assert len(best) == len(worse) == 3
+    deltas = {  # candidate 1 is best (mean -1.07); candidate 0's last token is, and ties rank it
+        0: [delta(worse, finish="length", logprobs=[-2.0, -2.0, -1.0])],
+        1: [delta(best, finish="length", logprobs=[-0.1, -0.1, -3.0])],
+    }
+    body = {"prompt": "Say:", "echo": True, "best_of": 2, "n": 1, "max_tokens": 3}
+    whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
+    (choice,) = whole["choices"]
+    assert choice["text"] == "Say: a b c" and choice["logprobs"] is None
+    assert whole["usage"]["completion_tokens"] == 6  # both candidates are billed
