@@ -159,7 +159,9 @@ class LLMEngine:
         self.clock = clock
         mc = model.config
         self.max_model_len = min(
-            self.config.max_model_len or mc.max_position_embeddings, model.max_positions
+            self.config.max_model_len or mc.max_position_embeddings,
+            model.max_positions,
+            mc.attention_window or model.max_positions,  # past it, the model's answers differ
         )
         num_blocks = self.config.num_blocks or num_blocks_for_budget(
             mc, self.config.block_size, model.dtype, self.config.kv_cache_bytes

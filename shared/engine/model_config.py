@@ -34,6 +34,9 @@ class ModelConfig:
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral's sliding window: a token attends to the `attention_window` before it. Full
+    # attention equals it over contexts that fit the window, so the engine serves up to that.
+    attention_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -61,6 +64,8 @@ class ModelConfig:
         is_qwen2 = c.model_type == "qwen2"
         if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
+        # transformers' Mistral applies its window whenever one is set (4096 by default).
+        window = getattr(c, "sliding_window", None) if c.model_type == "mistral" else None
         return cls(
             model_type=c.model_type,
             vocab_size=c.vocab_size,
@@ -79,6 +84,7 @@ class ModelConfig:
             rope_parameters=dict(_rope_parameters(c)),
             bos_token_id=getattr(c, "bos_token_id", None),
             eos_token_ids=_as_tuple(getattr(c, "eos_token_id", None)),
+            attention_window=int(window) if window else None,
         )
 
 

@@ -160,6 +160,21 @@ def test_family_variants(model_type, overrides, device):
     assert (logits[0] - expected[-1]).abs().max().item() < TOLERANCE
 
 
+def test_a_sliding_window_model_is_served_within_its_window(device):
+    """Mistral attends over a window (4096 tokens by default): it was taken for full attention,
+    and past the window its tokens differed from transformers'. Within it they are the same,
+    and the engine serves no longer a context."""
+    from shared.engine.engine import EngineConfig, LLMEngine
+
+    hf = tiny_hf_model("mistral", seed=5, device=device, sliding_window=24)
+    ours = our_model_from_hf(hf)
+    assert ours.config.attention_window == 24
+    prompt = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    logits = PagedRunner(ours, 16).run({0: prompt})
+    assert (logits[0] - hf_logits(hf, prompt)[-1]).abs().max().item() < TOLERANCE
+    assert LLMEngine(ours, EngineConfig(num_blocks=8)).max_model_len == 24
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_tracks_transformers(dtype, device):
     """16-bit runs are not bit-identical (other kernels, other rounding), but stay close."""
