@@ -49,8 +49,9 @@ def paged_attention(
     Every context length must be at least 1 (a sequence attends to its own new token at least);
     index values are not checked, as that would sync the device on every layer.
 
-    `use_triton=None` picks the Triton decode kernel exactly for decode batches on CUDA; tests pass
-    True to run it on CPU tensors under TRITON_INTERPRET=1. A plan made with `paged_decode` lists
+    `use_triton=None` picks the Triton decode kernel for decode batches on CUDA whose head size
+    it tiles (`triton_decodes`); tests pass True to run it on CPU tensors under
+    TRITON_INTERPRET=1. A plan made with `paged_decode` lists
     its decode rows for `decode_kernel` (`kernels.cpu_decode_attention`), and the reference
     attends its prefill groups.
     """
@@ -69,7 +70,7 @@ def paged_attention(
             query, key_cache, value_cache, block_tables, context_lens, scale, plan, decode_kernel
         )
     if use_triton is None:
-        use_triton = query.is_cuda and max_query_len == 1
+        use_triton = triton_decodes(query.is_cuda, max_query_len, query.shape[-1])
     if not use_triton:
         return paged_attention_reference(
             query,
@@ -88,6 +89,13 @@ def paged_attention(
     return _paged_decode_attention_triton(
         query, key_cache, value_cache, block_tables, context_lens, scale
     )
+
+
+def triton_decodes(on_cuda: bool, max_query_len: int, head_dim: int) -> bool:
+    """Whether the Triton kernel takes a batch: decode on CUDA, for the head sizes it can tile
+    (a power of two; any other, as 80 or 100, takes the reference: the kernel's refusal ended
+    every worker serving such a model at its first decode step)."""
+    return on_cuda and max_query_len == 1 and _is_power_of_two(head_dim)
 
 
 def _with_decode_kernel(

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.attention_reference import paged_attention_reference
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import paged_attention, triton_decodes
 
 
 @dataclass(frozen=True)
@@ -281,6 +281,13 @@ def test_triton_refuses_prefill():
     batch = make_batch(PREFILL, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16)
     with pytest.raises(ValueError, match="decode only"):
         paged_attention(*batch.args(), **batch.kwargs(), use_triton=True)
+
+
+def test_a_head_dim_the_triton_kernel_cannot_tile_takes_the_reference():
+    assert triton_decodes(on_cuda=True, max_query_len=1, head_dim=64)
+    assert not triton_decodes(on_cuda=True, max_query_len=1, head_dim=80)
+    assert not triton_decodes(on_cuda=True, max_query_len=7, head_dim=64)
+    assert not triton_decodes(on_cuda=False, max_query_len=1, head_dim=64)
 
 
 def test_triton_refuses_a_head_dim_that_is_not_a_power_of_two():
