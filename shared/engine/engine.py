@@ -411,7 +411,7 @@ class LLMEngine:
             self._built_matchers(plan.chunks), self.model.config.vocab_size
         )
         try:
-            with Stopwatch() as watch:
+            with Stopwatch(self.model.device) as watch:
                 ran, logits, failed = self._forward(plan.chunks)
             if not failed:  # (a step run again chunk by chunk is no sample of the rate)
                 self._record_prefill_rate(ran, watch.seconds)
@@ -454,15 +454,16 @@ class LLMEngine:
 
     def _swap(self, plan: StepPlan) -> None:
         """Copies swapped-in KV back to its new blocks, then swapped-out KV to host memory."""
+        device = self.model.device
         for seq, block_ids in plan.swap_in:
             keys, values = self.swap_space.take(seq.request_id)
-            with Stopwatch() as watch:
+            with Stopwatch(device) as watch:
                 self.kv_cache.write_blocks(block_ids, keys, values)
             self.preemption.record_copy(len(block_ids) * self._bytes_per_block, watch.seconds)
         for seq, block_ids in plan.swap_out:
-            with Stopwatch() as watch:
+            with Stopwatch(device) as watch:  # the read and its copy to host memory
                 keys, values = self.kv_cache.read_blocks(block_ids)
-            self.swap_space.put(seq.request_id, keys, values)
+                self.swap_space.put(seq.request_id, keys, values)
             self.preemption.record_copy(len(block_ids) * self._bytes_per_block, watch.seconds)
 
     def _decode_graphs(self) -> DecodeGraphs | None:

@@ -3,6 +3,7 @@ preemption, handoff, errors."""
 
 import dataclasses
 import itertools
+import time
 
 import pytest
 import torch
@@ -130,6 +131,30 @@ def test_aborting_a_swapped_sequence_frees_its_host_copy(model):
     for seq in list(engine.scheduler.swapped):
         assert engine.abort(seq.request_id)
     assert not engine.scheduler.swapped and engine.swap_space.used_bytes == 0
+
+
+def test_a_swap_outs_time_includes_its_copy_to_host_memory(model):
+    """The read of the blocks was timed, not their copy to host memory: on a GPU the read only
+    queues work, and the copy rate (which decides swap against recompute) came out far too
+    high. Here the copy is made slow on purpose: the rate must see it."""
+    config = EngineConfig(
+        num_blocks=12, max_num_batched_tokens=64, swap_bytes=1 << 24, preemption_mode="swap"
+    )
+    engine = LLMEngine(model, config)
+    real_put = engine.swap_space.put
+
+    def slow_put(*args):
+        time.sleep(0.2)
+        real_put(*args)
+
+    engine.swap_space.put = slow_put
+    for i, prompt in enumerate(prompts(6, seed=1)):
+        engine.add_request(prompt, dataclasses.replace(GREEDY, max_tokens=30), request_id=str(i))
+    engine.preemption.copy_bytes_per_s = 1.0  # so that every sample moves the rate up to it
+    while not engine.scheduler.swapped:
+        engine.step()
+    num_bytes = engine.swap_space.used_bytes
+    assert 1.0 < engine.preemption.copy_bytes_per_s <= num_bytes / 0.2
 
 
 def test_seeded_sampling_is_reproducible_across_batches(model):
