@@ -43,9 +43,19 @@ from services.gateway.responses import (
     first_event,
 )
 from services.gateway.tokenize_api import detokenize, tokenize
+from shared.logs import get_logger
 from shared.metrics import CONTENT_TYPE
 
 T = TypeVar("T")
+log = get_logger(component="gateway")
+
+
+def unforeseen(error: Exception, where: str) -> ApiError:
+    """An exception no code path meant (a bug): logged with its traceback, and answered as a
+    500 in OpenAI's shape (a plain-text 500, or a stream cut without `[DONE]`, before)."""
+    log.error("request failed unforeseen", where=where, exc_info=error)
+    message = f"the gateway failed on this request ({type(error).__name__}; its log has the "
+    return ApiError(500, message + "traceback)", "server_error")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -91,6 +101,10 @@ def build_app(
     @app.exception_handler(HTTPException)
     async def on_routing_error(request: Request, error: HTTPException) -> JSONResponse:
         return routing_error(request, error)
+
+    @app.exception_handler(Exception)
+    async def on_unforeseen(request: Request, error: Exception) -> JSONResponse:
+        return error_response(unforeseen(error, request.url.path))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -300,6 +314,8 @@ async def _sse_of(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]
             yield sse_event(chunk)
     except ApiError as error:
         yield sse_event(error.body())
+    except Exception as error:  # a bug: the client still gets an error event and [DONE]
+        yield sse_event(unforeseen(error, "stream").body())
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
     yield SSE_DONE
@@ -322,6 +338,8 @@ async def _sse(
             yield sse_event(final_usage_chunk(generation, num_tokens))
     except ApiError as error:
         yield sse_event(error.body())
+    except Exception as error:  # a bug: the client still gets an error event and [DONE]
+        yield sse_event(unforeseen(error, "stream").body())
     finally:
         await events.aclose()
     yield SSE_DONE

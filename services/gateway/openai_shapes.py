@@ -39,7 +39,11 @@ class ChoiceResult:
 
 
 def _logprob(value: float | None) -> float | None:
-    return None if value is None else max(value, _MIN_LOGPROB)
+    """JSON has no -inf nor NaN (a NaN from a model's broken logits would have failed the
+    answer's encoding): the floor stands for both."""
+    if value is None:
+        return None
+    return value if value >= _MIN_LOGPROB else _MIN_LOGPROB  # (NaN compares false)
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
