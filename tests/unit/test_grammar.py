@@ -85,8 +85,8 @@ def test_the_common_combinations_stay_allowed():
 
 
 def test_length_bounded_strings_are_json_strings():
-    """A string with `minLength`/`maxLength` took raw control characters (invalid JSON) and no
-    escapes; now an escape is one character of its length, as JSON counts."""
+    """A string with `minLength`/`maxLength` took raw control characters: invalid JSON. (Escapes
+    stay out of such strings, as xgrammar has them: see the next test.)"""
     bounded = schema_constraint(
         {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 4},
          "l": {"type": "array", "items": {"type": "string", "maxLength": 1}},
@@ -94,19 +94,48 @@ def test_length_bounded_strings_are_json_strings():
          "required": ["s", "l"]}, "p")  # fmt: skip
     for text, ok in [
         ('{"s": "ab", "l": []}', True),
-        ('{"s": "a\\tb", "l": ["\\n"]}', True),
-        ('{"s": "\\u00e9\\"\\\\", "l": ["x"]}', True),
-        ('{"s": "a\\tbcd", "l": []}', False),  # five characters
+        ('{"s": "abcd", "l": ["x"], "o": "é"}', True),
+        ('{"s": "abcde", "l": []}', False),  # five characters
         ('{"s": "a\tb", "l": []}', False),  # a raw tab
         ('{"s": "ab", "l": ["\u0000"]}', False),  # a raw NUL
         ('{"s": "a", "l": []}', False),
         ('{"s": "ab", "l": ["xy"]}', False),
-        ('{"s": "ab", "l": [], "o": "\\t"}', True),  # bounds of one are written inline
-        ('{"s": "ab", "l": [], "o": "\t"}', False),
+        ('{"s": "ab", "l": [], "o": "\t"}', False),  # bounds of one are written inline
+        ('{"s": "ab", "l": [], "o": "\u001f"}', False),
     ]:
         assert accepts(bounded, text) is ok, text
         if ok:
             json.loads(text)
+
+
+def test_a_bounded_strings_masks_fill_as_fast_as_xgrammars_own(tokenizer):
+    """The rewrite keeps one character class: a class or an escape, alternating, made every mask
+    fill inside a bounded string 100-1,000 times slower (22 ms a token at maxLength 64, 140 ms at
+    200, on the default model's 49,152 tokens), and a step waits on its masks. Compared with
+    xgrammar's own grammar of the same schema, side by side (medians of 15 fills)."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 200}},
+              "required": ["s"]}  # fmt: skip
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB), cache_enabled=False
+    )
+    own = xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True)
+    ours = to_grammar(schema_constraint(schema, "p"))
+
+    def median_fill_s(grammar) -> float:
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+        assert matcher.accept_string('{"s": "')
+        bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask)
+            times.append(time.perf_counter() - start)
+            assert matcher.accept_string("a")
+        return sorted(times)[7]
+
+    assert median_fill_s(ours) < 20 * median_fill_s(own) + 0.002
 
 
 @pytest.fixture(scope="module")
