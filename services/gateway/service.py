@@ -29,6 +29,7 @@ from shared.config import (
     require_positive,
     setting,
 )
+from shared.engine.model_config import served_context_len
 from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
 from shared.engine.sampling_defaults import parse_default_sampling, sampling_defaults
 from shared.gc_policy import CollectionTimer
@@ -140,9 +141,7 @@ def build_gateway(config: GatewayConfig):
     tokenizer = AutoTokenizer.from_pretrained(directory)
     if config.chat_template is not None:
         use_chat_template(tokenizer, config.chat_template)
-    max_model_len = (
-        config.max_model_len or AutoConfig.from_pretrained(directory).max_position_embeddings
-    )
+    max_model_len = served_context_len(AutoConfig.from_pretrained(directory), config.max_model_len)
     peer_id = config.peer_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
     logger = get_logger(peer_id=peer_id)
     try:

@@ -64,8 +64,7 @@ class ModelConfig:
         is_qwen2 = c.model_type == "qwen2"
         if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
-        # transformers' Mistral applies its window whenever one is set (4096 by default).
-        window = getattr(c, "sliding_window", None) if c.model_type == "mistral" else None
+        window = attention_window(c)
         return cls(
             model_type=c.model_type,
             vocab_size=c.vocab_size,
@@ -84,8 +83,26 @@ class ModelConfig:
             rope_parameters=dict(_rope_parameters(c)),
             bos_token_id=getattr(c, "bos_token_id", None),
             eos_token_ids=_as_tuple(getattr(c, "eos_token_id", None)),
-            attention_window=int(window) if window else None,
+            attention_window=window,
         )
+
+
+def attention_window(hf_config: Any) -> int | None:
+    """The sliding window a transformers config attends over, if any: Mistral applies one
+    whenever it is set (4096 by default)."""
+    window = (
+        getattr(hf_config, "sliding_window", None) if hf_config.model_type == "mistral" else None
+    )
+    return int(window) if window else None
+
+
+def served_context_len(hf_config: Any, asked: int | None = None) -> int:
+    """The longest context served: `asked` (a max_model_len setting) or the model's, within its
+    attention window (past it, full attention's answers differ from the model's). The gateway
+    and the engine both take it, so a prompt refused by one is refused by the other."""
+    longest = asked or hf_config.max_position_embeddings
+    window = attention_window(hf_config)
+    return min(longest, window) if window else longest
 
 
 def _rope_parameters(c: Any) -> dict[str, Any]:

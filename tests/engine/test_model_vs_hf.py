@@ -165,6 +165,7 @@ def test_a_sliding_window_model_is_served_within_its_window(device):
     and past the window its tokens differed from transformers'. Within it they are the same,
     and the engine serves no longer a context."""
     from shared.engine.engine import EngineConfig, LLMEngine
+    from shared.engine.model_config import served_context_len
 
     hf = tiny_hf_model("mistral", seed=5, device=device, sliding_window=24)
     ours = our_model_from_hf(hf)
@@ -173,6 +174,9 @@ def test_a_sliding_window_model_is_served_within_its_window(device):
     logits = PagedRunner(ours, 16).run({0: prompt})
     assert (logits[0] - hf_logits(hf, prompt)[-1]).abs().max().item() < TOLERANCE
     assert LLMEngine(ours, EngineConfig(num_blocks=8)).max_model_len == 24
+    # The gateway reads the same limit off the config (a prompt past it is its 400).
+    assert served_context_len(hf.config) == 24 and served_context_len(hf.config, 4096) == 24
+    assert served_context_len(tiny_hf_model("llama", seed=5, device=device).config, 100) == 100
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
