@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kernels.paged_attention import triton_decodes
 from shared.engine import prompt_logprobs
 from shared.engine.block_manager import BlockManager
 from shared.engine.decode_graphs import DecodeGraphs
@@ -469,6 +470,12 @@ class LLMEngine:
     def _decode_graphs(self) -> DecodeGraphs | None:
         if not self.config.cuda_graphs:
             return None
+        head_dim = self.model.config.head_dim
+        if not triton_decodes(True, 1, head_dim):  # the graphs record the Triton kernel's steps
+            raise ValueError(
+                f"cuda_graphs records the Triton decode kernel, which takes head sizes that are "
+                f"powers of two; this model's is {head_dim} (leave cuda_graphs off)"
+            )
         if self.model.device.type != "cuda":
             device = self.model.device
             raise ValueError(f"cuda_graphs needs a CUDA device, the model is on {device}")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kernels.attention_plan import AttentionPlan, plan_attention
 from kernels.cpu_decode_attention import CpuDecodeAttention, NewTokens
 from kernels.kv_write import write_kv
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import paged_attention, triton_decodes
 from shared.engine.kv_cache import KVCache
 from shared.engine.linear import Linear, make_linear
 from shared.engine.model_config import ModelConfig
@@ -122,7 +122,8 @@ class LlamaModel:
         plan = None
         # Exactly the batches `paged_attention` sends to the reference get a plan, once per step
         # (without it the reference would plan again in every layer); Triton decode plans nothing.
-        if not (batch.token_ids.is_cuda and batch.max_query_len == 1):
+        head_dim = self.config.head_dim
+        if not triton_decodes(batch.token_ids.is_cuda, batch.max_query_len, head_dim):
             plan = plan_attention(
                 batch.block_tables,
                 batch.context_lens,

@@ -173,3 +173,12 @@ def test_cuda_graphs_are_refused_off_cuda():
     cpu_model = our_model_from_hf(tiny_hf_model("llama", seed=5))
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
         LLMEngine(cpu_model, EngineConfig(num_blocks=8, cuda_graphs=True))
+
+
+def test_cuda_graphs_are_refused_for_a_head_size_the_triton_kernel_cannot_tile():
+    """Such a model's decode steps take the reference attention, which plans on the host and
+    cannot be captured: the worker ended at its first decode step."""
+    model = our_model_from_hf(tiny_hf_model("llama", seed=5, hidden_size=80, head_dim=20))
+    assert model.config.head_dim == 20
+    with pytest.raises(ValueError, match="head sizes that are powers of two; this model's is 20"):
+        LLMEngine(model, EngineConfig(num_blocks=8, cuda_graphs=True))
