@@ -122,7 +122,24 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
         raise InvalidRequestError("tools", "tool names must be distinct")
-    return ToolSetup(functions, _parse_choice(choice, names), parallel is not False)
+    setup = ToolSetup(functions, _parse_choice(choice, names), parallel is not False)
+    for i, function in enumerate(functions):
+        if setup.choice in ("required", function["name"]):  # enforced: the engine must be able to
+            _check_enforceable(function.get("parameters"), f"tools[{i}].function.parameters")
+    return setup
+
+
+def _check_enforceable(parameters: Mapping[str, Any] | None, where: str) -> None:
+    """A forced call's parameters are a grammar: an object, of keywords the engine enforces.
+    (With `auto` or `none` they are only shown to the model, so any schema will do: an agent's
+    tools, often with `format` or a pattern beside a length, are not refused for it.)"""
+    if parameters is None:
+        return
+    if parameters.get("type", "object") != "object":
+        raise InvalidRequestError(
+            where, 'must describe an object ("type": "object"): a call\'s arguments are one'
+        )
+    check_schema_keywords(parameters, where)
 
 
 def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
@@ -149,15 +166,8 @@ def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise InvalidRequestError(f"{where}.function.description", "must be a string")
     parameters = function.get("parameters")
-    if parameters is not None:
-        if not isinstance(parameters, dict):
-            raise InvalidRequestError(f"{where}.function.parameters", "must be a JSON schema")
-        if parameters.get("type", "object") != "object":
-            raise InvalidRequestError(
-                f"{where}.function.parameters",
-                'must describe an object ("type": "object"): a call\'s arguments are one',
-            )
-        check_schema_keywords(parameters, f"{where}.function.parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequestError(f"{where}.function.parameters", "must be a JSON schema")
     return function
 
 

@@ -99,17 +99,18 @@ def test_history_with_calls_and_results_is_rendered():
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
          "tools[0].function.name", "letters"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
-         "tools[0].function.parameters", "`not`"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+          "tool_choice": "required"}, "tools[0].function.parameters", "`not`"),
         ({"tools": [{"type": "function", "function": {"name": "f", "returns": 1}}]},
          "tools[0].function.returns", "unknown"),
         ({"tools": [WEATHER], "tool_choice": "required",
           "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
         ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or"),
         ({"parallel_tool_calls": 0}, "parallel_tool_calls", "true or false"),
-        ({"tools": [{"type": "function",
-                     "function": {"name": "f", "parameters": {"type": "string"}}}]},
-         "tools[0].function.parameters", '"type": "object"'),
+        ({"tools": [WEATHER, {"type": "function",
+                     "function": {"name": "f", "parameters": {"type": "string"}}}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools[1].function.parameters", '"type": "object"'),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "objekt"}}}}}],
           "tool_choice": "required"}, "tools", "invalid json_schema"),
@@ -164,3 +165,35 @@ def test_a_forced_call_keeps_the_tools_own_refs(choice):
     assert accepts(grammar, json.dumps(call))
     call["arguments"]["where"]["near"] = {"town": "Bergen"}
     assert not accepts(grammar, json.dumps(call))
+
+
+AGENT_TOOL = {  # as MCP servers describe theirs: formats, and patterns beside length bounds
+    "type": "function",
+    "function": {
+        "name": "fetch",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "url": {"type": "string", "format": "uri"},
+                "slug": {"type": "string", "pattern": "^[a-z-]+$", "maxLength": 64},
+            },
+            "required": ["url"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "choice", ["auto", "none", {"type": "function", "function": {"name": "now"}}]
+)
+def test_tools_only_shown_to_the_model_may_use_any_schema(choice):
+    """Under `auto` or `none`, or when another tool is forced, a tool's parameters only go into
+    the prompt: keywords the engine cannot enforce were refused all the same (an agent's whole
+    request a 400 for one tool's `format`)."""
+    request = chat(tools=[AGENT_TOOL, NOW], tool_choice=choice)
+    assert request.tools.functions[0]["name"] == "fetch"
+
+
+def test_a_forced_tool_still_needs_an_enforceable_schema():
+    refused("tools[0].function.parameters.properties.url", "`format`", tools=[AGENT_TOOL, NOW],
+            tool_choice="required")  # fmt: skip
