@@ -259,7 +259,7 @@ class SimPrefillWorker:
             num_total_blocks=0,
             steps_completed=self.stats.num_steps,
             sent_at=self.cluster.now,
-            request_ids=[*self.prompts, *self.in_transfer],
+            request_ids=[*self.prompts, *self.awaiting_grant, *self.in_transfer],
             step_s=self.pace.step_s,
             prefill_tokens_per_s=self.pace.prefill_tokens_per_s,
             **(self.cache.heartbeat_fields() if self.cache is not None else {}),

@@ -156,7 +156,8 @@ class TrackedRequest:
         self.num_blocks = 0  # blocks reserved on the decode worker
         self.num_predicted_cached_tokens = 0  # where its prefill went, as the prefix index knew
         self.speculative = False  # its prefill job went out with the reservation (await_grant)
-        self.num_unlisted_beats = 0  # decoding, yet left out of its worker's heartbeats (see there)
+        self.num_unlisted_beats = 0  # heartbeats in a row of its worker that left it out
+        self.last_unlisted_beat = -2  # the worker's heartbeat number of the last that did
         self.num_charged_tokens = 0  # what its last dispatch charged its party: a requeue's refund
         # Read off the SUBMIT (which never changes) once: every decision asks them several times.
         self.request_id = submit.request_id
@@ -325,6 +326,7 @@ class ClusterScheduler:
             self._send(identity, ack)
             return self.take_outbox()
         worker.last_heartbeat = now
+        worker.num_heartbeats += 1
         # A connection that dropped and came back is a new ROUTER identity (workers set none):
         # what is sent to the worker goes where it now listens, not to the dead connection.
         worker.identity = identity
@@ -383,7 +385,9 @@ class ClusterScheduler:
                 continue  # a reservation, or a job, the worker may not have seen yet
             if phase == Phase.PREFILLING and request.prefill_peer_id != worker.peer_id:
                 continue
-            request.num_unlisted_beats += 1
+            in_a_row = request.last_unlisted_beat == worker.num_heartbeats - 1
+            request.num_unlisted_beats = request.num_unlisted_beats + 1 if in_a_row else 1
+            request.last_unlisted_beat = worker.num_heartbeats
             if request.num_unlisted_beats >= UNLISTED_BEATS:
                 reason = f"{worker.peer_id} no longer holds it (its end went unheard)"
                 self._lose(request, reason)
@@ -651,6 +655,7 @@ class ClusterScheduler:
                 request.phase = Phase.DECODING
                 request.prefill_peer_id = None
                 request.num_unlisted_beats = 0  # the prefill worker's count is not the decode's
+                request.last_unlisted_beat = -2
             elif done.finish_reason == "error":  # the transfer failed: try again elsewhere
                 self._lose(request, "the KV transfer failed")
             else:  # finished at its first token: the decode reservation is no longer needed

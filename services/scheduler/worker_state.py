@@ -38,6 +38,7 @@ class WorkerState:
     step_s: float = 0.0  # its engine steps' recent duration, as last reported (0: none)
     num_prefix_query_tokens: int = 0  # prefix cache lookups and hits in tokens, as reported
     num_prefix_hit_tokens: int = 0
+    num_heartbeats: int = 0  # read since it registered: tells "unlisted twice in a row" apart
     order: int = 0  # when it registered, among all registrations: scans met workers in this order
 
     def record_progress(self, steps_completed: int, busy: bool, now: float) -> None:

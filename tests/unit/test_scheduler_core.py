@@ -240,6 +240,19 @@ def test_a_prefill_job_its_worker_never_got_goes_back_in_two_heartbeats(core):
     assert not core.registry.get("p").request_ids and not core.registry.get("d").request_ids
 
 
+def test_only_heartbeats_in_a_row_that_leave_a_request_out_lose_it(core):
+    """One stale heartbeat, then ones that list it, then one more stale: two in all, not in a
+    row (the count never started again, and lost the request)."""
+    core.on_submit(b"G", submit("r"), 0.0)
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
+    listed = dataclasses.replace(heartbeat("p"), request_ids=["r"])
+    for beat, held in enumerate([heartbeat("p"), listed, listed, heartbeat("p"), listed]):
+        assert lost_deltas(core.on_heartbeat(b"P", held, 0.5 * (beat + 1))) == []
+    assert core.requests["r"].phase == Phase.PREFILLING
+
+
 def test_a_prefill_job_its_worker_lists_is_left_alone(core):
     core.on_submit(b"G", submit("r"), 0.0)
     core.on_reserve_reply(
