@@ -50,12 +50,17 @@ T = TypeVar("T")
 log = get_logger(component="gateway")
 
 
-def unforeseen(error: Exception, where: str) -> ApiError:
-    """An exception no code path meant (a bug): logged with its traceback, and answered as a
-    500 in OpenAI's shape (a plain-text 500, or a stream cut without `[DONE]`, before)."""
-    log.error("request failed unforeseen", where=where, exc_info=error)
+def unforeseen(error: Exception) -> ApiError:
+    """An exception no code path meant (a bug), answered as a 500 in OpenAI's shape (it was a
+    plain-text 500, or a stream cut without `[DONE]`)."""
     message = f"the gateway failed on this request ({type(error).__name__}; its log has the "
     return ApiError(500, message + "traceback)", "server_error")
+
+
+def unforeseen_in_stream(error: Exception) -> bytes:
+    """The error event of a stream a bug ended, logged here (no server sees the exception)."""
+    log.error("a stream failed unforeseen", exc_info=error)
+    return sse_event(unforeseen(error).body())
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -103,8 +108,9 @@ def build_app(
         return routing_error(request, error)
 
     @app.exception_handler(Exception)
-    async def on_unforeseen(request: Request, error: Exception) -> JSONResponse:
-        return error_response(unforeseen(error, request.url.path))
+    async def on_unforeseen(_: Request, error: Exception) -> JSONResponse:
+        # (Starlette raises it on after this answer: the server logs its traceback.)
+        return error_response(unforeseen(error))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -315,7 +321,7 @@ async def _sse_of(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]
     except ApiError as error:
         yield sse_event(error.body())
     except Exception as error:  # a bug: the client still gets an error event and [DONE]
-        yield sse_event(unforeseen(error, "stream").body())
+        yield unforeseen_in_stream(error)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
     yield SSE_DONE
@@ -339,7 +345,7 @@ async def _sse(
     except ApiError as error:
         yield sse_event(error.body())
     except Exception as error:  # a bug: the client still gets an error event and [DONE]
-        yield sse_event(unforeseen(error, "stream").body())
+        yield unforeseen_in_stream(error)
     finally:
         await events.aclose()
     yield SSE_DONE
