@@ -26,6 +26,7 @@ from shared.config import (
     config_from_args,
     expand_host,
     require_address,
+    require_port,
     require_positive,
     setting,
 )
@@ -109,6 +110,7 @@ class GatewayConfig(CurveSettings):
             "request_timeout_s",
             "rpc_client_timeout_s",
         )
+        require_port(self, "port")
         self.keys()  # refuses bad keys at start-up
         if self.chat_template is not None:
             read_chat_template(self.chat_template)

@@ -31,6 +31,8 @@ from shared.config import (
     CurveSettings,
     add_config_arguments,
     config_from_args,
+    env_name,
+    flag_name,
     require_address,
     require_port,
     require_positive,
@@ -167,6 +169,13 @@ class SchedulerConfig(CurveSettings):
             "max_queue_wait_s",
             "prefill_window_tokens",
         )
+        for name in ("heartbeat_timeout_s", "progress_timeout_s"):
+            if getattr(self, name) <= self.heartbeat_interval_s:
+                raise ConfigError(
+                    f"{name} ({flag_name(name)} / {env_name(name)}) must exceed "
+                    f"heartbeat_interval_s ({self.heartbeat_interval_s:g}): workers beat once "
+                    f"an interval, and each would look gone (or stuck) between two beats"
+                )
         try:
             self.fair_share()
         except ValueError as error:

@@ -105,6 +105,11 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (WorkerConfig, [], {"TANDEM_STEP_TIME_TARGET_S": "NaN"}, "TANDEM_STEP_TIME_TARGET_S: exp"),
         (SchedulerConfig, [], {"TANDEM_GC_THAW_EVERY_S": "hourly"}, "TANDEM_GC_THAW_EVERY_S"),
         (GatewayConfig, ["--scheduler-address", "http://x"], {}, "scheduler_address"),
+        # Each would drop every worker (or take it for stuck) between two of its heartbeats.
+        (SchedulerConfig, ["--heartbeat-timeout-s", "0.3"], {}, "must exceed heartbeat_interval"),
+        (SchedulerConfig, ["--heartbeat-interval-s", "20"], {}, "heartbeat_timeout_s"),
+        (SchedulerConfig, ["--progress-timeout-s", "0.5"], {}, "progress_timeout_s"),
+        (GatewayConfig, ["--port", "70000"], {}, "must be a port in"),
     ],
 )
 def test_bad_values_name_the_setting(cls, argv, environ, needle):
