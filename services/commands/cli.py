@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"tandem {args.command}: configuration error: {error}", file=sys.stderr)
         return 2
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
+        # A path given (a model, a file) that cannot be read: its reason, not a traceback.
+        print(f"tandem {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

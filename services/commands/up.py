@@ -138,6 +138,9 @@ class LocalCluster:
             read_chat_template(self.args.chat_template)
         if getattr(self.args, "cuda_graphs", False) and not self.args.device.startswith("cuda"):
             raise ConfigError(f"--cuda-graphs needs --device cuda, got {self.args.device}")
+        for role in ("prefill", "decode"):  # a cluster without one serves nothing
+            if getattr(self.args, role) < 1:
+                raise ConfigError(f"--{role} must be at least 1, got {getattr(self.args, role)}")
         resolve_model_dir(self.args.model)  # convert a GGUF once, before workers race to it
         num_workers = self.args.prefill + self.args.decode
         threads = max(1, (os.cpu_count() or 1) // num_workers)

@@ -48,6 +48,10 @@ WRONG_INPUTS = [
     (["decode", "--address", "ipc://x", "--cuda-graphs", "true"], "needs --device cuda"),
     (["decode", "--address", "ipc://x", "--cuda-graphs", "maybe"], "--cuda-graphs"),
     (["gateway", "--port", "0"], "port"),
+    (["up", "--model", "/no/such"], "/no/such"),
+    (["generate", "--prompt", "hi", "--model", "/no/such"], "/no/such"),
+    (["up", "--prefill", "0"], "--prefill must be at least 1"),
+    (["up", "--prefill", "0", "--decode", "0"], "--prefill must be at least 1"),
     (["frobnicate"], "invalid choice"),
 ]
 # Runs each argv through the command's `main` in one interpreter (a fresh one per argv paid
