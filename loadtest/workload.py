@@ -105,18 +105,23 @@ class WorkloadError(ValueError):
 
 
 def read_workload(path: str | Path) -> list[WorkloadRequest]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise WorkloadError(f"cannot read workload {path}: {error}") from None
     requests = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                request = WorkloadRequest.from_json(line)
-            except (ValueError, KeyError, TypeError) as error:
-                raise WorkloadError(f"{path}:{number}: {type(error).__name__}: {error}") from None
-            if request.max_tokens < 1 or request.arrival_time < 0:
-                raise WorkloadError(f"{path}:{number}: max_tokens must be >= 1, arrival_time >= 0")
-            requests.append(request)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            request = WorkloadRequest.from_json(line)
+        except (ValueError, KeyError, TypeError, OverflowError) as error:
+            raise WorkloadError(f"{path}:{number}: {type(error).__name__}: {error}") from None
+        if request.max_tokens < 1 or not 0 <= request.arrival_time < math.inf:
+            raise WorkloadError(
+                f"{path}:{number}: max_tokens must be >= 1, arrival_time a finite >= 0"
+            )
+        requests.append(request)
     if not requests:
         raise WorkloadError(f"{path}: no requests")
     return requests

@@ -67,8 +67,8 @@ def load_workload(spec: str) -> list[SimRequest]:
 
 def _read_jsonl(path: Path) -> list[SimRequest]:
     try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
         raise WorkloadError(f"cannot read workload {path}: {error}") from None
     requests = []
     for number, line in enumerate(lines, 1):
@@ -76,7 +76,7 @@ def _read_jsonl(path: Path) -> list[SimRequest]:
             continue
         try:
             requests.append(_from_line(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as error:
             raise WorkloadError(f"{path}:{number}: {error}") from None
     return requests
 
@@ -98,8 +98,12 @@ def _from_line(data: dict) -> SimRequest:
         label=str(data.get("label", "")),
         prompt_token_ids=token_ids,
     )
-    if request.num_prompt_tokens < 1 or request.max_tokens < 1 or request.arrival_time < 0:
-        raise ValueError("prompt and max_tokens must be >= 1 and arrival_time >= 0")
+    if (
+        request.num_prompt_tokens < 1
+        or request.max_tokens < 1
+        or not 0 <= request.arrival_time < math.inf  # (NaN compares false)
+    ):
+        raise ValueError("prompt and max_tokens must be >= 1 and arrival_time a finite >= 0")
     return request
 
 

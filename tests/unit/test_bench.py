@@ -30,6 +30,8 @@ from loadtest.metrics import (
     token_timeline,
 )
 from loadtest.workload import WorkloadError, read_workload
+from services.planner.workload import WorkloadError as PlannerWorkloadError
+from services.planner.workload import load_workload
 from tests.unit.test_loadtest import CharTokenizer
 
 
@@ -192,6 +194,26 @@ def test_wrong_workload_files_name_the_line(tmp_path):
     path.write_text("\n")
     with pytest.raises(WorkloadError, match="no requests"):
         read_workload(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b'{"prompt": "a", "max_tokens": 1e999}\n', ":1: OverflowError"),
+        (b'{"prompt": "a", "max_tokens": 2, "arrival_time": NaN}\n', "arrival_time a finite"),
+        (b'{"prompt": "a", "max_tokens": 2, "arrival_time": Infinity}\n', "arrival_time a finite"),
+        (b'{"prompt": "\xff\xfe"}\n', "cannot read workload"),  # not UTF-8
+    ],
+)
+def test_workload_values_json_allows_but_no_request_has_are_named(tmp_path, content, needle):
+    """Each escaped as a traceback (an int from 1e999, a file not in UTF-8) or was taken (a NaN
+    arrival time, which then made every percentile NaN)."""
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(WorkloadError, match=needle):
+        read_workload(path)
+    with pytest.raises(PlannerWorkloadError, match=needle.split(" OverflowError")[0]):
+        load_workload(str(path))
 
 
 def fake_result(name: str, rates: list[float | None], ttft_p50: float) -> dict:
