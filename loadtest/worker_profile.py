@@ -37,7 +37,7 @@ import torch
 import zmq
 
 from loadtest.engine_bench import median_seconds, ours_decode, ours_prefill, paired_medians
-from services.planner.profile import WorkerProfile, WorkerSettings
+from services.planner.profile import ProfileError, WorkerProfile, WorkerSettings
 from shared.engine.loader import (
     DEVICE_HELP,
     DTYPE_CHOICES,
@@ -98,10 +98,16 @@ def run(args: argparse.Namespace) -> int:
             "batch_sizes": _sizes("--batch-sizes", args.batch_sizes),
             "contexts": _sizes("--contexts", args.contexts),
         }
-        for name in ("threads", "repeats", "block_size", "max_num_batched_tokens"):
+        for name in ("threads", "repeats"):
             if getattr(args, name) < 1:
                 raise ProfileArgumentError(f"--{name.replace('_', '-')} must be >= 1")
-    except ProfileArgumentError as error:
+        # Checked as `tandem plan` will read them (a budget under 16 made a profile it refused).
+        settings = WorkerSettings(
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_bytes=args.kv_cache_bytes,
+        )
+    except (ProfileArgumentError, ProfileError) as error:
         print(f"tandem profile: {error}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
@@ -109,11 +115,6 @@ def run(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     dtype = parse_dtype(args.dtype, device)
     model = load_model(args.model, dtype=dtype, device=device).model
-    settings = WorkerSettings(
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_bytes=args.kv_cache_bytes,
-    )
     metadata = {
         "model": args.model,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -50,6 +50,9 @@ def _check_axis(name: str, values: Sequence[float]) -> None:
         raise ProfileError(f"{name} must be a non-empty increasing list, got {values}")
 
 
+MIN_CHUNK_BUDGET = 16  # the least prompt-token budget a step may have (the simulator's too)
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     """The engine settings a profile was measured with; the simulated workers use them."""
@@ -59,6 +62,17 @@ class WorkerSettings:
     max_num_batched_tokens: int = 512
     step_time_target_s: float | None = 0.2  # prefill: prompt tokens capped to about this long
     kv_cache_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        # Read from a file: each was a division by zero or a refusal deep in a simulation.
+        for name, least in (("block_size", 1), ("max_num_seqs", 1), ("kv_cache_bytes", 1),
+                            ("max_num_batched_tokens", MIN_CHUNK_BUDGET)):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ProfileError(f"settings.{name} must be an integer >= {least}, got {value!r}")
+        target = self.step_time_target_s
+        if target is not None and not (isinstance(target, int | float) and 0 < target < math.inf):
+            raise ProfileError(f"settings.step_time_target_s must be positive, got {target!r}")
 
 
 @dataclass(frozen=True)
@@ -90,10 +104,10 @@ class WorkerProfile:
         times = self.prefill_seconds + [t for row in self.decode_seconds for t in row]
         if any(not t > 0 for t in times):
             raise ProfileError("every measured step time must be positive")
-        if self.kv_bytes_per_token <= 0 or self.transfer_bytes_per_s <= 0:
+        if not (self.kv_bytes_per_token > 0 and 0 < self.transfer_bytes_per_s < math.inf):
             raise ProfileError("kv_bytes_per_token and transfer_bytes_per_s must be positive")
-        if self.transfer_latency_s < 0:
-            raise ProfileError("transfer_latency_s must be non-negative")
+        if not 0 <= self.transfer_latency_s < math.inf:  # (NaN compares false)
+            raise ProfileError("transfer_latency_s must be a non-negative number")
         if not 0 <= self.prefill_s_per_context_pair < math.inf:
             raise ProfileError("prefill_s_per_context_pair must be a non-negative number")
 

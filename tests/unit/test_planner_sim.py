@@ -362,6 +362,14 @@ def test_profile_round_trips_and_refuses_bad_files(tmp_path):
         ({"surprise": 1}, "fields"),
         ({"prefill_s_per_context_pair": -1e-6}, "non-negative"),
         ({"prefill_s_per_context_pair": float("nan")}, "non-negative"),
+        # Settings read as they came: each divided by zero, or failed deep in a simulation.
+        ({"settings": {"block_size": 0}}, "settings.block_size"),
+        ({"settings": {"max_num_seqs": 0}}, "settings.max_num_seqs"),
+        ({"settings": {"max_num_batched_tokens": 8}}, "settings.max_num_batched_tokens"),
+        ({"settings": {"kv_cache_bytes": 2.5}}, "settings.kv_cache_bytes"),
+        ({"settings": {"step_time_target_s": -1}}, "settings.step_time_target_s"),
+        ({"transfer_latency_s": float("nan")}, "transfer_latency_s"),
+        ({"transfer_bytes_per_s": float("inf")}, "positive"),
     ]:
         path.write_text(json.dumps({**data, **change}))
         with pytest.raises(ProfileError, match=message):

@@ -55,6 +55,9 @@ def test_transfer_fit_is_a_latency_and_a_bandwidth():
         (["--prefill-tokens", "0,16"], "positive"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--prefill-contexts", "1024,512"], "increasing"),
+        (["--max-num-batched-tokens", "8"], "settings.max_num_batched_tokens must be"),
+        (["--block-size", "0"], "settings.block_size"),
+        (["--kv-cache-bytes", "0"], "settings.kv_cache_bytes"),
     ],
 )
 def test_wrong_flag_values_exit_2(tmp_path, capsys, flags, message):
