@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -123,10 +124,10 @@ def rates_of(args: argparse.Namespace) -> list[float | None]:
             rates = [float(part) for part in args.sweep.split(",") if part.strip()]
         except ValueError:
             raise BenchError(f"--sweep takes rates like 1,2,4; got {args.sweep!r}") from None
-        if not rates or any(rate <= 0 for rate in rates):
+        if not rates or any(not 0 < rate < math.inf for rate in rates):  # (NaN compares false)
             raise BenchError(f"--sweep rates must be > 0; got {args.sweep!r}")
         return rates
-    if args.rate is not None and args.rate <= 0:
+    if args.rate is not None and not 0 < args.rate < math.inf:
         raise BenchError(f"--rate must be > 0; got {args.rate}")
     return [args.rate]
 
@@ -140,7 +141,7 @@ def check_settings(args: argparse.Namespace) -> None:
         ("--slo-ttft", args.slo_ttft),
         ("--slo-tpot", args.slo_tpot),
     ):
-        if value is not None and value <= 0:
+        if value is not None and not 0 < value < math.inf:  # nan timed out every request
             raise BenchError(f"{flag} must be > 0; got {value}")
     if not args.url.startswith(("http://", "https://")):
         raise BenchError(f"--url must be an http(s) URL; got {args.url!r}")

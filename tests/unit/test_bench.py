@@ -176,6 +176,11 @@ def parse(*argv: str) -> argparse.Namespace:
         (["--slo-ttft", "0"], "--slo-ttft must be > 0"),
         (["--url", "127.0.0.1:8000"], "--url must be an http"),
         (["--compare", "only-one.json"], "two or more"),
+        (["--timeout", "nan"], "--timeout must be > 0"),
+        (["--deadline", "inf"], "--deadline must be > 0"),
+        (["--rate", "nan"], "--rate must be > 0"),
+        (["--sweep", "1,nan"], "--sweep rates must be > 0"),
+        (["--slo-tpot", "nan"], "--slo-tpot must be > 0"),
     ],
 )
 def test_wrong_settings_are_refused_by_name(argv, needle, capsys):
