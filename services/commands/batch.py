@@ -52,13 +52,11 @@ class Api:
         self.http = httpx.Client(base_url=url.rstrip("/") + "/v1", headers=headers, timeout=60)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self.http.request(method, path, **kwargs)
-        if response.status_code != 200:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise SystemExit(f"tandem batch: {method} {path}: {response.status_code} {message}")
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as error:  # the server is not there, or went away
+            raise SystemExit(f"tandem batch: {method} {path}: {error}") from None
+        _check(method, path, response)
         return response
 
 
@@ -141,15 +139,33 @@ def download(api: Api, args: argparse.Namespace) -> int:
         print(f"tandem batch: {args.batch_id} has no {'error' if args.errors else 'output'} "
               f"file (status {batch['status']})", file=sys.stderr)  # fmt: skip
         return 1
-    out = open(args.out, "wb") if args.out else sys.stdout.buffer  # noqa: SIM115
+    path = f"/files/{file_id}/content"
     try:
-        with api.http.stream("GET", f"/files/{file_id}/content") as response:
-            for chunk in response.iter_bytes():
-                out.write(chunk)
-    finally:
-        if args.out:
-            out.close()
+        with api.http.stream("GET", path) as response:
+            if response.status_code != 200:
+                response.read()
+                _check("GET", path, response)  # an error body is no batch's output
+            out = open(args.out, "wb") if args.out else sys.stdout.buffer  # noqa: SIM115
+            try:
+                for chunk in response.iter_bytes():
+                    out.write(chunk)
+            finally:
+                if args.out:
+                    out.close()
+    except httpx.HTTPError as error:
+        raise SystemExit(f"tandem batch: GET {path}: {error}") from None
     return 0
+
+
+def _check(method: str, path: str, response: httpx.Response) -> None:
+    """Exits with the server's message when it did not answer 200."""
+    if response.status_code == 200:
+        return
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text
+    raise SystemExit(f"tandem batch: {method} {path}: {response.status_code} {message}")
 
 
 def _first_url(path: Path) -> str:

@@ -69,3 +69,31 @@ def test_following_a_batch_midway_counts_its_rates_from_the_first_poll(monkeypat
     assert "100/200 done" in lines[1] and "0.0 lines/s" in lines[1] and "tokens/s" not in lines[1]
     assert "10.0 lines/s  400 tokens/s  ETA 9 s" in lines[2]
     assert "10.0 lines/s  400 tokens/s  ETA 8 s" in lines[3]
+
+
+def test_a_server_that_is_not_there_is_an_error_not_a_traceback():
+    with pytest.raises(SystemExit, match="tandem batch: GET /batches"):
+        main(["batch", "--url", "http://127.0.0.1:9", "list"])
+
+
+def test_a_download_the_server_refuses_writes_no_output(tmp_path):
+    """The file's content was streamed to the output whatever its status: a 404's error body
+    became the batch's answers, and the command said nothing was wrong."""
+    import argparse
+
+    import httpx
+
+    from services.commands import batch as batch_command
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/content"):
+            return httpx.Response(404, json={"error": {"message": "no such file"}})
+        return httpx.Response(200, json={"status": "completed", "output_file_id": "file-1o"})
+
+    api = batch_command.Api("http://tandem.test", None)
+    api.http = httpx.Client(base_url="http://tandem.test/v1", transport=httpx.MockTransport(answer))
+    out = tmp_path / "answers.jsonl"
+    args = argparse.Namespace(batch_id="batch_1", errors=False, out=out)
+    with pytest.raises(SystemExit, match="404 no such file"):
+        batch_command.download(api, args)
+    assert not out.exists()
