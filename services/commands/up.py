@@ -325,6 +325,10 @@ def _die_with_parent() -> None:
     os.setpgrp()  # Ctrl-C reaches only `tandem up`, which stops the children in order
 
 
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM before the cluster was ready."""
+
+
 def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(args)
     stopping = threading.Event()
@@ -332,11 +336,18 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(*_: object) -> None:
         stopping.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    def interrupt_start(signum: int, _: object) -> None:
+        # Start-up waits (a model's conversion, the workers' loading, the ready check): the
+        # signal breaks off at once, where it used to wait until the cluster was ready.
+        raise Interrupted(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, interrupt_start)
+    signal.signal(signal.SIGTERM, interrupt_start)
     try:
         cluster.start()
         cluster.wait_ready(args.ready_timeout)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
         print(_banner(cluster), flush=True)
         while not stopping.wait(0.5):
             broken = cluster.restart_dead()
@@ -350,7 +361,12 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as error:
         print(f"tandem up: {error}", file=sys.stderr)
         return 1
+    except Interrupted as signal_name:
+        print(f"tandem up: {signal_name} before the cluster was ready; stopping", file=sys.stderr)
+        return 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stop below finishes undisturbed
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.stop()
 
 

@@ -88,3 +88,36 @@ def test_tandem_up_stops_cleanly_on_sigterm(tmp_path):
     run_dirs = set(re.findall(r"ipc://(/[^\s\"']*?/tandem-[^/\s\"']+)/", cluster.log()))
     assert run_dirs, "the log names the cluster's ipc run directory"
     assert not any(os.path.exists(d) for d in run_dirs)
+
+
+def test_a_signal_before_the_cluster_is_ready_stops_it_at_once(tmp_path):
+    """SIGTERM (or Ctrl-C) while the workers still load: the start-up ran on until the cluster
+    was ready (up to --ready-timeout), then stopped; under docker's SIGTERM then SIGKILL it
+    left its children and run directory behind."""
+    log = (tmp_path / "up.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.commands.cli", "up", "--port", str(free_port())],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        children: list[int] = []
+        while not children and time.monotonic() < deadline:  # the first child is spawned
+            found = subprocess.run(
+                ["pgrep", "-P", str(process.pid)], capture_output=True, text=True
+            )
+            children = [int(p) for p in found.stdout.split()]
+            time.sleep(0.05)
+        assert children, "tandem up spawned no process"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 1
+        text = (tmp_path / "up.log").read_text()
+        assert "SIGTERM before the cluster was ready" in text and "is ready at" not in text
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
