@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -230,19 +231,39 @@ def stream_until_done(gateway, start: int = 0) -> list[int]:
             return tokens
 
 
-def test_next_turn_reservation_pins_cached_blocks_and_takes_only_the_rest(setup):
-    """Turn 1 runs here; turn 2's reservation finds turn 1's prompt and reply blocks in the
-    decode cache and pins them; a transfer carrying everything is refused, one carrying only
-    the missing blocks is admitted, and the answer is the one a single engine gives."""
-    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+def first_turn_here(setup, params: SamplingParams) -> tuple[list[int], Any]:
+    """Turn 1 decoded on this worker (its KV handed over, its reply streamed): turn 2's prompt
+    (turn 1's, the reply and three more tokens) and the model that prefilled it."""
+    scheduler, gateway, peer, _, gateway_address, model_dir = setup
     transfer, loaded = prefilled_transfer(model_dir, "t1", gateway_address, params)
     scheduler.send(wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30))
     assert scheduler.expect(wire.ReserveReply).ok
     wire.send(peer, transfer)
     assert peer.poll(10_000) and wire.recv(peer).ok
     reply = stream_until_done(gateway)
-    prompt_2 = PROMPT + reply + [9, 9, 9]  # 18 + 6 + 3 tokens; 23 ran on the worker
+    return PROMPT + reply + [9, 9, 9], loaded
+
+
+def local_job(prompt: list[int], params: SamplingParams, gateway_address: str) -> wire.PrefillJob:
+    """Turn 2 prefilled on the decode worker that holds its first five blocks."""
+    return wire.PrefillJob(
+        request_id="t2",
+        prompt_token_ids=prompt,
+        sampling=sampling_spec(params),
+        gateway_address=gateway_address,
+        decode_peer_id="d",
+        decode_address="unused",
+        num_skip_blocks=5,
+    )
+
+
+def test_next_turn_reservation_pins_cached_blocks_and_takes_only_the_rest(setup):
+    """Turn 1 runs here; turn 2's reservation finds turn 1's prompt and reply blocks in the
+    decode cache and pins them; a transfer carrying everything is refused, one carrying only
+    the missing blocks is admitted, and the answer is the one a single engine gives."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt_2, loaded = first_turn_here(setup, params)  # 18 + 6 + 3 tokens; 23 ran here
 
     def reserve(request_id: str) -> wire.ReserveReply:
         scheduler.send(
@@ -282,29 +303,13 @@ def test_next_turn_prefilled_here_streams_the_right_answer_without_a_handoff(set
     its decode phase are reported."""
     scheduler, gateway, peer, worker, gateway_address, model_dir = setup
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    transfer, loaded = prefilled_transfer(model_dir, "t1", gateway_address, params)
-    scheduler.send(wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30))
-    assert scheduler.expect(wire.ReserveReply).ok
-    wire.send(peer, transfer)
-    assert peer.poll(10_000) and wire.recv(peer).ok
-    reply = stream_until_done(gateway)
+    prompt_2, loaded = first_turn_here(setup, params)
     assert scheduler.expect(wire.RequestDone).phase == "decode"
-    prompt_2 = PROMPT + reply + [9, 9, 9]
     scheduler.send(
         wire.Reserve(request_id="t2", num_tokens=len(prompt_2) + 1, lease_s=30, token_ids=prompt_2)
     )
     assert scheduler.expect(wire.ReserveReply).num_cached_blocks == 5
-    scheduler.send(
-        wire.PrefillJob(
-            request_id="t2",
-            prompt_token_ids=prompt_2,
-            sampling=sampling_spec(params),
-            gateway_address=gateway_address,
-            decode_peer_id="d",
-            decode_address="unused",
-            num_skip_blocks=5,
-        )
-    )
+    scheduler.send(local_job(prompt_2, params, gateway_address))
     assert gateway.poll(10_000)
     first = wire.recv(gateway).deltas[0]
     assert first.index == 0 and len(first.token_ids) == 1
@@ -328,27 +333,13 @@ def test_a_local_prefills_blocks_are_not_offered_before_the_engine_takes_them(se
     (and could evict the cached prefix the job was routed here for)."""
     scheduler, gateway, peer, worker, gateway_address, model_dir = setup
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    transfer, _ = prefilled_transfer(model_dir, "t1", gateway_address, params)
-    scheduler.send(wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30))
-    assert scheduler.expect(wire.ReserveReply).ok
-    wire.send(peer, transfer)
-    assert peer.poll(10_000) and wire.recv(peer).ok
-    reply = stream_until_done(gateway)
-    prompt_2 = PROMPT + reply + [9, 9, 9]
+    prompt_2, _ = first_turn_here(setup, params)
     scheduler.send(
         wire.Reserve(request_id="t2", num_tokens=len(prompt_2) + 1, lease_s=30, token_ids=prompt_2)
     )
     reserved = scheduler.expect(wire.ReserveReply)
     assert reserved.ok and reserved.num_cached_blocks == 5
-    job = wire.PrefillJob(
-        request_id="t2",
-        prompt_token_ids=prompt_2,
-        sampling=sampling_spec(params),
-        gateway_address=gateway_address,
-        decode_peer_id="d",
-        decode_address="unused",
-        num_skip_blocks=5,
-    )
+    job = local_job(prompt_2, params, gateway_address)
     greedy = wire.Reserve(request_id="x", num_tokens=(reserved.num_free_blocks + 1) * 4, lease_s=30)
     scheduler.send(job)
     scheduler.send(greedy)  # handled with the job, before the engine's next step
@@ -365,13 +356,7 @@ def test_a_turn_evicted_to_host_ram_is_still_announced_and_pinned_from_there(set
     copies them back and pins them, so only the rest would be sent."""
     scheduler, gateway, peer, worker, gateway_address, model_dir = setup
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    transfer, _ = prefilled_transfer(model_dir, "t1", gateway_address, params)
-    scheduler.send(wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30))
-    assert scheduler.expect(wire.ReserveReply).ok
-    wire.send(peer, transfer)
-    assert peer.poll(10_000) and wire.recv(peer).ok
-    reply = stream_until_done(gateway)
-    prompt_2 = PROMPT + reply + [9, 9, 9]
+    prompt_2, _ = first_turn_here(setup, params)
     turn_hashes = list(chain_hashes(root_hash(worker.engine.cache_key), prompt_2[:20], 4))
     everything = total_blocks(worker) * 4
     scheduler.send(wire.Reserve(request_id="hog", num_tokens=everything, lease_s=30))
@@ -392,15 +377,7 @@ def test_a_turn_evicted_to_host_ram_is_still_announced_and_pinned_from_there(set
     assert scheduler.expect(wire.ReserveReply).num_cached_blocks == 5
     assert worker.engine.host_tier.num_promoted_blocks == 5
     scheduler.send(  # turn 2 prefilled here: the blocks from host RAM count as host hits
-        wire.PrefillJob(
-            request_id="t2",
-            prompt_token_ids=prompt_2,
-            sampling=sampling_spec(params),
-            gateway_address=gateway_address,
-            decode_peer_id="d",
-            decode_address="unused",
-            num_skip_blocks=5,
-        )
+        local_job(prompt_2, params, gateway_address)
     )
     assert gateway.poll(10_000) and wire.recv(gateway).deltas[0].num_cached_tokens == 20
     stream_until_done(gateway, start=1)

@@ -298,16 +298,22 @@ def test_a_busy_decode_worker_leaves_the_suffix_to_a_quicker_prefill_worker(
     assert job.identity == (b"D" if local else b"P")
 
 
-def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():
+def core_with_a_prefix_cached_on_p(request: wire.Submit) -> ClusterScheduler:
+    """A gateway, p and d keeping caches, and p holding the request's first 64 tokens."""
     core = ClusterScheduler(SchedulerLimits())
     core.on_hello(b"G", hello("g", "gateway"), 0.0)
     core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
     core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
-    request = submit("r", prompt_len=80)
     hashes = list(chain_hashes(root_hash(KEY, "t"), request.prompt_token_ids, 16))[:4]
     beat = dataclasses.replace(heartbeat("p"), cache_events_seq=1, cache_full=True,
                                cache_stored=hashes)  # fmt: skip
     core.on_heartbeat(b"P", beat, 0.0)
+    return core
+
+
+def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():
+    request = submit("r", prompt_len=80)
+    core = core_with_a_prefix_cached_on_p(request)
     core.on_submit(b"G", request, 0.0)
     core.on_submit(b"G", dataclasses.replace(submit("s", prompt_len=80), tenant="u"), 0.0)
     served = {party.tenant: tokens for party, tokens in core.queue.served_tokens.items()}
@@ -317,15 +323,8 @@ def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():
 def test_a_requeued_request_gets_back_what_it_was_charged_not_more():
     """A refused reservation refunds the uncached part it was charged: refunding the whole
     prompt gave its tenant credit (served tokens below zero) at every requeue."""
-    core = ClusterScheduler(SchedulerLimits())
-    core.on_hello(b"G", hello("g", "gateway"), 0.0)
-    core.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
-    core.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
     request = submit("r", prompt_len=80)
-    hashes = list(chain_hashes(root_hash(KEY, "t"), request.prompt_token_ids, 16))[:4]
-    beat = dataclasses.replace(heartbeat("p"), cache_events_seq=1, cache_full=True,
-                               cache_stored=hashes)  # fmt: skip
-    core.on_heartbeat(b"P", beat, 0.0)
+    core = core_with_a_prefix_cached_on_p(request)
     core.on_submit(b"G", request, 0.0)
     (party,) = core.queue.served_tokens
     assert core.queue.served_tokens[party] == 80 - 64
