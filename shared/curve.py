@@ -2,9 +2,13 @@
 
 A cluster has one keypair (`tandem keys` writes it): each service presents it, binding sockets
 as CURVE servers and connecting ones as CURVE clients that verify the server's public key. A
-binding socket accepts a client only if its public key is authorized: the cluster's own, plus
-those of RPC clients (`tandem keys --client NAME` adds one). A peer with another key fails the
-handshake, its messages never reach the service, and the refusal is logged with the key.
+binding socket accepts a client only if its public key is authorized: the cluster's own on the
+cluster's sockets (scheduler, workers, streams, batch service), and on the gateway's RPC door
+also those of RPC clients (`tandem keys --client NAME` adds one). An agent's key opens the door
+it was given, where its API key is checked, and no socket behind it (every socket took it: an
+agent could HELLO as a worker and be sent others' prompts, or SUBMIT as any tenant). A peer
+with another key fails the handshake, its messages never reach the service, and the refusal is
+logged with the key.
 
 Keys come from a `tandem keys` directory (`--curve-keys-dir`, mounted from a secret in
 containers) or from the environment: `TANDEM_CURVE_SECRET_KEY` (the cluster's secret key, Z85;
@@ -25,6 +29,8 @@ import zmq.auth
 CLUSTER = "cluster"  # the key files' base name: cluster.key and cluster.key_secret
 AUTHORIZED = "authorized"  # the folder of accepted public keys
 CLIENTS = "clients"  # RPC clients' keypairs, to hand to their owners
+RPC_DOOR = "rpc"  # the ZAP domain of the one socket RPC clients' keys may open
+CLUSTER_SOCKETS = "cluster"  # every other binding socket's
 
 
 class CurveError(ValueError):
@@ -106,22 +112,32 @@ class Security:
 
             self._authenticator = ThreadAuthenticator(context)
         self._authenticator.start()
-        self._authenticator.configure_curve_callback("*", credentials_provider=self)
+        for domain in (CLUSTER_SOCKETS, RPC_DOOR):  # (the authenticator asks by the domain)
+            self._authenticator.configure_curve_callback(domain, credentials_provider=self)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
-        """The authenticator asks: may this client key in?"""
-        allowed = self.keys is not None and client_key in self.keys.authorized
+        """The authenticator asks: may this client key into a socket of this domain?"""
+        if self.keys is None:
+            allowed = False
+        elif domain == RPC_DOOR:
+            allowed = client_key in self.keys.authorized
+        else:
+            allowed = client_key == self.keys.public
         if not allowed:
-            self.log.warning("peer refused: unknown CurveZMQ key", client_key=client_key.decode())
+            self.log.warning(
+                "peer refused: unknown CurveZMQ key", client_key=client_key.decode(), domain=domain
+            )
         return allowed
 
-    def server(self, socket: zmq.Socket) -> zmq.Socket:
-        """Before `bind`: encrypts and lets in authorized clients only."""
+    def server(self, socket: zmq.Socket, domain: str = CLUSTER_SOCKETS) -> zmq.Socket:
+        """Before `bind`: encrypts and lets in the clients `domain` authorizes: the cluster's
+        key only, or on the RPC door (`RPC_DOOR`) RPC clients' keys too."""
         if self.keys is not None:
             assert self._authenticator is not None, "start the context's authenticator first"
             socket.curve_secretkey = self.keys.secret
             socket.curve_publickey = self.keys.public
             socket.curve_server = True
+            socket.zap_domain = domain.encode()
         return socket
 
     def client(self, socket: zmq.Socket) -> zmq.Socket:

@@ -238,9 +238,16 @@ class LocalCluster:
         )
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        child = Child(name, argv, self._popen(argv))
+        # A stopping signal waits until the child is on the list `stop` ends (one that came
+        # between the fork and the append left a child running behind a stopped cluster).
+        stopping = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
+        try:
+            child = Child(name, argv, self._popen(argv))
+            self.children.append(child)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
         self._pump_logs(child)
-        self.children.append(child)
 
     def _popen(self, argv: list[str]) -> subprocess.Popen:
         # Children write to a pipe, not a terminal: say which format the person at this end wants.

@@ -41,7 +41,7 @@ from services.gateway.openai_protocol import ApiError, parse_chat_request, parse
 from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
 from services.gateway.tokenize_api import detokenize, tokenize
 from shared import wire
-from shared.curve import CurveKeys, Security
+from shared.curve import RPC_DOOR, CurveKeys, Security
 from shared.logs import get_logger
 
 MAX_CALLS_PER_CLIENT = 256  # calls in flight per client connection; more are answered 429
@@ -92,7 +92,7 @@ class RpcServer:
         self.context = zmq.asyncio.Context()
         self.security = Security(self.curve, self.log)
         self.security.start(self.context)
-        self.socket = self.security.server(self.context.socket(zmq.ROUTER))
+        self.socket = self.security.server(self.context.socket(zmq.ROUTER), RPC_DOOR)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, not silence

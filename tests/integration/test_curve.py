@@ -112,6 +112,11 @@ def test_only_a_peer_with_the_clusters_key_gets_in(scheduler, keys_dir):
     assert say_hello(address, lambda socket: socket) is None  # no encryption at all
     impostor_public, _ = zmq.curve_keypair()  # expects another server: refuses ours
     assert say_hello(address, with_keys(cluster.public, cluster.secret, impostor_public)) is None
+    # An RPC client's key opens the gateway's RPC door only: it let an agent HELLO as a
+    # worker (and be sent others' prompts) or SUBMIT as any tenant, past its API key.
+    agent = ClientKeys.from_dir(keys_dir, "agent")
+    assert say_hello(address, agent.apply) is None
     time.sleep(0.5)
     text = log.read_text()
     assert "peer refused: unknown CurveZMQ key" in text and stranger_public.decode() in text
+    assert agent.public.decode() in text
