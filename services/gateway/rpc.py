@@ -112,6 +112,7 @@ class RpcServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self.socket.close(linger=0)
+        self.security.stop()  # its authenticator's socket, or the term below waits for ever
         self.context.term()
 
     # -- the socket loop ------------------------------------------------------------------------

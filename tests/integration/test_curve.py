@@ -120,3 +120,23 @@ def test_only_a_peer_with_the_clusters_key_gets_in(scheduler, keys_dir):
     text = log.read_text()
     assert "peer refused: unknown CurveZMQ key" in text and stranger_public.decode() in text
     assert agent.public.decode() in text
+
+
+def test_the_rpc_door_closes_with_curve_on(keys_dir, tmp_path):
+    """Its authenticator's socket was left open, and the context's term waited for it for
+    ever: a gateway with CurveZMQ and an RPC door hung on shutdown until killed."""
+    import asyncio
+    import threading
+
+    from services.gateway.rpc import RpcServer
+
+    async def start_and_close() -> None:
+        server = RpcServer(None, f"ipc://{tmp_path}/rpc.sock", curve=CurveKeys.from_dir(keys_dir))
+        await server.start()
+        await server.close()
+
+    # (In a thread of its own: a hang blocks the thread, which the test then finds alive.)
+    closing = threading.Thread(target=asyncio.run, args=(start_and_close(),), daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive(), "the RPC door's close hung"
