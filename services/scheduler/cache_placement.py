@@ -141,7 +141,9 @@ class CachePlacement:
             return False
         if submit.sampling.prompt_logprobs is not None:
             return False
-        uncached = len(submit.prompt_token_ids) - num_cached_blocks * decode.block_size
+        # At least the last token is computed (a prompt whose every block is pinned runs its
+        # last again: its logits give the first token), so 0 means never.
+        uncached = max(1, len(submit.prompt_token_ids) - num_cached_blocks * decode.block_size)
         if uncached > self.local_prefill_max_tokens:
             return False
         local_s = local_prefill_wait_s(

@@ -48,7 +48,7 @@ class PrefixIndex:
 
     def register(self, peer_id: str, cache_key: str | None, block_size: int) -> None:
         """A worker said HELLO (again): its set is unknown until its next full one."""
-        self._workers.pop(peer_id, None)
+        self.remove(peer_id)
         if cache_key is None:
             return
         assert self.refusal(cache_key) is None, "check refusal() first"
@@ -58,6 +58,10 @@ class PrefixIndex:
 
     def remove(self, peer_id: str) -> None:
         self._workers.pop(peer_id, None)
+        if not self._workers:
+            # No worker keeps a cache now: the next one sets the cluster's key (kept, a rollout
+            # of another model, dtype or block size refused every new worker until a restart).
+            self.cache_key = None
 
     def apply(
         self, peer_id: str, seq: int, full: bool, stored: list[int], evicted: list[int]

@@ -366,7 +366,7 @@ def test_profile_round_trips_and_refuses_bad_files(tmp_path):
         ({"settings": {"block_size": 0}}, "settings.block_size"),
         ({"settings": {"max_num_seqs": 0}}, "settings.max_num_seqs"),
         ({"settings": {"max_num_batched_tokens": 8}}, "settings.max_num_batched_tokens"),
-        ({"settings": {"kv_cache_bytes": 2.5}}, "settings.kv_cache_bytes"),
+        ({"settings": {"kv_cache_bytes": 0}}, "settings.kv_cache_bytes"),
         ({"settings": {"step_time_target_s": -1}}, "settings.step_time_target_s"),
         ({"transfer_latency_s": float("nan")}, "transfer_latency_s"),
         ({"transfer_bytes_per_s": float("inf")}, "positive"),

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.scheduler.cache_placement import CachePlacement
 from services.scheduler.cache_routing import (
     PrefillCandidate,
     RoutingWeights,
@@ -98,6 +99,28 @@ def test_a_worker_with_another_cache_key_is_refused_loudly():
     other = worker_cache_key(CacheKey("m", "bfloat16", 16), False)
     assert "bfloat16" in index.refusal(other) and "must agree" in index.refusal(other)
     assert index.refusal(None) is None  # a worker without a cache joins, and is never a hit
+    # Once no worker keeps the old key, a rollout's new one is the cluster's (it was refused
+    # until the scheduler restarted).
+    index.register("q", OWN, 16)
+    index.remove("p")
+    assert index.refusal(other) is not None  # q still keeps the old one
+    index.remove("q")
+    assert index.refusal(other) is None
+    index.register("p2", other, 16)
+    assert index.cache_key == other and index.refusal(OWN) is not None
+
+
+def test_local_prefill_off_means_never():
+    """0 meant "never", except for a prompt whose every block the decode worker pinned: its
+    uncached part counted 0 tokens, and 0 > 0 is false."""
+    placement = CachePlacement(RoutingWeights(), 0)
+    request = submit("r", prompt_len=32)
+    decode = ClusterScheduler(SchedulerLimits())
+    decode.on_hello(b"D", dataclasses.replace(hello("d", "decode"), cache_key=OWN), 0.0)
+    decode.on_hello(b"P", dataclasses.replace(hello("p", "prefill"), cache_key=OWN), 0.0)
+    d, p = decode.registry.get("d"), decode.registry.get("p")
+    assert not placement.prefills_locally(request, 2, d, p, 0)
+    assert CachePlacement(RoutingWeights(), 256).prefills_locally(request, 2, d, p, 0)
 
 
 def candidate(peer: str, queued: int, cached: int, rate: float = 100.0, room: int = 0):
