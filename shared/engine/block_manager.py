@@ -149,9 +149,12 @@ class BlockManager:
 
     def free(self, block_ids: Iterable[int], retain_until: float | None = None) -> None:
         """Drops one holder of each block; a block with no holder left returns to the pool, or
-        stays cached when named (evicted after unprotected blocks until `retain_until`)."""
+        stays cached when named (evicted after unprotected blocks until `retain_until`). A
+        table's blocks go back last first, so its cached prefix is evicted from the tail and
+        what stays is still a prefix (a lookup stops at its first miss: evicted head first, a
+        little pressure made a whole conversation's blocks useless)."""
         cache = self.prefix_cache
-        for block_id in block_ids:
+        for block_id in reversed(list(block_ids)):
             count = self._ref_counts[block_id]
             if count <= 0:
                 raise ValueError(f"block {block_id} freed twice")

@@ -64,13 +64,14 @@ def test_a_finished_turns_blocks_are_evicted_last_until_their_deadline():
     bm.free(ids[:2], retain_until=clock.now + 30)  # a finished turn, think time 30 s
     bm.free(ids[2:])  # a one-off prompt, released later
     assert cache.retain_until(ids[0]) == 130.0 and cache.num_retained == 2
-    assert bm.allocate(2) == ids[2:]  # the one-off goes first although more recent
-    assert bm.allocate(1) == [ids[0]]  # under pressure the turn goes too: room is never refused
+    # The one-off goes first although more recent (a table's tail before its head).
+    assert bm.allocate(2) == [ids[3], ids[2]]
+    assert bm.allocate(1) == [ids[1]]  # under pressure the turn goes too: room is never refused
     cache.insert(7, ids[2])
-    bm.free(ids[2:])  # ids[2] cached again (plain, more recent than ids[1]); ids[3] free
+    bm.free(ids[2:])  # ids[2] cached again (plain, more recent than ids[0]); ids[3] free
     clock.now = 131.0
     assert cache.num_retained == 0
-    assert bm.allocate(2) == [ids[3], ids[1]]  # expired: plain LRU again, and it is the oldest
+    assert bm.allocate(2) == [ids[3], ids[0]]  # expired: plain LRU again, and it is the oldest
     bm.check_invariants()
 
 
@@ -97,12 +98,15 @@ def content(kv: KVCache, block_id: int) -> float:
 
 
 def computed(bm: BlockManager, kv: KVCache, hashes: list[int], **free) -> list[int]:
-    """Blocks named `hashes`, their KV computed (filled with the hash), then released."""
+    """Blocks named `hashes`, their KV computed (filled with the hash), then released one by
+    one in that order (so the first is the least recently used: not a table, whose blocks go
+    back last first)."""
     ids = bm.allocate(len(hashes))
     for h, block_id in zip(hashes, ids, strict=True):
         fill(kv, block_id, h)
         assert bm.prefix_cache.insert(h, block_id)
-    bm.free(ids, **free)
+    for block_id in ids:
+        bm.free([block_id], **free)
     return ids
 
 

@@ -85,8 +85,21 @@ def test_a_hash_names_one_block_and_the_bound_evicts_beyond_it():
     assert not cache.insert(8, a)
     c = bm.allocate(1)[0]
     cache.insert(9, c)
-    bm.free([a, b, c])
-    assert cache.num_unreferenced == 1 and cache.lookup(9) == c and cache.lookup(7) is None
+    bm.free([a, b, c])  # a table: its head outlives its tail
+    assert cache.num_unreferenced == 1 and cache.lookup(7) == a and cache.lookup(9) is None
+    bm.check_invariants()
+
+
+def test_a_freed_tables_cached_prefix_is_evicted_from_its_tail():
+    """Freed head first, a table's first block was the first evicted, and the lookup of the
+    next turn (which stops at its first miss) found nothing of a prefix mostly still cached."""
+    bm = cached_manager(8, max_unreferenced=3)
+    cache = bm.prefix_cache
+    table = bm.allocate(4)
+    for h, block_id in zip((20, 21, 22, 23), table, strict=True):
+        assert cache.insert(h, block_id)
+    bm.free(table)  # over the bound by one: one is evicted
+    assert [cache.lookup(h) is not None for h in (20, 21, 22, 23)] == [True, True, True, False]
     bm.check_invariants()
 
 
