@@ -350,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, interrupt_start)
     signal.signal(signal.SIGTERM, interrupt_start)
+    grace_s = 10.0
     try:
         cluster.start()
         cluster.wait_ready(args.ready_timeout)
@@ -370,11 +371,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except Interrupted as signal_name:
         print(f"tandem up: {signal_name} before the cluster was ready; stopping", file=sys.stderr)
+        grace_s = 2.0  # children still starting have served nothing: no need to wait for them
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stop below finishes undisturbed
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cluster.stop()
+        cluster.stop(grace_s)
 
 
 def _banner(cluster: LocalCluster) -> str:

@@ -111,7 +111,7 @@ def test_a_signal_before_the_cluster_is_ready_stops_it_at_once(tmp_path):
             time.sleep(0.05)
         assert children, "tandem up spawned no process"
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 1
+        assert process.wait(timeout=30) == 1  # (it waited for the cluster to be ready first)
         text = (tmp_path / "up.log").read_text()
         assert "SIGTERM before the cluster was ready" in text and "is ready at" not in text
         for pid in children:
