@@ -12,6 +12,7 @@ import asyncio
 
 import httpx
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.cluster import ClusterView
 from shared.lifecycle import GatewayEvents
@@ -46,9 +47,14 @@ async def cluster_metrics(peer_id: str, telemetry: GatewayEvents, view: ClusterV
 
 
 async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:
+    """A peer's exposition, or None when it did not answer with one (a 200 that is not
+    Prometheus text, as a proxy's page, made the whole /metrics a 500)."""
     try:
         response = await client.get(url)
         response.raise_for_status()
-        return response.text
-    except httpx.HTTPError:
+        text = response.text
+        for _ in text_string_to_metric_families(text):
+            pass
+        return text
+    except (httpx.HTTPError, ValueError):
         return None

@@ -219,3 +219,24 @@ def test_advertised_addresses_expand_to_this_machine():
     assert expand_host("tcp://{hostname}:1") == f"tcp://{socket.gethostname()}:1"
     assert expand_host("tcp://10.0.0.1:1") == "tcp://10.0.0.1:1" and expand_host(None) is None
     assert advertised_host("0.0.0.0") == ip and advertised_host("127.0.0.1") == "127.0.0.1"
+
+
+def test_a_peer_answering_what_is_not_an_exposition_is_left_out():
+    """A 200 that is not Prometheus text (a proxy's page, a wrong port) made the gateway's whole
+    /metrics a 500; now that peer is down in `peer_scrape_up` and the rest are served."""
+    import asyncio
+
+    import httpx
+
+    from services.gateway.federation import _scrape
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = exposition(1) if request.url.path == "/good" else "<html>502 Bad Gateway</html>"
+        return httpx.Response(200, text=body)
+
+    async def scrape_both() -> list[str | None]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return [await _scrape(client, f"http://peer/{path}") for path in ("good", "bad")]
+
+    good, bad = asyncio.run(scrape_both())
+    assert good == exposition(1) and bad is None
