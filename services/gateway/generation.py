@@ -200,9 +200,10 @@ class Generator:
                     # the cancel is not its output (a second finish, tokens in the usage).
                     continue
                 if delta.num_cached_tokens:
-                    generation.num_cached_tokens = max(
-                        generation.num_cached_tokens, delta.num_cached_tokens
-                    )
+                    # (A resumed attempt's count takes in the output it was given: usage counts
+                    # prompt tokens, and never more than the prompt has.)
+                    cached = min(delta.num_cached_tokens, generation.num_prompt_tokens)
+                    generation.num_cached_tokens = max(generation.num_cached_tokens, cached)
                 event = self._traced_advance(traces[index], texts[index], index, delta)
                 if index in echo_pending and delta.token_ids:
                     echo_pending.discard(index)

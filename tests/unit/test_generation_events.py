@@ -49,9 +49,13 @@ class PlayedCluster:
         pass
 
 
-def delta(token_ids, finish=None, logprobs=None) -> wire.TokenDelta:
+def delta(token_ids, finish=None, logprobs=None, cached=None) -> wire.TokenDelta:
     return wire.TokenDelta(
-        request_id="x", token_ids=token_ids, finish_reason=finish, logprobs=logprobs
+        request_id="x",
+        token_ids=token_ids,
+        finish_reason=finish,
+        logprobs=logprobs,
+        num_cached_tokens=cached,
     )
 
 
@@ -107,3 +111,13 @@ def test_echoed_candidates_are_ranked_by_their_own_tokens_logprobs(tokenizer):
     (choice,) = whole["choices"]
     assert choice["text"] == "Say: a b c" and choice["logprobs"] is None
     assert whole["usage"]["completion_tokens"] == 6  # both candidates are billed
+
+
+def test_cached_tokens_in_the_usage_never_exceed_the_prompt(tokenizer):
+    """A resumed attempt's prefill counts the cached part of its prompt and the output it was
+    given: usage reported more cached prompt tokens than the prompt had."""
+    deltas = {0: [delta(ids(tokenizer, " yes"), finish="length", cached=288)]}
+    body = {"prompt": "Say yes.", "max_tokens": 1}
+    whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
+    usage = whole["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
