@@ -1,7 +1,8 @@
 """What a worker tells the scheduler about its prefix cache: numbered batches of block hashes.
 
 Every heartbeat carries one batch: the hashes stored and evicted since the previous one, or the
-whole set (`full`) on the first heartbeat after HELLO and then every `FULL_EVERY` heartbeats.
+whole set (`full`) on the first heartbeat after a HELLO (again) and then every `FULL_EVERY`
+heartbeats.
 Batches are numbered 1, 2, ... from the worker's start; the scheduler that sees a number skipped
 (or a worker that registered again) forgets the worker's set until the next full one. A stale
 index thus lasts a few seconds at most, and costs only a miss: the worker looks its cache up.
@@ -39,6 +40,7 @@ class CacheEventStream:
         self.host_tier = host_tier
         self.full_every = full_every
         self._seq = 0
+        self._full_next = False
 
     def servable(self, block_hash: int) -> bool:
         """The worker holds this block in one tier or the other."""
@@ -46,12 +48,18 @@ class CacheEventStream:
             return True
         return self.host_tier is not None and self.host_tier.holds(block_hash)
 
+    def resync(self) -> None:
+        """The next batch is the whole set: the worker registered again, and the scheduler
+        forgot its set (it waited for the next full one, up to `full_every` heartbeats)."""
+        self._full_next = True
+
     def next_batch(self) -> CacheBatch:
         self._seq += 1
         touched = dict.fromkeys(block_hash for _, block_hash in self.cache.take_events())
         if self.host_tier is not None:
             touched.update(dict.fromkeys(self.host_tier.take_touched()))
-        if (self._seq - 1) % self.full_every == 0:
+        if (self._seq - 1) % self.full_every == 0 or self._full_next:
+            self._full_next = False
             hashes = self.cache.hashes()
             if self.host_tier is not None:  # a block computed again while held there is in both
                 hashes = list(dict.fromkeys(hashes + self.host_tier.hashes()))

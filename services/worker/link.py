@@ -32,6 +32,7 @@ class SchedulerLink:
         self.heartbeat_interval_s = 0.5
         self._next_heartbeat = 0.0
         self._hello_again_at = float("-inf")  # when the last re-registration was sent
+        self.registered_again = False  # set when a HELLO went again; the loop takes it
 
     def handshake(self, timeout_s: float = 60.0) -> None:
         """Says HELLO until the scheduler answers (it may start after us)."""
@@ -63,6 +64,7 @@ class SchedulerLink:
             self._hello_again_at = now
             log.warning("scheduler does not know this worker; registering again")
             self.send(self.hello)
+            self.registered_again = True
         else:
             log.error("scheduler refused this worker", error=ack.error)
 

@@ -253,6 +253,9 @@ class WorkerLoop(abc.ABC):
         cache = self.engine.prefix_cache
         if self.cache_events is None or cache is None:
             return heartbeat
+        if self.link.registered_again:  # the scheduler forgot this worker's set: all of it now
+            self.link.registered_again = False
+            self.cache_events.resync()
         batch = self.cache_events.next_batch()
         return dataclasses.replace(
             heartbeat,

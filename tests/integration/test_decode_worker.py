@@ -206,6 +206,7 @@ def test_a_transfer_whose_first_delta_is_not_its_output_is_refused(setup, spoile
 
 def test_worker_registers_again_when_the_scheduler_forgot_it(setup):
     scheduler, *_ = setup
+    scheduler.expect(wire.Heartbeat, where=lambda beat: not beat.cache_full)  # past the first
     scheduler.send(
         wire.HelloAck(
             schema_version=wire.SCHEMA_VERSION,
@@ -216,6 +217,9 @@ def test_worker_registers_again_when_the_scheduler_forgot_it(setup):
     )
     hello = scheduler.expect(wire.Hello)
     assert hello.peer_id == "d" and hello.role == "decode"
+    # Its next heartbeat carries its cache's whole set (the scheduler forgot it; the next full
+    # set came up to 20 heartbeats later, 10 s at the default interval).
+    assert scheduler.expect(wire.Heartbeat).cache_full
 
 
 def stream_until_done(gateway, start: int = 0) -> list[int]:

@@ -55,6 +55,9 @@ def test_event_batches_are_numbered_net_and_full_every_few():
     assert stream.next_batch().seq == 3
     fourth = stream.next_batch()
     assert fourth.full and fourth.stored == [1]
+    assert not stream.next_batch().full
+    stream.resync()  # the worker registered again: the scheduler waits for a full set
+    assert stream.next_batch().full  # (the sixth: not one of every third)
     with pytest.raises(ValueError, match="full_every"):
         CacheEventStream(cache, full_every=0)
 
