@@ -76,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
         profile = WorkerProfile.load(args.profile)
         requests = load_workload(args.workload)
         budgets = _budgets(args.chunk_budgets, profile.settings.max_num_batched_tokens)
+        if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+            # (Found only after the whole search, when the plan was written.)
+            raise PlanError(f"--out {args.out} is a file; it names the folder the plan goes in")
         for name in ("max_workers", "max_splits", "max_queued_requests", "jobs"):
             minimum = 2 if name in ("max_workers", "max_splits") else 1
             if getattr(args, name) < minimum:

@@ -42,6 +42,8 @@ def parse_slo(text: str) -> dict[str, float]:
             raise PlanError(
                 f"--slo entry {part!r} must be KEY=VALUE with KEY one of {', '.join(SLO_KEYS)}"
             )
+        if key in slo:  # (the second silently replaced the first)
+            raise PlanError(f"--slo names {key} twice")
         match = re.fullmatch(r"([0-9]*\.?[0-9]+)(ms|s)?", value.strip())
         if match is None or float(match[1]) <= 0:
             raise PlanError(f"--slo {key} must be a positive time like 2s or 100ms, got {value!r}")

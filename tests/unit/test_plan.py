@@ -39,6 +39,7 @@ def test_parse_slo():
         ("ttft_p99=fast", "positive time"),
         ("ttft_p99=0s", "positive time"),
         ("ttft_p99=2h", "positive time"),
+        ("ttft_p99=2s,ttft_p99=1s", "names ttft_p99 twice"),
     ]:
         with pytest.raises(PlanError, match=message):
             parse_slo(text)
@@ -156,6 +157,7 @@ def test_plan_refuses_when_nothing_within_the_limits_meets(profile_path, tmp_pat
         (["--slo", "ttft_p99=2s", "--chunk-budgets", "lots"], "token counts like"),
         (["--slo", "ttft_p99=2s", "--max-splits", "0"], "--max-splits"),
         (["--slo", "ttft_p99=2s", "--jobs", "0"], "--jobs must be at least 1"),
+        (["--slo", "ttft_p99=2s", "--out", __file__], "is a file"),
     ],
 )
 def test_wrong_flag_values_exit_2(profile_path, capsys, flags, message):
