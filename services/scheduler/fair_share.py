@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -83,8 +84,8 @@ class FairShareConfig:
                     f"got {len(getattr(self, name))}"
                 )
         weights = list(self.class_weights) + list(self.tenant_weights.values())
-        if any(not w > 0 for w in weights):
-            raise ValueError(f"weights must be positive, got {weights}")
+        if any(not 0 < w < math.inf for w in weights):  # (an infinite weight is never charged)
+            raise ValueError(f"weights must be positive and finite, got {weights}")
         if not (self.prompt_token_cost >= 0 and self.output_token_cost >= 0):
             raise ValueError("token costs must be non-negative")
         if not self.max_wait_s > 0:

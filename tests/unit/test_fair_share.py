@@ -231,6 +231,7 @@ def test_output_tokens_are_charged_to_the_requests_party():
         ({"class_thresholds": (100,), "class_names": ("short",)}, "class_names needs 2"),
         ({"class_weights": (1.0, 0.0)}, "weights must be positive"),
         ({"tenant_weights": {"x": -1.0}}, "weights must be positive"),
+        ({"tenant_weights": {"x": float("inf")}}, "weights must be positive and finite"),
         ({"max_wait_s": 0}, "max_wait_s"),
         ({"output_token_cost": -1}, "non-negative"),
     ],
