@@ -83,7 +83,10 @@ def start_cluster(
             ready = httpx.get(url + "/ready", timeout=2)
             body = ready.json()
             joined = body["prefill_workers"] >= num_prefill and body["decode_workers"] >= num_decode
-            if ready.status_code == 200 and joined:
+            # `tandem up` polls /ready too, and a signal before it has seen the cluster ready
+            # stops the start-up (exit 1): its banner is the moment a user may rely on it.
+            announced = b"tandem is ready at" in log_path.read_bytes()
+            if ready.status_code == 200 and joined and announced:
                 return RunningCluster(url, process, log_path, rpc_address)
         except (httpx.HTTPError, ValueError, KeyError):
             pass
