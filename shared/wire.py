@@ -327,8 +327,10 @@ async def async_recv(socket: zmq.asyncio.Socket) -> Message:
     return decode(await socket.recv_multipart(copy=False))
 
 
-async def async_send_to(socket: zmq.asyncio.Socket, identity: bytes, msg: Message) -> None:
-    await socket.send_multipart([identity, *encode(msg)], copy=False)
+async def async_send_to(
+    socket: zmq.asyncio.Socket, identity: bytes, msg: Message, flags: int = 0
+) -> None:
+    await socket.send_multipart([identity, *encode(msg)], flags=flags, copy=False)
 
 
 async def async_recv_from(socket: zmq.asyncio.Socket) -> tuple[bytes, Message]:

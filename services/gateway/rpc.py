@@ -16,7 +16,9 @@ and every call of that peer is cancelled. ZeroMQ does not tell a ROUTER when a p
 a client whose calls wait with nothing sent to it for `PROBE_S` (queued, prefilling, or a whole
 answer being generated) is sent a `waiting` event, which fails so once it has gone; and ZMTP
 heartbeats close a connection whose peer answers none for `client_timeout_s` (a host gone
-without closing its connections, a client process stopped). Malformed frames are logged and
+without closing its connections, a client process stopped). A client that reads its events
+slower than they come has them wait for it, in order, and is taken for gone (its calls
+cancelled) only once it has taken none for `client_timeout_s`. Malformed frames are logged and
 dropped; the loop never dies of a client's mistake.
 """
 
@@ -46,6 +48,7 @@ from shared.logs import get_logger
 
 MAX_CALLS_PER_CLIENT = 256  # calls in flight per client connection; more are answered 429
 PROBE_S = 2.0  # a client with calls in flight and no event sent for this long is probed
+SLOW_READER_RETRY_S = 0.01  # an event for a client whose pipe is full is tried again after
 
 # Per call kind: the HTTP endpoint's parser and its response id prefix.
 _ENDPOINTS = {
@@ -84,6 +87,8 @@ class RpcServer:
         self._calls: dict[CallKey, asyncio.Task] = {}
         self._replies: set[asyncio.Task] = set()  # refusals and cancel answers being sent
         self._last_sent: dict[bytes, float] = {}  # per client with calls: its last event's time
+        self._send_lines: dict[bytes, asyncio.Lock] = {}  # per client with calls: one sender
+        self._stalled: set[bytes] = set()  # clients dropped for reading nothing (`_route`)
         self._loop_task: asyncio.Task | None = None
         self._probe_task: asyncio.Task | None = None
         self._closing = False
@@ -146,6 +151,9 @@ class RpcServer:
                 waiting.setdefault(identity, call_id)
             for identity in self._last_sent.keys() - waiting.keys():
                 del self._last_sent[identity]  # (no calls left: nothing to probe for)
+            for identity in self._send_lines.keys() - waiting.keys():
+                if not self._send_lines[identity].locked():
+                    del self._send_lines[identity]
             probed_before = time.monotonic() - PROBE_S
             for identity, call_id in waiting.items():
                 if self._last_sent.get(identity, -math.inf) > probed_before:
@@ -153,10 +161,11 @@ class RpcServer:
                 probe = wire.RpcEvent(call_id=call_id, kind="waiting", body="", status=200,
                                       done=False)  # fmt: skip
                 with contextlib.suppress(_ClientGone):  # (its calls are cancelled)
-                    await self._route(identity, probe)
+                    await self._route(identity, probe, patient=False)  # full: it is there
 
     def _start_call(self, identity: bytes, request: wire.RpcRequest) -> None:
         key = (identity, request.call_id)
+        self._stalled.discard(identity)  # (it reads again, or will: it is there)
         refusal = None
         if key in self._calls:
             refusal = ApiError(409, "a call with this call_id is in flight", param="call_id")
@@ -285,15 +294,51 @@ class RpcServer:
         with contextlib.suppress(_ClientGone):  # nobody left to tell
             await self._route(identity, event)
 
-    async def _route(self, identity: bytes, event: wire.RpcEvent) -> None:
-        try:
-            await wire.async_send_to(self.socket, identity, event)
-        except zmq.ZMQError as error:
-            if error.errno != errno.EHOSTUNREACH:
-                raise
-            self._drop_client(identity)
-            raise _ClientGone from None
-        self._last_sent[identity] = time.monotonic()
+    async def _route(self, identity: bytes, event: wire.RpcEvent, patient: bool = True) -> bool:
+        """Sends `event`; False when the client's pipe is full and `patient` is not set.
+
+        A full pipe (`SNDHWM` events queued, and the socket buffers behind them) is a client
+        that reads slower than its calls answer. Its events wait in line, in the order they
+        came, one of them retrying (`DONTWAIT`: pyzmq would queue a blocked send, fail it with
+        `zmq.Again` at the next chance, and hold every other client's sends behind it). A
+        client that takes nothing for `client_timeout_s` is taken for gone."""
+        line = self._send_lines.setdefault(identity, asyncio.Lock())
+        if not patient and line.locked():
+            return False
+        async with line:
+            if identity in self._stalled:  # (dropped while this event waited in line)
+                raise _ClientGone
+            sent = await self._send_or_wait(identity, event, patient)
+        if sent:
+            self._last_sent[identity] = time.monotonic()
+        return sent
+
+    async def _send_or_wait(self, identity: bytes, event: wire.RpcEvent, patient: bool) -> bool:
+        stalled_since = None
+        while True:
+            try:
+                await wire.async_send_to(self.socket, identity, event, flags=zmq.DONTWAIT)
+                return True
+            except zmq.Again:
+                if not patient:
+                    return False
+                now = time.monotonic()
+                stalled_since = stalled_since or now
+                if now - stalled_since >= self.client_timeout_s:
+                    self.log.warning(
+                        "rpc client read nothing for its timeout; calls cancelled",
+                        peer=identity.hex(),
+                        timeout_s=self.client_timeout_s,
+                    )
+                    self._stalled.add(identity)  # (until it sends a call again)
+                    self._drop_client(identity)
+                    raise _ClientGone from None
+                await asyncio.sleep(SLOW_READER_RETRY_S)
+            except zmq.ZMQError as error:
+                if error.errno != errno.EHOSTUNREACH:
+                    raise
+                self._drop_client(identity)
+                raise _ClientGone from None
 
     def _drop_client(self, identity: bytes) -> None:
         """Cancels the other calls of a client that disconnected; the caller's own call ends by

@@ -1,0 +1,102 @@
+"""The RPC door and clients that read their events slower than their calls answer: every
+answer still arrives once the client reads, other clients are served meanwhile, and a client
+that reads nothing for `client_timeout_s` has its calls cancelled.
+
+The calls here carry bodies that are not JSON, so each is answered with a 400 by the door
+itself: no generator is needed to fill a client's pipe with answers (the door's answers to
+a real generation take the same `_route`). The pipes are made short (`SNDHWM`, `RCVHWM`)
+so that a few thousand answers overflow them and the socket buffers between."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from services.gateway.rpc import RpcServer
+from shared import wire
+
+NUM_CALLS = 3_000
+
+
+def _bad_call(call_id: int) -> wire.RpcRequest:
+    return wire.RpcRequest(call_id=str(call_id), kind="completion", body="{not json",
+                           stream=False, api_key=None, bulk=False)  # fmt: skip
+
+
+async def _door(address: str, client_timeout_s: float) -> RpcServer:
+    door = RpcServer(generator=object(), address=address, client_timeout_s=client_timeout_s)  # type: ignore[arg-type]
+    await door.start()
+    door.socket.setsockopt(zmq.SNDHWM, 10)  # (before any client connects: its pipe's bound)
+    return door
+
+
+def _client(context: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.RCVHWM, 10)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    return socket
+
+
+async def _answers(socket: zmq.asyncio.Socket, expected: int, within_s: float) -> list:
+    events = []
+    deadline = time.monotonic() + within_s
+    while len(events) < expected and time.monotonic() < deadline:
+        if await socket.poll(100):
+            events.append(wire.decode(await socket.recv_multipart()))
+    return [event for event in events if event.kind != "waiting"]
+
+
+def test_a_client_that_reads_late_gets_every_answer_once(tmp_path):
+    async def scenario() -> None:
+        door = await _door(f"ipc://{tmp_path}/rpc.sock", client_timeout_s=30)
+        context = zmq.asyncio.Context()
+        slow = _client(context, door.address)
+        try:
+            for call_id in range(NUM_CALLS):
+                await slow.send_multipart(wire.encode(_bad_call(call_id)))
+            await asyncio.sleep(1.0)  # the door answers into a full pipe meanwhile
+
+            other = _client(context, door.address)  # served while the slow one's pipe is full
+            await other.send_multipart(wire.encode(_bad_call(0)))
+            answered = await _answers(other, 1, within_s=5)
+            assert [(e.call_id, e.status) for e in answered] == [("0", 400)]
+            other.close()
+
+            events = await _answers(slow, NUM_CALLS, within_s=60)
+            call_ids = [event.call_id for event in events]
+            assert sorted(call_ids, key=int) == [str(n) for n in range(NUM_CALLS)]  # once each
+            # 400 for a body that is not JSON; 429 once 256 calls waited on the full pipe
+            assert {event.status for event in events} <= {400, 429}
+            assert all(event.done for event in events)
+            assert door._probe_task is not None and not door._probe_task.done()
+        finally:
+            slow.close()
+            await door.close()
+            context.term()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_never_reads_has_its_calls_cancelled(tmp_path):
+    async def scenario() -> None:
+        door = await _door(f"ipc://{tmp_path}/rpc.sock", client_timeout_s=1.0)
+        context = zmq.asyncio.Context()
+        stuck = _client(context, door.address)
+        try:
+            for call_id in range(NUM_CALLS):
+                await stuck.send_multipart(wire.encode(_bad_call(call_id)))
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and (door._calls or door._replies):
+                await asyncio.sleep(0.1)
+            assert not door._calls and not door._replies  # nothing waits on it for ever
+            assert door._probe_task is not None and not door._probe_task.done()
+        finally:
+            stuck.close()
+            await door.close()
+            context.term()
+
+    asyncio.run(scenario())
