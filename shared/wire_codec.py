@@ -35,6 +35,7 @@ from shared.wire_base import (
     DTYPE_NAMES,
     MAX_HEADER_BYTES,
     MAX_LIST_LEN,
+    MAX_MESSAGE_BYTES,
     MAX_STR_LEN,
     MAX_TENSOR_DIMS,
     MAX_TOKEN_IDS,
@@ -559,6 +560,10 @@ def _check_tensor_spec(dtype: str, shape: Sequence[int], spec: TensorOf, path: s
         raise WireError(f"{path}: tensor of {ndim} dims, expected {spec.ndim or 'at most 8'}")
     if any(size < 0 for size in shape):
         raise WireError(f"{path}: negative size in shape {list(shape)}")
+    # An empty tensor's zero bytes match any other sizes: bound them as if none were 0 (torch
+    # raises on a size past int64 or on strides that overflow, not with a WireError).
+    if _numel([max(size, 1) for size in shape]) > MAX_MESSAGE_BYTES:
+        raise WireError(f"{path}: sizes {list(shape)} hold more elements than a message can")
 
 
 def _sendable(value: Any, spec: TensorOf) -> torch.Tensor:

@@ -682,6 +682,16 @@ GARBAGE = {
     "bad dtype": (tensor_frames({"dtype": "float64"}), "keys.dtype: expected one of"),
     "wrong ndim": (tensor_frames({"shape": [2, 1]}), "tensor of 2 dims, expected 5"),
     "negative dim": (tensor_frames({"shape": [1, 1, 1, -1, -2]}), "negative size"),
+    # An empty tensor's bytes match any other sizes: torch raised on these (TypeError on a size
+    # past int64, RuntimeError on strides that overflow), and a worker's loop died of it.
+    "empty tensor, size past int64": (
+        tensor_frames({"shape": [0, 2**64 - 1, 1, 1, 1]}, frames=[b"", b"\x00" * 8]),
+        "sizes [0, 18446744073709551615, 1, 1, 1] hold more elements than a message",
+    ),
+    "empty tensor, strides overflow": (
+        tensor_frames({"shape": [0, 2**62, 4, 1, 1]}, frames=[b"", b"\x00" * 8]),
+        "hold more elements than a message",
+    ),
     "tensor ref unknown key": (tensor_frames({"strides": [1]}), "unknown field(s) ['strides']"),
     "tensor as list": (tensor_frames(keys=[1.0]), "KvTransfer.keys: expected a map, got list"),
 }
