@@ -87,6 +87,7 @@ def _first_delta_error(transfer: wire.KvTransfer) -> str | None:
 class DecodeWorker(WorkerLoop):
     role = "decode"
     events_class = DecodeEvents
+    peer_messages = (wire.KvTransfer,)  # from prefill workers, on its KV socket
     events: DecodeEvents
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):

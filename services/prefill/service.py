@@ -65,6 +65,7 @@ class PendingTransfer:
 class PrefillWorker(WorkerLoop):
     role = "prefill"
     events_class = PrefillEvents
+    peer_messages = (wire.KvAck,)  # from the decode workers it sends KV to
     events: PrefillEvents
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):

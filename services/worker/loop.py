@@ -38,6 +38,9 @@ LOOP_STALL_S = 60.0  # /health fails when the loop has not turned this long (one
 class WorkerLoop(abc.ABC):
     role: str  # "prefill" or "decode"
     events_class: type[WorkerEvents] = WorkerEvents  # the role's lifecycle events
+    # What the role takes from other workers' sockets; every other message only from the
+    # scheduler's link (a peer's HelloAck or Reserve is not the scheduler's).
+    peer_messages: tuple[type[wire.Message], ...] = ()
 
     def __init__(
         self,
@@ -196,6 +199,12 @@ class WorkerLoop(abc.ABC):
                 message = wire.decode(frames[1:] if is_router else frames)
             except wire.WireError as error:
                 self.log.warning("dropped malformed message", error=str(error))
+                continue
+            from_link = sock is self.link.socket
+            if from_link == isinstance(message, self.peer_messages):
+                self.log.warning("dropped a message on the wrong socket",
+                                 type=type(message).__name__,
+                                 socket="scheduler" if from_link else "peer")  # fmt: skip
                 continue
             if isinstance(message, wire.HelloAck):
                 self.link.on_hello_ack(message, self.log)

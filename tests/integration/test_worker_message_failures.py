@@ -304,3 +304,25 @@ def test_a_sequence_the_model_fails_on_ends_with_its_error_and_the_worker_goes_o
     while worker.events.registry.get_sample_value("tandem:model_failures_total") != 1:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_scheduler_messages_from_a_peer_socket_are_dropped(decode):
+    """The KV socket takes KV from any prefill worker: a scheduler's message arriving there
+    (a HelloAck saying the scheduler forgot this worker, a Reserve, a Cancel) is not the
+    scheduler's. Taken for one, a HelloAck made the worker say HELLO again, and the scheduler
+    then dropped the worker with every request on it."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = decode
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    scheduler.send(wire.Reserve(request_id="r1", num_tokens=len(PROMPT) + 64, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, prefilled_transfer(model_dir, "r1", gateway_address, params)[0])
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    forgotten = wire.HelloAck(schema_version=wire.SCHEMA_VERSION, accepted=False,
+                              error=wire.UNKNOWN_PEER, heartbeat_interval_s=0.1)  # fmt: skip
+    wire.send(peer, forgotten)
+    wire.send(peer, wire.Reserve(request_id="r2", num_tokens=8, lease_s=30))
+    wire.send(peer, wire.Cancel(request_id="r1", reason="not from the scheduler"))
+    with pytest.raises(TimeoutError):
+        scheduler.expect(wire.Hello, timeout_s=1.5)
+    assert "r2" not in worker.reservations
+    assert len(stream_until_done(gateway)) == 64  # r1 ran to its end, not cancelled
