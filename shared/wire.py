@@ -228,12 +228,18 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"{type(msg).__name__}: cannot pack header: {e}") from e
     if len(header) > MAX_HEADER_BYTES:
-        raise WireError(f"{type(msg).__name__}: header of {len(header)} bytes exceeds the limit")
+        raise WireError(
+            f"{type(msg).__name__}: a header of {len(header):,} bytes, more than a message "
+            f"carries ({MAX_HEADER_BYTES:,})"
+        )
     frames: list[bytes | memoryview] = [bytes((msg.TYPE,)), header]
     for tensor in tensors:
         view = _tensor_bytes(tensor)
         if view.nbytes > MAX_MESSAGE_BYTES:
-            raise WireError(f"{type(msg).__name__}: tensor frame of {view.nbytes} bytes too large")
+            raise WireError(
+                f"{type(msg).__name__}: a tensor of {view.nbytes:,} bytes, more than a message "
+                f"carries ({MAX_MESSAGE_BYTES:,})"
+            )
         frames.append(view)
     return frames
 

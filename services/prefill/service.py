@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# A prompt's job, its step output and its first token's delta, between prefill and hand-on.
+FirstToken = tuple[wire.PrefillJob, RequestOutput, wire.TokenDelta]
+
+
 @dataclass
 class RunningJob:
     job: wire.PrefillJob
@@ -150,7 +154,7 @@ class PrefillWorker(WorkerLoop):
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        firsts = []
+        firsts: list[FirstToken] = []
         for output in outputs:
             running = self.jobs.pop(output.request_id, None)
             if running is None:  # cancelled while its step ran
@@ -165,16 +169,28 @@ class PrefillWorker(WorkerLoop):
             num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
             self.events.prefill_finished(job.request_id, running.started_at, num_tokens)
             firsts.append((job, output, self._first_delta(job, output)))
-        # Every first token goes out before any KV is copied out for its transfer: the step's
-        # last prompt does not wait for the copies of the others'. One carrying its prompt's
-        # logprobs (up to megabytes) goes in a message of its own, which a header bounds.
-        scored = [(job.gateway_address, d) for job, _, d in firsts if d.prompt_logprobs is not None]
+        for job, output, delta in self._stream_first_tokens(firsts):
+            self._hand_on(job, output, delta)
+
+    def _stream_first_tokens(self, firsts: list[FirstToken]) -> list[FirstToken]:
+        """Every first token goes out before any KV is copied out for its transfer: the step's
+        last prompt does not wait for the copies of the others'. One carrying its prompt's
+        logprobs (up to megabytes) goes in a message of its own, which a header bounds; past
+        the bound its request ends here. The firsts that went out."""
         plain = [(job.gateway_address, d) for job, _, d in firsts if d.prompt_logprobs is None]
         self.streams.send(group_by_gateway(plain))
-        for address, delta in scored:
-            self.streams.send({address: [delta]})
+        sent = []
         for job, output, delta in firsts:
-            self._hand_on(job, output, delta)
+            try:
+                if delta.prompt_logprobs is not None:
+                    self.streams.send({job.gateway_address: [delta]})
+            except wire.WireError as error:  # a huge prompt's scores
+                self.engine.release(job.request_id)
+                self.grants.pop(job.request_id, None)
+                self._fail(job, f"its prompt logprobs cannot be sent: {error}")
+                continue
+            sent.append((job, output, delta))
+        return sent
 
     def _first_delta(self, job: wire.PrefillJob, output: RequestOutput) -> wire.TokenDelta:
         """The first token's delta, with the prompt tokens the cache spared."""
@@ -231,7 +247,13 @@ class PrefillWorker(WorkerLoop):
             bulk=job.bulk,
             first_delta=delta,
         )
-        wire.send(self.decode_sockets[job.decode_address], message)  # open since acceptance
+        try:
+            frames = wire.encode(message)
+        except wire.WireError as error:  # KV over a frame's bound (big models, long prompts)
+            # Ended for good: any other worker would fail the same way (`_abandon`).
+            self._fail(job, f"its KV cannot be sent: {error}")
+            return
+        self.decode_sockets[job.decode_address].send_multipart(frames, copy=False)
         num_bytes = keys.numel() * keys.element_size() * 2
         sent_at = self.events.kv_sent(job.request_id, job.decode_peer_id, num_bytes)
         self.transfers[job.request_id] = PendingTransfer(

@@ -326,3 +326,45 @@ def test_scheduler_messages_from_a_peer_socket_are_dropped(decode):
         scheduler.expect(wire.Hello, timeout_s=1.5)
     assert "r2" not in worker.reservations
     assert len(stream_until_done(gateway)) == 64  # r1 ran to its end, not cancelled
+
+
+def test_kv_too_large_for_one_message_ends_its_request_not_the_worker(prefill, monkeypatch):
+    """A prompt whose KV is more than one frame may carry (256 MiB: Llama-3.1-8B past 4,096
+    tokens in bfloat16) made the KvTransfer's encode raise in the worker's step: the worker
+    ended, and so did each worker the request was resumed on. The limit is lowered here so the
+    tiny model's KV passes it; the request ends for good, and the worker serves on."""
+    scheduler, gateway, decode, worker, tmp_path = prefill
+    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 64)
+    scheduler.send(prefill_job(tmp_path, "huge"))
+    assert next_delta(gateway).request_id == "huge"  # its first token streamed
+    delta = next_delta(gateway)
+    assert (delta.request_id, delta.finish_reason) == ("huge", "error")
+    assert "its KV cannot be sent" in delta.error and "more than" in delta.error
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("huge", "rejected")  # not re-routed
+    monkeypatch.undo()
+    prefills_the_next_prompt(scheduler, gateway, decode, tmp_path)
+    assert scheduler.expect(wire.Heartbeat).request_ids == []
+
+
+def test_prompt_logprobs_too_large_for_one_header_end_their_request_not_the_worker(
+    prefill, monkeypatch
+):
+    """A first token with its prompt's logprobs goes in a message of its own, whose header is
+    bounded (16 MiB: a prompt of some 80,000 tokens with 20 top logprobs each). Past the bound
+    the encode raised in the worker's step and ended the worker. The bound is lowered here
+    below the scored delta's size, above the worker's other messages'."""
+    scheduler, gateway, decode, worker, tmp_path = prefill
+    scored = prefill_job(tmp_path, "scored")
+    sampling = dataclasses.replace(scored.sampling, prompt_logprobs=5)
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 1024)
+    scheduler.send(dataclasses.replace(scored, sampling=sampling))
+    delta = next_delta(gateway)
+    assert (delta.request_id, delta.finish_reason) == ("scored", "error")
+    assert "its prompt logprobs cannot be sent" in delta.error and "more than" in delta.error
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("scored", "rejected")
+    assert not decode.poll(500)  # no KV went
+    monkeypatch.undo()
+    prefills_the_next_prompt(scheduler, gateway, decode, tmp_path)
+    assert scheduler.expect(wire.Heartbeat).request_ids == []
