@@ -150,6 +150,24 @@ class PrefillWorker(WorkerLoop):
         self.awaiting_grant.pop(request_id, None)
         self.log.info("prefill cancelled", request_id=request_id, reason=reason)
 
+    def _on_registered_again(self) -> None:
+        """No grant will come for a job of the old registration: its KV (parked, or still being
+        computed) is let go, and its gateway told the attempt is lost, which resumes it from
+        the tokens it has. Jobs whose room was confirmed go on: their decode worker expects
+        their KV, and streams on."""
+        orphans = [parked[0] for parked in self.awaiting_grant.values()]
+        orphans += [
+            running.job
+            for running in self.jobs.values()
+            if running.job.await_grant and running.job.request_id not in self.grants
+        ]
+        reason = "the prefill worker registered again: no grant for its KV would come"
+        for job in orphans:
+            self._cancel(job.request_id, reason)
+            lost = wire.TokenDelta(request_id=job.request_id, token_ids=[],
+                                   finish_reason="lost", error=reason)  # fmt: skip
+            self.streams.send({job.gateway_address: [lost]})
+
     # -- the step -----------------------------------------------------------------------------
 
     def _step(self) -> None:

@@ -51,22 +51,24 @@ class SchedulerLink:
                     return
         raise HandshakeError(f"no answer from the scheduler within {timeout_s:.0f} s")
 
-    def on_hello_ack(self, ack: wire.HelloAck, log) -> None:
-        """An answer after the handshake: the scheduler lost track of us, so register again."""
+    def on_hello_ack(self, ack: wire.HelloAck, log) -> bool:
+        """An answer after the handshake: the scheduler lost track of us, so register again.
+        True when this said HELLO again (what the old registration awaited will not come)."""
         if ack.accepted:
-            return
+            return False
         if ack.error == wire.UNKNOWN_PEER:
             # After an outage the heartbeats queued during it arrive together, and each is
             # answered so: register once, not once per heartbeat.
             now = time.monotonic()
             if now - self._hello_again_at < REHELLO_INTERVAL_S:
-                return
+                return False
             self._hello_again_at = now
             log.warning("scheduler does not know this worker; registering again")
             self.send(self.hello)
             self.registered_again = True
-        else:
-            log.error("scheduler refused this worker", error=ack.error)
+            return True
+        log.error("scheduler refused this worker", error=ack.error)
+        return False
 
     def send(self, message: wire.Message) -> None:
         wire.send(self.socket, message)

@@ -207,7 +207,8 @@ class WorkerLoop(abc.ABC):
                                  socket="scheduler" if from_link else "peer")  # fmt: skip
                 continue
             if isinstance(message, wire.HelloAck):
-                self.link.on_hello_ack(message, self.log)
+                if self.link.on_hello_ack(message, self.log):
+                    self._on_registered_again()
             else:
                 self._handle_guarded(message, identity)
 
@@ -289,6 +290,12 @@ class WorkerLoop(abc.ABC):
         self.log.info(f"{self.role} worker stopped")
 
     # -- the role's part ------------------------------------------------------------------------
+
+    def _on_registered_again(self) -> None:  # noqa: B027 (a decode worker awaits nothing)
+        """The scheduler forgot this worker (it restarted, or dropped the worker): what the
+        role awaited from the old registration's requests will not come. (A decode worker's
+        reservations await KV from prefill workers, which may still come; their leases end
+        the rest.)"""
 
     @abc.abstractmethod
     def _handle(self, message: wire.Message, identity: bytes | None) -> None:

@@ -368,3 +368,27 @@ def test_prompt_logprobs_too_large_for_one_header_end_their_request_not_the_work
     monkeypatch.undo()
     prefills_the_next_prompt(scheduler, gateway, decode, tmp_path)
     assert scheduler.expect(wire.Heartbeat).request_ids == []
+
+
+def test_kv_awaiting_a_grant_is_let_go_when_the_scheduler_forgets_the_worker(prefill):
+    """A speculative prefill's KV waits for the scheduler's grant (the decode worker's room
+    confirmed). A scheduler that restarted (or dropped this worker) sends none: the KV stayed
+    out of the pool, listed in every heartbeat, for the worker's life, and the client, which
+    had its first token, waited for the rest. Registering again, the worker lets it go and
+    tells the gateway the attempt is lost, which resumes it from its tokens."""
+    scheduler, gateway, decode, worker, tmp_path = prefill
+    job = dataclasses.replace(prefill_job(tmp_path, "parked"), await_grant=True)
+    scheduler.send(job)
+    first = next_delta(gateway)
+    assert first.request_id == "parked" and first.token_ids
+    assert scheduler.expect(wire.Heartbeat, where=lambda h: "parked" in h.request_ids)
+    forgotten = wire.HelloAck(schema_version=wire.SCHEMA_VERSION, accepted=False,
+                              error=wire.UNKNOWN_PEER, heartbeat_interval_s=0.1)  # fmt: skip
+    scheduler.send(forgotten)
+    scheduler.expect(wire.Hello)
+    lost = next_delta(gateway)
+    assert (lost.request_id, lost.finish_reason) == ("parked", "lost")
+    assert "registered again" in lost.error
+    assert scheduler.expect(wire.Heartbeat).request_ids == []
+    assert worker.engine.block_manager.num_free_blocks == worker.engine.block_manager.num_blocks
+    assert not decode.poll(200)  # no KV went anywhere
