@@ -9,7 +9,8 @@ each streamed chunk, finished. Every figure derives from those:
 - inter-token latency (ITL): the gaps between streamed chunks (a chunk may carry several
   tokens; tandem sends one token a chunk);
 - output tokens/s = successful output tokens / (last finish - first send), the whole run's rate;
-- goodput = requests/s that succeeded and met every objective given (TTFT, TPOT).
+- goodput = requests/s that succeeded and met every objective given (TTFT, TPOT, e2e), each
+  per request: its own TTFT within the TTFT target, and so on.
 
 A non-streamed request has only sent and finished: it counts in e2e and throughput, not in TTFT,
 TPOT or ITL.
@@ -125,23 +126,30 @@ def _present(values: Sequence[float | None]) -> list[float]:
     return [v for v in values if v is not None]
 
 
-def meets_slo(record: RequestRecord, ttft_s: float | None, tpot_s: float | None) -> bool:
+def meets_slo(
+    record: RequestRecord,
+    ttft_s: float | None,
+    tpot_s: float | None,
+    e2e_s: float | None = None,
+) -> bool:
     """Succeeded and met each objective given. A one-token output has no TPOT and meets the
     TPOT objective trivially; a request not streamed gets its first token with the response, so
     its end-to-end latency stands for its TTFT."""
     if not record.ok:
         return False
     ttft = record.ttft if record.ttft is not None else record.e2e
-    tpot = record.tpot
+    tpot, e2e = record.tpot, record.e2e
     ttft_met = ttft_s is None or (ttft is not None and ttft <= ttft_s)
     tpot_met = tpot_s is None or tpot is None or tpot <= tpot_s
-    return ttft_met and tpot_met
+    e2e_met = e2e_s is None or (e2e is not None and e2e <= e2e_s)
+    return ttft_met and tpot_met and e2e_met
 
 
 def summarize(
     records: Sequence[RequestRecord],
     slo_ttft_s: float | None = None,
     slo_tpot_s: float | None = None,
+    slo_e2e_s: float | None = None,
 ) -> Summary:
     ok = [r for r in records if r.ok]
     sends = _present([r.send_time for r in records])
@@ -153,8 +161,9 @@ def summarize(
     e2es = _present([r.e2e for r in ok])
     gaps = [gap for r in ok for gap in r.chunk_gaps]
     goodput = None
-    if (slo_ttft_s is not None or slo_tpot_s is not None) and wall > 0:
-        goodput = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in ok) / wall
+    objectives = (slo_ttft_s, slo_tpot_s, slo_e2e_s)
+    if any(o is not None for o in objectives) and wall > 0:
+        goodput = sum(meets_slo(r, *objectives) for r in ok) / wall
     return Summary(
         num_requests=len(records),
         num_ok=len(ok),

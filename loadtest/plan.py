@@ -5,10 +5,11 @@ It replays a workload (a `tandem bench` JSONL file, or `poisson:rate=...,n=...`,
 scheduler core with simulated workers timed by a measured profile (`tandem profile`), and
 searches the worker counts and chunk budgets (`loadtest/plan_search.py`). It prints the cheapest
 configuration meeting every objective with its predicted percentiles, the runners-up, the
-simulator's speed, and writes a plot of goodput against cost; `--emit compose|k8s` prints the
-`docker compose --scale` flags or a kustomize overlay with the replica counts. When nothing
-within `--max-workers` meets the objectives it says so, shows the closest, and exits 1. A
-configuration's simulation stops as soon as its objectives can no longer be met (its verdict
+simulator's speed, and writes a plot of goodput against cost; `--emit compose|k8s` prints a
+compose override file with the chunk budget and the `docker compose --scale` command using it,
+or a kustomize overlay with the replica counts, the budget and the autoscalers' bounds. When
+nothing within `--max-workers` meets the objectives it says so, shows the closest, and exits 1.
+A configuration's simulation stops as soon as its objectives can no longer be met (its verdict
 is the same, found sooner: `services/planner/slo_watch.py`); `--simulate-all` plays every one
 to the end, for goodput figures of the failing ones too.
 
@@ -27,6 +28,7 @@ from loadtest.plan_search import Candidate, Judges, Plan, PlanError, parse_slo, 
 from services.planner.profile import ProfileError, WorkerProfile
 from services.planner.workload import SimRequest, WorkloadError, load_workload
 from services.scheduler.core import SchedulerLimits
+from shared.config import env_name
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-smollm2-2threads.json"
 EMITS = ("compose", "k8s")
@@ -60,7 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="simulate every configuration to its end, not only until it cannot meet the SLOs",
     )
-    parser.add_argument("--emit", choices=EMITS, help="print compose --scale flags or k8s patch")
+    parser.add_argument(
+        "--emit", choices=EMITS, help="print a compose override and command, or a k8s overlay"
+    )
     parser.add_argument("--out", help="folder for plan.json and goodput-vs-cost.png")
 
 
@@ -216,7 +220,7 @@ def goodput_chart(plan: Plan, width: int = 40) -> str:
         else:
             by_cost.setdefault(c.cost, None)
     top = max((g for g in by_cost.values() if g is not None), default=0.0) or 1.0
-    rows = ["goodput (req/s meeting the TTFT and TPOT objectives) by cost (workers):"]
+    rows = ["goodput (req/s each within every objective's bound) by cost (workers):"]
     cut: list[int] = []  # consecutive costs tried whose configurations were all cut short
     for cost in sorted(by_cost):
         goodput = by_cost[cost]
@@ -239,26 +243,73 @@ def _cut_row(costs: list[int]) -> list[str]:
     return [f"  {label:>5} | cut short: none can meet them{tried}"]
 
 
+BUDGET_VARIABLE = env_name("max_num_batched_tokens")  # the prefill workers' chunk budget
+COMPOSE_OVERRIDE = "compose/plan.yml"
+
+
 def emit(best: Candidate, kind: str) -> str:
-    if kind == "compose":
-        scale = f"--scale prefill={best.num_prefill} --scale decode={best.num_decode}"
-        return f"docker compose up -d {scale}"
+    """The plan as its deployment: for compose, an override file (docker-compose.yml sets no
+    chunk budget: a worker's default applies, not the plan's) and the command that layers it
+    with `-f`, as compose/gpu.yml is; for k8s, a kustomize overlay setting the Deployments'
+    replicas, the prefill ConfigMap's budget and both HPAs' bounds (the base's maxReplicas
+    would hold a larger plan down, its decode minReplicas a smaller one up)."""
+    return emit_compose(best) if kind == "compose" else emit_k8s(best)
+
+
+def emit_compose(best: Candidate) -> str:
+    scale = f"--scale prefill={best.num_prefill} --scale decode={best.num_decode}"
     return "\n".join(
         [
-            "# kustomization.yaml: an overlay on compose/k8s with the planned replica counts",
-            "# (TANDEM_MAX_NUM_BATCHED_TOKENS="
-            f"{best.chunk_budget} for the prefill workers; the HPA scales on from here)",
-            "apiVersion: kustomize.config.k8s.io/v1beta1",
-            "kind: Kustomization",
-            "resources:",
-            "  - ../k8s",
-            "replicas:",
-            "  - name: tandem-prefill",
-            f"    count: {best.num_prefill}",
-            "  - name: tandem-decode",
-            f"    count: {best.num_decode}",
+            f"# {COMPOSE_OVERRIDE}: the plan's chunk budget for the prefill workers, which",
+            "# docker-compose.yml leaves at the workers' default; save this file, then start:",
+            f"#   docker compose -f docker-compose.yml -f {COMPOSE_OVERRIDE} up -d {scale}",
+            f"# (on GPUs, add -f compose/gpu.yml before -f {COMPOSE_OVERRIDE})",
+            "services:",
+            "  prefill:",
+            "    environment:",
+            f'      {BUDGET_VARIABLE}: "{best.chunk_budget}"',
         ]
     )
+
+
+def emit_k8s(best: Candidate) -> str:
+    lines = [
+        "# kustomization.yaml: an overlay on compose/k8s with the planned workers and chunk budget",
+        "# (in a folder beside compose/k8s, e.g. compose/k8s-plan/: kubectl apply -k it). The HPAs",
+        "# are held at the planned counts: raise maxReplicas for room beyond the planned load.",
+        "# (Workers on GPUs: ../k8s-gpu in resources.)",
+        "apiVersion: kustomize.config.k8s.io/v1beta1",
+        "kind: Kustomization",
+        "resources:",
+        "  - ../k8s",
+        "replicas:",
+        "  - name: tandem-prefill",
+        f"    count: {best.num_prefill}",
+        "  - name: tandem-decode",
+        f"    count: {best.num_decode}",
+        "patches:",
+        "  - patch: |-",
+        "      apiVersion: v1",
+        "      kind: ConfigMap",
+        "      metadata:",
+        "        name: tandem-prefill",
+        "        namespace: tandem",
+        "      data:",
+        f'        {BUDGET_VARIABLE}: "{best.chunk_budget}"',
+    ]
+    for role, count in (("prefill", best.num_prefill), ("decode", best.num_decode)):
+        lines += [
+            "  - patch: |-",
+            "      apiVersion: autoscaling/v2",
+            "      kind: HorizontalPodAutoscaler",
+            "      metadata:",
+            f"        name: tandem-{role}",
+            "        namespace: tandem",
+            "      spec:",
+            f"        minReplicas: {count}",
+            f"        maxReplicas: {count}",
+        ]
+    return "\n".join(lines)
 
 
 def _row(c: Candidate) -> dict:

@@ -21,10 +21,11 @@ simulator) that carries their messages to the scheduler core and their tokens to
 
 With prefix caches (`caches.py`), a prefill worker computes only the prompt past the blocks it
 holds and sends only the blocks past those the decode worker said it holds (`num_skip_blocks`);
-a decode worker answers a reservation with the leading blocks it holds (fewer new ones taken),
-and takes a prefill job itself when the scheduler sends it one (a conversation's next turn: it
-holds all but a short suffix), computing the suffix in its next step (that step lasts the
-suffix's prefill time longer), whose end is the first token.
+a decode worker answers a reservation with the leading blocks it holds and takes only the rest
+from its pool (the sequence shares the cached ones, as the real worker's does: its growth never
+takes them again), and takes a prefill job itself when the scheduler sends it one (a
+conversation's next turn: it holds all but a short suffix), computing the suffix in its next
+step (that step lasts the suffix's prefill time longer), whose end is the first token.
 """
 
 from __future__ import annotations
@@ -288,6 +289,7 @@ class _LocalPrefill:
     num_tokens: int  # to compute: the prompt past the blocks this worker holds
     num_cached: int  # the prompt's tokens in those blocks, which the suffix's attention reads
     hashes: list[int]  # the prompt's chain, named in the cache once computed
+    num_cached_blocks: int  # its reservation's: its sequence's, not taken from the pool
 
 
 @dataclass
@@ -296,8 +298,16 @@ class _Sequence:
     num_tokens: int  # prompt + generated; the next step writes the last one's KV
     num_generated: int
     max_tokens: int
-    num_blocks: int
+    num_blocks: int  # taken from the pool, given back when it ends or is swapped out
     num_generated_here: int = 0
+    # The leading blocks its reservation found in the prefix cache: its own too, but held by the
+    # cache, so never taken from the pool (as the real worker's sequence shares them).
+    num_cached_blocks: int = 0
+
+    @property
+    def num_table_blocks(self) -> int:
+        """The blocks its KV fills: the cached ones and those it took."""
+        return self.num_cached_blocks + self.num_blocks
 
 
 @dataclass
@@ -307,7 +317,8 @@ class SimDecodeWorker:
     cluster: Cluster
     num_total_blocks: int
     num_free_blocks: int = field(init=False)
-    reserved: dict[str, int] = field(default_factory=dict)  # request id -> blocks
+    # request id -> (blocks taken from the pool, leading blocks held in the prefix cache)
+    reserved: dict[str, tuple[int, int]] = field(default_factory=dict)
     # With a cache: a reservation's prompt chain, hashed once for its KV or its prefill here.
     chains: dict[str, list[int]] = field(default_factory=dict)
     running: dict[str, _Sequence] = field(default_factory=dict)  # in admission order
@@ -351,7 +362,7 @@ class SimDecodeWorker:
                 hashes = self.cache.prompt_hashes(reserve.token_ids, reserve.cache_salt)
                 num_cached = self.cache.num_cached_blocks(hashes)
                 self.chains[reserve.request_id] = hashes
-            self.reserved[reserve.request_id] = num_blocks - num_cached
+            self.reserved[reserve.request_id] = (num_blocks - num_cached, num_cached)
             self.num_free_blocks -= num_blocks - num_cached
         return wire.ReserveReply(
             request_id=reserve.request_id,
@@ -364,22 +375,26 @@ class SimDecodeWorker:
     def on_job(self, job: wire.PrefillJob) -> None:
         """A prefill job sent here (the scheduler found this worker holds all of the prompt
         but a short suffix): computed in the next step, no KV crossing the wire."""
-        num_blocks = self.reserved.pop(job.request_id, None)
+        reservation = self.reserved.pop(job.request_id, None)
         hashes = self.chains.pop(job.request_id, [])
-        if num_blocks is None:  # its reservation is gone: the real worker reports an error
+        if reservation is None:  # its reservation is gone: the real worker reports an error
             self._report_prefill(job.request_id, "error")
             return
+        num_blocks, num_cached_blocks = reservation
         num_cached = self.cache.num_cached_blocks(hashes) * self.block_size if self.cache else 0
         num_tokens = len(prefill_tokens(job)) - num_cached
-        self.local_jobs.append(_LocalPrefill(job, num_blocks, num_tokens, num_cached, hashes))
+        self.local_jobs.append(
+            _LocalPrefill(job, num_blocks, num_tokens, num_cached, hashes, num_cached_blocks)
+        )
         self.prefilling_here.add(job.request_id)
         self._maybe_step()
 
     def on_kv(self, job: wire.PrefillJob) -> None:
-        num_blocks = self.reserved.pop(job.request_id, None)
+        reservation = self.reserved.pop(job.request_id, None)
         hashes = self.chains.pop(job.request_id, [])
-        if num_blocks is None:
+        if reservation is None:
             return  # the reservation was cancelled meanwhile
+        num_blocks, num_cached_blocks = reservation
         if self.cache is not None:  # the prompt's blocks are here now, named in the cache
             self.cache.store(hashes)
         num_output = len(job.output_token_ids) + 1  # the first token came from the prefill
@@ -389,13 +404,14 @@ class SimDecodeWorker:
             num_output,
             job.sampling.max_tokens,
             num_blocks,
+            num_cached_blocks=num_cached_blocks,
         )
         self.waiting.append(sequence)
         self._maybe_step()
 
     def on_cancel(self, request_id: str) -> None:
         if request_id in self.reserved:
-            self.num_free_blocks += self.reserved.pop(request_id)
+            self.num_free_blocks += self.reserved.pop(request_id)[0]
             self.chains.pop(request_id, None)
         if request_id in self.prefilling_here:
             self.prefilling_here.discard(request_id)
@@ -459,11 +475,12 @@ class SimDecodeWorker:
         for sequence in list(self.running.values()):
             if sequence.request_id not in self.running:
                 continue  # preempted by an earlier one's growth
-            need = self.blocks_for(sequence.num_tokens) - sequence.num_blocks
+            need = self.blocks_for(sequence.num_tokens) - sequence.num_table_blocks
             while need > self.num_free_blocks and len(self.running) > 1:
                 victim = self.running.pop(next(reversed(self.running)))
                 self.num_free_blocks += victim.num_blocks
-                victim.num_blocks = 0
+                # Its cached blocks go too: swapped in, it takes a block for every token.
+                victim.num_blocks = victim.num_cached_blocks = 0
                 self.swapped.appendleft(victim)
                 self.stats.num_preemptions += 1
                 num_swapped_out += victim.num_tokens
@@ -511,7 +528,12 @@ class SimDecodeWorker:
             return
         num_tokens = len(job.prompt_token_ids) + num_output
         sequence = _Sequence(
-            job.request_id, num_tokens, num_output, job.sampling.max_tokens, num_blocks
+            job.request_id,
+            num_tokens,
+            num_output,
+            job.sampling.max_tokens,
+            num_blocks,
+            num_cached_blocks=prefilled.num_cached_blocks,
         )
         if len(self.running) < self.max_num_seqs:
             self.running[job.request_id] = sequence

@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 
-from loadtest.plan import context_note
-from loadtest.plan_search import Judges, PlanError, evaluate, parse_slo, search, splits
+from loadtest.metrics import summarize
+from loadtest.plan import context_note, emit
+from loadtest.plan_search import (
+    Candidate,
+    Judges,
+    PlanError,
+    evaluate,
+    parse_slo,
+    request_objectives,
+    search,
+    splits,
+    to_records,
+)
 from services.commands import cli
-from services.planner.simulator import SimConfig
+from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import load_workload
 from services.scheduler.core import SchedulerLimits
+from services.worker.config import WorkerConfig
+from shared.config import config_from_args
 from tests.unit.test_planner_sim import cpu_like_profile
+
+ROOT = Path(__file__).resolve().parents[2]
 
 WORKLOAD = "poisson:rate=3,n=60,prompt=8-512,output=4-64,seed=2"
 BUSY = "poisson:rate=8,n=80,prompt=8-512,output=4-64,seed=2"  # 1P1D cannot keep up
@@ -51,6 +72,42 @@ def test_splits_cover_or_spread():
     assert len(spread) == 5 and spread[0] == (1, 999) and spread[-1] == (999, 1)
 
 
+def test_goodput_counts_the_requests_within_every_objective_the_slo_names(profile_path, capsys):
+    """A request is good when its own TTFT, TPOT and e2e are each within every bound the SLO
+    names for them, whatever the percentile: an e2e objective counts, p90 objectives count (they
+    gave no goodput at all: every cost charted 0.00), and two on one figure mean the tighter."""
+    requests = load_workload(WORKLOAD)
+    config = SimConfig(1, 1, SchedulerLimits())
+    records = to_records(Simulator(cpu_like_profile(), config).run(requests))
+    wall = summarize(records).wall_s
+
+    def good(ttft: float = 1e9, tpot: float = 1e9, e2e: float = 1e9) -> float:
+        within = [
+            r
+            for r in records
+            if r.ok and r.ttft <= ttft and (r.tpot is None or r.tpot <= tpot) and r.e2e <= e2e
+        ]
+        assert 0 < len(within) < len(records), "each bound is meant to exclude some"
+        return len(within) / wall
+
+    def goodput(slo: str) -> float | None:
+        return evaluate(cpu_like_profile(), requests, config, parse_slo(slo)).summary.goodput_rps
+
+    assert goodput("ttft_p99=100s,e2e_p99=2.5s") == pytest.approx(good(e2e=2.5))
+    assert goodput("ttft_p90=500ms,tpot_p90=160ms") == pytest.approx(good(ttft=0.5, tpot=0.16))
+    assert goodput("e2e_p50=3s,e2e_p99=2s,tpot_p50=1s") == pytest.approx(good(e2e=2.0))
+    assert request_objectives(parse_slo("tpot_p90=1s,ttft_p50=2s,ttft_p99=1s")) == (1, 1, None)
+    # The search's chart and runners-up read it: the failing ones ranked by their goodput.
+    flags = ["--workload", BUSY, "--profile", profile_path, "--slo", "ttft_p90=2s,tpot_p90=300ms"]
+    assert cli.main(["plan", *flags, "--max-workers", "6", "--simulate-all"]) == 0
+    out = capsys.readouterr().out
+    chart = out.split("by cost (workers):\n")[1].splitlines()[:-1]
+    assert len(chart) == 3 and all(float(row.split()[-1]) > 0 for row in chart), chart
+    runners_up = out.split("runners-up:\n")[1].splitlines()[:3]
+    goodputs = [float(row.split("goodput ")[1].split()[0]) for row in runners_up]
+    assert goodputs == sorted(goodputs, reverse=True) and goodputs[-1] > 0, runners_up
+
+
 def test_plan_finds_a_configuration_that_meets_its_slos_when_resimulated(
     profile_path, tmp_path, capsys
 ):
@@ -84,10 +141,88 @@ def test_plan_finds_a_configuration_that_meets_its_slos_when_resimulated(
 
 def test_plan_emits_a_kustomize_replica_overlay(profile_path, capsys):
     flags = ["--slo", "ttft_p99=5s", "--max-workers", "4", "--emit", "k8s"]
-    assert plan(profile_path, *flags) == 0
+    assert plan(profile_path, *flags, "--chunk-budgets", "256") == 0
     out = capsys.readouterr().out
-    assert "kind: Kustomization" in out and "- name: tandem-decode" in out
-    assert "  - ../k8s" in out
+    overlay = yaml.safe_load(out[out.index("# kustomization.yaml") :])
+    assert overlay["kind"] == "Kustomization" and overlay["resources"] == ["../k8s"]
+    assert [r["name"] for r in overlay["replicas"]] == ["tandem-prefill", "tandem-decode"]
+    assert 'TANDEM_MAX_NUM_BATCHED_TOKENS: "256"' in out
+
+
+def planned(num_prefill: int, num_decode: int, chunk_budget: int) -> Candidate:
+    """A plan's pick, for its deployment alone."""
+    return Candidate(num_prefill, num_decode, chunk_budget, summarize([]), True, {}, 0, 0, 0, 0.0)
+
+
+def test_the_compose_emit_carries_the_chunk_budget_in_an_override_file():
+    """docker-compose.yml sets no chunk budget (the workers' default, 512, would run): the plan
+    comes as an override file for the prefill service, layered with `-f`, and its command."""
+    out = emit(planned(12, 3, 1024), "compose")
+    assert yaml.safe_load(out) == {
+        "services": {"prefill": {"environment": {"TANDEM_MAX_NUM_BATCHED_TOKENS": "1024"}}}
+    }
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert isinstance(compose["services"]["prefill"]["environment"], dict)  # so they merge
+    assert "TANDEM_MAX_NUM_BATCHED_TOKENS" not in compose["services"]["prefill"]["environment"]
+    environ = {"TANDEM_MAX_NUM_BATCHED_TOKENS": "1024"}
+    assert config_from_args(WorkerConfig, None, environ).max_num_batched_tokens == 1024
+    (command,) = [line for line in out.splitlines() if "docker compose" in line]
+    assert shlex.split(command.lstrip("# ")) == [
+        *("docker", "compose", "-f", "docker-compose.yml", "-f", "compose/plan.yml"),
+        *("up", "-d", "--scale", "prefill=12", "--scale", "decode=3"),
+    ]
+    assert out.splitlines()[0].startswith("# compose/plan.yml:")
+
+
+def test_the_k8s_emit_patches_the_budget_and_the_autoscalers_bounds():
+    """A 12P3D plan: the base's prefill HPA (at most 8) would scale it down to 8 prefill pods,
+    and the decode one (at least 2) a 12P1D plan up to 2; the overlay holds both at the plan,
+    and sets the prefill ConfigMap's budget (the base's 512)."""
+    overlay = yaml.safe_load(emit(planned(12, 3, 1024), "k8s"))
+    counts = {r["name"]: r["count"] for r in overlay["replicas"]}
+    assert counts == {"tandem-prefill": 12, "tandem-decode": 3}
+    patches = {
+        (p["kind"], p["metadata"]["name"]): p
+        for p in (yaml.safe_load(patch["patch"]) for patch in overlay["patches"])
+    }
+    budget = patches["ConfigMap", "tandem-prefill"]["data"]
+    assert budget == {"TANDEM_MAX_NUM_BATCHED_TOKENS": "1024"}
+    for name, count in (("tandem-prefill", 12), ("tandem-decode", 3)):
+        spec = patches["HorizontalPodAutoscaler", name]["spec"]
+        assert spec == {"minReplicas": count, "maxReplicas": count}
+    small = yaml.safe_load(emit(planned(12, 1, 512), "k8s"))["patches"][-1]["patch"]
+    assert yaml.safe_load(small)["spec"] == {"minReplicas": 1, "maxReplicas": 1}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) not found")
+def test_the_k8s_emit_builds_on_the_base_into_the_planned_cluster(tmp_path):
+    """kustomize builds the overlay, put beside a copy of compose/k8s: the Deployments, the
+    prefill ConfigMap and both HPAs say the plan; everything else is the base's."""
+    shutil.copytree(ROOT / "compose" / "k8s", tmp_path / "k8s")
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "plan" / "kustomization.yaml").write_text(emit(planned(12, 3, 1024), "k8s"))
+
+    def build(folder: str) -> dict[tuple[str, str], dict]:
+        text = subprocess.run(
+            ["kubectl", "kustomize", str(tmp_path / folder)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        docs = [d for d in yaml.safe_load_all(text) if d]
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+    base, built = build("k8s"), build("plan")
+    assert built.keys() == base.keys()
+    expected = copy.deepcopy(base)
+    expected["Deployment", "tandem-prefill"]["spec"]["replicas"] = 12
+    expected["Deployment", "tandem-decode"]["spec"]["replicas"] = 3
+    expected["ConfigMap", "tandem-prefill"]["data"]["TANDEM_MAX_NUM_BATCHED_TOKENS"] = "1024"
+    for name, count in (("tandem-prefill", 12), ("tandem-decode", 3)):
+        expected["HorizontalPodAutoscaler", name]["spec"].update(
+            minReplicas=count, maxReplicas=count
+        )
+    assert built == expected
 
 
 def test_side_by_side_judges_answer_as_one_process_does():

@@ -181,6 +181,7 @@ class Recorder:
     def first_token(self, request_id: str) -> None: ...
     def to_scheduler(self, message) -> None: ...
     def kv_arrived(self, decode_peer_id: str, job) -> None: ...
+    def token_finished(self, request_id: str, num_output_tokens: int) -> None: ...
 
 
 @pytest.mark.parametrize("grant_first", [True, False])
@@ -210,3 +211,50 @@ def test_a_speculative_prefill_sends_only_what_its_grant_says_is_missing(grant_f
         worker.on_grant(grant)
     (transfer,) = cluster.events
     assert transfer[0] == 0.5 + 0.125 + (64 - 32) / 1024
+
+
+@pytest.mark.parametrize("prefilled_here", [False, True])
+def test_a_decode_worker_takes_a_cached_prefix_from_its_pool_once(prefilled_here):
+    """A next turn whose 3 leading blocks the decode worker holds cached: its reservation takes
+    the other 2 of the 5 it needs (64 prompt tokens and the first step's) and answers with the
+    free count that leaves. Its KV arrived, or its suffix prefilled here, the sequence holds all
+    5 but took only those 2 from the pool (the cached ones are shared, as the real worker's),
+    so the count after its first step is the one the reservation predicted; its 81st token
+    takes one block more, and its end gives back what it took."""
+    from services.planner.workers import SimDecodeWorker
+    from shared import wire
+
+    cluster = Recorder(fixed_profile())
+    cache = SimCache(block_size=16, capacity=100)
+    worker = SimDecodeWorker("d", cluster.profile, cluster, 100, cache=cache)
+    cache.store(cache.prompt_hashes(PROMPT, "t"))  # an earlier turn's
+    reserve = wire.Reserve(
+        request_id="r", num_tokens=65, lease_s=10.0, token_ids=PROMPT, cache_salt="t"
+    )
+    reply = worker._reserve(reserve)
+    assert (reply.ok, reply.num_cached_blocks, reply.num_free_blocks) == (True, 3, 98)
+    job = wire.PrefillJob(
+        request_id="r",
+        prompt_token_ids=PROMPT,
+        sampling=wire.SamplingSpec(max_tokens=20),
+        gateway_address="g",
+        decode_peer_id="d",
+        decode_address="d",
+        cache_salt="t",
+    )
+    if prefilled_here:
+        worker.on_job(job)
+        cluster.run_next()  # the suffix's step: the first token, and the sequence runs
+    else:
+        worker.on_kv(job)
+    (sequence,) = worker.running.values()
+    assert sequence.num_tokens == 65 and worker.stepping
+    assert worker.num_free_blocks == reply.num_free_blocks
+    cluster.run_next()  # its first decode step
+    assert worker.num_free_blocks == reply.num_free_blocks
+    while sequence.num_tokens < 81:
+        cluster.run_next()
+    assert worker.num_free_blocks == reply.num_free_blocks - 1  # the step writing token 81's
+    while worker.running:
+        cluster.run_next()
+    assert worker.num_free_blocks == 100
