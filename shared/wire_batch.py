@@ -5,6 +5,9 @@ tenant already resolved from its API key: one `BatchCall` in, one `BatchReply` o
 `call_id`. Bodies are JSON text (as the RPC door's), so the service answers in OpenAI's shapes
 and the gateway only relays them. File bytes travel raw in one extra frame (an upload chunk in,
 a content chunk out), never inside MessagePack, and each frame is bounded by `MAX_CHUNK_BYTES`.
+Both ends receive frames of at most `MAX_FRAME_BYTES` (their zmq.MAXMSGSIZE: a bigger frame
+drops the connection), so `encode` refuses a header past it: an answer too big to receive is a
+`WireError` its sender can turn into an error answer, not a reply that never arrives.
 
 Frames: [type byte, MessagePack header, optional data frame]. The header is checked by the same
 codecs as every message of `shared.wire` (bounded strings, literal choices, unknown fields
@@ -21,10 +24,11 @@ from typing import Annotated, ClassVar, Literal
 import msgpack
 import zmq.asyncio
 
-from shared.wire_base import MAX_HEADER_BYTES, CallId, FrameLike, JsonText, MaxLen, WireError
+from shared.wire_base import CallId, FrameLike, JsonText, MaxLen, WireError
 from shared.wire_codec import _as_view, _struct_codec, _unpack_header
 
 MAX_CHUNK_BYTES = 4 << 20  # one upload or content frame
+MAX_FRAME_BYTES = MAX_CHUNK_BYTES + (1 << 20)  # any frame, header too: the sockets' MAXMSGSIZE
 
 # What a call asks for. The file_upload_* three carry one upload: begin (purpose, filename) ->
 # an upload id; chunks in order (the data frame); end -> the stored file object.
@@ -80,8 +84,10 @@ _CODECS = {code: _struct_codec(cls) for code, cls in _CLASSES.items()}
 def encode(msg: BatchMessage, data: bytes | None = None) -> list[bytes]:
     """The frames of `msg`, with `data` (at most MAX_CHUNK_BYTES) as its own last frame."""
     header = msgpack.packb(_CODECS[msg.TYPE].to_wire(msg, []), use_bin_type=True)
-    if len(header) > MAX_HEADER_BYTES:
-        raise WireError(f"{type(msg).__name__}: header of {len(header)} bytes exceeds the limit")
+    if len(header) > MAX_FRAME_BYTES:
+        raise WireError(
+            f"{type(msg).__name__}: header of {len(header)} bytes exceeds {MAX_FRAME_BYTES}"
+        )
     frames = [bytes((msg.TYPE,)), header]
     if data is not None:
         if len(data) > MAX_CHUNK_BYTES:

@@ -5,11 +5,14 @@ that tenant's files and batches: another tenant's id is answered 404, as if it d
 Uploads arrive in chunks appended to a file under `uploads/` and are moved into `files/` when
 complete; the size limit (`max_file_bytes`, 413) is checked on every chunk, so an oversized
 upload is refused while it streams, and the line limit (`max_lines`, 400) when a batch is
-created. A handler returns (status, body, data frame or None).
+created. A handler returns (status, body, data frame or None); a body must fit one frame
+(`shared.wire_batch.MAX_FRAME_BYTES`), so a list of batches ends its page early (`has_more`)
+rather than outgrow MAX_PAGE_BYTES (a failed batch carries up to 1,000 errors).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
@@ -27,6 +30,7 @@ _WINDOW = re.compile(r"(\d{1,9})([hms])")  # (int() refuses over 4,300 digits)
 _SECONDS = {"h": 3600, "m": 60, "s": 1}
 MAX_METADATA_KEYS = 16
 CONTENT_CHUNK_BYTES = 1 << 20
+MAX_PAGE_BYTES = 4 << 20  # of a list's objects as JSON (one batch object is ~200 KB at most)
 
 
 class ApiFailure(Exception):
@@ -86,6 +90,14 @@ def public(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """A list page of `data` (fetched with one more than `limit`, to tell if more follow): the
+    first `limit` objects, or fewer when they would outgrow MAX_PAGE_BYTES (never none)."""
+    size = 0
+    for num_shown, item in enumerate(data[:limit]):
+        size += len(json.dumps(item))
+        if size > MAX_PAGE_BYTES and num_shown:
+            limit = num_shown
+            break
     shown = data[:limit]
     return {
         "object": "list",

@@ -56,10 +56,13 @@ class JobManager:
         return sum(len(runner.tasks) for runner in self.runners.values())
 
     async def _drive(self, batch_id: str) -> None:
+        validating = False
         try:
             batch = self.store.get_batch(batch_id)
-            if batch["status"] == "validating" and not await self._validate(batch):
+            validating = batch["status"] == "validating"
+            if validating and not await self._validate(batch):
                 return
+            validating = False
             runner = self.runners[batch_id] = JobRunner(
                 self.store, self.client, batch_id, self.limits
             )
@@ -70,40 +73,35 @@ class JobManager:
             raise
         except Exception as failure:  # a bug must not take the service down
             self.log.exception("batch job failed", batch_id=batch_id)
-            self._fail_if_unvalidated(batch_id, failure)  # (a run resumes on restart)
+            if validating:  # it would raise again at every restart (a run resumes instead)
+                message = f"the input file could not be validated: {failure!r}"
+                self._refuse(batch_id, [error("validation_failed", message)])
         finally:
             self.runners.pop(batch_id, None)
 
-    def _fail_if_unvalidated(self, batch_id: str, failure: Exception) -> None:
-        """A validation that raised would raise again at every restart: the batch fails, and
-        says why, rather than stay `validating` for ever."""
-        if self.store.get_batch(batch_id)["status"] != "validating":
+    def _refuse(self, batch_id: str, errors: list[dict]) -> None:
+        """Ends a batch whose validation failed (or raised: it would raise again at every
+        restart, so the batch says why rather than stay `validating` for ever). A batch
+        cancelled while it was validating ends `cancelled`, as OpenAI's does, whatever its
+        file held."""
+        self.store.drop_lines(batch_id)  # (those recorded before a raise)
+        now = int(time.time())
+        if self.store.get_batch(batch_id)["status"] == "cancelling":
+            self.store.update_batch(batch_id, status="cancelled", cancelled_at=now)
             return
-        message = f"the input file could not be validated: {failure!r}"
-        self.store.update_batch(
-            batch_id,
-            status="failed",
-            failed_at=int(time.time()),
-            errors={"object": "list", "data": [error("validation_failed", message)]},
-        )
+        errors_list = {"object": "list", "data": errors}
+        self.store.update_batch(batch_id, status="failed", failed_at=now, errors=errors_list)
 
     async def _validate(self, batch: dict) -> bool:
         # Runs on the loop, page by page in SQLite: 50,000 lines take about a second.
         await asyncio.sleep(0)
         num_lines, errors = validate(self.store, batch, batch["_models"])
-        now = int(time.time())
-        current = self.store.get_batch(batch["id"])
         if errors:
-            self.store.update_batch(
-                batch["id"],
-                status="failed",
-                failed_at=now,
-                errors={"object": "list", "data": errors},
-            )
+            self._refuse(batch["id"], errors)
             self.log.info("batch failed validation", batch_id=batch["id"], errors=len(errors))
             return False
         self.store.set_total(batch["id"], num_lines)
-        if current["status"] == "cancelling":
+        if self.store.get_batch(batch["id"])["status"] == "cancelling":
             return True  # the runner finalizes it as cancelled at once
-        self.store.update_batch(batch["id"], status="in_progress", in_progress_at=now)
+        self.store.update_batch(batch["id"], status="in_progress", in_progress_at=int(time.time()))
         return True

@@ -144,7 +144,7 @@ class BatchService:
         context = zmq.asyncio.Context.instance()
         self.security.start(context)
         socket = self.security.server(context.socket(zmq.ROUTER))
-        socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_CHUNK_BYTES + (1 << 20))
+        socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_FRAME_BYTES)
         socket.setsockopt(zmq.LINGER, 0)
         socket.bind(self.config.address)
         metrics_address = None
@@ -188,24 +188,36 @@ class BatchService:
                 status, body, chunk = self.api.handle(call.op, call.tenant, params, data)
             except Exception as error:  # a bug in one call must not take the service down
                 self.log.exception("batch call failed", op=call.op)
-                status, chunk = 500, None
-                body = {
-                    "error": {
-                        "message": str(error),
-                        "type": "server_error",
-                        "param": None,
-                        "code": None,
-                    }
-                }
+                status, body, chunk = 500, _server_error(str(error)), None
+            await socket.send_multipart([identity, *self._reply(call, status, body, chunk)])
+
+    def _reply(
+        self, call: wire_batch.BatchCall, status: int, body: dict, chunk: bytes | None
+    ) -> list[bytes]:
+        """The frames of the answer; a 500 saying why when it cannot be sent (too big for the
+        gateway to receive, say): raised here, it ended the receive task, and the service
+        stopped answering anyone."""
+        try:
             reply = wire_batch.BatchReply(
                 call_id=call.call_id, status=status, body=json.dumps(body)
             )
-            await wire_batch.async_send_to(socket, identity, reply, chunk)
+            return wire_batch.encode(reply, chunk)
+        except (ValueError, TypeError) as error:  # (WireError is a ValueError)
+            self.log.error("batch answer not sendable", op=call.op, error=str(error))
+            message = f"the answer to {call.op} could not be sent: {error}"
+            reply = wire_batch.BatchReply(
+                call_id=call.call_id, status=500, body=json.dumps(_server_error(message))
+            )
+            return wire_batch.encode(reply)
 
     async def _gauges(self) -> None:
         while True:
             self.metrics.update(self.store, self.jobs)
             await asyncio.sleep(METRICS_INTERVAL_S)
+
+
+def _server_error(message: str) -> dict:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,14 +10,17 @@ a prompt prefix are fed together (services.batch.validation.prefix_key). UNIQUE(
 custom_id) is the duplicate check of validation, and the key that recovery marks answered lines
 by.
 
-The service runs on one asyncio thread, so one connection is enough; every write commits at once.
+The service runs on one asyncio thread, so one connection is enough; every write commits at once,
+save the few that must go together, which `transaction` wraps (and rolls back on any exception).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,21 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """BEGIN ... COMMIT, rolled back on any exception. The connection autocommits, so a
+        transaction an exception left open took every later write into itself, never committed
+        (and the next BEGIN failed): one bad line's value broke the service until a restart
+        threw the writes away."""
+        self.db.execute("BEGIN")
+        try:
+            yield
+            self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:  # (SQLite ends some failed transactions itself)
+                self.db.execute("ROLLBACK")
+            raise
 
     def path_of(self, file_id: str) -> Path:
         return self.files_dir / file_id
@@ -149,17 +167,16 @@ class Store:
         """Adds (line_no, custom_id, offset, length, prefix_key) rows; the line numbers whose
         custom_id was already taken (duplicates)."""
         duplicates = []
-        self.db.execute("BEGIN")
-        for row in rows:
-            cursor = self.db.execute(
-                "INSERT OR IGNORE INTO lines "
-                "(batch_id, line_no, custom_id, offset, length, prefix_key) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (batch_id, *row),
-            )
-            if not cursor.rowcount:
-                duplicates.append(row[0])
-        self.db.execute("COMMIT")
+        with self.transaction():
+            for row in rows:
+                cursor = self.db.execute(
+                    "INSERT OR IGNORE INTO lines "
+                    "(batch_id, line_no, custom_id, offset, length, prefix_key) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (batch_id, *row),
+                )
+                if not cursor.rowcount:
+                    duplicates.append(row[0])
         return duplicates
 
     def drop_lines(self, batch_id: str) -> None:
@@ -191,20 +208,20 @@ class Store:
     ) -> bool:
         """Records a line's answer (once: False if it was already answered), with its count,
         in one transaction."""
-        self.db.execute("BEGIN")
-        cursor = self.db.execute(
-            "UPDATE lines SET state = ? WHERE batch_id = ? AND custom_id = ? AND state = ?",
-            (ANSWERED, batch_id, custom_id, PENDING),
-        )
-        if cursor.rowcount:
-            column = "completed" if ok else "failed"
-            usage = usage or {}
-            self.db.execute(
-                f"UPDATE batches SET {column} = {column} + 1, input_tokens = input_tokens + ?, "
-                "output_tokens = output_tokens + ? WHERE id = ?",
-                (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), batch_id),
+        with self.transaction():
+            cursor = self.db.execute(
+                "UPDATE lines SET state = ? WHERE batch_id = ? AND custom_id = ? AND state = ?",
+                (ANSWERED, batch_id, custom_id, PENDING),
             )
-        self.db.execute("COMMIT")
+            if cursor.rowcount:
+                column = "completed" if ok else "failed"
+                usage = usage or {}
+                self.db.execute(
+                    f"UPDATE batches SET {column} = {column} + 1, "
+                    "input_tokens = input_tokens + ?, output_tokens = output_tokens + ? "
+                    "WHERE id = ?",
+                    (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), batch_id),
+                )
         return bool(cursor.rowcount)
 
     def count_by_state(self) -> dict[str, int]:

@@ -3,8 +3,11 @@
 The file is read line by line from disk (never whole). Each line must be a JSON object with a
 non-empty string `custom_id`, `method` POST, a `url` equal to the batch's endpoint and a `body`
 object whose `model` the cluster serves; `custom_id`s must be unique in the file (the `lines`
-table's UNIQUE key finds duplicates without a set in memory). Every offending line is reported,
-numbered from 1, in OpenAI's `errors.data` shape; one bad line fails the whole batch. A line
+table's UNIQUE key finds duplicates without a set in memory); every string in it must be
+Unicode (JSON lets `\ud83d` stand alone, and neither SQLite nor the cluster takes it). Every
+offending line is reported, numbered from 1, in OpenAI's `errors.data` shape, quoting at most
+QUOTE_CHARS of the line's own values (1,000 errors are kept: the batch object that carries them
+must stay small enough to send); one bad line fails the whole batch. A line
 that passes is recorded with its byte offset, so the runner can read it again later by seeking,
 and with its prefix key (`prefix_key`), the order the runner feeds lines in. Blank lines are
 skipped, as OpenAI does.
@@ -23,6 +26,7 @@ PAGE_LINES = 1000  # lines recorded per transaction
 # Characters of a prompt's start that order the feed (~120 tokens: several 16-token KV blocks).
 PREFIX_KEY_CHARS = 512
 MAX_ERRORS = 1000  # errors.data entries kept (the count of the rest is in the last one)
+QUOTE_CHARS = 100  # of a value an error message quotes
 
 
 def error(code: str, message: str, line: int | None = None, param: str | None = None) -> dict:
@@ -75,6 +79,35 @@ def _part_text(part: Any) -> str:
     return f"{part},"
 
 
+def quoted(value: Any) -> str:
+    """`value` as an error message quotes it: its repr, cut at QUOTE_CHARS characters (then an
+    ellipsis), or only its kind when it is an array or object."""
+    if isinstance(value, list | dict):  # (its repr may be huge, or nested past the stack)
+        return "an array" if isinstance(value, list) else "an object"
+    text = repr(value)
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "…"
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether a string anywhere in `value` (a key too) is not Unicode: a lone surrogate
+    escape, which json.loads accepts and UTF-8 cannot encode. Walked without recursion (the
+    line may nest as deep as json.loads allows)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return False
+
+
 def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | None, str, list[dict]]:
     """(the line's custom_id if it has one, its prefix key, the problems found), without line
     numbers."""
@@ -84,6 +117,9 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
         return None, "", [error("invalid_json", f"the line is not valid JSON: {e}")]
     if not isinstance(line, dict):
         return None, "", [error("invalid_json", "the line must be a JSON object")]
+    if has_lone_surrogate(line):  # (nothing of it is recorded: SQLite cannot store it)
+        message = "the line holds a string that is not Unicode (a lone surrogate such as \\ud83d)"
+        return None, "", [error("invalid_json", message)]
     problems = []
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
@@ -101,7 +137,7 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
         problems.append(
             error(
                 "mismatched_url",
-                f"url must be the batch's endpoint {endpoint}, got {line.get('url')!r}",
+                f"url must be the batch's endpoint {endpoint}, got {quoted(line.get('url'))}",
                 param="url",
             )
         )
@@ -110,10 +146,11 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
     if not isinstance(body, dict):
         problems.append(error("invalid_value", "body must be a JSON object", param="body"))
     elif body.get("model") not in models:
+        served = ", ".join(models)
         problems.append(
             error(
                 "model_not_found",
-                f"the model {body.get('model')!r} is not served here (served: {', '.join(models)})",
+                f"the model {quoted(body.get('model'))} is not served here (served: {served})",
                 param="body.model",
             )
         )

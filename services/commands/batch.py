@@ -6,8 +6,9 @@
 
 `submit` uploads the file, creates the batch and prints its id; with `--wait` it follows the job
 with a progress line (done/total, output tokens per second, ETA) until it ends, and exits 0
-only if it completed. Works against any server with these APIs (`--url`, `--api-key` or
-`OPENAI_API_KEY`).
+only if it completed. While it follows, a 429 or 503 (a busy server, a batch service that
+restarts: the job goes on) is waited out as its Retry-After asks, for up to MAX_REFUSED_S in a
+row. Works against any server with these APIs (`--url`, `--api-key` or `OPENAI_API_KEY`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import httpx
 
 ENDED = ("completed", "failed", "cancelled", "expired")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+RETRY_STATUSES = (429, 503)  # the job goes on: a follower waits and asks again
+MAX_REFUSED_S = 300.0  # how long refusals in a row may last before a follower gives up
+MAX_BACKOFF_S = 30.0  # between tries, when the server names no Retry-After
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,12 +56,34 @@ class Api:
         self.http = httpx.Client(base_url=url.rstrip("/") + "/v1", headers=headers, timeout=60)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self.http.request(method, path, **kwargs)
-        except httpx.HTTPError as error:  # the server is not there, or went away
-            raise SystemExit(f"tandem batch: {method} {path}: {error}") from None
+        response = self._request(method, path, **kwargs)
         _check(method, path, response)
         return response
+
+    def get_patiently(self, path: str, max_refused_s: float = MAX_REFUSED_S) -> Any:
+        """GET `path`, waiting out 429 and 503 (each wait the Retry-After, else 1 s doubling
+        up to MAX_BACKOFF_S) while they last at most `max_refused_s`; any other failure, or
+        refusals past that, exits as `call` does."""
+        backoff_s, deadline = 1.0, None
+        while True:
+            response = self._request("GET", path)
+            if response.status_code not in RETRY_STATUSES:
+                break
+            now = time.monotonic()
+            deadline = now + max_refused_s if deadline is None else deadline
+            wait_s = _retry_after_s(response) or backoff_s
+            if now + wait_s > deadline:
+                break
+            time.sleep(wait_s)
+            backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
+        _check("GET", path, response)
+        return response
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as error:  # the server is not there, or went away
+            raise SystemExit(f"tandem batch: {method} {path}: {error}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +127,7 @@ def follow(api: Api, batch_id: str, interval_s: float = 1.0) -> dict[str, Any]:
     the first poll that saw lines (or tokens) done: a batch followed midway did work before."""
     first_done = first_tokens = None
     while True:
-        batch = api.call("GET", f"/batches/{batch_id}").json()
+        batch = api.get_patiently(f"/batches/{batch_id}").json()
         counts = batch["request_counts"]
         done = counts["completed"] + counts["failed"]
         output_tokens = (batch.get("usage") or {}).get("output_tokens") or 0
@@ -166,6 +192,15 @@ def _check(method: str, path: str, response: httpx.Response) -> None:
     except (ValueError, KeyError, TypeError):
         message = response.text
     raise SystemExit(f"tandem batch: {method} {path}: {response.status_code} {message}")
+
+
+def _retry_after_s(response: httpx.Response) -> float | None:
+    """The seconds a Retry-After header asks for (its HTTP-date form is taken as absent)."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return seconds if 0 < seconds < float("inf") else None
 
 
 def _first_url(path: Path) -> str:

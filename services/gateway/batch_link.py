@@ -42,7 +42,7 @@ class BatchLink:
         socket = self.security.client(zmq.asyncio.Context.instance().socket(zmq.DEALER))
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a service not connected
-        socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_CHUNK_BYTES + (1 << 20))
+        socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_FRAME_BYTES)
         socket.connect(self.address)
         self._socket = socket
         self._reader = asyncio.create_task(self._read())

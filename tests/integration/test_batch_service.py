@@ -3,9 +3,11 @@ frames with a log line and goes on answering, and keeps its files across a resta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
@@ -116,3 +118,103 @@ def test_under_curvezmq_only_a_holder_of_the_clusters_key_gets_an_answer(tmp_pat
         process.terminate()
         output, _ = process.communicate(timeout=30)
     assert "unknown CurveZMQ key" in output.decode()  # the stranger, refused and logged
+
+
+def upload(socket: zmq.Socket, content: bytes) -> str:
+    _, begun, _ = call(socket, "file_upload_begin", {"purpose": "batch", "filename": "in.jsonl"})
+    call(socket, "file_upload_chunk", begun, content)
+    status, created, _ = call(socket, "file_upload_end", begun)
+    assert status == 200
+    return created["id"]
+
+
+def validated(socket: zmq.Socket, content: bytes) -> dict:
+    """The batch of a file with `content`, once its validation has ended."""
+    params = {"input_file_id": upload(socket, content), "endpoint": "/v1/completions",
+              "completion_window": "24h", "models": ["m"]}  # fmt: skip
+    status, batch, _ = call(socket, "batch_create", params)
+    assert status == 200, batch
+    for _ in range(600):
+        if batch["status"] != "validating":
+            return batch
+        time.sleep(0.1)
+        batch = call(socket, "batch_get", {"batch_id": batch["id"]})[1]
+    raise AssertionError(f"{batch['id']} still validating")
+
+
+def test_a_line_with_a_lone_surrogate_fails_its_batch_and_the_service_goes_on(tmp_path):
+    """SQLite could not encode the line's string inside validation's open transaction, which
+    stayed open: the batch failed with no line named, the next batch's validation could not
+    begin ("cannot start a transaction within a transaction"), and a restart lost every write
+    since (and validated the first batch again, which broke the service again)."""
+    line = {"method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "hi"}}
+    good = json.dumps({"custom_id": "a", **line}).encode()
+    bad = good.replace(b'"hi"', b'"hi \\ud83d"').replace(b'"a"', b'"b"')
+    process = start(tmp_path)
+    wait_listening(process)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"ipc://{tmp_path}/batch.sock")
+    try:
+        failed = validated(socket, good + b"\n" + bad + b"\n")
+        assert failed["status"] == "failed"
+        assert [(e["line"], e["code"]) for e in failed["errors"]["data"]] == [(2, "invalid_json")]
+        running = validated(socket, good + b"\n")
+        assert running["status"] == "in_progress"  # (no cluster here: its line waits)
+        process.terminate()
+        process.communicate(timeout=30)
+        process = start(tmp_path)
+        wait_listening(process)
+        for batch in (failed, running):
+            status, now, _ = call(socket, "batch_get", {"batch_id": batch["id"]})
+            assert status == 200 and now["status"] == batch["status"]
+            assert call(socket, "file_get", {"file_id": batch["input_file_id"]})[0] == 200
+    finally:
+        socket.close()
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize(
+    "num_bytes", [wire_batch.MAX_FRAME_BYTES, 17 << 20], ids=["past-a-frame", "past-a-header"]
+)
+def test_an_answer_too_big_to_send_is_a_500_and_the_service_goes_on(tmp_path, num_bytes):
+    """An answer over 16 MB raised in the receive task, which ended: the service answered no one
+    after. One smaller but past the gateway's frame limit never arrived (the gateway's link
+    dropped the connection), and the call was a 503 after the link's timeout."""
+    from services.batch.service import BatchService
+    from services.gateway.batch_link import BatchLink
+    from services.gateway.openai_protocol import ApiError
+
+    config = BatchServiceConfig(
+        address=f"ipc://{tmp_path}/batch.sock",
+        gateway_rpc_address=f"ipc://{tmp_path}/nobody.sock",
+        data_dir=str(tmp_path / "data"),
+    )
+
+    async def scenario() -> tuple[ApiError, dict]:
+        service = BatchService(config)
+        handle = service.api.handle
+
+        def handle_with_a_huge_list(op: str, tenant: str, params: dict, data: bytes | None):
+            if op == "batch_list":
+                return 200, {"object": "list", "data": "x" * num_bytes}, None
+            return handle(op, tenant, params, data)
+
+        service.api.handle = handle_with_a_huge_list
+        serving = asyncio.create_task(service.serve())
+        link = BatchLink(config.address, timeout_s=10)
+        await link.start()
+        try:
+            with pytest.raises(ApiError) as too_big:
+                await link.call("batch_list", "t", {})
+            _, files, _ = await link.call("file_list", "t", {})
+        finally:
+            await link.close()
+            service._stopping.set()
+            await serving
+        return too_big.value, files
+
+    too_big, files = asyncio.run(scenario())
+    assert too_big.status == 500 and "batch_list could not be sent" in too_big.message
+    assert files["data"] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from services.commands.cli import main
@@ -97,3 +98,59 @@ def test_a_download_the_server_refuses_writes_no_output(tmp_path):
     with pytest.raises(SystemExit, match="404 no such file"):
         batch_command.download(api, args)
     assert not out.exists()
+
+
+def played_api(answers: list[httpx.Response], monkeypatch) -> tuple:
+    """An Api whose server answers `answers` in turn, on a clock that only sleeps move."""
+    from services.commands import batch as batch_command
+
+    clock, slept = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(batch_command.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(batch_command.time, "sleep", sleep)
+    replies = iter(answers)
+    api = batch_command.Api("http://tandem.test", None)
+    transport = httpx.MockTransport(lambda request: next(replies))
+    api.http = httpx.Client(base_url="http://tandem.test/v1", transport=transport)
+    return batch_command, api, slept
+
+
+def refused(status: int, retry_after: str | None = None) -> httpx.Response:
+    headers = {"Retry-After": retry_after} if retry_after is not None else {}
+    return httpx.Response(status, json={"error": {"message": "busy"}}, headers=headers)
+
+
+def batch_now(status: str) -> httpx.Response:
+    counts = {"total": 2, "completed": 2 if status == "completed" else 0, "failed": 0}
+    return httpx.Response(200, json={"status": status, "request_counts": counts})
+
+
+def test_following_waits_out_503_and_429_as_retry_after_asks(monkeypatch):
+    """One 503 while the batch service restarted (or one 429) ended `submit --wait` with exit
+    status 1, though the job went on."""
+    answers = [batch_now("in_progress"), refused(503, "5"), refused(429), refused(503, "soon"),
+               refused(429, "2"), batch_now("completed")]  # fmt: skip
+    batch_command, api, slept = played_api(answers, monkeypatch)
+    assert batch_command.follow(api, "batch_1")["status"] == "completed"
+    assert slept == [1.0, 5.0, 2.0, 4.0, 2.0]  # the poll interval; Retry-After, else 1 s doubling
+
+
+@pytest.mark.parametrize(
+    "answers, message",
+    [
+        ([refused(500)], "500 busy"),  # other statuses: at once
+        ([refused(404)], "404 busy"),
+        ([refused(503, "100")] * 4, "503 busy"),  # refused past MAX_REFUSED_S in a row
+    ],
+)
+def test_following_gives_up_on_other_statuses_and_on_refusals_that_last(
+    monkeypatch, answers, message
+):
+    batch_command, api, slept = played_api(answers, monkeypatch)
+    with pytest.raises(SystemExit, match=message):
+        batch_command.follow(api, "batch_1")
+    assert sum(slept) <= batch_command.MAX_REFUSED_S

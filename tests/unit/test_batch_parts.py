@@ -244,3 +244,79 @@ def test_uploads_left_idle_are_dropped_and_a_tenant_has_few_in_progress(store, m
     assert api.handle("file_upload_chunk", "alice", left, b"rest")[0] == 404
     assert not (store.directory / "uploads" / left["upload_id"]).exists()
     assert api.handle("file_upload_end", "alice", other, None)[0] == 200
+
+
+def test_a_write_an_exception_breaks_is_rolled_back_and_the_store_goes_on(tmp_path):
+    """The connection autocommits; an exception inside BEGIN ... COMMIT (SQLite cannot encode a
+    lone surrogate) left the transaction open: every later write went into it, the next BEGIN
+    failed, and a restart threw them all away."""
+    store = Store(tmp_path)
+    new_batch(store, [good("a")])
+    with pytest.raises(UnicodeEncodeError):
+        store.add_lines("batch_x", [(1, "a", 0, 10, ""), (2, "b\ud83d", 11, 10, "")])
+    assert not store.db.in_transaction
+    assert store.add_lines("batch_x", [(1, "a", 0, 10, "")]) == []  # (the first row rolled back)
+    store.update_batch("batch_x", status="failed")
+    store.close()
+    reopened = Store(tmp_path)
+    assert reopened.get_batch("batch_x")["status"] == "failed"
+    assert [row["custom_id"] for row in reopened.pending_lines("batch_x")] == ["a"]
+    reopened.close()
+
+
+def test_a_line_with_a_lone_surrogate_is_refused_naming_its_line(store):
+    """json.loads takes a lone surrogate escape; SQLite could not store it (it broke the store:
+    see above), nor could the cluster take it. Anywhere in the line: a value, a key, the id."""
+    in_a_key = (b'{"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": '
+                b'{"model": "m", "prompt": "x", "logit_bias": {"\\udfff": 1}}}')  # fmt: skip
+    lines = [good("a"), good("b", prompt="hi \ud83d"), good("c\udc00"), in_a_key, good("e")]
+    assert json.loads(lines[1])["body"]["prompt"] == "hi \ud83d"  # (json.dumps escaped it)
+    num_lines, errors = validate(store, new_batch(store, lines), ["m"])
+    assert num_lines == 5
+    assert [(e["line"], e["code"]) for e in errors] == [(2, "invalid_json"), (3, "invalid_json"),
+                                                        (4, "invalid_json")]  # fmt: skip
+    assert "not Unicode" in errors[0]["message"] and not store.db.in_transaction
+    assert validate(store, new_batch(store, [good("a")], "batch_y"), ["m"]) == (1, [])
+
+
+def test_error_messages_quote_a_bounded_part_of_the_line(store):
+    """Each quoted the line's value whole: 1,000 lines with 17 KB urls made a 17 MB batch
+    object, which no gateway could receive (GET /v1/batches/{id} failed) and over 16 MB the
+    service could not even encode (its receive task died)."""
+    from services.batch.validation import QUOTE_CHARS
+
+    big = "u" * 17_000
+    _, _, problems = check_line(good(url=big, model=big), "/v1/completions", ["m"])
+    assert [p["code"] for p in problems] == ["mismatched_url", "model_not_found"]
+    for problem in problems:
+        assert len(problem["message"]) < QUOTE_CHARS + 100 and "uuu…" in problem["message"]
+    nested = b'{"custom_id": "a", "method": "POST", "url": ' + b"[" * 900 + b"]" * 900 + b"}"
+    assert "got an array" in check_line(nested, "/v1/completions", ["m"])[2][0]["message"]
+    batch = new_batch(store, [good(str(n), url=big, model=big) for n in range(1_000)])
+    store.update_batch(
+        "batch_x", errors={"object": "list", "data": validate(store, batch, ["m"])[1]}
+    )
+    reply = wire_batch.BatchReply(
+        call_id="1", status=200, body=json.dumps(store.get_batch("batch_x"))
+    )
+    assert sum(map(len, wire_batch.encode(reply))) < wire_batch.MAX_FRAME_BYTES
+
+
+def test_a_page_of_batches_stops_before_it_outgrows_one_frame(store):
+    """A batch object carries up to 1,000 errors: a page of such batches was too big for a
+    frame, so listing a tenant's batches failed for good. The page ends early (`has_more`)."""
+    errors = {"object": "list", "data": [{"message": "x" * 1_000}] * 500}  # ~0.5 MB each
+    for n in range(10):
+        store.add_batch({"id": f"batch_{n}", "status": "failed", "created_at": n, "errors":
+                         errors}, "alice")  # fmt: skip
+    api = BatchApi(store, jobs=None, limits=Limits())
+    pages, params = [], {"limit": 100}
+    while not pages or pages[-1]["has_more"]:
+        pages.append(api.handle("batch_list", "alice", params, None)[1])
+        params["after"] = pages[-1]["last_id"]
+    assert len(pages) == 2
+    for page in pages:
+        reply = wire_batch.BatchReply(call_id="1", status=200, body=json.dumps(page))
+        assert sum(map(len, wire_batch.encode(reply))) < wire_batch.MAX_FRAME_BYTES
+    listed = [batch["id"] for page in pages for batch in page["data"]]
+    assert listed == [f"batch_{n}" for n in range(9, -1, -1)]

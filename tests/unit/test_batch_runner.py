@@ -198,3 +198,37 @@ def test_a_validation_that_raises_fails_the_batch_instead_of_leaving_it_validati
     assert batch["status"] == "failed"
     assert batch["errors"]["data"][0]["code"] == "validation_failed"
     assert "a bug" in batch["errors"]["data"][0]["message"]
+
+
+@pytest.mark.parametrize("input_is", ["good", "bad", "unreadable"])
+def test_a_batch_cancelled_while_it_validates_ends_cancelled(store, monkeypatch, input_is):
+    """OpenAI's batch cancelled while validating ends `cancelled`. Cancelled, then found to hold
+    bad lines, it ended `failed` (the cancel overwritten); cancelled, then its validation
+    raised, it stayed `cancelling` until the next restart."""
+    from services.batch.api import BatchApi, Limits
+
+    text = {"good": line("a", "ok"), "bad": b"nope", "unreadable": line("a", "ok")}[input_is]
+    store.path_of("file-in").write_bytes(text + b"\n")
+    store.add_batch({"id": "batch_x", "status": "validating", "created_at": 0, "endpoint":
+                     "/v1/completions", "input_file_id": "file-in", "_models": ["m"],
+                     "_tenant": "t", "expires_at": time.time() + 60}, "t")  # fmt: skip
+
+    def cancelled_meanwhile(*args):  # the cancel came in at the validation's yield to the loop
+        status, _, _ = BatchApi(store, manager, Limits()).handle(
+            "batch_cancel", "t", {"batch_id": "batch_x"}, None
+        )
+        assert status == 200 and store.get_batch("batch_x")["status"] == "cancelling"
+        if input_is == "unreadable":
+            raise OSError("the disk went away")
+        return validate(*args)
+
+    monkeypatch.setattr(jobs, "validate", cancelled_meanwhile)
+
+    async def scenario() -> None:
+        await asyncio.wait_for(manager._drive("batch_x"), 20)
+
+    manager = JobManager(store, PlayedClient(), RunLimits())
+    asyncio.run(scenario())
+    batch = store.get_batch("batch_x")
+    assert (batch["status"], batch.get("failed_at")) == ("cancelled", None)
+    assert batch["cancelled_at"] is not None and batch["request_counts"]["completed"] == 0
