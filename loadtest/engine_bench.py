@@ -44,8 +44,8 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.step_batch import SequenceChunk, build_step_batch
 
 
-def median_seconds(fn, repeats: int) -> float:
-    return paired_medians([fn], repeats)[0]
+def median_seconds(fn, repeats: int, device: torch.device | str = "cpu") -> float:
+    return paired_medians([fn], repeats, device)[0]
 
 
 def paired_medians(fns, repeats: int, device: torch.device | str = "cpu") -> list[float]:

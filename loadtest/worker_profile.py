@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         "note": args.note,
         "load_average_1m_before": os.getloadavg()[0],  # a busy machine measures slow steps
     }
-    profile = measure_profile(model, grid, args.repeats, settings, metadata)
+    profile = measure_profile(model, grid, args.repeats, settings, metadata, device)
     profile.metadata["load_average_1m_after"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.out)
@@ -140,14 +140,18 @@ def measure_profile(
     repeats: int,
     settings: WorkerSettings,
     metadata: dict,
+    device: torch.device | str = "cpu",
 ) -> WorkerProfile:
-    """Times `model` (our engine's LlamaModel) over the grid; see the module doc."""
+    """Times `model` (our engine's LlamaModel) over the grid; see the module doc. On `device`
+    cuda each timed run ends with a synchronize (a step only queues its kernels there)."""
     with torch.inference_mode():
-        prefill = [median_seconds(ours_prefill(model, n), repeats) for n in grid["prefill_tokens"]]
-        context_cost = measure_context_cost(model, grid, repeats)
+        prefill = [
+            median_seconds(ours_prefill(model, n), repeats, device) for n in grid["prefill_tokens"]
+        ]
+        context_cost = measure_context_cost(model, grid, repeats, device)
         decode = [
             [
-                median_seconds(ours_decode(model, batch, context, repeats), repeats)
+                median_seconds(ours_decode(model, batch, context, repeats), repeats, device)
                 for context in grid["contexts"]
             ]
             for batch in grid["batch_sizes"]
@@ -168,7 +172,9 @@ def measure_profile(
     )
 
 
-def measure_context_cost(model, grid: dict[str, list[int]], repeats: int) -> float:
+def measure_context_cost(
+    model, grid: dict[str, list[int]], repeats: int, device: torch.device | str = "cpu"
+) -> float:
     """Seconds per (token computed, token of context before it): the grid's middle prompt size
     timed after each context the model's positions hold, in alternation with it alone (0: no
     context fits)."""
@@ -180,7 +186,7 @@ def measure_context_cost(model, grid: dict[str, list[int]], repeats: int) -> flo
     steps = [ours_prefill(model, num_tokens)] + [
         ours_prefill(model, num_tokens, context) for context in contexts
     ]
-    alone, *after = paired_medians(steps, repeats)
+    alone, *after = paired_medians(steps, repeats, device)
     return context_cost([num_tokens * c for c in contexts], [t - alone for t in after])
 
 

@@ -34,6 +34,25 @@ def test_measures_a_profile_the_simulator_reads(tmp_path):
     assert WorkerProfile.load(path).metadata == {"note": "test"}
 
 
+def test_on_cuda_every_timed_run_ends_with_a_synchronize(monkeypatch):
+    """A prefill step only queues its kernels on a GPU: timed without a synchronize, each run
+    measured the one before it, and the context cost (runs after different contexts, in
+    alternation) came out negative and was read as none. The model runs on the CPU here;
+    `device` says where its work is timed, and the synchronizes are counted."""
+    import torch
+
+    model = our_model_from_hf(tiny_hf_model())
+    grid = {"prefill_tokens": [16, 32], "prefill_contexts": [64], "batch_sizes": [1],
+            "contexts": [32]}  # fmt: skip
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: synchronized.append(1))
+    repeats = 2
+    measure_profile(model, grid, repeats, WorkerSettings(), {}, device="cuda")
+    # After each warm-up and each timed run: two prefill sizes, the context pair, one decode.
+    timed = [1, 1, 2, 1]
+    assert len(synchronized) == sum(1 + n * repeats for n in timed)
+
+
 def test_the_context_cost_is_a_slope_through_the_origin():
     # 1 us a pair, read off two points whose noise cancels; a negative slope reads as none.
     assert context_cost([1000, 2000], [0.0011, 0.0019]) == pytest.approx(0.98e-6)
