@@ -40,6 +40,7 @@ from shared.logs import get_logger
 PAGE_LINES = 256
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 RETRY_STATUSES = (429, 503)  # backpressure: wait and retry, the window halves
+RECONNECT_WAIT_S = 1.0  # a call dropped with its connection (the gateway restarted) is retried
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,12 @@ class JobRunner:
                 if failures >= self.limits.max_attempts:
                     return 504, _error_body("timeout", str(error))
                 self.log.warning("line timed out, retrying", custom_id=line["custom_id"])
+            except ConnectionError as error:  # the gateway restarted: not the line's failure
+                self.log.warning("line's call dropped, retrying", error=str(error))
+                await asyncio.sleep(RECONNECT_WAIT_S)
+                if time.time() >= batch["expires_at"]:
+                    raise _WindowClosed from None
+                continue
             await asyncio.sleep(min(8.0, 0.5 * 2**failures))
 
     def _expire_rest(self, answers: Answers) -> None:

@@ -16,6 +16,11 @@ and `TimeoutError` raised. A stream starts on its first iteration; leaving it ea
 One socket (a DEALER) carries every call of a client, each under its own call id; events are
 sorted into per-call inboxes, so streams may be read interleaved. A client is not thread-safe
 (ZeroMQ sockets are not): use one per thread, or the asyncio client from many tasks.
+
+When the connection to the gateway drops (it restarted, or the network did), the calls in
+flight raise `ConnectionError` at once: their answers will not come (the gateway takes the
+reconnection for a new client and cancels the old one's calls), so they no longer wait out
+their timeout. Closing a client ends its calls that other tasks wait on the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared import wire
 from shared.curve import ClientKeys
@@ -96,6 +102,28 @@ def _as_event(frames: list) -> wire.RpcEvent | None:
     return message
 
 
+class _Ended:
+    """Put in a call's inbox in place of an event: the call's answer will not come."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _dropped(address: str) -> _Ended:
+    return _Ended(
+        f"the connection to {address} dropped with the call in flight (did the gateway "
+        "restart?): its answer will not come"
+    )
+
+
+CLOSED = _Ended("the client was closed while the call waited")
+
+
+def _disconnected(frames: list) -> bool:
+    """Whether a monitor event says a connection dropped."""
+    return parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+
+
 def _unreachable(address: str, timeout_s: float) -> str:
     return (
         f"no connection to {address} within {timeout_s} s (is the gateway's RPC door there, "
@@ -133,9 +161,10 @@ class TandemClient:
         self.timeout_s = timeout_s
         self.api_key = api_key
         self._socket = _dealer(context or zmq.Context.instance(), address, curve)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._call_ids = (str(n) for n in itertools.count())
         # Events received for calls in flight and not yet read; a call leaves it when done.
-        self._inbox: dict[str, deque[wire.RpcEvent]] = {}
+        self._inbox: dict[str, deque[wire.RpcEvent | _Ended]] = {}
 
     def completion(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
         return self._call("completion", body, timeout_s)
@@ -165,6 +194,8 @@ class TandemClient:
     def close(self) -> None:
         for call_id in list(self._inbox):
             self._abandon(call_id)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close()
 
     def __enter__(self) -> TandemClient:
@@ -190,6 +221,7 @@ class TandemClient:
         # holds a send forever: wait for one only as long as the call may take.
         if not self._socket.poll(self.timeout_s * 1000, zmq.POLLOUT):
             raise TimeoutError(_unreachable(self.address, self.timeout_s))
+        self._read_connection_events()  # (a drop before this call is not its own)
         call_id = next(self._call_ids)
         request = _request(call_id, kind, body, stream, self.api_key)  # (may refuse: 413)
         self._inbox[call_id] = deque()
@@ -199,17 +231,34 @@ class TandemClient:
     def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
         deadline = time.monotonic() + timeout_s
         inbox = self._inbox[call_id]
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not inbox:
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not self._socket.poll(remaining_ms):
+            ready = dict(poller.poll(remaining_ms)) if remaining_ms > 0 else {}
+            if not ready:
                 raise TimeoutError(f"no answer from {self.address} within {timeout_s} s")
-            event = _as_event(self._socket.recv_multipart(copy=False))
-            if event is not None and event.call_id in self._inbox:
-                self._inbox[event.call_id].append(event)  # else: a call already left
+            if self._monitor in ready:
+                self._read_connection_events()
+            if self._socket in ready:
+                event = _as_event(self._socket.recv_multipart(copy=False))
+                if event is not None and event.call_id in self._inbox:
+                    self._inbox[event.call_id].append(event)  # else: a call already left
         event = inbox.popleft()
+        if isinstance(event, _Ended):
+            self._inbox.pop(call_id, None)
+            raise ConnectionError(event.why)
         if event.done:
             self._inbox.pop(call_id, None)
         return event
+
+    def _read_connection_events(self) -> None:
+        """A dropped connection ends every call in flight (`_Ended` in each inbox)."""
+        while self._monitor.poll(0):
+            if _disconnected(self._monitor.recv_multipart()):
+                for inbox in self._inbox.values():
+                    inbox.append(_dropped(self.address))
 
     def _abandon(self, call_id: str) -> None:
         """Cancels a call nobody waits for any more; its late events are dropped."""
@@ -281,9 +330,11 @@ class AsyncTandemClient:
         self.api_key = api_key
         self.bulk = bulk
         self._socket = _dealer(zmq.asyncio.Context.instance(), address, curve)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._call_ids = (str(n) for n in itertools.count())
-        self._inbox: dict[str, asyncio.Queue[wire.RpcEvent]] = {}
+        self._inbox: dict[str, asyncio.Queue[wire.RpcEvent | _Ended]] = {}
         self._reader: asyncio.Task | None = None  # started with the first call, on its loop
+        self._watcher: asyncio.Task | None = None  # of the connection: started with the reader
         self._pending: set[asyncio.Task] = set()  # cancels sent from finalizers
 
     async def completion(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
@@ -310,12 +361,16 @@ class AsyncTandemClient:
             wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
     async def close(self) -> None:
-        for call_id in list(self._inbox):
+        for call_id, inbox in list(self._inbox.items()):
+            inbox.put_nowait(CLOSED)  # (another task may wait on it)
             await self._abandon(call_id)
         await asyncio.gather(*self._pending, return_exceptions=True)
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close()
 
     async def __aenter__(self) -> AsyncTandemClient:
@@ -345,6 +400,7 @@ class AsyncTandemClient:
     async def _start(self, kind: CallKind, body: dict[str, Any], stream: bool) -> str:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
+            self._watcher = asyncio.create_task(self._watch_connection())
         if not await self._socket.poll(self.timeout_s * 1000, zmq.POLLOUT):
             raise TimeoutError(_unreachable(self.address, self.timeout_s))
         call_id = next(self._call_ids)
@@ -358,6 +414,9 @@ class AsyncTandemClient:
             event = await asyncio.wait_for(self._inbox[call_id].get(), timeout_s)
         except TimeoutError:
             raise TimeoutError(f"no answer from {self.address} within {timeout_s} s") from None
+        if isinstance(event, _Ended):
+            self._inbox.pop(call_id, None)
+            raise ConnectionError(event.why)
         if event.done:
             self._inbox.pop(call_id, None)
         return event
@@ -367,6 +426,13 @@ class AsyncTandemClient:
             event = _as_event(await self._socket.recv_multipart(copy=False))
             if event is not None and event.call_id in self._inbox:
                 self._inbox[event.call_id].put_nowait(event)  # else: a call already left
+
+    async def _watch_connection(self) -> None:
+        """A dropped connection ends every call in flight (`_Ended` in each inbox)."""
+        while True:
+            if _disconnected(await self._monitor.recv_multipart()):
+                for inbox in self._inbox.values():
+                    inbox.put_nowait(_dropped(self.address))
 
     async def _abandon(self, call_id: str) -> None:
         """Cancels a call nobody waits for any more; its late events are dropped."""

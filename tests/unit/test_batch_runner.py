@@ -24,7 +24,8 @@ FULL = RpcError(503, {"error": {"message": "full", "type": "overloaded"}}, retry
 
 class PlayedClient:
     """Answers each line by its prompt: "ok" answers, "bug" raises what no one foresaw, "full"
-    is refused with 503 for ever, "slow" waits until cancelled."""
+    is refused with 503 for ever, "slow" waits until cancelled, "dropped" loses its first two
+    calls with the connection (a gateway restarting)."""
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
@@ -38,6 +39,8 @@ class PlayedClient:
                 raise FULL
             case "slow":
                 await asyncio.Event().wait()
+            case "dropped" if len(self.bodies) <= 2:
+                raise ConnectionError("the connection dropped (did the gateway restart?)")
         return {"choices": [{"text": body["prompt"]}], "usage": {"completion_tokens": 1}}
 
 
@@ -125,6 +128,17 @@ def test_body_fields_named_like_the_clients_arguments_are_sent_as_they_are(store
     batch = run(store, client)
     assert answered(store, batch) == {"a": 200}
     assert client.bodies[0]["timeout_s"] == 5 and client.bodies[0]["self"] == 1
+
+
+def test_a_call_dropped_with_the_gateways_connection_is_retried(store, monkeypatch):
+    """The client raises ConnectionError for calls in flight when the gateway's connection
+    drops: not the line's failure, so neither a 500 (an unforeseen error's answer) nor one of
+    its attempts."""
+    monkeypatch.setattr(runner, "RECONNECT_WAIT_S", 0.01)
+    validated_batch(store, [line("a", "dropped")])
+    client = PlayedClient()
+    batch = run(store, client)
+    assert answered(store, batch) == {"a": 200} and len(client.bodies) == 3
 
 
 def test_a_cluster_full_past_the_deadline_lets_the_batch_expire(store):

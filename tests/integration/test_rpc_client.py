@@ -1,0 +1,90 @@
+"""The RPC client's calls when the gateway cannot answer them: a connection that drops with
+calls in flight, and a client closed while other tasks wait on its calls. A raw ROUTER plays
+the gateway (one that takes a call and goes, or never answers); the client is the real one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+
+def _gateway_that_takes_a_call_then_goes(address: str, taken: threading.Event) -> threading.Thread:
+    """A gateway's ROUTER that reads one call and closes without answering: a gateway that
+    restarted, with the call in flight (its answer will never come)."""
+
+    def serve() -> None:
+        context = zmq.Context()
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(address)
+        assert router.poll(10_000), "no call came"
+        router.recv_multipart()
+        taken.set()
+        time.sleep(0.2)
+        router.close()
+        context.term()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_call_in_flight_when_the_connection_drops_fails_at_once(tmp_path):
+    """Calls in flight when the connection to the gateway drops are lost (a reconnection is a
+    new peer to the gateway's ROUTER, which cancels the old one's calls): they waited out
+    their whole timeout (300 s by default). They fail when the connection drops, saying so."""
+    from services.gateway.rpc_client import TandemClient
+
+    taken = threading.Event()
+    thread = _gateway_that_takes_a_call_then_goes(f"ipc://{tmp_path}/gw.sock", taken)
+    start = time.monotonic()
+    with (
+        TandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=60) as client,
+        pytest.raises(ConnectionError, match="connection to .* dropped"),
+    ):
+        client.completion(model="m", prompt="hi")
+    assert taken.is_set() and time.monotonic() - start < 10
+    thread.join(5)
+
+
+def test_an_async_call_in_flight_when_the_connection_drops_fails_at_once(tmp_path):
+    from services.gateway.rpc_client import AsyncTandemClient
+
+    taken = threading.Event()
+    thread = _gateway_that_takes_a_call_then_goes(f"ipc://{tmp_path}/gw.sock", taken)
+
+    async def call() -> None:
+        async with AsyncTandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=60) as client:
+            await client.completion(model="m", prompt="hi")
+
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="connection to .* dropped"):
+        asyncio.run(asyncio.wait_for(call(), 30))
+    assert taken.is_set() and time.monotonic() - start < 10
+    thread.join(5)
+
+
+def test_closing_an_async_client_ends_the_calls_other_tasks_wait_on(tmp_path):
+    """`close()` from one task: another task's call waited out its whole timeout."""
+    from services.gateway.rpc_client import AsyncTandemClient
+
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        router = context.socket(zmq.ROUTER)  # a gateway that takes calls and never answers
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(f"ipc://{tmp_path}/gw.sock")
+        client = AsyncTandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=60)
+        waiting = asyncio.create_task(client.completion(model="m", prompt="hi"))
+        await router.recv_multipart()  # the call is in flight
+        await client.close()
+        with pytest.raises(ConnectionError, match="closed"):
+            await asyncio.wait_for(waiting, 5)
+        router.close()
+        context.term()
+
+    asyncio.run(scenario())
