@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.batch.answers import error_file_id, output_file_id
 from services.batch.jobs import UNFINISHED, JobManager
 from services.batch.runner import KINDS
 from services.batch.store import Store
-from services.batch.validation import raw_lines
+from services.batch.validation import TooManyBlankLines, num_requests
 
 Result = tuple[int, dict[str, Any], bytes | None]
 _WINDOW = re.compile(r"(\d{1,9})([hms])")  # (int() refuses over 4,300 digits)
@@ -118,6 +119,22 @@ class BatchApi:
         for stale in self.uploads_dir.iterdir():  # uploads cut short by a restart
             stale.unlink()
         self._uploads: dict[str, _Upload] = {}
+        self._tidy_after_a_kill()
+
+    def _tidy_after_a_kill(self) -> None:
+        """Removes what a kill between two steps left behind for good: bytes in files/ that no
+        row names (an upload's, moved before its row was written), and the lines of ended
+        batches. An unfinished batch's input and answer files stay (the answers are
+        registered when it ends)."""
+        keep = set()
+        for batch in self.store.batches_in(*UNFINISHED):
+            keep |= {
+                batch["input_file_id"],
+                output_file_id(batch["id"]),
+                error_file_id(batch["id"]),
+            }
+        self.store.remove_unnamed_files(keep)
+        self.store.drop_lines_of_batches_not_in(*UNFINISHED)
 
     def handle(self, op: str, tenant: str, params: dict, data: bytes | None) -> Result:
         try:
@@ -131,7 +148,7 @@ class BatchApi:
         if params.get("purpose") != "batch":
             raise ApiFailure(400, "purpose must be 'batch'", "purpose")
         filename = str(params.get("filename") or "upload.jsonl")[:256]
-        self._drop_idle_uploads()
+        self.drop_idle_uploads()
         in_progress = sum(upload.tenant == tenant for upload in self._uploads.values())
         if in_progress >= self.limits.max_uploads_per_tenant:
             raise ApiFailure(
@@ -218,12 +235,18 @@ class BatchApi:
         row = self._file(tenant, {"file_id": params.get("input_file_id")}, "input_file_id")
         if row["purpose"] != "batch":
             raise ApiFailure(400, "the input file's purpose must be 'batch'", "input_file_id")
-        num_lines = sum(1 for _ in raw_lines(self.store.path_of(row["id"])))
-        if num_lines > self.limits.max_lines:
+        # Counted only up to the limit, blank lines bounded too: this runs on the service's
+        # loop, and a call that outlasts the gateway's wait is answered 503 there while the
+        # batch is created here (the client retries: two batches).
+        max_lines = self.limits.max_lines
+        try:
+            num_lines = num_requests(self.store.path_of(row["id"]), max_lines + 1)
+        except TooManyBlankLines as refused:
+            raise ApiFailure(400, str(refused), "input_file_id") from None
+        if num_lines > max_lines:
             raise ApiFailure(
                 400,
-                f"the input file has {num_lines} requests, more than the "
-                f"limit of {self.limits.max_lines}",
+                f"the input file has more than {max_lines} requests, the limit",
                 "input_file_id",
             )
         now = int(time.time())
@@ -296,7 +319,9 @@ class BatchApi:
             raise ApiFailure(404, "no such upload in progress", "upload_id")
         return upload
 
-    def _drop_idle_uploads(self) -> None:
+    def drop_idle_uploads(self) -> None:
+        """Drops the uploads idle past `upload_idle_s`, bytes and all: when one begins, and on
+        the service's timer (an abandoned upload kept its bytes until another began)."""
         idle_since = time.monotonic() - self.limits.upload_idle_s
         for upload_id, upload in list(self._uploads.items()):
             if upload.touched_at < idle_since:

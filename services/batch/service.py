@@ -161,7 +161,7 @@ class BatchService:
             resumed=resumed,
             metrics=metrics_address,
         )
-        tasks = [asyncio.create_task(self._receive(socket)), asyncio.create_task(self._gauges())]
+        tasks = [asyncio.create_task(self._receive(socket)), asyncio.create_task(self._periodic())]
         await self._stopping.wait()
         for task in tasks:
             task.cancel()
@@ -210,9 +210,10 @@ class BatchService:
             )
             return wire_batch.encode(reply)
 
-    async def _gauges(self) -> None:
+    async def _periodic(self) -> None:
         while True:
             self.metrics.update(self.store, self.jobs)
+            self.api.drop_idle_uploads()
             await asyncio.sleep(METRICS_INTERVAL_S)
 
 

@@ -109,6 +109,18 @@ class Store:
             sql, args = sql + " AND rowid < (SELECT rowid FROM files WHERE id = ?)", [*args, after]
         return self.db.execute(sql + " ORDER BY rowid DESC LIMIT ?", [*args, limit]).fetchall()
 
+    def remove_unnamed_files(self, keep: set[str]) -> list[str]:
+        """Removes the bytes in files/ that no live file row names (a deleted file's too), save
+        those of `keep`; their ids. A kill between an upload's move into files/ and its row,
+        or between a deletion's row and its unlink, left such bytes for good."""
+        named = {row[0] for row in self.db.execute("SELECT id FROM files WHERE deleted = 0")}
+        removed = []
+        for path in self.files_dir.iterdir():
+            if path.name not in named and path.name not in keep:
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+        return removed
+
     def delete_file(self, tenant: str, file_id: str) -> bool:
         cursor = self.db.execute(
             "UPDATE files SET deleted = 1 WHERE id = ? AND tenant = ? AND deleted = 0",
@@ -181,6 +193,18 @@ class Store:
 
     def drop_lines(self, batch_id: str) -> None:
         self.db.execute("DELETE FROM lines WHERE batch_id = ?", (batch_id,))
+
+    def drop_lines_of_batches_not_in(self, *statuses: str) -> int:
+        """Drops the lines of every batch whose status is not one of `statuses` (a kill between
+        a batch's end and `drop_lines` left them for good: an ended batch is never resumed);
+        the number of rows dropped."""
+        marks = ",".join("?" * len(statuses))
+        cursor = self.db.execute(
+            "DELETE FROM lines WHERE batch_id NOT IN "
+            f"(SELECT id FROM batches WHERE status IN ({marks}))",
+            statuses,
+        )
+        return cursor.rowcount
 
     def set_total(self, batch_id: str, total: int) -> None:
         self.db.execute("UPDATE batches SET total = ? WHERE id = ?", (total, batch_id))

@@ -5,6 +5,12 @@ tenant; a key without one owns by a digest of itself, so two bare keys never see
 files; with no keys configured, everyone is `default`), and relays. An upload is parsed by
 python-multipart (spooled to disk past 1 MiB) and sent on in chunks; a download is streamed
 back chunk by chunk. Without `--batch-address` the routes answer 404, as for any unknown path.
+
+Bodies are bounded before they are read: a Content-Length past the limit is a 413 at once, and a
+body without one (chunked) or with a false one is counted as it arrives and refused (413) the
+moment it passes the limit, so the gateway never reads or spools more than the limit (an upload:
+the batch service's default `--max-file-bytes` and a little multipart framing). The batch
+service checks its own file limit again on every relayed chunk.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import UploadFile
+from starlette.types import Message
 
 from services.gateway.auth import ApiKeys
 from services.gateway.batch_link import BatchLink
@@ -25,6 +32,8 @@ from shared.wire_batch import MAX_CHUNK_BYTES
 
 UPLOAD_CHUNK_BYTES = min(MAX_CHUNK_BYTES, 1 << 20)
 MAX_BATCH_BODY_BYTES = 64 << 10  # POST /v1/batches: ids, a window and 16 metadata strings
+MAX_UPLOAD_FILE_BYTES = 200 << 20  # the batch service's default --max-file-bytes
+MULTIPART_SLACK_BYTES = 64 << 10  # boundaries, part headers, the `purpose` field
 
 
 def owner_of(keys: ApiKeys, authorization: str | None) -> str:
@@ -37,7 +46,36 @@ def owner_of(keys: ApiKeys, authorization: str | None) -> str:
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def add_batch_routes(app: FastAPI, link: BatchLink, keys: ApiKeys, model: str) -> None:
+def bounded(request: Request, max_bytes: int) -> Request:
+    """`request` whose body is refused (413) past `max_bytes`: at once when its Content-Length
+    says so, else as soon as the bytes received pass it. Until 2026-12-06 an upload was spooled
+    to disk whole (Starlette bounds only a form's non-file parts) and a create body read whole
+    before either was measured: a 50 GB POST filled the gateway's disk before its 413."""
+    too_big = ApiError(413, f"the request body exceeds {max_bytes} bytes")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_big
+    num_bytes = 0
+
+    async def receive() -> Message:
+        nonlocal num_bytes
+        message = await request.receive()
+        if message["type"] == "http.request":
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > max_bytes:
+                raise too_big
+        return message
+
+    return Request(request.scope, receive)
+
+
+def add_batch_routes(
+    app: FastAPI,
+    link: BatchLink,
+    keys: ApiKeys,
+    model: str,
+    max_upload_bytes: int = MAX_UPLOAD_FILE_BYTES + MULTIPART_SLACK_BYTES,
+) -> None:
     async def relay(request: Request, op: str, params: dict[str, Any]) -> JSONResponse:
         owner = owner_of(keys, request.headers.get("authorization"))
         _, body, _ = await link.call(op, owner, params)
@@ -46,7 +84,7 @@ def add_batch_routes(app: FastAPI, link: BatchLink, keys: ApiKeys, model: str) -
     @app.post("/v1/files")
     async def create_file(request: Request) -> JSONResponse:
         owner = owner_of(keys, request.headers.get("authorization"))
-        form = await request.form(max_files=1, max_fields=8)
+        form = await bounded(request, max_upload_bytes).form(max_files=1, max_fields=8)
         try:
             upload, purpose = form.get("file"), form.get("purpose")
             if not isinstance(upload, UploadFile):
@@ -94,9 +132,7 @@ def add_batch_routes(app: FastAPI, link: BatchLink, keys: ApiKeys, model: str) -
     @app.post("/v1/batches")
     async def create_batch(request: Request) -> JSONResponse:
         owner_of(keys, request.headers.get("authorization"))  # before reading the body
-        raw = await request.body()
-        if len(raw) > MAX_BATCH_BODY_BYTES:
-            raise ApiError(413, f"the request body exceeds {MAX_BATCH_BODY_BYTES} bytes")
+        raw = await bounded(request, MAX_BATCH_BODY_BYTES).body()
         try:
             params = json.loads(raw)
         except (ValueError, RecursionError) as error:

@@ -218,3 +218,35 @@ def test_an_answer_too_big_to_send_is_a_500_and_the_service_goes_on(tmp_path, nu
     too_big, files = asyncio.run(scenario())
     assert too_big.status == 500 and "batch_list could not be sent" in too_big.message
     assert files["data"] == []
+
+
+def test_an_abandoned_upload_is_dropped_on_the_services_timer(tmp_path):
+    """Idle uploads were dropped only when another upload began: an abandoned one kept its
+    bytes on disk until some tenant uploaded again, or the service restarted."""
+    from services.batch.service import BatchService
+
+    config = BatchServiceConfig(
+        address=f"ipc://{tmp_path}/batch.sock",
+        gateway_rpc_address=f"ipc://{tmp_path}/nobody.sock",
+        data_dir=str(tmp_path / "data"),
+    )
+
+    async def scenario() -> tuple[bool, bool]:
+        service = BatchService(config)
+        api = service.api
+        _, begun, _ = api.handle("file_upload_begin", "t", {"purpose": "batch"}, None)
+        api.handle("file_upload_chunk", "t", begun, b"half a file")
+        upload = api._uploads[begun["upload_id"]]
+        upload.touched_at -= api.limits.upload_idle_s + 1  # its client gone, nothing since
+        serving = asyncio.create_task(service.serve())
+        try:
+            for _ in range(100):  # (the timer's first turn comes as the service starts)
+                await asyncio.sleep(0.1)
+                if not upload.path.exists():
+                    break
+        finally:
+            service._stopping.set()
+            await serving
+        return upload.path.exists(), begun["upload_id"] in api._uploads
+
+    assert asyncio.run(scenario()) == (False, False)

@@ -320,3 +320,118 @@ def test_a_page_of_batches_stops_before_it_outgrows_one_frame(store):
         assert sum(map(len, wire_batch.encode(reply))) < wire_batch.MAX_FRAME_BYTES
     listed = [batch["id"] for page in pages for batch in page["data"]]
     assert listed == [f"batch_{n}" for n in range(9, -1, -1)]
+
+
+class Jobs:
+    """A job manager that only records the batches started."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start(self, batch_id: str) -> None:
+        self.started.append(batch_id)
+
+
+def counting_reads(monkeypatch) -> list[int]:
+    """[lines read from any input file so far]: validation's `open`, counted line by line."""
+    from services.batch import validation
+
+    num_read = [0]
+
+    class Counted:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            self.file.close()
+
+        def __iter__(self):
+            for raw in self.file:
+                num_read[0] += 1
+                yield raw
+
+    monkeypatch.setattr(validation, "open", lambda *a: Counted(open(*a)), raising=False)  # noqa: SIM115
+    return num_read
+
+
+def create(api: BatchApi, lines: bytes, file_id: str = "file-in") -> tuple[int, dict]:
+    store = api.store
+    store.path_of(file_id).write_bytes(lines)
+    store.add_file(file_id, "alice", "batch", "in.jsonl", len(lines))
+    params = {"input_file_id": file_id, "endpoint": "/v1/completions",
+              "completion_window": "24h", "models": ["m"]}  # fmt: skip
+    status, body, _ = api.handle("batch_create", "alice", params, None)
+    return status, body
+
+
+def test_a_create_counts_the_file_only_up_to_its_line_limit(store, monkeypatch):
+    """Every line was counted before the limit was compared: with blank lines (skipped, never
+    counted) a 200 MB file took ~30 s on the service's loop, the gateway's wait: it answered
+    503, the client retried, and the service created the batch anyway (two batches)."""
+    num_read = counting_reads(monkeypatch)
+    api = BatchApi(store, jobs=Jobs(), limits=Limits(max_lines=10))
+    status, body = create(api, b"".join(good(str(n)) + b"\n" for n in range(10_000)))
+    assert status == 400 and "more than 10 requests" in body["error"]["message"]
+    assert num_read[0] == 11  # the limit and one more, not the tail
+    num_read[0] = 0
+    status, body = create(api, b"".join(good(str(n)) + b"\n" for n in range(10)), "file-ok")
+    assert status == 200 and api.jobs.started == [body["id"]]
+
+
+def test_a_file_of_blank_lines_is_refused_after_a_bounded_read(store, monkeypatch):
+    from services.batch.validation import MAX_BLANK_LINES
+
+    num_read = counting_reads(monkeypatch)
+    api = BatchApi(store, jobs=Jobs(), limits=Limits())
+    lines = b"\n" * (MAX_BLANK_LINES + 1) + b"  \r\n" * 100_000 + good() + b"\n"
+    status, body = create(api, lines)
+    assert status == 400 and f"more than {MAX_BLANK_LINES} blank" in body["error"]["message"]
+    assert num_read[0] == MAX_BLANK_LINES + 1 and api.jobs.started == []
+    # Validation refuses it too (a batch created before the limit), naming why.
+    batch = new_batch(store, [b""] * (MAX_BLANK_LINES + 1) + [good("a")])
+    num_lines, errors = validate(store, batch, ["m"])
+    assert [e["code"] for e in errors] == ["too_many_blank_lines"]
+    assert store.num_pending("batch_x") == 0
+    assert validate(store, new_batch(store, [b""] * 3 + [good("a")], "batch_y"), ["m"]) == (1, [])
+
+
+def test_what_a_kill_left_behind_is_removed_when_the_service_starts(tmp_path, monkeypatch):
+    """A kill between an upload's move into files/ and its row kept its bytes for good, and one
+    between a batch's end and the drop of its lines kept up to 50,000 rows for good (an ended
+    batch is never resumed). An unfinished batch's input and answer files stay."""
+    store = Store(tmp_path)
+    api = BatchApi(store, jobs=None, limits=Limits())
+    _, begun, _ = api.handle("file_upload_begin", "alice", {"purpose": "batch"}, None)
+    api.handle("file_upload_chunk", "alice", begun, good() + b"\n")
+
+    def killed(*_):
+        raise KeyboardInterrupt  # (the kill, between the move and the row)
+
+    monkeypatch.setattr(store, "add_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        api.handle("file_upload_end", "alice", begun, None)
+    monkeypatch.undo()
+    moved = [path.name for path in store.files_dir.iterdir()]
+    assert len(moved) == 1  # (bytes no row names)
+    store.path_of("file-live").write_bytes(b"kept")
+    store.add_file("file-live", "alice", "batch", "in.jsonl", 4)
+    store.path_of("file-gone").write_bytes(b"deleted")  # (a kill before its unlink)
+    store.add_file("file-gone", "alice", "batch", "in.jsonl", 7)
+    store.db.execute("UPDATE files SET deleted = 1 WHERE id = 'file-gone'")
+    new_batch(store, [good("a"), good("b")], "batch_run")  # in_progress, input file-in (no row)
+    validate(store, store.get_batch("batch_run"), ["m"])
+    store.path_of(output_file_id("batch_run")).write_bytes(b"answers so far\n")
+    new_batch(store, [good("a"), good("b")], "batch_done")
+    validate(store, store.get_batch("batch_done"), ["m"])
+    store.update_batch("batch_done", status="completed")  # (then the kill, before drop_lines)
+    store.close()
+
+    store = Store(tmp_path)  # the restart
+    BatchApi(store, jobs=None, limits=Limits())
+    left = sorted(path.name for path in store.files_dir.iterdir())
+    assert left == sorted(["file-in", "file-live", output_file_id("batch_run")])
+    assert store.num_pending("batch_done") == 0 and store.num_pending("batch_run") == 2
+    store.close()
