@@ -30,7 +30,7 @@ A field with a default may be left out of a header (it takes the default); every
 required, and an unknown field is refused, so a schema change needs `SCHEMA_VERSION` bumped.
 
 The messages live by conversation: `shared.wire_registry` (peers and the scheduler: HELLO,
-HEARTBEAT, CLUSTER_STATUS), `shared.wire_requests` (a request's path: SUBMIT, RESERVE,
+HEARTBEAT, GOODBYE, CLUSTER_STATUS), `shared.wire_requests` (a request's path: SUBMIT, RESERVE,
 PREFILL_JOB, TOKENS, REQUEST_DONE, CANCEL), `shared.wire_kv` (prefill -> decode: KV_TRANSFER,
 KV_ACK), `shared.wire_rpc` (the RPC front door); their field types in `shared.wire_base`, the
 codecs in `shared.wire_codec`. This module ties them together (every code to its class, encode
@@ -97,6 +97,7 @@ from shared.wire_kv import KvAck, KvTransfer
 from shared.wire_registry import (
     UNKNOWN_PEER,
     ClusterStatus,
+    Goodbye,
     Heartbeat,
     Hello,
     HelloAck,
@@ -127,6 +128,7 @@ __all__ = [
     "DTYPE_NAMES",
     "FrameLike",
     "GeneratorState",
+    "Goodbye",
     "Heartbeat",
     "Hello",
     "HelloAck",
@@ -199,7 +201,7 @@ MESSAGE_CLASSES: dict[MessageType, type[Message]] = {
     for cls in (
         Hello, HelloAck, Heartbeat, Submit, SubmitReply, Cancel, Reserve, ReserveReply,
         PrefillJob, Tokens, KvTransfer, KvAck, RequestDone, ClusterStatus,
-        RpcRequest, RpcCancel, RpcEvent, PrefillGrant, StreamEnded,
+        RpcRequest, RpcCancel, RpcEvent, PrefillGrant, StreamEnded, Goodbye,
     )
 }  # fmt: skip
 assert set(MESSAGE_CLASSES) == set(MessageType), "every message type has one class"

@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import zmq
 
-SCHEMA_VERSION = 14  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
+SCHEMA_VERSION = 15  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
 # 5: the heartbeat's step time, bulk prefill jobs and transfers, speculative prefill; 6: the
 # submit's first-token deadline; 7: the status's prompt-token pace; 8: token positions, and the
 # first token carried with the KV; 9: where a stream ended, told its gateway by the scheduler;
 # 10: the sampling's logit bias; 11: prompts and outputs as packed int32 token ids; 12: prompt
 # logprobs (the sampling's ask, the first delta's answer), the RPC's tokenizer calls; 13: the
 # RPC's `waiting` event (the gateway's probe of a client whose calls wait); 14: the reserve
-# reply's peer id (a late reply from a worker since passed over is told apart)
+# reply's peer id (a late reply from a worker since passed over is told apart); 15: a worker's
+# GOODBYE as it stops
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
@@ -157,6 +158,7 @@ class MessageType(enum.IntEnum):
     RPC_EVENT = 17
     PREFILL_GRANT = 18
     STREAM_ENDED = 19
+    GOODBYE = 20
 
 
 # ----------------------------------------------------------------------------------------------

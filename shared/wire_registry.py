@@ -53,6 +53,16 @@ class HelloAck(Message):
     heartbeat_interval_s: float  # send a HEARTBEAT this often; missing several means dead
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Goodbye(Message):
+    """Worker -> scheduler, as it stops (SIGTERM: a scale-down, a rolling restart): it leaves
+    rotation now and what it held is re-routed, where the scheduler would have sent it work
+    and found it silent only a heartbeat timeout later (10 s of stalled streams)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.GOODBYE
+    peer_id: str
+
+
 # HelloAck.error when the scheduler hears from a peer it does not know (it restarted, or took the
 # peer for dead): the peer says HELLO again.
 UNKNOWN_PEER = "unknown peer: say HELLO again"

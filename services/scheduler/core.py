@@ -392,6 +392,16 @@ class ClusterScheduler:
                 reason = f"{worker.peer_id} no longer holds it (its end went unheard)"
                 self._lose(request, reason)
 
+    def on_goodbye(self, identity: bytes, goodbye: wire.Goodbye, now: float) -> list[Outgoing]:
+        """A worker stopping: out of rotation now, what it held re-routed (as `tick` does to a
+        silent one). Only from the connection it registered on: a peer cannot stop another."""
+        worker = self.registry.get(goodbye.peer_id)
+        if worker is not None and worker.identity == identity:
+            self.registry.remove(worker.peer_id)
+            self._drop_worker(worker, "stopped")
+            self._dispatch(now)
+        return self.take_outbox()
+
     def tick(self, now: float) -> list[Outgoing]:
         """Takes silent workers out of rotation and re-routes requests whose phase timed out."""
         for worker in self.registry.expired(now):
@@ -914,20 +924,20 @@ class ClusterScheduler:
             if worker is not None:
                 self.registry.release(worker, request.request_id)
 
-    def _drop_worker(self, worker: WorkerState) -> None:
+    def _drop_worker(self, worker: WorkerState, why: str = "stopped responding") -> None:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
         self.cache_holders.forget(worker.peer_id)
         # (Every one: the worker is out of the registry, so one left now is stranded.)
-        each(list(worker.request_ids), lambda request_id: self._reroute(worker, request_id))
+        each(list(worker.request_ids), lambda request_id: self._reroute(worker, request_id, why))
 
-    def _reroute(self, worker: WorkerState, request_id: str) -> None:
+    def _reroute(self, worker: WorkerState, request_id: str, why: str) -> None:
         request = self.requests.get(request_id)
         if request is None:
             return
         if request.prefill_began:
             # If it is alive after all (a long stall), it must stop working for nobody.
-            self._lose(request, f"worker {worker.peer_id} stopped responding")
+            self._lose(request, f"worker {worker.peer_id} {why}")
             self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
         else:
             if request.decode_peer_id == worker.peer_id:

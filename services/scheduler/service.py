@@ -434,6 +434,9 @@ class SchedulerService:
             case wire.RequestDone():
                 self.events.phase_done(message.request_id, message.phase, message.finish_reason)
                 return core.on_request_done(message, now)
+            case wire.Goodbye():
+                self.log.info("worker left rotation", peer_id=message.peer_id, said="goodbye")
+                return core.on_goodbye(identity, message, now)
         self.log.warning("dropped unexpected message", type=type(message).__name__)
         return []
 

@@ -18,6 +18,9 @@ from shared.curve import Security
 REHELLO_INTERVAL_S = 2.0  # at most one re-registration this often
 
 
+GOODBYE_LINGER_MS = 1000  # a stopping worker's last messages to the scheduler may take this
+
+
 class HandshakeError(RuntimeError):
     """The scheduler refused this worker, or did not answer."""
 
@@ -83,5 +86,10 @@ class SchedulerLink:
     def seconds_to_heartbeat(self, now: float) -> float:
         return max(0.0, self._next_heartbeat - now)
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, peer_id: str | None = None) -> None:
+        """With `peer_id`, says GOODBYE first (the scheduler re-routes what this worker held at
+        once), and gives it and the reports still queued a moment to go out."""
+        linger_ms = 0
+        if peer_id is not None and wire.send_or_drop(self.socket, wire.Goodbye(peer_id=peer_id)):
+            linger_ms = GOODBYE_LINGER_MS
+        self.socket.close(linger=linger_ms)

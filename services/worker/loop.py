@@ -285,7 +285,7 @@ class WorkerLoop(abc.ABC):
     def close(self) -> None:
         self._close()
         self.streams.close()
-        self.link.close()
+        self.link.close(self.peer_id if self.registered else None)
         self.security.stop()
         self.log.info(f"{self.role} worker stopped")
 

@@ -129,16 +129,22 @@ def resumed_count(url: str) -> float:
 
 
 @pytest.mark.parametrize(
-    "victim,after_chunks",
-    [("decode-0", 3 * len(PROMPTS)), ("prefill-0", 1), ("scheduler", 1)],
+    "victim,after_chunks,signum",
+    [
+        ("decode-0", 3 * len(PROMPTS), signal.SIGKILL),
+        ("prefill-0", 1, signal.SIGKILL),
+        ("scheduler", 1, signal.SIGKILL),
+        # Stopped (a scale-down): it says GOODBYE, and its requests move at once.
+        ("decode-0", 3 * len(PROMPTS), signal.SIGTERM),
+    ],
 )
 def test_a_killed_worker_loses_no_request_and_changes_no_token(
-    guarded_cluster, smollm2, victim, after_chunks
+    guarded_cluster, smollm2, victim, after_chunks, signum
 ):
     max_tokens = 40
     expected = references(smollm2, max_tokens)
     resumed_before = resumed_count(guarded_cluster.url)
-    texts = asyncio.run(run_and_signal(guarded_cluster, max_tokens, victim, after_chunks))
+    texts = asyncio.run(run_and_signal(guarded_cluster, max_tokens, victim, after_chunks, signum))
     assert texts == expected  # all of them complete, none with a repeated or missing token
     # The victim held some of them (the scheduler: those not yet decoding, which it forgot).
     assert resumed_count(guarded_cluster.url) > resumed_before

@@ -75,6 +75,7 @@ class WorkerThread:
 
     def _run(self) -> None:
         self.worker.link.handshake(timeout_s=20)
+        self.worker.registered = True  # (as `serve_forever`)
         while not self.worker._stopping:
             self.worker.run_once()
 

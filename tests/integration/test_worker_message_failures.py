@@ -392,3 +392,15 @@ def test_kv_awaiting_a_grant_is_let_go_when_the_scheduler_forgets_the_worker(pre
     assert scheduler.expect(wire.Heartbeat).request_ids == []
     assert worker.engine.block_manager.num_free_blocks == worker.engine.block_manager.num_blocks
     assert not decode.poll(200)  # no KV went anywhere
+
+
+@pytest.mark.parametrize("worker_class", [PrefillWorker, DecodeWorker])
+def test_a_stopping_worker_says_goodbye(parties, tiny_model_dir, worker_class):
+    """On SIGTERM (a scale-down, a rolling restart) the worker tells the scheduler, which
+    re-routes what it held at once instead of after a heartbeat timeout of silence."""
+    context, scheduler, gateway, tmp_path = parties
+    settings = config(tmp_path, tiny_model_dir, peer_id="w", address=f"ipc://{tmp_path}/w.sock")
+    thread = WorkerThread(worker_class(settings, context)).start()
+    scheduler.expect(wire.Heartbeat)
+    thread.stop()
+    assert scheduler.expect(wire.Goodbye, timeout_s=5).peer_id == "w"

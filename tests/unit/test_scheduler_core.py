@@ -202,6 +202,21 @@ def test_decode_worker_lost_mid_stream_goes_back_to_the_gateway(core):
     assert "r" not in core.requests
 
 
+def test_a_worker_saying_goodbye_leaves_rotation_at_once(core):
+    """A worker stopping (SIGTERM) says GOODBYE: its requests go back to their gateways now,
+    where a silent one's waited out the heartbeat timeout (10 s of stalled streams), and no
+    new work goes to it. From another connection the message is not the worker's."""
+    run_to_decoding(core, "r")
+    assert core.on_goodbye(b"X", wire.Goodbye(peer_id="d"), 1.0) == []  # not d's connection
+    assert core.registry.get("d") is not None and "r" in core.requests
+    out = core.on_goodbye(b"D", wire.Goodbye(peer_id="d"), 1.0)
+    (delta,) = lost_deltas(out)
+    assert delta.finish_reason == "lost" and "worker d stopped" in delta.error
+    assert core.registry.get("d") is None and "r" not in core.requests
+    (reply,) = sent(core.on_submit(b"G", submit("s"), 1.0), wire.SubmitReply)
+    assert reply.message.status_code == 503  # no decode worker left
+
+
 def test_a_decode_worker_dropped_while_reserving_lets_the_reservation_go(core):
     """If it was only stalled, its reservation would outlive the attempt: asked again when it
     rejoined, it refused the request as a duplicate until the lease ran out."""
