@@ -8,15 +8,25 @@ text, so a step costs the size of the window, not of the whole output. The conte
 tokenizers whose decoding of a token depends on its neighbours (SentencePiece drops a leading
 space at the start of a text); for byte-level BPE it is simply a clean boundary.
 
+As in vLLM, the first context is the prompt's last few tokens (decoded, never emitted), so the
+output's text is what it adds to the prompt's: a SentencePiece model's first token `▁Paris`
+after "The capital of France is" gives " Paris", not "Paris". A prompt may end inside a
+character (token ids sent as they are): the context's text then ends in U+FFFD, and the output
+token that completes the character emits all of it.
+
 A byte-level token may hold part of a UTF-8 character (an emoji or a CJK character is often two
 or three tokens); decoding such a tail gives U+FFFD. While the window's text ends in U+FFFD its
 new text is held back and the window grows, until the character is complete; `flush()` emits
 whatever is left at the end. Invariant: the emitted pieces, concatenated, equal the decoding of
-all tokens at once, and `prefix_offset` always sits on a character boundary (it is only moved to
-a `read_offset` whose text did not end in a partial character).
+all tokens at once (after the prompt's text, with a prompt), and `prefix_offset` always sits on a
+character boundary (it is only moved to a `read_offset` whose text did not end in a partial
+character), but for the prompt's context, which may begin inside one: its stray bytes decode to
+the same U+FFFD in the context and the window.
 
 Stop strings are matched on the emitted text. The matcher holds back the longest tail that could
 still grow into a stop string, and cuts the text before the first stop string to be completed.
+Text fed with `may_stop=False` (a choice's first `min_tokens` tokens) is searched all the same,
+but no stop string may end inside it: one that begins there and ends later still counts.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from typing import Any
 from tokenizers.decoders import ByteLevel
 
 _PARTIAL = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
+# Prompt tokens decoded as the first context (vLLM starts its prefix offset five tokens back).
+_NUM_PROMPT_CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
@@ -38,17 +50,20 @@ class IncrementalDetokenizer:
         tokenizer: Any,
         skip_special_tokens: bool = True,
         keep_special_ids: frozenset[int] = frozenset(),
+        prompt_token_ids: Sequence[int] = (),
     ):
         """`keep_special_ids`: special tokens shown all the same (tool-call markers a parser
-        must see) while the others are skipped."""
+        must see) while the others are skipped. `prompt_token_ids`: the prompt the output
+        continues; its last tokens are the first context."""
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._dropped_ids: frozenset[int] | None = None  # skipped by hand, to keep some
         if skip_special_tokens and keep_special_ids:
             self._dropped_ids = _special_ids(tokenizer) - keep_special_ids
-        self._token_ids: list[int] = []
+        self._token_ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
+        self._num_context_tokens = len(self._token_ids)  # the prompt's, at the front
         self._prefix_offset = 0  # start of the decode window, on a character boundary
-        self._read_offset = 0  # tokens before it have been emitted
+        self._read_offset = self._num_context_tokens  # tokens before it have been emitted
         self._pieces: list[str] = []
 
     @property
@@ -58,7 +73,8 @@ class IncrementalDetokenizer:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._token_ids)
+        """Output tokens pushed (the prompt's context not counted)."""
+        return len(self._token_ids) - self._num_context_tokens
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The new text that `token_ids` complete; "" while they end inside a character."""
@@ -79,6 +95,9 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         context = self._decode(self._prefix_offset, self._read_offset)
         window = self._decode(self._prefix_offset, len(self._token_ids))
+        if context.endswith(_PARTIAL) and not window.startswith(context):
+            # Only a prompt ends inside a character: the output completed it, and shows it.
+            context = context.rstrip(_PARTIAL)
         # Nothing new (e.g. only skipped special tokens), or a character not yet complete.
         if len(window) <= len(context) or (window.endswith(_PARTIAL) and not final):
             return ""
@@ -122,43 +141,50 @@ class StopStringMatcher:
     """Cuts a stream of text before the first stop string to be completed.
 
     Feeding the same text in any pieces gives the same output: the text up to the stop string
-    whose end comes first (on a tie, the one that starts first), or all of it."""
+    whose end comes first (on a tie, the one that starts first) past the text fed with
+    `may_stop=False`, or all of it."""
 
     def __init__(self, stops: Sequence[str]):
         if any(not stop for stop in stops):
             raise ValueError("stop strings must not be empty")
         self._stops = tuple(dict.fromkeys(stops))
         self._held = ""  # the longest tail that is a proper prefix of some stop string
+        self._num_unstoppable = 0  # chars at the front of `_held` that no stop may end in
         self._stopped = False
 
     @property
     def stopped(self) -> bool:
         return self._stopped
 
-    def feed(self, new_text: str) -> tuple[str, bool]:
-        """(text safe to emit now, stopped). After a stop, everything is dropped."""
+    def feed(self, new_text: str, may_stop: bool = True) -> tuple[str, bool]:
+        """(text safe to emit now, stopped). After a stop, everything is dropped. With
+        `may_stop` False no stop string may end in `new_text` (it may begin there)."""
         if self._stopped:
             return "", True
         text = self._held + new_text
-        cut = self._first_stop(text)
+        if not may_stop:
+            self._num_unstoppable = len(text)
+        cut = self._first_stop(text) if may_stop else None
         if cut is not None:
             self._stopped, self._held = True, ""
             return text[:cut], True
-        keep = self._partial_stop_len(text)
-        self._held = text[len(text) - keep :]
-        return text[: len(text) - keep], False
+        num_safe = len(text) - self._partial_stop_len(text)
+        self._held = text[num_safe:]
+        self._num_unstoppable = max(self._num_unstoppable - num_safe, 0)
+        return text[:num_safe], False
 
     def flush(self) -> str:
         """The held-back tail, at the end of generation: it never became a stop string."""
-        held, self._held = self._held, ""
+        held, self._held, self._num_unstoppable = self._held, "", 0
         return held
 
     def _first_stop(self, text: str) -> int | None:
-        """Where the stop string completed first in `text` starts. A stop found here ends in
-        the new text: one inside the held tail would have been found by an earlier feed."""
+        """Where the stop string completed first in `text` starts, of those ending past its
+        first `_num_unstoppable` chars. A stop found here ends in the new text: one inside the
+        held tail would have been found by an earlier feed, or may not end there."""
         best: tuple[int, int] | None = None  # (end, start)
         for stop in self._stops:
-            start = text.find(stop)
+            start = text.find(stop, max(self._num_unstoppable - len(stop) + 1, 0))
             if start >= 0 and (best is None or (start + len(stop), start) < best):
                 best = (start + len(stop), start)
         return None if best is None else best[1]

@@ -56,31 +56,37 @@ class ChoiceEvent:
 class ChoiceText:
     """One choice's text pipeline: tokens -> whole characters -> text up to a stop string.
 
-    As in vLLM, stop strings are looked for only in the text of the tokens after the first
-    `min_tokens`: nothing ends a choice before it has that many (the engine masks EOS and stop
-    tokens until then)."""
+    As in vLLM, no stop string may end in the text of the first `min_tokens` tokens: nothing
+    ends a choice before it has that many (the engine masks EOS and stop tokens until then). One
+    that begins there and ends later does end it. A token of `stop_token_ids` that ended the
+    choice (finish "stop") is not shown, as vLLM drops it (its ids and logprobs stay)."""
 
     detokenizer: IncrementalDetokenizer
     matcher: StopStringMatcher
     min_tokens: int = 0
     num_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
 
-    def push(self, token_ids: list[int]) -> tuple[str, bool]:
-        """(text safe to show, stopped) for the choice's next tokens."""
+    def push(self, token_ids: list[int], finish_reason: str | None = None) -> tuple[str, bool]:
+        """(text safe to show, stopped) for the choice's next tokens; `finish_reason`: the
+        engine's, when they are its last."""
         num_unchecked = max(0, min(len(token_ids), self.min_tokens - self.num_tokens))
         self.num_tokens += len(token_ids)
-        text = self.detokenizer.push(token_ids[:num_unchecked]) if num_unchecked else ""
-        if num_unchecked == len(token_ids):
+        if finish_reason == "stop" and token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
+        text = ""
+        if num_unchecked:
+            unchecked = self.detokenizer.push(token_ids[:num_unchecked])
+            text, _ = self.matcher.feed(unchecked, may_stop=False)
+        if num_unchecked >= len(token_ids):
             return text, False
         checked, stopped = self.matcher.feed(self.detokenizer.push(token_ids[num_unchecked:]))
         return text + checked, stopped
 
     def flush(self) -> tuple[str, bool]:
         """(the rest of the text, stopped) once generation has ended."""
-        tail = self.detokenizer.flush()
-        if self.num_tokens <= self.min_tokens:
-            return tail, False
-        tail, stopped = self.matcher.feed(tail)
+        may_stop = self.num_tokens > self.min_tokens
+        tail, stopped = self.matcher.feed(self.detokenizer.flush(), may_stop)
         return (tail if stopped else tail + self.matcher.flush()), stopped
 
 
@@ -175,9 +181,14 @@ class Generator:
         kept_ids = self._marker_ids if parses_calls else frozenset()
         texts = [
             ChoiceText(
-                IncrementalDetokenizer(self.tokenizer, keep_special_ids=kept_ids),
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    keep_special_ids=kept_ids,
+                    prompt_token_ids=generation.prompt_token_ids,
+                ),
                 StopStringMatcher(request.stop),
                 generation.params.min_tokens,
+                stop_token_ids=frozenset(generation.params.stop_token_ids),
             )
             for _ in range(num_choices)
         ]
@@ -292,8 +303,8 @@ class Generator:
         if delta.error is not None:
             status = 504 if delta.finish_reason == "timeout" else 500
             raise ApiError(status, f"generation failed: {delta.error}", "server_error")
-        text, stopped = choice.push(list(delta.token_ids))
         finish = delta.finish_reason
+        text, stopped = choice.push(list(delta.token_ids), finish)
         if stopped:
             finish = "stop"
         elif finish is not None:

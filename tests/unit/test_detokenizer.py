@@ -1,5 +1,6 @@
 """Tests of incremental detokenization with the real SmolLM2 tokenizer (byte-level BPE: emoji and
-CJK characters split over tokens), and of the stop-string matcher on hand-made streams and, with
+CJK characters split over tokens) and a hand-built SentencePiece-style one (its decoder drops the
+leading space of a text), and of the stop-string matcher on hand-made streams and, with
 hypothesis, against a plain reference."""
 
 from __future__ import annotations
@@ -33,6 +34,36 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(directory)
 
 
+SENTENCEPIECE_WORDS = ["▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", ".", "▁Hi"]
+SENTENCEPIECE_BYTES = ["<0xE2>", "<0x82>", "<0xAC>"]  # byte fallback: "€" is E2 82 AC
+
+
+def sentencepiece_tokenizer(llama_decoder: bool = False):
+    """A tiny SentencePiece-style tokenizer, built offline: Metaspace pre-tokenizer and decoder
+    (or Llama's Replace/ByteFallback/Fuse/Strip decoder), `<s>`, `</s>` and `[INST]` markers as
+    special tokens. Either decoder drops the space before a text's first word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = ["<unk>", "<s>", "</s>", *SENTENCEPIECE_WORDS, *SENTENCEPIECE_BYTES]
+    backend = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    if llama_decoder:
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]"]})
+    return tokenizer
+
+
+@pytest.fixture(scope="module", params=["metaspace", "llama"])
+def sp_tokenizer(request):
+    return sentencepiece_tokenizer(llama_decoder=request.param == "llama")
+
+
 def chunked(ids: list[int], rng: random.Random, max_size: int) -> list[list[int]]:
     chunks, start = [], 0
     while start < len(ids):
@@ -42,9 +73,13 @@ def chunked(ids: list[int], rng: random.Random, max_size: int) -> list[list[int]
     return chunks
 
 
-def detokenize(tokenizer, chunks, skip_special_tokens: bool = True) -> list[str]:
+def detokenize(
+    tokenizer, chunks, skip_special_tokens: bool = True, prompt_token_ids=()
+) -> list[str]:
     """Every piece emitted, the flush last."""
-    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, skip_special_tokens, prompt_token_ids=prompt_token_ids
+    )
     pieces = [detokenizer.push(chunk) for chunk in chunks] + [detokenizer.flush()]
     assert detokenizer.text == "".join(pieces)
     return pieces
@@ -138,6 +173,71 @@ def test_a_long_output_decodes_small_windows(tokenizer):
     pieces = detokenize(CountingTokenizer(), [[i] for i in ids])
     assert "".join(pieces) == text
     assert max(window_sizes) <= 8
+
+
+# --- the prompt as the first context ------------------------------------------------------------
+
+
+def test_a_sentencepiece_first_token_keeps_its_space_after_the_prompt(sp_tokenizer):
+    """`▁Paris` decoded alone is "Paris": the output read "The capital of France isParis."."""
+    prompt = [sp_tokenizer.bos_token_id, *sp_tokenizer.encode("The capital of France is")]
+    output = sp_tokenizer.convert_tokens_to_ids(["▁Paris", ".", "▁Hi", "</s>"])
+    for chunk_size in (1, 2, 4):
+        chunks = [output[i : i + chunk_size] for i in range(0, len(output), chunk_size)]
+        pieces = detokenize(sp_tokenizer, chunks, prompt_token_ids=prompt)
+        assert "".join(pieces) == " Paris. Hi"
+        whole = sp_tokenizer.decode(prompt + output, skip_special_tokens=True)
+        assert whole == sp_tokenizer.decode(prompt, skip_special_tokens=True) + " Paris. Hi"
+    assert "".join(detokenize(sp_tokenizer, [output])) == "Paris. Hi"  # no prompt: a text's start
+
+
+def test_special_tokens_in_the_prompt_are_context_only(sp_tokenizer, tokenizer):
+    """Skipped special tokens at the prompt's end (a chat's turn markers) neither show nor keep
+    the text from continuing the prompt's."""
+    to_ids = sp_tokenizer.convert_tokens_to_ids
+    prompt = [sp_tokenizer.bos_token_id, *to_ids(["[INST]", "▁Hi", "[/INST]"])]
+    output = to_ids(["▁Paris", "."])
+    assert "".join(detokenize(sp_tokenizer, [[i] for i in output], True, prompt)) == " Paris."
+    kept = "".join(detokenize(sp_tokenizer, [output], False, prompt))
+    assert kept == sp_tokenizer.decode(prompt + output)[len(sp_tokenizer.decode(prompt)) :]
+    chat = tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    output = tokenizer.encode("Hello 🎉!") + [tokenizer.eos_token_id]
+    assert "".join(detokenize(tokenizer, [[i] for i in output], True, chat)) == "Hello 🎉!"
+
+
+@pytest.mark.parametrize("name", TEXTS)
+def test_byte_level_output_is_the_same_after_any_prompt(tokenizer, name):
+    """With byte-level BPE the prompt changes nothing; it is never part of the output, and a
+    prompt beginning inside a character does not disturb the window."""
+    ids = tokenizer.encode(TEXTS[name])
+    for prompt_text in ("Say it:", "🎉🎉", TEXTS["cjk"], TEXTS[name]):
+        prompt = tokenizer.encode(prompt_text)
+        for start in range(len(prompt)):
+            pieces = detokenize(tokenizer, [[i] for i in ids], prompt_token_ids=prompt[start:])
+            assert "".join(pieces) == TEXTS[name]
+            assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_a_prompt_ending_inside_a_character(tokenizer, sp_tokenizer):
+    """The output token completing the prompt's last character shows the whole character; an
+    output that does not complete it shows only its own text."""
+    ids = tokenizer.encode("ok 🎉 done")
+    split = next(i for i in range(len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    prompt, output = ids[:split], ids[split:]
+    assert tokenizer.decode(prompt) == "ok \ufffd"
+    for chunks in ([[i] for i in output], [output]):
+        assert "".join(detokenize(tokenizer, chunks, prompt_token_ids=prompt)) == "🎉 done"
+    other = tokenizer.encode(" x")
+    assert "".join(detokenize(tokenizer, [other], prompt_token_ids=prompt)) == " x"
+    eos = [tokenizer.eos_token_id]
+    assert detokenize(tokenizer, [eos], prompt_token_ids=prompt) == ["", ""]
+    if sp_tokenizer.decode(sp_tokenizer.convert_tokens_to_ids(SENTENCEPIECE_BYTES)) == "€":
+        to_ids = sp_tokenizer.convert_tokens_to_ids  # (the Llama decoder's byte fallback)
+        prompt = to_ids(["▁Hi", "<0xE2>", "<0x82>"])
+        output = to_ids(["<0xAC>", "▁Paris"])
+        assert sp_tokenizer.decode(prompt) == "Hi\ufffd\ufffd"
+        pieces = detokenize(sp_tokenizer, [[i] for i in output], prompt_token_ids=prompt)
+        assert pieces == ["€", " Paris", ""]
 
 
 def test_token_bytes_are_the_tokens_own_bytes(tokenizer):
@@ -243,10 +343,13 @@ def test_stop_matcher_equals_reference(text, stops, cuts):
     assert flushed == "" or not stopped
 
 
-def choice_text(tokenizer, stops: list[str], min_tokens: int):
+def choice_text(tokenizer, stops: list[str], min_tokens: int, stop_token_ids=()):
     from services.gateway.generation import ChoiceText
 
-    return ChoiceText(IncrementalDetokenizer(tokenizer), StopStringMatcher(stops), min_tokens)
+    stop_ids = frozenset(stop_token_ids)
+    return ChoiceText(
+        IncrementalDetokenizer(tokenizer), StopStringMatcher(stops), min_tokens, 0, stop_ids
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [1, 3, 100])
@@ -270,3 +373,83 @@ def test_stop_strings_count_only_after_min_tokens(tokenizer, chunk_size):
     assert run(0) == ("A", True)
     assert run(first_dot + 1) == ("A. B", True)
     assert run(len(ids)) == ("A. B. C.", False)
+
+
+def test_a_stop_may_begin_but_not_end_in_unstoppable_text():
+    matcher = StopStringMatcher(["User:", "ab"])
+    assert matcher.feed("xab Us", may_stop=False) == ("xab ", False)  # "ab" ends inside
+    assert matcher.feed("er: hi") == ("", True)  # "User:" began there, and ends past it
+    matcher = StopStringMatcher(["abc", "b"])
+    assert matcher.feed("ab", may_stop=False) == ("", False)  # holds "b", a stop ending there
+    assert matcher.feed("c") == ("", True)  # not it, but "abc", which ends past the boundary
+
+
+def reference_stop_after(text: str, stops: list[str], boundary: int) -> str:
+    """The text cut before the stop string whose first occurrence ending past `boundary` ends
+    first."""
+    hits = []
+    for stop in stops:
+        start = text.find(stop, max(boundary - len(stop) + 1, 0))
+        if start >= 0:
+            hits.append((start + len(stop), start))
+    return text[: min(hits)[1]] if hits else text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(ALPHABET, max_size=30),
+    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+    boundary=st.integers(0, 30),
+)
+def test_stop_matcher_with_unstoppable_text_equals_reference(text, stops, cuts, boundary):
+    boundary = min(boundary, len(text))
+    bounds = sorted({0, boundary, len(text), *(min(c, len(text)) for c in cuts)})
+    matcher, emitted, stopped = StopStringMatcher(stops), "", False
+    for i, j in zip(bounds, bounds[1:], strict=False):
+        out, stopped = matcher.feed(text[i:j], may_stop=j > boundary)
+        emitted += out
+    flushed = matcher.flush()
+    assert emitted + flushed == reference_stop_after(text, stops, boundary)
+    assert flushed == "" or not stopped
+
+
+def run_choice(tokenizer, pieces, stops, min_tokens, finish=None, stop_token_ids=()):
+    """(text, stopped) of a choice fed `pieces`, the last with the engine's `finish`."""
+    choice, text = choice_text(tokenizer, stops, min_tokens, stop_token_ids), ""
+    for number, piece in enumerate(pieces, start=1):
+        new, stopped = choice.push(piece, finish if number == len(pieces) else None)
+        text += new
+        if stopped:
+            return text, True
+    tail, stopped = choice.flush()
+    return text + tail, stopped
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3])
+def test_a_stop_string_begun_inside_min_tokens_ends_the_choice_after_them(tokenizer, chunk_size):
+    """Tokens 'User', ':', ' hi' with min_tokens 1: "User:" begins in the first token's text
+    and ends after it, so it stops the choice (vLLM); it was never looked for."""
+    ids = tokenizer("User: hi").input_ids
+    assert [tokenizer.decode([i]) for i in ids] == ["User", ":", " hi"]
+    pieces = [ids[i : i + chunk_size] for i in range(0, len(ids), chunk_size)]
+    for min_tokens in (0, 1):
+        assert run_choice(tokenizer, pieces, ["User:"], min_tokens) == ("", True)
+    # Ending within the first min_tokens it does not count, and held-back text is released.
+    assert run_choice(tokenizer, pieces, ["User:"], 2) == ("User: hi", False)
+    assert run_choice(tokenizer, pieces, [" hi!"], 3) == ("User: hi", False)
+    assert run_choice(tokenizer, pieces, [" hi!", ": h"], 2) == ("User", True)
+
+
+def test_a_stop_token_that_ended_the_choice_is_not_shown(tokenizer):
+    """vLLM drops the text of the stop_token_ids token that ended a sequence ("stop"); 198 is
+    "\n" in SmolLM2."""
+    ids = tokenizer.encode("Hello there")
+    assert tokenizer.decode([198]) == "\n"
+    for pieces in ([ids + [198]], [[i] for i in [*ids, 198]]):
+        assert run_choice(tokenizer, pieces, [], 0, "stop", [198]) == ("Hello there", False)
+        # Not a stop token, or the sequence ended otherwise: the text is shown.
+        assert run_choice(tokenizer, pieces, [], 0, "stop") == ("Hello there\n", False)
+        assert run_choice(tokenizer, pieces, [], 0, "length", [198]) == ("Hello there\n", False)
+    tail = [tokenizer.encode("a\n\nb")[:-1], [198]]  # a stop string held back, then released
+    assert run_choice(tokenizer, tail, ["\n\n\n"], 0, "stop", [198]) == ("a\n\n", False)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from services.gateway.generation import Generator
-from services.gateway.openai_protocol import parse_completion_request
+from services.gateway.openai_protocol import parse_chat_request, parse_completion_request
 from services.gateway.responses import StreamChunks, collect_response
 from shared import wire
 from shared.engine.model_files import resolve_model_dir
@@ -67,7 +67,8 @@ async def run(tokenizer, body: dict, deltas_by_choice, collect: bool):
     generator = Generator(
         PlayedCluster(deltas_by_choice), tokenizer, MODEL, 8192, GatewayEvents(get_logger())
     )
-    request = parse_completion_request({"model": MODEL, **body}, MODEL, 8192)
+    parse = parse_chat_request if "messages" in body else parse_completion_request
+    request = parse({"model": MODEL, **body}, MODEL, 8192)
     generation = generator.prepare(request, "cmpl")
     events = generator.events(generation, "t")
     if collect:
@@ -121,3 +122,40 @@ def test_cached_tokens_in_the_usage_never_exceed_the_prompt(tokenizer):
     whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
     usage = whole["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+
+
+def test_a_sentencepiece_choice_continues_the_prompts_text():
+    """Each choice's detokenizer starts from the prompt's last tokens, in completions, chat and
+    every one of `n` choices: a first token `▁Paris` lost its space ("...isParis.")."""
+    from tests.unit.test_detokenizer import sentencepiece_tokenizer
+
+    tokenizer = sentencepiece_tokenizer(llama_decoder=True)
+    tokenizer.chat_template = "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    output = tokenizer.convert_tokens_to_ids(["▁Paris", ".", "</s>"])
+    deltas = {i: [delta(output[:1]), delta(output[1:], finish="stop")] for i in range(2)}
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "echo": True}
+    whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
+    assert whole["choices"][0]["text"] == "The capital of France is Paris."
+    whole = asyncio.run(run(tokenizer, {**body, "echo": False, "n": 2}, deltas, collect=True))
+    assert [c["text"] for c in whole["choices"]] == [" Paris.", " Paris."]
+    chat = {"messages": [{"role": "user", "content": "The capital of France is"}], "n": 2}
+    whole = asyncio.run(run(tokenizer, chat, deltas, collect=True))
+    assert [c["message"]["content"] for c in whole["choices"]] == [" Paris.", " Paris."]
+
+
+def test_a_stop_token_ends_the_text_but_stays_in_the_tokens(tokenizer):
+    """A `stop_token_ids` token that ended the choice is not in its text (vLLM), though its id
+    and logprob are still returned; 198 is "\n" in SmolLM2."""
+    hello = ids(tokenizer, " Hello")
+    deltas = {0: [delta(hello, logprobs=[-0.5]), delta([198], "stop", logprobs=[-0.25])]}
+    body = {"prompt": "Say:", "max_tokens": 8, "logprobs": 1, "stop_token_ids": [198]}
+    whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
+    choice = whole["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (" Hello", "stop")
+    assert choice["logprobs"]["tokens"] == [" Hello", "\n"]
+    assert whole["usage"]["completion_tokens"] == 2
+    chunks = asyncio.run(run(tokenizer, {**body, "stream": True}, deltas, collect=False))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " Hello"
+    body.pop("stop_token_ids")  # (an EOS-like finish on a token the request did not name)
+    whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
+    assert whole["choices"][0]["text"] == " Hello\n"
