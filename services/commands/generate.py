@@ -122,14 +122,21 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def apply_stop_strings(
-    tokenizer, result: GenerationResult, stops: list[str], min_tokens: int
+    tokenizer, result: GenerationResult, stops: list[str], params: SamplingParams
 ) -> tuple[str, list[int], str]:
-    """(text, token ids, finish reason) as the gateway would stream them: cut at the first stop
-    string completed after the first `min_tokens` tokens."""
-    choice = ChoiceText(IncrementalDetokenizer(tokenizer), StopStringMatcher(stops), min_tokens)
+    """(text, token ids, finish reason) as the gateway would stream them: the text the output
+    adds to the prompt's, cut at the first stop string to end after the first `min_tokens`
+    tokens, without the text of a `stop_token_ids` token that ended it."""
+    choice = ChoiceText(
+        IncrementalDetokenizer(tokenizer, prompt_token_ids=result.prompt_token_ids),
+        StopStringMatcher(stops),
+        params.min_tokens,
+        stop_token_ids=frozenset(params.stop_token_ids),
+    )
     text = ""
     for count, token in enumerate(result.token_ids, start=1):
-        new, stopped = choice.push([token])
+        last = count == len(result.token_ids)
+        new, stopped = choice.push([token], result.finish_reason if last else None)
         text += new
         if stopped:
             return text, result.token_ids[:count], "stop"
@@ -161,9 +168,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem generate: error: {error}", file=sys.stderr)
         return 2
     finished_at = time.perf_counter()
-    text, token_ids, finish_reason = apply_stop_strings(
-        loaded.tokenizer, result, args.stop, params.min_tokens
-    )
+    text, token_ids, finish_reason = apply_stop_strings(loaded.tokenizer, result, args.stop, params)
     if not args.json:
         print(text)
         return 0

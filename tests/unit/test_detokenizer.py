@@ -453,3 +453,18 @@ def test_a_stop_token_that_ended_the_choice_is_not_shown(tokenizer):
         assert run_choice(tokenizer, pieces, [], 0, "length", [198]) == ("Hello there\n", False)
     tail = [tokenizer.encode("a\n\nb")[:-1], [198]]  # a stop string held back, then released
     assert run_choice(tokenizer, tail, ["\n\n\n"], 0, "stop", [198]) == ("a\n\n", False)
+
+
+def test_tandem_generate_shows_the_text_the_gateway_would(tokenizer):
+    """`tandem generate` runs the gateway's pipeline: the stop token that ended the output is
+    not shown, and a stop string begun inside min_tokens still cuts."""
+    from services.commands.generate import apply_stop_strings
+    from shared.engine.engine import GenerationResult
+    from shared.engine.sampling_params import SamplingParams
+
+    prompt, output = tokenizer.encode("Say:"), tokenizer.encode(" Hello there") + [198]
+    result = GenerationResult("r", prompt, output, [], "stop")
+    params = SamplingParams(stop_token_ids=[198])
+    assert apply_stop_strings(tokenizer, result, [], params) == (" Hello there", output, "stop")
+    cut = SamplingParams(min_tokens=1)
+    assert apply_stop_strings(tokenizer, result, [" Hello t"], cut)[0::2] == ("", "stop")
