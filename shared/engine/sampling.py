@@ -88,7 +88,9 @@ def apply_penalties(
         seen = torch.cat([prompt_ids, output_ids]).unique()  # each id penalized once
         values = out[seen]
         penalty = params.repetition_penalty
-        out[seen] = torch.where(values > 0, values / penalty, values * penalty)
+        # (A logit of 0 stays 0: times an infinite penalty it was NaN.)
+        penalized = torch.where(values > 0, values / penalty, values * penalty)
+        out[seen] = torch.where(values == 0, values, penalized)
     if (params.frequency_penalty or params.presence_penalty) and output_ids.numel() > 0:
         ids, counts = output_ids.unique(return_counts=True)
         out[ids] -= params.frequency_penalty * counts.to(out.dtype) + params.presence_penalty
@@ -123,7 +125,8 @@ def _keep_top_k_top_p(
     # whatever the rounding of the cumulative sum.
     mass_before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
     threshold = (top_p * total).unsqueeze(1)
-    keep = in_top_k & ((mass_before < threshold) | (top_p >= 1).unsqueeze(1))
+    best = torch.arange(size, device=logits.device) == 0  # (a top_p that rounds to 0 in float32)
+    keep = in_top_k & ((mass_before < threshold) | best | (top_p >= 1).unsqueeze(1))
     final = within | ((k == vocab) & (cumulative[:, -1] >= top_p * total))
     keep_all = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, keep)
     return keep_all, final
@@ -167,10 +170,12 @@ def filter_probs(
         scaled[rows] = _mask_top_k_top_p(scaled[rows], top_k[rows], top_p[rows], num_candidates)
     probs = scaled.softmax(dim=-1)
     if bool((min_p > 0).any()):
-        # Ratios to the max are unchanged by renormalization, so min-p may come last.
+        # Ratios to the max are unchanged by renormalization, so min-p may come last. Only the
+        # rows with a floor are renormalized: a row's draw never depends on its batch mates.
         floor = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        floored = probs.masked_fill(probs < floor, 0.0)
+        floored = floored / floored.sum(dim=-1, keepdim=True)
+        probs = torch.where((min_p > 0).unsqueeze(1), floored, probs)
     return probs
 
 

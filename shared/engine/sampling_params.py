@@ -22,6 +22,7 @@ MAX_LOGIT_BIAS = 4096  # tokens biased per request (the wire's longest list, `MA
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 # Past any vocabulary; the sampler builds its top-k column as int64, which 2**63 overflowed in
 # the middle of a step (the whole batch's).
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a lower temperature samples greedily (vLLM's bound)
 MAX_TOP_K = 2**31 - 1
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts no larger value
 _FLOAT_FIELDS = (
@@ -160,7 +161,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature 0 (or below `GREEDY_BELOW_TEMPERATURE`, as vLLM: dividing by it
+        overflows float32), or top_k 1."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     @property
     def logit_bias_ids(self) -> tuple[int, ...]:

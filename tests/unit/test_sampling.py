@@ -153,6 +153,33 @@ def test_greedy() -> None:
     assert not SamplingParams(top_k=2, top_p=0.01).greedy
 
 
+def test_extreme_accepted_values_never_draw_from_nan() -> None:
+    """Values the checks take but float32 cannot carry: a temperature whose division overflows
+    (vLLM takes below 1e-5 as greedy), a top_p that rounds to 0 (the best token is always
+    kept), a repetition penalty of inf on a logit of exactly 0 (0 * inf). Each made the
+    distribution NaN, and the draw silently token 0."""
+    logits = torch.tensor([[0.0, 20.0, 3.0, 5.0, 0.0, 1.0, 2.0, 7.5]])
+    for params in (
+        SamplingParams(temperature=1e-38, seed=1),
+        SamplingParams(top_p=1e-300, seed=1),
+        SamplingParams(temperature=1e-30, top_p=1e-300, seed=1),
+    ):
+        assert Sampler()(logits, [make_row(params)]).token_ids == [1], params
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy
+    seen_zero = apply_penalties(logits[0], SamplingParams(repetition_penalty=1e39), [0], [])
+    assert not seen_zero.isnan().any() and seen_zero[0] == 0.0
+
+
+def test_a_rows_min_p_leaves_its_batch_mates_probabilities_alone() -> None:
+    """The min-p floor renormalized every row once any had one: a neighbour's min_p moved this
+    row's probabilities (ulps, but a seeded draw must not depend on its batch)."""
+    logits = 3 * torch.randn(1, 49152, generator=torch.Generator().manual_seed(0))
+    alone = filter_probs(logits, *(torch.tensor([v]) for v in (0.7, 0, 1.0, 0.0)))
+    pair = filter_probs(logits.expand(2, -1), torch.tensor([0.7, 0.7]), torch.tensor([0, 0]),
+                        torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.1]))  # fmt: skip
+    assert torch.equal(pair[0], alone[0])
+
+
 def test_params_are_frozen() -> None:
     with pytest.raises(AttributeError):
         SamplingParams().temperature = 0.5  # type: ignore[misc]
