@@ -121,10 +121,10 @@ class PrefillWorker(WorkerLoop):
             return
         try:
             params = sampling_params(job.sampling)
-            # Only the first token is sampled here; the decode worker generates the rest.
-            first_only = dataclasses.replace(
-                params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
-            )
+            # Only the first token is sampled here; the decode worker generates the rest. A
+            # resumed request's earlier tokens count toward its min_tokens.
+            unmet = max(params.min_tokens - len(job.output_token_ids), 0)
+            first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(unmet, 1))
             self.engine.add_request(
                 list(job.prompt_token_ids) + list(job.output_token_ids),
                 first_only,

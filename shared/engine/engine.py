@@ -252,6 +252,7 @@ class LLMEngine:
             prompt_token_ids[len(prompt_token_ids) - num_generated :] if num_generated else ()
         )
         self.grammar.attach(seq, replayed)
+        seq.num_replayed = num_generated
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -694,11 +695,15 @@ class LLMEngine:
         # not ignore_eos is set (ignore_eos only keeps a drawn EOS from ending the sequence).
         if seq.num_output_tokens < params.min_tokens:
             suppressed = tuple(params.stop_token_ids) + tuple(self.eos_token_ids)
+        prompt_ids, output_ids = seq.prompt_token_ids, seq.output_token_ids
+        if seq.num_replayed and params.has_penalties:  # (output-only penalties count them)
+            split = len(prompt_ids) - seq.num_replayed
+            prompt_ids, output_ids = prompt_ids[:split], prompt_ids[split:] + output_ids
         return SamplingRow(
             params=params,
             generator=seq.generator,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
             suppressed_token_ids=suppressed,
             grammar_matcher=seq.grammar.matcher if seq.grammar is not None else None,
         )

@@ -80,6 +80,9 @@ class Sequence:
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
     grammar: Any = None  # its GrammarState (shared.engine.grammar) when constrained
+    # A request resumed from its client's tokens: its prompt's last ones were generated before
+    # (what penalties on output count, with its own output).
+    num_replayed: int = 0
 
     def __post_init__(self) -> None:
         if self.generator is None:

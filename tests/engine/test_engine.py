@@ -446,3 +446,21 @@ def test_a_handed_back_sequence_resumed_elsewhere_loses_and_repeats_no_token(mod
     assert handed_back > 0 and not engine.scheduler.waiting
     assert [tokens[i] for i in range(len(batch))] == expected
     assert engine.block_manager.num_free_blocks == 12
+
+
+def test_a_resumed_requests_penalties_count_its_earlier_output(model):
+    """A request resumed from its client's tokens has them at the end of its prompt
+    (`num_generated`): presence and frequency penalties count output only, so they must count
+    those too; its first token then is the one the uninterrupted run drew."""
+    prompt = [9, 10, 11]
+    plain = dataclasses.replace(GREEDY, max_tokens=12)
+    params = dataclasses.replace(plain, presence_penalty=-2.0, frequency_penalty=-2.0)
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    whole = engine.generate([prompt], params)[0].token_ids
+    assert engine.generate([prompt], plain)[0].token_ids != whole  # (the penalties matter)
+    one = dataclasses.replace(params, max_tokens=1)
+    for done in range(1, 8):
+        request_id = engine.add_request(prompt + whole[:done], one, num_generated=done)
+        while engine.has_unfinished:
+            outputs = {o.request_id: o for o in engine.step()}
+        assert outputs[request_id].new_token_ids == [whole[done]], done
