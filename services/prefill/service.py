@@ -30,6 +30,7 @@ from services.worker.streams import group_by_gateway
 from shared import wire
 from shared.config import add_config_arguments, config_from_args
 from shared.engine.engine import RequestOutput
+from shared.engine.sampling_params import SamplingParams
 from shared.errors import InvalidRequestError
 from shared.lifecycle import PrefillEvents
 from shared.logs import configure_logging
@@ -45,6 +46,13 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(WorkerConfig, args)
     PrefillWorker(config).serve_forever()
     return 0
+
+
+def first_token_params(params: SamplingParams, num_output: int) -> SamplingParams:
+    """The request's sampling for the one token sampled here (the decode worker generates the
+    rest); a resumed request's `num_output` earlier tokens count toward its min_tokens."""
+    unmet = max(params.min_tokens - num_output, 0)
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(unmet, 1))
 
 
 # A prompt's job, its step output and its first token's delta, between prefill and hand-on.
@@ -121,13 +129,9 @@ class PrefillWorker(WorkerLoop):
             return
         try:
             params = sampling_params(job.sampling)
-            # Only the first token is sampled here; the decode worker generates the rest. A
-            # resumed request's earlier tokens count toward its min_tokens.
-            unmet = max(params.min_tokens - len(job.output_token_ids), 0)
-            first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(unmet, 1))
             self.engine.add_request(
                 list(job.prompt_token_ids) + list(job.output_token_ids),
-                first_only,
+                first_token_params(params, len(job.output_token_ids)),
                 job.request_id,
                 priority=job.priority,
                 cache_salt=None if self.config.share_prefix_cache else job.cache_salt,

@@ -3,6 +3,7 @@ distribution (chi-square), per-request reproducibility, and logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -524,3 +525,16 @@ def test_misuse_is_refused() -> None:
         Sampler()(torch.zeros(1, 4), [SamplingRow(SamplingParams(), None, [], [])])
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(2, 4), [make_row(SamplingParams(temperature=0))])
+
+
+def test_a_resumed_requests_first_token_is_held_to_what_is_left_of_min_tokens() -> None:
+    """The prefill worker samples one token: EOS and stop tokens are masked only while the
+    request, its earlier tokens counted, is short of min_tokens (they were masked whenever
+    min_tokens was set)."""
+    from services.prefill.service import first_token_params
+
+    params = SamplingParams(max_tokens=50, min_tokens=5)
+    assert first_token_params(params, 0).min_tokens == 1
+    assert first_token_params(params, 4).min_tokens == 1
+    assert first_token_params(params, 5).min_tokens == 0
+    assert first_token_params(params, 9) == dataclasses.replace(params, max_tokens=1, min_tokens=0)
