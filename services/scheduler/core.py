@@ -513,13 +513,31 @@ class ClusterScheduler:
             return 400, f"priority must be in {bounds} (as the API), got {submit.priority}", None
         if submit.resumed_from is not None:
             return None  # admitted before its worker was lost: load does not refuse it now
-        too_many = len(self.queue) >= self.limits.max_queued_requests
-        too_long = (
-            self.num_queued_tokens + num_prefill_tokens(submit) > self.limits.max_queued_tokens
-        )
-        if too_many or too_long:
+        num_tokens = num_prefill_tokens(submit)
+        if num_tokens > self.limits.max_queued_tokens:  # no queue that drains would take it
+            message = (
+                f"the prompt ({num_tokens} tokens) is more than the queue holds "
+                f"(max_queued_tokens {self.limits.max_queued_tokens})"
+            )
+            return 400, message, None
+        if self._queue_full(submit.bulk, num_tokens):
             return 429, "the queue is full; retry later", self.limits.retry_after_s
         return self._deadline_refusal(submit, now)
+
+    def _queue_full(self, bulk: bool, num_tokens: int) -> bool:
+        """Interactive requests are bounded by the interactive ones queued: batch lines wait
+        there by design, and would get chats refused. A batch line, taking only spare room, is
+        bounded by everything queued."""
+        limits = self.limits
+        if bulk:
+            num_queued, num_queued_tokens = len(self.queue), self.num_queued_tokens
+        else:
+            num_queued = self.queue.num_queued(bulk=False)
+            num_queued_tokens = self.queue.num_interactive_queued_tokens()
+        return (
+            num_queued >= limits.max_queued_requests
+            or num_queued_tokens + num_tokens > limits.max_queued_tokens
+        )
 
     def _deadline_refusal(self, submit: wire.Submit, now: float) -> tuple[int, str, float] | None:
         """429 for an interactive request forecast to wait too close to its first-token

@@ -189,6 +189,10 @@ class FairQueue:
     def num_queued_by_party(self) -> dict[Party, int]:
         return self._index.num_queued_by_party()
 
+    def num_queued(self, bulk: bool) -> int:
+        """Requests queued of one kind: batch lines, or the rest."""
+        return self._index.num_queued(bulk)
+
     def num_interactive_queued_tokens(self) -> int:
         return self._index.num_queued_tokens(False)
 

@@ -129,6 +129,29 @@ def test_full_queue_answers_429_before_any_work(core):
     assert replies[-1].retry_after_s is not None
 
 
+def test_queued_batch_lines_never_get_a_chat_refused(core):
+    """Batch lines wait in the queue by design (a job keeps its window of lines there): they
+    counted against the queue's bounds, so a few jobs filled it and every chat was refused 429.
+    Each class is bounded by its own queued requests; a line by everything queued, as it takes
+    only spare room."""
+    core.on_hello(b"D", hello("d", "decode", seats=1), 0.0)  # one in RESERVING, the rest queue
+    lines = [dataclasses.replace(submit(f"b{i}"), bulk=True) for i in range(6)]
+    assert [core.on_submit(b"G", s, 0.0)[0].message.status_code for s in lines] == [
+        200, 200, 200, 200, 200, 429
+    ]  # fmt: skip
+    replies = [core.on_submit(b"G", submit(f"q{i}"), 0.0)[0].message for i in range(5)]
+    assert [r.status_code for r in replies] == [200, 200, 200, 200, 429]
+    line = core.on_submit(b"G", dataclasses.replace(submit("b9"), bulk=True), 0.0)[0].message
+    assert line.status_code == 429
+
+
+def test_a_prompt_more_than_the_queue_holds_answers_400_not_429(core):
+    """Over max_queued_tokens on its own, a prompt waits for no queue to drain: a 429 (retry
+    in 1 s) was answered for ever."""
+    reply = core.on_submit(b"G", submit("long", prompt_len=1200, max_tokens=1), 0.0)[0].message
+    assert reply.status_code == 400 and "max_queued_tokens" in reply.message
+
+
 def test_prompt_that_never_fits_answers_400(core):
     reply = core.on_submit(b"G", submit("big", prompt_len=100 * 16, max_tokens=1), 0.0)[0].message
     assert reply.status_code == 400 and "never fit" in reply.message
