@@ -41,6 +41,11 @@ def _client(context: zmq.asyncio.Context, address: str) -> zmq.asyncio.Socket:
     return socket
 
 
+async def _flood(socket: zmq.asyncio.Socket) -> None:
+    for call_id in range(NUM_CALLS):
+        await socket.send_multipart(wire.encode(_bad_call(call_id)))
+
+
 async def _answers(socket: zmq.asyncio.Socket, expected: int, within_s: float) -> list:
     events = []
     deadline = time.monotonic() + within_s
@@ -56,8 +61,7 @@ def test_a_client_that_reads_late_gets_every_answer_once(tmp_path):
         context = zmq.asyncio.Context()
         slow = _client(context, door.address)
         try:
-            for call_id in range(NUM_CALLS):
-                await slow.send_multipart(wire.encode(_bad_call(call_id)))
+            await _flood(slow)
             await asyncio.sleep(1.0)  # the door answers into a full pipe meanwhile
 
             other = _client(context, door.address)  # served while the slow one's pipe is full
@@ -87,8 +91,7 @@ def test_a_client_that_never_reads_has_its_calls_cancelled(tmp_path):
         context = zmq.asyncio.Context()
         stuck = _client(context, door.address)
         try:
-            for call_id in range(NUM_CALLS):
-                await stuck.send_multipart(wire.encode(_bad_call(call_id)))
+            await _flood(stuck)
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and (door._calls or door._replies):
                 await asyncio.sleep(0.1)
