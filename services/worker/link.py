@@ -15,7 +15,7 @@ import zmq
 from shared import wire
 from shared.curve import Security
 
-REHELLO_INTERVAL_S = 2.0  # at most one re-registration this often
+WELCOME_WAIT_S = 10.0  # registering again, a HELLO unanswered this long is taken for lost
 
 
 GOODBYE_LINGER_MS = 1000  # a stopping worker's last messages to the scheduler may take this
@@ -34,7 +34,7 @@ class SchedulerLink:
         self.socket.connect(address)
         self.heartbeat_interval_s = 0.5
         self._next_heartbeat = 0.0
-        self._hello_again_at = float("-inf")  # when the last re-registration was sent
+        self._hello_again_at: float | None = None  # a re-registration sent, not yet welcomed
         self.registered_again = False  # set when a HELLO went again; the loop takes it
 
     def handshake(self, timeout_s: float = 60.0) -> None:
@@ -58,12 +58,16 @@ class SchedulerLink:
         """An answer after the handshake: the scheduler lost track of us, so register again.
         True when this said HELLO again (what the old registration awaited will not come)."""
         if ack.accepted:
+            self._hello_again_at = None  # welcomed
             return False
         if ack.error == wire.UNKNOWN_PEER:
-            # After an outage the heartbeats queued during it arrive together, and each is
-            # answered so: register once, not once per heartbeat.
+            # Every heartbeat sent before the HELLO is answered so (after an outage, all those
+            # queued during it), and those answers come before the HELLO's own, on the one
+            # connection: until it comes, they are not news. A second HELLO would make the
+            # scheduler drop the worker, and what it gave it since the first.
             now = time.monotonic()
-            if now - self._hello_again_at < REHELLO_INTERVAL_S:
+            sent_at = self._hello_again_at
+            if sent_at is not None and now - sent_at < WELCOME_WAIT_S:
                 return False
             self._hello_again_at = now
             log.warning("scheduler does not know this worker; registering again")
