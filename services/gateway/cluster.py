@@ -17,7 +17,9 @@ unchanged by a resumption; a sampled one continues from a fresh generator. After
 losses (preemptions do not count: each attempt brings a token), or when no worker takes it
 within `RESUME_PATIENCE_S`, the handler gets an error delta naming why. A new scheduler epoch
 (the scheduler restarted) resumes the requests that had no token yet: the old scheduler's
-queue went with it.
+queue went with it (not one whose first SUBMIT awaits its answer: the answer, or a 503 when
+none comes, settles it). Until the new scheduler has this gateway's HELLO it refuses SUBMITs
+as from a stranger: the gateway says HELLO at once and takes the refusal as a 503.
 
 A stream's last delta can be lost too (its connection cut as it was sent), and no later delta
 would show the hole. The scheduler passes on where the worker says the stream ended
@@ -55,6 +57,11 @@ MAX_PENDING_SUBMITS = 1024
 # socket behind a backlog: a stream still bringing tokens is given this much again.
 STREAM_END_GRACE_S = 5.0
 MAX_RETRY_AFTER_S = 3600.0  # the longest wait a refusal may ask of a client, seconds
+# The scheduler's refusal of a SUBMIT from a gateway it does not know (`_admission_refusal` in
+# services/scheduler/core.py): a restarted scheduler before this gateway's HELLO reached it.
+# The reply carries no code for it, so its message is matched (a 400 ending with these words).
+UNKNOWN_GATEWAY_MARKER = "has not said HELLO"
+HELLO_AGAIN_S = 1.0  # the least time between two HELLOs said because of that refusal
 
 
 class SubmitRefused(Exception):
@@ -141,6 +148,7 @@ class ClusterClient:
         self._requests: dict[str, InFlight] = {}  # by first id
         self._attempts: dict[str, str] = {}  # attempt id -> first id
         self._replies: dict[str, asyncio.Future[wire.SubmitReply]] = {}
+        self._hello_again_at = -HELLO_AGAIN_S  # the last HELLO said for a refusal (monotonic)
         self._tasks: list[asyncio.Task] = []
         self._chores: set[asyncio.Task] = set()  # held so they are not collected mid-flight
 
@@ -203,12 +211,15 @@ class ClusterClient:
         try:
             await self._send_submit(submit, timeout_s)
         except BaseException:
-            self._drop(request_id)
+            self._drop(request_id, "submit failed")  # (`_send_submit` called off the first)
             raise
         return inflight.queue
 
     async def _send_submit(self, submit: wire.Submit, timeout_s: float) -> None:
-        if len(self._replies) >= self.max_pending_submits:
+        """Sends a SUBMIT and waits for its answer. A resumption is not held to the pending
+        submits' bound: the scheduler never refuses one for load either (its request was
+        admitted once), and a refusal here would fail a stream its client is reading."""
+        if submit.resumed_from is None and len(self._replies) >= self.max_pending_submits:
             raise SubmitRefused(
                 429, f"{len(self._replies)} requests are awaiting admission; retry shortly", 1.0
             )
@@ -231,12 +242,21 @@ class ClusterClient:
         finally:
             self._replies.pop(submit.request_id, None)
         if not reply.accepted:
+            if reply.status_code == 400 and UNKNOWN_GATEWAY_MARKER in (reply.message or ""):
+                # A restarted scheduler that has not heard this gateway's HELLO yet (it is
+                # said after `status_timeout_s` of silence): say it now, once for the crowd
+                # of submits sent before it; the refusal is one of the moment, as when no
+                # worker is registered.
+                if time.monotonic() - self._hello_again_at > HELLO_AGAIN_S:
+                    self._hello_again_at = time.monotonic()
+                    await self._hello()
+                raise SubmitRefused(503, "the scheduler restarted; retry shortly", 1.0)
             raise refusal(reply)
 
     async def cancel(self, request_id: str, reason: str) -> None:
-        inflight = self._drop(request_id)
-        if inflight is not None:
-            self._send_cancel(inflight.attempt_id, reason)
+        inflight = self._drop(request_id, reason)
+        if inflight is not None and inflight.attempt_id == request_id:
+            self._send_cancel(request_id, reason)  # (a later attempt's, `_drop` called off)
 
     def _send_cancel(self, request_id: str, reason: str) -> None:
         """A CANCEL sent without waiting. With the scheduler unreachable long enough the
@@ -250,20 +270,27 @@ class ClusterClient:
         """The handler saw the last delta; later deltas (none expected) are dropped."""
         self._drop(request_id)
 
-    def _drop(self, request_id: str) -> InFlight | None:
+    def _drop(self, request_id: str, reason: str = "finished") -> InFlight | None:
+        """Forgets a request. An attempt a resumption started for it, unless its stream has
+        ended, is called off: nothing else would stop it running for nobody (a cancel of a
+        request the scheduler does not hold is ignored)."""
         inflight = self._requests.pop(request_id, None)
         if inflight is not None:
             self._attempts.pop(inflight.attempt_id, None)
+            if inflight.attempt_id != request_id and not inflight.ended:
+                self._send_cancel(inflight.attempt_id, reason)
         return inflight
 
     # -- resuming a request whose worker was lost -----------------------------------------------
 
-    async def _resume(
+    def _resume(
         self, inflight: InFlight, reason: str, counted: bool = True, abandon: str | None = None
     ) -> None:
         """A new attempt from the tokens the handler has. Only losses count toward the bound:
         a preempted request comes back with at least one more token each time. `abandon`: an
-        attempt still running that must stop first (its stream lost tokens)."""
+        attempt still running that must stop first (its stream lost tokens). The new attempt
+        is the request's from this moment (no await before): a resumption still submitting an
+        older one sees it has been taken over."""
         if abandon is not None:
             self._send_cancel(abandon, reason)
         first_id = inflight.submit.request_id
@@ -288,37 +315,53 @@ class ClusterClient:
             arrival_time=time.time(),
         )
         self.telemetry.resumed(first_id, attempt_id, len(inflight.token_ids), reason)
+        self._start_chore(self._submit_attempt(inflight, submit, reason))
+
+    async def _submit_attempt(self, inflight: InFlight, submit: wire.Submit, reason: str) -> None:
+        """Submits a resumed attempt, asking again while no worker can take it (503s) within
+        `RESUME_PATIENCE_S`. Each wait may end with the attempt no longer the request's: its
+        client left (cancelled), or a newer resumption took over (the scheduler restarted
+        meanwhile). Then this one stops, and calls off what it submitted."""
+        attempt_id = submit.request_id
         deadline = time.monotonic() + RESUME_PATIENCE_S
-        while True:
-            if self._requests.get(first_id) is not inflight:
-                return  # its client left (cancelled) while it waited
+        while self._is_current(inflight, attempt_id):
             try:
                 await self._send_submit(submit, timeout_s=10.0)
-                if self._requests.get(first_id) is not inflight:  # cancelled while submitting
-                    self._send_cancel(attempt_id, "client gone")
-                return
             except SubmitRefused as refused:
+                if not self._is_current(inflight, attempt_id):
+                    return  # (a 503 for no answer: `_send_submit` called it off)
                 # 503: no worker registered just now (a restarted one may be on its way back).
                 if refused.status_code != 503 or time.monotonic() > deadline:
                     self._fail(inflight, f"{reason}; could not resume it: {refused.message}")
                     return
                 await asyncio.sleep(refused.retry_after_s or 1.0)
+                continue
+            if not self._is_current(inflight, attempt_id):
+                self._send_cancel(attempt_id, "superseded")
+            return
+
+    def _is_current(self, inflight: InFlight, attempt_id: str) -> bool:
+        """Whether the request is still in flight and this attempt is the one running it."""
+        in_flight = self._requests.get(inflight.submit.request_id) is inflight
+        return in_flight and inflight.attempt_id == attempt_id
 
     def _on_scheduler_restart(self) -> None:
         """A new scheduler knows nothing of the requests the old one held. Those with tokens
         are decoding on a worker, which goes on streaming them; those without may have been
         in its queue, lost with it: they are resumed (an attempt still running somewhere
-        after all is left to finish, its tokens dropped)."""
-        waiting = [r for r in self._requests.values() if not r.token_ids]
+        after all is left to finish, its tokens dropped). Not those whose first SUBMIT is
+        still unanswered: its answer (or its timeout, a 503 that calls it off) tells their
+        handlers what became of them, and an attempt of theirs running meanwhile would be
+        one the handlers never hear of."""
+        waiting = [
+            r
+            for r in self._requests.values()
+            if not r.token_ids and r.submit.request_id not in self._replies
+        ]
         self.log.warning("scheduler restarted", resuming=len(waiting))
         for inflight in waiting:
             self._attempts.pop(inflight.attempt_id, None)
-            self._start_resume(inflight, "the scheduler restarted")
-
-    def _start_resume(
-        self, inflight: InFlight, reason: str, counted: bool = True, abandon: str | None = None
-    ) -> None:
-        self._start_chore(self._resume(inflight, reason, counted, abandon))
+            self._resume(inflight, "the scheduler restarted")
 
     def _start_chore(self, coroutine: Coroutine) -> None:
         task = asyncio.create_task(coroutine)
@@ -357,7 +400,7 @@ class ClusterClient:
                          output_length=ended.output_length)  # fmt: skip
         if num_seen < ended.output_length:
             reason = f"the stream's last tokens were lost ({num_seen} of {ended.output_length})"
-            await self._resume(inflight, reason)
+            self._resume(inflight, reason)
         elif ended.finish_reason in ("stop", "length"):  # only the finish was lost
             inflight.ended = True
             logprobs = inflight.submit.sampling.logprobs
@@ -444,15 +487,17 @@ class ClusterClient:
                 continue  # finished, cancelled, or an abandoned attempt
             if delta.finish_reason in ("lost", "preempted"):
                 del self._attempts[delta.request_id]  # its late deltas are dropped from now on
+                if inflight.ended:
+                    continue  # its finish came before: there is nothing left to resume
                 reason = delta.error or delta.finish_reason
-                self._start_resume(inflight, reason, counted=delta.finish_reason == "lost")
+                self._resume(inflight, reason, counted=delta.finish_reason == "lost")
                 continue
             try:
                 fresh = after(delta, len(inflight.token_ids))
             except ValueError as gap:  # a bug or a foreign peer: this attempt cannot be trusted
                 self.log.error("tokens missing", request_id=delta.request_id, error=str(gap))
                 del self._attempts[delta.request_id]
-                self._start_resume(inflight, f"tokens missing: {gap}", abandon=delta.request_id)
+                self._resume(inflight, f"tokens missing: {gap}", abandon=delta.request_id)
                 continue
             if fresh is not None:
                 inflight.token_ids.extend(fresh.token_ids)

@@ -2,8 +2,9 @@
 
 The scheduler's status names each peer's metrics address; the gateway scrapes them all at once,
 each with a short timeout, and merges the texts (`shared.metrics.federate`), every sample labelled
-with its `peer`. A peer that does not answer is left out and shows as `tandem:peer_scrape_up 0`,
-so a dashboard sees the gap instead of a silently smaller sum.
+with its `peer`. A peer that does not answer, or cannot be scraped at all (an address that is
+not a URL), is left out and shows as `tandem:peer_scrape_up 0`, so a dashboard sees the gap
+instead of a silently smaller sum.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.cluster import ClusterView
 from shared.lifecycle import GatewayEvents
+from shared.logs import get_logger
 from shared.metrics import federate
 
 SCRAPE_TIMEOUT_S = 2.0
+log = get_logger()
 
 
 def scrape_targets(view: ClusterView) -> list[tuple[str, str]]:
@@ -47,8 +50,8 @@ async def cluster_metrics(peer_id: str, telemetry: GatewayEvents, view: ClusterV
 
 
 async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:
-    """A peer's exposition, or None when it did not answer with one (a 200 that is not
-    Prometheus text, as a proxy's page, made the whole /metrics a 500)."""
+    """A peer's exposition, or None when it did not answer with one, for whatever reason (a
+    200 that is not Prometheus text, as a proxy's page, made the whole /metrics a 500)."""
     try:
         response = await client.get(url)
         response.raise_for_status()
@@ -56,5 +59,9 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:
         for _ in text_string_to_metric_families(text):
             pass
         return text
-    except (httpx.HTTPError, ValueError):
+    except Exception as error:
+        # Whatever it is, one peer must not make the whole /metrics a 500: not only HTTP
+        # errors, an address httpx cannot parse (`http://::1:9000`, an IPv6 host unbracketed)
+        # raises InvalidURL, which is not one.
+        log.warning("peer not scraped", url=url, error=repr(error))
         return None
