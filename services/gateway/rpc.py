@@ -48,6 +48,8 @@ from shared.logs import get_logger
 
 MAX_CALLS_PER_CLIENT = 256  # calls in flight per client connection; more are answered 429
 PROBE_S = 2.0  # a client with calls in flight and no event sent for this long is probed
+MAX_REPLIES_IN_LINE = 16 * MAX_CALLS_PER_CLIENT  # a client's refusals waiting to be sent; more
+# are dropped (a client flooding calls whose answers it never reads)
 SLOW_READER_RETRY_S = 0.01  # an event for a client whose pipe is full is tried again after
 
 # Per call kind: the HTTP endpoint's parser and its response id prefix.
@@ -63,6 +65,14 @@ CallKey = tuple[bytes, str]  # (client identity, call id)
 
 class _ClientGone(Exception):
     """An event could not be routed: the client disconnected."""
+
+
+class _SendLine:
+    """A client's events waiting to be sent, one at a time, in order (`RpcServer._route`)."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.num_senders = 0  # holding the lock or waiting for it; the line goes at 0
 
 
 class RpcServer:
@@ -86,8 +96,9 @@ class RpcServer:
         self.log = get_logger(component="rpc", address=address)
         self._calls: dict[CallKey, asyncio.Task] = {}
         self._replies: set[asyncio.Task] = set()  # refusals and cancel answers being sent
+        self._num_replies: dict[bytes, int] = {}  # of them, per client
         self._last_sent: dict[bytes, float] = {}  # per client with calls: its last event's time
-        self._send_lines: dict[bytes, asyncio.Lock] = {}  # per client with calls: one sender
+        self._send_lines: dict[bytes, _SendLine] = {}  # per client with events to send
         self._stalled: set[bytes] = set()  # clients dropped for reading nothing (`_route`)
         self._loop_task: asyncio.Task | None = None
         self._probe_task: asyncio.Task | None = None
@@ -151,9 +162,7 @@ class RpcServer:
                 waiting.setdefault(identity, call_id)
             for identity in self._last_sent.keys() - waiting.keys():
                 del self._last_sent[identity]  # (no calls left: nothing to probe for)
-            for identity in self._send_lines.keys() - waiting.keys():
-                if not self._send_lines[identity].locked():
-                    del self._send_lines[identity]
+            self._stalled &= waiting.keys() | self._send_lines.keys()  # (gone for good)
             probed_before = time.monotonic() - PROBE_S
             for identity, call_id in waiting.items():
                 if self._last_sent.get(identity, -math.inf) > probed_before:
@@ -165,7 +174,6 @@ class RpcServer:
 
     def _start_call(self, identity: bytes, request: wire.RpcRequest) -> None:
         key = (identity, request.call_id)
-        self._stalled.discard(identity)  # (it reads again, or will: it is there)
         refusal = None
         if key in self._calls:
             refusal = ApiError(409, "a call with this call_id is in flight", param="call_id")
@@ -177,6 +185,7 @@ class RpcServer:
             # Not registered: the call already in flight (if any) keeps its key.
             self._reply(identity, request.call_id, refusal)
             return
+        self._stalled.discard(identity)  # (it reads again, or will: it is there)
         task = asyncio.create_task(self._run_call(identity, request))
         self._calls[key] = task
         task.add_done_callback(functools.partial(self._call_done, key))
@@ -190,10 +199,23 @@ class RpcServer:
             self._reply(*key, ApiError(499, "the call was cancelled"))
 
     def _reply(self, identity: bytes, call_id: str, error: ApiError) -> None:
+        num_replies = self._num_replies.get(identity, 0)
+        if num_replies >= MAX_REPLIES_IN_LINE:
+            # A client that floods calls and reads nothing: its refusals would wait in line (a
+            # task each) for up to its timeout, without bound.
+            self.log.warning("rpc refusal dropped: the client reads nothing", peer=identity.hex())
+            return
+        self._num_replies[identity] = num_replies + 1
         task = asyncio.create_task(self._send_error(identity, call_id, error))
         self._replies.add(task)  # the loop holds tasks weakly
         task.add_done_callback(self._replies.discard)
+        task.add_done_callback(lambda _: self._reply_done(identity))
         task.add_done_callback(_log_failure)
+
+    def _reply_done(self, identity: bytes) -> None:
+        num_replies = self._num_replies.pop(identity) - 1
+        if num_replies:
+            self._num_replies[identity] = num_replies
 
     # -- one call -------------------------------------------------------------------------------
 
@@ -302,13 +324,21 @@ class RpcServer:
         came, one of them retrying (`DONTWAIT`: pyzmq would queue a blocked send, fail it with
         `zmq.Again` at the next chance, and hold every other client's sends behind it). A
         client that takes nothing for `client_timeout_s` is taken for gone."""
-        line = self._send_lines.setdefault(identity, asyncio.Lock())
-        if not patient and line.locked():
+        line = self._send_lines.get(identity)
+        if line is None:
+            line = self._send_lines[identity] = _SendLine()
+        if not patient and line.lock.locked():
             return False
-        async with line:
-            if identity in self._stalled:  # (dropped while this event waited in line)
-                raise _ClientGone
-            sent = await self._send_or_wait(identity, event, patient)
+        line.num_senders += 1
+        try:
+            async with line.lock:
+                if identity in self._stalled:  # (dropped while this event waited in line)
+                    raise _ClientGone
+                sent = await self._send_or_wait(identity, event, patient)
+        finally:
+            line.num_senders -= 1
+            if line.num_senders == 0 and self._send_lines.get(identity) is line:
+                del self._send_lines[identity]
         if sent:
             self._last_sent[identity] = time.monotonic()
         return sent

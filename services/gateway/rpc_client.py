@@ -192,6 +192,8 @@ class TandemClient:
             wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
     def close(self) -> None:
+        if self._socket.closed:
+            return
         for call_id in list(self._inbox):
             self._abandon(call_id)
         self._socket.disable_monitor()
@@ -231,7 +233,7 @@ class TandemClient:
     def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
         deadline = time.monotonic() + timeout_s
         inbox = self._inbox[call_id]
-        poller = zmq.Poller()
+        poller = self._socket._poller_class()  # (a green socket's: it yields to other greenlets)
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while not inbox:
@@ -241,10 +243,8 @@ class TandemClient:
                 raise TimeoutError(f"no answer from {self.address} within {timeout_s} s")
             if self._monitor in ready:
                 self._read_connection_events()
-            if self._socket in ready:
-                event = _as_event(self._socket.recv_multipart(copy=False))
-                if event is not None and event.call_id in self._inbox:
-                    self._inbox[event.call_id].append(event)  # else: a call already left
+            else:
+                self._receive()
         event = inbox.popleft()
         if isinstance(event, _Ended):
             self._inbox.pop(call_id, None)
@@ -253,8 +253,15 @@ class TandemClient:
             self._inbox.pop(call_id, None)
         return event
 
+    def _receive(self) -> None:
+        event = _as_event(self._socket.recv_multipart(copy=False))
+        if event is not None and event.call_id in self._inbox:
+            self._inbox[event.call_id].append(event)  # else: a call already left
+
     def _read_connection_events(self) -> None:
-        """A dropped connection ends every call in flight (`_Ended` in each inbox)."""
+        """A dropped connection ends every call in flight (`_Ended` in each inbox). (Events
+        unread when it dropped are gone with it: the socket is IMMEDIATE, its pipe ends with
+        the connection.)"""
         while self._monitor.poll(0):
             if _disconnected(self._monitor.recv_multipart()):
                 for inbox in self._inbox.values():
@@ -361,6 +368,8 @@ class AsyncTandemClient:
             wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
     async def close(self) -> None:
+        if self._socket.closed:
+            return
         for call_id, inbox in list(self._inbox.items()):
             inbox.put_nowait(CLOSED)  # (another task may wait on it)
             await self._abandon(call_id)

@@ -15,7 +15,9 @@ import zmq
 from shared import wire
 from shared.curve import Security
 
-WELCOME_WAIT_S = 10.0  # registering again, a HELLO unanswered this long is taken for lost
+# Registering again, a HELLO still unanswered after this many heartbeats is taken for lost.
+# Counted in heartbeats, not seconds: a long step delays the answers' reading, not their order.
+WELCOME_WAIT_BEATS = 20
 
 
 GOODBYE_LINGER_MS = 1000  # a stopping worker's last messages to the scheduler may take this
@@ -34,7 +36,8 @@ class SchedulerLink:
         self.socket.connect(address)
         self.heartbeat_interval_s = 0.5
         self._next_heartbeat = 0.0
-        self._hello_again_at: float | None = None  # a re-registration sent, not yet welcomed
+        # Heartbeats sent since a re-registration not yet welcomed (None: none awaited).
+        self._beats_awaiting_welcome: int | None = None
         self.registered_again = False  # set when a HELLO went again; the loop takes it
 
     def handshake(self, timeout_s: float = 60.0) -> None:
@@ -58,18 +61,17 @@ class SchedulerLink:
         """An answer after the handshake: the scheduler lost track of us, so register again.
         True when this said HELLO again (what the old registration awaited will not come)."""
         if ack.accepted:
-            self._hello_again_at = None  # welcomed
+            self._beats_awaiting_welcome = None  # welcomed
             return False
         if ack.error == wire.UNKNOWN_PEER:
             # Every heartbeat sent before the HELLO is answered so (after an outage, all those
             # queued during it), and those answers come before the HELLO's own, on the one
             # connection: until it comes, they are not news. A second HELLO would make the
             # scheduler drop the worker, and what it gave it since the first.
-            now = time.monotonic()
-            sent_at = self._hello_again_at
-            if sent_at is not None and now - sent_at < WELCOME_WAIT_S:
+            beats = self._beats_awaiting_welcome
+            if beats is not None and beats < WELCOME_WAIT_BEATS:
                 return False
-            self._hello_again_at = now
+            self._beats_awaiting_welcome = 0
             log.warning("scheduler does not know this worker; registering again")
             self.send(self.hello)
             self.registered_again = True
@@ -85,6 +87,8 @@ class SchedulerLink:
 
     def send_heartbeat(self, heartbeat: wire.Heartbeat, now: float) -> None:
         wire.send(self.socket, heartbeat)
+        if self._beats_awaiting_welcome is not None:
+            self._beats_awaiting_welcome += 1
         self._next_heartbeat = now + self.heartbeat_interval_s
 
     def seconds_to_heartbeat(self, now: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -149,6 +150,9 @@ def test_a_killed_worker_loses_no_request_and_changes_no_token(
     # The victim held some of them (the scheduler: those not yet decoding, which it forgot).
     assert resumed_count(guarded_cluster.url) > resumed_before
     assert f"{victim} exited" in guarded_cluster.log()
+    if signum == signal.SIGTERM:  # it left by its GOODBYE, not by a heartbeat timeout
+        said_goodbye = rf"worker left rotation.*peer_id={victim}.*said=goodbye"
+        assert re.search(said_goodbye, guarded_cluster.log())
     # `tandem up` started it again: it registers and the cluster has all four workers.
     wait_for_workers(guarded_cluster, num_prefill=2, num_decode=2)
 

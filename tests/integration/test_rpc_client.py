@@ -88,3 +88,48 @@ def test_closing_an_async_client_ends_the_calls_other_tasks_wait_on(tmp_path):
         context.term()
 
     asyncio.run(scenario())
+
+
+def test_a_client_closed_twice_is_closed():
+    from services.gateway.rpc_client import AsyncTandemClient, TandemClient
+
+    client = TandemClient("ipc:///nonexistent/gw.sock")
+    client.close()
+    client.close()
+
+    async def twice() -> None:
+        client = AsyncTandemClient("ipc:///nonexistent/gw.sock")
+        await client.close()
+        await client.close()
+
+    asyncio.run(twice())
+
+
+def test_a_green_client_waiting_for_an_answer_lets_other_greenlets_run(tmp_path):
+    """Locust's agent users share one process with gevent: a call's wait must yield (it took a
+    plain zmq.Poller, which blocks the whole process)."""
+    import gevent
+    import zmq.green
+
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # takes calls, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(f"ipc://{tmp_path}/gw.sock")
+    ticks = []
+
+    def tick() -> None:
+        for _ in range(20):
+            ticks.append(time.monotonic())
+            gevent.sleep(0.02)
+
+    from services.gateway.rpc_client import TandemClient
+
+    client = TandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=1.0, context=zmq.green.Context())
+    ticker = gevent.spawn(tick)
+    with pytest.raises(TimeoutError):
+        client.completion(model="m", prompt="hi")
+    ticker.join()
+    client.close()
+    silent.close()
+    context.term()
+    assert len(ticks) == 20 and ticks[-1] - ticks[0] < 0.9  # they ran during the call's wait

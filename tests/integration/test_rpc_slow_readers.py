@@ -15,6 +15,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from services.gateway import rpc
 from services.gateway.rpc import RpcServer
 from shared import wire
 
@@ -85,7 +86,9 @@ def test_a_client_that_reads_late_gets_every_answer_once(tmp_path):
     asyncio.run(scenario())
 
 
-def test_a_client_that_never_reads_has_its_calls_cancelled(tmp_path):
+def test_a_client_that_never_reads_has_its_calls_cancelled(tmp_path, monkeypatch):
+    monkeypatch.setattr(rpc, "PROBE_S", 60.0)  # (its pruning would hide who dropped the client)
+
     async def scenario() -> None:
         door = await _door(f"ipc://{tmp_path}/rpc.sock", client_timeout_s=1.0)
         context = zmq.asyncio.Context()
@@ -96,9 +99,33 @@ def test_a_client_that_never_reads_has_its_calls_cancelled(tmp_path):
             while time.monotonic() < deadline and (door._calls or door._replies):
                 await asyncio.sleep(0.1)
             assert not door._calls and not door._replies  # nothing waits on it for ever
+            assert len(door._stalled) == 1  # dropped for reading nothing, not by a heartbeat
+            assert not door._send_lines  # each line went with its last sender
             assert door._probe_task is not None and not door._probe_task.done()
         finally:
             stuck.close()
+            await door.close()
+            context.term()
+
+    asyncio.run(scenario())
+
+
+def test_refusals_to_a_client_that_reads_nothing_are_bounded(tmp_path, monkeypatch):
+    """Past its 256 calls in flight each call is refused (429); to a client that reads nothing
+    each refusal waits in line, a task each, for up to its timeout: without a bound a flood of
+    calls grew the gateway's memory without one."""
+    monkeypatch.setattr(rpc, "MAX_REPLIES_IN_LINE", 500)
+
+    async def scenario() -> None:
+        door = await _door(f"ipc://{tmp_path}/rpc.sock", client_timeout_s=30)
+        context = zmq.asyncio.Context()
+        flooding = _client(context, door.address)
+        try:
+            await _flood(flooding)
+            await asyncio.sleep(1.0)
+            assert len(door._replies) == 500 and list(door._num_replies.values()) == [500]
+        finally:
+            flooding.close()
             await door.close()
             context.term()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import zmq
@@ -78,17 +79,15 @@ def test_a_silent_scheduler_is_an_error_once_the_time_is_up(tmp_path):
         handshake(tmp_path, None, timeout_s=1.0)
 
 
-def test_forgotten_once_the_worker_registers_again_once(tmp_path, monkeypatch):
+def test_forgotten_once_the_worker_registers_again_once(tmp_path):
     """The scheduler forgot the worker (it restarted): each heartbeat sent before the worker's
     new HELLO is answered "unknown peer". Those answers come before the HELLO's own answer, on
     the one connection; one drained over 2 s after the HELLO (a long step between) made the
     worker say HELLO a second time, and the scheduler dropped it with every request it had
-    given it since. Registering again waits for its welcome, not a clock, unless none comes
-    (the HELLO was lost: the scheduler still down)."""
+    given it since. Registering again waits for its welcome, however long the worker's steps,
+    unless none comes while it heartbeats on (the HELLO was lost)."""
     from services.worker import link as link_module
 
-    now = [100.0]
-    monkeypatch.setattr(link_module.time, "monotonic", lambda: now[0])
     context = zmq.Context()
     scheduler = context.socket(zmq.ROUTER)
     scheduler.setsockopt(zmq.LINGER, 0)
@@ -96,6 +95,8 @@ def test_forgotten_once_the_worker_registers_again_once(tmp_path, monkeypatch):
     link = SchedulerLink(context, f"ipc://{tmp_path}/scheduler", hello(),
                          Security(None, get_logger()))  # fmt: skip
     forgotten = ack(0.5, accepted=False, error=wire.UNKNOWN_PEER)
+    beat = wire.Heartbeat(peer_id="d", num_waiting=0, num_running=0, num_free_blocks=1,
+                          num_total_blocks=1, steps_completed=0, sent_at=0.0)  # fmt: skip
 
     def hellos_sent() -> int:
         count = 0
@@ -105,12 +106,13 @@ def test_forgotten_once_the_worker_registers_again_once(tmp_path, monkeypatch):
 
     try:
         assert link.on_hello_ack(forgotten, get_logger()) and hellos_sent() == 1
-        now[0] += 5.0  # a long step; then the answer to a heartbeat sent before the HELLO
+        time.sleep(2.5)  # a long step; then the answer to a heartbeat sent before the HELLO
+        link.send_heartbeat(beat, time.monotonic())
         assert not link.on_hello_ack(forgotten, get_logger()) and hellos_sent() == 0
         link.on_hello_ack(ack(0.5), get_logger())  # welcomed
-        now[0] += 0.5  # forgotten again, later: registered again at once
-        assert link.on_hello_ack(forgotten, get_logger()) and hellos_sent() == 1
-        now[0] += link_module.WELCOME_WAIT_S + 1  # no welcome came (the HELLO was lost)
+        assert link.on_hello_ack(forgotten, get_logger()) and hellos_sent() == 1  # forgotten again
+        for _ in range(link_module.WELCOME_WAIT_BEATS):  # no welcome came: the HELLO was lost
+            link.send_heartbeat(beat, time.monotonic())
         assert link.on_hello_ack(forgotten, get_logger()) and hellos_sent() == 1
     finally:
         link.close()
