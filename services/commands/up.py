@@ -330,6 +330,10 @@ def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     os.setpgrp()  # Ctrl-C reaches only `tandem up`, which stops the children in order
+    # `_spawn` blocks the stopping signals around the fork, and a signal mask outlives exec:
+    # left blocked, every child ignored SIGTERM (and its parent's death), never stopped
+    # cleanly, and was killed when the stop's grace ran out.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 class Interrupted(Exception):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -80,14 +81,26 @@ def test_tandem_up_stops_cleanly_on_sigterm(tmp_path):
     )
     child_pids = [int(p) for p in children.stdout.split()]
     assert len(child_pids) == 5  # scheduler, prefill, decode, gateway, batch service
+    # The spawn blocks the stopping signals around its fork, and a mask outlives exec: every
+    # child ignored SIGTERM and was killed when the stop's 10 s of grace ran out.
+    assert not [pid for pid in child_pids if blocked_signals(pid) & {signal.SIGTERM, signal.SIGINT}]
+    stopping = time.monotonic()
     cluster.process.send_signal(signal.SIGTERM)
     assert cluster.process.wait(timeout=30) == 0
+    assert time.monotonic() - stopping < 8  # each child stopped itself, within the grace
     for pid in child_pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     run_dirs = set(re.findall(r"ipc://(/[^\s\"']*?/tandem-[^/\s\"']+)/", cluster.log()))
     assert run_dirs, "the log names the cluster's ipc run directory"
     assert not any(os.path.exists(d) for d in run_dirs)
+
+
+def blocked_signals(pid: int) -> set[signal.Signals]:
+    """The signals process `pid` blocks (its main thread's mask, /proc's SigBlk)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
+    return {signal.Signals(n) for n in range(1, 32) if mask >> (n - 1) & 1}
 
 
 def test_a_signal_before_the_cluster_is_ready_stops_it_at_once(tmp_path):
