@@ -116,7 +116,7 @@ def _dropped(address: str) -> _Ended:
     )
 
 
-CLOSED = _Ended("the client was closed while the call waited")
+_CLOSED = _Ended("the client was closed while the call waited")
 
 
 def _disconnected(frames: list) -> bool:
@@ -371,7 +371,7 @@ class AsyncTandemClient:
         if self._socket.closed:
             return
         for call_id, inbox in list(self._inbox.items()):
-            inbox.put_nowait(CLOSED)  # (another task may wait on it)
+            inbox.put_nowait(_CLOSED)  # (another task may wait on it)
             await self._abandon(call_id)
         await asyncio.gather(*self._pending, return_exceptions=True)
         for task in (self._reader, self._watcher):

@@ -159,6 +159,7 @@ class PrefillWorker(WorkerLoop):
         computed) is let go, and its gateway told the attempt is lost, which resumes it from
         the tokens it has. Jobs whose room was confirmed go on: their decode worker expects
         their KV, and streams on."""
+        super()._on_registered_again()
         orphans = [parked[0] for parked in self.awaiting_grant.values()]
         orphans += [
             running.job

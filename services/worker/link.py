@@ -18,8 +18,6 @@ from shared.curve import Security
 # Registering again, a HELLO still unanswered after this many heartbeats is taken for lost.
 # Counted in heartbeats, not seconds: a long step delays the answers' reading, not their order.
 WELCOME_WAIT_BEATS = 20
-
-
 GOODBYE_LINGER_MS = 1000  # a stopping worker's last messages to the scheduler may take this
 
 
@@ -38,7 +36,6 @@ class SchedulerLink:
         self._next_heartbeat = 0.0
         # Heartbeats sent since a re-registration not yet welcomed (None: none awaited).
         self._beats_awaiting_welcome: int | None = None
-        self.registered_again = False  # set when a HELLO went again; the loop takes it
 
     def handshake(self, timeout_s: float = 60.0) -> None:
         """Says HELLO until the scheduler answers (it may start after us)."""
@@ -74,7 +71,6 @@ class SchedulerLink:
             self._beats_awaiting_welcome = 0
             log.warning("scheduler does not know this worker; registering again")
             self.send(self.hello)
-            self.registered_again = True
             return True
         log.error("scheduler refused this worker", error=ack.error)
         return False

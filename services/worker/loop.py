@@ -263,9 +263,6 @@ class WorkerLoop(abc.ABC):
         cache = self.engine.prefix_cache
         if self.cache_events is None or cache is None:
             return heartbeat
-        if self.link.registered_again:  # the scheduler forgot this worker's set: all of it now
-            self.link.registered_again = False
-            self.cache_events.resync()
         batch = self.cache_events.next_batch()
         return dataclasses.replace(
             heartbeat,
@@ -291,11 +288,14 @@ class WorkerLoop(abc.ABC):
 
     # -- the role's part ------------------------------------------------------------------------
 
-    def _on_registered_again(self) -> None:  # noqa: B027 (a decode worker awaits nothing)
-        """The scheduler forgot this worker (it restarted, or dropped the worker): what the
-        role awaited from the old registration's requests will not come. (A decode worker's
-        reservations await KV from prefill workers, which may still come; their leases end
-        the rest.)"""
+    def _on_registered_again(self) -> None:
+        """The scheduler forgot this worker (it restarted, or dropped the worker), and its
+        cache set with it: the next heartbeat carries the whole set. A role also lets go of
+        what it awaited from the old registration's requests, which will not come (a decode
+        worker's reservations await KV from prefill workers, which may still come; their
+        leases end the rest)."""
+        if self.cache_events is not None:
+            self.cache_events.resync()
 
     @abc.abstractmethod
     def _handle(self, message: wire.Message, identity: bytes | None) -> None:
