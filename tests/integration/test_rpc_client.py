@@ -124,12 +124,14 @@ def test_a_green_client_waiting_for_an_answer_lets_other_greenlets_run(tmp_path)
 
     from services.gateway.rpc_client import TandemClient
 
-    client = TandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=1.0, context=zmq.green.Context())
+    green = zmq.green.Context()
+    client = TandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=1.0, context=green)
     ticker = gevent.spawn(tick)
     with pytest.raises(TimeoutError):
         client.completion(model="m", prompt="hi")
     ticker.join()
     client.close()
+    green.term()
     silent.close()
     context.term()
     assert len(ticks) == 20 and ticks[-1] - ticks[0] < 0.9  # they ran during the call's wait
