@@ -472,6 +472,7 @@ class ClusterScheduler:
             submit, submit.gateway_peer_id, party, arrival=now, index=next(self._admissions)
         )
         self.requests[submit.request_id] = request
+        self.queue.track(party)
         self._enqueue(request)
         accepted = wire.SubmitReply(
             request_id=submit.request_id,
@@ -925,7 +926,9 @@ class ClusterScheduler:
         self._enqueue(request)
 
     def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> None:
-        self.requests.pop(request.request_id, None)
+        forgotten = self.requests.pop(request.request_id, None)
+        if forgotten is not None:
+            self.queue.untrack(forgotten.party)
         self.placement.forget(request.request_id)
         self.awaiting_first_token.discard(request.request_id)
         if cancel_reason is not None or request.phase != Phase.QUEUED:

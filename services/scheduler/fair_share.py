@@ -54,6 +54,14 @@ from services.scheduler.queued import BULK_CLASS, Party, QueuedRequest
 
 POLICIES = ("fair", "fcfs")
 
+# Parties are remembered until this many are known, then the idle ones are forgotten (and the
+# bound doubles past what is left); tenants come from the client's `user` field, so without it
+# the accounts grow with every name ever sent.
+FIRST_PARTIES_SWEEP = 1024
+# Idle parties whose counter is ahead of the virtual time (so forgetting them gives them credit)
+# are kept up to this many; past it, those least ahead are forgotten first.
+MAX_IDLE_PARTIES_AHEAD = 65_536
+
 
 @dataclass(frozen=True)
 class FairShareConfig:
@@ -171,6 +179,8 @@ class FairQueue:
         self._native_choice = getattr(self._index, "choose", None)
         self._last_was_aged = False  # aging takes every other choice at most
         self._party_objects: dict[tuple[str, str], Party] = {}
+        self._num_tracked: dict[Party, int] = {}  # the caller's requests per party (`track`)
+        self._sweep_at = FIRST_PARTIES_SWEEP
 
     @property
     def index_kind(self) -> str:
@@ -211,8 +221,46 @@ class FairQueue:
         # One object per party, so that the many dict lookups by party find it by identity.
         party = self._party_objects.get((tenant, class_name))
         if party is None:
+            if len(self._party_objects) >= self._sweep_at:
+                self.forget_idle_parties()
+                self._sweep_at = max(FIRST_PARTIES_SWEEP, 2 * len(self._party_objects))
             party = self._party_objects[tenant, class_name] = Party(tenant, class_name)
         return party
+
+    def track(self, party: Party) -> None:
+        """The caller holds one more request of `party` (queued or running: it may charge it
+        yet), so the party's account must be kept."""
+        self._num_tracked[party] = self._num_tracked.get(party, 0) + 1
+
+    def untrack(self, party: Party) -> None:
+        """The caller let go of one request of `party` (`track`)."""
+        left = self._num_tracked[party] - 1
+        if left:
+            self._num_tracked[party] = left
+        else:
+            del self._num_tracked[party]
+
+    def forget_idle_parties(self) -> int:
+        """Forgets the accounts of idle parties (nothing queued, no request tracked); returns how
+        many. One whose counter the virtual time has reached changes no decision by leaving:
+        it would re-enter at the virtual time either way, and nothing can charge it meanwhile.
+        One still ahead would re-enter with that lead forgotten, so those are kept, up to
+        `MAX_IDLE_PARTIES_AHEAD` (past it the least ahead go first: the smallest credit given)."""
+        idle = [
+            party
+            for party in self._party_objects.values()
+            if party not in self._num_tracked and not self._index.backlogged(party)
+        ]
+        ahead = [p for p in idle if self.counters.get(p, 0.0) > self.virtual_time]
+        forgotten = [p for p in idle if not self.counters.get(p, 0.0) > self.virtual_time]
+        if len(ahead) > MAX_IDLE_PARTIES_AHEAD:
+            ahead.sort(key=lambda p: self.counters[p])
+            forgotten += ahead[: len(ahead) - MAX_IDLE_PARTIES_AHEAD]
+        for party in forgotten:
+            del self._party_objects[party.tenant, party.class_name]
+            self.counters.pop(party, None)
+            self.served_tokens.pop(party, None)
+        return len(forgotten)
 
     def push(self, item: QueuedRequest) -> None:
         if item.request_id in self._index:

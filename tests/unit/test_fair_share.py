@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.scheduler import fair_share
 from services.scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
 
 _ids = itertools.count()
@@ -260,3 +261,43 @@ def test_resuming_work_goes_before_anything_new_oldest_first(policy):
     # Not admissible now (no room for its 500 tokens): the next one goes, nothing blocks.
     assert queue.pop_next(10.0, lambda i: i.num_prompt_tokens < 100) is fresh[0]
     assert [queue.pop_next(10.0) for _ in range(3)] == [early, late, fresh[1]]
+
+
+def serve_and_let_go(queue: FairQueue, tenant: str, now: float) -> Party:
+    """One request of `tenant` queued, served and finished, as the core tracks it."""
+    item = request(tenant, 10, now)
+    party = queue.party_for(tenant, 10)
+    queue.track(party)
+    queue.push(item)
+    assert queue.pop_next(now) is item
+    queue.untrack(party)
+    return party
+
+
+def test_accounts_do_not_grow_with_every_tenant_name_ever_sent(monkeypatch):
+    # Tenants come from the client's `user` field: a hub naming each end user, or a client
+    # sending random names, must not grow the scheduler's accounts without bound.
+    monkeypatch.setattr(fair_share, "MAX_IDLE_PARTIES_AHEAD", 100)
+    queue = FairQueue(FairShareConfig())
+    for i in range(5000):
+        serve_and_let_go(queue, f"user-{i}", now=i / 1000)
+    assert len(queue.counters) <= fair_share.FIRST_PARTIES_SWEEP
+    assert len(queue.served_tokens) <= fair_share.FIRST_PARTIES_SWEEP
+
+
+def test_a_forgotten_party_re_enters_as_a_newcomer_and_a_busy_one_keeps_its_account(
+    monkeypatch,
+):
+    monkeypatch.setattr(fair_share, "MAX_IDLE_PARTIES_AHEAD", 0)
+    queue = FairQueue(FairShareConfig())
+    idle = serve_and_let_go(queue, "idle", now=0.0)
+    running = queue.party_for("running", 10)
+    queue.track(running)  # its request runs: reports will charge it yet
+    queue.push(request("running", 10, 0.0))
+    queue.pop_next(0.0)
+    queue.push(request("waiting", 10, 0.0))  # backlogged
+    assert queue.forget_idle_parties() == 1
+    assert idle not in queue.counters and idle not in queue.served_tokens
+    assert queue.counters[running] == 10.0 and queue.party_for("waiting", 10) in queue.counters
+    queue.charge(running, num_output_tokens=3)  # the running request's report
+    assert queue.counters[running] == 16.0
