@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,11 @@ from shared.errors import InvalidRequestError
 from shared.lifecycle import PrefillEvents
 from shared.logs import configure_logging
 from shared.wire_convert import sampling_params, token_delta
+
+# KV messages queued for one decode worker before a send fails at once (each holds a prompt's
+# whole KV): one that cannot be reached must not gather them without bound, nor, past the
+# queue's bound, block this worker's loop in a send.
+KV_SEND_QUEUE = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +107,7 @@ class PrefillWorker(WorkerLoop):
             self.poller,  # for KV_ACKs
         )
         self._num_cached: dict[str, int] = {}  # prompt tokens the cache spared, until reported
+        self._last_ack_at: dict[str, float] = {}  # per decode address with a socket, monotonic
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -276,7 +283,10 @@ class PrefillWorker(WorkerLoop):
             # Ended for good: any other worker would fail the same way (`_abandon`).
             self._fail(job, f"its KV cannot be sent: {error}")
             return
-        self.decode_sockets[job.decode_address].send_multipart(frames, copy=False)
+        if not self._send_to_decode(job, frames):
+            self.events.kv_failed(job.request_id, "unreachable", f"{KV_SEND_QUEUE} queued")
+            self._report(job, "error", len(output.new_token_ids))  # the scheduler re-routes it
+            return
         num_bytes = keys.numel() * keys.element_size() * 2
         sent_at = self.events.kv_sent(job.request_id, job.decode_peer_id, num_bytes)
         self.transfers[job.request_id] = PendingTransfer(
@@ -286,6 +296,19 @@ class PrefillWorker(WorkerLoop):
             len(output.new_token_ids),  # made here: a resumed attempt's given ones were not
             sent_at,
         )
+
+    def _send_to_decode(self, job: wire.PrefillJob, frames: list) -> bool:
+        """Queues a KV message for the job's decode worker; False if its queue is full (the
+        worker is unreachable or far behind: waiting would stop this worker's loop)."""
+        if self._check_decode(job.decode_address) is not None:  # (reopens a socket dropped)
+            return False
+        try:
+            self.decode_sockets[job.decode_address].send_multipart(
+                frames, copy=False, flags=zmq.NOBLOCK
+            )
+        except zmq.Again:
+            return False
+        return True
 
     def _check_decode(self, address: str) -> str | None:
         """Why KV cannot be shipped to the decode worker at `address`, or None; connects to it
@@ -297,6 +320,7 @@ class PrefillWorker(WorkerLoop):
         sock = self.security.client(self.context.socket(zmq.DEALER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, KV_SEND_QUEUE)
         return sock
 
     def _on_grant(self, grant: wire.PrefillGrant) -> None:
@@ -315,6 +339,7 @@ class PrefillWorker(WorkerLoop):
         transfer = self.transfers.pop(ack.request_id, None)
         if transfer is None:
             return
+        self._last_ack_at[transfer.job.decode_address] = time.monotonic()
         if ack.ok:
             self.events.kv_acknowledged(ack.request_id, transfer.sent_at)
             self._report(transfer.job, None, transfer.num_output_tokens)
@@ -326,12 +351,24 @@ class PrefillWorker(WorkerLoop):
         return [*self.jobs, *self.awaiting_grant, *self.transfers]
 
     def _on_timers(self, now: float) -> None:
-        """A transfer never acknowledged in time is abandoned: the scheduler re-routes it."""
+        """A transfer never acknowledged in time is abandoned: the scheduler re-routes it. If
+        its decode worker acknowledged nothing since, its socket goes too, with what is queued
+        in it (KV that socket would otherwise hold, and deliver stale should the worker come
+        back); the next job naming the address opens a new one."""
         for request_id, transfer in list(self.transfers.items()):
             if now > transfer.deadline:
                 del self.transfers[request_id]
                 self.events.kv_failed(request_id, "timeout", None)
                 self._report(transfer.job, "error", transfer.num_output_tokens)
+                address = transfer.job.decode_address
+                if self._last_ack_at.get(address, -math.inf) < transfer.sent_at:
+                    self._drop_decode_socket(address)
+
+    def _drop_decode_socket(self, address: str) -> None:
+        if address in self.decode_sockets:
+            self.decode_sockets.discard(address)
+            self.log.warning("dropped the socket of a silent decode worker", decode=address)
+        self._last_ack_at.pop(address, None)
 
     def _report(
         self,
@@ -386,6 +423,7 @@ class PrefillWorker(WorkerLoop):
         super()._close_idle()
         in_use = {job.decode_address for job in self._jobs_held()}
         for address in self.decode_sockets.close_idle(in_use):
+            self._last_ack_at.pop(address, None)
             self.log.info("closed an idle decode socket", decode=address)
 
     def _jobs_held(self) -> list[wire.PrefillJob]:

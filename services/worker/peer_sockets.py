@@ -71,6 +71,10 @@ class PeerSockets:
             self._close(address)
         return idle
 
+    def discard(self, address: str) -> None:
+        """Closes the socket to `address` now, dropping what is queued in it."""
+        self._close(address)
+
     def close(self) -> None:
         for address in list(self._sockets):
             self._close(address)

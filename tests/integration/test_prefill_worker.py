@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import zmq
 
+from services.prefill import service as prefill_service
 from services.prefill.service import PrefillWorker
 from services.worker.config import WorkerConfig
 from shared import wire
@@ -23,6 +24,10 @@ def setup(running):
 
 @pytest.fixture
 def running(tmp_path, tiny_model_dir):
+    yield from run_worker(tmp_path, tiny_model_dir, transfer_timeout_s=0.5)
+
+
+def run_worker(tmp_path, model_dir, **settings):
     context = zmq.Context()
     scheduler = FakeScheduler(context, f"ipc://{tmp_path}/s.sock")
     gateway = context.socket(zmq.PULL)
@@ -32,11 +37,11 @@ def running(tmp_path, tiny_model_dir):
     config = WorkerConfig(
         scheduler_address=f"ipc://{tmp_path}/s.sock",
         peer_id="p",
-        model=str(tiny_model_dir),
+        model=str(model_dir),
         dtype="float32",
         kv_cache_bytes=1 << 20,
         block_size=4,
-        transfer_timeout_s=0.5,
+        **settings,
     )
     worker = WorkerThread(PrefillWorker(config, context)).start()
     scheduler.expect(wire.Heartbeat)
@@ -181,6 +186,52 @@ def test_unacknowledged_transfer_is_abandoned_and_reported(setup):
     assert decode.poll(10_000)  # the KV arrives, but no ack is ever sent
     done = scheduler.expect(wire.RequestDone, timeout_s=10)
     assert done.request_id == "lost" and done.finish_reason == "error"
+
+
+def test_kv_for_a_decode_worker_that_never_answers_is_dropped_with_its_socket(running):
+    """Its KV address unreachable (a firewall, a wrong address): once the transfer timed out,
+    the socket goes with the KV queued in it, so nothing stale reaches the worker should it come
+    back, and the next job to the address ships normally."""
+    scheduler, gateway, decode, tmp_path, worker = running
+    silent = f"ipc://{tmp_path}/silent.sock"
+    scheduler.send(
+        dataclasses.replace(job(tmp_path, "lost", ignore_eos=True), decode_address=silent)
+    )
+    done = scheduler.expect(wire.RequestDone, timeout_s=10)
+    assert done.request_id == "lost" and done.finish_reason == "error"
+    assert silent not in worker.decode_sockets
+    back = decode.context.socket(zmq.ROUTER)  # the decode worker comes back
+    try:
+        back.bind(silent)
+        assert not back.poll(1000)  # the timed-out transfer's KV is gone
+        again = dataclasses.replace(job(tmp_path, "next", ignore_eos=True), decode_address=silent)
+        scheduler.send(again)
+        assert back.poll(10_000)
+        assert wire.decode(back.recv_multipart()[1:]).request_id == "next"
+    finally:
+        back.close(linger=0)
+
+
+def test_a_full_kv_queue_to_a_decode_worker_fails_the_transfer_at_once(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """Past its queue's bound a send would block the worker's loop for good (no heartbeats, no
+    other job): the transfer fails at once instead, for the scheduler to re-route."""
+    monkeypatch.setattr(prefill_service, "KV_SEND_QUEUE", 1)
+    running = run_worker(tmp_path, tiny_model_dir, transfer_timeout_s=60.0)
+    scheduler, gateway, decode, tmp_path, worker = next(running)
+    try:
+        silent = f"ipc://{tmp_path}/silent.sock"
+        for request_id in ("a", "b", "c"):
+            lost = job(tmp_path, request_id, ignore_eos=True)
+            scheduler.send(dataclasses.replace(lost, decode_address=silent))
+        # Long before the 60 s timeout: a queue full.
+        done = scheduler.expect(wire.RequestDone, timeout_s=20)
+        assert done.finish_reason == "error"
+        scheduler.send(job(tmp_path, "fine", ignore_eos=True))  # the loop goes on
+        assert decode.poll(10_000)
+    finally:
+        next(running, None)
 
 
 def test_request_over_at_its_first_token_ends_in_prefill(setup):
