@@ -26,6 +26,7 @@ from services.scheduler.fair_share import FairShareConfig
 from services.scheduler.wait_forecast import DEADLINE_SHARE
 from services.scheduler.worker_index import BULK_SEAT_SHARE, BULK_WINDOW_SHARE
 from shared import wire
+from shared.binding import bind
 from shared.config import (
     ConfigError,
     CurveSettings,
@@ -276,7 +277,7 @@ class SchedulerService:
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.socket.bind(config.address)
+        bind(self.socket, config.address, "address")
         self.events = SchedulerEvents(self.log)
         self.metrics_address: str | None = None
         self.epoch = uuid.uuid4().hex  # tells gateways this is a new scheduler, after a restart
@@ -462,6 +463,24 @@ class SchedulerService:
         probe.close(linger=0)
         return refusal
 
+    def _kv_layout_refusal(self, hello: wire.Hello) -> str | None:
+        """Why a worker's KV could never pass to or from the workers already registered (a
+        decode worker refuses KV of another block size or dtype), or None. Checked whether or
+        not prefix caching is on: its cache key, which also covers these, is absent when off."""
+        if hello.role == "gateway":
+            return None
+        for worker in self.core.registry.workers.values():
+            if worker.peer_id == hello.peer_id:
+                continue  # (registering again: it replaces itself)
+            if (worker.block_size, worker.dtype) != (hello.block_size, hello.dtype):
+                return (
+                    f"KV block size {hello.block_size} and dtype {hello.dtype} differ from "
+                    f"worker {worker.peer_id}'s ({worker.block_size}, {worker.dtype}): KV "
+                    "could never pass between them"
+                )
+            return None  # (every registered worker passed this same check)
+        return None
+
     def _hello(self, identity: bytes, hello: wire.Hello, now: float) -> list[Outgoing]:
         error = None
         if hello.schema_version != wire.SCHEMA_VERSION:
@@ -472,6 +491,7 @@ class SchedulerService:
             error = (
                 worker_shape_refusal(hello)
                 or self._address_refusal(hello)
+                or self._kv_layout_refusal(hello)
                 or self.core.prefix_index.refusal(hello.cache_key)
             )
         ack = wire.HelloAck(

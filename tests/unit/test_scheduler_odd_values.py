@@ -250,3 +250,32 @@ def test_a_hello_whose_address_others_cannot_reach_is_refused_by_name(role, addr
 def test_a_hello_with_a_sound_address_is_accepted(role, address):
     with scheduler_service(f"sound-{role}-{len(address or '')}") as service:
         assert hello_ack(service, role, address).accepted
+
+
+def worker_hello_ack(
+    service: SchedulerService, role: str, peer_id: str, block_size: int, dtype: str
+) -> wire.HelloAck:
+    address = None if role == "prefill" else f"inproc://{peer_id}"
+    hello = wire.Hello(schema_version=wire.SCHEMA_VERSION, role=role, peer_id=peer_id,
+                       model=service.config.model, address=address, num_kv_blocks=64,
+                       block_size=block_size, max_num_seqs=8, dtype=dtype)  # fmt: skip
+    ack = service._handle(peer_id.encode(), hello, 0.0)[0].message
+    assert isinstance(ack, wire.HelloAck)
+    return ack
+
+
+@pytest.mark.parametrize("block_size, dtype", [(32, "float32"), (16, "bfloat16")])
+def test_a_worker_whose_kv_no_other_could_take_is_refused_with_caching_off(block_size, dtype):
+    """Prefix caching off, no cache key compares the workers: a prefill worker of another block
+    size or dtype joined, and every KV transfer to the decode workers was then refused."""
+    with scheduler_service(f"layout-{block_size}-{dtype}") as service:
+        assert worker_hello_ack(service, "decode", "d1", 16, "float32").accepted
+        ack = worker_hello_ack(service, "prefill", "p1", block_size, dtype)
+        assert not ack.accepted and "could never pass between them" in ack.error
+        assert "d1" in ack.error and set(service.core.registry.workers) == {"d1"}
+        assert worker_hello_ack(service, "prefill", "p2", 16, "float32").accepted
+        # Alone, a worker may come back with another layout (a restart with new settings).
+        solo = f"layout-solo-{block_size}-{dtype}"
+        with scheduler_service(solo) as alone:
+            assert worker_hello_ack(alone, "decode", "d1", 16, "float32").accepted
+            assert worker_hello_ack(alone, "decode", "d1", block_size, dtype).accepted
