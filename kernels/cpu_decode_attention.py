@@ -206,8 +206,12 @@ def _check(
     if key_cache.shape[-1] != query.shape[-1] or value_cache.shape != key_cache.shape:
         raise ValueError("the caches' head_dim must be the query's")
     indices = (block_tables, context_lens, rows.seq_ids, rows.query_rows)
-    if any(t.dtype != torch.int32 for t in indices) or block_tables.stride(-1) != 1:
-        raise ValueError("block tables, context lengths and rows must be int32")
+    if any(t.dtype != torch.int32 or t.device.type != "cpu" for t in indices):
+        raise ValueError("block tables, context lengths and rows must be int32 CPU tensors")
+    if block_tables.dim() != 2 or block_tables.stride(-1) != 1:
+        raise ValueError("block tables must be a matrix with a dense last dimension")
+    if context_lens.dim() != 1 or block_tables.shape[0] < context_lens.shape[0]:
+        raise ValueError("block tables need a row per context length")
     if not all(t.is_contiguous() for t in indices[1:]):
         raise ValueError("context lengths and rows must be dense")
     if rows.seq_ids.shape != rows.query_rows.shape:

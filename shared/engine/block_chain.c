@@ -171,7 +171,8 @@ static PyObject *chain(PyObject *module, PyObject *args) {
     }
     Tokens tokens;
     if (tokens_open(&tokens, tokens_object) != 0) return NULL;
-    if (num_blocks > 0 && (first_block + num_blocks) > tokens.length / block_size) {
+    /* (Compared without the sum, which could overflow.) */
+    if (num_blocks > 0 && first_block > tokens.length / block_size - num_blocks) {
         PyErr_Format(PyExc_ValueError, "blocks %zd to %zd of %zd tokens in blocks of %zd",
                      first_block, first_block + num_blocks, tokens.length, block_size);
         tokens_release(&tokens);

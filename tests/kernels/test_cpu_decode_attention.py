@@ -163,6 +163,13 @@ BAD_INPUTS = {
         lambda b: {"query": b.query[..., :8], "out": torch.empty_like(b.query[..., :8])},
         "caches' head_dim",
     ),
+    # (The kernel bounds a sequence by the context lengths: it read rows past the table.)
+    "fewer table rows than sequences": (
+        lambda b: {"block_tables": b.block_tables[:1]},
+        "a row per context length",
+    ),
+    "a vector for tables": (lambda b: {"block_tables": b.block_tables[0]}, "a matrix"),
+    "meta tables": (lambda b: {"block_tables": b.block_tables.to("meta")}, "CPU tensors"),
 }
 
 

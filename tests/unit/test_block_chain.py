@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import random
 import struct
+import sys
 
 import pytest
 
@@ -138,6 +139,9 @@ def test_bad_arguments_are_refused_by_both(native):
         native(0, tokens, 0, 0, 1)
     with pytest.raises(ValueError, match="not negative"):
         native(0, tokens, 16, -1, 1)
+    # Past the tokens however large (the sum overflowed and the C read past the list).
+    with pytest.raises(ValueError, match="blocks .* of 32 tokens"):
+        native(0, tokens, 16, sys.maxsize, 1)
     with pytest.raises(TypeError, match="token_ids must be a sequence"):
         native(0, 5, 16, 0, 1)
 
