@@ -6,6 +6,7 @@ Hugging Face directory, a GGUF converted once into a cache) is `shared.engine.mo
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -108,11 +109,30 @@ def decode_kernel_for(
         return None
 
 
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of a Hugging Face checkpoint, as transformers picks them: the shards
+    `model.safetensors.index.json` names, else `model.safetensors`. Other files are left alone:
+    Mistral's repositories ship `consolidated.safetensors` beside the shards, the same weights
+    under Mistral's own names."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{index} is not a safetensors index: {error!r}") from None
+        files = [directory / name for name in names]
+        missing = [str(f) for f in files if not f.is_file() or f.parent != directory]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards not in {directory}: {missing}")
+        return files
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
+
+
 def read_safetensors(directory: Path):
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {directory}")
-    for file in files:
+    for file in safetensors_files(directory):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                 yield name, handle.get_tensor(name)

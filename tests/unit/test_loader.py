@@ -8,9 +8,11 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from shared.engine.loader import parse_dtype
+from shared.engine.loader import parse_dtype, read_safetensors
 from shared.engine.model_files import FINGERPRINT_SPAN, gguf_fingerprint
+from tests.helpers import tiny_hf_model
 
 
 def write_file(path, size: int, seed: int = 0):
@@ -76,3 +78,47 @@ def test_auto_dtype_on_this_machine_matches_its_cpu_flags():
 def test_a_wrong_dtype_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="auto, float32, bfloat16, float16"):
         parse_dtype("int4")
+
+
+def weights_read(directory) -> dict[str, torch.Tensor]:
+    return dict(read_safetensors(directory))
+
+
+def test_the_weights_are_the_files_transformers_reads(tmp_path):
+    """Mistral's repositories ship `consolidated.safetensors` (the same weights under Mistral's
+    names) beside the shards: every `*.safetensors` was read, and the load failed on names that
+    match no layer. Sharded checkpoints are read through their index."""
+    hf = tiny_hf_model("mistral", seed=3)
+    hf.save_pretrained(tmp_path / "whole")
+    state = {name: tensor.clone() for name, tensor in hf.state_dict().items()}
+    save_file({"tok_embeddings.weight": state["model.embed_tokens.weight"]},
+              str(tmp_path / "whole" / "consolidated.safetensors"))  # fmt: skip
+    assert weights_read(tmp_path / "whole").keys() == state.keys()
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    save_file({"tok_embeddings.weight": state["model.embed_tokens.weight"]},
+              str(tmp_path / "sharded" / "consolidated.safetensors"))  # fmt: skip
+    read = weights_read(tmp_path / "sharded")
+    assert read.keys() == state.keys()
+    assert all(torch.equal(read[name], state[name]) for name in state)
+
+
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ('{"weight_map": {"a": "../elsewhere.safetensors"}}', "names shards not in"),
+        ('{"weight_map": {"a": "gone.safetensors"}}', "names shards not in"),
+        ("[1]", "is not a safetensors index"),
+        ("{", "is not a safetensors index"),
+    ],
+)
+def test_a_bad_index_is_named(tmp_path, index, message):
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        weights_read(tmp_path)
+
+
+def test_a_directory_without_weights_says_what_it_looked_for(tmp_path):
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "consolidated.safetensors"))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index"):
+        weights_read(tmp_path)
