@@ -375,7 +375,7 @@ def _parse_message(message: Any, where: str) -> dict[str, Any]:
         if message.get(name) is not None and not isinstance(message[name], str):
             _fail(f"{where}.{name}", "must be a string")
     role = message.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         _fail(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
     if calls:
         text = message.get("content")

@@ -58,7 +58,7 @@ def _parse_response_format(value: Any) -> Constraint | None:
         _fail(param, "must be an object with a `type`")
     kind = value.get("type")
     allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:
         _fail(f"{param}.type", f"must be one of {sorted(allowed)}, got {kind!r}")
     for name in value:
         if name not in allowed[kind]:

@@ -16,8 +16,10 @@ schema, whatever the format.
   calls are dropped, neither calls nor content.
 - A block that does not parse, or names an unknown tool, stays in the content verbatim, as does
   an unclosed tagged block when the choice ends (`length`), and a forced call that is incomplete.
-- Content is trimmed of surrounding whitespace (the newlines models put around calls): a
-  whitespace run is held until text follows it, and dropped at the start and the end.
+- Content is the text as written, but for the whitespace that calls leave (the newlines models
+  put around them): a whitespace run is held until text follows it, and dropped when there is
+  nothing but calls between it and the start or the end of the text. So without calls the
+  content is the whole text, as a non-streamed response gives it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ToolCallParser:
         self._opener: str | None = None  # the opener of the block being read, if any
         self._held_space = ""  # whitespace sent only if content follows it
         self._content_started = False
+        self._after_call = False  # a call was cut out since the last content
         self.num_calls = 0
 
     def push(self, text: str) -> ToolOutput:
@@ -80,7 +83,7 @@ class ToolCallParser:
             calls = self._calls(self.format.calls(block)) if self.format.closer is None else None
             if calls is not None:
                 out.calls += calls
-                block = ""
+                block, self._after_call = "", True
             rest = block
         self._add_content(out, rest, final=True)
         return out
@@ -113,6 +116,7 @@ class ToolCallParser:
             self._add_content(out, block)
         else:  # the whitespace held before it joins the text after it, if any
             out.calls += calls
+            self._after_call = True
         return True
 
     def _find_opener(self) -> tuple[int, str | None]:
@@ -140,13 +144,15 @@ class ToolCallParser:
 
     def _add_content(self, out: ToolOutput, text: str, final: bool = False) -> None:
         text = self._held_space + text
-        if not self._content_started:
-            text = text.lstrip()
+        if self._after_call and not self._content_started:
+            text = text.lstrip()  # only calls before it
         shown = text.rstrip()
-        self._held_space = "" if final else text[len(shown) :]
         if shown:
-            self._content_started = True
-            out.content += shown
+            self._content_started, self._after_call = True, False
+        if final and not self._after_call:
+            shown = text  # the content's own trailing whitespace: no call follows it
+        self._held_space = "" if final else text[len(shown) :]
+        out.content += shown
 
     def _calls(self, found: list[Call] | None) -> list[dict[str, Any]] | None:
         """Found calls in OpenAI's streamed shape; None if there are none or one names an

@@ -47,22 +47,34 @@ _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 
 @dataclass(frozen=True)
+class NamedTool:
+    """A `tool_choice` that names the function to call: kept apart from the modes, which are
+    strings, since a function may be named "none", "auto" or "required" too."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class ToolSetup:
     """A chat request's tools: their functions as given, and the choice."""
 
     functions: tuple[Mapping[str, Any], ...]
-    choice: str  # "none", "auto", "required", or the name of the function to call
+    choice: str | NamedTool  # "none", "auto", "required", or the function to call
     parallel: bool = True  # `parallel_tool_calls`: false, a choice's first call alone is kept
 
     @property
     def forced(self) -> bool:
-        return self.choice not in ("none", "auto")
+        return self.choice == "required" or isinstance(self.choice, NamedTool)
+
+    def may_call(self, name: str) -> bool:
+        """Whether a forced call may be to the function `name`."""
+        return self.choice in ("required", NamedTool(name))
 
     def constraint(self) -> Constraint | None:
         """The call schema for `required` or a named function; None when the model decides."""
         if not self.forced:
             return None
-        chosen = [f for f in self.functions if self.choice in ("required", f["name"])]
+        chosen = [f for f in self.functions if self.may_call(f["name"])]
         calls = [
             {
                 "type": "object",
@@ -87,8 +99,8 @@ class ToolSetup:
             raise InvalidRequestError(
                 "tools",
                 f"the parameters of the tools a forced call may use come to {len(text)}"
-                f" characters of schema; tool_choice {self.choice!r} takes at most"
-                f" {MAX_SPEC_CHARS} (name one tool, or shorten their schemas)",
+                f" characters of schema; a forced call takes at most {MAX_SPEC_CHARS}"
+                " (name one tool, or shorten their schemas)",
             )
         return Constraint("json_schema", text, "tools")
 
@@ -124,7 +136,7 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
         raise InvalidRequestError("tools", "tool names must be distinct")
     setup = ToolSetup(functions, _parse_choice(choice, names), parallel is not False)
     for i, function in enumerate(functions):
-        if setup.choice in ("required", function["name"]):  # enforced: the engine must be able to
+        if setup.may_call(function["name"]):  # enforced: the engine must be able to
             _check_enforceable(function.get("parameters"), f"tools[{i}].function.parameters")
     return setup
 
@@ -171,7 +183,7 @@ def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
     return function
 
 
-def _parse_choice(choice: Any, names: list[str]) -> str:
+def _parse_choice(choice: Any, names: list[str]) -> str | NamedTool:
     if choice is None:
         return "auto"
     if choice in ("none", "auto", "required"):
@@ -187,7 +199,7 @@ def _parse_choice(choice: Any, names: list[str]) -> str:
         raise InvalidRequestError(
             "tool_choice", f"names the unknown tool {function['name']!r}; tools: {names}"
         )
-    return function["name"]
+    return NamedTool(function["name"])
 
 
 def parse_history_calls(calls: Any, where: str) -> list[dict[str, Any]]:

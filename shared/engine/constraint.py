@@ -9,14 +9,22 @@ compiles it against the tokenizer where tokens are sampled.
 past the size cap, text that does not parse, and JSON schema keywords that xgrammar would ignore
 (it would then emit output that violates the schema while calling it valid). Each refusal is an
 `InvalidRequestError` naming the field, so the HTTP API answers 400 with that name.
+
+A schema's `pattern` describes the string's value, but xgrammar matches it against the string's
+JSON text, writing what the pattern allows between the quotes as it is: a pattern that can match a
+quote, a backslash or a control character let it write invalid JSON. So each pattern is
+translated into one over the JSON text first (`json_string_pattern`: such a character becomes its
+escape), and the features whose meaning the translation cannot keep are refused.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shared.engine.json_pattern import json_string_pattern
 from shared.errors import InvalidRequestError
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
@@ -135,7 +143,12 @@ def check_schema_keywords(schema: Any, where: str, depth: int = 0) -> None:
                 check_schema_keywords(sub, f"{where}.{key}[{i}]", depth + 1)
         elif key in ("items", "additionalProperties"):
             check_schema_keywords(value, f"{where}.{key}", depth + 1)
+        elif key == "pattern":
+            if not isinstance(value, str):
+                raise InvalidRequestError(f"{where}.pattern", "must be a string (a regex)")
+            json_string_pattern(value, f"{where}.pattern")
     _check_combination(schema, where)
+    _check_typed(schema, where)
 
 
 # xgrammar reads the first of these a subschema has and ignores every other keyword beside it
@@ -165,35 +178,109 @@ def _check_combination(schema: dict[str, Any], where: str) -> None:
             " length in the pattern",
         )
     required, properties = schema.get("required"), schema.get("properties") or {}
-    closed = schema.get("additionalProperties", False) is False  # strict: false by default
-    if isinstance(required, list) and isinstance(properties, dict) and closed:
-        missing = [name for name in required if name not in properties]
-        if missing:
-            raise InvalidRequestError(
-                f"{where}.required",
-                f"names {missing[0]!r}, which `properties` does not list: no output could have it",
-            )
+    if required is not None and (
+        not isinstance(required, list) or not all(isinstance(name, str) for name in required)
+    ):
+        raise InvalidRequestError(f"{where}.required", "must be a list of property names")
+    # With `additionalProperties` closed no output could have such a name; open, xgrammar drops
+    # the requirement.
+    missing = [name for name in required or () if name not in properties]
+    if missing:
+        raise InvalidRequestError(
+            f"{where}.required",
+            f"names {missing[0]!r}, which `properties` does not list: only a listed property"
+            " can be required",
+        )
+
+
+# The keywords that constrain one type of value, and that type. xgrammar reads them only beside a
+# `type` (or, for an array's, beside `items` or `prefixItems`, from which it takes the array);
+# without one it allows any value, when the schema allows any value of another type but only
+# some of this one.
+_TYPED_KEYWORDS = {
+    "minimum": '"number" or "integer"',
+    "maximum": '"number" or "integer"',
+    "exclusiveMinimum": '"number" or "integer"',
+    "exclusiveMaximum": '"number" or "integer"',
+    "pattern": '"string"',
+    "minLength": '"string"',
+    "maxLength": '"string"',
+    "minItems": '"array"',
+    "maxItems": '"array"',
+}
+
+
+def _check_typed(schema: dict[str, Any], where: str) -> None:
+    """Refuses what xgrammar would read as any value: a value keyword without a `type`, an empty
+    list of types, and a `$ref` outside this schema."""
+    if "type" not in schema:
+        is_array = "items" in schema or "prefixItems" in schema
+        for key in schema:
+            if key in _TYPED_KEYWORDS and not (is_array and key in ("minItems", "maxItems")):
+                raise InvalidRequestError(
+                    where,
+                    f"`{key}` without a `type` cannot be enforced (xgrammar would allow any"
+                    f" value): add a `type` ({_TYPED_KEYWORDS[key]})",
+                )
+    elif schema["type"] == []:
+        raise InvalidRequestError(f"{where}.type", "must name at least one type")
+    ref = schema.get("$ref", "#")
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        raise InvalidRequestError(
+            f"{where}.$ref",
+            f"{ref!r} cannot be resolved: only references into this schema (`#` or `#/...`) are",
+        )
 
 
 def rebase_refs(schema: Any, base: str) -> Any:
     """A copy of `schema` to be placed at the JSON pointer `base` of a larger document: its local
-    `$ref`s (`#`, `#/...`), which point into `schema` itself, point there still. Only schema
+    `$ref`s (`#`, `#/...`), which point into `schema` itself, point there still."""
+
+    def rebase(sub: dict[str, Any]) -> dict[str, Any]:
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            return {**sub, "$ref": base + ref[1:]}
+        return sub
+
+    return _map_subschemas(schema, rebase)
+
+
+def _map_subschemas(schema: Any, change: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of `schema` with `change` applied to each of its subschemas (objects). Only schema
     positions are walked (an `enum` or `const` value holding a "$ref" key is data)."""
     if not isinstance(schema, dict):
         return schema
-    rebased: dict[str, Any] = {}
+    mapped: dict[str, Any] = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            rebased[key] = base + value[1:]
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            rebased[key] = {name: rebase_refs(sub, base) for name, sub in value.items()}
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _map_subschemas(sub, change) for name, sub in value.items()}
         elif key in _SCHEMA_LISTS and isinstance(value, list):
-            rebased[key] = [rebase_refs(sub, base) for sub in value]
+            value = [_map_subschemas(sub, change) for sub in value]
         elif key in ("items", "additionalProperties"):
-            rebased[key] = rebase_refs(value, base)
-        else:
-            rebased[key] = value
-    return rebased
+            value = _map_subschemas(value, change)
+        mapped[key] = value
+    return change(mapped)
+
+
+def _with_json_string_patterns(spec: str, param: str) -> str:
+    """The schema text with each `pattern` translated for xgrammar (see json_string_pattern).
+    A translation is longer (`.` takes about 100 characters), and xgrammar's time grows with it:
+    what the translations add is bounded as the spec is."""
+
+    def translate(sub: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(sub.get("pattern"), str):
+            return sub
+        return {**sub, "pattern": json_string_pattern(sub["pattern"], param)}
+
+    translated = json.dumps(_map_subschemas(json.loads(spec), translate))
+    if len(translated) - len(spec) > MAX_SPEC_CHARS:
+        raise InvalidRequestError(
+            param,
+            f"its patterns, with JSON's escapes written out, come to {len(translated)} characters"
+            f" of schema; at most {len(spec) + MAX_SPEC_CHARS} (repeat an atom with `{{n}}`"
+            " rather than writing it n times)",
+        )
+    return translated
 
 
 def to_grammar(constraint: Constraint) -> Any:
@@ -210,9 +297,10 @@ def to_grammar(constraint: Constraint) -> Any:
                     '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
                 )
             case "json_schema":
+                spec = _with_json_string_patterns(constraint.spec, constraint.param)
                 return _escaped_bounded_strings(
                     xgr.Grammar.from_json_schema(
-                        constraint.spec, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
+                        spec, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
                     )
                 )
             case "regex":
@@ -223,6 +311,8 @@ def to_grammar(constraint: Constraint) -> Any:
                 return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
             case _:
                 return xgr.Grammar.from_ebnf(constraint.spec)
+    except InvalidRequestError:
+        raise
     except (RuntimeError, ValueError) as error:
         message = str(error).split("] ", 1)[-1].strip()  # drop xgrammar's timestamp and path
         raise InvalidRequestError(

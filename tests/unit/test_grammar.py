@@ -77,11 +77,108 @@ def test_the_common_combinations_stay_allowed():
         {
             "type": "object",
             "properties": {"a": {}},
-            "required": ["b"],
+            "required": ["a"],
             "additionalProperties": True,
         },
+        {"type": ["string", "null"], "pattern": "^[a-z]+$"},
+        {"items": {"type": "integer"}, "minItems": 1},  # xgrammar takes the array from `items`
     ):
         to_grammar(schema_constraint(schema, "p"))
+
+
+@pytest.mark.parametrize(
+    ("schema", "where", "message"),
+    [
+        ({"type": "object", "properties": {"n": {"minimum": 0, "maximum": 10}}},
+         "p.properties.n", "`minimum` without a `type`"),
+        ({"pattern": "^[a-z]+$"}, "p", "`pattern` without a `type`"),
+        ({"maxLength": 2}, "p", "`maxLength` without a `type`"),
+        ({"minItems": 2}, "p", "`minItems` without a `type`"),
+        ({"anyOf": [{"type": "string"}, {"exclusiveMaximum": 2}]}, "p.anyOf[1]", "without a"),
+        ({"type": []}, "p.type", "at least one type"),
+        ({"$ref": "http://example.com/s.json"}, "p.$ref", "cannot be resolved"),
+        ({"type": "object", "additionalProperties": True, "required": ["id"]},
+         "p.required", "'id'"),
+        ({"type": "object", "additionalProperties": {"type": "string"}, "required": ["id"]},
+         "p.required", "'id'"),
+        ({"type": "object", "properties": {"a": {}}, "required": [["a"]]},
+         "p.required", "list of property names"),  # unhashable: was a TypeError
+    ],
+)  # fmt: skip
+def test_what_xgrammar_would_read_as_any_value_is_refused(schema, where, message):
+    """Each was accepted and then not enforced: a value keyword beside no `type` (xgrammar then
+    allows any value), no type at all, a reference outside the schema, and a required name
+    `properties` does not list (dropped when other properties are allowed)."""
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
+        schema_constraint(schema, "p")
+    assert info.value.param == where
+
+
+def test_an_arrays_bounds_beside_items_are_enforced_without_a_type():
+    constraint = schema_constraint({"items": {"type": "integer"}, "minItems": 2}, "p")
+    assert accepts(constraint, "[1, 2]") and not accepts(constraint, "[1]")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text", "ok"),
+    [
+        (r"^[A-Z]:\\[a-z]+$", r'"C:\\users"', True),  # the backslash, escaped
+        (r"^[A-Z]:\\[a-z]+$", r'"C:\users"', False),  # raw: invalid JSON
+        (r"^a\nb$", r'"a\nb"', True),
+        (r"^a\nb$", '"a\nb"', False),  # a raw newline
+        (r"^a\tb$", r'"a\u0009b"', True),
+        ('^"$', r'"\""', True),
+        ('^"$', '"""', False),
+        (r'^[\\"]{1,2}$', r'"\\\""', True),
+        ("^é.*$", '"éa"', True),
+        ("^é.*$", '"é"a"', False),  # a pattern with é took `.` as any character, `"` too
+        ("^é[^a]$", r'"é\"', False),
+        (r"^é\s$", '"é\t"', False),  # a raw tab
+        (r"^\d{2}$", '"12"', True),
+        (r"^\d{2}$", '"1a"', False),
+    ],
+)
+def test_a_pattern_constrains_the_strings_value_not_its_json_text(pattern, text, ok):
+    """xgrammar wrote what a pattern allows between the quotes as it is: a backslash, quote or
+    newline the pattern asked for (and, in a pattern it could not compile as one automaton, any
+    character `.` or a negated class allowed) came out raw, invalid JSON."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    document = '{"s": ' + text + "}"
+    assert accepts(schema_constraint(schema, "p"), document) is ok
+    if ok:
+        assert re.fullmatch(pattern, json.loads(document)["s"])
+
+
+def test_a_patterns_ecma_syntax_is_read_as_ecma_reads_it():
+    """The patterns are parsed with Python's parser: what ECMA-262 spells otherwise is read."""
+    for pattern, text in [
+        (r"^(?<year>\d{4})-(?<month>\d{2})$", '"2026-12"'),  # Python: (?P<year>...)
+        (r"^\u{e9}\cJ$", r'"é\n"'),
+        ("^a[^]$", '"a-"'),  # any character
+    ]:
+        schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+        assert accepts(schema_constraint(schema, "p"), '{"s": ' + text + "}"), pattern
+    assert not accepts(schema_constraint({"type": "string", "pattern": r"^\d$"}, "p"), '"٣"')
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("^(?!test)[a-z]+$", "lookahead"),  # xgrammar dropped it: "test" was allowed
+        ("(?<=a)b", "lookbehind"),
+        (r"\bword", "`\\b`"),
+        (r"(a)\1", "back-references"),
+        ("(?i)abc", "inline flags"),
+        ("a^b", "`^` and `$`"),
+        ("[a-", "not a valid regex"),
+        (5, "must be a string"),
+    ],
+)
+def test_patterns_the_translation_cannot_keep_are_refused(pattern, message):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
+        schema_constraint(schema, "p")
+    assert info.value.param == "p.properties.s.pattern"
 
 
 def test_length_bounded_strings_are_json_strings():

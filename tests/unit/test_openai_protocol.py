@@ -527,6 +527,7 @@ def test_messages_are_normalized():
         ([{"content": "Hi"}], "messages[0].role"),
         ([{"role": "robot", "content": "Hi"}], "messages[0].role"),
         ([{"role": 1, "content": "Hi"}], "messages[0].role"),
+        ([{"role": ["user"], "content": "Hi"}], "messages[0].role"),  # unhashable: was a 500
         ([{"role": "user"}], "messages[0].content"),
         ([{"role": "user", "content": None}], "messages[0].content"),
         ([{"role": "user", "content": 3}], "messages[0].content"),

@@ -55,6 +55,14 @@ def test_each_spelling_maps_to_its_constraint():
     ("fields", "param", "match"),
     [
         ({"response_format": {"type": "yaml"}}, "response_format.type", "must be one of"),
+        # Unhashable: a TypeError, answered with a 500.
+        ({"response_format": {"type": ["json_object"]}}, "response_format.type", "must be one of"),
+        ({"response_format": {"type": {}}}, "response_format.type", "must be one of"),
+        (
+            {"structured_outputs": {"json": {**SCHEMA, "required": [["a"]]}}},
+            "structured_outputs.json.required",
+            "list of property names",
+        ),
         ({"response_format": "json"}, "response_format", "must be an object"),
         (
             {"response_format": {"type": "json_schema"}},

@@ -160,6 +160,29 @@ def test_any_split_into_pieces_gives_the_same_content_and_calls(tool_format, dat
     assert [c["index"] for c in calls] == list(range(len(calls)))
 
 
+@pytest.mark.parametrize("tool_format", FORMAT_TEXTS, ids=lambda f: f.name)
+@given(data=st.data())
+def test_without_calls_the_content_is_the_whole_text(tool_format, data):
+    """As a non-streamed response gives it: the stream trimmed the whitespace around an answer
+    with no calls (" padded answer \\n" came out "padded answer")."""
+    auto = setup()
+    texts = [*FORMAT_TEXTS[tool_format], " \n", "\n\n  Hi  \n"]
+    texts = [t for t in texts if not extract_tool_calls(auto, t, tool_format)[1]]
+    text = data.draw(st.sampled_from(texts))
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=12))))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert streamed(auto, pieces, tool_format) == (text, [])
+    assert extract_tool_calls(auto, text, tool_format) == (text, [])
+
+
+def test_only_whitespace_next_to_calls_is_dropped():
+    auto = setup()
+    text = "\n " + OSLO + "\n\nIt is sunny.\n" + OSLO + "\n"
+    assert extract_tool_calls(auto, text)[0] == "It is sunny."
+    assert extract_tool_calls(auto, "  Sure:\n" + OSLO + "\nDone. ")[0] == "  Sure:\n\nDone. "
+    assert extract_tool_calls(auto, OSLO + "\n" + OSLO)[0] is None
+
+
 def test_a_possible_tag_start_is_held_until_it_is_not_one():
     parser = ToolCallParser(setup())
     assert parser.push("It is <tool").content == "It is"

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
+from services.gateway.tool_output import extract_tool_calls
 from shared.engine.constraint import to_grammar
 
 MODEL = "smollm2"
@@ -62,6 +63,22 @@ def test_forced_calls_are_constrained_to_the_tools_schemas():
     constraint = required.sampling_params(10, MAX_LEN).constraint
     assert len(json.loads(constraint.spec)["anyOf"]) == 2
     to_grammar(constraint)  # xgrammar takes it
+
+
+@pytest.mark.parametrize("name", ["none", "auto", "required"])
+def test_a_tool_named_like_a_mode_is_forced_when_named(name):
+    """A named choice was kept as the bare name: a tool called "none" or "auto", named in
+    `tool_choice`, was taken for that mode (no constraint, no call parsed)."""
+    tool = {"type": "function", "function": {**WEATHER["function"], "name": name}}
+    request = chat(tools=[tool, NOW], tool_choice={"type": "function", "function": {"name": name}})
+    assert request.tools.forced and request.tools.may_call(name)
+    assert not request.tools.may_call("now")
+    schema = json.loads(request.sampling_params(10, MAX_LEN).constraint.spec)
+    assert schema["properties"]["name"] == {"const": name}
+    call = json.dumps({"name": name, "arguments": {"city": "Oslo"}})
+    content, calls = extract_tool_calls(request.tools, call)
+    assert content is None and calls[0]["function"]["name"] == name
+    assert chat(tools=[tool, NOW], tool_choice=name).tools.choice == name  # the mode, as a string
 
 
 def test_history_with_calls_and_results_is_rendered():
