@@ -1,23 +1,43 @@
 """structlog set-up shared by every service: JSON lines, or a readable console renderer on a TTY.
 
 Every line about a request carries `request_id`, so one grep follows a request through the cluster.
+Loggers are lazy: one made at import (a module's `log = get_logger()`) takes its processors, level
+and output from `configure_logging` when it first logs, not from structlog's defaults (console
+text on stdout, every level) as it did when `get_logger` built it at once.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 import structlog
 
+from shared.config import ConfigError
 
-def configure_logging(service: str, level: str | None = None) -> None:
-    level_name = (level or os.environ.get("TANDEM_LOG_LEVEL") or "INFO").upper()
-    # TANDEM_LOG_FORMAT=console|json; by default, console on a terminal and JSON elsewhere.
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+FORMATS = ("console", "json")
+
+
+def log_settings(level: str | None = None) -> tuple[int, str]:
+    """(level, format) from `level` or TANDEM_LOG_LEVEL and TANDEM_LOG_FORMAT; ConfigError for a
+    value that is neither (an unknown level was taken for INFO, an unknown format for JSON)."""
+    level_name = (level or os.environ.get("TANDEM_LOG_LEVEL") or "info").strip().lower()
+    if level_name not in LEVELS:
+        raise ConfigError(
+            f"TANDEM_LOG_LEVEL must be one of {', '.join(LEVELS)}, got {level_name!r}"
+        )
+    # By default, console on a terminal and JSON elsewhere.
     log_format = os.environ.get("TANDEM_LOG_FORMAT") or (
         "console" if sys.stderr.isatty() else "json"
     )
+    if log_format not in FORMATS:
+        raise ConfigError(f"TANDEM_LOG_FORMAT must be console or json, got {log_format!r}")
+    return LEVELS[level_name], log_format
+
+
+def configure_logging(service: str, level: str | None = None) -> None:
+    level_number, log_format = log_settings(level)
     # The console renderer prints a traceback itself; JSON needs it made a string first (else a
     # line logged with its exception reads `"exc_info": true`, the traceback lost).
     renderers = (
@@ -32,7 +52,7 @@ def configure_logging(service: str, level: str | None = None) -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *renderers,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level_name, 20)),
+        wrapper_class=structlog.make_filtering_bound_logger(level_number),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
@@ -40,4 +60,5 @@ def configure_logging(service: str, level: str | None = None) -> None:
 
 
 def get_logger(**bindings):
-    return structlog.get_logger().bind(**bindings)
+    """A logger carrying `bindings`, assembled from the configuration when it first logs."""
+    return structlog.get_logger(**bindings)

@@ -12,6 +12,7 @@ from, so one scrape target suffices for a local cluster.
 from __future__ import annotations
 
 import bisect
+import errno
 import functools
 import socket
 import threading
@@ -28,12 +29,15 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from shared.binding import BindError, describe, host_port
+
 # `_created` series double the exposition and no dashboard of ours reads them.
 disable_created_metrics()
 
 PREFIX = "tandem:"
 PEER_LABEL = "peer"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+METRICS_SETTINGS = ("metrics_host", "metrics_port")  # every service's names for serve_metrics's
 
 # Buckets as vLLM's, so histograms compare bucket for bucket.
 TTFT_BUCKETS = (
@@ -94,9 +98,17 @@ def serve_metrics(
             return [(problem or "ok").encode() + b"\n"]
         return metrics_app(environ, start_response)
 
-    server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+    server_class = _ThreadingServer6 if ":" in host else _ThreadingServer
+    try:
+        server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    except OSError as error:  # in use, not this machine's address, a host that does not resolve
+        settings = ("metrics_port",) if error.errno == errno.EADDRINUSE else METRICS_SETTINGS
+        raise BindError(
+            f"{describe(*settings)}: cannot serve /metrics on "
+            f"{host_port(host, port)}: {error.strerror or error}"
+        ) from None
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
-    return f"http://{advertised_host(host)}:{server.server_port}"
+    return f"http://{host_port(advertised_host(host), server.server_port)}"
 
 
 def advertised_host(host: str) -> str:
@@ -109,6 +121,12 @@ def advertised_host(host: str) -> str:
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+
+
+class _ThreadingServer6(_ThreadingServer):
+    """For an IPv6 host (`::1`, or `::`, which takes IPv4 too): wsgiref's server is IPv4 only."""
+
+    address_family = socket.AF_INET6
 
 
 class _QuietHandler(WSGIRequestHandler):

@@ -44,6 +44,7 @@ Op = Literal[
     "batch_get",
     "batch_list",
     "batch_cancel",
+    "metrics",  # the service's Prometheus text in the data frame, for the gateway's /metrics
 ]
 OPS: tuple[str, ...] = Op.__args__
 

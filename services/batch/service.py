@@ -4,7 +4,8 @@ One process holds an SQLite database (WAL) and the uploaded and produced files i
 Gateways forward the Files and Batches calls to its ROUTER (`shared.wire_batch`); any number of
 gateways share it. It runs each job's lines through a gateway's RPC door as bulk requests
 (`runner`), and on start resumes every job a kill left unfinished (`jobs`). Metrics: lines by
-state, jobs by status and the lines still queued, on `--metrics-port`.
+state, jobs by status and the lines still queued, on `--metrics-port` and to a gateway that asks
+(its /metrics federates them, as a `batch` peer).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from services.batch.api import BatchApi, Limits
 from services.batch.jobs import JobManager
@@ -25,6 +26,7 @@ from services.batch.runner import RunLimits
 from services.batch.store import Store
 from services.gateway.rpc_client import AsyncTandemClient
 from shared import wire_batch
+from shared.binding import bind
 from shared.config import (
     CurveSettings,
     add_config_arguments,
@@ -146,7 +148,7 @@ class BatchService:
         socket = self.security.server(context.socket(zmq.ROUTER))
         socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_FRAME_BYTES)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(self.config.address)
+        bind(socket, self.config.address, "address")
         metrics_address = None
         if self.config.metrics_port is not None:
             metrics_address = serve_metrics(
@@ -185,11 +187,18 @@ class BatchService:
                 self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
                 continue
             try:
-                status, body, chunk = self.api.handle(call.op, call.tenant, params, data)
+                status, body, chunk = self._answer(call, params, data)
             except Exception as error:  # a bug in one call must not take the service down
                 self.log.exception("batch call failed", op=call.op)
                 status, body, chunk = 500, _server_error(str(error)), None
             await socket.send_multipart([identity, *self._reply(call, status, body, chunk)])
+
+    def _answer(
+        self, call: wire_batch.BatchCall, params: dict, data: bytes | None
+    ) -> tuple[int, dict, bytes | None]:
+        if call.op == "metrics":  # the gateway's, for its /metrics: no tenant's, no file's
+            return 200, {"object": "metrics"}, generate_latest(self.metrics.registry)
+        return self.api.handle(call.op, call.tenant, params, data)
 
     def _reply(
         self, call: wire_batch.BatchCall, status: int, body: dict, chunk: bytes | None

@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from services.gateway.chat_prompt import read_chat_template
+from shared.binding import check_tcp_port
 from shared.config import ConfigError
 from shared.engine.loader import (
     DEVICE_HELP,
@@ -38,6 +39,7 @@ from shared.engine.loader import (
 )
 from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
 from shared.engine.sampling_defaults import parse_default_sampling
+from shared.logs import log_settings
 
 PR_SET_PDEATHSIG = 1
 MAX_RESTARTS = 5  # per child; past it the child is taken as broken and the cluster stops
@@ -141,6 +143,8 @@ class LocalCluster:
         for role in ("prefill", "decode"):  # a cluster without one serves nothing
             if getattr(self.args, role) < 1:
                 raise ConfigError(f"--{role} must be at least 1, got {getattr(self.args, role)}")
+        log_settings()  # else every child exits on it, and is started again, five times
+        self._check_ports()
         resolve_model_dir(self.args.model)  # convert a GGUF once, before workers race to it
         num_workers = self.args.prefill + self.args.decode
         threads = max(1, (os.cpu_count() or 1) // num_workers)
@@ -210,16 +214,29 @@ class LocalCluster:
         if getattr(self.args, "chat_template", None):
             gateway += ["--chat-template", os.path.abspath(self.args.chat_template)]
         rpc_address = self.address("gateway-rpc")
-        if self.args.rpc_port:
-            rpc_address = f"tcp://{self.args.host}:{self.args.rpc_port}"
+        rpc_port = getattr(self.args, "rpc_port", None)
+        if rpc_port is not None:
+            rpc_address = f"tcp://{self.args.host}:{rpc_port}"
         batch = not getattr(self.args, "no_batch", False)
-        if self.args.rpc_port or batch:
+        if rpc_port is not None or batch:
             gateway += ["--rpc-address", rpc_address]
         if batch:
             gateway += ["--batch-address", self.address("batch")]
         self._spawn("gateway", gateway)
         if batch:
             self._spawn_batch(rpc_address, metrics)
+
+    def _check_ports(self) -> None:
+        """The gateway's ports must be free: `wait_ready` asks whoever answers on --port, and
+        took a server already there (an earlier `tandem up`) for this cluster's gateway, which
+        was failing to bind behind it."""
+        rpc_port = getattr(self.args, "rpc_port", None)
+        for flag, port in (("--port", self.args.port), ("--rpc-port", rpc_port)):
+            if port is None:
+                continue
+            if not 1 <= port <= 65535:  # (0, any free port, is one nobody could be told)
+                raise ConfigError(f"{flag} must be a port in [1, 65535], got {port}")
+            check_tcp_port(self.args.host, port, flag)
 
     def _spawn_batch(self, rpc_address: str, metrics: list[str]) -> None:
         batch_dir = getattr(self.args, "batch_dir", None) or os.path.join(self.run_dir, "batch")

@@ -22,6 +22,7 @@ from services.worker.config import WorkerConfig
 from services.worker.loop import WorkerLoop
 from services.worker.streams import group_by_gateway
 from shared import wire
+from shared.binding import bind
 from shared.config import ConfigError, add_config_arguments, config_from_args, expand_host
 from shared.deltas import joined
 from shared.engine.block_manager import NoFreeBlocksError
@@ -104,7 +105,7 @@ class DecodeWorker(WorkerLoop):
         self.kv_socket = self.security.server(self.context.socket(zmq.ROUTER))
         self.kv_socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.kv_socket.setsockopt(zmq.LINGER, 0)
-        self.kv_socket.bind(config.address)
+        bind(self.kv_socket, config.address, "address")
         self.add_socket(self.kv_socket, router=True)
         self.reservations: dict[str, Reservation] = {}
         self.routes: dict[str, Route] = {}

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from services.gateway.auth import ApiKeys, tenant_of
+from services.gateway.batch_link import BatchLink
 from services.gateway.batched_prompts import (
     batched_chunks,
     batched_response,
@@ -89,8 +90,14 @@ def routing_error(request: Request, error: HTTPException) -> JSONResponse:
 
 
 def build_app(
-    generator: Generator, max_body_bytes: int, keys: ApiKeys | None = None, lifespan=None
+    generator: Generator,
+    max_body_bytes: int,
+    keys: ApiKeys | None = None,
+    lifespan=None,
+    batch: BatchLink | None = None,
 ) -> FastAPI:
+    """The HTTP API; `batch`, the link to the batch service, adds its metrics to /metrics (its
+    routes are `batch_routes`')."""
     app = FastAPI(title="tandem", lifespan=lifespan)
     model = generator.model_name
     keys = keys or ApiKeys({})
@@ -173,7 +180,7 @@ def build_app(
     async def metrics() -> Response:
         """This gateway's metrics and every peer's, each sample labelled with its `peer`."""
         cluster = generator.cluster
-        body = await cluster_metrics(cluster.peer_id, generator.telemetry, cluster.view)
+        body = await cluster_metrics(cluster.peer_id, generator.telemetry, cluster.view, batch)
         return Response(body, media_type=CONTENT_TYPE)
 
     def model_card() -> dict[str, Any]:

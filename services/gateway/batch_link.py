@@ -55,9 +55,15 @@ class BatchLink:
             self._socket.close()
 
     async def call(
-        self, op: str, tenant: str, params: dict[str, Any], data: bytes | None = None
+        self,
+        op: str,
+        tenant: str,
+        params: dict[str, Any],
+        data: bytes | None = None,
+        timeout_s: float | None = None,
     ) -> Reply:
-        """The service's answer; ApiError with its status and body when it is not a 200."""
+        """The service's answer; ApiError with its status and body when it is not a 200 (a 503
+        when none came within `timeout_s`, by default the link's)."""
         assert self._socket is not None, "start() first"
         call_id = next(self._call_ids)
         future = self._waiting[call_id] = asyncio.get_running_loop().create_future()
@@ -65,7 +71,8 @@ class BatchLink:
             call_id=call_id, op=op, tenant=tenant, params=json.dumps(params)
         )
         try:
-            async with asyncio.timeout(self.timeout_s):  # the send too: it waits for a link
+            # The send too: it waits for a link.
+            async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
                 await wire_batch.async_send(self._socket, message, data)
                 reply, chunk = await future
         except TimeoutError:
@@ -78,6 +85,16 @@ class BatchLink:
         if reply.status != 200:
             raise _api_error(reply.status, body)
         return reply.status, body, chunk
+
+    async def metrics(self, timeout_s: float) -> str | None:
+        """The service's Prometheus exposition, for the gateway's /metrics; None when it did
+        not answer with one within `timeout_s` (down, or older than the `metrics` op)."""
+        try:
+            _, _, text = await self.call("metrics", "", {}, timeout_s=timeout_s)
+            return text.decode() if text is not None else None
+        except (ApiError, UnicodeDecodeError) as error:
+            self.log.warning("batch service metrics not scraped", error=str(error))
+            return None
 
     async def _read(self) -> None:
         assert self._socket is not None

@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from shared import wire
+from shared.binding import bind
 from shared.curve import CurveKeys, Security
 from shared.deltas import after
 from shared.lifecycle import GatewayEvents
@@ -163,7 +164,7 @@ class ClusterClient:
         self.stream.setsockopt(zmq.LINGER, 0)
         self.stream.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.stream.setsockopt(zmq.RCVHWM, 100_000)
-        self.stream.bind(self.stream_bind)
+        bind(self.stream, self.stream_bind, "stream_address")
         await self._hello()
         self._tasks = [
             asyncio.create_task(self._read_scheduler()),

@@ -43,6 +43,7 @@ from services.gateway.openai_protocol import ApiError, parse_chat_request, parse
 from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
 from services.gateway.tokenize_api import detokenize, tokenize
 from shared import wire
+from shared.binding import bind
 from shared.curve import RPC_DOOR, CurveKeys, Security
 from shared.logs import get_logger
 
@@ -115,7 +116,7 @@ class RpcServer:
         timeout_ms = round(self.client_timeout_s * 1000)  # pings a few times in a timeout
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(5_000, max(1, timeout_ms // 4)))
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-        self.socket.bind(self.address)
+        bind(self.socket, self.address, "rpc_address")
         self._loop_task = asyncio.create_task(self._serve())
         self._probe_task = asyncio.create_task(self._probe_waiting_clients())
         self.log.info("rpc listening")

@@ -19,6 +19,7 @@ from services.gateway.chat_prompt import read_chat_template
 from services.gateway.cluster import ClusterClient
 from services.gateway.generation import Generator, Timeouts
 from services.gateway.rpc import RpcServer
+from shared.binding import check_address, check_tcp_port, describe
 from shared.config import (
     ConfigError,
     CurveSettings,
@@ -202,7 +203,7 @@ def build_gateway(config: GatewayConfig):
                 await rpc.close()  # first: its calls cancel theirs through the cluster link
             await cluster.close()
 
-    app = build_app(generator, config.max_body_bytes, keys, lifespan=lifespan)
+    app = build_app(generator, config.max_body_bytes, keys, lifespan=lifespan, batch=batch)
     if batch is not None:
         add_batch_routes(app, batch, keys, name)
     return app
@@ -211,6 +212,12 @@ def build_gateway(config: GatewayConfig):
 def run(args: argparse.Namespace) -> int:
     configure_logging("gateway")
     config = config_from_args(GatewayConfig, args)
+    # Refused here in one line, before the model's tokenizer loads: bound in the web server's
+    # start-up, a taken address was a traceback (or, for the HTTP port, came after "ready").
+    check_tcp_port(config.host, config.port, describe("host", "port"))
+    check_address(config.stream_address, "stream_address")
+    if config.rpc_address is not None:
+        check_address(config.rpc_address, "rpc_address")
     app = build_gateway(config)
     uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level="warning")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.config import ConfigError
 from shared.engine.model_config import ModelConfig
 
 
@@ -22,9 +23,17 @@ def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) ->
 def num_blocks_for_budget(
     config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int
 ) -> int:
-    num_blocks = budget_bytes // bytes_per_block(config, block_size, dtype)
+    """Blocks of `block_size` tokens that `budget_bytes` (a worker's --kv-cache-bytes) holds;
+    ConfigError naming the setting and the bytes one block takes when not even one fits (it
+    was a ValueError traceback, after the model had loaded)."""
+    block_bytes = bytes_per_block(config, block_size, dtype)
+    num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no block of {block_size}")
+        raise ConfigError(
+            f"kv_cache_bytes (--kv-cache-bytes / TANDEM_KV_CACHE_BYTES): a KV budget of "
+            f"{budget_bytes} bytes holds no block of {block_size} tokens: this model's take "
+            f"{block_bytes} bytes each"
+        )
     return int(num_blocks)
 
 

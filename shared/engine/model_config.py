@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.config import ConfigError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -99,7 +101,15 @@ def attention_window(hf_config: Any) -> int | None:
 def served_context_len(hf_config: Any, asked: int | None = None) -> int:
     """The longest context served: `asked` (a max_model_len setting) or the model's, within its
     attention window (past it, full attention's answers differ from the model's). The gateway
-    and the engine both take it, so a prompt refused by one is refused by the other."""
+    and the engine both take it, so a prompt refused by one is refused by the other. An
+    `asked` past the model's positions is refused (ConfigError): the gateway took prompts the
+    workers' engines, which serve at most the model's, then failed."""
+    if asked is not None and asked > hf_config.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len (--max-model-len / TANDEM_MAX_MODEL_LEN) is {asked}, past the "
+            f"model's context of {hf_config.max_position_embeddings} tokens "
+            "(max_position_embeddings)"
+        )
     longest = asked or hf_config.max_position_embeddings
     window = attention_window(hf_config)
     return min(longest, window) if window else longest

@@ -54,8 +54,11 @@ def test_every_service_serves_metrics_that_parse(cluster):
         merged = scrape(cluster.url)
     assert total(merged, "tandem:gateway_gc_pause_seconds_count") > 0
     peers = {dict(labels).get("peer") for _, labels in merged}
-    assert set(addresses) <= peers  # the gateway's one scrape target covers every service
-    assert total(merged, "tandem:peer_scrape_up") == len(addresses)
+    # The gateway's one scrape target covers every service, the batch service too (asked over
+    # the gateway's link to it: no peer of the scheduler's, its metrics port one nobody knew).
+    assert {*addresses, "batch"} <= peers
+    assert ("tandem:batch_queue_depth", frozenset({("peer", "batch")})) in merged
+    assert total(merged, "tandem:peer_scrape_up") == len(addresses) + 1
 
 
 def test_one_request_moves_exactly_its_counters(cluster):

@@ -5,6 +5,8 @@ once the service came back, and the retry made a second batch)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import zmq
@@ -35,3 +37,68 @@ def test_a_call_to_a_service_that_is_down_is_a_503_and_never_runs_later(tmp_path
 
     refused = asyncio.run(call_while_down())
     assert refused.status == 503 and refused.retry_after_s == 5.0
+
+
+def test_the_gateways_metrics_carry_the_batch_services(tmp_path):
+    """The gateway's /metrics federated the scheduler and workers only: the batch service is
+    no peer of the scheduler's, and `tandem up` gives it a free metrics port nobody is told.
+    The gateway asks it over its link; a service that is down shows as not scraped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.gateway.cluster import ClusterView
+    from services.gateway.federation import cluster_metrics
+    from shared.lifecycle import GatewayEvents
+    from shared.logs import get_logger
+
+    address = f"ipc://{tmp_path}/batch.sock"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.commands.cli", "batch-service",
+         "--address", address, "--data-dir", str(tmp_path / "data"),
+         "--gateway-rpc-address", f"ipc://{tmp_path}/nobody.sock"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+    def samples(text: bytes) -> dict[tuple[str, str], float]:
+        """(name, the peer it came from, or for peer_scrape_up the peer it is about): value."""
+        return {
+            (sample.name, sample.labels.get("target") or sample.labels.get("peer")): sample.value
+            for family in text_string_to_metric_families(text.decode())
+            for sample in family.samples
+        }
+
+    async def federated() -> tuple[str | None, bytes]:
+        link = BatchLink(address, timeout_s=5.0)
+        await link.start()
+        try:
+            own = await link.metrics(timeout_s=30.0)
+            telemetry = GatewayEvents(get_logger())
+            return own, await cluster_metrics("gw", telemetry, ClusterView(), link)
+        finally:
+            await link.close()
+
+    try:
+        for line in process.stdout:  # start-up may take a while on a busy machine
+            if b"batch service listening" in line:
+                break
+        else:
+            raise AssertionError("the batch service exited before listening")
+        own, text = asyncio.run(federated())
+    finally:
+        process.terminate()
+        process.wait(30)
+    assert own is not None and "tandem:batch_queue_depth" in own
+    found = samples(text)
+    assert found[("tandem:batch_queue_depth", "batch")] == 0.0
+    assert found[("tandem:peer_scrape_up", "batch")] == 1.0
+
+    async def federated_while_down() -> bytes:
+        link = BatchLink(address, timeout_s=5.0)
+        await link.start()
+        try:
+            return await cluster_metrics("gw", GatewayEvents(get_logger()), ClusterView(), link)
+        finally:
+            await link.close()
+
+    found = samples(asyncio.run(federated_while_down()))  # within the scrape's 2 s
+    assert found[("tandem:peer_scrape_up", "batch")] == 0.0
+    assert ("tandem:batch_queue_depth", "batch") not in found

@@ -1,6 +1,7 @@
 """The `tandem` command refuses wrong input with a clear message and exit status 2."""
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -18,6 +19,16 @@ def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 FP16_F16 = ["--quantization", "fp16", "--dtype", "float16"]  # a float16 copy of float16: no
+
+
+def free_port() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+# (`tandem up` checks its port before the model: a free one, whatever else runs here.)
+FREE_PORT = ["--port", free_port()]
 
 
 WRONG_INPUTS = [
@@ -48,7 +59,7 @@ WRONG_INPUTS = [
     (["decode", "--address", "ipc://x", "--cuda-graphs", "true"], "needs --device cuda"),
     (["decode", "--address", "ipc://x", "--cuda-graphs", "maybe"], "--cuda-graphs"),
     (["gateway", "--port", "0"], "port"),
-    (["up", "--model", "/no/such"], "/no/such"),
+    (["up", "--model", "/no/such", *FREE_PORT], "/no/such"),
     (["generate", "--prompt", "hi", "--model", "/no/such"], "/no/such"),
     (["up", "--prefill", "0"], "--prefill must be at least 1"),
     (["up", "--prefill", "0", "--decode", "0"], "--prefill must be at least 1"),

@@ -240,3 +240,69 @@ def test_a_peer_answering_what_is_not_an_exposition_is_left_out():
 
     good, bad = asyncio.run(scrape_both())
     assert good == exposition(1) and bad is None
+
+
+def _binds_ipv6_loopback() -> bool:
+    import socket
+
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _binds_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_the_metrics_server_serves_on_an_ipv6_host():
+    """`--metrics-host ::1` crashed (wsgiref's server is IPv4 only); the URL peers scrape
+    needs the host in brackets (`http://::1:9000` is no URL)."""
+    import urllib.request
+
+    from shared.metrics import serve_metrics
+
+    address = serve_metrics(GatewayEvents(get_logger()).registry, "::1", 0)
+    assert address.startswith("http://[::1]:")
+    with urllib.request.urlopen(address + "/metrics", timeout=5) as response:
+        assert "tandem:gateway_requests_in_flight" in response.read().decode()
+
+
+def test_an_ipv6_host_is_bracketed_in_the_advertised_url(monkeypatch):
+    """Without an IPv6 loopback to bind, the URL's shape alone (a server stands in)."""
+    from shared import metrics
+
+    class Bound:
+        server_port = 9100
+
+        def __init__(self, *_, **__):
+            pass
+
+        def serve_forever(self):
+            pass
+
+    monkeypatch.setattr(metrics, "make_server", lambda *_, **__: Bound())
+    registry = CollectorRegistry()
+    assert metrics.serve_metrics(registry, "::1", 0) == "http://[::1]:9100"
+    assert metrics.serve_metrics(registry, "fe80::1", 0) == "http://[fe80::1]:9100"
+    assert metrics.serve_metrics(registry, "127.0.0.1", 0) == "http://127.0.0.1:9100"
+
+
+def test_a_taken_metrics_port_is_refused_naming_the_setting():
+    """An OSError traceback naming no setting, at start-up."""
+    import socket
+
+    from shared.config import ConfigError
+    from shared.metrics import serve_metrics
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(ConfigError) as refused:
+            serve_metrics(CollectorRegistry(), "127.0.0.1", port)
+    assert str(refused.value) == (
+        f"metrics_port (--metrics-port / TANDEM_METRICS_PORT): cannot serve /metrics on "
+        f"127.0.0.1:{port}: Address already in use"
+    )

@@ -1,0 +1,99 @@
+"""The addresses a service listens on: readied before the bind, refused in one line when taken.
+
+Every ZeroMQ bind goes through `bind`: an `ipc://` address gets its directory made first (the
+defaults live in /tmp/tandem, which nothing else creates), and a bind that fails (the port in
+use, an address not this machine's) is a `BindError` naming the setting, which the `tandem`
+command prints as one line with exit status 2 instead of a traceback. TCP ports that another
+program binds for us (uvicorn, `tandem up`'s gateway) are checked beforehand with
+`check_tcp_port` (`check_address` for a ZeroMQ one): free now, or refused the same way.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import zmq
+
+from shared.config import ConfigError, env_name, flag_name
+
+IPC_PREFIX = "ipc://"
+
+
+class BindError(ConfigError):
+    """An address a service is told to listen on that it cannot take; the message names the
+    setting. A ConfigError: the fix is another value for it (or stopping what holds it)."""
+
+
+def describe(*names: str) -> str:
+    """`name (--name / TANDEM_NAME)`, for each setting named, as ConfigError messages say it."""
+    return ", ".join(f"{name} ({flag_name(name)} / {env_name(name)})" for name in names)
+
+
+def ensure_ipc_dir(address: str) -> None:
+    """Makes the directory of an `ipc://` socket file (private to this user, as `tandem up`'s
+    run directory is); other addresses, and Linux's abstract `ipc://@name`, need none."""
+    if not address.startswith(IPC_PREFIX):
+        return
+    path = address[len(IPC_PREFIX) :]
+    directory = os.path.dirname(path)
+    if path.startswith("@") or not directory:
+        return
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+
+
+def bind(sock: zmq.Socket, address: str, setting: str) -> None:
+    """`sock.bind(address)`, the address being the value of the config field `setting`."""
+    try:
+        ensure_ipc_dir(address)
+        sock.bind(address)
+    except zmq.ZMQError as error:  # (its strerror repeats the address)
+        raise BindError(
+            f"{describe(setting)}: cannot bind {address}: {zmq.strerror(error.errno)}"
+        ) from None
+    except OSError as error:  # the ipc:// directory
+        reason = error.strerror or str(error)
+        raise BindError(f"{describe(setting)}: cannot bind {address}: {reason}") from None
+
+
+def check_address(address: str, setting: str) -> None:
+    """Before a bind made where a BindError would not reach the command (the gateway binds in
+    its web server's start-up, which prints a traceback of whatever it raises): the ipc://
+    directory made, a tcp:// port checked free. A host ZeroMQ resolves and Python cannot (an
+    interface name) is left to the bind."""
+    if not address.startswith("tcp://"):
+        try:
+            ensure_ipc_dir(address)
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise BindError(f"{describe(setting)}: cannot bind {address}: {reason}") from None
+        return
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    if port.isdigit() and int(port) > 0:  # (`*` or 0: any free port)
+        host = host.strip("[]")
+        check_tcp_port("0.0.0.0" if host == "*" else host, int(port), describe(setting))
+
+
+def check_tcp_port(host: str, port: int, what: str) -> None:
+    """BindError (naming `what`: a flag, or `describe(...)`) if a TCP server could not listen
+    on host:port now: the port held by another listener, or the host not this machine's.
+    Bound and released at once, with SO_REUSEADDR as servers set it, so a port a stopped
+    server left in TIME_WAIT passes."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except socket.gaierror:
+            return  # a name only the real bind resolves; it says why if it cannot
+        except OSError as error:
+            reason = error.strerror or str(error)
+            if error.errno == errno.EADDRINUSE:
+                reason += " (another server, or an earlier tandem still running?)"
+            raise BindError(f"{what}: cannot listen on {host_port(host, port)}: {reason}") from None
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port, an IPv6 host in brackets (as a URL needs it)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

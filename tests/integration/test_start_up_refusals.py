@@ -1,0 +1,124 @@
+"""Start-up failures through the `tandem` command itself, on real sockets: an address or port
+another program holds is one line naming the setting and exit status 2, never a traceback (nor,
+for `tandem up`, a cluster taken to be ready because someone else answered on its port)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture
+def taken_port():
+    """A port a plain TCP listener holds on 127.0.0.1 (another server, an earlier cluster)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.commands.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def assert_refused_in_one_line(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    said = [line for line in result.stderr.splitlines() if line.startswith("tandem ")]
+    assert len(said) == 1, result.stderr
+    for needle in needles:
+        assert needle in said[0], said[0]
+
+
+def test_the_scheduler_refuses_an_address_in_use(taken_port):
+    result = tandem("scheduler", "--address", f"tcp://127.0.0.1:{taken_port}")
+    assert_refused_in_one_line(
+        result, "--address / TANDEM_ADDRESS", f"tcp://127.0.0.1:{taken_port}", "in use"
+    )
+
+
+def test_the_scheduler_refuses_a_metrics_port_in_use(taken_port, tmp_path):
+    result = tandem(
+        "scheduler",
+        "--address",
+        f"ipc://{tmp_path}/scheduler.sock",
+        "--metrics-port",
+        str(taken_port),
+    )
+    assert_refused_in_one_line(result, "--metrics-port", f"127.0.0.1:{taken_port}", "in use")
+
+
+def test_the_gateway_refuses_a_port_in_use_before_loading_anything(taken_port, tmp_path):
+    """uvicorn's bind came after "gateway ready" was logged, then exit status 3."""
+    result = tandem(
+        "gateway",
+        "--port",
+        str(taken_port),
+        "--model",
+        "/no/such/model",  # refused first, it would say so instead
+        "--stream-address",
+        f"ipc://{tmp_path}/stream.sock",
+    )
+    assert_refused_in_one_line(result, "--port", f"127.0.0.1:{taken_port}", "in use")
+
+
+def test_the_gateway_refuses_a_stream_address_in_use(taken_port):
+    """Bound in the web server's start-up, it was a traceback there."""
+    result = tandem(
+        "gateway", "--stream-address", f"tcp://127.0.0.1:{taken_port}", "--model", "/no/such"
+    )
+    assert_refused_in_one_line(result, "--stream-address", "in use")
+
+
+@pytest.mark.parametrize("flag", ["--port", "--rpc-port"])
+def test_up_refuses_a_port_in_use_before_starting_anything(taken_port, flag):
+    """Its ready check asked whoever answered on --port: an earlier cluster still running was
+    taken for this one's gateway (which was failing to bind behind it). `--model /no/such`
+    would be refused next: a cluster is never started here."""
+    result = tandem("up", flag, str(taken_port), "--model", "/no/such")
+    assert_refused_in_one_line(result, flag, f"127.0.0.1:{taken_port}", "in use")
+
+
+def test_up_refuses_rpc_port_0():
+    """0 read as "no RPC port" (a falsy check), where every other port setting's 0 is "any
+    free one": neither could be told to a client, so it is refused."""
+    result = tandem("up", "--rpc-port", "0", "--model", "/no/such")
+    assert_refused_in_one_line(result, "--rpc-port must be a port in [1, 65535], got 0")
+
+
+def test_an_unknown_log_level_stops_the_service_with_status_2(tmp_path):
+    environ = dict(os.environ, TANDEM_LOG_LEVEL="trace")
+    result = tandem("scheduler", "--address", f"ipc://{tmp_path}/s.sock", env=environ)
+    assert_refused_in_one_line(result, "TANDEM_LOG_LEVEL", "'trace'")
+
+
+def test_the_scheduler_makes_its_ipc_directory(tmp_path):
+    """The default addresses live in /tmp/tandem, which nothing made: `tandem scheduler` died
+    on a ZMQError traceback."""
+    address = f"ipc://{tmp_path}/run/tandem/scheduler.sock"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.commands.cli", "scheduler", "--address", address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, TANDEM_LOG_FORMAT="json"),
+    )
+    try:
+        for line in process.stdout:  # start-up may take a while on a busy machine
+            if b"scheduler listening" in line:
+                break
+        else:
+            raise AssertionError("the scheduler exited before listening")
+        assert (tmp_path / "run" / "tandem" / "scheduler.sock").exists()
+    finally:
+        process.terminate()
+        process.wait(30)
