@@ -4,7 +4,8 @@ A message is a multipart ZeroMQ message:
 
     frame 0   one byte, the message type (`MessageType`), so a receiver routes without decoding
     frame 1   the header: MessagePack of a map {field name: value}
-    frame 2.. raw tensor bytes, one frame per tensor field, named in the header by a `TensorRef`
+    frame 2.. raw tensor bytes, one frame per tensor field (consecutive frames for one larger
+              than a frame carries), named in the header by a `TensorRef`
 
 Messages are frozen dataclasses; their type annotations are the schema. At import each annotation
 becomes a small codec (int, float, bool, bounded str or list, literal choice, optional, nested map,
@@ -58,6 +59,7 @@ from shared.wire_base import (
     MAX_RECENT_STEPS,
     MAX_REQUEST_ID_LEN,
     MAX_STR_LEN,
+    MAX_TENSOR_BYTES,
     MAX_TENSOR_DIMS,
     MAX_TOKEN_IDS,
     SCHEMA_VERSION,
@@ -89,9 +91,9 @@ from shared.wire_codec import (
     _as_view,
     _Decoding,
     _struct_codec,
-    _tensor_bytes,
     _type_name,
     _unpack_header,
+    tensor_frames,
 )
 from shared.wire_kv import KvAck, KvTransfer
 from shared.wire_registry import (
@@ -146,6 +148,7 @@ __all__ = [
     "MAX_RECENT_STEPS",
     "MAX_REQUEST_ID_LEN",
     "MAX_STR_LEN",
+    "MAX_TENSOR_BYTES",
     "MAX_TENSOR_DIMS",
     "MAX_TOKEN_IDS",
     "MaxLen",
@@ -236,13 +239,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         )
     frames: list[bytes | memoryview] = [bytes((msg.TYPE,)), header]
     for tensor in tensors:
-        view = _tensor_bytes(tensor)
-        if view.nbytes > MAX_MESSAGE_BYTES:
-            raise WireError(
-                f"{type(msg).__name__}: a tensor of {view.nbytes:,} bytes, more than a message "
-                f"carries ({MAX_MESSAGE_BYTES:,})"
-            )
-        frames.append(view)
+        frames.extend(tensor_frames(tensor))
     return frames
 
 

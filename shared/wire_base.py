@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import zmq
 
-SCHEMA_VERSION = 15  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
+SCHEMA_VERSION = 16  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
 # 5: the heartbeat's step time, bulk prefill jobs and transfers, speculative prefill; 6: the
 # submit's first-token deadline; 7: the status's prompt-token pace; 8: token positions, and the
 # first token carried with the KV; 9: where a stream ended, told its gateway by the scheduler;
@@ -22,8 +22,13 @@ SCHEMA_VERSION = 15  # 3: prefix cache fields, bulk submits; 4: structured-outpu
 # logprobs (the sampling's ask, the first delta's answer), the RPC's tokenizer calls; 13: the
 # RPC's `waiting` event (the gateway's probe of a client whose calls wait); 14: the reserve
 # reply's peer id (a late reply from a worker since passed over is told apart); 15: a worker's
-# GOODBYE as it stops
+# GOODBYE as it stops; 16: the batch link's `metrics` op (the batch conversation has no HELLO:
+# a batch service older than its gateway drops the call, and shows as not scraped); a tensor
+# over several frames (`TensorRef.num_frames`: a long prompt's KV on a big model)
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
+# A tensor larger than a frame travels in consecutive frames (a long prompt's KV: Llama-3-8B's
+# keys in bfloat16 are 128 KiB a token, one frame's worth at 2,048 tokens).
+MAX_TENSOR_BYTES = 64 << 30
 MAX_HEADER_BYTES = 16 << 20
 MAX_RECENT_STEPS = 256  # step batch sizes a heartbeat carries
 MAX_HELD_IDS = 8192  # request ids a heartbeat carries
@@ -167,11 +172,14 @@ class MessageType(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorRef:
-    """How a header names a tensor: its bytes are frame `frame`, C-contiguous, native order."""
+    """How a header names a tensor: its bytes, C-contiguous, native order, are frame `frame`,
+    or frames `frame` to `frame + num_frames - 1` in order when it is larger than a frame
+    carries (each then `MAX_MESSAGE_BYTES`, the last the rest)."""
 
     dtype: Literal["float32", "float16", "bfloat16", "int64", "int32", "uint8"]
     shape: Annotated[list[int], MaxLen(MAX_TENSOR_DIMS)]
     frame: int  # >= 2; each tensor frame is named by exactly one TensorRef
+    num_frames: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

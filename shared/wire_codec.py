@@ -37,6 +37,7 @@ from shared.wire_base import (
     MAX_LIST_LEN,
     MAX_MESSAGE_BYTES,
     MAX_STR_LEN,
+    MAX_TENSOR_BYTES,
     MAX_TENSOR_DIMS,
     MAX_TOKEN_IDS,
     FrameLike,
@@ -324,22 +325,38 @@ class _Tensor(_Codec):
 
     def to_wire(self, value: Any, tensors: list[torch.Tensor]) -> dict:
         tensor = _sendable(value, self.spec)
+        frame = 2 + sum(num_tensor_frames(t) for t in tensors)
         tensors.append(tensor)
-        return {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape),
-                "frame": 1 + len(tensors)}  # fmt: skip
+        header = {"dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape), "frame": frame}
+        num_frames = num_tensor_frames(tensor)
+        if num_frames > 1:
+            header["num_frames"] = num_frames
+        return header
 
     def from_wire(self, value: Any, path: str, ctx: _Decoding) -> torch.Tensor:
         ref: TensorRef = _TENSOR_REF.from_wire(value, path, ctx)
         _check_tensor_spec(ref.dtype, ref.shape, self.spec, path)
-        buf = ctx.claim(ref.frame, path)
         dtype = _torch_dtype(ref.dtype)
-        numel = _numel(ref.shape)
-        if buf.nbytes != numel * dtype.itemsize:
+        num_bytes = _numel(ref.shape) * dtype.itemsize
+        expected = _frames_for(num_bytes)
+        if ref.num_frames != expected:
             raise WireError(
-                f"{path}: frame {ref.frame} holds {buf.nbytes} bytes, but {ref.dtype}"
-                f"{ref.shape} needs {numel * dtype.itemsize}"
+                f"{path}: {ref.dtype}{ref.shape} travels in {expected} frame(s) of at most "
+                f"{MAX_MESSAGE_BYTES:,} bytes, not {ref.num_frames}"
             )
-        return _tensor_from_buffer(buf, dtype, ref.shape)
+        bufs = [ctx.claim(ref.frame + i, path) for i in range(ref.num_frames)]
+        sizes = [buf.nbytes for buf in bufs]
+        if sizes != _frame_sizes(num_bytes):
+            raise WireError(
+                f"{path}: frame {ref.frame} holds {sizes[0]} bytes, but {ref.dtype}{ref.shape} "
+                f"needs {num_bytes}"
+                if len(bufs) == 1
+                else f"{path}: frames {ref.frame}.. hold {sizes} bytes, but "
+                f"{ref.dtype}{ref.shape} needs {_frame_sizes(num_bytes)}"
+            )
+        if len(bufs) == 1:
+            return _tensor_from_buffer(bufs[0], dtype, ref.shape)
+        return _tensor_from_buffers(bufs, dtype, ref.shape)
 
 
 def _codec_for(
@@ -552,6 +569,10 @@ def _numel(shape: Sequence[int]) -> int:
     return numel
 
 
+_ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
+assert _ITEM_SIZES.keys() == set(DTYPE_NAMES), "an item size per dtype the wire carries"
+
+
 def _check_tensor_spec(dtype: str, shape: Sequence[int], spec: TensorOf, path: str) -> None:
     if dtype not in spec.dtypes:
         raise WireError(f"{path}: dtype {dtype} not allowed here, expected one of {spec.dtypes}")
@@ -562,8 +583,11 @@ def _check_tensor_spec(dtype: str, shape: Sequence[int], spec: TensorOf, path: s
         raise WireError(f"{path}: negative size in shape {list(shape)}")
     # An empty tensor's zero bytes match any other sizes: bound them as if none were 0 (torch
     # raises on a size past int64 or on strides that overflow, not with a WireError).
-    if _numel([max(size, 1) for size in shape]) > MAX_MESSAGE_BYTES:
-        raise WireError(f"{path}: sizes {list(shape)} hold more elements than a message can")
+    if _numel([max(size, 1) for size in shape]) * _ITEM_SIZES[dtype] > MAX_TENSOR_BYTES:
+        raise WireError(
+            f"{path}: sizes {list(shape)} hold more elements than a message can carry "
+            f"({MAX_TENSOR_BYTES:,} bytes of {dtype})"
+        )
 
 
 def _sendable(value: Any, spec: TensorOf) -> torch.Tensor:
@@ -578,6 +602,47 @@ def _sendable(value: Any, spec: TensorOf) -> torch.Tensor:
         raise WireError(f"dtype {value.dtype} cannot be sent")
     _check_tensor_spec(dtype_name, value.shape, spec, "tensor")
     return value.detach().contiguous()  # no copy when already contiguous
+
+
+def _frames_for(num_bytes: int) -> int:
+    return max(1, -(-num_bytes // MAX_MESSAGE_BYTES))
+
+
+def _frame_sizes(num_bytes: int) -> list[int]:
+    """The bytes of each frame a tensor of `num_bytes` travels in."""
+    num_frames = _frames_for(num_bytes)
+    return [MAX_MESSAGE_BYTES] * (num_frames - 1) + [
+        num_bytes - MAX_MESSAGE_BYTES * (num_frames - 1)
+    ]
+
+
+def num_tensor_frames(tensor: torch.Tensor) -> int:
+    """The frames a (contiguous) tensor travels in."""
+    return _frames_for(tensor.numel() * tensor.element_size())
+
+
+def tensor_frames(tensor: torch.Tensor) -> list[memoryview]:
+    """Zero-copy views of a contiguous CPU tensor's bytes, a frame's worth each."""
+    view = _tensor_bytes(tensor)
+    if view.nbytes <= MAX_MESSAGE_BYTES:
+        return [view]
+    return [view[i : i + MAX_MESSAGE_BYTES] for i in range(0, view.nbytes, MAX_MESSAGE_BYTES)]
+
+
+def _tensor_from_buffers(
+    bufs: list[memoryview], dtype: torch.dtype, shape: list[int]
+) -> torch.Tensor:
+    """A tensor over several frames: one copy, into memory of its own."""
+    import numpy
+    import torch
+
+    tensor = torch.empty(shape, dtype=dtype)
+    flat = tensor.reshape(-1).view(torch.uint8).numpy()
+    offset = 0
+    for buf in bufs:
+        flat[offset : offset + buf.nbytes] = numpy.frombuffer(buf, dtype=numpy.uint8)
+        offset += buf.nbytes
+    return tensor
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -15,7 +15,7 @@ import zmq
 from services.decode.service import DecodeWorker
 from services.prefill.service import PrefillWorker
 from services.worker.config import WorkerConfig
-from shared import wire
+from shared import wire, wire_codec
 from shared.engine.sampling_params import SamplingParams
 from shared.failures import DEFAULT_LIMIT, FailureWindow, PersistentFailures
 from tests.helpers import FailingModel, writes_into
@@ -329,17 +329,17 @@ def test_scheduler_messages_from_a_peer_socket_are_dropped(decode):
 
 
 def test_kv_too_large_for_one_message_ends_its_request_not_the_worker(prefill, monkeypatch):
-    """A prompt whose KV is more than one frame may carry (256 MiB: Llama-3.1-8B past 4,096
-    tokens in bfloat16) made the KvTransfer's encode raise in the worker's step: the worker
+    """A prompt whose KV is more than a message may carry (a tensor travels in frames of 256
+    MiB each, up to 64 GiB) made the KvTransfer's encode raise in the worker's step: the worker
     ended, and so did each worker the request was resumed on. The limit is lowered here so the
     tiny model's KV passes it; the request ends for good, and the worker serves on."""
     scheduler, gateway, decode, worker, tmp_path = prefill
-    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 64)
+    monkeypatch.setattr(wire_codec, "MAX_TENSOR_BYTES", 64)
     scheduler.send(prefill_job(tmp_path, "huge"))
     assert next_delta(gateway).request_id == "huge"  # its first token streamed
     delta = next_delta(gateway)
     assert (delta.request_id, delta.finish_reason) == ("huge", "error")
-    assert "its KV cannot be sent" in delta.error and "more than" in delta.error
+    assert "its KV cannot be sent" in delta.error and "than a message can carry" in delta.error
     done = scheduler.expect(wire.RequestDone)
     assert (done.request_id, done.finish_reason) == ("huge", "rejected")  # not re-routed
     monkeypatch.undo()

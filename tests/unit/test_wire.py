@@ -446,6 +446,70 @@ def test_tensors_cross_inproc_sockets(context, kinds):
     assert wire.recv(receiver) == wire.Cancel(request_id="r", reason="done")
 
 
+def test_a_tensor_larger_than_a_frame_crosses_a_bounded_socket_in_several(context, tmp_path):
+    """A long prompt's KV on a big model (Llama-3-8B's keys are 128 KiB a token in bfloat16:
+    a frame's bound at 2,048 tokens) failed the request for good, after its prefill. ZeroMQ
+    bounds each frame (MAXMSGSIZE, as every service sets it), so the tensor goes in several."""
+    sender, receiver = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    for socket in (sender, receiver):
+        socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+    receiver.bind(f"ipc://{tmp_path}/kv")
+    sender.connect(f"ipc://{tmp_path}/kv")
+    big = torch.zeros(1, 2, 4, 2, (wire.MAX_MESSAGE_BYTES + (1 << 20)) // 32, dtype=torch.float16)
+    big[0, 1, 3, 1, -5:] = torch.arange(5)
+    msg = kv_transfer(big, values=big)
+    frames = wire.encode(msg)
+    assert [memoryview(f).nbytes for f in frames[2:]] == 2 * [wire.MAX_MESSAGE_BYTES, 1 << 20]
+    sender.send_multipart(frames, copy=False)
+    assert receiver.poll(20_000)
+    received = wire.recv(receiver)
+    assert torch.equal(received.keys, big) and torch.equal(received.values, big)
+
+
+@pytest.fixture
+def small_frames(monkeypatch):
+    """Frames of 64 bytes, so that tensors split without gigabytes."""
+    from shared import wire_codec
+
+    monkeypatch.setattr(wire_codec, "MAX_MESSAGE_BYTES", 64)
+
+
+def test_tensors_over_several_frames_name_their_own_frames(small_frames):
+    keys = random_bits((1, 2, 4, 2, 5), torch.bfloat16)  # 160 bytes: frames of 64, 64, 32
+    state = torch.arange(70, dtype=torch.uint8)  # 70 bytes: 64, 6
+    msg = kv_transfer(keys, values=torch.zeros(1, 1, 1, 1, 1), generator_state=state)
+    frames = wire.encode(msg)
+    header = msgpack.unpackb(frames[1])
+    assert [header[name]["frame"] for name in ("keys", "values", "generator_state")] == [2, 5, 6]
+    assert header["keys"]["num_frames"] == 3 and "num_frames" not in header["values"]
+    assert [memoryview(f).nbytes for f in frames[2:]] == [64, 64, 32, 4, 64, 6]
+    assert_same(wire.decode(frames), msg)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda h, f: h["keys"].update(num_frames=2), "travels in 3 frame"),
+        (lambda h, f: h["keys"].pop("num_frames"), "travels in 3 frame"),
+        (lambda h, f: h["keys"].update(num_frames=-1), "travels in 3 frame"),
+        (lambda h, f: f.__setitem__(3, b"x" * 63), "hold \\[64, 63, 32\\] bytes"),
+        (lambda h, f: h["values"].update(frame=4), "frame 4 is named twice"),
+        (lambda h, f: f.pop(), "out of range"),
+    ],
+    ids=["too few", "one", "negative", "a short frame", "overlapping", "missing"],
+)
+def test_a_tensor_with_wrong_frames_is_refused_by_name(small_frames, change, message):
+    msg = kv_transfer(
+        random_bits((1, 2, 4, 2, 5), torch.bfloat16), values=torch.zeros(1, 1, 1, 1, 1)
+    )
+    frames = [bytes(f) for f in wire.encode(msg)]
+    header = msgpack.unpackb(frames[1])
+    change(header, frames)
+    frames[1] = msgpack.packb(header)
+    with pytest.raises(WireError, match=message):
+        wire.decode(frames)
+
+
 @pytest.mark.parametrize(
     "address", ["", "zz", "tcp://*:5", "tcp://host:port", "ipc://" + "x" * 200]
 )
