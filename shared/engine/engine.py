@@ -55,7 +55,7 @@ class EngineConfig:
     num_blocks: int | None = None
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # tokens in one step (the chunked-prefill budget)
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_model_len: int | None = None  # defaults to the context the model serves (context_len)
     # Prefill role: a finished sequence keeps its blocks until `release()`, so its KV can be
     # exported to a decode worker first.
     retain_finished: bool = False
@@ -160,7 +160,7 @@ class LLMEngine:
         self.clock = clock
         mc = model.config
         self.max_model_len = min(
-            self.config.max_model_len or mc.max_position_embeddings,
+            self.config.max_model_len or mc.context_len,
             model.max_positions,
             mc.attention_window or model.max_positions,  # past it, the model's answers differ
         )

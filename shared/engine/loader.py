@@ -6,6 +6,7 @@ Hugging Face directory, a GGUF converted once into a cache) is `shared.engine.mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -194,6 +195,23 @@ def device_argument(name: str) -> str:
     return name
 
 
+def generation_eos_ids(directory: Path, config: ModelConfig) -> tuple[int, ...]:
+    """The end-of-sequence ids `generation_config.json` adds to the config's: transformers'
+    `generate` and vLLM stop on these too (Qwen2.5-Instruct lists <|endoftext|> there beside
+    config.json's <|im_end|>; early Llama-3-Instruct snapshots, <|eot_id|>)."""
+    file = directory / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        found = json.loads(file.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as error:
+        raise ValueError(f"{file}: not a readable JSON generation config ({error!r})") from None
+    ids = [found] if isinstance(found, int) else found if isinstance(found, list) else []
+    if not all(type(i) is int and 0 <= i < config.vocab_size for i in ids):
+        raise ValueError(f"{file}: eos_token_id must be token ids of the model, got {found!r}")
+    return tuple(i for i in dict.fromkeys(ids) if i not in config.eos_token_ids)
+
+
 def load_model(
     model: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
@@ -206,6 +224,9 @@ def load_model(
 
     directory, name = resolve_model_dir(model)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+    config = dataclasses.replace(
+        config, eos_token_ids=(*config.eos_token_ids, *generation_eos_ids(directory, config))
+    )
     weights = load_hf_weights(
         config,
         read_safetensors(directory),

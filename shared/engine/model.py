@@ -83,13 +83,14 @@ class LlamaModel:
         self.decode_kernel = decode_kernel
         self.dtype = embed_tokens.dtype
         self.device = embed_tokens.device
-        self.max_positions = max_positions or config.max_position_embeddings
+        self.max_positions = max_positions or config.context_len
         self.rotary = RotaryEmbedding(
             config.rope_parameters,
             config.head_dim,
             self.max_positions,
             dtype=self.dtype,
             device=self.device,
+            max_position_embeddings=config.max_position_embeddings,
         )
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim

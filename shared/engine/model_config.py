@@ -56,6 +56,11 @@ class ModelConfig:
     def rope_theta(self) -> float:
         return float(self.rope_parameters.get("rope_theta", 10000.0))
 
+    @property
+    def context_len(self) -> int:
+        """The positions the model serves (`context_len`)."""
+        return context_len(self.max_position_embeddings, self.rope_parameters)
+
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Builds the config from a transformers `PretrainedConfig` (v5 `rope_parameters` form)."""
@@ -64,8 +69,9 @@ class ModelConfig:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
         attention_bias = bool(getattr(c, "attention_bias", False))
         is_qwen2 = c.model_type == "qwen2"
-        if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", False):
-            raise ValueError("sliding-window attention is not supported")
+        activation = getattr(c, "hidden_act", "silu")
+        if activation not in ("silu", "swish"):  # (the MLP's gate is SiLU: model.py)
+            raise ValueError(f"hidden_act {activation!r} is not supported (only silu)")
         window = attention_window(c)
         return cls(
             model_type=c.model_type,
@@ -90,12 +96,36 @@ class ModelConfig:
 
 
 def attention_window(hf_config: Any) -> int | None:
-    """The sliding window a transformers config attends over, if any: Mistral applies one
-    whenever it is set (4096 by default)."""
-    window = (
-        getattr(hf_config, "sliding_window", None) if hf_config.model_type == "mistral" else None
-    )
-    return int(window) if window else None
+    """The sliding window some layer of a transformers config attends over, if any: Mistral
+    applies one whenever it is set (4096 by default); Qwen2 in the layers its `layer_types`
+    name sliding (with `use_sliding_window`, those from `max_window_layers` on). The forward
+    attends fully, which equals the window over contexts that fit it: the engine serves up to
+    that."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    if hf_config.model_type == "mistral":
+        return int(window)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        slides = "sliding_attention" in layer_types
+    else:
+        slides = bool(getattr(hf_config, "use_sliding_window", False)) and getattr(
+            hf_config, "max_window_layers", 0
+        ) < getattr(hf_config, "num_hidden_layers", 0)
+    return int(window) if slides else None
+
+
+def context_len(max_position_embeddings: int, rope_parameters: dict[str, Any]) -> int:
+    """The positions a model serves: its `max_position_embeddings`, or as far as linear or yarn
+    rope scaling stretches the original positions (Qwen2.5's long-context setting keeps 32,768
+    and adds yarn, factor 4: 131,072, as transformers and vLLM serve it). Llama 3's scaling
+    states the stretched length itself."""
+    if rope_parameters.get("rope_type") not in ("linear", "yarn"):
+        return max_position_embeddings
+    factor = float(rope_parameters.get("factor") or 1.0)
+    original = rope_parameters.get("original_max_position_embeddings") or max_position_embeddings
+    return max(max_position_embeddings, int(original * factor))
 
 
 def served_context_len(hf_config: Any, asked: int | None = None) -> int:
@@ -104,13 +134,14 @@ def served_context_len(hf_config: Any, asked: int | None = None) -> int:
     and the engine both take it, so a prompt refused by one is refused by the other. An
     `asked` past the model's positions is refused (ConfigError): the gateway took prompts the
     workers' engines, which serve at most the model's, then failed."""
-    if asked is not None and asked > hf_config.max_position_embeddings:
+    model_len = context_len(hf_config.max_position_embeddings, _rope_parameters(hf_config))
+    if asked is not None and asked > model_len:
         raise ConfigError(
             f"max_model_len (--max-model-len / TANDEM_MAX_MODEL_LEN) is {asked}, past the "
-            f"model's context of {hf_config.max_position_embeddings} tokens "
-            "(max_position_embeddings)"
+            f"model's context of {model_len} tokens (max_position_embeddings, with its rope "
+            "scaling)"
         )
-    longest = asked or hf_config.max_position_embeddings
+    longest = asked or model_len
     window = attention_window(hf_config)
     return min(longest, window) if window else longest
 

@@ -107,8 +107,13 @@ class RotaryEmbedding:
         max_positions: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        max_position_embeddings: int | None = None,
     ):
-        inv_freq, scaling = inverse_frequencies(params, head_dim, max_positions)
+        """`max_position_embeddings`: the model's (yarn derives its factor from it when none is
+        given), which may differ from the positions served; by default `max_positions`."""
+        inv_freq, scaling = inverse_frequencies(
+            params, head_dim, max_position_embeddings or max_positions
+        )
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
         # [max_positions, head_dim]: each frequency appears for both halves (rotate-half layout).

@@ -214,3 +214,64 @@ def test_bfloat16_with_the_cpu_decode_kernel_tracks_transformers(tmp_path):
     for logits, truth in checks:
         scale = truth.abs().max().item()
         assert (logits - truth).abs().max().item() < 0.05 * scale
+
+
+def test_yarn_serves_past_the_original_positions_as_transformers_does(device):
+    """Qwen2.5's long-context setting keeps max_position_embeddings (here 64) and adds yarn,
+    factor 4: transformers (and vLLM) serve 256 positions, tandem refused past 64. The rope
+    factor's default comes from the model's positions, never from the served length."""
+    from shared.engine.engine import EngineConfig, LLMEngine
+    from shared.engine.model_config import served_context_len
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    hf = tiny_hf_model(
+        "qwen2", seed=5, device=device, max_position_embeddings=64, rope_parameters=yarn
+    )
+    assert served_context_len(hf.config) == 256
+    ours = our_model_from_hf(hf)
+    assert LLMEngine(ours, EngineConfig(num_blocks=32)).max_model_len == 256
+    prompt = torch.randint(3, 256, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    logits = PagedRunner(ours, 16).run({0: prompt})
+    assert (logits[0] - hf_logits(hf, prompt)[-1]).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("layers_sliding", [False, True])
+def test_a_qwen2_window_counts_only_where_a_layer_slides(layers_sliding, device):
+    """Qwen2 slides only in the layers from `max_window_layers` on: with none, its window was
+    refused though full attention is the model; with some, it is served within the window."""
+    from shared.engine.model_config import served_context_len
+
+    hf = tiny_hf_model(
+        "qwen2",
+        seed=5,
+        device=device,
+        use_sliding_window=True,
+        sliding_window=24,
+        max_window_layers=1 if layers_sliding else 2,
+    )
+    ours = our_model_from_hf(hf)
+    assert ours.config.attention_window == (24 if layers_sliding else None)
+    assert served_context_len(hf.config) == (24 if layers_sliding else 512)
+    prompt = torch.randint(3, 256, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    logits = PagedRunner(ours, 16).run({0: prompt})
+    assert (logits[0] - hf_logits(hf, prompt)[-1]).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "gelu_pytorch_tanh"])
+def test_an_activation_the_forward_does_not_compute_is_refused(activation):
+    """The MLP's gate is SiLU: a GELU model ran as SiLU, silently wrong from its first token."""
+    from shared.engine.model_config import ModelConfig
+
+    with pytest.raises(ValueError, match=f"hidden_act '{activation}' is not supported"):
+        ModelConfig.from_hf(tiny_hf_model("llama", hidden_act=activation).config)
+
+
+def test_the_rope_tables_do_not_depend_on_the_length_served():
+    """Yarn without a `factor` takes it from the model's positions over the original ones: it
+    was taken from the positions served, so a --max-model-len changed every position's angle."""
+    from shared.engine.rope import RotaryEmbedding
+
+    yarn = {"rope_type": "yarn", "original_max_position_embeddings": 16, "rope_theta": 1e4}
+    whole = RotaryEmbedding(yarn, 8, 64)
+    served = RotaryEmbedding(yarn, 8, 32, max_position_embeddings=64)
+    assert torch.equal(served.cos, whole.cos[:32]) and torch.equal(served.sin, whole.sin[:32])

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shared.engine.loader import parse_dtype, read_safetensors
+from shared.engine.loader import generation_eos_ids, parse_dtype, read_safetensors
+from shared.engine.model_config import ModelConfig
 from shared.engine.model_files import FINGERPRINT_SPAN, gguf_fingerprint
 from tests.helpers import tiny_hf_model
 
@@ -122,3 +123,19 @@ def test_a_directory_without_weights_says_what_it_looked_for(tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "consolidated.safetensors"))
     with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index"):
         weights_read(tmp_path)
+
+
+def test_the_generation_configs_end_ids_stop_generation_too(tmp_path):
+    """Qwen2.5-Instruct lists <|endoftext|> in generation_config.json beside config.json's
+    <|im_end|> (early Llama-3-Instruct snapshots, <|eot_id|>): transformers stops on both,
+    tandem ran on to max_tokens."""
+    config = ModelConfig.from_hf(tiny_hf_model("llama").config)  # eos 2
+    assert generation_eos_ids(tmp_path, config) == ()
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 7, 9, 7]}')
+    assert generation_eos_ids(tmp_path, config) == (7, 9)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 11}')
+    assert generation_eos_ids(tmp_path, config) == (11,)
+    for bad in ('{"eos_token_id": [3, 1000]}', '{"eos_token_id": ["x"]}', "[", "[1]"):
+        (tmp_path / "generation_config.json").write_text(bad)
+        with pytest.raises(ValueError, match="generation_config.json"):
+            generation_eos_ids(tmp_path, config)
