@@ -31,6 +31,8 @@ class HostStore(Protocol):
 
     def holds(self, block_hash: int) -> bool: ...
 
+    def retain_until(self, block_hash: int) -> float | None: ...
+
     def demote(self, evictions: Iterable[Eviction]) -> None: ...
 
     def promote(self, block_hash: int, block_id: int) -> bool: ...
@@ -115,12 +117,13 @@ class BlockManager:
         if not self.can_allocate(1):
             return None
         (block_id,) = self.allocate(1)
+        retain_until = self.host_tier.retain_until(block_hash)  # (promote forgets it)
         # Making room may have evicted a device block into a full tier and dropped this hash.
         if not self.host_tier.promote(block_hash, block_id):
             self.free([block_id])
             return None
         assert self.prefix_cache is not None  # the tier exists only beside a cache
-        named = self.prefix_cache.insert(block_hash, block_id)
+        named = self.prefix_cache.insert(block_hash, block_id, retain_until)
         assert named, "the caller looked the hash up on the device first"
         self.prefix_cache.mark_from_host(block_id)
         return block_id

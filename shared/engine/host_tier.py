@@ -84,6 +84,10 @@ class HostTier:
     def hashes(self) -> list[int]:
         return list(self._kv)
 
+    def retain_until(self, block_hash: int) -> float | None:
+        """The held block's protection deadline (None: unprotected or not held)."""
+        return self._order.retain_until(block_hash)
+
     def demote(self, evictions: Iterable[Eviction]) -> None:
         """Copies blocks the device evicted (their ids not yet reused) into host memory, making
         room by dropping older host blocks; one that cannot fit is dropped for good."""

@@ -14,8 +14,12 @@ block manager counts it as available and takes it back (`evict_one`) only when i
 empty, so a cached block lives as long as the pool does not need the room. `max_unreferenced`
 bounds how many unreferenced blocks the cache keeps (None: as many as the pool has). A block
 released with a retention deadline (a decode worker's finished turn, whose conversation likely
-returns after a tool call) is evicted only after every unprotected one (`retention.py`). With a
-host tier (`host_tier.py`) an evicted block's KV moves to host RAM and can come back on a hit.
+returns after a tool call) is evicted only after every unprotected one (`retention.py`). A block
+keeps its deadline while it is referenced, and its last holder's release gives it the later of
+that and its own: a newcomer that takes a conversation's cached prefix and gives it back (not
+admitted this step, a reservation refused or lapsed) leaves it as protected as it found it. With
+a host tier (`host_tier.py`) an evicted block's KV moves to host RAM, with its deadline, and can
+come back on a hit.
 
 Stored and evicted hashes are recorded in order (`take_events`), so a worker can tell the cluster
 scheduler which prefixes it holds.
@@ -110,6 +114,8 @@ class PrefixCache:
         # Cached blocks no sequence holds, in eviction order (least recently used and
         # unprotected first).
         self._unreferenced: RetentionLru[int] = RetentionLru(clock)
+        # Referenced cached blocks' retention deadlines, kept for their release (`release`).
+        self._held_deadlines: dict[int, float] = {}
         self._events: list[tuple[str, int]] = []  # ("stored" | "evicted", hash), in order
         # Blocks copied back from the host tier that no admitted prompt has counted yet: the
         # first to take one counts it as a host hit (a decode worker pins them for a turn it
@@ -140,28 +146,38 @@ class PrefixCache:
     def is_unreferenced(self, block_id: int) -> bool:
         return block_id in self._unreferenced
 
-    def insert(self, block_hash_: int, block_id: int) -> bool:
-        """Names a referenced, fully computed block by its hash. False (and nothing changes) when
-        the hash already names another block (two sequences computed the same prefix at once:
-        the first stays cached, the second block is freed as usual) or the block is named."""
+    def insert(self, block_hash_: int, block_id: int, retain_until: float | None = None) -> bool:
+        """Names a referenced, fully computed block by its hash (protected until `retain_until`
+        once released, when given: a block back from the host tier keeps its deadline). False
+        (and nothing changes) when the hash already names another block (two sequences computed
+        the same prefix at once: the first stays cached, the second block is freed as usual) or
+        the block is named."""
         if block_hash_ in self._block_of_hash or block_id in self._hash_of_block:
             return False
         self._block_of_hash[block_hash_] = block_id
         self._hash_of_block[block_id] = block_hash_
+        if retain_until is not None:
+            self._held_deadlines[block_id] = retain_until
         self._events.append(("stored", block_hash_))
         return True
 
     def touch(self, block_id: int) -> None:
-        """A sequence takes a cached block: it is referenced again, so not evictable."""
-        self._unreferenced.discard(block_id)
+        """A sequence takes a cached block: it is referenced again, so not evictable. Its
+        protection is kept for its release."""
+        deadline = self._unreferenced.retain_until(block_id)
+        if self._unreferenced.discard(block_id) and deadline is not None:
+            self._held_deadlines[block_id] = deadline
 
     def release(self, block_id: int, retain_until: float | None = None) -> bool:
         """The last holder of a block let it go. True when the cache keeps it (it is named),
-        protected from eviction until `retain_until` if given; the caller frees it otherwise.
-        The caller then frees what `overflow` evicts."""
+        protected from eviction until the later of `retain_until` and the deadline it had when
+        taken; the caller frees it otherwise. The caller then frees what `overflow` evicts."""
+        held = self._held_deadlines.pop(block_id, None)
         if block_id not in self._hash_of_block:
             return False
-        self._unreferenced.add(block_id, retain_until)  # most recently used: evicted last
+        deadlines = [d for d in (held, retain_until) if d is not None]
+        # Most recently used: evicted last.
+        self._unreferenced.add(block_id, max(deadlines) if deadlines else None)
         return True
 
     def mark_from_host(self, block_id: int) -> None:
@@ -220,3 +236,6 @@ class PrefixCache:
             assert ref_counts[block_id] == 0, f"block {block_id} referenced yet evictable"
         for block_id in self._hash_of_block:
             assert (ref_counts[block_id] == 0) == (block_id in self._unreferenced), block_id
+        for block_id in self._held_deadlines:
+            assert block_id in self._hash_of_block, f"uncached block {block_id} holds a deadline"
+            assert ref_counts[block_id] > 0, f"unreferenced block {block_id} holds a deadline"

@@ -9,7 +9,9 @@ protection ranks keys, it never refuses room: a full pool still evicts.
 
 Keys are added most recent last. Deadlines are expected in the order their keys are added (one
 retention time, one clock), so the protected key with the earliest deadline is the oldest one; a
-shorter protection added later only expires behind the longer ones before it.
+shorter protection added later only expires behind the longer ones before it (so does a deadline
+a key keeps when used and added again, `prefix_cache.PrefixCache.release`). A deadline already
+past when its key is added protects nothing: the key goes in unprotected.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class RetentionLru(Generic[K]):
         """Adds (or moves) `key` as the most recently used, protected until `retain_until`."""
         self.discard(key)
         tick = next(self._ticks)
-        if retain_until is None:
+        if retain_until is None or retain_until <= self.clock():
             self._plain[key] = tick
         else:
             self._protected[key] = (tick, retain_until)

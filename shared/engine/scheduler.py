@@ -27,11 +27,13 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    prompts (batch jobs' lines) never raise the cap, take the budget after interactive ones, and
    get nothing in a step that brings an interactive prompt to its first token.
 4. Swapped sequences come back first, most urgent first, when blocks are free for their KV and
-   next token plus one growth block per running sequence (so a sequence swapped in is not
-   swapped straight out again), blocks a worker does not promise to new arrivals
-   (`blocks_to_resume`); the engine copies their KV back before the step runs. No waiting
-   sequence is admitted while any is swapped out, nor in a step that preempted: preempted
-   sequences resume before new ones are admitted.
+   next chunk (one token, or a step's prompt tokens for one swapped out mid-prompt) plus one
+   growth block per sequence running before, blocks a worker does not promise to new arrivals
+   (`blocks_to_resume`); the engine copies their KV back before the step runs. A sequence
+   swapped in is never swapped out in the same step: should a more urgent one need its blocks
+   after all, its swap-in is undone before anything is copied. No waiting sequence is admitted
+   while any is swapped out, nor in a step that preempted: preempted sequences resume before
+   new ones are admitted.
 5. With a prefix cache, a newcomer first takes the cached blocks its tokens start with
    (`attach_cached_prefix`) and counts them computed, so its need, its share and its chunks
    cover only the uncached suffix; a newcomer not admitted after all gives them back, and so
@@ -189,13 +191,15 @@ class StepScheduler:
     def blocks_to_resume(self) -> int:
         """Blocks the preempted sequences need to come back: their first claim on freed blocks,
         which a worker must not promise to new arrivals."""
-        preempted = self.swapped + [seq for seq in self.waiting if seq.num_preemptions > 0]
-        if not preempted:
+        recomputed = [seq for seq in self.waiting if seq.num_preemptions > 0]
+        if not self.swapped and not recomputed:
             return 0
-        # Each comes back beside a growth block per running sequence (`_swap_in`): promised
-        # away, those would keep it out for as long as arrivals keep coming.
-        kv = sum(self.block_manager.num_blocks_for(seq.num_tokens) for seq in preempted)
-        return kv + len(self.running)
+        # The swapped ones come back beside a growth block per running sequence, each with its
+        # next chunk (`_swap_in` asks exactly this to bring them all back): promised away, any
+        # of those blocks would keep one out for as long as arrivals keep coming.
+        resumed = sum(self._resume_blocks(seq) for seq in self.swapped)
+        kv = sum(self.block_manager.num_blocks_for(seq.num_tokens) for seq in recomputed)
+        return len(self.running) + resumed + kv
 
     def add(self, sequence: Sequence) -> None:
         """Queues a newcomer: in arrival order, except that an interactive one goes ahead of
@@ -308,18 +312,45 @@ class StepScheduler:
         cache.record_query(seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_host_cached_tokens)
 
     def _swap_in(self, plan: StepPlan) -> None:
+        # Each comes back to its KV and next chunk, beside a growth block per sequence running
+        # before: one that came back to less would be the first victim of its own step. The
+        # chunks of those swapped in earlier stay counted until the step takes them.
+        room = self.block_manager.num_free_blocks - len(self.running)
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            # Its KV and its next token, beside a growth block per running sequence: one that
-            # came back to less would be the first victim of its own step.
-            needed = self.block_manager.num_blocks_for(seq.num_computed_tokens + 1)
-            if not self.block_manager.can_allocate(needed + len(self.running)):
+            needed = self._resume_blocks(seq)
+            if needed > room:
                 return
+            room -= needed
             self.swapped.pop(0)
             self.block_manager.grow(seq.block_ids, seq.num_computed_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.swap_in.append((seq, list(seq.block_ids)))
+
+    def _resume_blocks(self, seq: Sequence) -> int:
+        """Blocks a swapped sequence holds in the step it comes back: its KV and its next chunk,
+        one token when decoding, else its prompt's rest up to a step's prompt tokens (the budget,
+        or the step time cap when set: a share passes the cap only in a step raised for short
+        prompts, and then the swap-in is undone if the pool falls short, `_undo_swap_in`)."""
+        most = self.max_num_batched_tokens
+        if self.prompt_token_cap is not None:
+            most = min(most, max(self.prompt_token_cap, PROGRESS_FLOOR))
+        next_tokens = min(seq.num_uncomputed_tokens, most)
+        return self.block_manager.num_blocks_for(seq.num_computed_tokens + next_tokens)
+
+    def _undo_swap_in(self, seq: Sequence) -> None:
+        """Sends a sequence swapped in this step back to the swapped queue, nothing copied yet:
+        its host copy is still there. Preempting it instead would copy its KV in and out for
+        nothing, and with its host copy still counted in the swap space (the engine takes it
+        only when the step runs) could find no room to swap and drop its progress."""
+        self._plan.swap_in = [(s, ids) for s, ids in self._plan.swap_in if s is not seq]
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_ids)
+        seq.block_ids.clear()
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(seq)
+        self.swapped.sort(key=_urgency)
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Grows `seq`'s blocks for this step, preempting newer sequences if needed."""
@@ -331,7 +362,10 @@ class StepScheduler:
                 self._release_pins()
                 continue
             victim = self.running[-1]
-            self.preempt(victim)
+            if any(victim is swapped for swapped, _ in self._plan.swap_in):
+                self._undo_swap_in(victim)
+            else:
+                self.preempt(victim)
             if victim is seq:
                 return False
         self.block_manager.grow(seq.block_ids, target)

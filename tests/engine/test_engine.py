@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shared.engine.engine import EngineConfig, LLMEngine
+from shared.engine.kv_cache import bytes_per_block
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import MIN_CHUNK
 from shared.errors import InvalidRequestError
@@ -155,6 +156,27 @@ def test_a_swap_outs_time_includes_its_copy_to_host_memory(model):
         engine.step()
     num_bytes = engine.swap_space.used_bytes
     assert 1.0 < engine.preemption.copy_bytes_per_s <= num_bytes / 0.2
+
+
+def test_a_sequence_swapped_out_mid_prompt_is_not_dropped_for_recompute(model):
+    """B, swapped out mid-prompt, came back to room for one token and went straight out again
+    in the same step; its host copy, taken only when the step runs, was still counted in the
+    swap space, so the second copy did not fit and B was dropped for recompute."""
+    batch = [list(range(3, 20)), list(range(40, 73))]
+    params = [dataclasses.replace(GREEDY, max_tokens=n) for n in (31, 8)]
+    expected = [one_by_one(model, [p], q)[0] for p, q in zip(batch, params, strict=True)]
+    config = EngineConfig(
+        num_blocks=12,
+        block_size=4,
+        max_num_batched_tokens=16,
+        swap_bytes=6 * bytes_per_block(model.config, 4, model.dtype),  # one copy of B
+        preemption_mode="swap",
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(model, config)
+    results = engine.generate(batch, params)
+    assert engine.scheduler.num_preemptions_by_mode == {"swap": 1, "recompute": 0}
+    assert [r.token_ids for r in results] == expected
 
 
 def test_seeded_sampling_is_reproducible_across_batches(model):

@@ -304,3 +304,48 @@ def test_the_eviction_record_carries_the_protection():
     cache.insert(5, 0)
     cache.release(0, retain_until=140.0)
     assert cache.evict_one() == Eviction(0, 5, 140.0)
+
+
+def test_a_block_taken_and_given_back_keeps_its_protection():
+    """A cached block's deadline went when a holder took it, and its release made it plain LRU:
+    a newcomer not admitted after all, a decode worker's reservation refused or lapsed, took a
+    returning conversation's think-time protection with them. Held, a block keeps its deadline;
+    released, it has the later of that and its releaser's; one past by then protects nothing."""
+    clock = FakeClock()
+    bm = cached_manager(3, clock)
+    cache = bm.prefix_cache
+    ids = bm.allocate(3)
+    for h, block_id in enumerate(ids):
+        cache.insert(h, block_id)
+    bm.free(ids[:1], retain_until=130.0)  # a finished turn
+    bm.free(ids[1:2], retain_until=160.0)
+    bm.free(ids[2:])  # a one-off prompt
+    bm.take_cached([ids[0]])
+    bm.take_cached([ids[0]])  # two holders: pins of a reservation, a newcomer's
+    bm.check_invariants()
+    bm.free([ids[0]])
+    bm.free([ids[0]])  # both given back, without a deadline of their own
+    assert cache.retain_until(ids[0]) == 130.0
+    bm.take_cached(ids[:2])
+    bm.free(ids[:2], retain_until=150.0)  # the turn came back and finished again
+    assert [cache.retain_until(b) for b in ids[:2]] == [150.0, 160.0]  # the later of the two
+    assert bm.allocate(1) == [ids[2]]  # the plain block goes first
+    clock.now = 170.0
+    bm.take_cached([ids[0]])
+    bm.free([ids[0]])
+    assert cache.retain_until(ids[0]) is None and cache.num_retained == 0
+    bm.check_invariants()
+
+
+def test_a_protected_block_back_from_the_host_tier_keeps_its_protection():
+    clock = FakeClock()
+    bm, tier, kv, _ = tier_manager(num_blocks=2, tier_blocks=4, clock=clock)
+    computed(bm, kv, [1, 2], retain_until=clock.now + 30)
+    bm.free(bm.allocate(2))  # 1 and 2 move to host RAM, still protected
+    assert tier.retain_until(1) == 130.0
+    found, num_loaded = take_prefix(bm, [1, 2])
+    assert num_loaded == 2
+    bm.free(found)  # the newcomer that brought them back was not admitted after all
+    assert [bm.prefix_cache.retain_until(b) for b in found] == [130.0, 130.0]
+    bm.check_invariants()
+    tier.check_invariants()

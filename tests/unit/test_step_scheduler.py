@@ -13,6 +13,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import (
     MIN_CHUNK,
     PROGRESS_FLOOR,
+    StepPlan,
     StepScheduler,
     lighten,
     raise_cap_for_short_prompts,
@@ -378,3 +379,199 @@ def test_recompute_victims_of_later_steps_wait_behind_more_urgent_ones():
     scheduler.preempt(old)  # a later step's: older, so more urgent than mid
     scheduler.preempt(new)
     assert [s.request_id for s in scheduler.waiting] == ["old", "mid", "new", "later"]
+
+
+def test_blocks_to_resume_bring_back_every_swapped_sequence_not_just_the_first():
+    """Each sequence swapped in joins the running ones: the promise once left a growth block
+    per running sequence beside all of them, and the second swap-in found one too few."""
+    scheduler = make_scheduler(num_blocks=16, mode="swap")
+    for name in ("a", "b", "s1", "s2"):
+        scheduler.add(seq(name, 30))
+    run_step(scheduler)  # two blocks each; every next token fits in the second
+    s1, s2 = scheduler.running[2:]
+    scheduler.preempt(s2)
+    scheduler.preempt(s1)
+    promised = scheduler.block_manager.num_free_blocks - scheduler.blocks_to_resume()
+    scheduler.block_manager.allocate(max(0, promised))  # reservations take what is offered
+    plan = scheduler.schedule()
+    assert sorted(s.request_id for s, _ in plan.swap_in) == ["s1", "s2"] and not plan.swap_out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(1, 150), min_size=2, max_size=8),
+    st.integers(1, 3),
+    st.lists(st.booleans(), min_size=8, max_size=8),
+    st.sampled_from([None, 64, 100]),
+)
+def test_blocks_to_resume_are_exactly_what_brings_every_swapped_sequence_back(
+    prompt_lens, num_steps, swap_decoders, cap
+):
+    """Swapped sequences, some out mid-prompt, beside running decoding ones: a worker that
+    promises away all but `blocks_to_resume` has every one back in the next step, without a
+    swap-out; one block more promised away keeps one out."""
+
+    def build() -> StepScheduler:
+        scheduler = StepScheduler(BlockManager(400, 4), 64, 128, lambda s, n: "swap")
+        scheduler.prompt_token_cap = cap
+        for i, prompt_len in enumerate(prompt_lens):
+            scheduler.add(Sequence(f"s{i}", [1] * prompt_len, SamplingParams(max_tokens=50)))
+        for _ in range(num_steps):
+            run_step(scheduler)
+        running = list(scheduler.running)
+        for victim, decoder in zip(running, swap_decoders[: len(running)], strict=True):
+            if victim.num_uncomputed_tokens > 1 or decoder:  # running ones decode
+                scheduler.preempt(victim)
+        return scheduler
+
+    for extra in (0, 1):
+        scheduler = build()
+        num_swapped = len(scheduler.swapped)
+        promised = scheduler.block_manager.num_free_blocks - scheduler.blocks_to_resume() + extra
+        if num_swapped == 0 or promised < 0:
+            return
+        scheduler.block_manager.allocate(promised)
+        plan = scheduler.schedule()
+        assert not plan.swap_out
+        assert len(plan.swap_in) == (num_swapped if extra == 0 else num_swapped - 1)
+        scheduler.block_manager.check_invariants()
+
+
+def finish_at_max_tokens(scheduler: StepScheduler, plan: StepPlan) -> None:
+    for chunk in plan.chunks:
+        sequence = chunk.sequence
+        if sequence.num_output_tokens >= sequence.params.max_tokens:
+            scheduler.finish(sequence, SequenceStatus.FINISHED_LENGTH)
+
+
+def test_a_sequence_swapped_out_mid_prompt_comes_back_to_room_for_its_next_chunk():
+    """Swapped out mid-prompt, B came back to room for its KV and one token; its next step is
+    a prompt chunk of several blocks, so it was the victim of its own step and went straight
+    out again: a copy in and out every step, and no progress."""
+    scheduler = StepScheduler(BlockManager(12, 4), 8, 16, lambda s, n: "swap")
+    scheduler.add(Sequence("A", [1] * 17, SamplingParams(max_tokens=31), arrival_time=0.0))
+    scheduler.add(Sequence("B", [1] * 33, SamplingParams(max_tokens=8), arrival_time=1.0))
+    for _ in range(100):
+        if not scheduler.has_work:
+            break
+        plan = scheduler.schedule()
+        swapped_in = {s.request_id for s, _ in plan.swap_in}
+        assert not swapped_in & {s.request_id for s, _ in plan.swap_out}
+        for chunk in plan.chunks:  # what the engine does after the forward
+            chunk.sequence.num_computed_tokens += chunk.num_tokens
+            if chunk.sequence.num_uncomputed_tokens == 0:
+                chunk.sequence.output_token_ids.append(7)
+        if swapped_in:  # it comes back to run its chunk
+            assert [c.num_tokens for c in plan.chunks if c.sequence.request_id == "B"] == [16]
+        finish_at_max_tokens(scheduler, plan)
+        scheduler.block_manager.check_invariants()
+    assert not scheduler.has_work
+    assert scheduler.num_preemptions_by_mode == {"swap": 1, "recompute": 0}
+
+
+def test_a_swapped_in_sequence_a_more_urgent_chunk_needs_goes_back_uncopied():
+    """A sequence swapped in whose blocks a more urgent prompt's chunk needs after all (the
+    swap-in leaves it a growth block only) is sent back before anything is copied: swapped
+    out again, it would be copied in and out, its host copy still counted against the room
+    for the second copy."""
+    scheduler = StepScheduler(BlockManager(16, 4), 8, 16, lambda s, n: "swap")
+    s = Sequence("s", [1] * 8, SamplingParams(max_tokens=20), arrival_time=0.0)
+    scheduler.add(s)
+    run_step(scheduler)
+    scheduler.add(Sequence("r", [1] * 40, SamplingParams(max_tokens=4), priority=5))
+    assert run_step(scheduler) == {"s": 1, "r": 15}
+    scheduler.preempt(s)  # three blocks of KV
+    held = scheduler.block_manager.allocate(8)  # four free: s's KV, next token, r's growth
+    plan = scheduler.schedule()  # s comes back; r's chunk needs four blocks
+    assert not plan.swap_in and not plan.swap_out
+    assert [(c.sequence.request_id, c.num_tokens) for c in plan.chunks] == [("r", 15)]
+    assert scheduler.swapped == [s] and s.status == SequenceStatus.SWAPPED and not s.block_ids
+    assert s.num_computed_tokens == 9 and scheduler.num_preemptions == 1
+    scheduler.block_manager.check_invariants()
+    scheduler.block_manager.free(held)
+    for _ in range(3):
+        plan = scheduler.schedule()
+        if plan.swap_in:
+            break
+    assert [x.request_id for x, _ in plan.swap_in] == ["s"] and not plan.swap_out
+
+
+def run_step_caching(scheduler: StepScheduler) -> None:
+    for chunk in scheduler.schedule().chunks:  # what the engine does after the forward
+        chunk.sequence.num_computed_tokens += chunk.num_tokens
+        cache_computed_blocks(chunk.sequence, scheduler.block_manager)
+        if chunk.sequence.num_uncomputed_tokens == 0:
+            chunk.sequence.output_token_ids.append(7)
+
+
+def retained_turn(scheduler: StepScheduler) -> None:
+    """A finished turn of conversation X, its two full blocks cached until t=100."""
+    x1 = cached_seq("x1", [1, 2, 3, 4, 9])
+    scheduler.add(x1)
+    run_step_caching(scheduler)
+    scheduler.finish(x1, SequenceStatus.FINISHED_STOPPED, retain_until=100.0)  # think time
+
+
+def test_a_returning_turns_prefix_keeps_its_protection_when_its_pins_are_given_back():
+    """X's next turn pins its cached prefix but is not admitted (a running sequence needs the
+    room): the pins went back as plain LRU, the think-time protection lost to its own turn."""
+    cache = PrefixCache(clock=lambda: 0.0)
+    scheduler = StepScheduler(BlockManager(5, 2, cache), 8, 64)
+    retained_turn(scheduler)
+    r = cached_seq("r", [20, 21])
+    r.cache_root = None
+    scheduler.add(r)
+    run_step_caching(scheduler)  # r holds one block; its next token needs a second
+    scheduler.block_manager.allocate(2)  # the rest of the free queue (a decode reservation)
+    x2 = cached_seq("x2", [1, 2, 3, 4, 11, 12])  # X's next turn: two blocks cached
+    scheduler.add(x2)
+    scheduler.schedule()  # x2 pins both, r needs one: the pins go back, r takes X's second
+    head = cache.lookup(x2.block_hashes[0])
+    assert head is not None and cache.retain_until(head) == 100.0
+    scheduler.block_manager.check_invariants()
+
+
+def test_a_prefix_whose_pins_were_given_back_is_evicted_after_a_plain_block():
+    cache = PrefixCache(clock=lambda: 0.0)
+    manager = BlockManager(8, 2, cache)
+    scheduler = StepScheduler(manager, 8, 64)
+    retained_turn(scheduler)
+    r = cached_seq("r", [20, 21])
+    r.cache_root = None
+    scheduler.add(r)
+    run_step_caching(scheduler)
+    held = manager.allocate(manager.num_free_blocks - 2)  # all but X's two cached blocks
+    x2 = cached_seq("x2", [1, 2, 3, 4, 11, 12])
+    scheduler.add(x2)
+    scheduler.schedule()  # pins given back, r grows into X's second block
+    head = cache.lookup(x2.block_hashes[0])
+    manager.free(held)
+    scheduler.waiting.clear()
+    aborted = cached_seq("p", [50, 51, 9])  # its cached block is plain
+    scheduler.add(aborted)
+    run_step_caching(scheduler)
+    scheduler.finish(aborted, SequenceStatus.FINISHED_ABORTED)
+    manager.allocate(manager.num_free_blocks - 2)
+    manager.allocate(1)  # one of the two cached blocks must go: the plain one
+    assert cache.lookup(x2.block_hashes[0]) == head
+
+
+def test_a_newcomer_held_back_by_a_swapped_sequence_leaves_its_prefix_protected():
+    """A newcomer pins its prefix and gives it back every step a sequence is swapped out (no
+    newcomer is admitted then); a decode worker's local prefill had just re-protected those
+    blocks (`_prefill_here`), and the first step undid it."""
+    cache = PrefixCache(clock=lambda: 0.0)
+    manager = BlockManager(16, 2, cache)
+    scheduler = StepScheduler(manager, 8, 64, lambda s, n: "swap")
+    retained_turn(scheduler)
+    s = cached_seq("s", [30, 31, 32, 33, 34, 35])
+    s.cache_root = None
+    scheduler.add(s)
+    run_step_caching(scheduler)
+    scheduler.preempt(s)  # swapped out, waiting for room
+    manager.allocate(manager.num_free_blocks - 2)  # reservations: s cannot come back yet
+    x2 = cached_seq("x2", [1, 2, 3, 4, 11, 12])
+    scheduler.add(x2)
+    scheduler.schedule()
+    assert scheduler.waiting[0] is x2 and scheduler.swapped == [s]
+    assert [cache.retain_until(cache.lookup(h)) for h in x2.block_hashes[:2]] == [100.0] * 2
