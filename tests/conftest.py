@@ -42,3 +42,14 @@ def smollm2_hf(smollm2, device):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2.path, dtype="float32").eval().to(device)
+
+
+@pytest.fixture
+def taken_port():
+    """A port a plain TCP listener holds on 127.0.0.1 (another server, an earlier cluster)."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]

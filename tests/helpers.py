@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -116,3 +118,14 @@ def writes_into(engine, *request_ids: str):
         return bool(set((batch.slot_mapping // block_size).tolist()) & held)
 
     return fails
+
+
+def run_tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The `tandem` command run in a child process, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "services.commands.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )

@@ -5,30 +5,12 @@ for `tandem up`, a cluster taken to be ready because someone else answered on it
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-
-@pytest.fixture
-def taken_port():
-    """A port a plain TCP listener holds on 127.0.0.1 (another server, an earlier cluster)."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
-
-
-def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "services.commands.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+from tests.helpers import run_tandem
 
 
 def assert_refused_in_one_line(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -41,14 +23,14 @@ def assert_refused_in_one_line(result: subprocess.CompletedProcess, *needles: st
 
 
 def test_the_scheduler_refuses_an_address_in_use(taken_port):
-    result = tandem("scheduler", "--address", f"tcp://127.0.0.1:{taken_port}")
+    result = run_tandem("scheduler", "--address", f"tcp://127.0.0.1:{taken_port}")
     assert_refused_in_one_line(
         result, "--address / TANDEM_ADDRESS", f"tcp://127.0.0.1:{taken_port}", "in use"
     )
 
 
 def test_the_scheduler_refuses_a_metrics_port_in_use(taken_port, tmp_path):
-    result = tandem(
+    result = run_tandem(
         "scheduler",
         "--address",
         f"ipc://{tmp_path}/scheduler.sock",
@@ -60,7 +42,7 @@ def test_the_scheduler_refuses_a_metrics_port_in_use(taken_port, tmp_path):
 
 def test_the_gateway_refuses_a_port_in_use_before_loading_anything(taken_port, tmp_path):
     """uvicorn's bind came after "gateway ready" was logged, then exit status 3."""
-    result = tandem(
+    result = run_tandem(
         "gateway",
         "--port",
         str(taken_port),
@@ -74,7 +56,7 @@ def test_the_gateway_refuses_a_port_in_use_before_loading_anything(taken_port, t
 
 def test_the_gateway_refuses_a_stream_address_in_use(taken_port):
     """Bound in the web server's start-up, it was a traceback there."""
-    result = tandem(
+    result = run_tandem(
         "gateway", "--stream-address", f"tcp://127.0.0.1:{taken_port}", "--model", "/no/such"
     )
     assert_refused_in_one_line(result, "--stream-address", "in use")
@@ -85,20 +67,20 @@ def test_up_refuses_a_port_in_use_before_starting_anything(taken_port, flag):
     """Its ready check asked whoever answered on --port: an earlier cluster still running was
     taken for this one's gateway (which was failing to bind behind it). `--model /no/such`
     would be refused next: a cluster is never started here."""
-    result = tandem("up", flag, str(taken_port), "--model", "/no/such")
+    result = run_tandem("up", flag, str(taken_port), "--model", "/no/such")
     assert_refused_in_one_line(result, flag, f"127.0.0.1:{taken_port}", "in use")
 
 
 def test_up_refuses_rpc_port_0():
     """0 read as "no RPC port" (a falsy check), where every other port setting's 0 is "any
     free one": neither could be told to a client, so it is refused."""
-    result = tandem("up", "--rpc-port", "0", "--model", "/no/such")
+    result = run_tandem("up", "--rpc-port", "0", "--model", "/no/such")
     assert_refused_in_one_line(result, "--rpc-port must be a port in [1, 65535], got 0")
 
 
 def test_an_unknown_log_level_stops_the_service_with_status_2(tmp_path):
     environ = dict(os.environ, TANDEM_LOG_LEVEL="trace")
-    result = tandem("scheduler", "--address", f"ipc://{tmp_path}/s.sock", env=environ)
+    result = run_tandem("scheduler", "--address", f"ipc://{tmp_path}/s.sock", env=environ)
     assert_refused_in_one_line(result, "TANDEM_LOG_LEVEL", "'trace'")
 
 

@@ -14,15 +14,6 @@ from services.scheduler.service import SchedulerConfig, SchedulerService
 from shared.config import ConfigError
 
 
-@pytest.fixture
-def taken_port():
-    """A port a plain TCP listener holds on 127.0.0.1 (as another server would)."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        yield holder.getsockname()[1]
-
-
 def test_the_scheduler_binds_an_ipc_address_whose_directory_does_not_exist_yet(tmp_path):
     """The defaults are ipc:///tmp/tandem/*.sock and nothing made /tmp/tandem: `tandem
     scheduler` with its defaults died on a ZMQError."""

@@ -7,16 +7,7 @@ import sys
 
 import pytest
 
-
-def tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "services.commands.cli", *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-
+from tests.helpers import run_tandem
 
 FP16_F16 = ["--quantization", "fp16", "--dtype", "float16"]  # a float16 copy of float16: no
 
@@ -103,13 +94,13 @@ def test_wrong_input_exits_2_naming_the_problem(answers_to_wrong_inputs, index):
 
 def test_a_wrong_input_in_a_process_of_its_own_exits_2_naming_it():
     """What the rest check in one interpreter, through the command line itself."""
-    result = tandem("generate", "--prompt", "hi", "--max-tokens", "-1")
+    result = run_tandem("generate", "--prompt", "hi", "--max-tokens", "-1")
     assert result.returncode == 2 and "max_tokens" in result.stderr
 
 
 def test_environment_variables_are_checked_too():
     import os
 
-    result = tandem("scheduler", env={**os.environ, "TANDEM_MAX_QUEUED_REQUESTS": "lots"})
+    result = run_tandem("scheduler", env={**os.environ, "TANDEM_MAX_QUEUED_REQUESTS": "lots"})
     assert result.returncode == 2
     assert "TANDEM_MAX_QUEUED_REQUESTS" in result.stderr
