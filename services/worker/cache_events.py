@@ -16,10 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared import wire
 from shared.engine.host_tier import HostTier
 from shared.engine.prefix_cache import PrefixCache
 
 FULL_EVERY = 20  # heartbeats between full sets (10 s at the default 0.5 s interval)
+# Hashes one heartbeat carries (the wire's bound on its lists, both lists together: a header
+# past its bound was dropped by the scheduler as malformed, with the load it reported). A set
+# larger (a big host tier) goes as its newest hashes: the scheduler's index then misses the
+# older ones, which costs those prompts a lookup, never a wrong answer.
+MAX_HASHES = wire.MAX_TOKEN_IDS
 
 
 @dataclass(frozen=True)
@@ -58,12 +64,15 @@ class CacheEventStream:
         touched = dict.fromkeys(block_hash for _, block_hash in self.cache.take_events())
         if self.host_tier is not None:
             touched.update(dict.fromkeys(self.host_tier.take_touched()))
-        if (self._seq - 1) % self.full_every == 0 or self._full_next:
+        # (More changes than a heartbeat carries: the whole set, bounded, says it instead.)
+        due = (self._seq - 1) % self.full_every == 0 or len(touched) > MAX_HASHES
+        if due or self._full_next:
             self._full_next = False
             hashes = self.cache.hashes()
             if self.host_tier is not None:  # a block computed again while held there is in both
-                hashes = list(dict.fromkeys(hashes + self.host_tier.hashes()))
-            return CacheBatch(self._seq, True, hashes, [])
+                # (Host blocks first: the device's are the newest.)
+                hashes = list(dict.fromkeys(self.host_tier.hashes() + hashes))
+            return CacheBatch(self._seq, True, hashes[-MAX_HASHES:], [])
         # Each touched hash by its state now: the two lists are disjoint, so the receiver may
         # apply them in any order.
         stored = [h for h in touched if self.servable(h)]

@@ -22,6 +22,7 @@ from services.scheduler.cache_routing import (
 )
 from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
 from services.scheduler.prefix_index import PrefixIndex
+from services.worker import cache_events
 from services.worker.cache_events import CacheEventStream
 from shared import wire
 from shared.engine.block_manager import BlockManager
@@ -60,6 +61,30 @@ def test_event_batches_are_numbered_net_and_full_every_few():
     assert stream.next_batch().full  # (the sixth: not one of every third)
     with pytest.raises(ValueError, match="full_every"):
         CacheEventStream(cache, full_every=0)
+
+
+def test_a_set_larger_than_a_heartbeat_carries_goes_as_its_newest_hashes(monkeypatch):
+    """Past the wire's bound on a list (2**20 hashes: a big host tier) the heartbeat was
+    dropped as malformed, with the load it reported, every time: the index never had the
+    worker. Now the newest hashes go, and changes past the bound go as a (bounded) full set."""
+    monkeypatch.setattr(cache_events, "MAX_HASHES", 2)
+    cache = PrefixCache()
+    bm = BlockManager(8, 16, cache)
+    stream = CacheEventStream(cache, full_every=100)
+    for block_hash, block_id in zip((1, 2, 3), bm.allocate(3), strict=True):
+        cache.insert(block_hash, block_id)
+    first = stream.next_batch()
+    assert first.full and first.stored == [2, 3]
+    cache.insert(4, bm.allocate(1)[0])
+    assert stream.next_batch().stored == [4]  # a change within the bound
+    for block_hash, block_id in zip((5, 6, 7), bm.allocate(3), strict=True):
+        cache.insert(block_hash, block_id)
+    third = stream.next_batch()
+    assert third.full and third.stored == [6, 7]
+    # A set at the real bound crosses the wire (its header too).
+    beat = dataclasses.replace(heartbeat("w"), cache_events_seq=3, cache_full=True,
+                               cache_stored=list(range(wire.MAX_TOKEN_IDS)))  # fmt: skip
+    assert len(wire.decode(wire.encode(beat)).cache_stored) == wire.MAX_TOKEN_IDS
 
 
 def test_index_applies_batches_in_order_and_forgets_a_worker_after_a_gap():
