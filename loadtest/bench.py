@@ -6,7 +6,18 @@ a `--sweep`, through `/v1/completions` with greedy decoding and EOS ignored (so 
 generates the same number of tokens; the `json` workload's constrained outputs end with their
 structure instead, and send OpenAI's `response_format`). Each run
 reports output and request throughput, TTFT, TPOT, ITL and end-to-end latency at p50/p90/p99,
-overall and per request class, and goodput under the `--slo-ttft`/`--slo-tpot` objectives.
+each with its number of samples, overall and per request class, and goodput under the
+`--slo-ttft`/`--slo-tpot` objectives. Failed requests are in no latency: beside the count and
+share of failures, a percentile that a failed request would hold (counted as slower than every
+success) reads "n/a" (see loadtest/metrics.py). Each run also reports the share of prompt tokens
+the server took from its prefix cache (when its usage says), and how late the client sent the
+requests against their schedule, with a warning when it fell behind.
+
+Every run (each rate of a sweep, each repetition of a command) puts a fresh nonce ahead of every
+prompt (a few token ids drawn from the workload's own, or a few of its words for text prompts;
+the same for all requests of the run, recorded in the run's `prompt_nonce`), so a server's prefix
+cache holds nothing from an earlier run: the first run would otherwise warm the cache for the
+next. `--reuse-prompts` sends the prompts as they are, to measure cache effects on purpose.
 
 Results go to `--out`: `result.json` (settings, summaries, per-request records, timelines) and
 PNG plots: latency CDFs per class, output tokens/s over time, and, when the server is tandem
@@ -31,27 +42,29 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtest.client import run_workload
-from loadtest.generators import GENERATORS, generate, with_arrivals
-from loadtest.metrics import (
-    Clock,
-    Result,
-    format_summary,
-    summarize_by_label,
-    token_timeline,
+from loadtest.generators import (
+    GENERATORS,
+    generate,
+    prompt_nonce,
+    with_arrivals,
+    with_prompt_nonce,
 )
+from loadtest.metrics import Clock, Result, Summary, summarize_by_label, token_timeline
+from loadtest.summary_text import client_warnings, format_ms, format_summary
 from loadtest.workload import WorkloadError, WorkloadRequest, read_workload
 
 RESULT_VERSION = 1
-SUMMARY_FIELDS = (
+SUMMARY_FIELDS = (  # (row, summary key, format; "ms": a percentile, "n/a" if a failure's)
     ("requests ok", "num_ok", "{:.0f}"),
     ("errors", "num_errors", "{:.0f}"),
+    ("failed", "error_share", "{:.1%}"),
     ("output tok/s", "output_tokens_per_s", "{:.1f}"),
     ("requests/s", "requests_per_s", "{:.2f}"),
     ("goodput req/s", "goodput_rps", "{:.2f}"),
@@ -65,6 +78,12 @@ SUMMARY_FIELDS = (
     ("ITL p99 ms", "itl_p99", "ms"),
     ("e2e p50 ms", "e2e_p50", "ms"),
     ("e2e p99 ms", "e2e_p99", "ms"),
+    ("TTFT n", "ttft_n", "{:.0f}"),
+    ("TPOT n", "tpot_n", "{:.0f}"),
+    ("e2e n", "e2e_n", "{:.0f}"),
+    ("cached prompt", "cache_hit_share", "{:.1%}"),
+    ("late p99 ms", "lateness_p99", "ms"),
+    ("late max ms", "lateness_max", "ms"),
 )
 
 
@@ -97,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--deadline", type=float, default=3600.0, help="per run, seconds")
     parser.add_argument("--send-text", action="store_true", help="prompts as text, not token ids")
+    parser.add_argument(
+        "--reuse-prompts",
+        action="store_true",
+        help="no per-run nonce ahead of the prompts: a later run may hit the server's cache",
+    )
     parser.add_argument("--poll-interval", type=float, default=0.5, help="tandem /ready polling")
     parser.add_argument("--name", help="the result's name in comparisons (default: --out's)")
     parser.add_argument("--out", default="bench-results", help="folder for result.json and PNGs")
@@ -167,7 +191,11 @@ def bench(args: argparse.Namespace) -> int:
     runs = []
     for rate in rates:
         arrivals, timed = arrivals_for(args, requests, rate)
-        runs.append({"arrivals": arrivals, **asyncio.run(one_run(args, timed, rate))})
+        nonce = None if args.reuse_prompts else prompt_nonce(requests)
+        if nonce is not None:
+            timed = with_prompt_nonce(timed, nonce)
+        prompt = {"prompt_nonce": None if nonce is None else asdict(nonce)}
+        runs.append({"arrivals": arrivals, **prompt, **asyncio.run(one_run(args, timed, rate))})
         print(describe_run(runs[-1]), flush=True)
     result = {
         "tool": "tandem bench",
@@ -178,6 +206,7 @@ def bench(args: argparse.Namespace) -> int:
         "workload": args.workload or f"generator:{args.generator or 'mix'}",
         "num_requests": len(requests),
         "seed": args.seed,
+        "reuse_prompts": args.reuse_prompts,
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "runs": runs,
@@ -225,6 +254,7 @@ async def one_run(
     return {
         "rate": rate,
         "summary": result.summary.to_dict(),
+        "warnings": client_warnings(result.summary),
         "classes": {label or "all": s.to_dict() for label, s in classes.items()},
         "throughput": token_timeline(result.records),
         "batch": sampler.samples,
@@ -301,13 +331,12 @@ class BatchSampler:
 
 
 def describe_run(run: dict[str, Any]) -> str:
-    from loadtest.metrics import Summary
-
     head = run["arrivals"] if run["rate"] is None else f"rate {run['rate']:g} req/s"
-    lines = [f"== {head}", format_summary(Summary(**run["summary"]))]
+    lines = [f"== {head}", format_summary(Summary.from_dict(run["summary"]))]
     if len(run["classes"]) > 1:
         for label, summary in run["classes"].items():
-            lines.append(f"-- {label}: " + format_summary(Summary(**summary)).replace("\n", "; "))
+            text = format_summary(Summary.from_dict(summary))
+            lines.append(f"-- {label}: " + text.replace("\n", "; "))
     return "\n".join(lines)
 
 
@@ -353,19 +382,27 @@ def compared_runs(results: list[dict[str, Any]]) -> list[tuple[str, dict[str, An
     return columns
 
 
+def summary_cell(summary: Summary, key: str, fmt: str) -> str:
+    """A percentile that a failed request would hold reads "n/a: X% failed"."""
+    share = summary.num_errors / summary.num_requests if summary.num_requests else 0.0
+    if fmt == "ms" and summary.unknown(key):
+        return f"n/a: {share:.0%} failed"
+    if fmt == "ms":
+        return format_ms(getattr(summary, key))
+    value = share if key == "error_share" else getattr(summary, key)  # (older results lack it)
+    return "-" if value is None else fmt.format(value)
+
+
 def compare_table(columns: list[tuple[str, dict[str, Any]]]) -> str:
-    width = max(14, *(len(name) + 2 for name, _ in columns))
+    summaries = [Summary.from_dict(run["summary"]) for _, run in columns]
+    rows = [
+        (label, [summary_cell(s, key, fmt) for s in summaries])
+        for label, key, fmt in SUMMARY_FIELDS
+    ]
+    width = max(14, *(len(name) + 2 for name, _ in columns),
+                *(len(cell) + 2 for _, cells in rows for cell in cells))  # fmt: skip
     lines = ["metric".ljust(16) + "".join(name.rjust(width) for name, _ in columns)]
-    for label, key, fmt in SUMMARY_FIELDS:
-        cells = []
-        for _, run in columns:
-            value = run["summary"].get(key)
-            if value is None:
-                cells.append("-")
-            elif fmt == "ms":
-                cells.append(f"{value * 1e3:.0f}")
-            else:
-                cells.append(fmt.format(value))
+    for label, cells in rows:
         lines.append(label.ljust(16) + "".join(cell.rjust(width) for cell in cells))
     return "\n".join(lines)
 

@@ -2,9 +2,18 @@
 and constrained JSON.
 
 Each class draws long-tailed prompt and output lengths in its own ranges (see `workload`), and
-prompts are exact-length windows of the corpus, so any server sees the same tokens. The mix
-interleaves the classes in fixed proportions, in an order drawn from the seed. Arrival times are
-set afterwards (`with_arrivals`), so a rate sweep sends the same requests at each rate.
+prompts are exact-length windows of the corpus, so any server sees the same tokens. Each class
+draws from its own random streams (keyed by its name), so the mix's classes do not start their
+prompts at the same corpus places. The mix interleaves the classes in fixed proportions, in an
+order drawn from the seed. Arrival times are set afterwards (`with_arrivals`), so a rate sweep
+sends the same requests at each rate.
+
+A server with a prefix cache would serve the second run of the same prompts from its cache, so
+`tandem bench` puts a nonce ahead of every prompt of a run (`prompt_nonce`, `with_prompt_nonce`):
+`NONCE_TOKENS` token ids drawn at random from the workload's own prompts (ordinary tokens of its
+vocabulary), or for prompts sent as text `NONCE_WORDS` of its words. One nonce serves a whole run,
+so the prefixes its requests share with each other (the agents' system prompt) stay shared; a new
+one for every run and repetition makes the server see prompts it has not seen.
 
 Two workloads of the agent hub stand apart:
 - `agents`: agents re-sending a long shared context. Every prompt starts with one shared
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +124,7 @@ def generate(tokenizer: Any, name: str, num: int, seed: int = 0) -> list[Workloa
         seed=seed,
         prompt_range=shape.prompt_range,
         output_range=shape.output_range,
+        name=name,
     )
     return [dataclasses.replace(r, label=name, stream=shape.stream) for r in requests]
 
@@ -174,6 +185,48 @@ def with_arrivals(
     """The same requests, all at once (`rate` None) or as a Poisson process at `rate` per s."""
     times = arrival_times(stream(seed, f"arrivals-{rate}"), len(requests), rate)
     return [dataclasses.replace(r, arrival_time=t) for r, t in zip(requests, times, strict=True)]
+
+
+NONCE_TOKENS = 4
+NONCE_WORDS = 4
+
+
+@dataclass(frozen=True)
+class PromptNonce:
+    """What goes ahead of every prompt of one run."""
+
+    token_ids: list[int]  # ahead of prompts sent as token ids
+    text: str  # ahead of prompts sent as text
+
+
+def prompt_nonce(
+    requests: Sequence[WorkloadRequest], rng: random.Random | None = None
+) -> PromptNonce:
+    """A fresh nonce (from the system's randomness unless `rng` is given), drawn from the
+    workload's own token ids and words."""
+    rng = rng or random.SystemRandom()
+    ids = sorted({t for r in requests for t in r.prompt_token_ids or ()})
+    words = sorted({w for r in requests for w in r.prompt.split()})
+    return PromptNonce(
+        [rng.choice(ids) for _ in range(NONCE_TOKENS)] if ids else [],
+        "".join(f"{rng.choice(words)} " for _ in range(NONCE_WORDS)) if words else "",
+    )
+
+
+def with_prompt_nonce(
+    requests: Sequence[WorkloadRequest], nonce: PromptNonce
+) -> list[WorkloadRequest]:
+    """The same requests, each prompt (ids and text) after the nonce."""
+    return [
+        dataclasses.replace(
+            r,
+            prompt=nonce.text + r.prompt,
+            prompt_token_ids=(
+                None if r.prompt_token_ids is None else nonce.token_ids + r.prompt_token_ids
+            ),
+        )
+        for r in requests
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,13 @@
 """Per-request timings and the summary every benchmark here reports, computed in one place.
 
-A request records its lifecycle as times in seconds since the run started: sent, first token,
-each streamed chunk, finished. Every figure derives from those:
+A request records its lifecycle as times in seconds since the run started: scheduled (when the
+workload said to send it), sent (when its request headers started onto the wire, its connection
+open and its body built), first token, each streamed chunk that carries output, finished. Every
+figure derives from those:
+- send lateness = sent - scheduled: the client's own delay (a late wake-up, building the body,
+  opening the connection, other requests' work in the same event loop). It is not charged to
+  TTFT, which measures the server; it is reported, and a client that fell behind its schedule
+  (p99 over 10 ms) is warned about, since the server then saw less load than was offered;
 - TTFT = first token - sent;
 - end-to-end latency (e2e) = finished - sent;
 - TPOT = (e2e - TTFT) / (tokens - 1), the mean gap between output tokens after the first
@@ -16,7 +22,18 @@ A non-streamed request has only sent and finished: it counts in e2e and throughp
 TPOT or ITL.
 
 Percentiles interpolate linearly between the closest ranks (numpy's default), so p50 of an even
-count is the mean of the middle two. Failed requests count in `num_errors` and in no latency.
+count is the mean of the middle two; each comes with its number of samples (`ttft_n`, ...): p99 of
+fewer than about 100 lies between the two largest. Failed requests count in `num_errors` (and
+`error_share`) and in no latency, so a percentile over the successes alone flatters a server that
+fails its slowest requests or sheds load. Counting each failed request as slower than every
+success (a timeout is; a refused request never got served), the q-th percentile of all requests
+is unknown when its rank falls on a failure, roughly when more than 100 - q % failed: such
+percentiles are listed in `unknown_percentiles` and shown as "n/a" (the figure over the successes
+is still in the summary, as a lower bound). TTFT, TPOT and ITL count the failed streamed requests,
+e2e every failed request.
+
+When the server reports `usage.prompt_tokens_details.cached_tokens`, each record keeps it and the
+summary gives the share of prompt tokens the server took from its prefix cache.
 """
 
 from __future__ import annotations
@@ -25,7 +42,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -43,18 +60,28 @@ class Clock:
 class RequestRecord:
     index: int  # position in the workload
     max_tokens: int
-    num_prompt_tokens: int | None = None
-    send_time: float | None = None
+    num_prompt_tokens: int | None = None  # as the server reported it (usage), else as sent
+    send_time: float | None = None  # its headers started onto the wire; None: never sent
     first_token_time: float | None = None
     finish_time: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each streamed chunk
+    chunk_times: list[float] = field(default_factory=list)  # each streamed chunk with output
     completion_tokens: int | None = None  # as the server reported it (usage)
     error: str | None = None
     label: str = ""  # the request's class
+    scheduled_time: float | None = None  # when the workload said to send it
+    cached_tokens: int | None = None  # prompt tokens served from the server's cache (usage)
+    stream: bool = True  # streamed (TTFT, TPOT, ITL) or one response (e2e only)
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.finish_time is not None
+
+    @property
+    def lateness(self) -> float | None:
+        """How long after its scheduled time the request went on the wire."""
+        if self.send_time is None or self.scheduled_time is None:
+            return None
+        return self.send_time - self.scheduled_time
 
     @property
     def ttft(self) -> float | None:
@@ -80,7 +107,8 @@ class RequestRecord:
         return [b - a for a, b in itertools.pairwise(self.chunk_times)]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}
+        latencies = {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}
+        return {**asdict(self), **latencies, "lateness": self.lateness}
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -93,6 +121,15 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     rank = (len(ordered) - 1) * q / 100
     low, high = math.floor(rank), math.ceil(rank)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def beyond_successes(num_samples: int, num_failed: int, q: float) -> bool:
+    """Whether the q-th percentile of successes and failures together, each failure counted as
+    slower than every success, needs a failure's value (its rank, or the next one up for the
+    interpolation, falls among the failures): the figure over the successes alone then
+    understates it, by an amount the failures do not tell."""
+    total = num_samples + num_failed
+    return num_failed > 0 and math.ceil((total - 1) * q / 100) >= num_samples
 
 
 @dataclass(frozen=True)
@@ -117,9 +154,47 @@ class Summary:
     tpot_p90: float | None = None
     e2e_p90: float | None = None
     itl_p90: float | None = None
+    error_share: float = 0.0  # num_errors / num_requests
+    # Samples behind each metric's percentiles (successful requests that have it; ITL: chunk
+    # gaps). None in results written before they were counted.
+    ttft_n: int | None = None
+    tpot_n: int | None = None
+    e2e_n: int | None = None
+    itl_n: int | None = None
+    # Percentiles ("ttft_p99", ...) that would be a failed request's (see the module's doc):
+    # their figure here is over the successes only, a lower bound.
+    unknown_percentiles: tuple[str, ...] = ()
+    # Send lateness (sent - scheduled) over the requests sent: the client's own delay.
+    lateness_p50: float | None = None
+    lateness_p99: float | None = None
+    lateness_max: float | None = None
+    lateness_n: int = 0
+    # Over the requests whose usage reported cached_tokens; None when none did.
+    cached_prompt_tokens: int | None = None
+    cache_hit_share: float | None = None  # cached / prompt tokens of those requests
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Summary:
+        """From `to_dict`'s JSON, also one written before some fields existed."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["unknown_percentiles"] = tuple(values.get("unknown_percentiles", ()))
+        return cls(**values)
+
+    def unknown(self, key: str) -> bool:
+        """Whether percentile `key` ("ttft_p99") would be a failed request's. For a result
+        written before the per-metric counts existed, every success counts as a sample."""
+        if key in self.unknown_percentiles:
+            return True
+        metric, _, q = key.rpartition("_p")
+        if metric not in LATENCY_METRICS:
+            return False
+        if getattr(self, f"{metric}_n") is None:
+            return beyond_successes(self.num_ok, self.num_errors, float(q))
+        return False
 
 
 def _present(values: Sequence[float | None]) -> list[float]:
@@ -145,6 +220,10 @@ def meets_slo(
     return ttft_met and tpot_met and e2e_met
 
 
+QUANTILES = (50, 90, 99)
+LATENCY_METRICS = ("ttft", "tpot", "e2e", "itl")
+
+
 def summarize(
     records: Sequence[RequestRecord],
     slo_ttft_s: float | None = None,
@@ -156,10 +235,27 @@ def summarize(
     finishes = _present([r.finish_time for r in ok])
     wall = max(finishes) - min(sends) if sends and finishes else 0.0
     tokens = sum(r.completion_tokens or 0 for r in ok)
-    ttfts = _present([r.ttft for r in ok])
-    tpots = _present([r.tpot for r in ok])
-    e2es = _present([r.e2e for r in ok])
-    gaps = [gap for r in ok for gap in r.chunk_gaps]
+    samples = {
+        "ttft": _present([r.ttft for r in ok]),
+        "tpot": _present([r.tpot for r in ok]),
+        "e2e": _present([r.e2e for r in ok]),
+        "itl": [gap for r in ok for gap in r.chunk_gaps],
+    }
+    num_failed = len(records) - len(ok)
+    num_failed_streams = sum(1 for r in records if not r.ok and r.stream)
+    failed = {"ttft": num_failed_streams, "tpot": num_failed_streams, "itl": num_failed_streams,
+              "e2e": num_failed}  # fmt: skip
+    percentiles = {
+        f"{metric}_p{q}": percentile(values, q)
+        for metric, values in samples.items()
+        for q in QUANTILES
+    }
+    unknown = tuple(
+        f"{metric}_p{q}"
+        for metric, values in samples.items()
+        for q in QUANTILES
+        if beyond_successes(len(values), failed[metric], q)
+    )
     goodput = None
     objectives = (slo_ttft_s, slo_tpot_s, slo_e2e_s)
     if any(o is not None for o in objectives) and wall > 0:
@@ -167,25 +263,40 @@ def summarize(
     return Summary(
         num_requests=len(records),
         num_ok=len(ok),
-        num_errors=len(records) - len(ok),
+        num_errors=num_failed,
         output_tokens=tokens,
         wall_s=wall,
         output_tokens_per_s=tokens / wall if wall > 0 else 0.0,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p99=percentile(ttfts, 99),
-        tpot_p50=percentile(tpots, 50),
-        tpot_p99=percentile(tpots, 99),
-        e2e_p50=percentile(e2es, 50),
-        e2e_p99=percentile(e2es, 99),
-        itl_p50=percentile(gaps, 50),
-        itl_p99=percentile(gaps, 99),
         goodput_rps=goodput,
         requests_per_s=len(ok) / wall if wall > 0 else 0.0,
-        ttft_p90=percentile(ttfts, 90),
-        tpot_p90=percentile(tpots, 90),
-        e2e_p90=percentile(e2es, 90),
-        itl_p90=percentile(gaps, 90),
+        **percentiles,
+        error_share=num_failed / len(records) if records else 0.0,
+        **{f"{metric}_n": len(values) for metric, values in samples.items()},
+        unknown_percentiles=unknown,
+        **_lateness(records),
+        **_prompt_cache(records),
     )
+
+
+def _lateness(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    late = _present([r.lateness for r in records])
+    return {
+        "lateness_p50": percentile(late, 50),
+        "lateness_p99": percentile(late, 99),
+        "lateness_max": max(late, default=None),
+        "lateness_n": len(late),
+    }
+
+
+def _prompt_cache(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    reported = [
+        r for r in records if r.cached_tokens is not None and r.num_prompt_tokens is not None
+    ]
+    if not reported:
+        return {"cached_prompt_tokens": None, "cache_hit_share": None}
+    cached = sum(r.cached_tokens or 0 for r in reported)
+    prompt = sum(r.num_prompt_tokens or 0 for r in reported)
+    return {"cached_prompt_tokens": cached, "cache_hit_share": cached / prompt if prompt else None}
 
 
 def summarize_by_label(
@@ -236,22 +347,3 @@ class Result:
             **self.extra,
             "records": [r.to_dict() for r in self.records],
         }
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
-
-
-def format_summary(summary: Summary) -> str:
-    s = summary
-    lines = [
-        f"requests {s.num_ok}/{s.num_requests} ok ({s.num_errors} errors); "
-        f"{s.output_tokens} output tokens in {s.wall_s:.2f} s = {s.output_tokens_per_s:.1f} tok/s",
-        f"TTFT ms p50 {_ms(s.ttft_p50)} p90 {_ms(s.ttft_p90)} p99 {_ms(s.ttft_p99)}   "
-        f"TPOT ms p50 {_ms(s.tpot_p50)} p90 {_ms(s.tpot_p90)} p99 {_ms(s.tpot_p99)}",
-        f"e2e ms p50 {_ms(s.e2e_p50)} p90 {_ms(s.e2e_p90)} p99 {_ms(s.e2e_p99)}   "
-        f"ITL ms p50 {_ms(s.itl_p50)} p90 {_ms(s.itl_p90)} p99 {_ms(s.itl_p99)}",
-    ]
-    if s.goodput_rps is not None:
-        lines.append(f"goodput {s.goodput_rps:.2f} req/s")
-    return "\n".join(lines)

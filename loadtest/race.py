@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 
 from loadtest.client import run_workload
-from loadtest.metrics import Result
-from loadtest.pipeline_bench import _pair_ms
+from loadtest.metrics import Result, Summary
 from loadtest.served import free_port, tandem_up
+from loadtest.summary_text import client_warnings, format_ms, percentile_ms
 from loadtest.worker_metrics import WorkerCounters, worker_counters
 from loadtest.workload import WorkloadRequest, read_workload
 
@@ -96,11 +96,18 @@ def burst(url: str, model: str, requests: Sequence[WorkloadRequest], name: str) 
     )
 
 
+def _pair(summary: Summary, metric: str) -> str:
+    p50, p99 = (percentile_ms(summary, f"{metric}_p{q}") for q in (50, 99))
+    return "-" if p50 == p99 == "-" else f"{p50}/{p99}"
+
+
 def race_table(results: dict[str, Result]) -> str:
+    """One row per server; a percentile that a failed request would hold reads "n/a" (see
+    loadtest/metrics.py), explained under the table with the figure over the successes."""
     base = results.get("llama.cpp")
     header = (
         f"{'server':<10} {'ok':>7} {'wall s':>7} {'out tok/s':>10} {'vs llama.cpp':>13} "
-        f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16}"
+        f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'failed':>7}"
     )
     rows = [header, "-" * len(header)]
     for name, result in results.items():
@@ -111,8 +118,18 @@ def race_table(results: dict[str, Result]) -> str:
         rows.append(
             f"{name:<10} {f'{s.num_ok}/{s.num_requests}':>7} {s.wall_s:>7.1f} "
             f"{s.output_tokens_per_s:>10.1f} {ratio:>13} "
-            f"{_pair_ms(s.ttft_p50, s.ttft_p99):>16} {_pair_ms(s.tpot_p50, s.tpot_p99):>16}"
+            f"{_pair(s, 'ttft'):>16} {_pair(s, 'tpot'):>16} {s.error_share:>7.1%}"
         )
+    for name, result in results.items():
+        s = result.summary
+        hidden = [k for k in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99") if s.unknown(k)]
+        if hidden:
+            over_ok = ", ".join(f"{k} {format_ms(getattr(s, k))}" for k in hidden)
+            rows.append(
+                f"{name}: n/a: {s.num_errors} of {s.num_requests} failed, and a failed request "
+                f"would hold that percentile; over the successes only (ms): {over_ok}"
+            )
+        rows += [f"{name}: {warning}" for warning in client_warnings(s)]
     return "\n".join(rows)
 
 

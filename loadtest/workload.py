@@ -12,8 +12,9 @@ ids are stored with it and are what `tandem bench` sends (the completions API ta
 for text-only clients, and a generator check keeps its re-tokenized length within one token.
 
 Arrival times are all 0 (a burst) or a Poisson process at `rate` requests per second. Every
-random choice comes from its own stream seeded by (seed, purpose), so a different rate leaves the
-prompts and lengths unchanged.
+random choice comes from its own stream seeded by (seed, the workload's name, purpose), so a
+different rate leaves the prompts and lengths unchanged, and two named workloads of one seed (the
+mix's classes) do not start their i-th prompts at the same place.
 
     .venv/bin/python -m loadtest.workload --out loadtest/workloads/mixed64.jsonl [--rate 2]
 """
@@ -210,12 +211,16 @@ def build_workload(
     prompt_range: tuple[int, int] = DEFAULT_PROMPT_RANGE,
     output_range: tuple[int, int] = DEFAULT_OUTPUT_RANGE,
     corpus_text: str | None = None,
+    name: str = "",
 ) -> list[WorkloadRequest]:
+    """`num` requests; `name` keys the random streams, so that workloads drawn with one seed
+    under different names (the mix's classes) start their prompts at different places."""
     corpus = tokenize_corpus(tokenizer, corpus_text or CORPUS_PATH.read_text(encoding="utf-8"))
-    prompt_lens = long_tailed_lengths(stream(seed, "prompt-lengths"), num, *prompt_range)
-    output_lens = long_tailed_lengths(stream(seed, "output-lengths"), num, *output_range)
-    arrivals = arrival_times(stream(seed, "arrivals"), num, rate)
-    starts = stream(seed, "prompt-starts")
+    key = f"{name}:" if name else ""
+    prompt_lens = long_tailed_lengths(stream(seed, f"{key}prompt-lengths"), num, *prompt_range)
+    output_lens = long_tailed_lengths(stream(seed, f"{key}output-lengths"), num, *output_range)
+    arrivals = arrival_times(stream(seed, f"{key}arrivals"), num, rate)
+    starts = stream(seed, f"{key}prompt-starts")
     requests = []
     for prompt_len, max_tokens, arrival in zip(prompt_lens, output_lens, arrivals, strict=True):
         text, ids = build_prompt(tokenizer, corpus, starts, prompt_len)
