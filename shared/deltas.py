@@ -22,6 +22,10 @@ def joined(first: wire.TokenDelta, then: wire.TokenDelta) -> wire.TokenDelta:
         token_ids=[*first.token_ids, *then.token_ids],
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        # (The prompt's, which come with the first token: the repeat is for a gateway that
+        # missed the first worker's delta, so it must carry all that delta carried.)
+        prompt_logprobs=first.prompt_logprobs,
+        prompt_top_logprobs=first.prompt_top_logprobs,
         num_cached_tokens=first.num_cached_tokens,
         index=first.index,
     )
@@ -45,6 +49,8 @@ def after(delta: wire.TokenDelta, num_had: int) -> wire.TokenDelta | None:
         token_ids=delta.token_ids[skip:],
         logprobs=None if delta.logprobs is None else delta.logprobs[skip:],
         top_logprobs=None if delta.top_logprobs is None else delta.top_logprobs[skip:],
+        prompt_logprobs=None,  # (they came with the first token, which arrived already)
+        prompt_top_logprobs=None,
         index=num_had,
     )
 

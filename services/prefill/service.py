@@ -107,7 +107,9 @@ class PrefillWorker(WorkerLoop):
             self.poller,  # for KV_ACKs
         )
         self._num_cached: dict[str, int] = {}  # prompt tokens the cache spared, until reported
-        self._last_ack_at: dict[str, float] = {}  # per decode address with a socket, monotonic
+        # Per decode address with a socket (monotonic): when it was opened, and last acked.
+        self._opened_at: dict[str, float] = {}
+        self._last_ack_at: dict[str, float] = {}
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -313,8 +315,13 @@ class PrefillWorker(WorkerLoop):
     def _check_decode(self, address: str) -> str | None:
         """Why KV cannot be shipped to the decode worker at `address`, or None; connects to it
         if not connected."""
+        opening = address not in self.decode_sockets
         refusal = self.decode_sockets.check(address)
-        return None if refusal is None else f"the decode {refusal}"
+        if refusal is not None:
+            return f"the decode {refusal}"
+        if opening:
+            self._opened_at[address] = time.monotonic()
+        return None
 
     def _open_decode_socket(self) -> zmq.Socket:
         sock = self.security.client(self.context.socket(zmq.DEALER))
@@ -359,15 +366,23 @@ class PrefillWorker(WorkerLoop):
             if now > transfer.deadline:
                 del self.transfers[request_id]
                 self.events.kv_failed(request_id, "timeout", None)
+                if self._silent_since(transfer):
+                    self._drop_decode_socket(transfer.job.decode_address)
                 self._report(transfer.job, "error", transfer.num_output_tokens)
-                address = transfer.job.decode_address
-                if self._last_ack_at.get(address, -math.inf) < transfer.sent_at:
-                    self._drop_decode_socket(address)
+
+    def _silent_since(self, transfer: PendingTransfer) -> bool:
+        """The transfer went on its address's current socket, and nothing was acknowledged on
+        it since (a transfer sent on a socket dropped since says nothing of the new one)."""
+        address = transfer.job.decode_address
+        opened = self._opened_at.get(address, math.inf)
+        heard = self._last_ack_at.get(address, -math.inf)
+        return opened <= transfer.sent_at and heard < transfer.sent_at
 
     def _drop_decode_socket(self, address: str) -> None:
         if address in self.decode_sockets:
             self.decode_sockets.discard(address)
             self.log.warning("dropped the socket of a silent decode worker", decode=address)
+        self._opened_at.pop(address, None)
         self._last_ack_at.pop(address, None)
 
     def _report(
@@ -423,6 +438,7 @@ class PrefillWorker(WorkerLoop):
         super()._close_idle()
         in_use = {job.decode_address for job in self._jobs_held()}
         for address in self.decode_sockets.close_idle(in_use):
+            self._opened_at.pop(address, None)
             self._last_ack_at.pop(address, None)
             self.log.info("closed an idle decode socket", decode=address)
 

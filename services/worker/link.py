@@ -14,11 +14,15 @@ import zmq
 
 from shared import wire
 from shared.curve import Security
+from shared.logs import get_logger
 
 # Registering again, a HELLO still unanswered after this many heartbeats is taken for lost.
 # Counted in heartbeats, not seconds: a long step delays the answers' reading, not their order.
 WELCOME_WAIT_BEATS = 20
 GOODBYE_LINGER_MS = 1000  # a stopping worker's last messages to the scheduler may take this
+DROPPED_LOG_EVERY = 100  # a full link logs its first dropped message, then every this many
+
+_log = get_logger()
 
 
 class HandshakeError(RuntimeError):
@@ -36,6 +40,7 @@ class SchedulerLink:
         self._next_heartbeat = 0.0
         # Heartbeats sent since a re-registration not yet welcomed (None: none awaited).
         self._beats_awaiting_welcome: int | None = None
+        self.num_dropped = 0  # messages dropped on a full queue (`send`)
 
     def handshake(self, timeout_s: float = 60.0) -> None:
         """Says HELLO until the scheduler answers (it may start after us)."""
@@ -75,14 +80,28 @@ class SchedulerLink:
         log.error("scheduler refused this worker", error=ack.error)
         return False
 
-    def send(self, message: wire.Message) -> None:
-        wire.send(self.socket, message)
+    def send(self, message: wire.Message) -> bool:
+        """Sends without waiting; False, the message dropped, when the socket's queue is full:
+        the scheduler has been away for minutes (some thousand heartbeats queued), and a send
+        that waited would stop the worker's loop (its steps, its gateways' tokens, its stop on
+        SIGTERM). What is dropped the scheduler learns again: each heartbeat is whole, and one
+        back without the worker asks it to register again."""
+        if wire.send_or_drop(self.socket, message):
+            return True
+        self.num_dropped += 1
+        if self.num_dropped % DROPPED_LOG_EVERY == 1:
+            _log.warning(
+                "scheduler link full; messages dropped",
+                type=type(message).__name__,
+                num_dropped=self.num_dropped,
+            )
+        return False
 
     def heartbeat_due(self, now: float) -> bool:
         return now >= self._next_heartbeat
 
     def send_heartbeat(self, heartbeat: wire.Heartbeat, now: float) -> None:
-        wire.send(self.socket, heartbeat)
+        self.send(heartbeat)
         if self._beats_awaiting_welcome is not None:
             self._beats_awaiting_welcome += 1
         self._next_heartbeat = now + self.heartbeat_interval_s

@@ -1,6 +1,7 @@
 """Token streams from a worker to gateways: one PUSH socket per gateway address, one message per
-step per gateway. A gateway that is gone must not stall the engine, so sends never block: past the
-high-water mark a message is dropped and logged (the gateway is dead or hopelessly behind)."""
+step per gateway (more for a step of more requests than a message carries). A gateway that is
+gone must not stall the engine, so sends never block: past the high-water mark a message is
+dropped and logged (the gateway is dead or hopelessly behind)."""
 
 from __future__ import annotations
 
@@ -44,11 +45,14 @@ class GatewayStreams:
             if refusal is not None:  # an address never checked: a refusal's last words
                 self.log.warning("gateway stream unusable; tokens dropped", error=refusal)
                 continue
-            frames = wire.encode(wire.Tokens(deltas=deltas))
-            try:
-                self._sockets[address].send_multipart(frames, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                self.log.warning("gateway stream full; tokens dropped", gateway=address)
+            # (A message carries MAX_LIST_LEN deltas: a worker may run more sequences.)
+            for start in range(0, len(deltas), wire.MAX_LIST_LEN):
+                message = wire.Tokens(deltas=deltas[start : start + wire.MAX_LIST_LEN])
+                try:
+                    self._sockets[address].send_multipart(wire.encode(message), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    self.log.warning("gateway stream full; tokens dropped", gateway=address)
+                    break
 
     def close_idle(self) -> list[str]:
         return self._sockets.close_idle()

@@ -118,3 +118,30 @@ def test_forgotten_once_the_worker_registers_again_once(tmp_path):
         link.close()
         scheduler.close(linger=0)
         context.term()
+
+
+def test_a_scheduler_away_for_minutes_does_not_stop_the_worker(tmp_path):
+    """Heartbeats to a scheduler that went away queue in the link; past the socket's bound
+    (1,000: some eight minutes of heartbeats) a send that waited stopped the worker's loop for
+    good: no steps, no tokens to its gateways, no stop on SIGTERM. They are dropped instead."""
+    context = zmq.Context()
+    address = f"ipc://{tmp_path}/scheduler"
+    scheduler = context.socket(zmq.ROUTER)
+    scheduler.bind(address)
+    link = SchedulerLink(context, address, hello(), Security(None, None))
+    assert link.send(hello()) and scheduler.poll(5000)
+    scheduler.close(linger=0)  # crashed, or being restarted
+    beat = wire.Heartbeat(peer_id="d", num_waiting=0, num_running=0, num_free_blocks=8,
+                          num_total_blocks=8, steps_completed=0, sent_at=0.0)  # fmt: skip
+    beating = threading.Thread(
+        target=lambda: [link.send_heartbeat(beat, time.monotonic()) for _ in range(1500)],
+        daemon=True,
+    )
+    beating.start()
+    beating.join(10)
+    try:
+        assert not beating.is_alive(), "the link's send waited for a scheduler that is gone"
+        assert link.num_dropped > 0
+    finally:
+        link.close()
+        context.term()

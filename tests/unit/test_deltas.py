@@ -3,6 +3,8 @@ and what a gateway keeps of a delta given the tokens it has."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from shared import wire
@@ -22,6 +24,21 @@ def test_joined_puts_the_first_ahead_and_keeps_the_later_ones_end():
     assert both.logprobs == [-0.5, -1.0, -2.0]
     assert both.top_logprobs == [[(7, -0.5)], [(8, -1.0)], [(9, -2.0)]]
     assert both.num_cached_tokens == 16  # the prefill's count travels with its token
+
+
+def test_the_repeated_first_token_carries_the_prompts_logprobs_once():
+    """The decode worker repeats the first token for a gateway that missed the prefill
+    worker's delta: the prompt's logprobs, which come with that token, came no more (a client
+    asking for them got none, and no error). A gateway that had the first token drops them
+    with the repeat."""
+    first = dataclasses.replace(
+        delta([7], 0, [-0.5]), prompt_logprobs=[-1.0, -2.0], prompt_top_logprobs=[[], []]
+    )
+    both = joined(first, delta([8], 1, [-1.0]))
+    assert both.prompt_logprobs == [-1.0, -2.0] and both.prompt_top_logprobs == [[], []]
+    assert after(both, 0).prompt_logprobs == [-1.0, -2.0]
+    rest = after(both, 1)
+    assert rest.token_ids == [8] and rest.prompt_logprobs is rest.prompt_top_logprobs is None
 
 
 def test_joined_without_logprobs_on_both_sides_has_none():
