@@ -15,7 +15,16 @@ import structlog
 
 from shared.config import ConfigError
 
-LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+# (With Python's own aliases: WARN and FATAL.)
+LEVELS = {
+    "debug": 10,
+    "info": 20,
+    "warning": 30,
+    "warn": 30,
+    "error": 40,
+    "critical": 50,
+    "fatal": 50,
+}
 FORMATS = ("console", "json")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,10 @@ def run_tandem(*argv: str, env: dict | None = None) -> subprocess.CompletedProce
         timeout=120,
         env=env,
     )
+
+
+def free_port() -> str:
+    """A TCP port free on 127.0.0.1 now (as a flag's value)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])

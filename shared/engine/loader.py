@@ -198,17 +198,24 @@ def device_argument(name: str) -> str:
 def generation_eos_ids(directory: Path, config: ModelConfig) -> tuple[int, ...]:
     """The end-of-sequence ids `generation_config.json` adds to the config's: transformers'
     `generate` and vLLM stop on these too (Qwen2.5-Instruct lists <|endoftext|> there beside
-    config.json's <|im_end|>; early Llama-3-Instruct snapshots, <|eot_id|>)."""
+    config.json's <|im_end|>; early Llama-3-Instruct snapshots, <|eot_id|>). A file that does
+    not say them readably is left out with a warning: the model served before it was read."""
     file = directory / "generation_config.json"
     if not file.is_file():
         return ()
     try:
         found = json.loads(file.read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError) as error:
-        raise ValueError(f"{file}: not a readable JSON generation config ({error!r})") from None
-    ids = [found] if isinstance(found, int) else found if isinstance(found, list) else []
+        logging.getLogger(__name__).warning(
+            "%s is unreadable (%r); its end ids are left out", file, error
+        )
+        return ()
+    ids = [found] if type(found) is int else found if isinstance(found, list) else []
     if not all(type(i) is int and 0 <= i < config.vocab_size for i in ids):
-        raise ValueError(f"{file}: eos_token_id must be token ids of the model, got {found!r}")
+        logging.getLogger(__name__).warning(
+            "%s: eos_token_id %.200r is not the model's token ids; left out", file, found
+        )
+        return ()
     return tuple(i for i in dict.fromkeys(ids) if i not in config.eos_token_ids)
 
 

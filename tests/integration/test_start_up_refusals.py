@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
-from tests.helpers import run_tandem
+from tests.helpers import free_port, run_tandem
+
+# (The default --port, 8000, is checked first: a free one, whatever else runs here.)
+FREE_PORT = ["--port", free_port()]
 
 
 def assert_refused_in_one_line(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -57,8 +60,9 @@ def test_the_gateway_refuses_a_port_in_use_before_loading_anything(taken_port, t
 def test_the_gateway_refuses_a_stream_address_in_use(taken_port):
     """Bound in the web server's start-up, it was a traceback there."""
     result = run_tandem(
-        "gateway", "--stream-address", f"tcp://127.0.0.1:{taken_port}", "--model", "/no/such"
-    )
+        "gateway", "--stream-address", f"tcp://127.0.0.1:{taken_port}", "--model", "/no/such",
+        *FREE_PORT,
+    )  # fmt: skip
     assert_refused_in_one_line(result, "--stream-address", "in use")
 
 
@@ -67,14 +71,15 @@ def test_up_refuses_a_port_in_use_before_starting_anything(taken_port, flag):
     """Its ready check asked whoever answered on --port: an earlier cluster still running was
     taken for this one's gateway (which was failing to bind behind it). `--model /no/such`
     would be refused next: a cluster is never started here."""
-    result = run_tandem("up", flag, str(taken_port), "--model", "/no/such")
+    free = FREE_PORT if flag != "--port" else []
+    result = run_tandem("up", flag, str(taken_port), "--model", "/no/such", *free)
     assert_refused_in_one_line(result, flag, f"127.0.0.1:{taken_port}", "in use")
 
 
 def test_up_refuses_rpc_port_0():
     """0 read as "no RPC port" (a falsy check), where every other port setting's 0 is "any
     free one": neither could be told to a client, so it is refused."""
-    result = run_tandem("up", "--rpc-port", "0", "--model", "/no/such")
+    result = run_tandem("up", "--rpc-port", "0", "--model", "/no/such", *FREE_PORT)
     assert_refused_in_one_line(result, "--rpc-port must be a port in [1, 65535], got 0")
 
 

@@ -1,21 +1,14 @@
 """The `tandem` command refuses wrong input with a clear message and exit status 2."""
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import run_tandem
+from tests.helpers import free_port, run_tandem
 
 FP16_F16 = ["--quantization", "fp16", "--dtype", "float16"]  # a float16 copy of float16: no
-
-
-def free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
 
 
 # (`tandem up` checks its port before the model: a free one, whatever else runs here.)

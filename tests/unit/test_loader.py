@@ -135,7 +135,7 @@ def test_the_generation_configs_end_ids_stop_generation_too(tmp_path):
     assert generation_eos_ids(tmp_path, config) == (7, 9)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": 11}')
     assert generation_eos_ids(tmp_path, config) == (11,)
-    for bad in ('{"eos_token_id": [3, 1000]}', '{"eos_token_id": ["x"]}', "[", "[1]"):
+    # A file that does not say them readably adds none (the model served before it was read).
+    for bad in ('{"eos_token_id": [3, 1000]}', '{"eos_token_id": [2, null]}', "[", "[1]"):
         (tmp_path / "generation_config.json").write_text(bad)
-        with pytest.raises(ValueError, match="generation_config.json"):
-            generation_eos_ids(tmp_path, config)
+        assert generation_eos_ids(tmp_path, config) == ()

@@ -88,3 +88,5 @@ def test_log_levels_are_read_in_any_case(monkeypatch):
     monkeypatch.setenv("TANDEM_LOG_LEVEL", "Warning")
     assert log_settings() == (30, "json")
     assert log_settings("debug") == (10, "json")
+    # Python's own aliases, which the configuration took before its names were checked.
+    assert log_settings("WARN") == (30, "json") and log_settings("fatal") == (50, "json")
