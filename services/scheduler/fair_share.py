@@ -59,8 +59,10 @@ POLICIES = ("fair", "fcfs")
 # the accounts grow with every name ever sent.
 FIRST_PARTIES_SWEEP = 1024
 # Idle parties whose counter is ahead of the virtual time (so forgetting them gives them credit)
-# are kept up to this many; past it, those least ahead are forgotten first.
-MAX_IDLE_PARTIES_AHEAD = 65_536
+# are kept up to this many; past it, those least ahead are forgotten first. While nothing is
+# backlogged the virtual time stands still, so under light load with new names every party
+# leaves ahead of it: this bound is then what the accounts hold, and a sweep's length.
+MAX_IDLE_PARTIES_AHEAD = 8192
 
 
 @dataclass(frozen=True)
