@@ -6,14 +6,18 @@ prompts are exact-length windows of the corpus, so any server sees the same toke
 draws from its own random streams (keyed by its name), so the mix's classes do not start their
 prompts at the same corpus places. The mix interleaves the classes in fixed proportions, in an
 order drawn from the seed. Arrival times are set afterwards (`with_arrivals`), so a rate sweep
-sends the same requests at each rate.
+sends the same requests at each rate, but for the nonce below.
 
 A server with a prefix cache would serve the second run of the same prompts from its cache, so
 `tandem bench` puts a nonce ahead of every prompt of a run (`prompt_nonce`, `with_prompt_nonce`):
-`NONCE_TOKENS` token ids drawn at random from the workload's own prompts (ordinary tokens of its
-vocabulary), or for prompts sent as text `NONCE_WORDS` of its words. One nonce serves a whole run,
-so the prefixes its requests share with each other (the agents' system prompt) stay shared; a new
-one for every run and repetition makes the server see prompts it has not seen.
+`NONCE_TOKENS` token ids drawn at random from the workload's own prompts (after the first token
+every prompt starts with, a BOS, which stays first and is not drawn), or for prompts sent as
+text `NONCE_WORDS` of its words. One nonce serves a whole run, so the prefixes its requests
+share with each other (the agents' system prompt) stay shared; a new one for every run and
+repetition makes the server see prompts it has not seen. It is drawn fresh (not from the seed:
+the next command with the same seed must not find its prompts cached either) and recorded in
+the result. Where EOS is not ignored (`json`), the nonce also changes what is generated, so runs
+of such a workload compare as samples, not as the same work.
 
 Two workloads of the agent hub stand apart:
 - `agents`: agents re-sending a long shared context. Every prompt starts with one shared
@@ -205,7 +209,8 @@ def prompt_nonce(
     """A fresh nonce (from the system's randomness unless `rng` is given), drawn from the
     workload's own token ids and words."""
     rng = rng or random.SystemRandom()
-    ids = sorted({t for r in requests for t in r.prompt_token_ids or ()})
+    lead = _shared_first_token(requests)
+    ids = sorted({t for r in requests for t in r.prompt_token_ids or ()} - {lead})
     words = sorted({w for r in requests for w in r.prompt.split()})
     return PromptNonce(
         [rng.choice(ids) for _ in range(NONCE_TOKENS)] if ids else [],
@@ -216,17 +221,28 @@ def prompt_nonce(
 def with_prompt_nonce(
     requests: Sequence[WorkloadRequest], nonce: PromptNonce
 ) -> list[WorkloadRequest]:
-    """The same requests, each prompt (ids and text) after the nonce."""
+    """The same requests, each prompt (ids and text) after the nonce; the token ids after the
+    first token every prompt starts with, if there is one (a BOS stays first)."""
+    skip = 0 if _shared_first_token(requests) is None else 1
     return [
         dataclasses.replace(
             r,
             prompt=nonce.text + r.prompt,
             prompt_token_ids=(
-                None if r.prompt_token_ids is None else nonce.token_ids + r.prompt_token_ids
+                None
+                if r.prompt_token_ids is None
+                else r.prompt_token_ids[:skip] + nonce.token_ids + r.prompt_token_ids[skip:]
             ),
         )
         for r in requests
     ]
+
+
+def _shared_first_token(requests: Sequence[WorkloadRequest]) -> int | None:
+    """The token every prompt sent as ids starts with, if they all start with one (a BOS)."""
+    firsts = {r.prompt_token_ids[0] for r in requests if r.prompt_token_ids}
+    every = all(r.prompt_token_ids for r in requests if r.prompt_token_ids is not None)
+    return firsts.pop() if len(firsts) == 1 and every else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -203,6 +203,18 @@ def test_a_nonce_goes_ahead_of_ids_and_text_alike():
     assert prompt_nonce(requests) != nonce  # fresh randomness every run
 
 
+def test_a_nonce_goes_after_the_bos_every_prompt_starts_with():
+    """Recorded traffic starts each prompt with its BOS: the nonce went ahead of it (and could
+    be drawn from it), which no real prompt does."""
+    requests = [WorkloadRequest("", 2, 0.0, prompt_token_ids=[1, 40 + i, 50, 60]) for i in range(3)]
+    nonce = prompt_nonce(requests)
+    assert 1 not in nonce.token_ids
+    fresh = with_prompt_nonce(requests, nonce)
+    assert fresh[0].prompt_token_ids == [1, *nonce.token_ids, 40, 50, 60]
+    unlike = [*requests, WorkloadRequest("", 2, 0.0, prompt_token_ids=[7, 8])]
+    assert with_prompt_nonce(unlike, nonce)[3].prompt_token_ids == [*nonce.token_ids, 7, 8]
+
+
 def test_the_race_sends_both_servers_the_same_bodies():
     requests = token_requests(6)
     sent = []
