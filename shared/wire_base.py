@@ -24,7 +24,8 @@ SCHEMA_VERSION = 16  # 3: prefix cache fields, bulk submits; 4: structured-outpu
 # reply's peer id (a late reply from a worker since passed over is told apart); 15: a worker's
 # GOODBYE as it stops; 16: the batch link's `metrics` op (the batch conversation has no HELLO:
 # a batch service older than its gateway drops the call, and shows as not scraped); a tensor
-# over several frames (`TensorRef.num_frames`: a long prompt's KV on a big model)
+# over several frames (`TensorRef.num_frames`: a long prompt's KV on a big model); the attempt a
+# RESERVE and its reply name
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 # A tensor larger than a frame travels in consecutive frames (a long prompt's KV: Llama-3-8B's
 # keys in bfloat16 are 128 KiB a token, one frame's worth at 2,048 tokens).

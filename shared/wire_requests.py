@@ -74,6 +74,9 @@ class Reserve(Message):
     # full blocks it has cached, and only the rest is sent. Empty: no lookup.
     token_ids: TokenIds = field(default_factory=list)
     cache_salt: str | None = None
+    # Which of the request's reservations this is (1, 2, ...): a worker asked again after a
+    # timeout may answer both, in either order, and the reply names the one it answers.
+    attempt: Count = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +89,7 @@ class ReserveReply(Message):
     ok: bool  # blocks held for the lease
     num_free_blocks: Count  # free blocks after the reservation (or now, when refused)
     num_cached_blocks: Count = 0  # leading blocks of the KV it holds already (pinned for the lease)
+    attempt: Count = 0  # the RESERVE's, echoed; 0: it names none (taken for the current one)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -153,6 +153,7 @@ class DecodeWorker(WorkerLoop):
                 ok=ok,
                 num_free_blocks=self.num_available_blocks(),
                 num_cached_blocks=len(cached),
+                attempt=reserve.attempt,
             )
         )
 
@@ -335,7 +336,11 @@ class DecodeWorker(WorkerLoop):
             case wire.Reserve():
                 free = self.num_available_blocks()
                 reply = wire.ReserveReply(
-                    request_id=request_id, peer_id=self.peer_id, ok=False, num_free_blocks=free
+                    request_id=request_id,
+                    peer_id=self.peer_id,
+                    ok=False,
+                    num_free_blocks=free,
+                    attempt=message.attempt,
                 )
                 self.link.send(reply)
             case wire.PrefillJob():

@@ -370,6 +370,7 @@ class SimDecodeWorker:
             ok=ok,
             num_free_blocks=self.num_free_blocks,
             num_cached_blocks=num_cached,
+            attempt=reserve.attempt,
         )
 
     def on_job(self, job: wire.PrefillJob) -> None:

@@ -159,6 +159,7 @@ class TrackedRequest:
         self.num_unlisted_beats = 0  # heartbeats in a row of its worker that left it out
         self.last_unlisted_beat = -2  # the worker's heartbeat number of the last that did
         self.num_charged_tokens = 0  # what its last dispatch charged its party: a requeue's refund
+        self.num_reserves = 0  # RESERVEs sent for it: the attempt the last one named
         # Read off the SUBMIT (which never changes) once: every decision asks them several times.
         self.request_id = submit.request_id
         self.num_prefill_tokens = num_prefill_tokens(submit)
@@ -592,9 +593,10 @@ class ClusterScheduler:
         worker = self.registry.get(decode_peer_id) if decode_peer_id else None
         if request is None or request.phase != Phase.RESERVING or worker is None:
             return
-        if reply.peer_id != decode_peer_id:
+        if reply.peer_id != decode_peer_id or reply.attempt not in (0, request.num_reserves):
             # A late answer to an attempt given up on (its reservation timed out, and the
-            # worker was told to let it go): the request now waits on another worker's.
+            # worker was told to let it go): the request now waits on another reservation,
+            # another worker's or the same worker's asked again.
             return
         if not reply.ok:
             self.registry.report_free_blocks(worker, reply.num_free_blocks, heartbeat=False)
@@ -813,12 +815,14 @@ class ClusterScheduler:
         self.registry.reserve(decode, request.request_id, request.num_blocks)
         self.registry.assign(prefill, request.request_id, num_prompt_tokens, request.submit.bulk)
         submit = request.submit
+        request.num_reserves += 1
         reserve = wire.Reserve(
             request_id=request.request_id,
             num_tokens=num_tokens,
             lease_s=self.limits.prefill_timeout_s,
             token_ids=prefill_tokens(submit),
             cache_salt=submit.tenant,
+            attempt=request.num_reserves,
         )
         self._send(decode.identity, reserve)
         if self._speculates(request, prefill, decode):

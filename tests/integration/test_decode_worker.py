@@ -81,8 +81,9 @@ def test_reserve_transfer_decode_and_stream(setup):
     scheduler, gateway, peer, worker, gateway_address, model_dir = setup
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     transfer, loaded = prefilled_transfer(model_dir, "r1", gateway_address, params)
-    scheduler.send(wire.Reserve(request_id="r1", num_tokens=len(PROMPT) + 1, lease_s=30))
-    assert scheduler.expect(wire.ReserveReply).ok
+    scheduler.send(wire.Reserve(request_id="r1", num_tokens=len(PROMPT) + 1, lease_s=30, attempt=3))
+    reply = scheduler.expect(wire.ReserveReply)
+    assert reply.ok and reply.attempt == 3  # (the scheduler tells its answers apart by it)
     wire.send(peer, transfer)
     ack = wire.recv(peer) if peer.poll(10_000) else None
     assert ack is not None and ack.ok, ack
@@ -131,9 +132,12 @@ def test_reservation_beyond_the_pool_is_refused(setup):
     scheduler, *_rest = setup
     worker = _rest[2]
     scheduler.send(
-        wire.Reserve(request_id="huge", num_tokens=4 * total_blocks(worker) + 1, lease_s=5)
+        wire.Reserve(
+            request_id="huge", num_tokens=4 * total_blocks(worker) + 1, lease_s=5, attempt=2
+        )
     )
-    assert not scheduler.expect(wire.ReserveReply).ok
+    refused = scheduler.expect(wire.ReserveReply)
+    assert not refused.ok and refused.attempt == 2
 
 
 def test_cancel_of_a_reservation_frees_it(setup):

@@ -372,6 +372,28 @@ def test_a_late_answer_from_a_worker_passed_over_is_dropped(core, late_ok):
     assert job.message.decode_peer_id == chosen
 
 
+@pytest.mark.parametrize("late_ok", [True, False])
+def test_a_late_answer_to_the_same_workers_earlier_reservation_is_dropped(core, late_ok):
+    """The one decode worker, asked again after its reservation timed out, answers both: its
+    answer to the first was taken for the second's (a no requeued the request and left the
+    second reservation held with no cancel; a yes sent the prefill to a reservation let go)."""
+    out = core.on_submit(b"G", submit("r"), 0.0)
+    (first,) = sent(out, wire.Reserve)
+    for identity, peer in ((b"D", "d"), (b"P", "p")):
+        core.on_heartbeat(identity, heartbeat(peer), 5.0)
+    (again,) = sent(core.tick(5.5), wire.Reserve)  # reserve_timeout_s = 5: d asked again
+    assert again.identity == first.identity == b"D"
+    assert (first.message.attempt, again.message.attempt) == (1, 2)
+    late = wire.ReserveReply(request_id="r", peer_id="d", ok=late_ok, num_free_blocks=90,
+                             attempt=1)  # fmt: skip
+    assert core.on_reserve_reply(late, 5.6) == []
+    assert core.requests["r"].phase == Phase.RESERVING
+    answer = wire.ReserveReply(request_id="r", peer_id="d", ok=True, num_free_blocks=90,
+                               attempt=2)  # fmt: skip
+    (job,) = sent(core.on_reserve_reply(answer, 5.7), wire.PrefillJob)
+    assert job.message.decode_peer_id == "d"
+
+
 @pytest.mark.parametrize("phase_steps", [0, 1, 2])
 def test_cancel_reaches_every_party(core, phase_steps):
     core.on_submit(b"G", submit("r"), 0.0)
