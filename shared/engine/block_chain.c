@@ -171,10 +171,14 @@ static PyObject *chain(PyObject *module, PyObject *args) {
     }
     Tokens tokens;
     if (tokens_open(&tokens, tokens_object) != 0) return NULL;
-    /* (Compared without the sum, which could overflow.) */
+    /* (Compared, and said, without the sum where it would overflow.) */
     if (num_blocks > 0 && first_block > tokens.length / block_size - num_blocks) {
-        PyErr_Format(PyExc_ValueError, "blocks %zd to %zd of %zd tokens in blocks of %zd",
-                     first_block, first_block + num_blocks, tokens.length, block_size);
+        if (first_block > PY_SSIZE_T_MAX - num_blocks)
+            PyErr_Format(PyExc_ValueError, "blocks %zd and %zd more of %zd tokens in blocks of %zd",
+                         first_block, num_blocks, tokens.length, block_size);
+        else
+            PyErr_Format(PyExc_ValueError, "blocks %zd to %zd of %zd tokens in blocks of %zd",
+                         first_block, first_block + num_blocks, tokens.length, block_size);
         tokens_release(&tokens);
         return NULL;
     }
