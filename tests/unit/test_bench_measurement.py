@@ -324,13 +324,15 @@ def test_a_server_that_sheds_load_does_not_look_faster():
 
 
 def test_requests_that_time_out_do_not_vanish_from_the_tail():
-    """2 of 20 requests would take 5 s, the timeout is 0.5 s: p90 and p99 are theirs."""
+    """2 of 20 requests would take 30 s, the timeout is 3 s: p90 and p99 are theirs. (The
+    others answer at once: the margin is for a loaded machine, where 0.5 s failed them all.)"""
     requests = token_requests(20)
-    fake = FakeSSE(ttft_s=0.01, slow_ids=frozenset({100, 101}), slow_ttft_s=5.0)
+    fake = FakeSSE(ttft_s=0.01, slow_ids=frozenset({100, 101}), slow_ttft_s=30.0)
     with serving(fake) as url:
-        result = asyncio.run(run_workload(url, "m", requests, timeout_s=0.5))
+        result = asyncio.run(run_workload(url, "m", requests, timeout_s=3.0))
     s = result.summary
-    assert (s.num_errors, s.ttft_n) == (2, 18)
+    errors = sorted({str(r.error) for r in result.records if r.error})
+    assert (s.num_errors, s.ttft_n) == (2, 18), errors
     assert {"ttft_p90", "ttft_p99"} <= set(s.unknown_percentiles)
     assert "ttft_p50" not in s.unknown_percentiles
     assert "TTFT ms p50 " in format_summary(s) and " p90 n/a p99 n/a (n=18)" in format_summary(s)
