@@ -137,3 +137,12 @@ def free_port() -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return str(probe.getsockname()[1])
+
+
+def wait_for_line(process: subprocess.Popen, needle: bytes, what: str) -> None:
+    """Reads a child's output until a line holds `needle` (start-up may take a while on a busy
+    machine); AssertionError if it exits first."""
+    for line in process.stdout:
+        if needle in line:
+            return
+    raise AssertionError(f"{what} exited before saying {needle.decode()!r}")

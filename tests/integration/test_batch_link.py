@@ -13,6 +13,7 @@ import zmq
 
 from services.gateway.batch_link import BatchLink
 from services.gateway.openai_protocol import ApiError
+from tests.helpers import wait_for_line
 
 
 def test_a_call_to_a_service_that_is_down_is_a_503_and_never_runs_later(tmp_path):
@@ -77,11 +78,7 @@ def test_the_gateways_metrics_carry_the_batch_services(tmp_path):
             await link.close()
 
     try:
-        for line in process.stdout:  # start-up may take a while on a busy machine
-            if b"batch service listening" in line:
-                break
-        else:
-            raise AssertionError("the batch service exited before listening")
+        wait_for_line(process, b"batch service listening", "the batch service")
         own, text = asyncio.run(federated())
     finally:
         process.terminate()

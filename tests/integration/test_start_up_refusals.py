@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import free_port, run_tandem
+from tests.helpers import free_port, run_tandem, wait_for_line
 
 # (The default --port, 8000, is checked first: a free one, whatever else runs here.)
 FREE_PORT = ["--port", free_port()]
@@ -100,11 +100,7 @@ def test_the_scheduler_makes_its_ipc_directory(tmp_path):
         env=dict(os.environ, TANDEM_LOG_FORMAT="json"),
     )
     try:
-        for line in process.stdout:  # start-up may take a while on a busy machine
-            if b"scheduler listening" in line:
-                break
-        else:
-            raise AssertionError("the scheduler exited before listening")
+        wait_for_line(process, b"scheduler listening", "the scheduler")
         assert (tmp_path / "run" / "tandem" / "scheduler.sock").exists()
     finally:
         process.terminate()
