@@ -80,7 +80,8 @@ _CHAT_FIELDS |= {"tools", "tool_choice"}  # see services.gateway.tools (refused 
 # Fields that change nothing tandem produces: accepted and ignored. (`parallel_tool_calls` is
 # read by chat's tools, `services.gateway.tools`, and changes nothing else.)
 _IGNORED_FIELDS = frozenset(
-    {"store", "metadata", "service_tier", "prompt_cache_key", "parallel_tool_calls"}
+    {"store", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier"}
+    | {"prompt_cache_key", "prompt_cache_options", "prompt_cache_retention"}
 )
 # Known OpenAI fields tandem does not implement, each with the values that ask for nothing
 # (null always does); any other value is refused rather than silently ignored.
@@ -98,10 +99,17 @@ _UNSUPPORTED_FIELDS: Mapping[str, tuple[Any, ...]] = MappingProxyType(
         "prediction": (),
         "reasoning_effort": (),
         "web_search_options": (),
+        "verbosity": (),
+        "moderation": (),
     }
 )
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+# An answer's message fields tandem never fills, with the values that ask for nothing: the
+# `openai` package's `message.model_dump()`, which agents append to their history, has them all.
+_UNSUPPORTED_MESSAGE_FIELDS: Mapping[str, tuple[Any, ...]] = MappingProxyType(
+    {"refusal": ("",), "audio": (), "function_call": (), "annotations": ([],)}
+)
 _STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
 
 
@@ -365,8 +373,11 @@ def _parse_message(message: Any, where: str) -> dict[str, Any]:
     message that has them and `tool_call_id` on a tool message that gives it."""
     if not isinstance(message, dict):
         _fail(where, "a message must be an object with `role` and `content`")
-    for name in message:
-        if name not in _MESSAGE_FIELDS:
+    for name, value in message.items():
+        if name in _UNSUPPORTED_MESSAGE_FIELDS:
+            if not _asks_for_nothing(value, _UNSUPPORTED_MESSAGE_FIELDS[name]):
+                _fail(f"{where}.{name}", f"`{name}` is not supported by this server")
+        elif name not in _MESSAGE_FIELDS:
             _fail(f"{where}.{name}", f"unknown field `{name}`")
     calls = message.get("tool_calls")
     if calls and message.get("role") != "assistant":

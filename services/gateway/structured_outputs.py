@@ -78,8 +78,10 @@ def _parse_response_format(value: Any) -> Constraint | None:
         _fail(f"{where}.name", "is required and must be a non-empty string")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         _fail(f"{where}.strict", "must be a boolean")
-    schema = spec.get("schema", {})  # OpenAI: no schema means any JSON object
-    if schema == {}:
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        _fail(f"{where}.description", "must be a string")
+    schema = spec.get("schema")
+    if schema is None or schema == {}:  # OpenAI: no schema means any JSON object
         return Constraint("json_object", "", where)
     return schema_constraint(schema, f"{where}.schema")
 

@@ -35,14 +35,18 @@ TOKENIZE_ONLY_FIELDS = ("return_token_strs",)
 def tokenize(generator: Generator, body: Any) -> dict[str, Any]:
     """The /tokenize answer for `body`; raises ApiError (400, 404 for another model)."""
     body = _with_model(body, generator.model_name)
-    return_token_strs = body.pop("return_token_strs", False)
-    if not isinstance(return_token_strs, bool):
+    return_token_strs = body.pop("return_token_strs", None)
+    if return_token_strs is not None and not isinstance(return_token_strs, bool):
         raise bad_request("return_token_strs", "must be true or false")
-    if "messages" in body and "prompt" in body:
+    # (JSON null is "not given": the field is left out of what the endpoint's parser reads.)
+    given = [name for name in ("prompt", "messages") if body.get(name) is not None]
+    if len(given) == 2:
         raise bad_request("prompt", "give `prompt` (a completion's) or `messages`, not both")
-    if "messages" not in body and "prompt" not in body:
+    if not given:
         raise bad_request(None, "`prompt` (a completion's) or `messages` (a chat's) is required")
-    parse = parse_chat_request if "messages" in body else parse_completion_request
+    chat = given == ["messages"]
+    body.pop("prompt" if chat else "messages", None)
+    parse = parse_chat_request if chat else parse_completion_request
     token_ids = generator.tokenize(parse(body, generator.model_name, generator.max_model_len))
     answer: dict[str, Any] = {
         "count": len(token_ids),
@@ -73,7 +77,7 @@ def _with_model(body: Any, served_model: str) -> dict[str, Any]:
     """A copy of the body with `model` filled in when left out, checked when given."""
     if not isinstance(body, Mapping):
         raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model", served_model)
+    model = served_model if body.get("model") is None else body["model"]
     if not isinstance(model, str) or not model:
         raise bad_request("model", "`model` must be a string")
     if model != served_model:

@@ -32,6 +32,9 @@ MISTRAL_MARKER = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
 _PYTHON_TAG = "<|python_tag|>"
 _ID_ALPHABET = string.ascii_letters + string.digits
+# What a block that is no JSON raises: a degenerate answer (brackets until max_tokens) nests
+# past the decoder's recursion limit, and is content like any other malformed block.
+_NOT_JSON = (json.JSONDecodeError, RecursionError)
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,7 @@ def _call(obj: Any, arguments_keys: tuple[str, ...]) -> Call | None:
 
 
 def _tagged_calls(body: str) -> list[Call] | None:
-    try:
-        call = _call(json.loads(body.removeprefix(_TAG)), ("arguments",))
-    except json.JSONDecodeError:
-        return None
+    call = _call(_json_or_none(body.removeprefix(_TAG)), ("arguments",))
     return None if call is None else [call]
 
 
@@ -104,7 +104,7 @@ def _llama3_calls(body: str) -> list[Call] | None:
     while at < len(body):
         try:
             obj, at = decoder.raw_decode(body, at)
-        except json.JSONDecodeError:
+        except _NOT_JSON:
             return None
         call = _call(obj, ("parameters", "arguments"))
         if call is None:
@@ -117,7 +117,7 @@ def _llama3_calls(body: str) -> list[Call] | None:
 def _json_or_none(text: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except _NOT_JSON:
         return None
 
 

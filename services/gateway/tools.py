@@ -39,11 +39,12 @@ from shared.errors import InvalidRequestError
 
 MAX_TOOLS = 64
 MAX_TOOL_NAME = 64
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 # A parameterless tool's arguments: exactly {} (a bare {"type": "object"} would let the model
 # invent properties until max_tokens).
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+_JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
     for name in function:
         if name not in _FUNCTION_FIELDS:
             raise InvalidRequestError(f"{where}.function.{name}", f"unknown field `{name}`")
-    if not isinstance(function.get("name"), str) or not _NAME.match(function["name"]):
+    if not isinstance(function.get("name"), str) or not _NAME.fullmatch(function["name"]):
         raise InvalidRequestError(
             f"{where}.function.name", "must be 1 to 64 letters, digits, _ or -"
         )
@@ -212,19 +213,29 @@ def parse_history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise InvalidRequestError(f"{where}[{i}]", "must have `function.name`")
-        arguments = function.get("arguments", "{}")
-        try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError:
-            raise InvalidRequestError(
-                f"{where}[{i}].function.arguments", "must be a JSON object"
-            ) from None
-        named = {"name": function["name"], "arguments": parsed}
+        arguments = _history_arguments(function.get("arguments"), f"{where}[{i}].function")
+        named = {"name": function["name"], "arguments": arguments}
         parsed_call: dict[str, Any] = {"type": "function", "function": named}
         if isinstance(call.get("id"), str):  # some templates show it (Mistral's require it)
             parsed_call["id"] = call["id"]
         parsed_calls.append(parsed_call)
     return parsed_calls
+
+
+def _history_arguments(arguments: Any, where: str) -> dict[str, Any]:
+    """A history call's arguments: OpenAI's JSON text of an object (an object itself is taken
+    too; left out or null: none). Anything but an object is refused: chat templates iterate
+    the arguments as a mapping, and no model is taught to write a list or a number there."""
+    if arguments is None:
+        return {}
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (json.JSONDecodeError, RecursionError):  # (RecursionError: nested too deep)
+        raise InvalidRequestError(f"{where}.arguments", "must be a JSON object: not JSON") from None
+    if not isinstance(parsed, dict):
+        got = _JSON_TYPES.get(type(parsed), "a number")  # (not the value: it may be long)
+        raise InvalidRequestError(f"{where}.arguments", f"must be a JSON object, got {got}")
+    return parsed
 
 
 def tagged_calls(calls: list[dict[str, Any]]) -> str:

@@ -149,6 +149,36 @@ class TestEnvelope:
         assert parse({**base, **harmless}, MODEL, MAX_LEN) == parse(base, MODEL, MAX_LEN)
 
 
+def _sdk_fields(parse) -> list[str]:
+    """The request fields the `openai` package knows for the endpoint, but the required ones."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    module = chat_create_params if parse is parse_chat_request else completion_create_params
+    fields = module.CompletionCreateParamsBase.__annotations__
+    return sorted(set(fields) - {"model", "messages", "prompt"})
+
+
+@pytest.mark.parametrize(("parse", "base"), ENDPOINTS)
+def test_every_field_the_openai_package_knows_is_known(parse, base):
+    """Each is implemented, ignored, or refused as unsupported unless it asks for nothing (null
+    always does): `safety_identifier`, OpenAI's successor of `user`, was an "unknown field"."""
+    for field in _sdk_fields(parse):
+        parse({**base, field: None}, MODEL, MAX_LEN)
+
+
+def test_fields_that_change_no_output_are_ignored_on_chat():
+    harmless = {
+        "safety_identifier": "user-1",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"ttl": "30m"},
+    }
+    assert chat(**harmless) == chat()
+    for field, value in (("verbosity", "low"), ("moderation", {"model": "m"})):
+        error = assert_bad(parse_chat_request, CHAT, {field: value}, field)
+        assert "not supported" in error.message
+
+
 # --- fields both endpoints share ---------------------------------------------------------------
 
 # (fields, the param the 400 names)
@@ -552,6 +582,40 @@ def test_messages_are_normalized():
 )
 def test_invalid_messages(messages, param):
     assert_bad(parse_chat_request, CHAT, {"messages": messages}, param)
+
+
+def test_a_dumped_sdk_message_is_taken_back():
+    """An agent loop appends `response.choices[0].message.model_dump()` to its history: the
+    `openai` package fills every field of its ChatCompletionMessage, so the answer's own message
+    came back with `refusal`, `audio`, `function_call`, `annotations` null and was a 400
+    (unknown field `refusal`)."""
+    answer = chat_response("chatcmpl-1", MODEL, 1, [ChoiceResult(0, "Hello", "stop", [1])],
+                           usage_dict(1, 1))  # fmt: skip
+    dumped = ChatCompletion.model_validate(answer).choices[0].message.model_dump()
+    assert dumped["refusal"] is None and "audio" in dumped and "annotations" in dumped
+    follow_up = {"role": "user", "content": "And then?"}
+    request = chat(messages=[CHAT["messages"][0], dumped, follow_up])
+    assert request.messages[1] == {"role": "assistant", "content": "Hello"}
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    answer["choices"][0]["message"].update(content=None, tool_calls=[call])
+    dumped = ChatCompletion.model_validate(answer).choices[0].message.model_dump()
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "done"}
+    request = chat(messages=[CHAT["messages"][0], dumped, result])
+    assert request.template_messages[1]["tool_calls"][0]["function"] == {
+        "name": "f",
+        "arguments": {},
+    }
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"refusal": "I can't"}, {"audio": {"id": "a1"}}, {"annotations": [{"type": "url"}]},
+     {"function_call": {"name": "f", "arguments": "{}"}}],
+)  # fmt: skip
+def test_message_fields_tandem_does_not_implement_are_refused_unless_empty(fields):
+    message = {"role": "assistant", "content": "ok", **fields}
+    (param,) = fields
+    assert_bad(parse_chat_request, CHAT, {"messages": [message]}, f"messages[0].{param}")
 
 
 def test_missing_messages():

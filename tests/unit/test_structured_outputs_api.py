@@ -120,6 +120,22 @@ def test_bad_values_are_refused_naming_the_field(fields, param, match):
     refused(param, match, **fields)
 
 
+def test_a_null_schema_is_not_given():
+    """JSON null is "not given" (as OpenAI's SDK sends an unset optional field): a
+    `json_schema` with `"schema": null` asks for any JSON object, as one without it; it was a
+    400 ("a JSON schema must be an object")."""
+    spec = {"name": "a", "schema": None, "strict": None, "description": None}
+    assert constraint(response_format={"type": "json_schema", "json_schema": spec}).kind == (
+        "json_object"
+    )
+
+
+def test_a_json_schema_description_must_be_a_string():
+    spec = {"name": "a", "schema": SCHEMA, "description": 5}
+    refused("response_format.json_schema.description", "string",
+            response_format={"type": "json_schema", "json_schema": spec})  # fmt: skip
+
+
 def test_the_constraint_round_trips_over_the_wire():
     params = parse_chat_request(
         {**CHAT, "structured_outputs": {"json": SCHEMA}}, MODEL, MAX_LEN

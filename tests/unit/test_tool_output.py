@@ -226,3 +226,26 @@ def test_tool_choice_none_passes_text_through():
     parser = ToolCallParser(setup(tool_choice="none"))
     assert parser.push(" " + OSLO).content == " " + OSLO
     assert parser.finish().calls == []
+
+
+DEEP = 3000  # brackets: past Python's recursion limit (the default model writes `[[` as a token)
+
+
+@pytest.mark.parametrize(
+    ("tool_format", "text"),
+    [
+        (TAGGED, "<tool_call>" + "[" * DEEP + "</tool_call>"),
+        (TAGGED, '<tool_call>{"name": "now", "arguments": ' + '{"a": ' * DEEP + "</tool_call>"),
+        (MISTRAL, "[TOOL_CALLS]" + "[" * DEEP),
+        (MISTRAL, "[TOOL_CALLS]now[ARGS]" + '{"a": ' * DEEP),
+        (LLAMA3_JSON, '{"name": "now", "parameters": ' + "[" * DEEP),
+    ],
+    ids=["tagged", "tagged-arguments", "mistral", "mistral-args", "llama3"],
+)
+def test_a_call_block_nested_past_the_recursion_limit_is_content(tool_format, text):
+    """A degenerate answer (brackets until max_tokens) made the JSON decoder raise
+    RecursionError: the whole response failed with a 500 (a stream, with an error event)."""
+    assert extract_tool_calls(setup(), text, tool_format) == (text, [])
+    forced = ToolCallParser(setup(tool_choice="required"), tool_format)
+    forced.push("[" * DEEP)
+    assert forced.finish().content == "[" * DEEP

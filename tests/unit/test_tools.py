@@ -115,6 +115,9 @@ def test_history_with_calls_and_results_is_rendered():
         ({"tools": [{"type": "function"}]}, "tools[0]", "must be"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
          "tools[0].function.name", "letters"),
+        # `$` matched before a final newline: the name went into the call schema with it
+        ({"tools": [{"type": "function", "function": {"name": "f\n"}}]},
+         "tools[0].function.name", "letters"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
           "tool_choice": "required"}, "tools[0].function.parameters", "`not`"),
@@ -214,3 +217,40 @@ def test_tools_only_shown_to_the_model_may_use_any_schema(choice):
 def test_a_forced_tool_still_needs_an_enforceable_schema():
     refused("tools[0].function.parameters.properties.url", "`format`", tools=[AGENT_TOOL, NOW],
             tool_choice="required")  # fmt: skip
+
+
+def _history_call(arguments) -> list[dict]:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments}}  # fmt: skip
+    return [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ["[1]", "5", '"Paris"', "null", [1], "true", "{", "[" * 100_000 + "]" * 100_000],
+)  # (the last nests past Python's recursion limit: a RecursionError, a 500)
+def test_history_call_arguments_must_be_a_json_object(arguments):
+    """A call's arguments are a JSON object (OpenAI's, and what chat templates iterate with
+    `.items()`): a list, a number or a string parsed fine as JSON and was accepted, to be
+    rendered as a call no model writes (or to break the template with a 500)."""
+    refused("messages[1].tool_calls[0].function.arguments", "JSON object",
+            messages=_history_call(arguments), tools=[WEATHER])  # fmt: skip
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "Paris"}', {"city": "Paris"}])
+def test_history_call_arguments_as_json_text_or_an_object(arguments):
+    request = chat(messages=_history_call(arguments), tools=[WEATHER])
+    call = request.template_messages[1]["tool_calls"][0]
+    assert call["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_history_call_arguments_left_out_or_null_are_empty():
+    for function in ({"name": "now"}, {"name": "now", "arguments": None}):
+        messages = _history_call("{}")
+        messages[1]["tool_calls"][0]["function"] = function
+        call = chat(messages=messages, tools=[NOW]).template_messages[1]["tool_calls"][0]
+        assert call["function"]["arguments"] == {}
