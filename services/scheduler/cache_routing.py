@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 DEFAULT_TOKENS_PER_S = 300.0  # until a worker has measured its rate (a CPU's order of magnitude)
 RATE_STEPS_PER_DOUBLING = 16  # routing reads a measured rate to within 2.2%
+# Prompt tokens a second past any worker's: a rate above is a broken report. (The grid raises on
+# the largest floats, and a few of them would sum to infinity in the registry's total.)
+MAX_TOKENS_PER_S = 1e12
 
 
 def routing_rate(tokens_per_s: float) -> float:
@@ -26,8 +29,9 @@ def routing_rate(tokens_per_s: float) -> float:
     which keeps workers per rate (`candidates.py`), would hand the placement all thousand to
     compare; on the grid they are a few groups, and rates that close are noise, not a reason to
     prefer one worker. 0 (not measured) stays 0, and so does a rate no worker can have (NaN,
-    infinite, negative: a heartbeat's floats are not range-checked on the wire)."""
-    if not 0.0 < tokens_per_s < math.inf:
+    infinite, negative, past `MAX_TOKENS_PER_S`: a heartbeat's floats are not range-checked on
+    the wire)."""
+    if not 0.0 < tokens_per_s <= MAX_TOKENS_PER_S:
         return 0.0
     steps = round(math.log2(tokens_per_s) * RATE_STEPS_PER_DOUBLING)
     return 2.0 ** (steps / RATE_STEPS_PER_DOUBLING)

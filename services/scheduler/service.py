@@ -325,7 +325,7 @@ class SchedulerService:
                 # Whole milliseconds, rounded up: pyzmq truncates, which spins the last one.
                 timeout_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
                 if poller.poll(timeout_ms):
-                    self._drain()
+                    self._drain(until=next_tick)
                 now = self._last_turn = time.monotonic()
                 if now >= next_tick:
                     self._tick_guarded(now)
@@ -340,19 +340,28 @@ class SchedulerService:
             self.security.stop()
             self.log.info("scheduler stopped")
 
-    def _drain(self) -> None:
+    def _drain(self, until: float = math.inf) -> None:
+        """Handles the messages that arrived, until none is left or the clock reaches `until`
+        (the next tick's time): under a flood the socket never empties, and the tick (silent
+        workers out of rotation, timeouts, the gateways' status) must not wait for it to end."""
         while True:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            identity, body = frames[0].bytes, frames[1:]
-            try:
-                message = wire.decode(body)
-            except wire.WireError as error:
-                self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
-                continue
-            self._send(self._handle_guarded(identity, message, time.monotonic()))
+            self._receive(frames)
+            if time.monotonic() >= until:
+                return
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        """One message off the socket: decoded and handled, or logged and dropped."""
+        identity, body = frames[0].bytes, frames[1:]
+        try:
+            message = wire.decode(body)
+        except wire.WireError as error:
+            self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
+            return
+        self._send(self._handle_guarded(identity, message, time.monotonic()))
 
     def _tick_guarded(self, now: float) -> None:
         """The periodic turn: workers gone silent dropped, deadlines settled, the status sent.

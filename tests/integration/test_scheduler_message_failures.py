@@ -6,6 +6,9 @@ its fuzz (`tests/unit/test_scheduler_odd_values.py`) looks for them."""
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 import zmq
 
@@ -268,3 +271,46 @@ def test_failures_that_persist_end_the_loop(cluster):
         assert peers["g"].next().status_code == 500
     with pytest.raises(PersistentFailures, match="21 messages failed within 10 s"):
         deliver(service, peers["g"], submit("one-too-many"))
+
+
+def test_a_flood_of_messages_does_not_hold_off_the_tick(tmp_path):
+    """The loop read messages until none was left before it ticked: under a flood the socket
+    never empties, and the tick (silent workers out of rotation, reservations and prefills
+    timed out, the gateways' status) waited for the flood to end. It ticks on time, the rest of
+    the flood read after."""
+    context = zmq.Context()
+    config = SchedulerConfig(address=f"ipc://{tmp_path}/s", heartbeat_interval_s=0.1)
+    service = SchedulerService(config, context)
+    gateway, worker = (Peer(context, config.address, name) for name in (b"g", b"d"))
+    deliver(service, gateway, hello(service, "g", "gateway", tmp_path))
+    deliver(service, worker, hello(service, "d", "decode", tmp_path))
+    num_flood = 300
+    for _ in range(num_flood):
+        wire.send(worker.socket, heartbeat("d", num_free_blocks=64))
+    handled, handled_at_status = [], []
+    real_handle, real_status = service._handle_guarded, service._broadcast_status
+
+    def slow_handle(*args):
+        time.sleep(0.002)  # the flood outlasts several ticks: 0.6 s against one each 0.05 s
+        handled.append(None)
+        return real_handle(*args)
+
+    def status_then_stop(now):
+        real_status(now)
+        handled_at_status.append(len(handled))
+        if len(handled_at_status) == 3:
+            service.stop()
+
+    service._handle_guarded = slow_handle  # type: ignore[method-assign]
+    service._broadcast_status = status_then_stop  # type: ignore[method-assign]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    time.sleep(0.3)  # the whole flood waits at the scheduler's socket
+    try:
+        service.serve_forever()
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        context.destroy(linger=0)
+    # Ticks on time, and the flood read between them.
+    assert handled_at_status == sorted(set(handled_at_status)), handled_at_status
+    assert handled_at_status[-1] < num_flood, handled_at_status

@@ -319,14 +319,7 @@ class ClusterScheduler:
         needed = len(submit.prompt_token_ids) + submit.sampling.max_tokens
         capacity = max(w.num_total_blocks * w.block_size for w in decode)
         if needed > capacity:
-            return (
-                400,
-                (
-                    f"prompt plus max_tokens ({needed} tokens) can never fit a decode worker's KV "
-                    f"cache ({capacity} tokens)"
-                ),
-                None,
-            )
+            return self._past_capacity(needed, capacity)
         if submit.resumed_from is not None:
             return None  # admitted before its worker was lost: load does not refuse it now
         too_many = len(self.queue) >= self.limits.max_queued_requests
@@ -336,6 +329,24 @@ class ClusterScheduler:
         if too_many or too_long:
             return 429, "the queue is full; retry later", self.limits.retry_after_s
         return None
+
+    def _past_capacity(self, needed: int, capacity: int) -> tuple[int, str, float | None]:
+        """A request past the KV cache of every decode worker making progress (`capacity`
+        tokens): 400 when it is past every registered one's too, else 503, as when no worker is
+        up: the one that could hold it is stalled and may move again (its request refused 400
+        would fail for good, a resumed one too)."""
+        largest = max(w.num_total_blocks * w.block_size for w in self.registry.by_role("decode"))
+        if needed <= largest:
+            message = (
+                f"prompt plus max_tokens ({needed} tokens) fits only the KV cache of a decode "
+                f"worker not making progress ({largest} tokens); retry later"
+            )
+            return 503, message, self.limits.retry_after_s
+        message = (
+            f"prompt plus max_tokens ({needed} tokens) can never fit a decode worker's KV cache "
+            f"({capacity} tokens)"
+        )
+        return 400, message, None
 
     def on_cancel(self, cancel: wire.Cancel, now: float) -> list[Outgoing]:
         request = self.requests.get(cancel.request_id)

@@ -5,6 +5,7 @@ worker that holds a prompt's prefix."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -450,3 +451,20 @@ def test_a_heartbeat_with_an_impossible_rate_is_read_as_unmeasured():
         core.on_heartbeat(b"P", dataclasses.replace(heartbeat("p"), prefill_tokens_per_s=rate), 0.0)
         assert core.registry.get("p").prefill_tokens_per_s == 0.0
     assert sent(core.on_submit(b"G", submit("r", prompt_len=40), 0.0), wire.Reserve)
+
+
+def test_a_rate_past_any_workers_is_read_as_unmeasured_not_raised_on_nor_summed():
+    """The largest floats raised OverflowError on the grid (2.0 ** 1024): each heartbeat of the
+    worker failed, and its twenty failures in ten seconds ended the scheduler. Two rates near
+    the largest summed to infinity in the prefill workers' total (the wait forecast's prior),
+    which stayed infinite after both left: no request was refused past its deadline again."""
+    for impossible in (sys.float_info.max, 1.7e308, 1e300, 1e20):
+        assert routing_rate(impossible) == 0.0
+    assert routing_rate(1e9) == pytest.approx(1e9, rel=0.022)  # fast, but a rate
+    core = ClusterScheduler(SchedulerLimits())
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    for peer_id in ("p", "q"):
+        core.on_hello(peer_id.encode(), hello(peer_id, "prefill"), 0.0)
+        huge = dataclasses.replace(heartbeat(peer_id), prefill_tokens_per_s=1.7e308)
+        core.on_heartbeat(peer_id.encode(), huge, 0.0)
+    assert core.registry.prefill_tokens_per_s == 0.0

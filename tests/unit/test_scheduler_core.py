@@ -469,6 +469,27 @@ def test_worker_busy_without_progress_is_unhealthy_until_it_moves_again():
     assert c.on_submit(b"G", submit("r"), 8.0)[0].message.accepted
 
 
+def test_a_request_only_a_stalled_decode_worker_can_hold_answers_503_not_400():
+    """The big decode worker stalls: a request only it can hold was answered 400, "can never
+    fit", a client error no client retries, for a worker that moves again a moment later (and a
+    resumed request was failed for good). It is 503 with Retry-After, as with no worker at all;
+    past every registered worker's cache it is still 400."""
+    c = ClusterScheduler(SchedulerLimits(progress_timeout_s=5.0, heartbeat_timeout_s=100.0))
+    c.on_hello(b"G", hello("g", "gateway"), 0.0)
+    c.on_hello(b"P", hello("p", "prefill"), 0.0)
+    c.on_hello(b"S", hello("small", "decode", blocks=10), 0.0)  # 160 tokens
+    c.on_hello(b"D", hello("d", "decode"), 0.0)  # 1,600 tokens
+    for t in (1.0, 7.0):  # busy, the step count standing still: stalled
+        c.on_heartbeat(b"D", busy_heartbeat("d", steps=10), t)
+    reply = c.on_submit(b"G", submit("r", prompt_len=500), 7.0)[0].message
+    assert reply.status_code == 503 and reply.retry_after_s
+    assert "not making progress" in reply.message and "1600 tokens" in reply.message
+    reply = c.on_submit(b"G", submit("r", prompt_len=2000), 7.0)[0].message
+    assert reply.status_code == 400 and "never fit" in reply.message
+    c.on_heartbeat(b"D", busy_heartbeat("d", steps=11), 8.0)  # it moved: the request fits
+    assert c.on_submit(b"G", submit("r", prompt_len=500), 8.0)[0].message.accepted
+
+
 def test_idle_worker_is_healthy_however_long_it_waits(core):
     for t in (10.0, 100.0, 1000.0):
         core.on_heartbeat(b"D", heartbeat("d"), t)

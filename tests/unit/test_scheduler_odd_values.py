@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -25,7 +26,7 @@ from shared.engine.prefix_cache import CacheKey, worker_cache_key
 
 CACHE_KEY = worker_cache_key(CacheKey("smollm2", "float32", 16), False)
 ODD_INTS = [0, 1, -1, 16, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), 2**64 - 1, 10**9]
-ODD_FLOATS = [0.0, -0.0, -1.0, 1e-300, 1e300, math.inf, -math.inf, math.nan]
+ODD_FLOATS = [0.0, -0.0, -1.0, 1e-300, 1e300, sys.float_info.max, math.inf, -math.inf, math.nan]
 
 
 class OddPeers:
