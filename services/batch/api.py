@@ -29,7 +29,9 @@ from services.batch.validation import TooManyBlankLines, num_requests
 Result = tuple[int, dict[str, Any], bytes | None]
 _WINDOW = re.compile(r"(\d{1,9})([hms])")  # (int() refuses over 4,300 digits)
 _SECONDS = {"h": 3600, "m": 60, "s": 1}
-MAX_METADATA_KEYS = 16
+MAX_METADATA_KEYS = 16  # OpenAI's: at most 16 pairs, keys of 64 characters, values of 512
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 CONTENT_CHUNK_BYTES = 1 << 20
 MAX_PAGE_BYTES = 4 << 20  # of a list's objects as JSON (one batch object is ~200 KB at most)
 
@@ -54,7 +56,8 @@ class ApiFailure(Exception):
 class Limits:
     max_file_bytes: int = 200 << 20
     max_lines: int = 50_000
-    max_list_limit: int = 100
+    max_list_limit: int = 100  # of a page of batches (OpenAI's bound, and its default 20)
+    max_file_list_limit: int = 10_000  # of a page of files (OpenAI's bound and default)
     # An upload the gateway stopped relaying (its client gone, a chunk timed out) is dropped
     # once idle this long, and a tenant has at most so many in progress.
     upload_idle_s: float = 600.0
@@ -180,8 +183,18 @@ class BatchApi:
         return 200, file_object(self.store.get_file(tenant, file_id)), None
 
     def file_list(self, tenant: str, params: dict, _: bytes | None) -> Result:
-        limit = self._limit(params)
-        rows = self.store.list_files(tenant, params.get("purpose"), limit + 1, params.get("after"))
+        maximum = self.limits.max_file_list_limit
+        limit = self._limit(params, default=maximum, maximum=maximum)
+        order = params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiFailure(400, "order must be 'asc' or 'desc'", "order")
+        rows = self.store.list_files(
+            tenant,
+            params.get("purpose"),
+            limit + 1,
+            params.get("after"),
+            newest_first=order == "desc",
+        )
         return 200, page([file_object(row) for row in rows], limit), None
 
     def file_get(self, tenant: str, params: dict, _: bytes | None) -> Result:
@@ -221,18 +234,17 @@ class BatchApi:
             raise ApiFailure(400, f"endpoint must be one of {', '.join(KINDS)}", "endpoint")
         window_s = _window_seconds(params.get("completion_window"))
         metadata = params.get("metadata")
-        if metadata is not None and (
-            not isinstance(metadata, dict)
-            or len(metadata) > MAX_METADATA_KEYS
-            or not all(isinstance(v, str) and len(v) <= 512 for v in metadata.values())
-        ):
+        if metadata is not None and not _is_metadata(metadata):
             raise ApiFailure(
                 400,
-                f"metadata must be a map of at most {MAX_METADATA_KEYS} "
-                "strings of at most 512 characters",
+                f"metadata must be a map of at most {MAX_METADATA_KEYS} keys of at most "
+                f"{MAX_METADATA_KEY_CHARS} characters to strings of at most "
+                f"{MAX_METADATA_VALUE_CHARS}",
                 "metadata",
             )
-        row = self._file(tenant, {"file_id": params.get("input_file_id")}, "input_file_id")
+        if not isinstance(params.get("input_file_id"), str):  # (not a 404 naming None)
+            raise ApiFailure(400, "input_file_id is required: a file's id", "input_file_id")
+        row = self._file(tenant, {"file_id": params["input_file_id"]}, "input_file_id")
         if row["purpose"] != "batch":
             raise ApiFailure(400, "the input file's purpose must be 'batch'", "input_file_id")
         # Counted only up to the limit, blank lines bounded too: this runs on the service's
@@ -331,11 +343,24 @@ class BatchApi:
         upload = self._uploads.pop(upload_id)
         upload.path.unlink(missing_ok=True)
 
-    def _limit(self, params: dict) -> int:
-        limit = params.get("limit", 20)
-        if not isinstance(limit, int) or not 1 <= limit <= self.limits.max_list_limit:
-            raise ApiFailure(400, f"limit must be in [1, {self.limits.max_list_limit}]", "limit")
+    def _limit(self, params: dict, default: int = 20, maximum: int | None = None) -> int:
+        maximum = self.limits.max_list_limit if maximum is None else maximum
+        limit = params.get("limit", default)
+        if not isinstance(limit, int) or not 1 <= limit <= maximum:
+            raise ApiFailure(400, f"limit must be in [1, {maximum}]", "limit")
         return limit
+
+
+def _is_metadata(metadata: Any) -> bool:
+    return (
+        isinstance(metadata, dict)
+        and len(metadata) <= MAX_METADATA_KEYS
+        and all(len(key) <= MAX_METADATA_KEY_CHARS for key in metadata)
+        and all(
+            isinstance(value, str) and len(value) <= MAX_METADATA_VALUE_CHARS
+            for value in metadata.values()
+        )
+    )
 
 
 def _window_seconds(window: Any) -> int:

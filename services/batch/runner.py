@@ -17,8 +17,9 @@ limit, a bad sampling value): it goes to the output or error file (`answers`). C
 
 Cancel stops the feed and aborts the lines in flight (their answers are not written); expiry
 (`expires_at` passed) stops the feed, lets the lines in flight finish (a line still refused
-with 429/503 then stops retrying), and answers every line never started with a
-`batch_expired` error. A line whose call fails in a way not foreseen is answered with a 500:
+with 429/503 then stops retrying; a cancel meanwhile aborts them), and answers every line never
+started with a `batch_expired` error: the batch is `expired` if there was one, else
+`completed`. A line whose call fails in a way not foreseen is answered with a 500:
 every line is answered exactly once. Then the job is finalized: its output and error
 files are registered and the batch object gets their ids.
 """
@@ -81,15 +82,26 @@ class JobRunner:
         tasks = self.tasks
         try:
             ended = await self._feed(batch, answers, tasks)
+            if ended == "expired":  # the lines in flight finish, unless a cancel comes first
+                ended = await self._let_lines_finish() or ended
             if ended == "cancelled":
                 for task in tasks:
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            if ended == "completed" and self.store.num_pending(self.batch_id):
-                ended = "expired"  # lines the window closed on while they waited for room
+            if ended in ("completed", "expired"):
+                # Expired only if some line never ran: the window closed on lines that waited
+                # for room, or the feed stopped at the deadline before them. Lines that all ran,
+                # the last finishing past the deadline (or a restart in `finalizing` after it),
+                # completed the batch.
+                ended = "expired" if self.store.num_pending(self.batch_id) else "completed"
             if ended == "expired":
                 self._expire_rest(answers)
             self._finalize(answers, ended)
+        except asyncio.CancelledError:  # the service stops: its lines stay pending, for the restart
+            for task in tasks:  # (left running, they outlived their job and its answer files)
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # (ended before the files close)
+            raise
         finally:
             answers.close()
 
@@ -124,14 +136,32 @@ class JobRunner:
                 return "cancelled"
             if time.time() >= batch["expires_at"]:
                 return "expired"
-            self._slot_freed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), 0.5)
+            await self._wait_for_a_line_to_end()
         if self._cancelled.is_set():
             return "cancelled"
         if time.time() >= batch["expires_at"]:
             return "expired"
         return None
+
+    async def _let_lines_finish(self) -> str | None:
+        """Waits for the lines in flight to end; 'cancelled' if a cancel comes first (past the
+        deadline, a cancel was ignored until they had run, then the batch said `expired`)."""
+        while self.tasks:
+            if self._cancelled.is_set():
+                return "cancelled"
+            await self._wait_for_a_line_to_end()
+        return None
+
+    async def _wait_for_a_line_to_end(self) -> None:
+        """Until a line in flight ends, at most half a second (cancel and the deadline are
+        checked between waits)."""
+        self._slot_freed.clear()
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns a result that came in
+        # the turn its task was cancelled, so a stop landing as a line freed its slot was lost
+        # and the job went on (the service's stop waited for it to end).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await self._slot_freed.wait()
 
     async def _answer(self, kind: str, batch: dict, line: dict, answers: Answers) -> None:
         try:

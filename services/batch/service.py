@@ -42,6 +42,8 @@ from shared.metrics import name, serve_metrics
 from shared.wire import WireError
 
 METRICS_INTERVAL_S = 2.0
+STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired",
+            "cancelling", "cancelled")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,11 @@ class BatchMetrics:
         )
 
     def update(self, store: Store, jobs: JobManager) -> None:
-        for status, count in store.count_by_state().items():
-            self.jobs.labels(status).set(count)
+        # Every status, those no job is in set to 0 (set only when some job was, a status kept
+        # its last count for good once its last job moved on).
+        counts_by_state = store.count_by_state()
+        for status in STATUSES:
+            self.jobs.labels(status).set(counts_by_state.get(status, 0))
         counts = store.db.execute(
             "SELECT COALESCE(SUM(total - completed - failed), 0), COALESCE(SUM(completed), 0), "
             "COALESCE(SUM(failed), 0) FROM batches WHERE status IN "
@@ -183,7 +188,9 @@ class BatchService:
                 params = json.loads(call.params)
                 if not isinstance(params, dict):
                     raise WireError("BatchCall.params must be a JSON object")
-            except (WireError, json.JSONDecodeError) as error:
+            # (ValueError: JSON's errors, an int past 4,300 digits; RecursionError: nesting.
+            # Raised past here, either ended this task and the service answered no one.)
+            except (WireError, ValueError, RecursionError) as error:
                 self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
                 continue
             try:

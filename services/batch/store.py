@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, body TEXT NOT NULL,
     created_at INTEGER NOT NULL, total INTEGER NOT NULL DEFAULT 0,
     completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
-    input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0
+    input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0,
+    cached_tokens INTEGER NOT NULL DEFAULT 0  -- of the input tokens, those the prefix cache served
 );
 CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, created_at);
 CREATE TABLE IF NOT EXISTS lines (
@@ -44,8 +45,14 @@ CREATE TABLE IF NOT EXISTS lines (
     PRIMARY KEY (batch_id, line_no), UNIQUE (batch_id, custom_id)
 );
 """
-# Databases made before lines had a prefix key gain the column (its '' keeps line order).
-_MIGRATIONS = {"prefix_key": "ALTER TABLE lines ADD COLUMN prefix_key TEXT NOT NULL DEFAULT ''"}
+# Databases made before lines had a prefix key, or batches a count of cached tokens, gain the
+# column ('' keeps line order; 0 for the lines answered before).
+_MIGRATIONS = {
+    ("lines", "prefix_key"): "ALTER TABLE lines ADD COLUMN prefix_key TEXT NOT NULL DEFAULT ''",
+    ("batches", "cached_tokens"): (
+        "ALTER TABLE batches ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0"
+    ),
+}
 _INDEXES = "CREATE INDEX IF NOT EXISTS lines_in_feed_order ON lines (batch_id, prefix_key, line_no)"
 PENDING, ANSWERED = 0, 1
 
@@ -60,8 +67,8 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: a kill -9 loses nothing committed
         self.db.executescript(SCHEMA)
-        columns = {row["name"] for row in self.db.execute("PRAGMA table_info(lines)")}
-        for column, statement in _MIGRATIONS.items():
+        for (table, column), statement in _MIGRATIONS.items():
+            columns = {row["name"] for row in self.db.execute(f"PRAGMA table_info({table})")}
             if column not in columns:
                 self.db.execute(statement)
         self.db.execute(_INDEXES)
@@ -101,13 +108,26 @@ class Store:
             "SELECT * FROM files WHERE id = ? AND tenant = ? AND deleted = 0", (file_id, tenant)
         ).fetchone()
 
-    def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None):
+    def list_files(
+        self,
+        tenant: str,
+        purpose: str | None,
+        limit: int,
+        after: str | None,
+        newest_first: bool = True,
+    ):
+        """Up to `limit` live files of `tenant`, in creation order (rowid), newest first or
+        oldest first; those past the file `after` in that order."""
         sql, args = "SELECT * FROM files WHERE tenant = ? AND deleted = 0", [tenant]
         if purpose is not None:
             sql, args = sql + " AND purpose = ?", [*args, purpose]
+        past, direction = ("<", "DESC") if newest_first else (">", "ASC")
         if after is not None:
-            sql, args = sql + " AND rowid < (SELECT rowid FROM files WHERE id = ?)", [*args, after]
-        return self.db.execute(sql + " ORDER BY rowid DESC LIMIT ?", [*args, limit]).fetchall()
+            sql += f" AND rowid {past} (SELECT rowid FROM files WHERE id = ?)"
+            args = [*args, after]
+        return self.db.execute(
+            f"{sql} ORDER BY rowid {direction} LIMIT ?", [*args, limit]
+        ).fetchall()
 
     def remove_unnamed_files(self, keep: set[str]) -> list[str]:
         """Removes the bytes in files/ that no live file row names (a deleted file's too), save
@@ -242,9 +262,14 @@ class Store:
                 usage = usage or {}
                 self.db.execute(
                     f"UPDATE batches SET {column} = {column} + 1, "
-                    "input_tokens = input_tokens + ?, output_tokens = output_tokens + ? "
-                    "WHERE id = ?",
-                    (usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), batch_id),
+                    "input_tokens = input_tokens + ?, output_tokens = output_tokens + ?, "
+                    "cached_tokens = cached_tokens + ? WHERE id = ?",
+                    (
+                        usage.get("prompt_tokens", 0),
+                        usage.get("completion_tokens", 0),
+                        _cached_tokens(usage),
+                        batch_id,
+                    ),
                 )
         return bool(cursor.rowcount)
 
@@ -265,7 +290,15 @@ def _batch_of(row: sqlite3.Row) -> dict[str, Any]:
         "input_tokens": row["input_tokens"],
         "output_tokens": row["output_tokens"],
         "total_tokens": row["input_tokens"] + row["output_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": row["cached_tokens"]},
         "output_tokens_details": {"reasoning_tokens": 0},
     }
     return batch
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """The prompt tokens an answer's usage says the prefix cache served (OpenAI's
+    `prompt_tokens_details.cached_tokens`; 0 when it says nothing)."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else 0

@@ -6,9 +6,10 @@
 
 `submit` uploads the file, creates the batch and prints its id; with `--wait` it follows the job
 with a progress line (done/total, output tokens per second, ETA) until it ends, and exits 0
-only if it completed. While it follows, a 429 or 503 (a busy server, a batch service that
-restarts: the job goes on) is waited out as its Retry-After asks, for up to MAX_REFUSED_S in a
-row. Works against any server with these APIs (`--url`, `--api-key` or `OPENAI_API_KEY`).
+only if it completed (a failed batch's errors, its input's offending lines, go to stderr).
+While it follows, a 429 or 503 (a busy server, a batch service that restarts: the job goes on)
+is waited out as its Retry-After asks, for up to MAX_REFUSED_S in a row. Works against any
+server with these APIs (`--url`, `--api-key` or `OPENAI_API_KEY`).
 """
 
 from __future__ import annotations
@@ -119,7 +120,16 @@ def submit(api: Api, args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     batch = follow(api, batch["id"])
+    _print_errors(batch)
     return 0 if batch["status"] == "completed" else 1
+
+
+def _print_errors(batch: dict[str, Any]) -> None:
+    """Why a batch failed (its input's offending lines, as `errors.data` gives them), on
+    stderr: the progress line alone said 0/0 done."""
+    for error in (batch.get("errors") or {}).get("data") or []:
+        where = f"line {error['line']}: " if error.get("line") is not None else ""
+        print(f"{where}{error.get('message')} ({error.get('code')})", file=sys.stderr)
 
 
 def follow(api: Api, batch_id: str, interval_s: float = 1.0) -> dict[str, Any]:

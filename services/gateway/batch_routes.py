@@ -101,7 +101,7 @@ def add_batch_routes(
 
     @app.get("/v1/files")
     async def list_files(request: Request) -> JSONResponse:
-        return await relay(request, "file_list", _list_params(request, "purpose"))
+        return await relay(request, "file_list", _list_params(request, "purpose", "order"))
 
     @app.get("/v1/files/{file_id}")
     async def get_file(request: Request, file_id: str) -> JSONResponse:

@@ -76,13 +76,19 @@ def test_wrong_frames_are_dropped_and_logged_and_files_survive_a_restart(tmp_pat
         socket.send_multipart([b"\x41", b"\x80"])  # a reply sent to the service
         good = wire_batch.BatchCall(call_id="x", op="file_list", tenant="t", params="[1]")
         socket.send_multipart(wire_batch.encode(good))  # params not an object
+        # Nested past the parser's recursion limit, or an int of 5,000 digits: the error
+        # (RecursionError, a ValueError not JSON's) ended the receive task, and the service
+        # answered no call after it.
+        for params in ("[" * 100_000, '{"limit": ' + "1" * 5_000 + "}"):
+            wrong = wire_batch.BatchCall(call_id="y", op="file_list", tenant="t", params=params)
+            socket.send_multipart(wire_batch.encode(wrong))
         _, begun, _ = call(socket, "file_upload_begin", {"purpose": "batch", "filename": "a"})
         call(socket, "file_upload_chunk", begun, b'{"custom_id": "a"}\n')
         status, created, _ = call(socket, "file_upload_end", begun)
         assert status == 200 and created["bytes"] == 19
         process.terminate()
         output, _ = process.communicate(timeout=30)
-        assert output.decode().count("dropped malformed message") == 4
+        assert output.decode().count("dropped malformed message") == 6
         process = start(tmp_path)
         wait_listening(process)
         status, content = call(socket, "file_content", {"file_id": created["id"]})[::2]

@@ -154,3 +154,30 @@ def test_following_gives_up_on_other_statuses_and_on_refusals_that_last(
     with pytest.raises(SystemExit, match=message):
         batch_command.follow(api, "batch_1")
     assert sum(slept) <= batch_command.MAX_REFUSED_S
+
+
+def test_submit_and_wait_says_why_a_batch_failed(tmp_path, monkeypatch, capsys):
+    """A batch whose input failed validation ended `submit --wait` with status 1 and a progress
+    line of 0/0 done: nothing said which lines were wrong, nor how."""
+    import argparse
+
+    errors = {"object": "list", "data": [
+        {"code": "duplicate_custom_id", "message": "this custom_id appears on an earlier line",
+         "param": "custom_id", "line": 3},
+        {"code": "empty_file", "message": "the input file has no requests", "param": None,
+         "line": None},
+    ]}  # fmt: skip
+    counts = {"total": 0, "completed": 0, "failed": 0}
+    answers = [
+        httpx.Response(200, json={"id": "file-1"}),
+        httpx.Response(200, json={"id": "batch_1", "status": "validating"}),
+        httpx.Response(200, json={"status": "failed", "request_counts": counts, "errors": errors}),
+    ]
+    batch_command, api, _ = played_api(answers, monkeypatch)
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"url": "/v1/completions"}\n')
+    args = argparse.Namespace(file=path, endpoint=None, completion_window="24h", wait=True)
+    assert batch_command.submit(api, args) == 1
+    err = capsys.readouterr().err
+    assert "line 3: this custom_id appears on an earlier line (duplicate_custom_id)" in err
+    assert "the input file has no requests (empty_file)" in err

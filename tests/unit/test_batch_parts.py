@@ -435,3 +435,72 @@ def test_what_a_kill_left_behind_is_removed_when_the_service_starts(tmp_path, mo
     assert left == sorted(["file-in", "file-live", output_file_id("batch_run")])
     assert store.num_pending("batch_done") == 0 and store.num_pending("batch_run") == 2
     store.close()
+
+
+def test_files_are_listed_as_openai_pages_them(store):
+    """OpenAI's file list takes `limit` up to 10,000 (its default) and `order` asc or desc by
+    creation: `client.files.list(limit=1000)` was a 400 (the batches' bound, 100), and
+    `order="asc"` was ignored (newest first, whatever was asked)."""
+    for n in range(5):
+        store.add_file(f"file-{n}", "alice", "batch", "in.jsonl", 1)
+    api = BatchApi(store, jobs=None, limits=Limits())
+
+    def listed(**params) -> list[str]:
+        return [f["id"] for f in api.handle("file_list", "alice", params, None)[1]["data"]]
+
+    assert listed() == [f"file-{n}" for n in range(4, -1, -1)]
+    assert listed(limit=10_000, order="desc") == listed()
+    assert listed(order="asc") == [f"file-{n}" for n in range(5)]
+    assert listed(order="asc", after="file-1", limit=2) == ["file-2", "file-3"]
+    assert listed(order="desc", after="file-3", limit=2) == ["file-2", "file-1"]
+    assert api.handle("file_list", "alice", {"limit": 10_001}, None)[0] == 400
+    status, body, _ = api.handle("file_list", "alice", {"order": "newest"}, None)
+    assert status == 400 and body["error"]["param"] == "order"
+    assert api.handle("batch_list", "alice", {"limit": 101}, None)[0] == 400  # (OpenAI's 100)
+
+
+def test_a_create_without_a_file_id_or_with_long_metadata_keys_is_a_400_naming_it(store):
+    """A missing `input_file_id` was a 404 "No such File object: None"; metadata keys were
+    unbounded (OpenAI's are at most 64 characters, as its values 512)."""
+    api = BatchApi(store, jobs=Jobs(), limits=Limits())
+    params = {"endpoint": "/v1/completions", "completion_window": "24h", "models": ["m"]}
+    for wrong in ({}, {"input_file_id": None}, {"input_file_id": 7}):
+        status, body, _ = api.handle("batch_create", "alice", {**params, **wrong}, None)
+        assert (status, body["error"]["param"]) == (400, "input_file_id")
+    assert "required" in body["error"]["message"]
+    store.path_of("file-in").write_bytes(good() + b"\n")
+    store.add_file("file-in", "alice", "batch", "in.jsonl", len(good()) + 1)
+    params["input_file_id"] = "file-in"
+    status, body, _ = api.handle(
+        "batch_create", "alice", {**params, "metadata": {"k" * 65: "v"}}, None
+    )
+    assert (status, body["error"]["param"]) == (400, "metadata")
+    status, body, _ = api.handle(
+        "batch_create", "alice", {**params, "metadata": {"k" * 64: "v"}}, None
+    )
+    assert status == 200 and body["metadata"] == {"k" * 64: "v"}
+    assert (
+        api.handle("batch_create", "alice", {**params, "input_file_id": "file-no"}, None)[0] == 404
+    )
+
+
+def test_the_jobs_gauge_falls_to_zero_when_no_job_is_in_a_status_any_more(store):
+    """Only the statuses some job was in were set: once the last running job completed,
+    `batch_jobs{status="in_progress"}` kept saying 1 for good."""
+    from services.batch.service import BatchMetrics
+
+    class Jobs:
+        def num_in_flight(self) -> int:
+            return 0
+
+    metrics = BatchMetrics()
+    new_batch(store, [good("a")])  # in_progress
+
+    def jobs_in(status: str) -> float:
+        return metrics.registry.get_sample_value("tandem:batch_jobs", {"status": status})
+
+    metrics.update(store, Jobs())
+    assert (jobs_in("in_progress"), jobs_in("completed")) == (1, 0)
+    store.update_batch("batch_x", status="completed")
+    metrics.update(store, Jobs())
+    assert (jobs_in("in_progress"), jobs_in("completed")) == (0, 1)

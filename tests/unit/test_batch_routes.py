@@ -106,3 +106,28 @@ def test_an_oversized_create_body_is_a_413_before_it_is_read(declared):
     assert f"exceeds {MAX_BATCH_BODY_BYTES} bytes" in response.json()["error"]["message"]
     assert body.num_pulled <= (0 if declared else MAX_BATCH_BODY_BYTES + CHUNK_BYTES)
     assert link.ops == []
+
+
+def test_a_file_list_relays_its_order_limit_purpose_and_cursor():
+    """`order` (OpenAI's asc or desc) was dropped on the way: `client.files.list(order="asc")`
+    listed newest first."""
+    calls = []
+
+    class Relaying(Link):
+        async def call(self, op, tenant, params, data=None):
+            calls.append((op, params))
+            return 200, {"object": "list", "data": []}, None
+
+    app = build_app(Generator(), 1 << 20)
+    add_batch_routes(app, Relaying(), ApiKeys({}), "m")
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            query = {"order": "asc", "limit": "5000", "purpose": "batch", "after": "file-1"}
+            return await client.get("/v1/files", params=query)
+
+    assert asyncio.run(get()).status_code == 200
+    assert calls == [
+        ("file_list", {"limit": 5000, "after": "file-1", "purpose": "batch", "order": "asc"})
+    ]

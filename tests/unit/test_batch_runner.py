@@ -246,3 +246,101 @@ def test_a_batch_cancelled_while_it_validates_ends_cancelled(store, monkeypatch,
     batch = store.get_batch("batch_x")
     assert (batch["status"], batch.get("failed_at")) == ("cancelled", None)
     assert batch["cancelled_at"] is not None and batch["request_counts"]["completed"] == 0
+
+
+def test_a_job_stopped_as_a_line_frees_its_slot_stops_and_aborts_its_lines(store):
+    """The service's stop cancels each job's task. Cancelled in the loop turn where a finished
+    line freed its slot, the wait for that slot (`asyncio.wait_for`, which on Python 3.11
+    returns a result that came with the cancel) swallowed the cancel: the job went on feeding,
+    the stop waited for it to end (hours) while the service answered no call, and the lines in
+    flight outlived their job. The stop now ends the job at once, aborting its lines; they stay
+    pending, for the restart."""
+    validated_batch(store, [line("a", "ok"), line("b", "slow"), line("c", "ok")])
+    client = PlayedClient()
+
+    class StopWhenSet(asyncio.Event):
+        def set(self) -> None:
+            super().set()
+            stopping.cancel()  # (the stop, in the turn the freed slot wakes the feed)
+
+    async def scenario() -> None:
+        nonlocal stopping
+        job = JobRunner(store, client, "batch_x", RunLimits(max_in_flight=1))
+        job._slot_freed = StopWhenSet()
+        stopping = asyncio.create_task(job.run())
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(stopping), 5)
+        await asyncio.sleep(0)  # (the aborted lines' last turn)
+        assert job.tasks == set()
+
+    stopping: asyncio.Task | None = None
+    asyncio.run(scenario())
+    assert [body["prompt"] for body in client.bodies] == ["ok"]  # nothing fed after the stop
+    assert store.get_batch("batch_x")["status"] == "in_progress"
+    assert store.num_pending("batch_x") == 2  # b and c: run again by the restart
+
+
+def test_a_batch_whose_last_lines_finish_past_the_deadline_completes(store):
+    """Every line started before the deadline and answered after it: no line expired, yet the
+    batch ended `expired` (so `tandem batch submit --wait` exited 1), with every line in its
+    output file. The same for a batch the service restarted in `finalizing` past its deadline."""
+
+    class Late(PlayedClient):
+        async def call(self, kind: str, body: dict, timeout_s: float | None = None) -> dict:
+            await asyncio.sleep(0.8)
+            return await super().call(kind, body, timeout_s)
+
+    validated_batch(store, [line("a", "ok"), line("b", "ok")], expires_in_s=0.5)
+    batch = run(store, Late())
+    assert (batch["status"], batch.get("expired_at")) == ("completed", None)
+    assert answered(store, batch) == {"a": 200, "b": 200}
+
+    store.update_batch("batch_x", status="finalizing", completed_at=None)  # (then the kill)
+    batch = run(store, PlayedClient())
+    assert (batch["status"], batch.get("expired_at")) == ("completed", None)
+    assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+
+
+def test_the_batchs_usage_counts_the_prompt_tokens_the_prefix_cache_served(store, tmp_path):
+    """Lines are fed in prompt-prefix order so the prefix cache serves their shared start, and
+    each answer's usage says how much it served (`prompt_tokens_details.cached_tokens`), yet
+    the batch's `usage.input_tokens_details.cached_tokens` was always 0. A database made
+    before the count gains it (0 for the lines answered before)."""
+    import sqlite3
+
+    class Cached(PlayedClient):
+        async def call(self, kind: str, body: dict, timeout_s: float | None = None) -> dict:
+            answer = await super().call(kind, body, timeout_s)
+            usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
+                     "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+            return {**answer, "usage": usage}
+
+    validated_batch(store, [line("a", "ok"), line("b", "ok")])
+    usage = run(store, Cached())["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (10, 2, 12)
+    assert usage["input_tokens_details"] == {"cached_tokens": 8}
+
+    (tmp_path / "old").mkdir()
+    old = sqlite3.connect(tmp_path / "old" / "batch.sqlite3")
+    old.execute(
+        "CREATE TABLE batches (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, "
+        "body TEXT NOT NULL, created_at INTEGER NOT NULL, total INTEGER NOT NULL DEFAULT 0, "
+        "completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0, input_tokens "
+        "INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0)"
+    )
+    old.execute("INSERT INTO batches VALUES ('batch_o', 't', 'completed', '{}', 0, 1, 1, 0, 5, 1)")
+    old.commit()
+    old.close()
+    reopened = Store(tmp_path / "old")
+    assert reopened.get_batch("batch_o")["usage"]["input_tokens_details"] == {"cached_tokens": 0}
+    reopened.close()
+
+
+def test_a_cancel_while_lines_run_past_the_deadline_aborts_them(store):
+    """Past the deadline the lines in flight are let finish, but a cancel then was ignored: the
+    batch stayed `cancelling` while they ran (up to `line_timeout_s` times `max_attempts`),
+    then ended `expired`, not `cancelled`."""
+    validated_batch(store, [line("a", "ok"), line("b", "slow")], expires_in_s=0.3)
+    batch = run(store, PlayedClient(), cancel_after_s=0.8)
+    assert batch["status"] == "cancelled"
+    assert answered(store, batch) == {"a": 200}
