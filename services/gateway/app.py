@@ -12,7 +12,6 @@ that has begun is closed by the server.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
@@ -30,6 +29,7 @@ from services.gateway.batched_prompts import (
 )
 from services.gateway.federation import cluster_metrics
 from services.gateway.generation import ChoiceEvent, Generation, Generator
+from services.gateway.json_body import load_json_body
 from services.gateway.openai_protocol import (
     ApiError,
     model_not_found,
@@ -251,10 +251,7 @@ async def _read_json(request: Request, max_body_bytes: int) -> Any:
         body += chunk
         if len(body) > max_body_bytes:
             raise ApiError(413, f"the request body exceeds {max_body_bytes} bytes")
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as error:  # (ints over 4,300 digits, deep nesting too)
-        raise ApiError(400, f"the body is not valid JSON: {error}") from None
+    return load_json_body(body)
 
 
 SSE_MEDIA_TYPE = "text/event-stream"

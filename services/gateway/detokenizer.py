@@ -32,12 +32,14 @@ but no stop string may end inside it: one that begins there and ends later still
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from tokenizers.decoders import ByteLevel
 
 _PARTIAL = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's name of a byte
 # Prompt tokens decoded as the first context (vLLM starts its prefix offset five tokens back).
 _NUM_PROMPT_CONTEXT_TOKENS = 6
 
@@ -127,14 +129,20 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The bytes one token stands for: with byte-level BPE, exactly its bytes, even when they
-    are part of a character; otherwise the UTF-8 of its decoded text."""
+    are part of a character; a SentencePiece byte-fallback token (`<0xE2>`), its byte;
+    otherwise the UTF-8 of its decoded text. An id past the tokenizer's vocabulary (a model's
+    embedding padded beyond it) has none, as it has no text."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)  # (None past the vocabulary)
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if isinstance(getattr(backend, "decoder", None), ByteLevel):
-        piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece is not None and isinstance(getattr(backend, "decoder", None), ByteLevel):
         alphabet = _byte_level_alphabet()
         if all(char in alphabet for char in piece):  # special tokens may hold other characters
             return bytes(alphabet[char] for char in piece)
-    return tokenizer.decode([token_id]).encode()
+    text = tokenizer.decode([token_id])
+    byte = _BYTE_FALLBACK_PIECE.fullmatch(piece) if piece is not None else None
+    if byte is not None and text != piece:  # (a decoder without byte fallback shows its name)
+        return bytes([int(byte.group(1), 16)])
+    return text.encode()
 
 
 class StopStringMatcher:

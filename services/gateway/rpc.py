@@ -19,7 +19,8 @@ heartbeats close a connection whose peer answers none for `client_timeout_s` (a 
 without closing its connections, a client process stopped). A client that reads its events
 slower than they come has them wait for it, in order, and is taken for gone (its calls
 cancelled) only once it has taken none for `client_timeout_s`. Malformed frames are logged and
-dropped; the loop never dies of a client's mistake.
+dropped, but for a call whose id can still be read, which is answered 400 with the wire's reason
+(its client would wait out its timeout); the loop never dies of a client's mistake.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.asyncio
 
 from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.generation import ChoiceEvent, Generation, Generator
+from services.gateway.json_body import load_json_body
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
 from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
 from services.gateway.tokenize_api import detokenize, tokenize
@@ -142,6 +145,7 @@ class RpcServer:
                 message = wire.decode(frames[1:])
             except wire.WireError as error:
                 self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
+                self._refuse_malformed_call(identity, frames[1:], error)
                 continue
             match message:
                 case wire.RpcRequest():
@@ -152,6 +156,13 @@ class RpcServer:
                         task.cancel()
                 case _:
                     self.log.warning("dropped unexpected message", type=type(message).__name__)
+
+    def _refuse_malformed_call(self, identity: bytes, frames: list, error: wire.WireError) -> None:
+        """A call the wire refused (a field of the wrong type, an unknown kind) is answered with
+        a 400 saying why, when its call id can be read: its client would wait out its timeout."""
+        call_id = _readable_call_id(frames)
+        if call_id is not None:
+            self._reply(identity, call_id, ApiError(400, f"a malformed call: {error}"))
 
     async def _probe_waiting_clients(self) -> None:
         """Every `PROBE_S`, a `waiting` event to each client with calls in flight that has been
@@ -254,10 +265,7 @@ class RpcServer:
     def _body(self, request: wire.RpcRequest) -> Any:
         if len(request.body.encode()) > self.max_body_bytes:
             raise ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes")
-        try:
-            return json.loads(request.body)
-        except (ValueError, RecursionError) as error:  # (ints over 4,300 digits, deep nesting)
-            raise ApiError(400, f"the body is not valid JSON: {error}") from None
+        return load_json_body(request.body)
 
     def _prepare(self, request: wire.RpcRequest) -> Generation:
         body = self._body(request)
@@ -377,6 +385,19 @@ class RpcServer:
         for (peer, _), task in list(self._calls.items()):
             if peer == identity and task is not asyncio.current_task():
                 task.cancel()
+
+
+def _readable_call_id(frames: list) -> str | None:
+    """The call id in the header of an RPC_REQUEST the wire refused, if it holds a sound one."""
+    try:
+        if len(frames) < 2 or wire.peek_type(frames) != wire.MessageType.RPC_REQUEST:
+            return None
+        header = msgpack.unpackb(frames[1].buffer, raw=False)
+    except Exception:  # not even a header (whatever bytes came, the loop must not die of them)
+        return None
+    call_id = header.get("call_id") if isinstance(header, dict) else None
+    sound = isinstance(call_id, str) and len(call_id) <= wire.MAX_REQUEST_ID_LEN
+    return call_id if sound else None
 
 
 def _json(body: dict[str, Any]) -> str:

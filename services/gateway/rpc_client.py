@@ -419,8 +419,9 @@ class AsyncTandemClient:
         return call_id
 
     async def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
-        try:
-            event = await asyncio.wait_for(self._inbox[call_id].get(), timeout_s)
+        try:  # (asyncio.timeout: on Python 3.11 wait_for lost a cancel that met an event)
+            async with asyncio.timeout(timeout_s):
+                event = await self._inbox[call_id].get()
         except TimeoutError:
             raise TimeoutError(f"no answer from {self.address} within {timeout_s} s") from None
         if isinstance(event, _Ended):

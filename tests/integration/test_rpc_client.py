@@ -135,3 +135,65 @@ def test_a_green_client_waiting_for_an_answer_lets_other_greenlets_run(tmp_path)
     silent.close()
     context.term()
     assert len(ticks) == 20 and ticks[-1] - ticks[0] < 0.9  # they ran during the call's wait
+
+
+def test_a_call_the_wire_refuses_is_answered_with_a_400_naming_why(tmp_path):
+    """A call whose frames the door's wire refuses (an unknown kind, `stream` as 1 from a
+    client in another language) was dropped, logged only: its client waited out its whole
+    timeout. When its call id can be read, it is answered 400 with the wire's reason; frames
+    with none are still dropped, and the door goes on serving."""
+    import msgpack
+
+    from services.gateway.rpc import RpcServer
+    from services.gateway.rpc_client import AsyncTandemClient, RpcError
+    from shared import wire
+
+    address = f"ipc://{tmp_path}/rpc.sock"
+    odd_stream = {"call_id": "s", "kind": "chat", "body": "{}", "stream": 1}
+
+    async def scenario() -> None:
+        door = RpcServer(generator=object(), address=address)  # type: ignore[arg-type]
+        await door.start()
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(address)
+        try:
+            async with AsyncTandemClient(address, timeout_s=5) as client:
+                with pytest.raises(RpcError) as refused:
+                    await client.call("embeddings", {"model": "m", "input": "hi"})  # type: ignore[arg-type]
+                assert refused.value.status == 400 and "RpcRequest.kind" in refused.value.message
+            code = bytes([wire.MessageType.RPC_REQUEST])
+            await raw.send_multipart([code, b"\x80"])  # no call id: dropped
+            await raw.send_multipart([code, msgpack.packb(odd_stream)])
+            assert await raw.poll(5_000), "no answer"
+            event = wire.decode(await raw.recv_multipart())
+            assert (event.call_id, event.kind, event.status) == ("s", "error", 400)
+            assert "RpcRequest.stream: expected bool" in event.body
+            assert await raw.poll(200) == 0  # (one answer: the garbage got none)
+        finally:
+            raw.close()
+            await door.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_cancel_that_meets_an_answer_cancels_the_wait():
+    """Python 3.11's `wait_for` returned an event that came in the turn its waiter was
+    cancelled: the cancel was lost, and the caller (a batch line being stopped, a task with its
+    own deadline) went on as if it had not been asked to stop."""
+    from services.gateway.rpc_client import AsyncTandemClient
+    from shared import wire
+
+    async def scenario() -> None:
+        client = AsyncTandemClient("ipc:///nonexistent/gw.sock")
+        client._inbox["c1"] = asyncio.Queue()
+        waiter = asyncio.create_task(client._next_event("c1", 60))
+        await asyncio.sleep(0)  # it waits for the event
+        event = wire.RpcEvent(call_id="c1", kind="response", body="{}", status=200, done=True)
+        client._inbox["c1"].put_nowait(event)
+        waiter.cancel()  # in the same turn
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await client.close()
+
+    asyncio.run(scenario())

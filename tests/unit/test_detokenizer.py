@@ -249,6 +249,30 @@ def test_token_bytes_are_the_tokens_own_bytes(tokenizer):
     assert token_bytes(tokenizer, tokenizer.eos_token_id) == tokenizer.eos_token.encode()
 
 
+def test_a_byte_fallback_tokens_bytes_are_its_byte(sp_tokenizer):
+    """SentencePiece writes a character it has no piece for as byte tokens (`<0xE2>`, Llama's
+    and Mistral's byte fallback). Their `bytes` were U+FFFD's, so a client could not put "€"
+    back together from them, which is what OpenAI's `bytes` are for. A decoder without byte
+    fallback shows such a token as its name: then those are its bytes."""
+    ids = sp_tokenizer.convert_tokens_to_ids(SENTENCEPIECE_BYTES)
+    pieces = [token_bytes(sp_tokenizer, i) for i in ids]
+    if sp_tokenizer.decode(ids) == "€":  # (the Llama decoder: byte fallback)
+        assert b"".join(pieces) == "€".encode()
+    else:
+        assert pieces == [name.encode() for name in SENTENCEPIECE_BYTES]
+    paris = sp_tokenizer.convert_tokens_to_ids("▁Paris")
+    assert token_bytes(sp_tokenizer, paris) == sp_tokenizer.decode([paris]).encode()
+
+
+def test_a_token_past_the_tokenizers_vocabulary_has_no_text_and_no_bytes(tokenizer):
+    """A model's embedding is often padded past its tokenizer (Qwen2.5: 151,936 rows for
+    151,665 tokens), and the engine samples, and ranks top logprobs, over all of it. Such an
+    id decodes to nothing; its bytes raised TypeError (the stream or answer failed with 500)."""
+    past = len(tokenizer) + 7
+    assert token_bytes(tokenizer, past) == b""
+    assert detokenize(tokenizer, [[28], [past], [28]]) == [",", "", ",", ""]
+
+
 # --- stop strings ------------------------------------------------------------------------------
 
 

@@ -159,3 +159,20 @@ def test_a_stop_token_ends_the_text_but_stays_in_the_tokens(tokenizer):
     body.pop("stop_token_ids")  # (an EOS-like finish on a token the request did not name)
     whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
     assert whole["choices"][0]["text"] == " Hello\n"
+
+
+def test_a_top_logprob_past_the_tokenizers_vocabulary_is_answered(tokenizer):
+    """A padded embedding's id (past the tokenizer, as the engine ranks the model's whole
+    vocabulary) among the top logprobs failed the answer with a 500; it has no text."""
+    hello, past = ids(tokenizer, " Hello"), len(tokenizer) + 3
+    top = [[(hello[0], -0.5), (past, -0.75)]]
+    finish = wire.TokenDelta(request_id="x", token_ids=hello, finish_reason="length",
+                             logprobs=[-0.5], top_logprobs=top)  # fmt: skip
+    body = {"prompt": "Say:", "max_tokens": 1, "logprobs": 2}
+    whole = asyncio.run(run(tokenizer, body, {0: [finish]}, collect=True))
+    assert whole["choices"][0]["logprobs"]["top_logprobs"] == [{" Hello": -0.5, "": -0.75}]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logprobs": True,
+            "top_logprobs": 2, "stream": True}  # fmt: skip
+    chunks = asyncio.run(run(tokenizer, chat, {0: [finish]}, collect=False))
+    (content,) = [c["choices"][0]["logprobs"]["content"] for c in chunks if c["choices"]]
+    assert content[0]["top_logprobs"][1] == {"token": "", "logprob": -0.75, "bytes": []}
