@@ -51,6 +51,11 @@ class Reservation:
     block_ids: list[int]
     deadline: float
     num_cached_blocks: int = 0  # leading block_ids taken from the prefix cache: not sent
+    # The salt the blocks are named by in this worker's cache: the request's (its tenant's, from
+    # the scheduler), as the pinned prefix was looked up, never the transfer's. A prefill worker
+    # that shares its cache between tenants sends none: its KV named by that would be missed by
+    # the tenant's next turn and found by requests of no tenant.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -136,12 +141,13 @@ class DecodeWorker(WorkerLoop):
             # turn of the conversation) are pinned now: the prefill worker skips sending them.
             size = self.blocks.block_size
             full = reserve.token_ids[: len(reserve.token_ids) // size * size]
-            cached = self.engine.pin_cached_prefix(full, self._salt(reserve.cache_salt))
+            salt = self._salt(reserve.cache_salt)
+            cached = self.engine.pin_cached_prefix(full, salt)
             try:
                 num_new = self.blocks.num_blocks_for(reserve.num_tokens) - len(cached)
                 block_ids = cached + self.blocks.allocate(num_new)
                 self.reservations[reserve.request_id] = Reservation(
-                    block_ids, time.monotonic() + reserve.lease_s, len(cached)
+                    block_ids, time.monotonic() + reserve.lease_s, len(cached), salt
                 )
             except NoFreeBlocksError:
                 self.blocks.free(cached)
@@ -252,7 +258,7 @@ class DecodeWorker(WorkerLoop):
                     reservation.block_ids,
                     transfer.generator_state,
                     priority=transfer.priority,
-                    cache_salt=self._salt(transfer.cache_salt),
+                    cache_salt=reservation.cache_salt,
                     bulk=transfer.bulk,
                 )
             except (InvalidRequestError, ValueError) as exc:

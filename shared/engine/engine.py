@@ -33,7 +33,7 @@ from shared.engine.prefix_blocks import cache_computed_blocks, take_cached_prefi
 from shared.engine.prefix_cache import CacheKey, PrefixCache, chain_hashes, root_hash
 from shared.engine.retention import Clock
 from shared.engine.sampling import Sampler, SamplerOutput, SamplingRow
-from shared.engine.sampling_params import SamplingParams
+from shared.engine.sampling_params import SamplingParams, token_seed
 from shared.engine.scheduler import MIN_CHUNK, ScheduledChunk, StepPlan, StepScheduler
 from shared.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
 from shared.engine.step_batch import SequenceChunk, build_step_batch
@@ -279,6 +279,8 @@ class LLMEngine:
         if not output_token_ids:
             raise ValueError("a prefilled sequence carries at least its first sampled token")
         self._validate_token_ids([*prompt_token_ids, *output_token_ids], params, "token_ids")
+        # (A worker with a smaller pool than the one the cluster admitted the request for.)
+        self._validate_fits_the_pool(len(prompt_token_ids), params)
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority, bulk=bulk)
         seq.output_token_ids = list(output_token_ids)
         seq.num_computed_tokens = seq.num_tokens - 1
@@ -386,6 +388,11 @@ class LLMEngine:
                 f"the prompt ({num_prompt} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context of {self.max_model_len} tokens",
             )
+        self._validate_fits_the_pool(num_prompt, params)
+
+    def _validate_fits_the_pool(self, num_prompt: int, params: SamplingParams) -> None:
+        """A sequence that could outgrow the whole pool would preempt itself at its last block
+        and never fit again: swapped out, it held every arrival back for good."""
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         if num_prompt + params.max_tokens > capacity:
             raise InvalidRequestError(
@@ -650,7 +657,8 @@ class LLMEngine:
         batch raise (a bug some row's parameters hit: a stop id past the vocabulary once made
         every worker that took one request exit, batch and all), each row is sampled alone,
         and only the rows that raise again fail. (A seeded row may have drawn in the failed
-        pass: its tokens from here differ from an undisturbed run's.)"""
+        pass: this step's token may differ from an undisturbed run's, the later ones not, their
+        draws being keyed by their place, `_sampling_row`.)"""
         try:
             return self.sampler(logits, rows), {}
         except Exception as error:
@@ -699,6 +707,12 @@ class LLMEngine:
         if seq.num_replayed and params.has_penalties:  # (output-only penalties count them)
             split = len(prompt_ids) - seq.num_replayed
             prompt_ids, output_ids = prompt_ids[:split], prompt_ids[split:] + output_ids
+        if params.seed is not None and seq.generator is not None:
+            # A seeded token's draw is keyed by its place in the output (the tokens replayed
+            # from before count): the same whether the request ran undisturbed, was handed
+            # over with its generator, or was resumed from its tokens with a new one.
+            index = seq.num_replayed + seq.num_output_tokens
+            seq.generator.manual_seed(token_seed(params.seed, index))
         return SamplingRow(
             params=params,
             generator=seq.generator,

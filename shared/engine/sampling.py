@@ -108,15 +108,22 @@ def _keep_top_k_top_p(
     vocab = logits.shape[-1]
     size = min(num_candidates, vocab)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    values, ids = logits.topk(size, dim=-1)  # best first; exactly k kept, ties broken by topk
-    in_top_k = torch.arange(size, device=logits.device) < k.unsqueeze(1)
+    values, ids = logits.topk(size, dim=-1)  # best first
+    # Top-k keeps every token as likely as the k-th, ties included (transformers' and vLLM's
+    # top-k: with 16-bit logits ties are common, and keeping k of them by the sort's order
+    # dropped tied tokens at random). Its survivors lie among the candidates unless the k-th
+    # is past them or ties with the last of them (more ties may follow outside; tokens at
+    # -inf, masked by a grammar, have no probability to keep).
+    kth = values.gather(1, (k.clamp(max=size) - 1).unsqueeze(1)).squeeze(1)
+    in_top_k = values >= kth.unsqueeze(1)
+    spills = (values[:, -1] >= kth) & (size < vocab) & (kth > -math.inf)
+    within = (k <= size) & ~spills
     # Unnormalized probabilities, 1 for the best token; `total` is the softmax denominator in
     # the same units, over the top-k survivors (known when they all lie among the candidates)
     # or over the whole row (no top-k).
     weights = (values - values[:, :1]).exp().masked_fill(~in_top_k, 0.0)
     cumulative = weights.cumsum(dim=-1)
-    within = k <= size
-    total = cumulative.gather(1, (k.clamp(max=size) - 1).unsqueeze(1)).squeeze(1)
+    total = cumulative[:, -1]
     if not bool(within.all()):
         whole_row = (logits.logsumexp(dim=-1) - values[:, 0]).exp()
         total = torch.where(within, total, whole_row)

@@ -198,6 +198,18 @@ def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
+def token_seed(seed: int, index: int) -> int:
+    """The seed of the draw of a seeded request's output token `index` (splitmix64 of the two):
+    a draw that depends on the request's seed and the token's place alone, not on how many
+    draws its generator made before (a request preempted and resumed elsewhere from its
+    tokens starts a fresh generator; its next token must be the one it would have drawn)."""
+    mask = (1 << 64) - 1
+    x = (seed + (index + 1) * 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """The request's own RNG: a CPU generator seeded with `params.seed`, or freshly from the OS
     when there is none; None for a greedy request, which draws nothing."""

@@ -190,6 +190,21 @@ def test_seeded_sampling_is_reproducible_across_batches(model):
     assert mixed.token_ids == alone.token_ids
 
 
+def test_a_seeded_request_resumed_from_its_tokens_goes_on_as_it_would_have(model):
+    """A decode worker hands a sequence back under memory pressure; its gateway resumes it from
+    the tokens its client has, with a fresh generator. Its seed must still give the tokens the
+    undisturbed run gave: whether a request is preempted depends on what else runs."""
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True)
+    prompt = prompts(1, seed=5)[0]
+    undisturbed = LLMEngine(model, EngineConfig(num_blocks=64)).generate([prompt], params)[0]
+    had = undisturbed.token_ids[:4]
+    engine = LLMEngine(model, EngineConfig(num_blocks=64))
+    rest = dataclasses.replace(params, max_tokens=6)
+    engine.add_request(prompt + had, rest, request_id="resumed", num_generated=len(had))
+    tokens = [t for out in engine.run_until_done() for t in out.new_token_ids]
+    assert had + tokens == undisturbed.token_ids
+
+
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_tokens=9, temperature=0.8, seed=7)])
 def test_prefill_export_then_decode_equals_colocated(model, params):
     prompt = prompts(1, seed=3)[0]
@@ -424,6 +439,23 @@ def test_a_prefilled_sequence_outside_the_vocabulary_is_refused(model):
             engine.add_prefilled("r", prompt, output, params, blocks)
         assert error.value.param == field
     engine.add_prefilled("r", [5, 6], [7], GREEDY, blocks)  # in range: admitted
+
+
+def test_a_prefilled_sequence_that_could_outgrow_the_pool_is_refused(model):
+    """A decode worker smaller than the one the cluster sized the request for: the sequence
+    would fill the pool, swap itself out at its last block and never fit again (every arrival
+    held back behind it). It is refused like a prompt that can never fit."""
+    config = EngineConfig(num_blocks=4, block_size=16, swap_bytes=1 << 24, preemption_mode="swap")
+    engine = LLMEngine(model, config)
+    params = dataclasses.replace(GREEDY, max_tokens=40)  # 40 + 40 tokens: five blocks
+    blocks = engine.block_manager.allocate(3)
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_prefilled("r", list(range(3, 43)), [7], params, blocks)
+    assert error.value.param == "max_tokens"
+    fitting = dataclasses.replace(params, max_tokens=24)  # 64 tokens: the whole pool
+    engine.add_prefilled("r", list(range(3, 43)), [7], fitting, blocks)
+    results = [out for _ in range(40) for out in engine.step()]
+    assert results[-1].finish_reason == "length" and not engine.has_unfinished
 
 
 @pytest.mark.parametrize(

@@ -391,3 +391,34 @@ def test_a_turn_evicted_to_host_ram_is_still_announced_and_pinned_from_there(set
     stream_until_done(gateway, start=1)
     assert worker.engine.prefix_cache.num_host_hit_tokens == 20
     assert worker.engine.config.finished_retention_s == 30.0  # the decode role's think time
+
+
+def test_received_kv_is_named_by_the_reservations_tenant_not_the_transfers_salt(setup):
+    """A prefill worker that shares its cache between tenants sends no salt; this worker does
+    not share: the turn's blocks must be named by its tenant (as the RESERVE looked them up),
+    so the tenant's next turn finds them and a request of no tenant does not."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    transfer, _ = prefilled_transfer(model_dir, "t1", gateway_address, params)
+    scheduler.send(
+        wire.Reserve(request_id="t1", num_tokens=len(PROMPT) + 1, lease_s=30, cache_salt="acme")
+    )
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, dataclasses.replace(transfer, cache_salt=None))
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    prompt_2 = PROMPT + stream_until_done(gateway) + [9, 9, 9]  # 23 tokens ran here
+
+    def num_cached_blocks(request_id: str, salt: str | None) -> int:
+        scheduler.send(
+            wire.Reserve(
+                request_id=request_id,
+                num_tokens=len(prompt_2) + 1,
+                lease_s=30,
+                token_ids=prompt_2,
+                cache_salt=salt,
+            )
+        )
+        return scheduler.expect(wire.ReserveReply).num_cached_blocks
+
+    assert num_cached_blocks("other", None) == 0
+    assert num_cached_blocks("t2", "acme") == 23 // 4

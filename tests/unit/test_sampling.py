@@ -282,6 +282,18 @@ def test_filters_keep_exactly(filters: dict, keep: list[int]) -> None:
     torch.testing.assert_close(filtered(LOGITS, num_candidates=1, **filters), restricted(keep))
 
 
+@pytest.mark.parametrize("num_candidates", [1, 2, 3, 1024])
+def test_top_k_keeps_every_token_tied_with_the_kth(num_candidates: int) -> None:
+    """As transformers' and vLLM's top-k: a token as likely as the k-th is kept too (16-bit
+    logits tie often); keeping exactly k dropped tied tokens by the sort's order."""
+    logits = torch.tensor([0.0, 3.0, 2.0, 2.0, 2.0, 1.0])
+    probs = filtered(logits, top_k=2, num_candidates=num_candidates)
+    assert (probs > 0).tolist() == [False, True, True, True, True, False]
+    torch.testing.assert_close(probs, restricted([1, 2, 3, 4], logits.exp().tolist()))
+    nucleus = filtered(logits, top_k=2, top_p=0.99, num_candidates=num_candidates)
+    assert (nucleus > 0).tolist() == [False, True, True, True, True, False]
+
+
 def test_temperature_comes_before_top_p() -> None:
     # At temperature 0.25 the probabilities go as p**4; token 1 alone holds 0.58 of the mass.
     sharpened = [p**4 for p in PROBS]
