@@ -18,6 +18,8 @@ prompt (a few token ids drawn from the workload's own, or a few of its words for
 the same for all requests of the run, recorded in the run's `prompt_nonce`), so a server's prefix
 cache holds nothing from an earlier run: the first run would otherwise warm the cache for the
 next. `--reuse-prompts` sends the prompts as they are, to measure cache effects on purpose.
+Before the first run, `--warmup` requests (the workload's first, shortened, under a nonce of
+their own) are sent and measured in no run: the server's cold start stays out of the figures.
 
 Results go to `--out`: `result.json` (settings, summaries, per-request records, timelines) and
 PNG plots: latency CDFs per class, output tokens/s over time, and, when the server is tandem
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -61,6 +64,8 @@ from loadtest.summary_text import client_warnings, format_ms, format_summary
 from loadtest.workload import WorkloadError, WorkloadRequest, read_workload
 
 RESULT_VERSION = 1
+DEFAULT_WARMUP = 2  # requests sent before the runs, in none of them (--warmup)
+WARMUP_MAX_TOKENS = 16  # each warm-up request's output at most: enough to step decode, quick
 SUMMARY_FIELDS = (  # (row, summary key, format; "ms": a percentile, "n/a" if a failure's)
     ("requests ok", "num_ok", "{:.0f}"),
     ("errors", "num_errors", "{:.0f}"),
@@ -121,6 +126,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no per-run nonce ahead of the prompts: a later run may hit the server's cache",
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=DEFAULT_WARMUP,
+        help="requests sent before the measured runs, measured in none: the server's cold start "
+        "(first allocations and compiles) stays out of the first requests' TTFT (0: none)",
+    )
     parser.add_argument("--poll-interval", type=float, default=0.5, help="tandem /ready polling")
     parser.add_argument("--name", help="the result's name in comparisons (default: --out's)")
     parser.add_argument("--out", default="bench-results", help="folder for result.json and PNGs")
@@ -167,6 +179,8 @@ def check_settings(args: argparse.Namespace) -> None:
     ):
         if value is not None and not 0 < value < math.inf:  # nan timed out every request
             raise BenchError(f"{flag} must be > 0; got {value}")
+    if args.warmup < 0:
+        raise BenchError(f"--warmup must be >= 0; got {args.warmup}")
     if not args.url.startswith(("http://", "https://")):
         raise BenchError(f"--url must be an http(s) URL; got {args.url!r}")
 
@@ -188,6 +202,7 @@ def bench(args: argparse.Namespace) -> int:
     requests = load_requests(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    warmup = warm_up(args, requests)
     runs = []
     for rate in rates:
         arrivals, timed = arrivals_for(args, requests, rate)
@@ -207,6 +222,7 @@ def bench(args: argparse.Namespace) -> int:
         "num_requests": len(requests),
         "seed": args.seed,
         "reuse_prompts": args.reuse_prompts,
+        "warmup": warmup,
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "runs": runs,
@@ -215,6 +231,45 @@ def bench(args: argparse.Namespace) -> int:
     written = [] if args.no_plots else plot_result(result, out)
     print(f"wrote {out / 'result.json'}" + "".join(f", {p}" for p in written))
     return 0 if all(run["summary"]["num_errors"] == 0 for run in runs) else 1
+
+
+def warm_up(args: argparse.Namespace, requests: list[WorkloadRequest]) -> dict[str, Any] | None:
+    """Sends the workload's first `--warmup` requests at once, before any run and measured in
+    none: the server's cold start (first allocations, kernel compiles, a schema's grammar)
+    landed in the first measured requests' TTFT. Under a nonce of their own, even with
+    --reuse-prompts, so no measured prompt finds theirs in the server's prefix cache. Returns
+    what the result records of it (None: no warm-up)."""
+    if args.warmup == 0:
+        return None
+    chosen = [
+        dataclasses.replace(r, max_tokens=min(r.max_tokens, WARMUP_MAX_TOKENS))
+        for r in requests[: args.warmup]
+    ]
+    chosen = with_prompt_nonce(with_arrivals(chosen, None), prompt_nonce(requests))
+    started = time.perf_counter()
+    result = asyncio.run(
+        run_workload(
+            args.url,
+            args.model,
+            chosen,
+            honor_arrivals=False,
+            timeout_s=args.timeout,
+            deadline_s=args.deadline,
+            send_text=args.send_text,
+            api_key=args.api_key,
+            name="warm-up",
+        )
+    )
+    errors = [r.error for r in result.records if r.error]
+    warmup = {
+        "requests": len(chosen),
+        "errors": len(errors),
+        "seconds": round(time.perf_counter() - started, 3),
+    }
+    print(f"warm-up: {len(chosen)} requests, not measured, {warmup['seconds']:.2f} s", flush=True)
+    if errors:  # (the runs that follow report their own failures; this may say why early)
+        print(f"WARNING: {len(errors)} warm-up request(s) failed: {errors[0]}", flush=True)
+    return warmup
 
 
 def arrivals_for(

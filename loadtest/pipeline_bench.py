@@ -28,6 +28,7 @@ from loadtest.baselines import run_engine, run_static
 from loadtest.client import run_workload
 from loadtest.metrics import Result, Summary
 from loadtest.served import tandem_up
+from loadtest.summary_text import percentile_ms, unknown_note
 from loadtest.workload import WorkloadRequest, read_workload
 from shared.engine.engine import EngineConfig
 from shared.engine.loader import device_argument
@@ -125,10 +126,10 @@ def _times(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
-def _pair_ms(p50: float | None, p99: float | None) -> str:
-    if p50 is None or p99 is None:
-        return "-"
-    return f"{p50 * 1e3:.0f}/{p99 * 1e3:.0f}"
+def _pair_ms(summary: Summary, metric: str) -> str:
+    """p50/p99 of `metric` in ms, "n/a" for one that would be a failed request's."""
+    p50, p99 = (percentile_ms(summary, f"{metric}_p{q}") for q in (50, 99))
+    return "-" if "-" in (p50, p99) else f"{p50}/{p99}"
 
 
 def format_table(results: dict[str, Result]) -> str:
@@ -139,16 +140,18 @@ def format_table(results: dict[str, Result]) -> str:
         f"{'e2e p50/p99 ms':>16}"
     )
     rows = [header, "-" * len(header)]
+    notes = []
     for name, result in results.items():
         s: Summary = result.summary
         rows.append(
             f"{name:<8} {f'{s.num_ok}/{s.num_requests}':>7} {s.wall_s:>7.1f} "
             f"{s.output_tokens_per_s:>10.1f} {_times(throughput_ratio(result, static)):>10} "
             f"{_times(throughput_ratio(result, engine)):>10} "
-            f"{_pair_ms(s.ttft_p50, s.ttft_p99):>16} {_pair_ms(s.tpot_p50, s.tpot_p99):>16} "
-            f"{_pair_ms(s.e2e_p50, s.e2e_p99):>16}"
+            f"{_pair_ms(s, 'ttft'):>16} {_pair_ms(s, 'tpot'):>16} {_pair_ms(s, 'e2e'):>16}"
         )
-    return "\n".join(rows)
+        note = unknown_note(s)  # failed requests are in no latency: says which are unknown
+        notes += [f"{name}: {note}"] if note else []
+    return "\n".join(rows + notes)
 
 
 def ratios(results: dict[str, Result]) -> dict[str, float]:

@@ -39,7 +39,9 @@ def _latencies(summary: Summary, metric: str, name: str) -> str:
     return f"{name} ms {cells}" + ("" if n is None else f" (n={n})")
 
 
-def _unknown_note(summary: Summary) -> str | None:
+def unknown_note(summary: Summary) -> str | None:
+    """Which percentiles are "n/a" and why, with their figures over the successes; None if
+    none is."""
     keys = [k for m in LATENCY_METRICS for q in QUANTILES if summary.unknown(k := f"{m}_p{q}")]
     if not keys:
         return None
@@ -68,7 +70,7 @@ def format_summary(summary: Summary) -> str:
         _latencies(s, "ttft", "TTFT") + "   " + _latencies(s, "tpot", "TPOT"),
         _latencies(s, "e2e", "e2e") + "   " + _latencies(s, "itl", "ITL"),
     ]
-    note = _unknown_note(s)
+    note = unknown_note(s)
     lines += [note] if note else []
     lines.append(_prompt_cache_line(s))
     if s.lateness_n:

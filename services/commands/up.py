@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import os
 import shutil
 import signal
@@ -27,8 +28,9 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from services.gateway.chat_prompt import read_chat_template
-from shared.binding import check_tcp_port
-from shared.config import ConfigError
+from services.worker.config import WorkerConfig
+from shared.binding import check_tcp_port, host_port
+from shared.config import ConfigError, add_config_arguments, config_from_args
 from shared.engine.loader import (
     DEVICE_HELP,
     DTYPE_CHOICES,
@@ -38,7 +40,7 @@ from shared.engine.loader import (
     device_argument,
 )
 from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
-from shared.engine.sampling_defaults import parse_default_sampling
+from shared.engine.sampling_defaults import model_sampling_defaults, parse_default_sampling
 from shared.logs import log_settings
 
 PR_SET_PDEATHSIG = 1
@@ -50,7 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the gateway's HTTP host")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument(
+        "--model",
+        # Read here as the workers read it: a --model passed to them would beat their TANDEM_MODEL.
+        default=os.environ.get("TANDEM_MODEL") or DEFAULT_MODEL,
+        help="a HF directory, a .gguf file, or 'smollm2' (default: TANDEM_MODEL, else smollm2)",
+    )
     parser.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="per worker")
     parser.add_argument(
         "--dtype",
@@ -129,7 +136,7 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return f"http://{self.args.host}:{self.args.port}"
+        return f"http://{host_port(self.args.host, self.args.port)}"  # (an IPv6 host in [])
 
     def start(self) -> None:
         try:  # refused here, before any child starts, rather than by a gateway restarted in vain
@@ -143,25 +150,21 @@ class LocalCluster:
         for role in ("prefill", "decode"):  # a cluster without one serves nothing
             if getattr(self.args, role) < 1:
                 raise ConfigError(f"--{role} must be at least 1, got {getattr(self.args, role)}")
+        if not 0 < self.args.ready_timeout < math.inf:  # (NaN too) the wait gave up at once
+            raise ConfigError(f"--ready-timeout must be > 0 seconds, got {self.args.ready_timeout}")
         log_settings()  # else every child exits on it, and is started again, five times
         self._check_ports()
-        resolve_model_dir(self.args.model)  # convert a GGUF once, before workers race to it
+        # (Converts a GGUF once, before the workers race to it.)
+        directory, name = resolve_model_dir(self.args.model)
+        try:  # the gateway's, refused here rather than by a gateway started again in vain
+            model_sampling_defaults(directory, name == DEFAULT_MODEL, self.args.generation_config)
+        except ValueError as error:
+            raise ConfigError(f"--generation-config: {error}") from None
         num_workers = self.args.prefill + self.args.decode
         threads = max(1, (os.cpu_count() or 1) // num_workers)
         common = ["--scheduler-address", self.address("scheduler")]
         # Every service serves /metrics on a free port; the gateway's /metrics gathers them all.
         metrics = ["--metrics-port", "0", "--metrics-host", self.args.host]
-        self._spawn(
-            "scheduler",
-            [
-                "scheduler",
-                "--address",
-                self.address("scheduler"),
-                "--model",
-                self.args.model,
-                *metrics,
-            ],
-        )
         worker = [
             "--model",
             self.args.model,
@@ -180,6 +183,18 @@ class LocalCluster:
             worker += ["--dtype", self.args.dtype]
         if self.args.quantization:  # else TANDEM_QUANTIZATION, else none
             worker += ["--quantization", self.args.quantization]
+        _check_worker_settings(worker)
+        self._spawn(
+            "scheduler",
+            [
+                "scheduler",
+                "--address",
+                self.address("scheduler"),
+                "--model",
+                self.args.model,
+                *metrics,
+            ],
+        )
         for i in range(self.args.prefill):
             self._spawn(f"prefill-{i}", ["prefill", "--peer-id", f"prefill-{i}", *worker])
         for i in range(self.args.decode):
@@ -341,6 +356,16 @@ class LocalCluster:
                 child.process.kill()
                 child.process.wait()
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _check_worker_settings(worker_argv: list[str]) -> None:
+    """The workers' settings, from these flags and the TANDEM_ variables each worker will read,
+    checked once as a worker checks them (and its KV budget against the model's config): each
+    worker refused them itself, after the scheduler and gateway had started, and the cluster
+    stopped with "exited during start-up", the reason somewhere in the children's logs."""
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, WorkerConfig)
+    config_from_args(WorkerConfig, parser.parse_args(worker_argv)).check_kv_budget()
 
 
 def _die_with_parent() -> None:

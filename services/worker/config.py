@@ -15,6 +15,7 @@ from shared.config import (
     setting,
 )
 from shared.engine.engine import EngineConfig
+from shared.engine.kv_cache import num_blocks_for_budget
 from shared.engine.loader import (
     DECODE_ATTENTION_CHOICES,
     DECODE_ATTENTION_HELP,
@@ -26,6 +27,8 @@ from shared.engine.loader import (
     parse_device,
     parse_dtype,
 )
+from shared.engine.model_config import ModelConfig
+from shared.engine.model_files import resolve_model_dir
 from shared.engine.swap import PREEMPTION_MODES
 
 
@@ -156,6 +159,16 @@ class WorkerConfig(CurveSettings):
                 "preemption_mode (--preemption-mode / TANDEM_PREEMPTION_MODE) must be one of "
                 f"{', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}"
             )
+
+    def check_kv_budget(self) -> None:
+        """ConfigError unless kv_cache_bytes holds one block of the model's: read from its
+        config file alone, so that a worker (and `tandem up`) refuses it before any weight
+        loads, where the engine found it after (a minute and more for a big model)."""
+        from transformers import AutoConfig  # (as load_model: a heavy import, when needed)
+
+        directory, _ = resolve_model_dir(self.model)
+        model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+        num_blocks_for_budget(model_config, self.block_size, self.torch_dtype, self.kv_cache_bytes)
 
     def engine_config(self, **overrides) -> EngineConfig:
         return EngineConfig(

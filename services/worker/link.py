@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -42,10 +43,15 @@ class SchedulerLink:
         self._beats_awaiting_welcome: int | None = None
         self.num_dropped = 0  # messages dropped on a full queue (`send`)
 
-    def handshake(self, timeout_s: float = 60.0) -> None:
-        """Says HELLO until the scheduler answers (it may start after us)."""
+    def handshake(
+        self, timeout_s: float = 60.0, stopping: Callable[[], bool] = lambda: False
+    ) -> bool:
+        """Says HELLO until the scheduler answers (it may start after us); False when
+        `stopping()` said so first (a SIGTERM must not wait out the timeout)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if stopping():
+                return False
             wire.send(self.socket, self.hello)
             if self.socket.poll(1000):
                 message = wire.recv(self.socket)
@@ -56,7 +62,7 @@ class SchedulerLink:
                     if not 0 < interval < math.inf:  # NaN would stop the heartbeats for good
                         raise HandshakeError(f"scheduler asked for a heartbeat every {interval} s")
                     self.heartbeat_interval_s = interval
-                    return
+                    return True
         raise HandshakeError(f"no answer from the scheduler within {timeout_s:.0f} s")
 
     def on_hello_ack(self, ack: wire.HelloAck, log) -> bool:

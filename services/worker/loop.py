@@ -21,6 +21,7 @@ from services.worker.config import WorkerConfig
 from services.worker.link import SchedulerLink
 from services.worker.streams import GatewayStreams
 from shared import wire
+from shared.binding import check_address, check_tcp_port, describe
 from shared.curve import Security
 from shared.engine.engine import LLMEngine
 from shared.engine.loader import dtype_name, load_model
@@ -55,6 +56,7 @@ class WorkerLoop(abc.ABC):
         self.peer_id = config.resolved_peer_id(self.role)
         self.log = get_logger(peer_id=self.peer_id)
         self.events = self.events_class(self.log)
+        self._check_before_loading(engine_overrides)
         self.loaded = load_model(
             config.model,
             dtype=config.torch_dtype,
@@ -117,6 +119,19 @@ class WorkerLoop(abc.ABC):
         self._recent_batch_sizes: list[int] = []  # since the last heartbeat
         self._stopping = False
 
+    def _check_before_loading(self, engine_overrides: dict) -> None:
+        """ConfigError now for what would stop the worker once its model is loaded (a minute
+        and more for a big one): a KV budget that holds no block of the model's (read from its
+        config file alone), a port or address to listen on that another program holds."""
+        config = self.config
+        if "num_blocks" not in engine_overrides:  # else LLMEngine sizes the pool by the budget
+            config.check_kv_budget()
+        if config.metrics_port is not None:  # (0, any free port: the host is still checked)
+            what = describe("metrics_host", "metrics_port")
+            check_tcp_port(config.metrics_host, config.metrics_port, what)
+        if self.role == "decode" and config.address is not None:  # its KV ROUTER's, bound later
+            check_address(config.address, "address")
+
     def _cache_key(self) -> str | None:
         if self.engine.prefix_cache is None:
             return None
@@ -133,19 +148,22 @@ class WorkerLoop(abc.ABC):
     def serve_forever(self) -> None:
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
-        self.link.handshake()
-        self.registered = True
-        self.log.info(
-            f"{self.role} worker ready",
-            blocks=self.engine.block_manager.num_blocks,
-            metrics=self.metrics_address,
-        )
-        gc_timer = CollectionTimer(self.events.gc_paused)
         try:
-            while not self._stopping:
-                self.run_once()
+            if not self.link.handshake(stopping=lambda: self._stopping):
+                return  # stopped while the scheduler was not there yet
+            self.registered = True
+            self.log.info(
+                f"{self.role} worker ready",
+                blocks=self.engine.block_manager.num_blocks,
+                metrics=self.metrics_address,
+            )
+            gc_timer = CollectionTimer(self.events.gc_paused)
+            try:
+                while not self._stopping:
+                    self.run_once()
+            finally:
+                gc_timer.close()
         finally:
-            gc_timer.close()
             self.close()
 
     def health(self) -> str | None:

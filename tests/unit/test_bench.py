@@ -181,6 +181,7 @@ def parse(*argv: str) -> argparse.Namespace:
         (["--rate", "nan"], "--rate must be > 0"),
         (["--sweep", "1,nan"], "--sweep rates must be > 0"),
         (["--slo-tpot", "nan"], "--slo-tpot must be > 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
     ],
 )
 def test_wrong_settings_are_refused_by_name(argv, needle, capsys):

@@ -166,7 +166,7 @@ def sweep(tmp_path, *extra: str) -> tuple[dict, FakeSSE]:
 
 
 def test_each_rate_of_a_sweep_sends_prompts_the_server_has_not_seen(tmp_path):
-    result, fake = sweep(tmp_path)
+    result, fake = sweep(tmp_path, "--warmup", "0")  # (the warm-up's bodies: below)
     first, second = result["runs"]
     for run in result["runs"]:
         assert run["summary"]["cache_hit_share"] == 0.0
@@ -454,3 +454,35 @@ def test_latency_cdfs_end_at_the_success_share_and_sweep_leaves_out_unknowns(mon
     p99 = next(line for line in right.lines if line.get_label() == "ttft p99")
     values = list(p99.get_ydata())
     assert math.isnan(values[0]) and values[1] == pytest.approx(1e3 * (0.5 + 0.95 * 0.1))
+
+
+# --- a warm-up before the measured runs -----------------------------------------------------
+
+
+def test_a_warm_up_goes_first_unmeasured_and_warms_no_measured_prompt(tmp_path, capsys):
+    """The first requests paid the server's cold start (first allocations and compiles) in
+    their TTFT: a few requests now go before the runs, in no record, under a nonce of their
+    own (so the measured prompts find nothing of theirs in a prefix cache)."""
+    workload = tmp_path / "w.jsonl"
+    write_workload(workload, token_requests(8, max_tokens=40))
+    fake = FakeSSE(prefix_cache=True)
+    with serving(fake) as url:
+        argv = ["--url", url, "--workload", str(workload), "--burst", "--no-plots",
+                "--out", str(tmp_path / "out"), "--reuse-prompts"]  # fmt: skip
+        assert bench.run(parse(*argv)) == 0
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    (run,) = result["runs"]
+    assert result["warmup"]["requests"] == 2 and result["warmup"]["errors"] == 0
+    assert len(fake.bodies) == 2 + 8 and len(run["records"]) == 8
+    warm, measured = fake.bodies[:2], fake.bodies[2:]
+    assert all(body["max_tokens"] <= bench.WARMUP_MAX_TOKENS for body in warm)
+    workload_prompts = [r.prompt_token_ids for r in token_requests(8)]
+    assert sorted(body["prompt"] for body in measured) == sorted(workload_prompts)
+    assert all(body["prompt"] not in workload_prompts for body in warm)
+    assert run["summary"]["cache_hit_share"] == 0.0
+    assert "warm-up: 2 requests, not measured" in capsys.readouterr().out
+
+
+def test_warm_up_0_sends_none(tmp_path):
+    result, fake = sweep(tmp_path, "--warmup", "0")
+    assert len(fake.bodies) == 16 and result["warmup"] is None

@@ -1,11 +1,15 @@
 """The `tandem` command refuses wrong input with a clear message and exit status 2."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from services.worker.config import WorkerConfig
 from tests.helpers import free_port, run_tandem
 
 FP16_F16 = ["--quantization", "fp16", "--dtype", "float16"]  # a float16 copy of float16: no
@@ -97,3 +101,114 @@ def test_environment_variables_are_checked_too():
     result = run_tandem("scheduler", env={**os.environ, "TANDEM_MAX_QUEUED_REQUESTS": "lots"})
     assert result.returncode == 2
     assert "TANDEM_MAX_QUEUED_REQUESTS" in result.stderr
+
+
+class _RecordedChild:
+    """Stands in for a child process of `tandem up`: alive, with nothing to say."""
+
+    stdout = None
+
+    def poll(self):
+        return None
+
+
+def _spawned_argvs(monkeypatch, argv: list[str], environ: dict[str, str]) -> dict[str, list]:
+    """Each child `tandem up` would start (name -> argv), none of them started."""
+    from services.commands import up
+
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(up, "resolve_model_dir", lambda model: (Path(model), model))
+    monkeypatch.setattr(WorkerConfig, "check_kv_budget", lambda self: None)  # (no such model)
+    monkeypatch.setattr(up.LocalCluster, "_popen", lambda self, argv: _RecordedChild())
+    monkeypatch.setattr(up.LocalCluster, "_pump_logs", lambda self, child: None)
+    cluster = _start_up(_up_args(argv))
+    return {child.name: child.argv for child in cluster.children}
+
+
+def _up_args(argv: list[str]):
+    from services.commands import cli
+
+    return cli.build_parser(["up"]).parse_args(["up", *argv, *FREE_PORT])
+
+
+def _start_up(args):
+    """`LocalCluster.start`, its run directory removed after."""
+    from services.commands import up
+
+    cluster = up.LocalCluster(args, echo_logs=False)
+    try:
+        cluster.start()
+    finally:
+        shutil.rmtree(cluster.run_dir, ignore_errors=True)
+    return cluster
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_up_takes_the_model_from_tandem_model(monkeypatch):
+    """The workers read TANDEM_MODEL; `tandem up` passed its own default over it as --model,
+    so the cluster served smollm2 to a user who had exported another model."""
+    argvs = _spawned_argvs(monkeypatch, [], {"TANDEM_MODEL": "/models/other"})
+    for name in ("scheduler", "prefill-0", "decode-0", "gateway"):
+        assert _flag(argvs[name], "--model") == "/models/other", name
+
+
+def test_up_model_flag_beats_tandem_model(monkeypatch):
+    argvs = _spawned_argvs(monkeypatch, ["--model", "/models/flag"], {"TANDEM_MODEL": "/x"})
+    assert _flag(argvs["prefill-0"], "--model") == "/models/flag"
+
+
+@pytest.mark.parametrize(
+    "argv,environ,needle",
+    [
+        (
+            ["--kv-cache-bytes", "0"],
+            {},
+            "kv_cache_bytes (--kv-cache-bytes / TANDEM_KV_CACHE_BYTES)",
+        ),
+        (["--kv-cache-bytes", "1000"], {}, "holds no block of 16 tokens"),
+        (["--max-num-seqs", "0"], {}, "max_num_seqs"),
+        ([], {"TANDEM_BLOCK_SIZE": "big"}, "TANDEM_BLOCK_SIZE: expected an integer"),
+        ([], {"TANDEM_SWAP_BYTES": "-1"}, "swap_bytes"),
+        (["--generation-config", "/no/such.json"], {}, "--generation-config: generation config"),
+    ],
+)
+def test_up_refuses_worker_settings_before_starting_anything(monkeypatch, argv, environ, needle):
+    """Each worker (the gateway: its --generation-config) refused them itself, after the others
+    had started: the cluster stopped with "exited during start-up" (status 1), its reason in a
+    child's log lines."""
+    from services.commands import up
+    from shared.config import ConfigError
+
+    started = []
+    monkeypatch.setattr(up.LocalCluster, "_spawn", lambda self, name, argv: started.append(name))
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _start_up(_up_args(argv))
+    assert started == []
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_up_refuses_a_ready_timeout_that_is_not_a_positive_number(monkeypatch, value):
+    """nan or 0 gave up at once: "the cluster was not ready within nan s" (status 1)."""
+    from services.commands import up
+    from shared.config import ConfigError
+
+    monkeypatch.setattr(up.LocalCluster, "_spawn", lambda self, name, argv: pytest.fail(name))
+    with pytest.raises(ConfigError, match="--ready-timeout must be > 0"):
+        _start_up(_up_args(["--ready-timeout", value]))
+
+
+def test_up_reaches_an_ipv6_gateway_at_a_url_with_brackets():
+    """`--host ::1` made http://::1:8000, which reaches no one: the ready check waited out its
+    --ready-timeout (300 s) and the banner printed a URL no client could use."""
+    from services.commands import up
+
+    for host, url in (("::1", "http://[::1]:{}"), ("127.0.0.1", "http://127.0.0.1:{}")):
+        cluster = up.LocalCluster(_up_args(["--host", host]))
+        shutil.rmtree(cluster.run_dir)
+        assert cluster.url == url.format(cluster.args.port)

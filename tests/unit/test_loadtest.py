@@ -410,3 +410,18 @@ def test_the_disconnect_watch_bench_holds_its_requests_waiting_and_reports():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"20 requests waiting: the server used [\d.]+% of a core", result.stdout)
+
+
+def test_the_pipeline_table_shows_na_for_a_percentile_a_failure_would_be():
+    """Failed requests are in no latency: with 1 of 4 failed, the p99s over the successes were
+    printed as the run's, flattering a run whose requests failed (`tandem bench` says "n/a")."""
+    from loadtest.metrics import Result
+    from loadtest.pipeline_bench import format_table
+
+    records = [record(i, send=0.0, first=0.1, finish=1.0, tokens=10) for i in (0, 1, 2)]
+    records.append(record(3, send=0.0, first=None, finish=None, tokens=0, error="timed out"))
+    table = format_table({"cluster": Result("cluster", summarize(records), records)})
+    row = table.splitlines()[2].split()
+    assert row[1] == "3/4"
+    assert row[-3:] == ["100/n/a", "100/n/a", "1000/n/a"]  # TTFT, TPOT, e2e p50/p99
+    assert "cluster: n/a: 1 of 4 requests failed" in table
