@@ -49,6 +49,7 @@ from loadtest.workload import (
     WorkloadRequest,
     arrival_times,
     build_workload,
+    check_counts,
     corpus_window,
     load_tokenizer,
     long_tailed_lengths,
@@ -254,8 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=None, help="Poisson rate (req/s); else burst")
     parser.add_argument("--model", default=None, help="whose tokenizer (default: smollm2)")
     args = parser.parse_args(argv)
-    if args.num < 1:
-        parser.error(f"--num must be at least 1, got {args.num}")
+    check_counts(parser, args.num, args.rate)
     built = generate(load_tokenizer(args.model), args.name, args.num, args.seed)
     requests = with_arrivals(built, args.rate, args.seed)
     write_workload(args.out, requests)

@@ -13,6 +13,7 @@ chunk budget, and stops at the first cost where some configuration meets the obj
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import re
 import time
@@ -46,7 +47,7 @@ def parse_slo(text: str) -> dict[str, float]:
         if key in slo:  # (the second silently replaced the first)
             raise PlanError(f"--slo names {key} twice")
         match = re.fullmatch(r"([0-9]*\.?[0-9]+)(ms|s)?", value.strip())
-        if match is None or float(match[1]) <= 0:
+        if match is None or not 0 < float(match[1]) < math.inf:  # (400 digits read as inf)
             raise PlanError(f"--slo {key} must be a positive time like 2s or 100ms, got {value!r}")
         slo[key] = float(match[1]) / (1000 if match[2] == "ms" else 1)
     return slo
@@ -64,18 +65,20 @@ def request_objectives(slo: dict[str, float]) -> tuple[float | None, float | Non
 
 
 def to_records(result: SimResult) -> list[RequestRecord]:
-    """The simulated lifecycles as the bench's records (no streamed chunks: no ITL)."""
+    """The simulated lifecycles as the bench's records (no streamed chunks: no ITL; a request
+    not streamed has its first token with its response, as the bench records it: none)."""
     return [
         RequestRecord(
             index=r.index,
             max_tokens=r.max_tokens,
             num_prompt_tokens=r.num_prompt_tokens,
             send_time=r.send_time,
-            first_token_time=r.first_token_time,
+            first_token_time=r.first_token_time if r.stream else None,
             finish_time=r.finish_time,
             completion_tokens=r.completion_tokens,
             error=r.error,
             label=r.label,
+            stream=r.stream,
         )
         for r in result.records
     ]

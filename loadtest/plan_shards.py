@@ -21,12 +21,11 @@ import sys
 import zlib
 
 from loadtest.metrics import Summary, summarize
+from loadtest.plan import DEFAULT_PROFILE
 from loadtest.plan_search import to_records
 from services.planner.profile import ProfileError, WorkerProfile
 from services.planner.simulator import SimConfig, Simulator
 from services.planner.workload import SimRequest, WorkloadError, load_workload
-
-DEFAULT_PROFILE = "loadtest/profiles/cpu-smollm2-2threads.json"
 
 
 def shard_of(tenant: str, num_shards: int) -> int:
@@ -113,7 +112,7 @@ def report(runs: dict[int, ShardedRun]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", required=True, help="poisson:... or a bench JSONL file")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE)
+    parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--prefill", type=int, required=True, help="prefill workers in all")
     parser.add_argument("--decode", type=int, required=True, help="decode workers in all")
     parser.add_argument("--shards", type=int, default=2)

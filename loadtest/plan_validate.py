@@ -122,7 +122,12 @@ def parse_profiles(
     if "=" not in text:
         profile = WorkerProfile.load(text)
         return {config: profile for config in configs}
-    by_name = dict(part.split("=", 1) for part in text.split(","))
+    by_name = {}
+    for part in text.split(","):
+        name, sep, path = part.strip().partition("=")
+        if not sep:
+            raise ValidateError(f"--profile entries look like 1P2D=FILE; got {part!r}")
+        by_name[name] = path
     profiles = {}
     for p, d in configs:
         name = f"{p}P{d}D"
@@ -190,6 +195,7 @@ def simulated(
             r.max_tokens,
             label=r.label,
             prompt_token_ids=tuple(r.prompt_token_ids) if r.prompt_token_ids else None,
+            stream=r.stream,
         )
         for r in requests
     ]

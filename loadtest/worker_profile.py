@@ -125,7 +125,11 @@ def run(args: argparse.Namespace) -> int:
         "note": args.note,
         "load_average_1m_before": os.getloadavg()[0],  # a busy machine measures slow steps
     }
-    profile = measure_profile(model, grid, args.repeats, settings, metadata, device)
+    try:
+        profile = measure_profile(model, grid, args.repeats, settings, metadata, device)
+    except ProfileArgumentError as error:
+        print(f"tandem profile: {error}", file=sys.stderr)
+        return 2
     profile.metadata["load_average_1m_after"] = os.getloadavg()[0]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.out)
@@ -144,6 +148,7 @@ def measure_profile(
 ) -> WorkerProfile:
     """Times `model` (our engine's LlamaModel) over the grid; see the module doc. On `device`
     cuda each timed run ends with a synchronize (a step only queues its kernels there)."""
+    check_positions(grid, repeats, model.max_positions)
     with torch.inference_mode():
         prefill = [
             median_seconds(ours_prefill(model, n), repeats, device) for n in grid["prefill_tokens"]
@@ -170,6 +175,23 @@ def measure_profile(
         settings=settings,
         metadata=metadata,
     )
+
+
+def check_positions(grid: dict[str, list[int]], repeats: int, max_positions: int) -> None:
+    """Refuses, before any timing, a prompt or a decode context (and the steps timed after
+    it, each a position further) past the model's positions: they failed when reached."""
+    largest_prompt = grid["prefill_tokens"][-1]
+    if largest_prompt > max_positions:
+        raise ProfileArgumentError(
+            f"--prefill-tokens {largest_prompt} is past the model's {max_positions} positions"
+        )
+    decode_steps = repeats + 2  # `ours_decode`'s: a warm-up, the timed ones, one more
+    largest_context = grid["contexts"][-1]
+    if largest_context + decode_steps > max_positions:
+        raise ProfileArgumentError(
+            f"--contexts {largest_context} (and {decode_steps} steps after it) is past the "
+            f"model's {max_positions} positions"
+        )
 
 
 def measure_context_cost(

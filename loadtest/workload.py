@@ -74,7 +74,9 @@ class WorkloadRequest:
 
     @classmethod
     def from_json(cls, line: str) -> WorkloadRequest:
-        data: dict[str, Any] = json.loads(line)
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise TypeError(f"a request is a JSON object, got {type(data).__name__}")
         ids = data.get("prompt_token_ids")
         return cls(
             prompt=data["prompt"],
@@ -150,8 +152,8 @@ def arrival_times(rng: random.Random, num: int, rate: float | None) -> list[floa
     """All 0 for a burst; otherwise a Poisson process (exponential gaps) at `rate` per second."""
     if rate is None:
         return [0.0] * num
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0, got {rate}")
+    if not 0 < rate < math.inf:  # (a NaN compares false: it made every arrival NaN)
+        raise ValueError(f"rate must be a positive number of requests/s, got {rate}")
     times, clock = [], 0.0
     for _ in range(num):
         clock += rng.expovariate(rate)
@@ -236,6 +238,14 @@ def parse_range(value: str) -> tuple[int, int]:
     return low, high
 
 
+def check_counts(parser: argparse.ArgumentParser, num: int, rate: float | None) -> None:
+    """`--num` and `--rate` refused as flags (exit 2), before a tokenizer loads."""
+    if num < 1:
+        parser.error(f"--num must be at least 1, got {num}")
+    if rate is not None and not 0 < rate < math.inf:
+        parser.error(f"--rate must be a positive number of requests/s, got {rate}")
+
+
 def load_tokenizer(model: str | None = None) -> Any:
     """The model's tokenizer (default: smollm2), whose tokens a written workload holds."""
     from transformers import AutoTokenizer
@@ -265,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", default=None, help="whose tokenizer (default: smollm2)")
     args = parser.parse_args(argv)
+    check_counts(parser, args.num, args.rate)
 
     requests = build_workload(
         load_tokenizer(args.model),

@@ -37,8 +37,15 @@ class ProfileError(ValueError):
 
 
 def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise linear through (xs, ys), extended along the end segments; one point: constant."""
+    """Piecewise linear through (xs, ys), extended along the end segments; one point: constant.
+    An end segment that runs the wrong way (a noisy measurement timed the longest point faster
+    than the one before) is not extended: past it, its end's value, where its line would have
+    timed a long step near zero."""
     if len(xs) == 1:
+        return ys[0]
+    if x > xs[-1] and ys[-1] < ys[-2]:
+        return ys[-1]
+    if x < xs[0] and ys[0] > ys[1]:
         return ys[0]
     i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
@@ -46,8 +53,27 @@ def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 def _check_axis(name: str, values: Sequence[float]) -> None:
-    if not values or any(b <= a for a, b in zip(values, values[1:], strict=False)):
-        raise ProfileError(f"{name} must be a non-empty increasing list, got {values}")
+    """Sizes measured at: positive numbers, increasing (a NaN compares false to all, so it
+    passed an order check alone and timed every step NaN)."""
+    if (
+        not isinstance(values, list | tuple)
+        or not values
+        or not all(_is_number(v) and 0 < v < math.inf for v in values)
+        or any(b <= a for a, b in zip(values, values[1:], strict=False))
+    ):
+        raise ProfileError(
+            f"{name} must be a non-empty increasing list of positive numbers, got {values!r}"
+        )
+
+
+def _check_kv_bytes(value: object) -> None:
+    """A positive integer (a fraction made the pool's block count a float: the core crashed)."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ProfileError(f"kv_bytes_per_token must be a positive integer, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 MIN_CHUNK_BUDGET = 16  # the least prompt-token budget a step may have (the simulator's too)
@@ -104,8 +130,9 @@ class WorkerProfile:
         times = self.prefill_seconds + [t for row in self.decode_seconds for t in row]
         if any(not t > 0 for t in times):
             raise ProfileError("every measured step time must be positive")
-        if not (self.kv_bytes_per_token > 0 and 0 < self.transfer_bytes_per_s < math.inf):
-            raise ProfileError("kv_bytes_per_token and transfer_bytes_per_s must be positive")
+        _check_kv_bytes(self.kv_bytes_per_token)
+        if not 0 < self.transfer_bytes_per_s < math.inf:
+            raise ProfileError("transfer_bytes_per_s must be positive")
         if not 0 <= self.transfer_latency_s < math.inf:  # (NaN compares false)
             raise ProfileError("transfer_latency_s must be a non-negative number")
         if not 0 <= self.prefill_s_per_context_pair < math.inf:
@@ -221,6 +248,9 @@ class WorkerProfile:
         version = data.pop("version", None)
         if version != PROFILE_VERSION:
             raise ProfileError(f"profile version {version!r}, expected {PROFILE_VERSION}")
+        # Before the fields' types are checked: compiled (`services/compiled.py`), the class
+        # refuses a float there with a TypeError that names no field.
+        _check_kv_bytes(data.get("kv_bytes_per_token"))
         try:
             settings = WorkerSettings(**data.pop("settings", {}))
             return cls(settings=settings, **data)
@@ -253,6 +283,16 @@ class SharedCores:
     def __post_init__(self) -> None:
         if not self.profiles:
             raise ProfileError("shared cores need at least the profile measured alone")
+        first = self.profiles[0]
+        for other in self.profiles[1:]:
+            # (The workers run with the first's settings: another's times are other work.)
+            if (other.settings, other.kv_bytes_per_token) != (
+                first.settings,
+                first.kv_bytes_per_token,
+            ):
+                raise ProfileError(
+                    "shared-cores profiles must be of one model and the same worker settings"
+                )
 
     def profile_for(self, num_busy: int) -> WorkerProfile:
         return self.profiles[min(max(num_busy, 1), len(self.profiles)) - 1]

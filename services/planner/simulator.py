@@ -77,6 +77,7 @@ class SimRecord:
     completion_tokens: int | None = None
     error: str | None = None
     num_ends: int = 0  # how often it ended: exactly once, always (a conservation law)
+    stream: bool = True  # else one response: its client sees no first token before its end
 
 
 @dataclass
@@ -84,7 +85,7 @@ class SimResult:
     records: list[SimRecord]
     prefill_stats: dict[str, WorkerStats]
     decode_stats: dict[str, WorkerStats]
-    wall_s: float  # simulated: first arrival to last end
+    wall_s: float  # simulated: first arrival to last end (a run cut short: to the cut)
     queue_timeline: list[tuple[float, int, int]]  # (time, queued, in flight) at each tick
     num_events: int
     real_s: float  # how long the simulation took
@@ -145,7 +146,8 @@ class Simulator:
         self._arrivals = self.events.lane()
         self._first_token_deadlines = self.events.lane()  # a fixed time after each arrival
         self.watch: SloWatch | None = None  # with `run(objectives=...)`
-        self._waits: list[tuple[int, float, Lane]] = []  # objective, target, its checks' lane
+        # Objective, target, its checks' lane, whether only streamed requests have its figure.
+        self._waits: list[tuple[int, float, Lane, bool]] = []
         self.queue_timeline: list[tuple[float, int, int]] = []
 
     def _cache(self, num_blocks: int) -> SimCache | None:
@@ -164,10 +166,14 @@ class Simulator:
 
     def first_token(self, request_id: str) -> None:
         record = self.records[request_id]
-        if record.first_token_time is None:
+        # (One ended already, by the gateway's 504 while its cancel was on the way: its
+        # stream is closed, the token dropped.)
+        if record.first_token_time is None and not record.num_ends:
             record.first_token_time = self.now
 
     def token_finished(self, request_id: str, num_output_tokens: int) -> None:
+        if self.records[request_id].error is not None:
+            return  # failed at the gateway (a 504) before its worker heard of the cancel
         self._end(request_id, None, num_output_tokens)
 
     def kv_arrived(self, decode_peer_id: str, job: wire.PrefillJob) -> None:
@@ -204,14 +210,17 @@ class Simulator:
             while self.num_open and self.events.run_next():
                 if watch is not None and watch.verdict is not None:
                     break
+        # (A whole run stops at its last end, a cut one at the cut: the steps then running
+        # count up to the stop, as does the wall time.)
+        for worker in self.workers:
+            worker.stats.stop_at(self.now)
         records = sorted(self.records.values(), key=lambda r: r.index)
-        ends = [r.finish_time for r in records if r.finish_time is not None]
         first = min((r.send_time for r in records), default=0.0)
         return SimResult(
             records=records,
             prefill_stats={p: w.stats for p, w in self.prefills.items()},
             decode_stats={p: w.stats for p, w in self.decodes.items()},
-            wall_s=max(ends, default=first) - first,
+            wall_s=max(self.now - first, 0.0),
             queue_timeline=self.queue_timeline,
             num_events=self.events.num_events,
             real_s=time.perf_counter() - started,
@@ -220,12 +229,14 @@ class Simulator:
         )
 
     def _watch_objectives(self, slo: Mapping[str, float], requests: list[SimRequest]) -> None:
-        num_multi_token = sum(r.max_tokens >= 2 for r in requests)
-        self.watch = SloWatch(slo, len(requests), num_multi_token)
-        # Each waiting objective checks every request its target after arrival: in arrival
-        # order, so a lane each.
+        # A request not streamed has no TTFT or TPOT (as the bench's records): e2e alone.
+        num_streamed = sum(r.stream for r in requests)
+        num_multi_token = sum(r.stream and r.max_tokens >= 2 for r in requests)
+        self.watch = SloWatch(slo, len(requests), num_multi_token, num_streamed)
+        # Each waiting objective checks every request (streamed, for a TTFT) its target after
+        # arrival: in arrival order, so a lane each.
         self._waits = [
-            (index, objective.target_s, self.events.lane())
+            (index, objective.target_s, self.events.lane(), objective.metric == "ttft")
             for index, objective in enumerate(self.watch.objectives)
             if objective.waits
         ]
@@ -274,6 +285,7 @@ class Simulator:
             label=request.label,
             tenant=request.tenant,
             send_time=self.now,
+            stream=request.stream,
         )
         submit = wire.Submit(
             request_id=request_id,
@@ -289,7 +301,9 @@ class Simulator:
         if self.config.first_token_timeout_s is not None:
             due = self.now + self.config.first_token_timeout_s
             self._first_token_deadlines.at(due, self._first_token_due, request_id)
-        for index, target_s, lane in self._waits:
+        for index, target_s, lane, streamed_only in self._waits:
+            if streamed_only and not request.stream:
+                continue
             # Just after the target: a first token (or end) exactly at it is within it.
             due = math.nextafter(self.now + target_s, math.inf)
             lane.at(due, self._check_waiting, index, request_id)
@@ -401,7 +415,8 @@ class Simulator:
             if error is not None:
                 self.watch.failed(error)
             elif (
-                record.first_token_time is not None
+                record.stream
+                and record.first_token_time is not None
                 and num_output_tokens is not None
                 and num_output_tokens >= 2
             ):

@@ -60,14 +60,25 @@ class SloWatch:
     """Counts, per objective, the requests certain to be over its target; `verdict` says why the
     objectives can no longer be met (None while they still can)."""
 
-    def __init__(self, slo: Mapping[str, float], num_requests: int, num_multi_token: int):
-        """`num_multi_token`: the requests asking for two or more output tokens (those alone
-        have a time per output token; a failed one is a miss of its own)."""
+    def __init__(
+        self,
+        slo: Mapping[str, float],
+        num_requests: int,
+        num_multi_token: int,
+        num_streamed: int | None = None,
+    ):
+        """`num_multi_token`: the streamed requests asking for two or more output tokens (those
+        alone have a time per output token; a failed one is a miss of its own); `num_streamed`:
+        those with a TTFT (None: all), a request answered in one response having none."""
         self.objectives = objectives(slo)
         self._num_over = [0] * len(self.objectives)
+        num_values = {
+            "ttft": num_requests if num_streamed is None else num_streamed,
+            "tpot": num_multi_token,
+            "e2e": num_requests,
+        }
         self._needed = [
-            num_over_to_miss(num_multi_token if o.metric == "tpot" else num_requests, o.percentile)
-            for o in self.objectives
+            num_over_to_miss(num_values[o.metric], o.percentile) for o in self.objectives
         ]
         self.verdict: str | None = None
 

@@ -60,7 +60,7 @@ class Cluster(Protocol):
 
 @dataclass
 class WorkerStats:
-    busy_s: float = 0.0  # time spent in steps
+    busy_s: float = 0.0  # time spent in steps (a step still running at the stop: up to it)
     num_steps: int = 0
     num_step_sequences: int = 0  # decode: sequences summed over its steps
     num_preemptions: int = 0
@@ -70,11 +70,17 @@ class WorkerStats:
     # Decode steps by batch size range (the real workers' ranges and counters): steps, seconds,
     # sequences and the tokens of context they attended.
     by_batch: dict[str, list[float]] = field(default_factory=dict)
+    step_end_s: float = 0.0  # when its latest step ends (simulated)
 
     def record_step(
-        self, duration_s: float, num_sequences: int = 0, num_context_tokens: int = 0
+        self,
+        duration_s: float,
+        num_sequences: int = 0,
+        num_context_tokens: int = 0,
+        start_s: float = 0.0,
     ) -> None:
         self.busy_s += duration_s
+        self.step_end_s = start_s + duration_s
         self.num_steps += 1
         self.num_step_sequences += num_sequences
         self.step_counts[bisect.bisect_left(STEP_BUCKETS, duration_s)] += 1
@@ -87,6 +93,14 @@ class WorkerStats:
             counts[1] += duration_s
             counts[2] += num_sequences
             counts[3] += num_context_tokens
+
+    def stop_at(self, now: float) -> None:
+        """The simulation stopped at `now`: a step still running counts only up to it (a
+        worker's steps follow one another, so only its latest can), so busy time never exceeds
+        the time simulated."""
+        if self.step_end_s > now:
+            self.busy_s -= self.step_end_s - now
+            self.step_end_s = now
 
 
 @dataclass
@@ -185,7 +199,7 @@ class SimPrefillWorker:
         )
         duration = self.cluster.step_profile().prefill_time(sum(shares), pairs)
         self.stepping = True
-        self.stats.record_step(duration)
+        self.stats.record_step(duration, start_s=self.cluster.now)
         self.cluster.at(
             self.cluster.now + duration,
             self._end_step,
@@ -448,7 +462,7 @@ class SimDecodeWorker:
             pairs = sum(j.num_tokens * j.num_cached for j in local)
             duration += profile.prefill_time(sum(j.num_tokens for j in local), pairs)
         self.stepping = True
-        self.stats.record_step(duration, len(batch), num_context_tokens)
+        self.stats.record_step(duration, len(batch), num_context_tokens, self.cluster.now)
         self.cluster.at(self.cluster.now + duration, self._end_step, local, duration)
 
     def _admit(self) -> int:

@@ -2,7 +2,9 @@
 
 Either the JSONL files `tandem bench` replays (one request a line: `arrival_time`, `max_tokens`,
 and the prompt as `prompt_token_ids`, else `num_prompt_tokens`, else `prompt` text counted at four
-characters a token), or a generated process described in one string:
+characters a token; `"stream": false` marks one sent for one response, which has an e2e
+latency and no TTFT or TPOT, as the bench records it), or a generated process described in one
+string:
 
     poisson:rate=2,n=1000,prompt=8-1024,output=1-256[,tenants=10][,prefix=512][,seed=0]
 
@@ -42,6 +44,8 @@ class SimRequest:
     priority: int = 0
     prompt_token_ids: tuple[int, ...] | None = None  # the prompt itself, when the workload has it
     num_shared_tokens: int = 0  # else: the leading tokens every prompt of its tenant shares
+    # Streamed (a first token, TTFT and TPOT) or one response (e2e only), as the bench sends it.
+    stream: bool = True
 
     @property
     def shares_tokens(self) -> bool:
@@ -76,12 +80,16 @@ def _read_jsonl(path: Path) -> list[SimRequest]:
             continue
         try:
             requests.append(_from_line(json.loads(line)))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError) as error:
+        except KeyError as error:
+            raise WorkloadError(f"{path}:{number}: missing field {error}") from None
+        except (json.JSONDecodeError, TypeError, ValueError, OverflowError) as error:
             raise WorkloadError(f"{path}:{number}: {error}") from None
     return requests
 
 
-def _from_line(data: dict) -> SimRequest:
+def _from_line(data: object) -> SimRequest:
+    if not isinstance(data, dict):
+        raise TypeError(f"a request is a JSON object, got {type(data).__name__}")
     token_ids = None
     if "prompt_token_ids" in data:
         token_ids = tuple(int(t) for t in data["prompt_token_ids"])
@@ -97,6 +105,7 @@ def _from_line(data: dict) -> SimRequest:
         tenant=str(data.get("tenant", "default")),
         label=str(data.get("label", "")),
         prompt_token_ids=token_ids,
+        stream=bool(data.get("stream", True)),
     )
     if (
         request.num_prompt_tokens < 1

@@ -61,6 +61,7 @@ def test_parse_slo():
         ("ttft_p99=0s", "positive time"),
         ("ttft_p99=2h", "positive time"),
         ("ttft_p99=2s,ttft_p99=1s", "names ttft_p99 twice"),
+        ("ttft_p99=" + "9" * 400 + "s", "positive time"),  # (read as inf: no objective at all)
     ]:
         with pytest.raises(PlanError, match=message):
             parse_slo(text)
@@ -106,6 +107,34 @@ def test_goodput_counts_the_requests_within_every_objective_the_slo_names(profil
     runners_up = out.split("runners-up:\n")[1].splitlines()[:3]
     goodputs = [float(row.split("goodput ")[1].split()[0]) for row in runners_up]
     assert goodputs == sorted(goodputs, reverse=True) and goodputs[-1] > 0, runners_up
+
+
+def test_requests_not_streamed_are_judged_as_the_bench_judges_them(tmp_path):
+    """A workload line with `"stream": false` (the bulk class of `generators mix`) is one the
+    bench sends for one response: no first token before it, so no TTFT or TPOT, only e2e. The
+    plan judged it by a TTFT the bench never measures; so judged, its TTFT objective counts the
+    streamed requests alone, watched or simulated whole."""
+    requests = load_workload(BUSY)
+    path = tmp_path / "w.jsonl"
+    lines = [
+        {"num_prompt_tokens": r.num_prompt_tokens, "max_tokens": r.max_tokens,
+         "arrival_time": r.arrival_time, **({"stream": False} if i % 2 else {})}
+        for i, r in enumerate(requests)
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    mixed = load_workload(str(path))
+    assert [r.stream for r in mixed[:4]] == [True, False, True, False]
+    config = SimConfig(2, 2, SchedulerLimits())
+    records = to_records(Simulator(cpu_like_profile(), config).run(mixed))
+    assert all((r.ttft is None) is (not r.stream) for r in records if r.ok)
+    whole = summarize(records)
+    assert whole.ttft_n == whole.tpot_n == len(requests) // 2 and whole.e2e_n == len(requests)
+    # A TTFT target half the requests miss: the streamed ones' p50 within it, the watch agreeing.
+    target = whole.ttft_p50 * 1.01
+    slo = {"ttft_p50": target}
+    watched = evaluate(cpu_like_profile(), mixed, config, slo, cut_hopeless=True)
+    unwatched = evaluate(cpu_like_profile(), mixed, config, slo)
+    assert unwatched.meets and watched.meets and watched.summary == unwatched.summary
 
 
 def test_plan_finds_a_configuration_that_meets_its_slos_when_resimulated(

@@ -52,3 +52,11 @@ def test_wrong_values_exit_2(capsys):
             main(["--workload", workload, "--prefill", "2", "--decode", "2", *argv])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_default_profile_is_found_from_any_folder(tmp_path, monkeypatch, capsys):
+    """The shipped profile is the package's, not a path from the repository's root."""
+    monkeypatch.chdir(tmp_path)
+    workload = "poisson:rate=1,n=4,prompt=8-16,output=1-2"
+    assert main(["--workload", workload, "--prefill", "2", "--decode", "2"]) == 0
+    assert "requests per shard" in capsys.readouterr().out

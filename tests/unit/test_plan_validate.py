@@ -113,6 +113,9 @@ def test_wrong_values_exit_2(capsys, monkeypatch):
     assert "cannot read profile" in capsys.readouterr().err
     assert main(["--profile", "1P1D=/nonexistent.json", "--configs", "1P2D"]) == 2
     assert "no file for 1P2D" in capsys.readouterr().err
+    # (An entry without NAME= read "dictionary update sequence element #1 has length 1".)
+    assert main(["--profile", "1P1D=a.json,b.json", "--configs", "1P1D"]) == 2
+    assert "--profile entries look like 1P2D=FILE; got 'b.json'" in capsys.readouterr().err
 
 
 METRICS = """\

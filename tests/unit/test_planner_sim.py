@@ -108,6 +108,11 @@ def test_shared_cores_time_a_step_by_how_many_are_busy():
     assert result.decode_stats["decode0"].busy_s == 0.75 + 2 * 0.375
     with pytest.raises(ProfileError, match="alone"):
         SharedCores(())
+    # Profiles of other settings or another model: the workers' blocks, budget and pool are
+    # the first's, and the others' times would be of different work.
+    for other in (fixed_profile(block_size=32), dataclasses.replace(alone, kv_bytes_per_token=2)):
+        with pytest.raises(ProfileError, match="settings"):
+            SharedCores((alone, other))
 
 
 def test_a_decode_worker_answers_reservations_between_its_steps():
@@ -137,6 +142,21 @@ def test_the_gateways_first_token_limit_is_played():
     assert b.error.startswith("504") and b.finish_time == 0.125 + 0.75
     assert b.first_token_time is None and b.num_ends == 1
     assert "r1" not in sim.core.requests and "r1" in sim.core.abandoned  # cancelled there too
+
+
+@pytest.mark.parametrize(("latency_s", "limit_s"), [(0.0, 0.5), (0.125, 0.875)])
+def test_a_token_after_the_gateways_504_ends_nothing_again(latency_s, limit_s):
+    """A one-token request whose prefill ends at its 504, or after it while the cancel is still
+    on its way to the worker: the gateway has closed its stream and drops the token, so the
+    request ends once, a 504 without a first token."""
+    requests = [
+        SimRequest(arrival_time=0.0, num_prompt_tokens=16, max_tokens=1),
+        SimRequest(arrival_time=0.25, num_prompt_tokens=16, max_tokens=1),  # keeps it running
+    ]
+    config = SimConfig(1, 1, network_latency_s=latency_s, first_token_timeout_s=limit_s)
+    timed_out = Simulator(fixed_profile(), config).run(requests).records[0]
+    assert timed_out.error.startswith("504") and timed_out.finish_time == limit_s
+    assert timed_out.num_ends == 1 and timed_out.first_token_time is None
 
 
 def test_the_core_refuses_what_would_outwait_the_deadline_in_simulation_too():
@@ -193,6 +213,23 @@ def test_conservation_laws():
         if record.error is None:
             assert record.completion_tokens == record.max_tokens
             assert record.send_time <= record.first_token_time <= record.finish_time
+
+
+def test_busy_time_counts_only_the_simulated_time():
+    """A step still running when the simulation stops (its request ended by the gateway's limit,
+    or the run cut short) counts up to the stop: no worker is busy longer than the wall time,
+    and no role above 100%."""
+    requests = [SimRequest(arrival_time=0.0, num_prompt_tokens=16, max_tokens=2)]
+    config = dataclasses.replace(SimConfig(1, 1), first_token_timeout_s=0.25)
+    timed_out = Simulator(fixed_profile(), config).run(requests)  # its prefill takes 0.5 s
+    assert timed_out.records[0].error.startswith("504") and timed_out.wall_s == 0.25
+    assert timed_out.prefill_stats["prefill0"].busy_s == 0.25
+    cut = Simulator(cpu_like_profile(), SimConfig(1, 1)).run(busy_workload(3), {"ttft_p99": 2.0})
+    assert cut.cut_short is not None and cut.wall_s == cut.cut_at_s - cut.records[0].send_time
+    for result in (timed_out, cut):
+        for stats in [*result.prefill_stats.values(), *result.decode_stats.values()]:
+            assert stats.busy_s <= result.wall_s
+        assert 0 < result.utilization("prefill") <= 1 and result.utilization("decode") <= 1
 
 
 def test_every_worker_heartbeats_on_the_services_timer():
@@ -289,6 +326,22 @@ def test_the_decode_curve_is_bilinear_on_the_measured_grid():
     assert one_context.decode_time(4.5, 10) == pytest.approx(0.2)
 
 
+def test_a_falling_end_segment_is_not_extended_past_the_measured_range():
+    """A noisy profile can time its longest point faster than the one before: extended along
+    that segment, a long context's decode step (or a big prefill) came out near zero. Past the
+    measured range such a curve stays at its end's value."""
+    noisy = dataclasses.replace(
+        cpu_like_profile(),
+        prefill_tokens=[16, 128, 512, 1024],
+        prefill_seconds=[0.05, 0.35, 1.4, 1.3],
+        decode_seconds=[[0.093, 0.081], [0.15, 0.2], [0.4, 0.5], [0.7, 0.9]],
+    )
+    assert noisy.decode_time(1, 8192) == 0.081 and noisy.decode_time(1, 16) == 0.093
+    assert noisy.prefill_time(8192) == 1.3
+    assert noisy.decode_time(8, 8192) > noisy.decode_time(8, 1024)  # rising: extended
+    assert _interpolate([1, 2], [3.0, 1.0], 1.5) == 2.0  # within the range: as measured
+
+
 def test_more_workers_serve_more():
     small, large = (
         run_busy(4, num_prefill=1, num_decode=1),
@@ -370,6 +423,14 @@ def test_profile_round_trips_and_refuses_bad_files(tmp_path):
         ({"settings": {"step_time_target_s": -1}}, "settings.step_time_target_s"),
         ({"transfer_latency_s": float("nan")}, "transfer_latency_s"),
         ({"transfer_bytes_per_s": float("inf")}, "positive"),
+        # Each ran: a fractional byte count crashed the core, a NaN on an axis timed every
+        # step as NaN, a zero batch size or context means nothing.
+        ({"kv_bytes_per_token": 46080.5}, "kv_bytes_per_token"),
+        ({"kv_bytes_per_token": True}, "kv_bytes_per_token"),
+        ({"decode_contexts": [128, float("nan")]}, "decode_contexts"),
+        ({"decode_contexts": [128, float("inf")]}, "decode_contexts"),
+        ({"decode_batch_sizes": [0, 8, 32, 64]}, "decode_batch_sizes"),
+        ({"prefill_tokens": [16, 128, "512"]}, "prefill_tokens"),
     ]:
         path.write_text(json.dumps({**data, **change}))
         with pytest.raises(ProfileError, match=message):
@@ -408,6 +469,15 @@ def test_workloads_read_and_refused(tmp_path):
     path.write_text('{"prompt": "x", "max_tokens": 0}\n')
     with pytest.raises(WorkloadError, match="w.jsonl:1"):
         load_workload(str(path))
+    # Each named the line, but read "w.jsonl:2: 'max_tokens'" or "list indices must be ...".
+    for line, message in [
+        ('{"prompt": "x"}', r"w.jsonl:2: missing field 'max_tokens'"),
+        ('{"max_tokens": 2}', "w.jsonl:2: missing field 'prompt'"),
+        ("[1, 2]", r"w.jsonl:2: a request is a JSON object, got list"),
+    ]:
+        path.write_text('{"prompt": "x", "max_tokens": 1}\n' + line + "\n")
+        with pytest.raises(WorkloadError, match=message):
+            load_workload(str(path))
 
 
 def test_network_latency_delays_first_tokens():

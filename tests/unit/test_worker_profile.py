@@ -82,3 +82,22 @@ def test_transfer_fit_is_a_latency_and_a_bandwidth():
 def test_wrong_flag_values_exit_2(tmp_path, capsys, flags, message):
     assert cli.main(["profile", "--out", str(tmp_path / "p.json"), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ({"prefill_tokens": [16, 1024]}, "--prefill-tokens 1024"),
+        ({"contexts": [32, 1024]}, "--contexts 1024"),
+        ({"contexts": [32, 510]}, "--contexts 510"),  # its steps' positions go past 512
+    ],
+)
+def test_a_grid_past_the_models_positions_is_refused_before_measuring(grid, message):
+    """(Measured until it got there, then an IndexError: minutes of a real model's time.)"""
+    from loadtest.worker_profile import ProfileArgumentError
+
+    model = our_model_from_hf(tiny_hf_model())  # 512 positions
+    base = {"prefill_tokens": [16], "prefill_contexts": [64], "batch_sizes": [1],
+            "contexts": [32]}  # fmt: skip
+    with pytest.raises(ProfileArgumentError, match=f"{message}.* 512 positions"):
+        measure_profile(model, {**base, **grid}, 1, WorkerSettings(), {})
