@@ -380,7 +380,7 @@ class ClusterScheduler:
         same connection; one heartbeat sent before a job arrived is what UNLISTED_BEATS
         allows for.)"""
         phase = Phase.DECODING if worker.role == "decode" else Phase.PREFILLING
-        for request_id in worker.request_ids.difference(held_ids):
+        for request_id in sorted(worker.request_ids.difference(held_ids)):  # (see _drop_worker)
             request = self.requests.get(request_id)
             if request is None or request.phase != phase:
                 continue  # a reservation, or a job, the worker may not have seen yet
@@ -964,8 +964,10 @@ class ClusterScheduler:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
         self.cache_holders.forget(worker.peer_id)
-        # (Every one: the worker is out of the registry, so one left now is stranded.)
-        each(list(worker.request_ids), lambda request_id: self._reroute(worker, request_id, why))
+        # (Every one: the worker is out of the registry, so one left now is stranded. In the
+        # ids' order, not the set's, which follows the process's string hashing: a simulation
+        # would re-route them in another order each run.)
+        each(sorted(worker.request_ids), lambda request_id: self._reroute(worker, request_id, why))
 
     def _reroute(self, worker: WorkerState, request_id: str, why: str) -> None:
         request = self.requests.get(request_id)

@@ -588,7 +588,7 @@ class ClusterScheduler:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
         out: list[Outgoing] = []
-        for request_id in list(worker.request_ids):
+        for request_id in sorted(worker.request_ids):  # (as the core: not the set's order)
             request = self.requests.get(request_id)
             if request is None:
                 continue

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -803,3 +806,36 @@ def test_when_a_placement_raises_midway_it_is_undone_on_the_workers(core):
     assert core.registry.held_tokens(core.registry.get("p")) == 0 and core.num_queued_tokens == 0
     assert not core.requests and not core.take_dispatched()
     run_to_decoding(core, "b")  # the next request goes its whole way
+
+
+_GOODBYE_ORDER = """
+from tests.unit.test_scheduler_core import hello, run_to_decoding, lost_deltas
+from services.scheduler.core import ClusterScheduler, SchedulerLimits
+from shared import wire
+
+core = ClusterScheduler(SchedulerLimits(max_queued_requests=64))
+core.on_hello(b"G", hello("g", "gateway"), 0.0)
+core.on_hello(b"P", hello("p", "prefill"), 0.0)
+core.on_hello(b"D", hello("d", "decode", seats=64), 0.0)
+for i in range(12):
+    run_to_decoding(core, f"request-{i}")
+out = core.on_goodbye(b"D", wire.Goodbye(peer_id="d"), 1.0)
+print(",".join(delta.request_id for delta in lost_deltas(out)))
+"""
+
+
+def test_a_lost_workers_requests_go_back_in_the_same_order_whatever_the_string_hashing():
+    """They were taken in a set's order, which follows the process's string hashing: a
+    simulation that loses a worker re-routed them differently from run to run."""
+    orders = set()
+    for seed in ("1", "2", "3"):
+        environ = dict(os.environ, PYTHONHASHSEED=seed)
+        ran = subprocess.run(
+            [sys.executable, "-c", _GOODBYE_ORDER],
+            capture_output=True,
+            text=True,
+            env=environ,
+            check=True,
+        )
+        orders.add(ran.stdout.strip())
+    assert len(orders) == 1 and len(orders.pop().split(",")) == 12
