@@ -107,7 +107,7 @@ def schema_constraint(schema: Any, param: str) -> Constraint:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, RecursionError) as error:  # (nested past the parser)
             raise InvalidRequestError(param, f"is not valid JSON: {error}") from None
     if not isinstance(schema, dict | bool):
         raise InvalidRequestError(param, "a JSON schema must be an object")

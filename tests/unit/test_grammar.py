@@ -280,6 +280,8 @@ def test_wrong_values_are_refused():
         choice_constraint(["a", ""], "c")
     with pytest.raises(InvalidRequestError, match="not valid JSON"):
         schema_constraint("{", "s")
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):  # (was a 500)
+        schema_constraint('{"items":' * 100_000 + "{}" + "}" * 100_000, "s")
     with pytest.raises(InvalidRequestError, match="must be a Constraint"):
         SamplingParams(constraint={"kind": "regex"})
     with pytest.raises(ValueError, match="max_bytes"):
