@@ -12,6 +12,7 @@ SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG), so no orphan su
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -25,6 +26,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from services.gateway.chat_prompt import read_chat_template
@@ -130,6 +132,7 @@ class LocalCluster:
     run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tandem-"))
     children: list[Child] = field(default_factory=list)
     echo_logs: bool = True
+    interrupts: StartInterrupts = field(default_factory=lambda: StartInterrupts())
 
     def address(self, name: str) -> str:
         return f"ipc://{self.run_dir}/{name}.sock"
@@ -272,14 +275,10 @@ class LocalCluster:
     def _spawn(self, name: str, argv: list[str]) -> None:
         # A stopping signal waits until the child is on the list `stop` ends (one that came
         # between the fork and the append left a child running behind a stopped cluster).
-        stopping = {signal.SIGINT, signal.SIGTERM}
-        signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
-        try:
+        with self.interrupts.held():
             child = Child(name, argv, self._popen(argv))
             self.children.append(child)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
-        self._pump_logs(child)
+            self._pump_logs(child)
 
     def _popen(self, argv: list[str]) -> subprocess.Popen:
         # Children write to a pipe, not a terminal: say which format the person at this end wants.
@@ -372,14 +371,44 @@ def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     os.setpgrp()  # Ctrl-C reaches only `tandem up`, which stops the children in order
-    # `_spawn` blocks the stopping signals around the fork, and a signal mask outlives exec:
-    # left blocked, every child ignored SIGTERM (and its parent's death), never stopped
-    # cleanly, and was killed when the stop's grace ran out.
+    # A signal mask outlives exec: left blocked (as `_spawn` once blocked them around the
+    # fork, or as whoever started `tandem up` may), every child ignored SIGTERM (and its
+    # parent's death), never stopped cleanly, and was killed when the stop's grace ran out.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 class Interrupted(Exception):
     """Ctrl-C or SIGTERM before the cluster was ready."""
+
+
+class StartInterrupts:
+    """The start-up's signal handler: Ctrl-C or SIGTERM raises `Interrupted` at once (a
+    model's conversion, the workers' loading and the ready check are long waits), save inside
+    `held()`, which raises it as it ends. Blocking the signals (`pthread_sigmask`) held off
+    nothing once a child's log thread ran: the kernel hands a signal to a thread that does not
+    block it, and Python runs the handler in the main thread all the same, wherever it is."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._pending: str | None = None
+
+    def handler(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self._depth:
+            self._pending = self._pending or name
+            return
+        raise Interrupted(name)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if not self._depth and self._pending is not None:
+            name, self._pending = self._pending, None
+            raise Interrupted(name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -389,13 +418,8 @@ def run(args: argparse.Namespace) -> int:
     def on_signal(*_: object) -> None:
         stopping.set()
 
-    def interrupt_start(signum: int, _: object) -> None:
-        # Start-up waits (a model's conversion, the workers' loading, the ready check): the
-        # signal breaks off at once, where it used to wait until the cluster was ready.
-        raise Interrupted(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGINT, interrupt_start)
-    signal.signal(signal.SIGTERM, interrupt_start)
+    signal.signal(signal.SIGINT, cluster.interrupts.handler)
+    signal.signal(signal.SIGTERM, cluster.interrupts.handler)
     grace_s = 10.0
     try:
         cluster.start()

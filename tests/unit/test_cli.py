@@ -1,10 +1,14 @@
 """The `tandem` command refuses wrong input with a clear message and exit status 2."""
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -212,3 +216,37 @@ def test_up_reaches_an_ipv6_gateway_at_a_url_with_brackets():
         cluster = up.LocalCluster(_up_args(["--host", host]))
         shutil.rmtree(cluster.run_dir)
         assert cluster.url == url.format(cluster.args.port)
+
+
+def test_a_signal_during_a_childs_spawn_waits_until_the_child_is_listed(monkeypatch):
+    """SIGTERM as a child is forked: the stop must know that child. The signals were blocked
+    around the fork, which held nothing off once a log thread ran (the kernel gave the signal to
+    that thread, and Python ran the handler in the main thread all the same, inside the fork's
+    Popen): the child ran on behind a stopped cluster."""
+    from services.commands import up
+
+    cluster = up.LocalCluster(_up_args([]), echo_logs=False)
+    shutil.rmtree(cluster.run_dir, ignore_errors=True)
+    log_thread_done = threading.Event()
+    log_thread = threading.Thread(target=log_thread_done.wait)  # as a running child's log pump
+    log_thread.start()
+
+    def popen_signalled(self, argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs here, mid-spawn
+        return _RecordedChild()
+
+    monkeypatch.setattr(up.LocalCluster, "_popen", popen_signalled)
+    monkeypatch.setattr(up.LocalCluster, "_pump_logs", lambda self, child: None)
+    previous = signal.signal(signal.SIGTERM, cluster.interrupts.handler)
+    try:
+        with pytest.raises(up.Interrupted, match="SIGTERM"):
+            cluster._spawn("scheduler", ["scheduler"])
+        assert [child.name for child in cluster.children] == ["scheduler"]
+        with pytest.raises(up.Interrupted):  # outside a spawn: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        log_thread_done.set()
+        log_thread.join()
