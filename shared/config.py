@@ -69,6 +69,8 @@ def config_from_args(
             values[field.name] = parse_value(raw, hints[field.name])
         except ValueError as error:
             raise ConfigError(f"{source}: {error}") from None
+        if values[field.name] is None and field.metadata.get("given_blank_refused"):
+            raise ConfigError(f"{source} is given but empty ({raw!r}): leave it unset for none")
     try:
         return cls(**values)
     except (ValueError, TypeError) as error:
@@ -122,9 +124,11 @@ def _default_text(field: dataclasses.Field) -> str:
     return "required"
 
 
-def setting(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse's name
-    """A dataclass field with a help text for its flag."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def setting(default: Any, help: str, given_blank_refused: bool = False) -> Any:  # noqa: A002
+    """A dataclass field with a help text for its flag (argparse's name). `given_blank_refused`:
+    an optional setting that, given empty (or `none`), is refused rather than read as unset."""
+    metadata = {"help": help, "given_blank_refused": given_blank_refused}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def require_positive(config: Any, *names: str) -> None:
@@ -173,11 +177,17 @@ class CurveSettings:
     """CurveZMQ settings every service shares (see `shared.curve`); a config class inherits
     them and calls `curve_keys()` in its `__post_init__`, so bad keys fail at start-up."""
 
+    # Given empty, refused: read as unset, it ran the service in clear, unsaid (a Kubernetes
+    # Secret made from an unset shell variable gives exactly that).
     curve_keys_dir: str | None = setting(
-        None, "CurveZMQ: a `tandem keys` directory; encrypts and authenticates every socket"
+        None,
+        "CurveZMQ: a `tandem keys` directory; encrypts and authenticates every socket",
+        given_blank_refused=True,
     )
     curve_secret_key: str | None = setting(
-        None, "CurveZMQ: the cluster's secret key (Z85), instead of a directory"
+        None,
+        "CurveZMQ: the cluster's secret key (Z85), instead of a directory",
+        given_blank_refused=True,
     )
     curve_client_keys: tuple[str, ...] = setting(
         (), "CurveZMQ: more public keys (Z85) allowed in, such as RPC clients'"

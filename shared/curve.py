@@ -18,13 +18,17 @@ neither, sockets are plain: the default for a local cluster on ipc://.
 
 from __future__ import annotations
 
+import os
 import shutil
+import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 import zmq.auth
+from zmq.utils import z85
 
 CLUSTER = "cluster"  # the key files' base name: cluster.key and cluster.key_secret
 AUTHORIZED = "authorized"  # the folder of accepted public keys
@@ -67,7 +71,17 @@ class CurveKeys:
             public = zmq.curve_public(secret.encode())
         except (zmq.ZMQError, ValueError) as error:
             raise CurveError(f"the CurveZMQ secret key is not valid Z85: {error}") from None
+        for number, key in enumerate(client_keys, 1):  # a typo would lock its client out unsaid
+            if not _is_z85_key(key):
+                raise CurveError(f"client key {number} is not a CurveZMQ public key (Z85)")
         return cls(public, secret.encode(), frozenset({public, *(k.encode() for k in client_keys)}))
+
+
+def _is_z85_key(key: str) -> bool:
+    try:
+        return len(z85.decode(key.encode())) == 32
+    except (KeyError, ValueError, struct.error):  # a character outside Z85; a group past 2**32
+        return False
 
 
 def load_keys(
@@ -176,26 +190,50 @@ class ClientKeys:
             server_public, _ = zmq.auth.load_certificate(root / f"{CLUSTER}.key")
         except (OSError, ValueError) as error:
             raise CurveError(f"cannot load client {name!r}'s keys from {root}: {error}") from None
+        if secret is None:  # (its public key file, renamed): no socket could use it
+            raise CurveError(f"{root / CLIENTS / f'{name}.key_secret'} holds no secret key")
         return cls(public, secret, server_public)
 
 
 def generate(directory: str | Path, clients: tuple[str, ...] = ()) -> list[Path]:
     """Writes the cluster's keypair (if there is none yet) and one per named client; each
-    public key is also copied into `authorized/`. Returns the files written."""
-    root = Path(directory)
-    (root / AUTHORIZED).mkdir(parents=True, exist_ok=True)
-    (root / CLIENTS).mkdir(exist_ok=True)
-    written = []
-    if not (root / f"{CLUSTER}.key_secret").exists():
-        public, secret = zmq.auth.create_certificates(root, CLUSTER)
-        written += [Path(public), Path(secret)]
-        shutil.copy(public, root / AUTHORIZED / f"{CLUSTER}.key")
+    public key is also copied into `authorized/`. Returns the files written. Names are checked
+    before anything is written, and a secret key is never readable by others, not even for a
+    moment or when writing fails half-way."""
     for name in clients:
-        if not name.isidentifier():
-            raise CurveError(f"client name {name!r}: letters, digits and _ only")
-        public, secret = zmq.auth.create_certificates(root / CLIENTS, name)
-        written += [Path(public), Path(secret)]
-        shutil.copy(public, root / AUTHORIZED / f"{name}.key")
-    for path in root.rglob("*.key_secret"):
-        path.chmod(0o600)
+        _check_client_name(name)
+    root = Path(directory)
+    written = []
+    try:
+        (root / AUTHORIZED).mkdir(parents=True, exist_ok=True)
+        (root / CLIENTS).mkdir(exist_ok=True)
+        if not (root / f"{CLUSTER}.key_secret").exists():
+            written += _write_keypair(root, CLUSTER, root / AUTHORIZED)
+        for name in clients:
+            written += _write_keypair(root / CLIENTS, name, root / AUTHORIZED)
+        for path in root.rglob("*.key_secret"):  # (also those an older version left open)
+            path.chmod(0o600)
+    except OSError as error:
+        raise CurveError(f"cannot write CurveZMQ keys into {root}: {error}") from None
     return written
+
+
+def _check_client_name(name: str) -> None:
+    if not name.isidentifier():
+        raise CurveError(f"client name {name!r}: letters, digits and _ only, not a digit first")
+    if name == CLUSTER:  # its public key would replace the cluster's in authorized/
+        raise CurveError(f"client name {name!r}: the cluster's own keys have that name")
+
+
+def _write_keypair(folder: Path, name: str, authorized: Path) -> list[Path]:
+    """`name.key` and `name.key_secret` in `folder`, made in a private (0700) folder beside
+    them and moved in once the secret is the owner's only (zmq.auth writes it under the umask,
+    readable by all); the secret goes last, as its presence means a whole keypair."""
+    public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".new-") as private:
+        made_public, made_secret = zmq.auth.create_certificates(private, name)
+        os.chmod(made_secret, 0o600)
+        os.replace(made_public, public)
+        os.replace(made_secret, secret)
+    shutil.copy(public, authorized / f"{name}.key")
+    return [public, secret]

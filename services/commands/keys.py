@@ -12,10 +12,9 @@ service started afterwards accepts. Secret key files are written readable by the
 from __future__ import annotations
 
 import argparse
+import sys
 
-import zmq.auth
-
-from shared.curve import CLUSTER, CurveError, generate
+from shared.curve import CurveError, CurveKeys, generate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,12 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         written = generate(args.dir, tuple(args.client))
+        keys = CurveKeys.from_dir(args.dir)  # as the services will load them
     except CurveError as error:
-        print(f"tandem keys: {error}")
+        print(f"tandem keys: {error}", file=sys.stderr)
         return 2
     for path in written:
         print(f"wrote {path}")
-    public, secret = zmq.auth.load_certificate(f"{args.dir}/{CLUSTER}.key_secret")
-    print(f"cluster public key: {public.decode()}")
-    print(f"for services without the files: TANDEM_CURVE_SECRET_KEY={secret.decode()}")
+    print(f"cluster public key: {keys.public.decode()}")
+    print(f"for services without the files: TANDEM_CURVE_SECRET_KEY={keys.secret.decode()}")
     return 0

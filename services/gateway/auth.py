@@ -39,10 +39,29 @@ class ApiKeys:
 
     @classmethod
     def parse(cls, entries: Iterable[str]) -> ApiKeys:
+        return cls._parse((f"API key entry {n}", entry) for n, entry in enumerate(entries, 1))
+
+    @classmethod
+    def load(cls, listed: Iterable[str], path: str | None) -> ApiKeys:
+        located = [(f"API key entry {n}", entry) for n, entry in enumerate(listed, 1)]
+        if path is not None:
+            try:
+                text = Path(path).read_text(encoding="utf-8-sig")  # (a BOM is no key's)
+            except (OSError, UnicodeDecodeError) as error:
+                raise KeyConfigError(f"cannot read the API keys file {path}: {error}") from None
+            located += [
+                (f"line {n} of {path}", line)
+                for n, line in enumerate(text.splitlines(), 1)
+                if line.strip() and not line.strip().startswith("#")
+            ]
+        return cls._parse(located)
+
+    @classmethod
+    def _parse(cls, located: Iterable[tuple[str, str]]) -> ApiKeys:
+        """`located`: (where an entry was given, for errors; the entry)."""
         tenants: dict[str, str | None] = {}
-        for number, entry in enumerate(entries, 1):
-            key, sep, tenant = entry.strip().partition("=")
-            where = f"API key entry {number}"
+        for where, entry in located:
+            key, sep, tenant = (part.strip() for part in entry.partition("="))
             if len(key) < MIN_KEY_CHARS or not _KEY.fullmatch(key):
                 raise KeyConfigError(
                     f"{where}: a key is at least {MIN_KEY_CHARS} characters of letters, digits "
@@ -54,17 +73,6 @@ class ApiKeys:
                 raise KeyConfigError(f"{where}: the same key is listed twice")
             tenants[key] = tenant if sep else None
         return cls(tenants)
-
-    @classmethod
-    def load(cls, listed: Iterable[str], path: str | None) -> ApiKeys:
-        entries = list(listed)
-        if path is not None:
-            try:
-                lines = Path(path).read_text().splitlines()
-            except OSError as error:
-                raise KeyConfigError(f"cannot read the API keys file {path}: {error}") from None
-            entries += [line for line in lines if line.strip() and not line.startswith("#")]
-        return cls.parse(entries)
 
     @property
     def enabled(self) -> bool:

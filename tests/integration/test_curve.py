@@ -42,6 +42,9 @@ def test_keys_round_trip_through_files_and_the_environment(keys_dir):
         ({"TANDEM_CURVE_KEYS_DIR": "/nonexistent/keys"}, "cannot load CurveZMQ keys"),
         ({"TANDEM_CURVE_CLIENT_KEYS": "x" * 40}, "without the cluster's keys"),
         ({"TANDEM_CURVE_KEYS_DIR": "/k", "TANDEM_CURVE_SECRET_KEY": "y" * 40}, "not both"),
+        # Given empty (a Secret made from an unset variable): was read as unset, in clear.
+        ({"TANDEM_CURVE_SECRET_KEY": ""}, "TANDEM_CURVE_SECRET_KEY is given but empty"),
+        ({"TANDEM_CURVE_KEYS_DIR": " none "}, "TANDEM_CURVE_KEYS_DIR is given but empty"),
     ],
 )
 def test_wrong_curve_settings_are_refused_at_start_up(environ, needle):

@@ -73,3 +73,19 @@ def test_keys_file_and_environment(tmp_path):
         config_from_args(GatewayConfig, environ={"TANDEM_API_KEYS": "abc"})
     with pytest.raises(ConfigError, match="cannot read the API keys file"):
         config_from_args(GatewayConfig, environ={"TANDEM_API_KEYS_FILE": str(tmp_path / "no")})
+
+
+def test_a_keys_file_error_names_its_line_and_comments_may_be_indented(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(f"\ufeff{KEY_A}=alpha\n\n    # the batch service's\n{KEY_B} = batch\nshort\n")
+    with pytest.raises(KeyConfigError, match=f"^line 5 of {path}: a key is at least 16"):
+        ApiKeys.load([KEY_A + "-env"], str(path))
+    path.write_text(f"\ufeff{KEY_A}=alpha\n\n    # the batch service's\n{KEY_B} = batch\n")
+    assert ApiKeys.load([], str(path)).tenants == {KEY_A: "alpha", KEY_B: "batch"}
+
+
+def test_a_keys_file_that_is_not_text_is_a_config_error(tmp_path):
+    path = tmp_path / "keys"
+    path.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(KeyConfigError, match="cannot read the API keys file"):
+        ApiKeys.load([], str(path))
