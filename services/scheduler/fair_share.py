@@ -29,9 +29,10 @@ the whole cluster. tandem shares it instead, in the manner of the virtual token 
   choice is made first among the interactive requests alone (with their aging); only when none
   of them can be placed does a bulk request go, chosen fairly between the bulk parties (a
   tenant's bulk lines are its own party, `Party(tenant, "bulk")`, so running a job does not
-  spend its interactive share). A bulk request that has waited `bulk_max_wait_s` joins the
-  interactive choice (with its aging), so a stream of interactive work that always fills the
-  cluster cannot starve a job forever.
+  spend its interactive share; one re-entering banks no credit against the other bulk parties
+  either: they keep a virtual time of their own). A bulk request that has waited
+  `bulk_max_wait_s` joins the interactive choice (with its aging), so a stream of interactive
+  work that always fills the cluster cannot starve a job forever.
 
 `policy="fcfs"` keeps the counters (for the status) but serves strictly in arrival order, as the
 peers do: when the oldest request cannot be placed, nothing is (head-of-line blocking), so a
@@ -175,6 +176,9 @@ class FairQueue:
         self.counters: dict[Party, float] = {}  # weighted service received
         self.served_tokens: dict[Party, int] = {}  # unweighted prompt + output tokens, for status
         self.virtual_time = 0.0
+        # The same among the bulk parties: served apart, from spare capacity, they compete
+        # with each other, so one re-entering must not bank the credit of its time away either.
+        self.bulk_virtual_time = 0.0
         self._index: NativeOrPython = queue_index_type(indexes)()
         # The C index makes the whole choice in one call (`queue_index.c`); the Python one
         # is walked by the methods below, the reference.
@@ -270,7 +274,7 @@ class FairQueue:
         party = self.party_for(item.tenant, item.num_prompt_tokens, item.bulk)
         if not self._index.backlogged(party):  # (re-)entering: no credit for the time it was away
             self._advance_virtual_time()
-            self.counters[party] = max(self.counters.get(party, 0.0), self.virtual_time)
+            self.counters[party] = max(self.counters.get(party, 0.0), self._entry_level(party))
         self._index.add(party, item, self.counters[party])
 
     def remove(self, request_id: str) -> QueuedRequest | None:
@@ -485,7 +489,7 @@ class FairQueue:
             num_prompt_tokens * self.config.prompt_token_cost
             + num_output_tokens * self.config.output_token_cost
         )
-        counter = self.counters.get(party, self.virtual_time)
+        counter = self.counters.get(party, self._entry_level(party))
         self.counters[party] = counter + cost / self.config.weight(party)
         served = self.served_tokens.get(party, 0)
         self.served_tokens[party] = served + num_prompt_tokens + num_output_tokens
@@ -494,11 +498,24 @@ class FairQueue:
 
     def _advance_virtual_time(self) -> None:
         """The virtual time follows the least-served backlogged party, and never goes back.
-        Bulk parties, served only from spare capacity, would hold it back: they do not count."""
+        Bulk parties, served only from spare capacity, would hold it back: they do not count
+        there, but have their own (`bulk_virtual_time`), which follows the least-served bulk
+        party alike."""
         classes = [c for c in self._index.class_names() if c != BULK_CLASS]
         least = self._index.min_counter(classes)
         if least is not None:
             self.virtual_time = max(self.virtual_time, least)
+        least_bulk = self._index.min_counter([BULK_CLASS])
+        if least_bulk is not None:
+            self.bulk_virtual_time = max(self.bulk_virtual_time, least_bulk)
+
+    def _entry_level(self, party: Party) -> float:
+        """The least counter `party` (re-)enters with: no credit for the time it was away. A
+        bulk party enters at no less than either virtual time (its aged lines compete with
+        interactive parties too)."""
+        if party.class_name == BULK_CLASS:
+            return max(self.virtual_time, self.bulk_virtual_time)
+        return self.virtual_time
 
 
 def _earliest(

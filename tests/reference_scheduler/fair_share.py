@@ -135,6 +135,7 @@ class FairQueue:
         self.counters: dict[Party, float] = {}  # weighted service received
         self.served_tokens: dict[Party, int] = {}  # unweighted prompt + output tokens, for status
         self.virtual_time = 0.0
+        self.bulk_virtual_time = 0.0  # the same among the bulk parties
         self._items: dict[str, tuple[Party, QueuedRequest]] = {}
         self._parties: dict[Party, list[_Key]] = {}  # backlogged parties only
         self._sequence = itertools.count()  # ties in arrival time keep insertion order
@@ -162,7 +163,7 @@ class FairQueue:
         heap = self._parties.get(party)
         if heap is None:  # (re-)entering: no credit for the time it was away
             self._advance_virtual_time()
-            self.counters[party] = max(self.counters.get(party, 0.0), self.virtual_time)
+            self.counters[party] = max(self.counters.get(party, 0.0), self._entry_level(party))
             heap = self._parties[party] = []
         key = (
             -item.priority,
@@ -276,17 +277,28 @@ class FairQueue:
             num_prompt_tokens * self.config.prompt_token_cost
             + num_output_tokens * self.config.output_token_cost
         )
-        counter = self.counters.get(party, self.virtual_time)
+        counter = self.counters.get(party, self._entry_level(party))
         self.counters[party] = counter + cost / self.config.weight(party)
         served = self.served_tokens.get(party, 0)
         self.served_tokens[party] = served + num_prompt_tokens + num_output_tokens
 
     def _advance_virtual_time(self) -> None:
         """The virtual time follows the least-served backlogged party, and never goes back.
-        Bulk parties, served only from spare capacity, would hold it back: they do not count."""
+        Bulk parties, served only from spare capacity, would hold it back: they do not count
+        there, but have their own, which follows the least-served bulk party alike."""
         counters = [self.counters[p] for p in self._parties if p.class_name != BULK_CLASS]
         if counters:
             self.virtual_time = max(self.virtual_time, min(counters))
+        bulk = [self.counters[p] for p in self._parties if p.class_name == BULK_CLASS]
+        if bulk:
+            self.bulk_virtual_time = max(self.bulk_virtual_time, min(bulk))
+
+    def _entry_level(self, party: Party) -> float:
+        """The least counter `party` (re-)enters with; a bulk party's is no less than either
+        virtual time."""
+        if party.class_name == BULK_CLASS:
+            return max(self.virtual_time, self.bulk_virtual_time)
+        return self.virtual_time
 
 
 def _by_arrival(item: QueuedRequest) -> float:

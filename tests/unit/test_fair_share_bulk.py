@@ -107,6 +107,22 @@ def test_bulk_parties_share_fairly_between_tenants():
     assert abs(first_twenty.count("a") - first_twenty.count("b")) <= 1
 
 
+@pytest.mark.parametrize("indexes", ["python", "native"])
+def test_a_bulk_party_joining_a_running_job_banks_no_credit(indexes):
+    """Tenant a's job ran alone for 50 lines (no interactive work: the interactive virtual time
+    stood still); b's job joining then shares the spare capacity with it from now on, instead
+    of taking it all until b has caught up on a's 50 lines."""
+    queue = FairQueue(FairShareConfig(max_wait_s=1e9, bulk_max_wait_s=1e9), indexes)
+    for _ in range(100):
+        queue.push(request("a", 100, 0.0, bulk=True))
+    for _ in range(50):
+        queue.pop_next(1.0)
+    for _ in range(50):
+        queue.push(request("b", 100, 2.0, bulk=True))
+    next_twenty = [queue.pop_next(3.0).tenant for _ in range(20)]
+    assert abs(next_twenty.count("a") - next_twenty.count("b")) <= 1
+
+
 def test_bulk_is_its_own_party_and_does_not_hold_back_virtual_time():
     queue = FairQueue(FairShareConfig(max_wait_s=1e9, bulk_max_wait_s=1e9))
     assert queue.party_for("a", 10, bulk=True) == Party("a", BULK_CLASS)

@@ -17,7 +17,7 @@ import heapq
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from services.scheduler import core as indexed
@@ -342,13 +342,17 @@ def test_indexed_core_decides_as_the_scanning_one_with_prefix_caches(indexes, se
 
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
+@example(seed=1)
 def test_indexed_core_decides_as_the_scanning_one_forgetting_idle_parties(seed):
     # Many tenants, and idle accounts swept whenever 8 are known: the decisions stay the
-    # reference's, which forgets nothing.
+    # reference's, which forgets nothing. (Some runs leave no party idle behind the virtual
+    # time at a sweep, seed 2242 for one: then nothing is forgotten, and nothing may be.)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fair_share, "FIRST_PARTIES_SWEEP", 8)
         twins = run_twins(seed, "fair", caches=False, num_steps=250, num_tenants=40)
-    assert len(twins.new.queue.counters) < len(twins.old.queue.counters)
+    assert len(twins.new.queue.counters) <= len(twins.old.queue.counters)
+    if seed == 1:  # one known to sweep: the test covers forgetting, not only keeping
+        assert len(twins.new.queue.counters) < len(twins.old.queue.counters)
 
 
 @settings(max_examples=10, deadline=None)
