@@ -134,8 +134,14 @@ class GatewayEvents(_Events):
         self.resumptions = self.counter(
             "requests_resumed", "Requests resumed on other workers after theirs was lost"
         )
-        self.peer_scrape_up = self.gauge(
-            "peer_scrape_up", "Whether the last /metrics scrape of a peer answered", ("target",)
+        # Apart: the federated /metrics reads `registry` as it asks the peers, and this gauge
+        # once they answered (`services.gateway.federation`).
+        self.scrape_registry = CollectorRegistry()
+        self.peer_scrape_up = Gauge(
+            name("peer_scrape_up"),
+            "Whether the last /metrics scrape of a peer answered",
+            ("target",),
+            registry=self.scrape_registry,
         )
 
     def arrived(self, request_id: str, num_prompt_tokens: int, tenant: str, n: int) -> None:

@@ -60,8 +60,29 @@ def positive(convert: Callable[[str], float]) -> Callable[[str], float]:
     return parse
 
 
+def gateway_url(text: str) -> str:
+    """An argparse type: an http:// or https:// URL that httpx can request (an IPv6 host
+    unbracketed, `http://::1:8000`, raised its InvalidURL, a traceback, at the first fetch)."""
+    try:
+        url = httpx.URL(text)
+    except httpx.InvalidURL:
+        raise argparse.ArgumentTypeError(f"not a URL: {text!r}{_ipv6_hint(text)}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text
+
+
+def _ipv6_hint(text: str) -> str:
+    authority = text.partition("://")[2].partition("/")[0]
+    if "[" in authority or authority.count(":") < 2:
+        return ""
+    return " (an IPv6 host goes in brackets: http://[::1]:8000)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP URL")
+    parser.add_argument(
+        "--url", type=gateway_url, default="http://127.0.0.1:8000", help="the gateway's HTTP URL"
+    )
     parser.add_argument("--interval", type=positive(float), default=1.0, help="seconds per frame")
     parser.add_argument(
         "--once", action="store_true", help="print one frame and exit (1 if unreachable)"

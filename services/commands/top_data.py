@@ -109,23 +109,29 @@ def _describe(error: Exception) -> str:
 # ---- figures across refreshes ------------------------------------------------------------------
 
 
-def increase(before: Counters, after: Counters, name: str) -> float:
-    """The increase of one counter summed over its series; a series that went down restarted."""
-    total = 0.0
-    for key, value in after.items():
-        if key[0] == name and key in before:
-            total += value - before[key] if value >= before[key] else value
-    return total
+def increase(before: Counters, after: Counters, name: str) -> float | None:
+    """The increase of one counter summed over its series; a series that went down restarted.
+    None when no series of it is in both: not read twice, the increase is unknown (no peer
+    exporting it answered, say), which is not zero."""
+    common = [key for key in after if key[0] == name and key in before]
+    if not common:
+        return None
+    return sum(
+        after[key] - before[key] if after[key] >= before[key] else after[key] for key in common
+    )
 
 
 def token_rates(before: Snapshot | None, after: Snapshot) -> dict[str, float | None]:
-    """Tokens per second, generated and prefilled; None without two readable snapshots."""
+    """Tokens per second, generated and prefilled; None without two readable snapshots, or for a
+    counter neither of them holds."""
     seconds = after.at - before.at if before is not None else 0.0
     if before is None or before.counters is None or after.counters is None or seconds <= 0:
         return {name: None for name in RATE_METRICS}
-    return {
-        name: increase(before.counters, after.counters, name) / seconds for name in RATE_METRICS
-    }
+    rates: dict[str, float | None] = {}
+    for name in RATE_METRICS:
+        tokens = increase(before.counters, after.counters, name)
+        rates[name] = None if tokens is None else tokens / seconds
+    return rates
 
 
 class BatchHistory:

@@ -305,12 +305,17 @@ def tandem_top(*argv: str) -> subprocess.CompletedProcess:
         (["--interval", "inf"], "--interval: must be greater than 0"),
         (["--iterations", "0"], "--iterations: must be greater than 0"),
         (["--iterations", "2.5"], "--iterations: expected an integer"),
+        # An IPv6 host unbracketed ended in httpx.InvalidURL's traceback.
+        (["--once", "--url", "http://::1:8000"], "--url: not a URL: 'http://::1:8000'"),
+        (["--url", "http://::1:8000"], "an IPv6 host goes in brackets: http://[::1]:8000"),
+        (["--once", "--url", "127.0.0.1:8000"], "--url: expected an http:// or https:// URL"),
     ],
 )
 def test_wrong_input_exits_2_naming_the_problem(argv, needle):
     result = tandem_top(*argv)
     assert result.returncode == 2, result.stderr
     assert needle in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def closed_port() -> int:
@@ -342,3 +347,22 @@ def test_ctrl_c_exits_0_without_a_traceback():
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr
     assert "cannot reach the gateway" in stdout
+
+
+def test_a_counter_missing_from_both_snapshots_has_no_rate_rather_than_zero():
+    """With no prefill worker's series in /metrics (none scraped: their scrapes failed, or
+    none is up), `prefilled` showed 0.0 tokens/s, as if the cluster were idle; it is unknown."""
+    only_generated = (
+        "# TYPE tandem:generation_tokens_total counter\n"
+        'tandem:generation_tokens_total{peer="gateway-1"} %d\n'
+    )
+    body = ready_body()
+    first = Snapshot(10.0, ready=body, counters=top.parse_counters(only_generated % 100))
+    second = Snapshot(12.0, ready=body, counters=top.parse_counters(only_generated % 160))
+    rates = top.token_rates(first, second)
+    assert rates == {top.GENERATED: 30.0, top.PREFILLED: None}
+    header = render(top.render_header(URL, body, rates))
+    assert "generated 30.0" in header and f"prefilled {top.MISSING}" in header
+    # A series that came and went is no reading either: a new peer's first frame, say.
+    moved = Snapshot(14.0, ready=body, counters=top.parse_counters(metrics_text(200, 5)))
+    assert top.token_rates(second, moved)[top.PREFILLED] is None
