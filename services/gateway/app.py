@@ -35,6 +35,7 @@ from services.gateway.openai_protocol import (
     model_not_found,
     parse_chat_request,
     parse_completion_request,
+    unforeseen,
 )
 from services.gateway.openai_shapes import SSE_DONE, sse_event
 from services.gateway.responses import (
@@ -49,13 +50,6 @@ from shared.metrics import CONTENT_TYPE
 
 T = TypeVar("T")
 log = get_logger(component="gateway")
-
-
-def unforeseen(error: Exception) -> ApiError:
-    """An exception no code path meant (a bug), answered as a 500 in OpenAI's shape (it was a
-    plain-text 500, or a stream cut without `[DONE]`)."""
-    message = f"the gateway failed on this request ({type(error).__name__}; its log has the "
-    return ApiError(500, message + "traceback)", "server_error")
 
 
 def unforeseen_in_stream(error: Exception) -> bytes:

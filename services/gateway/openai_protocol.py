@@ -146,6 +146,14 @@ class ApiError(Exception):
         }
 
 
+def unforeseen(error: Exception) -> ApiError:
+    """An exception no code path meant (a bug), answered as a 500 in OpenAI's shape on either
+    door, its details in the log only (the RPC door sent the exception's text, which may hold
+    another request's data or the server's internals)."""
+    message = f"the gateway failed on this request ({type(error).__name__}; its log has the "
+    return ApiError(500, message + "traceback)", "server_error")
+
+
 def bad_request(param: str | None, message: str) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
 

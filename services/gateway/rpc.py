@@ -42,7 +42,12 @@ import zmq.asyncio
 from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.generation import ChoiceEvent, Generation, Generator
 from services.gateway.json_body import load_json_body
-from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
+from services.gateway.openai_protocol import (
+    ApiError,
+    parse_chat_request,
+    parse_completion_request,
+    unforeseen,
+)
 from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
 from services.gateway.tokenize_api import detokenize, tokenize
 from shared import wire
@@ -255,7 +260,7 @@ class RpcServer:
             self.log.info("rpc client gone, call cancelled", call_id=call_id, peer=identity.hex())
         except Exception as error:  # a bug here must not take the loop or other calls down
             self.log.exception("rpc call failed", call_id=call_id)
-            await self._send_error(identity, call_id, ApiError(500, str(error), "server_error"))
+            await self._send_error(identity, call_id, unforeseen(error))
 
     def _tokenizer_answer(self, request: wire.RpcRequest) -> dict[str, Any]:
         if request.stream:

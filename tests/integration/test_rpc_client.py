@@ -197,3 +197,27 @@ def test_a_cancel_that_meets_an_answer_cancels_the_wait():
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_call_a_bug_fails_is_a_500_without_the_exceptions_text(tmp_path):
+    """The RPC door sent the exception's own text (another request's data, the server's
+    internals) where the HTTP API says only its type and points at the log."""
+    from services.gateway.rpc import RpcServer
+    from services.gateway.rpc_client import AsyncTandemClient, RpcError
+
+    address = f"ipc://{tmp_path}/rpc.sock"
+
+    async def scenario() -> None:
+        door = RpcServer(generator=object(), address=address)  # type: ignore[arg-type]: a bug
+        await door.start()
+        try:
+            async with AsyncTandemClient(address, timeout_s=5) as client:
+                with pytest.raises(RpcError) as failed:
+                    await client.chat(model="m", messages=[{"role": "user", "content": "hi"}])
+            assert failed.value.status == 500
+            assert "AttributeError" in failed.value.message
+            assert "has no attribute" not in failed.value.message
+        finally:
+            await door.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
