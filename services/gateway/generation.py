@@ -147,8 +147,6 @@ class Generator:
         if any(not 0 <= t < self.vocab_size for t in params.logit_bias_ids):
             raise bad_request("logit_bias", f"token ids must be in [0, {self.vocab_size})")
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        num_choices = request.num_candidates
-        self.telemetry.arrived(request_id, len(prompt_ids), request.user or "default", num_choices)
         return Generation(
             request, prompt_ids, params, request_id, int(time.time()), arrived_at, self.tool_format
         )
@@ -172,6 +170,10 @@ class Generator:
         """The choices' events; `bulk`: the scheduler's bulk class (a batch job's line)."""
         request = generation.request
         num_choices = request.num_candidates  # (`best_of`'s candidates, or the n choices)
+        # Logged here, with the tenant its API key gives (`user` names it only for a bare key:
+        # logged from `user`, a keyed client's request was told as another tenant's).
+        num_prompt_tokens = len(generation.prompt_token_ids)
+        self.telemetry.arrived(generation.request_id, num_prompt_tokens, tenant, num_choices)
         choice_ids = [f"{generation.request_id}-{i}" for i in range(num_choices)]
         queues: list[asyncio.Queue] = []
         traces: list[ChoiceTrace] = []

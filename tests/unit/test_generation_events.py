@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from structlog.testing import capture_logs
 
 from services.gateway.generation import Generator
 from services.gateway.openai_protocol import parse_chat_request, parse_completion_request
@@ -176,3 +177,12 @@ def test_a_top_logprob_past_the_tokenizers_vocabulary_is_answered(tokenizer):
     chunks = asyncio.run(run(tokenizer, chat, {0: [finish]}, collect=False))
     (content,) = [c["choices"][0]["logprobs"]["content"] for c in chunks if c["choices"]]
     assert content[0]["top_logprobs"][1] == {"token": "", "logprob": -0.75, "bytes": []}
+
+
+def test_the_arrival_is_logged_with_the_tenant_the_key_gives_not_the_user_field(tokenizer):
+    """A keyed client's request saying `user: mallory` was logged as mallory's."""
+    body = {"prompt": "Hi", "max_tokens": 1, "user": "mallory"}
+    with capture_logs() as logs:
+        asyncio.run(run(tokenizer, body, {0: [delta([5], finish="length")]}, collect=True))
+    (arrived,) = [line for line in logs if line["event"] == "request arrived"]
+    assert arrived["tenant"] == "t" and arrived["prompt_tokens"] > 0
