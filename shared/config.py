@@ -169,7 +169,13 @@ def expand_host(address: str | None) -> str | None:
     import socket
 
     hostname = socket.gethostname()
-    return address.replace("{hostname}", hostname).replace("{ip}", socket.gethostbyname(hostname))
+    if "{ip}" not in address:
+        return address.replace("{hostname}", hostname)
+    try:
+        ip = socket.gethostbyname(hostname)
+    except OSError as error:  # (socket.gaierror: a traceback at start-up, before)
+        raise ConfigError(f"{address}: no IP address for this host {hostname!r}: {error}") from None
+    return address.replace("{hostname}", hostname).replace("{ip}", ip)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,3 +8,8 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = message
+
+
+class StartUpError(RuntimeError):
+    """A service cannot start, for a reason one line says (the scheduler refused a worker, or
+    did not answer): `tandem` prints it and exits 1, where a traceback told it before."""

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from shared.config import ConfigError
+from shared.errors import StartUpError
 
 # Subcommand name -> module with HELP, add_arguments(parser) and run(args). Imported lazily so that
 # `tandem scheduler` does not pay for torch and `tandem --help` stays quick.
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         # A path given (a model, a file) that cannot be read: its reason, not a traceback.
         print(f"tandem {args.command}: {error}", file=sys.stderr)
         return 2
+    except StartUpError as error:
+        print(f"tandem {args.command}: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import zmq
 
 from shared import wire
 from shared.curve import Security
+from shared.errors import StartUpError
 from shared.logs import get_logger
 
 # Registering again, a HELLO still unanswered after this many heartbeats is taken for lost.
@@ -26,7 +27,7 @@ DROPPED_LOG_EVERY = 100  # a full link logs its first dropped message, then ever
 _log = get_logger()
 
 
-class HandshakeError(RuntimeError):
+class HandshakeError(StartUpError):
     """The scheduler refused this worker, or did not answer."""
 
 

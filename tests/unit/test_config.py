@@ -1,14 +1,18 @@
 """Service configuration from flags and environment variables, and its refusals."""
 
 import argparse
+import socket
 
 import pytest
 import torch
 
+from services.commands import cli
 from services.gateway.service import GatewayConfig
+from services.prefill import service as prefill_service
 from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
-from shared.config import ConfigError, add_config_arguments, config_from_args
+from services.worker.link import HandshakeError
+from shared.config import ConfigError, add_config_arguments, config_from_args, expand_host
 
 
 def parse(cls, argv, environ=None):
@@ -121,3 +125,30 @@ def test_bad_values_name_the_setting(cls, argv, environ, needle):
 def test_a_cuda_device_without_a_gpu_is_refused_before_loading():
     with pytest.raises(ConfigError, match="sees no CUDA GPU.*--device / TANDEM_DEVICE"):
         parse(WorkerConfig, ["--device", "cuda"])
+
+
+def test_an_ip_this_host_has_none_of_is_a_config_error(monkeypatch):
+    """`{ip}` in an advertised address, on a host whose name resolves to nothing: a
+    socket.gaierror traceback at start-up."""
+
+    def unresolvable(name):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    with pytest.raises(ConfigError, match="no IP address for this host"):
+        expand_host("tcp://{ip}:5601")
+    assert expand_host("tcp://{hostname}:1") == f"tcp://{socket.gethostname()}:1"  # no IP asked
+
+
+def test_a_worker_the_scheduler_refuses_says_so_in_one_line(monkeypatch, capsys):
+    """A worker the scheduler refused (another model, KV layout, schema) or never answered
+    ended on a HandshakeError traceback."""
+
+    def refused(args):
+        raise HandshakeError("the scheduler refused this worker: model mismatch")
+
+    monkeypatch.setattr(prefill_service, "run", refused)
+    assert cli.main(["prefill"]) == 1
+    assert capsys.readouterr().err == (
+        "tandem prefill: the scheduler refused this worker: model mismatch\n"
+    )
