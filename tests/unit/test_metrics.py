@@ -306,3 +306,14 @@ def test_a_taken_metrics_port_is_refused_naming_the_setting():
         f"metrics_port (--metrics-port / TANDEM_METRICS_PORT): cannot serve /metrics on "
         f"127.0.0.1:{port}: Address already in use"
     )
+
+
+def test_a_gpu_decode_step_of_2_ms_falls_in_a_bucket_of_its_own_size():
+    """Steps replayed from CUDA graphs take about 2 ms: with 5 ms the smallest bucket, every
+    one fell in it, and the step quantiles `plan_validate` reads were guesses."""
+    events = DecodeEvents(get_logger())
+    for duration_s in (0.0008, 0.002, 0.002, 0.004):
+        events.step(duration_s, num_sequences=1)
+    assert value(events, "tandem:engine_step_seconds_bucket", le="0.001") == 1
+    assert value(events, "tandem:engine_step_seconds_bucket", le="0.0025") == 3
+    assert value(events, "tandem:engine_step_seconds_bucket", le="0.005") == 4
