@@ -47,7 +47,14 @@ class StreamChunks:
             self._parsers = [ToolCallParser(tools, generation.tool_format) for _ in range(n)]
 
     def chunk(self, event: ChoiceEvent) -> dict[str, Any] | None:
-        """The event's chunk; None when it has nothing to send."""
+        """The event's chunk; None when it has nothing to send. Asked with include_usage,
+        every chunk carries `"usage": null` until the last one's (OpenAI's shape)."""
+        chunk = self._chunk(event)
+        if chunk is not None and self.generation.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _chunk(self, event: ChoiceEvent) -> dict[str, Any] | None:
         generation, req = self.generation, self.generation.request
         if not req.chat:
             logprobs = None

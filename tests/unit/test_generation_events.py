@@ -186,3 +186,18 @@ def test_the_arrival_is_logged_with_the_tenant_the_key_gives_not_the_user_field(
         asyncio.run(run(tokenizer, body, {0: [delta([5], finish="length")]}, collect=True))
     (arrived,) = [line for line in logs if line["event"] == "request arrived"]
     assert arrived["tenant"] == "t" and arrived["prompt_tokens"] > 0
+
+
+def test_with_include_usage_every_chunk_says_usage_null_until_the_last(tokenizer):
+    """OpenAI's stream asked with include_usage has `"usage": null` on every chunk but the last
+    (clients that read `chunk.usage` on each find the key); without it, no such key."""
+    for body in (
+        {"prompt": "Hi", "max_tokens": 2},
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    ):
+        deltas = {0: [delta(ids(tokenizer, " a")), delta(ids(tokenizer, " b"), finish="length")]}
+        asked = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        chunks = asyncio.run(run(tokenizer, asked, deltas, collect=False))
+        assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
+        plain = asyncio.run(run(tokenizer, {**body, "stream": True}, deltas, collect=False))
+        assert all("usage" not in c for c in plain)
