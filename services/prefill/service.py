@@ -332,11 +332,14 @@ class PrefillWorker(WorkerLoop):
 
     def _on_grant(self, grant: wire.PrefillGrant) -> None:
         """The decode worker's room is confirmed: the KV goes now, or when the prefill ends."""
-        parked = self.awaiting_grant.pop(grant.request_id, None)
+        parked = self.awaiting_grant.get(grant.request_id)
         if parked is not None:
             job, output, delta = parked
             job = dataclasses.replace(job, num_skip_blocks=grant.num_skip_blocks)
+            # Parked until shipped: were the shipping to raise, `_abandon` finds the job and
+            # ends it at its gateway and the scheduler, which would otherwise never hear.
             self._send_kv(job, output, delta)
+            self.awaiting_grant.pop(grant.request_id, None)  # (a failed send may have let it go)
         elif grant.request_id in self.jobs:
             self.grants[grant.request_id] = grant.num_skip_blocks
         else:  # cancelled meanwhile, or finished at its first token

@@ -168,6 +168,26 @@ def test_a_cancelled_speculative_job_frees_its_kv_and_a_late_grant_sends_nothing
     assert scheduler.expect(wire.Heartbeat, timeout_s=10, where=idle)
 
 
+def test_a_grant_whose_shipping_raises_ends_the_request_at_its_gateway_and_scheduler(running):
+    """The job left the parked set before its KV shipped: when shipping raised, the guard found
+    nothing to end, and neither the gateway nor the scheduler heard of the request again."""
+    scheduler, gateway, decode, tmp_path, worker = running
+    scheduler.send(dataclasses.replace(job(tmp_path, "spec", ignore_eos=True), await_grant=True))
+    assert gateway.poll(10_000)
+    wire.recv(gateway)
+
+    def export_fails(*_):
+        raise RuntimeError("the KV copy failed")
+
+    worker.engine.export_kv = export_fails
+    scheduler.send(wire.PrefillGrant(request_id="spec", num_skip_blocks=0))
+    assert gateway.poll(10_000)
+    assert wire.recv(gateway).deltas[0].finish_reason == "error"
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("spec", "rejected")
+    assert worker.held_request_ids() == []
+
+
 def test_a_grant_for_a_job_over_at_its_first_token_is_not_kept(running):
     """A grant that came while the prefill ran was kept for the KV; a job that ended at its
     first token sends none, and the grant stayed for the worker's life."""
