@@ -78,6 +78,7 @@ class PendingTransfer:
     deadline: float
     num_output_tokens: int
     sent_at: float  # monotonic
+    registration: int = 0  # the worker's registration with the scheduler it was sent under
 
 
 class PrefillWorker(WorkerLoop):
@@ -110,6 +111,7 @@ class PrefillWorker(WorkerLoop):
         # Per decode address with a socket (monotonic): when it was opened, and last acked.
         self._opened_at: dict[str, float] = {}
         self._last_ack_at: dict[str, float] = {}
+        self._registration = 0  # registrations with the scheduler since the first
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -169,6 +171,7 @@ class PrefillWorker(WorkerLoop):
         the tokens it has. Jobs whose room was confirmed go on: their decode worker expects
         their KV, and streams on."""
         super()._on_registered_again()
+        self._registration += 1
         orphans = [parked[0] for parked in self.awaiting_grant.values()]
         orphans += [
             running.job
@@ -178,9 +181,14 @@ class PrefillWorker(WorkerLoop):
         reason = "the prefill worker registered again: no grant for its KV would come"
         for job in orphans:
             self._cancel(job.request_id, reason)
-            lost = wire.TokenDelta(request_id=job.request_id, token_ids=[],
-                                   finish_reason="lost", error=reason)  # fmt: skip
-            self.streams.send({job.gateway_address: [lost]})
+            self._lost_at_gateway(job, reason)
+
+    def _lost_at_gateway(self, job: wire.PrefillJob, reason: str) -> None:
+        """Tells the job's gateway the attempt is lost: it resumes the request from the tokens
+        it has (the scheduler, which would have told it, does not know the request)."""
+        lost = wire.TokenDelta(request_id=job.request_id, token_ids=[],
+                               finish_reason="lost", error=reason)  # fmt: skip
+        self.streams.send({job.gateway_address: [lost]})
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -297,6 +305,7 @@ class PrefillWorker(WorkerLoop):
             time.monotonic() + self.config.transfer_timeout_s,
             len(output.new_token_ids),  # made here: a resumed attempt's given ones were not
             sent_at,
+            self._registration,
         )
 
     def _send_to_decode(self, job: wire.PrefillJob, frames: list) -> bool:
@@ -355,7 +364,7 @@ class PrefillWorker(WorkerLoop):
             self._report(transfer.job, None, transfer.num_output_tokens)
         else:
             self.events.kv_failed(ack.request_id, "refused", ack.error)
-            self._report(transfer.job, "error", transfer.num_output_tokens)
+            self._transfer_failed(transfer, f"its decode worker refused the KV: {ack.error}")
 
     def held_request_ids(self) -> list[str]:
         return [*self.jobs, *self.awaiting_grant, *self.transfers]
@@ -371,7 +380,16 @@ class PrefillWorker(WorkerLoop):
                 self.events.kv_failed(request_id, "timeout", None)
                 if self._silent_since(transfer):
                     self._drop_decode_socket(transfer.job.decode_address)
-                self._report(transfer.job, "error", transfer.num_output_tokens)
+                self._transfer_failed(transfer, "its KV transfer was not acknowledged in time")
+
+    def _transfer_failed(self, transfer: PendingTransfer, reason: str) -> None:
+        """Reported to the scheduler, which re-routes the request (its gateway resumes it).
+        Sent under an earlier registration (the scheduler restarted, or dropped this worker),
+        the request is one the scheduler does not know, and would ignore the report: its
+        gateway is told directly, or its client waited out the request timeout (an hour)."""
+        self._report(transfer.job, "error", transfer.num_output_tokens)
+        if transfer.registration != self._registration:
+            self._lost_at_gateway(transfer.job, reason)
 
     def _silent_since(self, transfer: PendingTransfer) -> bool:
         """The transfer went on its address's current socket, and nothing was acknowledged on

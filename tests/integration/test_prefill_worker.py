@@ -296,3 +296,25 @@ def test_a_repeated_prompt_computes_only_its_last_block_and_says_so(setup):
         cached[request_id] = delta.num_cached_tokens
         assert scheduler.expect(wire.RequestDone).finish_reason == "length"
     assert cached == {"a1": 0, "a2": 8, "b1": 0}
+
+
+def test_a_transfer_of_an_earlier_registration_that_fails_is_lost_at_its_gateway(setup):
+    """The scheduler restarted (or dropped this worker) while a transfer was in flight: the
+    transfer's failure went only to the new scheduler, which does not know the request and
+    ignores it, and the client waited out its request timeout. Its gateway is told it is lost,
+    and resumes it."""
+    scheduler, gateway, decode, tmp_path = setup
+    scheduler.send(job(tmp_path, "old", ignore_eos=True))
+    assert decode.poll(10_000)  # the KV arrives; no ack will come
+    first = wire.recv(gateway).deltas[0]
+    assert first.request_id == "old" and first.finish_reason is None
+    forgotten = wire.HelloAck(schema_version=wire.SCHEMA_VERSION, accepted=False,
+                              error=wire.UNKNOWN_PEER, heartbeat_interval_s=0.1)  # fmt: skip
+    scheduler.send(forgotten)
+    scheduler.expect(wire.Hello)  # registers again (and is welcomed)
+    done = scheduler.expect(wire.RequestDone, timeout_s=10)
+    assert (done.request_id, done.finish_reason) == ("old", "error")
+    assert gateway.poll(5_000)
+    lost = wire.recv(gateway).deltas[0]
+    assert (lost.request_id, lost.finish_reason) == ("old", "lost")
+    assert "not acknowledged in time" in lost.error
