@@ -16,10 +16,10 @@ rest, from the decode worker, and the handler gets each once, in order. Greedy o
 unchanged by a resumption; a sampled one continues from a fresh generator. After `MAX_RESUMES`
 losses (preemptions do not count: each attempt brings a token), or when no worker takes it
 within `RESUME_PATIENCE_S`, the handler gets an error delta naming why. A new scheduler epoch
-(the scheduler restarted) resumes the requests that had no token yet: the old scheduler's
-queue went with it (not one whose first SUBMIT awaits its answer: the answer, or a 503 when
-none comes, settles it). Until the new scheduler has this gateway's HELLO it refuses SUBMITs
-as from a stranger: the gateway says HELLO at once and takes the refusal as a 503.
+(the scheduler restarted) resumes the requests whose attempt had brought no token yet: the
+old scheduler's queue went with it (not one whose first SUBMIT awaits its answer: the answer,
+or a 503 when none comes, settles it). Until the new scheduler has this gateway's HELLO it
+refuses SUBMITs as from a stranger: the gateway says HELLO at once and takes the refusal as a 503.
 
 A stream's last delta can be lost too (its connection cut as it was sent), and no later delta
 would show the hole. The scheduler passes on where the worker says the stream ended
@@ -98,7 +98,13 @@ class InFlight:
     token_ids: list[int] = field(default_factory=list)  # every token handed to the handler
     num_resumes: int = 0  # after losses: bounded by MAX_RESUMES
     num_attempts: int = 1  # every attempt, preemptions' included (each brings a token)
+    num_tokens_before_attempt: int = 0  # of `token_ids`, those the attempt running began with
     ended: bool = False  # the stream's last delta (its finish) is on the queue
+
+    @property
+    def attempt_has_tokens(self) -> bool:
+        """Whether the attempt running brought a token: it left the scheduler's queue."""
+        return len(self.token_ids) > self.num_tokens_before_attempt
 
 
 @dataclass
@@ -173,9 +179,13 @@ class ClusterClient:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        """Stops the readers, and the chores (resumptions, stream ends awaited) before the
+        sockets close: one left running failed later on a closed socket, an exception never
+        retrieved. (Only the readers start chores, and a cancelled chore starts none.)"""
+        tasks = [*self._tasks, *self._chores]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.scheduler.close(linger=0)
         self.stream.close(linger=0)
         self.security.stop()
@@ -302,6 +312,7 @@ class ClusterClient:
         previous, attempt_id = inflight.attempt_id, f"{first_id}~{inflight.num_attempts}"
         inflight.num_attempts += 1
         inflight.attempt_id = attempt_id
+        inflight.num_tokens_before_attempt = len(inflight.token_ids)
         self._attempts[attempt_id] = first_id
         sampling = inflight.submit.sampling
         if inflight.token_ids and sampling.prompt_logprobs is not None:
@@ -347,17 +358,19 @@ class ClusterClient:
         return in_flight and inflight.attempt_id == attempt_id
 
     def _on_scheduler_restart(self) -> None:
-        """A new scheduler knows nothing of the requests the old one held. Those with tokens
-        are decoding on a worker, which goes on streaming them; those without may have been
-        in its queue, lost with it: they are resumed (an attempt still running somewhere
-        after all is left to finish, its tokens dropped). Not those whose first SUBMIT is
-        still unanswered: its answer (or its timeout, a 503 that calls it off) tells their
-        handlers what became of them, and an attempt of theirs running meanwhile would be
-        one the handlers never hear of."""
+        """A new scheduler knows nothing of the requests the old one held. Those whose attempt
+        brought tokens are decoding on a worker, which goes on streaming them; the others (a
+        resumed attempt too, whatever tokens came before it) may have been in its queue, lost
+        with it: they are resumed (an attempt still running somewhere after all is left to
+        finish, its tokens dropped). Not those whose stream ended (a failure without tokens
+        the handler has yet to read: nothing would call off their new attempt), nor those
+        whose first SUBMIT is still unanswered: its answer (or its timeout, a 503 that calls
+        it off) tells their handlers what became of them, and an attempt of theirs running
+        meanwhile would be one the handlers never hear of."""
         waiting = [
             r
             for r in self._requests.values()
-            if not r.token_ids and r.submit.request_id not in self._replies
+            if not (r.ended or r.attempt_has_tokens or r.submit.request_id in self._replies)
         ]
         self.log.warning("scheduler restarted", resuming=len(waiting))
         for inflight in waiting:

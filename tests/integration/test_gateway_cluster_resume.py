@@ -253,3 +253,59 @@ def test_a_loss_after_the_streams_end_resumes_nothing(tmp_path):
     messages, got = asyncio.run(lost_after_its_end(tmp_path))
     assert ids(messages, wire.Submit) == set()
     assert (got.token_ids, got.finish_reason) == ([7], "length")
+
+
+# -- a scheduler restart while a resumed attempt waits in its queue ------------------------------
+
+
+async def restarted_with_a_resumption_queued(tmp_path):
+    async with played(tmp_path) as (client, scheduler):
+        queue = await admitted(client, scheduler, "r")
+        await scheduler.send(delta("r", [7]))
+        await scheduler.send(delta("r", [], finish="preempted"))  # handed back to recompute
+        assert (await scheduler.expect(wire.Submit)).request_id == "r~1"
+        await scheduler.reply("r~1")  # queued there, waiting for a prefill worker
+        await scheduler.send(status("e2"))  # and lost with the scheduler
+        resubmit = await asyncio.wait_for(scheduler.expect(wire.Submit), 5)
+        await scheduler.reply(resubmit.request_id)
+        await scheduler.send(delta(resubmit.request_id, [8]))
+        await scheduler.send(status("e3"))  # r~2 brought a token: it is decoding on a worker
+        messages = await serve(scheduler, 0.5)
+        await scheduler.send(delta(resubmit.request_id, [9], finish="length"))
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(3)]
+        return resubmit, messages, got
+
+
+def test_a_restart_resumes_an_attempt_that_had_brought_no_token_yet(tmp_path):
+    """Only requests with no token at all were resumed: one resumed from its tokens (after a
+    preemption or a lost worker) and still in the old scheduler's queue was lost with it, and
+    its client waited out the request's time limit for tokens that would never come."""
+    resubmit, messages, got = asyncio.run(restarted_with_a_resumption_queued(tmp_path))
+    assert resubmit.request_id == "r~2" and resubmit.output_token_ids == [7]
+    assert ids(messages, wire.Submit) == set()
+    assert [(d.token_ids, d.finish_reason) for d in got] == [([7], None), ([8], None),
+                                                              ([9], "length")]  # fmt: skip
+
+
+async def restarted_after_an_end_without_tokens(tmp_path):
+    async with played(tmp_path) as (client, scheduler):
+        queue = await admitted(client, scheduler, "r")
+        # The scheduler failed it before its first token; its handler has not read that yet.
+        failed = wire.TokenDelta(request_id="r", token_ids=[], finish_reason="timeout",
+                                 error="no first token within its deadline")  # fmt: skip
+        await scheduler.send(wire.Tokens(deltas=[failed]))
+        await scheduler.send(status("e2"))
+        messages = await serve(scheduler, 0.5)
+        got = await asyncio.wait_for(queue.get(), 5)
+        await client.cancel("r", "failed")  # what the handler does on the error
+        messages += await serve(scheduler, 0.3)
+        return messages, got, queue.empty()
+
+
+def test_a_restart_does_not_resume_a_request_whose_stream_ended(tmp_path):
+    """An ended request without tokens was resumed as r~1, which then ran for nobody: the
+    handler's cancel calls off an attempt only while its stream has not ended."""
+    messages, got, nothing_else = asyncio.run(restarted_after_an_end_without_tokens(tmp_path))
+    assert ids(messages, wire.Submit) == set()
+    assert (got.finish_reason, got.error) == ("timeout", "no first token within its deadline")
+    assert nothing_else
