@@ -141,13 +141,17 @@ class TrackedRequest:
         submit: wire.Submit,
         gateway_peer_id: str,
         party: Party,  # the fair-share account it is charged to
-        arrival: float = 0.0,  # the scheduler's clock when it was first queued
+        arrival: float = 0.0,  # the scheduler's clock when it was first queued (it ages from)
         index: int = 0,  # its place among the requests admitted: the order a tick handles them in
     ) -> None:
         self.submit = submit
         self.gateway_peer_id = gateway_peer_id
         self.party = party
         self.arrival = arrival
+        # When it last entered the queue (a requeue's time, not its arrival): its queue time
+        # for the metrics counts from here, so a request queued twice is not counted for the
+        # time it spent reserving or prefilling in between.
+        self.queued_at = arrival
         self.index = index
         self.phase = Phase.QUEUED
         self.decode_peer_id: str | None = None
@@ -160,6 +164,9 @@ class TrackedRequest:
         self.last_unlisted_beat = -2  # the worker's heartbeat number of the last that did
         self.num_charged_tokens = 0  # what its last dispatch charged its party: a requeue's refund
         self.num_reserves = 0  # RESERVEs sent for it: the attempt the last one named
+        # Placed as a batch line (yielding to interactive work on its workers): a bulk request
+        # younger than `bulk_max_wait_s` when dispatched. An older one competes as interactive.
+        self.placed_as_bulk = submit.bulk
         # Read off the SUBMIT (which never changes) once: every decision asks them several times.
         self.request_id = submit.request_id
         self.num_prefill_tokens = num_prefill_tokens(submit)
@@ -215,6 +222,35 @@ class Outgoing:
 
     def __repr__(self) -> str:
         return f"Outgoing(identity={self.identity!r}, message={self.message!r})"
+
+
+class AgedBulkAdmission:
+    """Which queued requests dispatch can place now, while a batch line that has waited
+    `bulk_max_wait_s` is queued. Such a line competes as interactive (`fair_share.py`), so it
+    takes an interactive request's room, a window's and a decode worker's seat, not a batch
+    line's: a stream of interactive work can keep every window past the bulk share, and every
+    decode worker past its bulk seats, for good. The rest go by `lengths`. (Its own
+    `__init__`, as `Outgoing`'s: compiled code runs a dataclass's as Python. Treated as frozen.)
+    """
+
+    __slots__ = ("lengths", "promise", "now", "bulk_max_wait_s")
+
+    def __init__(self, lengths: LengthRanges, now: float, bulk_max_wait_s: float) -> None:
+        self.lengths = lengths
+        # What the choice may pass over whole parties and classes by (`LengthRanges`): a
+        # batch line's lengths are a young line's or an aged one's.
+        self.promise = LengthRanges(lengths.interactive, lengths.bulk + lengths.interactive)
+        self.now = now
+        self.bulk_max_wait_s = bulk_max_wait_s
+
+    def __call__(self, item: QueuedRequest) -> bool:
+        if item.bulk and self.now - item.arrival >= self.bulk_max_wait_s:  # (as the policy)
+            n = item.num_prompt_tokens
+            for low, high in self.lengths.interactive:  # noqa: SIM110
+                if low <= n <= high:
+                    return True
+            return False
+        return self.lengths(item)
 
 
 def each(items: list[T], handle: Callable[[T], None]) -> None:
@@ -291,7 +327,7 @@ class ClusterScheduler:
         else:
             old = self.registry.remove(hello.peer_id)
             if old is not None:
-                self._drop_worker(old)
+                self._drop_worker(old, now)
             self.prefix_index.register(hello.peer_id, hello.cache_key, hello.block_size)
             self.cache_holders.forget(hello.peer_id)
             self.registry.add(
@@ -399,7 +435,7 @@ class ClusterScheduler:
         worker = self.registry.get(goodbye.peer_id)
         if worker is not None and worker.identity == identity:
             self.registry.remove(worker.peer_id)
-            self._drop_worker(worker, "stopped")
+            self._drop_worker(worker, now, "stopped")
             self._dispatch(now)
         return self.take_outbox()
 
@@ -407,7 +443,7 @@ class ClusterScheduler:
         """Takes silent workers out of rotation and re-routes requests whose phase timed out."""
         for worker in self.registry.expired(now):
             self.registry.remove(worker.peer_id)
-            self._drop_worker(worker)
+            self._drop_worker(worker, now)
         # (Every due one: their deadline entries are taken, so one left now is left for good.)
         each(self._due(now), lambda request: self._settle_due(request, now))
         self._dispatch(now)
@@ -421,7 +457,7 @@ class ClusterScheduler:
         elif request.phase == Phase.RESERVING and request.speculative:
             self._lose(request, "the decode worker's reservation timed out")
         elif request.phase == Phase.RESERVING:
-            self._requeue(request, cancel_reason="timed out")
+            self._requeue(request, now, cancel_reason="timed out")
         elif request.phase == Phase.PREFILLING:
             self._lose(request, "the prefill and its KV transfer timed out")
 
@@ -474,7 +510,7 @@ class ClusterScheduler:
         )
         self.requests[submit.request_id] = request
         self.queue.track(party)
-        self._enqueue(request)
+        self._enqueue(request, now)
         accepted = wire.SubmitReply(
             request_id=submit.request_id,
             accepted=True,
@@ -614,7 +650,7 @@ class ClusterScheduler:
             if request.speculative:
                 self._lose(request, f"{worker.peer_id} had no room after all")
             else:
-                self._requeue(request, cancel_reason=None)
+                self._requeue(request, now, cancel_reason=None)
             self._dispatch(now)
             return
         prefill = self.registry.get(request.prefill_peer_id) if request.prefill_peer_id else None
@@ -622,7 +658,7 @@ class ClusterScheduler:
             if request.speculative:
                 self._lose(request, "its prefill worker stopped making progress")
             else:
-                self._requeue(request, cancel_reason="no prefill worker")
+                self._requeue(request, now, cancel_reason="no prefill worker")
             return
         request.phase = Phase.PREFILLING
         self._set_deadline(request, now + self.limits.prefill_timeout_s)
@@ -663,7 +699,7 @@ class ClusterScheduler:
             priority=submit.priority,
             cache_salt=submit.tenant,
             num_skip_blocks=num_skip_blocks,
-            bulk=submit.bulk,
+            bulk=request.placed_as_bulk,  # an aged line competes as interactive there too
             await_grant=await_grant,
         )
 
@@ -733,7 +769,11 @@ class ClusterScheduler:
     def _dispatch(self, now: float) -> None:
         while len(self.queue) and self.registry.any_healthy("prefill", now):
             lengths = self._placeable_lengths(now)
-            item = self.queue.pop_next(now, lengths, lengths)
+            if lengths.interactive and self._holds_aged_bulk(now):
+                admission = AgedBulkAdmission(lengths, now, self._bulk_max_wait_s)
+                item = self.queue.pop_next(now, admission, admission.promise)
+            else:
+                item = self.queue.pop_next(now, lengths, lengths)
             if item is None:
                 break
             request = self.requests[item.request_id]
@@ -748,12 +788,26 @@ class ClusterScheduler:
                 break
         self.service_rate.pass_ended(now, backlogged=len(self.queue) > 0)
 
+    @property
+    def _bulk_max_wait_s(self) -> float:
+        return self.limits.fair_share.bulk_max_wait_s
+
+    def _holds_aged_bulk(self, now: float) -> bool:
+        """Some batch line queued has waited `bulk_max_wait_s`: it competes as interactive."""
+        if not self.queue.holds_bulk():
+            return False
+        oldest = self.queue.oldest_bulk_arrival()
+        return oldest is not None and now - oldest >= self._bulk_max_wait_s
+
     def _place(self, request: TrackedRequest, item: QueuedRequest, now: float) -> None:
+        # An aged batch line goes where an interactive request would (`AgedBulkAdmission`).
+        bulk = item.bulk and now - item.arrival < self._bulk_max_wait_s
+        request.placed_as_bulk = bulk
         candidates = prefill_candidates(
             self.registry,
             self.limits.routing,
             item.num_prompt_tokens,
-            item.bulk,
+            bulk,
             now,
             self._holders(request.submit)[1],
         )
@@ -764,7 +818,7 @@ class ClusterScheduler:
             self.registry.small_room,
         )
         self._reserve(request, prefill, now)
-        if not item.bulk:
+        if not bulk:
             self.awaiting_first_token.add(item.request_id, item.num_prompt_tokens)
 
     def _placement_failed(self, request: TrackedRequest, error: Exception) -> None:
@@ -808,12 +862,12 @@ class ClusterScheduler:
 
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> None:
         num_prompt_tokens = request.num_prefill_tokens
-        self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
+        self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.queued_at)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
         affinity = self.placement.decode_affinity(request.submit)
         holders = self._holders(request.submit)[1] if affinity is not None else None
-        bulk = request.submit.bulk
+        bulk = request.placed_as_bulk
         decode = self.registry.pick_decode(num_tokens, now, affinity, holders, bulk)
         assert decode is not None, "the policy only picks placeable requests"
         # Its tokens leave the queue's count as it leaves the phase (`_forget` reads it).
@@ -824,7 +878,7 @@ class ClusterScheduler:
         request.num_blocks = decode.blocks_for(num_tokens)
         self._set_deadline(request, now + self.limits.reserve_timeout_s)
         self.registry.reserve(decode, request.request_id, request.num_blocks)
-        self.registry.assign(prefill, request.request_id, num_prompt_tokens, request.submit.bulk)
+        self.registry.assign(prefill, request.request_id, num_prompt_tokens, bulk)
         submit = request.submit
         request.num_reserves += 1
         reserve = wire.Reserve(
@@ -843,7 +897,7 @@ class ClusterScheduler:
         self.dispatched.append(
             Dispatched(
                 request.request_id,
-                now - request.arrival,
+                now - request.queued_at,
                 prefill.peer_id,
                 decode.peer_id,
                 request.speculative,
@@ -874,12 +928,13 @@ class ClusterScheduler:
         interactive prompt only the other interactive ones (batch lines yield to it in every
         step), a batch line all of them."""
         registry = self.registry
-        bulk = request.submit.bulk
+        bulk = request.placed_as_bulk
         ahead = registry.held_tokens(prefill) if bulk else registry.interactive_tokens(prefill)
         return ahead - request.num_prefill_tokens
 
-    def _enqueue(self, request: TrackedRequest) -> None:
+    def _enqueue(self, request: TrackedRequest, now: float) -> None:
         submit = request.submit
+        request.queued_at = now
         self.queue.push(
             QueuedRequest(
                 request_id=submit.request_id,
@@ -919,9 +974,9 @@ class ClusterScheduler:
                 cancel = wire.Cancel(request_id=request.request_id, reason=reason)
                 self._send(worker.identity, cancel)
 
-    def _requeue(self, request: TrackedRequest, cancel_reason: str | None) -> None:
+    def _requeue(self, request: TrackedRequest, now: float, cancel_reason: str | None) -> None:
         """Back to the queue with its first arrival time (so it ages from then), releasing
-        whatever workers hold for it."""
+        whatever workers hold for it. Its queue time counts from now."""
         self.awaiting_first_token.discard(request.request_id)
         if cancel_reason:
             self._cancel_on_workers(request, cancel_reason)
@@ -938,7 +993,7 @@ class ClusterScheduler:
         request.phase_deadline = float("inf")
         # Its uncached part was charged when dispatched; it will be again when dispatched anew.
         self.queue.charge(request.party, num_prompt_tokens=-request.num_charged_tokens)
-        self._enqueue(request)
+        self._enqueue(request, now)
 
     def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> None:
         forgotten = self.requests.pop(request.request_id, None)
@@ -960,16 +1015,21 @@ class ClusterScheduler:
             if worker is not None:
                 self.registry.release(worker, request.request_id)
 
-    def _drop_worker(self, worker: WorkerState, why: str = "stopped responding") -> None:
+    def _drop_worker(
+        self, worker: WorkerState, now: float, why: str = "stopped responding"
+    ) -> None:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
         self.cache_holders.forget(worker.peer_id)
         # (Every one: the worker is out of the registry, so one left now is stranded. In the
         # ids' order, not the set's, which follows the process's string hashing: a simulation
         # would re-route them in another order each run.)
-        each(sorted(worker.request_ids), lambda request_id: self._reroute(worker, request_id, why))
+        each(
+            sorted(worker.request_ids),
+            lambda request_id: self._reroute(worker, request_id, now, why),
+        )
 
-    def _reroute(self, worker: WorkerState, request_id: str, why: str) -> None:
+    def _reroute(self, worker: WorkerState, request_id: str, now: float, why: str) -> None:
         request = self.requests.get(request_id)
         if request is None:
             return
@@ -985,7 +1045,7 @@ class ClusterScheduler:
                 self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
             if request.prefill_peer_id == worker.peer_id:
                 request.prefill_peer_id = None
-            self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
+            self._requeue(request, now, cancel_reason=f"worker {worker.peer_id} left")
 
     def _time_out(self, request: TrackedRequest, now: float) -> None:
         """A request that waited in the queue past the limit: its client gets a 504."""
@@ -1069,8 +1129,15 @@ class ClusterScheduler:
         )
 
     def _service(self) -> list[wire.PartyService]:
+        """Each party's service, by name. Past `MAX_PARTIES_SHOWN`, those with requests queued
+        are shown first, then the most served (ties: by name): a cut by name alone would hide
+        a tenant late in the alphabet however long its queue."""
         queued = self.queue.num_queued_by_party()
-        parties = sorted(self.queue.served_tokens.keys() | queued.keys())[:MAX_PARTIES_SHOWN]
+        served = self.queue.served_tokens
+        parties = sorted(served.keys() | queued.keys())
+        if len(parties) > MAX_PARTIES_SHOWN:
+            ranked = sorted(parties, key=lambda p: (not queued.get(p), -served.get(p, 0), p))
+            parties = sorted(ranked[:MAX_PARTIES_SHOWN])
         return [
             wire.PartyService(
                 tenant=party.tenant,

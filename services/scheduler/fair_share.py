@@ -219,6 +219,11 @@ class FairQueue:
         """Some bulk request is queued."""
         return self._index.num_parties(BULK_CLASS) > 0
 
+    def oldest_bulk_arrival(self) -> float | None:
+        """When the bulk request queued longest arrived (the first to age); None with none."""
+        oldest = self._index.oldest(True)
+        return None if oldest is None else oldest.arrival
+
     def num_backlogged_interactive_parties(self) -> int:
         return sum(self._index.num_parties(name) for name in self.config.class_names)
 

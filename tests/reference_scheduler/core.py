@@ -112,7 +112,9 @@ class TrackedRequest:
     prefill_peer_id: str | None = None
     phase_deadline: float = float("inf")
     num_blocks: int = 0  # blocks reserved on the decode worker
-    arrival: float = 0.0  # the scheduler's clock when it was first queued
+    arrival: float = 0.0  # the scheduler's clock when it was first queued (it ages from)
+    queued_at: float = 0.0  # when it last entered the queue: its queue time counts from here
+    placed_as_bulk: bool = False  # dispatched as a batch line (not one aged past bulk_max_wait_s)
     num_predicted_cached_tokens: int = 0  # where its prefill went, as the prefix index knew
     num_charged_tokens: int = 0  # what its last dispatch charged its party: a requeue's refund
 
@@ -191,7 +193,7 @@ class ClusterScheduler:
             self.gateways[hello.peer_id] = GatewayState(hello.peer_id, identity, hello.address)
         else:
             old = self.registry.remove(hello.peer_id)
-            out = self._drop_worker(old) if old is not None else []
+            out = self._drop_worker(old, now) if old is not None else []
             self.prefix_index.register(hello.peer_id, hello.cache_key, hello.block_size)
             self.registry.add(
                 WorkerState(
@@ -261,7 +263,7 @@ class ClusterScheduler:
         out: list[Outgoing] = []
         for worker in self.registry.expired(now):
             self.registry.remove(worker.peer_id)
-            out += self._drop_worker(worker)
+            out += self._drop_worker(worker, now)
         for request in list(self.requests.values()):
             if (
                 request.phase == Phase.QUEUED
@@ -272,7 +274,7 @@ class ClusterScheduler:
             if now <= request.phase_deadline:
                 continue
             if request.phase == Phase.RESERVING:
-                out += self._requeue(request, cancel_reason="timed out")
+                out += self._requeue(request, now, cancel_reason="timed out")
             elif request.phase == Phase.PREFILLING:
                 out += self._lose(request, "the prefill and its KV transfer timed out")
         return out + self.dispatch(now)
@@ -294,7 +296,7 @@ class ClusterScheduler:
         party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit), submit.bulk)
         request = TrackedRequest(submit, submit.gateway_peer_id, party, arrival=now)
         self.requests[submit.request_id] = request
-        self._enqueue(request)
+        self._enqueue(request, now)
         accepted = wire.SubmitReply(
             request_id=submit.request_id,
             accepted=True,
@@ -363,14 +365,14 @@ class ClusterScheduler:
             return []
         if not reply.ok:
             worker.num_free_blocks = within_pool(worker, reply.num_free_blocks)
-            return self._requeue(request, cancel_reason=None) + self.dispatch(now)
+            return self._requeue(request, now, cancel_reason=None) + self.dispatch(now)
         prefill = self.registry.get(request.prefill_peer_id) if request.prefill_peer_id else None
         if prefill is None or not prefill.making_progress(now, self.limits.progress_timeout_s):
-            return self._requeue(request, cancel_reason="no prefill worker")
+            return self._requeue(request, now, cancel_reason="no prefill worker")
         request.phase = Phase.PREFILLING
         request.phase_deadline = now + self.limits.prefill_timeout_s
         submit = request.submit
-        held = self._num_held_tokens(prefill, bulk=submit.bulk) - request.num_prefill_tokens
+        held = self._num_held_tokens(prefill, request.placed_as_bulk) - request.num_prefill_tokens
         if self.placement.prefills_locally(submit, reply.num_cached_blocks, worker, prefill, held):
             # The decode worker computes the short suffix itself: the prefill worker is out.
             prefill.request_ids.discard(request.request_id)
@@ -388,7 +390,7 @@ class ClusterScheduler:
             priority=submit.priority,
             cache_salt=submit.tenant,
             num_skip_blocks=reply.num_cached_blocks,
-            bulk=submit.bulk,
+            bulk=request.placed_as_bulk,
         )
         return [Outgoing(prefill.identity, job)]
 
@@ -436,12 +438,10 @@ class ClusterScheduler:
                 break
             charged = item.num_prompt_tokens - item.num_cached_tokens
             self.requests[item.request_id].num_charged_tokens = charged
+            bulk = self._as_bulk(item, now)
+            self.requests[item.request_id].placed_as_bulk = bulk
             prefill = self.placement.choose_prefill(
-                [
-                    w
-                    for w in prefills
-                    if windows[w.peer_id].takes(item.num_prompt_tokens, item.bulk)
-                ],
+                [w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens, bulk)],
                 self.requests[item.request_id].submit,
                 self._num_held_tokens,
                 lambda w, windows=windows: windows[w.peer_id].small_room,
@@ -455,17 +455,23 @@ class ClusterScheduler:
         return sum(
             self.requests[r].num_prefill_tokens
             for r in worker.request_ids
-            if r in self.requests and (bulk or not self.requests[r].submit.bulk)
+            if r in self.requests and (bulk or not self.requests[r].placed_as_bulk)
         )
 
     def _placeable(
         self, windows: dict[str, PrefillWindow], now: float, item: QueuedRequest
     ) -> bool:
         """Some prefill worker's window takes it, and some decode worker can hold it."""
-        if not any(window.takes(item.num_prompt_tokens, item.bulk) for window in windows.values()):
+        bulk = self._as_bulk(item, now)
+        if not any(window.takes(item.num_prompt_tokens, bulk) for window in windows.values()):
             return False
-        num_tokens, seat_share = item.num_prompt_tokens + 1, self._seat_share(item.bulk)
+        num_tokens, seat_share = item.num_prompt_tokens + 1, self._seat_share(bulk)
         return self.registry.pick_decode(num_tokens, now, None, seat_share) is not None
+
+    def _as_bulk(self, item: QueuedRequest, now: float) -> bool:
+        """Placed as a batch line: a bulk request that has waited `bulk_max_wait_s` competes
+        as interactive, for an interactive request's window room and seat."""
+        return item.bulk and now - item.arrival < self.limits.fair_share.bulk_max_wait_s
 
     def _seat_share(self, bulk: bool) -> float:
         return self.limits.bulk_seat_share if bulk else 1.0
@@ -473,14 +479,14 @@ class ClusterScheduler:
     def _reserve(self, request: TrackedRequest, prefill: WorkerState, now: float) -> Outgoing:
         num_prompt_tokens = request.num_prefill_tokens
         self.num_queued_tokens -= num_prompt_tokens
-        self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.arrival)
+        self.max_queue_wait_s = max(self.max_queue_wait_s, now - request.queued_at)
         # Room for the prompt and the first decode step; later growth is the worker's affair.
         num_tokens = num_prompt_tokens + 1
         decode = self.registry.pick_decode(
             num_tokens,
             now,
             self.placement.decode_affinity(request.submit),
-            self._seat_share(request.submit.bulk),
+            self._seat_share(request.placed_as_bulk),
         )
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING
@@ -490,7 +496,7 @@ class ClusterScheduler:
         request.phase_deadline = now + self.limits.reserve_timeout_s
         decode.num_promised_blocks += request.num_blocks
         self.dispatched.append(
-            Dispatched(request.request_id, now - request.arrival, prefill.peer_id, decode.peer_id)
+            Dispatched(request.request_id, now - request.queued_at, prefill.peer_id, decode.peer_id)
         )
         decode.request_ids.add(request.request_id)
         prefill.request_ids.add(request.request_id)
@@ -512,8 +518,9 @@ class ClusterScheduler:
                 window.hold(request.num_prefill_tokens)
         return window
 
-    def _enqueue(self, request: TrackedRequest) -> None:
+    def _enqueue(self, request: TrackedRequest, now: float) -> None:
         submit = request.submit
+        request.queued_at = now
         self.queue.push(
             QueuedRequest(
                 request_id=submit.request_id,
@@ -547,7 +554,9 @@ class ClusterScheduler:
                 out.append(Outgoing(worker.identity, cancel))
         return out
 
-    def _requeue(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
+    def _requeue(
+        self, request: TrackedRequest, now: float, cancel_reason: str | None
+    ) -> list[Outgoing]:
         """Back to the queue with its first arrival time (so it ages from then), releasing
         whatever workers hold for it."""
         out = self._cancel_on_workers(request, cancel_reason) if cancel_reason else []
@@ -564,7 +573,7 @@ class ClusterScheduler:
         request.phase_deadline = float("inf")
         # Its uncached part was charged when dispatched; it will be again when dispatched anew.
         self.queue.charge(request.party, num_prompt_tokens=-request.num_charged_tokens)
-        self._enqueue(request)
+        self._enqueue(request, now)
         return out
 
     def _forget(self, request: TrackedRequest, cancel_reason: str | None) -> list[Outgoing]:
@@ -584,7 +593,7 @@ class ClusterScheduler:
                 worker.request_ids.discard(request.request_id)
         return []
 
-    def _drop_worker(self, worker: WorkerState) -> list[Outgoing]:
+    def _drop_worker(self, worker: WorkerState, now: float) -> list[Outgoing]:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
         out: list[Outgoing] = []
@@ -605,7 +614,7 @@ class ClusterScheduler:
                     out.append(Outgoing(worker.identity, cancel))
                 if request.prefill_peer_id == worker.peer_id:
                     request.prefill_peer_id = None
-                out += self._requeue(request, cancel_reason=f"worker {worker.peer_id} left")
+                out += self._requeue(request, now, cancel_reason=f"worker {worker.peer_id} left")
         return out
 
     def _time_out(self, request: TrackedRequest, now: float) -> list[Outgoing]:
@@ -674,7 +683,12 @@ class ClusterScheduler:
 
     def _service(self) -> list[wire.PartyService]:
         queued = self.queue.num_queued_by_party()
-        parties = sorted(self.queue.served_tokens.keys() | queued.keys())[:MAX_PARTIES_SHOWN]
+        served = self.queue.served_tokens
+        # Past the cut, those with requests queued first, then the most served; by name.
+        ranked = sorted(
+            served.keys() | queued.keys(), key=lambda p: (not queued.get(p), -served.get(p, 0), p)
+        )
+        parties = sorted(ranked[:MAX_PARTIES_SHOWN])
         return [
             wire.PartyService(
                 tenant=party.tenant,

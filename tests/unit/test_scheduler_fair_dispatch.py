@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from services.scheduler.core import ClusterScheduler, SchedulerLimits
+from services.scheduler.core import MAX_PARTIES_SHOWN, ClusterScheduler, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig, Party
 from services.scheduler.service import SchedulerConfig
 from shared import wire
@@ -168,3 +168,104 @@ def test_the_priority_travels_with_the_prefill_job():
     reply = wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=900)
     (job,) = sent(core.on_reserve_reply(reply, 0.0), wire.PrefillJob)
     assert job.message.priority == 3
+
+
+def flooded_core(bulk_max_wait_s: float) -> ClusterScheduler:
+    """A window of 100 tokens (batch lines while under 50 are held), and a decode worker with
+    seats and blocks to spare."""
+    fair = FairShareConfig(class_thresholds=(60,), max_wait_s=1e6, bulk_max_wait_s=bulk_max_wait_s)
+    core = ClusterScheduler(SchedulerLimits(prefill_window_tokens=100, fair_share=fair))
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", hello("p", "prefill"), 0.0)
+    core.on_hello(b"D", hello("d", "decode", blocks=10_000, seats=10_000), 0.0)
+    return core
+
+
+def test_an_aged_batch_line_is_placed_under_a_flood_of_interactive_work():
+    """README: a batch line that waited `bulk_max_wait_s` competes as interactive, so a job is
+    never starved forever, even when interactive work keeps every window past the bulk share."""
+    core = flooded_core(bulk_max_wait_s=10.0)
+    in_hand = []
+    for i in range(8):  # five in hand (100 tokens), the rest queued: a backlog throughout
+        in_hand += reserved(core.on_submit(b"G", tenant_submit(f"i{i}", "chat"), 0.0))
+    line = dataclasses.replace(tenant_submit("line", "job"), bulk=True)
+    assert reserved(core.on_submit(b"G", line, 0.0)) == []  # the window holds 100 >= 50
+    placed_at = None
+    for step in range(1, 30):
+        now = float(step)
+        in_hand += reserved(core.on_submit(b"G", tenant_submit(f"n{step}", "chat"), now))
+        dispatched = reserved(finish_prefill(core, in_hand.pop(0), now))
+        in_hand += [r for r in dispatched if r != "line"]
+        if "line" in dispatched:
+            placed_at = now
+            break
+    assert placed_at is not None and placed_at >= 10.0
+    reply = wire.ReserveReply(peer_id="d", request_id="line", ok=True, num_free_blocks=9000)
+    (job,) = sent(core.on_reserve_reply(reply, placed_at), wire.PrefillJob)
+    # It competes as interactive on the worker too: a batch line there yields to every
+    # interactive prompt, which the flood keeps in hand.
+    assert job.message.bulk is False
+
+
+def test_a_young_batch_line_still_waits_for_spare_room():
+    core = flooded_core(bulk_max_wait_s=10.0)
+    in_hand = []
+    for i in range(8):
+        in_hand += reserved(core.on_submit(b"G", tenant_submit(f"i{i}", "chat"), 0.0))
+    line = dataclasses.replace(tenant_submit("line", "job"), bulk=True)
+    assert reserved(core.on_submit(b"G", line, 0.0)) == []
+    for step in range(1, 9):  # younger than bulk_max_wait_s throughout
+        now = float(step)
+        in_hand += reserved(core.on_submit(b"G", tenant_submit(f"n{step}", "chat"), now))
+        dispatched = reserved(finish_prefill(core, in_hand.pop(0), now))
+        assert "line" not in dispatched
+        in_hand += dispatched
+
+
+def test_status_lists_a_party_with_requests_queued_past_the_cut():
+    """The status shows at most MAX_PARTIES_SHOWN accounts: the ones with work queued first,
+    then the most served; listed by name."""
+    core = make_core(window=100)
+    core.on_submit(b"G", tenant_submit("big", "aaa", prompt_len=80), 0.0)  # one big in hand
+    core.on_submit(b"G", tenant_submit("late", "zzz", prompt_len=80), 0.0)  # queued behind
+    for i in range(MAX_PARTIES_SHOWN + 10):
+        core.queue.charge(core.queue.party_for(f"m{i:04d}", 20), num_prompt_tokens=i + 1)
+    service = core.cluster_status(1.0).service
+    assert len(service) == MAX_PARTIES_SHOWN
+    by_party = {(s.tenant, s.class_name): s for s in service}
+    assert by_party[("zzz", "long")].num_queued == 1
+    assert ("aaa", "long") in by_party  # the most served of all (80 tokens)
+    assert ("m0000", "short") not in by_party  # the least served is cut
+    assert [(s.tenant, s.class_name) for s in service] == sorted(by_party)
+    assert core.cluster_status(1.0).service == service  # the same answer every time
+
+
+def test_queue_time_counts_from_the_last_time_a_request_was_queued():
+    """A request whose reservation is refused goes back to the queue keeping its arrival (for
+    aging), but its queue time, in the dispatch and `max_queue_wait_s`, counts from there."""
+    core = make_core()
+    assert reserved(core.on_submit(b"G", submit("r"), 0.0)) == ["r"]
+    assert [d.queue_s for d in core.take_dispatched()] == [0.0]
+    refused = wire.ReserveReply(peer_id="d", request_id="r", ok=False, num_free_blocks=900)
+    assert reserved(core.on_reserve_reply(refused, 4.0)) == ["r"]  # back, and out at once
+    assert [d.queue_s for d in core.take_dispatched()] == [0.0]
+    assert core.cluster_status(4.0).max_queue_wait_s == 0.0
+    assert core.requests["r"].arrival == 0.0  # aging still counts from the first arrival
+
+
+def test_an_aged_batch_line_takes_a_seat_kept_for_interactive_requests():
+    """Interactive requests holding a decode worker's batch seats (7 of 8) keep a young line
+    waiting; one that waited `bulk_max_wait_s` takes the seat left to interactive work."""
+    fair = FairShareConfig(max_wait_s=1e6, bulk_max_wait_s=10.0)
+    core = ClusterScheduler(SchedulerLimits(prefill_window_tokens=10_000, fair_share=fair))
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", hello("p", "prefill"), 0.0)
+    core.on_hello(b"D", hello("d", "decode", blocks=10_000, seats=8), 0.0)
+    for i in range(7):  # decoding, each in a seat
+        assert reserved(core.on_submit(b"G", tenant_submit(f"i{i}", "chat"), 0.0)) == [f"i{i}"]
+        finish_prefill(core, f"i{i}", 0.0)
+    line = dataclasses.replace(tenant_submit("line", "job"), bulk=True)
+    assert reserved(core.on_submit(b"G", line, 0.0)) == []
+    assert reserved(core.tick(9.0)) == []
+    assert reserved(core.tick(10.0)) == ["line"]
+    assert core.requests["line"].decode_peer_id == "d"
