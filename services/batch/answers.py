@@ -34,12 +34,15 @@ def error_file_id(batch_id: str) -> str:
 
 
 class Answers:
-    def __init__(self, store: Store, batch_id: str):
+    def __init__(self, store: Store, batch_id: str, recovered: bool = False):
+        """Opens the job's files, after `recover` unless it `recovered` them already (the
+        runner does, in a worker thread: 50,000 answers take seconds)."""
         self.store = store
         self.batch_id = batch_id
         self.output_path = store.path_of(output_file_id(batch_id))
         self.error_path = store.path_of(error_file_id(batch_id))
-        self.recover()
+        if not recovered:
+            self.recover()
         self._output = open(self.output_path, "ab")  # noqa: SIM115 - held for the job's life
         self._errors = open(self.error_path, "ab")  # noqa: SIM115
 
@@ -54,19 +57,7 @@ class Answers:
 
     def recover(self) -> int:
         """Marks every answer already in the files; the number that were unknown to SQLite."""
-        num_recovered = 0
-        for path, ok in ((self.output_path, True), (self.error_path, False)):
-            if not path.exists():
-                continue
-            _cut_torn_tail(path)
-            with open(path, "rb") as file:
-                for raw in file:
-                    line = json.loads(raw)
-                    usage = _usage(line)
-                    num_recovered += self.store.mark_answered(
-                        self.batch_id, line["custom_id"], ok, usage
-                    )
-        return num_recovered
+        return recover(self.store, self.batch_id)
 
     def response(self, custom_id: str, status: int, body: dict[str, Any]) -> None:
         """A line answered by the cluster (status 200) or refused by it (an error body)."""
@@ -97,6 +88,22 @@ class Answers:
 
     def sizes(self) -> tuple[int, int]:
         return _size(self.output_path), _size(self.error_path)
+
+
+def recover(store: Store, batch_id: str) -> int:
+    """Marks every answer already in the job's files answered in `store`; the number that were
+    unknown to it (see the module doc)."""
+    num_recovered = 0
+    paths = store.path_of(output_file_id(batch_id)), store.path_of(error_file_id(batch_id))
+    for path, ok in zip(paths, (True, False), strict=True):
+        if not path.exists():
+            continue
+        _cut_torn_tail(path)
+        with open(path, "rb") as file:
+            for raw in file:
+                line = json.loads(raw)
+                num_recovered += store.mark_answered(batch_id, line["custom_id"], ok, _usage(line))
+    return num_recovered
 
 
 def _usage(line: dict[str, Any]) -> dict[str, int] | None:

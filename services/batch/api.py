@@ -12,10 +12,12 @@ rather than outgrow MAX_PAGE_BYTES (a failed batch carries up to 1,000 errors).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 CONTENT_CHUNK_BYTES = 1 << 20
 MAX_PAGE_BYTES = 4 << 20  # of a list's objects as JSON (one batch object is ~200 KB at most)
+COUNTING_THREADS = 2  # creates counting their files at once (each a second at most)
 
 
 class ApiFailure(Exception):
@@ -122,7 +125,13 @@ class BatchApi:
         for stale in self.uploads_dir.iterdir():  # uploads cut short by a restart
             stale.unlink()
         self._uploads: dict[str, _Upload] = {}
+        # Threads of the creates' own: behind validations (seconds each, in asyncio's default
+        # threads), a create's count would outlast the gateway's wait.
+        self._counting = ThreadPoolExecutor(COUNTING_THREADS, thread_name_prefix="batch-count")
         self._tidy_after_a_kill()
+
+    def close(self) -> None:
+        self._counting.shutdown(wait=False, cancel_futures=True)
 
     def _tidy_after_a_kill(self) -> None:
         """Removes what a kill between two steps left behind for good: bytes in files/ that no
@@ -142,6 +151,22 @@ class BatchApi:
     def handle(self, op: str, tenant: str, params: dict, data: bytes | None) -> Result:
         try:
             return getattr(self, op)(tenant, params, data)
+        except ApiFailure as failure:
+            return failure.status, failure.body, None
+
+    async def answer(self, op: str, tenant: str, params: dict, data: bytes | None) -> Result:
+        """`handle`, for the service's loop: a create first counts its file's requests in a
+        worker thread (a 200 MB file of one line is read whole: most of a second, in which the
+        loop answered no call)."""
+        if op != "batch_create":
+            return self.handle(op, tenant, params, data)
+        try:
+            _create_options(params)  # (its errors first, as `batch_create` checks)
+            path = self.store.path_of(self._input_file(tenant, params)["id"])
+            loop = asyncio.get_running_loop()
+            num_lines = await loop.run_in_executor(self._counting, self._num_requests, path)
+            # (checked again: the file may have been deleted meanwhile, a 404 then)
+            return self.batch_create(tenant, params, data, num_lines)
         except ApiFailure as failure:
             return failure.status, failure.body, None
 
@@ -228,33 +253,16 @@ class BatchApi:
 
     # -- batches ------------------------------------------------------------------------------
 
-    def batch_create(self, tenant: str, params: dict, _: bytes | None) -> Result:
-        endpoint = params.get("endpoint")
-        if not isinstance(endpoint, str) or endpoint not in KINDS:  # ([] is not even hashable)
-            raise ApiFailure(400, f"endpoint must be one of {', '.join(KINDS)}", "endpoint")
-        window_s = _window_seconds(params.get("completion_window"))
-        metadata = params.get("metadata")
-        if metadata is not None and not _is_metadata(metadata):
-            raise ApiFailure(
-                400,
-                f"metadata must be a map of at most {MAX_METADATA_KEYS} keys of at most "
-                f"{MAX_METADATA_KEY_CHARS} characters to strings of at most "
-                f"{MAX_METADATA_VALUE_CHARS}",
-                "metadata",
-            )
-        if not isinstance(params.get("input_file_id"), str):  # (not a 404 naming None)
-            raise ApiFailure(400, "input_file_id is required: a file's id", "input_file_id")
-        row = self._file(tenant, {"file_id": params["input_file_id"]}, "input_file_id")
-        if row["purpose"] != "batch":
-            raise ApiFailure(400, "the input file's purpose must be 'batch'", "input_file_id")
-        # Counted only up to the limit, blank lines bounded too: this runs on the service's
-        # loop, and a call that outlasts the gateway's wait is answered 503 there while the
-        # batch is created here (the client retries: two batches).
+    def batch_create(
+        self, tenant: str, params: dict, _: bytes | None, num_lines: int | None = None
+    ) -> Result:
+        """Creates the batch, its file's requests counted here unless `num_lines` says how many
+        there are (`answer` counts them in a worker thread)."""
+        endpoint, window_s, metadata = _create_options(params)
+        row = self._input_file(tenant, params)
+        if num_lines is None:
+            num_lines = self._num_requests(self.store.path_of(row["id"]))
         max_lines = self.limits.max_lines
-        try:
-            num_lines = num_requests(self.store.path_of(row["id"]), max_lines + 1)
-        except TooManyBlankLines as refused:
-            raise ApiFailure(400, str(refused), "input_file_id") from None
         if num_lines > max_lines:
             raise ApiFailure(
                 400,
@@ -308,7 +316,24 @@ class BatchApi:
             raise ApiFailure(409, f"cannot cancel a batch that is {batch['status']}", "batch_id")
         return 200, public(batch), None
 
+    def _num_requests(self, path: Path) -> int:
+        """The input file's requests, counted only up to one past the limit, blank lines
+        bounded too: a call that outlasts the gateway's wait is answered 503 there while the
+        batch is created here (the client retries: two batches)."""
+        try:
+            return num_requests(path, self.limits.max_lines + 1)
+        except TooManyBlankLines as refused:
+            raise ApiFailure(400, str(refused), "input_file_id") from None
+
     # -- lookups ------------------------------------------------------------------------------
+
+    def _input_file(self, tenant: str, params: dict):
+        if not isinstance(params.get("input_file_id"), str):  # (not a 404 naming None)
+            raise ApiFailure(400, "input_file_id is required: a file's id", "input_file_id")
+        row = self._file(tenant, {"file_id": params["input_file_id"]}, "input_file_id")
+        if row["purpose"] != "batch":
+            raise ApiFailure(400, "the input file's purpose must be 'batch'", "input_file_id")
+        return row
 
     def _file(self, tenant: str, params: dict, param: str = "file_id"):
         file_id = params.get("file_id")
@@ -349,6 +374,24 @@ class BatchApi:
         if not isinstance(limit, int) or not 1 <= limit <= maximum:
             raise ApiFailure(400, f"limit must be in [1, {maximum}]", "limit")
         return limit
+
+
+def _create_options(params: dict) -> tuple[str, int, dict | None]:
+    """A create's endpoint, completion window in seconds and metadata, checked."""
+    endpoint = params.get("endpoint")
+    if not isinstance(endpoint, str) or endpoint not in KINDS:  # ([] is not even hashable)
+        raise ApiFailure(400, f"endpoint must be one of {', '.join(KINDS)}", "endpoint")
+    window_s = _window_seconds(params.get("completion_window"))
+    metadata = params.get("metadata")
+    if metadata is not None and not _is_metadata(metadata):
+        raise ApiFailure(
+            400,
+            f"metadata must be a map of at most {MAX_METADATA_KEYS} keys of at most "
+            f"{MAX_METADATA_KEY_CHARS} characters to strings of at most "
+            f"{MAX_METADATA_VALUE_CHARS}",
+            "metadata",
+        )
+    return endpoint, window_s, metadata
 
 
 def _is_metadata(metadata: Any) -> bool:

@@ -1,4 +1,5 @@
-"""The jobs the batch service owns: each validated, then run, each as an asyncio task.
+"""The jobs the batch service owns: each validated (in a worker thread), then run, each as an
+asyncio task.
 
 A job's state lives in SQLite, so the task is only its engine: `resume_all` starts one for every
 job a kill left unfinished (`validating` validates again from the start; `in_progress`,
@@ -10,11 +11,12 @@ running follow OpenAI's states: validating -> in_progress -> finalizing -> compl
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from services.batch.runner import JobRunner, RunLimits
 from services.batch.store import Store
-from services.batch.validation import error, validate
+from services.batch.validation import ValidationStopped, error, validate
 from services.gateway.rpc_client import AsyncTandemClient
 from shared.logs import get_logger
 
@@ -28,6 +30,7 @@ class JobManager:
         self.limits = limits
         self.runners: dict[str, JobRunner] = {}
         self._tasks: dict[str, asyncio.Task] = {}
+        self._validations: dict[str, threading.Event] = {}  # each one's stop, by batch id
         self.log = get_logger()
 
     def start(self, batch_id: str) -> None:
@@ -43,6 +46,9 @@ class JobManager:
         return len(batches)
 
     def cancel(self, batch_id: str) -> None:
+        stop = self._validations.get(batch_id)
+        if stop is not None:  # the batch ends `cancelled` at once (`_refuse`), unchecked
+            stop.set()
         runner = self.runners.get(batch_id)
         if runner is not None:
             runner.cancel()
@@ -93,9 +99,20 @@ class JobManager:
         self.store.update_batch(batch_id, status="failed", failed_at=now, errors=errors_list)
 
     async def _validate(self, batch: dict) -> bool:
-        # Runs on the loop, page by page in SQLite: 50,000 lines take about a second.
-        await asyncio.sleep(0)
-        num_lines, errors = validate(self.store, batch, batch["_models"])
+        # In a worker thread: a 200 MB file takes seconds, during which the loop answered no
+        # call. Its lines are committed page by page there; a kill leaves the batch
+        # `validating`, validated again from the start at the restart.
+        stop = self._validations[batch["id"]] = threading.Event()
+        try:
+            num_lines, errors = await asyncio.to_thread(
+                self.store.run_apart, validate, batch, batch["_models"], stop
+            )
+        except ValidationStopped:  # cancelled: it is `cancelling`
+            self._refuse(batch["id"], [])
+            return False
+        finally:
+            stop.set()  # (the service stopping cancelled this task: the thread stops too)
+            del self._validations[batch["id"]]
         if errors:
             self._refuse(batch["id"], errors)
             self.log.info("batch failed validation", batch_id=batch["id"], errors=len(errors))

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.batch.answers import Answers, error_file_id, output_file_id
+from services.batch.answers import Answers, error_file_id, output_file_id, recover
 from services.batch.store import Store
 from services.gateway.rpc_client import AsyncTandemClient, RpcError
 from shared.logs import get_logger
@@ -78,7 +78,11 @@ class JobRunner:
 
     async def run(self) -> None:
         batch = self.store.get_batch(self.batch_id)
-        answers = Answers(self.store, self.batch_id)
+        # Reading back the answers a kill left (up to 50,000 lines, seconds) and expiring the
+        # lines never started (as many writes) run in a worker thread on a connection of its
+        # own: on the loop, the service answered no call meanwhile.
+        await asyncio.to_thread(self.store.run_apart, recover, self.batch_id)
+        answers = Answers(self.store, self.batch_id, recovered=True)
         tasks = self.tasks
         try:
             ended = await self._feed(batch, answers, tasks)
@@ -95,7 +99,8 @@ class JobRunner:
                 # completed the batch.
                 ended = "expired" if self.store.num_pending(self.batch_id) else "completed"
             if ended == "expired":
-                self._expire_rest(answers)
+                answers.close()  # (the thread appends with handles of its own)
+                await asyncio.to_thread(self.store.run_apart, _expire_pending, self.batch_id)
             self._finalize(answers, ended)
         except asyncio.CancelledError:  # the service stops: its lines stay pending, for the restart
             for task in tasks:  # (left running, they outlived their job and its answer files)
@@ -210,17 +215,6 @@ class JobRunner:
                 continue
             await asyncio.sleep(min(8.0, 0.5 * 2**failures))
 
-    def _expire_rest(self, answers: Answers) -> None:
-        cursor = ("", 0)
-        while page := self.store.pending_lines(self.batch_id, cursor, PAGE_LINES):
-            for row in page:
-                answers.failure(
-                    row["custom_id"],
-                    "batch_expired",
-                    "This request could not be executed before the completion window expired.",
-                )
-                cursor = (row["prefix_key"], row["line_no"])
-
     def _finalize(self, answers: Answers, ended: str) -> None:
         now = int(time.time())
         if ended == "completed":
@@ -242,3 +236,20 @@ class JobRunner:
     def _register(self, file_id: str, tenant: str, purpose: str, size: int) -> None:
         if self.store.get_file(tenant, file_id) is None:
             self.store.add_file(file_id, tenant, purpose, f"{file_id}.jsonl", size)
+
+
+def _expire_pending(store: Store, batch_id: str) -> None:
+    """Answers every line still pending `batch_expired` (none runs any more)."""
+    answers = Answers(store, batch_id, recovered=True)
+    try:
+        cursor = ("", 0)
+        while page := store.pending_lines(batch_id, cursor, PAGE_LINES):
+            for row in page:
+                answers.failure(
+                    row["custom_id"],
+                    "batch_expired",
+                    "This request could not be executed before the completion window expired.",
+                )
+                cursor = (row["prefix_key"], row["line_no"])
+    finally:
+        answers.close()

@@ -143,6 +143,7 @@ class BatchService:
         self.api = BatchApi(self.store, self.jobs, Limits(config.max_file_bytes, config.max_lines))
         self.metrics = BatchMetrics()
         self._stopping = asyncio.Event()
+        self._creates: set[asyncio.Task] = set()  # the creates being answered
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -170,8 +171,10 @@ class BatchService:
         )
         tasks = [asyncio.create_task(self._receive(socket)), asyncio.create_task(self._periodic())]
         await self._stopping.wait()
-        for task in tasks:
+        for task in [*tasks, *self._creates]:
             task.cancel()
+        await asyncio.gather(*tasks, *self._creates, return_exceptions=True)
+        self.api.close()
         await self.jobs.close()
         await self.client.close()
         socket.close()
@@ -193,19 +196,35 @@ class BatchService:
             except (WireError, ValueError, RecursionError) as error:
                 self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
                 continue
-            try:
-                status, body, chunk = self._answer(call, params, data)
-            except Exception as error:  # a bug in one call must not take the service down
-                self.log.exception("batch call failed", op=call.op)
-                status, body, chunk = 500, _server_error(str(error)), None
-            await socket.send_multipart([identity, *self._reply(call, status, body, chunk)])
+            answering = self._serve_call(socket, identity, call, params, data)
+            if call.op == "batch_create":  # it waits for a worker thread; the calls after, not
+                task = asyncio.create_task(answering)
+                self._creates.add(task)
+                task.add_done_callback(self._creates.discard)
+            else:  # one at a time, in order (what comes meanwhile waits in ZeroMQ's queue)
+                await answering
 
-    def _answer(
+    async def _serve_call(
+        self,
+        socket: zmq.asyncio.Socket,
+        identity: bytes,
+        call: wire_batch.BatchCall,
+        params: dict,
+        data: bytes | None,
+    ) -> None:
+        try:
+            status, body, chunk = await self._answer(call, params, data)
+        except Exception as error:  # a bug in one call must not take the service down
+            self.log.exception("batch call failed", op=call.op)
+            status, body, chunk = 500, _server_error(str(error)), None
+        await socket.send_multipart([identity, *self._reply(call, status, body, chunk)])
+
+    async def _answer(
         self, call: wire_batch.BatchCall, params: dict, data: bytes | None
     ) -> tuple[int, dict, bytes | None]:
         if call.op == "metrics":  # the gateway's, for its /metrics: no tenant's, no file's
             return 200, {"object": "metrics"}, generate_latest(self.metrics.registry)
-        return self.api.handle(call.op, call.tenant, params, data)
+        return await self.api.answer(call.op, call.tenant, params, data)
 
     def _reply(
         self, call: wire_batch.BatchCall, status: int, body: dict, chunk: bytes | None

@@ -10,8 +10,11 @@ a prompt prefix are fed together (services.batch.validation.prefix_key). UNIQUE(
 custom_id) is the duplicate check of validation, and the key that recovery marks answered lines
 by.
 
-The service runs on one asyncio thread, so one connection is enough; every write commits at once,
-save the few that must go together, which `transaction` wraps (and rolls back on any exception).
+The service runs on one asyncio thread, with one connection; the long work (validating a 200 MB
+file) runs in a worker thread with a connection of its own (a connection is its thread's), which
+WAL lets write while the loop's reads go on. Every write commits at once, save the few that must
+go together, which `transaction` wraps (and rolls back on any exception); a write waits out the
+other connection's (short) write transaction, up to BUSY_TIMEOUT_S.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -55,6 +58,8 @@ _MIGRATIONS = {
 }
 _INDEXES = "CREATE INDEX IF NOT EXISTS lines_in_feed_order ON lines (batch_id, prefix_key, line_no)"
 PENDING, ANSWERED = 0, 1
+T = TypeVar("T")
+BUSY_TIMEOUT_S = 30.0  # (the other connection's transactions take milliseconds)
 
 
 class Store:
@@ -62,7 +67,9 @@ class Store:
         self.directory = Path(directory)
         self.files_dir = self.directory / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.directory / "batch.sqlite3", isolation_level=None)
+        self.db = sqlite3.connect(
+            self.directory / "batch.sqlite3", isolation_level=None, timeout=BUSY_TIMEOUT_S
+        )
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: a kill -9 loses nothing committed
@@ -76,13 +83,24 @@ class Store:
     def close(self) -> None:
         self.db.close()
 
+    def run_apart(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(store, *args)` on a store of the same database with a connection of its own,
+        made, used and closed here: for a worker thread (`asyncio.to_thread(store.run_apart,
+        ...)`), as this store's connection is the loop thread's."""
+        own = Store(self.directory)
+        try:
+            return work(own, *args)
+        finally:
+            own.close()
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """BEGIN ... COMMIT, rolled back on any exception. The connection autocommits, so a
         transaction an exception left open took every later write into itself, never committed
         (and the next BEGIN failed): one bad line's value broke the service until a restart
-        threw the writes away."""
-        self.db.execute("BEGIN")
+        threw the writes away. IMMEDIATE: the write lock is taken (or waited for) at BEGIN,
+        never refused midway because the other connection wrote since this one read."""
+        self.db.execute("BEGIN IMMEDIATE")
         try:
             yield
             self.db.execute("COMMIT")

@@ -10,16 +10,19 @@ QUOTE_CHARS of the line's own values (1,000 errors are kept: the batch object th
 must stay small enough to send); one bad line fails the whole batch. A line
 that passes is recorded with its byte offset, so the runner can read it again later by seeking,
 and with its prefix key (`prefix_key`), the order the runner feeds lines in. Blank lines are
-skipped, as OpenAI does, up to MAX_BLANK_LINES: the scans run on the service's one loop, and a
-200 MB file of newlines is 200 million lines to skip (about 30 s, as long as the gateway waits
-for an answer).
+skipped, as OpenAI does, up to MAX_BLANK_LINES: a create waits for its count, and a 200 MB file
+of newlines is 200 million lines to skip (about 30 s, as long as the gateway waits for an
+answer). Both the count and `validate` run in worker threads, off the service's loop (a 200 MB
+file takes seconds to validate, in which the loop answered no call).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+import re
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +34,17 @@ PREFIX_KEY_CHARS = 512
 MAX_ERRORS = 1000  # errors.data entries kept (the count of the rest is in the last one)
 QUOTE_CHARS = 100  # of a value an error message quotes
 MAX_BLANK_LINES = 100_000  # skipped in one file (~20 ms); past them the file is refused
+# Where a lone surrogate can come from in a UTF-8 line: a \uD800-\uDFFF escape, or the bytes
+# that encode one (json.loads decodes bytes with surrogatepass).
+_SURROGATE_SOURCE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def error(code: str, message: str, line: int | None = None, param: str | None = None) -> dict:
     return {"code": code, "message": message, "param": param, "line": line}
+
+
+class ValidationStopped(Exception):
+    """The validation was asked to stop (its batch cancelled, or the service stopping)."""
 
 
 class TooManyBlankLines(ValueError):
@@ -69,14 +79,12 @@ def prefix_key(body: dict[str, Any]) -> str:
     messages (role and text, in order) or a completion's prompt (text, or token ids written out).
     Lines are fed in the order of these keys, so prompts that share a start (a system prompt,
     few-shot examples) sit next to each other and the prefix cache computes that start once per
-    job rather than once per line; lines with equal keys keep their file order."""
+    job rather than once per line; lines with equal keys keep their file order. Only the key's
+    characters are written out (a prompt of a million token ids was written out whole, in
+    seconds, to keep 512 characters of it)."""
     messages, prompt = body.get("messages"), body.get("prompt")
     if isinstance(messages, list):
-        parts = []
-        for message in messages:
-            if isinstance(message, dict):
-                parts += [str(message.get("role")), _text_of(message.get("content"))]
-        text = "\x00".join(parts)
+        text = "\x00".join(_up_to_the_key(messages, _message_text))
     elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         text = _text_of(prompt[0])  # several prompts in one line: the first leads
     else:
@@ -84,18 +92,38 @@ def prefix_key(body: dict[str, Any]) -> str:
     return text[:PREFIX_KEY_CHARS]
 
 
+def _message_text(message: Any) -> str:
+    if not isinstance(message, dict):
+        return ""
+    return f"{message.get('role')}\x00{_text_of(message.get('content'))}"
+
+
+def _up_to_the_key(items: list, text_of: Callable[[Any], str]) -> Iterator[str]:
+    """The texts of `items` in order, no further than the one that brings their length to
+    PREFIX_KEY_CHARS (the rest cannot reach the key)."""
+    size = 0
+    for item in items:
+        text = text_of(item)
+        if text:
+            yield text
+        size += len(text)
+        if size >= PREFIX_KEY_CHARS:
+            return
+
+
 def _text_of(content: Any) -> str:
+    """The content's text, or at least its first PREFIX_KEY_CHARS characters."""
     if isinstance(content, str):
-        return content
+        return content[:PREFIX_KEY_CHARS]
     if isinstance(content, list):  # chat content parts, or token ids
-        return "".join(_part_text(part) for part in content)
+        return "".join(_up_to_the_key(content, _part_text))
     return ""
 
 
 def _part_text(part: Any) -> str:
     if isinstance(part, dict):  # a content part: its text, when it is one (else the parser's 400)
         text = part.get("text")
-        return text if isinstance(text, str) else ""
+        return text[:PREFIX_KEY_CHARS] if isinstance(text, str) else ""
     return f"{part},"
 
 
@@ -128,6 +156,14 @@ def has_lone_surrogate(value: Any) -> bool:
     return False
 
 
+def may_hold_a_surrogate(text: bytes) -> bool:
+    """Whether the line's JSON can decode to a lone surrogate (else has_lone_surrogate need not
+    walk it: a line of thousands of token ids took milliseconds to walk)."""
+    if not json.detect_encoding(text).startswith("utf-8"):  # (UTF-16 or 32: no shortcut)
+        return True
+    return _SURROGATE_SOURCE.search(text) is not None
+
+
 def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | None, str, list[dict]]:
     """(the line's custom_id if it has one, its prefix key, the problems found), without line
     numbers."""
@@ -137,7 +173,8 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
         return None, "", [error("invalid_json", f"the line is not valid JSON: {e}")]
     if not isinstance(line, dict):
         return None, "", [error("invalid_json", "the line must be a JSON object")]
-    if has_lone_surrogate(line):  # (nothing of it is recorded: SQLite cannot store it)
+    # (nothing of such a line is recorded: SQLite cannot store it)
+    if may_hold_a_surrogate(text) and has_lone_surrogate(line):
         message = "the line holds a string that is not Unicode (a lone surrogate such as \\ud83d)"
         return None, "", [error("invalid_json", message)]
     problems = []
@@ -177,9 +214,13 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
     return custom_id, key, problems
 
 
-def validate(store: Store, batch: dict[str, Any], models: list[str]) -> tuple[int, list[dict]]:
+def validate(
+    store: Store, batch: dict[str, Any], models: list[str], stop: threading.Event | None = None
+) -> tuple[int, list[dict]]:
     """Records the lines of `batch`'s input file; (number of lines, errors). Errors mean the
-    batch fails and its recorded lines are dropped."""
+    batch fails and its recorded lines are dropped. Runs in a thread of its own (a 200 MB file
+    takes seconds), with a connection of its own (`store`); `stop` set, it drops the lines
+    recorded and raises ValidationStopped at the next line."""
     store.drop_lines(batch["id"])  # a validation cut short by a kill starts again
     errors: list[dict] = []
     num_errors = num_lines = 0
@@ -206,6 +247,9 @@ def validate(store: Store, batch: dict[str, Any], models: list[str]) -> tuple[in
     path = store.path_of(batch["input_file_id"])
     try:
         for line_no, offset, text in raw_lines(path):
+            if stop is not None and stop.is_set():
+                store.drop_lines(batch["id"])
+                raise ValidationStopped
             num_lines += 1
             custom_id, key, problems = check_line(text, batch["endpoint"], models)
             for problem in problems:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import zmq
@@ -256,3 +257,147 @@ def test_an_abandoned_upload_is_dropped_on_the_services_timer(tmp_path):
         return upload.path.exists(), begun["upload_id"] in api._uploads
 
     assert asyncio.run(scenario()) == (False, False)
+
+
+def write_big_input(store, num_lines: int) -> str:
+    """A valid input file of `num_lines` completions of 500 token ids each, every line with
+    an escaped emoji (a surrogate pair: each line's strings are walked); its file id."""
+    body = {"model": "m", "prompt": list(range(500)), "suffix": "\U0001f600"}
+    line = {"custom_id": "CUSTOM_ID", "method": "POST", "url": "/v1/completions", "body": body}
+    template = json.dumps(line).encode()
+    path = store.path_of("file-big")
+    with open(path, "wb") as file:
+        for n in range(num_lines):
+            file.write(template.replace(b"CUSTOM_ID", b"r%d" % n) + b"\n")
+    store.add_file("file-big", "t", "batch", "big.jsonl", path.stat().st_size)
+    return "file-big"
+
+
+async def serving_with_a_big_input(tmp_path, num_lines: int, run) -> Any:
+    """Runs `run(link, file_id)` against a service in this process, its big input written."""
+    from services.batch.service import BatchService
+    from services.gateway.batch_link import BatchLink
+
+    config = BatchServiceConfig(
+        address=f"ipc://{tmp_path}/batch.sock",
+        gateway_rpc_address=f"ipc://{tmp_path}/nobody.sock",
+        data_dir=str(tmp_path / "data"),
+    )
+    service = BatchService(config)
+    file_id = write_big_input(service.store, num_lines)
+    serving = asyncio.create_task(service.serve())
+    link = BatchLink(config.address, timeout_s=60)
+    await link.start()
+    try:
+        return await run(link, file_id)
+    finally:
+        await link.close()
+        service._stopping.set()
+        await serving
+
+
+def create_params(file_id: str) -> dict:
+    return {"input_file_id": file_id, "endpoint": "/v1/completions",
+            "completion_window": "24h", "models": ["m"]}  # fmt: skip
+
+
+def test_the_service_answers_calls_while_a_big_file_validates(tmp_path):
+    """Validation ran on the service's one loop: a 184 MB file took seconds (a file of long
+    token-id arrays far longer), during which no call was answered (uploads, status, other
+    tenants' creates) and the gateway's relays timed out as 503s."""
+
+    async def probe_while_validating(link, file_id) -> tuple[dict, list[float]]:
+        _, batch, _ = await link.call("batch_create", "t", create_params(file_id))
+        waits = []
+        while batch["status"] == "validating":
+            started = time.monotonic()
+            _, batch, _ = await link.call("batch_get", "t", {"batch_id": batch["id"]})
+            await link.call("file_list", "t", {"limit": 1})
+            waits.append(time.monotonic() - started)
+            await asyncio.sleep(0.05)
+        return batch, waits
+
+    batch, waits = asyncio.run(serving_with_a_big_input(tmp_path, 20_000, probe_while_validating))
+    assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 20_000
+    assert len(waits) > 2 and max(waits) < 0.5, waits
+
+
+def test_a_cancel_stops_a_big_files_validation_at_once(tmp_path):
+    """A batch cancelled while `validating` ends `cancelled` (OpenAI's); the cancel waited for
+    the whole file to be validated first (it was not even received until then)."""
+
+    async def cancel_while_validating(link, file_id) -> tuple[dict, float]:
+        _, batch, _ = await link.call("batch_create", "t", create_params(file_id))
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        _, batch, _ = await link.call("batch_cancel", "t", {"batch_id": batch["id"]})
+        while batch["status"] == "cancelling":
+            await asyncio.sleep(0.05)
+            _, batch, _ = await link.call("batch_get", "t", {"batch_id": batch["id"]})
+        return batch, time.monotonic() - started
+
+    batch, waited = asyncio.run(serving_with_a_big_input(tmp_path, 20_000, cancel_while_validating))
+    assert batch["status"] == "cancelled" and batch["request_counts"]["total"] == 0
+    assert waited < 1.0
+
+
+def test_the_service_answers_calls_while_a_create_counts_its_file(tmp_path, monkeypatch):
+    """A create counted its file's requests on the service's loop: a 200 MB file of one line is
+    read whole (most of a second, on a loaded machine more), and no call was answered
+    meanwhile. The count is slowed down here, as a slow disk would."""
+    from services.batch import api
+
+    count = api.num_requests
+
+    def slow_count(path, at_most: int) -> int:
+        time.sleep(1.5)
+        return count(path, at_most)
+
+    monkeypatch.setattr(api, "num_requests", slow_count)
+
+    async def list_while_creating(link, file_id) -> tuple[dict, float]:
+        creating = asyncio.create_task(link.call("batch_create", "t", create_params(file_id)))
+        await asyncio.sleep(0.3)  # (the create is counting)
+        started = time.monotonic()
+        status, files, _ = await link.call("file_list", "t", {})
+        waited = time.monotonic() - started
+        assert status == 200 and not creating.done()
+        _, batch, _ = await creating
+        return batch, waited
+
+    batch, waited = asyncio.run(serving_with_a_big_input(tmp_path, 10, list_while_creating))
+    assert batch["status"] == "validating" and waited < 0.5
+
+
+def test_a_kill_mid_validation_leaves_the_batch_validating_and_a_restart_validates_it(tmp_path):
+    """Validation runs in a worker thread, its lines committed page by page on a connection of
+    its own: a kill -9 midway still leaves the batch `validating`, and the restart validates it
+    again from the start (no line recorded twice, none lost)."""
+    from services.batch.store import Store
+
+    store = Store(tmp_path / "data")
+    file_id = write_big_input(store, 20_000)
+    store.close()
+    process = start(tmp_path)
+    wait_listening(process)
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"ipc://{tmp_path}/batch.sock")
+    try:
+        status, batch, _ = call(socket, "batch_create", create_params(file_id))
+        assert status == 200 and batch["status"] == "validating"
+        time.sleep(0.5)
+        process.kill()
+        process.wait()
+        process = start(tmp_path)
+        wait_listening(process)
+        deadline = time.monotonic() + 120
+        while batch["status"] == "validating" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            _, batch, _ = call(socket, "batch_get", {"batch_id": batch["id"]})
+        assert batch["status"] == "in_progress"
+        assert batch["request_counts"]["total"] == 20_000
+    finally:
+        socket.close()
+        process.kill()
+        process.wait()

@@ -150,6 +150,25 @@ def test_prefix_keys_of_chat_and_completion_lines():
     assert prefix_key({"prompt": None, "messages": "nonsense"}) == ""
 
 
+def test_prefix_keys_of_long_prompts_are_their_start():
+    """Only the key's characters are written out (a prompt of millions of token ids was written
+    out whole, for seconds, to keep 512 characters); the key is the same."""
+    ids = list(range(100_000))
+    assert prefix_key({"prompt": ids}) == "".join(f"{i}," for i in ids)[:PREFIX_KEY_CHARS]
+    assert prefix_key({"prompt": [ids, [1]]}) == prefix_key({"prompt": ids})
+    parts = [{"type": "text", "text": ""}] * 3 + [{"type": "text", "text": "t" * 10_000}]
+    messages = [{"role": "user", "content": "m" * 100}] * 1000 + [
+        {"role": "user", "content": parts}
+    ]
+    expected = "\x00".join(f"user\x00{'m' * 100}" for _ in range(1000))[:PREFIX_KEY_CHARS]
+    assert prefix_key({"messages": messages}) == expected
+    only_parts = [{"role": "user", "content": parts}, "not a message", {"role": "x"}]
+    assert prefix_key({"messages": only_parts}) == ("user\x00" + "t" * 10_000)[:PREFIX_KEY_CHARS]
+    assert prefix_key({"messages": [{"role": "a", "content": "b"}, 5, {"role": "c"}]}) == (
+        "a\x00b\x00c\x00"
+    )
+
+
 def test_an_old_database_gains_the_prefix_key(tmp_path):
     import sqlite3
 
@@ -277,6 +296,22 @@ def test_a_line_with_a_lone_surrogate_is_refused_naming_its_line(store):
                                                         (4, "invalid_json")]  # fmt: skip
     assert "not Unicode" in errors[0]["message"] and not store.db.in_transaction
     assert validate(store, new_batch(store, [good("a")], "batch_y"), ["m"]) == (1, [])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"custom_id": "\xed\xa0\xbd", "method": "POST"}',  # a surrogate's UTF-8 bytes
+        b'{"custom_id": "a", "prompt": "\\uDC0A"}',  # an escape in capitals
+        '{"custom_id": "\ud83d"}'.encode("utf-16-le", "surrogatepass"),  # another encoding
+    ],
+    ids=["utf-8-bytes", "capital-escape", "utf-16"],
+)
+def test_a_lone_surrogate_not_written_as_a_small_escape_is_refused_too(text):
+    """Lines with no surrogate escape are not walked (a line of thousands of token ids took
+    milliseconds to walk): every other way to a lone surrogate is still walked."""
+    _, _, problems = check_line(text, "/v1/completions", ["m"])
+    assert [p["code"] for p in problems] == ["invalid_json"]
 
 
 def test_error_messages_quote_a_bounded_part_of_the_line(store):

@@ -227,20 +227,28 @@ def test_a_batch_cancelled_while_it_validates_ends_cancelled(store, monkeypatch,
                      "/v1/completions", "input_file_id": "file-in", "_models": ["m"],
                      "_tenant": "t", "expires_at": time.time() + 60}, "t")  # fmt: skip
 
-    def cancelled_meanwhile(*args):  # the cancel came in at the validation's yield to the loop
+    async def cancel() -> None:  # (on the loop, where the store's connection lives)
         status, _, _ = BatchApi(store, manager, Limits()).handle(
             "batch_cancel", "t", {"batch_id": "batch_x"}, None
         )
         assert status == 200 and store.get_batch("batch_x")["status"] == "cancelling"
+
+    def cancelled_meanwhile(own_store, batch, models, _stop):
+        # The cancel came in as the validation's thread read the last line (too late to stop
+        # it: the stop is not passed on).
+        asyncio.run_coroutine_threadsafe(cancel(), loop).result(10)
         if input_is == "unreadable":
             raise OSError("the disk went away")
-        return validate(*args)
+        return validate(own_store, batch, models)
 
     monkeypatch.setattr(jobs, "validate", cancelled_meanwhile)
 
     async def scenario() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
         await asyncio.wait_for(manager._drive("batch_x"), 20)
 
+    loop = None
     manager = JobManager(store, PlayedClient(), RunLimits())
     asyncio.run(scenario())
     batch = store.get_batch("batch_x")
@@ -344,3 +352,38 @@ def test_a_cancel_while_lines_run_past_the_deadline_aborts_them(store):
     batch = run(store, PlayedClient(), cancel_after_s=0.8)
     assert batch["status"] == "cancelled"
     assert answered(store, batch) == {"a": 200}
+
+
+def test_a_big_jobs_recovery_and_expiry_leave_the_loop_free(store):
+    """Reading back the answers a kill left and answering the lines never started
+    `batch_expired` ran on the service's one loop: 10,000 lines each took seconds in which the
+    service answered no call (the gateway's relays timed out as 503s)."""
+    num_lines = 20_000
+    validated_batch(store, [line(f"r{n}", "ok") for n in range(num_lines)], expires_in_s=-1)
+    answer = {"id": "x", "response": {"status_code": 200, "request_id": "x", "body": {}}}
+    with open(store.path_of(answers.output_file_id("batch_x")), "wb") as file:
+        for n in range(0, num_lines, 2):  # every other line answered just before a kill
+            file.write(json.dumps({**answer, "custom_id": f"r{n}", "error": None}).encode() + b"\n")
+
+    async def scenario() -> float:
+        longest_gap, done = 0.0, False
+
+        async def tick() -> None:
+            nonlocal longest_gap
+            while not done:
+                before = time.monotonic()
+                await asyncio.sleep(0.01)
+                longest_gap = max(longest_gap, time.monotonic() - before)
+
+        ticking = asyncio.create_task(tick())
+        await asyncio.wait_for(JobRunner(store, PlayedClient(), "batch_x", RunLimits()).run(), 60)
+        done = True
+        await ticking
+        return longest_gap
+
+    longest_gap = asyncio.run(scenario())
+    batch = store.get_batch("batch_x")
+    assert batch["status"] == "expired"
+    counts = {"total": num_lines, "completed": num_lines // 2, "failed": num_lines // 2}
+    assert batch["request_counts"] == counts
+    assert longest_gap < 0.5
