@@ -16,6 +16,7 @@ from services.worker.peer_sockets import PeerSockets
 def worker_state(context: zmq.Context) -> PrefillWorker:
     worker = object.__new__(PrefillWorker)
     worker.transfers, worker._opened_at, worker._last_ack_at = {}, {}, {}
+    worker._registration = 0  # (its transfers' registration: none of them is of an earlier)
     worker.decode_sockets = PeerSockets(lambda: context.socket(zmq.DEALER), 60.0)
     worker.events = types.SimpleNamespace(kv_failed=lambda *args: None)
     worker.reported = []
