@@ -94,6 +94,7 @@ class DecodeWorker(WorkerLoop):
     role = "decode"
     events_class = DecodeEvents
     peer_messages = (wire.KvTransfer,)  # from prefill workers, on its KV socket
+    binds_address = True  # that KV socket
     events: DecodeEvents
 
     def __init__(self, config: WorkerConfig, context: zmq.Context | None = None):

@@ -246,10 +246,7 @@ class AgedBulkAdmission:
     def __call__(self, item: QueuedRequest) -> bool:
         if item.bulk and self.now - item.arrival >= self.bulk_max_wait_s:  # (as the policy)
             n = item.num_prompt_tokens
-            for low, high in self.lengths.interactive:  # noqa: SIM110
-                if low <= n <= high:
-                    return True
-            return False
+            return self.lengths.meet(False, n, n)  # an interactive request's room
         return self.lengths(item)
 
 

@@ -42,6 +42,7 @@ class WorkerLoop(abc.ABC):
     # What the role takes from other workers' sockets; every other message only from the
     # scheduler's link (a peer's HelloAck or Reserve is not the scheduler's).
     peer_messages: tuple[type[wire.Message], ...] = ()
+    binds_address = False  # the role listens on `config.address` (a decode worker's KV socket)
 
     def __init__(
         self,
@@ -129,7 +130,7 @@ class WorkerLoop(abc.ABC):
         if config.metrics_port is not None:  # (0, any free port: the host is still checked)
             what = describe("metrics_host", "metrics_port")
             check_tcp_port(config.metrics_host, config.metrics_port, what)
-        if self.role == "decode" and config.address is not None:  # its KV ROUTER's, bound later
+        if self.binds_address and config.address is not None:  # (bound after the model loads)
             check_address(config.address, "address")
 
     def _cache_key(self) -> str | None:

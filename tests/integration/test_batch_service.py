@@ -57,6 +57,14 @@ def test_a_wrong_setting_stops_the_command_with_status_2(tmp_path):
     assert process.returncode == 2 and "max_in_flight" in output.decode()
 
 
+def dealer(tmp_path) -> zmq.Socket:
+    """A plain connection to the service started in `tmp_path` (as the gateway's link)."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(f"ipc://{tmp_path}/batch.sock")
+    return socket
+
+
 def wait_listening(process: subprocess.Popen) -> None:
     for line in process.stdout:  # start-up may take a while on a busy machine
         if b"batch service listening" in line:
@@ -67,10 +75,7 @@ def wait_listening(process: subprocess.Popen) -> None:
 def test_wrong_frames_are_dropped_and_logged_and_files_survive_a_restart(tmp_path):
     process = start(tmp_path)
     wait_listening(process)
-    context = zmq.Context.instance()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"ipc://{tmp_path}/batch.sock")
+    socket = dealer(tmp_path)
     try:
         socket.send_multipart([b"\xff"])
         socket.send_multipart([b"\x40", b"not msgpack"])
@@ -159,9 +164,7 @@ def test_a_line_with_a_lone_surrogate_fails_its_batch_and_the_service_goes_on(tm
     bad = good.replace(b'"hi"', b'"hi \\ud83d"').replace(b'"a"', b'"b"')
     process = start(tmp_path)
     wait_listening(process)
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"ipc://{tmp_path}/batch.sock")
+    socket = dealer(tmp_path)
     try:
         failed = validated(socket, good + b"\n" + bad + b"\n")
         assert failed["status"] == "failed"
@@ -380,9 +383,7 @@ def test_a_kill_mid_validation_leaves_the_batch_validating_and_a_restart_validat
     store.close()
     process = start(tmp_path)
     wait_listening(process)
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"ipc://{tmp_path}/batch.sock")
+    socket = dealer(tmp_path)
     try:
         status, batch, _ = call(socket, "batch_create", create_params(file_id))
         assert status == 200 and batch["status"] == "validating"
