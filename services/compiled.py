@@ -44,11 +44,13 @@ CHOICES = ("off", "on")
 SERVICES = Path(__file__).parent
 ROOT = SERVICES.parent  # the repository (or site-packages) holding `services`, `shared`
 SCHEDULER = (
+    "adopted",
     "cache_holders",
     "cache_placement",
     "cache_routing",
     "candidates",
     "core",
+    "decode_fit",
     "fair_share",
     "lazy_heap",
     "prefix_index",

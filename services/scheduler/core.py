@@ -29,7 +29,9 @@ chosen prefill worker, naming the decode target. A request whose reservation is 
 whose worker stops sending heartbeats before its KV reached the decode worker, goes back to the
 queue with its original arrival time (its prompt's charge refunded); one whose decode worker dies
 mid-stream is failed with an error to its gateway. Cancels are forwarded to every worker holding
-state for the request.
+state for the request. The requests an earlier life of the scheduler left decoding are adopted
+from their decode workers' heartbeats (`adopted.py`): when such a worker leaves, every gateway is
+told they are lost, and the one running them resumes them.
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from services.scheduler import lazy_heap
+from services.scheduler.adopted import AdoptedRequests
 from services.scheduler.cache_holders import CacheHolders
 from services.scheduler.cache_placement import CachePlacement, prefill_tokens
 from services.scheduler.cache_routing import RoutingWeights, routing_rate
 from services.scheduler.candidates import prefill_candidates
+from services.scheduler.decode_fit import DecodeFitAdmission
 from services.scheduler.fair_share import (
     FairQueue,
     FairShareConfig,
@@ -170,11 +174,20 @@ class TrackedRequest:
         # Read off the SUBMIT (which never changes) once: every decision asks them several times.
         self.request_id = submit.request_id
         self.num_prefill_tokens = num_prefill_tokens(submit)
+        # The most its sequence may hold on a decode worker, whose pool must hold it all.
+        self.num_needed_tokens = len(submit.prompt_token_ids) + submit.sampling.max_tokens
 
     @property
     def prefill_began(self) -> bool:
         """A prefill worker holds it, and its first token may have reached the client."""
         return self.phase >= Phase.PREFILLING or self.speculative
+
+
+def ended_delta(request_id: str, finish_reason: str, error: str) -> wire.TokenDelta:
+    """A delta with no tokens that ends a request's attempt so, with the error."""
+    return wire.TokenDelta(
+        request_id=request_id, token_ids=[], finish_reason=finish_reason, error=error
+    )
 
 
 def num_prefill_tokens(submit: wire.Submit) -> int:
@@ -315,6 +328,12 @@ class ClusterScheduler:
         self.service_rate = ServiceRate()
         self.awaiting_first_token = InHand()
         self.num_refused_past_deadline = 0
+        # The most tokens a request admitted may hold on its decode worker: while some decode
+        # worker's pool is smaller, dispatch asks where each would fit (`decode_fit.py`).
+        self.largest_need = 0
+        # Requests an earlier life of the scheduler placed, still on the decode workers that
+        # list them (`adopted.py`): a worker's death is told to the gateways all the same.
+        self.adopted = AdoptedRequests(UNLISTED_BEATS)
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -394,13 +413,29 @@ class ClusterScheduler:
         }
         busy = heartbeat.num_running + heartbeat.num_waiting + heartbeat.num_swapped > 0
         worker.record_progress(heartbeat.steps_completed, busy, now)
+        unknown: list[str] = []  # neither tracked nor given up on: an earlier life's
         for request_id in heartbeat.request_ids:
             if request_id in self.abandoned:
                 self._send(identity, wire.Cancel(request_id=request_id, reason="abandoned"))
-        if len(heartbeat.request_ids) < wire.MAX_HELD_IDS:  # (a full list proves nothing)
+            elif request_id not in self.requests:
+                unknown.append(request_id)
+        full = len(heartbeat.request_ids) >= wire.MAX_HELD_IDS  # (a full list proves nothing)
+        if worker.role == "decode":
+            self._adopt(worker, unknown, full)
+        if not full:
             self._ended_unheard(worker, heartbeat.request_ids)
         self._dispatch(now)
         return self.take_outbox()
+
+    def _adopt(self, worker: WorkerState, unknown: list[str], full: bool) -> None:
+        """Adopts the requests a decode worker lists that the scheduler never placed (its
+        earlier life did), and forgets those it no longer lists (`adopted.py`). Each takes a
+        seat of the worker, as a request placed here does: the worker holds it."""
+        listing = self.adopted.heard(worker.peer_id, unknown, worker.num_heartbeats, full)
+        for request_id in listing.adopted:
+            self.registry.assign(worker, request_id, 0)
+        for request_id in listing.forgotten:
+            self.registry.release(worker, request_id)
 
     def _ended_unheard(self, worker: WorkerState, held_ids: list[str]) -> None:
         """Requests decoding on this decode worker, or prefilling on this prefill worker, that
@@ -506,6 +541,7 @@ class ClusterScheduler:
             submit, submit.gateway_peer_id, party, arrival=now, index=next(self._admissions)
         )
         self.requests[submit.request_id] = request
+        self.largest_need = max(self.largest_need, request.num_needed_tokens)
         self.queue.track(party)
         self._enqueue(request, now)
         accepted = wire.SubmitReply(
@@ -522,7 +558,7 @@ class ClusterScheduler:
     def _admission_refusal(
         self, submit: wire.Submit, now: float
     ) -> tuple[int, str, float | None] | None:
-        if submit.request_id in self.requests:
+        if submit.request_id in self.requests or self.adopted.holds(submit.request_id):
             return 400, f"request id {submit.request_id!r} is already in flight", None
         deadline = submit.first_token_deadline_s
         if deadline is not None and not deadline > 0:  # NaN too
@@ -625,6 +661,8 @@ class ClusterScheduler:
         request = self.requests.get(cancel.request_id)
         if request is not None:
             self._forget(request, cancel_reason=cancel.reason)
+        elif self.adopted.holds(cancel.request_id):  # (its client left after a restart)
+            self._let_go_adopted(cancel.request_id, cancel.reason)
         return self.take_outbox()
 
     def on_reserve_reply(self, reply: wire.ReserveReply, now: float) -> list[Outgoing]:
@@ -707,6 +745,7 @@ class ClusterScheduler:
     def _request_done(self, done: wire.RequestDone, now: float) -> None:
         request = self.requests.get(done.request_id)
         if request is None:
+            self._adopted_done(done)
             return
         if done.num_output_tokens > 0:
             self.queue.charge(request.party, num_output_tokens=done.num_output_tokens)
@@ -766,11 +805,16 @@ class ClusterScheduler:
     def _dispatch(self, now: float) -> None:
         while len(self.queue) and self.registry.any_healthy("prefill", now):
             lengths = self._placeable_lengths(now)
+            admission: Callable[[QueuedRequest], bool] = lengths
+            promise = lengths
             if lengths.interactive and self._holds_aged_bulk(now):
-                admission = AgedBulkAdmission(lengths, now, self._bulk_max_wait_s)
-                item = self.queue.pop_next(now, admission, admission.promise)
-            else:
-                item = self.queue.pop_next(now, lengths, lengths)
+                aged = AgedBulkAdmission(lengths, now, self._bulk_max_wait_s)
+                admission, promise = aged, aged.promise
+            if self.largest_need > self.registry.smallest_decode_pool and not lengths.empty:
+                admission = DecodeFitAdmission(
+                    admission, promise, self.requests, self.registry, now, self._bulk_max_wait_s
+                )
+            item = self.queue.pop_next(now, admission, promise)
             if item is None:
                 break
             request = self.requests[item.request_id]
@@ -865,7 +909,9 @@ class ClusterScheduler:
         affinity = self.placement.decode_affinity(request.submit)
         holders = self._holders(request.submit)[1] if affinity is not None else None
         bulk = request.placed_as_bulk
-        decode = self.registry.pick_decode(num_tokens, now, affinity, holders, bulk)
+        decode = self.registry.pick_decode(
+            num_tokens, now, affinity, holders, bulk, request.num_needed_tokens
+        )
         assert decode is not None, "the policy only picks placeable requests"
         # Its tokens leave the queue's count as it leaves the phase (`_forget` reads it).
         self.num_queued_tokens -= num_prompt_tokens
@@ -1018,6 +1064,7 @@ class ClusterScheduler:
         """A worker left: re-route what can be, fail what cannot."""
         self.prefix_index.remove(worker.peer_id)
         self.cache_holders.forget(worker.peer_id)
+        self._lose_adopted(worker, why)
         # (Every one: the worker is out of the registry, so one left now is stranded. In the
         # ids' order, not the set's, which follows the process's string hashing: a simulation
         # would re-route them in another order each run.)
@@ -1043,6 +1090,73 @@ class ClusterScheduler:
             if request.prefill_peer_id == worker.peer_id:
                 request.prefill_peer_id = None
             self._requeue(request, now, cancel_reason=f"worker {worker.peer_id} left")
+
+    # -- requests of an earlier life (`adopted.py`) ---------------------------------------------
+
+    def _lose_adopted(self, worker: WorkerState, why: str) -> None:
+        """The requests adopted from a worker that left go back to their gateway, as a placed
+        request's would (`_reroute`). Which gateway is unknown: every one is told, and those
+        not running the attempt drop the word."""
+        request_ids = self.adopted.forget_worker(worker.peer_id)
+        if not request_ids:
+            return
+        error = f"worker {worker.peer_id} {why} (it held the request across a scheduler restart)"
+        lost: list[wire.TokenDelta] = []
+        for request_id in request_ids:
+            # If it is alive after all (a long stall), it must stop working for nobody.
+            self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
+            self._let_go_adopted(request_id, "lost")
+            lost.append(ended_delta(request_id, "lost", error))
+        self._tell_every_gateway(lost)
+
+    def _adopted_done(self, done: wire.RequestDone) -> None:
+        """A report on an adopted request from a worker holding it, read as a placed one's
+        (`_request_done`): a sequence handed back for recompute, or a local prefill that
+        failed, goes back to be resumed; an end goes to the gateways (where the stream ended:
+        its last delta may have been lost)."""
+        if not self.adopted.held_by(done.peer_id, done.request_id):
+            return  # (a report from an earlier life's prefill worker, or a stale one)
+        if done.phase == "prefill" and done.finish_reason is None:
+            return  # prefilled on the decode worker itself, and decoding on there
+        self.adopted.forget(done.peer_id, done.request_id)
+        worker = self.registry.get(done.peer_id)
+        if worker is not None:
+            self.registry.release(worker, done.request_id)
+        resumed = done.phase == "decode" and done.finish_reason == "preempted"
+        failed = done.phase == "prefill" and done.finish_reason == "error"
+        # (Any other worker holding it holds a reservation the old scheduler gave up on.)
+        self._let_go_adopted(done.request_id, "lost" if resumed or failed else "finished")
+        if resumed or failed:
+            why = "preempted for recompute" if resumed else "its prefill failed"
+            error = f"{why} on {done.peer_id} (held across a scheduler restart)"
+            finish_reason = "preempted" if resumed else "lost"
+            self._tell_every_gateway([ended_delta(done.request_id, finish_reason, error)])
+        elif done.output_length is not None and done.finish_reason is not None:
+            ended = wire.StreamEnded(
+                request_id=done.request_id,
+                finish_reason=done.finish_reason,
+                output_length=done.output_length,
+            )
+            for gateway in self.gateways.values():
+                self._send(gateway.identity, ended)
+
+    def _let_go_adopted(self, request_id: str, reason: str) -> None:
+        """Gives up on an adopted request: every worker still holding it is told to let it go
+        (its seat freed), and it is remembered as abandoned (never adopted again)."""
+        for peer_id in self.adopted.holders(request_id):
+            self.adopted.forget(peer_id, request_id)
+            worker = self.registry.get(peer_id)
+            if worker is not None:
+                self.registry.release(worker, request_id)
+                self._send(worker.identity, wire.Cancel(request_id=request_id, reason=reason))
+        self._abandon(request_id)
+
+    def _tell_every_gateway(self, deltas: list[wire.TokenDelta]) -> None:
+        """Sends the deltas to every gateway, in messages of as many as the wire takes."""
+        for gateway in self.gateways.values():
+            for start in range(0, len(deltas), wire.MAX_LIST_LEN):
+                tokens = wire.Tokens(deltas=deltas[start : start + wire.MAX_LIST_LEN])
+                self._send(gateway.identity, tokens)
 
     def _time_out(self, request: TrackedRequest, now: float) -> None:
         """A request that waited in the queue past the limit: its client gets a 504."""
@@ -1072,12 +1186,7 @@ class ClusterScheduler:
         delta with no tokens, its finish reason and the error."""
         gateway = self.gateways.get(request.gateway_peer_id)
         if gateway is not None:
-            delta = wire.TokenDelta(
-                request_id=request.request_id,
-                token_ids=[],
-                finish_reason=finish_reason,
-                error=error,
-            )
+            delta = ended_delta(request.request_id, finish_reason, error)
             self._send(gateway.identity, wire.Tokens(deltas=[delta]))
 
     def take_dispatched(self) -> list[Dispatched]:
@@ -1111,7 +1220,8 @@ class ClusterScheduler:
             num_decode_free_blocks=sum(w.num_free_blocks for w in decode),
             num_decode_total_blocks=sum(w.num_total_blocks for w in decode),
             num_queued=len(self.queue),
-            num_in_flight=len(self.requests),
+            # (An adopted request is in flight too: its worker holds it, its client waits.)
+            num_in_flight=len(self.requests) + len(self.adopted),
             num_swap_preemptions=sum(w.num_preemptions["swap"] for w in decode),
             num_recompute_preemptions=sum(w.num_preemptions["recompute"] for w in decode),
             policy=self.queue.config.policy,  # type: ignore[arg-type]  # checked in its config

@@ -60,6 +60,10 @@ class WorkerRegistry:
         # built when first asked (`_room`), so a cluster that runs no job keeps no second index.
         self.bulk_seat_share = bulk_seat_share
         self._bulk_decode_room: NativeOrPython | None = None
+        # The decode workers' KV pools, in tokens, and how many have each: a request past the
+        # smallest goes only to a worker whose pool holds its whole length (`pick_decode`).
+        self._decode_pools: dict[int, int] = {}
+        self.smallest_decode_pool = 0  # (0: no decode worker)
         # The prefill workers' measured rates summed (the wait forecast's prior), kept as they
         # report, join and leave: no scan of a thousand workers per request.
         self.prefill_tokens_per_s = 0.0
@@ -76,6 +80,7 @@ class WorkerRegistry:
             self.decode_room.add(worker)
             if self._bulk_decode_room is not None:
                 self._bulk_decode_room.add(worker)
+            self._count_pool(worker, 1)
 
     def remove(self, peer_id: str) -> WorkerState | None:
         worker = self.workers.pop(peer_id, None)
@@ -86,12 +91,22 @@ class WorkerRegistry:
                 for room in (self.decode_room, self._bulk_decode_room):
                     if room is not None:
                         room.remove(peer_id)
+                self._count_pool(worker, -1)
             if worker.role == "prefill":
                 self._add_prefill_rate(-worker.prefill_tokens_per_s)
         return worker
 
     def get(self, peer_id: str) -> WorkerState | None:
         return self.workers.get(peer_id)
+
+    def _count_pool(self, worker: WorkerState, change: int) -> None:
+        pool = worker.num_total_blocks * worker.block_size
+        left = self._decode_pools.get(pool, 0) + change
+        if left:
+            self._decode_pools[pool] = left
+        else:
+            del self._decode_pools[pool]
+        self.smallest_decode_pool = min(self._decode_pools, default=0)
 
     # -- changes to a worker's load (the indexes follow) ---------------------------------------
 
@@ -243,12 +258,27 @@ class WorkerRegistry:
         affinity: Callable[[WorkerState], float] | None = None,
         holders: set[str] | None = None,
         bulk: bool = False,
+        num_needed_tokens: int = 0,
     ) -> WorkerState | None:
         """The decode worker with the best `affinity` (if given), then the most available
         blocks, then the fewest requests, then the first registered, among those with a seat
-        free (for a batch line if `bulk`) that can hold `num_tokens`. `holders`, given with an
-        affinity that rewards a cached prefix, names the only workers holding one: the rest
-        rank by seats taken (their affinity) from the index."""
+        free (for a batch line if `bulk`) that can hold `num_tokens` now and whose whole pool
+        holds `num_needed_tokens` (the prompt plus max_tokens: a worker refuses a request that
+        could outgrow its pool). `holders`, given with an affinity that rewards a cached
+        prefix, names the only workers holding one: the rest rank by seats taken (their
+        affinity) from the index."""
+        if num_needed_tokens > self.smallest_decode_pool:  # past some pool: those are out
+            candidates = self._decode_holding(num_tokens, num_needed_tokens, now, bulk)
+            return max(
+                candidates,
+                key=lambda w: (
+                    0.0 if affinity is None else affinity(w),
+                    w.num_available_blocks,
+                    -len(w.request_ids),
+                    -w.order,
+                ),
+                default=None,
+            )
         timeout_s = self.progress_timeout_s
         room = self._room(bulk)
         if affinity is None:  # the index's answer: no pass over the workers
@@ -272,3 +302,26 @@ class WorkerRegistry:
             key=lambda w: (affinity(w), w.num_available_blocks, -len(w.request_ids), -w.order),
             default=None,
         )
+
+    def decode_takes(self, num_tokens: int, num_needed_tokens: int, now: float, bulk: bool) -> bool:
+        """Whether `pick_decode` has a worker for such a request now."""
+        if num_needed_tokens <= self.smallest_decode_pool:
+            return self.pick_decode(num_tokens, now, bulk=bulk) is not None
+        return len(self._decode_holding(num_tokens, num_needed_tokens, now, bulk)) > 0
+
+    def _decode_holding(
+        self, num_tokens: int, num_needed_tokens: int, now: float, bulk: bool
+    ) -> list[WorkerState]:
+        """The healthy decode workers with a seat free (for a batch line if `bulk`) that can hold
+        `num_tokens` now and whose pool holds `num_needed_tokens`. A scan: asked only for a
+        request past the smallest pool, which a cluster of equal pools never has."""
+        room = self._room(bulk)
+        timeout_s = self.progress_timeout_s
+        return [
+            w
+            for w in self._by_role["decode"].values()
+            if w.num_total_blocks * w.block_size >= num_needed_tokens
+            and w.num_available_blocks >= w.blocks_for(num_tokens)
+            and room.has_seat(w)
+            and w.making_progress(now, timeout_s)
+        ]

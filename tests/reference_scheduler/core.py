@@ -102,6 +102,11 @@ class PrefillWindow:
         return self.small_room > 0
 
 
+def num_needed_tokens(submit: wire.Submit) -> int:
+    """The most its sequence may hold on a decode worker, whose whole pool must hold it."""
+    return len(submit.prompt_token_ids) + submit.sampling.max_tokens
+
+
 @dataclass
 class TrackedRequest:
     submit: wire.Submit
@@ -466,7 +471,8 @@ class ClusterScheduler:
         if not any(window.takes(item.num_prompt_tokens, bulk) for window in windows.values()):
             return False
         num_tokens, seat_share = item.num_prompt_tokens + 1, self._seat_share(bulk)
-        return self.registry.pick_decode(num_tokens, now, None, seat_share) is not None
+        needed = num_needed_tokens(self.requests[item.request_id].submit)
+        return self.registry.pick_decode(num_tokens, now, None, seat_share, needed) is not None
 
     def _as_bulk(self, item: QueuedRequest, now: float) -> bool:
         """Placed as a batch line: a bulk request that has waited `bulk_max_wait_s` competes
@@ -487,6 +493,7 @@ class ClusterScheduler:
             now,
             self.placement.decode_affinity(request.submit),
             self._seat_share(request.placed_as_bulk),
+            num_needed_tokens(request.submit),
         )
         assert decode is not None, "the policy only picks placeable requests"
         request.phase = Phase.RESERVING

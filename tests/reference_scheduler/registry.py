@@ -103,14 +103,16 @@ class WorkerRegistry:
         now: float,
         affinity: Callable[[WorkerState], float] | None = None,
         seat_share: float = 1.0,
+        num_needed_tokens: int = 0,
     ) -> WorkerState | None:
         """The decode worker with the best `affinity` (if given), then the most available
         blocks, among those that can hold `num_tokens` with a seat free among `seat_share` of
-        theirs (at least one)."""
+        theirs (at least one), and whose whole pool holds `num_needed_tokens`."""
         candidates = [
             w
             for w in self.healthy("decode", now)
             if w.num_available_blocks >= w.blocks_for(num_tokens)
+            and w.num_total_blocks * w.block_size >= num_needed_tokens
             and len(w.request_ids) < max(1, int(w.max_num_seqs * seat_share))
         ]
         return max(

@@ -71,6 +71,8 @@ POLICY_TESTS = [
     "tests/unit/test_scheduler_core.py",
     "tests/unit/test_scheduler_fair_dispatch.py",
     "tests/unit/test_scheduler_indexes.py",
+    "tests/unit/test_scheduler_adoption.py",
+    "tests/unit/test_scheduler_decode_pools.py",
     "tests/unit/test_fair_share.py",
     "tests/unit/test_fair_share_bulk.py",
     "tests/unit/test_wait_forecast.py",
