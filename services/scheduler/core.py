@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -160,7 +161,7 @@ class TrackedRequest:
         self.phase = Phase.QUEUED
         self.decode_peer_id: str | None = None
         self.prefill_peer_id: str | None = None
-        self.phase_deadline = float("inf")
+        self.phase_deadline = math.inf
         self.num_blocks = 0  # blocks reserved on the decode worker
         self.num_predicted_cached_tokens = 0  # where its prefill went, as the prefix index knew
         self.speculative = False  # its prefill job went out with the reservation (await_grant)
@@ -1033,7 +1034,7 @@ class ClusterScheduler:
                 self.registry.release(worker, request.request_id)
         request.phase = Phase.QUEUED
         request.decode_peer_id = request.prefill_peer_id = None
-        request.phase_deadline = float("inf")
+        request.phase_deadline = math.inf
         # Its uncached part was charged when dispatched; it will be again when dispatched anew.
         self.queue.charge(request.party, num_prompt_tokens=-request.num_charged_tokens)
         self._enqueue(request, now)

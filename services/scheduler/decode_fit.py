@@ -31,7 +31,15 @@ class DecodeFitAdmission:
     this admits fewer, never more. (Its own `__init__`: compiled code runs a dataclass's as
     Python. Treated as frozen.)"""
 
-    __slots__ = ("admission", "promise", "requests", "registry", "now", "bulk_max_wait_s")
+    __slots__ = (
+        "admission",
+        "promise",
+        "requests",
+        "registry",
+        "now",
+        "bulk_max_wait_s",
+        "refused",
+    )
 
     def __init__(
         self,
@@ -48,6 +56,10 @@ class DecodeFitAdmission:
         self.registry = registry
         self.now = now
         self.bulk_max_wait_s = bulk_max_wait_s
+        # Per kind (interactive, batch line), the (tokens now, tokens needed) refused in this
+        # pass: whoever needs as much of both is refused too, with no scan of the workers
+        # (a backlog of long requests waiting for a big worker is walked at every pass).
+        self.refused: tuple[list[tuple[int, int]], list[tuple[int, int]]] = ([], [])
 
     def __call__(self, item: QueuedRequest) -> bool:
         if not self.admission(item):
@@ -58,4 +70,11 @@ class DecodeFitAdmission:
         bulk = item.bulk and self.now - item.arrival < self.bulk_max_wait_s  # (as `_place`)
         # Room for the prompt and the first decode step, as the reservation asks.
         num_tokens = item.num_prompt_tokens + 1
-        return self.registry.decode_takes(num_tokens, num_needed_tokens, self.now, bulk)
+        refused = self.refused[1 if bulk else 0]
+        for tokens, needed in refused:
+            if num_tokens >= tokens and num_needed_tokens >= needed:
+                return False
+        if self.registry.decode_takes(num_tokens, num_needed_tokens, self.now, bulk):
+            return True
+        refused.append((num_tokens, num_needed_tokens))
+        return False

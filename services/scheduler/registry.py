@@ -307,7 +307,11 @@ class WorkerRegistry:
         """Whether `pick_decode` has a worker for such a request now."""
         if num_needed_tokens <= self.smallest_decode_pool:
             return self.pick_decode(num_tokens, now, bulk=bulk) is not None
-        return len(self._decode_holding(num_tokens, num_needed_tokens, now, bulk)) > 0
+        room = self._room(bulk)
+        for w in self._by_role["decode"].values():
+            if self._decode_holds(w, num_tokens, num_needed_tokens, now, room):
+                return True
+        return False
 
     def _decode_holding(
         self, num_tokens: int, num_needed_tokens: int, now: float, bulk: bool
@@ -316,12 +320,23 @@ class WorkerRegistry:
         `num_tokens` now and whose pool holds `num_needed_tokens`. A scan: asked only for a
         request past the smallest pool, which a cluster of equal pools never has."""
         room = self._room(bulk)
-        timeout_s = self.progress_timeout_s
         return [
             w
             for w in self._by_role["decode"].values()
-            if w.num_total_blocks * w.block_size >= num_needed_tokens
-            and w.num_available_blocks >= w.blocks_for(num_tokens)
-            and room.has_seat(w)
-            and w.making_progress(now, timeout_s)
+            if self._decode_holds(w, num_tokens, num_needed_tokens, now, room)
         ]
+
+    def _decode_holds(
+        self,
+        worker: WorkerState,
+        num_tokens: int,
+        num_needed_tokens: int,
+        now: float,
+        room: NativeOrPython,
+    ) -> bool:
+        return (
+            worker.num_total_blocks * worker.block_size >= num_needed_tokens
+            and worker.num_available_blocks >= worker.blocks_for(num_tokens)
+            and room.has_seat(worker)
+            and worker.making_progress(now, self.progress_timeout_s)
+        )
