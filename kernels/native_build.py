@@ -6,11 +6,13 @@ install. A library is written into a cache directory under a name that hashes th
 compiler, its flags and `key_extra` (the CPU's feature flags for `-march=native` code; the
 Python ABI for an extension module), so a cache shared between machines or Pythons never hands
 one another's build, and a changed source builds afresh. A compile takes about a second; later
-calls load the cached file. Processes starting together may compile at once: each writes its own
-temporary files and renames the library into place (atomic), so none loads a half-written one.
+calls load the cached file. Processes starting together may compile at once: each builds in a
+temporary directory of its own and renames the library into place (atomic), so none loads a
+half-written one.
 
-Without a compiler, or when it fails, `compile_cached` raises `NativeUnavailable` with the
-reason (the compiler's last lines), and leaves nothing behind; the caller keeps its Python path.
+Without a compiler, when it fails, or where the cache directory cannot be written,
+`compile_cached` raises `NativeUnavailable` with the reason (the compiler's last lines), and
+leaves nothing behind; the caller keeps its Python path.
 
 `TANDEM_NATIVE_CFLAGS` adds flags to every compile and link (part of the hash): the tests build
 the scheduler's C with AddressSanitizer and UBSan through it.
@@ -25,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -74,16 +77,24 @@ def _compile(
     link_flags: tuple[str, ...],
     libraries: tuple[str, ...],
 ) -> None:
-    library.parent.mkdir(parents=True, exist_ok=True)
-    partial = library.with_suffix(f".{os.getpid()}.tmp")
-    obj = library.with_suffix(f".{os.getpid()}.o")
+    # A directory of its own per build, not names made of the process id: the compose file's
+    # containers all run tandem as process 1 and share the cache volume. A cache directory that
+    # cannot be written is a failed build like any other: the callers keep their Python path.
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{library.stem}-", dir=library.parent))
+    except OSError as error:
+        raise NativeUnavailable(f"cannot write the build into {library.parent}: {error}") from None
+    partial, obj = staging / library.name, staging / f"{source.stem}.o"
     try:
         _run([command, *compile_flags, "-c", str(source), "-o", str(obj)])
         _run([command, *link_flags, str(obj), "-o", str(partial), *libraries])
-        os.replace(partial, library)
+        try:
+            os.replace(partial, library)
+        except OSError as error:
+            raise NativeUnavailable(f"cannot write {library}: {error}") from None
     finally:
-        obj.unlink(missing_ok=True)
-        partial.unlink(missing_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _run(command: list[str]) -> None:
@@ -122,13 +133,25 @@ def run_build_tool(
         raise error(f"{label} failed: {' / '.join(errors[-DIAGNOSTIC_LINES:])}")
 
 
-def cpu_flags() -> bytes:
+CPUINFO = Path("/proc/cpuinfo")
+# The fields of the first CPU in /proc/cpuinfo that say what `-march=native` compiles for: x86's
+# `flags`; ARM's `Features` and its core (`CPU implementer`, `CPU part`), from which GCC picks
+# the architecture (ARM has no `flags`: every ARM CPU shared one key).
+_CPU_FEATURE_FIELDS = ("flags", "Features", "CPU implementer", "CPU part")
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> bytes:
     """The CPU's feature flags (what `-march=native` compiles for), as Linux reports them."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        lines = cpuinfo.read_text().splitlines()
     except OSError:
         return b"unknown"
-    return next((line.encode() for line in lines if line.startswith("flags")), b"unknown")
+    found: dict[str, str] = {}
+    for line in lines:
+        field = line.split(":", 1)[0].strip()
+        if field in _CPU_FEATURE_FIELDS:
+            found.setdefault(field, line)
+    return "\n".join(found.values()).encode() or b"unknown"
 
 
 def load_extension(

@@ -95,8 +95,11 @@ def decode_kernel_for(
     if not cpu_decode_attention.supports(dtype, device, *shape):
         if setting == "native":
             raise ValueError(
-                "the native decode attention serves bfloat16 models on the CPU (head_dim up to "
-                f"{cpu_decode_attention.MAX_HEAD_DIM}), got {dtype_name(dtype)} on {device}"
+                "the native decode attention serves bfloat16 models on the CPU with head_dim up "
+                f"to {cpu_decode_attention.MAX_HEAD_DIM} and up to "
+                f"{cpu_decode_attention.MAX_GROUP} query heads per KV head, got "
+                f"{dtype_name(dtype)} on {device}, head_dim {config.head_dim}, "
+                f"{config.num_heads // config.num_kv_heads} query heads per KV head"
             )
         return None
     try:
@@ -149,11 +152,12 @@ def parse_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
 
 
 def native_bfloat16(device: torch.device) -> bool:
-    """Whether the device computes bfloat16 matrix products in hardware: a CUDA GPU with bf16
-    support, or a CPU with AMX tiles or AVX512-BF16 (oneDNN's fast bf16 paths). On a CPU without
-    them (AVX2 only, say) bfloat16 is converted in software and slower than float32."""
+    """Whether the device computes bfloat16 matrix products in hardware: a CUDA GPU of compute
+    capability 8 (Ampere) or later, or a CPU with AMX tiles or AVX512-BF16 (oneDNN's fast bf16
+    paths). Elsewhere (an AVX2-only CPU, a T4 or V100) bfloat16 is emulated and slower than
+    float32 (`torch.cuda.is_bf16_supported()` counts emulation, so it is not the test)."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.get_device_capability(device)[0] >= 8
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(torch.cpu, check, lambda: False)() for check in checks)
 

@@ -218,47 +218,65 @@ def load_hf_weights(
     `decode_kernel` attends decode rows on the CPU (see `LlamaModel`)."""
     w = {name: t for name, t in named_tensors}
     missing: list[str] = []
+    # Tensors shaped unlike the config says (transformers' "size mismatch"): loaded anyway, they
+    # failed at the first step, or ran with token ids past the embedding or the vocabulary.
+    misshapen: list[str] = []
+    c = config
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    hidden, intermediate = c.hidden_size, c.intermediate_size
 
-    def take(name: str, required: bool = True) -> torch.Tensor | None:
+    def take(name: str, shape: tuple[int, ...], required: bool = True) -> torch.Tensor | None:
         tensor = w.pop(name, None)
         if tensor is None:
             if required:
                 missing.append(name)
             return None
+        if tuple(tensor.shape) != shape:
+            misshapen.append(f"{name} is {list(tensor.shape)}, not {list(shape)}")
+            return None
         return tensor.to(dtype=dtype, device=device).contiguous()
 
-    def fused(*names: str, required: bool = True) -> torch.Tensor | None:
-        parts = [take(n, required) for n in names]
-        return None if any(p is None for p in parts) else torch.cat(parts, dim=0).contiguous()
+    def fused(*parts: tuple[str, tuple[int, ...]], required: bool = True) -> torch.Tensor | None:
+        tensors = [take(name, shape, required) for name, shape in parts]
+        return None if any(t is None for t in tensors) else torch.cat(tensors, dim=0).contiguous()
 
-    def linear(prefix: str, *parts: str, bias: bool) -> Linear | None:
-        """The projections `prefix + part` fused into one layer (None if a weight is missing)."""
-        weight = fused(*(prefix + part + ".weight" for part in parts))
-        bias_tensor = fused(*(prefix + part + ".bias" for part in parts), required=bias)
+    def linear(prefix: str, rows: dict[str, int], in_features: int, bias: bool) -> Linear | None:
+        """The projections `prefix + part` (of `rows[part]` outputs each) fused into one layer
+        (None if a weight is missing or misshapen)."""
+        weight = fused(*((f"{prefix}{part}.weight", (n, in_features)) for part, n in rows.items()))
+        bias_tensor = fused(
+            *((f"{prefix}{part}.bias", (n,)) for part, n in rows.items()), required=bias
+        )
         return None if weight is None else make_linear(weight, bias_tensor, linear_backend)
 
     layers = []
-    for i in range(config.num_layers):
+    for i in range(c.num_layers):
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
+        qkv_rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
         layers.append(
             DecoderLayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=linear(attn, "q_proj", "k_proj", "v_proj", bias=config.qkv_bias),
-                o=linear(attn, "o_proj", bias=config.o_bias),
-                post_attention_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=linear(mlp, "gate_proj", "up_proj", bias=config.mlp_bias),
-                down=linear(mlp, "down_proj", bias=config.mlp_bias),
+                input_norm=take(p + "input_layernorm.weight", (hidden,)),
+                qkv=linear(attn, qkv_rows, hidden, bias=c.qkv_bias),
+                o=linear(attn, {"o_proj": hidden}, q_rows, bias=c.o_bias),
+                post_attention_norm=take(p + "post_attention_layernorm.weight", (hidden,)),
+                gate_up=linear(
+                    mlp, {"gate_proj": intermediate, "up_proj": intermediate}, hidden, c.mlp_bias
+                ),
+                down=linear(mlp, {"down_proj": hidden}, intermediate, bias=c.mlp_bias),
             )
         )
-    embed = take("model.embed_tokens.weight")
-    final_norm = take("model.norm.weight")
-    lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
+    embed = take("model.embed_tokens.weight", (c.vocab_size, hidden))
+    final_norm = take("model.norm.weight", (hidden,))
+    lm_head = take("lm_head.weight", (c.vocab_size, hidden), required=not c.tie_word_embeddings)
     if lm_head is None:
         lm_head = embed
     # Rotary inverse frequencies are recomputed from the config, never loaded.
     leftovers = [n for n in w if not n.endswith("rotary_emb.inv_freq")]
-    if missing or leftovers:
-        raise ValueError(f"weights do not match the config: missing {missing}, unused {leftovers}")
+    if missing or leftovers or misshapen:
+        raise ValueError(
+            f"weights do not match the config: missing {missing}, unused {leftovers}, "
+            f"shaped otherwise {misshapen}"
+        )
     head = make_linear(lm_head, None, linear_backend)
     return LlamaModel(config, layers, embed, final_norm, head, max_positions, decode_kernel)

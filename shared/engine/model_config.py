@@ -65,6 +65,7 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Builds the config from a transformers `PretrainedConfig` (v5 `rope_parameters` form)."""
         c = hf_config
+        _refuse_quantized(c)
         num_heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
         attention_bias = bool(getattr(c, "attention_bias", False))
@@ -93,6 +94,23 @@ class ModelConfig:
             eos_token_ids=_as_tuple(getattr(c, "eos_token_id", None)),
             attention_window=window,
         )
+
+
+def _refuse_quantized(hf_config: Any) -> None:
+    """The forward multiplies plain weight matrices: FP8, AWQ, GPTQ or bitsandbytes weights
+    (packed integers, or values beside their scales) were refused only after every tensor was
+    read, with every projection of every layer named missing or unused."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if not quantization:
+        return
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method")
+    else:
+        method = getattr(quantization, "quant_method", None)
+    raise ValueError(
+        f"quantized checkpoints (quantization_config's quant_method {str(method)!r}) are not "
+        "supported: serve the model's unquantized weights, or a GGUF file (dequantized on load)"
+    )
 
 
 def attention_window(hf_config: Any) -> int | None:

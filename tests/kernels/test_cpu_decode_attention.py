@@ -286,6 +286,20 @@ def test_the_loader_builds_it_for_bfloat16_on_the_cpu(tmp_path, monkeypatch):
         decode_kernel_for("fast", SMOLLM2_SHAPE, torch.bfloat16, cpu)
 
 
+def test_the_loader_names_the_shape_the_kernel_cannot_serve(tmp_path, monkeypatch):
+    """A bfloat16 CPU model with a wider query group than the kernel's buffers: `native` said
+    "serves bfloat16 models on the CPU, got bfloat16 on cpu", which names no reason."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    wide = replace(SMOLLM2_SHAPE, num_heads=32, num_kv_heads=1)
+    assert decode_kernel_for("auto", wide, torch.bfloat16, cpu) is None
+    with pytest.raises(ValueError, match="head_dim 64, 32 query heads per KV head"):
+        decode_kernel_for("native", wide, torch.bfloat16, cpu)
+    big = replace(SMOLLM2_SHAPE, head_dim=512)
+    with pytest.raises(ValueError, match="on cpu, head_dim 512,"):
+        decode_kernel_for("native", big, torch.bfloat16, cpu)
+
+
 def test_the_loader_falls_back_without_a_compiler(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-here")
@@ -364,3 +378,15 @@ def test_fused_inputs_are_checked(kernel, change, message):
         kernel(unrotated.query, batch.key_cache, batch.value_cache, batch.block_tables,
                batch.context_lens, rows, torch.empty_like(unrotated.query), scale=batch.scale,
                new_tokens=replace(new, **change(new)))  # fmt: skip
+
+
+def test_the_loader_falls_back_where_it_cannot_write_the_build(tmp_path, monkeypatch, caplog):
+    occupied = tmp_path / "not-a-directory"
+    occupied.write_text("")
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(occupied))
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING):
+        assert decode_kernel_for("auto", SMOLLM2_SHAPE, torch.bfloat16, cpu) is None
+    assert "falls back to the torch reference: cannot write" in caplog.text
+    with pytest.raises(ValueError, match="unavailable: cannot write"):
+        decode_kernel_for("native", SMOLLM2_SHAPE, torch.bfloat16, cpu)

@@ -65,6 +65,28 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_computes_it(monkeypatch, amx, avx5
     assert parse_dtype("bfloat16", "cpu") == torch.bfloat16
 
 
+@pytest.mark.parametrize(
+    "capability,expected",
+    [
+        ((7, 5), torch.float32),  # a T4: torch emulates bfloat16 there, slower than float32
+        ((7, 0), torch.float32),  # a V100
+        ((8, 0), torch.bfloat16),  # an A100
+        ((9, 0), torch.bfloat16),  # an H100
+    ],
+)
+def test_auto_dtype_is_bfloat16_where_the_gpu_computes_it(monkeypatch, capability, expected):
+    """torch's `is_bf16_supported()` counts emulation too (true on a T4 or a V100), so `auto`
+    took bfloat16 on GPUs that do not compute it, against what --dtype's help promises."""
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:  # as torch answers it
+        return including_emulation or capability[0] >= 8
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert parse_dtype("auto", "cuda") == expected
+    assert parse_dtype("auto", "cuda:1") == expected
+
+
 def test_auto_dtype_on_this_machine_matches_its_cpu_flags():
     flags = set()
     with open("/proc/cpuinfo") as cpuinfo:

@@ -65,3 +65,97 @@ def test_a_failed_build_tool_without_diagnostics_reports_its_last_lines(tmp_path
         native_build.run_build_tool(
             ["sh", "-c", script], label="sh", error=RuntimeError, timeout_s=5
         )
+
+
+# A compiler that takes its time: `-c` writes an object, a link writes the library in two parts
+# (a real linker also writes its output gradually), each refusing a missing input.
+SLOW_COMPILER = """#!/bin/sh
+out=""; input=""; previous=""
+for arg in "$@"; do
+    if [ "$previous" = "-o" ]; then
+        out="$arg"
+    else
+        case "$arg" in *.o|*.c) input="$arg" ;; esac
+    fi
+    previous="$arg"
+done
+[ -f "$input" ] || { echo "$input: error: no such input" >&2; exit 1; }
+sleep 0.3
+case " $* " in
+    *" -c "*) echo object > "$out" ;;
+    *) echo first half > "$out"; sleep 0.3; echo second half >> "$out" ;;
+esac
+"""
+
+
+def test_builds_at_once_under_one_process_id_each_get_a_whole_library(tmp_path, monkeypatch):
+    """Every container of the compose file runs tandem as process 1 and shares the /cache
+    volume: workers starting together compiled into the same temporary files, named by the
+    process id, so one removed or renamed away another's object or half-written library (a
+    worker failed to start, or the cache kept a truncated library). Threads share a process id
+    just as those containers do."""
+    import threading
+
+    compiler = tmp_path / "slow-cc"
+    compiler.write_text(SLOW_COMPILER)
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    source = tmp_path / "kernel.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    build_dir = tmp_path / "build"
+    results: list[Path | BaseException] = []
+
+    def build_it() -> None:
+        try:
+            results.append(native_build.compile_cached(source, build_dir, ("-O2",), ("-shared",)))
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            results.append(error)
+
+    builders = [threading.Thread(target=build_it) for _ in range(3)]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join()
+    assert all(isinstance(result, Path) for result in results), results
+    (library,) = set(results)
+    assert library.read_text() == "first half\nsecond half\n"
+    assert list(build_dir.iterdir()) == [library]  # no temporary file left behind
+
+
+def test_a_build_directory_that_cannot_be_written_is_a_build_failure(tmp_path):
+    """A cache directory the process cannot write (a read-only mount, a home directory of
+    another user) raised OSError past every caller's fallback: the block chain's hashing
+    failed on every call instead of hashing in Python, and a bfloat16 worker with
+    `--decode-attention auto` failed to start instead of keeping the torch reference."""
+    source = tmp_path / "kernel.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    occupied = tmp_path / "not-a-directory"
+    occupied.write_text("")
+    with pytest.raises(native_build.NativeUnavailable, match="cannot write .*not-a-directory"):
+        native_build.compile_cached(source, occupied / "build", ("-O2",), ("-shared",))
+
+
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid {extra}
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU part\t: {part}
+"""
+
+
+def test_arm_cpus_with_other_features_get_other_builds(tmp_path):
+    """Linux on ARM names the CPU's features `Features`, not `flags`: every ARM CPU got the key
+    "unknown", so a cache shared between a Graviton2 and a Graviton3 node handed one the
+    other's `-march=native` library (SVE instructions on a CPU without them)."""
+    keys = []
+    for extra, part in (("", "0xd0c"), ("sve sve2 bf16", "0xd40")):
+        cpuinfo = tmp_path / f"cpuinfo-{part}"
+        cpuinfo.write_text(ARM_CPUINFO.format(extra=extra, part=part))
+        keys.append(native_build.cpu_flags(cpuinfo))
+    assert keys[0] != keys[1]
+    assert b"unknown" not in keys
+    x86 = tmp_path / "cpuinfo-x86"
+    x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert native_build.cpu_flags(x86) == b"flags\t\t: fpu sse2 avx2"
+    assert native_build.cpu_flags(tmp_path / "absent") == b"unknown"
