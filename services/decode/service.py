@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -134,14 +135,20 @@ class DecodeWorker(WorkerLoop):
 
     def _reserve(self, reserve: wire.Reserve) -> None:
         ok = reserve.request_id not in self.reservations and reserve.request_id not in self.routes
+        # A lease that is not a positive, finite time would never lapse (NaN compares false
+        # with every clock reading): its blocks would be held for good.
+        ok = ok and 0 < reserve.lease_s < math.inf
         # Preempted sequences resume before new ones are admitted: their blocks are not for hire.
         ok = ok and self.blocks.num_blocks_for(reserve.num_tokens) <= self.num_available_blocks()
         cached: list[int] = []
         if ok:
             # The full blocks of the KV about to arrive that this worker has cached (a previous
             # turn of the conversation) are pinned now: the prefill worker skips sending them.
+            # Only blocks within the reservation's tokens: pinned past them, they were more than
+            # the reservation holds, and leaked when allocating the rest raised.
             size = self.blocks.block_size
-            full = reserve.token_ids[: len(reserve.token_ids) // size * size]
+            num_known = min(len(reserve.token_ids), reserve.num_tokens)
+            full = reserve.token_ids[: num_known // size * size]
             salt = self._salt(reserve.cache_salt)
             cached = self.engine.pin_cached_prefix(full, salt)
             try:

@@ -261,20 +261,27 @@ class StepScheduler:
     ) -> None:
         """Admits the newcomers in order while the pool holds their chunks. One that does not fit
         first takes back the pins of those behind it (they wait a step): a later newcomer's
-        cached blocks never keep an earlier one out."""
+        cached blocks never keep an earlier one out. One whose share is nothing (a bulk line in
+        a step that brings an interactive prompt to its first token) sits the step out without
+        holding back those behind it: a preempted bulk line keeps the head of the queue, and
+        the prompt behind it, whose first token was what emptied its share, would never come
+        in, nor the bulk line after it."""
         for index, seq in enumerate(newcomers):
             num_tokens = share_of[id(seq)]
+            if num_tokens == 0:
+                detach_blocks(seq, self.block_manager)  # its pins: it waits for a later step
+                continue
             target = seq.num_computed_tokens + num_tokens
             needed = self.block_manager.num_new_blocks_for(seq.block_ids, target)
-            last = num_tokens > 0 and not self.block_manager.can_allocate(needed)
+            last = not self.block_manager.can_allocate(needed)
             if last:
                 self._pinning = newcomers[index + 1 :]
                 self._release_pins()
-            if num_tokens == 0 or not self.block_manager.can_allocate(needed):
+            if not self.block_manager.can_allocate(needed):
                 self._pinning = newcomers[index:]
                 self._release_pins()
                 return
-            self.waiting.popleft()
+            self.waiting.remove(seq)  # (the head, unless one before it sat the step out)
             self._count_cache_hit(seq)
             self.block_manager.grow(seq.block_ids, target)
             seq.status = SequenceStatus.RUNNING
