@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, NoReturn
 
-from services.gateway.structured_outputs import parse_constraint
+from services.gateway.structured_outputs import check_parses, parse_constraint
 from services.gateway.tools import ToolSetup, fallback_messages, parse_history_calls, parse_tools
-from shared.engine.constraint import to_grammar
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from shared.errors import InvalidRequestError
 
@@ -542,7 +541,9 @@ def _build(
             _fail("tool_choice", "a forced tool call cannot be combined with another constraint")
         try:
             constraint = tools.constraint()
-            to_grammar(constraint)  # a schema the engine refuses is a 400 now, not a failed call
+            # A schema the engine refuses is a 400 now, not a failed call; parsed once per
+            # distinct schema (an agent forcing a call every turn brings the same one).
+            check_parses(constraint)
         except InvalidRequestError as error:
             raise from_invalid_request(error) from None
     if constraint is not None:

@@ -15,6 +15,7 @@ request reaches the cluster; the compile against the vocabulary happens on the w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,8 +43,17 @@ def parse_constraint(body: Mapping[str, Any]) -> Constraint | None:
         )
     constraint = from_format or from_vllm
     if constraint is not None:
-        to_grammar(constraint)  # parses it: a syntax error is a 400 now, not a failed stream
+        check_parses(constraint)  # a syntax error is a 400 now, not a failed stream
     return constraint
+
+
+@functools.lru_cache(maxsize=64)  # specs of 64 KiB at most: 4 MiB
+def check_parses(constraint: Constraint) -> None:
+    """Parses the constraint with the grammar engine (InvalidRequestError if it cannot), once
+    per distinct constraint: this runs on the gateway's event loop, where each prompt of a
+    completions batch, and each turn of an agent, brings the same schema again (a refusal is
+    not remembered: it names the field of the request at hand)."""
+    to_grammar(constraint)
 
 
 def _fail(param: str, message: str) -> Any:

@@ -45,6 +45,7 @@ class ToolFormat:
     only_at_start: bool  # a block opens only before any content
     decode: Callable[[str], list[Call] | None]  # a block's text from its opener, closer cut
     new_call_id: Callable[[], str]
+    inner_markers: tuple[str, ...] = ()  # texts inside a block that `decode` reads
 
     def calls(self, block: str) -> list[Call] | None:
         """The calls of a whole block (from its opener to its closer or the end), or None."""
@@ -122,7 +123,9 @@ def _json_or_none(text: str) -> Any:
 
 
 TAGGED = ToolFormat("tagged", (_TAG,), "</tool_call>", False, _tagged_calls, _openai_call_id)
-MISTRAL = ToolFormat("mistral", (MISTRAL_MARKER,), None, False, _mistral_calls, _mistral_call_id)
+MISTRAL = ToolFormat(
+    "mistral", (MISTRAL_MARKER,), None, False, _mistral_calls, _mistral_call_id, (_MISTRAL_ARGS,)
+)
 LLAMA3_JSON = ToolFormat(
     "llama3_json", (_PYTHON_TAG, "{"), None, True, _llama3_calls, _openai_call_id
 )
@@ -150,7 +153,11 @@ def template_tool_format(tokenizer) -> ToolFormat | None:
 
 
 def special_marker_ids(tokenizer, tool_format: ToolFormat) -> frozenset[int]:
-    """The ids of the format's openers that the tokenizer holds as special tokens: decoding
-    must keep them (it drops special tokens), or the parser would never see a call begin."""
+    """The ids of the format's markers (openers, closer, inner markers) that the tokenizer holds
+    as special tokens: decoding must keep them (it drops special tokens), or the parser would
+    never see a call begin, end, or its arguments start (some models hold both `<tool_call>`
+    and `</tool_call>` as special, Mistral's newer ones `[TOOL_CALLS]` and `[ARGS]`)."""
     specials = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    return frozenset(specials[o] for o in tool_format.openers if o in specials)
+    closer = () if tool_format.closer is None else (tool_format.closer,)
+    markers = (*tool_format.openers, *closer, *tool_format.inner_markers)
+    return frozenset(specials[m] for m in markers if m in specials)

@@ -24,12 +24,11 @@ schema, whatever the format.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.tool_formats import TAGGED, Call, ToolFormat
-from services.gateway.tools import ToolSetup
+from services.gateway.tools import ToolSetup, json_text
 
 
 @dataclass
@@ -167,7 +166,7 @@ class ToolCallParser:
                 "index": self.num_calls,
                 "id": self.format.new_call_id(),
                 "type": "function",
-                "function": {"name": name, "arguments": json.dumps(arguments)},
+                "function": {"name": name, "arguments": json_text(arguments)},
             })  # fmt: skip
             self.num_calls += 1
         return calls

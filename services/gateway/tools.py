@@ -110,12 +110,24 @@ class ToolSetup:
         return [{"type": "function", "function": dict(f)} for f in self.functions]
 
     def system_text(self) -> str:
-        signatures = "\n".join(json.dumps(dict(f)) for f in self.functions)
+        signatures = "\n".join(json_text(dict(f)) for f in self.functions)
         return (
             "You may call these tools (JSON signatures, one a line):\n"
             f"{signatures}\n"
             'To call one, answer <tool_call>{"name": NAME, "arguments": {...}}</tool_call>.'
         )
+
+
+def json_text(value: Any) -> str:
+    """`value` as JSON with its characters as they are (as chat templates' `tojson` writes it,
+    and a model its calls: `"Zürich"`, not `"Z\\u00fcrich"`), but for lone surrogates, which
+    are no characters (a `\\ud800` in a call's JSON) and stay escaped: text must encode."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
@@ -235,6 +247,13 @@ def _history_arguments(arguments: Any, where: str) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         got = _JSON_TYPES.get(type(parsed), "a number")  # (not the value: it may be long)
         raise InvalidRequestError(f"{where}.arguments", f"must be a JSON object, got {got}")
+    try:  # JSON text in the body's JSON: its escapes escaped the body's check for these
+        json.dumps(parsed, ensure_ascii=False).encode()
+    except UnicodeEncodeError as error:
+        code = ord(error.object[error.start])
+        raise InvalidRequestError(
+            f"{where}.arguments", f"a lone UTF-16 surrogate (\\u{code:04x}) is no character"
+        ) from None
     return parsed
 
 
@@ -243,7 +262,7 @@ def tagged_calls(calls: list[dict[str, Any]]) -> str:
     texts = []
     for call in calls:
         function = call["function"]
-        call_json = json.dumps({"name": function["name"], "arguments": function["arguments"]})
+        call_json = json_text({"name": function["name"], "arguments": function["arguments"]})
         texts.append(f"<tool_call>{call_json}</tool_call>")
     return "\n".join(texts)
 

@@ -20,17 +20,22 @@ escape), and the features whose meaning the translation cannot keep are refused.
 from __future__ import annotations
 
 import json
+import re
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shared.engine.json_pattern import json_string_pattern
+from shared.engine.json_pattern import MAX_PATTERN_SIZE, json_string_pattern, pattern_size
 from shared.errors import InvalidRequestError
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 << 10  # a schema, regex or grammar; bounds compile time and cache entries
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 32
+# xgrammar's time for a schema's patterns grows with the sum of their sizes squared (see
+# json_pattern's MAX_PATTERN_SIZE): at most four patterns of the largest size (0.1 s each).
+MAX_PATTERNS_COST = 4 * MAX_PATTERN_SIZE**2
 # Whitespace between JSON tokens, per run: unbounded, a small model loops on newlines until
 # max_tokens (seen on SmolLM2); 16 fits any indentation it uses.
 MAX_JSON_WHITESPACE = 16
@@ -139,16 +144,30 @@ def check_schema_keywords(schema: Any, where: str, depth: int = 0) -> None:
         elif key in _SCHEMA_LISTS:
             if not isinstance(value, list):
                 raise InvalidRequestError(f"{where}.{key}", "must be a list of schemas")
+            if key == "anyOf" and not value:  # xgrammar: a grammar no output meets
+                raise InvalidRequestError(f"{where}.anyOf", "must list at least one schema")
             for i, sub in enumerate(value):
                 check_schema_keywords(sub, f"{where}.{key}[{i}]", depth + 1)
         elif key in ("items", "additionalProperties"):
             check_schema_keywords(value, f"{where}.{key}", depth + 1)
+        elif key in _COUNTS and (not _is_int(value) or value < 0):
+            # (xgrammar read `"maxLength": -1` as no bound at all)
+            raise InvalidRequestError(f"{where}.{key}", "must be a non-negative integer")
         elif key == "pattern":
             if not isinstance(value, str):
                 raise InvalidRequestError(f"{where}.pattern", "must be a string (a regex)")
             json_string_pattern(value, f"{where}.pattern")
     _check_combination(schema, where)
     _check_typed(schema, where)
+    if depth == 0:
+        _check_refs_reach_a_value(schema, where)
+
+
+_COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems"})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # xgrammar reads the first of these a subschema has and ignores every other keyword beside it
@@ -232,6 +251,76 @@ def _check_typed(schema: dict[str, Any], where: str) -> None:
         )
 
 
+Pointer = tuple[str, ...]  # a subschema's place in the schema, as a `$ref` names it
+
+
+def _check_refs_reach_a_value(schema: dict[str, Any], where: str) -> None:
+    """Refuses `$ref`s and `anyOf`s that lead only to one another (`{"$ref": "#"}`, two `$defs`
+    naming each other): xgrammar compiled them into a rule that derives nothing, and the request
+    failed at its first token, a 500. A subschema reaches a value unless it is a `$ref` to one
+    that does not, or an `anyOf` of none that does (neither writes anything before them)."""
+    subschemas = list(_subschemas(schema, (), where))  # in the document's order
+    by_pointer = {pointer: sub for pointer, _, sub in subschemas}
+    revived_by: dict[Pointer, list[Pointer]] = {}  # a subschema -> those it would make reach one
+    reaching = []
+    for pointer, _, sub in subschemas:
+        needs = _alternatives(pointer, sub, by_pointer)
+        if needs is None:
+            reaching.append(pointer)
+        for need in needs or ():
+            revived_by.setdefault(need, []).append(pointer)
+    reached: set[Pointer] = set()
+    while reaching:
+        pointer = reaching.pop()
+        if pointer not in reached:
+            reached.add(pointer)
+            reaching += revived_by.get(pointer, ())
+    for pointer, path, _ in subschemas:
+        if pointer not in reached:
+            raise InvalidRequestError(
+                path, "its `$ref`s and `anyOf`s lead only to one another: no value can meet it"
+            )
+
+
+def _alternatives(
+    pointer: Pointer, sub: dict[str, Any], by_pointer: dict[Pointer, Any]
+) -> list[Pointer] | None:
+    """The subschemas of which `sub` reaches a value if one does; None if it reaches one itself
+    (or xgrammar judges it: a reference to nothing, a boolean branch)."""
+    if isinstance(sub.get("$ref"), str):
+        target = _ref_pointer(sub["$ref"])
+        return [target] if target in by_pointer else None
+    branches = sub.get("anyOf")
+    if not isinstance(branches, list) or not all(isinstance(b, dict) for b in branches):
+        return None
+    return [(*pointer, "anyOf", str(i)) for i in range(len(branches))]
+
+
+def _ref_pointer(ref: str) -> Pointer | None:
+    if ref == "#":
+        return ()
+    if not ref.startswith("#/"):
+        return None
+    parts = urllib.parse.unquote(ref[2:]).split("/")
+    return tuple(part.replace("~1", "/").replace("~0", "~") for part in parts)
+
+
+def _subschemas(schema: Any, pointer: Pointer, where: str):
+    """(pointer, field name in errors, subschema) of `schema` and each object subschema in it."""
+    if not isinstance(schema, dict):
+        return
+    yield pointer, where, schema
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from _subschemas(sub, (*pointer, key, name), f"{where}.{key}.{name}")
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield from _subschemas(sub, (*pointer, key, str(i)), f"{where}.{key}[{i}]")
+        elif key in ("items", "additionalProperties"):
+            yield from _subschemas(value, (*pointer, key), f"{where}.{key}")
+
+
 def rebase_refs(schema: Any, base: str) -> Any:
     """A copy of `schema` to be placed at the JSON pointer `base` of a larger document: its local
     `$ref`s (`#`, `#/...`), which point into `schema` itself, point there still."""
@@ -262,17 +351,45 @@ def _map_subschemas(schema: Any, change: Callable[[dict[str, Any]], dict[str, An
     return change(mapped)
 
 
-def _with_json_string_patterns(spec: str, param: str) -> str:
-    """The schema text with each `pattern` translated for xgrammar (see json_string_pattern).
-    A translation is longer (`.` takes about 100 characters), and xgrammar's time grows with it:
-    what the translations add is bounded as the spec is."""
+def _open_unbounded_containers(sub: dict[str, Any]) -> dict[str, Any]:
+    """An object without `properties` or `additionalProperties` (any object), or an array
+    without `items` or `prefixItems` (any array), with that said explicitly: behind a `$ref`
+    xgrammar's strict mode closed them (`{}` and `[]` only; in place they stay open), so a
+    forced call to a tool whose parameters are `{"type": "object"}` was always `{}`."""
+    types = sub.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "object" in types and "properties" not in sub and "additionalProperties" not in sub:
+        sub = {**sub, "additionalProperties": True}
+    if "array" in types and "items" not in sub and "prefixItems" not in sub:
+        sub = {**sub, "items": True}
+    return sub
+
+
+def _for_xgrammar(spec: str, param: str) -> str:
+    """The schema text as xgrammar must read it: each `pattern` translated (see
+    json_string_pattern), unbounded objects and arrays opened (see above). A translation is
+    longer (`.` takes about 100 characters), and xgrammar's time grows with it: what the
+    translations add is bounded as the spec is."""
+
+    patterns_cost = 0
 
     def translate(sub: dict[str, Any]) -> dict[str, Any]:
+        nonlocal patterns_cost
+        sub = _open_unbounded_containers(sub)
         if not isinstance(sub.get("pattern"), str):
             return sub
-        return {**sub, "pattern": json_string_pattern(sub["pattern"], param)}
+        translated = json_string_pattern(sub["pattern"], param)
+        patterns_cost += pattern_size(sub["pattern"]) ** 2
+        return {**sub, "pattern": translated}
 
     translated = json.dumps(_map_subschemas(json.loads(spec), translate))
+    if patterns_cost > MAX_PATTERNS_COST:
+        raise InvalidRequestError(
+            param,
+            f"its patterns are too costly to compile together: their sizes with repetitions"
+            f" written out, squared, come to {patterns_cost}; at most {MAX_PATTERNS_COST}"
+            " (bound strings' lengths with `maxLength` and no pattern, or repeat less)",
+        )
     if len(translated) - len(spec) > MAX_SPEC_CHARS:
         raise InvalidRequestError(
             param,
@@ -281,6 +398,10 @@ def _with_json_string_patterns(spec: str, param: str) -> str:
             " rather than writing it n times)",
         )
     return translated
+
+
+# What xgrammar puts before its message: the C++ file and line it was raised at.
+_XGRAMMAR_ORIGIN = re.compile(r"^\S+\.(?:cc|h):\d+: ")
 
 
 def to_grammar(constraint: Constraint) -> Any:
@@ -297,7 +418,7 @@ def to_grammar(constraint: Constraint) -> Any:
                     '{"type": "object"}', strict_mode=False, max_whitespace_cnt=MAX_JSON_WHITESPACE
                 )
             case "json_schema":
-                spec = _with_json_string_patterns(constraint.spec, constraint.param)
+                spec = _for_xgrammar(constraint.spec, constraint.param)
                 return _escaped_bounded_strings(
                     xgr.Grammar.from_json_schema(
                         spec, strict_mode=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
@@ -314,7 +435,7 @@ def to_grammar(constraint: Constraint) -> Any:
     except InvalidRequestError:
         raise
     except (RuntimeError, ValueError) as error:
-        message = str(error).split("] ", 1)[-1].strip()  # drop xgrammar's timestamp and path
+        message = _XGRAMMAR_ORIGIN.sub("", str(error).split("] ", 1)[-1].strip())
         raise InvalidRequestError(
             constraint.param, f"invalid {constraint.kind}: {message}"
         ) from None

@@ -31,6 +31,13 @@ _SPACE += [(0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000
 _SPACE += [(0xFEFF, 0xFEFF)]
 _LINE_ENDS: Ranges = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]  # what `.` leaves out
 _REGEX_SYNTAX = frozenset("\\^$.|?*+()[]{}-/")
+# xgrammar builds one automaton for a pattern where it can, in a time that grows with the square
+# of the pattern's size with its repetitions written out (`^[A-Za-z]{2,2000}$` 0.8 s, `{2,8000}`
+# over 25 s, `^(ab?){1,5000}$` 7 s), at the gateway (its event loop blocked) and again on the
+# worker; within this bound, 0.1 s at most (measured). A character JSON may have to escape weighs
+# more: its escapes are alternatives of several characters (`^.{1,1000}$` took 4.4 s).
+MAX_PATTERN_SIZE = 1000
+_ESCAPABLE_WEIGHT = 5
 
 
 class _Untranslatable(Exception):
@@ -44,12 +51,22 @@ def json_string_pattern(pattern: str, param: str) -> str:
     printable ASCII (other characters as `\\uXXXX`), so xgrammar may still compile it as a regex
     over unescaped text: it then leaves out every escape, which allows less but nothing invalid.
     Lookarounds, back-references, `\\b`, inline flags, and `^`/`$` anywhere but at the ends are
-    refused: they would be dropped, or mean something else over the escaped text."""
+    refused: they would be dropped, or mean something else over the escaped text; so is a
+    pattern too large with its repetitions written out (MAX_PATTERN_SIZE)."""
     try:
         parsed = sre_parser.parse(_python_spelling(pattern))
         if parsed.state.flags & ~re.UNICODE:
             raise _Untranslatable("inline flags such as `(?i)` cannot be enforced")
-        return _sequence_regex(list(parsed), at_start=True, at_end=True)
+        translated = _sequence_regex(list(parsed), at_start=True, at_end=True)
+        if (size := _expanded_size(list(parsed))) > MAX_PATTERN_SIZE:
+            raise InvalidRequestError(
+                param,
+                f"is too costly to compile: {size} characters with its repetitions written out"
+                f" (one that JSON may escape, such as `.`, counts {_ESCAPABLE_WEIGHT}); at most"
+                f" {MAX_PATTERN_SIZE}. Bound a string's length with `maxLength` and no pattern,"
+                f" or repeat less (pattern {pattern!r})",
+            )
+        return translated
     except re.error as error:
         raise InvalidRequestError(param, f"is not a valid regex: {error}") from None
     except RecursionError:
@@ -59,6 +76,31 @@ def json_string_pattern(pattern: str, param: str) -> str:
 
 
 _ECMA_ESCAPE = re.compile(r"\\u\{([0-9A-Fa-f]{1,6})\}|\\c([A-Za-z])")
+
+
+def pattern_size(pattern: str) -> int:
+    """The size `json_string_pattern` bounds (of a pattern it translated): its characters with
+    its repetitions written out, as xgrammar's automaton holds them."""
+    return _expanded_size(list(sre_parser.parse(_python_spelling(pattern))))
+
+
+def _expanded_size(items: list[tuple[Any, Any]]) -> int:
+    size = 0
+    for op, value in items:
+        if op in (sre.LITERAL, sre.NOT_LITERAL, sre.ANY, sre.IN):
+            size += _ESCAPABLE_WEIGHT if _intersects(_char_set(op, value), _ESCAPED) else 1
+        elif op is sre.BRANCH:
+            size += sum(_expanded_size(list(branch)) for branch in value[1])
+        elif op is sre.SUBPATTERN:
+            size += _expanded_size(list(value[3]))
+        elif op in (sre.MAX_REPEAT, sre.MIN_REPEAT):  # `*` and `+` are built once, `{n}` n times
+            low, high, inner = value
+            size += max(low if high == sre.MAXREPEAT else high, 1) * _expanded_size(list(inner))
+    return size
+
+
+def _intersects(ranges: Ranges, others: Ranges) -> bool:
+    return any(low <= o_high and o_low <= high for low, high in ranges for o_low, o_high in others)
 
 
 def _python_spelling(pattern: str) -> str:
@@ -176,7 +218,8 @@ def _set_regex(ranges: tuple[tuple[int, int], ...]) -> str:
     if short := [_SHORT_ESCAPES[c] for c in escaped if c in _SHORT_ESCAPES]:
         alternatives.append("\\\\" + (short[0] if len(short) == 1 else f"[{''.join(short)}]"))
     for high in (0, 1):  # \u00XX, XX below 20 (both cases of a hex digit are JSON)
-        digits = [ord(d) for c in escaped if c >> 4 == high and c < 0x20 for d in f"{c:x}{c:X}"]
+        low_digits = [c & 0xF for c in escaped if c >> 4 == high and c < 0x20]
+        digits = [ord(d) for low in low_digits for d in f"{low:x}{low:X}"]
         if digits:
             alternatives.append(f"\\\\u00{high}{_class_regex(_union([(d, d) for d in digits]))}")
     if not alternatives:

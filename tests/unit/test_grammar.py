@@ -114,6 +114,85 @@ def test_what_xgrammar_would_read_as_any_value_is_refused(schema, where, message
     assert info.value.param == where
 
 
+@pytest.mark.parametrize(
+    ("schema", "where", "message"),
+    [
+        ({"anyOf": []}, "p.anyOf", "at least one schema"),  # allowed nothing: a 500 mid-decode
+        ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]},
+         "p.properties.a.anyOf", "at least one schema"),
+        ({"type": "string", "maxLength": -1}, "p.maxLength", "non-negative integer"),  # any length
+        ({"type": "string", "minLength": -1}, "p.minLength", "non-negative integer"),
+        ({"type": "array", "items": {}, "minItems": -2}, "p.minItems", "non-negative integer"),
+        ({"type": "array", "items": {}, "maxItems": 1.5}, "p.maxItems", "non-negative integer"),
+        ({"type": "string", "maxLength": True}, "p.maxLength", "non-negative integer"),
+    ],
+)  # fmt: skip
+def test_schemas_no_value_or_any_length_would_meet_are_refused(schema, where, message):
+    """An empty `anyOf` compiled into a grammar that allows no output (the request then failed
+    with a 500 at its first token), and xgrammar read `"maxLength": -1` as no bound at all."""
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
+        schema_constraint(schema, "p")
+    assert info.value.param == where
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"$ref": "#"}, "p"),
+        ({"anyOf": [{"$ref": "#"}]}, "p"),
+        ({"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}},
+         "p"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]},
+         "p.properties.a"),
+    ],
+)  # fmt: skip
+def test_refs_that_lead_only_to_one_another_are_refused(schema, where):
+    """xgrammar compiled them into a rule that derives nothing: the request failed at its first
+    token (or at the property), a 500, where the schema is the client's error."""
+    with pytest.raises(InvalidRequestError, match="lead only to one another") as info:
+        schema_constraint(schema, "p")
+    assert info.value.param == where
+
+
+def test_recursive_schemas_that_reach_a_value_stay_allowed():
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    for schema in (
+        tree,
+        {"anyOf": [{"$ref": "#"}, {"type": "string"}]},
+        {"$ref": "#/$defs/A", "$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "null"}]}}},
+    ):
+        to_grammar(schema_constraint(schema, "p"))
+
+
+def test_xgrammars_errors_do_not_name_its_source_files():
+    for constraint in (
+        Constraint("json_schema", '{"type": "foo"}', "p"),
+        Constraint("regex", "a(?=b)", "p"),
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            to_grammar(constraint)
+        assert ".cc:" not in info.value.message and "/project" not in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("target", "text"),
+    [
+        ({"type": "object"}, '{"a": 1, "b": [true]}'),
+        ({"type": "object", "description": "any"}, '{"a": 1}'),
+        ({"type": ["object", "null"]}, '{"a": 1}'),
+        ({"type": "array"}, '[1, "two", {"three": 3}]'),
+        ({"type": "array", "minItems": 1}, "[1]"),  # was refused: "more than its prefixItems"
+    ],
+)
+def test_an_unbounded_object_or_array_is_the_same_behind_a_ref(target, text):
+    """Written in place, `{"type": "object"}` is any object and `{"type": "array"}` any array;
+    behind a `$ref` xgrammar closed them: `{}` and `[]` only."""
+    for schema in (target, {"$ref": "#/$defs/T", "$defs": {"T": target}}):
+        assert accepts(schema_constraint(schema, "p"), text), schema
+    inside = {"type": "object", "properties": {"t": {"$ref": "#/$defs/T"}}, "$defs": {"T": target}}
+    assert accepts(schema_constraint(inside, "p"), '{"t": ' + text + "}")
+
+
 def test_an_arrays_bounds_beside_items_are_enforced_without_a_type():
     constraint = schema_constraint({"items": {"type": "integer"}, "minItems": 2}, "p")
     assert accepts(constraint, "[1, 2]") and not accepts(constraint, "[1]")
@@ -136,6 +215,8 @@ def test_an_arrays_bounds_beside_items_are_enforced_without_a_type():
         (r"^é\s$", '"é\t"', False),  # a raw tab
         (r"^\d{2}$", '"12"', True),
         (r"^\d{2}$", '"1a"', False),
+        (r"^[\x1f]$", r'"\u001F"', True),
+        (r"^[\x1f]$", r'"\u0011"', False),  # the class took both hex digits of 0x1f
     ],
 )
 def test_a_pattern_constrains_the_strings_value_not_its_json_text(pattern, text, ok):
@@ -179,6 +260,48 @@ def test_patterns_the_translation_cannot_keep_are_refused(pattern, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
         schema_constraint(schema, "p")
     assert info.value.param == "p.properties.s.pattern"
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "^[A-Za-z]{2,8000}$",  # over 25 s in xgrammar, the gateway's event loop blocked
+        "^.{1,1000}$",  # 4.4 s
+        "^(ab?){1,5000}$",  # 7.4 s
+        "^(ab){3000,}$",  # 2.3 s
+        "^((a*){1,256}){1,256}$",
+    ],
+)
+def test_a_pattern_too_costly_to_compile_is_refused(pattern):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(InvalidRequestError, match="maxLength") as info:
+        schema_constraint(schema, "p")
+    assert info.value.param == "p.properties.s.pattern"
+
+
+def test_patterns_too_costly_together_are_refused():
+    """Each within the bound, but xgrammar's time is paid for each: a schema of many patterns
+    blocked the gateway for their sum."""
+    fields = {f"s{i}": {"type": "string", "pattern": f"^[a-z]{{1,{990 + i}}}$"} for i in range(6)}
+    constraint = schema_constraint({"type": "object", "properties": fields}, "p")
+    with pytest.raises(InvalidRequestError, match="patterns") as info:
+        to_grammar(constraint)
+    assert info.value.param == "p"
+
+
+def test_the_common_bounded_patterns_stay_allowed():
+    fields = {
+        "slug": "^[a-z0-9-]{1,63}$",
+        "summary": "^.{1,200}$",
+        "word": "^[A-Za-z]{1,1000}$",
+        "words": r"^(\w+\s?){1,100}$",
+        "phone": r"^\+?\d{1,3}[- ]?\d{3}[- ]?\d{4}$",
+    }
+    properties = {name: {"type": "string", "pattern": p} for name, p in fields.items()}
+    properties |= {
+        f"code{i}": {"type": "string", "pattern": f"^[A-Z]{{{i + 1}}}$"} for i in range(40)
+    }
+    to_grammar(schema_constraint({"type": "object", "properties": properties}, "p"))
 
 
 def test_length_bounded_strings_are_json_strings():

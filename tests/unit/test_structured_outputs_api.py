@@ -8,7 +8,7 @@ import json
 import pytest
 
 from services.gateway.openai_protocol import ApiError, parse_chat_request, parse_completion_request
-from shared.engine.constraint import MAX_SPEC_CHARS, Constraint
+from shared.engine.constraint import MAX_SPEC_CHARS, Constraint, to_grammar
 from shared.wire import SamplingSpec, decode, encode
 from shared.wire_convert import sampling_params, sampling_spec
 
@@ -175,3 +175,64 @@ def _submit_with_constraint(constraint: dict) -> list[bytes]:
     header = msgpack.unpackb(bytes(frames[1]))
     header["sampling"]["constraint"] = constraint
     return [frames[0], msgpack.packb(header)]
+
+
+def test_a_constraint_is_parsed_by_the_grammar_engine_once(monkeypatch):
+    """Each prompt of a completions batch (and each turn of an agent, which sends its schema
+    again) parsed the same schema with xgrammar on the gateway's event loop: 64 prompts under a
+    schema of four long patterns blocked every other request for 20 s."""
+    from services.gateway import structured_outputs
+
+    calls = []
+
+    def counted(constraint):
+        calls.append(constraint)
+        return to_grammar(constraint)
+
+    monkeypatch.setattr(structured_outputs, "to_grammar", counted)
+    structured_outputs.check_parses.cache_clear()
+    schema = {**SCHEMA, "properties": {"a": {"type": "string", "pattern": "^[a-z]{1,9}$"}}}
+    fields = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    }
+    body = {"model": MODEL, "max_tokens": 5, **fields}
+    for prompt in ("one", "two", "three"):
+        parse_completion_request({**body, "prompt": prompt}, MODEL, MAX_LEN)
+    assert len(calls) == 1
+    for _ in range(2):  # a refusal is not remembered: each request gets its own, naming its field
+        refused(
+            "structured_outputs.grammar", "invalid grammar", structured_outputs={"grammar": "x"}
+        )
+    assert len(calls) == 3
+
+
+def test_a_forced_tool_calls_schema_is_parsed_once(monkeypatch):
+    """An agent forcing a call every turn sends the same tools: the call schema was parsed with
+    xgrammar on the event loop each time, past the cache the response formats used."""
+    from services.gateway import structured_outputs
+
+    calls = []
+
+    def counted(constraint):
+        calls.append(constraint)
+        return to_grammar(constraint)
+
+    monkeypatch.setattr(structured_outputs, "to_grammar", counted)
+    structured_outputs.check_parses.cache_clear()
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    for turn in ("Paris?", "Rome?", "Oslo?"):
+        body = {
+            "model": MODEL,
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": turn}],
+            "tools": [tool],
+            "tool_choice": "required",
+        }
+        parse_chat_request(body, MODEL, MAX_LEN)
+    assert len(calls) == 1

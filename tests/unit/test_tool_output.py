@@ -249,3 +249,61 @@ def test_a_call_block_nested_past_the_recursion_limit_is_content(tool_format, te
     forced = ToolCallParser(setup(tool_choice="required"), tool_format)
     forced.push("[" * DEEP)
     assert forced.finish().content == "[" * DEEP
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from shared.engine.model_files import resolve_model_dir
+
+    directory, _ = resolve_model_dir(None)
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def test_a_tagged_call_whose_tags_are_special_tokens_is_a_call(tokenizer):
+    """Some models hold both `<tool_call>` and `</tool_call>` as special tokens: only the opener
+    was kept by detokenization, so the block never closed and the call came back as content."""
+    import copy
+
+    from services.gateway.detokenizer import IncrementalDetokenizer
+    from services.gateway.tool_formats import special_marker_ids
+
+    marked = copy.deepcopy(tokenizer)
+    marked.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    kept = special_marker_ids(marked, TAGGED)
+    ids = marked.encode("Sure. " + OSLO) + [marked.eos_token_id]
+    detokenizer = IncrementalDetokenizer(marked, keep_special_ids=kept)
+    text = "".join([detokenizer.push([i]) for i in ids] + [detokenizer.flush()])
+    content, calls = extract_tool_calls(setup(), text, TAGGED)
+    assert content == "Sure." and names_and_arguments(calls) == [("get_weather", {"city": "Oslo"})]
+
+
+def test_a_mistral_call_whose_args_marker_is_a_special_token_is_a_call(tokenizer):
+    """Mistral's newer tokenizers write `[TOOL_CALLS]name[ARGS]{...}` with both markers special
+    tokens: `[ARGS]` was dropped by detokenization, and the call came back as content."""
+    import copy
+
+    from services.gateway.detokenizer import IncrementalDetokenizer
+    from services.gateway.tool_formats import special_marker_ids
+
+    marked = copy.deepcopy(tokenizer)
+    marked.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    kept = special_marker_ids(marked, MISTRAL)
+    ids = marked.encode(MISTRAL_TEXTS[1]) + [marked.eos_token_id]
+    detokenizer = IncrementalDetokenizer(marked, keep_special_ids=kept)
+    text = "".join([detokenizer.push([i]) for i in ids] + [detokenizer.flush()])
+    content, calls = extract_tool_calls(setup(), text, MISTRAL)
+    assert content is None
+    assert names_and_arguments(calls) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+
+
+def test_call_arguments_keep_the_models_characters():
+    """Arguments came back as ASCII JSON (`"Z\\u00fcrich"`), where OpenAI and vLLM give the
+    text as written; a lone surrogate, no character, stays escaped so the response encodes."""
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Zürich"}}</tool_call>'
+    (call,) = extract_tool_calls(setup(), text)[1]
+    assert call["function"]["arguments"] == '{"city": "Zürich"}'
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>'
+    (call,) = extract_tool_calls(setup(), text)[1]
+    assert call["function"]["arguments"] == '{"city": "\\ud800"}'

@@ -254,3 +254,37 @@ def test_history_call_arguments_left_out_or_null_are_empty():
         messages[1]["tool_calls"][0]["function"] = function
         call = chat(messages=messages, tools=[NOW]).template_messages[1]["tool_calls"][0]
         assert call["function"]["arguments"] == {}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "run"}}])
+def test_a_forced_call_to_a_free_form_tool_may_pass_any_object(choice):
+    """A tool whose parameters are a bare `{"type": "object"}` takes any arguments; behind the
+    call schema's `$ref` xgrammar closed it, and every forced call was `run({})`."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    free_form = {"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}
+    request = chat(tools=[free_form], tool_choice=choice)
+    grammar = to_grammar(request.sampling_params(10, MAX_LEN).constraint)
+    assert accepts(grammar, '{"name": "run", "arguments": {"cmd": "ls", "args": ["-l"]}}')
+    assert accepts(grammar, '{"name": "run", "arguments": {}}')
+
+
+def test_the_fallback_prompt_writes_text_as_it_is_not_as_escapes():
+    """The tools' signatures and the history's calls went into the prompt as ASCII JSON: a
+    tool described in Chinese reached the model as `\\u5929\\u6c14` (as chat templates' `tojson`
+    does not write it, nor the model its calls)."""
+    weather = json.loads(json.dumps(WEATHER))
+    weather["function"]["description"] = "查询城市天气"
+    messages = _history_call('{"city": "Zürich"}')
+    request = chat(messages=messages, tools=[weather])
+    assert "查询城市天气" in request.messages[0]["content"]
+    assert '"city": "Zürich"' in request.messages[2]["content"]
+
+
+@pytest.mark.parametrize("arguments", ['{"city": "\\ud800"}', '{"\\udc00": 1}'])
+def test_history_call_arguments_with_a_lone_surrogate_are_refused(arguments):
+    """Arguments are JSON text inside the body's JSON: a `\\ud800` escaped there passed the
+    body's check for lone surrogates, and the chat template's text then failed to tokenize (a
+    500). It is no character, refused as it is anywhere else in the body."""
+    refused("messages[1].tool_calls[0].function.arguments", "lone UTF-16 surrogate",
+            messages=_history_call(arguments), tools=[WEATHER])  # fmt: skip
