@@ -636,3 +636,32 @@ def test_the_gpu_override_puts_the_workers_on_cuda():
 def test_workers_default_to_the_cpu():
     for role in WORKER_ROLES:
         assert _interpolate(_env(load_compose(), role)["TANDEM_DEVICE"], role, []) == "cpu"
+
+
+def merge_override(base: Any, override: Any) -> Any:
+    """`docker compose -f base -f override`, for what these files hold: mappings merge key by
+    key, anything else (a scalar, a list) is replaced by the override's."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        merged = dict(base)
+        for key, value in override.items():
+            merged[key] = merge_override(base[key], value) if key in base else value
+        return merged
+    return override
+
+
+def test_the_gpu_override_runs_the_workers_on_the_cuda_image_whatever_variant_says():
+    """Run without VARIANT=cuda in the shell (a later `up`, `--scale` or `restart` in another
+    shell), the override gave the workers `tandem:cpu`, torch without CUDA, and
+    TANDEM_DEVICE=cuda: compose recreated them on the CPU image and each exited at start,
+    "torch sees no CUDA GPU", over and over."""
+    merged = merge_override(load_compose(), load_compose(ROOT / "compose" / "gpu.yml"))
+    problems: list[str] = []
+    services = _interpolate(merged, "", problems)["services"]  # VARIANT at its default, cpu
+    assert problems == []
+    for role in WORKER_ROLES:
+        assert services[role]["image"] == "tandem:cuda", role
+        assert services[role]["build"]["args"]["VARIANT"] == "cuda", role
+        assert services[role]["environment"]["TANDEM_DEVICE"] == "cuda", role
+    # The others keep the image VARIANT names: the override gives them no GPU.
+    for name in ("prepare", "keys", "scheduler", "gateway", "batch"):
+        assert services[name]["image"] == "tandem:cpu", name

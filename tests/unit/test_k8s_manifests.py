@@ -133,6 +133,9 @@ def container_problems(manifests: Manifests) -> list[str]:
             problems += [f"{where}: {problem}" for problem in found]
             if config is not None and hasattr(config, "model"):
                 models[where] = config.model
+            if config is not None and container in pod["containers"]:
+                annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
+                problems += [f"{filename}: {p}" for p in scrape_problems(annotations, config)]
     if len(set(models.values())) > 1:
         problems.append(f"the roles name different models: {models}")
     return problems
@@ -239,6 +242,19 @@ def probe_problems(role: str, container: dict, config) -> list[str]:
                 f"{kind} asks {asked[0]} on port {asked[1]}; the {role} answers {path} on {port}"
             )
     return problems
+
+
+def scrape_problems(annotations: dict, config) -> list[str]:
+    """The pod's prometheus.io annotations point at its /metrics: the gateway's HTTP port, the
+    others' metrics port (the adapter rules behind the HPAs read what they scrape)."""
+    port = config.port if isinstance(config, GatewayConfig) else config.metrics_port
+    wanted = {"prometheus.io/scrape": "true", "prometheus.io/port": str(port)}
+    wanted["prometheus.io/path"] = "/metrics"
+    return [
+        f"annotation {key} is {annotations.get(key)!r}, not {value!r}"
+        for key, value in wanted.items()
+        if annotations.get(key) != value
+    ]
 
 
 def container_port(container: dict, port: int | str | None) -> int | None:
@@ -523,6 +539,12 @@ MUTATIONS = {
     "gateway not forwarding to the batch service": (
         lambda m: _configmap(m, "tandem-gateway").pop("TANDEM_BATCH_ADDRESS"),
         "TANDEM_BATCH_ADDRESS is None, not the batch Service",
+    ),
+    "scraped on another port": (
+        lambda m: m["decode.yaml"][0]["spec"]["template"]["metadata"]["annotations"].update(
+            {"prometheus.io/port": "8000"}
+        ),
+        "decode.yaml: annotation prometheus.io/port is '8000', not '9100'",
     ),
     "file not listed": (
         lambda m: m[KUSTOMIZATION][0]["resources"].remove("hpa.yaml"),
