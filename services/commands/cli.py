@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+from types import FrameType
 
 from shared.config import ConfigError
 from shared.errors import StartUpError
@@ -57,8 +59,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Until a role puts its own handler in place (once it serves: a GOODBYE, a drain), SIGTERM
+    ends the command as the default action would. As a container's process 1 the default is to
+    ignore it (the kernel's rule for a namespace's init): a stop during the model's load or
+    conversion waited out the grace period for its SIGKILL."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     args = build_parser(argv).parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[args.command])
     try:
