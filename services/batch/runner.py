@@ -13,7 +13,9 @@ is the window, not the file.
 A line's answer is final when the cluster answers 200 or a client error (400: over the context
 limit, a bad sampling value): it goes to the output or error file (`answers`). Cluster trouble
 (5xx, a gateway that does not answer in `line_timeout_s`) retries the line, up to
-`max_attempts`; a worker's death is handled below us (the gateway resumes the request).
+`max_attempts`; a worker's death is handled below us (the gateway resumes the request). A line
+longer than one RPC call's JSON (`wire.MAX_JSON_LEN`) is answered 413 without being read (see
+`_too_long`).
 
 Cancel stops the feed and aborts the lines in flight (their answers are not written); expiry
 (`expires_at` passed) stops the feed, lets the lines in flight finish (a line still refused
@@ -36,6 +38,7 @@ from typing import Any
 from services.batch.answers import Answers, error_file_id, output_file_id, recover
 from services.batch.store import Store
 from services.gateway.rpc_client import AsyncTandemClient, RpcError
+from shared import wire
 from shared.logs import get_logger
 
 PAGE_LINES = 256
@@ -101,7 +104,7 @@ class JobRunner:
             if ended == "expired":
                 answers.close()  # (the thread appends with handles of its own)
                 await asyncio.to_thread(self.store.run_apart, _expire_pending, self.batch_id)
-            self._finalize(answers, ended)
+            await self._finalize(answers, ended)
         except asyncio.CancelledError:  # the service stops: its lines stay pending, for the restart
             for task in tasks:  # (left running, they outlived their job and its answer files)
                 task.cancel()
@@ -123,12 +126,15 @@ class JobRunner:
                     ended = await self._wait_for_slot(batch)
                     if ended is not None:
                         return ended
+                    cursor = (row["prefix_key"], row["line_no"])
+                    if row["length"] > wire.MAX_JSON_LEN:
+                        answers.response(row["custom_id"], 413, _too_long(row["length"]))
+                        continue
                     source.seek(row["offset"])
                     line = json.loads(source.read(row["length"]))
                     task = asyncio.create_task(self._answer(kind, batch, line, answers))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
-                    cursor = (row["prefix_key"], row["line_no"])
                 # the last page's lines may still be running: wait for them before the next read
                 while tasks and len(page) < PAGE_LINES:
                     ended = await self._wait_for_slot(batch, until_idle=True)
@@ -215,7 +221,13 @@ class JobRunner:
                 continue
             await asyncio.sleep(min(8.0, 0.5 * 2**failures))
 
-    def _finalize(self, answers: Answers, ended: str) -> None:
+    async def _finalize(self, answers: Answers, ended: str) -> None:
+        """Ends the batch: its answer files registered, its status and their ids set at once
+        (on the loop: a cancel meanwhile would see a half-ended batch), then its lines' rows
+        dropped in a worker thread (50,000 rows took half a second and more, in which the
+        service answered no call). The batch has ended by then: a cancel meanwhile is refused
+        as for any ended batch, and the rows a stop or a kill leaves the start-up tidy drops
+        (`BatchApi._tidy_after_a_kill`)."""
         now = int(time.time())
         if ended == "completed":
             self.store.update_batch(self.batch_id, status="finalizing", finalizing_at=now)
@@ -230,12 +242,27 @@ class JobRunner:
             self._register(error_file_id(self.batch_id), tenant, "batch_output", error_bytes)
             changes["error_file_id"] = error_file_id(self.batch_id)
         self.store.update_batch(self.batch_id, **changes)
-        self.store.drop_lines(self.batch_id)  # (their counts are the batch's: up to 50,000 rows)
         self.log.info("batch finished", status=ended, **batch["request_counts"])
+        # (the batch keeps their counts)
+        await asyncio.to_thread(self.store.run_apart, Store.drop_lines, self.batch_id)
 
     def _register(self, file_id: str, tenant: str, purpose: str, size: int) -> None:
         if self.store.get_file(tenant, file_id) is None:
             self.store.add_file(file_id, tenant, purpose, f"{file_id}.jsonl", size)
+
+
+def _too_long(num_bytes: int) -> dict[str, Any]:
+    """The error a line longer than one RPC call's JSON is answered with, unread. The client
+    refused its request (413) too, but only once it had been parsed and serialized on the
+    service's one loop (a line of 170 MB of token ids: 4 s in which no call was answered; a
+    worker thread is no help, json holds the GIL). The request is the line's body, serialized
+    with a space after each comma and colon: only blanks or keys the line wastes around its
+    values could make it shorter than the line."""
+    message = (
+        f"the line is {num_bytes:,} bytes, more than one RPC call carries "
+        f"({wire.MAX_JSON_LEN:,} characters of JSON); nothing was sent"
+    )
+    return _error_body("invalid_request_error", message)
 
 
 def _expire_pending(store: Store, batch_id: str) -> None:

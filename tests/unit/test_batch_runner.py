@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -365,25 +366,141 @@ def test_a_big_jobs_recovery_and_expiry_leave_the_loop_free(store):
         for n in range(0, num_lines, 2):  # every other line answered just before a kill
             file.write(json.dumps({**answer, "custom_id": f"r{n}", "error": None}).encode() + b"\n")
 
-    async def scenario() -> float:
-        longest_gap, done = 0.0, False
-
-        async def tick() -> None:
-            nonlocal longest_gap
-            while not done:
-                before = time.monotonic()
-                await asyncio.sleep(0.01)
-                longest_gap = max(longest_gap, time.monotonic() - before)
-
-        ticking = asyncio.create_task(tick())
-        await asyncio.wait_for(JobRunner(store, PlayedClient(), "batch_x", RunLimits()).run(), 60)
-        done = True
-        await ticking
-        return longest_gap
-
-    longest_gap = asyncio.run(scenario())
+    job = JobRunner(store, PlayedClient(), "batch_x", RunLimits())
+    longest_gap = asyncio.run(longest_loop_gap_while(job.run()))
     batch = store.get_batch("batch_x")
     assert batch["status"] == "expired"
     counts = {"total": num_lines, "completed": num_lines // 2, "failed": num_lines // 2}
     assert batch["request_counts"] == counts
     assert longest_gap < 0.5
+
+
+def answered_lines(store: Store, num_lines: int) -> None:
+    """A batch whose `num_lines` lines were all answered (as just before its end), each with
+    a prompt's full-length start as its feeding key, as a shared system prompt gives."""
+    validated_batch(store, [line("r0", "ok")])
+    system_prompt = "You are a careful assistant. " * 20
+    rows = [(n, f"r{n}", 0, 1, f"{system_prompt}{n:06d}"[:512]) for n in range(num_lines)]
+    store.drop_lines("batch_x")
+    store.add_lines("batch_x", rows)
+    store.db.execute("UPDATE lines SET state = 1 WHERE batch_id = 'batch_x'")
+    store.db.execute(
+        "UPDATE batches SET total = ?, completed = ? WHERE id = 'batch_x'", (num_lines, num_lines)
+    )
+
+
+async def longest_loop_gap_while(work) -> float:
+    """The longest the loop went without a turn (a 10 ms tick) while `work` was awaited."""
+    longest_gap, done = 0.0, False
+
+    async def tick() -> None:
+        nonlocal longest_gap
+        while not done:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            longest_gap = max(longest_gap, time.monotonic() - before)
+
+    ticking = asyncio.create_task(tick())
+    await asyncio.sleep(0.05)  # (the tick has begun)
+    try:
+        await asyncio.wait_for(work, 60)
+    finally:
+        done = True
+        await ticking
+    return longest_gap
+
+
+def test_a_big_jobs_end_leaves_the_loop_free(store):
+    """A batch's end dropped its lines' rows on the service's one loop: 50,000 lines, each
+    keyed by its prompt's first 512 characters, took half a second and more in which the
+    service answered no call."""
+    answered_lines(store, 50_000)
+    job = JobRunner(store, PlayedClient(), "batch_x", RunLimits())
+    longest_gap = asyncio.run(longest_loop_gap_while(job.run()))
+    batch = store.get_batch("batch_x")
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 50_000
+    assert store.db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] == 0
+    assert longest_gap < 0.25, longest_gap
+
+
+def test_a_cancel_or_a_stop_while_a_batch_ends_leaves_it_ended(store, tmp_path, monkeypatch):
+    """A batch's end drops its lines' rows in a worker thread, the batch ended already: a
+    cancel meanwhile is refused as for any ended batch (409), and a stop (or a kill) leaves it
+    ended, its rows dropped by the restart, which resumes nothing."""
+    from services.batch.api import BatchApi, Limits
+
+    answered_lines(store, 3)
+    dropping, stopped = threading.Event(), threading.Event()
+
+    def drop_once_stopped(self: Store, batch_id: str) -> None:  # (as a kill midway would)
+        dropping.set()
+        stopped.wait(10)
+
+    monkeypatch.setattr(Store, "drop_lines", drop_once_stopped)
+
+    async def scenario() -> tuple[int, dict]:
+        manager = JobManager(store, PlayedClient(), RunLimits())
+        api = BatchApi(store, manager, Limits())
+        manager.start("batch_x")
+        while not dropping.is_set():
+            await asyncio.sleep(0.01)
+        status, refusal, _ = api.handle("batch_cancel", "t", {"batch_id": "batch_x"}, None)
+        await asyncio.wait_for(manager.close(), 5)  # the service's stop
+        stopped.set()
+        api.close()
+        return status, refusal
+
+    status, refusal = asyncio.run(scenario())
+    assert status == 409 and "completed" in refusal["error"]["message"]
+    assert store.get_batch("batch_x")["status"] == "completed"
+    monkeypatch.undo()
+    restarted = Store(tmp_path)
+    BatchApi(restarted, JobManager(restarted, PlayedClient(), RunLimits()), Limits()).close()
+    assert restarted.batches_in(*jobs.UNFINISHED) == []
+    assert restarted.db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] == 0
+    restarted.close()
+
+
+def test_a_line_too_long_for_one_call_is_answered_413_unread(store):
+    """A line may be as long as its file (200 MB): one of 40 MB of token ids was parsed and
+    then serialized for its call on the service's one loop, a second and more in which the
+    service answered no call, only for the client to refuse a request over one RPC call's JSON
+    (413). Such a line is answered 413 without being read."""
+    huge = line("huge", list(range(1_000_000, 6_000_000)))
+    validated_batch(store, [line("a", "ok"), huge, line("b", "ok")])
+    client = PlayedClient()
+    job = JobRunner(store, client, "batch_x", RunLimits())
+    longest_gap = asyncio.run(longest_loop_gap_while(job.run()))
+    batch = store.get_batch("batch_x")
+    assert answered(store, batch) == {"a": 200, "huge": 413, "b": 200}
+    assert sorted(body["prompt"] for body in client.bodies) == ["ok", "ok"]  # none sent
+    refusal = json.loads(store.path_of(batch["error_file_id"]).read_text())
+    assert "more than one RPC call carries" in refusal["response"]["body"]["error"]["message"]
+    assert longest_gap < 0.25, longest_gap
+
+
+def test_dropping_a_big_jobs_lines_apart_leaves_the_loops_writes_free(store):
+    """A worker thread dropped a job's lines (a batch's end, a validation refused or started
+    again) in one delete that held the database's write lock for a third of a second per
+    50,000 lines: a write of the loop's meanwhile (a line of another job answered, a file
+    uploaded) waited as long, the service answering no call. They are dropped a page at a time
+    now. (A job of 100,000 lines: `--max-lines` raised.)"""
+    answered_lines(store, 100_000)
+
+    async def longest_write_while_dropping() -> float:
+        dropping = asyncio.create_task(
+            asyncio.to_thread(store.run_apart, Store.drop_lines, "batch_x")
+        )
+        longest_write, num_files = 0.0, 0
+        while not dropping.done():
+            before = time.monotonic()
+            store.add_file(f"file-{num_files}", "t", "batch", "a.jsonl", 1)
+            longest_write = max(longest_write, time.monotonic() - before)
+            num_files += 1
+            await asyncio.sleep(0.005)
+        await dropping
+        return longest_write
+
+    longest_write = asyncio.run(longest_write_while_dropping())
+    assert store.db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] == 0
+    assert longest_write < 0.3, longest_write
