@@ -177,13 +177,12 @@ def _submit_with_constraint(constraint: dict) -> list[bytes]:
     return [frames[0], msgpack.packb(header)]
 
 
-def test_a_constraint_is_parsed_by_the_grammar_engine_once(monkeypatch):
-    """Each prompt of a completions batch (and each turn of an agent, which sends its schema
-    again) parsed the same schema with xgrammar on the gateway's event loop: 64 prompts under a
-    schema of four long patterns blocked every other request for 20 s."""
+@pytest.fixture
+def grammar_parses(monkeypatch) -> list[Constraint]:
+    """The constraints the gateway hands the grammar engine to parse, from an empty cache."""
     from services.gateway import structured_outputs
 
-    calls = []
+    calls: list[Constraint] = []
 
     def counted(constraint):
         calls.append(constraint)
@@ -191,6 +190,13 @@ def test_a_constraint_is_parsed_by_the_grammar_engine_once(monkeypatch):
 
     monkeypatch.setattr(structured_outputs, "to_grammar", counted)
     structured_outputs.check_parses.cache_clear()
+    return calls
+
+
+def test_a_constraint_is_parsed_by_the_grammar_engine_once(grammar_parses):
+    """Each prompt of a completions batch (and each turn of an agent, which sends its schema
+    again) parsed the same schema with xgrammar on the gateway's event loop: 64 prompts under a
+    schema of four long patterns blocked every other request for 20 s."""
     schema = {**SCHEMA, "properties": {"a": {"type": "string", "pattern": "^[a-z]{1,9}$"}}}
     fields = {
         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
@@ -198,27 +204,17 @@ def test_a_constraint_is_parsed_by_the_grammar_engine_once(monkeypatch):
     body = {"model": MODEL, "max_tokens": 5, **fields}
     for prompt in ("one", "two", "three"):
         parse_completion_request({**body, "prompt": prompt}, MODEL, MAX_LEN)
-    assert len(calls) == 1
+    assert len(grammar_parses) == 1
     for _ in range(2):  # a refusal is not remembered: each request gets its own, naming its field
         refused(
             "structured_outputs.grammar", "invalid grammar", structured_outputs={"grammar": "x"}
         )
-    assert len(calls) == 3
+    assert len(grammar_parses) == 3
 
 
-def test_a_forced_tool_calls_schema_is_parsed_once(monkeypatch):
+def test_a_forced_tool_calls_schema_is_parsed_once(grammar_parses):
     """An agent forcing a call every turn sends the same tools: the call schema was parsed with
     xgrammar on the event loop each time, past the cache the response formats used."""
-    from services.gateway import structured_outputs
-
-    calls = []
-
-    def counted(constraint):
-        calls.append(constraint)
-        return to_grammar(constraint)
-
-    monkeypatch.setattr(structured_outputs, "to_grammar", counted)
-    structured_outputs.check_parses.cache_clear()
     tool = {
         "type": "function",
         "function": {
@@ -235,4 +231,4 @@ def test_a_forced_tool_calls_schema_is_parsed_once(monkeypatch):
             "tool_choice": "required",
         }
         parse_chat_request(body, MODEL, MAX_LEN)
-    assert len(calls) == 1
+    assert len(grammar_parses) == 1
