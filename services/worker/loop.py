@@ -185,14 +185,12 @@ class WorkerLoop(abc.ABC):
         if self.engine.has_unfinished:
             started = time.monotonic()
             self._step()
-            step_s = time.monotonic() - started
+            # A step that only waited on a grammar compile (nothing else could run) counts as
+            # progress (the scheduler's liveness check reads it) but is neither busy time, nor
+            # a batch, nor a sample of the pace routing reads.
             self.steps_completed += 1
-            self.events.step(
-                step_s, self.engine.last_step_num_seqs, self.engine.last_step_context_tokens
-            )
-            self.step_s = smoothed(self.step_s, step_s)
-            self._recent_batch_sizes.append(self.engine.last_step_num_seqs)
-            del self._recent_batch_sizes[: -wire.MAX_RECENT_STEPS]
+            if not self.engine.last_step_idle:
+                self._record_step(time.monotonic() - started)
         now = time.monotonic()
         self._on_timers(now)
         if self.link.heartbeat_due(now):
@@ -205,6 +203,15 @@ class WorkerLoop(abc.ABC):
             self.link.send_heartbeat(heartbeat, now)
             self._recent_batch_sizes = []
             self._close_idle()  # (as often as a heartbeat: the walk is over every peer socket)
+
+    def _record_step(self, step_s: float) -> None:
+        """A step's time and batch size, for the metrics and the heartbeat's pace."""
+        self.events.step(
+            step_s, self.engine.last_step_num_seqs, self.engine.last_step_context_tokens
+        )
+        self.step_s = smoothed(self.step_s, step_s)
+        self._recent_batch_sizes.append(self.engine.last_step_num_seqs)
+        del self._recent_batch_sizes[: -wire.MAX_RECENT_STEPS]
 
     def _drain(self, sock: zmq.Socket) -> None:
         is_router = sock in self._router_sockets

@@ -42,6 +42,7 @@ from shared.errors import InvalidRequestError
 from shared.logs import get_logger
 
 log = get_logger(component="engine")
+COMPILE_POLL_S = 0.02  # how long a step with nothing to run waits on a pending grammar compile
 DEAD_END = (
     "the output constraint allows no next token: its grammar leads nowhere from here, or asks"
     " for text this model's vocabulary cannot spell"
@@ -181,6 +182,9 @@ class LLMEngine:
         )
         self.last_step_num_seqs = 0  # sequences in the latest step (its batch size)
         self.last_step_context_tokens = 0  # the tokens those sequences attended, summed
+        # The latest step ran nothing and only waited on grammar compiles (`_await_compiles`):
+        # no sample of the step time.
+        self.last_step_idle = False
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model, ever
         self.swap_space = SwapSpace(self.config.swap_bytes)
         self.preemption = PreemptionCosts(self.config.preemption_mode)
@@ -411,7 +415,9 @@ class LLMEngine:
             c.sequence.num_computed_tokens + c.num_tokens for c in plan.chunks
         )
         self._swap(plan)
+        self.last_step_idle = False
         if not plan.chunks:
+            self._await_compiles()
             return []
         # Grammar masks of the rows this step samples whose matchers are built fill on their
         # own thread while the forward runs (a matcher changes only when a token is accepted,
@@ -429,6 +435,15 @@ class LLMEngine:
             )
         finally:
             self.sampler.settle_masks()
+
+    def _await_compiles(self) -> None:
+        """A step with nothing to run while a sequence's grammar compiles (its sampling chunk
+        held back) waits a little for the compile instead of returning at once: the worker's
+        loop steps a busy engine without pause, and spun for as long as the compile took. The
+        wait is short, so the loop still reads its messages (a new request, a cancel)."""
+        scheduler = self.scheduler
+        candidates = itertools.chain(scheduler.running, scheduler.waiting)
+        self.last_step_idle = self.grammar.wait_for_compiles(candidates, COMPILE_POLL_S)
 
     def _record_prefill_rate(self, chunks: list[ScheduledChunk], seconds: float) -> None:
         # Prompt chunks are longer than one token; a step with enough of them samples the rate
@@ -603,6 +618,8 @@ class LLMEngine:
             seq.num_computed_tokens += chunk.num_tokens
             cache_computed_blocks(seq, self.block_manager)
             if seq.num_computed_tokens == seq.num_tokens:  # its last token ran: sample the next
+                # (Its grammar is ready: the scheduler runs this chunk only once the compile
+                # ended or its deadline passed, so the step never waits on it here.)
                 error = self.grammar.prepare(seq)
                 if error is not None:  # its grammar failed to compile: it ends here
                     self._finish(seq, SequenceStatus.FINISHED_ABORTED)

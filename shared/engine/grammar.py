@@ -4,10 +4,13 @@ Three pieces, each small:
 
 - `GrammarCache` compiles a `Constraint` against the tokenizer once per distinct constraint, on
   a background thread, so that a request's compile overlaps its prefill and the batch never
-  waits on it. Entries are kept least recently used first and bounded by their compiled size in
-  bytes (an unbounded cache is a memory-exhaustion hole); the spec itself is capped in
-  `shared.engine.constraint`. A compile that does not finish within the time limit fails its
-  request (xgrammar cannot be interrupted: the thread runs on, but nothing waits for it).
+  waits on it: until the compile ends (or its deadline passes) the step scheduler holds back
+  the chunk that would bring the sequence to its next token (`GrammarState.ready`), and the
+  rest of the batch steps on. Entries are kept least recently used first and bounded by their
+  compiled size in bytes (an unbounded cache is a memory-exhaustion hole); the spec itself is
+  capped in `shared.engine.constraint`. A compile that does not finish within the time limit
+  fails its request (xgrammar cannot be interrupted: the thread runs on, but nothing waits for
+  it).
 - `GrammarState` is one sequence's matcher. It is built lazily, when its grammar is compiled,
   by replaying the tokens the sequence already generated: those of a prefill job resumed from a
   client's tokens, those carried by a KV handoff, those kept across preemption. The matcher is
@@ -27,9 +30,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -126,12 +130,15 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def wait_compiled(future: Future, timeout_s: float) -> Any:
+def wait_compiled(future: Future, timeout_s: float, limit_s: float | None = None) -> Any:
+    """The compiled grammar, waiting up to `timeout_s`; past it, the error names `limit_s`
+    (the whole time limit, of which `timeout_s` may be what is left), by default `timeout_s`."""
     try:
         return future.result(timeout=max(timeout_s, 0.0))
     except FutureTimeout:
+        limit_s = timeout_s if limit_s is None else limit_s
         raise GrammarError(
-            f"the grammar did not compile within {timeout_s:.3g} s (the compile time limit)"
+            f"the grammar did not compile within {limit_s:.3g} s (the compile time limit)"
         ) from None
     except InvalidRequestError as error:
         raise GrammarError(error.message) from None
@@ -143,17 +150,43 @@ class GrammarState:
     """One sequence's matcher, built from its compiled grammar by replaying its generated
     tokens; `accept` advances it with each new token."""
 
-    def __init__(self, future: Future, deadline: float, replay_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        future: Future,
+        deadline: float,
+        replay_token_ids: Sequence[int] = (),
+        limit_s: float | None = None,
+    ):
         self._future = future
         self._deadline = deadline  # time.monotonic() past which the compile has failed
+        self._limit_s = limit_s  # the compile time limit the deadline stands for (its error's)
         self._replay_token_ids = list(replay_token_ids)  # generated before this engine's output
         self.matcher: Any = None
 
+    @property
+    def ready(self) -> bool:
+        """Whether `build` answers at once: the compile has ended (compiled or failed), or its
+        deadline has passed (build then fails). Until then the sequence is not sampled: the
+        scheduler holds back the chunk that would bring it to its next token, so nothing in a
+        step waits on a compile."""
+        return self._future.done() or time.monotonic() >= self._deadline
+
+    @property
+    def pending(self) -> Future | None:
+        """The compile this state still waits on, None once `ready`."""
+        return None if self.ready else self._future
+
+    @property
+    def seconds_left(self) -> float:
+        """Until the compile's deadline."""
+        return self._deadline - time.monotonic()
+
     def build(self, output_token_ids: Sequence[int]) -> Any:
-        """The matcher, built on first use (waiting for the compile up to the deadline) from
-        the tokens generated so far. Raises GrammarError if it cannot be."""
+        """The matcher, built on first use from the tokens generated so far (waiting for the
+        compile up to the deadline: the engine asks only once `ready`, and then nothing is
+        waited for). Raises GrammarError if it cannot be."""
         if self.matcher is None:
-            compiled = wait_compiled(self._future, self._deadline - time.monotonic())
+            compiled = wait_compiled(self._future, self.seconds_left, self._limit_s)
             matcher = xgr.GrammarMatcher(compiled)
             for i, token in enumerate(self._replay_token_ids + list(output_token_ids)):
                 if not matcher.accept_token(token):
@@ -293,11 +326,30 @@ class GrammarBinding:
         if constraint is None:
             return
         cache = self.cache
-        deadline = time.monotonic() + cache.compile_timeout_s
-        seq.grammar = GrammarState(cache.submit(constraint), deadline, replay_token_ids)
+        limit_s = cache.compile_timeout_s
+        deadline = time.monotonic() + limit_s
+        future = cache.submit(constraint)
+        seq.grammar = GrammarState(future, deadline, replay_token_ids, limit_s)
+
+    @staticmethod
+    def wait_for_compiles(sequences: Iterable[Any], max_wait_s: float) -> bool:
+        """Waits until one of `sequences`' pending compiles ends, at most `max_wait_s` and never
+        past the earliest deadline: what a step with nothing to run does instead of returning
+        at once, which spun the worker's loop for as long as the compile took. False if none
+        was pending (nothing waited for)."""
+        states = [seq.grammar for seq in sequences if seq.grammar is not None]
+        pending = [(state, state.pending) for state in states]
+        pending = [(state, future) for state, future in pending if future is not None]
+        if not pending:
+            return False
+        timeout_s = min(max_wait_s, *(state.seconds_left for state, _ in pending))
+        futures = [future for _, future in pending]
+        futures_wait(futures, timeout=max(timeout_s, 0.0), return_when=FIRST_COMPLETED)
+        return True
 
     def prepare(self, seq: Any) -> str | None:
-        """Builds `seq`'s matcher if it has none yet; the error if that failed."""
+        """Builds `seq`'s matcher if it has none yet; the error if that failed. Asked where
+        `seq` samples, which the scheduler lets happen only once its grammar is `ready`."""
         if seq.grammar is None:
             return None
         try:

@@ -41,6 +41,11 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    before a later newcomer's pins would keep an earlier one out. Blocks
    copied back from the host tier take free blocks, so only those left after one growth block
    per running sequence (`_spare_blocks`).
+6. A sequence whose grammar still compiles runs every token but its last
+   (`Sequence.num_schedulable_tokens`): the chunk that brings it to its next token, a decode
+   step included, waits until the compile ends or its deadline passes. So the compile overlaps
+   its prefill, and no step waits on it; the sequence keeps its blocks (and its seat) meanwhile,
+   preemptible like any other. One waiting with nothing else to run is not admitted yet.
 """
 
 from __future__ import annotations
@@ -222,7 +227,12 @@ class StepScheduler:
         # Most urgent first, so the tail, where victims are taken, is the lowest priority and
         # latest arrival, and a victim is never a sequence already scheduled in this step.
         self.running.sort(key=_urgency)
-        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        # Each one's tokens that may run (`num_schedulable_tokens`), read once: a grammar compile
+        # that ends mid-way would count a sequence held in the budget and scheduled after all.
+        runnable = {id(seq): seq.num_schedulable_tokens for seq in self.running}
+        decoding = [
+            seq for seq in self.running if seq.num_uncomputed_tokens == 1 and runnable[id(seq)]
+        ]
         full_budget = max(0, self.max_num_batched_tokens - len(decoding))
         cap = self.prompt_token_cap
         # Seats go by the capped budget; the shares' budget is raised for short prompts below.
@@ -233,12 +243,17 @@ class StepScheduler:
         # the budget against all new ones, however small the budget.
         max_newcomers = max(1, prompt_budget // MIN_CHUNK - len(in_prompt))
         num_newcomers = max(0, min(seats, max_newcomers))
-        newcomers = list(itertools.islice(self.waiting, num_newcomers))
+        # (A waiting sequence with nothing to run until its grammar compiles takes no seat.)
+        startable = (seq for seq in self.waiting if seq.num_schedulable_tokens > 0)
+        newcomers = list(itertools.islice(startable, num_newcomers))
         for seq in newcomers:  # before their needs are counted: only the uncached suffix runs
             attach_cached_prefix(seq, self.block_manager, self._spare_blocks())
+            runnable[id(seq)] = seq.num_schedulable_tokens
         self._pinning = newcomers  # give their cached blocks back before anyone is preempted
-        sharers = in_prompt + newcomers
-        needs = [seq.num_uncomputed_tokens for seq in sharers]
+        # One held back to its last token by a compile shares no budget (had it a share of
+        # nothing, `lighten` would take it for a prompt finishing in every step it waits).
+        sharers = [seq for seq in in_prompt + newcomers if runnable[id(seq)] > 0]
+        needs = [runnable[id(seq)] for seq in sharers]
         shares = prompt_shares(needs, full_budget, cap, [seq.bulk for seq in sharers])
         share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
         scheduled = plan.chunks
@@ -246,7 +261,8 @@ class StepScheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
-            num_tokens = 1 if seq.num_uncomputed_tokens == 1 else share_of.get(id(seq), 0)
+            decodes = seq.num_uncomputed_tokens == 1
+            num_tokens = runnable[id(seq)] if decodes else share_of.get(id(seq), 0)
             if num_tokens == 0 or not self._reserve(seq, num_tokens):
                 continue
             scheduled.append(ScheduledChunk(seq, num_tokens))
@@ -267,7 +283,7 @@ class StepScheduler:
         the prompt behind it, whose first token was what emptied its share, would never come
         in, nor the bulk line after it."""
         for index, seq in enumerate(newcomers):
-            num_tokens = share_of[id(seq)]
+            num_tokens = share_of.get(id(seq), 0)  # (none: held to its last token, see above)
             if num_tokens == 0:
                 detach_blocks(seq, self.block_manager)  # its pins: it waits for a later step
                 continue
@@ -281,7 +297,8 @@ class StepScheduler:
                 self._pinning = newcomers[index:]
                 self._release_pins()
                 return
-            self.waiting.remove(seq)  # (the head, unless one before it sat the step out)
+            self.waiting.remove(seq)  # (the head, unless one before it sat the step out or
+            # waits for its grammar with only its last token left)
             self._count_cache_hit(seq)
             self.block_manager.grow(seq.block_ids, target)
             seq.status = SequenceStatus.RUNNING

@@ -104,6 +104,16 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Uncomputed tokens a step may run now: all of them, but the last while the sequence's
+        grammar still compiles. The step that runs the last token samples the next one, which
+        needs the matcher; held back, that step neither waits on the compile nor holds up the
+        rest of its batch, and the prompt's earlier chunks still overlap the compile."""
+        if self.grammar is not None and not self.grammar.ready:
+            return self.num_uncomputed_tokens - 1
+        return self.num_uncomputed_tokens
+
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt followed by output, without building the whole list."""
         prompt_len = len(self.prompt_token_ids)

@@ -575,3 +575,55 @@ def test_a_newcomer_held_back_by_a_swapped_sequence_leaves_its_prefix_protected(
     scheduler.schedule()
     assert scheduler.waiting[0] is x2 and scheduler.swapped == [s]
     assert [cache.retain_until(cache.lookup(h)) for h in x2.block_hashes[:2]] == [100.0] * 2
+
+
+class CompilingGrammar:
+    """A sequence's grammar state as the scheduler sees it: `ready` once its compile ended."""
+
+    def __init__(self) -> None:
+        self.ready = False
+
+
+def constrained_seq(name: str, prompt_len: int) -> Sequence:
+    sequence = seq(name, prompt_len)
+    sequence.grammar = CompilingGrammar()
+    return sequence
+
+
+def test_a_compiling_grammar_holds_back_only_its_sequences_sampling_chunk():
+    """The step that brings a sequence to its next token samples it, which needs the matcher:
+    while the grammar compiles, that chunk waits, the prompt's others run (the compile overlaps
+    the prefill) and the rest of the batch steps on. The engine once ran the chunk and waited
+    on the compile inside the step, every other sequence of the batch with it."""
+    scheduler = make_scheduler()
+    held, free = constrained_seq("held", 40), seq("free", 30)
+    scheduler.add(held)
+    scheduler.add(free)
+    assert run_step(scheduler) == {"held": 39, "free": 30}  # all but held's last token
+    assert run_step(scheduler) == {"free": 1}
+    assert run_step(scheduler) == {"free": 1}
+    assert held in scheduler.running and held.num_uncomputed_tokens == 1  # its blocks kept
+    held.grammar.ready = True
+    assert run_step(scheduler) == {"held": 1, "free": 1}
+    assert held.output_token_ids == [7]
+    held.grammar.ready = False  # (a decode step of a sequence that arrived prefilled)
+    assert run_step(scheduler) == {"free": 1}
+
+
+def test_a_waiting_sequence_with_only_its_sampling_token_left_takes_no_newcomer_seat():
+    """A held prompt with nothing to run but its last token stays queued, holding no blocks,
+    without keeping out the newcomers behind it; a held prompt in progress runs up to that
+    token and then holds no share of the prompt budget."""
+    scheduler = make_scheduler(budget=MIN_CHUNK)  # one newcomer a step
+    one_token = constrained_seq("one", 1)
+    scheduler.add(one_token)
+    scheduler.add(seq("next", 40))
+    assert run_step(scheduler) == {"next": 40}
+    assert list(scheduler.waiting) == [one_token] and not one_token.block_ids
+    held = constrained_seq("held", 30)
+    scheduler.add(held)
+    scheduler.add(seq("long", 1000))
+    assert run_step(scheduler) == {"next": 1, "held": 29}
+    assert run_step(scheduler) == {"next": 1, "long": MIN_CHUNK - 1}
+    one_token.grammar.ready = held.grammar.ready = True
+    assert run_step(scheduler) == {"next": 1, "held": 1, "one": 1, "long": MIN_CHUNK - 3}
