@@ -1,7 +1,8 @@
 """The addresses a service listens on: readied before the bind, refused in one line when taken.
 
 Every ZeroMQ bind goes through `bind`: an `ipc://` address gets its directory made first (the
-defaults live in /tmp/tandem, which nothing else creates), and a bind that fails (the port in
+defaults live in /tmp/tandem, which nothing else creates), a tcp:// one ZeroMQ's IPv6 option
+where it needs it (`shared.endpoints`), and a bind that fails (the port in
 use, an address not this machine's) is a `BindError` naming the setting, which the `tandem`
 command prints as one line with exit status 2 instead of a traceback. TCP ports that another
 program binds for us (uvicorn, `tandem up`'s gateway) are checked beforehand with
@@ -17,6 +18,7 @@ import socket
 import zmq
 
 from shared.config import ConfigError, env_name, flag_name
+from shared.endpoints import set_ipv6
 
 IPC_PREFIX = "ipc://"
 
@@ -44,10 +46,11 @@ def ensure_ipc_dir(address: str) -> None:
 
 
 def bind(sock: zmq.Socket, address: str, setting: str) -> None:
-    """`sock.bind(address)`, the address being the value of the config field `setting`."""
+    """`sock.bind(address)`, the address being the value of the config field `setting`; IPv6
+    enabled where the address needs it (`shared.endpoints`)."""
     try:
         ensure_ipc_dir(address)
-        sock.bind(address)
+        set_ipv6(sock, address).bind(address)
     except zmq.ZMQError as error:  # (its strerror repeats the address)
         raise BindError(
             f"{describe(setting)}: cannot bind {address}: {zmq.strerror(error.errno)}"

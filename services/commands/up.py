@@ -33,6 +33,7 @@ from services.gateway.chat_prompt import read_chat_template
 from services.worker.config import WorkerConfig
 from shared.binding import check_tcp_port, host_port
 from shared.config import ConfigError, add_config_arguments, config_from_args
+from shared.endpoints import tcp_address
 from shared.engine.loader import (
     DEVICE_HELP,
     DTYPE_CHOICES,
@@ -234,7 +235,7 @@ class LocalCluster:
         rpc_address = self.address("gateway-rpc")
         rpc_port = getattr(self.args, "rpc_port", None)
         if rpc_port is not None:
-            rpc_address = f"tcp://{self.args.host}:{rpc_port}"
+            rpc_address = tcp_address(self.args.host, rpc_port)
         batch = not getattr(self.args, "no_batch", False)
         if rpc_port is not None or batch:
             gateway += ["--rpc-address", rpc_address]

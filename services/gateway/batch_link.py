@@ -21,6 +21,7 @@ import zmq.asyncio
 from services.gateway.openai_protocol import ERROR_TYPES, ApiError
 from shared import wire_batch
 from shared.curve import CurveKeys, Security
+from shared.endpoints import connect
 from shared.logs import get_logger
 from shared.wire import WireError
 
@@ -43,7 +44,7 @@ class BatchLink:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a service not connected
         socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_FRAME_BYTES)
-        socket.connect(self.address)
+        connect(socket, self.address)
         self._socket = socket
         self._reader = asyncio.create_task(self._read())
 

@@ -43,6 +43,7 @@ from shared import wire
 from shared.binding import bind
 from shared.curve import CurveKeys, Security
 from shared.deltas import after
+from shared.endpoints import connect
 from shared.lifecycle import GatewayEvents
 from shared.logs import get_logger
 
@@ -165,7 +166,7 @@ class ClusterClient:
         self.scheduler = self.security.client(self.context.socket(zmq.DEALER))
         self.scheduler.setsockopt(zmq.LINGER, 0)
         self.scheduler.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
-        self.scheduler.connect(self.scheduler_address)
+        connect(self.scheduler, self.scheduler_address)
         self.stream = self.security.server(self.context.socket(zmq.PULL))
         self.stream.setsockopt(zmq.LINGER, 0)
         self.stream.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)

@@ -40,6 +40,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared import wire
 from shared.curve import ClientKeys
+from shared.endpoints import connect
 
 DEFAULT_TIMEOUT_S = 300.0
 CLOSE_LINGER_MS = 1000  # how long a closing socket lets queued cancels reach the gateway
@@ -138,7 +139,7 @@ def _dealer(context: zmq.Context, address: str, curve: ClientKeys | None = None)
     socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)  # an unclosed client never blocks the exit
     socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
     socket.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a connection not made: say so instead
-    socket.connect(address)
+    connect(socket, address)
     return socket
 
 

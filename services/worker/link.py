@@ -15,6 +15,7 @@ import zmq
 
 from shared import wire
 from shared.curve import Security
+from shared.endpoints import connect
 from shared.errors import StartUpError
 from shared.logs import get_logger
 
@@ -37,7 +38,7 @@ class SchedulerLink:
         self.socket = security.client(context.socket(zmq.DEALER))
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
+        connect(self.socket, address)
         self.heartbeat_interval_s = 0.5
         self._next_heartbeat = 0.0
         # Heartbeats sent since a re-registration not yet welcomed (None: none awaited).

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection
 import zmq
 
 from shared import wire
+from shared.endpoints import set_ipv6
 
 
 class PeerSockets:
@@ -44,7 +45,7 @@ class PeerSockets:
         """Why `address` cannot be connected to, or None; opens its socket if none is open
         (`wire.connect_refusal`) and counts as a use."""
         if address not in self._sockets:
-            sock = self._open_socket()
+            sock = set_ipv6(self._open_socket(), address)
             refusal = wire.connect_refusal(sock, address)
             if refusal is not None:
                 return refusal
