@@ -171,10 +171,14 @@ def expand_host(address: str | None) -> str | None:
     hostname = socket.gethostname()
     if "{ip}" not in address:
         return address.replace("{hostname}", hostname)
+    from shared.endpoints import host_ip
+
     try:
-        ip = socket.gethostbyname(hostname)
+        ip = host_ip(hostname)
     except OSError as error:  # (socket.gaierror: a traceback at start-up, before)
         raise ConfigError(f"{address}: no IP address for this host {hostname!r}: {error}") from None
+    if ":" in ip:  # an IPv6-only host's: in brackets, as tcp:// and URLs write it
+        ip = f"[{ip}]"
     return address.replace("{hostname}", hostname).replace("{ip}", ip)
 
 

@@ -82,6 +82,16 @@ def tcp_address(host: str, port: int | str) -> str:
     return f"{TCP_PREFIX}{host}:{port}"
 
 
+def host_ip(hostname: str) -> str:
+    """The IP address `hostname` resolves to: its IPv4 one, or where it has none (an IPv6-only
+    container or pod) its IPv6 one. OSError (socket.gaierror) when it resolves to neither."""
+    try:
+        return socket.gethostbyname(hostname)  # (IPv4 only)
+    except OSError:
+        found = socket.getaddrinfo(hostname, None, socket.AF_INET6, socket.SOCK_STREAM)
+        return str(found[0][4][0])
+
+
 def _interface_names() -> set[str]:
     try:
         return {name for _, name in socket.if_nameindex()}

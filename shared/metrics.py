@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.binding import BindError, describe, host_port
+from shared.endpoints import host_ip
 
 # `_created` series double the exposition and no dashboard of ours reads them.
 disable_created_metrics()
@@ -118,7 +119,7 @@ def advertised_host(host: str) -> str:
     machine's (a container's) own IP address."""
     if host not in ("0.0.0.0", "::", ""):
         return host
-    return socket.gethostbyname(socket.gethostname())
+    return host_ip(socket.gethostname())  # (an IPv6-only container's IPv6 one)
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

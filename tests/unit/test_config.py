@@ -135,9 +135,29 @@ def test_an_ip_this_host_has_none_of_is_a_config_error(monkeypatch):
         raise socket.gaierror(-2, "Name or service not known")
 
     monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args: unresolvable(args[0]))
     with pytest.raises(ConfigError, match="no IP address for this host"):
         expand_host("tcp://{ip}:5601")
     assert expand_host("tcp://{hostname}:1") == f"tcp://{socket.gethostname()}:1"  # no IP asked
+
+
+def test_an_ipv6_only_hosts_ip_is_its_ipv6_address_in_brackets(monkeypatch):
+    """`{ip}` read the host's IPv4 address alone: in an IPv6-only container or pod a worker
+    stopped at start with "no IP address for this host", and so did a wildcard metrics bind's
+    advertised address."""
+    from shared.metrics import advertised_host
+
+    def no_ipv4(name):
+        raise socket.gaierror(-5, "No address associated with hostname")
+
+    def ipv6_only(name, port, family=0, kind=0, *rest):
+        assert family == socket.AF_INET6
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::7", 0, 0, 0))]
+
+    monkeypatch.setattr(socket, "gethostbyname", no_ipv4)
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_only)
+    assert expand_host("tcp://{ip}:5601") == "tcp://[fd00::7]:5601"
+    assert advertised_host("::") == "fd00::7"
 
 
 def test_a_worker_the_scheduler_refuses_says_so_in_one_line(monkeypatch, capsys):
