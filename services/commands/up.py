@@ -17,6 +17,7 @@ import ctypes
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from services.gateway.chat_prompt import read_chat_template
@@ -123,6 +124,7 @@ class Child:
     process: subprocess.Popen
     log_thread: threading.Thread | None = None
     restarts: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # beyond this process's environment
 
 
 @dataclass
@@ -239,11 +241,14 @@ class LocalCluster:
         batch = not getattr(self.args, "no_batch", False)
         if rpc_port is not None or batch:
             gateway += ["--rpc-address", rpc_address]
+        gateway_env: dict[str, str] = {}
+        batch_env: dict[str, str] = {}
         if batch:
             gateway += ["--batch-address", self.address("batch")]
-        self._spawn("gateway", gateway)
+            gateway_env, batch_env = batch_service_key(os.environ)
+        self._spawn("gateway", gateway, gateway_env)
         if batch:
-            self._spawn_batch(rpc_address, metrics)
+            self._spawn_batch(rpc_address, metrics, batch_env)
 
     def _check_ports(self) -> None:
         """The gateway's ports must be free: `wait_ready` asks whoever answers on --port, and
@@ -257,7 +262,7 @@ class LocalCluster:
                 raise ConfigError(f"{flag} must be a port in [1, 65535], got {port}")
             check_tcp_port(self.args.host, port, flag)
 
-    def _spawn_batch(self, rpc_address: str, metrics: list[str]) -> None:
+    def _spawn_batch(self, rpc_address: str, metrics: list[str], env: dict[str, str]) -> None:
         batch_dir = getattr(self.args, "batch_dir", None) or os.path.join(self.run_dir, "batch")
         self._spawn(
             "batch",
@@ -271,20 +276,22 @@ class LocalCluster:
                 batch_dir,
                 *metrics,
             ],
+            env,
         )
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         # A stopping signal waits until the child is on the list `stop` ends (one that came
         # between the fork and the append left a child running behind a stopped cluster).
+        env = env or {}
         with self.interrupts.held():
-            child = Child(name, argv, self._popen(argv))
+            child = Child(name, argv, self._popen(argv, env), env=env)
             self.children.append(child)
             self._pump_logs(child)
 
-    def _popen(self, argv: list[str]) -> subprocess.Popen:
+    def _popen(self, argv: list[str], env_extra: Mapping[str, str]) -> subprocess.Popen:
         # Children write to a pipe, not a terminal: say which format the person at this end wants.
         fmt = os.environ.get("TANDEM_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
-        env = dict(os.environ, TANDEM_LOG_FORMAT=fmt)
+        env = dict(os.environ, TANDEM_LOG_FORMAT=fmt, **env_extra)
         return subprocess.Popen(
             [sys.executable, "-m", "services.commands.cli", *argv],
             stdout=subprocess.PIPE,
@@ -312,7 +319,7 @@ class LocalCluster:
                 f"tandem up: {child.name} exited with {code}; starting it again "
                 f"({child.restarts}/{MAX_RESTARTS})\n"
             )
-            child.process = self._popen(child.argv)
+            child.process = self._popen(child.argv, child.env)
             self._pump_logs(child)
         return broken
 
@@ -376,6 +383,21 @@ def _die_with_parent() -> None:
     # fork, or as whoever started `tandem up` may), every child ignored SIGTERM (and its
     # parent's death), never stopped cleanly, and was killed when the stop's grace ran out.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def batch_service_key(environ: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment the gateway and the batch service get beyond this process's. With API
+    keys the gateway demands one of every caller (`TANDEM_API_KEYS`, `TANDEM_API_KEYS_FILE`),
+    the batch service too, which sends each job's lines to it: unless one was given it
+    (`TANDEM_API_KEY`, then listed among the gateway's by whoever set it), a bare key is made
+    for it and added to the gateway's. Without, every line of every job was refused (401)."""
+    if not (environ.get("TANDEM_API_KEYS") or environ.get("TANDEM_API_KEYS_FILE")):
+        return {}, {}
+    if environ.get("TANDEM_API_KEY"):
+        return {}, {}
+    key = secrets.token_hex(24)
+    listed = [k for k in (environ.get("TANDEM_API_KEYS", "").strip(), key) if k]
+    return {"TANDEM_API_KEYS": ",".join(listed)}, {"TANDEM_API_KEY": key}
 
 
 class Interrupted(Exception):

@@ -118,16 +118,20 @@ class _RecordedChild:
 
 def _spawned_argvs(monkeypatch, argv: list[str], environ: dict[str, str]) -> dict[str, list]:
     """Each child `tandem up` would start (name -> argv), none of them started."""
+    return {child.name: child.argv for child in _spawned(monkeypatch, argv, environ)}
+
+
+def _spawned(monkeypatch, argv: list[str], environ: dict[str, str]) -> list:
+    """The children `tandem up` would start, none of them started."""
     from services.commands import up
 
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(up, "resolve_model_dir", lambda model: (Path(model), model))
     monkeypatch.setattr(WorkerConfig, "check_kv_budget", lambda self: None)  # (no such model)
-    monkeypatch.setattr(up.LocalCluster, "_popen", lambda self, argv: _RecordedChild())
+    monkeypatch.setattr(up.LocalCluster, "_popen", lambda self, argv, env: _RecordedChild())
     monkeypatch.setattr(up.LocalCluster, "_pump_logs", lambda self, child: None)
-    cluster = _start_up(_up_args(argv))
-    return {child.name: child.argv for child in cluster.children}
+    return _start_up(_up_args(argv)).children
 
 
 def _up_args(argv: list[str]):
@@ -146,6 +150,28 @@ def _start_up(args):
     finally:
         shutil.rmtree(cluster.run_dir, ignore_errors=True)
     return cluster
+
+
+def test_up_gives_its_batch_service_a_key_the_gateway_takes(monkeypatch):
+    """With API keys in the environment the gateway demanded one of the batch service, which
+    had none: every line of every job was refused (401)."""
+    from services.gateway.auth import ApiKeys
+
+    keys = "k" * 20 + "=alpha"
+    children = {c.name: c for c in _spawned(monkeypatch, [], {"TANDEM_API_KEYS": keys})}
+    batch_key = children["batch"].env["TANDEM_API_KEY"]
+    listed = children["gateway"].env["TANDEM_API_KEYS"].split(",")
+    assert listed[0] == keys and batch_key in listed  # a bare key: lines name their owner
+    gateway_keys = ApiKeys.load(listed, None)
+    assert gateway_keys.check(batch_key).tenant is None
+    assert gateway_keys.check("k" * 20).tenant == "alpha"
+
+
+def test_up_leaves_a_batch_key_given_and_clusters_without_keys_alone(monkeypatch):
+    given = {"TANDEM_API_KEYS": "k" * 20 + "," + "b" * 20, "TANDEM_API_KEY": "b" * 20}
+    for environ in ({}, given):
+        children = {c.name: c for c in _spawned(monkeypatch, [], environ)}
+        assert children["gateway"].env == {} and children["batch"].env == {}
 
 
 def _flag(argv: list[str], flag: str) -> str:
@@ -231,7 +257,7 @@ def test_a_signal_during_a_childs_spawn_waits_until_the_child_is_listed(monkeypa
     log_thread = threading.Thread(target=log_thread_done.wait)  # as a running child's log pump
     log_thread.start()
 
-    def popen_signalled(self, argv):
+    def popen_signalled(self, argv, env):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.2)  # the handler runs here, mid-spawn
         return _RecordedChild()
