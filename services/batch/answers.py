@@ -43,8 +43,9 @@ class Answers:
         self.error_path = store.path_of(error_file_id(batch_id))
         if not recovered:
             self.recover()
-        self._output = open(self.output_path, "ab")  # noqa: SIM115 - held for the job's life
-        self._errors = open(self.error_path, "ab")  # noqa: SIM115
+        # Unbuffered: each answer goes to the OS in the call that appends it (`_write_whole`).
+        self._output = open(self.output_path, "ab", buffering=0)  # noqa: SIM115 - the job's life
+        self._errors = open(self.error_path, "ab", buffering=0)  # noqa: SIM115
 
     def close(self) -> None:
         """Closes the files; one left empty is removed (no line went there: the batch names
@@ -82,12 +83,26 @@ class Answers:
 
     def _append(self, line: dict[str, Any], ok: bool) -> None:
         file = self._output if ok else self._errors
-        file.write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
-        file.flush()  # to the OS before the database: see the module doc
+        # To the OS before the database: see the module doc.
+        _write_whole(file, json.dumps(line, separators=(",", ":")).encode() + b"\n")
         self.store.mark_answered(self.batch_id, line["custom_id"], ok, _usage(line))
 
     def sizes(self) -> tuple[int, int]:
         return _size(self.output_path), _size(self.error_path)
+
+
+def _write_whole(file: Any, data: bytes) -> None:
+    """Appends `data` whole or not at all. A write that fails midway (a full disk) is cut back:
+    left, its half line had the next answer appended to it, a line no recovery could read (the
+    batch stayed in progress for good, failing at every start)."""
+    start = file.seek(0, os.SEEK_END)
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[file.write(view) :]
+    except OSError:
+        file.truncate(start)
+        raise
 
 
 def recover(store: Store, batch_id: str) -> int:

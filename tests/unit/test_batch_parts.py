@@ -206,6 +206,43 @@ def test_answers_are_recovered_exactly_once_after_a_kill(store):
     assert not store.mark_answered("batch_x", "a", True)  # answered once only
 
 
+class DiskFullOnce:
+    """An answer file whose next write gets half its bytes to disk, then no space left."""
+
+    def __init__(self, file):
+        self.file, self.failed = file, False
+
+    def write(self, data: bytes) -> int:
+        if self.failed:
+            return self.file.write(data)
+        self.failed = True
+        self.file.write(data[: len(data) // 2])
+        self.file.flush()
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+def test_an_answer_the_disk_could_not_take_leaves_no_torn_line_behind(store):
+    """A write that failed midway (a full disk) left half a line, the next answer appended to
+    it: recovery then failed on that line at every start, and the batch stayed in progress."""
+    batch = new_batch(store, [good("a"), good("b"), good("c")])
+    validate(store, batch, ["m"])
+    answers = Answers(store, "batch_x")
+    answers.response("a", 200, {"id": "cmpl-1"})
+    answers._output = DiskFullOnce(answers._output)
+    with pytest.raises(OSError):
+        answers.response("b", 200, {"id": "cmpl-2"})
+    answers.response("c", 200, {"id": "cmpl-3"})  # space again
+    answers.close()
+    recovered = Answers(store, "batch_x")  # (recovers the files: must read every line)
+    recovered.close()
+    path = store.path_of(output_file_id("batch_x"))
+    assert [json.loads(x)["custom_id"] for x in path.read_bytes().splitlines()] == ["a", "c"]
+    assert [row["custom_id"] for row in store.pending_lines("batch_x")] == ["b"]  # runs again
+
+
 def test_files_are_seen_only_by_their_tenant_and_bounded(store):
     api = BatchApi(store, jobs=None, limits=Limits(max_file_bytes=10))
     status, begun, _ = api.handle("file_upload_begin", "alice", {"purpose": "batch"}, None)
