@@ -26,6 +26,12 @@ would show the hole. The scheduler passes on where the worker says the stream en
 (STREAM_ENDED, on the other socket): if the stream's end has not come once its tokens stop
 arriving for `STREAM_END_GRACE_S`, the request ends here (every token came: only the finish was
 lost) or resumes from the tokens that did come, instead of waiting out its time limit.
+
+A request decoding when the scheduler restarted (its attempt had brought tokens) is orphaned:
+its worker goes on streaming, and the new scheduler adopts it from that worker's heartbeats and
+says when the worker is lost. Not if the worker died before it could be adopted, nor when the
+loss came before this gateway's HELLO reached the new scheduler: so an orphan whose tokens stop
+for `ORPHAN_SILENCE_S` is resumed from the tokens that came, its old attempt called off.
 """
 
 from __future__ import annotations
@@ -58,6 +64,12 @@ MAX_PENDING_SUBMITS = 1024
 # lost. The two messages travel on different connections, and a busy gateway reads its stream
 # socket behind a backlog: a stream still bringing tokens is given this much again.
 STREAM_END_GRACE_S = 5.0
+# How long an orphaned attempt (decoding when the scheduler restarted) may bring no token before
+# it is taken as lost: far above any decode step. A sequence its worker swapped out may wait
+# longer under load, and is then resumed too; that costs its prefill again, not its output: it
+# resumes from its tokens (greedy output unchanged), and the old attempt is called off through
+# the new scheduler, which has adopted it by then and cancels it on its worker.
+ORPHAN_SILENCE_S = 30.0
 MAX_RETRY_AFTER_S = 3600.0  # the longest wait a refusal may ask of a client, seconds
 # The scheduler's refusal of a SUBMIT from a gateway it does not know (`_admission_refusal` in
 # services/scheduler/core.py): a restarted scheduler before this gateway's HELLO reached it.
@@ -140,6 +152,7 @@ class ClusterClient:
         status_timeout_s: float = 3.0,
         max_pending_submits: int = MAX_PENDING_SUBMITS,
         stream_end_grace_s: float = STREAM_END_GRACE_S,
+        orphan_silence_s: float = ORPHAN_SILENCE_S,
     ):
         self.scheduler_address = scheduler_address
         self.max_pending_submits = max_pending_submits
@@ -149,6 +162,7 @@ class ClusterClient:
         self.model = model
         self.status_timeout_s = status_timeout_s
         self.stream_end_grace_s = stream_end_grace_s
+        self.orphan_silence_s = orphan_silence_s
         self.view = ClusterView()
         self.log = get_logger(peer_id=peer_id)
         self.telemetry = telemetry
@@ -159,6 +173,7 @@ class ClusterClient:
         self._hello_again_at = -HELLO_AGAIN_S  # the last HELLO said for a refusal (monotonic)
         self._tasks: list[asyncio.Task] = []
         self._chores: set[asyncio.Task] = set()  # held so they are not collected mid-flight
+        self._watched_orphans: set[str] = set()  # attempt ids: one watchdog each
 
     async def start(self) -> None:
         self.context = zmq.asyncio.Context()
@@ -180,9 +195,10 @@ class ClusterClient:
         ]
 
     async def close(self) -> None:
-        """Stops the readers, and the chores (resumptions, stream ends awaited) before the
-        sockets close: one left running failed later on a closed socket, an exception never
-        retrieved. (Only the readers start chores, and a cancelled chore starts none.)"""
+        """Stops the readers, and the chores (resumptions, stream ends awaited, orphans
+        watched) before the sockets close: one left running failed later on a closed socket,
+        an exception never retrieved. (Chores start only from the readers and from chores, and
+        a cancelled one starts none.)"""
         tasks = [*self._tasks, *self._chores]
         for task in tasks:
             task.cancel()
@@ -367,16 +383,36 @@ class ClusterClient:
         the handler has yet to read: nothing would call off their new attempt), nor those
         whose first SUBMIT is still unanswered: its answer (or its timeout, a 503 that calls
         it off) tells their handlers what became of them, and an attempt of theirs running
-        meanwhile would be one the handlers never hear of."""
-        waiting = [
-            r
-            for r in self._requests.values()
-            if not (r.ended or r.attempt_has_tokens or r.submit.request_id in self._replies)
-        ]
-        self.log.warning("scheduler restarted", resuming=len(waiting))
+        meanwhile would be one the handlers never hear of. Those decoding are watched, in case
+        their worker dies unseen (`_watch_orphan`)."""
+        waiting: list[InFlight] = []
+        orphans: list[InFlight] = []
+        for inflight in self._requests.values():
+            if not (inflight.ended or inflight.submit.request_id in self._replies):
+                (orphans if inflight.attempt_has_tokens else waiting).append(inflight)
+        self.log.warning("scheduler restarted", resuming=len(waiting), orphans=len(orphans))
         for inflight in waiting:
             self._attempts.pop(inflight.attempt_id, None)
             self._resume(inflight, "the scheduler restarted")
+        for inflight in orphans:
+            if inflight.attempt_id not in self._watched_orphans:  # (an earlier restart's)
+                self._watched_orphans.add(inflight.attempt_id)
+                self._start_chore(self._watch_orphan(inflight, inflight.attempt_id))
+
+    async def _watch_orphan(self, inflight: InFlight, attempt_id: str) -> None:
+        """Resumes an orphaned attempt once its tokens stop for `orphan_silence_s`: its worker
+        died before the new scheduler could adopt it, or the loss was told before this
+        gateway's HELLO reached it. Ends with the attempt (ended, resumed, cancelled)."""
+        try:
+            num_seen = await self._await_silence(inflight, attempt_id, self.orphan_silence_s)
+        finally:
+            self._watched_orphans.discard(attempt_id)
+        if num_seen is None:
+            return
+        del self._attempts[attempt_id]  # its late deltas are dropped from now on
+        self.log.warning("orphaned stream silent", request_id=attempt_id, num_tokens=num_seen)
+        reason = f"no token for {self.orphan_silence_s:g} s after the scheduler restarted"
+        self._resume(inflight, reason, abandon=attempt_id)
 
     def _start_chore(self, coroutine: Coroutine) -> None:
         task = asyncio.create_task(coroutine)
@@ -404,12 +440,9 @@ class ClusterClient:
 
     async def _await_stream_end(self, inflight: InFlight, ended: wire.StreamEnded) -> None:
         """Waits for the stream's end while its tokens still come; then takes it as lost."""
-        num_seen = -1
-        while len(inflight.token_ids) != num_seen:
-            num_seen = len(inflight.token_ids)
-            await asyncio.sleep(self.stream_end_grace_s)
-            if inflight.ended or self._current(ended.request_id) is not inflight:
-                return  # it ended, or moved on (resumed, cancelled)
+        num_seen = await self._await_silence(inflight, ended.request_id, self.stream_end_grace_s)
+        if num_seen is None:
+            return
         del self._attempts[ended.request_id]  # its late deltas are dropped from now on
         self.log.warning("stream end lost", request_id=ended.request_id, num_tokens=num_seen,
                          output_length=ended.output_length)  # fmt: skip
@@ -430,6 +463,20 @@ class ClusterClient:
             inflight.queue.put_nowait(finish)
         else:
             self._fail(inflight, f"its worker ended it ({ended.finish_reason}); why was lost")
+
+    async def _await_silence(
+        self, inflight: InFlight, attempt_id: str, silence_s: float
+    ) -> int | None:
+        """Waits until the attempt brings no token for `silence_s` (looked at every `silence_s`:
+        from one to two of them pass); then the number of tokens the handler has. None if it
+        ended first, or moved on (resumed, cancelled)."""
+        num_seen = -1
+        while len(inflight.token_ids) != num_seen:
+            num_seen = len(inflight.token_ids)
+            await asyncio.sleep(silence_s)
+            if inflight.ended or self._current(attempt_id) is not inflight:
+                return None
+        return num_seen
 
     def _current(self, attempt_id: str) -> InFlight | None:
         """The request this attempt runs, if it is the attempt now running it."""

@@ -309,3 +309,89 @@ def test_a_restart_does_not_resume_a_request_whose_stream_ended(tmp_path):
     assert ids(messages, wire.Submit) == set()
     assert (got.finish_reason, got.error) == ("timeout", "no first token within its deadline")
     assert nothing_else
+
+
+# -- a request decoding when the scheduler restarted, whose worker then goes silent -------------
+
+
+async def orphaned_then_silent(tmp_path, num_restarts: int):
+    async with played(tmp_path, orphan_silence_s=0.3) as (client, scheduler):
+        queue = await admitted(client, scheduler, "r")
+        await scheduler.send(delta("r", [7]))
+        for epoch in range(2, 2 + num_restarts):  # its worker died unseen: no token, no "lost"
+            await scheduler.send(status(f"e{epoch}"))
+        await asyncio.sleep(0.1)
+        num_chores = len(client._chores)
+        messages = [await asyncio.wait_for(scheduler.expect(wire.Message), 5)]
+        while not isinstance(resubmit := messages[-1], wire.Submit):
+            messages.append(await asyncio.wait_for(scheduler.expect(wire.Message), 5))
+        await scheduler.reply(resubmit.request_id)
+        await scheduler.send(delta("r", [99]))  # late, from the abandoned attempt: dropped
+        await scheduler.send(delta(resubmit.request_id, [8], finish="length"))
+        after = await serve(scheduler, 0.8)
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(2)]
+        return resubmit, num_chores, messages, after, got
+
+
+@pytest.mark.parametrize("num_restarts", [1, 2])
+def test_an_orphan_that_goes_silent_is_resumed_from_its_tokens(tmp_path, num_restarts):
+    """A request decoding when the scheduler restarted was left to its worker; had that worker
+    died before the new scheduler adopted it (or the loss been told before this gateway's
+    HELLO), its client waited out the request timeout. One watchdog an attempt, restarts or
+    not; the abandoned attempt is called off."""
+    outcome = asyncio.run(orphaned_then_silent(tmp_path, num_restarts))
+    resubmit, num_chores, messages, after, got = outcome
+    assert (resubmit.request_id, resubmit.output_token_ids) == ("r~1", [7])
+    assert resubmit.resumed_from == "r" and num_chores == 1
+    assert ids(messages, wire.Cancel) == {"r"}  # called off ahead of its successor
+    assert after == []  # once: no second watchdog, nor one for r~1
+    assert [(d.token_ids, d.finish_reason) for d in got] == [([7], None), ([8], "length")]
+
+
+async def orphan_streaming_on(tmp_path, ends: bool):
+    async with played(tmp_path, orphan_silence_s=0.4) as (client, scheduler):
+        queue = await admitted(client, scheduler, "r")
+        await scheduler.send(delta("r", [7]))
+        await scheduler.send(status("e2"))
+        served = asyncio.create_task(serve(scheduler, 1.3))
+        for token in range(8, 16):  # one every 0.1 s: 0.8 s, two silences' worth
+            await asyncio.sleep(0.1)
+            finish = "length" if ends and token == 15 else None
+            await scheduler.send(delta("r", [token], finish))
+        while_streaming = await served  # and 0.5 s after, silent unless it ended
+        after = await serve(scheduler, 0.8)
+        num_chores = len(client._chores)
+        got = [await asyncio.wait_for(queue.get(), 5) for _ in range(9)]
+        return while_streaming, after, num_chores, got
+
+
+def test_an_orphan_that_streams_on_is_resumed_only_once_silent(tmp_path):
+    """Streaming on past two silences' worth it is left alone; once its tokens stop it is
+    resumed with them all (the orphan's worker died after streaming on a while)."""
+    while_streaming, after, num_chores, got = asyncio.run(orphan_streaming_on(tmp_path, False))
+    resumed = [m for m in while_streaming + after if isinstance(m, wire.Submit)]
+    assert [(m.request_id, m.output_token_ids) for m in resumed] == [("r~1", list(range(7, 16)))]
+    assert [d.token_ids for d in got] == [[t] for t in range(7, 16)]
+
+
+def test_an_orphan_that_streams_to_its_end_is_left_alone(tmp_path):
+    while_streaming, after, num_chores, got = asyncio.run(orphan_streaming_on(tmp_path, True))
+    assert while_streaming + after == [] and num_chores == 0  # its watchdog ended with it
+    assert got[-1].finish_reason == "length"
+
+
+async def orphan_cancelled(tmp_path):
+    async with played(tmp_path, orphan_silence_s=0.3) as (client, scheduler):
+        await admitted(client, scheduler, "r")
+        await scheduler.send(delta("r", [7]))
+        await scheduler.send(status("e2"))
+        await asyncio.sleep(0.1)
+        await client.cancel("r", "client gone")
+        messages = await serve(scheduler, 0.8)
+        return messages, len(client._chores)
+
+
+def test_an_orphan_cancelled_by_its_client_is_not_resumed(tmp_path):
+    messages, num_chores = asyncio.run(orphan_cancelled(tmp_path))
+    assert ids(messages, wire.Submit) == set() and ids(messages, wire.Cancel) == {"r"}
+    assert num_chores == 0  # its watchdog ended with the request
