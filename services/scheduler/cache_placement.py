@@ -53,7 +53,12 @@ class CachePlacement:
 
     def prompt_hashes(self, submit: wire.Submit) -> list[int]:
         """The chain of the request's full blocks, hashed once (hashing a long prompt is the
-        costliest step of a choice, and a request's life asks it four times or more)."""
+        costliest step of a choice, and a request's life asks it four times or more). None for
+        a prompt whose logprobs are asked: a worker computes it whole (a cached block has no
+        logits) and caches none of it, so no worker's cache saves it a token, and fair share
+        charges it all."""
+        if submit.sampling.prompt_logprobs is not None:
+            return []
         key = (self.index.cache_key, self.index.block_size)
         kept = self._chains.get(submit.request_id)
         if kept is not None and kept[0] is submit and kept[1] == key:

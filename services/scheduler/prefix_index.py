@@ -37,10 +37,14 @@ class PrefixIndex:
         self._workers: dict[str, WorkerCache] = {}
         self.num_gaps = 0  # batches found missing (a drifting index made visible)
 
-    def refusal(self, cache_key: str | None) -> str | None:
-        """Why a worker with this key may not join, or None."""
+    def refusal(self, cache_key: str | None, peer_id: str | None = None) -> str | None:
+        """Why a worker with this key may not join, or None. `peer_id`: the worker's, which may
+        be registered already (restarted with another key before the scheduler saw it go): its
+        HELLO replaces its old registration, so only the other workers' key counts."""
         if cache_key is None or self.cache_key is None or cache_key == self.cache_key:
             return None
+        if peer_id is not None and all(other == peer_id for other in self._workers):
+            return None  # no other worker keeps the cluster's key: this one sets the next
         return (
             f"prefix cache key {cache_key!r} differs from the cluster's {self.cache_key!r}: "
             "model, dtype, block size and hash scheme must agree, or no hash would ever match"

@@ -501,7 +501,7 @@ class SchedulerService:
                 worker_shape_refusal(hello)
                 or self._address_refusal(hello)
                 or self._kv_layout_refusal(hello)
-                or self.core.prefix_index.refusal(hello.cache_key)
+                or self.core.prefix_index.refusal(hello.cache_key, hello.peer_id)
             )
         ack = wire.HelloAck(
             schema_version=wire.SCHEMA_VERSION,

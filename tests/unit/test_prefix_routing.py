@@ -139,6 +139,21 @@ def test_a_worker_with_another_cache_key_is_refused_loudly():
     assert index.cache_key == other and index.refusal(OWN) is not None
 
 
+def test_a_worker_registering_again_with_another_key_is_refused_only_for_the_others():
+    """The one worker keeping a cache, restarted with another key (dtype, tenant sharing)
+    before the scheduler saw it go, was refused for the key of its own old registration,
+    which its HELLO replaces: its start failed until the old one timed out."""
+    index = PrefixIndex()
+    index.register("p", OWN, 16)
+    other = worker_cache_key(KEY, shared_between_tenants=True)
+    assert index.refusal(other, "p") is None
+    assert index.refusal(other, "q") is not None
+    index.register("p", other, 16)
+    assert index.cache_key == other
+    index.register("q", other, 16)
+    assert index.refusal(OWN, "p") is not None  # q keeps the cluster's key
+
+
 def test_local_prefill_off_means_never():
     """0 meant "never", except for a prompt whose every block the decode worker pinned: its
     uncached part counted 0 tokens, and 0 > 0 is false."""
@@ -370,6 +385,26 @@ def test_fair_share_charges_only_the_prompt_tokens_a_worker_must_compute():
     core.on_submit(b"G", dataclasses.replace(submit("s", prompt_len=80), tenant="u"), 0.0)
     served = {party.tenant: tokens for party, tokens in core.queue.served_tokens.items()}
     assert served == {"t": 80 - 64, "u": 80}
+
+
+def test_a_prompt_whose_logprobs_are_asked_is_charged_and_routed_as_computed_whole():
+    """The workers compute such a prompt whole (a cached block has no logits) and cache none
+    of it: its tenant was charged only the uncached part, the prefill choice counted a cached
+    prefix it would not use, and the index predicted cached tokens no worker would find."""
+    request = submit("r", prompt_len=80)
+    scored = dataclasses.replace(
+        request, sampling=dataclasses.replace(request.sampling, prompt_logprobs=0)
+    )
+    core = core_with_a_prefix_cached_on_p(request)
+    assert core.placement.cached_on("p", request) == 64  # the plain prompt's prefix is held
+    assert core.placement.cached_on("p", scored) == 0
+    core.on_submit(b"G", scored, 0.0)
+    (party,) = core.queue.served_tokens
+    assert core.queue.served_tokens[party] == 80
+    core.on_reserve_reply(
+        wire.ReserveReply(peer_id="d", request_id="r", ok=True, num_free_blocks=90), 0.0
+    )
+    assert core.requests["r"].num_predicted_cached_tokens == 0
 
 
 def test_a_requeued_request_gets_back_what_it_was_charged_not_more():
