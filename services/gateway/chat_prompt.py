@@ -22,6 +22,13 @@ def chat_prompt_ids(tokenizer, request: GenerationRequest, template_tools: bool)
     """The prompt of a chat request; `template_tools`: the template renders tools in a format
     we parse (tool_formats.template_tool_format). A conversation the template refuses (its
     `raise_exception`, e.g. Mistral's call ids of nine characters) is the client's error."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        # (transformers raises a ValueError, which was a 500 on every chat with a base model)
+        raise bad_request(
+            "messages",
+            "this model has no chat template: send a prompt to /v1/completions, or start the "
+            "gateway with --chat-template FILE",
+        )
     try:
         if template_tools:
             tools = request.tools.template_tools() if request.tools is not None else None
@@ -39,8 +46,10 @@ def chat_prompt_ids(tokenizer, request: GenerationRequest, template_tools: bool)
 
 
 def read_chat_template(path: str) -> str:
+    """The template's text; a byte order mark (editors on Windows write one) is dropped, or
+    every prompt would begin with its tokens, before the model's BOS."""
     try:
-        with open(path, encoding="utf-8") as file:
+        with open(path, encoding="utf-8-sig") as file:
             template = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"chat_template (--chat-template): cannot read {path}: {error}") from None

@@ -397,9 +397,9 @@ def _parse_message(message: Any, where: str) -> dict[str, Any]:
         _fail(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
     if calls:
         text = message.get("content")
-        text = "" if text is None else _parse_content(text, f"{where}.content")
+        text = "" if text is None else _parse_content(text, f"{where}.content", role)
         return {"role": "assistant", "content": text, "tool_calls": _history_calls(calls, where)}
-    content = _parse_content(message.get("content"), f"{where}.content")
+    content = _parse_content(message.get("content"), f"{where}.content", role)
     # Open models' chat templates know system/user/assistant/tool; for OpenAI, `developer` is
     # the new name of `system`.
     parsed = {"role": "system" if role == "developer" else role, "content": content}
@@ -415,21 +415,30 @@ def _history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         raise from_invalid_request(error) from None
 
 
-def _parse_content(content: Any, where: str) -> str:
-    """A string, or text parts joined with newlines (as vLLM does)."""
+def _parse_content(content: Any, where: str, role: str) -> str:
+    """A string, or text parts joined with newlines (as vLLM does). An assistant message may
+    also hold OpenAI's `refusal` parts, taken as text as vLLM does; any other part (an image,
+    audio, a file) is refused: the model reads text only, and dropping it would answer another
+    question than the one asked."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
         _fail(where, "must be a string or a non-empty list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        is_text = isinstance(part, dict) and part.get("type") == "text" and len(part) == 2
-        if not is_text or not isinstance(part.get("text"), str):
-            _fail(
-                f"{where}[{j}]", 'only text parts, {"type": "text", "text": string}, are supported'
-            )
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return "\n".join(_part_text(part, f"{where}[{j}]", role) for j, part in enumerate(content))
+
+
+def _part_text(part: Any, where: str, role: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    text_key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+    if kind == text_key and len(part) == 2 and isinstance(part.get(text_key), str):
+        return part[text_key]
+    if isinstance(kind, str) and kind not in ("text", "refusal"):
+        shown = kind if len(kind) <= 40 else kind[:40] + "..."
+        _fail(where, f"`{shown}` parts are not supported: this model reads text parts only")
+    parts = '{"type": "text", "text": string}'
+    if role == "assistant":
+        parts += ' and {"type": "refusal", "refusal": string}'
+    _fail(where, f"only text parts, {parts}, are supported")
 
 
 # --- the other fields --------------------------------------------------------------------------

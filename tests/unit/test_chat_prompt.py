@@ -129,3 +129,30 @@ def test_a_chat_template_file_is_used_or_refused(tokenizer, tmp_path):
     path.write_text("{% for m in messages %}{{ m.content }")  # unclosed: cannot render
     with pytest.raises(ConfigError, match="chat_template .--chat-template.: .*template.jinja"):
         use_chat_template(served, str(path))
+
+
+def test_a_model_without_a_chat_template_answers_chat_with_a_400(tokenizer):
+    """A base model's tokenizer has no template: transformers' ValueError was a 500."""
+    base = with_template(tokenizer, None)
+    with pytest.raises(ApiError) as refused:
+        prompt_text(base, [{"role": "user", "content": "Hi"}])
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert "no chat template" in refused.value.message
+
+
+def test_the_prompt_starts_with_one_bos_even_where_the_template_writes_it(tokenizer):
+    """The template renders the BOS (SmolLM2's is `<|im_start|>`, its first turn's opener);
+    tokenizing the rendered text must not add another, whatever the template."""
+    bos = tokenizer.bos_token_id
+    for template in (tokenizer.chat_template, "{{ bos_token }}{{ messages[0].content }}"):
+        served = with_template(tokenizer, template)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+        ids = chat_prompt_ids(served, parse_chat_request(body, MODEL, 2048), False)
+        assert ids[0] == bos and ids[1] != bos
+
+
+def test_a_chat_template_files_byte_order_mark_is_not_rendered(tokenizer, tmp_path):
+    """A file saved with a BOM put U+FEFF's three tokens before the BOS of every prompt."""
+    path = tmp_path / "template.jinja"
+    path.write_text(tokenizer.chat_template, encoding="utf-8-sig")
+    assert read_chat_template(str(path)) == tokenizer.chat_template

@@ -584,6 +584,30 @@ def test_invalid_messages(messages, param):
     assert_bad(parse_chat_request, CHAT, {"messages": messages}, param)
 
 
+def test_an_assistant_refusal_part_is_taken_as_its_text():
+    """OpenAI's assistant content may hold `{"type": "refusal"}` parts beside text parts; vLLM
+    renders their text. They were a 400 (only text parts), so such a history could not be
+    sent back."""
+    parts = [{"type": "text", "text": "Well."}, {"type": "refusal", "refusal": "I can't."}]
+    request = chat(messages=[{"role": "assistant", "content": parts}, CHAT["messages"][0]])
+    assert request.messages[0] == {"role": "assistant", "content": "Well.\nI can't."}
+    user_refusal = {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}
+    assert_bad(parse_chat_request, CHAT, {"messages": [user_refusal]}, "messages[0].content[0]")
+
+
+@pytest.mark.parametrize(
+    "part",
+    [{"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+     {"type": "input_audio", "input_audio": {"data": "UklG", "format": "wav"}},
+     {"type": "file", "file": {"file_id": "file-1"}}],
+)  # fmt: skip
+def test_a_part_the_model_cannot_read_is_refused_by_its_type(part):
+    content = [{"type": "text", "text": "What is this?"}, part]
+    messages = [{"role": "user", "content": content}]
+    error = assert_bad(parse_chat_request, CHAT, {"messages": messages}, "messages[0].content[1]")
+    assert f"`{part['type']}` parts are not supported" in error.message
+
+
 def test_a_dumped_sdk_message_is_taken_back():
     """An agent loop appends `response.choices[0].message.model_dump()` to its history: the
     `openai` package fills every field of its ChatCompletionMessage, so the answer's own message
