@@ -267,11 +267,23 @@ def decode(frames: Sequence[FrameLike]) -> Message:
     if type(fields) is not dict:
         raise WireError(f"{name}: header must be a map, got {_type_name(fields)}")
     ctx = _Decoding(views)
-    msg = _MESSAGE_CODECS[code].from_wire(fields, name, ctx)
+    try:
+        msg = _MESSAGE_CODECS[code].from_wire(fields, name, ctx)
+    except WireError as error:
+        raise WireError(f"{error}{_version_note(fields)}") from None
     unclaimed = set(range(2, len(frames))) - ctx.claimed
     if unclaimed:
         raise WireError(f"{name}: frames {sorted(unclaimed)} are not named by any tensor field")
     return msg
+
+
+def _version_note(fields: dict) -> str:
+    """Why a HELLO (or its answer) failed, when its sender speaks another schema version: its
+    fields differ, and the message fails before anyone reads the version it carries."""
+    version = fields.get("schema_version")
+    if type(version) is not int or version == SCHEMA_VERSION:
+        return ""
+    return f" (the sender speaks schema version {version}, this one's {SCHEMA_VERSION})"
 
 
 # ----------------------------------------------------------------------------------------------

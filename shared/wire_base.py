@@ -221,14 +221,15 @@ class TokenDelta:
     request_id: RequestId
     token_ids: list[TokenId]  # new tokens, in order (usually one)
     logprobs: list[float] | None = None  # per new token the chosen token's logprob, if asked
-    # per new token its top-n (token id, logprob), best first, if asked with logprobs >= 1
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # per new token its top-n (token id, logprob), best first, if asked with logprobs >= 1;
+    # each id within int32 as `token_ids`' (the gateway decodes it to text)
+    top_logprobs: list[list[tuple[TokenId, float]]] | None = None
     # On the first token's delta, when asked (`prompt_logprobs`): each prompt token's logprob
     # but the first's (it has none), and their top n as `top_logprobs`. As long as a prompt.
     prompt_logprobs: Annotated[list[float], MaxLen(MAX_TOKEN_IDS)] | None = None
-    prompt_top_logprobs: Annotated[list[list[tuple[int, float]]], MaxLen(MAX_TOKEN_IDS)] | None = (
-        None
-    )
+    prompt_top_logprobs: (
+        Annotated[list[list[tuple[TokenId, float]]], MaxLen(MAX_TOKEN_IDS)] | None
+    ) = None
     # "stop", "length" or "abort" on the request's last delta; "lost" when the worker holding
     # it is gone (its gateway resumes it elsewhere from the tokens it has, or fails it);
     # "timeout" (with `error`) when it waited past a limit, such as the queue's; "preempted"

@@ -84,7 +84,10 @@ _CODECS = {code: _struct_codec(cls) for code, cls in _CLASSES.items()}
 
 def encode(msg: BatchMessage, data: bytes | None = None) -> list[bytes]:
     """The frames of `msg`, with `data` (at most MAX_CHUNK_BYTES) as its own last frame."""
-    header = msgpack.packb(_CODECS[msg.TYPE].to_wire(msg, []), use_bin_type=True)
+    try:
+        header = msgpack.packb(_CODECS[msg.TYPE].to_wire(msg, []), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:  # a lone surrogate, an int past uint64
+        raise WireError(f"{type(msg).__name__}: cannot pack header: {e}") from e
     if len(header) > MAX_FRAME_BYTES:
         raise WireError(
             f"{type(msg).__name__}: header of {len(header)} bytes exceeds {MAX_FRAME_BYTES}"

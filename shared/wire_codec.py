@@ -13,6 +13,7 @@ import abc
 import dataclasses
 import functools
 import itertools
+import reprlib
 import struct
 import sys
 import types
@@ -68,6 +69,16 @@ SHORT_LIST_LEN = 8
 
 def _type_name(value: object) -> str:
     return "None" if value is None else type(value).__name__
+
+
+# A value named in an error, a few levels and items of it: a value from the wire may be lists
+# a thousand deep (repr raised RecursionError) or a million long.
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother = 4, 80, 80
+
+
+def _preview(value: object) -> str:
+    return _PREVIEW.repr(value)
 
 
 class _Decoding:
@@ -157,6 +168,11 @@ class _Float(_Codec):
         # may be -inf; ranges are the receiver's business.
         return float(value)
 
+    def all_pass(self, values: list) -> bool:
+        """Whether every one of `values` is a float already (as a sender packs one): an int
+        among them is turned into one by `from_wire`, one by one."""
+        return list(map(type, values)).count(float) == len(values)
+
 
 class _Choice(_Codec):
     def __init__(self, choices: tuple[str, ...]):
@@ -164,7 +180,7 @@ class _Choice(_Codec):
 
     def from_wire(self, value: Any, path: str, ctx: _Decoding) -> str:
         if type(value) is not str or value not in self.choices:
-            raise WireError(f"{path}: expected one of {list(self.choices)}, got {value!r:.80}")
+            raise WireError(f"{path}: expected one of {list(self.choices)}, got {_preview(value)}")
         return value
 
 
@@ -199,6 +215,8 @@ class _List(_Codec):
             if len(value) >= UNTRACK_MIN_LEN:
                 untrack_atoms(value)
             return value
+        if isinstance(self.item, _Tuple) and self.item.all_pass(value):
+            return list(map(tuple, value))
         return _each(itertools.repeat(self.item, len(value)), value, path, ctx)
 
 
@@ -242,8 +260,27 @@ class _Tuple(_Codec):
 
     def from_wire(self, value: Any, path: str, ctx: _Decoding) -> tuple:
         if type(value) is not list or len(value) != len(self.items):
-            raise WireError(f"{path}: expected an array of {len(self.items)}, got {value!r:.80}")
+            raise WireError(
+                f"{path}: expected an array of {len(self.items)}, got {_preview(value)}"
+            )
         return tuple(_each(self.items, value, path, ctx))
+
+    def all_pass(self, values: list) -> bool:
+        """Whether every one of `values` passes as it is, each column of items in passes in C:
+        a long prompt's top logprobs (a million (id, logprob) pairs) took 2 s item by item, the
+        gateway's loop stalled for all its streams meanwhile."""
+        if list(map(type, values)).count(list) != len(values):
+            return False
+        if list(map(len, values)).count(len(self.items)) != len(values):
+            return False
+        if not values:
+            return True
+        columns = zip(*values, strict=True)  # (each value has one item per codec, checked above)
+        for codec, column in zip(self.items, columns, strict=True):
+            # An atom's column only: a nested pair's items would stay lists.
+            if not (isinstance(codec, (_Exact, _Float)) and codec.all_pass(column)):
+                return False
+        return True
 
 
 def _each(codecs: Iterable[_Codec], values: list, path: str, ctx: _Decoding) -> list:
