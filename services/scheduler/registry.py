@@ -304,9 +304,8 @@ class WorkerRegistry:
         )
 
     def decode_takes(self, num_tokens: int, num_needed_tokens: int, now: float, bulk: bool) -> bool:
-        """Whether `pick_decode` has a worker for such a request now."""
-        if num_needed_tokens <= self.smallest_decode_pool:
-            return self.pick_decode(num_tokens, now, bulk=bulk) is not None
+        """Whether `pick_decode` has a worker for such a request now (a scan: asked only for a
+        request past the smallest pool, `decode_fit.py`)."""
         room = self._room(bulk)
         for w in self._by_role["decode"].values():
             if self._decode_holds(w, num_tokens, num_needed_tokens, now, room):
