@@ -218,12 +218,13 @@ class GenerationRequest:
         num_prompt_tokens: int,
         max_model_len: int,
         defaults: Mapping[str, Any] | None = None,
+        tool_format: str = "tagged",
     ) -> SamplingParams:
         """The final parameters once the prompt is tokenized; the fields the client left unset
         take `defaults` (the served model's, see shared.engine.sampling_defaults). Without
         `max_tokens` the output may fill the context, up to the endpoint's default; an explicit
         one that does not fit beside the prompt is refused, as is a prompt that leaves no room
-        at all."""
+        at all. `tool_format` names how the model writes tool calls (`CALL_FORMATS`)."""
         room = max_model_len - num_prompt_tokens
         if self.echo and self.logprobs is not None:
             entries = num_prompt_tokens * (1 + self.logprobs)
@@ -241,7 +242,7 @@ class GenerationRequest:
                 f"in this model's context of {max_model_len} tokens",
             )
         if self.max_tokens == 0:  # echo only: the prompt's logprobs come with a first token
-            return _sampling_params({**(defaults or {}), **self.sampling_kwargs}, 1)
+            return _sampling_params(self._kwargs(defaults, tool_format), 1)
         if self.max_tokens is None:
             default = CHAT_DEFAULT_MAX_TOKENS if self.chat else COMPLETION_DEFAULT_MAX_TOKENS
             max_tokens = min(default, room)
@@ -253,7 +254,20 @@ class GenerationRequest:
             )
         else:
             max_tokens = self.max_tokens
-        return _sampling_params({**(defaults or {}), **self.sampling_kwargs}, max_tokens)
+        return _sampling_params(self._kwargs(defaults, tool_format), max_tokens)
+
+    def _kwargs(self, defaults: Mapping[str, Any] | None, tool_format: str) -> dict[str, Any]:
+        """The sampling fields given, over `defaults`; a response format beside tools the model
+        may call lets it answer in that format or call them (`ToolSetup.answer_or_calls`)."""
+        kwargs = {**(defaults or {}), **self.sampling_kwargs}
+        answer = kwargs.get("constraint")
+        if answer is not None and self.tools is not None and self.tools.choice == "auto":
+            try:
+                kwargs["constraint"] = self.tools.answer_or_calls(answer, tool_format)
+                check_parses(kwargs["constraint"])
+            except InvalidRequestError as error:
+                raise from_invalid_request(error) from None
+        return kwargs
 
 
 def _sampling_params(kwargs: Mapping[str, Any], max_tokens: int) -> SamplingParams:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.structured_outputs import check_parses
+from shared.engine import call_grammar
 from shared.engine.constraint import (
     MAX_SPEC_CHARS,
     Constraint,
@@ -76,26 +78,7 @@ class ToolSetup:
         if not self.forced:
             return None
         chosen = [f for f in self.functions if self.may_call(f["name"])]
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": f["name"]},
-                    "arguments": {"$ref": f"#/$defs/{f['name']}"},
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for f in chosen
-        ]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        # Each tool's parameters under `$defs`, named by the tool, their own `$ref`s (a pydantic
-        # model's `#/$defs/...`) rebased there: they point into the parameters, not this root.
-        schema["$defs"] = {
-            f["name"]: rebase_refs(f.get("parameters") or _NO_ARGUMENTS, f"#/$defs/{f['name']}")
-            for f in chosen
-        }
-        text = json.dumps(schema)
+        text = _call_schema(chosen, "arguments", _parameters)
         if len(text) > MAX_SPEC_CHARS:
             raise InvalidRequestError(
                 "tools",
@@ -104,6 +87,16 @@ class ToolSetup:
                 " (name one tool, or shorten their schemas)",
             )
         return Constraint("json_schema", text, "tools")
+
+    def answer_or_calls(self, answer: Constraint, format_name: str) -> Constraint:
+        """With `auto`, a response format's `answer` or calls of these tools in the model's
+        format (`shared.engine.call_grammar`): the response format alone would hold every
+        output, and no call could be written. A tool whose parameters the engine cannot
+        enforce (only shown, so any schema was taken) is called with any JSON object."""
+        arguments_key = call_grammar.CALL_FORMATS[format_name].arguments_key
+        calls = _call_schema(self.functions, arguments_key, _enforceable_parameters)
+        max_calls = call_grammar.MAX_CALLS if self.parallel else 1
+        return call_grammar.answer_or_calls(answer, calls, format_name, max_calls)
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools in OpenAI's request form, as chat templates that render tools take them."""
@@ -128,6 +121,49 @@ def json_text(value: Any) -> str:
     except UnicodeEncodeError:
         return json.dumps(value)
     return text
+
+
+def _call_schema(
+    functions: Sequence[Mapping[str, Any]],
+    arguments_key: str,
+    parameters: Callable[[Mapping[str, Any]], Any],
+) -> str:
+    """The JSON schema, as text, of one call of any of `functions`: its `name` fixed by `const`,
+    its arguments under `arguments_key` by `parameters(function)`. Each tool's parameters sit
+    under `$defs`, named by the tool, their own `$ref`s (a pydantic model's `#/$defs/...`)
+    rebased there: they point into the parameters, not this root."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                arguments_key: {"$ref": f"#/$defs/{f['name']}"},
+            },
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema["$defs"] = {
+        f["name"]: rebase_refs(parameters(f), f"#/$defs/{f['name']}") for f in functions
+    }
+    return json.dumps(schema)
+
+
+def _parameters(function: Mapping[str, Any]) -> Any:
+    return function.get("parameters") or _NO_ARGUMENTS
+
+
+def _enforceable_parameters(function: Mapping[str, Any]) -> Any:
+    """A shown tool's parameters if the engine can enforce them, else any object."""
+    parameters = _parameters(function)
+    try:
+        _check_enforceable(parameters, "parameters")
+        check_parses(Constraint("json_schema", json.dumps(parameters), "parameters"))
+    except InvalidRequestError:
+        return {"type": "object"}
+    return parameters
 
 
 def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:

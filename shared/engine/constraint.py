@@ -29,7 +29,8 @@ from typing import Any
 from shared.engine.json_pattern import MAX_PATTERN_SIZE, json_string_pattern, pattern_size
 from shared.errors import InvalidRequestError
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+# (`answer_or_calls`: a response format or tool calls, shared.engine.call_grammar)
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "answer_or_calls")
 MAX_SPEC_CHARS = 64 << 10  # a schema, regex or grammar; bounds compile time and cache entries
 MAX_CHOICES = 256
 MAX_SCHEMA_DEPTH = 32
@@ -426,6 +427,10 @@ def to_grammar(constraint: Constraint) -> Any:
                 )
             case "regex":
                 return xgr.Grammar.from_regex(constraint.spec)
+            case "answer_or_calls":
+                from shared.engine import call_grammar  # (it builds on this module)
+
+                return call_grammar.grammar(constraint)
             case "choice":
                 choices = json.loads(constraint.spec)
                 alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

@@ -107,3 +107,41 @@ def test_streamed_tool_calls_match_the_whole_response(openai_client):
         assert all(c["id"].startswith("call_") for c in calls)
     _, calls, finish = streamed_calls(openai_client, QUESTION, tool_choice="required")
     assert finish == "tool_calls" and len(calls) == 1
+
+
+ANSWER_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "weather",
+        "schema": {
+            "type": "object",
+            "properties": {"summary": {"type": "string", "maxLength": 40}},
+            "required": ["summary"],
+            "additionalProperties": False,
+        },
+    },
+}
+LESS_THAN = 44  # "<" in the default model's vocabulary: the first token of a tagged call
+
+
+def test_a_response_format_beside_auto_tools_answers_or_calls(openai_client):
+    """An agent asking for a typed answer and offering tools (as the OpenAI Agents SDK does):
+    the response format held every output before, and no call could ever be written. Steered
+    to open a tag, the model's output is a call; left alone, it is a call or the answer."""
+    steered = ask(
+        openai_client,
+        QUESTION,
+        response_format=ANSWER_FORMAT,
+        logit_bias={str(LESS_THAN): 100},
+        parallel_tool_calls=False,
+    ).choices[0]
+    assert steered.finish_reason == "tool_calls", steered.message.content
+    (call,) = steered.message.tool_calls
+    assert call.function.name in ("get_weather", "now")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    free = ask(openai_client, QUESTION, response_format=ANSWER_FORMAT).choices[0]
+    if free.message.tool_calls:
+        assert free.finish_reason == "tool_calls"
+    else:
+        assert free.finish_reason == "stop"
+        assert set(json.loads(free.message.content)) == {"summary"}

@@ -9,6 +9,8 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from shared import wire, wire_convert
+from shared.engine import call_grammar
 from shared.engine.constraint import (
     MAX_SPEC_CHARS,
     Constraint,
@@ -541,3 +543,72 @@ def test_an_engine_without_a_tokenizer_refuses_constrained_requests():
     binding = GrammarBinding(None, VOCAB, {EOS})
     with pytest.raises(InvalidRequestError, match="without a tokenizer"):
         binding.cache  # noqa: B018
+
+
+def answer_or_calls_constraint(max_calls: int = 8) -> Constraint:
+    answer = Constraint(
+        "json_schema",
+        json.dumps(
+            {
+                "type": "object",
+                "required": ["a"],
+                "properties": {"a": {"type": "integer"}},
+                "additionalProperties": False,
+            }
+        ),
+    )
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": "f"}, "arguments": {"type": "object"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    return call_grammar.answer_or_calls(answer, json.dumps(call), "tagged", max_calls)
+
+
+def test_an_answer_or_calls_compiles_and_travels_on_the_wire(cache, tokenizer):
+    """A response format beside `auto` tools: compiled against the tokenizer, and the same
+    constraint after the wire (a worker of the previous schema would refuse the kind)."""
+    constraint = answer_or_calls_constraint()
+    spec = wire_convert.sampling_spec(SamplingParams(constraint=constraint))
+    decoded = wire.decode(
+        wire.encode(
+            wire.PrefillJob(
+                request_id="r",
+                prompt_token_ids=[1],
+                sampling=spec,
+                gateway_address="g",
+                decode_peer_id="d",
+                decode_address="a",
+            )
+        )
+    )
+    assert wire_convert.sampling_params(decoded.sampling).constraint == constraint
+    state = GrammarState(cache.submit(constraint), time.monotonic() + 60)
+    state.build([])
+    for token in tokenizer.encode('<tool_call>{"name": "f", "arguments": {}}</tool_call>'):
+        assert state.matcher.accept_token(token)
+    assert state.matcher.accept_token(EOS) and state.is_terminated
+
+
+GOOD_SPEC = {"answer": {"kind": "regex", "spec": "a"}, "calls": "{}", "format": "tagged"}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "not json",
+        "[]",
+        json.dumps({**GOOD_SPEC, "format": "yaml", "max_calls": 1}),
+        json.dumps({**GOOD_SPEC, "max_calls": 0}),
+        json.dumps({**GOOD_SPEC, "max_calls": True}),
+        json.dumps({**GOOD_SPEC, "max_calls": 1, "answer": {"kind": "answer_or_calls"}}),
+        json.dumps({**GOOD_SPEC, "max_calls": 1, "answer": {"kind": "nope"}}),
+        json.dumps({**GOOD_SPEC, "max_calls": 1, "calls": 5}),
+    ],
+)
+def test_a_malformed_answer_or_calls_spec_is_an_invalid_request(spec):
+    """The spec comes off the wire: anything malformed fails its request with a clear error,
+    never a KeyError in the worker."""
+    with pytest.raises(InvalidRequestError, match="answer_or_calls|unknown constraint kind"):
+        to_grammar(Constraint("answer_or_calls", spec))

@@ -288,3 +288,117 @@ def test_history_call_arguments_with_a_lone_surrogate_are_refused(arguments):
     500). It is no character, refused as it is anywhere else in the body."""
     refused("messages[1].tool_calls[0].function.arguments", "lone UTF-16 surrogate",
             messages=_history_call(arguments), tools=[WEATHER])  # fmt: skip
+
+
+# -- a response format beside tools the model may call ----------------------------------------
+
+ANSWER = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "answer",
+        "schema": {
+            "type": "object",
+            "properties": {"temperature": {"type": "integer"}},
+            "required": ["temperature"],
+            "additionalProperties": False,
+        },
+    },
+}
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+NOW_CALL = '{"name": "now", "arguments": {}}'
+
+
+def accepts(constraint, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return _is_grammar_accept_string(to_grammar(constraint), text)
+
+
+def test_auto_tools_beside_a_response_format_may_answer_or_call():
+    """The response format's grammar held every output, so with `auto` tools no call could be
+    written (an agent with a typed final answer never had a tool called)."""
+    constraint = chat(tools=[WEATHER, NOW], response_format=ANSWER).sampling_params(10, MAX_LEN)
+    constraint = constraint.constraint
+    assert accepts(constraint, '{"temperature": 21}')  # the answer
+    assert accepts(constraint, f"<tool_call>\n{PARIS}\n</tool_call>")  # a call
+    assert accepts(constraint, f"<tool_call>{PARIS}</tool_call>\n<tool_call>{NOW_CALL}</tool_call>")
+    for wrong in (
+        '{"temperature": "warm"}',  # the answer's schema holds
+        "It is sunny.",  # neither
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',  # no such tool
+        '<tool_call>{"name": "get_weather", "arguments": {"town": "Paris"}}</tool_call>',
+        f'{{"temperature": 21}}<tool_call>{PARIS}</tool_call>',  # not both
+    ):
+        assert not accepts(constraint, wrong), wrong
+    # ...and the calls are read back as calls, the answer as content
+    request = chat(tools=[WEATHER, NOW], response_format=ANSWER)
+    content, calls = extract_tool_calls(request.tools, f"<tool_call>{PARIS}</tool_call>")
+    assert content is None and calls[0]["function"]["name"] == "get_weather"
+
+
+def test_parallel_tool_calls_false_allows_one_call_beside_a_response_format():
+    request = chat(tools=[WEATHER, NOW], response_format=ANSWER, parallel_tool_calls=False)
+    constraint = request.sampling_params(10, MAX_LEN).constraint
+    assert accepts(constraint, f"<tool_call>{PARIS}</tool_call>")
+    assert not accepts(
+        constraint, f"<tool_call>{PARIS}</tool_call><tool_call>{NOW_CALL}</tool_call>"
+    )
+
+
+@pytest.mark.parametrize(
+    ("tool_format", "call"),
+    [
+        ("mistral", f"[TOOL_CALLS][{PARIS}, {NOW_CALL}]"),
+        (
+            "llama3_json",
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+            + NOW_CALL.replace("arguments", "parameters"),
+        ),
+    ],
+)
+def test_calls_beside_a_response_format_take_the_templates_format(tool_format, call):
+    request = chat(tools=[WEATHER, NOW], response_format=ANSWER)
+    constraint = request.sampling_params(10, MAX_LEN, tool_format=tool_format).constraint
+    assert accepts(constraint, call) and accepts(constraint, '{"temperature": 21}')
+    assert not accepts(constraint, f"<tool_call>{PARIS}</tool_call>")
+
+
+@pytest.mark.parametrize("choice", ["none", None])
+def test_no_calls_or_no_tools_leave_the_response_format_alone(choice):
+    tools = {"tool_choice": choice, "tools": [WEATHER]} if choice else {}
+    constraint = chat(response_format=ANSWER, **tools).sampling_params(10, MAX_LEN).constraint
+    assert constraint.kind == "json_schema"
+
+
+def test_a_shown_tool_the_engine_cannot_enforce_is_called_with_any_object():
+    """Tools only shown may use any schema (`format`, ...): beside a response format such a
+    tool's arguments are any JSON object, not a refusal of the request."""
+    email = {
+        "type": "function",
+        "function": {
+            "name": "mail",
+            "parameters": {"type": "object", "properties": {"to": {"format": "email"}}},
+        },
+    }
+    request = chat(tools=[email, WEATHER], response_format=ANSWER)
+    constraint = request.sampling_params(10, MAX_LEN).constraint
+    assert accepts(constraint, '<tool_call>{"name": "mail", "arguments": {"x": [1]}}</tool_call>')
+    assert not accepts(
+        constraint, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    )
+
+
+def test_a_response_format_and_tools_past_the_spec_bound_are_refused():
+    """Each tool's parameters fit a spec, the two tools beside the answer do not."""
+
+    def tool(name: str) -> dict:
+        described = {"type": "string", "description": "x" * 200}
+        properties = {f"p{i}": described for i in range(150)}
+        parameters = {"type": "object", "properties": properties}
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    request = chat(tools=[tool("a"), tool("b")], response_format=ANSWER)
+    with pytest.raises(ApiError) as info:
+        request.sampling_params(10, MAX_LEN)
+    assert info.value.status == 400 and info.value.param == "tools"
+    assert "together" in info.value.message
