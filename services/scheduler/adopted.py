@@ -18,11 +18,24 @@ from it, so the memory is bounded by the workers registered.
 Prefill workers' listings are not adopted: a request of theirs that brought no token yet is
 resumed by its gateway when the scheduler restarts, and one whose first token went out is held
 by its decode worker too (its reservation), which lists it.
+
+A gateway's cancel may come before the listing (its client left in the moment between the
+restart and the worker's first heartbeat to the new scheduler): a cancel of an id neither
+tracked, adopted nor given up on is kept here for a while (`cancel_ahead`), and a worker that
+then lists the id is told to let it go instead of its being adopted. At most
+`MAX_CANCELS_AHEAD` are kept, each for the time the core gives (a heartbeat timeout: a worker
+holding it lists it by then, or is taken for dead), so a flood of cancels of ids nobody holds
+costs a bounded memory.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from shared import wire
+
+# Cancels kept for ids no worker has listed yet: as many as one heartbeat lists.
+MAX_CANCELS_AHEAD = wire.MAX_HELD_IDS
 
 
 class AdoptedRequest:
@@ -54,6 +67,9 @@ class AdoptedRequests:
         # Each id's workers, in the order they adopted it (almost always one: a second is a
         # worker that still holds a reservation the old scheduler gave up on).
         self._holders: dict[str, list[str]] = {}
+        # Cancels of ids not listed yet (`cancel_ahead`): each one's reason and the time it is
+        # kept until, in that order (each is kept as long, so the first ends first).
+        self._cancels_ahead: OrderedDict[str, tuple[float, str]] = OrderedDict()
 
     def __len__(self) -> int:
         """The requests adopted (each once, however many workers list it)."""
@@ -139,3 +155,29 @@ class AdoptedRequests:
         for request_id in request_ids:
             self.forget(peer_id, request_id)
         return request_ids
+
+    def cancel_ahead(self, request_id: str, reason: str, now: float, keep_s: float) -> None:
+        """A cancel of an id no worker has listed yet, kept `keep_s` (the same for every one)
+        for the listing that may follow (at most `MAX_CANCELS_AHEAD`: the oldest go first)."""
+        cancels = self._cancels_ahead
+        while cancels:  # those past their time go (the first in time ends the scan)
+            first_id, first = cancels.popitem(last=False)
+            if first[0] >= now:
+                cancels[first_id] = first
+                cancels.move_to_end(first_id, last=False)
+                break
+        cancels.pop(request_id, None)  # (again: kept from now, last in the order)
+        cancels[request_id] = (now + keep_s, reason)
+        while len(cancels) > MAX_CANCELS_AHEAD:
+            cancels.popitem(last=False)
+
+    def has_cancels_ahead(self) -> bool:
+        return bool(self._cancels_ahead)
+
+    def num_cancels_ahead(self) -> int:
+        return len(self._cancels_ahead)
+
+    def take_cancel_ahead(self, request_id: str, now: float) -> str | None:
+        """The reason of a cancel kept for the id and still in time, taken; or None."""
+        cancel = self._cancels_ahead.pop(request_id, None)
+        return cancel[1] if cancel is not None and cancel[0] >= now else None

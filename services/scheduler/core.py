@@ -415,10 +415,13 @@ class ClusterScheduler:
         busy = heartbeat.num_running + heartbeat.num_waiting + heartbeat.num_swapped > 0
         worker.record_progress(heartbeat.steps_completed, busy, now)
         unknown: list[str] = []  # neither tracked nor given up on: an earlier life's
+        cancels_ahead = self.adopted.has_cancels_ahead()
         for request_id in heartbeat.request_ids:
+            if request_id in self.requests:
+                continue  # (first: an id given up on and submitted again names this one now)
             if request_id in self.abandoned:
                 self._send(identity, wire.Cancel(request_id=request_id, reason="abandoned"))
-            elif request_id not in self.requests:
+            elif not (cancels_ahead and self._cancelled_ahead(identity, request_id, now)):
                 unknown.append(request_id)
         full = len(heartbeat.request_ids) >= wire.MAX_HELD_IDS  # (a full list proves nothing)
         if worker.role == "decode":
@@ -427,6 +430,17 @@ class ClusterScheduler:
             self._ended_unheard(worker, heartbeat.request_ids)
         self._dispatch(now)
         return self.take_outbox()
+
+    def _cancelled_ahead(self, identity: bytes, request_id: str, now: float) -> bool:
+        """Whether the id a worker lists, unknown here, had its cancel before the listing
+        (`on_cancel`): then the worker is told to let it go, and it is given up on (a later
+        listing, a stale heartbeat's or another worker's, is told again, never adopted)."""
+        reason = self.adopted.take_cancel_ahead(request_id, now)
+        if reason is None:
+            return False
+        self._send(identity, wire.Cancel(request_id=request_id, reason=reason))
+        self._abandon(request_id)
+        return True
 
     def _adopt(self, worker: WorkerState, unknown: list[str], full: bool) -> None:
         """Adopts the requests a decode worker lists that the scheduler never placed (its
@@ -664,6 +678,11 @@ class ClusterScheduler:
             self._forget(request, cancel_reason=cancel.reason)
         elif self.adopted.holds(cancel.request_id):  # (its client left after a restart)
             self._let_go_adopted(cancel.request_id, cancel.reason)
+        elif cancel.request_id not in self.abandoned:
+            # Perhaps an earlier life's, whose worker has not listed it yet (a restart just
+            # now): the cancel waits for that listing, a heartbeat timeout at most.
+            keep_s = self.limits.heartbeat_timeout_s
+            self.adopted.cancel_ahead(cancel.request_id, cancel.reason, now, keep_s)
         return self.take_outbox()
 
     def on_reserve_reply(self, reply: wire.ReserveReply, now: float) -> list[Outgoing]:
@@ -1111,18 +1130,21 @@ class ClusterScheduler:
         self._tell_every_gateway(lost)
 
     def _adopted_done(self, done: wire.RequestDone) -> None:
-        """A report on an adopted request from a worker holding it, read as a placed one's
-        (`_request_done`): a sequence handed back for recompute, or a local prefill that
-        failed, goes back to be resumed; an end goes to the gateways (where the stream ended:
-        its last delta may have been lost)."""
-        if not self.adopted.held_by(done.peer_id, done.request_id):
-            return  # (a report from an earlier life's prefill worker, or a stale one)
+        """A report on an adopted request, read as a placed one's (`_request_done`): a
+        sequence handed back for recompute, or a prefill that failed, goes back to be resumed;
+        an end goes to the gateways (where the stream ended: its last delta may have been
+        lost). From a worker holding it, or from an earlier life's prefill worker whose job
+        ended (or failed) at its first token: the decode workers that list it hold only its
+        reservation, or KV that decodes for nobody (the prefill worker told its gateway)."""
         if done.phase == "prefill" and done.finish_reason is None:
-            return  # prefilled on the decode worker itself, and decoding on there
-        self.adopted.forget(done.peer_id, done.request_id)
-        worker = self.registry.get(done.peer_id)
-        if worker is not None:
-            self.registry.release(worker, done.request_id)
+            return  # its KV handed to its decode worker (or prefilled there): decoding on there
+        if self.adopted.held_by(done.peer_id, done.request_id):
+            self.adopted.forget(done.peer_id, done.request_id)
+            worker = self.registry.get(done.peer_id)
+            if worker is not None:
+                self.registry.release(worker, done.request_id)
+        elif done.phase != "prefill" or not self.adopted.holds(done.request_id):
+            return  # (a stale report)
         resumed = done.phase == "decode" and done.finish_reason == "preempted"
         failed = done.phase == "prefill" and done.finish_reason == "error"
         # (Any other worker holding it holds a reservation the old scheduler gave up on.)

@@ -55,7 +55,12 @@ def decode_heartbeat(held: list[str]) -> wire.Heartbeat:
                           sent_at=0.0, request_ids=held)  # fmt: skip
 
 
-async def decoding_across_a_restart(tmp_path) -> tuple[wire.Submit, list[int]]:
+async def decoding_across_a_restart(
+    tmp_path, cancel_first: bool = False
+) -> tuple[wire.Submit, list[int]] | wire.Cancel:
+    """The worker's GOODBYE after the new scheduler adopted "r": the attempt the gateway then
+    submits, and the tokens the client had. `cancel_first`: the client leaves before the
+    worker's listing reached the new scheduler; the CANCEL the worker is then sent."""
     context = zmq.asyncio.Context()
     address = f"ipc://{tmp_path}/scheduler"
     first = FakeScheduler(context, address)
@@ -92,11 +97,18 @@ async def decoding_across_a_restart(tmp_path) -> tuple[wire.Submit, list[int]]:
         async with asyncio.timeout(5):  # the gateway hears the new one's HELLO answer
             while "g" not in service.core.gateways:
                 await asyncio.sleep(0.01)
+        if cancel_first:
+            await client.cancel("r", "client gone")
+            async with asyncio.timeout(5):
+                while not service.core.adopted.num_cancels_ahead():
+                    await asyncio.sleep(0.01)
         # The decode worker, asked to register again, lists what it holds: "r".
         worker.connect(address)
         await wire.async_send(worker, decode_hello(tmp_path))
         assert (await reply_to(worker, wire.HelloAck)).accepted
         await wire.async_send(worker, decode_heartbeat(["r"]))
+        if cancel_first:
+            return await reply_to(worker, wire.Cancel)
         await asyncio.sleep(0.1)
         await wire.async_send(worker, wire.Goodbye(peer_id="d"))  # and stops
         async with asyncio.timeout(5):
@@ -119,6 +131,16 @@ async def decoding_across_a_restart(tmp_path) -> tuple[wire.Submit, list[int]]:
 
 
 def test_a_request_decoding_across_a_restart_is_resumed_when_its_worker_leaves(tmp_path):
-    resumed, tokens = asyncio.run(decoding_across_a_restart(tmp_path))
+    result = asyncio.run(decoding_across_a_restart(tmp_path))
+    assert isinstance(result, tuple)
+    resumed, tokens = result
     assert resumed.request_id == "r~1" and resumed.output_token_ids == [7]
     assert resumed.resumed_from is not None and tokens == [7]
+
+
+def test_a_client_leaving_before_its_worker_is_heard_again_stops_the_worker(tmp_path):
+    """The gateway's CANCEL reaches the new scheduler before the decode worker's heartbeat:
+    the worker, listing the request, is told to let it go (it used to decode on for nobody
+    to max_tokens)."""
+    cancel = asyncio.run(decoding_across_a_restart(tmp_path, cancel_first=True))
+    assert cancel == wire.Cancel(request_id="r", reason="client gone")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.core import ClusterScheduler, SchedulerLimits
+from services.scheduler.adopted import MAX_CANCELS_AHEAD
+from services.scheduler.core import ClusterScheduler, Phase, SchedulerLimits
 from shared import wire
 from tests.unit.test_scheduler_core import hello, run_to_decoding, sent, submit
 
@@ -216,3 +217,133 @@ def test_a_worker_whose_adopted_requests_all_ended_is_heard_as_any_other(core):
         assert not ends(beat(core, [], t))
     beat(core, ["older"], 5.0)  # (a stale listing, say)
     assert ends(core.on_goodbye(b"D", wire.Goodbye(peer_id="d"), 6.0)) == lost_everywhere("older")
+
+
+# -- a cancel that comes before the worker's listing -----------------------------------------
+
+
+def test_a_cancel_before_its_workers_listing_reaches_the_worker(core):
+    """The client left after the restart, before the decode worker's heartbeat listed its
+    request: the cancel waits for that listing, and the worker stops generating for nobody."""
+    assert not sent(core.on_cancel(wire.Cancel(request_id="old", reason="client gone"), 1.0),
+                    wire.Cancel)  # fmt: skip
+    (cancel,) = sent(beat(core, ["old"], 1.5), wire.Cancel)
+    assert cancel.identity == b"D" and cancel.message.request_id == "old"
+    assert cancel.message.reason == "client gone"
+    assert not core.adopted.holds("old") and core.cluster_status(1.5).num_in_flight == 0
+    assert "old" not in core.registry.get("d").request_ids  # its seat is free
+    # A heartbeat sent before the worker had it is told again, and it is never adopted.
+    (again,) = sent(beat(core, ["old"], 2.0), wire.Cancel)
+    assert again.message.request_id == "old" and not core.adopted.holds("old")
+    assert ends(core.on_goodbye(b"D", wire.Goodbye(peer_id="d"), 3.0)) == {}
+
+
+def test_a_cancel_before_the_listing_reaches_a_prefill_worker_too(core):
+    core.on_cancel(wire.Cancel(request_id="old", reason="client gone"), 1.0)
+    (cancel,) = sent(beat(core, ["old"], 1.5, peer_id="p", identity=b"P"), wire.Cancel)
+    assert cancel.identity == b"P" and cancel.message.reason == "client gone"
+    (cancel,) = sent(beat(core, ["old"], 1.5), wire.Cancel)  # its decode worker's reservation
+    assert cancel.identity == b"D" and not core.adopted.holds("old")
+
+
+def test_a_cancel_before_a_listing_naming_the_id_twice_leaves_it_unadopted(core):
+    core.on_cancel(wire.Cancel(request_id="old", reason="client gone"), 1.0)
+    assert sent(beat(core, ["old", "old"], 1.5), wire.Cancel)
+    assert not core.adopted.holds("old") and "old" not in core.registry.get("d").request_ids
+
+
+def test_a_cancel_before_the_listing_is_kept_a_heartbeat_timeout(core):
+    """Past that, a worker holding it would have listed it (or been taken for dead): a listing
+    later is adopted as ever."""
+    core.on_cancel(wire.Cancel(request_id="old", reason="client gone"), 1.0)
+    assert not sent(beat(core, ["old"], 1.0 + TIMEOUT_S + 0.1), wire.Cancel)
+    assert core.adopted.holds("old")
+
+
+def test_cancels_before_the_listing_are_bounded(core):
+    """A flood of cancels of ids nobody holds keeps at most `MAX_CANCELS_AHEAD` (the oldest
+    go first), and none past its time."""
+    many = MAX_CANCELS_AHEAD + 10
+    for i in range(many):
+        core.on_cancel(wire.Cancel(request_id=f"x{i}", reason="client gone"), 1.0)
+    assert core.adopted.num_cancels_ahead() == MAX_CANCELS_AHEAD
+    out = beat(core, ["x0", f"x{many - 1}"], 1.5)
+    assert [o.message.request_id for o in sent(out, wire.Cancel)] == [f"x{many - 1}"]
+    assert core.adopted.holds("x0")  # its cancel was among the oldest, forgotten
+    core.on_cancel(wire.Cancel(request_id="late", reason="client gone"), 1.0 + TIMEOUT_S + 0.1)
+    assert core.adopted.num_cancels_ahead() == 1  # the others' time was up
+
+
+def test_a_cancel_of_a_request_that_ended_here_is_not_kept(core):
+    run_to_decoding_here(core, "r")
+    done = wire.RequestDone(request_id="r", peer_id="d", phase="decode", finish_reason="stop",
+                            num_prompt_tokens=20, num_output_tokens=4)  # fmt: skip
+    core.on_request_done(done, 1.0)
+    core.on_cancel(wire.Cancel(request_id="r", reason="client gone"), 1.0)
+    assert core.adopted.num_cancels_ahead() == 0
+
+
+def test_a_cancel_before_a_submit_of_its_id_leaves_the_new_request_be(core):
+    """A SUBMIT after the cancel is a request of its own: the cancel is not its."""
+    core.on_cancel(wire.Cancel(request_id="r", reason="client gone"), 0.0)
+    run_to_decoding_here(core, "r")
+    assert not sent(beat(core, ["r"], 1.0), wire.Cancel)
+    assert core.requests["r"].phase == Phase.DECODING and not core.adopted.holds("r")
+
+
+def test_a_submit_after_the_cancel_reached_its_worker_leaves_the_new_request_be(core):
+    core.on_cancel(wire.Cancel(request_id="r", reason="client gone"), 0.0)
+    assert sent(beat(core, ["r"], 0.0), wire.Cancel)  # the earlier life's "r" let go
+    beat(core, [], 0.0)  # (and gone: d idle again, so the reservation goes out alone)
+    run_to_decoding_here(core, "r")  # then a new "r"
+    assert not sent(beat(core, ["r"], 1.0), wire.Cancel)
+    assert core.requests["r"].phase == Phase.DECODING
+
+
+def test_a_submit_reusing_an_id_given_up_on_is_not_cancelled_where_it_runs(core):
+    """An id remembered as given up on (a cancel's, an end's) names the request tracked now
+    once one reuses it: its worker's listing is its, not a stale one."""
+    run_to_decoding_here(core, "r")
+    core.on_cancel(wire.Cancel(request_id="r", reason="client gone"), 1.0)
+    run_to_decoding_here(core, "r")
+    assert not sent(beat(core, ["r"], 2.0), wire.Cancel)
+    assert core.requests["r"].phase == Phase.DECODING
+
+
+# -- an earlier life's prefill worker reporting on a request its decode worker holds ---------
+
+
+def prefill_done(finish_reason: str | None, output_length: int | None = None) -> wire.RequestDone:
+    return wire.RequestDone(request_id="old", peer_id="p", phase="prefill",
+                            finish_reason=finish_reason, num_prompt_tokens=20,
+                            num_output_tokens=1, output_length=output_length)  # fmt: skip
+
+
+def test_an_earlier_lifes_failed_handoff_lets_the_decode_workers_reservation_go(core):
+    """The prefill worker could not hand the KV over (it told the gateway, which resumes the
+    request): the decode worker's reservation, adopted, held a seat for nobody until its lease
+    ran out (minutes), or the KV that did arrive decoded for nobody."""
+    beat(core, ["old"], 1.0)  # d holds it, reserved
+    out = core.on_request_done(prefill_done("error"), 2.0)
+    assert [(o.identity, o.message.request_id) for o in sent(out, wire.Cancel)] == [(b"D", "old")]
+    assert ends(out) == lost_everywhere("old")
+    assert not core.adopted.holds("old") and "old" not in core.registry.get("d").request_ids
+    assert ends(core.on_goodbye(b"D", wire.Goodbye(peer_id="d"), 3.0)) == {}
+
+
+def test_an_earlier_lifes_prefill_ending_the_request_lets_the_reservation_go(core):
+    """It ended at its first token (as a request placed here: `_forget`'s "finished in
+    prefill"); its end goes to the gateways, as an adopted request's does."""
+    beat(core, ["old"], 1.0)
+    out = core.on_request_done(prefill_done("length", output_length=1), 2.0)
+    (cancel,) = sent(out, wire.Cancel)
+    assert cancel.identity == b"D" and cancel.message.request_id == "old"
+    ended = wire.StreamEnded(request_id="old", finish_reason="length", output_length=1)
+    assert [o.message for o in sent(out, wire.StreamEnded)] == [ended, ended]
+    assert not ends(out) and not core.adopted.holds("old")
+
+
+def test_an_earlier_lifes_prefill_handing_the_kv_over_leaves_the_adopted_request_be(core):
+    beat(core, ["old"], 1.0)
+    assert not core.on_request_done(prefill_done(None), 2.0)
+    assert core.adopted.holds("old") and "old" in core.registry.get("d").request_ids
