@@ -560,8 +560,11 @@ def _build(
     except InvalidRequestError as error:
         raise from_invalid_request(error) from None
     if tools is not None and tools.forced:
-        if constraint is not None:
-            _fail("tool_choice", "a forced tool call cannot be combined with another constraint")
+        # A `response_format` shapes an answer, which a forced call is not: the call's schema
+        # holds (agents force a call with the format of their final answer set, as OpenAI
+        # takes it). `structured_outputs` shapes the output itself, and cannot be both.
+        if constraint is not None and not constraint.param.startswith("response_format"):
+            _fail("tool_choice", "a forced tool call cannot be combined with structured_outputs")
         try:
             constraint = tools.constraint()
             # A schema the engine refuses is a 400 now, not a failed call; parsed once per

@@ -124,7 +124,7 @@ def test_history_with_calls_and_results_is_rendered():
         ({"tools": [{"type": "function", "function": {"name": "f", "returns": 1}}]},
          "tools[0].function.returns", "unknown"),
         ({"tools": [WEATHER], "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+          "structured_outputs": {"json_object": True}}, "tool_choice", "cannot be combined"),
         ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or"),
         ({"parallel_tool_calls": 0}, "parallel_tool_calls", "true or false"),
         ({"tools": [WEATHER, {"type": "function",
@@ -402,3 +402,18 @@ def test_a_response_format_and_tools_past_the_spec_bound_are_refused():
         request.sampling_params(10, MAX_LEN)
     assert info.value.status == 400 and info.value.param == "tools"
     assert "together" in info.value.message
+
+
+def test_a_forced_call_beside_a_response_format_is_the_call():
+    """An agent forcing a call keeps its final answer's format set (the OpenAI Agents SDK
+    sends both): that was a 400; the call's schema holds, as the format shapes answers only."""
+    request = chat(tools=[WEATHER, NOW], tool_choice="required", response_format=ANSWER)
+    constraint = request.sampling_params(10, MAX_LEN).constraint
+    assert accepts(constraint, PARIS) and not accepts(constraint, '{"temperature": 21}')
+    refused(
+        "tool_choice",
+        "structured_outputs",
+        tools=[WEATHER],
+        tool_choice="required",
+        structured_outputs={"regex": "[0-9]+"},
+    )
