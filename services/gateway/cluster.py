@@ -32,12 +32,18 @@ its worker goes on streaming, and the new scheduler adopts it from that worker's
 says when the worker is lost. Not if the worker died before it could be adopted, nor when the
 loss came before this gateway's HELLO reached the new scheduler: so an orphan whose tokens stop
 for `ORPHAN_SILENCE_S` is resumed from the tokens that came, its old attempt called off.
+
+A delta holding a negative token id (the wire carries int32s; no tokenizer has one, and decoding
+it raised OverflowError in the handler) fails its request with an error naming the id, and its
+attempt is called off (no worker sends one: a bug or a foreign peer, whose output is not to be
+trusted).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -76,6 +82,26 @@ MAX_RETRY_AFTER_S = 3600.0  # the longest wait a refusal may ask of a client, se
 # The reply carries no code for it, so its message is matched (a 400 ending with these words).
 UNKNOWN_GATEWAY_MARKER = "has not said HELLO"
 HELLO_AGAIN_S = 1.0  # the least time between two HELLOs said because of that refusal
+
+
+def _require_seconds(**settings: float) -> None:
+    """Each a length of time: > 0 and finite. A NaN sleep never ends (a chore left for good), and
+    a zero one turns a wait into a busy loop or takes every stream end as lost."""
+    for name, value in settings.items():
+        if not 0 < value < math.inf:  # (NaN fails every comparison)
+            raise ValueError(f"{name} must be > 0 and finite (seconds), got {value!r}")
+
+
+def _negative_token_id(delta: wire.TokenDelta) -> int | None:
+    """The lowest token id of the delta (its tokens, their top logprobs', the prompt's), if it
+    is negative: the wire carries int32 ids, and no tokenizer has a negative one (decoding it
+    raises OverflowError). An id past the vocabulary is one the model's padded embedding may
+    well give: that one decodes to no text."""
+    lowest = min(delta.token_ids, default=0)
+    for tops in (delta.top_logprobs, delta.prompt_top_logprobs):
+        for top in tops or ():
+            lowest = min(lowest, min((token for token, _ in top), default=0))
+    return lowest if lowest < 0 else None
 
 
 class SubmitRefused(Exception):
@@ -154,6 +180,15 @@ class ClusterClient:
         stream_end_grace_s: float = STREAM_END_GRACE_S,
         orphan_silence_s: float = ORPHAN_SILENCE_S,
     ):
+        _require_seconds(
+            status_timeout_s=status_timeout_s,
+            stream_end_grace_s=stream_end_grace_s,
+            orphan_silence_s=orphan_silence_s,
+        )
+        if type(max_pending_submits) is not int or max_pending_submits < 1:  # (bool neither)
+            raise ValueError(
+                f"max_pending_submits must be an int >= 1, got {max_pending_submits!r}"
+            )
         self.scheduler_address = scheduler_address
         self.max_pending_submits = max_pending_submits
         self.stream_bind = stream_bind
@@ -553,6 +588,13 @@ class ClusterClient:
                     continue  # its finish came before: there is nothing left to resume
                 reason = delta.error or delta.finish_reason
                 self._resume(inflight, reason, counted=delta.finish_reason == "lost")
+                continue
+            bad_id = _negative_token_id(delta)
+            if bad_id is not None:  # a bug or a foreign peer: no text, no logprob holds it
+                self.log.error("negative token id", request_id=delta.request_id, token_id=bad_id)
+                del self._attempts[delta.request_id]  # its late deltas are dropped from now on
+                self._send_cancel(delta.request_id, "negative token id")
+                self._fail(inflight, f"a worker sent token id {bad_id}, which is no token")
                 continue
             try:
                 fresh = after(delta, len(inflight.token_ids))

@@ -23,6 +23,15 @@ character boundary (it is only moved to a `read_offset` whose text did not end i
 character), but for the prompt's context, which may begin inside one: its stray bytes decode to
 the same U+FFFD in the context and the window.
 
+The window grows only while it must: a character is at most 4 bytes, so a text still ending in
+U+FFFD after `_MAX_HELD_TOKENS` more tokens is almost surely bytes no character continues (0x80
+alone, which a client's `logit_bias` can force); it is then emitted as it stands, and the window
+moves on. (Were a character completed after all, its first bytes would show as one U+FFFD more
+than the whole decode has.) Tokens that add no text at all (skipped special tokens, one after
+another) are dropped from the window once they are that many. Without both, such a run made
+every step decode all of it: 4,000 tokens cost the gateway's event loop 2 to 6 s, every stream
+on it waiting.
+
 Stop strings are matched on the emitted text. The matcher holds back the longest tail that could
 still grow into a stop string, and cuts the text before the first stop string to be completed.
 Text fed with `may_stop=False` (a choice's first `min_tokens` tokens) is searched all the same,
@@ -32,6 +41,7 @@ but no stop string may end inside it: one that begins there and ends later still
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +52,9 @@ _PARTIAL = "\ufffd"  # what decoding gives for an incomplete UTF-8 sequence
 _BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's name of a byte
 # Prompt tokens decoded as the first context (vLLM starts its prefix offset five tokens back).
 _NUM_PROMPT_CONTEXT_TOKENS = 6
+# Tokens held back (a character still incomplete, or no new text) before a step at which the
+# window stops growing; far more than a character's split over tokens takes (at most 4).
+_MAX_HELD_TOKENS = 16
 
 
 class IncrementalDetokenizer:
@@ -66,6 +79,7 @@ class IncrementalDetokenizer:
         self._num_context_tokens = len(self._token_ids)  # the prompt's, at the front
         self._prefix_offset = 0  # start of the decode window, on a character boundary
         self._read_offset = self._num_context_tokens  # tokens before it have been emitted
+        self._num_dropped = 0  # tokens that showed nothing, dropped from `_token_ids`
         self._pieces: list[str] = []
 
     @property
@@ -76,12 +90,13 @@ class IncrementalDetokenizer:
     @property
     def num_tokens(self) -> int:
         """Output tokens pushed (the prompt's context not counted)."""
-        return len(self._token_ids) - self._num_context_tokens
+        return len(self._token_ids) - self._num_context_tokens + self._num_dropped
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The new text that `token_ids` complete; "" while they end inside a character."""
+        overdue = len(self._token_ids) - self._read_offset >= _MAX_HELD_TOKENS
         self._token_ids.extend(token_ids)
-        return self._advance(final=False)
+        return self._advance(final=False, overdue=overdue)
 
     def flush(self) -> str:
         """Whatever is held back, a partial character included; call it at the end."""
@@ -89,25 +104,41 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int) -> str:
         window = self._token_ids[start:end]
+        if min(window, default=0) < 0:  # no token's (the wire carries int32): no text
+            window = [t for t in window if t >= 0]
         if self._dropped_ids is not None:
             window = [t for t in window if t not in self._dropped_ids]
             return self._tokenizer.decode(window, skip_special_tokens=False)
         return self._tokenizer.decode(window, skip_special_tokens=self._skip_special_tokens)
 
-    def _advance(self, final: bool) -> str:
+    def _advance(self, final: bool, overdue: bool = False) -> str:
+        """`overdue`: the tokens held back before this step were `_MAX_HELD_TOKENS` or more."""
         context = self._decode(self._prefix_offset, self._read_offset)
         window = self._decode(self._prefix_offset, len(self._token_ids))
         if context.endswith(_PARTIAL) and not window.startswith(context):
-            # Only a prompt ends inside a character: the output completed it, and shows it.
-            context = context.rstrip(_PARTIAL)
+            # A prompt ending inside a character (or a piece emitted overdue): the output
+            # completed it, and shows it. Only the U+FFFD the window no longer has is dropped
+            # from the context: those before it are stray bytes' (shown, or the prompt's).
+            context = context[: _common_prefix_len(context, window)]
+        if overdue and window == context:  # a run of tokens that show nothing: let it go
+            self._num_dropped += len(self._token_ids) - self._read_offset
+            del self._token_ids[self._read_offset :]
+            return ""
         # Nothing new (e.g. only skipped special tokens), or a character not yet complete.
-        if len(window) <= len(context) or (window.endswith(_PARTIAL) and not final):
+        if len(window) <= len(context) or (window.endswith(_PARTIAL) and not (final or overdue)):
             return ""
         new_text = window[len(context) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
         self._pieces.append(new_text)
         return new_text
+
+
+def _common_prefix_len(context: str, window: str) -> int:
+    """How much of `context` the window keeps: their common prefix, but never less than the
+    context without its trailing U+FFFD (only those can be a partial character now complete)."""
+    common = len(os.path.commonprefix([context, window]))
+    return max(common, len(context.rstrip(_PARTIAL)))
 
 
 def _special_ids(tokenizer: Any) -> frozenset[int]:
@@ -131,7 +162,10 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The bytes one token stands for: with byte-level BPE, exactly its bytes, even when they
     are part of a character; a SentencePiece byte-fallback token (`<0xE2>`), its byte;
     otherwise the UTF-8 of its decoded text. An id past the tokenizer's vocabulary (a model's
-    embedding padded beyond it) has none, as it has no text."""
+    embedding padded beyond it) has none, as it has no text; nor has a negative one (no
+    token's: the tokenizer raised OverflowError for it)."""
+    if token_id < 0:
+        return b""
     piece = tokenizer.convert_ids_to_tokens(token_id)  # (None past the vocabulary)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if piece is not None and isinstance(getattr(backend, "decoder", None), ByteLevel):

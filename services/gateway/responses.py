@@ -96,14 +96,17 @@ def best_of(
     candidates: list[ChoiceResult], logprobs: list[list[TokenLogprob]], n: int
 ) -> list[ChoiceResult]:
     """The `n` candidates of highest mean logprob per generated token (OpenAI's "best"), best
-    first, numbered from 0; a candidate without tokens ranks last."""
+    first, numbered from 0; a candidate without tokens ranks last, as does one with a NaN
+    logprob (a model's broken logits: shown as the floor, and a NaN key left the sort's order
+    to chance)."""
 
     def mean_logprob(i: int) -> float:
         num_tokens = len(candidates[i].token_ids)
         if num_tokens == 0:
             return -math.inf
         generated = logprobs[i][len(logprobs[i]) - num_tokens :]  # (after an echoed prompt's)
-        return sum(token.logprob or 0.0 for token in generated) / num_tokens
+        mean = sum(token.logprob or 0.0 for token in generated) / num_tokens
+        return -math.inf if math.isnan(mean) else mean
 
     ranked = sorted(range(len(candidates)), key=mean_logprob, reverse=True)[:n]
     return [dataclasses.replace(candidates[i], index=new) for new, i in enumerate(ranked)]

@@ -8,10 +8,12 @@
 The keyword arguments are the HTTP API's body (`model`, `prompt` or `messages`, `max_tokens`,
 `temperature`, ...), and the results are its JSON as dicts: a response, or stream chunks. An
 error answer raises `RpcError` with the HTTP status and OpenAI's error object. `timeout_s`
-(keyword-only, not part of the body) bounds the wait for each answer: the whole response of a
-non-streaming call, the next chunk of a stream; on timeout the call is cancelled in the gateway
-and `TimeoutError` raised. A stream starts on its first iteration; leaving it early (`break`,
-`close()`, the end of a `with` block) cancels its request in the cluster.
+(keyword-only, not part of the body) bounds the wait for each answer: the connection to the
+gateway, then the whole response of a non-streaming call, the next chunk of a stream; on timeout
+the call is cancelled in the gateway and `TimeoutError` raised. It is seconds, > 0 and finite
+(else `ValueError`, before anything is sent); the client's own `timeout_s` is the default. A
+stream starts on its first iteration; leaving it early (`break`, `close()`, the end of a `with`
+block) cancels its request in the cluster.
 
 One socket (a DEALER) carries every call of a client, each under its own call id; events are
 sorted into per-call inboxes, so streams may be read interleaved. A client is not thread-safe
@@ -29,6 +31,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -47,6 +50,19 @@ CLOSE_LINGER_MS = 1000  # how long a closing socket lets queued cancels reach th
 
 CallKind = Literal["completion", "chat", "tokenize", "detokenize"]
 log = logging.getLogger(__name__)
+
+
+def _seconds(timeout_s: float) -> float:
+    """A timeout as given: > 0 and finite. A negative one waited for a connection for good (a
+    negative poll is an endless one), a NaN one timed every call out at once, after sending it."""
+    if not 0 < timeout_s < math.inf:  # (NaN fails every comparison)
+        raise ValueError(f"timeout_s must be > 0 and finite (seconds), got {timeout_s!r}")
+    return timeout_s
+
+
+def _call_wait_s(timeout_s: float | None, client_timeout_s: float) -> float:
+    """A call's timeout: its own, or its client's."""
+    return client_timeout_s if timeout_s is None else _seconds(timeout_s)
 
 
 class RpcError(Exception):
@@ -159,7 +175,7 @@ class TandemClient:
         `api_key`: one of the gateway's keys, when it has some; `curve`: this client's
         CurveZMQ keys (`ClientKeys.from_dir`), when the cluster uses CurveZMQ."""
         self.address = address
-        self.timeout_s = timeout_s
+        self.timeout_s = _seconds(timeout_s)
         self.api_key = api_key
         self._socket = _dealer(context or zmq.Context.instance(), address, curve)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -182,10 +198,10 @@ class TandemClient:
         return self._call("detokenize", body, timeout_s)
 
     def stream_completion(self, *, timeout_s: float | None = None, **body: Any) -> ChunkStream:
-        return ChunkStream(self, "completion", body, timeout_s or self.timeout_s)
+        return ChunkStream(self, "completion", body, _call_wait_s(timeout_s, self.timeout_s))
 
     def stream_chat(self, *, timeout_s: float | None = None, **body: Any) -> ChunkStream:
-        return ChunkStream(self, "chat", body, timeout_s or self.timeout_s)
+        return ChunkStream(self, "chat", body, _call_wait_s(timeout_s, self.timeout_s))
 
     def cancel(self, call_id: str) -> None:
         """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
@@ -208,9 +224,10 @@ class TandemClient:
         self.close()
 
     def _call(self, kind: CallKind, body: dict[str, Any], timeout_s: float | None) -> dict:
-        call_id = self._start(kind, body, stream=False)
+        wait_s = _call_wait_s(timeout_s, self.timeout_s)  # (refused before the call is sent)
+        call_id = self._start(kind, body, stream=False, timeout_s=wait_s)
         try:
-            event = self._next_event(call_id, timeout_s or self.timeout_s)
+            event = self._next_event(call_id, wait_s)
         except BaseException:  # a timeout or Ctrl-C: the gateway should stop working on it
             self._abandon(call_id)
             raise
@@ -219,21 +236,27 @@ class TandemClient:
         assert result is not None, "a non-streaming call ends with a response or an error"
         return result
 
-    def _start(self, kind: CallKind, body: dict[str, Any], stream: bool) -> str:
+    def _start(self, kind: CallKind, body: dict[str, Any], stream: bool, timeout_s: float) -> str:
         # A DEALER with no connection (no gateway there, or a CurveZMQ handshake that failed)
         # holds a send forever: wait for one only as long as the call may take.
-        if not self._socket.poll(self.timeout_s * 1000, zmq.POLLOUT):
-            raise TimeoutError(_unreachable(self.address, self.timeout_s))
+        if not self._socket.poll(timeout_s * 1000, zmq.POLLOUT):
+            raise TimeoutError(_unreachable(self.address, timeout_s))
         self._read_connection_events()  # (a drop before this call is not its own)
         call_id = next(self._call_ids)
         request = _request(call_id, kind, body, stream, self.api_key)  # (may refuse: 413)
         self._inbox[call_id] = deque()
-        wire.send(self._socket, request)
+        try:
+            wire.send(self._socket, request)
+        except BaseException:  # Ctrl-C while the send waited (a full queue): perhaps sent as
+            self._abandon(call_id)  # it was interrupted, so it is called off either way
+            raise
         return call_id
 
     def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
         deadline = time.monotonic() + timeout_s
-        inbox = self._inbox[call_id]
+        inbox = self._inbox.get(call_id)
+        if inbox is None:  # (only `close()` drops the inbox of a call still read)
+            raise ConnectionError(_CLOSED.why)
         poller = self._socket._poller_class()  # (a green socket's: it yields to other greenlets)
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
@@ -290,7 +313,7 @@ class ChunkStream:
         if self._finished:
             raise StopIteration
         if self.call_id is None:
-            self.call_id = self._client._start(self._kind, self._body, stream=True)
+            self.call_id = self._client._start(self._kind, self._body, True, self._timeout_s)
         try:
             event = self._client._next_event(self.call_id, self._timeout_s)
         except BaseException:
@@ -334,7 +357,7 @@ class AsyncTandemClient:
     ):
         """`bulk`: every call is a batch line, served from capacity interactive calls leave."""
         self.address = address
-        self.timeout_s = timeout_s
+        self.timeout_s = _seconds(timeout_s)
         self.api_key = api_key
         self.bulk = bulk
         self._socket = _dealer(zmq.asyncio.Context.instance(), address, curve)
@@ -358,10 +381,10 @@ class AsyncTandemClient:
         return await self._call("detokenize", body, timeout_s)
 
     def stream_completion(self, *, timeout_s: float | None = None, **body: Any) -> AsyncChunkStream:
-        return AsyncChunkStream(self, "completion", body, timeout_s or self.timeout_s)
+        return AsyncChunkStream(self, "completion", body, _call_wait_s(timeout_s, self.timeout_s))
 
     def stream_chat(self, *, timeout_s: float | None = None, **body: Any) -> AsyncChunkStream:
-        return AsyncChunkStream(self, "chat", body, timeout_s or self.timeout_s)
+        return AsyncChunkStream(self, "chat", body, _call_wait_s(timeout_s, self.timeout_s))
 
     async def cancel(self, call_id: str) -> None:
         """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
@@ -397,9 +420,10 @@ class AsyncTandemClient:
         return await self._call(kind, body, timeout_s)
 
     async def _call(self, kind: CallKind, body: dict[str, Any], timeout_s: float | None) -> dict:
-        call_id = await self._start(kind, body, stream=False)
+        wait_s = _call_wait_s(timeout_s, self.timeout_s)  # (refused before the call is sent)
+        call_id = await self._start(kind, body, stream=False, timeout_s=wait_s)
         try:
-            event = await self._next_event(call_id, timeout_s or self.timeout_s)
+            event = await self._next_event(call_id, wait_s)
         except BaseException:  # a timeout, or the caller's task was cancelled
             self._abandon_soon(call_id)
             raise
@@ -407,22 +431,31 @@ class AsyncTandemClient:
         assert result is not None, "a non-streaming call ends with a response or an error"
         return result
 
-    async def _start(self, kind: CallKind, body: dict[str, Any], stream: bool) -> str:
+    async def _start(
+        self, kind: CallKind, body: dict[str, Any], stream: bool, timeout_s: float
+    ) -> str:
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
             self._watcher = asyncio.create_task(self._watch_connection())
-        if not await self._socket.poll(self.timeout_s * 1000, zmq.POLLOUT):
-            raise TimeoutError(_unreachable(self.address, self.timeout_s))
+        if not await self._socket.poll(timeout_s * 1000, zmq.POLLOUT):  # (as long as it may take)
+            raise TimeoutError(_unreachable(self.address, timeout_s))
         call_id = next(self._call_ids)
         request = _request(call_id, kind, body, stream, self.api_key, self.bulk)  # (may be 413)
         self._inbox[call_id] = asyncio.Queue()
-        await wire.async_send(self._socket, request)
+        try:
+            await wire.async_send(self._socket, request)
+        except BaseException:  # the caller left while the send waited (a full queue): perhaps
+            await self._abandon(call_id)  # sent as it left, so it is called off either way
+            raise
         return call_id
 
     async def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
+        inbox = self._inbox.get(call_id)
+        if inbox is None:  # (only `close()` drops the inbox of a call still read)
+            raise ConnectionError(_CLOSED.why)
         try:  # (asyncio.timeout: on Python 3.11 wait_for lost a cancel that met an event)
             async with asyncio.timeout(timeout_s):
-                event = await self._inbox[call_id].get()
+                event = await inbox.get()
         except TimeoutError:
             raise TimeoutError(f"no answer from {self.address} within {timeout_s} s") from None
         if isinstance(event, _Ended):
@@ -477,7 +510,7 @@ class AsyncChunkStream:
         if self._finished:
             raise StopAsyncIteration
         if self.call_id is None:
-            self.call_id = await self._client._start(self._kind, self._body, stream=True)
+            self.call_id = await self._client._start(self._kind, self._body, True, self._timeout_s)
         try:
             event = await self._client._next_event(self.call_id, self._timeout_s)
         except BaseException:

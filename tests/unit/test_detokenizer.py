@@ -175,6 +175,47 @@ def test_a_long_output_decodes_small_windows(tokenizer):
     assert max(window_sizes) <= 8
 
 
+def byte_token(tokenizer, byte: int) -> int:
+    """The byte-level token of that one byte."""
+    return next(i for i in range(1000) if token_bytes(tokenizer, i) == bytes([byte]))
+
+
+@pytest.mark.parametrize("run", ["stray bytes", "skipped special tokens"])
+def test_a_long_run_of_tokens_that_show_nothing_yet_decodes_small_windows(tokenizer, run):
+    """A byte no character can complete (0x80 alone: a client's logit_bias can force it) ends
+    the text in U+FFFD at every step, and a skipped special token adds nothing: either way the
+    window was held and grew, every step decoding the whole run (4,000 tokens cost the gateway's
+    event loop 2 to 6 s, every stream on it waiting). The result is still the full decode."""
+    filler = byte_token(tokenizer, 0x80) if run == "stray bytes" else tokenizer.eos_token_id
+    word = tokenizer.encode(" Paris")
+    ids = [*word, *[filler] * 3000, *word]
+    window_sizes = []
+
+    class CountingTokenizer:
+        def decode(self, token_ids, **kwargs):
+            window_sizes.append(len(token_ids))
+            return tokenizer.decode(token_ids, **kwargs)
+
+    detokenizer = IncrementalDetokenizer(CountingTokenizer())
+    pieces = [detokenizer.push([i]) for i in ids] + [detokenizer.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(window_sizes) <= 40 and detokenizer.num_tokens == len(ids)
+
+
+@pytest.mark.parametrize("num_stray", [14, 15, 16, 17, 30, 33])
+def test_a_character_completed_after_a_long_run_of_stray_bytes_is_shown_once(tokenizer, num_stray):
+    """Stray bytes emitted as U+FFFD once held too long, then a character split over tokens (a
+    "€" of three): the text that completes it must not show the stray bytes' U+FFFD again (a
+    context ending in U+FFFD was stripped of all of them, as a prompt's). At worst the
+    character's first byte, emitted with the run, shows as one U+FFFD more."""
+    euro = [byte_token(tokenizer, b) for b in "€".encode()]
+    ids = [*tokenizer.encode(" Paris"), *[byte_token(tokenizer, 0x80)] * num_stray, *euro]
+    pieces = detokenize(tokenizer, [[i] for i in ids])
+    text, whole = "".join(pieces), tokenizer.decode(ids)
+    assert text.replace("\ufffd", "") == whole.replace("\ufffd", "") == " Paris€"
+    assert text.count("\ufffd") - whole.count("\ufffd") in (0, 1)
+
+
 # --- the prompt as the first context ------------------------------------------------------------
 
 
@@ -271,6 +312,18 @@ def test_a_token_past_the_tokenizers_vocabulary_has_no_text_and_no_bytes(tokeniz
     past = len(tokenizer) + 7
     assert token_bytes(tokenizer, past) == b""
     assert detokenize(tokenizer, [[28], [past], [28]]) == [",", "", ",", ""]
+
+
+@pytest.mark.parametrize("bad", [-1, -(2**31)])
+def test_a_negative_token_id_has_no_text_and_no_bytes(tokenizer, sp_tokenizer, bad):
+    """The wire carries int32 token ids, so a broken worker can send a negative one: no token
+    has it. It decodes to nothing, as an id past the vocabulary does; decoding it raised
+    OverflowError (the gateway's cluster link fails such a request with a clear error)."""
+    for tok in (tokenizer, sp_tokenizer):
+        assert token_bytes(tok, bad) == b""
+        word = tok.encode("Paris", add_special_tokens=False)[-1]
+        pieces = detokenize(tok, [[word], [bad], [word, bad]])
+        assert "".join(pieces) == tok.decode([word, word])
 
 
 # --- stop strings ------------------------------------------------------------------------------

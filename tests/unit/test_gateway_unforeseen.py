@@ -1,18 +1,25 @@
 """A bug in the gateway (an exception no code path meant) still answers in OpenAI's shape: a
 whole answer as a 500 with an error body (it was Starlette's plain-text 500), a stream with an
 error event and `[DONE]` (it was cut off); and a logprob JSON cannot carry (NaN) is written as
-the floor, not a failed encoding."""
+the floor, not a failed encoding, and ranks its `best_of` candidate last."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 
 from fastapi.testclient import TestClient
 
 from services.gateway.app import _sse_of, build_app
-from services.gateway.openai_shapes import SSE_DONE, TokenLogprob, completion_logprobs
+from services.gateway.openai_shapes import (
+    SSE_DONE,
+    ChoiceResult,
+    TokenLogprob,
+    completion_logprobs,
+)
+from services.gateway.responses import best_of
 
 
 class BrokenGenerator:
@@ -52,3 +59,14 @@ def test_a_nan_logprob_is_written_as_the_floor():
     shaped = completion_logprobs([token])
     json.dumps(shaped, allow_nan=False)
     assert shaped["token_logprobs"] == [-9999.0] and shaped["top_logprobs"] == [{"b": -9999.0}]
+
+
+def test_a_nan_logprob_ranks_its_best_of_candidate_last_and_leaves_the_rest_in_order():
+    """A NaN mean compares false with every other, so sorting by it put that candidate first
+    when it came first, and left the others unsorted behind it (a mean of -5 before -0.1)."""
+    means = {"good": [-0.1, -0.1], "nan": [math.nan, -0.1], "poor": [-5.0, -5.0]}
+    for order in itertools.permutations(means):
+        logprobs = [[TokenLogprob("t", b"t", lp) for lp in means[name]] for name in order]
+        candidates = [ChoiceResult(i, name, "length", [7, 7], None) for i, name in enumerate(order)]
+        ranked = [c.text for c in best_of(candidates, logprobs, 3)]
+        assert ranked == ["good", "poor", "nan"], order
