@@ -26,7 +26,7 @@ from services.batch.answers import error_file_id, output_file_id
 from services.batch.jobs import UNFINISHED, JobManager
 from services.batch.runner import KINDS
 from services.batch.store import Store
-from services.batch.validation import TooManyBlankLines, num_requests
+from services.batch.validation import TooManyBlankLines, has_lone_surrogate, num_requests
 
 Result = tuple[int, dict[str, Any], bytes | None]
 _WINDOW = re.compile(r"(\d{1,9})([hms])")  # (int() refuses over 4,300 digits)
@@ -150,6 +150,7 @@ class BatchApi:
 
     def handle(self, op: str, tenant: str, params: dict, data: bytes | None) -> Result:
         try:
+            _refuse_non_unicode(params)
             return getattr(self, op)(tenant, params, data)
         except ApiFailure as failure:
             return failure.status, failure.body, None
@@ -161,6 +162,7 @@ class BatchApi:
         if op != "batch_create":
             return self.handle(op, tenant, params, data)
         try:
+            _refuse_non_unicode(params)
             _create_options(params)  # (its errors first, as `batch_create` checks)
             path = self.store.path_of(self._input_file(tenant, params)["id"])
             loop = asyncio.get_running_loop()
@@ -374,6 +376,21 @@ class BatchApi:
         if not isinstance(limit, int) or not 1 <= limit <= maximum:
             raise ApiFailure(400, f"limit must be in [1, {maximum}]", "limit")
         return limit
+
+
+def _refuse_non_unicode(params: dict) -> None:
+    """A 400 naming the first parameter that holds a string that is not Unicode: a lone
+    surrogate escape (`"\\ud800"`), which JSON allows. Until 2026-12-06 SQLite could not bind
+    one as a file's id (the service's 500), and one in a batch's metadata was stored: every
+    answer that carried the batch (its GET, the tenant's list) was then the gateway's 500, not
+    encodable as UTF-8."""
+    for name, value in params.items():
+        if has_lone_surrogate(name):  # (not quoted: the answer could not carry it either)
+            raise ApiFailure(400, "a parameter's name is not Unicode (a lone surrogate)")
+        if has_lone_surrogate(value):
+            raise ApiFailure(
+                400, f"{name} holds a string that is not Unicode (a lone surrogate)", name
+            )
 
 
 def _create_options(params: dict) -> tuple[str, int, dict | None]:

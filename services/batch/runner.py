@@ -21,8 +21,9 @@ Cancel stops the feed and aborts the lines in flight (their answers are not writ
 (`expires_at` passed) stops the feed, lets the lines in flight finish (a line still refused
 with 429/503 then stops retrying; a cancel meanwhile aborts them), and answers every line never
 started with a `batch_expired` error: the batch is `expired` if there was one, else
-`completed`. A line whose call fails in a way not foreseen is answered with a 500:
-every line is answered exactly once. Then the job is finalized: its output and error
+`completed`. A line whose call fails in a way not foreseen is answered with a 500, and an
+answer the disk refuses (full) is kept and written again until there is room: every line is
+answered exactly once. Then the job is finalized: its output and error
 files are registered and the batch object gets their ids.
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ PAGE_LINES = 256
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 RETRY_STATUSES = (429, 503)  # backpressure: wait and retry, the window halves
 RECONNECT_WAIT_S = 1.0  # a call dropped with its connection (the gateway restarted) is retried
+ANSWER_RETRY_S = 5.0  # a line's answer the disk refused (full) is written again this often
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,7 @@ class JobRunner:
                         return ended
                     cursor = (row["prefix_key"], row["line_no"])
                     if row["length"] > wire.MAX_JSON_LEN:
-                        answers.response(row["custom_id"], 413, _too_long(row["length"]))
+                        await self._write(answers, row["custom_id"], 413, _too_long(row["length"]))
                         continue
                     source.seek(row["offset"])
                     line = json.loads(source.read(row["length"]))
@@ -183,10 +186,27 @@ class JobRunner:
             except Exception as error:  # a bug here must not lose the line: a 500 answers it
                 self.log.exception("line failed", custom_id=line["custom_id"])
                 status, body = 500, _error_body("server_error", f"the line failed: {error!r}")
-            answers.response(line["custom_id"], status, body)
+            await self._write(answers, line["custom_id"], status, body)
         finally:
             self.tasks.discard(asyncio.current_task())  # before the wake-up: the slot is free
             self._slot_freed.set()
+
+    async def _write(self, answers: Answers, custom_id: str, status: int, body: dict) -> None:
+        """Appends the line's answer. One the disk refuses (full: `Answers` cuts it back) is
+        kept and written again every ANSWER_RETRY_S, its slot held, so a job whose disk is full
+        waits for room. Raised, it left the line pending: the job, once fed, took it for a line
+        its deadline had closed on and ended `expired`, hours early, the line answered
+        `batch_expired` although the cluster had answered it."""
+        for attempt in itertools.count():
+            try:
+                answers.response(custom_id, status, body)
+                return
+            except OSError as error:
+                if attempt == 0:  # (once per line: a full disk holds every line in flight)
+                    self.log.error(
+                        "line's answer not written, retrying", custom_id=custom_id, error=str(error)
+                    )
+                await asyncio.sleep(ANSWER_RETRY_S)
 
     async def _call(self, kind: str, batch: dict, line: dict) -> tuple[int, dict[str, Any]]:
         # The owner's tenant is charged, whatever the line says (tenancy: see the service doc).

@@ -13,20 +13,26 @@ and with its prefix key (`prefix_key`), the order the runner feeds lines in. Bla
 skipped, as OpenAI does, up to MAX_BLANK_LINES: a create waits for its count, and a 200 MB file
 of newlines is 200 million lines to skip (about 30 s, as long as the gateway waits for an
 answer). Both the count and `validate` run in worker threads, off the service's loop (a 200 MB
-file takes seconds to validate, in which the loop answered no call).
+file takes seconds to validate, in which the loop answered no call). A thread does not take a
+line's parsing off the loop, though (json holds the GIL): a line longer than LONG_LINE_BYTES is
+parsed in a child process instead (`_LongLines`).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import re
+import signal
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from services.batch.store import Store
+from shared.wire_base import MAX_JSON_LEN
 
 PAGE_LINES = 1000  # lines recorded per transaction
 # Characters of a prompt's start that order the feed (~120 tokens: several 16-token KV blocks).
@@ -34,6 +40,10 @@ PREFIX_KEY_CHARS = 512
 MAX_ERRORS = 1000  # errors.data entries kept (the count of the rest is in the last one)
 QUOTE_CHARS = 100  # of a value an error message quotes
 MAX_BLANK_LINES = 100_000  # skipped in one file (~20 ms); past them the file is refused
+# A longer line is parsed in a child process: in the validation's thread, json held the loop
+# too, about 1 s per 100 MB of text and 3 s for 140 MB of token ids. (Such a line is answered
+# 413 unread when its job runs: no RPC call carries it. Shorter ones take 100 ms at most.)
+LONG_LINE_BYTES = MAX_JSON_LEN
 # Where a lone surrogate can come from in a UTF-8 line: a \uD800-\uDFFF escape, or the bytes
 # that encode one (json.loads decodes bytes with surrogatepass).
 _SURROGATE_SOURCE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
@@ -214,6 +224,43 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
     return custom_id, key, problems
 
 
+def _check_line_at(
+    path: Path, offset: int, length: int, endpoint: str, models: list[str]
+) -> tuple[str | None, str, list[dict]]:
+    """`check_line` of the line at `offset`, read here (in the child process: the line's bytes
+    never cross the pipe)."""
+    with open(path, "rb") as file:
+        file.seek(offset)
+        return check_line(file.read(length), endpoint, models)
+
+
+class _LongLines:
+    """Checks lines longer than LONG_LINE_BYTES in a child process, started (spawned: the
+    service's threads are not forked) for the first such line and stopped with the validation.
+    The child ignores SIGINT: else a Ctrl-C meant for the service would break the pool first
+    and fail the batch as the service stops (a stopped validation runs again at the restart)."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+
+    def check(
+        self, path: Path, offset: int, length: int, endpoint: str, models: list[str]
+    ) -> tuple[str | None, str, list[dict]]:
+        if self._pool is None:
+            context = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(
+                max_workers=1,
+                mp_context=context,
+                initializer=signal.signal,
+                initargs=(signal.SIGINT, signal.SIG_IGN),
+            )
+        return self._pool.submit(_check_line_at, path, offset, length, endpoint, models).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+
 def validate(
     store: Store, batch: dict[str, Any], models: list[str], stop: threading.Event | None = None
 ) -> tuple[int, list[dict]]:
@@ -245,13 +292,18 @@ def validate(
             errors.append(problem)
 
     path = store.path_of(batch["input_file_id"])
+    long_lines = _LongLines()
     try:
         for line_no, offset, text in raw_lines(path):
             if stop is not None and stop.is_set():
                 store.drop_lines(batch["id"])
                 raise ValidationStopped
             num_lines += 1
-            custom_id, key, problems = check_line(text, batch["endpoint"], models)
+            if len(text) > LONG_LINE_BYTES:
+                checked = long_lines.check(path, offset, len(text), batch["endpoint"], models)
+            else:
+                checked = check_line(text, batch["endpoint"], models)
+            custom_id, key, problems = checked
             for problem in problems:
                 found({**problem, "line": line_no})
             if custom_id is not None:
@@ -260,6 +312,8 @@ def validate(
                 flush()
     except TooManyBlankLines as refused:  # (batch_create refuses such a file first)
         found(error("too_many_blank_lines", str(refused)))
+    finally:
+        long_lines.close()
     flush()
     if num_lines == 0 and not num_errors:
         found(error("empty_file", "the input file has no requests"))

@@ -6,6 +6,12 @@ a Retry-After, so clients retry instead of hanging; a late reply is then dropped
 sent only over a live connection (IMMEDIATE), never queued for a service that is down: queued,
 it ran once the service came back, after its client had been told 503 and had retried (two
 batches for one).
+
+A reply no sound service sends (a status that is neither 200 nor an HTTP error, a body that is
+not a JSON object, a header the wire refuses but whose call id can be read) answers its call 502
+at once: until 2026-12-06 it raised in the call (the gateway's 500, or an ApiError with a status
+no HTTP answer can carry) or, refused by the wire, left its call to wait out the timeout (a 503
+that told the client to retry).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import itertools
 import json
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -82,7 +89,7 @@ class BatchLink:
             raise error from None
         finally:
             self._waiting.pop(call_id, None)
-        body = json.loads(reply.body)
+        body = _body_of(reply)
         if reply.status != 200:
             raise _api_error(reply.status, body)
         return reply.status, body, chunk
@@ -107,10 +114,66 @@ class BatchLink:
                     raise WireError(f"expected a BatchReply, got {type(reply).__name__}")
             except WireError as error:
                 self.log.warning("dropped malformed batch reply", error=str(error))
+                self._answer(_readable_call_id(frames), exception=_nonsense(str(error)[:200]))
                 continue
-            future = self._waiting.get(reply.call_id)
-            if future is not None and not future.done():
-                future.set_result((reply, chunk))
+            self._answer(reply.call_id, result=(reply, chunk))
+
+    def _answer(self, call_id: str | None, result: Any = None, exception: Any = None) -> None:
+        """Wakes the call waiting for `call_id` (if any: it may have timed out) with the reply,
+        or with `exception`."""
+        future = self._waiting.get(call_id) if call_id is not None else None
+        if future is None or future.done():
+            return
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+
+
+def _readable_call_id(frames: list[bytes]) -> str | None:
+    """The call id in the header of a reply the wire refused, if it holds one (any bytes may
+    have come: this raises on none)."""
+    try:
+        header = msgpack.unpackb(frames[1], raw=False) if len(frames) >= 2 else None
+    except Exception:  # not even a header
+        return None
+    call_id = header.get("call_id") if isinstance(header, dict) else None
+    return call_id if isinstance(call_id, str) else None
+
+
+def field(body: dict[str, Any], name: str, *kinds: type | None) -> Any:
+    """`body[name]`, which a route goes on with (an upload's id, a download's next offset); a
+    502 when the service's answer lacks it or holds another kind (a KeyError was the gateway's
+    500). `None` among `kinds` admits null; a bool is no int here."""
+    value = body.get(name)
+    if value is None and None in kinds and name in body:
+        return value
+    if type(value) not in kinds:
+        wanted = " or ".join("null" if kind is None else kind.__name__ for kind in kinds)
+        raise _nonsense(
+            f"{name} is {str(value)[:100] if name in body else 'missing'}, not {wanted}"
+        )
+    return value
+
+
+def _nonsense(why: str) -> ApiError:
+    """A reply no sound batch service sends: the gateway's 502 (a bad answer from upstream)."""
+    return ApiError(502, f"the batch service answered nonsense: {why}", "server_error")
+
+
+def _body_of(reply: wire_batch.BatchReply) -> dict[str, Any]:
+    """The reply's body, a JSON object; a 502 when the reply is none the service sends: its
+    status neither 200 nor an HTTP error (relayed, it would be no HTTP answer), its body not a
+    JSON object."""
+    if reply.status != 200 and not 400 <= reply.status <= 599:
+        raise _nonsense(f"status {reply.status}")
+    try:
+        body = json.loads(reply.body)
+    except (ValueError, RecursionError) as error:  # (an int past 4,300 digits, deep nesting)
+        raise _nonsense(f"a body that is not JSON: {str(error)[:200]}") from None
+    if not isinstance(body, dict):
+        raise _nonsense("a body that is not a JSON object")
+    return body
 
 
 def _api_error(status: int, body: dict[str, Any]) -> ApiError:

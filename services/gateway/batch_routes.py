@@ -26,7 +26,7 @@ from starlette.datastructures import UploadFile
 from starlette.types import Message
 
 from services.gateway.auth import ApiKeys
-from services.gateway.batch_link import BatchLink
+from services.gateway.batch_link import BatchLink, field
 from services.gateway.openai_protocol import ApiError
 from shared.wire_batch import MAX_CHUNK_BYTES
 
@@ -91,7 +91,7 @@ def add_batch_routes(
                 raise ApiError(400, "a multipart field `file` is required", param="file")
             begin = {"purpose": purpose, "filename": upload.filename}
             _, body, _ = await link.call("file_upload_begin", owner, begin)
-            params = {"upload_id": body["upload_id"]}
+            params = {"upload_id": field(body, "upload_id", str)}
             while chunk := await upload.read(UPLOAD_CHUNK_BYTES):
                 await link.call("file_upload_chunk", owner, params, chunk)
             _, body, _ = await link.call("file_upload_end", owner, params)
@@ -116,17 +116,19 @@ def add_batch_routes(
         owner = owner_of(keys, request.headers.get("authorization"))
         params = {"file_id": file_id, "offset": 0}
         _, body, chunk = await link.call("file_content", owner, params)  # errors before 200
+        num_bytes, next_offset = field(body, "bytes", int), field(body, "next_offset", int, None)
 
         async def chunks() -> AsyncIterator[bytes]:
-            nonlocal body, chunk
+            nonlocal chunk, next_offset
             while True:
                 yield chunk or b""
-                if body["next_offset"] is None:
+                if next_offset is None:
                     return
-                params["offset"] = body["next_offset"]
+                params["offset"] = next_offset
                 _, body, chunk = await link.call("file_content", owner, params)
+                next_offset = field(body, "next_offset", int, None)
 
-        headers = {"Content-Length": str(body["bytes"])}
+        headers = {"Content-Length": str(num_bytes)}
         return StreamingResponse(chunks(), media_type="application/jsonl", headers=headers)
 
     @app.post("/v1/batches")

@@ -99,3 +99,80 @@ def test_the_gateways_metrics_carry_the_batch_services(tmp_path):
     found = samples(asyncio.run(federated_while_down()))  # within the scrape's 2 s
     assert found[("tandem:peer_scrape_up", "batch")] == 0.0
     assert ("tandem:batch_queue_depth", "batch") not in found
+
+
+def _reply_frames(call_id: str, status, body) -> list[bytes]:
+    """A BatchReply's frames as a misbehaving service may send them: `status` and `body` put in
+    the header as given (a str status, a body that is not JSON), past the wire's own checks."""
+    import msgpack
+
+    from shared import wire_batch
+
+    header = {"call_id": call_id, "status": status, "body": body}
+    return [bytes((wire_batch.BatchMessageType.BATCH_REPLY,)), msgpack.packb(header)]
+
+
+# (status, body) of a reply a sound link cannot relay: each is its call's 502 at once.
+NONSENSE_REPLIES = {
+    "status past 599": (999, "{}"),
+    "negative status": (-1, "{}"),
+    "informational status": (101, "{}"),
+    "redirect status": (302, "{}"),
+    "status not an int": ("200", "{}"),
+    "body not JSON": (200, "not json"),
+    "error body not JSON": (404, "<html>nope</html>"),
+    "body not an object": (200, "[1, 2]"),
+    "body nested past the stack": (200, "[" * 100_000 + "]" * 100_000),
+    "body with a 5,000-digit int": (200, '{"n": ' + "9" * 5000 + "}"),
+}
+
+
+@pytest.mark.parametrize("status, body", NONSENSE_REPLIES.values(), ids=NONSENSE_REPLIES.keys())
+def test_a_nonsense_reply_is_its_calls_502_and_the_link_goes_on(tmp_path, status, body):
+    """A reply the link could not read (a status no HTTP answer has, a body not a JSON object)
+    raised in the call (the gateway's 500, or an ApiError no HTTP status can carry) or was
+    dropped by the wire while its call waited out the timeout (a 503 that says retry). Each is a
+    502 at once; a reply for no call is dropped; and the next call is answered as usual."""
+    import zmq.asyncio
+
+    address = f"ipc://{tmp_path}/batch.sock"
+
+    async def scenario() -> tuple[ApiError, tuple, float]:
+        service = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        service.setsockopt(zmq.LINGER, 0)
+        service.bind(address)
+        link = BatchLink(address, timeout_s=10.0)
+        await link.start()
+
+        async def serve() -> None:
+            from shared import wire_batch
+
+            identity, *frames = await service.recv_multipart()
+            call, _ = wire_batch.decode(frames)
+            await service.send_multipart([identity, *_reply_frames("nobody's", 200, "{}")])
+            await service.send_multipart([identity, *_reply_frames(call.call_id, status, body)])
+            identity, *frames = await service.recv_multipart()
+            call, _ = wire_batch.decode(frames)
+            reply = wire_batch.BatchReply(call_id=call.call_id, status=200, body='{"id": "b"}')
+            await service.send_multipart([identity, *wire_batch.encode(reply)])
+
+        serving = asyncio.create_task(serve())
+        try:
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(ApiError) as refused:
+                await link.call("batch_get", "t", {"batch_id": "b"})
+            took_s = asyncio.get_running_loop().time() - started
+            answered = await link.call("batch_get", "t", {"batch_id": "b"})
+            await serving
+        finally:
+            serving.cancel()
+            await link.close()
+            service.close()
+        return refused.value, answered, took_s
+
+    refused, answered, took_s = asyncio.run(scenario())
+    assert refused.status == 502, (refused.status, refused.message)
+    assert refused.type == "server_error"
+    assert "the batch service answered" in refused.message
+    assert took_s < 5.0  # not the link's timeout
+    assert answered == (200, {"id": "b"}, None)

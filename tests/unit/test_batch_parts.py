@@ -4,6 +4,7 @@ store in a temporary directory)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -576,3 +577,63 @@ def test_the_jobs_gauge_falls_to_zero_when_no_job_is_in_a_status_any_more(store)
     store.update_batch("batch_x", status="completed")
     metrics.update(store, Jobs())
     assert (jobs_in("in_progress"), jobs_in("completed")) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "wrong, param",
+    [
+        ({"input_file_id": "file-\ud800"}, "input_file_id"),
+        ({"metadata": {"k": "\udc00 v"}}, "metadata"),
+        ({"metadata": {"\ud83d": "v"}}, "metadata"),
+    ],
+)
+def test_a_create_with_a_string_that_is_not_unicode_is_a_400_naming_it(store, wrong, param):
+    """A lone surrogate escape (`"\\ud800"`, valid JSON, no character) in a create's body: as
+    the input file's id SQLite could not bind it (the service's 500); in metadata it was stored,
+    and every answer that carried the batch (its create, its GET, the tenant's whole list) was
+    the gateway's 500, its JSON not encodable as UTF-8."""
+    api = BatchApi(store, jobs=Jobs(), limits=Limits())
+    store.path_of("file-in").write_bytes(good() + b"\n")
+    store.add_file("file-in", "alice", "batch", "in.jsonl", len(good()) + 1)
+    params = {"input_file_id": "file-in", "endpoint": "/v1/completions",
+              "completion_window": "24h", "models": ["m"], **wrong}  # fmt: skip
+    status, body, _ = asyncio.run(api.answer("batch_create", "alice", params, None))
+    assert (status, body["error"]["param"]) == (400, param), body
+    assert "not Unicode" in body["error"]["message"]
+    assert store.list_batches("alice", 10, None) == []
+
+
+def test_a_create_with_a_parameter_name_that_is_not_unicode_is_a_400_that_can_be_sent(store):
+    api = BatchApi(store, jobs=Jobs(), limits=Limits())
+    params = {"endpoint": "/v1/completions", "completion_window": "24h", "\udfff": 1}
+    status, body, _ = asyncio.run(api.answer("batch_create", "alice", params, None))
+    assert status == 400
+    json.dumps(body, ensure_ascii=False).encode()  # (as the gateway renders it)
+
+
+def test_a_line_too_long_to_send_is_parsed_in_a_process_of_its_own(store, monkeypatch):
+    """Parsing a line longer than one RPC call carries (answered 413 unread when the job runs)
+    held the service's loop from the validation's thread (json keeps the GIL): about 1 s per
+    100 MB of text, 3 s for 140 MB of token ids, in which no call was answered. Such a line is
+    checked in a child process, as thoroughly as any other."""
+    from services.batch import validation
+
+    monkeypatch.setattr(validation, "LONG_LINE_BYTES", 300, raising=False)
+    parsed_here = []
+    check_here = validation.check_line
+    monkeypatch.setattr(
+        validation,
+        "check_line",
+        lambda text, *a: parsed_here.append(len(text)) or check_here(text, *a),
+    )
+    long_prompt = "p" * 400
+    lines = [good("a"), good("b", prompt=long_prompt), good("c", prompt=long_prompt, model="x"),
+             b"{" + b" " * 400, good("a", prompt=long_prompt)]  # fmt: skip
+    num_lines, errors = validate(store, new_batch(store, lines), ["m"])
+    assert num_lines == 5 and all(size <= 300 for size in parsed_here) and parsed_here
+    assert [(e["line"], e["code"]) for e in errors] == [
+        (3, "model_not_found"), (4, "invalid_json"), (5, "duplicate_custom_id")
+    ]  # fmt: skip
+    num_lines, errors = validate(store, new_batch(store, lines[:2], "batch_y"), ["m"])
+    rows = {row["custom_id"]: row for row in store.pending_lines("batch_y")}
+    assert (num_lines, errors) == (2, []) and rows["b"]["prefix_key"] == long_prompt

@@ -131,3 +131,37 @@ def test_a_file_list_relays_its_order_limit_purpose_and_cursor():
     assert calls == [
         ("file_list", {"limit": 5000, "after": "file-1", "purpose": "batch", "order": "asc"})
     ]
+
+
+@pytest.mark.parametrize(
+    "path, answer",
+    [
+        ("/v1/files", {"id": "file-1"}),  # no upload_id to send the chunks under
+        ("/v1/files/file-1/content", {"bytes": 3}),  # no next_offset
+        ("/v1/files/file-1/content", {"next_offset": None}),  # no size
+    ],
+)
+def test_an_answer_missing_what_a_route_reads_is_a_502(path, answer):
+    """A 200 from the batch service without the field the route goes on with (an upload's id, a
+    download's size and next offset) raised KeyError in the route: the gateway's 500, or a
+    download cut off after its headers."""
+
+    class Answering(Link):
+        async def call(self, op, tenant, params, data=None):
+            self.ops.append(op)
+            return 200, answer, b"abc"
+
+    app = build_app(Generator(), 1 << 20)
+    add_batch_routes(app, Answering(), ApiKeys({}), "m")
+
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            if path == "/v1/files":
+                body = upload_body(CHUNK_BYTES)
+                return await client.post(path, content=body, headers=MULTIPART)
+            return await client.get(path)
+
+    response = asyncio.run(send())
+    assert response.status_code == 502, response.text
+    assert "the batch service answered nonsense" in response.json()["error"]["message"]

@@ -504,3 +504,27 @@ def test_dropping_a_big_jobs_lines_apart_leaves_the_loops_writes_free(store):
     longest_write = asyncio.run(longest_write_while_dropping())
     assert store.db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] == 0
     assert longest_write < 0.3, longest_write
+
+
+def test_an_answer_the_disk_could_not_take_is_written_once_there_is_room(store, monkeypatch):
+    """A line's answer that the disk refused (full) raised out of the line's task: the line
+    stayed pending, and the job, once fed, took it for a line the deadline had closed on. An
+    hour before its deadline the batch ended `expired`, the line answered `batch_expired`
+    though the cluster had answered it. The answer is kept and written once there is room."""
+    monkeypatch.setattr(runner, "ANSWER_RETRY_S", 0.01, raising=False)
+    validated_batch(store, [line("a", "ok"), line("b", "ok"), line("c", "ok")])
+    write_whole = answers._write_whole
+    refusals = [OSError(28, "No space left on device")] * 3
+
+    def full_for_a_while(file, data: bytes) -> None:
+        if b'"custom_id":"b"' in data and refusals:
+            raise refusals.pop()
+        write_whole(file, data)
+
+    monkeypatch.setattr(answers, "_write_whole", full_for_a_while)
+    client = PlayedClient()
+    batch = run(store, client)
+    assert batch["status"] == "completed"
+    assert answered(store, batch) == {"a": 200, "b": 200, "c": 200}
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(client.bodies) == 3  # (the answer kept, not asked for again)
