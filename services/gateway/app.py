@@ -6,13 +6,15 @@ the cluster (`generation`), and answer either one JSON response or a stream of s
 events ending with `data: [DONE]`. Every error has OpenAI's shape. A client that disconnects
 cancels its request everywhere: a handler watches the connection while it waits on the cluster (a
 stream for its first event, so a request queued or prefilling is cancelled too), and a stream
-that has begun is closed by the server.
+that has begun is closed by the server. A long prompt is tokenized off the event loop
+(`generation`), and its client is watched while it waits for that too.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Coroutine
+import math
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,10 +30,11 @@ from services.gateway.batched_prompts import (
     split_prompts,
 )
 from services.gateway.federation import cluster_metrics
-from services.gateway.generation import ChoiceEvent, Generation, Generator
+from services.gateway.generation import ChoiceEvent, Generation, Generator, tokenizes_off_loop
 from services.gateway.json_body import load_json_body
 from services.gateway.openai_protocol import (
     ApiError,
+    GenerationRequest,
     model_not_found,
     parse_chat_request,
     parse_completion_request,
@@ -44,7 +47,7 @@ from services.gateway.responses import (
     final_usage_chunk,
     first_event,
 )
-from services.gateway.tokenize_api import detokenize, tokenize
+from services.gateway.tokenize_api import detokenize, tokenize_async
 from shared.logs import get_logger
 from shared.metrics import CONTENT_TYPE
 
@@ -168,7 +171,9 @@ def build_app(
                 for w in view.workers
             ],
         }
-        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+        # (A number JSON cannot write, NaN or infinite, is null: JSONResponse refused the whole
+        # body, and a scheduler's status carrying one made /ready a 500.)
+        return JSONResponse(_finite_or_null(body), status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -202,9 +207,13 @@ def build_app(
         return model_card()
 
     @app.post("/tokenize")
-    async def tokenize_prompt(request: Request) -> dict[str, Any]:
+    async def tokenize_prompt(request: Request) -> Response:
         keys.check_header(request.headers.get("authorization"))
-        return tokenize(generator, await _read_json(request, max_body_bytes))
+        body = await _read_json(request, max_body_bytes)
+        try:  # (rendered with the answer: FastAPI's own encoding of a long one took seconds)
+            return await _unless_gone(request, tokenize_async(generator, body, JSONResponse))
+        except ClientGone:
+            return Response(status_code=499)
 
     @app.post("/detokenize")
     async def detokenize_ids(request: Request) -> dict[str, Any]:
@@ -218,22 +227,34 @@ def build_app(
         bodies = split_prompts(body)
         if bodies is not None:  # a batch of prompts: each its own request, answered as one
             parsed = [parse_completion_request(b, model, generator.max_model_len) for b in bodies]
-            generations = [generator.prepare(p, "cmpl") for p in parsed]
+            try:
+                generations = [await _prepare(request, generator, p, "cmpl") for p in parsed]
+            except ClientGone:
+                return Response(status_code=499)
             caller = tenant(request, generations[0])
             return await _serve_batch(request, generator, generations, caller)
         parsed = parse_completion_request(body, model, generator.max_model_len)
-        generation = generator.prepare(parsed, "cmpl")
-        return await _serve(request, generator, generation, tenant(request, generation))
+        return await _prepare_and_serve(request, generator, parsed, "cmpl", tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         keys.check_header(request.headers.get("authorization"))
         body = await _read_json(request, max_body_bytes)
         parsed = parse_chat_request(body, model, generator.max_model_len)
-        generation = generator.prepare(parsed, "chatcmpl")
-        return await _serve(request, generator, generation, tenant(request, generation))
+        return await _prepare_and_serve(request, generator, parsed, "chatcmpl", tenant)
 
     return app
+
+
+def _finite_or_null(value: Any) -> Any:
+    """`value` (JSON: dicts, lists, numbers, ...) with every NaN or infinite float as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_null(item) for item in value]
+    return value
 
 
 async def _read_json(request: Request, max_body_bytes: int) -> Any:
@@ -253,6 +274,30 @@ SSE_MEDIA_TYPE = "text/event-stream"
 
 class ClientGone(Exception):
     """The client disconnected while its handler waited on the cluster."""
+
+
+async def _prepare(
+    request: Request, generator: Generator, parsed: GenerationRequest, id_prefix: str
+) -> Generation:
+    """The request tokenized: a short prompt at once, a long one off the event loop with its
+    client watched meanwhile (ClientGone; a tokenization that has not begun never does)."""
+    if not tokenizes_off_loop(parsed):
+        return generator.prepare(parsed, id_prefix)
+    return await _unless_gone(request, generator.prepare_async(parsed, id_prefix))
+
+
+async def _prepare_and_serve(
+    request: Request,
+    generator: Generator,
+    parsed: GenerationRequest,
+    id_prefix: str,
+    tenant: Callable[[Request, Generation], str],
+) -> Response:
+    try:
+        generation = await _prepare(request, generator, parsed, id_prefix)
+    except ClientGone:
+        return Response(status_code=499)
+    return await _serve(request, generator, generation, tenant(request, generation))
 
 
 async def _serve(

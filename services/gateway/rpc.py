@@ -49,7 +49,7 @@ from services.gateway.openai_protocol import (
     unforeseen,
 )
 from services.gateway.responses import StreamChunks, collect_response, final_usage_chunk
-from services.gateway.tokenize_api import detokenize, tokenize
+from services.gateway.tokenize_api import detokenize, tokenize_async
 from shared import wire
 from shared.binding import bind
 from shared.curve import RPC_DOOR, CurveKeys, Security
@@ -67,7 +67,7 @@ _ENDPOINTS = {
     "chat": (parse_chat_request, "chatcmpl"),
 }
 # The tokenizer's kinds: one response, computed in the gateway (`tokenize_api`).
-_TOKENIZER_CALLS = {"tokenize": tokenize, "detokenize": detokenize}
+_TOKENIZER_CALLS = frozenset({"tokenize", "detokenize"})
 
 CallKey = tuple[bytes, str]  # (client identity, call id)
 
@@ -241,9 +241,10 @@ class RpcServer:
         try:
             caller = self.keys.check(request.api_key)
             if request.kind in _TOKENIZER_CALLS:
-                await self._send(identity, call_id, "response", self._tokenizer_answer(request))
+                answer = await self._tokenizer_answer(request)
+                await self._send_text(identity, call_id, "response", answer)
                 return
-            generation = self._prepare(request)
+            generation = await self._prepare(request)
             tenant = tenant_of(caller, generation.request.user)
             events = self.generator.events(generation, tenant, bulk=request.bulk)
             try:
@@ -262,17 +263,23 @@ class RpcServer:
             self.log.exception("rpc call failed", call_id=call_id)
             await self._send_error(identity, call_id, unforeseen(error))
 
-    def _tokenizer_answer(self, request: wire.RpcRequest) -> dict[str, Any]:
+    async def _tokenizer_answer(self, request: wire.RpcRequest) -> str:
+        """The call's answer as JSON text: a long prompt's tokens (millions, with their strings)
+        are counted and written off the event loop."""
         if request.stream:
             raise ApiError(400, f"a {request.kind} call is not streamed", param="stream")
-        return _TOKENIZER_CALLS[request.kind](self.generator, self._body(request))
+        if request.kind == "detokenize":
+            return _json(detokenize(self.generator, self._body(request)))
+        return await tokenize_async(self.generator, self._body(request), _json)
 
     def _body(self, request: wire.RpcRequest) -> Any:
         if len(request.body.encode()) > self.max_body_bytes:
             raise ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes")
         return load_json_body(request.body)
 
-    def _prepare(self, request: wire.RpcRequest) -> Generation:
+    async def _prepare(self, request: wire.RpcRequest) -> Generation:
+        """The call's request tokenized (a long prompt off the event loop: cancelling the call
+        while it waits for a thread drops its tokenization unstarted)."""
         body = self._body(request)
         if isinstance(body, dict):
             body.setdefault("stream", request.stream)
@@ -281,7 +288,7 @@ class RpcServer:
         if parsed.stream != request.stream:
             raise ApiError(400, "`stream` disagrees with the RPC request's stream flag",
                            param="stream")  # fmt: skip
-        return self.generator.prepare(parsed, id_prefix)
+        return await self.generator.prepare_async(parsed, id_prefix)
 
     async def _stream(
         self,
@@ -306,7 +313,10 @@ class RpcServer:
     # -- events ---------------------------------------------------------------------------------
 
     async def _send(self, identity: bytes, call_id: str, kind: str, body: Any) -> None:
-        text = "" if body is None else _json(body)
+        await self._send_text(identity, call_id, kind, "" if body is None else _json(body))
+
+    async def _send_text(self, identity: bytes, call_id: str, kind: str, text: str) -> None:
+        """`_send` of a body already written as JSON `text`."""
         if len(text) > wire.MAX_JSON_LEN:  # the client would drop it as malformed, and wait
             raise ApiError(
                 400,

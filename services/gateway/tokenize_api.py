@@ -12,16 +12,20 @@ counted, not refused: `max_model_len` in the answer tells the caller whether it 
 
 `/detokenize` takes `tokens` (ids) and answers their text, special tokens included: the exact
 text those ids stand for, where a completion's text leaves special tokens out.
+
+A long prompt's answer (its tokenization, its token strings, its rendering) is computed off the
+event loop, as a generation's tokenization is (`tokenize_async`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-from services.gateway.generation import Generator
+from services.gateway.generation import Generator, tokenizes_off_loop
 from services.gateway.openai_protocol import (
     ApiError,
+    GenerationRequest,
     bad_request,
     is_int,
     model_not_found,
@@ -30,10 +34,28 @@ from services.gateway.openai_protocol import (
 )
 
 TOKENIZE_ONLY_FIELDS = ("return_token_strs",)
+T = TypeVar("T")
 
 
 def tokenize(generator: Generator, body: Any) -> dict[str, Any]:
     """The /tokenize answer for `body`; raises ApiError (400, 404 for another model)."""
+    return _answer(generator, *_parse(generator, body))
+
+
+async def tokenize_async(
+    generator: Generator, body: Any, render: Callable[[dict[str, Any]], T] | None = None
+) -> T | dict[str, Any]:
+    """`tokenize`'s answer, or `render` of it (e.g. its JSON), computed off the event loop for
+    a long prompt: the answer may hold millions of tokens and their strings."""
+    request, return_token_strs = _parse(generator, body)
+    work = (generator, request, return_token_strs, render)
+    if not tokenizes_off_loop(request):
+        return _rendered(*work)
+    return await generator.off_loop(_rendered, *work)
+
+
+def _parse(generator: Generator, body: Any) -> tuple[GenerationRequest, bool]:
+    """The request `body` holds, and whether it asks for the tokens' strings."""
     body = _with_model(body, generator.model_name)
     return_token_strs = body.pop("return_token_strs", None)
     if return_token_strs is not None and not isinstance(return_token_strs, bool):
@@ -47,7 +69,23 @@ def tokenize(generator: Generator, body: Any) -> dict[str, Any]:
     chat = given == ["messages"]
     body.pop("prompt" if chat else "messages", None)
     parse = parse_chat_request if chat else parse_completion_request
-    token_ids = generator.tokenize(parse(body, generator.model_name, generator.max_model_len))
+    return parse(body, generator.model_name, generator.max_model_len), bool(return_token_strs)
+
+
+def _rendered(
+    generator: Generator,
+    request: GenerationRequest,
+    return_token_strs: bool,
+    render: Callable[[dict[str, Any]], T] | None,
+) -> T | dict[str, Any]:
+    answer = _answer(generator, request, return_token_strs)
+    return answer if render is None else render(answer)
+
+
+def _answer(
+    generator: Generator, request: GenerationRequest, return_token_strs: bool
+) -> dict[str, Any]:
+    token_ids = generator.tokenize(request)
     answer: dict[str, Any] = {
         "count": len(token_ids),
         "max_model_len": generator.max_model_len,

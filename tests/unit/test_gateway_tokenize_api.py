@@ -3,12 +3,14 @@ generator: JSON null is "not given" there as on the endpoints whose bodies they 
 
 from __future__ import annotations
 
+import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from services.gateway.openai_protocol import ApiError
-from services.gateway.tokenize_api import detokenize, tokenize
+from services.gateway.tokenize_api import detokenize, tokenize, tokenize_async
 
 MODEL = "smollm2"
 
@@ -64,3 +66,11 @@ def test_bad_bodies_are_refused(body, param):
     with pytest.raises(ApiError) as info:
         tokenize(_generator(), body)
     assert info.value.param == param and info.value.status in (400, 404)
+
+
+def test_a_short_prompt_is_answered_and_rendered_inline():
+    """(The stand-in has no threads to hand work to: a short prompt needs none.)"""
+    body = {"prompt": "Hi", "return_token_strs": True}
+    rendered = asyncio.run(tokenize_async(_generator(), body, json.dumps))
+    assert json.loads(rendered) == tokenize(_generator(), body)
+    assert asyncio.run(tokenize_async(_generator(), body)) == tokenize(_generator(), body)
