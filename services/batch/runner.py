@@ -39,12 +39,15 @@ from typing import Any
 
 from services.batch.answers import Answers, error_file_id, output_file_id, recover
 from services.batch.store import Store
+from services.gateway.openai_protocol import ApiError
+from services.gateway.responses_api import chat_body, in_responses_terms, response_object
 from services.gateway.rpc_client import AsyncTandemClient, RpcError
 from shared import wire
 from shared.logs import get_logger
 
 PAGE_LINES = 256
-KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# A Responses line runs as the chat it translates to (services.gateway.responses_api).
+KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat"}
 RETRY_STATUSES = (429, 503)  # backpressure: wait and retry, the window halves
 RECONNECT_WAIT_S = 1.0  # a call dropped with its connection (the gateway restarted) is retried
 ANSWER_RETRY_S = 5.0  # a line's answer the disk refused (full) is written again this often
@@ -209,8 +212,32 @@ class JobRunner:
                 await asyncio.sleep(ANSWER_RETRY_S)
 
     async def _call(self, kind: str, batch: dict, line: dict) -> tuple[int, dict[str, Any]]:
+        if batch["endpoint"] == "/v1/responses":
+            return await self._respond(batch, line)
         # The owner's tenant is charged, whatever the line says (tenancy: see the service doc).
-        body = {**line["body"], "stream": False, "user": batch["_tenant"]}
+        return await self._call_body(kind, batch, line, {**line["body"], "stream": False})
+
+    async def _respond(self, batch: dict, line: dict) -> tuple[int, dict[str, Any]]:
+        """A Responses API line: its chat answer as a Response, or the chat's refusal with the
+        field named as the line has it."""
+        body = line["body"]
+        try:
+            chat = chat_body({**body, "stream": False})
+        except ApiError as error:
+            return error.status, error.body()
+        status, answer = await self._call_body("chat", batch, line, chat)
+        if status == 200:
+            return status, response_object(body, answer)
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if isinstance(error, dict) and isinstance(error.get("param"), str):
+            named = in_responses_terms(ApiError(status, "", param=error["param"])).param
+            answer = {**answer, "error": {**error, "param": named}}
+        return status, answer
+
+    async def _call_body(
+        self, kind: str, batch: dict, line: dict, body: dict[str, Any]
+    ) -> tuple[int, dict[str, Any]]:
+        body = {**body, "user": batch["_tenant"]}  # the owner's tenant, whatever the line says
         failures = 0
         while True:
             try:

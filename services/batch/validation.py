@@ -86,13 +86,16 @@ def num_requests(path: Path, at_most: int) -> int:
 
 def prefix_key(body: dict[str, Any]) -> str:
     """The first PREFIX_KEY_CHARS characters of the line's prompt, as it gives it: a chat's
-    messages (role and text, in order) or a completion's prompt (text, or token ids written out).
+    messages (role and text, in order; a Responses line's instructions and input items as
+    such) or a completion's prompt (text, or token ids written out).
     Lines are fed in the order of these keys, so prompts that share a start (a system prompt,
     few-shot examples) sit next to each other and the prefix cache computes that start once per
     job rather than once per line; lines with equal keys keep their file order. Only the key's
     characters are written out (a prompt of a million token ids was written out whole, in
     seconds, to keep 512 characters of it)."""
     messages, prompt = body.get("messages"), body.get("prompt")
+    if messages is None and "input" in body:  # a Responses line: its instructions, then input
+        messages = _responses_messages(body)
     if isinstance(messages, list):
         text = "\x00".join(_up_to_the_key(messages, _message_text))
     elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -100,6 +103,12 @@ def prefix_key(body: dict[str, Any]) -> str:
     else:
         text = _text_of(prompt)
     return text[:PREFIX_KEY_CHARS]
+
+
+def _responses_messages(body: dict[str, Any]) -> list[Any]:
+    given, instructions = body.get("input"), body.get("instructions")
+    items = given if isinstance(given, list) else [{"role": "user", "content": given}]
+    return [{"role": "system", "content": instructions}, *items] if instructions else items
 
 
 def _message_text(message: Any) -> str:

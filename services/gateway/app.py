@@ -47,6 +47,13 @@ from services.gateway.responses import (
     final_usage_chunk,
     first_event,
 )
+from services.gateway.responses_api import (
+    ResponseEvents,
+    chat_body,
+    in_responses_terms,
+    response_object,
+    sse,
+)
 from services.gateway.tokenize_api import detokenize, tokenize_async
 from shared.logs import get_logger
 from shared.metrics import CONTENT_TYPE
@@ -243,6 +250,22 @@ def build_app(
         parsed = parse_chat_request(body, model, generator.max_model_len)
         return await _prepare_and_serve(request, generator, parsed, "chatcmpl", tenant)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless, served as a chat (services.gateway.responses_api)."""
+        keys.check_header(request.headers.get("authorization"))
+        body = await _read_json(request, max_body_bytes)
+        try:
+            parsed = parse_chat_request(chat_body(body), model, generator.max_model_len)
+            generation = await _prepare(request, generator, parsed, "resp")
+        except ApiError as error:
+            raise in_responses_terms(error) from None
+        except ClientGone:
+            return Response(status_code=499)
+        return await _serve_response(
+            request, generator, generation, body, tenant(request, generation)
+        )
+
     return app
 
 
@@ -392,6 +415,51 @@ async def _sse(
     finally:
         await events.aclose()
     yield SSE_DONE
+
+
+async def _serve_response(
+    request: Request, generator: Generator, generation: Generation, body: Any, tenant: str
+) -> Response:
+    """A Responses API request's answer: its chat answer as a Response, or its chat stream as a
+    Response's events."""
+    events = generator.events(generation, tenant)
+    try:
+        if generation.request.stream:
+            first = await _unless_gone(request, first_event(events))
+            stream = _response_sse(body, generation, first, events)
+            return StreamingResponse(stream, media_type=SSE_MEDIA_TYPE)
+        chat = await _unless_gone(request, collect_response(generation, events))
+        return JSONResponse(response_object(body, chat))
+    except ClientGone:
+        await events.aclose()  # type: ignore[attr-defined]
+        return Response(status_code=499)
+
+
+async def _response_sse(
+    body: Any, generation: Generation, first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent]
+) -> AsyncIterator[bytes]:
+    """`_sse`'s chat chunks as a Response's events (no `[DONE]`: the last event says it)."""
+    chunks, shaped = StreamChunks(generation), ResponseEvents(body)
+    num_tokens = 0
+    try:
+        for start in shaped.start():
+            yield sse(start)
+        async for event in _chain([first] if first is not None else [], events):
+            num_tokens += len(event.token_ids)
+            chunk = chunks.chunk(event)
+            for shaped_event in shaped.chunk(chunk) if chunk is not None else ():
+                yield sse(shaped_event)
+        for shaped_event in shaped.chunk(final_usage_chunk(generation, num_tokens)):
+            yield sse(shaped_event)
+        for end in shaped.end():
+            yield sse(end)
+    except ApiError as error:
+        yield sse(shaped.error(error.body()))
+    except Exception as error:  # a bug: the client still gets an error event
+        log.error("a stream failed unforeseen", exc_info=error)
+        yield sse(shaped.error(unforeseen(error).body()))
+    finally:
+        await events.aclose()
 
 
 async def _chain(

@@ -528,3 +528,58 @@ def test_an_answer_the_disk_could_not_take_is_written_once_there_is_room(store, 
     assert answered(store, batch) == {"a": 200, "b": 200, "c": 200}
     assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert len(client.bodies) == 3  # (the answer kept, not asked for again)
+
+
+class PlayedChat:
+    """Answers chat calls with the last message's text; "refuse" is a 400 naming a message."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    async def call(self, kind: str, body: dict, timeout_s: float | None = None) -> dict:
+        self.calls.append((kind, body))
+        text = body["messages"][-1]["content"]
+        if text == "refuse":
+            error = {"message": "no", "type": "invalid_request_error", "param": "messages[1]"}
+            raise RpcError(400, {"error": error})
+        message = {"role": "assistant", "content": text.upper()}
+        usage = {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+        return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": usage}  # fmt: skip
+
+
+def test_a_responses_batch_runs_each_line_as_a_chat_and_answers_responses(store):
+    """OpenAI's Batch API takes `/v1/responses` lines: each runs as the chat it translates
+    to, the owner's tenant charged whatever the line says, and is answered as a Response."""
+
+    def responses_line(custom_id: str, **body) -> bytes:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+                           "body": {"model": "m", **body}}).encode()  # fmt: skip
+
+    lines = [
+        responses_line("a", instructions="Shout.", input="hi", safety_identifier="someone"),
+        responses_line("b", input="x", previous_response_id="resp_1"),
+        responses_line("c", input="refuse"),
+    ]
+    store.path_of("file-in").write_bytes(b"\n".join(lines) + b"\n")
+    batch = {"id": "batch_x", "status": "in_progress", "created_at": 0, "endpoint":
+             "/v1/responses", "input_file_id": "file-in", "_tenant": "t",
+             "expires_at": time.time() + 3600}  # fmt: skip
+    store.add_batch(batch, "t")
+    num_lines, errors = validate(store, batch, ["m"])
+    assert errors == [] and num_lines == 3
+    store.set_total("batch_x", num_lines)
+    client = PlayedChat()
+    ended = run(store, client)
+    assert answered(store, ended) == {"a": 200, "b": 400, "c": 400}
+    ((kind, body),) = [call for call in client.calls if call[1]["messages"][-1]["content"] == "hi"]
+    assert kind == "chat" and body["user"] == "t" and body["stream"] is False
+    assert body["messages"][0] == {"role": "system", "content": "Shout."}
+    by_id = {}
+    for key in ("output_file_id", "error_file_id"):
+        for text in store.path_of(ended[key]).read_text().splitlines():
+            by_id[json.loads(text)["custom_id"]] = json.loads(text)["response"]["body"]
+    assert by_id["a"]["object"] == "response"
+    assert by_id["a"]["output"][0]["content"][0]["text"] == "HI"
+    assert by_id["b"]["error"]["param"] == "previous_response_id"
+    assert by_id["c"]["error"]["param"] == "input"  # (the chat's `messages[1]`)

@@ -1,0 +1,444 @@
+"""OpenAI's Responses API (`POST /v1/responses`), stateless, served as a chat completion.
+
+Agent frameworks speak it first (the OpenAI Agents SDK's default model, Codex): a request's
+`instructions`, `input` items (messages, `function_call`s and their `function_call_output`s),
+flat function `tools`, `tool_choice`, `text.format` and `max_output_tokens` become a chat
+request (`chat_body`), which runs as any other (its tools, structured output, prefix cache and
+fair share included); the chat answer becomes a Response (`response_object`), its stream a
+Response's typed events (`ResponseEvents`).
+
+Stateless: nothing is stored (`store` is taken and ignored), so `previous_response_id` and item
+references are refused with a 400 that says to send the conversation in `input`. Hosted tools
+(web search, file search, computer use, ...), images, files and reasoning items are refused by
+name. Every refusal is a 400 naming the field, as the chat API's are.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from services.gateway.openai_protocol import ApiError
+
+_FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "text",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "user",
+        "metadata",
+        "store",
+        "previous_response_id",
+        "truncation",
+        "reasoning",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "include",
+        "background",
+        "conversation",
+        "stream_options",
+    }
+)
+# Fields a stateless server takes only at the value that asks nothing of it.
+_ONLY = {
+    "previous_response_id": (None,),
+    "conversation": (None,),
+    "truncation": (None, "disabled"),
+    "background": (None, False),
+}
+_STATELESS = "this server keeps no responses: send the whole conversation in `input`"
+_ROLES = frozenset({"user", "assistant", "system", "developer"})
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_FINISH_STATUS = {"length": ("incomplete", "max_output_tokens")}
+
+
+def _fail(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# -- the request -----------------------------------------------------------------------------
+
+
+def chat_body(body: Any) -> dict[str, Any]:
+    """The chat completions body that serves this Responses body (ApiError 400 naming the
+    field for what the Responses API does not allow, or this server does not serve)."""
+    if not isinstance(body, dict):
+        raise _fail("body", "the request body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise _fail(unknown[0], f"unknown field `{unknown[0]}` for /v1/responses")
+    for field, allowed in _ONLY.items():
+        if body.get(field) not in allowed:
+            stateful = field in ("previous_response_id", "conversation")
+            raise _fail(field, _STATELESS if stateful else f"only {allowed[-1]!r} is served")
+    if body.get("reasoning") not in (None, {}) and body["reasoning"].get("effort") is not None:
+        raise _fail("reasoning", "the served model does not reason: leave `reasoning` out")
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
+    chat.update(_tools(body))
+    format_ = _response_format(body.get("text"))
+    if format_ is not None:
+        chat["response_format"] = format_
+    for ours, theirs in (("max_output_tokens", "max_completion_tokens"),
+                         ("temperature", "temperature"), ("top_p", "top_p"),
+                         ("parallel_tool_calls", "parallel_tool_calls")):  # fmt: skip
+        if body.get(ours) is not None:
+            chat[theirs] = body[ours]
+    user = body.get("safety_identifier") or body.get("user")
+    if user is not None:
+        chat["user"] = user
+    if body.get("stream") is not None:
+        chat["stream"] = body["stream"]
+        if body["stream"] is True:
+            chat["stream_options"] = {"include_usage": True}  # `response.completed` has it
+    return chat
+
+
+def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _fail("instructions", "must be a string")
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise _fail("input", "must be a string or a non-empty list of input items")
+    for i, item in enumerate(given):
+        _add_item(messages, item, f"input[{i}]")
+    return messages
+
+
+def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
+    """Appends the chat message of one input item; consecutive function calls make one
+    assistant message, as chat carries parallel calls."""
+    if not isinstance(item, dict):
+        raise _fail(where, "must be an object")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise _fail(f"{where}.role", f"must be one of {sorted(_ROLES)}")
+        messages.append({"role": role, "content": _text(item.get("content"), where)})
+    elif kind == "function_call":
+        call = _function_call(item, where)
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+            last["tool_calls"].append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str) or not call_id:
+            raise _fail(f"{where}.call_id", "must be a non-empty string")
+        output = _text(output, where) if isinstance(output, list) else output
+        if not isinstance(output, str | list):
+            raise _fail(f"{where}.output", "must be a string or a list of text parts")
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+    elif kind == "item_reference":
+        raise _fail(f"{where}.type", _STATELESS)
+    else:
+        raise _fail(f"{where}.type", f"input items of type {kind!r} are not served")
+
+
+def _text(content: Any, where: str) -> str | list[dict[str, str]]:
+    """A message's content as the chat API takes it: a string, or its text parts (which the
+    chat parser joins as it joins chat's own)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _fail(f"{where}.content", "must be a string or a list of content parts")
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise _fail(f"{where}.content[{i}]", f"content parts of type {kind!r} are not served")
+    return parts
+
+
+def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
+    for field in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(field), str):
+            raise _fail(f"{where}.{field}", "must be a string")
+    function = {"name": item["name"], "arguments": item["arguments"]}
+    return {"id": item["call_id"], "type": "function", "function": function}
+
+
+def _tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    chat: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _fail("tools", "must be a list of tools")
+        chat["tools"] = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise _fail("tool_choice", 'must be "none", "auto", "required" or a function')
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    return chat
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise _fail(f"{where}.type", f"only function tools are served, not {kind!r}")
+    function = {k: v for k, v in tool.items() if k != "type" and v is not None}
+    return {"type": "function", "function": function}
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    format_ = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(format_, dict) or set(text) - {"format", "verbosity"}:
+        raise _fail("text", 'must be {"format": {...}}')
+    kind = format_.get("type")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind != "json_schema":
+        raise _fail("text.format.type", 'must be "text", "json_object" or "json_schema"')
+    schema = {k: format_[k] for k in ("name", "schema", "strict", "description") if k in format_}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+# The chat fields a refusal of the translated body may name, and the Responses fields they are.
+_CHAT_PARAMS = (
+    ("messages", "input"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+)
+
+
+def in_responses_terms(error: ApiError) -> ApiError:
+    """A refusal of the chat body a Responses body became, naming the field as the client
+    wrote it (`input`, not `messages`; `tools[0].parameters`, not `tools[0].function...`)."""
+    param = error.param or ""
+    for chat, ours in _CHAT_PARAMS:
+        if param == chat or param.startswith((f"{chat}.", f"{chat}[")):
+            param = "input" if chat == "messages" else ours + param[len(chat) :]
+            break
+    if param.startswith("tools["):
+        param = param.replace(".function.", ".", 1).replace(".function", "", 1)
+    error.param = param or error.param
+    return error
+
+
+# -- the answer -------------------------------------------------------------------------------
+
+
+def response_object(body: Mapping[str, Any], chat: Mapping[str, Any]) -> dict[str, Any]:
+    """The Response of a chat completion answer (one choice)."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output = []
+    if message.get("content"):
+        output.append(_message_item(_new_id("msg"), message["content"], "completed"))
+    for call in message.get("tool_calls") or []:
+        output.append(_call_item(call, "completed"))
+    status, reason = _FINISH_STATUS.get(choice["finish_reason"], ("completed", None))
+    return _envelope(body, _new_id("resp"), status, reason, output, _usage(chat.get("usage")))
+
+
+def _envelope(
+    body: Mapping[str, Any],
+    response_id: str,
+    status: str,
+    incomplete_reason: str | None,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A Response object: the request's settings echoed, as OpenAI's are."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": body.get("model"),
+        "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,
+        "temperature": body.get("temperature"),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p"),
+        "truncation": "disabled",
+        "usage": usage,
+        "user": body.get("user"),
+        "metadata": body.get("metadata") or {},
+    }
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return {
+        "id": item_id,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [part] if status == "completed" else [],
+    }
+
+
+def _call_item(call: Mapping[str, Any], status: str, item_id: str | None = None) -> dict:
+    function = call["function"]
+    return {
+        "id": item_id or _new_id("fc"),
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": function["name"],
+        "arguments": function["arguments"] if status == "completed" else "",
+        "status": status,
+    }
+
+
+def _usage(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# -- the stream -------------------------------------------------------------------------------
+
+
+class ResponseEvents:
+    """A chat stream's chunks as a Response's events: `response.created` first, the text as
+    `response.output_text.delta`s of one message item, each call as a function_call item (its
+    arguments whole, as the chat stream sends a call once it parses), and `response.completed`
+    (or `response.incomplete`) with the whole Response and its usage last."""
+
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        self.body = body
+        self.response_id = _new_id("resp")
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []
+        self._message: dict[str, Any] | None = None  # the text item while it streams
+        self._text: list[str] = []
+        self._finish: str | None = None
+        self._usage: dict[str, Any] | None = None
+
+    def start(self) -> Iterator[dict[str, Any]]:
+        response = _envelope(self.body, self.response_id, "in_progress", None, [], None)
+        yield self._event("response.created", response=response)
+        yield self._event("response.in_progress", response=response)
+
+    def chunk(self, chunk: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        """The events of one chat chunk."""
+        if chunk.get("usage"):
+            self._usage = _usage(chunk["usage"])
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                yield from self._text_delta(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                yield from self._close_message()
+                yield from self._call(call)
+            if choice.get("finish_reason") is not None:
+                self._finish = choice["finish_reason"]
+
+    def end(self) -> Iterator[dict[str, Any]]:
+        yield from self._close_message()
+        status, reason = _FINISH_STATUS.get(self._finish or "stop", ("completed", None))
+        response = _envelope(self.body, self.response_id, status, reason, self._output, self._usage)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        yield self._event(kind, response=response)
+
+    def error(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """An `error` event of a chat error body (`{"error": {...}}`)."""
+        error = body.get("error") or {}
+        return self._event(
+            "error", code=error.get("code"), message=error.get("message"), param=error.get("param")
+        )
+
+    def _text_delta(self, text: str) -> Iterator[dict[str, Any]]:
+        if self._message is None:
+            self._message = _message_item(_new_id("msg"), "", "in_progress")
+            index = len(self._output)
+            yield self._event("response.output_item.added", output_index=index, item=self._message)
+            yield self._event(
+                "response.content_part.added",
+                item_id=self._message["id"],
+                output_index=index,
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": []},
+            )
+        self._text.append(text)
+        yield self._event(
+            "response.output_text.delta",
+            item_id=self._message["id"],
+            output_index=len(self._output),
+            content_index=0,
+            delta=text,
+        )
+
+    def _close_message(self) -> Iterator[dict[str, Any]]:
+        if self._message is None:
+            return
+        text, item_id, index = "".join(self._text), self._message["id"], len(self._output)
+        part = {"type": "output_text", "text": text, "annotations": []}
+        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        yield self._event("response.output_text.done", **where, text=text)
+        yield self._event("response.content_part.done", **where, part=part)
+        item = _message_item(item_id, text, "completed")
+        yield self._event("response.output_item.done", output_index=index, item=item)
+        self._output.append(item)
+        self._message, self._text = None, []
+
+    def _call(self, call: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        index, item_id = len(self._output), _new_id("fc")
+        added = _call_item(call, "in_progress", item_id)
+        yield self._event("response.output_item.added", output_index=index, item=added)
+        arguments = call["function"]["arguments"]
+        where = {"item_id": item_id, "output_index": index}
+        yield self._event("response.function_call_arguments.delta", **where, delta=arguments)
+        yield self._event("response.function_call_arguments.done", **where, arguments=arguments)
+        item = _call_item(call, "completed", item_id)
+        yield self._event("response.output_item.done", output_index=index, item=item)
+        self._output.append(item)
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+
+
+def sse(event: Mapping[str, Any]) -> bytes:
+    """One Server-Sent Event of the Responses stream: named by its type (no `[DONE]` ends it)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode()

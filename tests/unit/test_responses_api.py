@@ -1,0 +1,232 @@
+"""The Responses API's translation to chat and back (services.gateway.responses_api); end to end
+with the `openai` client in tests/e2e/test_responses_api.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.openai_protocol import ApiError, parse_chat_request
+from services.gateway.responses_api import (
+    ResponseEvents,
+    chat_body,
+    response_object,
+    sse,
+)
+
+MODEL = "smollm2"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    "strict": True,
+}
+
+
+def test_a_conversation_with_calls_and_their_outputs_becomes_chat():
+    body = {
+        "model": MODEL,
+        "instructions": "Be brief.",
+        "input": [
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "get_weather",
+                "arguments": '{"city": "Paris"}',
+            },
+            {
+                "type": "function_call",
+                "call_id": "c2",
+                "name": "get_weather",
+                "arguments": '{"city": "Rome"}',
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {
+                "type": "function_call_output",
+                "call_id": "c2",
+                "output": [{"type": "input_text", "text": "rain"}],
+            },
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "Answer."}],
+            },
+        ],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 50,
+        "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}},
+        "store": True,
+        "metadata": {"k": "v"},
+    }
+    chat = chat_body(body)
+    system, user, calls, out1, out2, developer = chat["messages"]
+    assert system == {"role": "system", "content": "Be brief."}
+    assert [c["id"] for c in calls["tool_calls"]] == ["c1", "c2"]  # parallel calls: one message
+    assert out2 == {
+        "role": "tool",
+        "tool_call_id": "c2",
+        "content": [{"type": "text", "text": "rain"}],
+    }
+    assert developer == {"role": "developer", "content": [{"type": "text", "text": "Answer."}]}
+    assert chat["tools"][0]["function"]["name"] == "get_weather"
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["max_completion_tokens"] == 50
+    assert chat["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    request = parse_chat_request(chat, MODEL, 2048)  # the chat API takes what it makes
+    assert request.tools.forced and request.max_tokens == 50
+    assert request.messages[-1] == {"role": "system", "content": "Answer."}
+
+
+def test_a_string_input_is_a_user_message_and_a_stream_asks_for_usage():
+    chat = chat_body({"model": MODEL, "input": "Hi", "stream": True})
+    assert chat["messages"] == [{"role": "user", "content": "Hi"}]
+    assert chat["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "match"),
+    [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "keeps no"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "keeps no"),
+        ({"input": "x", "frequency": 1}, "frequency", "unknown field"),
+        ({"input": []}, "input", "non-empty"),
+        ({"input": 5}, "input", "string or"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "must be one of"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         "input[0].content[0]", "input_image"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "reasoning"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+         "input[0].call_id", "string"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
+         "input[0].output", "string"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "function"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type", "json_schema"),
+        ({"input": "x", "text": "json"}, "text", "format"),
+        ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
+        ({"input": "x", "background": True}, "background", "False"),
+        ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
+        ({"input": "x", "instructions": 3}, "instructions", "string"),
+        ([], "body", "JSON object"),
+    ],
+)  # fmt: skip
+def test_what_is_not_served_is_a_400_naming_the_field(body, param, match):
+    with pytest.raises(ApiError) as info:
+        chat_body(body)
+    assert info.value.status == 400 and info.value.param == param
+    assert match in info.value.message
+
+
+def chat_answer(content, calls=(), finish="stop"):
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = list(calls)
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+             "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+    return {"choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+
+
+def test_a_chat_answer_becomes_a_response():
+    body = {"model": MODEL, "input": "x", "max_output_tokens": 5}
+    response = response_object(body, chat_answer("Hello", [CALL]))
+    message, call = response["output"]
+    assert response["object"] == "response" and response["status"] == "completed"
+    assert message["content"] == [{"type": "output_text", "text": "Hello", "annotations": []}]
+    assert (call["type"], call["call_id"], call["name"]) == (
+        "function_call",
+        "call_1",
+        "get_weather",
+    )
+    assert response["usage"]["input_tokens_details"] == {"cached_tokens": 4}
+    assert response["usage"]["total_tokens"] == 10 and response["max_output_tokens"] == 5
+    cut = response_object(body, chat_answer("Hel", finish="length"))
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def chunk(content=None, calls=None, finish=None, usage=None):
+    delta = {}
+    if content is not None:
+        delta["content"] = content
+    if calls is not None:
+        delta["tool_calls"] = [{"index": 0, **calls}]
+    choices = [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    return {"choices": choices, "usage": usage}
+
+
+def test_a_chat_stream_becomes_a_responses_event_stream():
+    events = ResponseEvents({"model": MODEL, "input": "x"})
+    stream = [*events.start()]
+    for piece in (chunk("Hel"), chunk("lo"), chunk(calls=CALL), chunk(finish="tool_calls"),
+                  chunk(usage=chat_answer("")["usage"])):  # fmt: skip
+        stream += events.chunk(piece)
+    stream += events.end()
+    kinds = [e["type"] for e in stream]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["sequence_number"] for e in stream] == list(range(len(stream)))
+    final = stream[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "Hello"
+    assert final["usage"]["output_tokens"] == 3
+    assert stream[6]["text"] == "Hello" and stream[11]["arguments"] == '{"city": "Paris"}'
+    assert sse(stream[0]).startswith(b"event: response.created\ndata: {")
+
+
+def test_a_stream_cut_by_max_output_tokens_ends_incomplete():
+    events = ResponseEvents({"model": MODEL, "input": "x"})
+    stream = [*events.start(), *events.chunk(chunk("Hel", finish="length")), *events.end()]
+    assert stream[-1]["type"] == "response.incomplete"
+    assert stream[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    error = events.error({"error": {"message": "boom", "code": None, "param": None}})
+    assert error["type"] == "error" and error["message"] == "boom"
+    assert json.loads(sse(error).split(b"data: ")[1])["sequence_number"] == len(stream)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+         "input"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                             "schema": {"type": "object", "format": "email"}}}},
+         "text.format.schema"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f", "returns": 1}]},
+         "tools[0].returns"),
+        ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]},
+         "tools[0].parameters"),
+    ],
+)  # fmt: skip
+def test_a_chat_refusal_names_the_field_as_the_responses_body_has_it(fields, param):
+    from services.gateway.responses_api import in_responses_terms
+
+    with pytest.raises(ApiError) as info:
+        try:
+            parse_chat_request(chat_body({"model": MODEL, **fields}), MODEL, 2048)
+        except ApiError as error:
+            raise in_responses_terms(error) from None
+    assert info.value.status == 400 and info.value.param == param, info.value.message
