@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 ENDED = ("completed", "failed", "cancelled", "expired")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 RETRY_STATUSES = (429, 503)  # the job goes on: a follower waits and asks again
 MAX_REFUSED_S = 300.0  # how long refusals in a row may last before a follower gives up
 MAX_BACKOFF_S = 30.0  # between tries, when the server names no Retry-After
