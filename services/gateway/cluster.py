@@ -18,8 +18,11 @@ losses (preemptions do not count: each attempt brings a token), or when no worke
 within `RESUME_PATIENCE_S`, the handler gets an error delta naming why. A new scheduler epoch
 (the scheduler restarted) resumes the requests whose attempt had brought no token yet: the
 old scheduler's queue went with it (not one whose first SUBMIT awaits its answer: the answer,
-or a 503 when none comes, settles it). Until the new scheduler has this gateway's HELLO it
-refuses SUBMITs as from a stranger: the gateway says HELLO at once and takes the refusal as a 503.
+or a 503 when none comes, settles it). Their old attempts are called off: one prefilling, or
+holding a decode reservation, would run on for nobody. Until the new scheduler has this
+gateway's HELLO it refuses SUBMITs as from a stranger: the gateway says HELLO at once and takes
+the refusal as a 503. A resumption's SUBMIT left unanswered is asked again as a new attempt:
+the late answer to the first settles nothing.
 
 A stream's last delta can be lost too (its connection cut as it was sent), and no later delta
 would show the hole. The scheduler passes on where the worker says the stream ended
@@ -61,6 +64,7 @@ from shared.logs import get_logger
 
 MAX_RESUMES = 3  # attempts after the first, per request
 RESUME_PATIENCE_S = 15.0  # how long a resumption waits for a worker to take it (503s)
+RESUBMIT_ANSWER_S = 10.0  # how long a resumption's SUBMIT waits for its answer
 # Submits sent and not yet answered, at most: past it a request is refused at once (429). A
 # flood (10,000 requests at once) otherwise piles up behind the scheduler's replies until they
 # time out as 503s; the scheduler's own queue holds 1,024 by default, so a pile larger than that
@@ -105,11 +109,15 @@ def _negative_token_id(delta: wire.TokenDelta) -> int | None:
 
 
 class SubmitRefused(Exception):
-    def __init__(self, status_code: int, message: str, retry_after_s: float | None):
+    def __init__(
+        self, status_code: int, message: str, retry_after_s: float | None, answered: bool = True
+    ):
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.retry_after_s = retry_after_s
+        # False: no answer came in time (a 503); the SUBMIT was called off, its answer may come.
+        self.answered = answered
 
 
 def refusal(reply: wire.SubmitReply) -> SubmitRefused:
@@ -296,7 +304,7 @@ class ClusterClient:
             # The scheduler may have queued it and be late answering (a flood of submits): a
             # request its client was told failed must not run, nor run twice when retried.
             self._send_cancel(submit.request_id, "submit not answered")
-            raise SubmitRefused(503, "the scheduler did not answer", 1.0) from None
+            raise SubmitRefused(503, "the scheduler did not answer", 1.0, answered=False) from None
         except asyncio.CancelledError:
             # The caller left (its client gone) with the SUBMIT sent, or perhaps sent: once
             # admitted it must not run for nobody (a cancel of a request unknown is ignored).
@@ -356,11 +364,21 @@ class ClusterClient:
         older one sees it has been taken over."""
         if abandon is not None:
             self._send_cancel(abandon, reason)
-        first_id = inflight.submit.request_id
         if counted and inflight.num_resumes >= MAX_RESUMES:
             self._fail(inflight, f"{reason}; given up after {MAX_RESUMES} resumptions")
             return
         inflight.num_resumes += counted
+        submit = self._next_attempt(inflight)
+        self.telemetry.resumed(
+            inflight.submit.request_id, submit.request_id, len(inflight.token_ids), reason
+        )
+        self._start_chore(self._submit_attempt(inflight, submit, reason))
+
+    def _next_attempt(self, inflight: InFlight) -> wire.Submit:
+        """The SUBMIT of a new attempt from the tokens the handler has, made the request's. Its
+        id (`<first id>~<n>`) is one the request never used: an earlier attempt's late deltas,
+        or late answer, cannot be taken for its."""
+        first_id = inflight.submit.request_id
         previous, attempt_id = inflight.attempt_id, f"{first_id}~{inflight.num_attempts}"
         inflight.num_attempts += 1
         inflight.attempt_id = attempt_id
@@ -370,7 +388,7 @@ class ClusterClient:
         if inflight.token_ids and sampling.prompt_logprobs is not None:
             # They came with the first token: the new attempt need not compute them again.
             sampling = dataclasses.replace(sampling, prompt_logprobs=None)
-        submit = dataclasses.replace(
+        return dataclasses.replace(
             inflight.submit,
             request_id=attempt_id,
             sampling=sampling,
@@ -378,19 +396,21 @@ class ClusterClient:
             resumed_from=previous,
             arrival_time=time.time(),
         )
-        self.telemetry.resumed(first_id, attempt_id, len(inflight.token_ids), reason)
-        self._start_chore(self._submit_attempt(inflight, submit, reason))
 
     async def _submit_attempt(self, inflight: InFlight, submit: wire.Submit, reason: str) -> None:
         """Submits a resumed attempt, asking again while no worker can take it (503s) within
         `RESUME_PATIENCE_S`. Each wait may end with the attempt no longer the request's: its
         client left (cancelled), or a newer resumption took over (the scheduler restarted
-        meanwhile). Then this one stops, and calls off what it submitted."""
+        meanwhile). Then this one stops, and calls off what it submitted. A SUBMIT left
+        unanswered was called off, and its answer may come late, while the next one waits for
+        its own: that one is a new attempt, whose answer the late one cannot be taken for (the
+        same id, a late acceptance settled a refused SUBMIT, and the request waited for an
+        attempt nobody ran; a token of the first could mix into the second's stream)."""
         attempt_id = submit.request_id
         deadline = time.monotonic() + RESUME_PATIENCE_S
         while self._is_current(inflight, attempt_id):
             try:
-                await self._send_submit(submit, timeout_s=10.0)
+                await self._send_submit(submit, RESUBMIT_ANSWER_S)
             except SubmitRefused as refused:
                 if not self._is_current(inflight, attempt_id):
                     return  # (a 503 for no answer: `_send_submit` called it off)
@@ -398,6 +418,12 @@ class ClusterClient:
                 if refused.status_code != 503 or time.monotonic() > deadline:
                     self._fail(inflight, f"{reason}; could not resume it: {refused.message}")
                     return
+                if not refused.answered:
+                    self._attempts.pop(attempt_id, None)  # its late deltas are dropped from now on
+                    submit = self._next_attempt(inflight)
+                    self.log.warning("resumption unanswered", request_id=attempt_id,
+                                     next_attempt=submit.request_id)  # fmt: skip
+                    attempt_id = submit.request_id
                 await asyncio.sleep(refused.retry_after_s or 1.0)
                 continue
             if not self._is_current(inflight, attempt_id):
@@ -413,26 +439,38 @@ class ClusterClient:
         """A new scheduler knows nothing of the requests the old one held. Those whose attempt
         brought tokens are decoding on a worker, which goes on streaming them; the others (a
         resumed attempt too, whatever tokens came before it) may have been in its queue, lost
-        with it: they are resumed (an attempt still running somewhere after all is left to
-        finish, its tokens dropped). Not those whose stream ended (a failure without tokens
-        the handler has yet to read: nothing would call off their new attempt), nor those
-        whose first SUBMIT is still unanswered: its answer (or its timeout, a 503 that calls
-        it off) tells their handlers what became of them, and an attempt of theirs running
-        meanwhile would be one the handlers never hear of. Those decoding are watched, in case
-        their worker dies unseen (`_watch_orphan`)."""
+        with it: they are resumed, their old attempts called off. One still prefilling, or
+        holding a decode reservation, ran on for nobody (its tokens dropped): the new scheduler
+        keeps a cancel of an id it does not know for a heartbeat timeout, and tells the worker
+        that then lists it to let it go (`services/scheduler/adopted.py`). Not those whose
+        stream ended (a failure without tokens the handler has yet to read: nothing would call
+        off their new attempt), nor those whose first SUBMIT is still unanswered: its answer
+        (or its timeout, a 503 that calls it off) tells their handlers what became of them,
+        and an attempt of theirs running meanwhile would be one the handlers never hear of.
+        Those decoding are watched, in case their worker dies unseen (`_watch_orphan`)."""
         waiting: list[InFlight] = []
         orphans: list[InFlight] = []
         for inflight in self._requests.values():
-            if not (inflight.ended or inflight.submit.request_id in self._replies):
+            if not (inflight.ended or self._awaits_answer(inflight.submit.request_id)):
                 (orphans if inflight.attempt_has_tokens else waiting).append(inflight)
         self.log.warning("scheduler restarted", resuming=len(waiting), orphans=len(orphans))
         for inflight in waiting:
             self._attempts.pop(inflight.attempt_id, None)
-            self._resume(inflight, "the scheduler restarted")
+            self._resume(inflight, "the scheduler restarted", abandon=inflight.attempt_id)
         for inflight in orphans:
             if inflight.attempt_id not in self._watched_orphans:  # (an earlier restart's)
                 self._watched_orphans.add(inflight.attempt_id)
                 self._start_chore(self._watch_orphan(inflight, inflight.attempt_id))
+
+    def _awaits_answer(self, request_id: str) -> bool:
+        """Whether the SUBMIT's answer is for its handler to take: it has yet to come, or was
+        a refusal. An answer read in the same go as what follows it has not reached its
+        handler yet (it is in `_replies` still): an acceptance was by a scheduler whose queue
+        went with it, and the request is resumed as any other queued there."""
+        reply = self._replies.get(request_id)
+        if reply is None:
+            return False
+        return not reply.done() or reply.cancelled() or not reply.result().accepted
 
     async def _watch_orphan(self, inflight: InFlight, attempt_id: str) -> None:
         """Resumes an orphaned attempt once its tokens stop for `orphan_silence_s`: its worker
