@@ -424,7 +424,9 @@ class ClusterClient:
                     self.log.warning("resumption unanswered", request_id=attempt_id,
                                      next_attempt=submit.request_id)  # fmt: skip
                     attempt_id = submit.request_id
-                await asyncio.sleep(refused.retry_after_s or 1.0)
+                # (No later than the patience's end: a 503 may ask for up to an hour.)
+                left_s = max(0.0, deadline - time.monotonic())
+                await asyncio.sleep(min(refused.retry_after_s or 1.0, left_s))
                 continue
             if not self._is_current(inflight, attempt_id):
                 self._send_cancel(attempt_id, "superseded")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -395,3 +396,27 @@ def test_an_orphan_cancelled_by_its_client_is_not_resumed(tmp_path):
     messages, num_chores = asyncio.run(orphan_cancelled(tmp_path))
     assert ids(messages, wire.Submit) == set() and ids(messages, wire.Cancel) == {"r"}
     assert num_chores == 0  # its watchdog ended with the request
+
+
+async def resumption_told_to_wait_an_hour(tmp_path):
+    async with played(tmp_path) as (client, scheduler):
+        queue = await admitted(client, scheduler, "r")
+        await scheduler.send(delta("r", [], finish="lost"))
+        assert (await scheduler.expect(wire.Submit)).request_id == "r~1"
+        refused = wire.SubmitReply(request_id="r~1", accepted=False, status_code=503,
+                                   message="full", retry_after_s=3600.0)  # fmt: skip
+        await scheduler.send(refused)
+        started = asyncio.get_running_loop().time()
+        again = await asyncio.wait_for(scheduler.expect(wire.Submit), 5)  # once patience ends
+        await scheduler.send(dataclasses.replace(refused, request_id=again.request_id))
+        got = await asyncio.wait_for(queue.get(), 5)
+        return got, asyncio.get_running_loop().time() - started
+
+
+def test_a_resumptions_wait_for_room_is_bounded_by_its_patience(tmp_path, monkeypatch):
+    """A 503 asking for an hour's wait (the scheduler takes up to 3,600 s) kept a resumption
+    asleep that long past its patience: its client waited the hour for an error."""
+    monkeypatch.setattr("services.gateway.cluster.RESUME_PATIENCE_S", 0.5)
+    got, waited_s = asyncio.run(resumption_told_to_wait_an_hour(tmp_path))
+    assert got.finish_reason == "error" and "could not resume" in got.error
+    assert waited_s < 5
