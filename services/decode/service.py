@@ -250,6 +250,8 @@ class DecodeWorker(WorkerLoop):
         # (`WorkerLoop._handle_guarded`) must find them to free them.
         reservation = self.reservations.get(request_id)
         error = self._transfer_error(transfer, reservation)
+        if error is None and len(transfer.output_token_ids) >= transfer.sampling.max_tokens:
+            return self._end_at_max_tokens(transfer)
         if error is None:
             first, num_blocks = transfer.first_block, transfer.keys.shape[1]
             # Blocks before `first` came from this worker's cache; blocks beyond the transferred
@@ -288,6 +290,27 @@ class DecodeWorker(WorkerLoop):
         )
         num_bytes = transfer.keys.numel() * transfer.keys.element_size() * 2
         self.events.kv_received(request_id, transfer.num_tokens, num_bytes)
+        return wire.KvAck(request_id=request_id, ok=True, error=None)
+
+    def _end_at_max_tokens(self, transfer: wire.KvTransfer) -> wire.KvAck:
+        """A transfer whose output already holds max_tokens tokens (its prefill worker should
+        have ended it at its first token) ends here at once, "length", as the engine ends a
+        sequence at max_tokens: decoded, it would get one token more than its client asked
+        for. (Refused, its gateway would resume it from those tokens, and the next prefill
+        would add that token.) Its first delta is streamed again, ending the stream."""
+        request_id = transfer.request_id
+        reservation = self.reservations.pop(request_id)
+        self.blocks.free(reservation.block_ids)
+        output_length = len(transfer.output_token_ids)
+        end = wire.TokenDelta(request_id=request_id, token_ids=[], finish_reason="length",
+                              index=output_length)  # fmt: skip
+        first = transfer.first_delta
+        self.streams.send(
+            {transfer.gateway_address: [end if first is None else joined(first, end)]}
+        )
+        self.events.decode_finished(request_id, "length", 0)
+        num_prompt = len(transfer.prompt_token_ids)
+        self._report(request_id, "decode", "length", num_prompt, 0, 0, output_length)
         return wire.KvAck(request_id=request_id, ok=True, error=None)
 
     def _salt(self, cache_salt: str | None) -> str | None:

@@ -69,6 +69,7 @@ FirstToken = tuple[wire.PrefillJob, RequestOutput, wire.TokenDelta]
 class RunningJob:
     job: wire.PrefillJob
     started_at: float  # monotonic
+    registration: int = 0  # the worker's registration with the scheduler it was accepted under
 
 
 @dataclass
@@ -78,7 +79,7 @@ class PendingTransfer:
     deadline: float
     num_output_tokens: int
     sent_at: float  # monotonic
-    registration: int = 0  # the worker's registration with the scheduler it was sent under
+    registration: int = 0  # the worker's registration with the scheduler its job came under
 
 
 class PrefillWorker(WorkerLoop):
@@ -154,7 +155,7 @@ class PrefillWorker(WorkerLoop):
             self._fail(job, str(error))
             return
         started_at = self.events.prefill_started(job.request_id, len(job.prompt_token_ids))
-        self.jobs[job.request_id] = RunningJob(job, started_at)
+        self.jobs[job.request_id] = RunningJob(job, started_at, self._registration)
 
     def _cancel(self, request_id: str, reason: str) -> None:
         self.engine.abort(request_id)  # its retained KV too, if it was waiting for a grant
@@ -168,8 +169,9 @@ class PrefillWorker(WorkerLoop):
     def _on_registered_again(self) -> None:
         """No grant will come for a job of the old registration: its KV (parked, or still being
         computed) is let go, and its gateway told the attempt is lost, which resumes it from
-        the tokens it has. Jobs whose room was confirmed go on: their decode worker expects
-        their KV, and streams on."""
+        the tokens it has (under a new id), and the scheduler cancels its decode worker's
+        reservation (`_cancel_at_scheduler`). Jobs whose room was confirmed go on: their
+        decode worker expects their KV, and streams on."""
         super()._on_registered_again()
         self._registration += 1
         orphans = [parked[0] for parked in self.awaiting_grant.values()]
@@ -182,6 +184,7 @@ class PrefillWorker(WorkerLoop):
         for job in orphans:
             self._cancel(job.request_id, reason)
             self._lost_at_gateway(job, reason)
+            self._cancel_at_scheduler(job, reason)
 
     def _lost_at_gateway(self, job: wire.PrefillJob, reason: str) -> None:
         """Tells the job's gateway the attempt is lost: it resumes the request from the tokens
@@ -190,17 +193,29 @@ class PrefillWorker(WorkerLoop):
                                finish_reason="lost", error=reason)  # fmt: skip
         self.streams.send({job.gateway_address: [lost]})
 
+    def _cancel_at_scheduler(self, job: wire.PrefillJob, reason: str) -> None:
+        """Asks the scheduler to cancel an attempt of an earlier registration that ended here:
+        its decode worker still holds its reservation, which that worker lists to the scheduler
+        (a restarted one adopts it), and would hold it for nobody until its lease ran out
+        (minutes). A report does not do: the decode worker lists the id a heartbeat after it
+        registers again, mostly after this worker's word, and a report on an id not listed is
+        dropped, where a cancel waits for the listing (`adopted.py`). (A scheduler that
+        dropped this worker gave the attempt up already, and ignores the cancel.)"""
+        self.link.send(wire.Cancel(request_id=job.request_id, reason=reason))
+
     # -- the step -----------------------------------------------------------------------------
 
     def _step(self) -> None:
         outputs = self.engine.step()
         firsts: list[FirstToken] = []
+        registrations: dict[str, int] = {}  # each first's job's (`RunningJob.registration`)
         for output in outputs:
             running = self.jobs.pop(output.request_id, None)
             if running is None:  # cancelled while its step ran
                 self.engine.release(output.request_id)
                 continue
             job = running.job
+            registrations[job.request_id] = running.registration
             if output.error is not None:  # its grammar failed to compile, or its sampling
                 self.engine.release(job.request_id)
                 self.grants.pop(job.request_id, None)
@@ -210,7 +225,7 @@ class PrefillWorker(WorkerLoop):
             self.events.prefill_finished(job.request_id, running.started_at, num_tokens)
             firsts.append((job, output, self._first_delta(job, output)))
         for job, output, delta in self._stream_first_tokens(firsts):
-            self._hand_on(job, output, delta)
+            self._hand_on(job, output, delta, registrations[job.request_id])
 
     def _stream_first_tokens(self, firsts: list[FirstToken]) -> list[FirstToken]:
         """Every first token goes out before any KV is copied out for its transfer: the step's
@@ -244,23 +259,39 @@ class PrefillWorker(WorkerLoop):
         delta = token_delta(output, len(job.output_token_ids), reason)
         return dataclasses.replace(delta, num_cached_tokens=num_cached)
 
-    def _hand_on(self, job: wire.PrefillJob, output: RequestOutput, delta: wire.TokenDelta) -> None:
+    def _hand_on(
+        self,
+        job: wire.PrefillJob,
+        output: RequestOutput,
+        delta: wire.TokenDelta,
+        registration: int,
+    ) -> None:
         """The KV goes to the decode worker (or waits for its grant), unless the request ended
-        at its first token."""
+        at its first token. `registration`: the one the job came under."""
         granted = self.grants.pop(job.request_id, None)  # (kept past its job, kept for good)
         if delta.finish_reason is not None:
             self.engine.release(job.request_id)
             num_made = len(delta.token_ids)
             output_length = len(job.output_token_ids) + num_made
             self._report(job, delta.finish_reason, num_made, output_length)
+            if registration != self._registration:
+                self._cancel_at_scheduler(job, "finished in prefill")
         elif job.await_grant and granted is None:
             self.awaiting_grant[job.request_id] = (job, output, delta)  # the KV awaits its grant
         else:
             if granted is not None:
                 job = dataclasses.replace(job, num_skip_blocks=granted)
-            self._send_kv(job, output, delta)
+            self._send_kv(job, output, delta, registration)
 
-    def _send_kv(self, job: wire.PrefillJob, output: RequestOutput, delta: wire.TokenDelta) -> None:
+    def _send_kv(
+        self,
+        job: wire.PrefillJob,
+        output: RequestOutput,
+        delta: wire.TokenDelta,
+        registration: int,
+    ) -> None:
+        """`registration`: the one the job came under (a job accepted before the worker
+        registered again may be prefilled after)."""
         seq = self.engine.retained(job.request_id)
         # The decode worker holds the leading blocks already (pinned when it reserved).
         # (A negative count from a faulty peer skips nothing: the whole KV goes.)
@@ -295,7 +326,8 @@ class PrefillWorker(WorkerLoop):
             return
         if not self._send_to_decode(job, frames):
             self.events.kv_failed(job.request_id, "unreachable", f"{KV_SEND_QUEUE} queued")
-            self._report(job, "error", len(output.new_token_ids))  # the scheduler re-routes it
+            reason = f"its decode worker is unreachable ({KV_SEND_QUEUE} KV messages queued)"
+            self._handoff_failed(job, len(output.new_token_ids), registration, reason)
             return
         num_bytes = keys.numel() * keys.element_size() * 2
         sent_at = self.events.kv_sent(job.request_id, job.decode_peer_id, num_bytes)
@@ -305,7 +337,7 @@ class PrefillWorker(WorkerLoop):
             time.monotonic() + self.config.transfer_timeout_s,
             len(output.new_token_ids),  # made here: a resumed attempt's given ones were not
             sent_at,
-            self._registration,
+            registration,
         )
 
     def _send_to_decode(self, job: wire.PrefillJob, frames: list) -> bool:
@@ -347,7 +379,8 @@ class PrefillWorker(WorkerLoop):
             job = dataclasses.replace(job, num_skip_blocks=grant.num_skip_blocks)
             # Parked until shipped: were the shipping to raise, `_abandon` finds the job and
             # ends it at its gateway and the scheduler, which would otherwise never hear.
-            self._send_kv(job, output, delta)
+            # (Of this registration: those parked under an earlier one were let go.)
+            self._send_kv(job, output, delta, self._registration)
             self.awaiting_grant.pop(grant.request_id, None)  # (a failed send may have let it go)
         elif grant.request_id in self.jobs:
             self.grants[grant.request_id] = grant.num_skip_blocks
@@ -383,13 +416,24 @@ class PrefillWorker(WorkerLoop):
                 self._transfer_failed(transfer, "its KV transfer was not acknowledged in time")
 
     def _transfer_failed(self, transfer: PendingTransfer, reason: str) -> None:
+        self._handoff_failed(
+            transfer.job, transfer.num_output_tokens, transfer.registration, reason
+        )
+
+    def _handoff_failed(
+        self, job: wire.PrefillJob, num_output: int, registration: int, reason: str
+    ) -> None:
         """Reported to the scheduler, which re-routes the request (its gateway resumes it).
-        Sent under an earlier registration (the scheduler restarted, or dropped this worker),
-        the request is one the scheduler does not know, and would ignore the report: its
-        gateway is told directly, or its client waited out the request timeout (an hour)."""
-        self._report(transfer.job, "error", transfer.num_output_tokens)
-        if transfer.registration != self._registration:
-            self._lost_at_gateway(transfer.job, reason)
+        A job of an earlier registration (the scheduler restarted, or dropped this worker),
+        whether its KV went before or after this worker registered again, is one the
+        scheduler may not know, and whose report it may ignore: its gateway is told directly
+        (or it waited for its watch of the streams the restart orphaned, a minute; the
+        request timeout, an hour, before that watch), and its decode worker's reservation
+        cancelled."""
+        self._report(job, "error", num_output)
+        if registration != self._registration:
+            self._lost_at_gateway(job, reason)
+            self._cancel_at_scheduler(job, reason)
 
     def _silent_since(self, transfer: PendingTransfer) -> bool:
         """The transfer went on its address's current socket, and nothing was acknowledged on

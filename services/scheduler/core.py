@@ -1182,8 +1182,12 @@ class ClusterScheduler:
                 self._send(gateway.identity, tokens)
 
     def _time_out(self, request: TrackedRequest, now: float) -> None:
-        """A request that waited in the queue past the limit: its client gets a 504."""
+        """A request that waited in the queue past the limit: its client gets a 504. It is
+        remembered as given up on: one placed before (back in the queue after its reservation
+        timed out) may be listed still by a worker that missed the cancel, which is told again
+        instead of the id being adopted as an earlier life's."""
         self._forget(request, cancel_reason=None)
+        self._abandon(request.request_id)
         message = (
             f"queued {now - request.arrival:.0f} s without a worker free for it "
             f"(max_queue_time_s {self.limits.max_queue_time_s:g})"

@@ -422,3 +422,27 @@ def test_received_kv_is_named_by_the_reservations_tenant_not_the_transfers_salt(
 
     assert num_cached_blocks("other", None) == 0
     assert num_cached_blocks("t2", "acme") == 23 // 4
+
+
+def test_a_transfer_already_at_max_tokens_ends_at_once_without_another_token(setup):
+    """A transfer whose output already holds max_tokens tokens (a faulty or foreign prefill
+    worker, which should have ended it at its first token) used to decode one more token than
+    the client asked for: it ends at once, "length", as the prefill worker ends such a one."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    transfer, _ = prefilled_transfer(model_dir, "full", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="full", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, transfer)
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    assert gateway.poll(10_000)
+    (delta,) = wire.recv(gateway).deltas
+    assert delta.token_ids == transfer.output_token_ids and delta.index == 0
+    assert delta.finish_reason == "length"
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.phase, done.finish_reason) == ("decode", "length")
+    assert (done.num_output_tokens, done.output_length) == (0, 1)
+    heartbeat = scheduler.expect(
+        wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
+    )
+    assert heartbeat.num_running == 0 and "full" not in heartbeat.request_ids

@@ -3,16 +3,21 @@ transfer that is never acknowledged is abandoned and reported for re-routing."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
+import time
 
 import pytest
 import zmq
 
 from services.prefill import service as prefill_service
 from services.prefill.service import PrefillWorker
+from services.scheduler.core import ClusterScheduler, SchedulerLimits
 from services.worker.config import WorkerConfig
 from shared import wire
 from tests.integration.conftest import FakeScheduler, WorkerThread
+from tests.unit.test_scheduler_core import hello, sent
 
 PROMPT = [5, 17, 33, 9, 101, 7, 64, 12, 3, 99, 41]
 
@@ -318,3 +323,132 @@ def test_a_transfer_of_an_earlier_registration_that_fails_is_lost_at_its_gateway
     lost = wire.recv(gateway).deltas[0]
     assert (lost.request_id, lost.finish_reason) == ("old", "lost")
     assert "not acknowledged in time" in lost.error
+
+
+# -- across a scheduler restart: the worker registers again ----------------------------------
+
+
+def register_again(scheduler: FakeScheduler) -> None:
+    """The scheduler answers a heartbeat that it does not know the worker (it restarted)."""
+    forgotten = wire.HelloAck(schema_version=wire.SCHEMA_VERSION, accepted=False,
+                              error=wire.UNKNOWN_PEER, heartbeat_interval_s=0.1)  # fmt: skip
+    scheduler.send(forgotten)
+    scheduler.expect(wire.Hello)
+
+
+def hold_prefills(worker: PrefillWorker) -> threading.Event:
+    """The worker's prefills make no progress until the event is set (a long prompt)."""
+    may_run = threading.Event()
+    real_step = worker.engine.step
+
+    def held_step():
+        if not may_run.is_set():
+            time.sleep(0.01)
+            return []
+        return real_step()
+
+    worker.engine.step = held_step
+    return may_run
+
+
+def told_of(scheduler: FakeScheduler, request_id: str) -> list[wire.Message]:
+    """What the worker tells the scheduler of the request (its cancels and reports)."""
+
+    def of_it(message: wire.Message) -> bool:
+        kinds = wire.Cancel | wire.RequestDone
+        return isinstance(message, kinds) and message.request_id == request_id
+
+    told = []
+    with contextlib.suppress(TimeoutError):
+        while True:
+            told.append(scheduler.expect(wire.Message, timeout_s=1.0, where=of_it))
+    return told
+
+
+def assert_a_restarted_scheduler_lets_the_reservation_go(told: list, request_id: str) -> None:
+    """Told so, a restarted scheduler (the real core) has the decode worker's reservation for
+    the request let go, whether that worker's listing of it came before or (as usual: it
+    lists it a heartbeat after it registers again) after."""
+    for listed_first in (True, False):
+        new = ClusterScheduler(SchedulerLimits())
+        new.on_hello(b"G", hello("g", "gateway"), 0.0)
+        new.on_hello(b"P", hello("p", "prefill"), 0.0)
+        new.on_hello(b"D", hello("d", "decode"), 0.0)
+        listing = wire.Heartbeat(peer_id="d", num_waiting=0, num_running=0, num_free_blocks=90,
+                                 num_total_blocks=100, steps_completed=0, sent_at=0.0,
+                                 request_ids=[request_id])  # fmt: skip
+        out = new.on_heartbeat(b"D", listing, 1.0) if listed_first else []
+        for message in told:
+            if isinstance(message, wire.Cancel):
+                out += new.on_cancel(message, 1.0)
+            else:
+                out += new.on_request_done(message, 1.0)
+        if not listed_first:
+            out += new.on_heartbeat(b"D", listing, 1.0)
+        cancels = [(o.identity, o.message.request_id) for o in sent(out, wire.Cancel)]
+        assert cancels == [(b"D", request_id)], f"listed first: {listed_first}"
+        assert not new.adopted.holds(request_id)
+        assert request_id not in new.registry.get("d").request_ids
+
+
+def test_a_speculative_job_orphaned_by_a_scheduler_restart_frees_its_decode_reservation(running):
+    """The scheduler restarted while a speculative job awaited its grant: the prefill worker let
+    the job go and told its gateway, which resumes the request under a new id; but the decode
+    worker's reservation for the old id, adopted by the new scheduler from its heartbeat, held
+    its blocks and a seat for nobody until its lease ran out (minutes)."""
+    scheduler, gateway, decode, tmp_path, worker = running
+    scheduler.send(dataclasses.replace(job(tmp_path, "spec", ignore_eos=True), await_grant=True))
+    assert gateway.poll(10_000)
+    assert wire.recv(gateway).deltas[0].finish_reason is None
+    register_again(scheduler)
+    assert gateway.poll(5_000)
+    assert wire.recv(gateway).deltas[0].finish_reason == "lost"
+    assert_a_restarted_scheduler_lets_the_reservation_go(told_of(scheduler, "spec"), "spec")
+    assert worker.held_request_ids() == []
+
+
+def test_a_job_of_an_earlier_registration_over_at_its_first_token_frees_its_reservation(
+    running,
+):
+    """Accepted before the scheduler restarted, prefilled after, and over at its first token:
+    its report reached the new scheduler before the decode worker listed the request, and was
+    dropped; the reservation, adopted then, was held for nobody until its lease ran out."""
+    scheduler, gateway, decode, tmp_path, worker = running
+    prefills_may_run = hold_prefills(worker)
+    scheduler.send(job(tmp_path, "one", max_tokens=1))
+    scheduler.expect(wire.Heartbeat, where=lambda beat: "one" in beat.request_ids)
+    register_again(scheduler)
+    prefills_may_run.set()
+    assert gateway.poll(10_000)
+    assert wire.recv(gateway).deltas[0].finish_reason == "length"
+    told = told_of(scheduler, "one")
+    assert [m.finish_reason for m in told if isinstance(m, wire.RequestDone)] == ["length"]
+    assert_a_restarted_scheduler_lets_the_reservation_go(told, "one")
+
+
+def test_a_job_of_an_earlier_registration_whose_kv_fails_after_it_is_lost_at_its_gateway(
+    running,
+):
+    """Accepted before the scheduler restarted, prefilled after the worker registered again
+    (a long prompt): its transfer counted as the new registration's, so when it failed (its
+    decode worker went down with the old scheduler) only the new scheduler, which does not
+    know the request, heard. A gateway that had the first token before it saw the restart
+    waited for its watch of the orphaned stream to give up (30 s to a minute of silence).
+    Its gateway is told at once that it is lost, and resumes it."""
+    scheduler, gateway, decode, tmp_path, worker = running
+    prefills_may_run = hold_prefills(worker)
+    silent = f"ipc://{tmp_path}/silent.sock"  # its decode worker is gone
+    scheduler.send(
+        dataclasses.replace(job(tmp_path, "old", ignore_eos=True), decode_address=silent)
+    )
+    scheduler.expect(wire.Heartbeat, where=lambda beat: "old" in beat.request_ids)
+    register_again(scheduler)
+    prefills_may_run.set()
+    assert gateway.poll(10_000)
+    first = wire.recv(gateway).deltas[0]
+    assert first.request_id == "old" and first.finish_reason is None
+    done = scheduler.expect(wire.RequestDone, timeout_s=10)
+    assert (done.request_id, done.finish_reason) == ("old", "error")
+    assert gateway.poll(5_000), "its gateway never heard"
+    lost = wire.recv(gateway).deltas[0]
+    assert (lost.request_id, lost.finish_reason) == ("old", "lost")

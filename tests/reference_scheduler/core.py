@@ -627,6 +627,7 @@ class ClusterScheduler:
     def _time_out(self, request: TrackedRequest, now: float) -> list[Outgoing]:
         """A request that waited in the queue past the limit: its client gets a 504."""
         self._forget(request, cancel_reason=None)
+        self._abandon(request.request_id)
         gateway = self.gateways.get(request.gateway_peer_id)
         if gateway is None:
             return []

@@ -347,3 +347,38 @@ def test_an_earlier_lifes_prefill_handing_the_kv_over_leaves_the_adopted_request
     beat(core, ["old"], 1.0)
     assert not core.on_request_done(prefill_done(None), 2.0)
     assert core.adopted.holds("old") and "old" in core.registry.get("d").request_ids
+
+
+# -- a request given up on in the queue after a worker held it ---------------------------------
+
+
+def test_a_request_timing_out_in_the_queue_after_its_reservation_did_is_not_adopted():
+    """Its reservation timed out (the cancel to its decode worker went astray), it went back to
+    the queue, and timed out there: the worker's listing of it, the old reservation's, was
+    adopted as an earlier life's request, holding a seat until its lease ran out (minutes). It
+    is given up on: the worker is told again to let it go."""
+    limits = SchedulerLimits(heartbeat_timeout_s=TIMEOUT_S, reserve_timeout_s=1.0,
+                             max_queue_time_s=2.0)  # fmt: skip
+    core = ClusterScheduler(limits)
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", hello("p", "prefill"), 0.0)
+    core.on_hello(b"D", hello("d", "decode"), 0.0)
+    assert sent(core.on_submit(b"G", submit("r"), 0.0), wire.Reserve)
+    full = wire.Heartbeat(peer_id="d", num_waiting=0, num_running=0, num_free_blocks=0,
+                          num_total_blocks=100, steps_completed=0, sent_at=0.0,
+                          request_ids=["r"])  # fmt: skip
+    core.on_heartbeat(b"D", full, 0.5)  # (no room left there: it stays queued once requeued)
+    out = core.tick(1.1)  # the reservation timed out: back to the queue
+    assert [o.message.reason for o in sent(out, wire.Cancel)] == ["timed out"]  # (lost)
+    assert core.requests["r"].phase == Phase.QUEUED
+    core.on_heartbeat(b"D", full, 1.5)
+    core.on_heartbeat(b"P", wire.Heartbeat(peer_id="p", num_waiting=0, num_running=0,
+                                           num_free_blocks=100, num_total_blocks=100,
+                                           steps_completed=0, sent_at=0.0), 1.5)  # fmt: skip
+    out = core.tick(2.1)  # timed out in the queue
+    assert [d.finish_reason for o in sent(out, wire.Tokens) for d in o.message.deltas] == [
+        "timeout"
+    ]
+    (cancel,) = sent(core.on_heartbeat(b"D", full, 2.5), wire.Cancel)
+    assert cancel.message.request_id == "r" and cancel.message.reason == "abandoned"
+    assert not core.adopted.holds("r") and "r" not in core.registry.get("d").request_ids
