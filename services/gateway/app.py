@@ -41,6 +41,7 @@ from services.gateway.openai_protocol import (
     unforeseen,
 )
 from services.gateway.openai_shapes import SSE_DONE, sse_event
+from services.gateway.response_store import ResponseStore
 from services.gateway.responses import (
     StreamChunks,
     collect_response,
@@ -49,7 +50,9 @@ from services.gateway.responses import (
 )
 from services.gateway.responses_api import (
     ResponseEvents,
+    ResponseKeeper,
     chat_body,
+    check_body,
     in_responses_terms,
     response_object,
     sse,
@@ -99,12 +102,14 @@ def build_app(
     keys: ApiKeys | None = None,
     lifespan=None,
     batch: BatchLink | None = None,
+    responses: ResponseStore | None = None,
 ) -> FastAPI:
     """The HTTP API; `batch`, the link to the batch service, adds its metrics to /metrics (its
     routes are `batch_routes`')."""
     app = FastAPI(title="tandem", lifespan=lifespan)
     model = generator.model_name
     keys = keys or ApiKeys({})
+    responses = responses if responses is not None else ResponseStore()
 
     def tenant(request: Request, generation: Generation) -> str:
         caller = keys.check_header(request.headers.get("authorization"))
@@ -251,20 +256,35 @@ def build_app(
         return await _prepare_and_serve(request, generator, parsed, "chatcmpl", tenant)
 
     @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        """OpenAI's Responses API, stateless, served as a chat (services.gateway.responses_api)."""
-        keys.check_header(request.headers.get("authorization"))
-        body = await _read_json(request, max_body_bytes)
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API, served as a chat (services.gateway.responses_api), stored
+        for `previous_response_id` unless `store` is false."""
+        owner = keys.check_header(request.headers.get("authorization")).tenant or ""
+        body = check_body(await _read_json(request, max_body_bytes))
         try:
-            parsed = parse_chat_request(chat_body(body), model, generator.max_model_len)
+            previous = body.get("previous_response_id")
+            earlier = responses.conversation(owner, previous) if previous is not None else []
+            parsed = parse_chat_request(chat_body(body, earlier), model, generator.max_model_len)
             generation = await _prepare(request, generator, parsed, "resp")
         except ApiError as error:
             raise in_responses_terms(error) from None
         except ClientGone:
             return Response(status_code=499)
-        return await _serve_response(
-            request, generator, generation, body, tenant(request, generation)
-        )
+        keeps = responses.enabled and body.get("store") is not False
+        keeper = ResponseKeeper(responses, owner, body) if keeps else None
+        caller = tenant(request, generation)
+        return await _serve_response(request, generator, generation, body, caller, keeper)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> dict[str, Any]:
+        owner = keys.check_header(request.headers.get("authorization")).tenant or ""
+        return responses.response(owner, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+        owner = keys.check_header(request.headers.get("authorization")).tenant or ""
+        responses.delete(owner, response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return app
 
@@ -418,28 +438,40 @@ async def _sse(
 
 
 async def _serve_response(
-    request: Request, generator: Generator, generation: Generation, body: Any, tenant: str
+    request: Request,
+    generator: Generator,
+    generation: Generation,
+    body: Any,
+    tenant: str,
+    keeper: ResponseKeeper | None,
 ) -> Response:
     """A Responses API request's answer: its chat answer as a Response, or its chat stream as a
-    Response's events."""
+    Response's events; kept by `keeper` once answered."""
     events = generator.events(generation, tenant)
     try:
         if generation.request.stream:
             first = await _unless_gone(request, first_event(events))
-            stream = _response_sse(body, generation, first, events)
+            stream = _response_sse(body, generation, first, events, keeper)
             return StreamingResponse(stream, media_type=SSE_MEDIA_TYPE)
         chat = await _unless_gone(request, collect_response(generation, events))
-        return JSONResponse(response_object(body, chat))
+        response = response_object(body, chat)
+        if keeper is not None:
+            keeper.keep(response)
+        return JSONResponse(response)
     except ClientGone:
         await events.aclose()  # type: ignore[attr-defined]
         return Response(status_code=499)
 
 
 async def _response_sse(
-    body: Any, generation: Generation, first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent]
+    body: Any,
+    generation: Generation,
+    first: ChoiceEvent | None,
+    events: AsyncIterator[ChoiceEvent],
+    keeper: ResponseKeeper | None,
 ) -> AsyncIterator[bytes]:
     """`_sse`'s chat chunks as a Response's events (no `[DONE]`: the last event says it)."""
-    chunks, shaped = StreamChunks(generation), ResponseEvents(body)
+    chunks, shaped = StreamChunks(generation), ResponseEvents(body, keeper)
     num_tokens = 0
     try:
         for start in shaped.start():

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (`POST /v1/responses`), stateless, served as a chat completion.
+"""OpenAI's Responses API (`POST /v1/responses`), served as a chat completion.
 
 Agent frameworks speak it first (the OpenAI Agents SDK's default model, Codex): a request's
 `instructions`, `input` items (messages, `function_call`s and their `function_call_output`s),
@@ -7,8 +7,11 @@ request (`chat_body`), which runs as any other (its tools, structured output, pr
 fair share included); the chat answer becomes a Response (`response_object`), its stream a
 Response's typed events (`ResponseEvents`).
 
-Stateless: nothing is stored (`store` is taken and ignored), so `previous_response_id` and item
-references are refused with a 400 that says to send the conversation in `input`. Hosted tools
+A response is stored (`store`, true by default, as OpenAI's) in the gateway's memory
+(services.gateway.response_store), so `previous_response_id` continues its conversation: the
+earlier turns' chat messages come before this input (the earlier instructions do not, as
+OpenAI has it). Where no store serves (a batch line), `previous_response_id` is a 400, as are
+item references and `conversation`: the conversation is to be sent in `input`. Hosted tools
 (web search, file search, computer use, ...), images, files and reasoning items are refused by
 name. Every refusal is a 400 naming the field, as the chat API's are.
 """
@@ -22,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from services.gateway.openai_protocol import ApiError
+from services.gateway.response_store import ResponseStore
 
 _FIELDS = frozenset(
     {
@@ -53,12 +57,11 @@ _FIELDS = frozenset(
 )
 # Fields a stateless server takes only at the value that asks nothing of it.
 _ONLY = {
-    "previous_response_id": (None,),
     "conversation": (None,),
     "truncation": (None, "disabled"),
     "background": (None, False),
 }
-_STATELESS = "this server keeps no responses: send the whole conversation in `input`"
+_STATELESS = "no responses are kept for this: send the whole conversation in `input`"
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _FINISH_STATUS = {"length": ("incomplete", "max_output_tokens")}
@@ -71,9 +74,8 @@ def _fail(param: str, message: str) -> ApiError:
 # -- the request -----------------------------------------------------------------------------
 
 
-def chat_body(body: Any) -> dict[str, Any]:
-    """The chat completions body that serves this Responses body (ApiError 400 naming the
-    field for what the Responses API does not allow, or this server does not serve)."""
+def check_body(body: Any) -> dict[str, Any]:
+    """The body, if a JSON object of the Responses API's fields at values served here."""
     if not isinstance(body, dict):
         raise _fail("body", "the request body must be a JSON object")
     unknown = sorted(set(body) - _FIELDS)
@@ -81,11 +83,28 @@ def chat_body(body: Any) -> dict[str, Any]:
         raise _fail(unknown[0], f"unknown field `{unknown[0]}` for /v1/responses")
     for field, allowed in _ONLY.items():
         if body.get(field) not in allowed:
-            stateful = field in ("previous_response_id", "conversation")
+            stateful = field == "conversation"
             raise _fail(field, _STATELESS if stateful else f"only {allowed[-1]!r} is served")
     if body.get("reasoning") not in (None, {}) and body["reasoning"].get("effort") is not None:
         raise _fail("reasoning", "the served model does not reason: leave `reasoning` out")
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body)}
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise _fail("previous_response_id", "must be a response's id")
+    if body.get("store") not in (None, True, False):
+        raise _fail("store", "must be true or false")
+    return body
+
+
+def chat_body(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The chat completions body that serves this Responses body, after the chat messages of
+    the conversation it continues (`earlier`, those of its `previous_response_id`; None where
+    no responses are kept). ApiError 400 naming the field for what the Responses API does not
+    allow, or this server does not serve."""
+    body = check_body(body)
+    if body.get("previous_response_id") is not None and earlier is None:
+        raise _fail("previous_response_id", _STATELESS)
+    messages = _instructions(body) + list(earlier or []) + input_messages(body)
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
     chat.update(_tools(body))
     format_ = _response_format(body.get("text"))
     if format_ is not None:
@@ -105,18 +124,23 @@ def chat_body(body: Any) -> dict[str, Any]:
     return chat
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    messages = []
+def _instructions(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise _fail("instructions", "must be a string")
-        messages.append({"role": "system", "content": instructions})
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise _fail("instructions", "must be a string")
+    return [{"role": "system", "content": instructions}]
+
+
+def input_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of the body's `input` (what a stored turn keeps of it)."""
     given = body.get("input")
     if isinstance(given, str):
-        return [*messages, {"role": "user", "content": given}]
+        return [{"role": "user", "content": given}]
     if not isinstance(given, list) or not given:
         raise _fail("input", "must be a string or a non-empty list of input items")
+    messages: list[dict[str, Any]] = []
     for i, item in enumerate(given):
         _add_item(messages, item, f"input[{i}]")
     return messages
@@ -137,7 +161,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         call = _function_call(item, where)
         last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-            last["tool_calls"].append(call)
+            messages[-1] = {**last, "tool_calls": [*last["tool_calls"], call]}
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
@@ -281,9 +305,9 @@ def _envelope(
         "model": body.get("model"),
         "output": output,
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": None,
+        "previous_response_id": body.get("previous_response_id"),
         "reasoning": {"effort": None, "summary": None},
-        "store": False,
+        "store": False,  # (true once stored: `ResponseKeeper`)
         "temperature": body.get("temperature"),
         "text": body.get("text") or {"format": {"type": "text"}},
         "tool_choice": body.get("tool_choice", "auto"),
@@ -294,6 +318,38 @@ def _envelope(
         "user": body.get("user"),
         "metadata": body.get("metadata") or {},
     }
+
+
+def answer_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat message a Response's output items make (what a stored turn keeps of them): one
+    assistant message with the text and the calls."""
+    text = "".join(
+        part["text"]
+        for item in output
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    )
+    calls = [_function_call(item, "output") for item in output if item["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message] if text or calls else []
+
+
+class ResponseKeeper:
+    """Stores a request's Response once answered, with the chat messages its turn added (its
+    input and its answer), after the turn it continued (`previous_response_id`)."""
+
+    def __init__(self, store: ResponseStore, tenant: str, body: Mapping[str, Any]) -> None:
+        self.store, self.tenant, self.body = store, tenant, body
+
+    def keep(self, response: dict[str, Any]) -> None:
+        if response["status"] not in ("completed", "incomplete"):
+            return
+        messages = input_messages(self.body) + answer_messages(response["output"])
+        previous = self.body.get("previous_response_id")
+        response["store"] = self.store.put(self.tenant, response, previous, messages)
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -345,8 +401,9 @@ class ResponseEvents:
     arguments whole, as the chat stream sends a call once it parses), and `response.completed`
     (or `response.incomplete`) with the whole Response and its usage last."""
 
-    def __init__(self, body: Mapping[str, Any]) -> None:
+    def __init__(self, body: Mapping[str, Any], keeper: ResponseKeeper | None = None) -> None:
         self.body = body
+        self.keeper = keeper  # stores the Response before the last event carries it
         self.response_id = _new_id("resp")
         self._sequence = 0
         self._output: list[dict[str, Any]] = []
@@ -378,6 +435,8 @@ class ResponseEvents:
         yield from self._close_message()
         status, reason = _FINISH_STATUS.get(self._finish or "stop", ("completed", None))
         response = _envelope(self.body, self.response_id, status, reason, self._output, self._usage)
+        if self.keeper is not None:
+            self.keeper.keep(response)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield self._event(kind, response=response)
 

@@ -18,6 +18,7 @@ from services.gateway.batch_routes import add_batch_routes
 from services.gateway.chat_prompt import read_chat_template
 from services.gateway.cluster import ClusterClient
 from services.gateway.generation import Generator, Timeouts
+from services.gateway.response_store import DEFAULT_MAX_BYTES, ResponseStore
 from services.gateway.rpc import RpcServer
 from shared.binding import check_address, check_tcp_port, describe
 from shared.config import (
@@ -87,6 +88,10 @@ class GatewayConfig(CurveSettings):
     chat_template: str | None = setting(
         None, "a Jinja chat template file used instead of the model's (e.g. one that renders tools)"
     )
+    response_store_bytes: int = setting(
+        DEFAULT_MAX_BYTES,
+        "memory for the Responses API's stored responses (previous_response_id); 0: none kept",
+    )
 
     def __post_init__(self) -> None:
         self.curve_keys()
@@ -112,6 +117,11 @@ class GatewayConfig(CurveSettings):
             "rpc_client_timeout_s",
         )
         require_port(self, "port")
+        if self.response_store_bytes < 0:
+            raise ConfigError(
+                f"response_store_bytes (--response-store-bytes) must be >= 0, got "
+                f"{self.response_store_bytes}"
+            )
         self.keys()  # refuses bad keys at start-up
         if self.chat_template is not None:
             read_chat_template(self.chat_template)
@@ -203,7 +213,8 @@ def build_gateway(config: GatewayConfig):
                 await rpc.close()  # first: its calls cancel theirs through the cluster link
             await cluster.close()
 
-    app = build_app(generator, config.max_body_bytes, keys, lifespan=lifespan, batch=batch)
+    responses = ResponseStore(config.response_store_bytes)
+    app = build_app(generator, config.max_body_bytes, keys, lifespan, batch, responses)
     if batch is not None:
         add_batch_routes(app, batch, keys, name)
     return app

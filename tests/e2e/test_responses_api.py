@@ -1,6 +1,7 @@
 """OpenAI's Responses API end to end with the official `openai` client on the real model: the
 same greedy answer as chat completions, streamed and whole alike, function calls and their
-outputs across turns, a JSON schema output, and refusals of what a stateless server cannot do."""
+outputs across turns, a JSON schema output, a stored response continued by its id, and
+refusals of what is not served."""
 
 from __future__ import annotations
 
@@ -87,3 +88,36 @@ def test_what_a_stateless_server_cannot_do_is_a_400(openai_client):
     assert "whole conversation" in str(info.value)
     with pytest.raises(openai.BadRequestError):
         openai_client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+
+
+def test_a_stored_response_is_continued_by_its_id(openai_client):
+    """`previous_response_id` puts the stored turns before the input: the answer is the chat
+    answer of the whole conversation. A response can be read back and deleted; one deleted, or
+    never stored, cannot be continued."""
+    ask = {"model": MODEL, "max_output_tokens": 10, "temperature": 0}
+    first = openai_client.responses.create(**ask, input="My name is Ada. Say hello.")
+    second = openai_client.responses.create(
+        **ask, input="What is my name?", previous_response_id=first.id
+    )
+    chat = openai_client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "My name is Ada. Say hello."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"},
+        ],
+        max_tokens=10,
+        temperature=0,
+    )
+    assert second.output_text == chat.choices[0].message.content
+    assert second.previous_response_id == first.id and first.store
+    assert openai_client.responses.retrieve(first.id).output_text == first.output_text
+    openai_client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError):
+        openai_client.responses.create(**ask, input="Again?", previous_response_id=second.id)
+    unstored = openai_client.responses.create(**ask, input="Hi", store=False)
+    assert not unstored.store
+    with pytest.raises(openai.BadRequestError):
+        openai_client.responses.create(**ask, input="Hi", previous_response_id=unstored.id)

@@ -90,9 +90,9 @@ def test_a_string_input_is_a_user_message_and_a_stream_asks_for_usage():
 @pytest.mark.parametrize(
     ("body", "param", "match"),
     [
-        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no"),
-        ({"input": "x", "conversation": "conv_1"}, "conversation", "keeps no"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "keeps no"),
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "no responses"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "no responses"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "no responses"),
         ({"input": "x", "frequency": 1}, "frequency", "unknown field"),
         ({"input": []}, "input", "non-empty"),
         ({"input": 5}, "input", "string or"),
@@ -230,3 +230,75 @@ def test_a_chat_refusal_names_the_field_as_the_responses_body_has_it(fields, par
         except ApiError as error:
             raise in_responses_terms(error) from None
     assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+# -- stored responses ---------------------------------------------------------------------------
+
+
+def stored_turn(store, tenant, response_id, previous, text):
+    response = {"id": response_id, "output": [], "status": "completed"}
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": text.upper()}]
+    assert store.put(tenant, response, previous, messages)
+
+
+def test_a_conversation_is_the_chain_of_its_stored_turns():
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    stored_turn(store, "t", "r1", None, "a")
+    stored_turn(store, "t", "r2", "r1", "b")
+    stored_turn(store, "t", "r3", "r1", "c")  # a branch from r1
+    texts = [m["content"] for m in store.conversation("t", "r2")]
+    assert texts == ["a", "A", "b", "B"]
+    assert [m["content"] for m in store.conversation("t", "r3")] == ["a", "A", "c", "C"]
+    assert store.response("t", "r2")["id"] == "r2"
+    for wrong in (lambda: store.conversation("u", "r2"), lambda: store.response("u", "r2")):
+        with pytest.raises(ApiError):  # another tenant's
+            wrong()
+    store.delete("t", "r1")
+    with pytest.raises(ApiError) as info:
+        store.conversation("t", "r2")  # a link of its chain is gone
+    assert info.value.status == 400 and info.value.param == "previous_response_id"
+    assert "r1" in info.value.message
+    with pytest.raises(ApiError) as info:
+        store.response("t", "r1")
+    assert info.value.status == 404
+
+
+def test_the_store_is_bounded_by_bytes_the_least_recently_used_leaving_first():
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore(max_bytes=1000)
+    for i in range(40):
+        stored_turn(store, "t", f"r{i}", f"r{i - 1}" if i else None, "x" * 20)
+        assert store.num_bytes <= 1000
+    assert 0 < len(store) < 40
+    with pytest.raises(ApiError):
+        store.conversation("t", "r39")  # its chain's start left
+    big = {"id": "big", "output": [], "status": "completed"}
+    assert not store.put("t", big, None, [{"role": "user", "content": "y" * 2000}])
+    assert not ResponseStore(max_bytes=0).put("t", big, None, [])
+    with pytest.raises(ValueError):
+        ResponseStore(max_bytes=-1)
+
+
+def test_a_stored_answer_is_the_chat_message_it_continues_with():
+    from services.gateway.responses_api import answer_messages
+
+    response = response_object({"model": MODEL, "input": "x"}, chat_answer("Hello", [CALL]))
+    assert answer_messages(response["output"]) == [
+        {"role": "assistant", "content": "Hello", "tool_calls": [CALL]}
+    ]
+    assert answer_messages([]) == []
+    chat = chat_body({"model": MODEL, "input": "next", "instructions": "Be kind."},
+                     answer_messages(response["output"]))  # fmt: skip
+    assert [m["role"] for m in chat["messages"]] == ["system", "assistant", "user"]
+
+
+def test_the_gateways_store_size_is_checked():
+    from services.gateway.service import GatewayConfig
+    from shared.config import ConfigError
+
+    assert GatewayConfig(response_store_bytes=0).response_store_bytes == 0  # none kept
+    with pytest.raises(ConfigError, match="response_store_bytes"):
+        GatewayConfig(response_store_bytes=-1)
