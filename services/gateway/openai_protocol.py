@@ -257,11 +257,18 @@ class GenerationRequest:
         return _sampling_params(self._kwargs(defaults, tool_format), max_tokens)
 
     def _kwargs(self, defaults: Mapping[str, Any] | None, tool_format: str) -> dict[str, Any]:
-        """The sampling fields given, over `defaults`; a response format beside tools the model
-        may call lets it answer in that format or call them (`ToolSetup.answer_or_calls`)."""
+        """The sampling fields given, over `defaults`; a `response_format` beside tools the
+        model may call lets it answer in that format or call them (`ToolSetup.answer_or_calls`).
+        vLLM's `structured_outputs` shapes the output itself, calls and all, and stays as it is
+        (as beside a forced call)."""
         kwargs = {**(defaults or {}), **self.sampling_kwargs}
         answer = kwargs.get("constraint")
-        if answer is not None and self.tools is not None and self.tools.choice == "auto":
+        if (
+            answer is not None
+            and answer.param.startswith("response_format")
+            and self.tools is not None
+            and self.tools.choice == "auto"
+        ):
             try:
                 kwargs["constraint"] = self.tools.answer_or_calls(answer, tool_format)
                 check_parses(kwargs["constraint"])

@@ -417,3 +417,11 @@ def test_a_forced_call_beside_a_response_format_is_the_call():
         tool_choice="required",
         structured_outputs={"regex": "[0-9]+"},
     )
+
+
+def test_structured_outputs_beside_auto_tools_shape_the_whole_output():
+    """vLLM's `structured_outputs` constrains the output itself (a call spelled out by a regex
+    included): it is not widened to calls as a `response_format` is."""
+    request = chat(tools=[WEATHER], structured_outputs={"regex": "[0-9]{2}"})
+    constraint = request.sampling_params(10, MAX_LEN).constraint
+    assert constraint.kind == "regex"
