@@ -263,7 +263,11 @@ def build_app(
         body = check_body(await _read_json(request, max_body_bytes))
         try:
             previous = body.get("previous_response_id")
-            earlier = responses.conversation(owner, previous) if previous is not None else []
+            earlier = (
+                responses.conversation(owner, previous, max_body_bytes)
+                if previous is not None
+                else []
+            )
             parsed = parse_chat_request(chat_body(body, earlier), model, generator.max_model_len)
             generation = await _prepare(request, generator, parsed, "resp")
         except ApiError as error:
@@ -271,7 +275,7 @@ def build_app(
         except ClientGone:
             return Response(status_code=499)
         keeps = responses.enabled and body.get("store") is not False
-        keeper = ResponseKeeper(responses, owner, body) if keeps else None
+        keeper = ResponseKeeper(responses, owner, body, earlier) if keeps else None
         caller = tenant(request, generation)
         return await _serve_response(request, generator, generation, body, caller, keeper)
 

@@ -7,10 +7,16 @@ it continued, so a conversation of n turns takes memory linear in its length, no
 it. Continuing one walks the chain back to its start; the walk touches every response in it, so
 the least recently used ones, which leave first once `max_bytes` is passed, are never the middle
 of a chain in use. A response whose chain lost a link (evicted, deleted) cannot be continued:
-its client gets a 400 that says so. Responses belong to the API key's tenant that made them: a
-tenant neither reads nor continues another's. Nothing survives a restart of the gateway, and a
-cluster of several gateways needs its clients to stay on one (or to send the whole
-conversation, as the OpenAI Agents SDK does by default).
+its client gets a 400 that says so. (A turn whose chain left while it was generated keeps the
+whole conversation it began with instead: it was answered as stored, and can be continued.)
+Responses belong to the API key's tenant that made them: a tenant neither reads nor continues
+another's. Nothing survives a restart of the gateway, and a cluster of several gateways needs
+its clients to stay on one (or to send the whole conversation, as the OpenAI Agents SDK does by
+default).
+
+A response and its messages are kept as their JSON text, so what `max_bytes` counts is what
+they hold: as Python objects they held up to ~20 times their JSON (an empty object is 3
+characters of JSON and 64 bytes of memory), and a tool's schema of them passed the bound.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ MAX_CHAIN = 10_000  # turns walked back at most (a chain is acyclic: ids are new
 class Stored:
     tenant: str
     previous_id: str | None
-    messages: tuple[dict[str, Any], ...]  # the chat messages this turn added
-    response: dict[str, Any]  # the Response object, as answered
-    num_bytes: int
+    messages: str  # the chat messages this turn added, as JSON
+    response: str  # the Response object, as answered, as JSON
+
+    @property
+    def num_bytes(self) -> int:  # (ASCII: JSON's escapes)
+        return len(self.messages) + len(self.response)
 
 
 class ResponseStore:
@@ -56,14 +65,23 @@ class ResponseStore:
         response: dict[str, Any],
         previous_id: str | None,
         messages: list[dict[str, Any]],
+        earlier: list[dict[str, Any]] | None = None,
     ) -> bool:
-        """Keeps the response; False when it alone is larger than the store."""
-        num_bytes = len(json.dumps([response, messages]))
-        if num_bytes > self.max_bytes:
+        """Keeps the response (a copy: its JSON) and the `messages` its turn added to the
+        conversation of `previous_id` (`earlier`, as it was when the turn began: kept with the
+        turn if that chain lost a turn since); False when it alone is larger than the store.
+        The chain it continues is used again: others leave before it to make room."""
+        stored = Stored(tenant, previous_id, json.dumps(messages), json.dumps(response))
+        if previous_id is not None:
+            chain, at = self._walk(tenant, previous_id)
+            if at is not None and earlier is not None:
+                stored = Stored(tenant, None, json.dumps([*earlier, *messages]), stored.response)
+            for turn_id, _ in chain:
+                self._entries.move_to_end(turn_id)
+        if stored.num_bytes > self.max_bytes:
             return False
-        stored = Stored(tenant, previous_id, tuple(messages), response, num_bytes)
         self._entries[response["id"]] = stored
-        self.num_bytes += num_bytes
+        self.num_bytes += stored.num_bytes
         while self.num_bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self.num_bytes -= evicted.num_bytes
@@ -71,31 +89,31 @@ class ResponseStore:
 
     def response(self, tenant: str, response_id: str) -> dict[str, Any]:
         """The stored Response (ApiError 404 if this tenant has none of that id)."""
-        return self._get(tenant, response_id, "response_id").response
+        return json.loads(self._get(tenant, response_id, "response_id").response)
 
     def delete(self, tenant: str, response_id: str) -> None:
         self._get(tenant, response_id, "response_id")
         self.num_bytes -= self._entries.pop(response_id).num_bytes
 
-    def conversation(self, tenant: str, response_id: str) -> list[dict[str, Any]]:
+    def conversation(
+        self, tenant: str, response_id: str, max_chars: int | None = None
+    ) -> list[dict[str, Any]]:
         """The chat messages of the conversation that ended with `response_id`, first to last
-        (ApiError 400 naming `previous_response_id` when it, or a turn before it, is gone)."""
-        chain: list[Stored] = []
-        at: str | None = response_id
-        while at is not None and len(chain) < MAX_CHAIN:
-            stored = self._entries.get(at)
-            if stored is None or stored.tenant != tenant:
-                gone = "" if at == response_id else f", of which {at} was"
-                raise ApiError(
-                    400,
-                    f"no response {response_id} is stored here{gone} (responses live in the"
-                    " memory of the gateway that answered them, and the oldest leave first):"
-                    " send the whole conversation in `input`",
-                    param="previous_response_id",
-                )
-            self._entries.move_to_end(at)
-            chain.append(stored)
-            at = stored.previous_id
+        (ApiError 400 naming `previous_response_id` when it, or a turn before it, is gone, or
+        when they hold more than `max_chars` characters of JSON: the gateway passes its body
+        limit, as the conversation sent whole would be refused, and each turn's input is
+        bounded by it, but a chain of them is not, and all of it would be tokenized before the
+        context's bound refused it)."""
+        chain, at = self._walk(tenant, response_id)
+        if at is not None and len(chain) < MAX_CHAIN:
+            gone = "" if at == response_id else f", of which {at} was"
+            raise ApiError(
+                400,
+                f"no response {response_id} is stored here{gone} (responses live in the"
+                " memory of the gateway that answered them, and the oldest leave first):"
+                " send the whole conversation in `input`",
+                param="previous_response_id",
+            )
         if at is not None:
             raise ApiError(
                 400,
@@ -103,7 +121,31 @@ class ResponseStore:
                 " send the whole conversation in `input`",
                 param="previous_response_id",
             )
-        return [message for stored in reversed(chain) for message in stored.messages]
+        num_chars = sum(len(turn.messages) for _, turn in chain)
+        if max_chars is not None and num_chars > max_chars:
+            raise ApiError(
+                400,
+                f"the conversation of {response_id} holds {num_chars} characters, more than the"
+                f" {max_chars} a request body may: start a new conversation",
+                param="previous_response_id",
+            )
+        for turn_id, _ in chain:
+            self._entries.move_to_end(turn_id)
+        return [message for _, turn in reversed(chain) for message in json.loads(turn.messages)]
+
+    def _walk(self, tenant: str, response_id: str) -> tuple[list[tuple[str, Stored]], str | None]:
+        """The turns of `response_id`'s chain, last first, at most MAX_CHAIN of them, and the id
+        the walk stopped at: None at the chain's start, else a turn gone (or another tenant's),
+        or the one past MAX_CHAIN."""
+        chain: list[tuple[str, Stored]] = []
+        at: str | None = response_id
+        while at is not None and len(chain) < MAX_CHAIN:
+            stored = self._entries.get(at)
+            if stored is None or stored.tenant != tenant:
+                return chain, at
+            chain.append((at, stored))
+            at = stored.previous_id
+        return chain, at
 
     def _get(self, tenant: str, response_id: str, param: str) -> Stored:
         stored = self._entries.get(response_id)

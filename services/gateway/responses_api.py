@@ -53,15 +53,24 @@ _FIELDS = frozenset(
         "background",
         "conversation",
         "stream_options",
+        "prompt_cache_retention",  # (as `prompt_cache_key`: the prefix cache needs no hint)
+        "max_tool_calls",  # calls to built-in tools, of which none are served
+        "top_logprobs",
+        "prompt",
     }
 )
-# Fields a stateless server takes only at the value that asks nothing of it.
-_ONLY = {
-    "conversation": (None,),
-    "truncation": (None, "disabled"),
-    "background": (None, False),
-}
 _STATELESS = "no responses are kept for this: send the whole conversation in `input`"
+# Fields served only at the value that asks nothing of this server, and why.
+_ONLY = {
+    "conversation": ((None,), _STATELESS),
+    "prompt": ((None,), "stored prompts are not served: send the `instructions` and `input`"),
+    "truncation": ((None, "disabled"), 'only "disabled" is served'),
+    "background": ((None, False), "only false is served"),
+    "top_logprobs": ((None,), "log probabilities are not served here: use /v1/chat/completions"),
+}
+MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, and characters of a key and a value
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _FINISH_STATUS = {"length": ("incomplete", "max_output_tokens")}
@@ -81,18 +90,39 @@ def check_body(body: Any) -> dict[str, Any]:
     unknown = sorted(set(body) - _FIELDS)
     if unknown:
         raise _fail(unknown[0], f"unknown field `{unknown[0]}` for /v1/responses")
-    for field, allowed in _ONLY.items():
+    for field, (allowed, why) in _ONLY.items():
         if body.get(field) not in allowed:
-            stateful = field == "conversation"
-            raise _fail(field, _STATELESS if stateful else f"only {allowed[-1]!r} is served")
-    if body.get("reasoning") not in (None, {}) and body["reasoning"].get("effort") is not None:
+            raise _fail(field, why)
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise _fail("reasoning", "must be an object")
+    if reasoning and reasoning.get("effort") is not None:
         raise _fail("reasoning", "the served model does not reason: leave `reasoning` out")
+    calls = body.get("max_tool_calls")
+    if calls is not None and (type(calls) is not int or calls < 1):
+        raise _fail("max_tool_calls", "must be a positive integer")
+    _check_metadata(body.get("metadata"))
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _fail("previous_response_id", "must be a response's id")
     if body.get("store") not in (None, True, False):
         raise _fail("store", "must be true or false")
     return body
+
+
+def _check_metadata(metadata: Any) -> None:
+    """OpenAI's bounds: it is echoed in the Response, and kept with it."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
+        raise _fail("metadata", f"must be an object of at most {MAX_METADATA} pairs")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(value, str):
+            raise _fail(
+                "metadata", f"keys are at most {MAX_METADATA_KEY} characters, values strings"
+            )
+        if len(value) > MAX_METADATA_VALUE:
+            raise _fail("metadata", f"values are at most {MAX_METADATA_VALUE} characters")
 
 
 def chat_body(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -147,8 +177,10 @@ def input_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
-    """Appends the chat message of one input item; consecutive function calls make one
-    assistant message, as chat carries parallel calls."""
+    """Appends the chat message of one input item; function calls join the assistant message
+    before them (its text, and the calls before them), as the answer that wrote them is one
+    assistant message (so a conversation echoed back as items is the one a stored response
+    continues)."""
     if not isinstance(item, dict):
         raise _fail(where, "must be an object")
     kind = item.get("type", "message")
@@ -160,15 +192,15 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
     elif kind == "function_call":
         call = _function_call(item, where)
         last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-            messages[-1] = {**last, "tool_calls": [*last["tool_calls"], call]}
+        if last is not None and last["role"] == "assistant":
+            messages[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}
         else:
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
         call_id, output = item.get("call_id"), item.get("output")
         if not isinstance(call_id, str) or not call_id:
             raise _fail(f"{where}.call_id", "must be a non-empty string")
-        output = _text(output, where) if isinstance(output, list) else output
+        output = _text(output, where, "output") if isinstance(output, list) else output
         if not isinstance(output, str | list):
             raise _fail(f"{where}.output", "must be a string or a list of text parts")
         messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
@@ -178,13 +210,13 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
         raise _fail(f"{where}.type", f"input items of type {kind!r} are not served")
 
 
-def _text(content: Any, where: str) -> str | list[dict[str, str]]:
-    """A message's content as the chat API takes it: a string, or its text parts (which the
-    chat parser joins as it joins chat's own)."""
+def _text(content: Any, where: str, field: str = "content") -> str | list[dict[str, str]]:
+    """A message's content (or a function's output, `field`) as the chat API takes it: a
+    string, or its text parts (which the chat parser joins as it joins chat's own)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _fail(f"{where}.content", "must be a string or a list of content parts")
+        raise _fail(f"{where}.{field}", "must be a string or a list of content parts")
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -193,7 +225,7 @@ def _text(content: Any, where: str) -> str | list[dict[str, str]]:
         elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         else:
-            raise _fail(f"{where}.content[{i}]", f"content parts of type {kind!r} are not served")
+            raise _fail(f"{where}.{field}[{i}]", f"content parts of type {kind!r} are not served")
     return parts
 
 
@@ -233,9 +265,13 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
 def _response_format(text: Any) -> dict[str, Any] | None:
     if text is None:
         return None
-    format_ = text.get("format") if isinstance(text, dict) else None
-    if not isinstance(format_, dict) or set(text) - {"format", "verbosity"}:
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise _fail("text", 'must be {"format": {...}}')
+    format_ = text.get("format")
+    if format_ is None:  # (`verbosity` alone, as the Agents SDK sends it: plain text)
+        return None
+    if not isinstance(format_, dict):
+        raise _fail("text.format", "must be an object")
     kind = format_.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}
@@ -291,12 +327,13 @@ def _envelope(
     incomplete_reason: str | None,
     output: list[dict[str, Any]],
     usage: dict[str, Any] | None,
+    created_at: int | None = None,
 ) -> dict[str, Any]:
     """A Response object: the request's settings echoed, as OpenAI's are."""
     return {
         "id": response_id,
         "object": "response",
-        "created_at": int(time.time()),
+        "created_at": int(time.time()) if created_at is None else created_at,
         "status": status,
         "error": None,
         "incomplete_details": None if incomplete_reason is None else {"reason": incomplete_reason},
@@ -339,17 +376,25 @@ def answer_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class ResponseKeeper:
     """Stores a request's Response once answered, with the chat messages its turn added (its
-    input and its answer), after the turn it continued (`previous_response_id`)."""
+    input and its answer), after the turn it continued (`previous_response_id`, whose
+    conversation was `earlier` when the request began)."""
 
-    def __init__(self, store: ResponseStore, tenant: str, body: Mapping[str, Any]) -> None:
-        self.store, self.tenant, self.body = store, tenant, body
+    def __init__(
+        self,
+        store: ResponseStore,
+        tenant: str,
+        body: Mapping[str, Any],
+        earlier: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.store, self.tenant, self.body, self.earlier = store, tenant, body, earlier
 
     def keep(self, response: dict[str, Any]) -> None:
         if response["status"] not in ("completed", "incomplete"):
             return
         messages = input_messages(self.body) + answer_messages(response["output"])
         previous = self.body.get("previous_response_id")
-        response["store"] = self.store.put(self.tenant, response, previous, messages)
+        response["store"] = True  # as the kept copy reads
+        response["store"] = self.store.put(self.tenant, response, previous, messages, self.earlier)
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -381,7 +426,7 @@ def _usage(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
@@ -405,6 +450,7 @@ class ResponseEvents:
         self.body = body
         self.keeper = keeper  # stores the Response before the last event carries it
         self.response_id = _new_id("resp")
+        self.created_at = int(time.time())  # (every event's Response says the same)
         self._sequence = 0
         self._output: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None  # the text item while it streams
@@ -413,7 +459,10 @@ class ResponseEvents:
         self._usage: dict[str, Any] | None = None
 
     def start(self) -> Iterator[dict[str, Any]]:
-        response = _envelope(self.body, self.response_id, "in_progress", None, [], None)
+        response = _envelope(
+            self.body, self.response_id, "in_progress", None, [], None, self.created_at
+        )
+        response["store"] = self.keeper is not None  # (to be stored: `end`)
         yield self._event("response.created", response=response)
         yield self._event("response.in_progress", response=response)
 
@@ -434,7 +483,9 @@ class ResponseEvents:
     def end(self) -> Iterator[dict[str, Any]]:
         yield from self._close_message()
         status, reason = _FINISH_STATUS.get(self._finish or "stop", ("completed", None))
-        response = _envelope(self.body, self.response_id, status, reason, self._output, self._usage)
+        response = _envelope(
+            self.body, self.response_id, status, reason, self._output, self._usage, self.created_at
+        )
         if self.keeper is not None:
             self.keeper.keep(response)
         kind = "response.completed" if status == "completed" else "response.incomplete"
@@ -466,6 +517,7 @@ class ResponseEvents:
             output_index=len(self._output),
             content_index=0,
             delta=text,
+            logprobs=[],
         )
 
     def _close_message(self) -> Iterator[dict[str, Any]]:
@@ -474,7 +526,7 @@ class ResponseEvents:
         text, item_id, index = "".join(self._text), self._message["id"], len(self._output)
         part = {"type": "output_text", "text": text, "annotations": []}
         where = {"item_id": item_id, "output_index": index, "content_index": 0}
-        yield self._event("response.output_text.done", **where, text=text)
+        yield self._event("response.output_text.done", **where, text=text, logprobs=[])
         yield self._event("response.content_part.done", **where, part=part)
         item = _message_item(item_id, text, "completed")
         yield self._event("response.output_item.done", output_index=index, item=item)

@@ -10,6 +10,7 @@ import pytest
 from services.gateway.openai_protocol import ApiError, parse_chat_request
 from services.gateway.responses_api import (
     ResponseEvents,
+    ResponseKeeper,
     chat_body,
     response_object,
     sse,
@@ -109,7 +110,7 @@ def test_a_string_input_is_a_user_message_and_a_stream_asks_for_usage():
         ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type", "json_schema"),
         ({"input": "x", "text": "json"}, "text", "format"),
         ({"input": "x", "truncation": "auto"}, "truncation", "disabled"),
-        ({"input": "x", "background": True}, "background", "False"),
+        ({"input": "x", "background": True}, "background", "false"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
         ({"input": "x", "instructions": 3}, "instructions", "string"),
         ([], "body", "JSON object"),
@@ -146,7 +147,7 @@ def test_a_chat_answer_becomes_a_response():
         "call_1",
         "get_weather",
     )
-    assert response["usage"]["input_tokens_details"] == {"cached_tokens": 4}
+    assert response["usage"]["input_tokens_details"]["cached_tokens"] == 4
     assert response["usage"]["total_tokens"] == 10 and response["max_output_tokens"] == 5
     cut = response_object(body, chat_answer("Hel", finish="length"))
     assert cut["status"] == "incomplete"
@@ -302,3 +303,214 @@ def test_the_gateways_store_size_is_checked():
     assert GatewayConfig(response_store_bytes=0).response_store_bytes == 0  # none kept
     with pytest.raises(ConfigError, match="response_store_bytes"):
         GatewayConfig(response_store_bytes=-1)
+
+
+# -- what clients send, and what they expect back ------------------------------------------------
+
+
+@pytest.mark.parametrize("reasoning", ["high", [], 1])
+def test_a_reasoning_that_is_no_object_is_a_400(reasoning):
+    """It was a 500 (`"high".get`): a client's mistake must be a 400 naming the field."""
+    with pytest.raises(ApiError) as info:
+        chat_body({"model": MODEL, "input": "x", "reasoning": reasoning})
+    assert info.value.status == 400 and info.value.param == "reasoning"
+
+
+def test_a_text_setting_without_a_format_is_plain_text():
+    """The OpenAI Agents SDK sends `text: {"verbosity": ...}` alone for an agent without an
+    `output_type` and a verbosity set: it was a 400 asking for a format."""
+    chat = chat_body({"model": MODEL, "input": "x", "text": {"verbosity": "low"}})
+    assert "response_format" not in chat
+    assert "response_format" not in chat_body({"model": MODEL, "input": "x", "text": {}})
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"prompt_cache_retention": "24h"},  # the Agents SDK's ModelSettings.prompt_cache_retention
+        {"max_tool_calls": 3},  # built-in tools' calls: there are none here
+        {"top_logprobs": None},
+        {"prompt": None},
+    ],
+)
+def test_the_apis_own_fields_at_values_asking_nothing_are_taken(fields):
+    """Fields of OpenAI's Responses API were refused as unknown (`unknown field
+    prompt_cache_retention`), though they ask nothing of this server at these values."""
+    chat = chat_body({"model": MODEL, "input": "x", **fields})
+    assert chat["messages"] == [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"max_tool_calls": 0}, "max_tool_calls"),
+        ({"max_tool_calls": "3"}, "max_tool_calls"),
+    ],
+)
+def test_the_apis_own_fields_asking_what_is_not_served_are_a_400(fields, param):
+    with pytest.raises(ApiError) as info:
+        chat_body({"model": MODEL, "input": "x", **fields})
+    assert info.value.status == 400 and info.value.param == param
+    assert "unknown field" not in info.value.message
+
+
+def test_an_answers_text_and_calls_echoed_back_are_one_assistant_turn():
+    """An answer with text and a call is one assistant message (as the model wrote it, and as
+    `previous_response_id` continues it); echoed back as its output items (the Agents SDK's
+    default) it became two assistant turns: another prompt than the same conversation stored."""
+    from services.gateway.responses_api import answer_messages
+
+    response = response_object({"model": MODEL, "input": "x"}, chat_answer("Let me see.", [CALL]))
+    items = json.loads(json.dumps(response["output"]))  # as the client sends them back
+    items.append({"type": "function_call_output", "call_id": CALL["id"], "output": "sunny"})
+    echoed = chat_body({"model": MODEL, "input": items})["messages"]
+    stored = [*answer_messages(response["output"]), echoed[-1]]
+    assert [m["role"] for m in echoed] == ["assistant", "tool"]
+    as_chat = [parse_chat_request({"model": MODEL, "messages": messages}, MODEL, 2048).messages
+               for messages in (echoed, stored)]  # fmt: skip
+    assert as_chat[0] == as_chat[1]
+
+
+def test_a_function_outputs_unserved_part_is_named_in_output():
+    item = {"type": "function_call_output", "call_id": "c",
+            "output": [{"type": "input_image", "image_url": "u"}]}  # fmt: skip
+    with pytest.raises(ApiError) as info:
+        chat_body({"model": MODEL, "input": [item]})
+    assert info.value.param == "input[0].output[0]", info.value.param
+
+
+def test_the_response_and_its_events_have_every_field_the_sdks_types_require():
+    """Checked strictly against the `openai` package's types: the text events lacked
+    `logprobs`, the usage `input_tokens_details.cache_write_tokens` (clients that validate, as
+    typed SDKs do, refused them)."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": MODEL, "input": "x"}
+    Response.model_validate(response_object(body, chat_answer("Hello", [CALL])))
+    events = ResponseEvents(body)
+    stream = [*events.start()]
+    for piece in (chunk("Hel"), chunk(calls=CALL), chunk(finish="tool_calls"),
+                  chunk(usage=chat_answer("")["usage"])):  # fmt: skip
+        stream += events.chunk(piece)
+    stream += events.end()
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in stream:
+        assert adapter.validate_python(event).type == event["type"]
+
+
+def test_metadata_is_checked_as_openai_bounds_it():
+    """Echoed into the Response and kept with it: anything was taken (a list of a million
+    empty objects weighs far more in memory than its JSON)."""
+    assert chat_body({"model": MODEL, "input": "x", "metadata": {"k": "v"}})
+    for metadata in ("abc", {"k": 1}, {"k": "v" * 513}, {"k" * 65: "v"},
+                     {f"k{i}": "v" for i in range(17)}):  # fmt: skip
+        with pytest.raises(ApiError) as info:
+            chat_body({"model": MODEL, "input": "x", "metadata": metadata})
+        assert info.value.status == 400 and info.value.param == "metadata"
+
+
+def test_the_store_holds_what_it_counts():
+    """The bound is on bytes, but a response was kept as Python objects: an empty object is 3
+    bytes of JSON and 64 of memory, so a tool's schema of them held ~20x what was counted."""
+    import gc
+    import tracemalloc
+
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    tool = {**WEATHER, "parameters": {"enum": [{} for _ in range(100_000)]}}
+    text = json.dumps({"model": MODEL, "input": "x", "tools": [tool]})
+    tracemalloc.start()
+    try:
+        body = json.loads(text)  # (as the request's body: its objects are traced)
+        response = response_object(body, chat_answer("Hello"))
+        ResponseKeeper(store, "t", body).keep(response)
+        del body, response, tool
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 2 * store.num_bytes, (held, store.num_bytes)
+
+
+def test_a_stored_response_reads_as_it_was_answered():
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    body = {"model": MODEL, "input": "x"}
+    response = response_object(body, chat_answer("Hello"))
+    ResponseKeeper(store, "t", body).keep(response)
+    assert response["store"] is True
+    assert store.response("t", response["id"]) == response
+    response["output"].clear()  # the answer's object, changed later, is not what is kept
+    assert store.response("t", response["id"])["output"]
+
+
+def test_a_turn_whose_chain_left_while_it_ran_can_still_be_continued():
+    """A turn continuing r1 began with r1's conversation; r1 was evicted (or deleted) while it
+    was generated. It was stored pointing at r1 and answered `store: true`, and the client's
+    next turn was a 400: the turn now keeps the conversation it began with."""
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    stored_turn(store, "t", "r1", None, "a")
+    body = {"model": MODEL, "input": "b", "previous_response_id": "r1"}
+    keeper = ResponseKeeper(store, "t", body, store.conversation("t", "r1"))
+    store.delete("t", "r1")  # (as the least recently used would leave)
+    response = response_object(body, chat_answer("B"))
+    keeper.keep(response)
+    assert response["store"] is True
+    texts = [m["content"] for m in store.conversation("t", response["id"])]
+    assert texts == ["a", "A", "b", "B"]
+    assert store.response("t", response["id"])["previous_response_id"] == "r1"  # (as asked)
+
+
+def test_a_conversation_longer_than_a_request_body_may_be_is_refused_unread():
+    """Each turn's input is bounded by the body limit, but a chain of them was not: a tenant's
+    chain replayed the whole store (64 MiB by default, 8 times the largest body) into one
+    prompt each turn, all of it tokenized before the context's bound refused it."""
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    for i in range(5):
+        stored_turn(store, "t", f"r{i}", f"r{i - 1}" if i else None, "x" * 100)
+    whole = store.conversation("t", "r4", max_chars=10_000)
+    assert len(whole) == 10
+    with pytest.raises(ApiError) as info:
+        store.conversation("t", "r4", max_chars=500)
+    assert info.value.status == 400 and info.value.param == "previous_response_id"
+    assert "500" in info.value.message
+
+
+def test_a_streamed_responses_envelope_is_the_same_from_first_event_to_last(monkeypatch):
+    """`response.created` said `store: false` of a response being stored, and the last event
+    a later `created_at` than the first (it was taken again at the end)."""
+    from services.gateway import responses_api
+    from services.gateway.response_store import ResponseStore
+
+    clock = iter(range(1000, 2000))
+    monkeypatch.setattr(responses_api.time, "time", lambda: next(clock))
+    body = {"model": MODEL, "input": "x"}
+    events = ResponseEvents(body, ResponseKeeper(ResponseStore(), "t", body))
+    created = [*events.start()][0]["response"]
+    completed = [*events.chunk(chunk("Hi", finish="stop")), *events.end()][-1]["response"]
+    assert created["created_at"] == completed["created_at"]
+    assert created["store"] is True and completed["store"] is True
+
+
+def test_storing_a_turn_evicts_others_before_the_chain_it_continues():
+    """r1's conversation was read when r2 began, but others were stored since, so r1 was the
+    least recently used when r2's own storing passed the bound: r2 evicted its own chain."""
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore(max_bytes=700)
+    stored_turn(store, "t", "r1", None, "a")
+    store.conversation("t", "r1")  # (as r2 began)
+    for i in range(3):  # other requests, stored while r2 ran
+        stored_turn(store, "t", f"other{i}", None, "o")
+    stored_turn(store, "t", "r2", "r1", "b" * 50)
+    assert store.num_bytes <= 700
+    assert [m["content"] for m in store.conversation("t", "r2")] == ["a", "A", "b" * 50, "B" * 50]
