@@ -83,6 +83,12 @@ def _tagged_calls(body: str) -> list[Call] | None:
 
 
 def _mistral_calls(body: str) -> list[Call] | None:
+    # A list after one marker, read whole first: a marker inside one of its strings is text.
+    whole = _json_or_none(body.removeprefix(MISTRAL_MARKER))
+    if isinstance(whole, list) and whole:
+        found = [_call(obj, ("arguments",)) for obj in whole]
+        if None not in found:
+            return found  # type: ignore[return-value]
     calls: list[Call] = []
     # The newer form repeats the marker once a call.
     for part in body.removeprefix(MISTRAL_MARKER).split(MISTRAL_MARKER):

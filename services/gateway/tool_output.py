@@ -103,11 +103,9 @@ class ToolCallParser:
         return False
 
     def _close_block(self, out: ToolOutput) -> bool:
-        closer = self.format.closer
-        end = -1 if closer is None else self._pending.find(closer)
+        end = self._block_end()
         if end < 0:  # the block goes on (or runs to the end of the text)
             return False
-        end += len(closer)
         block, self._pending = self._opener + self._pending[:end], self._pending[end:]
         self._opener = None
         calls = self._calls(self.format.calls(block))
@@ -117,6 +115,16 @@ class ToolCallParser:
             out.calls += calls
             self._after_call = True
         return True
+
+    def _block_end(self) -> int:
+        """Where the block's closer ends in the pending text; -1 while none has come. A closer
+        inside one of the block's JSON strings (`"Pa</tool_call>ris"`: a call's grammar allows
+        it) is the string's text, not the block's end."""
+        closer = self.format.closer
+        at = -1 if closer is None else self._pending.find(closer)
+        while at >= 0 and _inside_json_string(self._pending, at):
+            at = self._pending.find(closer, at + 1)
+        return -1 if at < 0 or closer is None else at + len(closer)
 
     def _find_opener(self) -> tuple[int, str | None]:
         """Where the first opener in the pending text starts, and which; (-1, None) if none."""
@@ -170,6 +178,20 @@ class ToolCallParser:
             })  # fmt: skip
             self.num_calls += 1
         return calls
+
+
+def _inside_json_string(text: str, end: int) -> bool:
+    """Whether `text[end]` falls inside a JSON string of `text` (quotes counted, escapes
+    skipped)."""
+    inside = escaped = False
+    for char in text[:end]:
+        if escaped:
+            escaped = False
+        elif char == "\\" and inside:
+            escaped = True
+        elif char == '"':
+            inside = not inside
+    return inside
 
 
 def extract_tool_calls(

@@ -307,3 +307,26 @@ def test_call_arguments_keep_the_models_characters():
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>'
     (call,) = extract_tool_calls(setup(), text)[1]
     assert call["function"]["arguments"] == '{"city": "\\ud800"}'
+
+
+MARKED_CALL = '{"name": "get_weather", "arguments": {"city": "%s"}}'
+TAGGED_IN_STRING = r"Pa</tool_call>ris \" \\"  # (escapes too: a quote, a backslash)
+MISTRAL_IN_STRING = "a[ARGS]b[TOOL_CALLS]c"
+
+
+@pytest.mark.parametrize(
+    ("tool_format", "text"),
+    [
+        (TAGGED, "<tool_call>" + MARKED_CALL % TAGGED_IN_STRING + "</tool_call>"),
+        (MISTRAL, "[TOOL_CALLS][" + MARKED_CALL % MISTRAL_IN_STRING + "]"),
+    ],
+)
+def test_a_call_marker_inside_a_calls_string_is_the_strings_text(tool_format, text):
+    """The grammar of a response format beside tools lets a call's string hold its format's
+    markers: the parser cut the block there, and the call came back as content."""
+    tools = setup(tools=[WEATHER])
+    content, calls = extract_tool_calls(tools, text, tool_format)
+    city = json.loads(text[text.index("{") :].removesuffix("</tool_call>").removesuffix("]"))
+    assert content is None and names_and_arguments(calls) == [("get_weather", city["arguments"])]
+    content, streamed_calls = streamed(tools, list(text), tool_format)  # a character a push
+    assert content == "" and names_and_arguments(streamed_calls) == names_and_arguments(calls)
