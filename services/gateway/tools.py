@@ -34,6 +34,7 @@ from shared.engine import call_grammar
 from shared.engine.constraint import (
     MAX_SPEC_CHARS,
     Constraint,
+    answer_or_calls,
     check_schema_keywords,
     rebase_refs,
 )
@@ -96,7 +97,7 @@ class ToolSetup:
         arguments_key = call_grammar.CALL_FORMATS[format_name].arguments_key
         calls = _call_schema(self.functions, arguments_key, _enforceable_parameters)
         max_calls = call_grammar.MAX_CALLS if self.parallel else 1
-        return call_grammar.answer_or_calls(answer, calls, format_name, max_calls)
+        return answer_or_calls(answer, calls, format_name, max_calls)
 
     def template_tools(self) -> list[dict[str, Any]]:
         """The tools in OpenAI's request form, as chat templates that render tools take them."""

@@ -10,7 +10,9 @@ tools' schema (`{"name": <a tool's name>, <arguments key>: <its parameters>}`).
 
 Its spec is JSON, so the constraint stays plain data on the wire and is compiled where tokens
 are sampled: `{"answer": {"kind", "spec"}, "calls": <one call's JSON schema, as text>, "format":
-<a CALL_FORMATS name>, "max_calls": <1 to MAX_CALLS>}`.
+<a CALL_FORMATS name>, "max_calls": <1 to MAX_CALLS>}`. This module writes and reads the spec
+and composes the grammar of its compiled parts; shared.engine.constraint makes the constraint
+(`answer_or_calls`) and compiles the parts (`to_grammar`), so the arrow runs one way.
 """
 
 from __future__ import annotations
@@ -18,9 +20,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
-
-from shared.engine.constraint import MAX_SPEC_CHARS, Constraint, to_grammar
-from shared.errors import InvalidRequestError
 
 KIND = "answer_or_calls"
 MAX_CALLS = 8  # calls in one answer: each is a copy of the call grammar in the compiled one
@@ -50,58 +49,57 @@ CALL_FORMATS = {
 }
 
 
-def answer_or_calls(
-    answer: Constraint, call_schema: str, format_name: str, max_calls: int
-) -> Constraint:
-    """The constraint allowing `answer`, or up to `max_calls` calls each meeting `call_schema`
-    in the format named; an InvalidRequestError naming `tools` if the two do not fit a spec."""
-    spec = json.dumps(
-        {
-            "answer": {"kind": answer.kind, "spec": answer.spec},
-            "calls": call_schema,
-            "format": format_name,
-            "max_calls": max_calls,
-        }
-    )
-    if len(spec) > MAX_SPEC_CHARS:
-        raise InvalidRequestError(
-            "tools",
-            f"the response format and the tools' parameters come to {len(spec)} characters of"
-            f" schema together; a request that gives both takes at most {MAX_SPEC_CHARS}",
-        )
-    return Constraint(KIND, spec, answer.param)
+@dataclass(frozen=True)
+class Parts:
+    """A spec read: the answer's constraint (kind and spec), one call's JSON schema, the
+    format and the most calls."""
+
+    answer_kind: str
+    answer_spec: str
+    call_schema: str
+    call_format: CallFormat
+    max_calls: int
 
 
-def parts(constraint: Constraint) -> tuple[Constraint, Constraint, CallFormat, int]:
-    """The answer's constraint, one call's, the format and the most calls, checked (the spec
-    comes off the wire: anything else is an InvalidRequestError, never a KeyError)."""
+def write_spec(
+    answer_kind: str, answer_spec: str, call_schema: str, format_name: str, max_calls: int
+) -> str:
+    answer = {"kind": answer_kind, "spec": answer_spec}
+    parts = {"answer": answer, "calls": call_schema, "format": format_name}
+    return json.dumps({**parts, "max_calls": max_calls})
+
+
+def read_spec(text: str) -> Parts:
+    """The spec's parts, checked: it comes off the wire, and anything else is a ValueError
+    (never a KeyError)."""
     try:
-        spec = json.loads(constraint.spec)
+        spec = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
         spec = None
     answer = spec.get("answer") if isinstance(spec, dict) else None
     if (
         not isinstance(answer, dict)
         or answer.get("kind") == KIND
+        or not isinstance(answer.get("kind"), str)
+        or not isinstance(answer.get("spec", ""), str)
         or not isinstance(spec.get("calls"), str)
         or spec.get("format") not in CALL_FORMATS
         or type(spec.get("max_calls")) is not int
         or not 1 <= spec["max_calls"] <= MAX_CALLS
     ):
-        raise InvalidRequestError(constraint.param, f"not a valid {KIND} spec")
-    answer_constraint = Constraint(answer.get("kind"), answer.get("spec", ""), constraint.param)
-    calls = Constraint("json_schema", spec["calls"], "tools")
-    return answer_constraint, calls, CALL_FORMATS[spec["format"]], spec["max_calls"]
+        raise ValueError(f"not a valid {KIND} spec")
+    call_format = CALL_FORMATS[spec["format"]]
+    return Parts(
+        answer["kind"], answer.get("spec", ""), spec["calls"], call_format, spec["max_calls"]
+    )
 
 
-def grammar(constraint: Constraint) -> Any:
-    """The xgrammar `Grammar`: the answer's, or the calls in their format."""
+def compose(answer: Any, call: Any, call_format: CallFormat, max_calls: int) -> Any:
+    """The xgrammar `Grammar` of the answer's grammar, or 1 to `max_calls` of `call` written
+    in the format."""
     import xgrammar as xgr
 
-    answer, calls, call_format, max_calls = parts(constraint)
-    block = xgr.Grammar.concat(
-        _fragment(call_format.before), to_grammar(calls), _fragment(call_format.after)
-    )
+    block = xgr.Grammar.concat(_fragment(call_format.before), call, _fragment(call_format.after))
     sequence = block  # then a block before each shorter sequence: up to `max_calls` blocks
     for _ in range(max_calls - 1):
         more = xgr.Grammar.concat(_fragment(call_format.between), sequence)
@@ -109,7 +107,7 @@ def grammar(constraint: Constraint) -> Any:
     written = xgr.Grammar.concat(
         _fragment(call_format.opening), sequence, _fragment(call_format.closing)
     )
-    return xgr.Grammar.union(to_grammar(answer), written)
+    return xgr.Grammar.union(answer, written)
 
 
 def _fragment(ebnf: str) -> Any:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shared.engine import call_grammar
 from shared.engine.json_pattern import MAX_PATTERN_SIZE, json_string_pattern, pattern_size
 from shared.errors import InvalidRequestError
 
@@ -428,9 +429,7 @@ def to_grammar(constraint: Constraint) -> Any:
             case "regex":
                 return xgr.Grammar.from_regex(constraint.spec)
             case "answer_or_calls":
-                from shared.engine import call_grammar  # (it builds on this module)
-
-                return call_grammar.grammar(constraint)
+                return _answer_or_calls_grammar(constraint)
             case "choice":
                 choices = json.loads(constraint.spec)
                 alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -444,6 +443,33 @@ def to_grammar(constraint: Constraint) -> Any:
         raise InvalidRequestError(
             constraint.param, f"invalid {constraint.kind}: {message}"
         ) from None
+
+
+def answer_or_calls(
+    answer: Constraint, call_schema: str, format_name: str, max_calls: int
+) -> Constraint:
+    """The constraint allowing `answer`, or up to `max_calls` calls each meeting `call_schema`
+    in the format named (shared.engine.call_grammar); an InvalidRequestError naming `tools` if
+    the two do not fit one spec."""
+    spec = call_grammar.write_spec(answer.kind, answer.spec, call_schema, format_name, max_calls)
+    if len(spec) > MAX_SPEC_CHARS:
+        raise InvalidRequestError(
+            "tools",
+            f"the response format and the tools' parameters come to {len(spec)} characters of"
+            f" schema together; a request that gives both takes at most {MAX_SPEC_CHARS}",
+        )
+    return Constraint(call_grammar.KIND, spec, answer.param)
+
+
+def _answer_or_calls_grammar(constraint: Constraint) -> Any:
+    """The answer's grammar, or the calls in their format (shared.engine.call_grammar)."""
+    try:
+        parts = call_grammar.read_spec(constraint.spec)
+    except ValueError as error:
+        raise InvalidRequestError(constraint.param, str(error)) from None
+    answer = to_grammar(Constraint(parts.answer_kind, parts.answer_spec, constraint.param))
+    call = to_grammar(Constraint("json_schema", parts.call_schema, "tools"))
+    return call_grammar.compose(answer, call, parts.call_format, parts.max_calls)
 
 
 # The character class xgrammar 0.2.8-0.2.9 writes for a string with `minLength` or `maxLength`

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from shared import wire, wire_convert
-from shared.engine import call_grammar
 from shared.engine.constraint import (
     MAX_SPEC_CHARS,
     Constraint,
+    answer_or_calls,
     choice_constraint,
     schema_constraint,
     to_grammar,
@@ -563,7 +563,7 @@ def answer_or_calls_constraint(max_calls: int = 8) -> Constraint:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
-    return call_grammar.answer_or_calls(answer, json.dumps(call), "tagged", max_calls)
+    return answer_or_calls(answer, json.dumps(call), "tagged", max_calls)
 
 
 def test_an_answer_or_calls_compiles_and_travels_on_the_wire(cache, tokenizer):
