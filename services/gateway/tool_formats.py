@@ -105,6 +105,9 @@ def _mistral_calls(body: str) -> list[Call] | None:
     return calls
 
 
+_LLAMA3_CALL_KEYS = frozenset({"name", "parameters", "arguments"})
+
+
 def _llama3_calls(body: str) -> list[Call] | None:
     decoder, calls, at = json.JSONDecoder(), [], 0
     body = body.strip().removeprefix(_PYTHON_TAG).strip()
@@ -112,6 +115,10 @@ def _llama3_calls(body: str) -> list[Call] | None:
         try:
             obj, at = decoder.raw_decode(body, at)
         except _NOT_JSON:
+            return None
+        # Nothing but a name and its arguments: an answer that begins as JSON (a response
+        # format's object holding a "name") is content, even if the name is a tool's.
+        if not isinstance(obj, dict) or not set(obj) <= _LLAMA3_CALL_KEYS:
             return None
         call = _call(obj, ("parameters", "arguments"))
         if call is None:

@@ -330,3 +330,15 @@ def test_a_call_marker_inside_a_calls_string_is_the_strings_text(tool_format, te
     assert content is None and names_and_arguments(calls) == [("get_weather", city["arguments"])]
     content, streamed_calls = streamed(tools, list(text), tool_format)  # a character a push
     assert content == "" and names_and_arguments(streamed_calls) == names_and_arguments(calls)
+
+
+def test_a_llama3_answer_holding_a_tools_name_is_content():
+    """Beside a response format, Llama's answer begins as JSON too: an object with a `"name"`
+    that is a tool's and other keys was read as a call with no arguments."""
+    tools = setup(tools=[WEATHER])
+    answer = '{"name": "get_weather", "summary": "sunny"}'
+    assert extract_tool_calls(tools, answer, LLAMA3_JSON) == (answer, [])
+    call = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert names_and_arguments(extract_tool_calls(tools, call, LLAMA3_JSON)[1]) == [
+        ("get_weather", {"city": "Oslo"})
+    ]
