@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from loadtest.plan_search import Candidate, Judges, Plan, PlanError, parse_slo, 
 from services.planner.profile import ProfileError, WorkerProfile
 from services.planner.workload import SimRequest, WorkloadError, load_workload
 from services.scheduler.core import SchedulerLimits
-from shared.config import env_name
+from shared.config import env_name, usable_cores
 
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-smollm2-2threads.json"
 EMITS = ("compose", "k8s")
@@ -47,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--jobs",
         type=int,
-        default=_usable_cores(),
+        default=usable_cores(),
         help="configurations simulated side by side, a process each (default: the usable cores)",
     )
     parser.add_argument(
@@ -66,12 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--emit", choices=EMITS, help="print a compose override and command, or a k8s overlay"
     )
     parser.add_argument("--out", help="folder for plan.json and goodput-vs-cost.png")
-
-
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def run(args: argparse.Namespace) -> int:

@@ -212,3 +212,11 @@ class CurveSettings:
             raise ConfigError(
                 f"CurveZMQ settings (--curve-keys-dir, TANDEM_CURVE_SECRET_KEY, ...): {error}"
             ) from None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform tells it), the
+    default of settings that take one thread or process a core."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1

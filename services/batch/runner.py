@@ -40,7 +40,7 @@ from typing import Any
 from services.batch.answers import Answers, error_file_id, output_file_id, recover
 from services.batch.store import Store
 from services.gateway.openai_protocol import ApiError
-from services.gateway.responses_api import chat_body, in_responses_terms, response_object
+from services.gateway.responses_api import chat_body, response_object, responses_param
 from services.gateway.rpc_client import AsyncTandemClient, RpcError
 from shared import wire
 from shared.logs import get_logger
@@ -230,8 +230,7 @@ class JobRunner:
             return status, response_object(body, answer)
         error = answer.get("error") if isinstance(answer, dict) else None
         if isinstance(error, dict) and isinstance(error.get("param"), str):
-            named = in_responses_terms(ApiError(status, "", param=error["param"])).param
-            answer = {**answer, "error": {**error, "param": named}}
+            answer = {**answer, "error": {**error, "param": responses_param(error["param"])}}
         return status, answer
 
     async def _call_body(

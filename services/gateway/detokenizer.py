@@ -103,9 +103,7 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _decode(self, start: int, end: int) -> str:
-        window = self._token_ids[start:end]
-        if min(window, default=0) < 0:  # no token's (the wire carries int32): no text
-            window = [t for t in window if t >= 0]
+        window = self._token_ids[start:end]  # (no negative id: the cluster link refuses one)
         if self._dropped_ids is not None:
             window = [t for t in window if t not in self._dropped_ids]
             return self._tokenizer.decode(window, skip_special_tokens=False)

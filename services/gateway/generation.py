@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -38,6 +37,7 @@ from services.gateway.tool_formats import (
     template_tool_format,
 )
 from shared import wire
+from shared.config import usable_cores
 from shared.engine.sampling_params import SamplingParams
 from shared.lifecycle import ChoiceTrace, GatewayEvents
 from shared.wire_convert import sampling_spec
@@ -153,7 +153,7 @@ class Generator:
         self._marker_ids = special_marker_ids(tokenizer, self.tool_format)
         # (Its threads start as work comes, and end with the process.)
         self._off_loop = ThreadPoolExecutor(
-            tokenize_threads or _num_cores(), thread_name_prefix="gateway-tokenize"
+            tokenize_threads or usable_cores(), thread_name_prefix="gateway-tokenize"
         )
 
     async def prepare_async(self, request: GenerationRequest, id_prefix: str) -> Generation:
@@ -420,14 +420,6 @@ def _has_more_text(value: Any, limit: int) -> bool:
         if size > limit:
             return True
     return False
-
-
-def _num_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # (not on every platform)
-        return os.cpu_count() or 1
 
 
 def _refusal_error(refused: SubmitRefused) -> ApiError:

@@ -292,16 +292,22 @@ _CHAT_PARAMS = (
 
 def in_responses_terms(error: ApiError) -> ApiError:
     """A refusal of the chat body a Responses body became, naming the field as the client
-    wrote it (`input`, not `messages`; `tools[0].parameters`, not `tools[0].function...`)."""
-    param = error.param or ""
+    wrote it (`responses_param`)."""
+    if error.param:
+        error.param = responses_param(error.param)
+    return error
+
+
+def responses_param(param: str) -> str:
+    """The Responses field a chat field of the translated body stands for (`input`, not
+    `messages`; `tools[0].parameters`, not `tools[0].function.parameters`)."""
     for chat, ours in _CHAT_PARAMS:
         if param == chat or param.startswith((f"{chat}.", f"{chat}[")):
             param = "input" if chat == "messages" else ours + param[len(chat) :]
             break
     if param.startswith("tools["):
         param = param.replace(".function.", ".", 1).replace(".function", "", 1)
-    error.param = param or error.param
-    return error
+    return param
 
 
 # -- the answer -------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ class ToolCallParser:
         self._names = frozenset(f["name"] for f in setup.functions)
         self._pending = ""  # text not yet classified (a possible opener, or a block's body)
         self._opener: str | None = None  # the opener of the block being read, if any
+        self._closer_from = 0  # where in the block's text a closer may still begin (`_block_end`)
         self._held_space = ""  # whitespace sent only if content follows it
         self._content_started = False
         self._after_call = False  # a call was cut out since the last content
@@ -95,7 +96,7 @@ class ToolCallParser:
         if opener is not None:
             self._add_content(out, self._pending[:start])
             self._pending = self._pending[start + len(opener) :]
-            self._opener = opener
+            self._opener, self._closer_from = opener, 0
             return True
         cut = len(self._pending) - self._undecided_length()
         self._add_content(out, self._pending[:cut])
@@ -121,10 +122,15 @@ class ToolCallParser:
         inside one of the block's JSON strings (`"Pa</tool_call>ris"`: a call's grammar allows
         it) is the string's text, not the block's end."""
         closer = self.format.closer
-        at = -1 if closer is None else self._pending.find(closer)
+        at = -1 if closer is None else self._pending.find(closer, self._closer_from)
         while at >= 0 and _inside_json_string(self._pending, at):
-            at = self._pending.find(closer, at + 1)
-        return -1 if at < 0 or closer is None else at + len(closer)
+            at = self._pending.find(closer, at + 1)  # type: ignore[arg-type]
+        if at < 0 or closer is None:
+            # (Not searched again, nor its strings walked, on the next push: a long string
+            # holding a closer cost a walk of the whole block a push.)
+            self._closer_from = max(0, len(self._pending) - len(closer or "") + 1)
+            return -1
+        return at + len(closer)
 
     def _find_opener(self) -> tuple[int, str | None]:
         """Where the first opener in the pending text starts, and which; (-1, None) if none."""
