@@ -27,6 +27,7 @@ from shared.binding import bind
 from shared.config import ConfigError, add_config_arguments, config_from_args, expand_host
 from shared.deltas import joined
 from shared.engine.block_manager import NoFreeBlocksError
+from shared.engine.sampling_params import remaining_params
 from shared.engine.sequence import Sequence, SequenceStatus
 from shared.errors import InvalidRequestError
 from shared.lifecycle import DecodeEvents
@@ -186,14 +187,21 @@ class DecodeWorker(WorkerLoop):
         retain_until = self.engine.clock() + retention if retention > 0 else None
         self.blocks.free(reservation.block_ids, retain_until=retain_until)
         refusal = self.streams.check(job.gateway_address)
+        num_output = len(job.output_token_ids)
+        if refusal is None and num_output >= job.sampling.max_tokens:
+            self._end_here_at_max_tokens(job)
+            return
         if refusal is None:
+            # A resumed request's earlier tokens are computed with its prompt, as a prefill
+            # worker computes them: the stream and max_tokens go on after them.
             try:
                 self.engine.add_request(
-                    list(job.prompt_token_ids),
-                    sampling_params(job.sampling),
+                    list(job.prompt_token_ids) + list(job.output_token_ids),
+                    remaining_params(sampling_params(job.sampling), num_output),
                     job.request_id,
                     priority=job.priority,
                     cache_salt=self._salt(job.cache_salt),
+                    num_generated=num_output,  # a constraint replays them, penalties count them
                     bulk=job.bulk,
                 )
             except InvalidRequestError as error:
@@ -209,6 +217,17 @@ class DecodeWorker(WorkerLoop):
             local_sequence=self.engine.sequence(job.request_id),
         )
         self.events.local_prefill(job.request_id, len(job.prompt_token_ids))
+
+    def _end_here_at_max_tokens(self, job: wire.PrefillJob) -> None:
+        """A job whose earlier output already holds max_tokens tokens ends at once, "length",
+        as a transfer at max_tokens does (`_end_at_max_tokens`): no token more."""
+        output_length = len(job.output_token_ids)
+        end = wire.TokenDelta(request_id=job.request_id, token_ids=[], finish_reason="length",
+                              index=output_length)  # fmt: skip
+        self.streams.send({job.gateway_address: [end]})
+        self.events.decode_finished(job.request_id, "length", 0)
+        num_prompt = len(job.prompt_token_ids)
+        self._report(job.request_id, "decode", "length", num_prompt, 0, 0, output_length)
 
     def _refuse_here(self, job: wire.PrefillJob, refusal: str) -> None:
         """A prefill job this worker cannot run ends for good: an error to its gateway, and

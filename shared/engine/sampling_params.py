@@ -6,6 +6,7 @@ the engine all answer a bad value the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -176,6 +177,19 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def remaining_params(params: SamplingParams, num_output: int) -> SamplingParams:
+    """The sampling of what is left of a request that has `num_output` tokens already (resumed,
+    its earlier tokens computed as the prompt's end): max_tokens and min_tokens count them.
+    Only for `num_output < params.max_tokens` (a request at max_tokens has ended)."""
+    if num_output == 0:
+        return params
+    return dataclasses.replace(
+        params,
+        max_tokens=params.max_tokens - num_output,
+        min_tokens=max(params.min_tokens - num_output, 0),
+    )
 
 
 def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:

@@ -446,3 +446,60 @@ def test_a_transfer_already_at_max_tokens_ends_at_once_without_another_token(set
         wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
     )
     assert heartbeat.num_running == 0 and "full" not in heartbeat.request_ids
+
+
+def test_a_resumed_job_prefilled_here_continues_after_its_earlier_output(setup):
+    """A job with output tokens from an earlier attempt (a resumed request) prefilled here:
+    its earlier tokens are part of what is computed, the stream goes on after them, and
+    max_tokens counts them, as on a prefill worker and after a KV transfer. (The scheduler
+    sends no resumed request here today; this worker took the prompt alone, regenerated the
+    earlier tokens and streamed them at the wrong places, max_tokens past the client's.)"""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt_2, loaded = first_turn_here(setup, params)
+    scheduler.expect(wire.RequestDone)
+    expected = (
+        LLMEngine(loaded.model, EngineConfig(num_blocks=64, block_size=4))
+        .generate([prompt_2], params)[0]
+        .token_ids
+    )
+    earlier = expected[:2]
+    tokens = [*prompt_2, *earlier]
+    scheduler.send(
+        wire.Reserve(request_id="t2", num_tokens=len(tokens) + 1, lease_s=30, token_ids=tokens)
+    )
+    assert scheduler.expect(wire.ReserveReply).num_cached_blocks == 5
+    job = local_job(prompt_2, params, gateway_address)
+    job = dataclasses.replace(job, output_token_ids=earlier)
+    scheduler.send(job)
+    assert stream_until_done(gateway, start=2) == expected[2:]
+    phases = [scheduler.expect(wire.RequestDone) for _ in range(2)]
+    assert [(d.phase, d.finish_reason) for d in phases] == [("prefill", None), ("decode", "length")]
+    assert phases[1].output_length == len(expected)
+
+
+def test_a_resumed_job_prefilled_here_at_max_tokens_ends_at_once(setup):
+    """A resumed job whose earlier output already holds max_tokens tokens ends at once,
+    "length", without another token (as a transfer at max_tokens does)."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt_2, _ = first_turn_here(setup, params)
+    scheduler.expect(wire.RequestDone)
+    earlier = [11, 12, 13, 14, 15, 16]
+    tokens = [*prompt_2, *earlier]
+    scheduler.send(
+        wire.Reserve(request_id="t2", num_tokens=len(tokens) + 1, lease_s=30, token_ids=tokens)
+    )
+    assert scheduler.expect(wire.ReserveReply).ok
+    job = local_job(prompt_2, params, gateway_address)
+    job = dataclasses.replace(job, output_token_ids=earlier)
+    scheduler.send(job)
+    assert gateway.poll(10_000)
+    (delta,) = wire.recv(gateway).deltas
+    assert (delta.token_ids, delta.index, delta.finish_reason) == ([], 6, "length")
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.phase, done.finish_reason, done.output_length) == ("decode", "length", 6)
+    heartbeat = scheduler.expect(
+        wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
+    )
+    assert "t2" not in heartbeat.request_ids
