@@ -12,6 +12,10 @@ leaves an answer on disk that the database does not know. `recover` closes that 
 starts (again): it cuts a torn last line, then marks every custom_id found in the files as
 answered, which makes the database agree with the files. Whatever is still pending after that
 was never written, and runs again: every line is answered exactly once.
+
+The same gap opens without a kill when SQLite refuses the record (`database or disk is full`):
+the answer is on disk, its row pending. `Answers` then keeps it in `unrecorded`, for its writer
+to `record` again (never to write again: the line would be answered twice).
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ class Answers:
         runner does, in a worker thread: 50,000 answers take seconds)."""
         self.store = store
         self.batch_id = batch_id
+        # custom_id -> (ok, usage) of each answer written to its file that SQLite has not
+        # recorded yet (it refused: `record` makes the record again).
+        self.unrecorded: dict[str, tuple[bool, dict[str, int] | None]] = {}
         self.output_path = store.path_of(output_file_id(batch_id))
         self.error_path = store.path_of(error_file_id(batch_id))
         if not recovered:
@@ -81,11 +88,21 @@ class Answers:
         }
         self._append(line, ok=False)
 
+    def record(self, custom_id: str) -> None:
+        """Records in SQLite an answer written but `unrecorded`; a refusal (sqlite3.Error)
+        leaves it there, to be recorded again."""
+        ok, usage = self.unrecorded[custom_id]
+        self.store.mark_answered(self.batch_id, custom_id, ok, usage)
+        del self.unrecorded[custom_id]
+
     def _append(self, line: dict[str, Any], ok: bool) -> None:
+        """Writes the answer, then records it. Raises OSError if the disk refused the answer
+        (nothing written), sqlite3.Error if SQLite refused its record (then `unrecorded`)."""
         file = self._output if ok else self._errors
         # To the OS before the database: see the module doc.
         _write_whole(file, json.dumps(line, separators=(",", ":")).encode() + b"\n")
-        self.store.mark_answered(self.batch_id, line["custom_id"], ok, _usage(line))
+        self.unrecorded[line["custom_id"]] = (ok, _usage(line))
+        self.record(line["custom_id"])
 
     def sizes(self) -> tuple[int, int]:
         return _size(self.output_path), _size(self.error_path)

@@ -25,6 +25,14 @@ started with a `batch_expired` error: the batch is `expired` if there was one, e
 answer the disk refuses (full) is kept and written again until there is room: every line is
 answered exactly once. Then the job is finalized: its output and error
 files are registered and the batch object gets their ids.
+
+SQLite may refuse a write too (`database or disk is full`, a lock held past the busy timeout):
+an answer written whose record SQLite refuses is recorded again, never written again (the line
+would be in both files: its answer, then `batch_expired`, as a line left pending); the end's
+expiry and the batch's end state are made again likewise. Each waits, every ANSWER_RETRY_S,
+until the disk and SQLite take it (the batch cannot end without them); a cancel still aborts
+the lines, a stop still stops the job, and what a stop leaves written the restart's recovery
+records (`answers.recover`).
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ import asyncio
 import contextlib
 import itertools
 import json
+import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from services.batch.answers import Answers, error_file_id, output_file_id, recover
 from services.batch.store import Store
@@ -50,7 +60,11 @@ PAGE_LINES = 256
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "chat"}
 RETRY_STATUSES = (429, 503)  # backpressure: wait and retry, the window halves
 RECONNECT_WAIT_S = 1.0  # a call dropped with its connection (the gateway restarted) is retried
-ANSWER_RETRY_S = 5.0  # a line's answer the disk refused (full) is written again this often
+ANSWER_RETRY_S = 5.0  # what the disk or SQLite refused (full) is written again this often
+# The refusals waited out: the disk's (full) and SQLite's (full, locked past its busy timeout, an
+# I/O error). Others (a corrupt database, a bug) would be refused for ever: they end the job.
+STORAGE_REFUSALS = (OSError, sqlite3.OperationalError)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,7 @@ class JobRunner:
         self.tasks: set[asyncio.Task] = set()  # the lines in flight
         self._cancelled = asyncio.Event()
         self._slot_freed = asyncio.Event()
+        self._expiry_tried = False  # (`_expire_apart`)
         self.log = get_logger(batch_id=batch_id)
 
     def cancel(self) -> None:
@@ -89,8 +104,10 @@ class JobRunner:
         batch = self.store.get_batch(self.batch_id)
         # Reading back the answers a kill left (up to 50,000 lines, seconds) and expiring the
         # lines never started (as many writes) run in a worker thread on a connection of its
-        # own: on the loop, the service answered no call meanwhile.
-        await asyncio.to_thread(self.store.run_apart, recover, self.batch_id)
+        # own: on the loop, the service answered no call meanwhile. (Made again while SQLite
+        # refuses it: raised, the job ended at its start, the batch left as it was until the
+        # next restart.)
+        await self._until_stored("answers not recovered", self._recover_apart)
         answers = Answers(self.store, self.batch_id, recovered=True)
         tasks = self.tasks
         try:
@@ -101,6 +118,9 @@ class JobRunner:
                 for task in tasks:
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # An answer a cancel aborted while SQLite refused its record is recorded first:
+            # pending, it would count as a line never run (and be answered `batch_expired`).
+            await self._until_stored("answers not recorded", self._record_unrecorded, answers)
             if ended in ("completed", "expired"):
                 # Expired only if some line never ran: the window closed on lines that waited
                 # for room, or the feed stopped at the deadline before them. Lines that all ran,
@@ -109,7 +129,7 @@ class JobRunner:
                 ended = "expired" if self.store.num_pending(self.batch_id) else "completed"
             if ended == "expired":
                 answers.close()  # (the thread appends with handles of its own)
-                await asyncio.to_thread(self.store.run_apart, _expire_pending, self.batch_id)
+                await self._until_stored("expired lines not answered", self._expire_apart)
             await self._finalize(answers, ended)
         except asyncio.CancelledError:  # the service stops: its lines stay pending, for the restart
             for task in tasks:  # (left running, they outlived their job and its answer files)
@@ -195,21 +215,49 @@ class JobRunner:
             self._slot_freed.set()
 
     async def _write(self, answers: Answers, custom_id: str, status: int, body: dict) -> None:
-        """Appends the line's answer. One the disk refuses (full: `Answers` cuts it back) is
-        kept and written again every ANSWER_RETRY_S, its slot held, so a job whose disk is full
-        waits for room. Raised, it left the line pending: the job, once fed, took it for a line
-        its deadline had closed on and ended `expired`, hours early, the line answered
-        `batch_expired` although the cluster had answered it."""
+        """Appends the line's answer and records it. One the disk refuses (full: `Answers` cuts
+        it back) is kept and written again, its slot held, so a job whose disk is full waits
+        for room; one written whose record SQLite refuses is recorded again, not written again.
+        Raised, either left the line pending: the job, once fed, took it for a line its
+        deadline had closed on and ended `expired`, hours early, the line answered
+        `batch_expired` although the cluster had answered it (in both files, once written)."""
+
+        async def write_or_record() -> None:
+            if custom_id in answers.unrecorded:  # (written: a second copy would answer it twice)
+                answers.record(custom_id)
+            else:
+                answers.response(custom_id, status, body)
+
+        await self._until_stored("line's answer not stored", write_or_record, custom_id=custom_id)
+
+    async def _until_stored(
+        self, what: str, step: Callable[..., Awaitable[T]], *args: Any, **log_fields: Any
+    ) -> T:
+        """`await step(*args)`, made again every ANSWER_RETRY_S while the disk or SQLite
+        refuses it (STORAGE_REFUSALS); `what` a refusal left undone, for the log. Logged once:
+        a full disk refuses every line in flight."""
         for attempt in itertools.count():
             try:
-                answers.response(custom_id, status, body)
-                return
-            except OSError as error:
-                if attempt == 0:  # (once per line: a full disk holds every line in flight)
-                    self.log.error(
-                        "line's answer not written, retrying", custom_id=custom_id, error=str(error)
-                    )
+                return await step(*args)
+            except STORAGE_REFUSALS as error:
+                if attempt == 0:
+                    self.log.error(f"{what}, retrying", error=repr(error), **log_fields)
                 await asyncio.sleep(ANSWER_RETRY_S)
+        raise AssertionError("unreachable")  # (for the type checker: count() never ends)
+
+    @staticmethod
+    async def _record_unrecorded(answers: Answers) -> None:
+        for custom_id in list(answers.unrecorded):
+            answers.record(custom_id)
+
+    async def _recover_apart(self) -> None:
+        await asyncio.to_thread(self.store.run_apart, recover, self.batch_id)
+
+    async def _expire_apart(self) -> None:
+        # A try before this one may have written an answer SQLite then refused to record (its
+        # line still pending: expired again, it was answered twice): a retry recovers first.
+        again, self._expiry_tried = self._expiry_tried, True
+        await asyncio.to_thread(self.store.run_apart, _expire_pending, self.batch_id, again)
 
     async def _call(self, kind: str, batch: dict, line: dict) -> tuple[int, dict[str, Any]]:
         if batch["endpoint"] == "/v1/responses":
@@ -268,12 +316,21 @@ class JobRunner:
             await asyncio.sleep(min(8.0, 0.5 * 2**failures))
 
     async def _finalize(self, answers: Answers, ended: str) -> None:
-        """Ends the batch: its answer files registered, its status and their ids set at once
-        (on the loop: a cancel meanwhile would see a half-ended batch), then its lines' rows
-        dropped in a worker thread (50,000 rows took half a second and more, in which the
-        service answered no call). The batch has ended by then: a cancel meanwhile is refused
-        as for any ended batch, and the rows a stop or a kill leaves the start-up tidy drops
-        (`BatchApi._tidy_after_a_kill`)."""
+        """Ends the batch (`_end`, made again while SQLite refuses it: raised, the batch stayed
+        `finalizing` or `in_progress`, its answers all written, until the service restarted),
+        then drops its lines' rows in a worker thread (50,000 rows took half a second and more,
+        in which the service answered no call). The batch has ended by then: a cancel
+        meanwhile is refused as for any ended batch, and the rows a stop or a kill leaves the
+        start-up tidy drops (`BatchApi._tidy_after_a_kill`)."""
+        batch = await self._until_stored("batch not ended", self._end, answers, ended)
+        self.log.info("batch finished", status=ended, **batch["request_counts"])
+        # (the batch keeps their counts)
+        await asyncio.to_thread(self.store.run_apart, Store.drop_lines, self.batch_id)
+
+    async def _end(self, answers: Answers, ended: str) -> dict[str, Any]:
+        """Registers the batch's answer files and sets its status and their ids at once (on
+        the loop: a cancel meanwhile would see a half-ended batch); the ended batch. Made
+        again after a refusal midway: the status set last, each step before it can be."""
         now = int(time.time())
         if ended == "completed":
             self.store.update_batch(self.batch_id, status="finalizing", finalizing_at=now)
@@ -287,10 +344,7 @@ class JobRunner:
         if error_bytes:
             self._register(error_file_id(self.batch_id), tenant, "batch_output", error_bytes)
             changes["error_file_id"] = error_file_id(self.batch_id)
-        self.store.update_batch(self.batch_id, **changes)
-        self.log.info("batch finished", status=ended, **batch["request_counts"])
-        # (the batch keeps their counts)
-        await asyncio.to_thread(self.store.run_apart, Store.drop_lines, self.batch_id)
+        return self.store.update_batch(self.batch_id, **changes)
 
     def _register(self, file_id: str, tenant: str, purpose: str, size: int) -> None:
         if self.store.get_file(tenant, file_id) is None:
@@ -311,9 +365,10 @@ def _too_long(num_bytes: int) -> dict[str, Any]:
     return _error_body("invalid_request_error", message)
 
 
-def _expire_pending(store: Store, batch_id: str) -> None:
-    """Answers every line still pending `batch_expired` (none runs any more)."""
-    answers = Answers(store, batch_id, recovered=True)
+def _expire_pending(store: Store, batch_id: str, recover_first: bool) -> None:
+    """Answers every line still pending `batch_expired` (none runs any more), after recovering
+    the answers in the files if `recover_first`."""
+    answers = Answers(store, batch_id, recovered=not recover_first)
     try:
         cursor = ("", 0)
         while page := store.pending_lines(batch_id, cursor, PAGE_LINES):

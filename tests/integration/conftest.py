@@ -59,7 +59,9 @@ class FakeScheduler:
                 )
             if isinstance(message, kind) and where(message):
                 return message
-        raise TimeoutError(f"no {kind.__name__} within {timeout_s} s")
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        names = " or ".join(k.__name__ for k in kinds)
+        raise TimeoutError(f"no {names} within {timeout_s} s")
 
     def send(self, message: wire.Message) -> None:
         assert self.identity is not None, "the worker has not said HELLO yet"

@@ -1,13 +1,17 @@
 """The batch service's job runner and job manager where the cluster cannot make them misbehave on
 demand: a line whose call fails in a way nobody foresaw, a cluster that stays full past the
-deadline, a cancel while the last lines run, input no parser expected, a validation that raises.
-Each is answered exactly once per line and ends in a terminal state. The client is played (its
-one method, `call`); the store, the files and the answers are the real ones."""
+deadline, a cancel while the last lines run, input no parser expected, a validation that raises,
+the disk or SQLite refusing a write (full). Each is answered exactly once per line and ends in a
+terminal state. The client is played (its one method, `call`); the store, the files and the
+answers are the real ones."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
+import sqlite3
 import threading
 import time
 
@@ -583,3 +587,165 @@ def test_a_responses_batch_runs_each_line_as_a_chat_and_answers_responses(store)
     assert by_id["a"]["output"][0]["content"][0]["text"] == "HI"
     assert by_id["b"]["error"]["param"] == "previous_response_id"
     assert by_id["c"]["error"]["param"] == "input"  # (the chat's `messages[1]`)
+
+
+DB_FULL = sqlite3.OperationalError("database or disk is full")
+
+
+def refuse_records(monkeypatch, custom_id: str, times: float) -> threading.Event:
+    """Makes SQLite refuse to record `custom_id`'s answer (full) `times` times (math.inf: for
+    ever); an event set at the first refusal."""
+    mark_answered = Store.mark_answered
+    refusals = itertools.count()
+    refused = threading.Event()
+
+    def full_for_a_while(self, batch_id, answered_id, ok, usage=None):
+        if answered_id == custom_id and next(refusals) < times:
+            refused.set()
+            raise DB_FULL
+        return mark_answered(self, batch_id, answered_id, ok, usage)
+
+    monkeypatch.setattr(Store, "mark_answered", full_for_a_while)
+    return refused
+
+
+@pytest.mark.parametrize("times", [1, 3])
+def test_an_answer_sqlite_could_not_record_is_recorded_once_it_can_never_answered_again(
+    store, monkeypatch, times
+):
+    """A line's answer written to its file and then refused by SQLite (full: a
+    sqlite3.OperationalError, not the OSError the disk's refusal is) raised out of the line's
+    task: the line stayed pending, the batch ended `expired` and the line was answered
+    `batch_expired` too, one custom_id in both files. Its record is made again until SQLite
+    takes it; the answer is not written again."""
+    monkeypatch.setattr(runner, "ANSWER_RETRY_S", 0.01)
+    validated_batch(store, [line("a", "ok"), line("b", "ok"), line("c", "ok")])
+    refuse_records(monkeypatch, "b", times)
+    client = PlayedClient()
+    batch = run(store, client)
+    assert batch["status"] == "completed"
+    assert answered(store, batch) == {"a": 200, "b": 200, "c": 200}
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(client.bodies) == 3
+
+
+def test_an_answer_sqlite_never_records_waits_and_the_restart_records_it_once(
+    tmp_path, store, monkeypatch
+):
+    """SQLite refusing for good, past the deadline: the job waits for it, as for a full disk
+    (it cannot end the batch without it), neither expiring the line nor answering it again;
+    the service's stop leaves the answer in the file, and the restart records it."""
+    monkeypatch.setattr(runner, "ANSWER_RETRY_S", 0.01)
+    batch = validated_batch(store, [line("a", "ok"), line("b", "ok"), line("c", "ok")], 1.0)
+    refused = refuse_records(monkeypatch, "b", times=math.inf)
+    client = PlayedClient()
+
+    async def stopped_past_the_deadline() -> None:
+        job = asyncio.create_task(JobRunner(store, client, "batch_x", RunLimits()).run())
+        await asyncio.wait_for(asyncio.to_thread(refused.wait), 10)
+        await asyncio.sleep(batch["expires_at"] - time.time() + 0.6)
+        assert not job.done()  # (neither ended nor crashed)
+        job.cancel()  # the service's stop
+        with pytest.raises(asyncio.CancelledError):
+            await job
+
+    asyncio.run(stopped_past_the_deadline())
+    assert store.get_batch("batch_x")["status"] == "in_progress"
+    written = store.path_of(answers.output_file_id("batch_x")).read_text().splitlines()
+    assert sorted(json.loads(text)["custom_id"] for text in written) == ["a", "b", "c"]
+    assert not store.path_of(answers.error_file_id("batch_x")).exists()
+    monkeypatch.undo()
+    restarted = Store(tmp_path)
+    batch = run(restarted, client)
+    restarted.close()
+    assert batch["status"] == "completed"
+    assert answered(store, batch) == {"a": 200, "b": 200, "c": 200}
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(client.bodies) == 3
+
+
+def test_a_cancel_while_sqlite_refuses_an_answers_record_counts_the_answer(store, monkeypatch):
+    """A cancel aborts the lines in flight, one among them waiting for SQLite to record its
+    written answer: the batch's counts then left out an answer its output file holds."""
+    monkeypatch.setattr(runner, "ANSWER_RETRY_S", 0.01)
+    validated_batch(store, [line("a", "ok"), line("b", "ok"), line("c", "ok")])
+    job = JobRunner(store, PlayedClient(), "batch_x", RunLimits())
+    mark_answered = Store.mark_answered
+
+    def full_while_its_line_runs(self, batch_id, custom_id, ok, usage=None):
+        if custom_id == "b" and job.tasks:  # (b's own task's tries: the cancel aborts them)
+            job.cancel()
+            raise DB_FULL
+        return mark_answered(self, batch_id, custom_id, ok, usage)
+
+    monkeypatch.setattr(Store, "mark_answered", full_while_its_line_runs)
+    asyncio.run(asyncio.wait_for(job.run(), 20))
+    batch = store.get_batch("batch_x")
+    assert batch["status"] == "cancelled"
+    assert answered(store, batch) == {"a": 200, "b": 200, "c": 200}
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+
+
+@pytest.mark.parametrize("refused_by", ["sqlite", "disk"])
+def test_an_expiry_the_disk_or_sqlite_refuses_is_answered_once_there_is_room(
+    store, monkeypatch, refused_by
+):
+    """A `batch_expired` answer refused (the disk full, or SQLite) raised out of the job: the
+    batch stayed `in_progress` past its deadline until the service restarted. The expiry is
+    made again until it is taken, each line answered once."""
+    monkeypatch.setattr(runner, "ANSWER_RETRY_S", 0.01)
+    validated_batch(store, [line("a", "ok"), line("f", "full")], expires_in_s=0.2)
+    if refused_by == "sqlite":
+        refuse_records(monkeypatch, "f", times=3)
+    else:
+        write_whole = answers._write_whole
+        refusals = [OSError(28, "No space left on device")] * 3
+
+        def full_for_a_while(file, data: bytes) -> None:
+            if b'"custom_id":"f"' in data and refusals:
+                raise refusals.pop()
+            write_whole(file, data)
+
+        monkeypatch.setattr(answers, "_write_whole", full_for_a_while)
+    batch = run(store, PlayedClient())
+    assert batch["status"] == "expired"
+    assert answered(store, batch) == {"a": 200, "f": 0}
+    assert batch["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+
+
+def test_a_batchs_end_sqlite_refuses_is_made_once_there_is_room(store, monkeypatch):
+    """SQLite refusing the batch's end (its status and file ids) raised out of the job: the
+    batch stayed `finalizing`, its answers written, until the service restarted."""
+    monkeypatch.setattr(runner, "ANSWER_RETRY_S", 0.01)
+    validated_batch(store, [line("a", "ok"), line("b", "ok")])
+    update_batch = Store.update_batch
+    refusals = [DB_FULL] * 3
+
+    def full_for_a_while(self, batch_id, **changes):
+        if changes.get("status") == "completed" and refusals:
+            raise refusals.pop()
+        return update_batch(self, batch_id, **changes)
+
+    monkeypatch.setattr(Store, "update_batch", full_for_a_while)
+    batch = run(store, PlayedClient())
+    assert batch["status"] == "completed" and batch["output_file_id"]
+    assert answered(store, batch) == {"a": 200, "b": 200}
+
+
+def test_a_recovery_sqlite_refuses_is_made_once_there_is_room(store, monkeypatch):
+    """The restart's recovery of an answer written but never recorded, refused by SQLite,
+    raised out of the job at its start: the batch stayed `in_progress` until the next
+    restart. It is made again until SQLite takes it, and the line is not run again."""
+    monkeypatch.setattr(runner, "ANSWER_RETRY_S", 0.01)
+    validated_batch(store, [line("a", "ok"), line("b", "ok")])
+    response = {"status_code": 200, "request_id": None, "body": {"choices": []}}
+    left = {"id": "batch_req_1", "custom_id": "b", "response": response, "error": None}
+    # (as a kill between the answer's write and its record left it)
+    store.path_of(answers.output_file_id("batch_x")).write_text(json.dumps(left) + "\n")
+    refuse_records(monkeypatch, "b", times=3)
+    client = PlayedClient()
+    batch = run(store, client)
+    assert batch["status"] == "completed"
+    assert answered(store, batch) == {"a": 200, "b": 200}
+    assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert [body["prompt"] for body in client.bodies] == ["ok"]  # a alone
