@@ -54,6 +54,7 @@ from services.gateway.responses_api import (
     chat_body,
     check_body,
     in_responses_terms,
+    input_item_page,
     response_object,
     sse,
 )
@@ -261,6 +262,7 @@ def build_app(
         for `previous_response_id` unless `store` is false."""
         owner = keys.check_header(request.headers.get("authorization")).tenant or ""
         body = check_body(await _read_json(request, max_body_bytes))
+        keeps = responses.enabled and body.get("store") is not False
         try:
             previous = body.get("previous_response_id")
             earlier = (
@@ -268,14 +270,17 @@ def build_app(
                 if previous is not None
                 else []
             )
+            # (read as the earlier messages are, before the turn runs: the chain may leave)
+            earlier_items = (
+                responses.input_items(owner, previous, answered=True) if keeps and previous else []
+            )
             parsed = parse_chat_request(chat_body(body, earlier), model, generator.max_model_len)
             generation = await _prepare(request, generator, parsed, "resp")
         except ApiError as error:
             raise in_responses_terms(error) from None
         except ClientGone:
             return Response(status_code=499)
-        keeps = responses.enabled and body.get("store") is not False
-        keeper = ResponseKeeper(responses, owner, body, earlier) if keeps else None
+        keeper = ResponseKeeper(responses, owner, body, earlier, earlier_items) if keeps else None
         caller = tenant(request, generation)
         return await _serve_response(request, generator, generation, body, caller, keeper)
 
@@ -283,6 +288,13 @@ def build_app(
     async def get_response(request: Request, response_id: str) -> dict[str, Any]:
         owner = keys.check_header(request.headers.get("authorization")).tenant or ""
         return responses.response(owner, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(request: Request, response_id: str) -> dict[str, Any]:
+        """The items a stored response was generated from (its conversation's), a page of
+        them (`limit`, `order`, `after`), as OpenAI's `input_items` lists them."""
+        owner = keys.check_header(request.headers.get("authorization")).tenant or ""
+        return input_item_page(responses.input_items(owner, response_id), request.query_params)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> dict[str, Any]:

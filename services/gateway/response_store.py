@@ -9,6 +9,9 @@ the least recently used ones, which leave first once `max_bytes` is passed, are 
 of a chain in use. A response whose chain lost a link (evicted, deleted) cannot be continued:
 its client gets a 400 that says so. (A turn whose chain left while it was generated keeps the
 whole conversation it began with instead: it was answered as stored, and can be continued.)
+Each turn keeps its input items too, for `GET /v1/responses/{id}/input_items`, which lists
+the items a response was generated from as OpenAI does: the earlier turns' input and output
+items, then its own input (the instructions are no items).
 Responses belong to the API key's tenant that made them: a tenant neither reads nor continues
 another's. Nothing survives a restart of the gateway, and a cluster of several gateways needs
 its clients to stay on one (or to send the whole conversation, as the OpenAI Agents SDK does by
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +42,11 @@ class Stored:
     previous_id: str | None
     messages: str  # the chat messages this turn added, as JSON
     response: str  # the Response object, as answered, as JSON
+    items: str = "[]"  # the input items of this turn (with ids) as listed, as JSON
 
     @property
     def num_bytes(self) -> int:  # (ASCII: JSON's escapes)
-        return len(self.messages) + len(self.response)
+        return len(self.messages) + len(self.response) + len(self.items)
 
 
 class ResponseStore:
@@ -66,16 +71,28 @@ class ResponseStore:
         previous_id: str | None,
         messages: list[dict[str, Any]],
         earlier: list[dict[str, Any]] | None = None,
+        *,
+        items: Sequence[Mapping[str, Any]] = (),
+        earlier_items: list[dict[str, Any]] | None = None,
     ) -> bool:
-        """Keeps the response (a copy: its JSON) and the `messages` its turn added to the
-        conversation of `previous_id` (`earlier`, as it was when the turn began: kept with the
+        """Keeps the response (a copy: its JSON), the `messages` its turn added to the
+        conversation of `previous_id` and its input `items` (`earlier` and `earlier_items`,
+        that conversation's messages and items as they were when the turn began: kept with the
         turn if that chain lost a turn since); False when it alone is larger than the store.
         The chain it continues is used again: others leave before it to make room."""
-        stored = Stored(tenant, previous_id, json.dumps(messages), json.dumps(response))
+        stored = Stored(
+            tenant, previous_id, json.dumps(messages), json.dumps(response), json.dumps(items)
+        )
         if previous_id is not None:
             chain, at = self._walk(tenant, previous_id)
             if at is not None and earlier is not None:
-                stored = Stored(tenant, None, json.dumps([*earlier, *messages]), stored.response)
+                stored = Stored(
+                    tenant,
+                    None,
+                    json.dumps([*earlier, *messages]),
+                    stored.response,
+                    json.dumps([*(earlier_items or ()), *items]),
+                )
             for turn_id, _ in chain:
                 self._entries.move_to_end(turn_id)
         if stored.num_bytes > self.max_bytes:
@@ -90,6 +107,34 @@ class ResponseStore:
     def response(self, tenant: str, response_id: str) -> dict[str, Any]:
         """The stored Response (ApiError 404 if this tenant has none of that id)."""
         return json.loads(self._get(tenant, response_id, "response_id").response)
+
+    def input_items(
+        self, tenant: str, response_id: str, answered: bool = False
+    ) -> list[dict[str, Any]]:
+        """The items `response_id` was generated from, first to last: each earlier turn's
+        input and output items, then its own input items, and its output items if `answered`
+        (the conversation a turn continuing it began with). ApiError 404 naming `response_id`
+        if this tenant has no response of that id, as `response` answers, or when a turn of
+        its conversation is gone (the list would be cut short)."""
+        self._get(tenant, response_id, "response_id")
+        chain, at = self._walk(tenant, response_id)
+        if at is not None:
+            why = (
+                f"{at}, a response of its conversation, is gone"
+                if len(chain) < MAX_CHAIN
+                else f"its conversation is longer than {MAX_CHAIN} responses"
+            )
+            raise ApiError(
+                404,
+                f"the input items of {response_id} are not stored here: {why}",
+                param="response_id",
+            )
+        items: list[dict[str, Any]] = []
+        for turn_id, turn in reversed(chain):
+            items += json.loads(turn.items)
+            if answered or turn_id != response_id:  # an earlier turn's answer: input to this
+                items += json.loads(turn.response)["output"]
+        return items
 
     def delete(self, tenant: str, response_id: str) -> None:
         self._get(tenant, response_id, "response_id")

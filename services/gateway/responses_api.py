@@ -10,10 +10,12 @@ Response's typed events (`ResponseEvents`).
 A response is stored (`store`, true by default, as OpenAI's) in the gateway's memory
 (services.gateway.response_store), so `previous_response_id` continues its conversation: the
 earlier turns' chat messages come before this input (the earlier instructions do not, as
-OpenAI has it). Where no store serves (a batch line), `previous_response_id` is a 400, as are
-item references and `conversation`: the conversation is to be sent in `input`. Hosted tools
-(web search, file search, computer use, ...), images, files and reasoning items are refused by
-name. Every refusal is a 400 naming the field, as the chat API's are.
+OpenAI has it), and `GET /v1/responses/{id}/input_items` lists the items it was generated from
+(`input_items`, kept with it; `input_item_page`). Where no store serves (a batch line),
+`previous_response_id` is a 400, as are item references and `conversation`: the conversation
+is to be sent in `input`. Hosted tools (web search, file search, computer use, ...), images,
+files and reasoning items are refused by name. Every refusal is a 400 naming the field, as the
+chat API's are.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from services.gateway.openai_protocol import ApiError
+from services.gateway.openai_protocol import MAX_USER_CHARS, ApiError
 from services.gateway.response_store import ResponseStore
 
 _FIELDS = frozenset(
@@ -74,6 +76,9 @@ MAX_METADATA_VALUE = 512
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _FINISH_STATUS = {"length": ("incomplete", "max_output_tokens")}
+_ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
+MAX_ITEMS_PAGE = 100  # OpenAI's bounds on `limit` of a list of input items, and its default
+DEFAULT_ITEMS_PAGE = 20
 
 
 def _fail(param: str, message: str) -> ApiError:
@@ -107,7 +112,15 @@ def check_body(body: Any) -> dict[str, Any]:
         raise _fail("previous_response_id", "must be a response's id")
     if body.get("store") not in (None, True, False):
         raise _fail("store", "must be true or false")
+    for field in ("safety_identifier", "user"):  # (checked here: chat knows both as `user`)
+        _check_identifier(body, field)
     return body
+
+
+def _check_identifier(body: Mapping[str, Any], field: str) -> None:
+    value = body.get(field)
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
+        raise _fail(field, f"`{field}` must be a string of at most {MAX_USER_CHARS} characters")
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -229,6 +242,62 @@ def _text(content: Any, where: str, field: str = "content") -> str | list[dict[s
     return parts
 
 
+def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The body's `input` (checked: `input_messages` took it) as the items
+    `GET /v1/responses/{id}/input_items` lists, of OpenAI's ResponseItem types: a string is one
+    user message; a message's text is typed parts (`input_text`, an assistant's `output_text`);
+    an item keeps the id it was given, or gets one (stored with it: the same on each read)."""
+    given = body["input"]
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    return [_input_item(item) for item in given]
+
+
+def _input_item(item: Mapping[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    status = item.get("status") if item.get("status") in _ITEM_STATUSES else "completed"
+    if kind == "message":
+        assistant = item["role"] == "assistant"
+        content = item["content"]
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        return {
+            "id": _given_id(item, "msg"),
+            "type": "message",
+            "role": item["role"],
+            "content": [_typed_part(part, assistant) for part in parts],
+            "status": status,
+        }
+    if kind == "function_call":
+        fields = {field: item[field] for field in ("call_id", "name", "arguments")}
+        return {"id": _given_id(item, "fc"), "type": kind, **fields, "status": status}
+    output = item["output"]  # (a function_call_output: the only other kind served)
+    if isinstance(output, list):
+        output = [_typed_part(part, assistant=False) for part in output]
+    return {
+        "id": _given_id(item, "fco"),
+        "type": kind,
+        "call_id": item["call_id"],
+        "output": output,
+        "status": status,
+    }
+
+
+def _given_id(item: Mapping[str, Any], prefix: str) -> str:
+    given = item.get("id")
+    return given if isinstance(given, str) and given else _new_id(prefix)
+
+
+def _typed_part(part: Mapping[str, Any], assistant: bool) -> dict[str, Any]:
+    """A text part as an input item lists it: an assistant's `output_text` (or its `refusal`),
+    anyone else's `input_text` (a refusal is text the model read, as `_text` has it)."""
+    if assistant and part["type"] == "refusal":
+        return {"type": "refusal", "refusal": part["refusal"]}
+    text = part["refusal"] if part["type"] == "refusal" else part["text"]
+    if assistant:
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}
+
+
 def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     for field in ("call_id", "name", "arguments"):
         if not isinstance(item.get(field), str):
@@ -310,6 +379,50 @@ def responses_param(param: str) -> str:
     return param
 
 
+# -- a stored response's input items ----------------------------------------------------------
+
+
+def input_item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """One page of a response's input items (first to last, as the store lists them), as
+    `GET /v1/responses/{id}/input_items` answers it: `order` (`desc`, newest first, by
+    default), the items after the one whose id is `after`, at most `limit` (1 to 100, 20 by
+    default) of them. `include` is taken and ignored: what it adds (images, files, search
+    results) is never in an input served here. ApiError 400 naming a bad value."""
+    limit = _page_limit(query.get("limit"))
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise _fail("order", '`order` must be "asc" or "desc"')
+    ordered = items if order == "asc" else items[::-1]
+    start = _after(ordered, query.get("after"))
+    data = ordered[start : start + limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + limit < len(ordered),
+    }
+
+
+def _page_limit(given: str | None) -> int:
+    if given is None:
+        return DEFAULT_ITEMS_PAGE
+    if not (given.isascii() and given.isdigit()) or not 1 <= int(given) <= MAX_ITEMS_PAGE:
+        raise _fail("limit", f"`limit` must be an integer from 1 to {MAX_ITEMS_PAGE}")
+    return int(given)
+
+
+def _after(ordered: list[dict[str, Any]], after: str | None) -> int:
+    """Where the page after the item `after` begins (its first occurrence: a client may have
+    given two items one id)."""
+    if after is None:
+        return 0
+    for at, item in enumerate(ordered):
+        if item["id"] == after:
+            return at + 1
+    raise _fail("after", f"no input item {after!r} is in this response's input")
+
+
 # -- the answer -------------------------------------------------------------------------------
 
 
@@ -382,8 +495,9 @@ def answer_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class ResponseKeeper:
     """Stores a request's Response once answered, with the chat messages its turn added (its
-    input and its answer), after the turn it continued (`previous_response_id`, whose
-    conversation was `earlier` when the request began)."""
+    input and its answer) and its input items, after the turn it continued
+    (`previous_response_id`, whose conversation's messages were `earlier` and its items
+    `earlier_items` when the request began)."""
 
     def __init__(
         self,
@@ -391,8 +505,10 @@ class ResponseKeeper:
         tenant: str,
         body: Mapping[str, Any],
         earlier: list[dict[str, Any]] | None = None,
+        earlier_items: list[dict[str, Any]] | None = None,
     ) -> None:
-        self.store, self.tenant, self.body, self.earlier = store, tenant, body, earlier
+        self.store, self.tenant, self.body = store, tenant, body
+        self.earlier, self.earlier_items = earlier, earlier_items
 
     def keep(self, response: dict[str, Any]) -> None:
         if response["status"] not in ("completed", "incomplete"):
@@ -400,7 +516,15 @@ class ResponseKeeper:
         messages = input_messages(self.body) + answer_messages(response["output"])
         previous = self.body.get("previous_response_id")
         response["store"] = True  # as the kept copy reads
-        response["store"] = self.store.put(self.tenant, response, previous, messages, self.earlier)
+        response["store"] = self.store.put(
+            self.tenant,
+            response,
+            previous,
+            messages,
+            self.earlier,
+            items=input_items(self.body),
+            earlier_items=self.earlier_items,
+        )
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:

@@ -121,3 +121,27 @@ def test_a_stored_response_is_continued_by_its_id(openai_client):
     assert not unstored.store
     with pytest.raises(openai.BadRequestError):
         openai_client.responses.create(**ask, input="Hi", previous_response_id=unstored.id)
+
+
+def test_a_stored_responses_input_items_are_listed(openai_client):
+    """`input_items.list` reads what the response was generated from: its conversation's items
+    (the earlier turn's input and answer, then its own input), newest first, paged."""
+    ask = {"model": MODEL, "max_output_tokens": 5, "temperature": 0}
+    first = openai_client.responses.create(**ask, input="Say hi.")
+    second = openai_client.responses.create(
+        **ask,
+        input=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "Again."},
+        ],
+        previous_response_id=first.id,
+    )
+    page = openai_client.responses.input_items.list(second.id, limit=2)
+    assert [(item.role, item.content[0].text) for item in page.data] == [
+        ("user", "Again."), ("developer", "Be brief."),
+    ]  # fmt: skip
+    assert page.has_more and page.last_id == page.data[-1].id
+    items = list(openai_client.responses.input_items.list(second.id, order="asc"))
+    assert [item.type for item in items] == ["message"] * 4
+    assert items[0].content[0].text == "Say hi." and items[1].id == first.output[0].id
+    assert [item.id for item in items[2:]] == [item.id for item in reversed(page.data)]

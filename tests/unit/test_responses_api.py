@@ -514,3 +514,162 @@ def test_storing_a_turn_evicts_others_before_the_chain_it_continues():
     stored_turn(store, "t", "r2", "r1", "b" * 50)
     assert store.num_bytes <= 700
     assert [m["content"] for m in store.conversation("t", "r2")] == ["a", "A", "b" * 50, "B" * 50]
+
+
+# -- a stored response's input items ------------------------------------------------------------
+
+
+def kept(store, body, text="Hello", tenant="t"):
+    """The Response of `body`, answered `text`, stored as the gateway stores it (after the
+    conversation its `previous_response_id` began with)."""
+    previous = body.get("previous_response_id")
+    earlier = store.conversation(tenant, previous) if previous else None
+    earlier_items = store.input_items(tenant, previous, answered=True) if previous else None
+    response = response_object(body, chat_answer(text))
+    ResponseKeeper(store, tenant, body, earlier, earlier_items).keep(response)
+    return response
+
+
+def test_a_responses_input_items_are_its_input_as_typed_items_with_ids():
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    given = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Hm"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}",
+         "id": "fc_given"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sun"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "Answer."}]},
+    ]  # fmt: skip
+    response = kept(store, {"model": MODEL, "input": given})
+    items = store.input_items("t", response["id"])
+    user, assistant, call, output, developer = items
+    assert user == {
+        "id": user["id"],
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "Weather?"}],
+        "status": "completed",
+    }
+    assert assistant["content"] == [{"type": "output_text", "text": "Hm", "annotations": []}]
+    assert call["id"] == "fc_given" and call["status"] == "completed"
+    assert output["call_id"] == "c1" and output["output"] == "sun"
+    assert developer["content"] == [{"type": "input_text", "text": "Answer."}]
+    assert len({item["id"] for item in items}) == 5
+    assert store.input_items("t", response["id"]) == items  # the same ids each read
+
+
+def test_a_continued_responses_input_items_are_its_whole_conversation():
+    """As OpenAI lists them: the items used to generate the response, so the earlier turns'
+    inputs and answers (their output items, as answered) before its own input."""
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    first = kept(store, {"model": MODEL, "input": "a"}, "A")
+    second = kept(store, {"model": MODEL, "input": "b", "previous_response_id": first["id"]}, "B")
+    items = store.input_items("t", second["id"])
+    assert [(item["role"], item["content"][0]["text"]) for item in items] == [
+        ("user", "a"), ("assistant", "A"), ("user", "b"),
+    ]  # fmt: skip
+    assert items[1] == first["output"][0]
+
+
+def test_input_items_are_counted_by_the_stores_bound():
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    body = {"model": MODEL, "input": "x" * 1000}
+    response = kept(store, body)
+    # the input counted twice: as the chat message it is continued with, and as its item
+    assert store.num_bytes > 2000 + len(json.dumps(response))
+
+
+def test_a_turn_whose_chain_left_while_it_ran_keeps_its_whole_input_items():
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    first = kept(store, {"model": MODEL, "input": "a"}, "A")
+    body = {"model": MODEL, "input": "b", "previous_response_id": first["id"]}
+    keeper = ResponseKeeper(
+        store,
+        "t",
+        body,
+        store.conversation("t", first["id"]),
+        store.input_items("t", first["id"], answered=True),
+    )
+    store.delete("t", first["id"])
+    response = response_object(body, chat_answer("B"))
+    keeper.keep(response)
+    texts = [item["content"][0]["text"] for item in store.input_items("t", response["id"])]
+    assert texts == ["a", "A", "b"]
+
+
+def test_input_items_of_an_unknown_or_broken_response_are_a_404():
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    first = kept(store, {"model": MODEL, "input": "a"}, "A")
+    second = kept(store, {"model": MODEL, "input": "b", "previous_response_id": first["id"]}, "B")
+    for tenant, response_id in (("t", "resp_none"), ("u", second["id"])):
+        with pytest.raises(ApiError) as info:
+            store.input_items(tenant, response_id)
+        assert info.value.status == 404 and info.value.param == "response_id"
+    store.delete("t", first["id"])
+    with pytest.raises(ApiError) as info:
+        store.input_items("t", second["id"])  # a turn of its conversation is gone
+    assert info.value.status == 404 and first["id"] in info.value.message
+
+
+ITEMS = [{"id": f"i{n}", "type": "message"} for n in range(5)]
+
+
+@pytest.mark.parametrize(
+    ("query", "ids", "has_more"),
+    [
+        ({}, ["i4", "i3", "i2", "i1", "i0"], False),
+        ({"order": "asc"}, ["i0", "i1", "i2", "i3", "i4"], False),
+        ({"limit": "2"}, ["i4", "i3"], True),
+        ({"limit": "2", "after": "i3"}, ["i2", "i1"], True),
+        ({"limit": "2", "after": "i1"}, ["i0"], False),
+        ({"order": "asc", "after": "i2", "limit": "100"}, ["i3", "i4"], False),
+        ({"after": "i0"}, [], False),
+        ({"include": "message.input_image.image_url"}, ["i4", "i3", "i2", "i1", "i0"], False),
+    ],
+)  # fmt: skip
+def test_input_items_are_paged_as_openai_pages_them(query, ids, has_more):
+    from services.gateway.responses_api import input_item_page
+
+    page = input_item_page(ITEMS, query)
+    assert page["object"] == "list" and page["has_more"] is has_more
+    assert [item["id"] for item in page["data"]] == ids
+    assert page["first_id"] == (ids[0] if ids else None)
+    assert page["last_id"] == (ids[-1] if ids else None)
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ({"limit": "0"}, "limit"),
+        ({"limit": "101"}, "limit"),
+        ({"limit": "x"}, "limit"),
+        ({"limit": "-1"}, "limit"),
+        ({"order": "up"}, "order"),
+        ({"after": "i9"}, "after"),
+    ],
+)
+def test_a_bad_input_items_query_is_a_400_naming_it(query, param):
+    from services.gateway.responses_api import input_item_page
+
+    with pytest.raises(ApiError) as info:
+        input_item_page(ITEMS, query)
+    assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("field", ["safety_identifier", "user"])
+@pytest.mark.parametrize("value", [5, "x" * 257])
+def test_a_bad_safety_identifier_is_named_as_given(field, value):
+    with pytest.raises(ApiError) as info:
+        parse_chat_request(chat_body({"model": MODEL, "input": "x", field: value}), MODEL, 2048)
+    assert info.value.status == 400 and info.value.param == field
+    assert field in info.value.message

@@ -122,3 +122,60 @@ def test_a_conversation_longer_than_the_body_limit_is_refused(tokenizer):  # noq
         client.responses.create(model=MODEL, input="more", previous_response_id=previous)
     assert info.value.body["param"] == "previous_response_id"
     assert len(cluster.prompts) == 3  # refused before it was tokenized
+
+
+def test_a_responses_input_items_are_listed_and_paged_as_the_client_reads_them(tokenizer):  # noqa: F811
+    cluster = TextCluster(tokenizer, "Hello.")
+    client = client_of(cluster, tokenizer, ResponseStore())
+    first = client.responses.create(model=MODEL, input="Hi")
+    given = [{"role": "user", "content": f"m{n}"} for n in range(5)]
+    second = client.responses.create(model=MODEL, input=given, previous_response_id=first.id)
+    page = client.responses.input_items.list(second.id, limit=3)
+    assert [item.content[0].text for item in page.data] == ["m4", "m3", "m2"]
+    assert page.has_more and page.first_id == page.data[0].id and page.last_id == page.data[2].id
+    pages = client.responses.input_items.list(second.id, order="asc", limit=2)
+    texts = [item.content[0].text for item in pages]  # (the client fetches page after page)
+    assert texts == ["Hi", "Hello.", "m0", "m1", "m2", "m3", "m4"]  # (its conversation's)
+    rest = client.responses.input_items.list(second.id, after=page.data[1].id, limit=100)
+    assert [item.content[0].text for item in rest.data] == ["m2", "m1", "m0", "Hello.", "Hi"]
+    assert not rest.has_more
+    only = client.responses.input_items.list(first.id)
+    assert only.data[0].type == "message" and only.data[0].role == "user"
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+     ({"after": "msg_none"}, "after")],
+)  # fmt: skip
+def test_a_bad_input_items_query_is_a_400(tokenizer, query, param):  # noqa: F811
+    client = client_of(TextCluster(tokenizer, "Hello."), tokenizer, ResponseStore())
+    response = client.responses.create(model=MODEL, input="Hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.input_items.list(response.id, **query)
+    assert info.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.input_items.list(response.id, extra_query={"limit": "x"})
+    assert info.value.body["param"] == "limit"
+
+
+def test_input_items_not_stored_or_anothers_are_a_404_as_the_response_is(tokenizer):  # noqa: F811
+    from services.gateway.auth import ApiKeys
+
+    generator = Generator(TextCluster(tokenizer, "Hello."), tokenizer, MODEL, 8192,
+                          GatewayEvents(get_logger()))  # fmt: skip
+    keys = ApiKeys({"key-of-alice-0000": "alice", "key-of-bob-000000": "bob"})
+    http = TestClient(build_app(generator, 1 << 20, keys, responses=ResponseStore()))
+    alice, bob = (
+        openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http)
+        for key in keys.tenants
+    )
+    stored = alice.responses.create(model=MODEL, input="Hi")
+    unstored = alice.responses.create(model=MODEL, input="Hi", store=False)
+    for client, response_id in ((bob, stored.id), (alice, unstored.id), (alice, "resp_none")):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.retrieve(response_id)
+        with pytest.raises(openai.NotFoundError) as listed:
+            client.responses.input_items.list(response_id)
+        assert listed.value.body == info.value.body
+    assert len(alice.responses.input_items.list(stored.id).data) == 1
