@@ -22,6 +22,15 @@ def chat_prompt_ids(tokenizer, request: GenerationRequest, template_tools: bool)
     """The prompt of a chat request; `template_tools`: the template renders tools in a format
     we parse (tool_formats.template_tool_format). A conversation the template refuses (its
     `raise_exception`, e.g. Mistral's call ids of nine characters) is the client's error."""
+    return list(_applied_template(tokenizer, request, template_tools, tokenize=True))
+
+
+def chat_prompt_text(tokenizer, request: GenerationRequest, template_tools: bool) -> str:
+    """The text `chat_prompt_ids` tokenizes (without the special tokens a tokenizer adds)."""
+    return _applied_template(tokenizer, request, template_tools, tokenize=False)
+
+
+def _applied_template(tokenizer, request: GenerationRequest, template_tools: bool, tokenize: bool):
     if getattr(tokenizer, "chat_template", None) is None:
         # (transformers raises a ValueError, which was a 500 on every chat with a base model)
         raise bad_request(
@@ -32,17 +41,15 @@ def chat_prompt_ids(tokenizer, request: GenerationRequest, template_tools: bool)
     try:
         if template_tools:
             tools = request.tools.template_tools() if request.tools is not None else None
-            ids = tokenizer.apply_chat_template(
+            return tokenizer.apply_chat_template(
                 request.template_messages, tools=tools, add_generation_prompt=True,
-                tokenize=True, return_dict=False,
+                tokenize=tokenize, return_dict=False,
             )  # fmt: skip
-        else:
-            ids = tokenizer.apply_chat_template(
-                request.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+        return tokenizer.apply_chat_template(
+            request.messages, add_generation_prompt=True, tokenize=tokenize, return_dict=False
+        )
     except TemplateError as error:
         raise bad_request("messages", f"the model's chat template refused them: {error}") from None
-    return list(ids)
 
 
 def read_chat_template(path: str) -> str:

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from services.gateway.chat_prompt import chat_prompt_ids
 from services.gateway.cluster import ClusterClient, SubmitRefused
+from services.gateway.context_probe import refuse_far_past_context
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
 from services.gateway.echo import echoed_logprobs, echoed_text
 from services.gateway.openai_protocol import ApiError, GenerationRequest, bad_request
@@ -173,6 +174,8 @@ class Generator:
     ) -> Generation:
         """The request validated and tokenized, on this thread (`prepare_async` on the loop)."""
         arrived_at = time.monotonic() if arrived_at is None else arrived_at
+        template_tools = self.template_tool_format is not None
+        refuse_far_past_context(self.tokenizer, request, self.max_model_len, template_tools)
         prompt_ids = self.tokenize(request)
         params = request.sampling_params(
             len(prompt_ids), self.max_model_len, self.sampling_defaults, self.tool_format.name
@@ -390,36 +393,7 @@ class Generator:
 def tokenizes_off_loop(request: GenerationRequest) -> bool:
     """Whether the request's prompt is long enough to tokenize off the event loop: a text over
     `OFF_LOOP_PROMPT_CHARS` characters, or a chat whose messages (and tools) hold as many."""
-    if request.prompt_text is not None:
-        return len(request.prompt_text) > OFF_LOOP_PROMPT_CHARS
-    if request.messages is None:
-        return False  # token ids: nothing to tokenize
-    functions = request.tools.functions if request.tools is not None else ()
-    parts = [request.messages, request.template_messages, functions]
-    return _has_more_text(parts, OFF_LOOP_PROMPT_CHARS)
-
-
-def _has_more_text(value: Any, limit: int) -> bool:
-    """Whether the strings in a JSON value (keys too) hold more than `limit` characters; each
-    value counts at least one, so the walk takes at most `limit` steps (and no recursion: a
-    body may nest deeper than the stack)."""
-    pending, size = [value], 0
-    while pending:
-        item = pending.pop()
-        if isinstance(item, str):
-            size += max(1, len(item))
-        elif isinstance(item, Mapping):
-            size += 1
-            pending.extend(item.keys())
-            pending.extend(item.values())
-        elif isinstance(item, list | tuple):
-            size += 1
-            pending.extend(item)
-        else:
-            size += 1
-        if size > limit:
-            return True
-    return False
+    return request.holds_more_text(OFF_LOOP_PROMPT_CHARS)
 
 
 def _refusal_error(refused: SubmitRefused) -> ApiError:

@@ -213,6 +213,16 @@ class GenerationRequest:
     def prompt_param(self) -> str:
         return "messages" if self.chat else "prompt"
 
+    def holds_more_text(self, limit: int) -> bool:
+        """Whether the prompt holds more than `limit` characters: its text, or a chat's
+        messages (and tools: the template renders them) before any template's own text."""
+        if self.prompt_text is not None:
+            return len(self.prompt_text) > limit
+        if self.messages is None:
+            return False  # token ids: no text
+        functions = self.tools.functions if self.tools is not None else ()
+        return _has_more_text([self.messages, self.template_messages, functions], limit)
+
     def sampling_params(
         self,
         num_prompt_tokens: int,
@@ -646,3 +656,26 @@ def parse_chat_request(body: Any, served_model: str, max_model_len: int) -> Gene
         messages=messages,
         tools=tools,
     )
+
+
+def _has_more_text(value: Any, limit: int) -> bool:
+    """Whether the strings in a JSON value (keys too) hold more than `limit` characters; each
+    value counts at least one, so the walk takes at most `limit` steps (and no recursion: a
+    body may nest deeper than the stack)."""
+    pending, size = [value], 0
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            size += max(1, len(item))
+        elif isinstance(item, Mapping):
+            size += 1
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            size += 1
+            pending.extend(item)
+        else:
+            size += 1
+        if size > limit:
+            return True
+    return False
