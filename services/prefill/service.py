@@ -141,6 +141,9 @@ class PrefillWorker(WorkerLoop):
             return
         try:
             params = sampling_params(job.sampling)
+            if len(job.output_token_ids) >= params.max_tokens:
+                self._end_at_max_tokens(job)
+                return
             self.engine.add_request(
                 list(job.prompt_token_ids) + list(job.output_token_ids),
                 first_token_params(params, len(job.output_token_ids)),
@@ -156,6 +159,16 @@ class PrefillWorker(WorkerLoop):
             return
         started_at = self.events.prefill_started(job.request_id, len(job.prompt_token_ids))
         self.jobs[job.request_id] = RunningJob(job, started_at, self._registration)
+
+    def _end_at_max_tokens(self, job: wire.PrefillJob) -> None:
+        """A resumed job whose earlier output already holds max_tokens tokens (its stream's
+        end was lost) ends at once, "length", where its output ends: prefilled, it would get
+        one token more than its client asked for."""
+        output_length = len(job.output_token_ids)
+        end = wire.TokenDelta(request_id=job.request_id, token_ids=[], finish_reason="length",
+                              index=output_length)  # fmt: skip
+        self.streams.send({job.gateway_address: [end]})
+        self._report(job, "length", 0, output_length)
 
     def _cancel(self, request_id: str, reason: str) -> None:
         self.engine.abort(request_id)  # its retained KV too, if it was waiting for a grant
@@ -219,15 +232,17 @@ class PrefillWorker(WorkerLoop):
             if output.error is not None:  # its grammar failed to compile, or its sampling
                 self.engine.release(job.request_id)
                 self.grants.pop(job.request_id, None)
-                self._fail(job, output.error)
+                self._fail(job, output.error, running.registration)
                 continue
             num_tokens = len(job.prompt_token_ids) + len(job.output_token_ids)
             self.events.prefill_finished(job.request_id, running.started_at, num_tokens)
             firsts.append((job, output, self._first_delta(job, output)))
-        for job, output, delta in self._stream_first_tokens(firsts):
+        for job, output, delta in self._stream_first_tokens(firsts, registrations):
             self._hand_on(job, output, delta, registrations[job.request_id])
 
-    def _stream_first_tokens(self, firsts: list[FirstToken]) -> list[FirstToken]:
+    def _stream_first_tokens(
+        self, firsts: list[FirstToken], registrations: dict[str, int]
+    ) -> list[FirstToken]:
         """Every first token goes out before any KV is copied out for its transfer: the step's
         last prompt does not wait for the copies of the others'. One carrying its prompt's
         logprobs (up to megabytes) goes in a message of its own, which a header bounds; past
@@ -242,7 +257,8 @@ class PrefillWorker(WorkerLoop):
             except wire.WireError as error:  # a huge prompt's scores
                 self.engine.release(job.request_id)
                 self.grants.pop(job.request_id, None)
-                self._fail(job, f"its prompt logprobs cannot be sent: {error}")
+                reason = f"its prompt logprobs cannot be sent: {error}"
+                self._fail(job, reason, registrations[job.request_id])
                 continue
             sent.append((job, output, delta))
         return sent
@@ -322,7 +338,7 @@ class PrefillWorker(WorkerLoop):
             frames = wire.encode(message)
         except wire.WireError as error:  # KV over a frame's bound (big models, long prompts)
             # Ended for good: any other worker would fail the same way (`_abandon`).
-            self._fail(job, f"its KV cannot be sent: {error}")
+            self._fail(job, f"its KV cannot be sent: {error}", registration)
             return
         if not self._send_to_decode(job, frames):
             self.events.kv_failed(job.request_id, "unreachable", f"{KV_SEND_QUEUE} queued")
@@ -471,32 +487,38 @@ class PrefillWorker(WorkerLoop):
             )
         )
 
-    def _fail(self, job: wire.PrefillJob, error: str) -> None:
+    def _fail(self, job: wire.PrefillJob, error: str, registration: int | None = None) -> None:
+        """`registration`: the one the job came under, if not the current one's (a job of
+        an earlier one has its decode reservation cancelled, as `_handoff_failed` has)."""
         delta = wire.TokenDelta(
             request_id=job.request_id, token_ids=[], finish_reason="error", error=error
         )
         self.streams.send({job.gateway_address: [delta]})
         # Not "error", which asks the scheduler to re-route: this request can never run.
         self._report(job, "rejected", 0, len(job.output_token_ids))
+        if registration is not None and registration != self._registration:
+            self._cancel_at_scheduler(job, error)
 
     def _abandon(self, message: wire.Message, identity: bytes | None, reason: str) -> None:
         """Ends the request for good, as a job that can never run (`_fail`): no other worker
         would fare better with the message that broke this one."""
         request_id = message.request_id  # type: ignore[attr-defined]
-        job = self._held_job(request_id)
-        if job is None and isinstance(message, wire.PrefillJob):
-            job = message
+        held = self._held_job(request_id)
+        if held is None and isinstance(message, wire.PrefillJob):
+            held = message, self._registration
         self._cancel(request_id, reason)
-        if job is not None:
-            self._fail(job, reason)
+        if held is not None:
+            job, registration = held
+            self._fail(job, reason, registration)
 
-    def _held_job(self, request_id: str) -> wire.PrefillJob | None:
+    def _held_job(self, request_id: str) -> tuple[wire.PrefillJob, int] | None:
+        """The job this worker holds of the request, and the registration it came under."""
         if (running := self.jobs.get(request_id)) is not None:
-            return running.job
+            return running.job, running.registration
         if (parked := self.awaiting_grant.get(request_id)) is not None:
-            return parked[0]
+            return parked[0], self._registration  # (an earlier one's were let go)
         if (transfer := self.transfers.get(request_id)) is not None:
-            return transfer.job
+            return transfer.job, transfer.registration
         return None
 
     def _close_idle(self) -> None:

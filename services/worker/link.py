@@ -28,6 +28,10 @@ DROPPED_LOG_EVERY = 100  # a full link logs its first dropped message, then ever
 _log = get_logger()
 
 
+def _sound_interval(interval: float) -> bool:
+    return 0 < interval < math.inf  # (NaN would stop the heartbeats for good)
+
+
 class HandshakeError(StartUpError):
     """The scheduler refused this worker, or did not answer."""
 
@@ -61,7 +65,7 @@ class SchedulerLink:
                     if not message.accepted:
                         raise HandshakeError(f"scheduler refused this worker: {message.error}")
                     interval = message.heartbeat_interval_s
-                    if not 0 < interval < math.inf:  # NaN would stop the heartbeats for good
+                    if not _sound_interval(interval):
                         raise HandshakeError(f"scheduler asked for a heartbeat every {interval} s")
                     self.heartbeat_interval_s = interval
                     return True
@@ -72,6 +76,7 @@ class SchedulerLink:
         True when this said HELLO again (what the old registration awaited will not come)."""
         if ack.accepted:
             self._beats_awaiting_welcome = None  # welcomed
+            self._take_interval(ack.heartbeat_interval_s, log)
             return False
         if ack.error == wire.UNKNOWN_PEER:
             # Every heartbeat sent before the HELLO is answered so (after an outage, all those
@@ -87,6 +92,17 @@ class SchedulerLink:
             return True
         log.error("scheduler refused this worker", error=ack.error)
         return False
+
+    def _take_interval(self, interval: float, log) -> None:
+        """The interval of a scheduler that welcomed the worker again: a restarted one may ask
+        for another (kept to the first's, heartbeats rarer than its timeout took the worker for
+        dead, again and again, each time with the requests it held)."""
+        if not _sound_interval(interval):
+            log.error("scheduler asked for an odd heartbeat interval; kept", interval_s=interval)
+            return
+        if interval != self.heartbeat_interval_s:
+            self.heartbeat_interval_s = interval
+            self._next_heartbeat = 0.0  # (the next at once, then at the new pace)
 
     def send(self, message: wire.Message) -> bool:
         """Sends without waiting; False, the message dropped, when the socket's queue is full:

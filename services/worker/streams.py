@@ -45,9 +45,7 @@ class GatewayStreams:
             if refusal is not None:  # an address never checked: a refusal's last words
                 self.log.warning("gateway stream unusable; tokens dropped", error=refusal)
                 continue
-            # (A message carries MAX_LIST_LEN deltas: a worker may run more sequences.)
-            for start in range(0, len(deltas), wire.MAX_LIST_LEN):
-                message = wire.Tokens(deltas=deltas[start : start + wire.MAX_LIST_LEN])
+            for message in _messages(deltas):
                 try:
                     self._sockets[address].send_multipart(wire.encode(message), flags=zmq.NOBLOCK)
                 except zmq.Again:
@@ -59,6 +57,19 @@ class GatewayStreams:
 
     def close(self) -> None:
         self._sockets.close()
+
+
+def _messages(deltas: list[wire.TokenDelta]) -> list[wire.Tokens]:
+    """One gateway's deltas as Tokens messages. A delta carrying its prompt's logprobs (up to
+    megabytes: a header's bound, which the worker that computed them checked alone) goes in a
+    message of its own: two together could be past the bound, and the encode raised in the
+    worker's step. The rest go MAX_LIST_LEN to a message (a worker may run more sequences)."""
+    scored = [delta for delta in deltas if delta.prompt_logprobs is not None]
+    plain = [delta for delta in deltas if delta.prompt_logprobs is None]
+    messages = [wire.Tokens(deltas=[delta]) for delta in scored]
+    for start in range(0, len(plain), wire.MAX_LIST_LEN):
+        messages.append(wire.Tokens(deltas=plain[start : start + wire.MAX_LIST_LEN]))
+    return messages
 
 
 def group_by_gateway(

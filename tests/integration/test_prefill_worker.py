@@ -118,6 +118,35 @@ def test_a_resumed_job_over_at_its_first_token_says_where_its_stream_ended(setup
     assert (done.finish_reason, done.num_output_tokens, done.output_length) == ("length", 1, 3)
 
 
+def test_a_resumed_job_already_at_max_tokens_ends_at_once_without_another_token(setup):
+    """A resumed job whose earlier output already holds max_tokens tokens (its stream's end
+    was lost) ends at once, "length", where its output ends: it was prefilled and given one
+    token more than its client asked for, at index max_tokens (as the decode worker ends
+    such a transfer or local prefill)."""
+    scheduler, gateway, decode, tmp_path = setup
+    resumed = dataclasses.replace(
+        job(tmp_path, "r~1", max_tokens=2, ignore_eos=True), output_token_ids=[5, 6]
+    )
+    scheduler.send(resumed)
+    assert gateway.poll(10_000)
+    (delta,) = wire.recv(gateway).deltas
+    assert (delta.token_ids, delta.index, delta.finish_reason) == ([], 2, "length")
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.phase, done.finish_reason) == ("prefill", "length")
+    assert (done.num_output_tokens, done.output_length) == (0, 2)
+    assert not decode.poll(300)  # no KV went
+    assert scheduler.expect(wire.Heartbeat).request_ids == []
+
+
+def test_a_job_with_max_tokens_below_one_is_refused_naming_it(setup):
+    scheduler, gateway, decode, tmp_path = setup
+    scheduler.send(job(tmp_path, "zero", max_tokens=0))
+    assert gateway.poll(10_000)
+    (delta,) = wire.recv(gateway).deltas
+    assert delta.finish_reason == "error" and "max_tokens" in delta.error
+    assert scheduler.expect(wire.RequestDone).finish_reason == "rejected"
+
+
 def test_a_bulk_job_hands_its_class_on_with_the_kv(setup):
     scheduler, gateway, decode, tmp_path = setup
     scheduler.send(dataclasses.replace(job(tmp_path, "line", ignore_eos=True), bulk=True))
@@ -452,3 +481,28 @@ def test_a_job_of_an_earlier_registration_whose_kv_fails_after_it_is_lost_at_its
     assert gateway.poll(5_000), "its gateway never heard"
     lost = wire.recv(gateway).deltas[0]
     assert (lost.request_id, lost.finish_reason) == ("old", "lost")
+
+
+def test_a_job_of_an_earlier_registration_that_fails_in_its_step_frees_its_reservation(
+    running, monkeypatch
+):
+    """Accepted before the scheduler restarted, prefilled after, and failed for good in its
+    step (here its prompt's logprobs past a header's bound; a grammar or the sampler the same
+    way): its "rejected" reached the new scheduler before the decode worker listed the
+    request, and was dropped; the reservation, adopted then, was held for nobody until its
+    lease ran out, as one over at its first token was."""
+    scheduler, gateway, decode, tmp_path, worker = running
+    prefills_may_run = hold_prefills(worker)
+    scored = job(tmp_path, "scored", ignore_eos=True)
+    sampling = dataclasses.replace(scored.sampling, prompt_logprobs=5)
+    scheduler.send(dataclasses.replace(scored, sampling=sampling))
+    scheduler.expect(wire.Heartbeat, where=lambda beat: "scored" in beat.request_ids)
+    register_again(scheduler)
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 600)  # (the scored delta's is some 900)
+    prefills_may_run.set()
+    assert gateway.poll(10_000)
+    assert wire.recv(gateway).deltas[0].finish_reason == "error"
+    told = told_of(scheduler, "scored")
+    monkeypatch.undo()
+    assert [m.finish_reason for m in told if isinstance(m, wire.RequestDone)] == ["rejected"]
+    assert_a_restarted_scheduler_lets_the_reservation_go(told, "scored")

@@ -120,6 +120,32 @@ def test_forgotten_once_the_worker_registers_again_once(tmp_path):
         context.term()
 
 
+def test_a_scheduler_that_welcomes_the_worker_again_sets_its_heartbeat_interval(tmp_path):
+    """A restarted scheduler may ask for another interval than the first did: the worker kept
+    the first's, and a scheduler whose timeout is shorter than that took it for dead, again
+    and again, each time with every request it held. An odd interval is not taken."""
+    context = zmq.Context()
+    link = SchedulerLink(context, f"ipc://{tmp_path}/scheduler", hello(),
+                         Security(None, get_logger()))  # fmt: skip
+    try:
+        link.heartbeat_interval_s = 20.0  # the first scheduler's
+        link.send_heartbeat(beat(), time.monotonic())
+        assert link.on_hello_ack(ack(0.5, accepted=False, error=wire.UNKNOWN_PEER), get_logger())
+        link.on_hello_ack(ack(0.25), get_logger())  # welcomed by the new one
+        assert link.heartbeat_interval_s == 0.25
+        assert link.seconds_to_heartbeat(time.monotonic()) <= 0.25
+        link.on_hello_ack(ack(math.nan), get_logger())
+        assert link.heartbeat_interval_s == 0.25
+    finally:
+        link.close()
+        context.term()
+
+
+def beat() -> wire.Heartbeat:
+    return wire.Heartbeat(peer_id="d", num_waiting=0, num_running=0, num_free_blocks=1,
+                          num_total_blocks=1, steps_completed=0, sent_at=0.0)  # fmt: skip
+
+
 def test_a_scheduler_away_for_minutes_does_not_stop_the_worker(tmp_path):
     """Heartbeats to a scheduler that went away queue in the link; past the socket's bound
     (1,000: some eight minutes of heartbeats) a send that waited stopped the worker's loop for
