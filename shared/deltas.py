@@ -14,9 +14,12 @@ from shared import wire
 def joined(first: wire.TokenDelta, then: wire.TokenDelta) -> wire.TokenDelta:
     """`first`'s tokens followed by `then`'s, as one delta (`then` ends it: finish, error)."""
     logprobs = top_logprobs = None
-    if first.logprobs is not None and then.logprobs is not None:
-        logprobs = [*first.logprobs, *then.logprobs]
-        top_logprobs = [*_tops(first), *_tops(then)]
+    # An end with no tokens (max_tokens reached, an error) has no logprobs to add: the first's
+    # stay (dropped, a gateway that missed the first delta had its token without them).
+    then_logprobs = [] if not then.token_ids else then.logprobs
+    if first.logprobs is not None and then_logprobs is not None:
+        logprobs = [*first.logprobs, *then_logprobs]
+        top_logprobs = [*_tops(first), *(_tops(then) if then.token_ids else [])]
     return dataclasses.replace(
         then,
         token_ids=[*first.token_ids, *then.token_ids],

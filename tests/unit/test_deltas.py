@@ -41,6 +41,15 @@ def test_the_repeated_first_token_carries_the_prompts_logprobs_once():
     assert rest.token_ids == [8] and rest.prompt_logprobs is rest.prompt_top_logprobs is None
 
 
+def test_joined_to_an_end_without_tokens_keeps_the_first_tokens_logprobs():
+    """The decode worker joins the repeated first delta to an end of no tokens (a transfer
+    already at max_tokens; an error): the first token's logprobs went with it no more."""
+    both = joined(delta([7], 0, [-0.5]), delta([], 1, finish="length"))
+    assert both.token_ids == [7] and both.finish_reason == "length"
+    assert both.logprobs == [-0.5] and both.top_logprobs == [[(7, -0.5)]]
+    assert joined(delta([7], 0), delta([], 1, finish="length")).logprobs is None
+
+
 def test_joined_without_logprobs_on_both_sides_has_none():
     assert joined(delta([7], 0), delta([8], 1)).logprobs is None
     assert joined(delta([7], 0, [-0.5]), delta([8], 1)).logprobs is None
