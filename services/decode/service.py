@@ -188,16 +188,17 @@ class DecodeWorker(WorkerLoop):
         self.blocks.free(reservation.block_ids, retain_until=retain_until)
         refusal = self.streams.check(job.gateway_address)
         num_output = len(job.output_token_ids)
-        if refusal is None and num_output >= job.sampling.max_tokens:
-            self._end_here_at_max_tokens(job)
-            return
         if refusal is None:
             # A resumed request's earlier tokens are computed with its prompt, as a prefill
             # worker computes them: the stream and max_tokens go on after them.
             try:
+                params = sampling_params(job.sampling)  # (checked before max_tokens is read)
+                if num_output >= params.max_tokens:
+                    self._end_here_at_max_tokens(job)
+                    return
                 self.engine.add_request(
                     list(job.prompt_token_ids) + list(job.output_token_ids),
-                    remaining_params(sampling_params(job.sampling), num_output),
+                    remaining_params(params, num_output),
                     job.request_id,
                     priority=job.priority,
                     cache_salt=self._salt(job.cache_salt),

@@ -503,3 +503,25 @@ def test_a_resumed_job_prefilled_here_at_max_tokens_ends_at_once(setup):
         wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
     )
     assert "t2" not in heartbeat.request_ids
+
+
+def test_a_local_job_with_max_tokens_below_one_is_refused_naming_it(setup):
+    """A job's sampling is checked before its max_tokens is read: max_tokens 0 is a refusal
+    naming it, not an end at "length" with no token."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt_2, _ = first_turn_here(setup, params)
+    scheduler.expect(wire.RequestDone)
+    scheduler.send(
+        wire.Reserve(request_id="t2", num_tokens=len(prompt_2) + 1, lease_s=30, token_ids=prompt_2)
+    )
+    assert scheduler.expect(wire.ReserveReply).ok
+    job = local_job(prompt_2, params, gateway_address)
+    scheduler.send(
+        dataclasses.replace(job, sampling=dataclasses.replace(job.sampling, max_tokens=0))
+    )
+    assert gateway.poll(10_000)
+    (delta,) = wire.recv(gateway).deltas
+    assert delta.finish_reason == "error" and "max_tokens" in delta.error
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.phase, done.finish_reason) == ("prefill", "rejected")
