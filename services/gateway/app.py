@@ -58,6 +58,7 @@ from services.gateway.responses_api import (
     response_object,
     sse,
 )
+from services.gateway.sliced_json import sliced_dumps
 from services.gateway.tokenize_api import detokenize, tokenize_async
 from shared.logs import get_logger
 from shared.metrics import CONTENT_TYPE
@@ -224,7 +225,7 @@ def build_app(
         keys.check_header(request.headers.get("authorization"))
         body = await _read_json(request, max_body_bytes)
         try:  # (rendered with the answer: FastAPI's own encoding of a long one took seconds)
-            return await _unless_gone(request, tokenize_async(generator, body, JSONResponse))
+            return await _unless_gone(request, tokenize_async(generator, body, _sliced_json))
         except ClientGone:
             return Response(status_code=499)
 
@@ -314,6 +315,11 @@ def _finite_or_null(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite_or_null(item) for item in value]
     return value
+
+
+def _sliced_json(answer: dict[str, Any]) -> Response:
+    """A long answer's JSON, written in slices (services.gateway.sliced_json)."""
+    return Response(sliced_dumps(answer).encode(), media_type="application/json")
 
 
 async def _read_json(request: Request, max_body_bytes: int) -> Any:
