@@ -37,6 +37,15 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 _NOT_JSON = (json.JSONDecodeError, RecursionError)
 
 
+def _no_constant(name: str) -> Any:
+    """`NaN`, `Infinity` and `-Infinity`, which Python's decoder takes and JSON has not: a call
+    holding one came back with them in its `arguments`, text no client's JSON parser reads."""
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
@@ -109,7 +118,7 @@ _LLAMA3_CALL_KEYS = frozenset({"name", "parameters", "arguments"})
 
 
 def _llama3_calls(body: str) -> list[Call] | None:
-    decoder, calls, at = json.JSONDecoder(), [], 0
+    decoder, calls, at = _DECODER, [], 0
     body = body.strip().removeprefix(_PYTHON_TAG).strip()
     while at < len(body):
         try:
@@ -130,7 +139,7 @@ def _llama3_calls(body: str) -> list[Call] | None:
 
 def _json_or_none(text: str) -> Any:
     try:
-        return json.loads(text)
+        return _DECODER.decode(text)
     except _NOT_JSON:
         return None
 
@@ -155,8 +164,8 @@ def template_tool_format(tokenizer) -> ToolFormat | None:
     """The call format the tokenizer's chat template teaches when given `tools`; None when it
     takes no tools, or teaches a format not listed here (such templates get the fallback)."""
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # several named templates: the default one renders chats
-        template = template.get("default") or template.get("tool_use")
+    if isinstance(template, dict):  # named templates: a chat with tools renders `tool_use`
+        template = template.get("tool_use") or template.get("default")  # (as transformers)
     if not isinstance(template, str) or "tools" not in template:
         return None
     for tool_format, signs in _TEMPLATE_SIGNS:

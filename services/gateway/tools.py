@@ -34,6 +34,7 @@ from shared.engine import call_grammar
 from shared.engine.constraint import (
     MAX_SPEC_CHARS,
     Constraint,
+    admits_only_objects,
     answer_or_calls,
     check_schema_keywords,
     rebase_refs,
@@ -152,8 +153,18 @@ def _call_schema(
     return json.dumps(schema)
 
 
+# Keywords that fix a schema's values without a `type` (xgrammar reads them alone).
+_VALUE_KEYWORDS = frozenset({"$ref", "const", "enum", "anyOf"})
+
+
 def _parameters(function: Mapping[str, Any]) -> Any:
-    return function.get("parameters") or _NO_ARGUMENTS
+    """A tool's parameters as a call's schema holds them: a call's arguments are an object, so
+    parameters that name no `type` (`{"description": ...}`) are an object's; xgrammar read them
+    as any value, and a call with a number for arguments does not parse."""
+    parameters = function.get("parameters") or _NO_ARGUMENTS
+    if "type" not in parameters and not _VALUE_KEYWORDS & parameters.keys():
+        return {"type": "object", **parameters}
+    return parameters
 
 
 def _enforceable_parameters(function: Mapping[str, Any]) -> Any:
@@ -161,7 +172,6 @@ def _enforceable_parameters(function: Mapping[str, Any]) -> Any:
     parameters = _parameters(function)
     try:
         _check_enforceable(parameters, "parameters")
-        check_parses(Constraint("json_schema", json.dumps(parameters), "parameters"))
     except InvalidRequestError:
         return {"type": "object"}
     return parameters
@@ -187,21 +197,21 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
     setup = ToolSetup(functions, _parse_choice(choice, names), parallel is not False)
     for i, function in enumerate(functions):
         if setup.may_call(function["name"]):  # enforced: the engine must be able to
-            _check_enforceable(function.get("parameters"), f"tools[{i}].function.parameters")
+            _check_enforceable(_parameters(function), f"tools[{i}].function.parameters")
     return setup
 
 
-def _check_enforceable(parameters: Mapping[str, Any] | None, where: str) -> None:
-    """A forced call's parameters are a grammar: an object, of keywords the engine enforces.
-    (With `auto` or `none` they are only shown to the model, so any schema will do: an agent's
-    tools, often with `format` or a pattern beside a length, are not refused for it.)"""
-    if parameters is None:
-        return
-    if parameters.get("type", "object") != "object":
+def _check_enforceable(parameters: Mapping[str, Any], where: str) -> None:
+    """A forced call's parameters (as `_parameters` gives them) are a grammar: of keywords the
+    engine enforces, that xgrammar compiles, admitting objects alone. (With `auto` or `none`
+    they are only shown to the model, so any schema will do: an agent's tools, often with
+    `format` or a pattern beside a length, are not refused for it.)"""
+    check_schema_keywords(parameters, where)
+    if not admits_only_objects(parameters):
         raise InvalidRequestError(
             where, 'must describe an object ("type": "object"): a call\'s arguments are one'
         )
-    check_schema_keywords(parameters, where)
+    check_parses(Constraint("json_schema", json.dumps(parameters), where))
 
 
 def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
@@ -227,6 +237,8 @@ def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
         )
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise InvalidRequestError(f"{where}.function.description", "must be a string")
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise InvalidRequestError(f"{where}.function.strict", "must be a boolean")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidRequestError(f"{where}.function.parameters", "must be a JSON schema")

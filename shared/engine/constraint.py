@@ -298,6 +298,45 @@ def _alternatives(
     return [(*pointer, "anyOf", str(i)) for i in range(len(branches))]
 
 
+def admits_only_objects(schema: Any) -> bool:
+    """Whether every value the schema (a whole document) admits is a JSON object, as xgrammar
+    reads it: its `type` is "object", or the first of `$ref`, `const`, `enum`, `anyOf` it has
+    (the one xgrammar reads, see _EXCLUSIVE) leads only to objects. A schema without any of
+    these admits any value."""
+
+    def only_objects(sub: Any, followed: frozenset[Pointer]) -> bool:
+        if not isinstance(sub, dict):
+            return False  # (`true`: any value)
+        if isinstance(sub.get("$ref"), str):
+            pointer = _ref_pointer(sub["$ref"])
+            if pointer is None or pointer in followed:
+                return False
+            return only_objects(_resolve(schema, pointer), followed | {pointer})
+        if "const" in sub:
+            return isinstance(sub["const"], dict)
+        if "enum" in sub:
+            values = sub["enum"]
+            return isinstance(values, list) and all(isinstance(v, dict) for v in values)
+        if "anyOf" in sub:
+            branches = sub["anyOf"]
+            return isinstance(branches, list) and all(only_objects(b, followed) for b in branches)
+        return sub.get("type") in ("object", ["object"])
+
+    return only_objects(schema, frozenset())
+
+
+def _resolve(schema: Any, pointer: Pointer) -> Any:
+    """The subschema at `pointer` in `schema`; None where there is none."""
+    for part in pointer:
+        if isinstance(schema, dict):
+            schema = schema.get(part)
+        elif isinstance(schema, list) and part.isdigit() and int(part) < len(schema):
+            schema = schema[int(part)]
+        else:
+            return None
+    return schema
+
+
 def _ref_pointer(ref: str) -> Pointer | None:
     if ref == "#":
         return ()

@@ -342,3 +342,20 @@ def test_a_llama3_answer_holding_a_tools_name_is_content():
     assert names_and_arguments(extract_tool_calls(tools, call, LLAMA3_JSON)[1]) == [
         ("get_weather", {"city": "Oslo"})
     ]
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize(
+    ("tool_format", "call"),
+    [
+        (TAGGED, '<tool_call>{"name": "get_weather", "arguments": {"x": %s}}</tool_call>'),
+        (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"x": %s}}]'),
+        (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"x": %s}'),
+        (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"x": %s}}'),
+    ],
+)
+def test_a_call_holding_nan_or_infinity_is_content(tool_format, call, constant):
+    """Python's JSON decoder takes `NaN` and `Infinity`, which JSON has not: such a call came
+    back with them in its `arguments`, text no JSON parser of a client reads."""
+    text = call % constant
+    assert extract_tool_calls(setup(), text, tool_format) == (text, [])

@@ -119,6 +119,8 @@ def test_history_with_calls_and_results_is_rendered():
         ({"tools": [{"type": "function", "function": {"name": "f\n"}}]},
          "tools[0].function.name", "letters"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+         "tools[0].function.strict", "boolean"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
           "tool_choice": "required"}, "tools[0].function.parameters", "`not`"),
         ({"tools": [{"type": "function", "function": {"name": "f", "returns": 1}}]},
@@ -133,10 +135,10 @@ def test_history_with_calls_and_results_is_rendered():
          "tools[1].function.parameters", '"type": "object"'),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "objekt"}}}}}],
-          "tool_choice": "required"}, "tools", "invalid json_schema"),
+          "tool_choice": "required"}, "tools[0].function.parameters", "invalid json_schema"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}],
-          "tool_choice": "required"}, "tools", "invalid json_schema"),
+          "tool_choice": "required"}, "tools[0].function.parameters", "invalid json_schema"),
         ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
             "type": "object", "properties": {
                 f"p{j}": {"type": "string", "description": "x" * 80} for j in range(30)}}}}
@@ -425,3 +427,68 @@ def test_structured_outputs_beside_auto_tools_shape_the_whole_output():
     request = chat(tools=[WEATHER], structured_outputs={"regex": "[0-9]{2}"})
     constraint = request.sampling_params(10, MAX_LEN).constraint
     assert constraint.kind == "regex"
+
+
+# -- a call's arguments are an object, whatever the tool's parameters leave out ---------------
+
+
+def _tool(parameters) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
+NOT_OBJECTS = ("5", '"x"', "[1]", "null")
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [{"description": "No arguments."}, {"title": "Args", "required": []}],
+)
+def test_a_forced_call_to_a_tool_whose_parameters_name_no_type_passes_an_object(parameters):
+    """Parameters without a `type` are an object's (the call only parses with one), but xgrammar
+    read them as any value: a forced call could be `{"name": "f", "arguments": 5}`, which came
+    back as content with no call."""
+    request = chat(tools=[_tool(parameters)], tool_choice="required")
+    constraint = request.sampling_params(10, MAX_LEN).constraint
+    assert accepts(constraint, '{"name": "f", "arguments": {}}')
+    for arguments in NOT_OBJECTS:
+        assert not accepts(constraint, f'{{"name": "f", "arguments": {arguments}}}'), arguments
+    # ...and beside a response format, the same for a call the model chooses
+    request = chat(tools=[_tool(parameters)], response_format=ANSWER)
+    constraint = request.sampling_params(10, MAX_LEN).constraint
+    for arguments in NOT_OBJECTS:
+        call = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+        assert not accepts(constraint, call), arguments
+
+
+NOT_AN_OBJECT = [
+    {"anyOf": [{"type": "object"}, {"type": "string"}]},
+    {"$ref": "#/$defs/Name", "$defs": {"Name": {"type": "string"}}},
+    {"enum": [{"a": 1}, 2]},
+    {"const": 5},
+]
+
+
+@pytest.mark.parametrize("parameters", NOT_AN_OBJECT)
+def test_a_forced_tool_whose_parameters_allow_other_values_is_refused(parameters):
+    refused("tools[0].function.parameters", "must describe an object",
+            tools=[_tool(parameters)], tool_choice="required")  # fmt: skip
+
+
+@pytest.mark.parametrize("parameters", NOT_AN_OBJECT)
+def test_a_shown_tool_whose_parameters_allow_other_values_is_called_with_an_object(parameters):
+    request = chat(tools=[_tool(parameters)], response_format=ANSWER)
+    constraint = request.sampling_params(10, MAX_LEN).constraint
+    assert accepts(constraint, '<tool_call>{"name": "f", "arguments": {"k": 1}}</tool_call>')
+    for arguments in NOT_OBJECTS:
+        call = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+        assert not accepts(constraint, call), arguments
+
+
+def test_a_forced_tool_whose_parameters_are_a_ref_to_an_object_is_called():
+    """A recursive pydantic model's schema is a `$ref` to its `$defs`: an object all the same."""
+    node = {"type": "object", "properties": {"children": {"type": "array",
+            "items": {"$ref": "#/$defs/Node"}}}, "required": ["children"]}  # fmt: skip
+    request = chat(tools=[_tool({"$ref": "#/$defs/Node", "$defs": {"Node": node}})],
+                   tool_choice="required")  # fmt: skip
+    constraint = request.sampling_params(10, MAX_LEN).constraint
+    assert accepts(constraint, '{"name": "f", "arguments": {"children": [{"children": []}]}}')
