@@ -364,7 +364,8 @@ class AsyncTandemClient:
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._call_ids = (str(n) for n in itertools.count())
         self._inbox: dict[str, asyncio.Queue[wire.RpcEvent | _Ended]] = {}
-        self._reader: asyncio.Task | None = None  # started with the first call, on its loop
+        # Started with the first call, on its loop (and again on a later loop: `_run_readers`).
+        self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None  # of the connection: started with the reader
         self._pending: set[asyncio.Task] = set()  # cancels sent from finalizers
 
@@ -397,9 +398,12 @@ class AsyncTandemClient:
         for call_id, inbox in list(self._inbox.items()):
             inbox.put_nowait(_CLOSED)  # (another task may wait on it)
             await self._abandon(call_id)
-        await asyncio.gather(*self._pending, return_exceptions=True)
+        # (An earlier loop's tasks ended with it, and cannot be awaited from this one.)
+        loop = asyncio.get_running_loop()
+        pending = [task for task in self._pending if task.get_loop() is loop]
+        await asyncio.gather(*pending, return_exceptions=True)
         for task in (self._reader, self._watcher):
-            if task is not None:
+            if task is not None and task.get_loop() is loop:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self._socket.disable_monitor()
@@ -434,9 +438,7 @@ class AsyncTandemClient:
     async def _start(
         self, kind: CallKind, body: dict[str, Any], stream: bool, timeout_s: float
     ) -> str:
-        if self._reader is None:
-            self._reader = asyncio.create_task(self._read())
-            self._watcher = asyncio.create_task(self._watch_connection())
+        self._run_readers()
         if not await self._socket.poll(timeout_s * 1000, zmq.POLLOUT):  # (as long as it may take)
             raise TimeoutError(_unreachable(self.address, timeout_s))
         call_id = next(self._call_ids)
@@ -448,6 +450,20 @@ class AsyncTandemClient:
             await self._abandon(call_id)  # sent as it left, so it is called off either way
             raise
         return call_id
+
+    def _run_readers(self) -> None:
+        """Starts the reader and the connection's watcher on the running loop, unless they run
+        there already. A client used by one `asyncio.run` after another (a script's steps, a
+        test per loop) had them on the first loop, ended with it: every later call waited out
+        its timeout with its answer unread."""
+        loop = asyncio.get_running_loop()
+        reader = self._reader
+        if reader is not None and reader.get_loop() is loop and not reader.done():
+            return
+        if self._watcher is not None and self._watcher.get_loop() is loop:
+            self._watcher.cancel()  # (its reader failed: a second would share its events)
+        self._reader = loop.create_task(self._read())
+        self._watcher = loop.create_task(self._watch_connection())
 
     async def _next_event(self, call_id: str, timeout_s: float) -> wire.RpcEvent:
         inbox = self._inbox.get(call_id)

@@ -5,6 +5,7 @@ the gateway (one that takes a call and goes, or never answers); the client is th
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -221,3 +222,49 @@ def test_a_call_a_bug_fails_is_a_500_without_the_exceptions_text(tmp_path):
             await door.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def _gateway_that_answers_every_call(address: str, stop: threading.Event) -> threading.Thread:
+    """A gateway's ROUTER that answers each call with `{"call_id": ...}` until `stop`."""
+    from shared import wire
+
+    def serve() -> None:
+        context = zmq.Context()
+        router = context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(address)
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            identity, call = wire.recv_from(router)
+            if isinstance(call, wire.RpcRequest):
+                body = json.dumps({"call_id": call.call_id})
+                answer = wire.RpcEvent(call_id=call.call_id, kind="response", body=body,
+                                       status=200, done=True)  # fmt: skip
+                wire.send_to(router, identity, answer)
+        router.close()
+        context.term()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_async_client_serves_one_event_loop_after_another(tmp_path):
+    """A client used by one `asyncio.run` after another (a script's steps, a test per loop):
+    its reader was a task of the first loop, which ended with it, so every later call waited
+    out its whole timeout with its answer unread, and `close()` raised "Event loop is closed"."""
+    from services.gateway.rpc_client import AsyncTandemClient
+
+    stop = threading.Event()
+    thread = _gateway_that_answers_every_call(f"ipc://{tmp_path}/gw.sock", stop)
+    client = AsyncTandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=5)
+    try:
+        for _ in range(2):
+            started = time.monotonic()
+            answer = asyncio.run(client.completion(model="m", prompt="hi"))
+            assert "call_id" in answer and time.monotonic() - started < 2
+    finally:
+        asyncio.run(client.close())
+        stop.set()
+        thread.join(5)
