@@ -23,7 +23,16 @@ import json
 import sys
 from pathlib import Path
 
-from loadtest.plan_search import Candidate, Judges, Plan, PlanError, parse_slo, search
+from loadtest.plan_search import (
+    Candidate,
+    Judges,
+    Plan,
+    PlanError,
+    check_fits,
+    check_measurable,
+    parse_slo,
+    search,
+)
 from services.planner.profile import ProfileError, WorkerProfile
 from services.planner.workload import SimRequest, WorkloadError, load_workload
 from services.scheduler.core import SchedulerLimits
@@ -72,10 +81,11 @@ def run(args: argparse.Namespace) -> int:
         slo = parse_slo(args.slo)
         profile = WorkerProfile.load(args.profile)
         requests = load_workload(args.workload)
+        check_measurable(slo, requests)
+        check_fits(profile, requests)
         budgets = _budgets(args.chunk_budgets, profile.settings.max_num_batched_tokens)
-        if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
-            # (Found only after the whole search, when the plan was written.)
-            raise PlanError(f"--out {args.out} is a file; it names the folder the plan goes in")
+        if args.out:
+            _check_out(Path(args.out))
         for name in ("max_workers", "max_splits", "max_queued_requests", "jobs"):
             minimum = 2 if name in ("max_workers", "max_splits") else 1
             if getattr(args, name) < minimum:
@@ -131,6 +141,16 @@ def context_note(
         "prompt chunks after a cached prefix or after their prompt's earlier chunks are timed "
         "as if alone, so prefills come out short; a profile measured now has it"
     )
+
+
+def _check_out(out: Path) -> None:
+    """Refuses an `--out` the plan could not be written to: found only after the whole search,
+    when the plan was written."""
+    if out.exists() and not out.is_dir():
+        raise PlanError(f"--out {out} is a file; it names the folder the plan goes in")
+    existing = next(folder for folder in out.parents if folder.exists())
+    if not existing.is_dir():
+        raise PlanError(f"--out {out} is under {existing}, which is a file")
 
 
 def _budgets(text: str | None, default: int) -> list[int]:

@@ -53,6 +53,37 @@ def parse_slo(text: str) -> dict[str, float]:
     return slo
 
 
+def check_measurable(slo: dict[str, float], requests: list[SimRequest]) -> None:
+    """Refuses a TTFT objective where no request is streamed: one sent for one response has no
+    TTFT (as the bench records it), so every configuration would fail it while serving every
+    request within it, up to --max-workers. (A TPOT objective with no figure is not judged:
+    all one-token outputs.)"""
+    if any(r.stream for r in requests):
+        return
+    named = [key for key in slo if key.startswith("ttft_")]
+    if named:
+        raise PlanError(
+            f"--slo {named[0]}: no request of the workload is streamed (each has "
+            '"stream": false), so none has a TTFT; name e2e objectives for them'
+        )
+
+
+def check_fits(profile: WorkerProfile, requests: list[SimRequest]) -> None:
+    """Refuses a request past a decode worker's KV pool: the core refuses it (400) in every
+    configuration, so the search would go on to --max-workers only to say so (and a prompt of
+    billions of tokens was built in memory first)."""
+    capacity = profile.num_kv_blocks * profile.settings.block_size
+    for request in requests:
+        needed = request.num_prompt_tokens + request.max_tokens
+        if needed > capacity:
+            raise PlanError(
+                f"a request arriving at {request.arrival_time:g} s (prompt "
+                f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} tokens) can never "
+                f"fit a decode worker's KV pool of {capacity} tokens (the profile's "
+                "settings.kv_cache_bytes): every configuration would refuse it"
+            )
+
+
 def request_objectives(slo: dict[str, float]) -> tuple[float | None, float | None, float | None]:
     """The (TTFT, TPOT, e2e) bounds one request must keep to count in goodput: a request meets
     `ttft_p90=2s` when its own TTFT is within 2 s, whatever the percentile, so of several

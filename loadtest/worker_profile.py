@@ -64,6 +64,17 @@ def _sizes(name: str, text: str) -> list[int]:
     return values
 
 
+def _check_out(text: str) -> None:
+    """Refuses, before minutes of measuring, an `--out` the profile could not be written to: a
+    folder, or a path under a file."""
+    out = Path(text)
+    if out.is_dir():
+        raise ProfileArgumentError(f"--out {text} is a folder; it names the profile JSON file")
+    existing = next(folder for folder in out.parents if folder.exists())
+    if not existing.is_dir():
+        raise ProfileArgumentError(f"--out {text} is under {existing}, which is a file")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="a HF directory, a .gguf, or smollm2")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
@@ -92,6 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_out(args.out)
         grid = {
             "prefill_tokens": _sizes("--prefill-tokens", args.prefill_tokens),
             "prefill_contexts": _sizes("--prefill-contexts", args.prefill_contexts),

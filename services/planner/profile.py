@@ -128,8 +128,9 @@ class WorkerProfile:
         ):
             raise ProfileError("decode_seconds must be [batch sizes][contexts]")
         times = self.prefill_seconds + [t for row in self.decode_seconds for t in row]
-        if any(not t > 0 for t in times):
-            raise ProfileError("every measured step time must be positive")
+        # (JSON reads `Infinity`: interpolated, inf - inf timed steps NaN, out of heap order.)
+        if any(not 0 < t < math.inf for t in times):
+            raise ProfileError("every measured step time must be a positive finite number")
         _check_kv_bytes(self.kv_bytes_per_token)
         if not 0 < self.transfer_bytes_per_s < math.inf:
             raise ProfileError("transfer_bytes_per_s must be positive")
@@ -263,8 +264,9 @@ class WorkerProfile:
     @classmethod
     def load(cls, path: str | Path) -> WorkerProfile:
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        # (Not text: a UnicodeDecodeError; nested past the parser's depth: a RecursionError.)
+        except (OSError, ValueError, RecursionError) as error:
             raise ProfileError(f"cannot read profile {path}: {error}") from None
         if not isinstance(data, dict):
             raise ProfileError(f"profile {path} is not a JSON object")

@@ -16,8 +16,8 @@ simulator) that carries their messages to the scheduler core and their tokens to
   one token (step time by batch size and mean context), retires finished ones at once and admits
   waiting ones at the next step, up to `max_num_seqs`. A sequence that needs a block when none
   is free preempts the latest admitted one by swap (its blocks freed, its progress kept);
-  swapped sequences come back first, before any new one, once their blocks and a growth block
-  per running sequence are free.
+  swapped sequences come back first, before any waiting one, once their blocks and a growth
+  block per running sequence are free; a waiting one (its blocks its own) does not wait for them.
 
 With prefix caches (`caches.py`), a prefill worker computes only the prompt past the blocks it
 holds and sends only the blocks past those the decode worker said it holds (`num_skip_blocks`);
@@ -466,7 +466,10 @@ class SimDecodeWorker:
         self.cluster.at(self.cluster.now + duration, self._end_step, local, duration)
 
     def _admit(self) -> int:
-        """Swapped sequences first (returns the tokens copied back), then waiting ones."""
+        """Swapped sequences first (returns the tokens copied back), then waiting ones, also
+        while some stay swapped out: their KV is in blocks already theirs, as the real engine's
+        `add_prefilled` runs them at once (held back, a swapped one that waited for their
+        blocks waited for good, and they with it)."""
         num_swapped_in = 0
         while self.swapped and len(self.running) < self.max_num_seqs:
             sequence = self.swapped[0]
@@ -478,7 +481,7 @@ class SimDecodeWorker:
             self.num_free_blocks -= sequence.num_blocks
             self.running[sequence.request_id] = sequence
             num_swapped_in += sequence.num_tokens
-        while not self.swapped and self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             sequence = self.waiting.popleft()
             self.running[sequence.request_id] = sequence
         return num_swapped_in

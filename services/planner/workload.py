@@ -82,7 +82,8 @@ def _read_jsonl(path: Path) -> list[SimRequest]:
             requests.append(_from_line(json.loads(line)))
         except KeyError as error:
             raise WorkloadError(f"{path}:{number}: missing field {error}") from None
-        except (json.JSONDecodeError, TypeError, ValueError, OverflowError) as error:
+        # (RecursionError: a line nested past the JSON parser's depth.)
+        except (TypeError, ValueError, OverflowError, RecursionError) as error:
             raise WorkloadError(f"{path}:{number}: {error}") from None
     return requests
 
@@ -152,6 +153,8 @@ def _generate(spec: str) -> list[SimRequest]:
     requests, now = [], 0.0
     for index in range(num_requests):
         now += rng.expovariate(rate)
+        if now == math.inf:  # (the simulation would tick towards it forever)
+            raise WorkloadError(f"rate={fields['rate']} is too low: arrival times overflow")
         requests.append(
             SimRequest(
                 arrival_time=now,
