@@ -30,8 +30,9 @@ PAST_CONTEXTS = 2  # a prefix of this many contexts' tokens refuses the whole
 def refuse_far_past_context(
     tokenizer, request: GenerationRequest, max_model_len: int, template_tools: bool
 ) -> None:
-    """ApiError 400 when the request's prompt text is surely longer than twice the context
-    (its prefix's tokens); nothing otherwise, and nothing tokenized for a short prompt."""
+    """ApiError 400 when the request's prompt text is surely longer than the context (a prefix
+    of it alone is twice that); nothing otherwise, and nothing tokenized for a short prompt. A
+    chat long enough to probe is rendered here, and again by its tokenization if it passes."""
     longer_than = LONG_CHARS_PER_TOKEN * max_model_len
     text = _long_prompt_text(tokenizer, request, longer_than, template_tools)
     if text is None:
