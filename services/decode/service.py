@@ -70,6 +70,7 @@ class Route:
     local_sequence: Sequence | None = None
     # Prefilled elsewhere: the prefill worker's delta, streamed again ahead of the first here.
     repeat: wire.TokenDelta | None = None
+    registration: int = 0  # the worker's registration with the scheduler it came under
 
 
 def _first_delta_error(transfer: wire.KvTransfer) -> str | None:
@@ -117,6 +118,7 @@ class DecodeWorker(WorkerLoop):
         self.add_socket(self.kv_socket, router=True)
         self.reservations: dict[str, Reservation] = {}
         self.routes: dict[str, Route] = {}
+        self._registration = 0  # registrations with the scheduler since the first
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -216,6 +218,7 @@ class DecodeWorker(WorkerLoop):
             0,
             num_output_before=len(job.output_token_ids),
             local_sequence=self.engine.sequence(job.request_id),
+            registration=self._registration,
         )
         self.events.local_prefill(job.request_id, len(job.prompt_token_ids))
 
@@ -307,6 +310,7 @@ class DecodeWorker(WorkerLoop):
             0,
             num_output_before=len(transfer.output_token_ids),
             repeat=transfer.first_delta,
+            registration=self._registration,
         )
         num_bytes = transfer.keys.numel() * transfer.keys.element_size() * 2
         self.events.kv_received(request_id, transfer.num_tokens, num_bytes)
@@ -479,13 +483,26 @@ class DecodeWorker(WorkerLoop):
             self._report(request_id, "prefill", None, route.num_prompt_tokens, 0, num_cached)
         return dataclasses.replace(delta, num_cached_tokens=num_cached)
 
+    def _on_registered_again(self) -> None:
+        super()._on_registered_again()
+        self._registration += 1
+
     def _hand_back(self, request_id: str) -> None:
         """A sequence preempted for recompute goes back for prefill on a prefill worker (its
-        gateway resumes it from the tokens its client has), not recomputed here."""
+        gateway resumes it from the tokens its client has), not recomputed here. One of an
+        earlier registration's (a scheduler restarted meanwhile) is told its gateway directly
+        too: the new scheduler drops the report on an id this worker has not listed to it yet,
+        and the gateway waited for its orphan watch (30-60 s). Told twice, the gateway resumes
+        it once (the second word is on an attempt it dropped)."""
         route = self.routes.pop(request_id, None)
         if route is None:
             return
         self.log.info("handed back for recompute", request_id=request_id)
+        if route.registration != self._registration:
+            reason = f"preempted for recompute on {self.peer_id} (held across a scheduler restart)"
+            handed_back = wire.TokenDelta(request_id=request_id, token_ids=[],
+                                          finish_reason="preempted", error=reason)  # fmt: skip
+            self.streams.send({route.gateway_address: [handed_back]})
         self.link.send(
             wire.RequestDone(
                 request_id=request_id,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import zmq
 
-from services.decode.service import DecodeWorker
+from services.decode.service import DecodeWorker, Route
 from services.worker.config import WorkerConfig
 from shared import wire
 from shared.engine.engine import EngineConfig, LLMEngine
@@ -525,3 +525,51 @@ def test_a_local_job_with_max_tokens_below_one_is_refused_naming_it(setup):
     assert delta.finish_reason == "error" and "max_tokens" in delta.error
     done = scheduler.expect(wire.RequestDone)
     assert (done.phase, done.finish_reason) == ("prefill", "rejected")
+
+
+def test_a_hand_back_of_an_earlier_registrations_sequence_tells_its_gateway_too(
+    tmp_path, tiny_model_dir
+):
+    """A sequence handed back for recompute after the worker registered again (a scheduler
+    restart) is told its gateway directly as well as reported: the new scheduler drops a
+    report on an id the worker has not listed to it yet, and the gateway waited 30-60 s for
+    its orphan watch. One of the current registration is only reported (the scheduler tells
+    the gateway)."""
+    context = zmq.Context()
+    scheduler = FakeScheduler(context, f"ipc://{tmp_path}/s.sock")
+    gateway = context.socket(zmq.PULL)
+    gateway_address = f"ipc://{tmp_path}/g.sock"
+    gateway.bind(gateway_address)
+    config = WorkerConfig(
+        scheduler_address=f"ipc://{tmp_path}/s.sock",
+        address=f"ipc://{tmp_path}/d.sock",
+        peer_id="d",
+        model=str(tiny_model_dir),
+        dtype="float32",
+        kv_cache_bytes=1 << 20,
+        block_size=4,
+    )
+    worker = DecodeWorker(config, context)  # (its loop not run: the test calls it)
+    try:
+        assert worker.streams.check(gateway_address) is None
+        worker.routes["old"] = Route(gateway_address, 8, 3, 1, registration=0)
+        worker._on_registered_again()  # (a restarted scheduler welcomed it)
+        now = worker._registration
+        worker.routes["new"] = Route(gateway_address, 8, 3, 1, registration=now)
+        worker._hand_back("new")
+        worker._hand_back("old")
+        reports = [scheduler.expect(wire.RequestDone) for _ in range(2)]
+        assert [(r.request_id, r.finish_reason) for r in reports] == [
+            ("new", "preempted"),
+            ("old", "preempted"),
+        ]
+        assert gateway.poll(5_000)
+        (told,) = wire.recv(gateway).deltas
+        assert (told.request_id, told.finish_reason) == ("old", "preempted")
+        assert "scheduler restart" in told.error
+        assert not gateway.poll(500)  # the current registration's: the scheduler tells it
+    finally:
+        worker.close()
+        gateway.close()
+        scheduler.socket.close()
+        context.term()
