@@ -118,7 +118,6 @@ class DecodeWorker(WorkerLoop):
         self.add_socket(self.kv_socket, router=True)
         self.reservations: dict[str, Reservation] = {}
         self.routes: dict[str, Route] = {}
-        self._registration = 0  # registrations with the scheduler since the first
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -225,13 +224,8 @@ class DecodeWorker(WorkerLoop):
     def _end_here_at_max_tokens(self, job: wire.PrefillJob) -> None:
         """A job whose earlier output already holds max_tokens tokens ends at once, "length",
         as a transfer at max_tokens does (`_end_at_max_tokens`): no token more."""
-        output_length = len(job.output_token_ids)
-        end = wire.TokenDelta(request_id=job.request_id, token_ids=[], finish_reason="length",
-                              index=output_length)  # fmt: skip
-        self.streams.send({job.gateway_address: [end]})
-        self.events.decode_finished(job.request_id, "length", 0)
-        num_prompt = len(job.prompt_token_ids)
-        self._report(job.request_id, "decode", "length", num_prompt, 0, 0, output_length)
+        num_prompt, output_length = len(job.prompt_token_ids), len(job.output_token_ids)
+        self._end_at_length(job.request_id, job.gateway_address, num_prompt, output_length)
 
     def _refuse_here(self, job: wire.PrefillJob, refusal: str) -> None:
         """A prefill job this worker cannot run ends for good: an error to its gateway, and
@@ -325,17 +319,28 @@ class DecodeWorker(WorkerLoop):
         request_id = transfer.request_id
         reservation = self.reservations.pop(request_id)
         self.blocks.free(reservation.block_ids)
-        output_length = len(transfer.output_token_ids)
+        num_prompt, output_length = len(transfer.prompt_token_ids), len(transfer.output_token_ids)
+        self._end_at_length(
+            request_id, transfer.gateway_address, num_prompt, output_length, transfer.first_delta
+        )
+        return wire.KvAck(request_id=request_id, ok=True, error=None)
+
+    def _end_at_length(
+        self,
+        request_id: str,
+        gateway_address: str,
+        num_prompt: int,
+        output_length: int,
+        first: wire.TokenDelta | None = None,
+    ) -> None:
+        """Ends a request whose output already holds max_tokens tokens, "length", with no
+        token more: its gateway told (after `first`, the delta streamed again, if any) and the
+        scheduler."""
         end = wire.TokenDelta(request_id=request_id, token_ids=[], finish_reason="length",
                               index=output_length)  # fmt: skip
-        first = transfer.first_delta
-        self.streams.send(
-            {transfer.gateway_address: [end if first is None else joined(first, end)]}
-        )
+        self.streams.send({gateway_address: [end if first is None else joined(first, end)]})
         self.events.decode_finished(request_id, "length", 0)
-        num_prompt = len(transfer.prompt_token_ids)
         self._report(request_id, "decode", "length", num_prompt, 0, 0, output_length)
-        return wire.KvAck(request_id=request_id, ok=True, error=None)
 
     def _salt(self, cache_salt: str | None) -> str | None:
         return None if self.config.share_prefix_cache else cache_salt
@@ -482,10 +487,6 @@ class DecodeWorker(WorkerLoop):
         if not finished:
             self._report(request_id, "prefill", None, route.num_prompt_tokens, 0, num_cached)
         return dataclasses.replace(delta, num_cached_tokens=num_cached)
-
-    def _on_registered_again(self) -> None:
-        super()._on_registered_again()
-        self._registration += 1
 
     def _hand_back(self, request_id: str) -> None:
         """A sequence preempted for recompute goes back for prefill on a prefill worker (its

@@ -112,7 +112,6 @@ class PrefillWorker(WorkerLoop):
         # Per decode address with a socket (monotonic): when it was opened, and last acked.
         self._opened_at: dict[str, float] = {}
         self._last_ack_at: dict[str, float] = {}
-        self._registration = 0  # registrations with the scheduler since the first
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -186,7 +185,6 @@ class PrefillWorker(WorkerLoop):
         reservation (`_cancel_at_scheduler`). Jobs whose room was confirmed go on: their
         decode worker expects their KV, and streams on."""
         super()._on_registered_again()
-        self._registration += 1
         orphans = [parked[0] for parked in self.awaiting_grant.values()]
         orphans += [
             running.job

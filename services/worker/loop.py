@@ -55,6 +55,9 @@ class WorkerLoop(abc.ABC):
         if config.threads:
             torch.set_num_threads(config.threads)
         self.peer_id = config.resolved_peer_id(self.role)
+        # Registrations with the scheduler since the first: what a request came under tells
+        # whether the scheduler that placed it is still the one this worker answers to.
+        self._registration = 0
         self.log = get_logger(peer_id=self.peer_id)
         self.events = self.events_class(self.log)
         self._check_before_loading(engine_overrides)
@@ -319,7 +322,8 @@ class WorkerLoop(abc.ABC):
         cache set with it: the next heartbeat carries the whole set. A role also lets go of
         what it awaited from the old registration's requests, which will not come (a decode
         worker's reservations await KV from prefill workers, which may still come; their
-        leases end the rest)."""
+        leases end the rest). `_registration` counts it before the role's part runs."""
+        self._registration += 1
         if self.cache_events is not None:
             self.cache_events.resync()
 

@@ -22,21 +22,26 @@ from tests.integration.conftest import FakeScheduler, WorkerThread
 PROMPT = [5, 17, 33, 9, 101, 7, 64, 12, 3, 99, 41, 8, 55, 21, 13, 77, 3, 250]
 
 
+def decode_config(tmp_path, model_dir) -> WorkerConfig:
+    """A decode worker `d` of the tiny model, its scheduler at `s.sock`, its KV at `d.sock`."""
+    return WorkerConfig(
+        scheduler_address=f"ipc://{tmp_path}/s.sock",
+        address=f"ipc://{tmp_path}/d.sock",
+        peer_id="d",
+        model=str(model_dir),
+        dtype="float32",
+        kv_cache_bytes=1 << 20,
+        block_size=4,
+    )
+
+
 @pytest.fixture
 def setup(tmp_path, tiny_model_dir):
     context = zmq.Context()
     scheduler = FakeScheduler(context, f"ipc://{tmp_path}/s.sock")
     gateway = context.socket(zmq.PULL)
     gateway.bind(f"ipc://{tmp_path}/g.sock")
-    config = WorkerConfig(
-        scheduler_address=f"ipc://{tmp_path}/s.sock",
-        address=f"ipc://{tmp_path}/d.sock",
-        peer_id="d",
-        model=str(tiny_model_dir),
-        dtype="float32",
-        kv_cache_bytes=1 << 20,
-        block_size=4,
-    )
+    config = decode_config(tmp_path, tiny_model_dir)
     worker = WorkerThread(DecodeWorker(config, context)).start()
     scheduler.expect(wire.Heartbeat)
     peer = context.socket(zmq.DEALER)
@@ -540,16 +545,8 @@ def test_a_hand_back_of_an_earlier_registrations_sequence_tells_its_gateway_too(
     gateway = context.socket(zmq.PULL)
     gateway_address = f"ipc://{tmp_path}/g.sock"
     gateway.bind(gateway_address)
-    config = WorkerConfig(
-        scheduler_address=f"ipc://{tmp_path}/s.sock",
-        address=f"ipc://{tmp_path}/d.sock",
-        peer_id="d",
-        model=str(tiny_model_dir),
-        dtype="float32",
-        kv_cache_bytes=1 << 20,
-        block_size=4,
-    )
-    worker = DecodeWorker(config, context)  # (its loop not run: the test calls it)
+    # (Its loop not run: the test calls it.)
+    worker = DecodeWorker(decode_config(tmp_path, tiny_model_dir), context)
     try:
         assert worker.streams.check(gateway_address) is None
         worker.routes["old"] = Route(gateway_address, 8, 3, 1, registration=0)

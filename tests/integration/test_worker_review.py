@@ -9,10 +9,9 @@ import pytest
 import zmq
 
 from services.decode.service import DecodeWorker
-from services.worker.config import WorkerConfig
 from shared import wire
 from shared.engine.sampling_params import SamplingParams
-from tests.integration.test_decode_worker import PROMPT, prefilled_transfer
+from tests.integration.test_decode_worker import PROMPT, decode_config, prefilled_transfer
 
 
 @pytest.fixture
@@ -21,16 +20,8 @@ def decode(tmp_path, tiny_model_dir):
     gateway = context.socket(zmq.PULL)
     gateway.setsockopt(zmq.LINGER, 0)
     gateway.bind(f"ipc://{tmp_path}/g.sock")
-    config = WorkerConfig(
-        scheduler_address=f"ipc://{tmp_path}/s.sock",  # (nobody: its messages queue)
-        address=f"ipc://{tmp_path}/d.sock",
-        peer_id="d",
-        model=str(tiny_model_dir),
-        dtype="float32",
-        kv_cache_bytes=1 << 20,
-        block_size=4,
-    )
-    worker = DecodeWorker(config, context)
+    # (Its scheduler is nobody: its messages queue.)
+    worker = DecodeWorker(decode_config(tmp_path, tiny_model_dir), context)
     yield worker, gateway, f"ipc://{tmp_path}/g.sock", tiny_model_dir
     worker.close()
     context.destroy(linger=0)
