@@ -67,7 +67,7 @@ def json_string_pattern(pattern: str, param: str) -> str:
                 f" or repeat less (pattern {pattern!r})",
             )
         return translated
-    except re.error as error:
+    except (re.error, OverflowError) as error:  # (Overflow: a count of 2**32 - 1 or more)
         raise InvalidRequestError(param, f"is not a valid regex: {error}") from None
     except RecursionError:
         raise InvalidRequestError(param, "the regex nests too deep") from None
