@@ -20,6 +20,7 @@ from pathlib import Path
 from services.gateway.openai_protocol import ApiError
 
 MIN_KEY_CHARS = 16
+MAX_KEY_CHARS = 256  # what an RPC call's `api_key` carries (shared/wire_rpc.py)
 _KEY = re.compile(r"[A-Za-z0-9._~+/-]+")  # printable, no separators or whitespace
 _TENANT = re.compile(r"[A-Za-z0-9._@-]{1,256}")
 
@@ -62,10 +63,11 @@ class ApiKeys:
         tenants: dict[str, str | None] = {}
         for where, entry in located:
             key, sep, tenant = (part.strip() for part in entry.partition("="))
-            if len(key) < MIN_KEY_CHARS or not _KEY.fullmatch(key):
+            if not MIN_KEY_CHARS <= len(key) <= MAX_KEY_CHARS or not _KEY.fullmatch(key):
                 raise KeyConfigError(
-                    f"{where}: a key is at least {MIN_KEY_CHARS} characters of letters, digits "
-                    "and ._~+/- (generate one with `openssl rand -hex 24`)"
+                    f"{where}: a key is at least {MIN_KEY_CHARS} and at most {MAX_KEY_CHARS} "
+                    "characters of letters, digits and ._~+/- (generate one with `openssl rand "
+                    "-hex 24`)"
                 )
             if sep and not _TENANT.fullmatch(tenant):
                 raise KeyConfigError(f"{where}: the tenant after '=' must match {_TENANT.pattern}")
