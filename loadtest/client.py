@@ -4,7 +4,8 @@ OpenAI-compatible server, measured as its clients see it.
 Every request is a `/v1/completions` call (greedy, `ignore_eos`), streamed with `stream_options:
 include_usage` unless the request says otherwise, sent at its arrival time (or all at once) on its
 own connection, so that a slow request never queues another in the client. Each record notes
-when the request was due (scheduled: the run's start plus its arrival time), when it went on the
+when the request was due (scheduled: the run's start plus its arrival time, counted from the
+workload's first arrival, so a log's Unix timestamps replay from its start), when it went on the
 wire (sent: httpcore's trace event as its request headers start to be written, after the body is
 built and the connection opened, so that the client's own work in a burst is not charged to the
 server's TTFT but shows as send lateness), when each chunk carrying output arrived (a chunk with
@@ -224,10 +225,11 @@ async def run_workload(
         headers=headers,
     ) as client:
         clock = clock or Clock()
-        start = clock()  # the schedule's origin: arrival times count from here
+        start = clock()  # the schedule's origin: the first arrival is due here
+        first = min((r.arrival_time for r in requests), default=0.0)
 
         async def one(request: WorkloadRequest, record: RequestRecord) -> None:
-            due = start + request.arrival_time if honor_arrivals else start
+            due = start + (request.arrival_time - first) if honor_arrivals else start
             await send_one(client, model, request, record, clock, honor_arrivals, timeout_s,
                            send_text, scheduled_time=due)  # fmt: skip
             if on_done is not None:

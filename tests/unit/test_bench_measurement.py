@@ -280,6 +280,21 @@ def test_a_client_that_falls_behind_its_schedule_is_reported_and_warned():
     assert client_warnings(summarize(records[:1])) == []
 
 
+def test_arrival_times_count_from_the_first_so_a_log_of_unix_timestamps_replays():
+    """A production log's arrival times are Unix timestamps: the client slept until start +
+    1.7e9 s (decades), or every request was cancelled at the deadline."""
+    epoch = 1.7e9
+    requests = [WorkloadRequest("x", 1, epoch + 0.05 * i, [100 + i, 5]) for i in range(3)]
+    with serving(FakeSSE()) as url:
+        result = asyncio.run(run_workload(url, "m", requests, deadline_s=5.0))
+    records = result.records
+    assert all(r.ok for r in records), [r.error for r in records]
+    start = records[0].scheduled_time
+    for record, request in zip(records, requests, strict=True):
+        due = start + (request.arrival_time - epoch)
+        assert record.scheduled_time == pytest.approx(due, abs=1e-6)
+
+
 # --- 3 and 8. failures beside the percentiles, and the samples behind them ---------------------
 
 
