@@ -8,9 +8,10 @@ Two spellings, so that clients of either work unchanged:
   `choice` (a list of strings), `grammar` (EBNF, xgrammar's dialect) or `json_object: true`.
 
 At most one of the two may ask for something. The constraint is parsed by the grammar engine
-here (`to_grammar`, which needs no tokenizer), so an invalid schema, regex or grammar, and any
-schema keyword the engine cannot enforce, is answered with a 400 naming the field before the
-request reaches the cluster; the compile against the vocabulary happens on the workers.
+here (`to_grammar`, which needs no tokenizer), so an invalid schema, regex or grammar, any schema
+keyword the engine cannot enforce, and a grammar, schema or regex that can never end, is
+answered with a 400 naming the field before the request reaches the cluster; the compile
+against the vocabulary happens on the workers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from services.gateway.grammar_check import check_rules_end
 from shared.engine.constraint import (
     Constraint,
     choice_constraint,
@@ -52,8 +54,12 @@ def check_parses(constraint: Constraint) -> None:
     """Parses the constraint with the grammar engine (InvalidRequestError if it cannot), once
     per distinct constraint: this runs on the gateway's event loop, where each prompt of a
     completions batch, and each turn of an agent, brings the same schema again (a refusal is
-    not remembered: it names the field of the request at hand)."""
-    to_grammar(constraint)
+    not remembered: it names the field of the request at hand). A grammar must also be able
+    to end wherever the model may go, and so must a schema's and a regex's: xgrammar compiles
+    one that cannot, and the request failed at generation (grammar_check)."""
+    grammar = to_grammar(constraint)
+    if constraint.kind in ("grammar", "json_schema", "regex"):
+        check_rules_end(grammar, constraint)
 
 
 def _fail(param: str, message: str) -> Any:

@@ -105,27 +105,6 @@ def test_regex_choice_and_grammar_outputs_match(openai_client):
     assert re.fullmatch(r"\([1-9][0-9]? \+ [1-9][0-9]?\)", sum_text)
 
 
-@pytest.mark.parametrize(
-    "grammar",
-    ['root ::= x\nx ::= x "b"', 'root ::= "a" x\nx ::= x "b"'],
-    ids=["at-the-first-token", "after-it"],  # the prefill worker's draw, the decode worker's
-)
-def test_a_grammar_that_leads_nowhere_fails_with_the_reason(openai_client, grammar):
-    """It parses, but allows no token at some point: the request drew token 0 there until
-    max_tokens (or, at the first token, failed the decode worker's replay of it)."""
-    import openai
-
-    with pytest.raises(openai.APIStatusError) as info:
-        openai_client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Say something."}],
-            max_tokens=40,
-            temperature=0,
-            extra_body={"structured_outputs": {"grammar": grammar}},
-        )
-    assert "allows no next token" in str(info.value)
-
-
 def test_json_object_and_streaming(openai_client):
     """Any JSON object: the model picks its size, so it may run out of tokens; then the answer
     says "length" and is no complete object, never a truncated one passed off as whole."""
@@ -177,6 +156,18 @@ def test_cut_by_max_tokens_mid_structure_says_length(openai_client):
     [
         ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
         ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
+        # Grammars that parse but cannot end: a 500 at generation ("the output constraint
+        # allows no next token") at the first token, or after it, until December 2026. The
+        # worker's own answer to a dead end stays covered in tests/engine/test_grammar_engine.py
+        # (the default model's byte-level vocabulary spells any text the gateway lets through).
+        (
+            {"structured_outputs": {"grammar": 'root ::= x\nx ::= x "b"'}},
+            "structured_outputs.grammar",
+        ),
+        (
+            {"structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x "b"'}},
+            "structured_outputs.grammar",
+        ),
         (
             {
                 "response_format": {

@@ -232,3 +232,197 @@ def test_a_forced_tool_calls_schema_is_parsed_once(grammar_parses):
         }
         parse_chat_request(body, MODEL, MAX_LEN)
     assert len(grammar_parses) == 2  # the tool's parameters (a 400 names them), and the call
+
+
+# Grammars that parse but whose rules cannot all end: xgrammar accepted them and the request
+# failed at generation (a 500, "the output constraint allows no next token") or, where the
+# matcher let the model into a rule without an end, ran to max_tokens. (rule named, grammar)
+NEVER_ENDING = [
+    ("root", 'root ::= "a" root'),  # only refers to itself
+    ("root", "root ::= a\na ::= b\nb ::= a"),  # rules leading only to one another
+    ("x", 'root ::= x\nx ::= x "b"'),  # left recursion without a base case
+    ("x", 'root ::= "a" x\nx ::= x "b"'),  # "a", then nothing can follow
+    ("x", 'root ::= "a" x\nx ::= "b" x'),  # "a", then "b" forever
+    ("b", 'root ::= a\na ::= "a" a | "b" b\nb ::= "b" b'),  # no alternative ends
+    # The root can end, but the model could walk into a rule that cannot: after "a" the
+    # matcher allowed "b", and then only "b" again, to max_tokens.
+    ("x", 'root ::= "a" | "a" x\nx ::= "b" x'),
+    ("x", 'root ::= "a" x?\nx ::= "b" x'),
+    ("x", 'root ::= "a" x*\nx ::= "b" x'),
+    ("x", 'root ::= ("c" x)+ | "d"\nx ::= "b" x'),
+    ("x", 'root ::= "a" x{1,3}\nx ::= "b" x'),
+    ("x", 'root ::= "a" x{0,3}\nx ::= "b" x'),
+    ("x", 'root ::= TagDispatch(("<a>", x))\nx ::= "b" x'),
+    # A character class that matches no character: nothing can follow "a".
+    ("root", 'root ::= "a" [^\\0-\\U0010ffff]'),
+    ("x", 'root ::= "a" | "b" x\nx ::= [^\\0-\\x7f\\x80-\\U0010ffff] "c"'),
+]
+
+
+@pytest.mark.parametrize(("rule", "grammar"), NEVER_ENDING)
+def test_a_grammar_whose_rules_cannot_end_is_refused_naming_the_rule(rule, grammar):
+    with pytest.raises(ApiError) as info:
+        parse_chat_request({**CHAT, "structured_outputs": {"grammar": grammar}}, MODEL, MAX_LEN)
+    assert info.value.status == 400
+    assert info.value.param == "structured_outputs.grammar", info.value.message
+    assert f"`{rule}`" in info.value.message and "never end" in info.value.message
+
+
+def _printed_schema_grammar(schema: dict) -> str:
+    from shared.engine.constraint import schema_constraint
+
+    return str(to_grammar(schema_constraint(schema, "s")))
+
+
+TREE = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 8},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+            },
+            "required": ["name", "children"],
+            "additionalProperties": False,
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+CAN_END = [
+    'root ::= "a" | "b"',
+    'root ::= ""',
+    'root ::= "x" | "a" root',  # recursion with a base case
+    'root ::= x\nx ::= "b" | x "b"',  # left recursion with one
+    'root ::= a\na ::= "(" b ")" | "x"\nb ::= a | a "," b',  # mutual recursion with one
+    'root ::= "(" num " + " num ")"\nnum ::= [1-9] [0-9]?',
+    'root ::= ("a" | "b")* "c"?',
+    'root ::= [a-z]+ [^0-9]{2,5} "q"{3} [\\x00-\\x1f\\\\\\]\\-]*',
+    'root ::= "a" x*\nx ::= "b" | "c" x',
+    'root ::= "a" (x | "d")+\nx ::= "b" x?',
+    'root ::= "a" x{2,}\nx ::= "b"',
+    "root ::= x{0,0}\nx ::= x",  # never entered
+    'root ::= "a"\nunused ::= unused',  # never reached
+    'root ::= "a" x\nx ::= "b" (= "c")',  # a lookahead is no part of the text
+    'root ::= TagDispatch(("<a>", x), ("<b>", y))\nx ::= "q"\ny ::= "z" y | ""',
+    'root ::= Regex("[a-z]+") Token(1, 2)',
+    'root ::= "a" [^\\0-\\U0010ffff]* [^\\0-\\U0010fffe]',  # none of none; the last one
+    'root ::= "\\"" ([^"\\\\] | "\\\\" ["\\\\nt])* "\\""',  # a string with escapes
+    # Grammars the engine writes, read back: every construct its printed form has.
+    _printed_schema_grammar(TREE),
+    _printed_schema_grammar({"type": "object"}),
+    _printed_schema_grammar(
+        {
+            "type": "object",
+            "properties": {
+                "s": {"type": "string", "pattern": "^[a-z]{2,4}$"},
+                "n": {"type": "integer", "minimum": -3, "maximum": 90},
+                "e": {"enum": ["a", 1, None]},
+                "l": {"type": "array", "items": {"type": "number"}, "minItems": 1},
+                "u": {"anyOf": [{"type": "boolean"}, {"type": "string", "maxLength": 3}]},
+            },
+        }
+    ),
+]
+
+
+@pytest.mark.parametrize("grammar", CAN_END)
+def test_a_grammar_whose_rules_can_all_end_passes(grammar):
+    assert constraint(structured_outputs={"grammar": grammar}) == Constraint("grammar", grammar)
+
+
+def test_the_builtin_json_grammar_passes():
+    import xgrammar as xgr
+
+    grammar = str(xgr.Grammar.builtin_json_grammar())
+    assert constraint(structured_outputs={"grammar": grammar}).spec == grammar
+
+
+def _node(child: dict, required: bool) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 5}, "child": child},
+        "required": ["name", "child"] if required else ["name"],
+    }
+
+
+# Schemas whose `$ref`s lead back through required properties or items only: no finite value
+# meets them, and the model wrote `{"child": {"child": ...` to max_tokens ("length", no JSON).
+ENDLESS_SCHEMAS = [
+    _node({"$ref": "#"}, required=True),
+    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    {
+        "$defs": {"a": _node({"$ref": "#/$defs/b"}, True), "b": _node({"$ref": "#/$defs/a"}, True)},
+        "$ref": "#/$defs/a",
+    },  # fmt: skip
+    # A value can end, but a part the model may enter cannot.
+    {
+        "$defs": {"loop": _node({"$ref": "#/$defs/loop"}, True)},
+        **_node({"$ref": "#/$defs/loop"}, required=False),
+    },  # fmt: skip
+    {
+        "anyOf": [{"type": "null"}, {"$ref": "#/$defs/x"}],
+        "$defs": {"x": _node({"$ref": "#/$defs/x"}, True)},
+    },
+]
+
+
+@pytest.mark.parametrize("schema", ENDLESS_SCHEMAS)
+def test_a_schema_with_no_finite_value_is_refused(schema):
+    for fields, param in (
+        ({"structured_outputs": {"json": schema}}, "structured_outputs.json"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": schema},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+    ):
+        refused(param, "never end", **fields)
+
+
+FINITE_SCHEMAS = [
+    _node({"$ref": "#"}, required=False),  # a tree: the child may be left out
+    {"type": "array", "items": {"$ref": "#"}},  # [] ends it
+    {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+    {"anyOf": [{"type": "null"}, _node({"$ref": "#"}, True)]},  # null ends it
+    {
+        "$defs": {
+            "t": {
+                "anyOf": [
+                    {"type": "integer"},
+                    {"type": "array", "items": {"$ref": "#/$defs/t"}, "minItems": 1},
+                ]
+            }
+        },
+        "$ref": "#/$defs/t",
+    },  # fmt: skip
+    TREE,
+]
+
+
+@pytest.mark.parametrize("schema", FINITE_SCHEMAS)
+def test_a_recursive_schema_with_a_base_case_passes(schema):
+    assert constraint(structured_outputs={"json": schema}).kind == "json_schema"
+
+
+@pytest.mark.parametrize("regex", [r"[^\s\S]", r"a[^\d\D]", r"a([^\s\S]|[^\d\D])+"])
+def test_a_regex_that_no_text_can_match_is_refused(regex):
+    """A character class that matches no character: the request failed at generation where
+    nothing could follow ("the output constraint allows no next token", a 500)."""
+    refused("structured_outputs.regex", "matches no character", structured_outputs={"regex": regex})
+
+
+@pytest.mark.parametrize("regex", [r"a|[^\s\S]", r"(a|[^\s\S]b)c", r"a[^\s\S]*", r"[^\x00-\uffff]"])
+def test_a_regex_whose_empty_classes_are_never_needed_passes(regex):
+    assert constraint(structured_outputs={"regex": regex}) == Constraint("regex", regex)
+
+
+def test_a_forced_tools_endless_parameters_are_refused_naming_them():
+    """A forced call is held to its tool's parameters: an object that must contain itself was
+    `{"child": {"child": ...` to max_tokens, a call that never parsed."""
+    parameters = _node({"$ref": "#"}, required=True)
+    tool = {"type": "function", "function": {"name": "walk", "parameters": parameters}}
+    refused("tools[0].function.parameters", "never end", tools=[tool], tool_choice="required")
