@@ -8,7 +8,8 @@ configuration meeting every objective with its predicted percentiles, the runner
 simulator's speed, and writes a plot of goodput against cost; `--emit compose|k8s` prints a
 compose override file with the chunk budget and the `docker compose --scale` command using it,
 or a kustomize overlay with the replica counts, the budget and the autoscalers' bounds. When
-nothing within `--max-workers` meets the objectives it says so, shows the closest, and exits 1.
+nothing within `--max-workers` meets the objectives it says so, shows the closest, and exits 1;
+so it does, sooner, when doubling the workers no longer brings any closer to them.
 A configuration's simulation stops as soon as its objectives can no longer be met (its verdict
 is the same, found sooner: `services/planner/slo_watch.py`); `--simulate-all` plays every one
 to the end, for goodput figures of the failing ones too.
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem plan: note: {note}", file=sys.stderr)
     cut_hopeless = not args.simulate_all
     with Judges(profile, requests, limits, slo, jobs, prefix_cache, cut_hopeless) as judges:
-        plan = search(args.max_workers, budgets, judges, args.max_splits)
+        plan = search(args.max_workers, budgets, judges, args.max_splits, slo, judges.wholes)
         closest = plan.runners_up(1)
         if plan.best is None and closest and closest[0].cut_short is not None:
             # A refusal should say how far off the best try is, not only when it gave up.
@@ -199,10 +200,16 @@ def report(
     objectives = ", ".join(f"{k} <= {_ms(v)} ms" for k, v in slo.items())
     lines = []
     if plan.best is None:
-        lines.append(
-            f"no configuration of at most {max_workers} workers meets {objectives} with every "
-            f"request served; the closest:"
-        )
+        if plan.stalled is not None:  # (the search stopped short of max_workers)
+            lines.append(
+                f"no configuration meets {objectives} with every request served: "
+                f"{plan.stalled}; the closest:"
+            )
+        else:
+            lines.append(
+                f"no configuration of at most {max_workers} workers meets {objectives} with "
+                f"every request served; the closest:"
+            )
         lines += [f"  {describe(c)}" for c in plan.runners_up()]
         if plan.closest_whole is not None:
             lines.append("the closest, simulated to its end:")
@@ -350,6 +357,8 @@ def _write(plan: Plan, folder: Path) -> None:
     rows = [_row(c) for c in plan.tried]
     best = rows[plan.tried.index(plan.best)] if plan.best else None
     data = {"best": best, "tried": rows, "events_per_s": plan.events_per_s}
+    if plan.stalled is not None:
+        data["stalled"] = plan.stalled
     if plan.closest_whole is not None:
         data["closest_whole"] = _row(plan.closest_whole)
     (folder / "plan.json").write_text(json.dumps(data, indent=2) + "\n")

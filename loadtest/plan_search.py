@@ -9,6 +9,10 @@ cost up to 16 workers, then doubling, then bisecting between the last failing an
 meeting cost, as meeting the SLOs is monotone in cost for the best split); at each cost it tries
 the splits between prefill and decode (all of them, or `max_splits` spread evenly) and every
 chunk budget, and stops at the first cost where some configuration meets the objectives.
+While doubling, it also stops when a doubling brought the cost level no closer to them (its
+configurations simulated to their ends: no fewer errors, no more requests within the bounds, no
+missed percentile lower): the workers added sat idle as far as the objectives go, and doubling
+on to --max-workers only simulated ever larger idle clusters (minutes).
 """
 
 from __future__ import annotations
@@ -215,8 +219,18 @@ class Judges:
 
     def whole(self, candidate: Candidate) -> Candidate:
         """The candidate's configuration simulated to its end (in this process)."""
-        configuration = (candidate.num_prefill, candidate.num_decode, candidate.chunk_budget)
-        return _judge((*self._work[:-1], False), configuration)
+        return _judge((*self._work[:-1], False), _configuration(candidate))
+
+    def wholes(self, candidates: list[Candidate]) -> list[Candidate]:
+        """The candidates as simulated to their ends (side by side): those cut short again,
+        whole; the others as they are."""
+        cut = [c for c in candidates if c.cut_short is not None]
+        if self._pool is None or len(cut) <= 1:
+            redone = [self.whole(c) for c in cut]
+        else:
+            redone = list(self._pool.map(_judged_whole, map(_configuration, cut)))
+        again = iter(redone)
+        return [next(again) if c.cut_short is not None else c for c in candidates]
 
     def __enter__(self) -> Judges:
         return self
@@ -247,6 +261,15 @@ def _judged(configuration: Configuration) -> Candidate:
     return _judge(_held, configuration)
 
 
+def _judged_whole(configuration: Configuration) -> Candidate:
+    assert _held is not None, "a judging process starts with _hold"
+    return _judge((*_held[:-1], False), configuration)
+
+
+def _configuration(candidate: Candidate) -> Configuration:
+    return candidate.num_prefill, candidate.num_decode, candidate.chunk_budget
+
+
 def _judge(work: Work, configuration: Configuration) -> Candidate:
     profile, requests, limits, slo, prefix_cache, cut_hopeless = work
     num_prefill, num_decode, budget = configuration
@@ -272,10 +295,13 @@ class Plan:
     real_s: float = 0.0
     # When none meets and the closest was cut short: it again, simulated to its end.
     closest_whole: Candidate | None = None
+    # Why the doubling stopped short of max_workers, none meeting (more workers did not help).
+    stalled: str | None = None
+    num_other_events: int = 0  # of the cut configurations simulated again whole to compare
 
     @property
     def num_events(self) -> int:
-        return sum(c.num_events for c in self.tried)
+        return sum(c.num_events for c in self.tried) + self.num_other_events
 
     @property
     def events_per_s(self) -> float:
@@ -303,37 +329,104 @@ def search(
     chunk_budgets: list[int],
     judge: Callable[[list[Configuration]], list[Candidate]],
     max_splits: int = 8,
+    slo: dict[str, float] | None = None,
+    whole: Callable[[list[Candidate]], list[Candidate]] | None = None,
 ) -> Plan:
     """The cheapest meeting configuration within `max_workers` (see the module doc). `judge`
     simulates the configurations of one cost (all at once: it may run them side by side) and
-    returns their candidates in the same order."""
+    returns their candidates in the same order. With `slo` and `whole` (candidates simulated to
+    their ends, `Judges.wholes`), a doubling that brings no cost level closer to `slo` stops
+    the search (`Plan.stalled`)."""
     started = time.perf_counter()
     plan = Plan(best=None)
 
-    def best_at(cost: int) -> Candidate | None:
+    def level_at(cost: int) -> list[Candidate]:
         found = judge(
             [(p, d, budget) for p, d in splits(cost, max_splits) for budget in chunk_budgets]
         )
         plan.tried.extend(found)
-        meeting = sorted((c for c in found if c.meets), key=_rank)
+        return found
+
+    redone: dict[str, Candidate] = {}  # cut configurations simulated again whole, by name
+
+    def whole_level(level: list[Candidate]) -> list[Candidate]:
+        assert whole is not None, "only a search given `whole` compares whole levels"
+        missing = [c for c in level if c.cut_short is not None and c.name not in redone]
+        for candidate in whole(missing) if missing else []:
+            redone[candidate.name] = candidate
+            plan.num_other_events += candidate.num_events
+        return [redone.get(c.name, c) for c in level]
+
+    def best_of(level: list[Candidate]) -> Candidate | None:
+        meeting = sorted((c for c in level if c.meets), key=_rank)
         return meeting[0] if meeting else None
 
     low, cost = 1, 2  # low: the highest cost known to fail
+    previous: list[Candidate] = []  # the level of cost `low`
     while cost <= max_workers:
-        best = best_at(cost)
+        level = level_at(cost)
+        best = best_of(level)
         if best is not None:
             plan.best = best
             break
-        low = cost
+        compare = slo is not None and whole is not None and cost > LINEAR_COSTS
+        if compare and not _came_closer(previous, level, slo or {}, whole_level):
+            plan.stalled = (
+                f"the {cost}-worker configurations came no closer than the {low}-worker "
+                "ones (simulated to their ends: no fewer errors, no more requests within "
+                "the bounds, no missed percentile lower), so more workers do not help"
+            )
+            break
+        previous, low = level, cost
         cost = cost + 1 if cost < LINEAR_COSTS else min(cost * 2, max(max_workers, cost + 1))
     if plan.best is not None:
         high = plan.best.cost
         while high - low > 1:
             middle = (low + high) // 2
-            best = best_at(middle)
+            best = best_of(level_at(middle))
             if best is not None:
                 plan.best, high = best, middle
             else:
                 low = middle
     plan.real_s = time.perf_counter() - started
     return plan
+
+
+def _came_closer(
+    before: list[Candidate],
+    after: list[Candidate],
+    slo: dict[str, float],
+    whole: Callable[[list[Candidate]], list[Candidate]],
+) -> bool:
+    """Whether the (costlier) level `after` came any closer to the objectives than `before`,
+    over its best configurations. Cut short later is closer (a cheap answer); else both levels
+    are simulated to their ends and compared: fewer errors, more requests within every bound,
+    or a missed percentile lower (beyond rounding) is closer. Nothing of that, and adding
+    workers did nothing for the objectives: what they need is not capacity."""
+    cut_before = [c.cut_at_s for c in before if c.cut_at_s is not None]
+    cut_after = [c.cut_at_s for c in after if c.cut_at_s is not None]
+    all_cut = len(cut_before) == len(before) and len(cut_after) == len(after)
+    if all_cut and max(cut_after) > max(cut_before):
+        return True
+    before, after = whole(before), whole(after)
+    if _fewest_errors(after) < _fewest_errors(before) or _most_good(after) > _most_good(before):
+        return True
+    for key, target in slo.items():
+        was, now = _lowest(before, key), _lowest(after, key)
+        if was > target and now < was * (1 - 1e-9):
+            return True
+    return False
+
+
+def _fewest_errors(level: list[Candidate]) -> int:
+    return min(c.summary.num_errors for c in level)
+
+
+def _most_good(level: list[Candidate]) -> int:
+    """The most requests one configuration served within every bound."""
+    return max(round((c.summary.goodput_rps or 0.0) * c.summary.wall_s) for c in level)
+
+
+def _lowest(level: list[Candidate], key: str) -> float:
+    figures = [getattr(c.summary, key) for c in level]
+    return min((f for f in figures if f is not None), default=math.inf)

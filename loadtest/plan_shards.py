@@ -20,7 +20,7 @@ import random
 import sys
 import zlib
 
-from loadtest.metrics import Summary, summarize
+from loadtest.metrics import RequestRecord, Summary, summarize
 from loadtest.plan import DEFAULT_PROFILE
 from loadtest.plan_search import to_records
 from services.planner.profile import ProfileError, WorkerProfile
@@ -79,7 +79,7 @@ def simulate(
             continue
         config = SimConfig(prefills[shard], decodes[shard])
         result = Simulator(profile, config).run(shard_requests)
-        records += to_records(result)
+        records += on_workload_clock(to_records(result), result.clock_origin_s)
         num_events += result.num_events
     return ShardedRun(
         summary=summarize(records),
@@ -87,6 +87,24 @@ def simulate(
         num_prompt_tokens=[sum(r.num_prompt_tokens for r in rs) for rs in by_shard],
         num_events=num_events,
     )
+
+
+def on_workload_clock(records: list[RequestRecord], origin_s: float) -> list[RequestRecord]:
+    """A shard's records on the workload's clock (each shard's simulated clock starts at its
+    own first arrival): merged, the run's wall time spans them all."""
+
+    def moved(time_s: float | None) -> float | None:
+        return None if time_s is None else time_s + origin_s
+
+    return [
+        dataclasses.replace(
+            r,
+            send_time=moved(r.send_time),
+            first_token_time=moved(r.first_token_time),
+            finish_time=moved(r.finish_time),
+        )
+        for r in records
+    ]
 
 
 def _s(value: float | None) -> str:

@@ -69,7 +69,7 @@ from loadtest.worker_metrics import BatchRange, WorkerCounters, worker_counters
 from loadtest.workload import WorkloadRequest, read_workload
 from services.planner.profile import ProfileError, SharedCores, WorkerProfile
 from services.planner.simulator import SimConfig, Simulator
-from services.planner.workload import SimRequest
+from services.planner.workload import CHARS_PER_TOKEN, SimRequest
 from shared.config import parse_value
 from shared.metrics import STEP_BUCKETS
 
@@ -191,7 +191,8 @@ def simulated(
     sim_requests = [
         SimRequest(
             r.arrival_time,
-            r.num_prompt_tokens or 1,
+            # (Text alone: counted as `tandem plan` reads such a line, not as one token.)
+            r.num_prompt_tokens or max(1, len(r.prompt) // CHARS_PER_TOKEN),
             r.max_tokens,
             label=r.label,
             prompt_token_ids=tuple(r.prompt_token_ids) if r.prompt_token_ids else None,

@@ -48,6 +48,11 @@ class EventQueue:
         callback(*args)
         return True
 
+    def earliest(self, excluding: set[Callable[..., None]]) -> float | None:
+        """The time of the next event whose callback is none of `excluding` (a lane's first
+        entry counts), None if there is none. It reads the whole heap: for an idle moment."""
+        return min((e[0] for e in self._heap if e[2] not in excluding), default=None)
+
     def __len__(self) -> int:
         return len(self._heap)
 

@@ -1,10 +1,10 @@
 """What the simulator replays: requests with an arrival time, a prompt and an output length.
 
 Either the JSONL files `tandem bench` replays (one request a line: `arrival_time`, `max_tokens`,
-and the prompt as `prompt_token_ids`, else `num_prompt_tokens`, else `prompt` text counted at four
-characters a token; `"stream": false` marks one sent for one response, which has an e2e
-latency and no TTFT or TPOT, as the bench records it), or a generated process described in one
-string:
+and the prompt as `prompt_token_ids`, else `num_prompt_tokens`, else `prompt`: token ids, or
+text counted at four characters a token; `"stream": false` marks one sent for one response,
+which has an e2e latency and no TTFT or TPOT, as the bench records it), or a generated process
+described in one string:
 
     poisson:rate=2,n=1000,prompt=8-1024,output=1-256[,tenants=10][,prefix=512][,seed=0]
 
@@ -36,7 +36,7 @@ class WorkloadError(ValueError):
 
 @dataclass(frozen=True)
 class SimRequest:
-    arrival_time: float  # seconds after the run starts
+    arrival_time: float  # seconds, from any origin (a log's Unix timestamps: see Simulator.run)
     num_prompt_tokens: int
     max_tokens: int  # generated tokens, exactly
     tenant: str = "default"
@@ -97,8 +97,13 @@ def _from_line(data: object) -> SimRequest:
         num_prompt_tokens = len(token_ids)
     elif "num_prompt_tokens" in data:
         num_prompt_tokens = int(data["num_prompt_tokens"])
-    else:
+    elif isinstance(data["prompt"], list):  # token ids, as the completions API (and the bench)
+        token_ids = tuple(int(t) for t in data["prompt"])
+        num_prompt_tokens = len(token_ids)
+    elif isinstance(data["prompt"], str):
         num_prompt_tokens = max(1, len(data["prompt"]) // CHARS_PER_TOKEN)
+    else:
+        raise TypeError(f"prompt is text or token ids, got {type(data['prompt']).__name__}")
     request = SimRequest(
         arrival_time=float(data.get("arrival_time", 0.0)),
         num_prompt_tokens=num_prompt_tokens,

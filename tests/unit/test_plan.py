@@ -32,7 +32,7 @@ from services.planner.workload import load_workload
 from services.scheduler.core import SchedulerLimits
 from services.worker.config import WorkerConfig
 from shared.config import config_from_args
-from tests.unit.test_planner_sim import cpu_like_profile
+from tests.unit.test_planner_sim import cpu_like_profile, within_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -310,6 +310,74 @@ def test_plan_refuses_when_nothing_within_the_limits_meets(profile_path, tmp_pat
     assert plan(profile_path, "--slo", "ttft_p99=10ms", "--max-workers", "3", "--simulate-all") == 1
     whole = capsys.readouterr().out
     assert "cut short" not in whole and "TTFT ms p50" in whole
+
+
+def test_a_plan_nothing_can_meet_stops_where_more_workers_stop_helping(
+    profile_path, tmp_path, capsys
+):
+    # A TTFT of 10 ms is below any prefill's time: every cost to --max-workers failed, the
+    # doubling simulating clusters of 32, 64, ... 65,536 and 100,000 workers (minutes).
+    flags = ["--slo", "ttft_p99=10ms", "--max-workers", "100000", "--jobs", "1"]
+    with within_seconds(30):
+        assert plan(profile_path, *flags, "--out", str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    assert "no configuration meets ttft_p99 <= 10 ms with every request served: the" in out
+    assert "so more workers do not help; the closest:" in out
+    assert "the closest, simulated to its end:" in out
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["best"] is None and max(t["cost"] for t in saved["tried"]) <= 128
+    assert "more workers do not help" in saved["stalled"]
+
+
+def level_candidate(num_prefill, num_decode, budget, ttft_p99, cut_at_s, meets=False):
+    """A made-up judged configuration: its TTFT p99 (whole), or where its run was cut."""
+    summary = dataclasses.replace(summarize([]), ttft_p99=ttft_p99, num_requests=10)
+    return Candidate(
+        num_prefill, num_decode, budget, summary, meets, {"prefill": 0.0, "decode": 0.0},
+        0, 0, 10, 0.0, None if cut_at_s is None else "ttft_p99 can no longer be within",
+        cut_at_s,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "ttft_by_cost, best, stalled",
+    [
+        # Every level cut at the same time, but whole the 32s are closer: on, met at 64.
+        ({16: 5.0, 32: 4.0}, "1P63D chunk 512", False),
+        # No closer at 32 (to rounding): stopped there, not doubled on to 4,096.
+        ({16: 5.0, 32: 5.0 * (1 - 1e-12)}, None, True),
+    ],
+)
+def test_the_doubling_stops_where_a_level_comes_no_closer(ttft_by_cost, best, stalled):
+    slo = {"ttft_p99": 2.0}
+    judged, wholes = [], []
+
+    def ttft(cost):
+        return ttft_by_cost.get(cost, 6.0 if cost < 64 else 1.0)
+
+    def judge(configurations):
+        judged.extend(configurations)
+        return [
+            level_candidate(p, d, b, None, 1.0, meets=ttft(p + d) <= 2.0)
+            if ttft(p + d) > 2.0
+            else level_candidate(p, d, b, ttft(p + d), None, meets=True)
+            for p, d, b in configurations
+        ]
+
+    def whole(candidates):
+        wholes.extend(candidates)
+        return [
+            level_candidate(c.num_prefill, c.num_decode, 512, ttft(c.cost), None)
+            for c in candidates
+        ]
+
+    plan = search(4096, [512], judge, 2, slo, whole)
+    assert (plan.best.name if plan.best else None) == best
+    assert (plan.stalled is not None) == stalled
+    assert max(p + d for p, d, _ in judged) == (32 if stalled else 64)
+    assert {c.cost for c in wholes} == {16, 32}  # the levels compared
+    if not stalled:  # (the stop changes no plan it lets through)
+        assert search(4096, [512], judge, 2).best.name == best
 
 
 @pytest.mark.parametrize(

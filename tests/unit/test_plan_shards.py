@@ -35,6 +35,20 @@ def test_every_request_ends_once_in_its_tenants_shard():
     assert simulate(fixed_profile(), workload, 2, 2, 2).summary == two.summary  # deterministic
 
 
+def test_the_shards_answers_are_merged_on_the_workloads_clock():
+    # The second shard's tenant arrives 10 s in: each shard's simulated clock starts at its
+    # own first arrival, and merged on those the run's wall time lost the 10 s (its rates
+    # doubled).
+    tenants = [f"t{i}" for i in range(10)]
+    first = next(t for t in tenants if shard_of(t, 2) == 0)
+    second = next(t for t in tenants if shard_of(t, 2) == 1)
+    workload = [SimRequest(0.0, 16, 2, tenant=first), SimRequest(10.0, 16, 2, tenant=second)]
+    one = simulate(fixed_profile(), workload, 2, 2, 1)
+    two = simulate(fixed_profile(), workload, 2, 2, 2)
+    assert one.summary.wall_s > 10
+    assert two.summary.wall_s == pytest.approx(one.summary.wall_s)
+
+
 def test_zipf_tenants_make_the_first_heavy():
     skewed = with_zipf_tenants(requests(2000, 1), 10, 1.5, seed=0)
     counts = {f"tenant{i}": sum(r.tenant == f"tenant{i}" for r in skewed) for i in range(10)}

@@ -41,6 +41,15 @@ def test_parse_configs():
             parse_configs(text)
 
 
+def test_a_prompt_given_as_text_alone_is_simulated_at_its_length():
+    # A workload line with the prompt text and no token ids (the bench sends the text, the
+    # server tokenizes it) was simulated as a one-token prompt: prefills took no time.
+    with_ids = read_workload("loadtest/workloads/mixed64.jsonl")[:8]
+    as_text = [dataclasses.replace(r, prompt_token_ids=None) for r in with_ids]
+    by_ids, by_text = (simulated(cpu_like_profile(), rs, 1, 1)[1] for rs in (with_ids, as_text))
+    assert by_text["prefill"].busy_s == pytest.approx(by_ids["prefill"].busy_s, rel=0.5)
+
+
 def test_the_simulated_side_on_the_shipped_workload():
     requests = read_workload("loadtest/workloads/mixed64.jsonl")
     (one, one_steps), (two, two_steps) = (

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
+import signal
 
 import pytest
 
@@ -72,6 +74,103 @@ def test_a_tiny_scenario_answered_by_hand():
     assert result.decode_stats["decode0"].busy_s == 3 * 0.375
     assert result.utilization("prefill") == 1.5 / 2.5
     assert all(r.error is None and r.num_ends == 1 for r in result.records)
+
+
+@contextlib.contextmanager
+def within_seconds(seconds: float):
+    """Fails what runs longer (a simulation that would tick for days fails, not hangs)."""
+
+    def expire(*_: object) -> None:
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def lifecycles(result) -> list[tuple]:
+    """Each request's latencies and outcome, whenever its clock started."""
+    return [
+        (
+            r.first_token_time - r.send_time,
+            r.finish_time - r.send_time,
+            r.completion_tokens,
+            r.error,
+        )
+        for r in result.records
+    ]
+
+
+def rounded(lives: list[tuple]) -> list[tuple]:
+    return [tuple(round(x, 9) if isinstance(x, float) else x for x in life) for life in lives]
+
+
+@pytest.mark.parametrize("offset", [1024.0, 1_700_000_000.0])
+def test_arrivals_given_as_unix_timestamps_are_simulated_from_the_first(offset):
+    # A production log's arrival times are Unix timestamps: the idle cluster ticked and
+    # heartbeated its way to 1.7e9 s (some 8,500 simulated seconds per CPU second: days).
+    given = [(0.0, 128, 4), (0.125, 128, 2), (2.0, 16, 1)]
+    base = Simulator(fixed_profile(), SimConfig(1, 1)).run(
+        [SimRequest(t, prompt, out) for t, prompt, out in given]
+    )
+    with within_seconds(10):
+        late = Simulator(fixed_profile(), SimConfig(1, 1)).run(
+            [SimRequest(offset + t, prompt, out) for t, prompt, out in given]
+        )
+    # The same answers, to the bit: the same lives, steps and timeline from the first arrival.
+    assert lifecycles(late) == lifecycles(base)
+    assert (late.wall_s, late.num_events) == (base.wall_s, base.num_events)
+    assert late.prefill_stats == base.prefill_stats and late.decode_stats == base.decode_stats
+    assert len(late.queue_timeline) == len(base.queue_timeline)
+
+
+def test_a_quiet_night_in_a_log_is_jumped_not_ticked_through():
+    # A log of two busy spells a week apart: the idle cluster's ticks and heartbeats took
+    # minutes of CPU for the week between (and more with every worker).
+    spells = [(0.0, 128, 4), (0.125, 128, 2), (2.0, 16, 1)]
+    week = 7 * 24 * 3600.0
+    requests = [SimRequest(t + start, n, m) for start in (0.0, week) for t, n, m in spells]
+    with within_seconds(10):
+        result = Simulator(fixed_profile(), SimConfig(4, 4)).run(requests)
+    assert all(r.error is None for r in result.records)
+    assert result.num_events < 1000 and result.wall_s > week
+
+
+@pytest.mark.parametrize("latency_s", [0.0, 0.125])
+def test_jumping_the_idle_clock_changes_no_answer(latency_s):
+    """Over a quiet cluster nothing happens but ticks and heartbeats, so jumping them changes
+    nothing: the same lives, steps and statistics as ticking through, in fewer events."""
+    base = load_workload("poisson:rate=4,n=30,prompt=16-512,output=1-32,tenants=3,prefix=64")
+    later = load_workload("poisson:rate=4,n=30,prompt=16-512,output=1-32,tenants=3,seed=1")
+    gaps = [dataclasses.replace(r, arrival_time=r.arrival_time + 900.0) for r in later]
+    results = [
+        Simulator(
+            cpu_like_profile(),
+            SimConfig(2, 2, network_latency_s=latency_s, prefix_cache=True, skip_idle=skip),
+        ).run(base + gaps)
+        for skip in (False, True)
+    ]
+    ticked, jumped = results
+    assert lifecycles(jumped) == lifecycles(ticked)
+    assert [r.send_time for r in jumped.records] == [r.send_time for r in ticked.records]
+    assert jumped.prefill_stats == ticked.prefill_stats
+    assert jumped.decode_stats == ticked.decode_stats
+    assert jumped.wall_s == ticked.wall_s and jumped.num_events < ticked.num_events / 2
+
+
+def test_idle_time_before_the_first_arrival_changes_no_answer():
+    # What the clock skips (whole heartbeat intervals of an idle cluster) is what the ticks
+    # did before: the overloaded Poisson run, late by 100 s, is the run on time.
+    requests = load_workload("poisson:rate=4,n=40,prompt=16-512,output=1-32,tenants=3")
+    shifted = [dataclasses.replace(r, arrival_time=r.arrival_time + 100.0) for r in requests]
+    base = Simulator(cpu_like_profile(), SimConfig(1, 1)).run(requests)
+    late = Simulator(cpu_like_profile(), SimConfig(1, 1)).run(shifted)
+    assert rounded(lifecycles(late)) == rounded(lifecycles(base))
+    assert late.num_events == base.num_events
 
 
 def test_a_chunk_after_context_takes_longer_by_the_profiles_cost_per_pair():
@@ -477,6 +576,19 @@ def test_workloads_read_and_refused(tmp_path):
     ]:
         path.write_text('{"prompt": "x", "max_tokens": 1}\n' + line + "\n")
         with pytest.raises(WorkloadError, match=message):
+            load_workload(str(path))
+
+
+def test_a_prompt_of_token_ids_is_read_as_its_tokens(tmp_path):
+    # The completions API (and `tandem bench`, which sends `prompt` as given) takes a prompt
+    # as token ids: counted as text at four characters a token, 2,000 tokens were 500.
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({"prompt": list(range(2000)), "max_tokens": 2}) + "\n")
+    (request,) = load_workload(str(path))
+    assert request.num_prompt_tokens == 2000 and request.prompt(0) == list(range(2000))
+    for prompt in ({"text": "x" * 400}, [[1, 2], [3]], 7):  # (no prompt: a dict counted 1)
+        path.write_text(json.dumps({"prompt": prompt, "max_tokens": 2}) + "\n")
+        with pytest.raises(WorkloadError, match="w.jsonl:1: "):
             load_workload(str(path))
 
 
