@@ -55,6 +55,8 @@ _NUM_PROMPT_CONTEXT_TOKENS = 6
 # Tokens held back (a character still incomplete, or no new text) before a step at which the
 # window stops growing; far more than a character's split over tokens takes (at most 4).
 _MAX_HELD_TOKENS = 16
+# The most tokens one character can be split over: UTF-8 writes a character in 4 bytes at most.
+MAX_CHARACTER_TOKENS = 4
 
 
 class IncrementalDetokenizer:
@@ -175,6 +177,27 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     if byte is not None and text != piece:  # (a decoder without byte fallback shows its name)
         return bytes([int(byte.group(1), 16)])
     return text.encode()
+
+
+def token_text(tokenizer: Any, token_id: int, context: Sequence[int] = ()) -> str:
+    """The text one token shows in logprobs, after `context` (the tokens before it in the
+    output or the prompt, oldest first; the last `MAX_CHARACTER_TOKENS` are enough): its own
+    decoding, unless that holds part of a character (U+FFFD). Then the characters it completes,
+    the bytes before them in earlier tokens included, as incremental detokenization shows them:
+    SmolLM2's tokens of " 😀" (bytes 20 F0 9F 98, then 80), each U+FFFD decoded alone, read " "
+    and "😀". So a sequence's token texts add up to its text (but for a character cut off at
+    its end), and completions' `text_offset`s point where each token's text is. (vLLM's
+    `_correct_decoded_token` reads "" and " 😀" there.)"""
+    text = tokenizer.decode([token_id])
+    if _PARTIAL not in text:
+        return text
+    before = list(context[-MAX_CHARACTER_TOKENS:])
+    # As the incremental detokenizer takes a window from its context: the text this token adds
+    # to the context's, less a character it leaves incomplete (a later token's to show). The
+    # context may begin inside a character: both decodings begin with the same U+FFFDs.
+    shown = tokenizer.decode(before) if before else ""
+    whole = tokenizer.decode([*before, token_id]).rstrip(_PARTIAL)
+    return whole[_common_prefix_len(shown, whole) :]
 
 
 class StopStringMatcher:

@@ -9,13 +9,15 @@ the prompt alone: the one token computed with it is left out, and the choice end
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from services.gateway.detokenizer import MAX_CHARACTER_TOKENS
 from services.gateway.openai_shapes import TokenLogprob
 from shared import wire
 
-# Token id -> the TokenLogprob the client sees for it, with that logprob and alternatives.
-TokenView = Callable[[int, float | None, tuple[TokenLogprob, ...]], TokenLogprob]
+# Token id -> the TokenLogprob the client sees for it, with that logprob and alternatives,
+# after the tokens before it (its text's context: `detokenizer.token_text`).
+TokenView = Callable[[int, float | None, tuple[TokenLogprob, ...], Sequence[int]], TokenLogprob]
 
 
 def echoed_text(tokenizer, prompt_text: str | None, prompt_token_ids: list[int]) -> str:
@@ -34,12 +36,14 @@ def echoed_logprobs(
     such as one that resumed the request past its first token)."""
     logprobs = delta.prompt_logprobs or []
     tops = delta.prompt_top_logprobs or []
-    entries = [view(prompt_token_ids[0], None, ())]
+    entries = [view(prompt_token_ids[0], None, (), ())]
     for position, token in enumerate(prompt_token_ids[1:]):
+        # (prompt_token_ids[position] is the token before this one)
+        context = prompt_token_ids[max(0, position + 1 - MAX_CHARACTER_TOKENS) : position + 1]
         if position >= len(logprobs):
-            entries.append(view(token, None, ()))
+            entries.append(view(token, None, (), context))
             continue
         top = tops[position] if position < len(tops) else []
-        alternatives = tuple(view(t, lp, ()) for t, lp in top)
-        entries.append(view(token, logprobs[position], alternatives))
+        alternatives = tuple(view(t, lp, (), context) for t, lp in top)
+        entries.append(view(token, logprobs[position], alternatives, context))
     return entries

@@ -19,15 +19,21 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from services.gateway.chat_prompt import chat_prompt_ids
 from services.gateway.cluster import ClusterClient, SubmitRefused
 from services.gateway.context_probe import refuse_far_past_context
-from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
+from services.gateway.detokenizer import (
+    MAX_CHARACTER_TOKENS,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    token_bytes,
+    token_text,
+)
 from services.gateway.echo import echoed_logprobs, echoed_text
 from services.gateway.openai_protocol import ApiError, GenerationRequest, bad_request
 from services.gateway.openai_shapes import TokenLogprob
@@ -70,16 +76,20 @@ class ChoiceEvent:
 class ChoiceText:
     """One choice's text pipeline: tokens -> whole characters -> text up to a stop string.
 
-    As in vLLM, no stop string may end in the text of the first `min_tokens` tokens: nothing
-    ends a choice before it has that many (the engine masks EOS and stop tokens until then). One
-    that begins there and ends later does end it. A token of `stop_token_ids` that ended the
-    choice (finish "stop") is not shown, as vLLM drops it (its ids and logprobs stay)."""
+    As in vLLM, no stop string may end in the text of the first `min_tokens` tokens (what each
+    shows decoded in turn; a character they begin is the next token's): nothing ends a choice
+    before it has that many (the engine masks EOS and stop tokens until then). One that begins
+    there and ends later does end it. A token of `stop_token_ids` that ended the choice (finish
+    "stop") is not shown, as vLLM drops it (its ids and logprobs stay)."""
 
     detokenizer: IncrementalDetokenizer
     matcher: StopStringMatcher
     min_tokens: int = 0
     num_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
+    # The last tokens before the next one (the prompt's, at first): what its logprobs' texts
+    # are read after (`token_text`).
+    recent_token_ids: list[int] = field(default_factory=list)
 
     def push(self, token_ids: list[int], finish_reason: str | None = None) -> tuple[str, bool]:
         """(text safe to show, stopped) for the choice's next tokens; `finish_reason`: the
@@ -89,9 +99,12 @@ class ChoiceText:
         if finish_reason == "stop" and token_ids and token_ids[-1] in self.stop_token_ids:
             token_ids = token_ids[:-1]
         text = ""
-        if num_unchecked:
-            unchecked = self.detokenizer.push(token_ids[:num_unchecked])
-            text, _ = self.matcher.feed(unchecked, may_stop=False)
+        # One token at a time, as vLLM decodes: pushed together, tokens ending inside a
+        # character held all their text back with it, and the next (checked) tokens showed it
+        # as text a stop string could end in.
+        for token in token_ids[:num_unchecked]:
+            unchecked, _ = self.matcher.feed(self.detokenizer.push([token]), may_stop=False)
+            text += unchecked
         if num_unchecked >= len(token_ids):
             return text, False
         checked, stopped = self.matcher.feed(self.detokenizer.push(token_ids[num_unchecked:]))
@@ -229,6 +242,7 @@ class Generator:
                 StopStringMatcher(request.stop),
                 generation.params.min_tokens,
                 stop_token_ids=frozenset(generation.params.stop_token_ids),
+                recent_token_ids=generation.prompt_token_ids[-MAX_CHARACTER_TOKENS:],
             )
             for _ in range(num_choices)
         ]
@@ -343,6 +357,9 @@ class Generator:
         if delta.error is not None:
             status = 504 if delta.finish_reason == "timeout" else 500
             raise ApiError(status, f"generation failed: {delta.error}", "server_error")
+        logprobs = self._logprobs(delta, choice.recent_token_ids)
+        recent = [*choice.recent_token_ids, *delta.token_ids]
+        choice.recent_token_ids = recent[-MAX_CHARACTER_TOKENS:]
         finish = delta.finish_reason
         text, stopped = choice.push(list(delta.token_ids), finish)
         if stopped:
@@ -353,23 +370,29 @@ class Generator:
             finish = "stop" if stopped else finish
         if finish == "abort":
             raise ApiError(500, "the request was aborted by the cluster", "server_error")
-        return ChoiceEvent(
-            index, text, list(delta.token_ids), self._logprobs(delta), finish if finish else None
-        )
+        return ChoiceEvent(index, text, list(delta.token_ids), logprobs, finish if finish else None)
 
-    def _logprobs(self, delta: wire.TokenDelta) -> list[TokenLogprob] | None:
+    def _logprobs(self, delta: wire.TokenDelta, context: list[int]) -> list[TokenLogprob] | None:
+        """The delta's tokens with their logprobs; `context`: the tokens before its first."""
         if delta.logprobs is None:
             return None
         tops = delta.top_logprobs or [[] for _ in delta.token_ids]
-        return [
-            self._token_view(token, logprob, tuple(self._token_view(t, lp) for t, lp in top))
-            for token, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=True)
-        ]
+        views = []
+        for token, logprob, top in zip(delta.token_ids, delta.logprobs, tops, strict=True):
+            alternatives = tuple(self._token_view(t, lp, (), context) for t, lp in top)
+            views.append(self._token_view(token, logprob, alternatives, context))
+            context = [*context[1 - MAX_CHARACTER_TOKENS :], token]
+        return views
 
     def _token_view(
-        self, token: int, logprob: float | None, top: tuple[TokenLogprob, ...] = ()
+        self,
+        token: int,
+        logprob: float | None,
+        top: tuple[TokenLogprob, ...] = (),
+        context: Sequence[int] = (),
     ) -> TokenLogprob:
-        text = self.tokenizer.decode([token])
+        """`token` as logprobs show it, after the tokens of `context` (`token_text`)."""
+        text = token_text(self.tokenizer, token, context)
         return TokenLogprob(text, token_bytes(self.tokenizer, token), logprob, top)
 
     def _echoed(

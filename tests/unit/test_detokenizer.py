@@ -12,7 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher, token_bytes
+from services.gateway.detokenizer import (
+    MAX_CHARACTER_TOKENS,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    token_bytes,
+    token_text,
+)
 
 TEXTS = {
     "ascii": "The quick brown fox jumps over the lazy dog. It was 42 degrees!\n\nNext line.",
@@ -290,6 +296,23 @@ def test_token_bytes_are_the_tokens_own_bytes(tokenizer):
     assert token_bytes(tokenizer, tokenizer.eos_token_id) == tokenizer.eos_token.encode()
 
 
+def test_token_texts_in_context_add_up_to_the_text(tokenizer, sp_tokenizer):
+    """Logprobs' token texts: each token reads the characters it completes, so the texts add
+    up to the decoded text; alone, a token reads its own complete characters."""
+    for text in TEXTS.values():
+        ids = tokenizer.encode(text)
+        context = [ids[max(0, i - MAX_CHARACTER_TOKENS) : i] for i in range(len(ids))]
+        texts = [token_text(tokenizer, t, before) for t, before in zip(ids, context, strict=True)]
+        assert "".join(texts) == text and "\ufffd" not in "".join(texts)
+    start, end = tokenizer.encode(" 😀")  # bytes 20 F0 9F 98, then 80
+    assert (token_text(tokenizer, start), token_text(tokenizer, end)) == (" ", "")
+    assert token_text(tokenizer, end, [start]) == "😀"
+    euro = sp_tokenizer.convert_tokens_to_ids(["▁Paris", *SENTENCEPIECE_BYTES])
+    if sp_tokenizer.decode(euro) == "Paris€":  # (the Llama decoder: byte fallback)
+        texts = [token_text(sp_tokenizer, t, euro[:i]) for i, t in enumerate(euro)]
+        assert texts == ["Paris", "", "", "€"]
+
+
 def test_a_byte_fallback_tokens_bytes_are_its_byte(sp_tokenizer):
     """SentencePiece writes a character it has no piece for as byte tokens (`<0xE2>`, Llama's
     and Mistral's byte fallback). Their `bytes` were U+FFFD's, so a client could not put "€"
@@ -513,6 +536,22 @@ def test_a_stop_string_begun_inside_min_tokens_ends_the_choice_after_them(tokeni
     assert run_choice(tokenizer, pieces, ["User:"], 2) == ("User: hi", False)
     assert run_choice(tokenizer, pieces, [" hi!"], 3) == ("User: hi", False)
     assert run_choice(tokenizer, pieces, [" hi!", ": h"], 2) == ("User", True)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 3, 9])
+def test_min_tokens_text_held_with_a_partial_character_cannot_stop_it(tokenizer, chunk_size):
+    """Tokens 'Hello', ' ', then 世 in two byte tokens: with min_tokens 3 the space is the first
+    tokens' text, where no stop string may end. A delta carrying all three held "Hello " back
+    with the partial 世, and the next delta showed it as text a stop could end in: " " and "o "
+    stopped the choice at "Hello" and "Hell" (as vLLM, which decodes token by token, does not)."""
+    ids = tokenizer("Hello 世界! I", add_special_tokens=False).input_ids
+    assert [tokenizer.decode([i]) for i in ids[:2]] == ["Hello", " "]
+    assert tokenizer.decode(ids[:3]).endswith("\ufffd") and tokenizer.decode(ids[:4]) == "Hello 世"
+    pieces = [ids[i : i + chunk_size] for i in range(0, len(ids), chunk_size)]
+    assert run_choice(tokenizer, pieces, [" "], 3) == ("Hello 世界!", True)
+    assert run_choice(tokenizer, pieces, ["o "], 3) == ("Hello 世界! I", False)
+    # 世 itself ends in the fourth token's text: a stop may end there.
+    assert run_choice(tokenizer, pieces, ["o 世"], 3) == ("Hell", True)
 
 
 def test_a_stop_token_that_ended_the_choice_is_not_shown(tokenizer):

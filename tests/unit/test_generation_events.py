@@ -201,3 +201,44 @@ def test_with_include_usage_every_chunk_says_usage_null_until_the_last(tokenizer
         assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
         plain = asyncio.run(run(tokenizer, {**body, "stream": True}, deltas, collect=False))
         assert all("usage" not in c for c in plain)
+
+
+def with_logprobs(token_ids: list[int], finish=None, **fields) -> wire.TokenDelta:
+    """A delta whose tokens each have logprob -0.5 and themselves as their top alternative."""
+    logprobs, tops = [-0.5] * len(token_ids), [[(t, -0.5)] for t in token_ids]
+    return wire.TokenDelta(request_id="x", token_ids=token_ids, finish_reason=finish,
+                           logprobs=logprobs, top_logprobs=tops, **fields)  # fmt: skip
+
+
+def test_token_texts_of_a_character_split_over_tokens_add_up_to_the_text(tokenizer):
+    """An emoji is two byte tokens in SmolLM2, each U+FFFD decoded alone: the tokens read
+    " \ufffd", "\ufffd" where the text has " 😀", and every `text_offset` after them pointed one
+    character too far. Now each token reads the characters it completes (read after the tokens
+    before it, an earlier delta's or the prompt's), so the tokens' texts add up to the text;
+    `bytes` stay each token's own."""
+    output = ids(tokenizer, " I 😀 you.")
+    assert [tokenizer.decode([t]) for t in output][1:3] == [" \ufffd", "\ufffd"]
+    deltas = {0: [with_logprobs(output[:2]), with_logprobs(output[2:], finish="length")]}
+    body = {"prompt": "Say:", "max_tokens": 8, "logprobs": 1}
+    choice = asyncio.run(run(tokenizer, body, deltas, collect=True))["choices"][0]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"] == " I 😀 you."
+    assert logprobs["tokens"][1:3] == [" ", "😀"] and logprobs["top_logprobs"][2] == {"😀": -0.5}
+    assert logprobs["text_offset"] == [0, 2, 3, 4, 8]
+    chunks = asyncio.run(run(tokenizer, {**body, "stream": True}, deltas, collect=False))
+    streamed = [c["choices"][0]["logprobs"] for c in chunks]
+    assert [o for lp in streamed for o in lp["text_offset"]] == logprobs["text_offset"]
+    chat = {"messages": [{"role": "user", "content": "Say:"}], "max_tokens": 8,
+            "logprobs": True, "top_logprobs": 1}  # fmt: skip
+    message = asyncio.run(run(tokenizer, chat, deltas, collect=True))["choices"][0]
+    content = message["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == message["message"]["content"]
+    assert b"".join(bytes(t["bytes"]) for t in content) == " I 😀 you.".encode()
+    assert content[2]["top_logprobs"][0]["token"] == "😀"
+    prompt = ids(tokenizer, "Hi 😀")
+    prompt_tops = [[(t, -1.0)] for t in prompt[1:]]
+    scored = with_logprobs(output[:1], finish="length", prompt_logprobs=[-1.0] * len(prompt_tops),
+                           prompt_top_logprobs=prompt_tops)  # fmt: skip
+    echo = {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1}
+    choice = asyncio.run(run(tokenizer, echo, {0: [scored]}, collect=True))["choices"][0]
+    assert "".join(choice["logprobs"]["tokens"]) == choice["text"] == "Hi 😀"
