@@ -60,7 +60,10 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
     """The legacy completions shape. `text_offset` is where the first token starts in the
     choice's text (non-zero for later stream chunks); offsets add up the tokens' texts. When two
-    alternatives share a text (two halves of different characters), the better one is kept."""
+    alternatives share a text (two halves of different characters), the better one is kept.
+    Each position's `top_logprobs` holds its own token too, as OpenAI's ("the API will always
+    return the logprob of the sampled token, so there may be up to logprobs+1 elements") and
+    vLLM's do: a client reads `top_logprobs[i][tokens[i]]`."""
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
@@ -70,7 +73,11 @@ def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) ->
         top: dict[str, float] = {}
         for alternative in token.top:
             top.setdefault(alternative.text, _logprob(alternative.logprob))
-        top_logprobs.append(None if token.logprob is None else top)
+        if token.logprob is None:  # an echoed prompt's first token
+            top_logprobs.append(None)
+            continue
+        top.setdefault(token.text, _logprob(token.logprob))
+        top_logprobs.append(top)
     return {
         "tokens": [token.text for token in tokens],
         "token_logprobs": [_logprob(token.logprob) for token in tokens],

@@ -724,6 +724,16 @@ def test_completion_logprobs_shape():
     }
 
 
+def test_each_positions_top_logprobs_hold_its_own_token_as_openais_do():
+    """OpenAI: "the API will always return the logprob of the sampled token, so there may be up
+    to logprobs+1 elements"; vLLM likewise. A token drawn outside the top n (sampling), or with
+    `logprobs: 0`, was missing, and `top_logprobs[i][tokens[i]]` raised KeyError."""
+    drawn = token(" there", -2.0, [token(" world", -0.25)])
+    assert completion_logprobs([drawn])["top_logprobs"] == [{" world": -0.25, " there": -2.0}]
+    alone = token(" there", -2.0, [])
+    assert completion_logprobs([alone])["top_logprobs"] == [{" there": -2.0}]
+
+
 def test_an_echoed_prompts_first_token_has_null_logprobs():
     first = TokenLogprob("Hello", b"Hello", None)
     result = completion_logprobs([first, *HELLO[1:]])
