@@ -21,6 +21,7 @@ A kernel without IPv6 needs nothing more: libzmq, failing to make an IPv6 socket
 from __future__ import annotations
 
 import ipaddress
+import secrets
 import socket
 
 import zmq
@@ -72,6 +73,28 @@ def set_ipv6(sock: zmq.Socket, address: str) -> zmq.Socket:
 def connect(sock: zmq.Socket, address: str) -> None:
     """`sock.connect(address)`, IPv6 enabled where the address needs it."""
     set_ipv6(sock, address).connect(address)
+
+
+# A ROUTER identity is at most 255 bytes, and one starting with a zero byte is libzmq's own kind.
+ROUTING_ID_PREFIX = "tandem:"
+MAX_ROUTING_ID_PEER_ID = 200  # bytes of the peer id kept in it (the rest: prefix and nonce)
+
+
+def routing_id(peer_id: str) -> bytes:
+    """A DEALER's routing id, one per process: the peer id (readable in the scheduler's log)
+    and a random nonce, so that two processes under one peer id (a restarted worker whose old
+    self lingers) never take over each other's messages at a ROUTER_HANDOVER ROUTER. Set on a
+    socket before it connects (`set_routing_id`), it stays the same across reconnects: a
+    ROUTER without it names each new connection anew, and what it sent to the old name after
+    a brief cut was dropped until the peer said who it was again."""
+    name = peer_id.encode(errors="replace")[:MAX_ROUTING_ID_PEER_ID].decode(errors="ignore")
+    return f"{ROUTING_ID_PREFIX}{name}:{secrets.token_hex(8)}".encode()
+
+
+def set_routing_id(sock: zmq.Socket, peer_id: str) -> zmq.Socket:
+    """Gives `sock` (a DEALER, before it connects) its `routing_id`."""
+    sock.setsockopt(zmq.ROUTING_ID, routing_id(peer_id))
+    return sock
 
 
 def tcp_address(host: str, port: int | str) -> str:

@@ -36,6 +36,17 @@ says when the worker is lost. Not if the worker died before it could be adopted,
 loss came before this gateway's HELLO reached the new scheduler: so an orphan whose tokens stop
 for `ORPHAN_SILENCE_S` is resumed from the tokens that came, its old attempt called off.
 
+A brief cut of the link to the scheduler (a network blip, neither process restarted) loses no
+word of the scheduler's. The link's DEALER keeps one routing id for the process's life
+(`shared.endpoints.routing_id`), which the scheduler's ROUTER hands over to the new connection,
+and what the scheduler sends while the link is down it holds and sends once it is back
+(`services/scheduler/service.py`): a request's "lost" word, its stream's end, its SUBMIT's
+answer arrive a moment late, not never (the scheduler's status, within its next tick, not after
+`status_timeout_s`). What the dying connection swallowed (its bytes in flight when it was cut)
+is lost all the same: when the link comes back the gateway says HELLO at once, and watches each
+attempt that was decoding as it watches an orphan, resumed once its tokens stop for
+`ORPHAN_SILENCE_S` (its "lost" word may have been among those bytes).
+
 A delta holding a negative token id (the wire carries int32s; no tokenizer has one, and decoding
 it raised OverflowError in the handler) fails its request with an error naming the id, and its
 attempt is called off (no worker sends one: a bug or a foreign peer, whose output is not to be
@@ -53,12 +64,13 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared import wire
 from shared.binding import bind
 from shared.curve import CurveKeys, Security
 from shared.deltas import after
-from shared.endpoints import connect
+from shared.endpoints import connect, set_routing_id
 from shared.lifecycle import GatewayEvents
 from shared.logs import get_logger
 
@@ -224,6 +236,12 @@ class ClusterClient:
         self.scheduler = self.security.client(self.context.socket(zmq.DEALER))
         self.scheduler.setsockopt(zmq.LINGER, 0)
         self.scheduler.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
+        set_routing_id(self.scheduler, self.peer_id)  # the same across reconnects (docstring)
+        # (Before the connect: its first connection's events are of no interest, but must not
+        # be missed either.)
+        self._monitor = self.scheduler.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         connect(self.scheduler, self.scheduler_address)
         self.stream = self.security.server(self.context.socket(zmq.PULL))
         self.stream.setsockopt(zmq.LINGER, 0)
@@ -235,6 +253,7 @@ class ClusterClient:
             asyncio.create_task(self._read_scheduler()),
             asyncio.create_task(self._read_stream()),
             asyncio.create_task(self._watch_scheduler()),
+            asyncio.create_task(self._watch_link()),
         ]
 
     async def close(self) -> None:
@@ -246,6 +265,7 @@ class ClusterClient:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._monitor.close(linger=0)
         self.scheduler.close(linger=0)
         self.stream.close(linger=0)
         self.security.stop()
@@ -459,10 +479,15 @@ class ClusterClient:
         for inflight in waiting:
             self._attempts.pop(inflight.attempt_id, None)
             self._resume(inflight, "the scheduler restarted", abandon=inflight.attempt_id)
+        self._watch_orphans(orphans, "the scheduler restarted")
+
+    def _watch_orphans(self, orphans: list[InFlight], after: str) -> None:
+        """Watches each attempt for silence (`_watch_orphan`), unless it is watched already (an
+        earlier restart's, or cut's)."""
         for inflight in orphans:
-            if inflight.attempt_id not in self._watched_orphans:  # (an earlier restart's)
+            if inflight.attempt_id not in self._watched_orphans:
                 self._watched_orphans.add(inflight.attempt_id)
-                self._start_chore(self._watch_orphan(inflight, inflight.attempt_id))
+                self._start_chore(self._watch_orphan(inflight, inflight.attempt_id, after))
 
     def _awaits_answer(self, request_id: str) -> bool:
         """Whether the SUBMIT's answer is for its handler to take: it has yet to come, or was
@@ -474,10 +499,11 @@ class ClusterClient:
             return False
         return not reply.done() or reply.cancelled() or not reply.result().accepted
 
-    async def _watch_orphan(self, inflight: InFlight, attempt_id: str) -> None:
+    async def _watch_orphan(self, inflight: InFlight, attempt_id: str, after: str) -> None:
         """Resumes an orphaned attempt once its tokens stop for `orphan_silence_s`: its worker
         died before the new scheduler could adopt it, or the loss was told before this
-        gateway's HELLO reached it. Ends with the attempt (ended, resumed, cancelled)."""
+        gateway's HELLO reached it (or, `after` a cut of the link, while the link was dying).
+        Ends with the attempt (ended, resumed, cancelled)."""
         try:
             num_seen = await self._await_silence(inflight, attempt_id, self.orphan_silence_s)
         finally:
@@ -486,7 +512,7 @@ class ClusterClient:
             return
         del self._attempts[attempt_id]  # its late deltas are dropped from now on
         self.log.warning("orphaned stream silent", request_id=attempt_id, num_tokens=num_seen)
-        reason = f"no token for {self.orphan_silence_s:g} s after the scheduler restarted"
+        reason = f"no token for {self.orphan_silence_s:g} s after {after}"
         self._resume(inflight, reason, abandon=attempt_id)
 
     def _start_chore(self, coroutine: Coroutine) -> None:
@@ -647,6 +673,29 @@ class ClusterClient:
                 inflight.token_ids.extend(fresh.token_ids)
                 inflight.ended = fresh.finish_reason is not None
                 inflight.queue.put_nowait(fresh)
+
+    async def _watch_link(self) -> None:
+        """Takes the link back to the scheduler after a cut (`_on_link_back`): a handshake on
+        a new connection after the last one was lost. (A scheduler that restarted is one too:
+        it hears this gateway's HELLO at once, not after the status' silence.)"""
+        was_cut = False
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                was_cut = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and was_cut:
+                was_cut = False
+                await self._on_link_back()
+
+    async def _on_link_back(self) -> None:
+        """What the scheduler sent while the link was down comes now (it held it), but not
+        what the dying connection swallowed: an attempt decoding may have lost its "lost" word
+        there, and is watched as an orphan. Says HELLO at once (to a scheduler that restarted
+        meanwhile: its refusals of SUBMITs from a stranger would come until then)."""
+        decoding = [i for i in self._requests.values() if not i.ended and i.attempt_has_tokens]
+        self.log.warning("scheduler link back after a cut", watched=len(decoding))
+        await self._hello()
+        self._watch_orphans(decoding, "the link to the scheduler was cut")
 
     async def _watch_scheduler(self) -> None:
         """Says HELLO again whenever the scheduler's status goes quiet (it may have restarted)."""

@@ -381,8 +381,9 @@ class ClusterScheduler:
             return self.take_outbox()
         worker.last_heartbeat = now
         worker.num_heartbeats += 1
-        # A connection that dropped and came back is a new ROUTER identity (workers set none):
-        # what is sent to the worker goes where it now listens, not to the dead connection.
+        # Where the worker now listens: tandem's workers keep one routing id across reconnects
+        # (shared.endpoints.routing_id), but a peer that sets none is a new ROUTER identity
+        # after its connection dropped and came back: messages follow it, not the dead one.
         worker.identity = identity
         # The heartbeat's free-block count already reflects every reservation made so far.
         self.registry.report_free_blocks(worker, heartbeat.num_free_blocks, heartbeat=True)

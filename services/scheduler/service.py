@@ -4,16 +4,34 @@ Gateways and workers connect DEALER sockets to the scheduler's ROUTER. The loop 
 arrived, hands each message to the core with the current time, sends what the core answers, and
 ticks the core (heartbeat expiry, timeouts, dispatch) and the gateways' cluster status on a timer.
 A malformed message is logged and dropped; it never stops the loop.
+
+A brief cut of a peer's connection (a network blip, neither process restarted) loses no message
+of the scheduler's. Each peer's DEALER names itself with a routing id of its own, the same on
+every connection (`shared.endpoints.routing_id`), and the ROUTER hands that name over to the new
+connection (ROUTER_HANDOVER): what the core sends to the identity it registered reaches the
+peer as soon as it is back. Without it the ROUTER named the new connection anew, and what went to
+the old name was dropped until the peer said who it was again: a worker at its next heartbeat,
+a gateway after seconds of the status' silence, and the "lost" word of a request, or its
+stream's end, dropped meanwhile left it waiting out its time limit. What is sent while the
+peer's connection is down is held for it (the ROUTER is ROUTER_MANDATORY: an unreachable peer
+is an error, not silence) and sent, in order, once it is back (`Undelivered`): looked at every
+tick, and at once when the peer's next message arrives; dropped, logged, if it stays away
+longer than a heartbeat timeout (a worker is out of rotation by then, what it held re-routed).
+The status is not held: the next tick's replaces it. What the dying connection had taken in
+before the cut was seen (half-open, its bytes in flight) is lost as before: that is the
+gateway's watch for silence to catch (`services/gateway/cluster.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import math
 import signal
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -276,8 +294,13 @@ class SchedulerService:
         self.socket = self.security.server(self.context.socket(zmq.ROUTER))
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # A peer unreachable is an error (its message held, `Undelivered`), not a silent drop;
+        # a peer reconnecting under its routing id takes it over from its dead connection.
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         bind(self.socket, config.address, "address")
+        self.undelivered = Undelivered(keep_s=config.heartbeat_timeout_s)
+        self.num_dropped_full = 0  # messages dropped on a peer's full queue (`_deliver`)
         self.events = SchedulerEvents(self.log)
         self.metrics_address: str | None = None
         self.epoch = uuid.uuid4().hex  # tells gateways this is a new scheduler, after a restart
@@ -356,6 +379,8 @@ class SchedulerService:
     def _receive(self, frames: list[zmq.Frame]) -> None:
         """One message off the socket: decoded and handled, or logged and dropped."""
         identity, body = frames[0].bytes, frames[1:]
+        if self.undelivered.holds(identity):  # it is back: what waited for it goes first
+            self._flush(identity)
         try:
             message = wire.decode(body)
         except wire.WireError as error:
@@ -375,6 +400,7 @@ class SchedulerService:
                     peer_id=worker.peer_id,
                     silent_s=round(now - worker.last_heartbeat, 1),
                 )
+            self._retry_undelivered(now)
             self._send(self.core.tick(now))
             self._broadcast_status(now)
         except Exception as error:
@@ -529,17 +555,107 @@ class SchedulerService:
             self.events.dispatched(
                 d.request_id, d.queue_s, d.prefill_peer_id, d.decode_peer_id, d.speculative
             )
+        now = time.monotonic()
         for item in outgoing:
-            try:
-                wire.send_to(self.socket, item.identity, item.message)
-            except zmq.ZMQError as error:
-                self.log.warning("send failed", error=str(error))
+            if self.undelivered.holds(item.identity):
+                self.undelivered.hold(item.identity, item.message, now)  # (behind, in order)
+            elif not self._deliver(item.identity, item.message):
+                self.undelivered.hold(item.identity, item.message, now)
         # Requests whose placement raised (a bug), failed to their gateways by the core in the
         # messages just sent; the handler that ran the pass went on. Last: `record` may end the
         # scheduler, which must not take those messages with it.
         for request_id, error in self.core.take_placement_failures():
             self.events.message_failed("dispatch", request_id, error)
             self.failures.record()
+
+    def _deliver(self, identity: bytes, message: wire.Message) -> bool:
+        """Sends without waiting; False when the peer has no connection now (the message is
+        for the caller to hold). A peer whose queue is full (SNDHWM: it has not read for a
+        long while) has the message dropped, as before, and the drop logged. The status is
+        never held: taken as delivered either way."""
+        try:
+            self.socket.send_multipart([identity, *wire.encode(message)], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._dropped_full(identity, message)
+        except zmq.ZMQError as error:
+            if error.errno == errno.EHOSTUNREACH:
+                return isinstance(message, wire.ClusterStatus)
+            self.log.warning("send failed", error=str(error), peer=identity.hex())
+        return True
+
+    def _dropped_full(self, identity: bytes, message: wire.Message) -> None:
+        if isinstance(message, wire.ClusterStatus):
+            return  # (the next tick's replaces it)
+        self.num_dropped_full += 1
+        if self.num_dropped_full % DROPPED_LOG_EVERY == 1:
+            self.log.warning("peer's queue full; messages dropped", peer=identity.hex(),
+                             type=type(message).__name__,
+                             num_dropped=self.num_dropped_full)  # fmt: skip
+
+    def _flush(self, identity: bytes) -> None:
+        """Sends what was held for the peer, in order, while it takes them."""
+        while (message := self.undelivered.first(identity)) is not None:
+            if not self._deliver(identity, message):
+                return
+            self.undelivered.pop(identity)
+
+    def _retry_undelivered(self, now: float) -> None:
+        """Each tick: what is held goes to the peers back since, and what waited too long for a
+        peer still away is dropped."""
+        for identity, num_dropped in self.undelivered.expire(now):
+            self.log.warning("peer unreachable; messages for it dropped", peer=identity.hex(),
+                             num_dropped=num_dropped)  # fmt: skip
+        for identity in self.undelivered.peers():
+            self._flush(identity)
+
+
+DROPPED_LOG_EVERY = 100  # a peer's full queue logs its first dropped message, then every this many
+# The most messages held for one unreachable peer: far above what a brief cut gathers (a
+# worker's jobs and cancels, a gateway's deltas, for a few seconds); past it the oldest go.
+MAX_HELD_PER_PEER = 10_000
+
+
+class Undelivered:
+    """Messages for peers the ROUTER has no connection to just now, in the order they were
+    sent, each peer's kept at most `keep_s` (its first message's age) and `MAX_HELD_PER_PEER`
+    of them."""
+
+    def __init__(self, keep_s: float, max_per_peer: int = MAX_HELD_PER_PEER):
+        self.keep_s = keep_s
+        self.max_per_peer = max_per_peer
+        self._held: dict[bytes, deque[tuple[float, wire.Message]]] = {}
+        self.num_dropped = 0  # past the bound or the age, since the start
+
+    def holds(self, identity: bytes) -> bool:
+        return identity in self._held
+
+    def hold(self, identity: bytes, message: wire.Message, now: float) -> None:
+        held = self._held.setdefault(identity, deque())
+        if len(held) >= self.max_per_peer:
+            held.popleft()
+            self.num_dropped += 1
+        held.append((now, message))
+
+    def first(self, identity: bytes) -> wire.Message | None:
+        held = self._held.get(identity)
+        return held[0][1] if held else None
+
+    def pop(self, identity: bytes) -> None:
+        held = self._held[identity]
+        held.popleft()
+        if not held:
+            del self._held[identity]
+
+    def peers(self) -> list[bytes]:
+        return list(self._held)
+
+    def expire(self, now: float) -> list[tuple[bytes, int]]:
+        """Forgets the peers whose oldest held message waited past `keep_s`: each, with the
+        number of its messages dropped."""
+        gone = [i for i, held in self._held.items() if now - held[0][0] > self.keep_s]
+        dropped = [(identity, len(self._held.pop(identity))) for identity in gone]
+        self.num_dropped += sum(n for _, n in dropped)
+        return dropped
 
 
 def _answers(message: wire.Message, request_id: str) -> bool:

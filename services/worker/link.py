@@ -1,6 +1,9 @@
 """A worker's link to the scheduler: HELLO handshake, heartbeats, messages both ways.
 
-The DEALER socket reconnects by itself if the scheduler restarts. A scheduler that does not know
+The DEALER socket reconnects by itself if the scheduler restarts, or its connection is cut, under
+the one routing id it has for the process's life (`shared.endpoints.routing_id`): the scheduler's
+messages for the worker reach it as soon as it is back, and what was sent meanwhile the scheduler
+holds for it (`services/scheduler/service.py`). A scheduler that does not know
 the worker (it restarted, or took the worker for dead during a long stall) answers its next
 heartbeat with HelloAck(error=UNKNOWN_PEER), and the worker says HELLO again.
 """
@@ -15,7 +18,7 @@ import zmq
 
 from shared import wire
 from shared.curve import Security
-from shared.endpoints import connect
+from shared.endpoints import connect, set_routing_id
 from shared.errors import StartUpError
 from shared.logs import get_logger
 
@@ -42,6 +45,7 @@ class SchedulerLink:
         self.socket = security.client(context.socket(zmq.DEALER))
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.LINGER, 0)
+        set_routing_id(self.socket, hello.peer_id)  # the same across reconnects (docstring)
         connect(self.socket, address)
         self.heartbeat_interval_s = 0.5
         self._next_heartbeat = 0.0
