@@ -60,6 +60,7 @@ PROBE_S = 2.0  # a client with calls in flight and no event sent for this long i
 MAX_REPLIES_IN_LINE = 16 * MAX_CALLS_PER_CLIENT  # a client's refusals waiting to be sent; more
 # are dropped (a client flooding calls whose answers it never reads)
 SLOW_READER_RETRY_S = 0.01  # an event for a client whose pipe is full is tried again after
+MAX_HEARTBEAT_TIMEOUT_MS = 2**31 - 1  # ZeroMQ's most (a C int)
 
 # Per call kind: the HTTP endpoint's parser and its response id prefix.
 _ENDPOINTS = {
@@ -121,7 +122,7 @@ class RpcServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, not silence
-        timeout_ms = round(self.client_timeout_s * 1000)  # pings a few times in a timeout
+        timeout_ms = _heartbeat_timeout_ms(self.client_timeout_s)  # pings a few times in one
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(5_000, max(1, timeout_ms // 4)))
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         bind(self.socket, self.address, "rpc_address")
@@ -400,6 +401,12 @@ class RpcServer:
         for (peer, _), task in list(self._calls.items()):
             if peer == identity and task is not asyncio.current_task():
                 task.cancel()
+
+
+def _heartbeat_timeout_ms(client_timeout_s: float) -> int:
+    """`client_timeout_s` as ZeroMQ's heartbeat timeout: a C int of ms, so at most 24.8 days (a
+    longer one raised OverflowError at start-up), and at least 1 ms."""
+    return max(1, min(MAX_HEARTBEAT_TIMEOUT_MS, round(client_timeout_s * 1000)))
 
 
 def _readable_call_id(frames: list) -> str | None:

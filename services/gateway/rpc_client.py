@@ -17,10 +17,14 @@ block) cancels its request in the cluster.
 
 One socket (a DEALER) carries every call of a client, each under its own call id; events are
 sorted into per-call inboxes, so streams may be read interleaved. A client is not thread-safe
-(ZeroMQ sockets are not): use one per thread, or the asyncio client from many tasks.
+(ZeroMQ sockets are not): use one per thread, or the asyncio client from many tasks. A sync
+client's call while another thread (or greenlet) is in one of its calls raises `RuntimeError`
+(their frames would interleave on the socket). A call on a closed client raises
+`ConnectionError`.
 
-When the connection to the gateway drops (it restarted, or the network did), the calls in
-flight raise `ConnectionError` at once: their answers will not come (the gateway takes the
+When the connection to the gateway drops (it restarted, or the network did; or it answers no
+heartbeat for `GATEWAY_SILENCE_S`, a host gone silent), the calls in flight raise
+`ConnectionError` at once: their answers will not come (the gateway takes the
 reconnection for a new client and cancels the old one's calls), so they no longer wait out
 their timeout. Closing a client ends its calls that other tasks wait on the same way.
 """
@@ -28,10 +32,13 @@ their timeout. Closing a client ends its calls that other tasks wait on the same
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
 import math
+import numbers
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -47,6 +54,11 @@ from shared.endpoints import connect
 
 DEFAULT_TIMEOUT_S = 300.0
 CLOSE_LINGER_MS = 1000  # how long a closing socket lets queued cancels reach the gateway
+# The longest one ZeroMQ poll may wait (a C int of ms, 24.8 days): a longer wait is several.
+MAX_POLL_MS = 2**31 - 1
+# A connection whose gateway answers no ZMTP heartbeat for this long is closed, its calls in
+# flight failed (a host gone without closing it: its calls waited out their whole timeout).
+GATEWAY_SILENCE_S = 30.0
 
 CallKind = Literal["completion", "chat", "tokenize", "detokenize"]
 log = logging.getLogger(__name__)
@@ -54,10 +66,23 @@ log = logging.getLogger(__name__)
 
 def _seconds(timeout_s: float) -> float:
     """A timeout as given: > 0 and finite. A negative one waited for a connection for good (a
-    negative poll is an endless one), a NaN one timed every call out at once, after sending it."""
-    if not 0 < timeout_s < math.inf:  # (NaN fails every comparison)
+    negative poll is an endless one), a NaN one timed every call out at once, after sending it;
+    `True` is no number of seconds (it was taken for 1), and an int past any float (10**400)
+    raised OverflowError once a deadline was added to it."""
+    is_number = isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, bool)
+    try:
+        seconds = float(timeout_s) if is_number else math.nan
+    except OverflowError:
+        seconds = math.inf
+    if not 0 < seconds < math.inf:  # (NaN fails every comparison)
         raise ValueError(f"timeout_s must be > 0 and finite (seconds), got {timeout_s!r}")
-    return timeout_s
+    return seconds
+
+
+def _poll_ms(deadline: float) -> float:
+    """How long the next poll of a wait until `deadline` (`time.monotonic()`) may take: 0 when
+    it is past, at most `MAX_POLL_MS` (a longer one raised OverflowError)."""
+    return min(max(0.0, (deadline - time.monotonic()) * 1000), MAX_POLL_MS)
 
 
 def _call_wait_s(timeout_s: float | None, client_timeout_s: float) -> float:
@@ -134,6 +159,11 @@ def _dropped(address: str) -> _Ended:
 
 
 _CLOSED = _Ended("the client was closed while the call waited")
+_CLIENT_CLOSED = "the client is closed: make a new one"
+_SHARED = (
+    "this TandemClient is in a call of another thread (or greenlet): a client is not "
+    "thread-safe, use one per thread"
+)
 
 
 def _disconnected(frames: list) -> bool:
@@ -155,6 +185,11 @@ def _dealer(context: zmq.Context, address: str, curve: ClientKeys | None = None)
     socket.setsockopt(zmq.LINGER, CLOSE_LINGER_MS)  # an unclosed client never blocks the exit
     socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
     socket.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a connection not made: say so instead
+    # ZMTP heartbeats, a few in `GATEWAY_SILENCE_S`: the gateway's ZeroMQ I/O thread answers
+    # them, not its event loop, so a busy gateway is not taken for gone.
+    silence_ms = round(GATEWAY_SILENCE_S * 1000)
+    socket.setsockopt(zmq.HEARTBEAT_IVL, max(1, silence_ms // 4))
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, silence_ms)
     connect(socket, address)
     return socket
 
@@ -182,6 +217,8 @@ class TandemClient:
         self._call_ids = (str(n) for n in itertools.count())
         # Events received for calls in flight and not yet read; a call leaves it when done.
         self._inbox: dict[str, deque[wire.RpcEvent | _Ended]] = {}
+        self._in_use = threading.Lock()  # held by the call using the socket (`_using`)
+        self._orphans: deque[str] = deque()  # calls left where the socket was in use: `_release`
 
     def completion(self, *, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
         return self._call("completion", body, timeout_s)
@@ -205,17 +242,19 @@ class TandemClient:
 
     def cancel(self, call_id: str) -> None:
         """Asks the gateway to cancel a call in flight; the call ends with RpcError 499."""
-        if call_id in self._inbox:
-            wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
+        with self._using():
+            if call_id in self._inbox:
+                wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
     def close(self) -> None:
         if self._socket.closed:
             return
-        for call_id in list(self._inbox):
-            self._abandon(call_id)
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close()
+        with self._using():
+            for call_id in list(self._inbox):
+                self._abandon(call_id)
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
+            self._socket.close()
 
     def __enter__(self) -> TandemClient:
         return self
@@ -223,15 +262,32 @@ class TandemClient:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def _using(self) -> Iterator[None]:
+        """The socket and the inboxes for this thread's call: another thread (or greenlet) in a
+        call of this client is refused (ZeroMQ sockets are not thread-safe: two threads' calls
+        interleaved their frames, and hung); so is a closed client."""
+        if not self._in_use.acquire(blocking=False):
+            raise RuntimeError(_SHARED)
+        try:
+            if self._socket.closed:  # (ZeroMQ said "Operation not supported")
+                raise ConnectionError(_CLIENT_CLOSED)
+            while self._orphans:
+                self._abandon(self._orphans.popleft())
+            yield
+        finally:
+            self._in_use.release()
+
     def _call(self, kind: CallKind, body: dict[str, Any], timeout_s: float | None) -> dict:
         wait_s = _call_wait_s(timeout_s, self.timeout_s)  # (refused before the call is sent)
-        call_id = self._start(kind, body, stream=False, timeout_s=wait_s)
-        try:
-            event = self._next_event(call_id, wait_s)
-        except BaseException:  # a timeout or Ctrl-C: the gateway should stop working on it
-            self._abandon(call_id)
-            raise
-        self._inbox.pop(call_id, None)
+        with self._using():
+            call_id = self._start(kind, body, stream=False, timeout_s=wait_s)
+            try:
+                event = self._next_event(call_id, wait_s)
+            except BaseException:  # a timeout or Ctrl-C: the gateway should stop working on it
+                self._abandon(call_id)
+                raise
+            self._inbox.pop(call_id, None)
         result = _payload(event)
         assert result is not None, "a non-streaming call ends with a response or an error"
         return result
@@ -239,8 +295,10 @@ class TandemClient:
     def _start(self, kind: CallKind, body: dict[str, Any], stream: bool, timeout_s: float) -> str:
         # A DEALER with no connection (no gateway there, or a CurveZMQ handshake that failed)
         # holds a send forever: wait for one only as long as the call may take.
-        if not self._socket.poll(timeout_s * 1000, zmq.POLLOUT):
-            raise TimeoutError(_unreachable(self.address, timeout_s))
+        deadline = time.monotonic() + timeout_s
+        while not self._socket.poll(_poll_ms(deadline), zmq.POLLOUT):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(_unreachable(self.address, timeout_s))
         self._read_connection_events()  # (a drop before this call is not its own)
         call_id = next(self._call_ids)
         request = _request(call_id, kind, body, stream, self.api_key)  # (may refuse: 413)
@@ -261,9 +319,11 @@ class TandemClient:
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while not inbox:
-            remaining_ms = (deadline - time.monotonic()) * 1000
-            ready = dict(poller.poll(remaining_ms)) if remaining_ms > 0 else {}
+            wait_ms = _poll_ms(deadline)
+            ready = dict(poller.poll(wait_ms)) if wait_ms > 0 else {}
             if not ready:
+                if time.monotonic() < deadline:
+                    continue  # (one slice of a wait longer than a poll takes)
                 raise TimeoutError(f"no answer from {self.address} within {timeout_s} s")
             if self._monitor in ready:
                 self._read_connection_events()
@@ -296,6 +356,17 @@ class TandemClient:
         if self._inbox.pop(call_id, None) is not None and not self._socket.closed:
             wire.send_or_drop(self._socket, wire.RpcCancel(call_id=call_id))
 
+    def _release(self, call_id: str) -> None:
+        """`_abandon` from anywhere (a stream's finalizer, another thread): at once when the
+        socket is free, else by the next call (the socket and the inboxes are its)."""
+        if not self._in_use.acquire(blocking=False):
+            self._orphans.append(call_id)
+            return
+        try:
+            self._abandon(call_id)
+        finally:
+            self._in_use.release()
+
 
 class ChunkStream:
     """The chunks of one streaming call. Started by the first `next()`; closing it before the
@@ -312,13 +383,16 @@ class ChunkStream:
     def __next__(self) -> dict[str, Any]:
         if self._finished:
             raise StopIteration
-        if self.call_id is None:
-            self.call_id = self._client._start(self._kind, self._body, True, self._timeout_s)
-        try:
-            event = self._client._next_event(self.call_id, self._timeout_s)
-        except BaseException:
-            self.close()
-            raise
+        client = self._client
+        with client._using():
+            if self.call_id is None:
+                self.call_id = client._start(self._kind, self._body, True, self._timeout_s)
+            try:
+                event = client._next_event(self.call_id, self._timeout_s)
+            except BaseException:
+                self._finished = True
+                client._abandon(self.call_id)
+                raise
         self._finished = event.done
         chunk = _payload(event)
         if chunk is None:
@@ -327,7 +401,7 @@ class ChunkStream:
 
     def close(self) -> None:
         if self.call_id is not None and not self._finished:
-            self._client._abandon(self.call_id)
+            self._client._release(self.call_id)
         self._finished = True
 
     def __enter__(self) -> ChunkStream:
@@ -438,6 +512,8 @@ class AsyncTandemClient:
     async def _start(
         self, kind: CallKind, body: dict[str, Any], stream: bool, timeout_s: float
     ) -> str:
+        if self._socket.closed:  # (ZeroMQ said "Operation not supported", its readers died)
+            raise ConnectionError(_CLIENT_CLOSED)
         self._run_readers()
         if not await self._socket.poll(timeout_s * 1000, zmq.POLLOUT):  # (as long as it may take)
             raise TimeoutError(_unreachable(self.address, timeout_s))

@@ -268,3 +268,210 @@ def test_an_async_client_serves_one_event_loop_after_another(tmp_path):
         asyncio.run(client.close())
         stop.set()
         thread.join(5)
+
+
+@pytest.mark.parametrize("timeout_s", [1e300, 1e7, 3e6])
+def test_a_timeout_longer_than_one_poll_takes_is_waited(tmp_path, timeout_s):
+    """ZeroMQ polls for at most 2**31 - 1 ms (24.8 days): a sync call given longer (a caller's
+    "wait for good") raised OverflowError before it was even sent."""
+    from services.gateway.rpc_client import AsyncTandemClient, TandemClient
+
+    stop = threading.Event()
+    thread = _gateway_that_answers_every_call(f"ipc://{tmp_path}/gw.sock", stop)
+    try:
+        with TandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=timeout_s) as client:
+            assert "call_id" in client.completion(model="m", prompt="hi")
+            assert "call_id" in client.chat(model="m", messages=[], timeout_s=timeout_s)
+            assert len(list(client.stream_completion(model="m", prompt="hi"))) == 1
+
+        async def call() -> dict:
+            async with AsyncTandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=timeout_s) as c:
+                return await c.completion(model="m", prompt="hi")
+
+        assert "call_id" in asyncio.run(asyncio.wait_for(call(), 10))
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_a_wait_made_of_several_polls_still_ends_at_its_timeout(tmp_path, monkeypatch):
+    """A long wait is polled in slices: the call times out at its own timeout, not the first
+    slice's end, and answers that come in a later slice are read."""
+    from services.gateway import rpc_client
+    from services.gateway.rpc_client import TandemClient
+
+    monkeypatch.setattr(rpc_client, "MAX_POLL_MS", 50)
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # takes calls, never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(f"ipc://{tmp_path}/gw.sock")
+    try:
+        with TandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=0.5) as client:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="no answer"):
+                client.completion(model="m", prompt="hi")
+            assert 0.45 < time.monotonic() - start < 3
+    finally:
+        silent.close()
+        context.term()
+    stop = threading.Event()
+    thread = _gateway_that_answers_every_call(f"ipc://{tmp_path}/gw2.sock", stop)
+    try:
+        with TandemClient(f"ipc://{tmp_path}/gw2.sock", timeout_s=5) as client:
+            assert "call_id" in client.completion(model="m", prompt="hi")
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+@pytest.mark.parametrize(
+    "timeout_s",
+    [True, False, "5", None, [1], float("nan"), -1.0, 0, 10**400],
+    ids=["True", "False", "str", "None", "list", "nan", "negative", "zero", "10**400"],
+)
+def test_a_timeout_that_is_not_seconds_is_a_value_error_before_anything_is_sent(timeout_s):
+    """`True` was taken for 1 s, `"5"` raised a TypeError about `<`, 10**400 (an int past any
+    float) an OverflowError once called; `None` as a client's own timeout was the same
+    TypeError (a call's `None` means the client's, as documented)."""
+    from services.gateway.rpc_client import AsyncTandemClient, TandemClient
+
+    with pytest.raises(ValueError, match="timeout_s must be"):
+        TandemClient("ipc:///nonexistent/gw.sock", timeout_s=timeout_s)
+    with TandemClient("ipc:///nonexistent/gw.sock") as client:
+        if timeout_s is not None:
+            with pytest.raises(ValueError, match="timeout_s must be"):
+                client.completion(model="m", prompt="hi", timeout_s=timeout_s)
+            with pytest.raises(ValueError, match="timeout_s must be"):
+                client.stream_chat(model="m", messages=[], timeout_s=timeout_s)
+
+    async def refused() -> None:
+        with pytest.raises(ValueError, match="timeout_s must be"):
+            AsyncTandemClient("ipc:///nonexistent/gw.sock", timeout_s=timeout_s)
+        async with AsyncTandemClient("ipc:///nonexistent/gw.sock") as client:
+            if timeout_s is not None:
+                with pytest.raises(ValueError, match="timeout_s must be"):
+                    await client.completion(model="m", prompt="hi", timeout_s=timeout_s)
+                with pytest.raises(ValueError, match="timeout_s must be"):
+                    client.stream_completion(model="m", prompt="hi", timeout_s=timeout_s)
+
+    asyncio.run(refused())
+
+
+def test_a_call_on_a_closed_client_says_the_client_is_closed():
+    """It raised ZeroMQ's "Operation not supported" (and an async client's reader tasks then
+    died unretrieved on the closed socket)."""
+    from services.gateway.rpc_client import AsyncTandemClient, TandemClient
+
+    client = TandemClient("ipc:///nonexistent/gw.sock", timeout_s=1)
+    stream = client.stream_completion(model="m", prompt="hi")
+    client.close()
+    with pytest.raises(ConnectionError, match="closed"):
+        client.completion(model="m", prompt="hi")
+    with pytest.raises(ConnectionError, match="closed"):
+        next(stream)
+
+    async def closed() -> None:
+        client = AsyncTandemClient("ipc:///nonexistent/gw.sock", timeout_s=1)
+        stream = client.stream_chat(model="m", messages=[])
+        await client.close()
+        with pytest.raises(ConnectionError, match="closed"):
+            await client.completion(model="m", prompt="hi")
+        with pytest.raises(ConnectionError, match="closed"):
+            await stream.__anext__()
+        assert client._reader is None and client._watcher is None  # (none started to die)
+
+    asyncio.run(closed())
+
+
+def test_a_sync_client_used_by_two_threads_at_once_says_so(tmp_path):
+    """A sync client is not thread-safe (documented): two threads' calls at once interleaved
+    their frames on the one socket, and the gateway read garbage or another call's parts,
+    while the callers hung. The second thread now gets a RuntimeError saying why, and the
+    first thread's call is unharmed."""
+    from services.gateway.rpc_client import TandemClient
+    from shared import wire
+
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)  # answers the first call once the second was tried
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/gw.sock")
+    client = TandemClient(f"ipc://{tmp_path}/gw.sock", timeout_s=10)
+    answers: list = []
+    first = threading.Thread(
+        target=lambda: answers.append(client.completion(model="m", prompt="a"))
+    )
+    first.start()
+    try:
+        assert router.poll(5_000), "no call came"
+        identity, call = wire.recv_from(router)
+        with pytest.raises(RuntimeError, match="thread"):
+            client.completion(model="m", prompt="b")
+        with pytest.raises(RuntimeError, match="thread"):
+            next(client.stream_completion(model="m", prompt="c"))
+        assert router.poll(200) == 0  # nothing of theirs was sent
+        answer = wire.RpcEvent(call_id=call.call_id, kind="response", body='{"ok": 1}',
+                               status=200, done=True)  # fmt: skip
+        wire.send_to(router, identity, answer)
+        first.join(5)
+        assert answers == [{"ok": 1}]
+    finally:
+        client.close()
+        router.close()
+        context.term()
+
+
+_SILENT_GATEWAY = """
+import sys, zmq
+router = zmq.Context().socket(zmq.ROUTER)
+router.bind(sys.argv[1])
+router.recv_multipart()  # a call: then it is stopped, as a gateway host that went silent
+print("taken", flush=True)
+router.recv_multipart()
+"""
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "async"])
+def test_a_call_to_a_gateway_gone_silent_fails_once_heartbeats_go_unanswered(
+    tmp_path, monkeypatch, client_kind
+):
+    """A gateway host that vanished without closing its connections (power lost, a network
+    cut, a process stopped): the connection looked alive, so its calls waited out their whole
+    timeout (300 s by default, and each new call the same). ZMTP heartbeats now close it once
+    the gateway answers none for `GATEWAY_SILENCE_S`, and the calls in flight fail as on a
+    dropped connection."""
+    import signal
+    import subprocess
+    import sys
+
+    from services.gateway import rpc_client
+
+    monkeypatch.setattr(rpc_client, "GATEWAY_SILENCE_S", 1.0)
+    address = f"ipc://{tmp_path}/gw.sock"
+    gateway = subprocess.Popen(
+        [sys.executable, "-c", _SILENT_GATEWAY, address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+
+        def stop_once_taken() -> None:
+            assert gateway.stdout.readline().strip() == "taken"
+            gateway.send_signal(signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_once_taken, daemon=True)
+        stopper.start()
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match="dropped"):
+            if client_kind == "sync":
+                with rpc_client.TandemClient(address, timeout_s=30) as client:
+                    client.completion(model="m", prompt="hi")
+            else:
+
+                async def call() -> None:
+                    async with rpc_client.AsyncTandemClient(address, timeout_s=30) as client:
+                        await client.completion(model="m", prompt="hi")
+
+                asyncio.run(call())
+        assert time.monotonic() - start < 10
+        stopper.join(5)
+    finally:
+        gateway.kill()
+        gateway.wait()

@@ -134,3 +134,25 @@ def test_refusals_to_a_client_that_reads_nothing_are_bounded(tmp_path, monkeypat
             context.term()
 
     asyncio.run(scenario())
+
+
+def test_a_door_with_a_client_timeout_longer_than_zeromq_counts_serves(tmp_path):
+    """`--rpc-client-timeout-s` is any positive, finite number of seconds; one over 24.8 days
+    (ZeroMQ's heartbeat timeout is a C int of ms) raised OverflowError at the gateway's start."""
+
+    async def scenario() -> None:
+        for n, client_timeout_s in enumerate([1e300, 1e7, 1e-6]):
+            address = f"ipc://{tmp_path}/rpc{n}.sock"
+            door = await _door(address, client_timeout_s)
+            context = zmq.asyncio.Context()
+            client = _client(context, address)
+            try:
+                await _flood(client, num_calls=1)
+                (answer,) = await _answers(client, expected=1, within_s=5)
+                assert answer.status == 400
+            finally:
+                client.close()
+                context.term()
+                await door.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
