@@ -35,6 +35,7 @@ from services.gateway.detokenizer import (
     token_text,
 )
 from services.gateway.echo import echoed_logprobs, echoed_text
+from services.gateway.grammar_check import grammar_token_ids
 from services.gateway.openai_protocol import ApiError, GenerationRequest, bad_request
 from services.gateway.openai_shapes import TokenLogprob
 from services.gateway.tool_formats import (
@@ -45,6 +46,7 @@ from services.gateway.tool_formats import (
 )
 from shared import wire
 from shared.config import usable_cores
+from shared.engine.constraint import Constraint
 from shared.engine.sampling_params import SamplingParams
 from shared.lifecycle import ChoiceTrace, GatewayEvents
 from shared.wire_convert import sampling_spec
@@ -197,10 +199,22 @@ class Generator:
             raise bad_request("stop_token_ids", f"ids must be in [0, {self.vocab_size})")
         if any(not 0 <= t < self.vocab_size for t in params.logit_bias_ids):
             raise bad_request("logit_bias", f"token ids must be in [0, {self.vocab_size})")
+        if params.constraint is not None:
+            self._check_grammar_token_ids(params.constraint)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         return Generation(
             request, prompt_ids, params, request_id, int(time.time()), arrived_at, self.tool_format
         )
+
+    def _check_grammar_token_ids(self, constraint: Constraint) -> None:
+        """A grammar's token references must be in the vocabulary: the worker's compile refused
+        one past it, and the request ended as a failed generation."""
+        outside = sorted(t for t in grammar_token_ids(constraint) if not 0 <= t < self.vocab_size)
+        if outside:
+            raise bad_request(
+                constraint.param,
+                f"names token id {outside[0]}; token ids must be in [0, {self.vocab_size})",
+            )
 
     def tokenize(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:

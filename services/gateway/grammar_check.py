@@ -16,17 +16,21 @@ The classic fixpoint of productive nonterminals, read from xgrammar's own parse 
 request's text, so that this reads the grammar exactly as the engine will. Conservative: an
 expression this does not know (a token, a regex, a tag dispatch...) counts as one that ends, and
 a lookahead is no part of the text (xgrammar does not hold the output to it at the end).
+
+The same reading gives the token ids a grammar names (`grammar_token_ids`), which the gateway
+holds to the vocabulary as it does `stop_token_ids` (generation.py).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from shared.engine.constraint import Constraint
+from shared.engine.constraint import Constraint, to_grammar
 from shared.errors import InvalidRequestError
 
 # The layout of xgrammar 0.2.8's `Grammar.serialize_json`: each expression `[type, length,
@@ -46,7 +50,11 @@ _LAYOUT = "v16"
     _CHOICES,  # [expr_id, ...]: ends when one does
     _TAG_DISPATCH,  # [tag_expr_id, rule_id, ..., loop_after_dispatch, excludes_expr_id]
     _REPEAT,  # [rule_id, min, max] (max -1: no bound)
-) = range(9)
+    _TOKEN,  # [token_id, ...]: one of these tokens
+    _EXCLUDE_TOKEN,  # [token_id, ...]: any token but these
+    # [n, token_id, rule_id, ... (n pairs), loop_after_dispatch, m, excluded token_id, ... (m)]
+    _TOKEN_TAG_DISPATCH,
+) = range(12)
 
 _MAX_NAMED = 8  # rules a refusal lists
 _MAX_CODE_POINT = 0x10FFFF
@@ -124,6 +132,29 @@ def find_endless(grammar: Any) -> Endless | None:
         for node in reached
     )
     return Endless(endless, empty_class)
+
+
+@functools.lru_cache(maxsize=64)  # (as structured_outputs.check_parses: the same grammar again)
+def grammar_token_ids(constraint: Constraint) -> frozenset[int]:
+    """The token ids a `grammar` constraint names (`Token(...)`, `ExcludeToken(...)`, a
+    `TokenTagDispatch`'s tokens and excludes), which the worker's compile requires in its
+    vocabulary; none for another kind, or a layout this does not read."""
+    if constraint.kind != "grammar" or "Token" not in constraint.spec:  # (no token, no parse)
+        return frozenset()
+    parsed = _read(to_grammar(constraint))
+    if parsed is None:
+        return frozenset()
+    return frozenset(token for kind, data in parsed[0] for token in _named_tokens(kind, data))
+
+
+def _named_tokens(kind: int, data: list[int]) -> list[int]:
+    if kind in (_TOKEN, _EXCLUDE_TOKEN):
+        return data
+    if kind == _TOKEN_TAG_DISPATCH and data:
+        num_pairs = data[0]
+        excludes = data[2 + 2 * num_pairs :]  # [m, id, ...]
+        return data[1 : 1 + 2 * num_pairs : 2] + excludes[1:]
+    return []
 
 
 Expr = tuple[int, list[int]]  # (type, data)
@@ -235,4 +266,6 @@ def _entered(kind: int, data: list[int], num_exprs: int) -> list[int]:
         return [num_exprs + data[0]]
     if kind == _TAG_DISPATCH:  # after its tag, each pair's rule
         return [num_exprs + rule for rule in data[1:-2:2]]
+    if kind == _TOKEN_TAG_DISPATCH and data:  # after its token, each pair's rule
+        return [num_exprs + rule for rule in data[2 : 2 + 2 * data[0] : 2]]
     return []

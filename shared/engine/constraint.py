@@ -24,10 +24,17 @@ import re
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
+from re import _constants as sre  # the parsed form of a regex (Python 3.11+)
+from re import _parser as sre_parser
 from typing import Any
 
 from shared.engine import call_grammar
-from shared.engine.json_pattern import MAX_PATTERN_SIZE, json_string_pattern, pattern_size
+from shared.engine.json_pattern import (
+    MAX_PATTERN_SIZE,
+    json_string_pattern,
+    pattern_size,
+    python_spelling,
+)
 from shared.errors import InvalidRequestError
 
 # (`answer_or_calls`: a response format or tool calls, shared.engine.call_grammar)
@@ -160,6 +167,7 @@ def check_schema_keywords(schema: Any, where: str, depth: int = 0) -> None:
                 raise InvalidRequestError(f"{where}.pattern", "must be a string (a regex)")
             json_string_pattern(value, f"{where}.pattern")
     _check_combination(schema, where)
+    _check_values_typed(schema, where)
     _check_typed(schema, where)
     if depth == 0:
         _check_refs_reach_a_value(schema, where)
@@ -212,6 +220,46 @@ def _check_combination(schema: dict[str, Any], where: str) -> None:
             f"names {missing[0]!r}, which `properties` does not list: only a listed property"
             " can be required",
         )
+
+
+# Whether a value is of a JSON Schema type: an integer may be written 1.0, a boolean is not a
+# number, and a number may be an integer.
+_IS_OF_TYPE: dict[str, Callable[[Any], bool]] = {
+    "null": lambda value: value is None,
+    "boolean": lambda value: isinstance(value, bool),
+    "string": lambda value: isinstance(value, str),
+    "object": lambda value: isinstance(value, dict),
+    "array": lambda value: isinstance(value, list),
+    "number": lambda value: isinstance(value, int | float) and not isinstance(value, bool),
+    "integer": lambda value: _is_int(value) or (isinstance(value, float) and value.is_integer()),
+}
+
+
+def _check_values_typed(schema: dict[str, Any], where: str) -> None:
+    """Refuses an `enum` value or a `const` that the `type` beside it does not allow: xgrammar
+    writes the values and ignores the `type` (see _EXCLUSIVE), so `{"type": "string", "enum":
+    [1, 2]}` wrote `1`, a number the schema refuses, called valid."""
+    if "type" not in schema or ("enum" not in schema and "const" not in schema):
+        return
+    types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    if not all(isinstance(name, str) and name in _IS_OF_TYPE for name in types):
+        raise InvalidRequestError(
+            f"{where}.type", f"must be one of {sorted(_IS_OF_TYPE)}, or a list of them"
+        )
+    if "const" in schema:  # (not beside `enum`: _check_combination refused that)
+        values = [(f"{where}.const", schema["const"])]
+    elif isinstance(schema["enum"], list):  # (another `enum` xgrammar refuses itself)
+        values = [(f"{where}.enum[{i}]", value) for i, value in enumerate(schema["enum"])]
+    else:
+        values = []
+    for field, value in values:
+        if not any(_IS_OF_TYPE[name](value) for name in types):
+            allowed = " or ".join(f'"{name}"' for name in types)
+            raise InvalidRequestError(
+                field,
+                f"{json.dumps(value)[:100]} is a value the `type` beside it ({allowed}) does not"
+                " allow: only the value would be enforced, and the output would break the type",
+            )
 
 
 # The keywords that constrain one type of value, and that type. xgrammar reads them only beside a
@@ -466,6 +514,7 @@ def to_grammar(constraint: Constraint) -> Any:
                     )
                 )
             case "regex":
+                _check_regex_anchors(constraint.spec, constraint.param)
                 return xgr.Grammar.from_regex(constraint.spec)
             case "answer_or_calls":
                 return _answer_or_calls_grammar(constraint)
@@ -482,6 +531,73 @@ def to_grammar(constraint: Constraint) -> Any:
         raise InvalidRequestError(
             constraint.param, f"invalid {constraint.kind}: {message}"
         ) from None
+
+
+_ANCHORS = (sre.AT_BEGINNING, sre.AT_END)  # `^`, `$` (xgrammar reads `\A`, `\Z` as letters)
+
+
+def _check_regex_anchors(regex: str, param: str) -> None:
+    """Refuses a `^` that text may come before, or a `$` that text may come after: xgrammar
+    warns and drops it (`$a` matched "a", which no text matches). The whole output is matched,
+    so at the regex's ends (a branch's, a group's there) they change nothing and pass, as in a
+    schema's `pattern` (json_pattern)."""
+    try:
+        inner = _has_inner_anchor(list(sre_parser.parse(python_spelling(regex))), True, True)
+    except (re.error, OverflowError, RecursionError):
+        # A spelling Python's parser does not read (`\e`): only the very ends may anchor.
+        inner = any(
+            (char == "^" and i > 0) or (char == "$" and i < len(regex) - 1)
+            for i, char in _unescaped_anchors(regex)
+        )
+    if inner:
+        raise InvalidRequestError(
+            param,
+            "invalid regex: `^` and `$` can be enforced only at the ends of the regex (the"
+            " engine would drop one inside it); escape them (`\\^`, `\\$`) to match the"
+            " characters",
+        )
+
+
+def _has_inner_anchor(items: list[tuple[Any, Any]], at_start: bool, at_end: bool) -> bool:
+    """Whether a `^`/`$` among parsed `items` has something before/after it. `at_start`/
+    `at_end`: nothing can come before/after the items."""
+    anchors = [op is sre.AT and value in _ANCHORS for op, value in items]
+    consuming = [i for i, anchor in enumerate(anchors) if not anchor]
+    head, tail = (consuming[0], consuming[-1]) if consuming else (len(items), -1)
+    for i, (op, value) in enumerate(items):
+        first, last = at_start and i <= head, at_end and i >= tail
+        if anchors[i]:
+            inner = not (first if value is sre.AT_BEGINNING else last)
+        elif op is sre.BRANCH:
+            inner = any(_has_inner_anchor(list(b), first, last) for b in value[1])
+        elif op is sre.SUBPATTERN:
+            inner = _has_inner_anchor(list(value[3]), first, last)
+        elif op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
+            inner = _has_inner_anchor(list(value[2]), False, False)
+        else:
+            inner = False
+        if inner:
+            return True
+    return False
+
+
+def _unescaped_anchors(regex: str):
+    """(index, character) of each `^` and `$` outside a character class and not escaped."""
+    i, in_class = 0, False
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            i += 2 if regex[i + 1 : i + 2] == "^" else 1  # (a class's `^` negates it)
+            continue
+        elif char in "^$":
+            yield i, char
+        i += 1
 
 
 def answer_or_calls(

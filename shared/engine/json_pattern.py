@@ -54,7 +54,7 @@ def json_string_pattern(pattern: str, param: str) -> str:
     refused: they would be dropped, or mean something else over the escaped text; so is a
     pattern too large with its repetitions written out (MAX_PATTERN_SIZE)."""
     try:
-        parsed = sre_parser.parse(_python_spelling(pattern))
+        parsed = sre_parser.parse(python_spelling(pattern))
         if parsed.state.flags & ~re.UNICODE:
             raise _Untranslatable("inline flags such as `(?i)` cannot be enforced")
         translated = _sequence_regex(list(parsed), at_start=True, at_end=True)
@@ -81,7 +81,7 @@ _ECMA_ESCAPE = re.compile(r"\\u\{([0-9A-Fa-f]{1,6})\}|\\c([A-Za-z])")
 def pattern_size(pattern: str) -> int:
     """The size `json_string_pattern` bounds (of a pattern it translated): its characters with
     its repetitions written out, as xgrammar's automaton holds them."""
-    return _expanded_size(list(sre_parser.parse(_python_spelling(pattern))))
+    return _expanded_size(list(sre_parser.parse(python_spelling(pattern))))
 
 
 def _expanded_size(items: list[tuple[Any, Any]]) -> int:
@@ -103,7 +103,7 @@ def _intersects(ranges: Ranges, others: Ranges) -> bool:
     return any(low <= o_high and o_low <= high for low, high in ranges for o_low, o_high in others)
 
 
-def _python_spelling(pattern: str) -> str:
+def python_spelling(pattern: str) -> str:
     """The ECMA-262 syntax Python's parser spells otherwise, in Python's spelling: named groups
     `(?<name>...)`, `\\u{1F600}`, `\\cJ` and the class of any character `[^]`."""
     parts, i, in_class = [], 0, False

@@ -89,6 +89,52 @@ def test_the_common_combinations_stay_allowed():
 
 
 @pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "string", "enum": [1, 2]}, "p.enum[0]"),  # compiled to `"1" | "2"`
+        ({"type": "string", "enum": ["a", 2]}, "p.enum[1]"),
+        ({"type": "integer", "const": "a"}, "p.const"),  # compiled to the string "a"
+        ({"type": "integer", "enum": [1.5]}, "p.enum[0]"),
+        ({"type": "integer", "const": True}, "p.const"),  # a boolean is no number
+        ({"type": "number", "enum": [False]}, "p.enum[0]"),
+        ({"type": "boolean", "const": 0}, "p.const"),
+        ({"type": "null", "enum": ["null"]}, "p.enum[0]"),
+        ({"type": "object", "const": [1]}, "p.const"),
+        ({"type": "array", "enum": [{"a": 1}]}, "p.enum[0]"),
+        ({"type": ["string", "null"], "enum": ["a", None, 3]}, "p.enum[2]"),
+        ({"type": "object", "properties": {"n": {"type": "integer", "enum": ["1"]}}},
+         "p.properties.n.enum[0]"),
+    ],
+)  # fmt: skip
+def test_an_enum_or_const_value_its_type_does_not_allow_is_refused(schema, where):
+    """xgrammar writes an `enum`'s or `const`'s values and ignores the `type` beside them: the
+    output was a value of another type, and the response said it met the schema."""
+    with pytest.raises(InvalidRequestError, match="does not allow") as info:
+        schema_constraint(schema, "p")
+    assert info.value.param == where
+
+
+def test_an_enum_or_const_of_its_types_values_stays_allowed():
+    for schema in (
+        {"type": "integer", "enum": [1, 2.0, -3]},  # 2.0 is an integer in JSON Schema
+        {"type": "number", "enum": [1, 2.5]},  # a number may be an integer
+        {"type": ["string", "null"], "enum": ["a", None]},
+        {"type": "boolean", "const": False},
+        {"type": "object", "const": {"a": [1]}},
+        {"type": "array", "enum": [[1], []]},
+        {"type": "null", "const": None},
+        {"enum": [1, "a", None]},  # no type: any value
+    ):
+        to_grammar(schema_constraint(schema, "p"))
+
+
+def test_an_enum_or_const_beside_an_unknown_type_is_refused():
+    with pytest.raises(InvalidRequestError, match="must be") as info:
+        schema_constraint({"type": "text", "enum": ["a"]}, "p")
+    assert info.value.param == "p.type"
+
+
+@pytest.mark.parametrize(
     ("schema", "where", "message"),
     [
         ({"type": "object", "properties": {"n": {"minimum": 0, "maximum": 10}}},
@@ -262,6 +308,34 @@ def test_patterns_the_translation_cannot_keep_are_refused(pattern, message):
     with pytest.raises(InvalidRequestError, match=re.escape(message)) as info:
         schema_constraint(schema, "p")
     assert info.value.param == "p.properties.s.pattern"
+
+
+@pytest.mark.parametrize(
+    "regex",
+    ["$a", "a^b", "^^a|b^", "(a$)b", "a$|b(^c)", r"\\$a", "[a]^b", r"\e^a"],
+)
+def test_a_regex_with_an_anchor_inside_is_refused(regex):
+    """xgrammar warned and dropped a `^` or `$` that something could come before or after: `$a`
+    matched "a", where no text can match it."""
+    with pytest.raises(InvalidRequestError, match=re.escape("`^` and `$`")) as info:
+        to_grammar(Constraint("regex", regex, "structured_outputs.regex"))
+    assert info.value.param == "structured_outputs.regex"
+
+
+def test_a_regex_with_anchors_at_its_ends_or_escaped_stays_allowed():
+    for regex, text in [
+        ("^a$", "a"),
+        ("^a|^b$", "b"),
+        ("(^a)(b$)", "ab"),
+        ("^^a$$", "a"),
+        (r"\^a\$", "^a$"),
+        (r"a\\$", "a\\"),
+        ("[^$]", "a"),
+        ("[$^]b", "^b"),
+        (r"[\]^]", "^"),
+        (r"\e$", "\x1b"),  # (Python's parser refuses `\e`; xgrammar reads it as ESC)
+    ]:
+        assert accepts(Constraint("regex", regex), text), regex
 
 
 @pytest.mark.parametrize(

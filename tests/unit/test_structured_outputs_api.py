@@ -253,6 +253,7 @@ NEVER_ENDING = [
     ("x", 'root ::= "a" x{1,3}\nx ::= "b" x'),
     ("x", 'root ::= "a" x{0,3}\nx ::= "b" x'),
     ("x", 'root ::= TagDispatch(("<a>", x))\nx ::= "b" x'),
+    ("x", 'root ::= TokenTagDispatch((5, x))\nx ::= "b" x'),  # (after its token, the rule)
     # A character class that matches no character: nothing can follow "a".
     ("root", 'root ::= "a" [^\\0-\\U0010ffff]'),
     ("x", 'root ::= "a" | "b" x\nx ::= [^\\0-\\x7f\\x80-\\U0010ffff] "c"'),
@@ -426,3 +427,47 @@ def test_a_forced_tools_endless_parameters_are_refused_naming_them():
     parameters = _node({"$ref": "#"}, required=True)
     tool = {"type": "function", "function": {"name": "walk", "parameters": parameters}}
     refused("tools[0].function.parameters", "never end", tools=[tool], tool_choice="required")
+
+
+@pytest.fixture(scope="module")
+def generator():
+    """The gateway's request preparation on the real model's tokenizer (49,152 tokens)."""
+    from transformers import AutoTokenizer
+
+    from services.gateway.generation import Generator
+    from shared.engine.model_files import resolve_model_dir
+    from shared.lifecycle import GatewayEvents
+    from shared.logs import get_logger
+
+    directory, _ = resolve_model_dir(None)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return Generator(None, tokenizer, MODEL, MAX_LEN, GatewayEvents(get_logger()))
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        "root ::= Token(49152)",
+        'root ::= "a" Token(5, 999999)',
+        "root ::= ExcludeToken(1, 2, 60000)",
+        'root ::= TokenTagDispatch((5, a), (70000, a))\na ::= "x"',
+        'root ::= TokenTagDispatch((5, a), excludes=(6, 1000000))\na ::= "x"',
+    ],
+)
+def test_a_grammars_token_past_the_vocabulary_is_refused(generator, grammar):
+    """The worker's compile failed ("Token id ... out of the vocabulary range"): the request
+    ended as a failed generation, where the grammar is the client's error."""
+    body = {**CHAT, "max_tokens": 5, "structured_outputs": {"grammar": grammar}}
+    request = parse_chat_request(body, MODEL, MAX_LEN)
+    with pytest.raises(ApiError) as info:
+        generator.prepare(request, "chatcmpl")
+    assert info.value.status == 400
+    assert info.value.param == "structured_outputs.grammar"
+    assert "[0, 49152)" in info.value.message
+
+
+def test_a_grammars_tokens_in_the_vocabulary_pass(generator):
+    grammar = 'root ::= Token(0, 49151) ExcludeToken(2) TokenTagDispatch((5, a))\na ::= "x"'
+    body = {**CHAT, "max_tokens": 5, "structured_outputs": {"grammar": grammar}}
+    generation = generator.prepare(parse_chat_request(body, MODEL, MAX_LEN), "chatcmpl")
+    assert generation.params.constraint == Constraint("grammar", grammar)
