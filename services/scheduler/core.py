@@ -99,6 +99,17 @@ class Phase(enum.IntEnum):
 
 # The limits that are shares of something, each in (0, 1].
 SHARES = ("deadline_share", "bulk_window_share", "bulk_seat_share")
+# Durations, each positive (infinite: never). A NaN one made deadlines NaN: one atop the heap of
+# deadlines stopped the tick at it, and no reservation or prefill timed out again.
+DURATIONS = (
+    "heartbeat_timeout_s",
+    "progress_timeout_s",
+    "reserve_timeout_s",
+    "prefill_timeout_s",
+    "max_queue_time_s",
+)
+# Counts of requests or tokens, each at least 1 (0 refused every request, or took none).
+COUNTS = ("max_queued_requests", "max_queued_tokens", "prefill_window_tokens")
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,19 @@ class SchedulerLimits:
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {value}")
+        for name in DURATIONS:
+            if not getattr(self, name) > 0:  # (NaN fails it too)
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in COUNTS:
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.retry_after_s < math.inf:  # what a refusal's Retry-After says
+            raise ValueError(f"retry_after_s must be positive and finite, got {self.retry_after_s}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(
+                f"local_prefill_max_tokens must be >= 0 (0: never), "
+                f"got {self.local_prefill_max_tokens}"
+            )
         check_choice(self.indexes)
 
 
@@ -588,6 +612,8 @@ class ClusterScheduler:
             return self._past_capacity(needed, capacity)
         if submit.gateway_peer_id not in self.gateways:  # its tokens would have nowhere to go
             return 400, f"gateway {submit.gateway_peer_id!r} has not said HELLO", None
+        if not submit.prompt_token_ids:  # (a prefill computes its last token's logits)
+            return 400, "the prompt is empty: a request needs at least one prompt token", None
         if not PRIORITY_MIN <= submit.priority <= PRIORITY_MAX:
             bounds = f"[{PRIORITY_MIN}, {PRIORITY_MAX}]"
             return 400, f"priority must be in {bounds} (as the API), got {submit.priority}", None
@@ -629,14 +655,19 @@ class ClusterScheduler:
         if not self.limits.refuse_past_deadline:
             return None
         num_tokens = num_prefill_tokens(submit)
-        party = self.queue.party_for(submit.tenant, num_tokens)
+        queue = self.queue
+        party = queue.party_for(submit.tenant, num_tokens)
         in_hand = self.awaiting_first_token
+        fair = self.limits.fair_share.policy == "fair"
+        # (Weighted fair share: a heavy tenant's turn brings the others less of theirs.)
+        weights = (queue.backlogged_interactive_weight(), queue.config.weight(party))
         work = in_hand.num_tokens + queued_work(
             num_tokens,
-            self.queue.num_queued_tokens_in(party),
-            self.queue.num_interactive_queued_tokens(),
-            self.queue.num_backlogged_interactive_parties(),
-            fair=self.limits.fair_share.policy == "fair",
+            queue.num_queued_tokens_in(party),
+            queue.num_interactive_queued_tokens(),
+            queue.num_backlogged_interactive_parties(),
+            fair=fair,
+            weights=weights if fair else None,
         )
         pace = self._prompt_token_pace(now, num_tokens)
         refusal = refusal_for_deadline(deadline, num_tokens, work, pace, self.limits.deadline_share)

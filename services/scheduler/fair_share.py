@@ -97,14 +97,15 @@ class FairShareConfig:
         weights = list(self.class_weights) + list(self.tenant_weights.values())
         if any(not 0 < w < math.inf for w in weights):  # (an infinite weight is never charged)
             raise ValueError(f"weights must be positive and finite, got {weights}")
-        if not (self.prompt_token_cost >= 0 and self.output_token_cost >= 0):
-            raise ValueError("token costs must be non-negative")
+        costs = (self.prompt_token_cost, self.output_token_cost)
+        if not all(0 <= cost < math.inf for cost in costs):  # (inf: every account ties at inf)
+            raise ValueError(f"token costs must be non-negative and finite, got {costs}")
         if not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be positive, got {self.max_wait_s}")
         if not self.bulk_max_wait_s > 0:
             raise ValueError(f"bulk_max_wait_s must be positive, got {self.bulk_max_wait_s}")
-        if not self.bulk_weight > 0:
-            raise ValueError(f"bulk_weight must be positive, got {self.bulk_weight}")
+        if not 0 < self.bulk_weight < math.inf:  # (as the weights above)
+            raise ValueError(f"bulk_weight must be positive and finite, got {self.bulk_weight}")
 
     def class_of(self, num_prompt_tokens: int) -> str:
         return self.class_names[bisect.bisect_right(self.class_thresholds, num_prompt_tokens)]
@@ -226,6 +227,22 @@ class FairQueue:
 
     def num_backlogged_interactive_parties(self) -> int:
         return sum(self._index.num_parties(name) for name in self.config.class_names)
+
+    def backlogged_interactive_weight(self) -> float:
+        """The weights (`FairShareConfig.weight`) of the backlogged interactive parties summed:
+        per class, its parties at the class's weight, corrected for the tenants that
+        `tenant_weights` names (a few, by configuration): no pass over the parties."""
+        config = self.config
+        total = 0.0
+        for class_name, class_weight in zip(config.class_names, config.class_weights, strict=True):
+            num_parties = self._index.num_parties(class_name)
+            if not num_parties:
+                continue
+            total += class_weight * num_parties
+            for tenant, tenant_weight in config.tenant_weights.items():
+                if self._index.backlogged(Party(tenant, class_name)):
+                    total += class_weight * (tenant_weight - 1.0)
+        return total
 
     def party_for(self, tenant: str, num_prompt_tokens: int, bulk: bool = False) -> Party:
         class_name = BULK_CLASS if bulk else self.config.class_of(num_prompt_tokens)

@@ -33,12 +33,14 @@ second) would forecast a burst of short ones minutes away that is served in seco
 * **Work ahead.** Interactive requests go before bulk lines, so only interactive work is ahead
   of one: the prompts dispatched and still awaiting their first token (in a prefill window or
   reserving), and those queued before it in the policy's order, its own included. Fair share
-  (VTC) serves every backlogged party the same tokens per turn: before a party's queue and
-  the new request are through (`own` tokens), every other backlogged party gets up to as much,
-  so `own x backlogged parties` (its own counted), never more than the whole interactive queue
-  and the request (FCFS: that whole). Parties with less queued than `own` make it an upper
-  bound, and aging turns every other choice to the oldest overdue request; the forecast
-  ignores both. A request with nothing ahead is never refused: it goes at the next chance.
+  (VTC) serves every backlogged party tokens in proportion to its weight: before a party's
+  queue and the new request are through (`own` tokens), every other backlogged party gets up
+  to as much times its weight over the party's (`--tenant-weights`, the class weights), so
+  with equal weights `own x backlogged parties` (its own counted), never more than the whole
+  interactive queue and the request (FCFS: that whole). Parties with less queued than `own`
+  make it an upper bound, and aging turns every other choice to the oldest overdue request;
+  the forecast ignores both. A request with nothing ahead is never refused: it goes at the next
+  chance.
 * **Refusal.** The wait is the work over the pace; past a share of the deadline (the
   scheduler's `deadline_share`, `DEADLINE_SHARE` by default) the request is refused, with
   Retry-After the excess (1-60 s).
@@ -170,15 +172,26 @@ def queued_work(
     num_interactive_queued_tokens: int,
     num_backlogged_parties: int,
     fair: bool,
+    weights: tuple[float, float] | None = None,
 ) -> int:
     """Prompt tokens of the queued interactive requests the policy serves before one more of
     `num_tokens` whose party has `num_party_queued_tokens` queued (the party counted in
-    `num_backlogged_parties` or not), that one's own included."""
+    `num_backlogged_parties` or not), that one's own included. `weights`: the backlogged
+    interactive parties' weights summed (its party's included if backlogged) and its party's
+    weight; fair share serves each party tokens in proportion to its weight, so while its
+    party is served its own, the others are served theirs times their weight over its. None:
+    every weight is 1 (each other party as much as its own)."""
     whole = num_interactive_queued_tokens + num_tokens
     if not fair:
         return whole
-    parties = num_backlogged_parties + (1 if num_party_queued_tokens == 0 else 0)
-    return min(whole, (num_party_queued_tokens + num_tokens) * parties)
+    own = num_party_queued_tokens + num_tokens
+    if weights is None:
+        parties = num_backlogged_parties + (1 if num_party_queued_tokens == 0 else 0)
+        return min(whole, own * parties)
+    backlogged_weight, own_weight = weights
+    others_weight = backlogged_weight - (own_weight if num_party_queued_tokens else 0.0)
+    turns = 1.0 + max(0.0, others_weight) / own_weight
+    return min(whole, round(own * turns))
 
 
 def refusal_for_deadline(
@@ -193,6 +206,8 @@ def refusal_for_deadline(
     they do not, when no pace is known or nothing is ahead. (Its own prompt counts: where the
     pace is the prefill's, its first token comes when its prompt is through.)"""
     if tokens_per_s is None or work_tokens <= num_tokens:  # nothing ahead: goes at once
+        return None
+    if not tokens_per_s > 0:  # no pace seen (no prompt tokens): no forecast, as with None
         return None
     wait_s = work_tokens / tokens_per_s
     if wait_s <= share * deadline_s:

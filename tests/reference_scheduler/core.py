@@ -329,10 +329,14 @@ class ClusterScheduler:
             return self._past_capacity(needed, capacity)
         if submit.resumed_from is not None:
             return None  # admitted before its worker was lost: load does not refuse it now
-        too_many = len(self.queue) >= self.limits.max_queued_requests
-        too_long = (
-            self.num_queued_tokens + num_prefill_tokens(submit) > self.limits.max_queued_tokens
-        )
+        # Interactive requests are bounded by the interactive ones queued (queued batch lines
+        # never get a chat refused), a batch line by everything queued: a scan. (The reference
+        # bounded both by everything queued, so a run whose batch lines filled the queue met
+        # the indexed core's acceptance with a 429.)
+        queued = [item for item in self.queue if submit.bulk or not item.bulk]
+        too_many = len(queued) >= self.limits.max_queued_requests
+        num_queued_tokens = sum(item.num_prompt_tokens for item in queued)
+        too_long = num_queued_tokens + num_prefill_tokens(submit) > self.limits.max_queued_tokens
         if too_many or too_long:
             return 429, "the queue is full; retry later", self.limits.retry_after_s
         return None

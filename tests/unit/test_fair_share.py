@@ -235,6 +235,12 @@ def test_output_tokens_are_charged_to_the_requests_party():
         ({"tenant_weights": {"x": float("inf")}}, "weights must be positive and finite"),
         ({"max_wait_s": 0}, "max_wait_s"),
         ({"output_token_cost": -1}, "non-negative"),
+        # Infinite: every counter charged becomes inf (a refund then NaN), so the accounts tie
+        # and the first tenant by name is served for good; an infinite bulk weight charges no
+        # bulk party anything, with the same effect among the batch jobs.
+        ({"prompt_token_cost": float("inf")}, "finite"),
+        ({"output_token_cost": float("inf")}, "finite"),
+        ({"bulk_weight": float("inf")}, "bulk_weight must be positive and finite"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_with_their_name(kwargs, message):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -839,3 +840,56 @@ def test_a_lost_workers_requests_go_back_in_the_same_order_whatever_the_string_h
         )
         orders.add(ran.stdout.strip())
     assert len(orders) == 1 and len(orders.pop().split(",")) == 12
+
+
+def test_an_empty_prompt_answers_400_even_when_the_wait_forecast_runs(core):
+    """A prefill computes the logits of a prompt's last token: an empty prompt has none. It was
+    admitted, and with a deadline, a backlog whose first tokens all came out (nothing in hand)
+    and no prefill rate measured, the forecast's pace was 0 tokens/s: the SUBMIT raised
+    ZeroDivisionError, which ends the scheduler's loop and every request in it."""
+    core.on_hello(b"D", hello("d", "decode", seats=1), 0.0)
+    run_to_decoding(core, "r0")  # the only seat decodes: what comes next is queued
+    core.on_submit(b"G", submit("q"), 0.0)
+    core.on_heartbeat(b"P", heartbeat("p"), 2.5)
+    core.on_heartbeat(b"D", dataclasses.replace(heartbeat("d"), request_ids=["r0"]), 2.5)
+    core.tick(5.0)  # a backlog of 5 s with no first token
+    empty = dataclasses.replace(submit("e", prompt_len=0), first_token_deadline_s=1.0)
+    (reply,) = sent(core.on_submit(b"G", empty, 5.0), wire.SubmitReply)
+    assert reply.message.status_code == 400 and "empty" in reply.message.message
+    (reply,) = sent(core.on_submit(b"G", submit("f", prompt_len=0), 5.0), wire.SubmitReply)
+    assert reply.message.status_code == 400  # without a deadline too: no prefill could run it
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("reserve_timeout_s", float("nan")),  # a NaN deadline atop the heap stopped every other
+        ("prefill_timeout_s", 0.0),
+        ("heartbeat_timeout_s", -1.0),
+        ("progress_timeout_s", float("nan")),
+        ("max_queue_time_s", float("nan")),
+        ("retry_after_s", 0.0),  # Retry-After 0, negative, NaN or endless: a retry storm or none
+        ("retry_after_s", float("nan")),
+        ("retry_after_s", float("inf")),
+        ("max_queued_requests", 0),  # every request refused 429 for ever
+        ("max_queued_tokens", 0),
+        ("prefill_window_tokens", 0),
+        ("local_prefill_max_tokens", -1),
+    ],
+)
+def test_limits_that_would_break_the_core_are_refused_by_name(name, value):
+    """The service checks its settings, but the core is also built from limits by hand (the
+    planner's simulator, the load tools): the limits hold the rule, as they do for the shares."""
+    with pytest.raises(ValueError, match=name):
+        SchedulerLimits(**{name: value})
+
+
+def test_limits_at_their_edges_are_accepted():
+    SchedulerLimits(
+        max_queued_requests=1,
+        max_queued_tokens=1,
+        prefill_window_tokens=1,
+        local_prefill_max_tokens=0,  # never prefill on the decode worker
+        heartbeat_timeout_s=math.inf,  # (timeouts may be endless: never)
+        max_queue_time_s=math.inf,
+    )

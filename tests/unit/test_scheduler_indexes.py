@@ -343,6 +343,7 @@ def test_indexed_core_decides_as_the_scanning_one_with_prefix_caches(indexes, se
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 @example(seed=1)
+@example(seed=2228)  # batch lines fill the queue: a chat is still admitted (the reference 429'd)
 def test_indexed_core_decides_as_the_scanning_one_forgetting_idle_parties(seed):
     # Many tenants, and idle accounts swept whenever 8 are known: the decisions stay the
     # reference's, which forgets nothing. (Some runs leave no party idle behind the virtual

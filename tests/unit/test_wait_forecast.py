@@ -362,3 +362,55 @@ def test_a_deadline_that_is_not_positive_is_refused_as_invalid(deadline):
     core = serial_core()
     (reply,) = core.on_submit(b"G", deadline_submit("x", deadline), 0.0)
     assert reply.message.status_code == 400 and "first_token_deadline_s" in reply.message.message
+
+
+def test_a_weighted_tenant_is_forecast_by_its_weighted_turn():
+    """Fair share serves a party tokens in proportion to its weight (`--tenant-weights`): while
+    a tenant of weight 4 is served its own tokens, one of weight 1 gets a quarter as many, and
+    while one of weight 1/4 is, four times as many. Forecast as if every weight were 1, the
+    heavy tenant was refused (429) what it would get in time, and the light one admitted to
+    time out."""
+    weights = FairShareConfig(tenant_weights={"gold": 4.0, "free": 0.25})
+    core = backlogged(fair_share=weights)
+    # gold: 20 in hand, its own 20 and a quarter of as much of t's queue: 45 tokens, 2.1 s,
+    # inside half of 5 s (equal weights said 60 tokens, 2.8 s: refused).
+    gold = core.on_submit(b"G", deadline_submit("gold", 5.0, tenant="gold"), 16.0)[0]
+    assert gold.message.accepted, gold.message.message
+    core = backlogged(fair_share=weights)
+    # free: 20 in hand, its own 20 and four times as much of t's 60 queued: 100 tokens, 4.7 s,
+    # past half of 6 s (equal weights said 2.8 s: admitted).
+    (free,) = core.on_submit(b"G", deadline_submit("free", 6.0, tenant="free"), 16.0)
+    assert free.message.status_code == 429 and "about 80 prompt tokens" in free.message.message
+
+
+@pytest.mark.parametrize(
+    ("own", "party_queued", "queued", "weights", "work"),
+    [
+        (10, 0, 300, (2.0, 1.0), 30),  # two others of weight 1: as (10 x 3)
+        (10, 0, 300, (2.0, 4.0), 15),  # itself of weight 4: half a turn of theirs each
+        (10, 20, 300, (5.0, 1.0), 150),  # its party among them: (20 + 10) x 5
+        (10, 0, 40, (1.0, 0.25), 50),  # four turns of theirs, but only 40 are queued
+    ],
+)
+def test_queued_work_by_weight(own, party_queued, queued, weights, work):
+    assert queued_work(own, party_queued, queued, 0, True, weights) == work
+
+
+@pytest.mark.parametrize("indexes", ["python", "auto"])  # (auto: the C index where it builds)
+def test_the_queue_sums_the_weights_of_its_backlogged_parties(indexes):
+    config = FairShareConfig(tenant_weights={"gold": 4.0, "free": 0.25}, class_weights=(1.0, 2.0))
+    queue = FairQueue(config, indexes)
+    for request_id, tenant, num_tokens in [
+        ("a", "gold", 10),
+        ("b", "gold", 2000),
+        ("c", "t", 5),
+        ("d", "free", 3000),
+        ("e", "u", 3000),
+    ]:
+        queue.push(QueuedRequest(request_id, tenant, num_tokens, 0, 0.0))
+    queue.push(QueuedRequest("f", "gold", 10, 0, 0.0, bulk=True))  # (bulk: not interactive)
+    # short: gold 4 + t 1; long (class weight 2): (gold 4 + free 1/4 + u 1) x 2
+    assert queue.backlogged_interactive_weight() == 5.0 + 10.5
+    for request_id in "abcde":
+        queue.remove(request_id)
+    assert queue.backlogged_interactive_weight() == 0.0
