@@ -138,9 +138,23 @@ def recover(store: Store, batch_id: str) -> int:
     return num_recovered
 
 
-def _usage(line: dict[str, Any]) -> dict[str, int] | None:
+def _usage(line: dict[str, Any]) -> dict[str, Any] | None:
+    """The answer's usage in a chat's terms, what `Store.mark_answered` counts. A Response (a
+    `/v1/responses` line) says `input_tokens` and `output_tokens`, its cached ones under
+    `input_tokens_details`: taken as they came, none was counted (the batch's usage said 0)."""
     body = (line.get("response") or {}).get("body") or {}
-    return body.get("usage") if isinstance(body.get("usage"), dict) else None
+    usage = body.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    if "prompt_tokens" in usage or "input_tokens" not in usage:
+        return usage
+    details = usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {
+        "prompt_tokens": usage["input_tokens"],
+        "completion_tokens": usage.get("output_tokens", 0),
+        "prompt_tokens_details": {"cached_tokens": cached or 0},
+    }
 
 
 def _size(path: Path) -> int:

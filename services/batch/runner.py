@@ -125,10 +125,13 @@ class JobRunner:
                 # Expired only if some line never ran: the window closed on lines that waited
                 # for room, or the feed stopped at the deadline before them. Lines that all ran,
                 # the last finishing past the deadline (or a restart in `finalizing` after it),
-                # completed the batch.
-                ended = "expired" if self.store.num_pending(self.batch_id) else "completed"
+                # completed the batch. Lines a stopped run answered `batch_expired` are pending
+                # no more: the mark it made first (`_lines_expired`) says they never ran.
+                never_ran = self.store.num_pending(self.batch_id) or batch.get("_lines_expired")
+                ended = "expired" if never_ran else "completed"
             if ended == "expired":
                 answers.close()  # (the thread appends with handles of its own)
+                await self._until_stored("expiry not marked", self._mark_lines_expired)
                 await self._until_stored("expired lines not answered", self._expire_apart)
             await self._finalize(answers, ended)
         except asyncio.CancelledError:  # the service stops: its lines stay pending, for the restart
@@ -253,6 +256,12 @@ class JobRunner:
     async def _recover_apart(self) -> None:
         await asyncio.to_thread(self.store.run_apart, recover, self.batch_id)
 
+    async def _mark_lines_expired(self) -> None:
+        """Marks the batch as one whose lines never started are (being) answered `batch_expired`,
+        before they are: a stop before its end left none pending, and the restart completed it
+        (the batch said `completed`, its lines `batch_expired`)."""
+        self.store.update_batch(self.batch_id, _lines_expired=True)
+
     async def _expire_apart(self) -> None:
         # A try before this one may have written an answer SQLite then refused to record (its
         # line still pending: expired again, it was answered twice): a retry recovers first.
@@ -263,7 +272,7 @@ class JobRunner:
         if batch["endpoint"] == "/v1/responses":
             return await self._respond(batch, line)
         # The owner's tenant is charged, whatever the line says (tenancy: see the service doc).
-        return await self._call_body(kind, batch, line, {**line["body"], "stream": False})
+        return await self._call_body(kind, batch, line, _answered_whole(line["body"]))
 
     async def _respond(self, batch: dict, line: dict) -> tuple[int, dict[str, Any]]:
         """A Responses API line: its chat answer as a Response, or the chat's refusal with the
@@ -349,6 +358,16 @@ class JobRunner:
     def _register(self, file_id: str, tenant: str, purpose: str, size: int) -> None:
         if self.store.get_file(tenant, file_id) is None:
             self.store.add_file(file_id, tenant, purpose, f"{file_id}.jsonl", size)
+
+
+def _answered_whole(body: dict[str, Any]) -> dict[str, Any]:
+    """The line's body as a request answered whole (a batch keeps no stream). A line that asked
+    for a stream drops its `stream_options` too (its usage is in the answer anyway): sent with
+    `stream` false, the options were refused (400), the line failed. Options given with no
+    stream are the line's own mistake, refused as at the HTTP route."""
+    if body.get("stream") is True:
+        body = {key: value for key, value in body.items() if key != "stream_options"}
+    return {**body, "stream": False}
 
 
 def _too_long(num_bytes: int) -> dict[str, Any]:

@@ -14,7 +14,9 @@ import argparse
 import asyncio
 import json
 import signal
+import sqlite3
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -37,6 +39,7 @@ from shared.config import (
     setting,
 )
 from shared.curve import ClientKeys, Security
+from shared.errors import StartUpError
 from shared.logs import configure_logging, get_logger
 from shared.metrics import name, serve_metrics
 from shared.wire import WireError
@@ -126,7 +129,7 @@ class BatchService:
     def __init__(self, config: BatchServiceConfig):
         self.config = config
         self.log = get_logger(role="batch")
-        self.store = Store(config.data_dir)
+        self.store = _open_store(config.data_dir)
         # Under CurveZMQ the gateways' batch link must hold the cluster's key to reach us, and we
         # present it to their RPC door (which lets the cluster's own key in).
         keys = config.curve_keys()
@@ -250,6 +253,17 @@ class BatchService:
             self.metrics.update(self.store, self.jobs)
             self.api.drop_idle_uploads()
             await asyncio.sleep(METRICS_INTERVAL_S)
+
+
+def _open_store(data_dir: str) -> Store:
+    """The service's store; a StartUpError saying why when SQLite cannot open its database (a
+    folder in its place, a file that is no database, a disk it may not write): a traceback
+    said it before."""
+    try:
+        return Store(data_dir)
+    except sqlite3.Error as error:
+        database = Path(data_dir) / "batch.sqlite3"
+        raise StartUpError(f"the batch database {database} cannot be used: {error}") from None
 
 
 def _server_error(message: str) -> dict:

@@ -402,3 +402,26 @@ def test_a_kill_mid_validation_leaves_the_batch_validating_and_a_restart_validat
         socket.close()
         process.kill()
         process.wait()
+
+
+@pytest.mark.parametrize("wrong", ["a folder", "not a database"])
+def test_a_database_that_cannot_be_opened_stops_the_start_with_its_reason(tmp_path, wrong):
+    """A `--data-dir` whose database SQLite cannot open (a folder in its place, a file that is
+    no database, one it may not write) ended the command in a traceback: it says why, as a
+    start-up error (`tandem` prints it and exits 1)."""
+    from services.batch.service import BatchService
+    from shared.errors import StartUpError
+
+    (tmp_path / "data").mkdir()
+    database = tmp_path / "data" / "batch.sqlite3"
+    if wrong == "a folder":
+        database.mkdir()
+    else:
+        database.write_bytes(b"no SQLite here " * 100)
+    config = BatchServiceConfig(
+        address=f"ipc://{tmp_path}/batch.sock",
+        gateway_rpc_address=f"ipc://{tmp_path}/nobody.sock",
+        data_dir=str(tmp_path / "data"),
+    )
+    with pytest.raises(StartUpError, match="batch.sqlite3"):
+        BatchService(config)

@@ -207,6 +207,31 @@ def test_answers_are_recovered_exactly_once_after_a_kill(store):
     assert not store.mark_answered("batch_x", "a", True)  # answered once only
 
 
+def test_a_responses_usage_is_counted_as_written_and_as_recovered(store):
+    """A Response's usage (`input_tokens`, `output_tokens`, cached ones under
+    `input_tokens_details`) counts as a chat's does, when written and when recovered after a
+    kill: the batch's usage said 0 for every `/v1/responses` line."""
+    batch = new_batch(store, [good("a"), good("b")])
+    validate(store, batch, ["m"])
+    usage = {"input_tokens": 7, "input_tokens_details": {"cached_tokens": 4},
+             "output_tokens": 2, "total_tokens": 9}  # fmt: skip
+    answers = Answers(store, "batch_x")
+    answers.response("a", 200, {"id": "resp_1", "object": "response", "usage": usage})
+    answers.close()
+    response = {"status_code": 200, "body": {"object": "response", "usage": usage}}
+    line_b = {"id": "r", "custom_id": "b", "response": response, "error": None}
+    with open(store.path_of(output_file_id("batch_x")), "ab") as file:  # a kill before its record
+        file.write(json.dumps(line_b).encode() + b"\n")
+    Answers(store, "batch_x").close()
+    assert store.get_batch("batch_x")["usage"] == {
+        "input_tokens": 14,
+        "output_tokens": 4,
+        "total_tokens": 18,
+        "input_tokens_details": {"cached_tokens": 8},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
 class DiskFullOnce:
     """An answer file whose next write gets half its bytes to disk, then no space left."""
 

@@ -22,6 +22,7 @@ from services.batch.jobs import JobManager
 from services.batch.runner import JobRunner, RunLimits
 from services.batch.store import Store
 from services.batch.validation import check_line, validate
+from services.gateway.openai_protocol import ApiError, parse_completion_request
 from services.gateway.rpc_client import RpcError
 
 FULL = RpcError(503, {"error": {"message": "full", "type": "overloaded"}}, retry_after_s=0.02)
@@ -749,3 +750,74 @@ def test_a_recovery_sqlite_refuses_is_made_once_there_is_room(store, monkeypatch
     assert answered(store, batch) == {"a": 200, "b": 200}
     assert batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     assert [body["prompt"] for body in client.bodies] == ["ok"]  # a alone
+
+
+def test_a_responses_batch_counts_the_usage_of_its_answers(store):
+    """A Response's usage says `input_tokens` and `output_tokens` (its cached ones under
+    `input_tokens_details`), not a chat's `prompt_tokens`: a `/v1/responses` batch counted none
+    of them, its usage all zeros however much it ran."""
+    url = "/v1/responses"
+    lines = [
+        json.dumps(
+            {"custom_id": id_, "method": "POST", "url": url, "body": {"model": "m", "input": text}}
+        )
+        for id_, text in (("a", "hi"), ("b", "yo"))
+    ]
+    store.path_of("file-in").write_text("\n".join(lines) + "\n")
+    batch = {"id": "batch_x", "status": "in_progress", "created_at": 0, "endpoint":
+             "/v1/responses", "input_file_id": "file-in", "_tenant": "t",
+             "expires_at": time.time() + 3600}  # fmt: skip
+    store.add_batch(batch, "t")
+    num_lines, errors = validate(store, batch, ["m"])
+    assert errors == []
+    store.set_total("batch_x", num_lines)
+    ended = run(store, PlayedChat())
+    assert ended["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert ended["usage"]["input_tokens"] == 6
+    assert ended["usage"]["output_tokens"] == 2
+    assert ended["usage"]["total_tokens"] == 8
+
+
+def test_a_line_that_asks_for_a_stream_with_its_options_is_answered_whole(store):
+    """A batch answers each line whole: a line written as it was sent interactively, `stream`
+    true with `stream_options` (`include_usage`), was sent with `stream` false and its options
+    kept, and the cluster refused it (400: stream_options only allowed when streaming)."""
+
+    class Parsing(PlayedClient):
+        async def call(self, kind: str, body: dict, timeout_s: float | None = None) -> dict:
+            try:
+                parse_completion_request(body, "m", 1024)
+            except ApiError as error:
+                raise RpcError(error.status, error.body()) from None
+            return await super().call(kind, body, timeout_s)
+
+    options = {"stream": True, "stream_options": {"include_usage": True}}
+    validated_batch(store, [line("a", "ok", **options), line("b", "ok", stream=True)])
+    client = Parsing()
+    batch = run(store, client)
+    assert answered(store, batch) == {"a": 200, "b": 200}
+    assert all(body["stream"] is False for body in client.bodies)
+
+
+def test_a_batch_stopped_after_its_lines_expired_still_ends_expired(store, monkeypatch):
+    """The lines never started are answered `batch_expired`, then the batch ends `expired`. A
+    stop (a kill, or a restart while SQLite refused the end: full) between the two left no
+    line pending, and the restarted job took the batch for one whose lines had all run: it
+    ended `completed`, its lines saying `batch_expired`."""
+
+    class Stopped(Exception):
+        pass
+
+    async def stopped_before_the_end(self, answers, ended) -> None:
+        raise Stopped
+
+    validated_batch(store, [line("a", "ok"), line("b", "ok")], expires_in_s=-1)
+    with monkeypatch.context() as patched:
+        patched.setattr(JobRunner, "_finalize", stopped_before_the_end)
+        with pytest.raises(Stopped):
+            run(store, PlayedClient())
+    assert store.num_pending("batch_x") == 0  # (both answered `batch_expired`)
+    batch = run(store, PlayedClient())  # the restart
+    assert batch["status"] == "expired" and batch["expired_at"] is not None
+    assert answered(store, batch) == {"a": 0, "b": 0}
+    assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
