@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from shared.wire_base import (
+    MAX_REQUEST_ID_LEN,
+    FrameLike,
     GeneratorState,
     KvBlocks,
     Message,
@@ -15,6 +18,7 @@ from shared.wire_base import (
     TokenDelta,
     TokenIds,
 )
+from shared.wire_codec import _as_view, _unpack_header
 
 
 # Tensors make `==` ambiguous, so KvTransfer compares by identity (eq=False).
@@ -55,3 +59,21 @@ class KvAck(Message):
     request_id: RequestId
     ok: bool  # admitted: the decode worker owns the request now
     error: str | None  # why not (lease lapsed, shape mismatch, ...)
+
+
+def undecodable_transfer_id(frames: Sequence[FrameLike]) -> str | None:
+    """The request a KV_TRANSFER names that failed to decode (a tensor frame cut short, a frame
+    too many, a field out of bounds), read from its header alone; None if the frames are no
+    KV_TRANSFER or name no request. The decode worker refuses it by that id at once: dropped
+    unanswered, its request waited out the prefill worker's transfer timeout before it was
+    re-routed, and its reservation stayed held meanwhile."""
+    try:
+        if len(frames) < 2 or _as_view(frames[0]).tobytes() != bytes((MessageType.KV_TRANSFER,)):
+            return None
+        fields = _unpack_header(_as_view(frames[1]))
+    except (TypeError, ValueError):  # (a WireError is one: frames of any shape, a peer's)
+        return None
+    request_id = fields.get("request_id") if type(fields) is dict else None
+    if type(request_id) is not str or not 0 < len(request_id) <= MAX_REQUEST_ID_LEN:
+        return None
+    return request_id

@@ -22,7 +22,7 @@ import zmq
 from services.worker.config import WorkerConfig
 from services.worker.loop import WorkerLoop
 from services.worker.streams import group_by_gateway
-from shared import wire
+from shared import wire, wire_kv
 from shared.binding import bind
 from shared.config import ConfigError, add_config_arguments, config_from_args, expand_host
 from shared.deltas import joined
@@ -33,6 +33,9 @@ from shared.errors import InvalidRequestError
 from shared.lifecycle import DecodeEvents
 from shared.logs import configure_logging
 from shared.wire_convert import sampling_params, token_delta
+
+# Characters of a refusal's reason a KV_ACK carries (a decode error can quote a long value).
+MAX_REFUSAL_LEN = 1000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -378,6 +381,22 @@ class DecodeWorker(WorkerLoop):
         ):
             return "num_tokens does not match the prompt and output"
         return _first_delta_error(transfer)
+
+    def _answer_undecodable(self, frames: list, error: str) -> wire.Message | None:
+        """A KV transfer that failed to decode (cut, corrupt, out of bounds) is refused by the
+        request its header names, as `_admit` refuses one: its reservation freed (unless the
+        request runs here already: a faulty peer's duplicate), and its prefill worker told at
+        once, which reports the attempt failed, and the request is resumed. Dropped unanswered,
+        it waited out the transfer timeout (30 s), its blocks held meanwhile."""
+        request_id = wire_kv.undecodable_transfer_id(frames)
+        if request_id is None:
+            return None
+        reservation = self.reservations.pop(request_id, None)
+        if reservation is not None and request_id not in self.routes:
+            self.blocks.free(reservation.block_ids)
+        reason = f"the KV transfer failed to decode: {error}"[:MAX_REFUSAL_LEN]
+        self.log.warning("kv refused", request_id=request_id, error=reason)
+        return wire.KvAck(request_id=request_id, ok=False, error=reason)
 
     def _cancel(self, request_id: str, reason: str) -> None:
         reservation = self.reservations.pop(request_id, None)

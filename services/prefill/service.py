@@ -54,6 +54,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _encoded(message: wire.KvTransfer) -> tuple[wire.KvTransfer, list]:
+    """The transfer as sent, and its frames. Its first delta repeated with its prompt's logprobs
+    (megabytes) may pass a header's bound that the delta alone kept (`_stream_first_tokens`),
+    with the prompt's ids beside it: then the KV goes without the repeat, and a gateway the first
+    copy missed, or reached after the decode worker's tokens, resumes the request (a gap in its
+    tokens). Without a repeat it stays whole or is resumed; with one stripped of the scores it
+    could lose them unsaid; failing the transfer ended a request served a little shorter."""
+    try:
+        return message, wire.encode(message)
+    except wire.WireError:
+        first = message.first_delta
+        if first is None or first.prompt_logprobs is None:
+            raise
+    message = dataclasses.replace(message, first_delta=None)
+    return message, wire.encode(message)
+
+
 def first_token_params(params: SamplingParams, num_output: int) -> SamplingParams:
     """The request's sampling for the one token sampled here (the decode worker generates the
     rest); a resumed request's `num_output` earlier tokens count toward its min_tokens."""
@@ -333,7 +350,7 @@ class PrefillWorker(WorkerLoop):
             first_delta=delta,
         )
         try:
-            frames = wire.encode(message)
+            message, frames = _encoded(message)
         except wire.WireError as error:  # KV over a frame's bound (big models, long prompts)
             # Ended for good: any other worker would fail the same way (`_abandon`).
             self._fail(job, f"its KV cannot be sent: {error}", registration)

@@ -228,6 +228,9 @@ class WorkerLoop(abc.ABC):
                 message = wire.decode(frames[1:] if is_router else frames)
             except wire.WireError as error:
                 self.log.warning("dropped malformed message", error=str(error))
+                answer = self._answer_undecodable(frames[1:], str(error)) if is_router else None
+                if answer is not None:
+                    wire.send_to(sock, identity, answer)
                 continue
             from_link = sock is self.link.socket
             if from_link == isinstance(message, self.peer_messages):
@@ -316,6 +319,12 @@ class WorkerLoop(abc.ABC):
         self.log.info(f"{self.role} worker stopped")
 
     # -- the role's part ------------------------------------------------------------------------
+
+    def _answer_undecodable(self, frames: list, error: str) -> wire.Message | None:
+        """The answer to a message from a peer (through a ROUTER socket) that failed to decode,
+        where the role can tell what it was about (having let go of what it held for it); None:
+        none, the sender's timeout deals with it."""
+        return None
 
     def _on_registered_again(self) -> None:
         """The scheduler forgot this worker (it restarted, or dropped the worker), and its

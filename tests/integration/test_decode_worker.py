@@ -6,6 +6,7 @@ import dataclasses
 import time
 from typing import Any
 
+import msgpack
 import pytest
 import zmq
 
@@ -187,6 +188,59 @@ def test_wrong_shaped_kv_is_refused_and_blocks_return(setup):
         wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
     )
     assert heartbeat.num_free_blocks == total_blocks(worker)
+
+
+@pytest.mark.parametrize("spoil", ["cut", "extra_frame", "bad_field"])
+def test_a_kv_transfer_that_fails_to_decode_is_refused_at_once_and_its_blocks_return(setup, spoil):
+    """A KV transfer whose frames do not decode (a tensor frame cut short, a frame too many, a
+    field out of bounds) but whose header names its request is refused by that id: dropped
+    unanswered, its prefill worker waited out its transfer timeout (30 s) before the request
+    was re-routed, and the reservation stayed held. The worker serves on: the request's sound
+    KV, under a new reservation, is admitted and decoded."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    transfer, _ = prefilled_transfer(model_dir, "cut", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="cut", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    frames = [bytes(frame) for frame in wire.encode(transfer)]
+    if spoil == "cut":
+        frames[2] = frames[2][:-4]  # the keys' frame, 4 bytes short
+    elif spoil == "extra_frame":
+        frames.append(b"\0" * 8)
+    else:
+        header = msgpack.unpackb(frames[1])  # (packed by hand: the sender's wire refuses it)
+        header["block_size"] = "four"
+        frames[1] = msgpack.packb(header, use_bin_type=True)
+    peer.send_multipart(frames)
+    assert peer.poll(5_000), "no answer to the KV that failed to decode"
+    ack = wire.recv(peer)
+    assert (ack.request_id, ack.ok) == ("cut", False) and "decode" in ack.error
+    heartbeat = scheduler.expect(
+        wire.Heartbeat, where=lambda h: h.num_free_blocks == total_blocks(worker)
+    )
+    assert "cut" not in heartbeat.request_ids
+    scheduler.send(wire.Reserve(request_id="cut", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, transfer)
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    assert len(stream_until_done(gateway)) == 3
+
+
+def test_a_kv_transfer_that_fails_to_decode_leaves_a_running_request_alone(setup):
+    """A transfer that does not decode, naming a request already decoding here (a duplicate,
+    or a faulty peer's), is refused without touching that request."""
+    scheduler, gateway, peer, worker, gateway_address, model_dir = setup
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    transfer, _ = prefilled_transfer(model_dir, "r", gateway_address, params)
+    scheduler.send(wire.Reserve(request_id="r", num_tokens=len(PROMPT) + 1, lease_s=30))
+    assert scheduler.expect(wire.ReserveReply).ok
+    wire.send(peer, transfer)
+    assert peer.poll(10_000) and wire.recv(peer).ok
+    frames = [bytes(frame) for frame in wire.encode(transfer)]
+    peer.send_multipart([*frames[:2], frames[2][:-4], *frames[3:]])
+    assert peer.poll(5_000)
+    assert not wire.recv(peer).ok
+    assert len(stream_until_done(gateway)) == 40  # it decoded on to its end
 
 
 @pytest.mark.parametrize(

@@ -404,3 +404,39 @@ def test_a_stopping_worker_says_goodbye(parties, tiny_model_dir, worker_class):
     scheduler.expect(wire.Heartbeat)
     thread.stop()
     assert scheduler.expect(wire.Goodbye, timeout_s=5).peer_id == "w"
+
+
+def test_kv_whose_repeated_first_delta_is_too_large_goes_without_the_repeat(prefill, monkeypatch):
+    """A first token with its prompt's logprobs fits a header of its own, but the KV transfer
+    carries that delta again (for a gateway the first copy never reached) with the prompt's
+    ids and the rest: past the bound, the request ended for good after its first token
+    streamed ("its KV cannot be sent"), a prompt the cluster serves fine a little shorter. The
+    KV goes without the repeat (a gateway missing the first token resumes the request). The
+    bound is lowered here between the scored delta's message and the transfer's header."""
+    scheduler, gateway, decode, worker, tmp_path = prefill
+    scored = prefill_job(tmp_path, "probe")
+    scored = dataclasses.replace(
+        scored, sampling=dataclasses.replace(scored.sampling, prompt_logprobs=5)
+    )
+    scheduler.send(scored)
+    assert gateway.poll(10_000)
+    delta_header = len(gateway.recv_multipart()[1])
+    assert decode.poll(10_000)
+    identity, *frames = decode.recv_multipart()
+    transfer_header = len(frames[1])
+    assert delta_header < transfer_header
+    wire.send_to(decode, identity, wire.KvAck(request_id="probe", ok=True, error=None))
+    assert scheduler.expect(wire.RequestDone).finish_reason is None
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", (delta_header + transfer_header) // 2)
+    scheduler.send(dataclasses.replace(scored, request_id="scored"))
+    first = next_delta(gateway)
+    assert (first.request_id, first.finish_reason) == ("scored", None)
+    assert first.prompt_logprobs is not None
+    assert decode.poll(10_000), "no KV went"
+    identity, transfer = wire.recv_from(decode)
+    assert (transfer.request_id, transfer.first_delta) == ("scored", None)
+    assert transfer.output_token_ids == first.token_ids
+    assert not gateway.poll(200)  # no error followed the first token
+    wire.send_to(decode, identity, wire.KvAck(request_id="scored", ok=True, error=None))
+    done = scheduler.expect(wire.RequestDone)
+    assert (done.request_id, done.finish_reason) == ("scored", None)
