@@ -143,11 +143,27 @@ def require_positive(config: Any, *names: str) -> None:
 def require_address(config: Any, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
-        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+        if value is None:
+            continue
+        if not value.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(
                 f"{name} ({flag_name(name)} / {env_name(name)}) must be a tcp://, ipc:// or "
                 f"inproc:// address, got {value!r}"
             )
+        if value.startswith("tcp://") and not _is_tcp_host_port(value[len("tcp://") :]):
+            raise ConfigError(
+                f"{name} ({flag_name(name)} / {env_name(name)}) must be tcp://host:port with a "
+                f"port from 0 to 65535 (or *: any free one), got {value!r}"
+            )
+
+
+def _is_tcp_host_port(host_port: str) -> bool:
+    """`host:port` as libzmq takes it: a port it would connect to without a word past 65535
+    (the service ran, reaching nothing), or refuse with a bare "Invalid argument" when missing."""
+    host, colon, port = host_port.rpartition(":")
+    if not colon or not host:
+        return False
+    return port == "*" or (port.isascii() and port.isdigit() and int(port) <= 65535)
 
 
 def require_port(config: Any, *names: str) -> None:

@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from services.commands.top import gateway_url
+
 ENDED = ("completed", "failed", "cancelled", "expired")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 RETRY_STATUSES = (429, 503)  # the job goes on: a follower waits and asks again
@@ -32,7 +34,9 @@ MAX_BACKOFF_S = 30.0  # between tries, when the server names no Retry-After
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    parser.add_argument(
+        "--url", type=gateway_url, default="http://127.0.0.1:8000", help="the server"
+    )
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     sub = parser.add_subparsers(dest="action", required=True)
     submit = sub.add_parser("submit", help="upload a JSONL file and start a batch")

@@ -64,7 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-token-ids", type=_token_ids, default=(), help="comma-separated token ids"
     )
-    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument(
+        "--stop", type=_stop_string, action="append", default=[], help="a stop string (repeatable)"
+    )
     parser.add_argument(
         "--default-sampling",
         default=None,
@@ -90,6 +92,13 @@ def _token_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
+
+
+def _stop_string(text: str) -> str:
+    """As the gateway takes one: an empty one would stop nowhere, or everywhere."""
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty")
+    return text
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -158,8 +167,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"tandem generate: error: {error}", file=sys.stderr)
         return 2
-    loaded = load_model(args.model, dtype=dtype, device=device, linear_backend=backend)
+    try:
+        loaded = load_model(args.model, dtype=dtype, device=device, linear_backend=backend)
+    except (ValueError, OSError) as error:  # its config.json unreadable, a type not served
+        print(f"tandem generate: error: --model {args.model}: {error}", file=sys.stderr)
+        return 2
     loaded_at = time.perf_counter()
+    if args.chat and getattr(loaded.tokenizer, "chat_template", None) is None:
+        # (transformers' ValueError was a traceback; the gateway answers such a chat 400)
+        print("tandem generate: error: --chat: this model has no chat template", file=sys.stderr)
+        return 2
     engine = LLMEngine(loaded.model, EngineConfig(kv_cache_bytes=256 << 20))
     prompt_ids = encode_prompt(loaded.tokenizer, args.prompt, args.chat)
     try:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
+from shared.config import ConfigError
 from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
 
 
@@ -21,7 +23,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def resolve_model(model: str) -> tuple[Path, str]:
+    """`resolve_model_dir`, a model it cannot read (a .gguf that is none, one transformers
+    cannot convert) a ConfigError naming --model: transformers' ValueError or OSError was a
+    traceback."""
+    try:
+        return resolve_model_dir(model)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"--model {model}: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
-    directory, name = resolve_model_dir(args.model)
+    directory, name = resolve_model(args.model)
     print(f"{name}: {directory}")
     return 0

@@ -256,7 +256,8 @@ def render_jobs(jobs: Sequence[Mapping[str, Any]] | None, note: str | None, now:
     table = _table("batch jobs", ("id", "status"), ("done", "failed", "total", "age"))
     table.add_column("progress", no_wrap=True)
     for job in jobs or ():
-        counts = job.get("request_counts") or {}
+        counts = job.get("request_counts")
+        counts = counts if isinstance(counts, dict) else {}  # (another server's shape: dashes)
         done, failed, total = (counts.get(k) for k in ("completed", "failed", "total"))
         status = str(job.get("status"))
         created = job.get("created_at")

@@ -69,6 +69,9 @@ def fetch(client: httpx.Client, url: str, api_key: str | None = None) -> Snapsho
         ready = response.json()
         if not isinstance(ready, dict):
             return Snapshot(at, error="/ready answered JSON that is not an object")
+        problem = ready_shape_problem(ready)
+        if problem is not None:
+            return Snapshot(at, error=f"/ready answered {problem}; not a tandem gateway?")
     except (httpx.HTTPError, ValueError) as error:
         return Snapshot(at, error=_describe(error))
     try:
@@ -79,6 +82,50 @@ def fetch(client: httpx.Client, url: str, api_key: str | None = None) -> Snapsho
         counters = None
     jobs, note = fetch_jobs(client, url, api_key)
     return Snapshot(at, ready=ready, counters=counters, jobs=jobs, jobs_note=note)
+
+
+# The fields of /ready's workers and parties that the view computes with, not only prints.
+WORKER_NUMBERS = ("heartbeat_age_s", "steps_completed", "prefix_query_tokens", "prefix_hit_tokens")
+
+
+def ready_shape_problem(ready: Mapping[str, Any]) -> str | None:
+    """What in a /ready object the view could not draw (another server's /ready: each raised
+    from the drawing, a traceback in place of the view), or None. Absent fields are drawn as
+    dashes; only a field of another type is a problem."""
+    workers = ready.get("workers") or []
+    scheduler = ready.get("scheduler") or {}
+    if not _objects(workers):
+        return "`workers` that is not a list of objects"
+    if not isinstance(scheduler, dict) or not _objects(scheduler.get("service") or []):
+        return "a `scheduler` without a list of objects in `service`"
+    if not isinstance(ready.get("preemptions") or {}, dict):
+        return "`preemptions` that is not an object"
+    for worker in workers:
+        if not isinstance(worker.get("peer_id"), str | None):
+            return "a worker whose `peer_id` is not a string"
+        for name in WORKER_NUMBERS:
+            if not _number_or_none(worker.get(name)):
+                return f"a worker whose `{name}` is not a number"
+        sizes = worker.get("recent_batch_sizes")
+        if sizes is not None and not (isinstance(sizes, list) and all(map(_number, sizes))):
+            return "a worker whose `recent_batch_sizes` is not a list of numbers"
+    if not all(
+        _number_or_none(party.get("virtual_tokens")) for party in scheduler.get("service") or []
+    ):
+        return "a party whose `virtual_tokens` is not a number"
+    return None
+
+
+def _objects(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, dict) for item in value)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float)
+
+
+def _number_or_none(value: Any) -> bool:
+    return value is None or _number(value)
 
 
 def fetch_jobs(

@@ -1,7 +1,7 @@
 """`tandem up`: a whole local cluster as child processes, ready when this prints its URL.
 
 One scheduler, one gateway, N prefill and M decode workers, talking over ipc:// sockets in a
-private run directory. The machine's cores are split between the workers (torch threads). Each
+private run directory. The cores it may run on are split between the workers (torch threads). Each
 child's log lines are streamed with its name in front. A child that dies is started again (it
 registers anew; the requests it held are resumed elsewhere), up to `MAX_RESTARTS` times each.
 Ctrl-C or SIGTERM stops the children
@@ -20,6 +20,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,10 +31,11 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from services.commands.prepare import resolve_model
 from services.gateway.chat_prompt import read_chat_template
 from services.worker.config import WorkerConfig
 from shared.binding import check_tcp_port, host_port
-from shared.config import ConfigError, add_config_arguments, config_from_args
+from shared.config import ConfigError, add_config_arguments, config_from_args, usable_cores
 from shared.endpoints import tcp_address
 from shared.engine.loader import (
     DEVICE_HELP,
@@ -43,11 +45,14 @@ from shared.engine.loader import (
     QUANTIZATION_HELP,
     device_argument,
 )
-from shared.engine.model_files import DEFAULT_MODEL, resolve_model_dir
+from shared.engine.model_files import DEFAULT_MODEL
 from shared.engine.sampling_defaults import model_sampling_defaults, parse_default_sampling
 from shared.logs import log_settings
 
 PR_SET_PDEATHSIG = 1
+# The ready check asks this machine's gateway itself: through `http_proxy`, as urllib's default
+# opener goes, it asked a proxy that cannot reach our loopback, until --ready-timeout ran out.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MAX_RESTARTS = 5  # per child; past it the child is taken as broken and the cluster stops
 
 
@@ -134,6 +139,9 @@ class LocalCluster:
     args: argparse.Namespace
     run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tandem-"))
     children: list[Child] = field(default_factory=list)
+    # What clients name in `model`: the gateway serves a directory by its last part, a .gguf
+    # by its stem (the banner's example named the --model path, which the gateway refused).
+    served_model: str | None = None
     echo_logs: bool = True
     interrupts: StartInterrupts = field(default_factory=lambda: StartInterrupts())
 
@@ -160,14 +168,19 @@ class LocalCluster:
             raise ConfigError(f"--ready-timeout must be > 0 seconds, got {self.args.ready_timeout}")
         log_settings()  # else every child exits on it, and is started again, five times
         self._check_ports()
+        if not getattr(self.args, "no_batch", False):
+            self._make_batch_dir()
         # (Converts a GGUF once, before the workers race to it.)
-        directory, name = resolve_model_dir(self.args.model)
+        directory, self.served_model = resolve_model(self.args.model)
+        name = self.served_model
         try:  # the gateway's, refused here rather than by a gateway started again in vain
             model_sampling_defaults(directory, name == DEFAULT_MODEL, self.args.generation_config)
         except ValueError as error:
             raise ConfigError(f"--generation-config: {error}") from None
         num_workers = self.args.prefill + self.args.decode
-        threads = max(1, (os.cpu_count() or 1) // num_workers)
+        # (The cores this process may run on: a cpuset or taskset gave each worker a share of
+        # the machine's count, and the workers' threads fought over the few cores they had.)
+        threads = max(1, usable_cores() // num_workers)
         common = ["--scheduler-address", self.address("scheduler")]
         # Every service serves /metrics on a free port; the gateway's /metrics gathers them all.
         metrics = ["--metrics-port", "0", "--metrics-host", self.args.host]
@@ -254,7 +267,10 @@ class LocalCluster:
         """The gateway's ports must be free: `wait_ready` asks whoever answers on --port, and
         took a server already there (an earlier `tandem up`) for this cluster's gateway, which
         was failing to bind behind it."""
+        _check_host_resolves(self.args.host)
         rpc_port = getattr(self.args, "rpc_port", None)
+        if rpc_port == self.args.port:  # (each free alone; the gateway's second bind failed)
+            raise ConfigError(f"--rpc-port {rpc_port} is the HTTP --port too: give another one")
         for flag, port in (("--port", self.args.port), ("--rpc-port", rpc_port)):
             if port is None:
                 continue
@@ -262,8 +278,24 @@ class LocalCluster:
                 raise ConfigError(f"{flag} must be a port in [1, 65535], got {port}")
             check_tcp_port(self.args.host, port, flag)
 
+    def _batch_dir(self) -> str:
+        return getattr(self.args, "batch_dir", None) or os.path.join(self.run_dir, "batch")
+
+    def _make_batch_dir(self) -> None:
+        """Made here, so that one that cannot be (a file, under a file) is refused in one line:
+        the batch service, started last, refused it itself, and the cluster stopped with
+        "exited during start-up: batch", the reason among the children's log lines."""
+        try:
+            os.makedirs(self._batch_dir(), exist_ok=True)
+        except OSError as error:
+            # (makedirs says "File exists" of a file where the directory would be)
+            reason = error.strerror or str(error)
+            if isinstance(error, FileExistsError):
+                reason = "not a directory"
+            raise ConfigError(f"--batch-dir: cannot use {self._batch_dir()}: {reason}") from None
+
     def _spawn_batch(self, rpc_address: str, metrics: list[str], env: dict[str, str]) -> None:
-        batch_dir = getattr(self.args, "batch_dir", None) or os.path.join(self.run_dir, "batch")
+        batch_dir = self._batch_dir()
         self._spawn(
             "batch",
             [
@@ -337,7 +369,7 @@ class LocalCluster:
             if dead:
                 raise RuntimeError(f"cluster process(es) exited during start-up: {', '.join(dead)}")
             try:
-                with urllib.request.urlopen(self.url + "/ready", timeout=2) as response:
+                with _DIRECT.open(self.url + "/ready", timeout=2) as response:
                     if response.status == 200 and self._all_joined(json.load(response)):
                         return
             except (urllib.error.URLError, OSError, ValueError):
@@ -365,6 +397,16 @@ class LocalCluster:
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
+def _check_host_resolves(host: str) -> None:
+    """Every child serves on --host (the gateway, each /metrics): a name that resolves to no
+    address was let through by the port check, and each child refused it on its own, the
+    cluster stopping with "exited during start-up", the reason in a child's log lines."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise ConfigError(f"--host {host!r} resolves to no address: {error.strerror}") from None
+
+
 def _check_worker_settings(worker_argv: list[str]) -> None:
     """The workers' settings, from these flags and the TANDEM_ variables each worker will read,
     checked once as a worker checks them (and its KV budget against the model's config): each
@@ -372,7 +414,13 @@ def _check_worker_settings(worker_argv: list[str]) -> None:
     stopped with "exited during start-up", the reason somewhere in the children's logs."""
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, WorkerConfig)
-    config_from_args(WorkerConfig, parser.parse_args(worker_argv)).check_kv_budget()
+    config = config_from_args(WorkerConfig, parser.parse_args(worker_argv))
+    try:
+        config.check_kv_budget()
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as error:  # its config.json: unreadable, a type not served
+        raise ConfigError(f"--model {config.model}: {error}") from None
 
 
 def _die_with_parent() -> None:
@@ -473,9 +521,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _banner(cluster: LocalCluster) -> str:
+    model = cluster.served_model
     return f"""
 tandem is ready at {cluster.url}  (Ctrl-C stops it)
 
   curl {cluster.url}/v1/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{cluster.args.model}", "prompt": "The capital of France is", "max_tokens": 16}}'
+    -d '{{"model": "{model}", "prompt": "The capital of France is", "max_tokens": 16}}'
 """

@@ -83,6 +83,14 @@ def test_up_refuses_rpc_port_0():
     assert_refused_in_one_line(result, "--rpc-port must be a port in [1, 65535], got 0")
 
 
+def test_up_refuses_a_host_that_does_not_resolve_before_starting_anything():
+    """The port check let a name it could not resolve through: the children started, each
+    refused the name on its own, and `tandem up` said "exited during start-up: scheduler"
+    (status 1), the reason in the scheduler's log lines."""
+    result = run_tandem("up", "--host", "no-such-host.invalid", "--model", "/no/such", *FREE_PORT)
+    assert_refused_in_one_line(result, "--host", "no-such-host.invalid")
+
+
 def test_an_unknown_log_level_stops_the_service_with_status_2(tmp_path):
     environ = dict(os.environ, TANDEM_LOG_LEVEL="trace")
     result = run_tandem("scheduler", "--address", f"ipc://{tmp_path}/s.sock", env=environ)

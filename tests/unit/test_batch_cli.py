@@ -77,6 +77,16 @@ def test_a_server_that_is_not_there_is_an_error_not_a_traceback():
         main(["batch", "--url", "http://127.0.0.1:9", "list"])
 
 
+@pytest.mark.parametrize("url", ["http://::1:8000", "127.0.0.1:8000", "ftp://127.0.0.1"])
+def test_a_url_httpx_cannot_request_is_refused_by_name(url, capsys):
+    """An unbracketed IPv6 host raised httpx's InvalidURL, a traceback, from the client's
+    construction (as `tandem top --url` once did)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["batch", "--url", url, "list"])
+    assert exit_info.value.code == 2
+    assert "argument --url" in capsys.readouterr().err
+
+
 def test_a_download_the_server_refuses_writes_no_output(tmp_path):
     """The file's content was streamed to the output whatever its status: a 404's error body
     became the batch's answers, and the command said nothing was wrong."""

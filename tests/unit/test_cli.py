@@ -31,6 +31,8 @@ WRONG_INPUTS = [
     (["generate", "--prompt", "hi", "--min-tokens", "65"], "min_tokens"),
     (["generate", "--prompt", "hi", "--min-tokens", "x"], "--min-tokens"),
     (["generate", "--prompt", "hi", "--stop-token-ids", "1,b"], "--stop-token-ids"),
+    # (The gateway refuses it in a request; here it was a traceback once the text was made.)
+    (["generate", "--prompt", "hi", "--stop", ""], "--stop: a stop string must not be empty"),
     (["generate", "--prompt", "hi", "--default-sampling", "heat=1"], "'heat' is not"),
     (["generate", "--prompt", "hi", "--generation-config", "/nope"], "does not exist"),
     (["up", "--default-sampling", "top_p=2"], "--default-sampling: top_p must be in"),
@@ -127,7 +129,7 @@ def _spawned(monkeypatch, argv: list[str], environ: dict[str, str]) -> list:
 
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(up, "resolve_model_dir", lambda model: (Path(model), model))
+    monkeypatch.setattr(up, "resolve_model", lambda model: (Path(model), model))
     monkeypatch.setattr(WorkerConfig, "check_kv_budget", lambda self: None)  # (no such model)
     monkeypatch.setattr(up.LocalCluster, "_popen", lambda self, argv, env: _RecordedChild())
     monkeypatch.setattr(up.LocalCluster, "_pump_logs", lambda self, child: None)
@@ -276,3 +278,149 @@ def test_a_signal_during_a_childs_spawn_waits_until_the_child_is_listed(monkeypa
         signal.signal(signal.SIGTERM, previous)
         log_thread_done.set()
         log_thread.join()
+
+
+def test_up_asks_its_own_gateway_when_a_proxy_is_set(monkeypatch):
+    """The ready check went through `http_proxy` (urllib's default), which cannot reach this
+    machine's loopback gateway: behind a proxy `tandem up` waited out --ready-timeout and
+    stopped a cluster that was ready all along."""
+    import http.server
+
+    from services.commands import up
+
+    class ReadyGateway(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the base class's name
+            body = json.dumps({"ready": True, "prefill_workers": 1, "decode_workers": 1})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args):
+            pass
+
+    gateway = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ReadyGateway)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # (the discard port: no one)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        args = _up_args([])
+        args.port = gateway.server_address[1]
+        cluster = up.LocalCluster(args, echo_logs=False)
+        shutil.rmtree(cluster.run_dir, ignore_errors=True)
+        cluster.wait_ready(timeout_s=3)
+    finally:
+        gateway.shutdown()
+
+
+def test_up_splits_the_cores_this_process_may_run_on_between_the_workers(monkeypatch):
+    """The machine's count (os.cpu_count), not the cores `tandem up` may run on (taskset, a
+    container's cpuset): on 2 of 64 cores each of 2 workers ran 32 torch threads on 2 cores."""
+    from services.commands import up
+
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(up.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    argvs = _spawned_argvs(monkeypatch, [], {})
+    assert _flag(argvs["prefill-0"], "--threads") == "2"
+    assert _flag(argvs["decode-0"], "--threads") == "2"
+
+
+def test_generate_chat_with_a_model_without_a_chat_template_exits_2(tmp_path, capsys):
+    """transformers' ValueError, a traceback after the model's load; the gateway answers 400."""
+    from services.commands.cli import main
+    from shared.engine.model_files import resolve_model_dir
+    from tests.helpers import tiny_hf_model
+
+    tiny_hf_model("llama", seed=1).save_pretrained(tmp_path)
+    real_dir, _ = resolve_model_dir()
+    shutil.copy(real_dir / "tokenizer.json", tmp_path / "tokenizer.json")  # (no template file)
+    shutil.copy(real_dir / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    argv = ["generate", "--chat", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "2"]
+    assert main(argv) == 2
+    assert "--chat: this model has no chat template" in capsys.readouterr().err
+
+
+def test_up_refuses_a_batch_dir_it_cannot_make_before_starting_anything(monkeypatch, tmp_path):
+    """The batch service refused it itself, started last: the cluster stopped with "exited
+    during start-up: batch" (status 1), the reason among the children's log lines."""
+    from services.commands import up
+    from shared.config import ConfigError
+
+    monkeypatch.setattr(up.LocalCluster, "_spawn", lambda self, name, argv: pytest.fail(name))
+    a_file = tmp_path / "jobs"
+    a_file.write_text("not a directory")
+    with pytest.raises(ConfigError, match="--batch-dir"):
+        _start_up(_up_args(["--batch-dir", str(a_file)]))
+    with pytest.raises(ConfigError, match="--batch-dir"):
+        _start_up(_up_args(["--batch-dir", str(a_file / "under")]))
+
+
+def test_up_refuses_one_port_for_both_http_and_rpc_before_starting_anything(monkeypatch):
+    """Each was free when checked, so the workers loaded the model before the gateway, its
+    HTTP server holding the port, failed to bind its RPC front door: "exited during start-up:
+    gateway" (status 1) a minute later."""
+    from services.commands import up
+    from shared.config import ConfigError
+
+    monkeypatch.setattr(up.LocalCluster, "_spawn", lambda self, name, argv: pytest.fail(name))
+    args = _up_args([])
+    args.rpc_port = args.port
+    with pytest.raises(ConfigError, match="--rpc-port .* --port"):
+        _start_up(args)
+
+
+def test_up_banner_asks_for_the_model_by_the_name_the_gateway_serves(monkeypatch):
+    """The gateway serves a directory by its last part (a .gguf by its stem), and refuses any
+    other `model` (404): the banner's example request named the --model path, and failed."""
+    from services.commands import up
+
+    monkeypatch.setattr(up, "resolve_model", lambda model: (Path(model), Path(model).name))
+    monkeypatch.setattr(WorkerConfig, "check_kv_budget", lambda self: None)  # (no such model)
+    monkeypatch.setattr(up.LocalCluster, "_popen", lambda self, argv, env: _RecordedChild())
+    monkeypatch.setattr(up.LocalCluster, "_pump_logs", lambda self, child: None)
+    cluster = _start_up(_up_args(["--model", "/models/tiny-llama"]))
+    assert '"model": "tiny-llama"' in up._banner(cluster)
+
+
+def _unreadable_models(directory: Path) -> dict[str, Path]:
+    """A model path of each kind that exists and is no model tandem can read."""
+    not_gguf = directory / "notes.gguf"
+    not_gguf.write_text("not a GGUF file")
+    bad_json = directory / "bad-json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{")
+    other_type = directory / "phi3"
+    other_type.mkdir()
+    (other_type / "config.json").write_text(json.dumps({"model_type": "phi3"}))
+    return {"not_gguf": not_gguf, "bad_json": bad_json, "other_type": other_type}
+
+
+@pytest.mark.parametrize("kind", ["not_gguf", "bad_json", "other_type"])
+def test_up_refuses_a_model_it_cannot_read_in_one_line(monkeypatch, tmp_path, kind):
+    """Each was a traceback (transformers' ValueError or OSError, the model type's refusal)."""
+    from services.commands import up
+    from shared.config import ConfigError
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(up.LocalCluster, "_spawn", lambda self, name, argv: pytest.fail(name))
+    model = _unreadable_models(tmp_path)[kind]
+    with pytest.raises(ConfigError, match=f"--model {re.escape(str(model))}: "):
+        _start_up(_up_args(["--model", str(model)]))
+
+
+def test_prepare_refuses_a_file_that_is_no_gguf_in_one_line(monkeypatch, tmp_path, capsys):
+    from services.commands.cli import main
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["prepare", "--model", str(_unreadable_models(tmp_path)["not_gguf"])]) == 2
+    assert "GGUF" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["bad_json", "other_type"])
+def test_generate_refuses_a_model_it_cannot_read_in_one_line(monkeypatch, tmp_path, kind, capsys):
+    from services.commands.cli import main
+
+    model = str(_unreadable_models(tmp_path)[kind])
+    assert main(["generate", "--prompt", "hi", "--model", model]) == 2
+    assert f"tandem generate: error: --model {model}: " in capsys.readouterr().err

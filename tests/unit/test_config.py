@@ -114,11 +114,25 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (SchedulerConfig, ["--heartbeat-interval-s", "20"], {}, "heartbeat_timeout_s"),
         (SchedulerConfig, ["--progress-timeout-s", "0.5"], {}, "progress_timeout_s"),
         (GatewayConfig, ["--port", "70000"], {}, "must be a port in"),
+        # libzmq connects to each of these without a word: the service ran "ready", every
+        # request waiting on a scheduler (or gateway) it could never reach.
+        (GatewayConfig, ["--scheduler-address", "tcp://127.0.0.1:65536"], {}, "port from 0 to"),
+        (WorkerConfig, [], {"TANDEM_SCHEDULER_ADDRESS": "tcp://:5555"}, "TANDEM_SCHEDULER_ADDR"),
+        (GatewayConfig, [], {"TANDEM_BATCH_ADDRESS": "tcp://batch:99999"}, "--batch-address"),
+        (WorkerConfig, ["--scheduler-address", "tcp://sched:-1"], {}, "tcp://host:port"),
+        (WorkerConfig, ["--scheduler-address", "tcp://scheduler"], {}, "tcp://host:port"),
     ],
 )
 def test_bad_values_name_the_setting(cls, argv, environ, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*")):
         parse(cls, argv, environ)
+
+
+@pytest.mark.parametrize(
+    "address", ["tcp://*:*", "tcp://[::1]:*", "tcp://0.0.0.0:0", "tcp://[fe80::1%eth0]:5555"]
+)
+def test_tcp_addresses_with_any_port_or_an_ipv6_host_are_taken(address):
+    assert parse(WorkerConfig, ["--address", address]).address == address
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -274,6 +274,37 @@ def test_fetch_names_what_went_wrong():
     assert top.fetch(client, URL).error == "ConnectError: connection refused"
 
 
+ANOTHER_SERVERS_READY = [
+    {"status": "ready", "workers": 4},
+    {"workers": {"decode-0": "ok"}},
+    {"workers": [1, 2]},
+    {"scheduler": "fair"},
+    {"scheduler": {"service": ["tenant-a"]}},
+    {"preemptions": 3},
+    {"workers": [worker("d", steps_completed="many")]},
+    {"workers": [worker("d", recent_batch_sizes=5)]},
+    {"workers": [worker("d", recent_batch_sizes=["a"])]},
+    {"workers": [worker(["d"])]},
+    {"workers": [worker("d", heartbeat_age_s="1 s")]},
+    {"workers": [worker("d", prefix_query_tokens="x")]},
+    {"scheduler": {"service": [{"tenant": "t", "virtual_tokens": "x"}]}},
+]
+
+
+@pytest.mark.parametrize("body", ANOTHER_SERVERS_READY, ids=lambda body: str(body)[:40])
+def test_a_ready_body_of_another_shape_is_an_error_not_a_traceback(body):
+    """Another server's /ready (JSON, but not a tandem gateway's) raised from the frame's
+    drawing: a traceback in place of the view, `--once` included."""
+    got = top.fetch(mock_gateway(body=body), URL)
+    assert got.error is not None and "not a tandem gateway?" in got.error
+    assert "cannot reach" in render(Top(URL).frame(got))
+
+
+def test_a_batch_job_of_another_shape_is_drawn_with_dashes():
+    job = {"id": "batch_x", "status": "in_progress", "request_counts": [1, 2, 3]}
+    assert "batch_x" in render(Top(URL).frame(Snapshot(0.0, ready=ready_body(), jobs=[job])))
+
+
 def test_live_loop_draws_the_asked_number_of_frames():
     console = Console(file=io.StringIO(), width=100, color_system=None)
     client, sleeps = mock_gateway(), []
