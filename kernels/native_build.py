@@ -8,7 +8,10 @@ Python ABI for an extension module), so a cache shared between machines or Pytho
 one another's build, and a changed source builds afresh. A compile takes about a second; later
 calls load the cached file. Processes starting together may compile at once: each builds in a
 temporary directory of its own and renames the library into place (atomic), so none loads a
-half-written one.
+half-written one. A library ends with a digest of its own bytes (`_seal`), checked before a cached
+one is handed out: one cut short on disk (a copy of the cache interrupted, a crash before the
+build's data reached the disk) is built again, where loading it crashed the process with SIGBUS
+inside dlopen, past every fallback.
 
 Without a compiler, when it fails, or where the cache directory cannot be written,
 `compile_cached` raises `NativeUnavailable` with the reason (the compiler's last lines), and
@@ -24,6 +27,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sysconfig
@@ -39,8 +43,13 @@ class NativeUnavailable(RuntimeError):
     """The native code cannot be built or loaded here (no compiler, a failed compile, ...)."""
 
 
-def compiler() -> str:
-    return os.environ.get("CC") or "cc"
+def compiler() -> list[str]:
+    """The compiler's command: `$CC` split as a shell would (it may name a wrapper or carry
+    flags, `ccache gcc`, as make takes it), else `cc`."""
+    try:
+        return shlex.split(os.environ.get("CC", "")) or ["cc"]
+    except ValueError as error:  # an unclosed quote: a failed build, not a failed start
+        raise NativeUnavailable(f"cannot read $CC: {error}") from None
 
 
 def compile_cached(
@@ -56,21 +65,43 @@ def compile_cached(
     it), named `<source stem>-<hash>.so`. `headers`: the files `source` includes (beside it),
     hashed with it, so an edit of one builds afresh too."""
     command = compiler()
-    if shutil.which(command) is None:
-        raise NativeUnavailable(f"no C compiler ({command!r} not found)")
+    if shutil.which(command[0]) is None:
+        raise NativeUnavailable(f"no C compiler ({command[0]!r} not found)")
     extra = tuple(os.environ.get("TANDEM_NATIVE_CFLAGS", "").split())
     compile_flags, link_flags = (*compile_flags, *extra), (*link_flags, *extra)
-    flags = " ".join((command, *compile_flags, *link_flags, *libraries)).encode()
+    flags = " ".join((*command, *compile_flags, *link_flags, *libraries)).encode()
     texts = [source.read_bytes(), *(header.read_bytes() for header in headers)]
     key = hashlib.sha256(b"\0".join([*texts, flags, key_extra])).hexdigest()[:16]
     library = build_dir / f"{source.stem}-{key}.so"
-    if not library.exists():
+    if not _is_sealed(library):
         _compile(command, source, library, compile_flags, link_flags, libraries)
     return library
 
 
+# What `_seal` appends: this tag, then the SHA-256 of every byte before it. The dynamic loader maps
+# a library by its headers' offsets and never reads bytes past them, so the seal changes nothing.
+_SEAL_TAG = b"tandem-native-build-sha256:"
+_SEAL_LENGTH = len(_SEAL_TAG) + hashlib.sha256().digest_size
+
+
+def _seal(library: Path) -> None:
+    body = library.read_bytes()
+    with library.open("ab") as file:
+        file.write(_SEAL_TAG + hashlib.sha256(body).digest())
+
+
+def _is_sealed(library: Path) -> bool:
+    """Whether `library` is a whole build: present, readable, and ending with its seal."""
+    try:
+        data = library.read_bytes()
+    except OSError:
+        return False
+    body, seal = data[:-_SEAL_LENGTH], data[-_SEAL_LENGTH:]
+    return len(data) > _SEAL_LENGTH and seal == _SEAL_TAG + hashlib.sha256(body).digest()
+
+
 def _compile(
-    command: str,
+    command: list[str],
     source: Path,
     library: Path,
     compile_flags: tuple[str, ...],
@@ -87,9 +118,10 @@ def _compile(
         raise NativeUnavailable(f"cannot write the build into {library.parent}: {error}") from None
     partial, obj = staging / library.name, staging / f"{source.stem}.o"
     try:
-        _run([command, *compile_flags, "-c", str(source), "-o", str(obj)])
-        _run([command, *link_flags, str(obj), "-o", str(partial), *libraries])
+        _run([*command, *compile_flags, "-c", str(source), "-o", str(obj)])
+        _run([*command, *link_flags, str(obj), "-o", str(partial), *libraries])
         try:
+            _seal(partial)
             os.replace(partial, library)
         except OSError as error:
             raise NativeUnavailable(f"cannot write {library}: {error}") from None

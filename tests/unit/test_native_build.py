@@ -3,6 +3,8 @@ edit of a header it includes builds it afresh (the scheduler's C indexes share o
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,7 +120,8 @@ def test_builds_at_once_under_one_process_id_each_get_a_whole_library(tmp_path, 
         builder.join()
     assert all(isinstance(result, Path) for result in results), results
     (library,) = set(results)
-    assert library.read_text() == "first half\nsecond half\n"
+    # The linker's whole output, then the seal that marks the build whole (`_seal`).
+    assert library.read_bytes().startswith(b"first half\nsecond half\ntandem-native-build-sha256:")
     assert list(build_dir.iterdir()) == [library]  # no temporary file left behind
 
 
@@ -159,3 +162,42 @@ def test_arm_cpus_with_other_features_get_other_builds(tmp_path):
     x86.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\nprocessor\t: 1\nflags\t\t: fpu\n")
     assert native_build.cpu_flags(x86) == b"flags\t\t: fpu sse2 avx2"
     assert native_build.cpu_flags(tmp_path / "absent") == b"unknown"
+
+
+LOAD_AND_CALL = "import ctypes, sys; print(ctypes.CDLL(sys.argv[1]).answer())"
+
+
+@pytest.mark.parametrize("kept", [0, 0.5], ids=["empty", "half"])
+def test_a_cached_library_cut_short_is_built_again(tmp_path, kept):
+    """A library in the cache that is cut short (a copy of the cache volume interrupted, a crash
+    before the build's data reached the disk) was handed out as it was: dlopen of half a
+    library killed the loading process with SIGBUS (no error, no fallback), an empty one was
+    refused on every start. The cache must build it again."""
+    source = tmp_path / "kernel.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    build_dir = tmp_path / "build"
+    library = native_build.compile_cached(source, build_dir, ("-O2", "-fPIC"), ("-shared",))
+    whole = library.read_bytes()
+    library.write_bytes(whole[: int(len(whole) * kept)])
+    again = native_build.compile_cached(source, build_dir, ("-O2", "-fPIC"), ("-shared",))
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_CALL, str(again)], capture_output=True, text=True
+    )
+    assert (loaded.returncode, loaded.stdout) == (0, "42\n"), loaded.stderr
+    assert sorted(build_dir.iterdir()) == [again]  # no temporary file left behind
+
+
+def test_a_compiler_named_with_arguments_builds(tmp_path, monkeypatch):
+    """`$CC` may carry a wrapper or flags (`ccache gcc`, `gcc -m64`), as make and setuptools
+    take it: the whole value was looked up as one program name, so such a setting reported "no
+    C compiler" and every native path fell back to Python."""
+    monkeypatch.setenv("CC", "env cc")
+    source = tmp_path / "kernel.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    library = native_build.compile_cached(
+        source, tmp_path / "build", ("-O2", "-fPIC"), ("-shared",)
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_CALL, str(library)], capture_output=True, text=True
+    )
+    assert (loaded.returncode, loaded.stdout) == (0, "42\n"), loaded.stderr
