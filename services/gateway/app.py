@@ -217,7 +217,7 @@ def build_app(
     async def model_entry(request: Request, model_id: str) -> dict[str, Any]:
         keys.check_header(request.headers.get("authorization"))
         if model_id != model:
-            raise model_not_found(model_id)
+            raise model_not_found(model_id, model)
         return model_card()
 
     @app.post("/tokenize")

@@ -157,8 +157,10 @@ def bad_request(param: str | None, message: str) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param)
 
 
-def model_not_found(model: str) -> ApiError:
-    message = f"The model `{model}` does not exist."
+def model_not_found(model: str, served_model: str) -> ApiError:
+    """A 404 that names the model served: a client given a `--model` path named the path, or
+    another model, and learnt nothing from OpenAI's words alone."""
+    message = f"The model `{model}` does not exist; this server serves `{served_model}`."
     return ApiError(404, message, "not_found_error", "model", "model_not_found")
 
 
@@ -368,7 +370,7 @@ def _check_model(body: Mapping[str, Any], served_model: str) -> str:
     if not isinstance(model, str) or not model:
         _fail("model", "`model` is required and must be a string")
     if model != served_model:
-        raise model_not_found(model)
+        raise model_not_found(model, served_model)
     return model
 
 

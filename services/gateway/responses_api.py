@@ -62,9 +62,14 @@ _FIELDS = frozenset(
     }
 )
 _STATELESS = "no responses are kept for this: send the whole conversation in `input`"
+# (Responses are kept, by `previous_response_id`; conversations and single items are not.)
+_NOT_REFERENCED = (
+    "conversations and item references are not served: send the whole conversation in `input`,"
+    " or continue a stored response with `previous_response_id`"
+)
 # Fields served only at the value that asks nothing of this server, and why.
 _ONLY = {
-    "conversation": ((None,), _STATELESS),
+    "conversation": ((None,), _NOT_REFERENCED),
     "prompt": ((None,), "stored prompts are not served: send the `instructions` and `input`"),
     "truncation": ((None, "disabled"), 'only "disabled" is served'),
     "background": ((None, False), "only false is served"),
@@ -218,7 +223,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
             raise _fail(f"{where}.output", "must be a string or a list of text parts")
         messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
     elif kind == "item_reference":
-        raise _fail(f"{where}.type", _STATELESS)
+        raise _fail(f"{where}.type", _NOT_REFERENCED)
     else:
         raise _fail(f"{where}.type", f"input items of type {kind!r} are not served")
 

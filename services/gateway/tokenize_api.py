@@ -119,5 +119,5 @@ def _with_model(body: Any, served_model: str) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise bad_request("model", "`model` must be a string")
     if model != served_model:
-        raise model_not_found(model)
+        raise model_not_found(model, served_model)
     return {**body, "model": model}

@@ -123,4 +123,5 @@ def test_models_retrieve_answers_the_served_model_and_404_for_others(cluster, op
     for other in ("gpt-4o", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         with pytest.raises(openai.NotFoundError) as raised:
             openai_client.models.retrieve(other)
-        assert raised.value.body["message"] == f"The model `{other}` does not exist."
+        message = raised.value.body["message"]
+        assert message == f"The model `{other}` does not exist; this server serves `{MODEL}`."

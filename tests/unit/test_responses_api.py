@@ -92,8 +92,9 @@ def test_a_string_input_is_a_user_message_and_a_stream_asks_for_usage():
     ("body", "param", "match"),
     [
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "no responses"),
-        ({"input": "x", "conversation": "conv_1"}, "conversation", "no responses"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "no responses"),
+        # (Responses are kept: the others' refusal said none were.)
+        ({"input": "x", "conversation": "conv_1"}, "conversation", "previous_response_id"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type", "item references"),
         ({"input": "x", "frequency": 1}, "frequency", "unknown field"),
         ({"input": []}, "input", "non-empty"),
         ({"input": 5}, "input", "string or"),
