@@ -6,7 +6,8 @@ where it needs it (`shared.endpoints`), and a bind that fails (the port in
 use, an address not this machine's) is a `BindError` naming the setting, which the `tandem`
 command prints as one line with exit status 2 instead of a traceback. TCP ports that another
 program binds for us (uvicorn, `tandem up`'s gateway) are checked beforehand with
-`check_tcp_port` (`check_address` for a ZeroMQ one): free now, or refused the same way.
+`check_tcp_port` (`check_address` for a ZeroMQ one): free now, or refused the same way (as is a
+host that resolves to no address).
 """
 
 from __future__ import annotations
@@ -75,21 +76,36 @@ def check_address(address: str, setting: str) -> None:
     host, _, port = address[len("tcp://") :].rpartition(":")
     if port.isdigit() and int(port) > 0:  # (`*` or 0: any free port)
         host = host.strip("[]")
-        check_tcp_port("0.0.0.0" if host == "*" else host, int(port), describe(setting))
+        try:
+            probe_listen("0.0.0.0" if host == "*" else host, int(port), describe(setting))
+        except socket.gaierror:
+            return  # (an interface name: ZeroMQ's bind resolves it, or says why not)
 
 
 def check_tcp_port(host: str, port: int, what: str) -> None:
     """BindError (naming `what`: a flag, or `describe(...)`) if a TCP server could not listen
-    on host:port now: the port held by another listener, or the host not this machine's.
-    Bound and released at once, with SO_REUSEADDR as servers set it, so a port a stopped
-    server left in TIME_WAIT passes."""
+    on host:port now: the port held by another listener, the host not this machine's, or a
+    name that resolves to no address (it passed, and a gateway logged "gateway ready" before
+    uvicorn exited 3 on it). Bound and released at once, with SO_REUSEADDR as servers set it,
+    so a port a stopped server left in TIME_WAIT passes."""
+    try:
+        probe_listen(host, port, what)
+    except socket.gaierror:
+        try:  # (a name of the other family than the probe's: left to the real bind)
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as error:
+            raise BindError(f"{what}: {host!r} resolves to no address: {error.strerror}") from None
+
+
+def probe_listen(host: str, port: int, what: str) -> None:
+    """`check_tcp_port`'s probe; socket.gaierror for a host Python cannot resolve."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
-        except socket.gaierror:
-            return  # a name only the real bind resolves; it says why if it cannot
+        except socket.gaierror:  # (an OSError too: a name, each caller judges it)
+            raise
         except OSError as error:
             reason = error.strerror or str(error)
             if error.errno == errno.EADDRINUSE:

@@ -226,6 +226,20 @@ class SchedulerConfig(CurveSettings):
     def routing(self) -> RoutingWeights:
         return RoutingWeights(self.route_queued_weight, self.route_uncached_weight)
 
+    def queue_time_warning(self) -> str | None:
+        """What a `max_queue_time_s` at or below the fair share's `bulk_max_wait_s` does: a batch
+        line competes as interactive once it has waited that long (so that a job is never
+        starved), and the 504 came first: under steady interactive load every line of a job
+        failed, nothing said why. Warned of, not refused: a cluster that runs no batch jobs may
+        want the short limit. None for a limit past it."""
+        if self.max_queue_time_s > self.fair_share().bulk_max_wait_s:
+            return None
+        return (
+            "max_queue_time_s (--max-queue-time-s / TANDEM_MAX_QUEUE_TIME_S) is at most the "
+            "fair share's bulk_max_wait_s: a batch line is failed (504) before it would compete "
+            "as interactive, so under steady interactive load a batch job's lines can all fail"
+        )
+
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(
             max_queued_requests=self.max_queued_requests,
@@ -299,6 +313,12 @@ class SchedulerService:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         bind(self.socket, config.address, "address")
+        if (warning := config.queue_time_warning()) is not None:
+            self.log.warning(
+                warning,
+                max_queue_time_s=config.max_queue_time_s,
+                bulk_max_wait_s=config.fair_share().bulk_max_wait_s,
+            )
         self.undelivered = Undelivered(keep_s=config.heartbeat_timeout_s)
         self.num_dropped_full = 0  # messages dropped on a peer's full queue (`_deliver`)
         self.events = SchedulerEvents(self.log)

@@ -167,7 +167,10 @@ class WorkerConfig(CurveSettings):
         from transformers import AutoConfig  # (as load_model: a heavy import, when needed)
 
         directory, _ = resolve_model_dir(self.model)
-        model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+        try:  # (a checkpoint the forward does not serve: quantized, not SiLU; it was a traceback)
+            model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+        except (ValueError, OSError) as error:
+            raise ConfigError(f"--model {self.model}: {error}") from None
         num_blocks_for_budget(model_config, self.block_size, self.torch_dtype, self.kv_cache_bytes)
 
     def engine_config(self, **overrides) -> EngineConfig:

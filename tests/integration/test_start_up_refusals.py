@@ -4,13 +4,14 @@ for `tandem up`, a cluster taken to be ready because someone else answered on it
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import free_port, run_tandem, wait_for_line
+from tests.helpers import TINY_LLAMA, free_port, run_tandem, wait_for_line
 
 # (The default --port, 8000, is checked first: a free one, whatever else runs here.)
 FREE_PORT = ["--port", free_port()]
@@ -89,6 +90,54 @@ def test_up_refuses_a_host_that_does_not_resolve_before_starting_anything():
     (status 1), the reason in the scheduler's log lines."""
     result = run_tandem("up", "--host", "no-such-host.invalid", "--model", "/no/such", *FREE_PORT)
     assert_refused_in_one_line(result, "--host", "no-such-host.invalid")
+
+
+def test_the_gateway_refuses_a_host_that_does_not_resolve():
+    """The port check let it through: the gateway logged "gateway ready", then uvicorn exited
+    3 with "ERROR: [Errno -2] Name or service not known"."""
+    result = run_tandem(
+        "gateway", "--host", "no-such-host.invalid", "--model", "/no/such", *FREE_PORT
+    )
+    assert_refused_in_one_line(result, "--host", "'no-such-host.invalid' resolves to no address")
+
+
+def unreadable_model(kind: str, directory) -> str:
+    """A --model tandem cannot read: a .gguf that is none, a config.json that is not JSON, or
+    one of a model type not served (GPT-2's names its fields otherwise)."""
+    if kind == "not-gguf":
+        path = directory / "model.gguf"
+        path.write_text("not a GGUF file")
+        return str(path)
+    if kind == "awq":  # a Llama the forward would serve, but quantized: refused by from_hf
+        quantized = {
+            "model_type": "llama",
+            **TINY_LLAMA,
+            "quantization_config": {"quant_method": "awq"},
+        }
+        (directory / "config.json").write_text(json.dumps(quantized))
+        return str(directory)
+    (directory / "config.json").write_text(
+        "{not json" if kind == "not-json" else '{"model_type": "gpt2", "n_layer": 2}'
+    )
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    "service,kind",
+    [("gateway", "not-gguf"), ("prefill", "not-json"), ("decode", "gpt2"), ("prefill", "awq")],
+)
+def test_a_standalone_service_refuses_a_model_it_cannot_read(service, kind, tmp_path):
+    """`tandem up` and `tandem prepare` refused them in one line; a service started alone
+    printed transformers' traceback (an AttributeError for GPT-2's config)."""
+    model = unreadable_model(kind, tmp_path)
+    places = {
+        "gateway": ["--stream-address", f"ipc://{tmp_path}/stream.sock", *FREE_PORT],
+        "prefill": ["--address", f"ipc://{tmp_path}/prefill.sock"],
+        "decode": ["--address", f"ipc://{tmp_path}/decode.sock"],
+    }
+    environ = dict(os.environ, TANDEM_CACHE_DIR=str(tmp_path / "cache"))
+    result = run_tandem(service, "--model", model, *places[service], env=environ)
+    assert_refused_in_one_line(result, f"--model {model}: ")
 
 
 def test_an_unknown_log_level_stops_the_service_with_status_2(tmp_path):

@@ -60,3 +60,14 @@ def test_ports_are_checked_before_another_program_binds_them(taken_port, tmp_pat
     check_address("tcp://127.0.0.1:*", "rpc_address")  # any free port: nothing to check
     check_address(f"ipc://{tmp_path}/a/b.sock", "stream_address")
     assert (tmp_path / "a").is_dir()
+
+
+def test_a_host_that_resolves_to_no_address_is_a_bind_error_naming_the_setting():
+    """It passed the check silently: a standalone gateway logged "gateway ready", then uvicorn
+    exited 3 with "ERROR: [Errno -2] Name or service not known"."""
+    from shared.binding import BindError, check_address, check_tcp_port
+
+    with pytest.raises(BindError, match=r"^--host: 'no-such-host\.invalid' resolves to no address"):
+        check_tcp_port("no-such-host.invalid", 8000, "--host")
+    # A ZeroMQ address's host may be an interface name Python cannot resolve: left to the bind.
+    check_address("tcp://no-such-host.invalid:5555", "address")
