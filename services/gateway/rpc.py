@@ -105,6 +105,9 @@ class RpcServer:
         self.client_timeout_s = client_timeout_s
         self.log = get_logger(component="rpc", address=address)
         self._calls: dict[CallKey, asyncio.Task] = {}
+        # Calls in flight per client, kept with `_calls`: the bound's check counted them by a
+        # pass over every client's calls in flight, at each new call (quadratic in a flood).
+        self._num_calls: dict[bytes, int] = {}
         self._replies: set[asyncio.Task] = set()  # refusals and cancel answers being sent
         self._num_replies: dict[bytes, int] = {}  # of them, per client
         self._last_sent: dict[bytes, float] = {}  # per client with calls: its last event's time
@@ -195,7 +198,7 @@ class RpcServer:
         refusal = None
         if key in self._calls:
             refusal = ApiError(409, "a call with this call_id is in flight", param="call_id")
-        elif sum(1 for peer, _ in self._calls if peer == identity) >= MAX_CALLS_PER_CLIENT:
+        elif self._num_calls.get(identity, 0) >= MAX_CALLS_PER_CLIENT:
             refusal = ApiError(429, f"more than {MAX_CALLS_PER_CLIENT} calls in flight",
                                "rate_limit_error")  # fmt: skip
             refusal.retry_after_s = 1.0
@@ -206,10 +209,15 @@ class RpcServer:
         self._stalled.discard(identity)  # (it reads again, or will: it is there)
         task = asyncio.create_task(self._run_call(identity, request))
         self._calls[key] = task
+        self._num_calls[identity] = self._num_calls.get(identity, 0) + 1
         task.add_done_callback(functools.partial(self._call_done, key))
 
     def _call_done(self, key: CallKey, task: asyncio.Task) -> None:
-        self._calls.pop(key, None)
+        if self._calls.pop(key, None) is not None:
+            identity = key[0]
+            self._num_calls[identity] -= 1
+            if not self._num_calls[identity]:
+                del self._num_calls[identity]
         if task.cancelled() and not self._closing:
             # RpcCancel or a vanished client (the task may never have started, so the answer
             # is sent from here). It lets a caller still waiting on the call (another task of

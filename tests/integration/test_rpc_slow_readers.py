@@ -78,6 +78,12 @@ def test_a_client_that_reads_late_gets_every_answer_once(tmp_path):
             assert {event.status for event in events} <= {400, 429}
             assert all(event.done for event in events)
             assert door._probe_task is not None and not door._probe_task.done()
+            # Its calls all ended: its count of calls in flight is back to none, and its next
+            # call is served, not refused for the 256 of before.
+            assert not door._calls and not door._num_calls
+            await slow.send_multipart(wire.encode(_bad_call(NUM_CALLS)))
+            again = await _answers(slow, 1, within_s=5)
+            assert [(e.call_id, e.status) for e in again] == [(str(NUM_CALLS), 400)]
         finally:
             slow.close()
             await door.close()
@@ -99,6 +105,7 @@ def test_a_client_that_never_reads_has_its_calls_cancelled(tmp_path, monkeypatch
             while time.monotonic() < deadline and (door._calls or door._replies):
                 await asyncio.sleep(0.1)
             assert not door._calls and not door._replies  # nothing waits on it for ever
+            assert not door._num_calls
             assert len(door._stalled) == 1  # dropped for reading nothing, not by a heartbeat
             assert not door._send_lines  # each line went with its last sender
             assert door._probe_task is not None and not door._probe_task.done()
