@@ -83,11 +83,20 @@ class WorkloadRequest:
             max_tokens=int(data["max_tokens"]),
             arrival_time=float(data.get("arrival_time", 0.0)),
             prompt_token_ids=[int(t) for t in ids] if ids is not None else None,
-            ignore_eos=bool(data.get("ignore_eos", True)),
+            ignore_eos=_flag(data, "ignore_eos"),
             label=str(data.get("label", "")),
-            stream=bool(data.get("stream", True)),
+            stream=_flag(data, "stream"),
             response_format=_response_format(data.get("response_format")),
         )
+
+
+def _flag(data: dict[str, Any], name: str) -> bool:
+    """A true/false field, true when left out; `"false"` (a string, true to `bool`) was read as
+    true: a request meant to be sent whole was streamed."""
+    value = data.get(name, True)
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be true or false, got {value!r}")
+    return value
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:

@@ -111,7 +111,7 @@ def _from_line(data: object) -> SimRequest:
         tenant=str(data.get("tenant", "default")),
         label=str(data.get("label", "")),
         prompt_token_ids=token_ids,
-        stream=bool(data.get("stream", True)),
+        stream=_stream(data),
     )
     if (
         request.num_prompt_tokens < 1
@@ -120,6 +120,14 @@ def _from_line(data: object) -> SimRequest:
     ):
         raise ValueError("prompt and max_tokens must be >= 1 and arrival_time a finite >= 0")
     return request
+
+
+def _stream(data: dict) -> bool:
+    """`stream`, true when left out; `"false"` (a string, true to `bool`) was read as true."""
+    value = data.get("stream", True)
+    if not isinstance(value, bool):
+        raise TypeError(f"stream must be true or false, got {value!r}")
+    return value
 
 
 def _parse_range(name: str, text: str) -> tuple[int, int]:

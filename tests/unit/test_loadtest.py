@@ -114,6 +114,16 @@ def test_jsonl_round_trip(tmp_path):
     assert "prompt_token_ids" not in json.loads(path.read_text().splitlines()[-1])
 
 
+@pytest.mark.parametrize("field", ["stream", "ignore_eos"])
+def test_a_flag_given_as_a_string_is_refused(field):
+    """`"false"` is true to `bool`: a request meant to be sent whole was streamed (or its EOS
+    ignored)."""
+    line = json.dumps({"prompt": "x", "max_tokens": 1, field: "false"})
+    with pytest.raises(TypeError, match=f"{field} must be true or false"):
+        WorkloadRequest.from_json(line)
+    assert getattr(WorkloadRequest.from_json(line.replace('"false"', "false")), field) is False
+
+
 def test_the_committed_default_workload():
     requests = read_workload(MIXED64)
     assert len(requests) == 64

@@ -573,6 +573,8 @@ def test_workloads_read_and_refused(tmp_path):
         ('{"prompt": "x"}', r"w.jsonl:2: missing field 'max_tokens'"),
         ('{"max_tokens": 2}', "w.jsonl:2: missing field 'prompt'"),
         ("[1, 2]", r"w.jsonl:2: a request is a JSON object, got list"),
+        # A string is true to `bool`: a request marked not streamed was planned as streamed.
+        ('{"prompt": "x", "max_tokens": 1, "stream": "false"}', "w.jsonl:2: stream must be"),
     ]:
         path.write_text('{"prompt": "x", "max_tokens": 1}\n' + line + "\n")
         with pytest.raises(WorkloadError, match=message):
