@@ -46,6 +46,8 @@ LLAMA = "llama.cpp"
 KV_BYTES = "tandem:kv_transfer_bytes_total"
 LOCAL_PREFILLS = "tandem:local_prefills_total"
 HOST_HITS = "tandem:prefix_cache_host_hits_total"
+# A verdict on turns 2 and on with nothing to judge: one turn only, or none of them succeeded.
+NO_LATER_TTFT = "no TTFT of turns 2 and on to compare (one turn, or every later one failed)"
 # Each mode's worker settings (TANDEM_* environment variables).
 MODES = {
     "off": {"TANDEM_ENABLE_PREFIX_CACHING": "false"},
@@ -111,6 +113,19 @@ def user_message(agent: int, turn: int) -> str:
 async def one_turn(
     client: httpx.AsyncClient, messages: list[dict], max_tokens: int, turn: Turn
 ) -> str:
+    """One agent's turn: its reply's text ("" or what came, when it failed). A failure (an HTTP
+    error, a broken or malformed stream, a timeout) counts in the turn's errors, never raises:
+    the other agents' turns, and the run, go on."""
+    try:
+        return await _stream_turn(client, messages, max_tokens, turn)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        turn.num_errors += 1
+        return ""
+
+
+async def _stream_turn(
+    client: httpx.AsyncClient, messages: list[dict], max_tokens: int, turn: Turn
+) -> str:
     body = {
         "model": MODEL,
         "messages": messages,
@@ -139,9 +154,12 @@ async def one_turn(
     if first_at is None or usage is None:
         turn.num_errors += 1
         return text
+    sent = int(usage["prompt_tokens"])  # (read first: a malformed usage counts nothing)
+    # OpenAI may send the details as null, or a null count: none cached, as far as it says.
+    cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     turn.ttfts.append(first_at - sent_at)
-    turn.num_sent += usage["prompt_tokens"]
-    turn.num_cached += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    turn.num_sent += sent
+    turn.num_cached += cached
     return text
 
 
@@ -224,10 +242,13 @@ def verdicts(results: dict[str, Any]) -> list[str]:
     on_p50 = percentile(later_turns_ttfts(on), 50)
     if "off" in results:
         off_p50 = percentile(later_turns_ttfts(results["off"]), 50)
-        lines.append(
-            f"TTFT p50 turns>=2: on {on_p50:.2f} s, off {off_p50:.2f} s, ratio "
-            f"{on_p50 / off_p50:.2f} (target <= 0.33): {_met(on_p50 <= off_p50 / 3)}"
-        )
+        if on_p50 is None or off_p50 is None:
+            lines.append(f"TTFT p50 turns>=2: {NO_LATER_TTFT} (on and off): NOT met")
+        else:
+            lines.append(
+                f"TTFT p50 turns>=2: on {on_p50:.2f} s, off {off_p50:.2f} s, ratio "
+                f"{on_p50 / off_p50:.2f} (target <= 0.33): {_met(on_p50 <= off_p50 / 3)}"
+            )
     for row_index, row in enumerate(on[1:], start=2):
         new = row["prompt_tokens_computed"]
         per_token = row["kv_bytes"] / new if new else 0.0
@@ -236,11 +257,14 @@ def verdicts(results: dict[str, Any]) -> list[str]:
         on_p99 = percentile(later_turns_ttfts(on), 99)
         llama = later_turns_ttfts(results[LLAMA])
         llama_p50, llama_p99 = percentile(llama, 50), percentile(llama, 99)
-        lines.append(
-            f"TTFT turns>=2 p50/p99: tandem {on_p50:.2f}/{on_p99:.2f} s, llama.cpp "
-            f"{llama_p50:.2f}/{llama_p99:.2f} s (target: both below): "
-            f"{_met(on_p50 < llama_p50 and on_p99 < llama_p99)}"
-        )
+        if on_p50 is None or on_p99 is None or llama_p50 is None or llama_p99 is None:
+            lines.append(f"TTFT turns>=2 p50/p99: {NO_LATER_TTFT} (tandem and llama.cpp): NOT met")
+        else:
+            lines.append(
+                f"TTFT turns>=2 p50/p99: tandem {on_p50:.2f}/{on_p99:.2f} s, llama.cpp "
+                f"{llama_p50:.2f}/{llama_p99:.2f} s (target: both below): "
+                f"{_met(on_p50 < llama_p50 and on_p99 < llama_p99)}"
+            )
     return lines
 
 

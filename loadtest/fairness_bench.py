@@ -265,7 +265,7 @@ def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("scenario", choices=["flood", "tenants"])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per run")
@@ -288,6 +288,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=float, default=15.0, help="tenants: before measuring")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    positive = ("duration", "alone_duration", "short_interval", "light_rate")
+    counts = ("prefill_budget", "kv_cache_bytes", "long_tokens", "long_clients", "short_tokens",
+              "tenant_tokens")  # fmt: skip
+    for name in (*positive, *counts):
+        if not getattr(args, name) > 0:  # (NaN compares false)
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.scenario == "tenants" and not 0 <= args.warmup < args.duration:
+        # Service is read between the warm-up's end and the duration's: an empty window
+        # reported 0 tokens to each tenant and no Jain index, after a cluster run per policy.
+        parser.error(f"--warmup must be >= 0 and below --duration ({args.duration:g} s)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.scenario == "flood":
         results = run_flood(args)
         print_flood(results, args.aging_s)

@@ -258,8 +258,8 @@ def summarize(
     )
     goodput = None
     objectives = (slo_ttft_s, slo_tpot_s, slo_e2e_s)
-    if any(o is not None for o in objectives) and wall > 0:
-        goodput = sum(meets_slo(r, *objectives) for r in ok) / wall
+    if any(o is not None for o in objectives):  # (no wall: nothing succeeded, so none met them)
+        goodput = sum(meets_slo(r, *objectives) for r in ok) / wall if wall > 0 else 0.0
     return Summary(
         num_requests=len(records),
         num_ok=len(ok),

@@ -1,9 +1,14 @@
 """The agents scenario's pure parts: its prompts, its per-turn figures, its arguments."""
 
+import asyncio
+import json
+
+import httpx
 import pytest
 
 from loadtest.agents_bench import (
     Turn,
+    one_turn,
     parse_args,
     system_prompt,
     up_arguments,
@@ -78,3 +83,59 @@ def test_verdicts_judge_the_later_turns_against_each_target():
     results["llama.cpp"] = _rows([[5.0], [0.5], [0.5]], sent=1000, computed=300)
     assert verdicts(results)[-1].endswith("NOT met")
     assert verdicts({"off": results["off"]}) == []
+
+
+def test_verdicts_say_what_is_missing_when_no_later_turn_succeeded():
+    # One turn (--turns 1), or every later turn failed: no TTFT to judge, said so, no crash
+    # (main printed the verdicts before writing --json: a crash lost the whole run's results).
+    one_turn = {
+        "on": _rows([[1.0]], sent=1000, computed=200),
+        "off": _rows([[4.0]], sent=1000, computed=1000),
+        "llama.cpp": _rows([[2.0]], sent=1000, computed=300),
+    }
+    lines = verdicts(one_turn)
+    assert "20.0% (target <= 25%): met" in lines[0]
+    assert any("TTFT p50 turns>=2" in line and "no TTFT" in line for line in lines)
+    assert any("TTFT turns>=2 p50/p99" in line and "no TTFT" in line for line in lines)
+    failed_later = {
+        "on": _rows([[1.0], []], sent=1000, computed=200),
+        "off": _rows([[4.0], [4.0]], sent=1000, computed=1000),
+    }
+    assert "no TTFT" in verdicts(failed_later)[1]
+
+
+class _Replies(httpx.AsyncBaseTransport):
+    """Answers every chat turn with `stream`'s SSE lines, or raises `error`."""
+
+    def __init__(self, lines=(), error=None):
+        self.lines, self.error = lines, error
+
+    async def handle_async_request(self, request):
+        if self.error is not None:
+            raise self.error
+        body = "".join(f"data: {line}\n\n" for line in self.lines).encode()
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+
+def _turn_with(transport) -> Turn:
+    async def go():
+        turn = Turn()
+        async with httpx.AsyncClient(base_url="http://test", transport=transport) as client:
+            await one_turn(client, [{"role": "user", "content": "hi"}], 4, turn)
+        return turn
+
+    return asyncio.run(go())
+
+
+def test_a_turn_the_transport_fails_counts_as_an_error_and_the_run_goes_on():
+    turn = _turn_with(_Replies(error=httpx.RemoteProtocolError("peer closed")))
+    assert turn.num_errors == 1 and turn.ttfts == []
+    turn = _turn_with(_Replies(error=httpx.ReadTimeout("read timed out")))
+    assert turn.num_errors == 1
+
+
+def test_a_turn_whose_usage_has_no_cache_details_counts_none_cached():
+    chunk = json.dumps({"choices": [{"delta": {"content": "ok"}}]})
+    usage = {"prompt_tokens": 10, "completion_tokens": 1, "prompt_tokens_details": None}
+    turn = _turn_with(_Replies([chunk, json.dumps({"choices": [], "usage": usage}), "[DONE]"]))
+    assert (turn.num_errors, turn.num_sent, turn.num_cached, len(turn.ttfts)) == (0, 10, 0, 1)

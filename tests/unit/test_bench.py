@@ -29,6 +29,7 @@ from loadtest.metrics import (
     summarize_by_label,
     token_timeline,
 )
+from loadtest.summary_text import format_summary
 from loadtest.workload import WorkloadError, read_workload
 from services.planner.workload import WorkloadError as PlannerWorkloadError
 from services.planner.workload import load_workload
@@ -63,6 +64,16 @@ def test_percentiles_and_goodput_by_hand():
     # One objective alone counts too.
     assert summarize(records, slo_ttft_s=0.25).goodput_rps == pytest.approx(2.0)
     assert summarize(records, slo_tpot_s=0.015).goodput_rps == pytest.approx(1.0)
+
+
+def test_goodput_of_a_run_where_every_request_failed_is_zero_not_missing():
+    # With an objective given, goodput None reads "no objective" ("-", no goodput line); a run
+    # where nothing succeeded served no request within it: 0 req/s, as its throughput reads.
+    failed = [RequestRecord(i, 8, 10, 0.0, None, None, [], None, "timed out") for i in range(3)]
+    s = summarize(failed, slo_ttft_s=1.0)
+    assert s.goodput_rps == 0.0 and s.requests_per_s == 0.0
+    assert "goodput 0.00 req/s" in format_summary(s)
+    assert summarize(failed).goodput_rps is None  # no objective: no goodput
 
 
 def test_a_response_not_streamed_meets_ttft_by_its_latency():

@@ -23,6 +23,7 @@ from loadtest import bench, client, plots, race
 from loadtest.bench import compare_table
 from loadtest.client import carries_output, run_workload
 from loadtest.fairness_bench import Traffic, print_flood, ttft_figures
+from loadtest.fairness_bench import parse_args as fairness_args
 from loadtest.generators import generate, prompt_nonce, with_prompt_nonce
 from loadtest.metrics import RequestRecord, Summary, beyond_successes, summarize
 from loadtest.summary_text import client_warnings, format_summary
@@ -387,6 +388,23 @@ def test_fairness_reports_the_samples_behind_p99_and_its_failures(capsys):
     out = capsys.readouterr().out
     assert "shorts n" in out and "n/a" in out.splitlines()[1]
     assert "p99 of n <= 101 shorts (here as few as 19)" in out
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["tenants", "--duration", "10", "--warmup", "15"], "--warmup"),  # an empty window
+        (["tenants", "--warmup", "-1"], "--warmup"),
+        (["tenants", "--light-rate", "0"], "--light-rate"),  # 1 / rate
+        (["flood", "--short-interval", "0"], "--short-interval"),  # a task per loop, unpaced
+        (["flood", "--duration", "nan"], "--duration"),
+    ],
+)
+def test_fairness_refuses_settings_that_measure_nothing_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        fairness_args(argv)
+    assert flag in capsys.readouterr().err
+    assert fairness_args(["tenants", "--duration", "20", "--warmup", "5"]).warmup == 5
 
 
 # --- 6. which chunks are tokens ----------------------------------------------------------------
