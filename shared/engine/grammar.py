@@ -8,9 +8,11 @@ Three pieces, each small:
   the chunk that would bring the sequence to its next token (`GrammarState.ready`), and the
   rest of the batch steps on. Entries are kept least recently used first and bounded by their
   compiled size in bytes (an unbounded cache is a memory-exhaustion hole); the spec itself is
-  capped in `shared.engine.constraint`. A compile that does not finish within the time limit
-  fails its request (xgrammar cannot be interrupted: the thread runs on, but nothing waits for
-  it).
+  capped in `shared.engine.constraint`. A grammar larger than the whole bound is used by its
+  requests but not kept, and so is a failure that was not the spec's own (a MemoryError): a
+  later request compiles again. A compile that does not finish within the time limit fails its
+  request (xgrammar cannot be interrupted: the thread runs on, but nothing waits for it), and
+  so does one that raises, whatever it raises: that request alone ends, with the error.
 - `GrammarState` is one sequence's matcher. It is built lazily, when its grammar is compiled,
   by replaying the tokens the sequence already generated: those of a prefill job resumed from a
   client's tokens, those carried by a KV handoff, those kept across preemption. The matcher is
@@ -27,6 +29,7 @@ finishes with "length", as the engine reports it.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -45,6 +48,9 @@ from shared.errors import InvalidRequestError
 DEFAULT_CACHE_BYTES = 256 << 20
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 _FAILED_ENTRY_BYTES = 1024  # a cached failure's charge against the byte bound
+# xgrammar's C++ checks prefix their message with a time and a source line (`[02:08:04]
+# /project/cpp/grammar_compiler.cc:1086: Check failed: ...`): not the client's business.
+_XGRAMMAR_ORIGIN = re.compile(r"^\[[\d:]+\]\s*\S+\.(?:cc|h):\d+:\s*")
 
 
 class GrammarError(Exception):
@@ -109,6 +115,12 @@ class GrammarCache:
         with self._lock:
             if self._entries.get(constraint) is not future:
                 return  # evicted meanwhile
+            if size > self.max_bytes or (error is not None and not _is_the_specs_fault(error)):
+                # Not kept (its requests hold the future): a grammar larger than the whole bound
+                # would evict every other entry, then itself; a failure that was not the spec's
+                # own (out of memory) would fail every later request with that spec.
+                del self._entries[constraint]
+                return
             self._sizes[constraint] = size
             self.num_bytes += size
             self._evict()
@@ -142,8 +154,15 @@ def wait_compiled(future: Future, timeout_s: float, limit_s: float | None = None
         ) from None
     except InvalidRequestError as error:
         raise GrammarError(error.message) from None
-    except RuntimeError as error:
-        raise GrammarError(f"the grammar failed to compile: {error}") from None
+    except Exception as error:  # whatever the compile thread raised ends only this request
+        message = _XGRAMMAR_ORIGIN.sub("", str(error).strip()) or type(error).__name__
+        raise GrammarError(f"the grammar failed to compile: {message}") from None
+
+
+def _is_the_specs_fault(error: BaseException) -> bool:
+    """A compile failure the same spec would meet again: refused by the parse, or by
+    xgrammar's compiler (its errors are RuntimeErrors); not, say, a MemoryError."""
+    return isinstance(error, InvalidRequestError | RuntimeError)
 
 
 class GrammarState:
