@@ -81,6 +81,9 @@ class WorkerLoop(abc.ABC):
             config.engine_config(**engine_overrides),
             tokenizer=self.loaded.tokenizer,
         )
+        grammar_error = self.engine.grammar.warm()  # before registering: no request waits
+        if grammar_error is not None:
+            self.log.warning("structured outputs unavailable", error=grammar_error)
         self.context = context or zmq.Context.instance()
         self.security = Security(config.curve_keys(), self.log)
         self.security.start(self.context)

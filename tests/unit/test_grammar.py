@@ -686,3 +686,43 @@ def test_a_malformed_answer_or_calls_spec_is_an_invalid_request(spec):
     never a KeyError in the worker."""
     with pytest.raises(InvalidRequestError, match="answer_or_calls|unknown constraint kind"):
         to_grammar(Constraint("answer_or_calls", spec))
+
+
+def test_the_tokenizer_tables_are_built_off_the_callers_thread(tokenizer, monkeypatch):
+    # Built on the caller's thread they stalled an engine's loop (every sequence on it) for
+    # 0.2-0.3 s at its first constrained request.
+    import threading
+
+    import xgrammar as xgr
+
+    built_on = []
+    original = xgr.TokenizerInfo.from_huggingface
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", recording)
+    cache = GrammarCache(tokenizer, VOCAB, [EOS])
+    assert cache.get(Constraint("regex", "a+")) is not None
+    assert built_on and threading.current_thread() not in built_on
+
+
+def test_warming_builds_the_tables_and_reports_what_failed(tokenizer, monkeypatch):
+    from shared.engine.grammar import GrammarBinding
+
+    binding = GrammarBinding(tokenizer, VOCAB, {EOS})
+    assert binding.warm() is None
+    assert binding.cache._compiler.done()
+    assert GrammarBinding(None, VOCAB, {EOS}).warm() is None  # nothing to build
+
+    import xgrammar as xgr
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no tables")
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", broken)
+    failing = GrammarBinding(tokenizer, VOCAB, {EOS})
+    assert failing.warm() == "RuntimeError: no tables"
+    with pytest.raises(GrammarError, match="no tables"):
+        failing.cache.get(Constraint("regex", "a+"))
