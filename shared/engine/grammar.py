@@ -12,7 +12,8 @@ Three pieces, each small:
   requests but not kept, and so is a failure that was not the spec's own (a MemoryError): a
   later request compiles again. A compile that does not finish within the time limit fails its
   request (xgrammar cannot be interrupted: the thread runs on, but nothing waits for it), and
-  so does one that raises, whatever it raises: that request alone ends, with the error.
+  so does one that raises, whatever it raises: that request alone ends, with the error. A
+  compile still queued when every request that asked for it has given up is skipped.
 - `GrammarState` is one sequence's matcher. It is built lazily, when its grammar is compiled,
   by replaying the tokens the sequence already generated: those of a prefill job resumed from a
   client's tokens, those carried by a KV handoff, those kept across preemption. The matcher is
@@ -87,34 +88,61 @@ class GrammarCache:
         self.num_bytes = 0
         self.num_hits = 0
         self.num_compiles = 0
+        self.num_skipped = 0  # compiles whose askers had all given up before they began
+        self._awaited_until: dict[Constraint, float] = {}  # compiles not begun: last deadline
 
     def compiler_error(self) -> BaseException | None:
         """Waits for xgrammar's compiler (its tokenizer tables); what building it raised."""
         return self._compiler.exception()
 
-    def submit(self, constraint: Constraint) -> Future:
-        """The compiled grammar's future: cached, or a compile started now."""
+    def submit(self, constraint: Constraint, deadline: float | None = None) -> Future:
+        """The compiled grammar's future: cached, or a compile started now. `deadline`
+        (time.monotonic(), by default the time limit from now) is when its asker stops waiting:
+        a compile that waited in the pool's queue past every asker's is skipped."""
+        if deadline is None:
+            deadline = time.monotonic() + self.compile_timeout_s
         with self._lock:
             future = self._entries.get(constraint)
             if future is not None:
                 self._entries.move_to_end(constraint)
                 self.num_hits += 1
+                if constraint in self._awaited_until:  # not started yet
+                    self._awaited_until[constraint] = max(self._awaited_until[constraint], deadline)
                 return future
             self.num_compiles += 1
-            future = self._pool.submit(self._compile, constraint)
+            self._awaited_until[constraint] = deadline
+            future = self._pool.submit(self._compile_if_awaited, constraint)
             self._entries[constraint] = future
         future.add_done_callback(lambda f: self._on_done(constraint, f))
         return future
 
     def get(self, constraint: Constraint, timeout_s: float | None = None) -> Any:
         """The compiled grammar, waiting for its compile up to the time limit."""
-        return wait_compiled(self.submit(constraint), timeout_s or self.compile_timeout_s)
+        timeout_s = timeout_s or self.compile_timeout_s
+        future = self.submit(constraint, time.monotonic() + timeout_s)
+        return wait_compiled(future, timeout_s)
+
+    def _compile_if_awaited(self, constraint: Constraint) -> Any:
+        """Compiles, unless every request that asked has given up waiting: under a burst of
+        distinct specs the pool's queue outgrew the time limit, and it went on compiling
+        grammars nobody waited for while the fresh ones timed out behind them. A skipped
+        entry leaves the cache at once (no later request finds it failed); the next to ask
+        compiles afresh."""
+        with self._lock:
+            awaited_until = self._awaited_until.pop(constraint)
+            if time.monotonic() >= awaited_until:
+                del self._entries[constraint]
+                self.num_skipped += 1
+                raise GrammarError("every request waiting for this grammar gave up first")
+        return self._compile(constraint)
 
     def _compile(self, constraint: Constraint) -> Any:
         grammar = to_grammar(constraint)
         return self._compiler.result().compile_grammar(grammar)
 
     def _on_done(self, constraint: Constraint, future: Future) -> None:
+        if future.cancelled():  # by `close` (asking for its exception would raise)
+            return
         error = future.exception()
         size = _FAILED_ENTRY_BYTES if error else future.result().memory_size_bytes
         with self._lock:
@@ -370,7 +398,7 @@ class GrammarBinding:
         cache = self.cache
         limit_s = cache.compile_timeout_s
         deadline = time.monotonic() + limit_s
-        future = cache.submit(constraint)
+        future = cache.submit(constraint, deadline)
         seq.grammar = GrammarState(future, deadline, replay_token_ids, limit_s)
 
     @staticmethod

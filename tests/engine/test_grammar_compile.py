@@ -143,3 +143,59 @@ def test_one_spec_asked_twice_while_it_compiles_compiles_once(tokenizer):
     assert first is second and not first.done()
     gate.set()
     assert first.result(timeout=10) is not None and len(calls) == 1
+
+
+def test_a_compile_every_asker_gave_up_on_is_skipped(tokenizer):
+    """Compiles waited in the pool's queue however long: under a burst of distinct specs the
+    pool compiled grammars whose requests had timed out, while fresh ones timed out behind."""
+    cache = GrammarCache(tokenizer, VOCAB, [EOS], num_threads=1)
+    assert cache.compiler_error() is None
+    compile_now, gate, calls = cache._compile, threading.Event(), []
+
+    def compile_when_let(constraint):
+        calls.append(constraint)
+        gate.wait()
+        return compile_now(constraint)
+
+    cache._compile = compile_when_let
+    try:
+        busy = cache.submit(Constraint("regex", "busy+"))  # holds the only thread
+        now = time.monotonic()
+        given_up = Constraint("regex", "x0+")
+        stale = cache.submit(given_up, now + 0.05)
+        kept_alive = Constraint("regex", "y0+")
+        cache.submit(kept_alive, now + 0.05)
+        later_asker = cache.submit(kept_alive, now + 60)  # a second request still waits for it
+        time.sleep(0.1)
+    finally:
+        gate.set()  # (else a failure here left the thread, and pytest's exit, waiting)
+    assert busy.result(timeout=10) is not None and later_asker.result(timeout=10) is not None
+    with pytest.raises(GrammarError, match="gave up"):
+        stale.result(timeout=10)
+    assert given_up not in calls and kept_alive in calls and cache.num_skipped == 1
+    settle(cache)
+    assert cache.get(given_up) is not None  # the next request compiles it afresh
+    assert calls.count(given_up) == 1
+
+
+def test_closing_with_compiles_queued_logs_no_callback_errors(tokenizer, caplog):
+    cache = GrammarCache(tokenizer, VOCAB, [EOS], num_threads=1)
+    assert cache.compiler_error() is None  # (built on the pool's one thread)
+    started, gate, compile_now = threading.Event(), threading.Event(), cache._compile
+
+    def compile_when_let(constraint):
+        started.set()
+        gate.wait()
+        return compile_now(constraint)
+
+    cache._compile = compile_when_let
+    try:
+        running = cache.submit(Constraint("regex", "a+"))
+        queued = cache.submit(Constraint("regex", "b+"))
+        assert started.wait(timeout=10)
+        cache.close()
+    finally:
+        gate.set()
+    running.result(timeout=10)
+    assert queued.cancelled()
+    assert not [r for r in caplog.records if "exception calling callback" in r.getMessage()]
