@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.gateway.generation import ChoiceEvent, Generation, Generator
-from services.gateway.openai_protocol import bad_request
+from services.gateway.openai_protocol import bad_request, is_int
 from services.gateway.openai_shapes import usage_chunk, usage_dict
 from services.gateway.responses import StreamChunks, collect_response, first_event
 
@@ -25,14 +25,20 @@ MAX_PROMPTS = 64  # prompts in one request (each with its `n` choices)
 
 def split_prompts(body: Any) -> list[dict[str, Any]] | None:
     """One body per prompt when `body` is a completion with two prompts or more; None when it
-    is anything else (a single prompt, or no body the parser would take: it refuses it)."""
+    is anything else (a single prompt, or no body the parser would take: it refuses it). A
+    list of two or more that is neither is refused here."""
     if not isinstance(body, dict):
         return None
     prompts = body.get("prompt")
     if not isinstance(prompts, list) or len(prompts) < 2:
         return None
+    if all(is_int(p) for p in prompts):
+        return None  # one prompt's token ids (the parser checks them)
     if not all(isinstance(p, (str, list)) for p in prompts):
-        return None  # token ids (or a mistake the parser names)
+        # (The one-prompt parser would call it a batch, taken "by HTTP /v1/completions only".)
+        raise bad_request(
+            "prompt", "must be a string or a list of token ids, or a list of those (a batch)"
+        )
     if len(prompts) > MAX_PROMPTS:
         raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts in one request")
     return [{**body, "prompt": prompt} for prompt in prompts]

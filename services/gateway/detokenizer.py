@@ -158,25 +158,33 @@ def _byte_level_alphabet() -> dict[str, int]:
     return alphabet
 
 
-def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer decodes with byte-level BPE's decoder: then a token's text is the
+    same alone as after any other tokens (but for a character split over tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return isinstance(getattr(backend, "decoder", None), ByteLevel)
+
+
+def token_bytes(
+    tokenizer: Any, token_id: int, context: Sequence[int] = (), text: str | None = None
+) -> bytes:
     """The bytes one token stands for: with byte-level BPE, exactly its bytes, even when they
     are part of a character; a SentencePiece byte-fallback token (`<0xE2>`), its byte;
-    otherwise the UTF-8 of its decoded text. An id past the tokenizer's vocabulary (a model's
-    embedding padded beyond it) has none, as it has no text; nor has a negative one (no
-    token's: the tokenizer raised OverflowError for it)."""
+    otherwise the UTF-8 of its text after `context` (`token_text`, or `text` when the caller
+    has it: `▁Paris` after a word is " Paris"). An id past the tokenizer's vocabulary (a
+    model's embedding padded beyond it) has none, as it has no text; nor has a negative one
+    (no token's: the tokenizer raised OverflowError for it)."""
     if token_id < 0:
         return b""
     piece = tokenizer.convert_ids_to_tokens(token_id)  # (None past the vocabulary)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if piece is not None and isinstance(getattr(backend, "decoder", None), ByteLevel):
+    if piece is not None and _is_byte_level(tokenizer):
         alphabet = _byte_level_alphabet()
         if all(char in alphabet for char in piece):  # special tokens may hold other characters
             return bytes(alphabet[char] for char in piece)
-    text = tokenizer.decode([token_id])
     byte = _BYTE_FALLBACK_PIECE.fullmatch(piece) if piece is not None else None
-    if byte is not None and text != piece:  # (a decoder without byte fallback shows its name)
-        return bytes([int(byte.group(1), 16)])
-    return text.encode()
+    if byte is not None and tokenizer.decode([token_id]) != piece:
+        return bytes([int(byte.group(1), 16)])  # (a decoder without byte fallback shows its name)
+    return (token_text(tokenizer, token_id, context) if text is None else text).encode()
 
 
 def token_text(tokenizer: Any, token_id: int, context: Sequence[int] = ()) -> str:
@@ -187,9 +195,11 @@ def token_text(tokenizer: Any, token_id: int, context: Sequence[int] = ()) -> st
     SmolLM2's tokens of " 😀" (bytes 20 F0 9F 98, then 80), each U+FFFD decoded alone, read " "
     and "😀". So a sequence's token texts add up to its text (but for a character cut off at
     its end), and completions' `text_offset`s point where each token's text is. (vLLM's
-    `_correct_decoded_token` reads "" and " 😀" there.)"""
+    `_correct_decoded_token` reads "" and " 😀" there.) A tokenizer whose decoding of a token
+    depends on its neighbours (SentencePiece drops a text's leading space) reads every token
+    after its context: `▁Paris` after "is" reads " Paris", as the text shows it, not "Paris"."""
     text = tokenizer.decode([token_id])
-    if _PARTIAL not in text:
+    if _PARTIAL not in text and (not context or _is_byte_level(tokenizer)):
         return text
     before = list(context[-MAX_CHARACTER_TOKENS:])
     # As the incremental detokenizer takes a window from its context: the text this token adds

@@ -92,25 +92,31 @@ class ChoiceText:
     # The last tokens before the next one (the prompt's, at first): what its logprobs' texts
     # are read after (`token_text`).
     recent_token_ids: list[int] = field(default_factory=list)
+    num_kept: int = 0  # of the last push's tokens, those the output keeps (see `push`)
 
     def push(self, token_ids: list[int], finish_reason: str | None = None) -> tuple[str, bool]:
         """(text safe to show, stopped) for the choice's next tokens; `finish_reason`: the
-        engine's, when they are its last."""
-        num_unchecked = max(0, min(len(token_ids), self.min_tokens - self.num_tokens))
-        self.num_tokens += len(token_ids)
+        engine's, when they are its last. A stop string ends the choice at the token that
+        completes it: `num_kept` then counts the tokens given up to that one (the others, a
+        delta's later tokens, are not its output, as vLLM stops at that token)."""
+        shown = token_ids
         if finish_reason == "stop" and token_ids and token_ids[-1] in self.stop_token_ids:
-            token_ids = token_ids[:-1]
+            shown = token_ids[:-1]
+        self.num_kept = len(token_ids)
         text = ""
         # One token at a time, as vLLM decodes: pushed together, tokens ending inside a
         # character held all their text back with it, and the next (checked) tokens showed it
-        # as text a stop string could end in.
-        for token in token_ids[:num_unchecked]:
-            unchecked, _ = self.matcher.feed(self.detokenizer.push([token]), may_stop=False)
-            text += unchecked
-        if num_unchecked >= len(token_ids):
-            return text, False
-        checked, stopped = self.matcher.feed(self.detokenizer.push(token_ids[num_unchecked:]))
-        return text + checked, stopped
+        # as text a stop string could end in; and the token completing a stop string is known.
+        for count, token in enumerate(shown, start=1):
+            may_stop = self.num_tokens >= self.min_tokens
+            self.num_tokens += 1
+            piece, stopped = self.matcher.feed(self.detokenizer.push([token]), may_stop)
+            text += piece
+            if stopped:
+                self.num_kept = count
+                return text, True
+        self.num_tokens += len(token_ids) - len(shown)
+        return text, False
 
     def flush(self) -> tuple[str, bool]:
         """(the rest of the text, stopped) once generation has ended."""
@@ -375,16 +381,20 @@ class Generator:
         recent = [*choice.recent_token_ids, *delta.token_ids]
         choice.recent_token_ids = recent[-MAX_CHARACTER_TOKENS:]
         finish = delta.finish_reason
-        text, stopped = choice.push(list(delta.token_ids), finish)
+        token_ids = list(delta.token_ids)
+        text, stopped = choice.push(token_ids, finish)
         if stopped:
             finish = "stop"
+            del token_ids[choice.num_kept :]
+            if logprobs is not None:
+                del logprobs[choice.num_kept :]
         elif finish is not None:
             tail, stopped = choice.flush()
             text += tail
             finish = "stop" if stopped else finish
         if finish == "abort":
             raise ApiError(500, "the request was aborted by the cluster", "server_error")
-        return ChoiceEvent(index, text, list(delta.token_ids), logprobs, finish if finish else None)
+        return ChoiceEvent(index, text, token_ids, logprobs, finish if finish else None)
 
     def _logprobs(self, delta: wire.TokenDelta, context: list[int]) -> list[TokenLogprob] | None:
         """The delta's tokens with their logprobs; `context`: the tokens before its first."""
@@ -407,7 +417,8 @@ class Generator:
     ) -> TokenLogprob:
         """`token` as logprobs show it, after the tokens of `context` (`token_text`)."""
         text = token_text(self.tokenizer, token, context)
-        return TokenLogprob(text, token_bytes(self.tokenizer, token), logprob, top)
+        token_as_bytes = token_bytes(self.tokenizer, token, context, text)
+        return TokenLogprob(text, token_as_bytes, logprob, top)
 
     def _echoed(
         self, generation: Generation, event: ChoiceEvent, delta: wire.TokenDelta

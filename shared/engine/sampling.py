@@ -167,7 +167,10 @@ def filter_probs(
     renormalized. `logits` is [rows, vocab]; the others are per-row [rows] tensors, top_k <= 0
     meaning no limit. Temperatures must be > 0 (greedy rows never come here).
     `num_candidates` tunes speed only: top-p first looks among that many best tokens."""
-    scaled = logits.float() / temperature.unsqueeze(1)
+    # A logit past float32's range (a seen token's divided by a tiny repetition penalty, or a
+    # large one by a low temperature) is taken as the largest float: infinities made the
+    # distribution NaN. Tokens tied there share the draw; -inf (masked) stays as it is.
+    scaled = (logits.float() / temperature.unsqueeze(1)).clamp_(max=torch.finfo(torch.float32).max)
     vocab = logits.shape[-1]
     filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
     if bool(filtered.all()):

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # imported where a generator is made: a gateway validates wit
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 4096  # tokens biased per request (the wire's longest list, `MAX_LIST_LEN`)
+MAX_STOP_TOKEN_IDS = 4096  # the wire's longest list too: a longer one failed the SUBMIT's encoding
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 # Past any vocabulary; the sampler builds its top-k column as int64, which 2**63 overflowed in
 # the middle of a step (the whole batch's).
@@ -140,6 +141,11 @@ class SamplingParams:
             within = n is None or 0 <= n <= MAX_LOGPROBS
             _check(within, name, f"must be in [0, {MAX_LOGPROBS}], got {n}")
         ids = self.stop_token_ids
+        _check(
+            len(ids) <= MAX_STOP_TOKEN_IDS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+        )
         _check(all(i >= 0 for i in ids), "stop_token_ids", f"ids must be >= 0, got {list(ids)}")
         self._check_logit_bias()
 

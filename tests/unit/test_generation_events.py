@@ -242,3 +242,51 @@ def test_token_texts_of_a_character_split_over_tokens_add_up_to_the_text(tokeniz
     echo = {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1}
     choice = asyncio.run(run(tokenizer, echo, {0: [scored]}, collect=True))["choices"][0]
     assert "".join(choice["logprobs"]["tokens"]) == choice["text"] == "Hi 😀"
+
+
+def test_tokens_after_the_one_completing_a_stop_string_are_not_output(tokenizer):
+    """A delta may hold two tokens (the decode worker's first, which repeats the prefill's
+    token, when it arrives first); a stop string completed by the first ended the text there,
+    but the second still counted in the usage and showed in the logprobs, past the text."""
+    one, two = ids(tokenizer, " one."), ids(tokenizer, " two")
+    deltas = {0: [with_logprobs(one + two), with_logprobs(ids(tokenizer, " x"), finish="length")]}
+    body = {"prompt": "Count:", "stop": ["."], "max_tokens": 8, "logprobs": 1}
+    whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
+    choice = whole["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (" one", "stop")
+    assert choice["logprobs"]["tokens"] == [" one", "."]
+    assert whole["usage"]["completion_tokens"] == len(one)
+    chunks = asyncio.run(run(tokenizer, {**body, "stream": True}, deltas, collect=False))
+    assert [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]] == [" one", "."]
+
+
+def test_sentencepiece_logprob_tokens_keep_the_space_before_their_word():
+    """A SentencePiece token `▁Paris` decoded alone reads "Paris" (the decoder drops a text's
+    leading space), so the logprobs of a Llama or Mistral model read "Paris", "Hi" where the
+    text has " Paris", " Hi": the tokens did not add up to the text, every `text_offset` after
+    them was off, and chat's `bytes` could not rebuild the text. Each token now reads what it
+    adds after the tokens before it, as the text's own detokenization does."""
+    from tests.unit.test_detokenizer import sentencepiece_tokenizer
+
+    for llama_decoder in (False, True):
+        tokenizer = sentencepiece_tokenizer(llama_decoder=llama_decoder)
+        tokenizer.chat_template = (
+            "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+        )
+        output = tokenizer.convert_tokens_to_ids(["▁Paris", ".", "▁Hi"])
+        deltas = {0: [with_logprobs(output[:1]), with_logprobs(output[1:], finish="length")]}
+        body = {"prompt": "The capital of France is", "max_tokens": 8, "logprobs": 1}
+        choice = asyncio.run(run(tokenizer, body, deltas, collect=True))["choices"][0]
+        assert choice["text"] == " Paris. Hi"
+        assert choice["logprobs"]["tokens"] == [" Paris", ".", " Hi"]
+        assert choice["logprobs"]["text_offset"] == [0, 6, 7]
+        echo = {**body, "echo": True}
+        choice = asyncio.run(run(tokenizer, echo, deltas, collect=True))["choices"][0]
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                "logprobs": True, "top_logprobs": 1}  # fmt: skip
+        message = asyncio.run(run(tokenizer, chat, deltas, collect=True))["choices"][0]
+        content = message["logprobs"]["content"]
+        assert [t["token"] for t in content] == [" Paris", ".", " Hi"]
+        assert b"".join(bytes(t["bytes"]) for t in content) == b" Paris. Hi"
+        assert content[0]["top_logprobs"][0]["token"] == " Paris"

@@ -99,6 +99,7 @@ INVALID = [
     ("stop_token_ids", (True,)),
     ("stop_token_ids", "12"),
     ("stop_token_ids", 7),
+    ("stop_token_ids", tuple(range(4097))),  # past the wire's longest list
     ("constraint", {"kind": "regex", "spec": "a+"}),
     ("logit_bias", {1: 100.5}),
     ("logit_bias", {1: -101}),
@@ -169,6 +170,20 @@ def test_extreme_accepted_values_never_draw_from_nan() -> None:
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy
     seen_zero = apply_penalties(logits[0], SamplingParams(repetition_penalty=1e39), [0], [])
     assert not seen_zero.isnan().any() and seen_zero[0] == 0.0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 1e-5])
+def test_a_tiny_repetition_penalty_never_draws_from_nan(temperature: float) -> None:
+    """A repetition penalty the checks take (> 0) but so small that a seen token's positive
+    logit divided by it overflows float32 (5 / 1e-40): the infinite logits made the
+    distribution NaN, and every draw silently token 0, a token neither seen nor likely. The
+    tokens pushed to infinity are the only ones left to draw."""
+    logits = torch.tensor([[0.0, 20.0, 3.0, 5.0, 0.0, 1.0, 2.0, 7.5]])
+    draws = set()
+    for seed in range(20):
+        params = SamplingParams(repetition_penalty=1e-40, temperature=temperature, seed=seed)
+        draws |= set(Sampler()(logits, [make_row(params, prompt=[2, 3])]).token_ids)
+    assert draws <= {2, 3}
 
 
 def test_a_rows_min_p_leaves_its_batch_mates_probabilities_alone() -> None:
@@ -406,6 +421,22 @@ def test_the_longest_logit_bias_fits_the_wire() -> None:
 
     assert MAX_LOGIT_BIAS == MAX_LIST_LEN
     assert len(SamplingParams(logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS)}).logit_bias)
+
+
+def test_the_most_stop_token_ids_fit_the_wire() -> None:
+    """More stop_token_ids than the wire's longest list passed every check, and the gateway's
+    SUBMIT then failed to encode: a 500 for a client's mistake."""
+    from shared import wire
+    from shared.engine.sampling_params import MAX_STOP_TOKEN_IDS
+    from shared.wire_convert import sampling_spec
+
+    params = SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)))
+    submit = wire.Submit(request_id="r", prompt_token_ids=[1], sampling=sampling_spec(params),
+                         tenant="t", priority=0, gateway_peer_id="g", arrival_time=0.0,
+                         first_token_deadline_s=1.0)  # fmt: skip
+    assert len(wire.decode(wire.encode(submit)).sampling.stop_token_ids) == MAX_STOP_TOKEN_IDS
+    with pytest.raises(InvalidRequestError, match="at most"):
+        SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))
 
 
 def test_logit_bias_moves_the_greedy_choice_and_leaves_logprobs_the_models() -> None:
