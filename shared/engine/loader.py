@@ -114,10 +114,14 @@ def decode_kernel_for(
 
 
 def safetensors_files(directory: Path) -> list[Path]:
-    """The weight files of a Hugging Face checkpoint, as transformers picks them: the shards
-    `model.safetensors.index.json` names, else `model.safetensors`. Other files are left alone:
-    Mistral's repositories ship `consolidated.safetensors` beside the shards, the same weights
-    under Mistral's own names."""
+    """The weight files of a Hugging Face checkpoint, as transformers picks them:
+    `model.safetensors`, else the shards `model.safetensors.index.json` names (an index beside
+    a whole file is transformers' leftover: its `save_pretrained` of a whole model over a
+    sharded one deletes the shards, not their index). Other files are left alone: Mistral's
+    repositories ship `consolidated.safetensors` beside the shards, the same weights under
+    Mistral's own names."""
+    if (directory / "model.safetensors").is_file():
+        return [directory / "model.safetensors"]
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -130,8 +134,6 @@ def safetensors_files(directory: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{index} names shards not in {directory}: {missing}")
         return files
-    if (directory / "model.safetensors").is_file():
-        return [directory / "model.safetensors"]
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory}")
 
 

@@ -217,6 +217,11 @@ def load_hf_weights(
     `linear_backend` is `shared.engine.linear`'s (`auto`: oneDNN-packed where the CPU can);
     `decode_kernel` attends decode rows on the CPU (see `LlamaModel`)."""
     w = {name: t for name, t in named_tensors}
+    embed_name, head_name = "model.embed_tokens.weight", "lm_head.weight"
+    if config.tie_word_embeddings and embed_name not in w and head_name in w:
+        # A tied checkpoint's one tensor, stored under the head's name: transformers ties the
+        # embedding to it as readily as the other way round.
+        w[embed_name] = w.pop(head_name)
     missing: list[str] = []
     # Tensors shaped unlike the config says (transformers' "size mismatch"): loaded anyway, they
     # failed at the first step, or ran with token ids past the embedding or the vocabulary.
@@ -266,9 +271,9 @@ def load_hf_weights(
                 down=linear(mlp, {"down_proj": hidden}, intermediate, bias=c.mlp_bias),
             )
         )
-    embed = take("model.embed_tokens.weight", (c.vocab_size, hidden))
+    embed = take(embed_name, (c.vocab_size, hidden))
     final_norm = take("model.norm.weight", (hidden,))
-    lm_head = take("lm_head.weight", (c.vocab_size, hidden), required=not c.tie_word_embeddings)
+    lm_head = take(head_name, (c.vocab_size, hidden), required=not c.tie_word_embeddings)
     if lm_head is None:
         lm_head = embed
     # Rotary inverse frequencies are recomputed from the config, never loaded.

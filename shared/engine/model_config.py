@@ -13,6 +13,17 @@ from typing import Any
 from shared.config import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# The rotary variants `rope.py` computes (`dynamic` NTK changes the frequencies with the running
+# length, which one cache shared by sequences of different lengths cannot honour).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# The keys each one needs besides `rope_type` (transformers requires them too: its KeyError,
+# raised wherever a service read the config, was a traceback). The original positions of llama3
+# and yarn default to max_position_embeddings.
+REQUIRED_ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+}
 
 
 @dataclass(frozen=True)
@@ -62,17 +73,10 @@ class ModelConfig:
         """Builds the config from a transformers `PretrainedConfig` (v5 `rope_parameters` form);
         ValueError for what the forward does not implement."""
         c = hf_config
-        # Before any field is read: another family names them otherwise (GPT-2's n_layer), and
-        # an AttributeError on one was raised where the type should have been refused by name.
-        check_model_type(getattr(c, "model_type", None))
-        _refuse_quantized(c)
+        check_served(c)
         num_heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // num_heads
-        attention_bias = bool(getattr(c, "attention_bias", False))
-        is_qwen2 = c.model_type == "qwen2"
-        activation = getattr(c, "hidden_act", "silu")
-        if activation not in ("silu", "swish"):  # (the MLP's gate is SiLU: model.py)
-            raise ValueError(f"hidden_act {activation!r} is not supported (only silu)")
+        qkv_bias, o_bias, mlp_bias = _biases(c)
         window = attention_window(c)
         return cls(
             model_type=c.model_type,
@@ -86,14 +90,62 @@ class ModelConfig:
             rms_norm_eps=float(c.rms_norm_eps),
             max_position_embeddings=c.max_position_embeddings,
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
             rope_parameters=dict(_rope_parameters(c)),
             bos_token_id=getattr(c, "bos_token_id", None),
             eos_token_ids=_as_tuple(getattr(c, "eos_token_id", None)),
             attention_window=window,
         )
+
+
+def _biases(hf_config: Any) -> tuple[bool, bool, bool]:
+    """(q/k/v, o, MLP) biases, as each family's transformers module builds its projections:
+    Llama's `attention_bias` and `mlp_bias`; Qwen2's q/k/v always, nothing else; Mistral's none.
+    The fields mean nothing to the others (a Mistral config.json naming `attention_bias` loads
+    without biases in transformers, where they were asked of the checkpoint and refused)."""
+    if hf_config.model_type == "qwen2":
+        return True, False, False
+    if hf_config.model_type == "mistral":
+        return False, False, False
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    return attention_bias, attention_bias, bool(getattr(hf_config, "mlp_bias", False))
+
+
+def check_served(hf_config: Any) -> None:
+    """ValueError naming what the forward does not compute: a model type, a quantized
+    checkpoint, an activation other than SiLU, rotary parameters `rope.py` does not implement.
+    Fields are read with transformers' defaults, so a config.json's own fields do as well as a
+    transformers config (`check_config_json`: a gateway refuses what its workers would). Rope
+    parameters were checked only as the model was built, after every weight was read: past the
+    workers' check before loading, a traceback minutes later."""
+    # The type before any field is read: another family names them otherwise (GPT-2's
+    # n_layer), and an AttributeError on one was raised where the type should have been named.
+    check_model_type(getattr(hf_config, "model_type", None))
+    _refuse_quantized(hf_config)
+    activation = getattr(hf_config, "hidden_act", "silu")
+    if activation not in ("silu", "swish"):  # (the MLP's gate is SiLU: model.py)
+        raise ValueError(f"hidden_act {activation!r} is not supported (only silu)")
+    check_rope_parameters(_rope_parameters(hf_config))
+
+
+def check_rope_parameters(params: dict[str, Any]) -> None:
+    """ValueError unless `rope.py` computes these rotary parameters (transformers' v5 form)."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    missing = [key for key in REQUIRED_ROPE_KEYS.get(rope_type, ()) if key not in params]
+    if missing:
+        raise ValueError(
+            f"rope_type {rope_type!r} needs {', '.join(map(repr, missing))} in its rope "
+            "parameters (rope_scaling / rope_parameters)"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:  # (every dimension rotates: rope.py)
+        raise ValueError("partial_rotary_factor other than 1.0 is not supported")
 
 
 def check_model_type(model_type: str | None) -> None:
@@ -176,10 +228,15 @@ def served_context_len(hf_config: Any, asked: int | None = None) -> int:
 
 def _rope_parameters(c: Any) -> dict[str, Any]:
     params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    if not isinstance(params, dict):  # (a config.json's own value: `check_config_json`)
+        raise ValueError(f"rope parameters must be an object, got {params!r:.200}")
     params = dict(params)
     params.setdefault("rope_type", params.pop("type", "default"))
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(c, "rope_theta", 10000.0)
+    # A config.json may hold it beside the rope fields; transformers moves it in, as here.
+    if getattr(c, "partial_rotary_factor", None) is not None:
+        params.setdefault("partial_rotary_factor", c.partial_rotary_factor)
     return params
 
 

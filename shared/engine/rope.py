@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+from shared.engine.model_config import check_rope_parameters
 
 
 def inverse_frequencies(
     params: dict[str, Any], head_dim: int, max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq [head_dim/2], attention_scaling) for the config's rope parameters."""
+    """Returns (inv_freq [head_dim/2], attention_scaling) for the config's rope parameters;
+    ValueError for those `check_rope_parameters` refuses."""
+    check_rope_parameters(params)
     rope_type = params.get("rope_type", "default")
     base = float(params.get("rope_theta", 10000.0))
-    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    if dim != head_dim:
-        raise ValueError("partial_rotary_factor other than 1.0 is not supported")
+    dim = head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "default":
@@ -38,11 +38,7 @@ def inverse_frequencies(
         return inv_freq / params["factor"], 1.0
     if rope_type == "llama3":
         return _llama3(inv_freq, params), 1.0
-    if rope_type == "yarn":
-        return _yarn(base, dim, params, max_position_embeddings)
-    raise ValueError(
-        f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-    )
+    return _yarn(base, dim, params, max_position_embeddings)  # (the last type checked)
 
 
 def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

@@ -121,6 +121,15 @@ def test_mixed_step_prefill_chunks_with_decodes(hf_llama, llama):
         ("qwen2", {}),  # q/k/v bias
         ("mistral", {"sliding_window": None}),
         ("llama", {"tie_word_embeddings": True}),
+        ("llama", {"head_dim": 32}),  # not hidden_size / heads
+        ("llama", {"attention_bias": True, "mlp_bias": True}),  # every projection's bias
+        ("llama", {"num_key_value_heads": 1}),  # one KV head for every query head
+        ("llama", {"num_key_value_heads": 4}),  # no grouping
+        ("qwen2", {"tie_word_embeddings": True, "rms_norm_eps": 1e-2}),
+        ("mistral", {"sliding_window": None, "head_dim": 8, "num_attention_heads": 12}),
+        # Fields another family reads: Mistral's projections and Qwen2's MLP take no bias.
+        ("mistral", {"sliding_window": None, "attention_bias": True, "mlp_bias": True}),
+        ("qwen2", {"attention_bias": True, "mlp_bias": True}),
         ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}}),
         (
             "llama",
@@ -143,6 +152,22 @@ def test_mixed_step_prefill_chunks_with_decodes(hf_llama, llama):
                     "factor": 4.0,
                     "original_max_position_embeddings": 128,
                     "rope_theta": 10000.0,
+                }
+            },
+        ),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 64,
+                    "rope_theta": 10000.0,
+                    "mscale": 0.7,
+                    "mscale_all_dim": 1.0,
+                    "beta_fast": 16,
+                    "beta_slow": 2,
+                    "truncate": False,
                 }
             },
         ),
@@ -271,7 +296,12 @@ def test_the_rope_tables_do_not_depend_on_the_length_served():
     was taken from the positions served, so a --max-model-len changed every position's angle."""
     from shared.engine.rope import RotaryEmbedding
 
-    yarn = {"rope_type": "yarn", "original_max_position_embeddings": 16, "rope_theta": 1e4}
+    yarn = {
+        "rope_type": "yarn",
+        "factor": None,  # (null: transformers refuses a yarn config without the key)
+        "original_max_position_embeddings": 16,
+        "rope_theta": 1e4,
+    }
     whole = RotaryEmbedding(yarn, 8, 64)
     served = RotaryEmbedding(yarn, 8, 32, max_position_embeddings=64)
     assert torch.equal(served.cos, whole.cos[:32]) and torch.equal(served.sin, whole.sin[:32])

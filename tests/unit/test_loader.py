@@ -126,6 +126,18 @@ def test_the_weights_are_the_files_transformers_reads(tmp_path):
     assert all(torch.equal(read[name], state[name]) for name in state)
 
 
+def test_a_whole_checkpoint_is_read_before_an_index_beside_it(tmp_path):
+    """transformers reads `model.safetensors` where both it and an index lie (its
+    `save_pretrained` of a whole model over a sharded one deletes the shards and leaves their
+    index): the index was read first, and the load refused the shards it named as missing."""
+    tiny_hf_model("llama", seed=3).save_pretrained(tmp_path, max_shard_size="20KB")
+    whole = tiny_hf_model("llama", seed=4)
+    whole.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    read = weights_read(tmp_path)
+    assert all(torch.equal(read[name], tensor) for name, tensor in whole.state_dict().items())
+
+
 @pytest.mark.parametrize(
     "index, message",
     [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from shared.engine.model import load_hf_weights
 from shared.engine.model_config import ModelConfig
@@ -60,3 +61,16 @@ def test_a_quantized_checkpoint_is_refused_by_name(quantization):
     method = quantization["quant_method"]
     with pytest.raises(ValueError, match=f"quantized checkpoints .*'{method}'.* not supported"):
         ModelConfig.from_hf(config)
+
+
+def test_tied_embeddings_stored_as_the_lm_head_alone_load():
+    """A tied checkpoint holds one tensor; transformers ties it whichever of the two names it is
+    stored under. Stored as `lm_head.weight` alone, the load refused the embedding as missing."""
+    hf = tiny_hf_model("llama", seed=3, tie_word_embeddings=True)
+    state = dict(hf.state_dict())
+    embedding = state.pop("model.embed_tokens.weight")
+    state["lm_head.weight"] = embedding
+    model = load_hf_weights(ModelConfig.from_hf(hf.config), state.items())
+    assert torch.equal(model.embed_tokens, embedding)
+    hidden = torch.randn(3, hf.config.hidden_size)
+    assert torch.allclose(model.lm_head(hidden), hidden @ embedding.T, atol=1e-5)
