@@ -73,7 +73,7 @@ typedef struct {
     PyObject *held;    /* owned: request id -> tokens * 2 + bulk */
     uint64_t version;  /* of the registration: its entries carry it */
     double rate;       /* prefill tokens per second, as of its last change */
-    int64_t num_big, small_tokens, held_tokens, bulk_tokens; /* the window */
+    int64_t num_big, num_big_bulk, small_tokens, held_tokens, bulk_tokens; /* the window */
     int takes[NUM_KINDS];
     Py_ssize_t taker_at[NUM_KINDS]; /* its place in each kind's takers */
     uint64_t kept;                  /* the rebuild that last kept one of its entries */
@@ -106,9 +106,13 @@ static inline int64_t small_room(PrefillRoom *self, Slot *s) {
     return self->window_tokens - s->small_tokens;
 }
 
+/* A big interactive prompt waits only for another big interactive one: the engine takes it
+   before a batch line's (`PrefillWindow.takes`). */
+static inline int takes_big(Slot *s) { return s->num_big - s->num_big_bulk <= 0; }
+
 static int window_takes(PrefillRoom *self, Slot *s, int64_t num_tokens, int bulk) {
     if (bulk) return s->num_big <= 0 && s->small_tokens < self->bulk_limit;
-    if (is_big(self, num_tokens)) return s->num_big <= 0;
+    if (is_big(self, num_tokens)) return takes_big(s);
     return small_room(self, s) > 0;
 }
 
@@ -244,8 +248,7 @@ static int set_taker(PrefillRoom *self, Py_ssize_t slot, int kind, int takes) {
 /* The worker's entries follow its window and rate (`PrefillRoom._sort`). */
 static int sort(PrefillRoom *self, Py_ssize_t slot) {
     Slot *s = &self->slots[slot];
-    int takes[NUM_KINDS] = {small_room(self, s) > 0, s->num_big <= 0,
-                            window_takes(self, s, 0, 1)};
+    int takes[NUM_KINDS] = {small_room(self, s) > 0, takes_big(s), window_takes(self, s, 0, 1)};
     for (int kind = 0; kind < NUM_KINDS; kind++) {
         if (set_taker(self, slot, kind, takes[kind]) < 0) return -1;
         if (!takes[kind]) continue;
@@ -329,9 +332,10 @@ static PyObject *PrefillRoom_remove(PrefillRoom *self, PyObject *peer_id) {
 static void count(PrefillRoom *self, Slot *s, int64_t num_tokens, int bulk, int sign) {
     s->held_tokens += sign * num_tokens;
     s->bulk_tokens += bulk ? sign * num_tokens : 0;
-    if (is_big(self, num_tokens))
+    if (is_big(self, num_tokens)) {
         s->num_big += sign;
-    else
+        s->num_big_bulk += bulk ? sign : 0;
+    } else
         s->small_tokens += sign * num_tokens;
 }
 

@@ -49,14 +49,17 @@ class PrefillWindow:
     prompt tokens in smaller ones (the last may overshoot). One big prompt already fills every
     step's budget for many steps, so a second adds nothing but a claim on the worker's future;
     kept in the scheduler's queue instead, it stays under the policy, and short prompts always
-    find room beside the big one in hand.
+    find room beside the big one in hand. A batch line's big prompt is no bar to an interactive
+    one: the engine takes that first (until 2026-12-07 an agent's long prompt waited in the
+    queue for a batch line's whole prefill).
     """
 
     tokens: int  # the window, in prompt tokens
     # A batch line goes only to a worker holding less than this share of the window in small
     # prompts (and no big one): enough that the next step's lines wait while one runs.
     bulk_share: float = BULK_WINDOW_SHARE
-    num_big: int = 0  # big prompts held (at most one, but for a window built by hand)
+    num_big: int = 0  # big prompts held (one, and one a batch line's, but for one built by hand)
+    num_big_bulk: int = 0  # of those, batch lines'
     small_tokens: int = 0
     held_tokens: int = 0  # every prompt token held, big or small
     bulk_tokens: int = 0  # of those, batch lines' (which yield every step to interactive prompts)
@@ -64,6 +67,10 @@ class PrefillWindow:
     @property
     def holds_big(self) -> bool:
         return self.num_big > 0
+
+    @property
+    def holds_interactive_big(self) -> bool:
+        return self.num_big > self.num_big_bulk
 
     @property
     def interactive_tokens(self) -> int:
@@ -79,6 +86,7 @@ class PrefillWindow:
         self.bulk_tokens += num_prompt_tokens if bulk else 0
         if self.is_big(num_prompt_tokens):
             self.num_big += 1
+            self.num_big_bulk += bulk
         else:
             self.small_tokens += num_prompt_tokens
 
@@ -87,6 +95,7 @@ class PrefillWindow:
         self.bulk_tokens -= num_prompt_tokens if bulk else 0
         if self.is_big(num_prompt_tokens):
             self.num_big -= 1
+            self.num_big_bulk -= bulk
         else:
             self.small_tokens -= num_prompt_tokens
 
@@ -101,12 +110,12 @@ class PrefillWindow:
             # (the engine takes it before batch lines), but it needs room in the window too.
             return not self.holds_big and self.small_tokens < int(self.tokens * self.bulk_share)
         if self.is_big(num_prompt_tokens):
-            return not self.holds_big
+            return not self.holds_interactive_big
         return self.small_room > 0
 
     def kinds(self) -> tuple[bool, bool, bool]:
         """Whether it takes (a small prompt, a big one, a bulk line)."""
-        return self.small_room > 0, not self.holds_big, self.takes(0, bulk=True)
+        return self.small_room > 0, not self.holds_interactive_big, self.takes(0, bulk=True)
 
 
 class PrefillRoom:

@@ -77,14 +77,16 @@ class PrefillWindow:
     tokens: int  # the window, in prompt tokens
     bulk_share: float = 0.5
     holds_big: bool = False
+    holds_interactive_big: bool = False  # (a batch line's big prompt yields to one in the engine)
     small_tokens: int = 0
 
     def is_big(self, num_prompt_tokens: int) -> bool:
         return num_prompt_tokens > self.tokens // 2
 
-    def hold(self, num_prompt_tokens: int) -> None:
+    def hold(self, num_prompt_tokens: int, bulk: bool = False) -> None:
         if self.is_big(num_prompt_tokens):
             self.holds_big = True
+            self.holds_interactive_big |= not bulk
         else:
             self.small_tokens += num_prompt_tokens
 
@@ -98,7 +100,7 @@ class PrefillWindow:
             # window, no big prompt).
             return not self.holds_big and self.small_tokens < int(self.tokens * self.bulk_share)
         if self.is_big(num_prompt_tokens):
-            return not self.holds_big
+            return not self.holds_interactive_big
         return self.small_room > 0
 
 
@@ -526,7 +528,7 @@ class ClusterScheduler:
         for request_id in worker.request_ids:
             request = self.requests.get(request_id)
             if request is not None:
-                window.hold(request.num_prefill_tokens)
+                window.hold(request.num_prefill_tokens, request.placed_as_bulk)
         return window
 
     def _enqueue(self, request: TrackedRequest, now: float) -> None:

@@ -217,3 +217,35 @@ def test_a_decode_worker_joining_mid_job_takes_batch_lines():
     assert len(core.queue) == 1
     out = core.on_hello(b"E", hello("e", "decode"), 0.0)
     assert reserved_ids(out) == ["b7"] and core.requests["b7"].decode_peer_id == "e"
+
+
+def test_a_batch_lines_big_prompt_leaves_room_for_an_interactive_big_one():
+    window = PrefillWindow(2048)
+    window.hold(1500, bulk=True)
+    assert window.takes(1500) and not window.takes(1500, bulk=True) and window.takes(10)
+    window.hold(1500)
+    assert not window.takes(1500) and not window.takes(1500, bulk=True)
+    window.release(1500, bulk=True)
+    assert not window.takes(1500)  # the interactive big prompt still holds its place
+    window.release(1500)
+    assert window.takes(1500) and window.takes(1500, bulk=True)
+
+
+@pytest.mark.parametrize("indexes", ["python", "native"])
+def test_an_agents_long_prompt_does_not_wait_for_a_batch_lines_prefill(indexes):
+    """The engine prefills interactive prompts before batch lines, but the scheduler held a big
+    interactive prompt in its queue while a batch line's big prompt was in a worker's hands:
+    an agent's long context waited for the line's whole prefill (seconds on a CPU)."""
+    core = ClusterScheduler(SchedulerLimits(indexes=indexes))
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", hello("p", "prefill"), 0.0)
+    core.on_hello(b"D", hello("d", "decode", blocks=1000), 0.0)
+    line = dataclasses.replace(submit("line", prompt_len=1500), bulk=True)
+    assert reserved_ids(core.on_submit(b"G", line, 0.0)) == ["line"]
+    reply = wire.ReserveReply(peer_id="d", request_id="line", ok=True, num_free_blocks=900)
+    assert [o.message.request_id for o in core.on_reserve_reply(reply, 0.0)] == ["line"]
+    assert reserved_ids(core.on_submit(b"G", submit("agent", prompt_len=1500), 0.1)) == ["agent"]
+    # A second batch line's big prompt still waits, and a second agent's behind the first.
+    second = dataclasses.replace(submit("line2", prompt_len=1500), bulk=True)
+    assert reserved_ids(core.on_submit(b"G", second, 0.2)) == []
+    assert reserved_ids(core.on_submit(b"G", submit("agent2", prompt_len=1500), 0.3)) == []
