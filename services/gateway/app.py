@@ -261,7 +261,7 @@ def build_app(
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API, served as a chat (services.gateway.responses_api), stored
         for `previous_response_id` unless `store` is false."""
-        owner = keys.check_header(request.headers.get("authorization")).tenant or ""
+        owner = keys.check_header(request.headers.get("authorization")).owner
         body = check_body(await _read_json(request, max_body_bytes))
         keeps = responses.enabled and body.get("store") is not False
         try:
@@ -287,19 +287,19 @@ def build_app(
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> dict[str, Any]:
-        owner = keys.check_header(request.headers.get("authorization")).tenant or ""
+        owner = keys.check_header(request.headers.get("authorization")).owner
         return responses.response(owner, response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(request: Request, response_id: str) -> dict[str, Any]:
         """The items a stored response was generated from (its conversation's), a page of
         them (`limit`, `order`, `after`), as OpenAI's `input_items` lists them."""
-        owner = keys.check_header(request.headers.get("authorization")).tenant or ""
+        owner = keys.check_header(request.headers.get("authorization")).owner
         return input_item_page(responses.input_items(owner, response_id), request.query_params)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
-        owner = keys.check_header(request.headers.get("authorization")).tenant or ""
+        owner = keys.check_header(request.headers.get("authorization")).owner
         responses.delete(owner, response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -508,10 +508,12 @@ async def _response_sse(
         for end in shaped.end():
             yield sse(end)
     except ApiError as error:
-        yield sse(shaped.error(error.body()))
-    except Exception as error:  # a bug: the client still gets an error event
+        for failed in shaped.failed(error.body()):
+            yield sse(failed)
+    except Exception as error:  # a bug: the client still gets the failed stream's end
         log.error("a stream failed unforeseen", exc_info=error)
-        yield sse(shaped.error(unforeseen(error).body()))
+        for failed in shaped.failed(unforeseen(error).body()):
+            yield sse(failed)
     finally:
         await events.aclose()
 

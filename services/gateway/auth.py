@@ -11,10 +11,11 @@ compared in constant time. Health, readiness and metrics stay open for probes an
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.gateway.openai_protocol import ApiError
@@ -32,6 +33,17 @@ class KeyConfigError(ValueError):
 @dataclass(frozen=True)
 class Caller:
     tenant: str | None  # None: the request's `user` names it
+    # A digest of the bare key presented (None: a key with a tenant, or no keys set).
+    key_digest: str | None = field(default=None, compare=False)
+
+    @property
+    def owner(self) -> str:
+        """Whose stored responses (`/v1/responses`) the caller reads and continues: its key's
+        tenant; for a bare key, that key's own (until 2026-12-07 every bare key shared them,
+        given an id); with no keys set, everyone's (""). (A tenant has no ':'.)"""
+        if self.tenant is not None:
+            return self.tenant
+        return f"key:{self.key_digest}" if self.key_digest is not None else ""
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,8 @@ class ApiKeys:
         matched = None
         for key, tenant in self.tenants.items():  # every key compared: no early exit to time
             if hmac.compare_digest(key.encode(), presented.encode()):
-                matched = Caller(tenant)
+                digest = None if tenant is not None else _digest(key)
+                matched = Caller(tenant, digest)
         if matched is None:
             raise _unauthorized("Incorrect API key provided.")
         return matched
@@ -97,6 +110,11 @@ class ApiKeys:
     def check_header(self, authorization: str | None) -> Caller:
         scheme, _, token = (authorization or "").partition(" ")
         return self.check(token.strip() if scheme.lower() == "bearer" else None)
+
+
+def _digest(key: str) -> str:
+    """A key's stand-in where it is kept as a name (a stored response's owner): not the key."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def _unauthorized(message: str) -> ApiError:

@@ -196,17 +196,25 @@ def input_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
     """Appends the chat message of one input item; function calls join the assistant message
-    before them (its text, and the calls before them), as the answer that wrote them is one
-    assistant message (so a conversation echoed back as items is the one a stored response
-    continues)."""
+    before them (its text, and the calls before them), and so does an assistant message right
+    after its calls (a stream sends text written after a call as an item after the call's), as
+    the answer that wrote them is one assistant message (so a conversation echoed back as items
+    is the one a stored response continues: `answer_messages`)."""
     if not isinstance(item, dict):
         raise _fail(where, "must be an object")
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # (a set lookup: hashable first)
             raise _fail(f"{where}.role", f"must be one of {sorted(_ROLES)}")
-        messages.append({"role": role, "content": _text(item.get("content"), where)})
+        content = _text(item.get("content"), where)
+        last = messages[-1] if messages else None
+        if role == "assistant" and last is not None and last.get("tool_calls"):
+            # (No call's output between them: the same answer. Its texts join as one, as
+            # `answer_messages` joins an answer's.)
+            messages[-1] = {**last, "content": _plain(last["content"]) + _plain(content)}
+        else:
+            messages.append({"role": role, "content": content})
     elif kind == "function_call":
         call = _function_call(item, where)
         last = messages[-1] if messages else None
@@ -238,6 +246,7 @@ def _text(content: Any, where: str, field: str = "content") -> str | list[dict[s
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None  # (looked up in a set: a list fails)
         if kind == "refusal" and isinstance(part.get("refusal"), str):
             parts.append({"type": "text", "text": part["refusal"]})
         elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
@@ -245,6 +254,13 @@ def _text(content: Any, where: str, field: str = "content") -> str | list[dict[s
         else:
             raise _fail(f"{where}.{field}[{i}]", f"content parts of type {kind!r} are not served")
     return parts
+
+
+def _plain(content: str | list[dict[str, str]] | None) -> str:
+    """A message's content (`_text`'s, or None beside calls) as one text."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part["text"] for part in content)
 
 
 def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -260,7 +276,8 @@ def input_items(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _input_item(item: Mapping[str, Any]) -> dict[str, Any]:
     kind = item.get("type", "message")
-    status = item.get("status") if item.get("status") in _ITEM_STATUSES else "completed"
+    status = item.get("status")  # (unchecked by `input_messages`: any other value lists so)
+    status = status if isinstance(status, str) and status in _ITEM_STATUSES else "completed"
     if kind == "message":
         assistant = item["role"] == "assistant"
         content = item["content"]
@@ -539,7 +556,7 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
         "type": "message",
         "role": "assistant",
         "status": status,
-        "content": [part] if status == "completed" else [],
+        "content": [] if status == "in_progress" else [part],
     }
 
 
@@ -633,6 +650,21 @@ class ResponseEvents:
             "error", code=error.get("code"), message=error.get("message"), param=error.get("param")
         )
 
+    def failed(self, body: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+        """The end of a stream that failed midway (a chat error body): the `error` event, the
+        text item so far done as incomplete, and `response.failed` with the Response, as
+        OpenAI ends one. (Until 2026-12-07 the `error` event alone: an item added was never
+        done, and the stream had no final event.) A failed Response is not stored."""
+        yield self.error(body)
+        yield from self._close_message("incomplete")
+        error = body.get("error") or {}
+        response = _envelope(
+            self.body, self.response_id, "failed", None, self._output, self._usage, self.created_at
+        )
+        code = error.get("code") or error.get("type") or "server_error"
+        response["error"] = {"code": code, "message": error.get("message") or ""}
+        yield self._event("response.failed", response=response)
+
     def _text_delta(self, text: str) -> Iterator[dict[str, Any]]:
         if self._message is None:
             self._message = _message_item(_new_id("msg"), "", "in_progress")
@@ -655,7 +687,7 @@ class ResponseEvents:
             logprobs=[],
         )
 
-    def _close_message(self) -> Iterator[dict[str, Any]]:
+    def _close_message(self, status: str = "completed") -> Iterator[dict[str, Any]]:
         if self._message is None:
             return
         text, item_id, index = "".join(self._text), self._message["id"], len(self._output)
@@ -663,7 +695,7 @@ class ResponseEvents:
         where = {"item_id": item_id, "output_index": index, "content_index": 0}
         yield self._event("response.output_text.done", **where, text=text, logprobs=[])
         yield self._event("response.content_part.done", **where, part=part)
-        item = _message_item(item_id, text, "completed")
+        item = _message_item(item_id, text, status)
         yield self._event("response.output_item.done", output_index=index, item=item)
         self._output.append(item)
         self._message, self._text = None, []

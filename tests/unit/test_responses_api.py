@@ -674,3 +674,33 @@ def test_a_bad_safety_identifier_is_named_as_given(field, value):
         parse_chat_request(chat_body({"model": MODEL, "input": "x", field: value}), MODEL, 2048)
     assert info.value.status == 400 and info.value.param == field
     assert field in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("item", "param"),
+    [({"role": {"name": "user"}, "content": "x"}, "input[0].role"),
+     ({"role": ["user"], "content": "x"}, "input[0].role"),
+     ({"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}, "input[0].content[0]"),
+     ({"role": "user", "content": [{"type": {"a": 1}}]}, "input[0].content[0]"),
+     ({"type": "function_call_output", "call_id": "c", "output": [{"type": {"a": 1}}]},
+      "input[0].output[0]")],
+)  # fmt: skip
+def test_an_unhashable_role_or_part_type_is_a_400_naming_it(item, param):
+    """A JSON object or list where a string belongs was a TypeError (a 500) at a set lookup."""
+    with pytest.raises(ApiError) as info:
+        chat_body({"model": MODEL, "input": [item]})
+    assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize("status", [{"a": 1}, ["completed"], 5])
+def test_an_input_items_odd_status_does_not_fail_the_answered_turn(status):
+    """An item's `status` is not read to answer: a JSON object there failed storing the turn
+    once answered (a 500 after the whole generation, or a stream without its last event)."""
+    from services.gateway.response_store import ResponseStore
+
+    store = ResponseStore()
+    body = {"model": MODEL, "input": [{"role": "user", "content": "x", "status": status}]}
+    chat_body(body)
+    response = kept(store, body)
+    assert response["store"] is True
+    assert store.input_items("t", response["id"])[0]["status"] == "completed"

@@ -179,3 +179,91 @@ def test_input_items_not_stored_or_anothers_are_a_404_as_the_response_is(tokeniz
             client.responses.input_items.list(response_id)
         assert listed.value.body == info.value.body
     assert len(alice.responses.input_items.list(stored.id).data) == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    # (text after the call too: the stream's items are message, call, message)
+    [CALL_TEXT + " Done.",
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>Done.'],
+)  # fmt: skip
+def test_a_streamed_answer_echoed_as_items_is_the_prompt_previous_response_id_gives(
+    tokenizer,  # noqa: F811
+    text,
+):
+    """The stream sends text written after a call as a message item after the call's: echoed
+    back, they are the one assistant turn that was answered, as the stored response has it."""
+    cluster = TextCluster(tokenizer, text)
+    client = client_of(cluster, tokenizer, ResponseStore())
+    events = list(client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER],
+                                          stream=True))  # fmt: skip
+    first = events[-1].response
+    call = next(item for item in first.output if item.type == "function_call")
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sun"}
+    client.responses.create(
+        model=MODEL, input=[output], previous_response_id=first.id, tools=[WEATHER]
+    )
+    echoed = [item.model_dump(exclude_none=True) for item in first.output]
+    client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "Weather?"}, *echoed, output],
+        tools=[WEATHER],
+    )
+    assert tokenizer.decode(cluster.prompts[1]) == tokenizer.decode(cluster.prompts[2])
+
+
+class FailingCluster(TextCluster):
+    """Answers with the text's first three tokens, then the request is aborted (a worker lost
+    for good, a timeout): the cluster's error ends the stream midway."""
+
+    async def submit(self, submit: wire.Submit, timeout_s: float = 10.0) -> asyncio.Queue:
+        self.prompts.append(list(submit.prompt_token_ids))
+        queue: asyncio.Queue = asyncio.Queue()
+        for token in self.token_ids[:3]:
+            queue.put_nowait(delta([token]))
+        queue.put_nowait(delta([], finish="abort"))
+        return queue
+
+
+def test_a_stream_that_fails_midway_closes_its_item_and_ends_failed(tokenizer):  # noqa: F811
+    """It sent an `error` event alone: the message item it had added was never done, and no
+    final event said the Response failed (a client waiting for one waited for good)."""
+    store = ResponseStore()
+    client = client_of(FailingCluster(tokenizer, "One two three four five."), tokenizer, store)
+    events = list(client.responses.create(model=MODEL, input="Count.", stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[-2:] == ["response.output_item.done", "response.failed"] and "error" in kinds
+    added = [e.item.id for e in events if e.type == "response.output_item.added"]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [e.item.id for e in done] == added and done[0].item.status == "incomplete"
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.message
+    assert failed.output[0].content[0].text == "One two three"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(failed.id)  # (a failed Response is not kept)
+
+
+def test_a_bare_keys_stored_responses_are_its_own(tokenizer):  # noqa: F811
+    """Keys without a tenant all stored under one owner: any bare key read, continued and
+    deleted the responses of another, given an id."""
+    from services.gateway.auth import ApiKeys
+
+    generator = Generator(TextCluster(tokenizer, "Hello."), tokenizer, MODEL, 8192,
+                          GatewayEvents(get_logger()))  # fmt: skip
+    keys = ApiKeys({"bare-key-one-0000": None, "bare-key-two-0000": None, "k-tenant-0000": "t"})
+    http = TestClient(build_app(generator, 1 << 20, keys, responses=ResponseStore()))
+    one, two, tenant = (
+        openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http)
+        for key in keys.tenants
+    )
+    stored = one.responses.create(model=MODEL, input="Hi")
+    for other in (two, tenant):
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(stored.id)
+        with pytest.raises(openai.BadRequestError):  # (the chain is not the caller's)
+            other.responses.create(model=MODEL, input="More", previous_response_id=stored.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.delete(stored.id)
+    assert one.responses.retrieve(stored.id).id == stored.id
+    assert one.responses.create(model=MODEL, input="More", previous_response_id=stored.id).id
