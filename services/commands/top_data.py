@@ -145,6 +145,8 @@ def fetch_jobs(
         data = response.json()["data"]
     except (ValueError, KeyError, TypeError):
         return None, "/v1/batches answered a body without `data`"
+    if not isinstance(data, list):  # (another server's: null raised, a string was its letters)
+        return None, "/v1/batches answered a body without a list in `data`"
     return [job for job in data if isinstance(job, dict)], None
 
 

@@ -64,7 +64,10 @@ async def cluster_metrics(
         if text is not None:
             scraped.append((peer, text))
     scrape_up = generate_latest(telemetry.scrape_registry).decode()
-    return federate([(peer_id, own), (peer_id, scrape_up), *scraped])
+    # Parsing and merging every peer's text takes a while in a large cluster (over half a
+    # second for 64 workers on a 2-core machine): off the event loop, where every stream the
+    # gateway serves waited for it, each scrape (each second under `tandem top`).
+    return await asyncio.to_thread(federate, [(peer_id, own), (peer_id, scrape_up), *scraped])
 
 
 async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:
@@ -72,9 +75,12 @@ async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:
     200 that is not Prometheus text, as a proxy's page, made the whole /metrics a 500)."""
 
     async def fetch() -> str:
-        response = await client.get(url)
-        response.raise_for_status()
-        return response.text
+        # The whole answer within the timeout: the client's bounds each read only, and a peer
+        # sending a byte now and then held the whole /metrics as long as it went on.
+        async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+            response = await client.get(url)
+            response.raise_for_status()
+            return response.text
 
     return await _checked(fetch(), url)
 
@@ -84,8 +90,7 @@ async def _checked(text: Awaitable[str | None], source: str) -> str | None:
     try:
         exposition = await text
         if exposition is not None:
-            for _ in text_string_to_metric_families(exposition):
-                pass
+            await asyncio.to_thread(_parse, exposition)  # (off the loop, as the merge)
         return exposition
     except Exception as error:
         # Whatever it is, one peer must not make the whole /metrics a 500: not only HTTP
@@ -93,3 +98,9 @@ async def _checked(text: Awaitable[str | None], source: str) -> str | None:
         # raises InvalidURL, which is not one.
         log.warning("peer not scraped", url=source, error=repr(error))
         return None
+
+
+def _parse(exposition: str) -> None:
+    """Raises ValueError unless `exposition` is Prometheus text."""
+    for _ in text_string_to_metric_families(exposition):
+        pass

@@ -363,12 +363,14 @@ class Generator:
     def _traced_advance(
         self, trace: ChoiceTrace, choice: ChoiceText, index: int, delta: wire.TokenDelta
     ) -> ChoiceEvent:
-        self.telemetry.tokens(trace, len(delta.token_ids))
         try:
             event = self._advance(choice, index, delta)
         except ApiError as error:
             self.telemetry.failed(trace, trace.request_id, error.status, error.message)
             raise
+        # The tokens the client gets (`_advance` cuts a delta at a stop string's last token):
+        # counted before the cut, the metrics and the finished line said more than `usage`.
+        self.telemetry.tokens(trace, len(event.token_ids))
         if event.finish_reason is not None:
             self.telemetry.finished(trace, event.finish_reason)
         return event

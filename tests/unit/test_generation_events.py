@@ -290,3 +290,16 @@ def test_sentencepiece_logprob_tokens_keep_the_space_before_their_word():
         assert [t["token"] for t in content] == [" Paris", ".", " Hi"]
         assert b"".join(bytes(t["bytes"]) for t in content) == b" Paris. Hi"
         assert content[0]["top_logprobs"][0]["token"] == " Paris"
+
+
+def test_tokens_counted_in_the_metrics_are_those_the_usage_counts(tokenizer):
+    """The metrics counted a delta's tokens before a stop string cut it: the generation tokens
+    and the "request finished" line said more than `usage.completion_tokens`."""
+    one, two = ids(tokenizer, " one."), ids(tokenizer, " two")
+    telemetry = GatewayEvents(get_logger())
+    generator = Generator(PlayedCluster({0: [delta(one + two)]}), tokenizer, MODEL, 8192, telemetry)
+    body = {"model": MODEL, "prompt": "Count:", "stop": ["."], "max_tokens": 8}
+    generation = generator.prepare(parse_completion_request(body, MODEL, 8192), "cmpl")
+    whole = asyncio.run(collect_response(generation, generator.events(generation, "t")))
+    assert whole["usage"]["completion_tokens"] == len(one)
+    assert telemetry.generation_tokens._value.get() == len(one)

@@ -397,3 +397,21 @@ def test_a_counter_missing_from_both_snapshots_has_no_rate_rather_than_zero():
     # A series that came and went is no reading either: a new peer's first frame, say.
     moved = Snapshot(14.0, ready=body, counters=top.parse_counters(metrics_text(200, 5)))
     assert top.token_rates(second, moved)[top.PREFILLED] is None
+
+
+@pytest.mark.parametrize("data", [None, 5, "jobs", {"id": "batch_1"}])
+def test_batches_whose_data_is_not_a_list_are_a_note_not_a_traceback(data):
+    """Another server's /v1/batches answering `data` that is no list (null, a number) raised
+    TypeError out of `fetch`: `tandem top` ended with a traceback instead of drawing the
+    cluster; a string or an object was taken for its characters or keys, shown as no jobs."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/ready":
+            return httpx.Response(200, json=ready_body())
+        if request.url.path == "/v1/batches":
+            return httpx.Response(200, json={"object": "list", "data": data})
+        return httpx.Response(200, text=metrics_text(42, 7))
+
+    got = top.fetch(httpx.Client(transport=httpx.MockTransport(handle)), URL, api_key="k")
+    assert got.error is None and got.jobs is None
+    assert "without a list" in got.jobs_note
