@@ -329,6 +329,7 @@ class Simulator:
             gateway_peer_id=GATEWAY,
             arrival_time=self.now,
             first_token_deadline_s=self.config.first_token_timeout_s,
+            bulk=request.bulk,
         )
         self.at(self.now + self.config.network_latency_s, self._deliver_to_core, submit)
         if self.config.first_token_timeout_s is not None:

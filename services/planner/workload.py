@@ -46,6 +46,10 @@ class SimRequest:
     num_shared_tokens: int = 0  # else: the leading tokens every prompt of its tenant shares
     # Streamed (a first token, TTFT and TPOT) or one response (e2e only), as the bench sends it.
     stream: bool = True
+    # A batch job's line (the bulk class: spare capacity only). Set by programs that build
+    # workloads (`loadtest/bulk_beside_agents.py`), not read from a file: a plan's objectives
+    # would judge batch lines by the interactive targets.
+    bulk: bool = False
 
     @property
     def shares_tokens(self) -> bool:
