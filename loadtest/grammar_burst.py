@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from concurrent.futures import Future
 
 from shared.engine.constraint import Constraint, schema_constraint
 from shared.engine.grammar import GrammarCache
@@ -21,6 +22,15 @@ SLOW_LENGTH = 500  # the first spec's maxLength; each spec adds one (distinct gr
 
 def slow_spec(number: int) -> Constraint:
     return schema_constraint({"type": "string", "maxLength": SLOW_LENGTH + number}, "burst")
+
+
+def asked_without_limit(cache: GrammarCache, spec: Constraint) -> Future:
+    """The compile of a request that waits as long as it takes (the fresh ones: their wait is
+    what is measured). A cache from before the skip (2026-12-07) takes no deadline."""
+    try:
+        return cache.submit(spec, time.monotonic() + 3600)
+    except TypeError:
+        return cache.submit(spec)
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -37,13 +47,13 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     if cache.compiler_error() is not None:
         raise SystemExit(f"xgrammar's tables: {cache.compiler_error()}")
     started = time.perf_counter()
-    cache.get(slow_spec(0))
+    cache.submit(slow_spec(0)).result()  # (begins at once: never skipped)
     one_s = time.perf_counter() - started
     for number in range(1, args.burst + 1):  # their requests give up after the limit
         cache.submit(slow_spec(number))
     time.sleep(args.limit_s + 0.2)
     asked = time.perf_counter()
-    fresh = [cache.submit(slow_spec(1000 + number)) for number in range(args.fresh)]
+    fresh = [asked_without_limit(cache, slow_spec(1000 + number)) for number in range(args.fresh)]
     for future in fresh:
         future.result()
     waited_s = time.perf_counter() - asked
