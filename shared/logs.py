@@ -8,6 +8,7 @@ text on stdout, every level) as it did when `get_logger` built it at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -57,6 +58,7 @@ def configure_logging(service: str, level: str | None = None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _ServiceName(service),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *renderers,
@@ -65,7 +67,45 @@ def configure_logging(service: str, level: str | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    structlog.contextvars.bind_contextvars(service=service)
+    _forward_standard_logging(level_number)
+
+
+class _ServiceName:
+    """Names the service on every line, whatever thread logs it (bound as a context variable
+    it was missing from the lines of threads: a web server's, a pool's)."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+
+    def __call__(self, logger: object, method: str, event: dict) -> dict:
+        event.setdefault("service", self.service)
+        return event
+
+
+class _ToStructlog(logging.Handler):
+    """Python's logging records (uvicorn's, transformers', httpx's) as this service's lines:
+    they came out as plain text among the JSON ones (uvicorn's "Invalid HTTP request
+    received.", which any client can cause, a traceback of "Exception in ASGI application")."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields = {"logger": record.name}
+            if record.exc_info:
+                fields["exc_info"] = record.exc_info  # type: ignore[assignment]
+            get_logger().log(record.levelno, record.getMessage(), **fields)
+        except Exception:
+            self.handleError(record)
+
+
+def _forward_standard_logging(level_number: int) -> None:
+    """Python's root logger to structlog, at WARNING and above (what Python printed alone
+    before: its libraries' INFO lines, an httpx line per request, stay out) or the service's
+    level if higher. A second call replaces the first's handler."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _ToStructlog)]:
+        root.removeHandler(handler)
+    root.addHandler(_ToStructlog())
+    root.setLevel(max(level_number, logging.WARNING))
 
 
 def get_logger(**bindings):

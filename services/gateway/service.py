@@ -7,6 +7,7 @@ import contextlib
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 import uvicorn
@@ -220,6 +221,11 @@ def build_gateway(config: GatewayConfig):
     return app
 
 
+# uvicorn's own logging set-up (`log_config=None`: none) would print its lines as plain text
+# among the JSON ones; its loggers go through Python's root to structlog (`shared.logs`).
+UVICORN_SETTINGS: dict[str, Any] = {"loop": "uvloop", "log_level": "warning", "log_config": None}
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging("gateway")
     config = config_from_args(GatewayConfig, args)
@@ -230,5 +236,5 @@ def run(args: argparse.Namespace) -> int:
     if config.rpc_address is not None:
         check_address(config.rpc_address, "rpc_address")
     app = build_gateway(config)
-    uvicorn.run(app, host=config.host, port=config.port, loop="uvloop", log_level="warning")
+    uvicorn.run(app, host=config.host, port=config.port, **UVICORN_SETTINGS)
     return 0

@@ -90,3 +90,55 @@ def test_log_levels_are_read_in_any_case(monkeypatch):
     assert log_settings("debug") == (10, "json")
     # Python's own aliases, which the configuration took before its names were checked.
     assert log_settings("WARN") == (30, "json") and log_settings("fatal") == (50, "json")
+
+
+SERVES_A_BAD_REQUEST = """
+import socket, threading, time
+import uvicorn
+from services.gateway.service import UVICORN_SETTINGS
+from shared.logs import configure_logging
+import logging
+
+configure_logging("test")
+logging.getLogger("httpx").info("HTTP Request: GET http://x (an INFO line of a library)")
+
+async def app(scope, receive, send):
+    raise RuntimeError("a bug in the app")
+
+config = uvicorn.Config(app, host="127.0.0.1", port=0, **UVICORN_SETTINGS)
+server = uvicorn.Server(config)
+thread = threading.Thread(target=server.run, daemon=True)
+thread.start()
+while not server.started:
+    time.sleep(0.01)
+port = server.servers[0].sockets[0].getsockname()[1]
+for request in (b"NOT HTTP AT ALL\\r\\n\\r\\n", b"GET / HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n"):
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(request)
+        sock.recv(1000)
+server.should_exit = True
+thread.join(timeout=10)
+"""
+
+
+def test_the_web_servers_own_lines_are_json_lines_too():
+    """uvicorn printed its warnings and errors (a client's malformed request, an app's
+    traceback) as plain text among the gateway's JSON lines; they now come through structlog,
+    at WARNING and above (a library's INFO lines stay out, as before)."""
+    environ = dict(os.environ, TANDEM_LOG_FORMAT="json")
+    result = subprocess.run(
+        [sys.executable, "-c", SERVES_A_BAD_REQUEST],
+        capture_output=True,
+        text=True,
+        env=environ,
+        check=True,
+        timeout=60,
+    )
+    lines = [json.loads(line) for line in result.stderr.splitlines()]  # every one JSON
+    events = {line["event"]: line for line in lines}
+    assert "Invalid HTTP request received." in events
+    failed = events["Exception in ASGI application\n"]  # (uvicorn's own text)
+    assert failed["level"] == "error" and failed["logger"] == "uvicorn.error"
+    assert "RuntimeError: a bug in the app" in failed["exception"]
+    assert not [line for line in lines if "HTTP Request" in line["event"]]
+    assert all(line["service"] == "test" for line in lines)
