@@ -6,7 +6,8 @@
 
 `submit` uploads the file, creates the batch and prints its id; with `--wait` it follows the job
 with a progress line (done/total, output tokens per second, ETA) until it ends, and exits 0
-only if it completed (a failed batch's errors, its input's offending lines, go to stderr).
+only if it completed (a failed batch's errors, its input's offending lines, go to stderr);
+Ctrl-C stops following (status 130), not the batch.
 While it follows, a 429 or 503 (a busy server, a batch service that restarts: the job goes on)
 is waited out as its Retry-After asks, for up to MAX_REFUSED_S in a row. Works against any
 server with these APIs (`--url`, `--api-key` or `OPENAI_API_KEY`).
@@ -15,6 +16,7 @@ server with these APIs (`--url`, `--api-key` or `OPENAI_API_KEY`).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
@@ -58,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Api:
     def __init__(self, url: str, api_key: str | None):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=url.rstrip("/") + "/v1", headers=headers, timeout=60)
+        self.http = httpx.Client(
+            base_url=url.rstrip("/") + "/v1",
+            headers=headers,
+            timeout=60,
+            trust_env=not is_loopback(url),
+        )
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._request(method, path, **kwargs)
@@ -89,6 +96,19 @@ class Api:
             return self.http.request(method, path, **kwargs)
         except httpx.HTTPError as error:  # the server is not there, or went away
             raise SystemExit(f"tandem batch: {method} {path}: {error}") from None
+
+
+def is_loopback(url: str) -> bool:
+    """Whether the server is on this machine: asked directly, as `tandem top` asks it (through
+    `http_proxy`, as httpx goes by default, a proxy that cannot reach our loopback was asked);
+    another server through the proxy the environment names."""
+    host = httpx.URL(url).host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,7 +143,12 @@ def submit(api: Api, args: argparse.Namespace) -> int:
     print(batch["id"], flush=True)
     if not args.wait:
         return 0
-    batch = follow(api, batch["id"])
+    try:
+        batch = follow(api, batch["id"])
+    except KeyboardInterrupt:  # (a traceback, as if the batch had crashed or been cancelled)
+        print(f"\ntandem batch: stopped following; {batch['id']} goes on (tandem batch status "
+              f"{batch['id']}, tandem batch cancel {batch['id']})", file=sys.stderr)  # fmt: skip
+        return 130
     _print_errors(batch)
     return 0 if batch["status"] == "completed" else 1
 

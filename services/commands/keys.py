@@ -18,10 +18,20 @@ from shared.curve import CurveError, CurveKeys, generate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", required=True, help="the keys directory (created if missing)")
+    parser.add_argument(
+        "--dir", required=True, type=_directory, help="the keys directory (created if missing)"
+    )
     parser.add_argument(
         "--client", action="append", default=[], help="an RPC client to make a keypair for"
     )
+
+
+def _directory(text: str) -> str:
+    """An empty one (an unset shell variable) was the working directory, which got the
+    cluster's secret key; services refuse `--curve-keys-dir ""` as given empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a keys directory must not be empty")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,8 +31,11 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from services.batch.service import BatchServiceConfig
 from services.commands.prepare import resolve_model
 from services.gateway.chat_prompt import read_chat_template
+from services.gateway.service import GatewayConfig
+from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.binding import check_tcp_port, host_port
 from shared.config import ConfigError, add_config_arguments, config_from_args, usable_cores
@@ -54,6 +57,7 @@ PR_SET_PDEATHSIG = 1
 # opener goes, it asked a proxy that cannot reach our loopback, until --ready-timeout ran out.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MAX_RESTARTS = 5  # per child; past it the child is taken as broken and the cluster stops
+LOG_DRAIN_S = 5.0  # how long an exited child's last log lines may take to be echoed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,32 +207,14 @@ class LocalCluster:
         if self.args.quantization:  # else TANDEM_QUANTIZATION, else none
             worker += ["--quantization", self.args.quantization]
         _check_worker_settings(worker)
-        self._spawn(
+        scheduler = [
             "scheduler",
-            [
-                "scheduler",
-                "--address",
-                self.address("scheduler"),
-                "--model",
-                self.args.model,
-                *metrics,
-            ],
-        )
-        for i in range(self.args.prefill):
-            self._spawn(f"prefill-{i}", ["prefill", "--peer-id", f"prefill-{i}", *worker])
-        for i in range(self.args.decode):
-            self._spawn(
-                f"decode-{i}",
-                [
-                    "decode",
-                    "--peer-id",
-                    f"decode-{i}",
-                    "--address",
-                    self.address(f"decode-{i}"),
-                    *worker,
-                    *(["--cuda-graphs", "true"] if self.args.cuda_graphs else []),
-                ],
-            )
+            "--address",
+            self.address("scheduler"),
+            "--model",
+            self.args.model,
+            *metrics,
+        ]
         gateway = [
             "gateway",
             "--host",
@@ -259,9 +245,31 @@ class LocalCluster:
         if batch:
             gateway += ["--batch-address", self.address("batch")]
             gateway_env, batch_env = batch_service_key(os.environ)
+        batch_argv = self._batch_argv(rpc_address, metrics)
+        services = [(scheduler, {}), (gateway, gateway_env)]
+        if batch:
+            services.append((batch_argv, batch_env))
+        for argv, env in services:  # (the workers' were checked above)
+            _check_service_settings(argv, env)
+        self._spawn("scheduler", scheduler)
+        for i in range(self.args.prefill):
+            self._spawn(f"prefill-{i}", ["prefill", "--peer-id", f"prefill-{i}", *worker])
+        for i in range(self.args.decode):
+            self._spawn(
+                f"decode-{i}",
+                [
+                    "decode",
+                    "--peer-id",
+                    f"decode-{i}",
+                    "--address",
+                    self.address(f"decode-{i}"),
+                    *worker,
+                    *(["--cuda-graphs", "true"] if self.args.cuda_graphs else []),
+                ],
+            )
         self._spawn("gateway", gateway, gateway_env)
         if batch:
-            self._spawn_batch(rpc_address, metrics, batch_env)
+            self._spawn("batch", batch_argv, batch_env)
 
     def _check_ports(self) -> None:
         """The gateway's ports must be free: `wait_ready` asks whoever answers on --port, and
@@ -285,6 +293,8 @@ class LocalCluster:
         """Made here, so that one that cannot be (a file, under a file) is refused in one line:
         the batch service, started last, refused it itself, and the cluster stopped with
         "exited during start-up: batch", the reason among the children's log lines."""
+        if getattr(self.args, "batch_dir", None) == "":  # (an unset $JOBS: jobs lost at exit)
+            raise ConfigError("--batch-dir is given but empty: leave it out for the run directory")
         try:
             os.makedirs(self._batch_dir(), exist_ok=True)
         except OSError as error:
@@ -294,22 +304,17 @@ class LocalCluster:
                 reason = "not a directory"
             raise ConfigError(f"--batch-dir: cannot use {self._batch_dir()}: {reason}") from None
 
-    def _spawn_batch(self, rpc_address: str, metrics: list[str], env: dict[str, str]) -> None:
-        batch_dir = self._batch_dir()
-        self._spawn(
-            "batch",
-            [
-                "batch-service",
-                "--address",
-                self.address("batch"),
-                "--gateway-rpc-address",
-                rpc_address,
-                "--data-dir",
-                batch_dir,
-                *metrics,
-            ],
-            env,
-        )
+    def _batch_argv(self, rpc_address: str, metrics: list[str]) -> list[str]:
+        return [
+            "batch-service",
+            "--address",
+            self.address("batch"),
+            "--gateway-rpc-address",
+            rpc_address,
+            "--data-dir",
+            self._batch_dir(),
+            *metrics,
+        ]
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         # A stopping signal waits until the child is on the list `stop` ends (one that came
@@ -365,9 +370,11 @@ class LocalCluster:
         """Until /ready answers 200 with every worker started here registered."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            dead = [c.name for c in self.children if c.process.poll() is not None]
+            dead = [c for c in self.children if c.process.poll() is not None]
             if dead:
-                raise RuntimeError(f"cluster process(es) exited during start-up: {', '.join(dead)}")
+                self._finish_logs(dead)  # (the reason is in their last lines)
+                names = ", ".join(c.name for c in dead)
+                raise RuntimeError(f"cluster process(es) exited during start-up: {names}")
             try:
                 with _DIRECT.open(self.url + "/ready", timeout=2) as response:
                     if response.status == 200 and self._all_joined(json.load(response)):
@@ -376,6 +383,15 @@ class LocalCluster:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"the cluster was not ready within {timeout_s:.0f} s")
+
+    def _finish_logs(self, children: list[Child]) -> None:
+        """Until the log threads of these exited children have echoed all their lines: a
+        child's last lines (a traceback's) may still be in its pipe after it exited, and the log
+        threads, daemons, ended with this process."""
+        deadline = time.monotonic() + LOG_DRAIN_S
+        for child in children:
+            if child.log_thread is not None:
+                child.log_thread.join(max(0.0, deadline - time.monotonic()))
 
     def _all_joined(self, ready: dict) -> bool:
         return (
@@ -405,6 +421,25 @@ def _check_host_resolves(host: str) -> None:
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror as error:
         raise ConfigError(f"--host {host!r} resolves to no address: {error.strerror}") from None
+
+
+SERVICE_CONFIGS = {
+    "scheduler": SchedulerConfig,
+    "gateway": GatewayConfig,
+    "batch-service": BatchServiceConfig,
+}
+
+
+def _check_service_settings(argv: list[str], env: Mapping[str, str]) -> None:
+    """A service's settings, from its flags and the TANDEM_ variables it will read (this
+    process's, and `env` beyond them), checked as the service checks them: each one refused
+    its own after the workers had started loading the model, and the cluster stopped with
+    "exited during start-up", the reason somewhere in the children's logs."""
+    role, *flags = argv
+    config_class = SERVICE_CONFIGS[role]
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, config_class)
+    config_from_args(config_class, parser.parse_args(flags), {**os.environ, **env})
 
 
 def _check_worker_settings(worker_argv: list[str]) -> None:

@@ -191,3 +191,62 @@ def test_submit_and_wait_says_why_a_batch_failed(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "line 3: this custom_id appears on an earlier line (duplicate_custom_id)" in err
     assert "the input file has no requests (empty_file)" in err
+
+
+def test_a_server_on_this_machine_is_asked_directly_when_a_proxy_is_set(monkeypatch, capsys):
+    """`http_proxy` sent the default `--url http://127.0.0.1:8000` to a proxy, which cannot
+    reach this machine's loopback: every action failed, where `tandem top` and `tandem up`'s
+    ready check ask a local gateway directly."""
+    import http.server
+    import json
+    import threading
+
+    class BatchServer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the base class's name
+            body = json.dumps({"data": []}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BatchServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for name in ("http_proxy", "HTTP_PROXY"):
+            monkeypatch.setenv(name, "http://127.0.0.1:9")  # (the discard port: no one)
+        for name in ("no_proxy", "NO_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+        url = f"http://localhost:{server.server_address[1]}"
+        assert main(["batch", "--url", url, "list"]) == 0
+    finally:
+        server.shutdown()
+
+
+def test_ctrl_c_while_following_leaves_the_batch_running_without_a_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C to stop watching a `submit --wait` printed KeyboardInterrupt's traceback, and
+    said nothing of the batch, which goes on: as if it had been cancelled, or had crashed."""
+    import argparse
+
+    answers = [
+        httpx.Response(200, json={"id": "file-1"}),
+        httpx.Response(200, json={"id": "batch_1", "status": "validating"}),
+        batch_now("in_progress"),
+    ]
+    batch_command, api, _ = played_api(answers, monkeypatch)
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch_command.time, "sleep", interrupted)
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"url": "/v1/completions"}\n')
+    args = argparse.Namespace(file=path, endpoint=None, completion_window="24h", wait=True)
+    assert batch_command.submit(api, args) == 130
+    err = capsys.readouterr().err
+    assert "batch_1 goes on" in err and "tandem batch cancel batch_1" in err

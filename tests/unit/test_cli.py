@@ -224,6 +224,36 @@ def test_up_refuses_worker_settings_before_starting_anything(monkeypatch, argv, 
     assert started == []
 
 
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("TANDEM_DEFAULT_SAMPLING", "heat=1", "'heat' is not a sampling field"),
+        ("TANDEM_API_KEYS_FILE", "/no/such/keys", "/no/such/keys"),
+        ("TANDEM_MAX_BODY_BYTES", "0", "max_body_bytes"),
+        ("TANDEM_HEARTBEAT_TIMEOUT_S", "0", "heartbeat_timeout_s"),
+        ("TANDEM_MAX_LINES", "0", "max_lines"),
+    ],
+)
+def test_up_refuses_the_other_services_settings_before_starting_anything(
+    monkeypatch, name, value, needle
+):
+    """The gateway's, the scheduler's and the batch service's TANDEM_ variables, which reach
+    them: each one refused its own, after the workers had started loading the model, and the
+    cluster stopped with "exited during start-up" (status 1), its reason among the logs."""
+    from services.commands import up
+    from shared.config import ConfigError
+
+    started = []
+    monkeypatch.setattr(up.LocalCluster, "_spawn", lambda self, name, *_: started.append(name))
+    monkeypatch.setattr(up, "resolve_model", lambda model: (Path(model), model))
+    monkeypatch.setattr(WorkerConfig, "check_kv_budget", lambda self: None)  # (no such model)
+    monkeypatch.setattr(up, "model_sampling_defaults", lambda *args: {})
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _start_up(_up_args([]))
+    assert started == []
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
 def test_up_refuses_a_ready_timeout_that_is_not_a_positive_number(monkeypatch, value):
     """nan or 0 gave up at once: "the cluster was not ready within nan s" (status 1)."""
@@ -354,6 +384,9 @@ def test_up_refuses_a_batch_dir_it_cannot_make_before_starting_anything(monkeypa
         _start_up(_up_args(["--batch-dir", str(a_file)]))
     with pytest.raises(ConfigError, match="--batch-dir"):
         _start_up(_up_args(["--batch-dir", str(a_file / "under")]))
+    # (`--batch-dir "$JOBS"`, unset: the jobs went into the run directory, removed at exit)
+    with pytest.raises(ConfigError, match="--batch-dir is given but empty"):
+        _start_up(_up_args(["--batch-dir", ""]))
 
 
 def test_up_refuses_one_port_for_both_http_and_rpc_before_starting_anything(monkeypatch):

@@ -45,6 +45,19 @@ def test_tandem_keys_writes_and_prints_the_cluster_key(tmp_path, capsys):
     )
 
 
+def test_tandem_keys_refuses_an_empty_directory_name(tmp_path, monkeypatch, capsys):
+    """`--dir ""` (an unset shell variable, `--dir "$KEYS"`) wrote the cluster's secret key
+    into the working directory, where services refuse `--curve-keys-dir ""` as given empty."""
+    from services.commands.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["keys", "--dir", ""])
+    assert exit_info.value.code == 2
+    assert "--dir" in capsys.readouterr().err
+    assert _files(tmp_path) == []
+
+
 def test_tandem_keys_reports_an_unwritable_directory(tmp_path, capsys):
     (tmp_path / "file").write_text("not a directory")
     assert _tandem_keys(tmp_path / "file" / "keys") == 2
