@@ -48,7 +48,7 @@ class ApiFailure(Exception):
         self.body = {
             "error": {
                 "message": message,
-                "type": "invalid_request_error",
+                "type": "server_error" if status >= 500 else "invalid_request_error",
                 "param": param,
                 "code": code,
             }
@@ -166,7 +166,11 @@ class BatchApi:
             _create_options(params)  # (its errors first, as `batch_create` checks)
             path = self.store.path_of(self._input_file(tenant, params)["id"])
             loop = asyncio.get_running_loop()
-            num_lines = await loop.run_in_executor(self._counting, self._num_requests, path)
+            try:
+                num_lines = await loop.run_in_executor(self._counting, self._num_requests, path)
+            except FileNotFoundError:  # deleted while the count waited for a thread: a 404
+                self._input_file(tenant, params)  # (raises it; the service's 500 before)
+                raise
             # (checked again: the file may have been deleted meanwhile, a 404 then)
             return self.batch_create(tenant, params, data, num_lines)
         except ApiFailure as failure:
@@ -197,8 +201,13 @@ class BatchApi:
         if upload.size > self.limits.max_file_bytes:
             self._drop_upload(params["upload_id"])
             raise ApiFailure(413, f"the file exceeds {self.limits.max_file_bytes} bytes", "file")
-        with open(upload.path, "ab") as file:
-            file.write(data or b"")
+        try:
+            with open(upload.path, "ab") as file:
+                file.write(data or b"")
+        except OSError as error:  # (full): raised, a 500, the upload kept for its idle time
+            self._drop_upload(params["upload_id"])  # its bytes off the disk that had no room
+            reason = error.strerror or str(error)
+            raise ApiFailure(507, f"the file could not be stored: {reason}", "file") from None
         return 200, {"bytes": upload.size}, None
 
     def file_upload_end(self, tenant: str, params: dict, _: bytes | None) -> Result:
@@ -206,7 +215,11 @@ class BatchApi:
         del self._uploads[params["upload_id"]]
         file_id = f"file-{secrets.token_hex(12)}"
         upload.path.rename(self.store.path_of(file_id))
-        self.store.add_file(file_id, tenant, upload.purpose, upload.filename, upload.size)
+        try:
+            self.store.add_file(file_id, tenant, upload.purpose, upload.filename, upload.size)
+        except Exception:  # (SQLite refused it: full) no row names the bytes, which stayed
+            self.store.path_of(file_id).unlink(missing_ok=True)  # until the service restarted
+            raise
         return 200, file_object(self.store.get_file(tenant, file_id)), None
 
     def file_list(self, tenant: str, params: dict, _: bytes | None) -> Result:
@@ -354,6 +367,16 @@ class BatchApi:
     def _upload(self, tenant: str, params: dict) -> _Upload:
         upload_id = params.get("upload_id")
         upload = self._uploads.get(upload_id) if isinstance(upload_id, str) else None
+        if upload is None and isinstance(upload_id, str):
+            # Only the gateway sends upload ids, ours: this one was lost (the service restarted
+            # mid-upload, or the upload idled past `upload_idle_s`). A 404 naming `upload_id`
+            # was retried by no client, and named a parameter none had sent.
+            raise ApiFailure(
+                503,
+                "the upload was cut short (the batch service restarted, or it waited too "
+                "long): upload the file again",
+                "file",
+            )
         if upload is None or upload.tenant != tenant:
             raise ApiFailure(404, "no such upload in progress", "upload_id")
         return upload

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
+import os
 import signal
 import sqlite3
 from dataclasses import dataclass
@@ -129,7 +131,12 @@ class BatchService:
     def __init__(self, config: BatchServiceConfig):
         self.config = config
         self.log = get_logger(role="batch")
-        self.store = _open_store(config.data_dir)
+        self._data_dir_lock = _lock_data_dir(config.data_dir)  # (before anything is touched)
+        try:
+            self.store = _open_store(config.data_dir)
+        except StartUpError:
+            os.close(self._data_dir_lock)
+            raise
         # Under CurveZMQ the gateways' batch link must hold the cluster's key to reach us, and we
         # present it to their RPC door (which lets the cluster's own key in).
         keys = config.curve_keys()
@@ -183,6 +190,7 @@ class BatchService:
         socket.close()
         self.security.stop()
         self.store.close()
+        os.close(self._data_dir_lock)
 
     async def _receive(self, socket: zmq.asyncio.Socket) -> None:
         while True:
@@ -253,6 +261,34 @@ class BatchService:
             self.metrics.update(self.store, self.jobs)
             self.api.drop_idle_uploads()
             await asyncio.sleep(METRICS_INTERVAL_S)
+
+
+def _lock_data_dir(data_dir: str) -> int:
+    """Takes the data dir for this process (an exclusive lock on `batch.lock` in it, held while
+    the returned descriptor is open: the kernel drops it when the process dies, a kill -9
+    too); a StartUpError if another process holds it. A second service on the same folder
+    deleted the first's uploads in progress (the first then wrote the rest of each to a new,
+    empty file) and resumed every unfinished job beside the first: each line answered twice."""
+    lock_path = Path(data_dir) / "batch.lock"
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise StartUpError(f"the batch data dir {data_dir} cannot be used: {reason}") from None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise StartUpError(
+            f"the batch data dir {data_dir} is in use by another batch service (it holds "
+            f"{lock_path}): stop it first, or give this one another --data-dir"
+        ) from None
+    except OSError as error:  # (a file system without locks: said as it is)
+        os.close(descriptor)
+        reason = error.strerror or str(error)
+        raise StartUpError(f"the batch data dir {data_dir} cannot be locked: {reason}") from None
+    return descriptor
 
 
 def _open_store(data_dir: str) -> Store:

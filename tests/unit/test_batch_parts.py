@@ -323,7 +323,7 @@ def test_uploads_left_idle_are_dropped_and_a_tenant_has_few_in_progress(store, m
     assert api.handle("file_upload_chunk", "alice", other, b"x")[0] == 200  # (touched: kept)
     now[0] += 45  # `left` idle 75 s, `other` 45 s
     assert begin("alice")[0] == 200
-    assert api.handle("file_upload_chunk", "alice", left, b"rest")[0] == 404
+    assert api.handle("file_upload_chunk", "alice", left, b"rest")[0] == 503  # (upload again)
     assert not (store.directory / "uploads" / left["upload_id"]).exists()
     assert api.handle("file_upload_end", "alice", other, None)[0] == 200
 
