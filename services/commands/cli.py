@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from types import FrameType
@@ -84,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     except StartUpError as error:
         print(f"tandem {args.command}: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C (in `generate`, `prepare`, ...): not a traceback
+        print(f"\ntandem {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except BrokenPipeError:  # its reader left (`tandem batch download ID | head`)
+        # Python's advice: the interpreter's last flush of stdout at exit would raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

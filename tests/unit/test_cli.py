@@ -457,3 +457,44 @@ def test_generate_refuses_a_model_it_cannot_read_in_one_line(monkeypatch, tmp_pa
     model = str(_unreadable_models(tmp_path)[kind])
     assert main(["generate", "--prompt", "hi", "--model", model]) == 2
     assert f"tandem generate: error: --model {model}: " in capsys.readouterr().err
+
+
+LEFT_BY_ITS_READER = """
+import sys
+from services.commands import cli, keys
+
+def endless(args):
+    for i in range(10_000_000):
+        print("a line of output", i)
+
+keys.run = endless
+sys.exit(cli.main(["keys", "--dir", sys.argv[1]]))
+"""
+
+
+def test_a_command_whose_reader_leaves_or_is_interrupted_ends_without_a_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    """`tandem batch download ID | head`, Ctrl-C in `tandem generate`: Python tracebacks."""
+    import subprocess
+    import sys
+
+    from services.commands import cli, keys
+
+    pipeline = subprocess.run(
+        f"{sys.executable} -c '{LEFT_BY_ITS_READER}' {tmp_path} | head -n 1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        executable="/bin/bash",
+    )
+    assert pipeline.stdout == "a line of output 0\n"
+    assert "Traceback" not in pipeline.stderr and "BrokenPipe" not in pipeline.stderr
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(keys, "run", interrupted)
+    assert cli.main(["keys", "--dir", str(tmp_path)]) == 130
+    assert "tandem keys: interrupted" in capsys.readouterr().err
