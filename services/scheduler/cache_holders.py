@@ -36,17 +36,19 @@ class CacheHolders:
             self.forget(peer_id)
             return
         held = self._held.setdefault(peer_id, set())
-        named = set(stored) | set(evicted)
+        named = set(stored)
+        named.update(evicted)
         if full:
             named |= held
-        for block_hash in named:
-            if self.index.num_cached_tokens(peer_id, [block_hash]) > 0:
-                if block_hash not in held:
-                    held.add(block_hash)
-                    self._holders.setdefault(block_hash, set()).add(peer_id)
-            elif block_hash in held:
-                held.discard(block_hash)
-                self._drop(block_hash, peer_id)
+        # Set operations over the whole batch, not a question per hash: a full set names every
+        # block the worker holds (a hundred thousand and more on a large one, every few seconds).
+        held_now = self.index.held_among(peer_id, named)
+        for block_hash in held_now - held:
+            held.add(block_hash)
+            self._holders.setdefault(block_hash, set()).add(peer_id)
+        for block_hash in (held & named) - held_now:
+            held.discard(block_hash)
+            self._drop(block_hash, peer_id)
 
     def _drop(self, block_hash: int, peer_id: str) -> None:
         peers = self._holders.get(block_hash)

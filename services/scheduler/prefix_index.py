@@ -108,6 +108,16 @@ class PrefixIndex:
             num_blocks += 1
         return num_blocks * self.block_size
 
+    def held_among(self, peer_id: str, hashes: set[int]) -> set[int]:
+        """Which of these hashes the worker holds, as far as the index knows: the hashes `h`
+        with `num_cached_tokens(peer_id, [h]) > 0`, asked of a whole batch at once (a full set
+        is a worker's every block, and a question per hash held the scheduler's loop for
+        tenths of a second)."""
+        worker = self._workers.get(peer_id)
+        if worker is None or not worker.synced or self.block_size <= 0:
+            return set()
+        return hashes & worker.hashes
+
     def num_hashes(self, peer_id: str) -> int:
         worker = self._workers.get(peer_id)
         return len(worker.hashes) if worker is not None else 0
