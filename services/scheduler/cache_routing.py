@@ -83,6 +83,17 @@ def wait_s(
     return (weights.queued * num_queued_tokens + weights.uncached * uncached) / rate
 
 
+MAX_STEP_S = 3600.0  # past it a reported step duration is no measurement
+
+
+def routing_step_s(step_s: float) -> float:
+    """A decode worker's reported step duration as routing reads it: one no worker can have
+    (NaN, infinite, negative, past an hour: a heartbeat's floats are not range-checked on the
+    wire) is taken as endless, so the worker prefills nothing locally (NaN made it never, a
+    negative one always, whatever its load)."""
+    return step_s if 0.0 <= step_s <= MAX_STEP_S else math.inf
+
+
 def local_prefill_wait_s(
     step_s: float, num_running: int, num_uncached: int, tokens_per_s: float
 ) -> float:

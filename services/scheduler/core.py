@@ -49,7 +49,7 @@ from services.scheduler import lazy_heap
 from services.scheduler.adopted import AdoptedRequests
 from services.scheduler.cache_holders import CacheHolders
 from services.scheduler.cache_placement import CachePlacement, prefill_tokens
-from services.scheduler.cache_routing import RoutingWeights, routing_rate
+from services.scheduler.cache_routing import RoutingWeights, routing_rate, routing_step_s
 from services.scheduler.candidates import prefill_candidates
 from services.scheduler.decode_fit import DecodeFitAdmission
 from services.scheduler.fair_share import (
@@ -416,7 +416,7 @@ class ClusterScheduler:
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
         self.registry.report_prefill_rate(worker, routing_rate(heartbeat.prefill_tokens_per_s))
-        worker.step_s = heartbeat.step_s  # no index reads it: routing asks it of one worker
+        worker.step_s = routing_step_s(heartbeat.step_s)  # (no index: routing asks one worker)
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
         in_order = self.prefix_index.apply(

@@ -27,7 +27,7 @@ import functools
 from dataclasses import dataclass, field
 
 from services.scheduler.cache_placement import CachePlacement
-from services.scheduler.cache_routing import RoutingWeights, routing_rate
+from services.scheduler.cache_routing import RoutingWeights, routing_rate, routing_step_s
 from shared import wire
 from tests.reference_scheduler.fair_share import FairQueue, FairShareConfig, Party, QueuedRequest
 from tests.reference_scheduler.registry import WorkerRegistry, WorkerState
@@ -240,7 +240,7 @@ class ClusterScheduler:
         worker.num_swapped = heartbeat.num_swapped
         worker.recent_batch_sizes = heartbeat.recent_batch_sizes
         worker.prefill_tokens_per_s = routing_rate(heartbeat.prefill_tokens_per_s)
-        worker.step_s = heartbeat.step_s
+        worker.step_s = routing_step_s(heartbeat.step_s)
         worker.num_prefix_query_tokens = heartbeat.num_prefix_query_tokens
         worker.num_prefix_hit_tokens = heartbeat.num_prefix_hit_tokens
         self.prefix_index.apply(

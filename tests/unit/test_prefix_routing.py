@@ -335,6 +335,11 @@ def test_a_local_prefill_waits_for_a_step_and_a_half_of_a_busy_decode_worker():
         (0.5, 0, False, False),  # a big batch's step (0.75 s) against 70 tokens at 300/s (0.23 s)
         (0.5, 600, False, True),  # ... unless the prefill worker has 2 s of prompts in hand
         (0.5, 600, True, False),  # ... but a batch line's do not count: they yield to it
+        # A step no worker can have (a heartbeat's floats are not range-checked on the wire):
+        # NaN made the worker never prefill locally, a negative one always; now never.
+        (float("nan"), 600, False, False),
+        (-1.0, 0, False, False),
+        (float("inf"), 600, False, False),
     ],
 )
 def test_a_busy_decode_worker_leaves_the_suffix_to_a_quicker_prefill_worker(
