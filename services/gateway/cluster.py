@@ -648,10 +648,13 @@ class ClusterClient:
             inflight = self._current(delta.request_id)
             if inflight is None:
                 continue  # finished, cancelled, or an abandoned attempt
+            if inflight.ended:
+                # Its finish came before: nothing follows it (a loss leaves nothing to resume),
+                # and an attempt this started (a hole, a bad id) ran for nobody: its handler,
+                # done, has `finished` call nothing off.
+                continue
             if delta.finish_reason in ("lost", "preempted"):
                 del self._attempts[delta.request_id]  # its late deltas are dropped from now on
-                if inflight.ended:
-                    continue  # its finish came before: there is nothing left to resume
                 reason = delta.error or delta.finish_reason
                 self._resume(inflight, reason, counted=delta.finish_reason == "lost")
                 continue
