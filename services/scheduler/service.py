@@ -559,14 +559,24 @@ class SchedulerService:
             self.log.warning("peer refused", peer_id=hello.peer_id, error=error)
             return [Outgoing(identity, ack)]
         self.log.info("peer joined", peer_id=hello.peer_id, role=hello.role, address=hello.address)
-        return [Outgoing(identity, ack), *self.core.on_hello(identity, hello, now)]
+        joined = [Outgoing(identity, ack), *self.core.on_hello(identity, hello, now)]
+        if hello.role == "gateway":
+            # The status (this scheduler's epoch) before any answer to its SUBMITs: coming at
+            # the next tick, it made the gateway take the requests this scheduler had accepted
+            # meanwhile for ones the scheduler before had lost, and resume each (a new attempt,
+            # at the back of the queue, one of its resumptions spent).
+            joined.append(Outgoing(identity, self._status(now)))
+        return joined
 
-    def _broadcast_status(self, now: float) -> None:
-        status = dataclasses.replace(
+    def _status(self, now: float) -> wire.ClusterStatus:
+        return dataclasses.replace(
             self.core.cluster_status(now),
             scheduler_metrics_address=self.metrics_address,
             scheduler_epoch=self.epoch,
         )
+
+    def _broadcast_status(self, now: float) -> None:
+        status = self._status(now)
         self.events.refresh(status)
         self._send([Outgoing(g.identity, status) for g in self.core.gateways.values()])
 

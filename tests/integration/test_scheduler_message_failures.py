@@ -314,3 +314,24 @@ def test_a_flood_of_messages_does_not_hold_off_the_tick(tmp_path):
     # Ticks on time, and the flood read between them.
     assert handled_at_status == sorted(set(handled_at_status)), handled_at_status
     assert handled_at_status[-1] < num_flood, handled_at_status
+
+
+def test_a_gateway_hears_the_schedulers_epoch_with_its_welcome(tmp_path):
+    """The status carrying the epoch came at the next tick: a SUBMIT this scheduler accepted
+    before it was taken, after a restart, for a request the scheduler before had lost, and
+    resumed for nothing (a new attempt at the back of the queue, a resumption spent)."""
+    context = zmq.Context()
+    service = SchedulerService(SchedulerConfig(address=f"ipc://{tmp_path}/s"), context)
+    try:
+        gateway = Peer(context, service.config.address, b"g")
+        deliver(service, gateway, hello(service, "g", "gateway", tmp_path))
+        ack, status = gateway.received()
+        assert ack.accepted and isinstance(status, wire.ClusterStatus)
+        assert status.scheduler_epoch == service.epoch
+        worker = Peer(context, service.config.address, b"d")
+        deliver(service, worker, hello(service, "d", "decode", tmp_path))
+        assert [type(m) for m in worker.received()] == [wire.HelloAck]  # (gateways only)
+    finally:
+        service.socket.close(linger=0)
+        service.security.stop()
+        context.destroy(linger=0)
