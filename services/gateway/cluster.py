@@ -120,6 +120,9 @@ def _negative_token_id(delta: wire.TokenDelta) -> int | None:
     return lowest if lowest < 0 else None
 
 
+SUBMIT_ANSWER_S = 10.0  # the longest a SUBMIT waits for the scheduler's answer (then a 503)
+
+
 class SubmitRefused(Exception):
     def __init__(
         self, status_code: int, message: str, retry_after_s: float | None, answered: bool = True
@@ -293,7 +296,9 @@ class ClusterClient:
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def submit(self, submit: wire.Submit, timeout_s: float = 10.0) -> asyncio.Queue:
+    async def submit(
+        self, submit: wire.Submit, timeout_s: float = SUBMIT_ANSWER_S
+    ) -> asyncio.Queue:
         """Queues a request; returns the queue its TokenDeltas arrive on. Raises SubmitRefused."""
         request_id = submit.request_id
         inflight = InFlight(submit, asyncio.Queue(), request_id)

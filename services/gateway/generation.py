@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from services.gateway.chat_prompt import chat_prompt_ids
-from services.gateway.cluster import ClusterClient, SubmitRefused
+from services.gateway.cluster import SUBMIT_ANSWER_S, ClusterClient, SubmitRefused
 from services.gateway.context_probe import refuse_far_past_context
 from services.gateway.detokenizer import (
     MAX_CHARACTER_TOKENS,
@@ -327,17 +327,32 @@ class Generator:
             bulk=bulk,
             first_token_deadline_s=self._first_token_deadline(generation),
         )
+        # The answer waited for no longer than the request may wait for its first token: with
+        # a limit under SUBMIT_ANSWER_S, a slow scheduler was a 503 past the limit, not its 504.
+        answer_wait_s = min(SUBMIT_ANSWER_S, submit.first_token_deadline_s or SUBMIT_ANSWER_S)
         try:
-            return await self.cluster.submit(submit)
+            return await self.cluster.submit(submit, answer_wait_s)
         except SubmitRefused as refused:
-            self.telemetry.failed(None, choice_id, refused.status_code, refused.message)
-            raise _refusal_error(refused) from None
+            error = _refusal_error(refused)
+            if not refused.answered and answer_wait_s < SUBMIT_ANSWER_S:
+                limit, name = self._first_token_limit()
+                message = f"no answer within {limit:g} s for a token ({name})"
+                error = ApiError(504, message, "server_error")
+            self.telemetry.failed(None, choice_id, error.status, error.message)
+            raise error from None
+
+    def _first_token_limit(self) -> tuple[float, str]:
+        """The limit a request's first token waits under, and its setting's name."""
+        return min(
+            (self.timeouts.first_token_s, "first_token_timeout_s"),
+            (self.timeouts.request_s, "request_timeout_s"),
+        )
 
     def _first_token_deadline(self, generation: Generation) -> float:
         """What is left of the request's time for a first token (at least a millisecond: the
         wire takes only a positive deadline)."""
         waited = time.monotonic() - generation.arrived_at
-        limit = min(self.timeouts.first_token_s, self.timeouts.request_s)
+        limit, _ = self._first_token_limit()
         return max(1e-3, limit - waited)
 
     async def _next_delta(

@@ -9,8 +9,13 @@ import asyncio
 import pytest
 from structlog.testing import capture_logs
 
+from services.gateway.cluster import SubmitRefused
 from services.gateway.generation import Generator
-from services.gateway.openai_protocol import parse_chat_request, parse_completion_request
+from services.gateway.openai_protocol import (
+    ApiError,
+    parse_chat_request,
+    parse_completion_request,
+)
 from services.gateway.responses import StreamChunks, collect_response
 from shared import wire
 from shared.engine.model_files import resolve_model_dir
@@ -303,3 +308,38 @@ def test_tokens_counted_in_the_metrics_are_those_the_usage_counts(tokenizer):
     whole = asyncio.run(collect_response(generation, generator.events(generation, "t")))
     assert whole["usage"]["completion_tokens"] == len(one)
     assert telemetry.generation_tokens._value.get() == len(one)
+
+
+class SilentScheduler(PlayedCluster):
+    """A scheduler that never answers a SUBMIT: the link gives up after `timeout_s`."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.waits: list[float] = []
+
+    async def submit(self, submit: wire.Submit, timeout_s: float = 10.0) -> asyncio.Queue:
+        self.waits.append(timeout_s)
+        await asyncio.sleep(timeout_s)
+        raise SubmitRefused(503, "the scheduler did not answer", 1.0, answered=False)
+
+
+@pytest.mark.parametrize("first_token_s, status", [(0.2, 504), (30.0, 503)])
+def test_a_silent_scheduler_is_waited_for_no_longer_than_the_first_token_limit(
+    tokenizer, first_token_s, status, monkeypatch
+):
+    """The answer was waited for 10 s whatever the request's limit: with
+    `--first-token-timeout-s 0.2`, a 503 after 10 s, not the 504 at its limit."""
+    from services.gateway import generation as module
+
+    monkeypatch.setattr(module, "SUBMIT_ANSWER_S", 0.5)  # (the test's 10 s)
+    cluster = SilentScheduler()
+    timeouts = module.Timeouts(first_token_s=first_token_s)
+    generator = Generator(cluster, tokenizer, MODEL, 8192, GatewayEvents(get_logger()), timeouts)
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    generation = generator.prepare(parse_completion_request(body, MODEL, 8192), "cmpl")
+    with pytest.raises(ApiError) as info:
+        asyncio.run(collect_response(generation, generator.events(generation, "t")))
+    assert info.value.status == status
+    assert cluster.waits[0] <= min(first_token_s, 0.5)
+    if status == 504:
+        assert "first_token_timeout_s" in info.value.message
