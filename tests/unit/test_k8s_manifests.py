@@ -29,14 +29,19 @@ from pathlib import Path
 
 import kubernetes_validate.utils as kubernetes_validate
 import pytest
+import torch
 import yaml
 import zmq
+from transformers import AutoConfig
 
 from services.batch.service import BatchServiceConfig
 from services.gateway.service import GatewayConfig
 from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.config import ConfigError, config_from_args, env_name
+from shared.engine.kv_cache import num_blocks_for_budget
+from shared.engine.model_config import ModelConfig
+from shared.engine.model_files import resolve_model_dir
 from shared.lifecycle import DecodeEvents, PrefillEvents
 
 K8S = Path(__file__).resolve().parents[2] / "compose" / "k8s"
@@ -567,3 +572,35 @@ def test_every_role_reads_the_curvezmq_secret(manifests):
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         refs = [s["secretRef"] for s in container.get("envFrom", []) if "secretRef" in s]
         assert {"name": "tandem-curve", "optional": True} in refs, name
+
+
+def worker_context_problems(manifests: Manifests) -> list[str]:
+    """A worker's KV cache must hold the model's whole context at float32, what TANDEM_DTYPE
+    `auto` runs on a CPU without bfloat16 arithmetic: the scheduler admits a prompt that fits a
+    decode worker, and a prefill worker whose pool is smaller then refuses it for good."""
+    configmaps = {
+        name: doc.get("data", {}) for name, doc in by_name(manifests, "ConfigMap").items()
+    }
+    problems = []
+    for filename, deployment in resources(manifests, "Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            if container["command"][1:] not in (["prefill"], ["decode"]):
+                continue
+            environ, _ = container_environ(container, configmaps)
+            config = config_from_args(WorkerConfig, environ={**environ, "TANDEM_DTYPE": "float32"})
+            directory, _ = resolve_model_dir(config.model)
+            model = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+            blocks = num_blocks_for_budget(
+                model, config.block_size, torch.float32, config.kv_cache_bytes
+            )
+            if blocks * config.block_size < model.context_len:
+                problems.append(
+                    f"{filename}: {container['name']}'s KV cache holds "
+                    f"{blocks * config.block_size} tokens at float32, less than the model's "
+                    f"context of {model.context_len}"
+                )
+    return problems
+
+
+def test_every_worker_holds_the_models_whole_context(manifests):
+    assert worker_context_problems(manifests) == []
