@@ -58,7 +58,7 @@ class PrefillWindow:
     # A batch line goes only to a worker holding less than this share of the window in small
     # prompts (and no big one): enough that the next step's lines wait while one runs.
     bulk_share: float = BULK_WINDOW_SHARE
-    num_big: int = 0  # big prompts held (one, and one a batch line's, but for one built by hand)
+    num_big: int = 0  # big prompts held (one interactive, one a batch line's; or by hand, more)
     num_big_bulk: int = 0  # of those, batch lines'
     small_tokens: int = 0
     held_tokens: int = 0  # every prompt token held, big or small

@@ -29,8 +29,7 @@ def inverse_frequencies(
     check_rope_parameters(params)
     rope_type = params.get("rope_type", "default")
     base = float(params.get("rope_theta", 10000.0))
-    dim = head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "default":
         return inv_freq, 1.0
@@ -38,7 +37,7 @@ def inverse_frequencies(
         return inv_freq / params["factor"], 1.0
     if rope_type == "llama3":
         return _llama3(inv_freq, params), 1.0
-    return _yarn(base, dim, params, max_position_embeddings)  # (the last type checked)
+    return _yarn(base, head_dim, params, max_position_embeddings)  # (the last type checked)
 
 
 def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

@@ -67,6 +67,19 @@ def client_of(
     return openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http)
 
 
+def clients_by_key(tokenizer, tenants: dict[str, str | None]) -> list[openai.OpenAI]:  # noqa: F811
+    """One client per API key (key -> its tenant, None: a bare key) of one gateway."""
+    from services.gateway.auth import ApiKeys
+
+    generator = Generator(TextCluster(tokenizer, "Hello."), tokenizer, MODEL, 8192,
+                          GatewayEvents(get_logger()))  # fmt: skip
+    http = TestClient(build_app(generator, 1 << 20, ApiKeys(tenants), responses=ResponseStore()))
+    return [
+        openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http)
+        for key in tenants
+    ]
+
+
 def test_a_conversation_echoed_as_items_is_the_prompt_previous_response_id_gives(tokenizer):  # noqa: F811
     """The Agents SDK sends the last answer's output items back (a message, then its call):
     they made two assistant turns, another prompt than the stored response continues."""
@@ -160,16 +173,8 @@ def test_a_bad_input_items_query_is_a_400(tokenizer, query, param):  # noqa: F81
 
 
 def test_input_items_not_stored_or_anothers_are_a_404_as_the_response_is(tokenizer):  # noqa: F811
-    from services.gateway.auth import ApiKeys
-
-    generator = Generator(TextCluster(tokenizer, "Hello."), tokenizer, MODEL, 8192,
-                          GatewayEvents(get_logger()))  # fmt: skip
-    keys = ApiKeys({"key-of-alice-0000": "alice", "key-of-bob-000000": "bob"})
-    http = TestClient(build_app(generator, 1 << 20, keys, responses=ResponseStore()))
-    alice, bob = (
-        openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http)
-        for key in keys.tenants
-    )
+    alice, bob = clients_by_key(tokenizer, {"key-of-alice-0000": "alice",
+                                            "key-of-bob-000000": "bob"})  # fmt: skip
     stored = alice.responses.create(model=MODEL, input="Hi")
     unstored = alice.responses.create(model=MODEL, input="Hi", store=False)
     for client, response_id in ((bob, stored.id), (alice, unstored.id), (alice, "resp_none")):
@@ -247,16 +252,8 @@ def test_a_stream_that_fails_midway_closes_its_item_and_ends_failed(tokenizer): 
 def test_a_bare_keys_stored_responses_are_its_own(tokenizer):  # noqa: F811
     """Keys without a tenant all stored under one owner: any bare key read, continued and
     deleted the responses of another, given an id."""
-    from services.gateway.auth import ApiKeys
-
-    generator = Generator(TextCluster(tokenizer, "Hello."), tokenizer, MODEL, 8192,
-                          GatewayEvents(get_logger()))  # fmt: skip
-    keys = ApiKeys({"bare-key-one-0000": None, "bare-key-two-0000": None, "k-tenant-0000": "t"})
-    http = TestClient(build_app(generator, 1 << 20, keys, responses=ResponseStore()))
-    one, two, tenant = (
-        openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http)
-        for key in keys.tenants
-    )
+    keys = {"bare-key-one-0000": None, "bare-key-two-0000": None, "k-tenant-0000": "t"}
+    one, two, tenant = clients_by_key(tokenizer, keys)
     stored = one.responses.create(model=MODEL, input="Hi")
     for other in (two, tenant):
         with pytest.raises(openai.NotFoundError):
