@@ -4,7 +4,10 @@ Every ZeroMQ bind goes through `bind`: an `ipc://` address gets its directory ma
 defaults live in /tmp/tandem, which nothing else creates), a tcp:// one ZeroMQ's IPv6 option
 where it needs it (`shared.endpoints`), and a bind that fails (the port in
 use, an address not this machine's) is a `BindError` naming the setting, which the `tandem`
-command prints as one line with exit status 2 instead of a traceback. TCP ports that another
+command prints as one line with exit status 2 instead of a traceback. An `ipc://` socket file
+is probed first (`refuse_served_ipc_path`): ZeroMQ's bind unlinks whatever is at the path and
+takes it, so a second scheduler on the same path took it from the live one, whose peers then
+reached the newcomer while it ran on, deaf. TCP ports that another
 program binds for us (uvicorn, `tandem up`'s gateway) are checked beforehand with
 `check_tcp_port` (`check_address` for a ZeroMQ one): free now, or refused the same way (as is a
 host that resolves to no address).
@@ -15,6 +18,8 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import stat
+import time
 
 import zmq
 
@@ -22,6 +27,12 @@ from shared.config import ConfigError, env_name, flag_name
 from shared.endpoints import set_ipv6
 
 IPC_PREFIX = "ipc://"
+IPC_PROBE_TIMEOUT_S = 0.2  # (a local connect: answered at once, refused or accepted)
+# A listener must answer this many probes this far apart to count as served: a ZeroMQ socket
+# closed in this process a moment ago closes its listener on its I/O thread, a little later,
+# and a service restarted in-process on its own path was refused about one time in three.
+IPC_PROBE_ATTEMPTS = 3
+IPC_PROBE_INTERVAL_S = 0.02
 
 
 class BindError(ConfigError):
@@ -46,17 +57,71 @@ def ensure_ipc_dir(address: str) -> None:
     os.makedirs(directory, mode=0o700, exist_ok=True)
 
 
+def refuse_served_ipc_path(address: str) -> None:
+    """BindError-ready OSError if the file of an `ipc://` address is one ZeroMQ's bind must not
+    unlink: a socket another process accepts connections on, or not a socket at all. A socket
+    file nobody listens on (its process was killed) passes, for the bind to replace. Abstract
+    `ipc://@name` needs no probe (the kernel refuses a name in use), nor `ipc://*` (a fresh
+    path). Two binds started at the same instant can still both pass: the probe narrows the
+    window to the moment between it and the bind, it does not lock the path."""
+    if not address.startswith(IPC_PREFIX):
+        return
+    path = address[len(IPC_PREFIX) :]
+    if path.startswith("@") or path == "*":
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.ENOTSOCK, "the path exists and is not a socket file")
+    if ipc_listener_stays(path):
+        raise OSError(
+            errno.EADDRINUSE,
+            f"{os.strerror(errno.EADDRINUSE)} (another process serves this socket file: "
+            "an earlier tandem still running?)",
+        )
+
+
+def ipc_listener_stays(path: str) -> bool:
+    """Whether `ipc_listener_answers` every probe of IPC_PROBE_ATTEMPTS: one closing goes
+    quiet in between (the refusal takes the whole interval, a free path one probe)."""
+    for attempt in range(IPC_PROBE_ATTEMPTS):
+        if attempt:
+            time.sleep(IPC_PROBE_INTERVAL_S)
+        if not ipc_listener_answers(path):
+            return False
+    return True
+
+
+def ipc_listener_answers(path: str) -> bool:
+    """Whether a process listens on the Unix socket file `path`: a plain connect, closed at
+    once (a ZeroMQ listener sees a peer leave before its greeting, and forgets it). An error
+    other than "refused" or "gone" (no permission to connect) is raised for the caller."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(IPC_PROBE_TIMEOUT_S)
+        # (connect_ex: a Python socket's errno to sort, and no ZeroMQ connect to route through
+        # `shared.endpoints`)
+        error = probe.connect_ex(path)
+    if error in (errno.ECONNREFUSED, errno.ENOENT):
+        return False  # nobody listens (or the file went between the stat and the connect)
+    if error in (0, errno.EAGAIN, errno.ETIMEDOUT):
+        return True  # accepted, or a listener whose backlog is full: busy, not gone
+    raise OSError(error, os.strerror(error))
+
+
 def bind(sock: zmq.Socket, address: str, setting: str) -> None:
     """`sock.bind(address)`, the address being the value of the config field `setting`; IPv6
     enabled where the address needs it (`shared.endpoints`)."""
     try:
         ensure_ipc_dir(address)
+        refuse_served_ipc_path(address)
         set_ipv6(sock, address).bind(address)
     except zmq.ZMQError as error:  # (its strerror repeats the address)
         raise BindError(
             f"{describe(setting)}: cannot bind {address}: {zmq.strerror(error.errno)}"
         ) from None
-    except OSError as error:  # the ipc:// directory
+    except OSError as error:  # the ipc:// directory or socket file
         reason = error.strerror or str(error)
         raise BindError(f"{describe(setting)}: cannot bind {address}: {reason}") from None
 
@@ -69,6 +134,7 @@ def check_address(address: str, setting: str) -> None:
     if not address.startswith("tcp://"):
         try:
             ensure_ipc_dir(address)
+            refuse_served_ipc_path(address)
         except OSError as error:
             reason = error.strerror or str(error)
             raise BindError(f"{describe(setting)}: cannot bind {address}: {reason}") from None
