@@ -8,6 +8,8 @@ cancels its request everywhere: a handler watches the connection while it waits 
 stream for its first event, so a request queued or prefilling is cancelled too), and a stream
 that has begun is closed by the server. A long prompt is tokenized off the event loop
 (`generation`), and its client is watched while it waits for that too.
+
+The server's shutdown bounds every wait on the cluster (`drain`): past its grace, a 503.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from services.gateway.batched_prompts import (
     first_events,
     split_prompts,
 )
+from services.gateway.drain import Drain, until_drained
 from services.gateway.federation import cluster_metrics
 from services.gateway.generation import ChoiceEvent, Generation, Generator, tokenizes_off_loop
 from services.gateway.json_body import load_json_body
@@ -73,6 +76,10 @@ def unforeseen_in_stream(error: Exception) -> bytes:
     return sse_event(unforeseen(error).body())
 
 
+def _drain_of(request: Request) -> Drain:
+    return request.app.state.drain
+
+
 def error_response(error: ApiError) -> JSONResponse:
     headers = {}
     retry_after = getattr(error, "retry_after_s", None)
@@ -105,10 +112,12 @@ def build_app(
     lifespan=None,
     batch: BatchLink | None = None,
     responses: ResponseStore | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The HTTP API; `batch`, the link to the batch service, adds its metrics to /metrics (its
-    routes are `batch_routes`')."""
+    routes are `batch_routes`'); `drain`, the server's shutdown (default: one never begun)."""
     app = FastAPI(title="tandem", lifespan=lifespan)
+    app.state.drain = drain or Drain()
     model = generator.model_name
     keys = keys or ApiKeys({})
     responses = responses if responses is not None else ResponseStore()
@@ -372,7 +381,8 @@ async def _serve(
     try:
         if generation.request.stream:
             first = await _unless_gone(request, first_event(events))
-            return StreamingResponse(_sse(generation, first, events), media_type=SSE_MEDIA_TYPE)
+            rest = until_drained(events, _drain_of(request))
+            return StreamingResponse(_sse(generation, first, rest), media_type=SSE_MEDIA_TYPE)
         return JSONResponse(await _unless_gone(request, collect_response(generation, events)))
     except ClientGone:
         await events.aclose()  # type: ignore[attr-defined]
@@ -385,7 +395,7 @@ async def _serve_batch(
     try:
         if generations[0].request.stream:
             started = await _unless_gone(request, first_events(generator, generations, tenant))
-            chunks = batched_chunks(generations, started)
+            chunks = until_drained(batched_chunks(generations, started), _drain_of(request))
             return StreamingResponse(_sse_of(chunks), media_type=SSE_MEDIA_TYPE)
         return JSONResponse(
             await _unless_gone(request, batched_response(generator, generations, tenant))
@@ -397,11 +407,13 @@ async def _serve_batch(
 async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """`work`'s result; ClientGone, the work cancelled (its cluster requests with it: a queued
     prompt leaves the queue unprefilled), as soon as the client disconnects. A stream waits
-    here for its first event, a whole answer for its last: either may take minutes in a queue."""
+    here for its first event, a whole answer for its last: either may take minutes in a queue.
+    Past the shutdown's grace, ApiError 503, the work cancelled (`Drain`)."""
     working = asyncio.create_task(work)
     leaving = asyncio.create_task(_disconnect(request))
     try:
-        await asyncio.wait({working, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        waiting = asyncio.wait({working, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        await _drain_of(request).within(waiting)
     finally:  # (also when this handler is cancelled: both tasks end with it)
         leaving.cancel()
         if not working.done():
@@ -473,7 +485,8 @@ async def _serve_response(
     try:
         if generation.request.stream:
             first = await _unless_gone(request, first_event(events))
-            stream = _response_sse(body, generation, first, events, keeper)
+            rest = until_drained(events, _drain_of(request))
+            stream = _response_sse(body, generation, first, rest, keeper)
             return StreamingResponse(stream, media_type=SSE_MEDIA_TYPE)
         chat = await _unless_gone(request, collect_response(generation, events))
         response = response_object(body, chat)

@@ -18,6 +18,7 @@ from services.gateway.batch_link import BatchLink
 from services.gateway.batch_routes import add_batch_routes
 from services.gateway.chat_prompt import read_chat_template
 from services.gateway.cluster import ClusterClient
+from services.gateway.drain import Drain
 from services.gateway.generation import Generator, Timeouts
 from services.gateway.response_store import DEFAULT_MAX_BYTES, ResponseStore
 from services.gateway.rpc import RpcServer
@@ -93,6 +94,12 @@ class GatewayConfig(CurveSettings):
         DEFAULT_MAX_BYTES,
         "memory for the Responses API's stored responses (previous_response_id); 0: none kept",
     )
+    shutdown_grace_s: float = setting(
+        5.0,
+        "on SIGTERM, how long requests under way may still run; then each ends with a 503 "
+        "(a stream's error event and [DONE]) and the gateway exits. Keep it under the "
+        "orchestrator's kill: docker's and `tandem up`'s 10 s, Kubernetes' 30 s",
+    )
 
     def __post_init__(self) -> None:
         self.curve_keys()
@@ -116,6 +123,7 @@ class GatewayConfig(CurveSettings):
             "first_token_timeout_s",
             "request_timeout_s",
             "rpc_client_timeout_s",
+            "shutdown_grace_s",
         )
         require_port(self, "port")
         if self.response_store_bytes < 0:
@@ -148,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, GatewayConfig)
 
 
-def build_gateway(config: GatewayConfig):
+def build_gateway(config: GatewayConfig, drain: Drain | None = None):
     from transformers import AutoConfig, AutoTokenizer
 
     directory, name = resolve_model_dir(config.model)
@@ -215,7 +223,7 @@ def build_gateway(config: GatewayConfig):
             await cluster.close()
 
     responses = ResponseStore(config.response_store_bytes)
-    app = build_app(generator, config.max_body_bytes, keys, lifespan, batch, responses)
+    app = build_app(generator, config.max_body_bytes, keys, lifespan, batch, responses, drain)
     if batch is not None:
         add_batch_routes(app, batch, keys, name)
     return app
@@ -224,6 +232,43 @@ def build_gateway(config: GatewayConfig):
 # uvicorn's own logging set-up (`log_config=None`: none) would print its lines as plain text
 # among the JSON ones; its loggers go through Python's root to structlog (`shared.logs`).
 UVICORN_SETTINGS: dict[str, Any] = {"loop": "uvloop", "log_level": "warning", "log_config": None}
+# After the grace, what the drain's 503s take to reach their clients; a task still running then
+# is cancelled by uvicorn (its connection torn), so the exit is bounded whatever a handler does.
+STREAM_END_S = 1.0
+# uvicorn's exit status when it could not start (its `run` exits with it: a taken port).
+STARTUP_FAILURE = 3
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, its shutdown bounded. On SIGTERM uvicorn closes its listening socket
+    (new connections are refused) and idle keep-alive connections, then waited for every
+    request under way, without end for a stream that never ends, until the orchestrator's
+    SIGKILL tore them all. Here the drain begins with the shutdown: requests have
+    `grace_s` to finish, then the app ends them itself (`Drain`)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, grace_s: float):
+        super().__init__(config)
+        self.drain = drain
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.drain.begin(self.grace_s)
+        await super().shutdown(sockets)
+
+
+def serve(app, config: GatewayConfig, drain: Drain) -> int:
+    """Serves `app` until SIGTERM or Ctrl-C, then drains it (`DrainingServer`)."""
+    server_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        timeout_graceful_shutdown=config.shutdown_grace_s + STREAM_END_S,
+        **UVICORN_SETTINGS,
+    )
+    server = DrainingServer(server_config, drain, config.shutdown_grace_s)
+    with contextlib.suppress(KeyboardInterrupt):  # (Ctrl-C, drained: as `uvicorn.run`, exit 0)
+        server.run()
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,6 +280,5 @@ def run(args: argparse.Namespace) -> int:
     check_address(config.stream_address, "stream_address")
     if config.rpc_address is not None:
         check_address(config.rpc_address, "rpc_address")
-    app = build_gateway(config)
-    uvicorn.run(app, host=config.host, port=config.port, **UVICORN_SETTINGS)
-    return 0
+    drain = Drain()
+    return serve(build_gateway(config, drain), config, drain)
