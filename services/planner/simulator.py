@@ -132,6 +132,7 @@ class Simulator:
         self.core = ClusterScheduler(config.limits)
         budget = config.max_num_batched_tokens or profile.settings.max_num_batched_tokens
         num_blocks = config.num_kv_blocks or profile.num_kv_blocks
+        self.num_kv_blocks = num_blocks  # each worker's, prefill and decode (as its HELLO says)
         self.prefills = {
             f"prefill{i}": SimPrefillWorker(
                 f"prefill{i}", profile, self, budget, self._cache(num_blocks)
@@ -288,7 +289,7 @@ class Simulator:
         gateway = self._hello(GATEWAY, "gateway", 0)
         self._send(self.core.on_hello(GATEWAY.encode(), gateway, 0.0))
         for peer_id in self.prefills:
-            hello = self._hello(peer_id, "prefill", 0)
+            hello = self._hello(peer_id, "prefill", self.num_kv_blocks)
             self._send(self.core.on_hello(peer_id.encode(), hello, 0.0))
         for peer_id, worker in self.decodes.items():
             hello = self._hello(peer_id, "decode", worker.num_total_blocks)

@@ -29,8 +29,11 @@ def prefill_candidates(
     now: float,
     holders: set[str],
 ) -> list[WorkerState]:
-    """The healthy prefill workers whose window takes the prompt and that can be the
-    placement's choice: the `holders` of its prefix, and the least loaded other per rate."""
+    """The healthy prefill workers whose window takes the prompt, whose KV cache holds it,
+    and that can be the placement's choice: the `holders` of its prefix, and the least loaded
+    other per rate."""
+    # Past the smallest prefill pool, workers too small are out (they would refuse it).
+    num_needed = num_prompt_tokens + 1 if num_prompt_tokens >= registry.smallest_prefill_pool else 0
     candidates = []
     if holders:
         for peer_id in holders:
@@ -38,12 +41,13 @@ def prefill_candidates(
             if (
                 worker is not None
                 and worker.role == "prefill"
+                and worker.pool_tokens >= num_needed
                 and registry.window_takes(worker, num_prompt_tokens, bulk)
                 and registry.is_healthy(worker, now)
             ):
                 candidates.append(worker)
     for group in registry.prefill_takers_by_load(num_prompt_tokens, bulk, now):
-        others = _not_held(group, holders)
+        others = _not_held(group, holders, num_needed)
         first = next(others, None)
         if first is None:
             continue
@@ -54,10 +58,13 @@ def prefill_candidates(
     return candidates
 
 
-def _not_held(group: Iterable[WorkerState], holders: set[str]) -> Iterator[WorkerState]:
-    """Lazily (a group can be every worker; the first one is the usual answer)."""
+def _not_held(
+    group: Iterable[WorkerState], holders: set[str], num_needed: int
+) -> Iterator[WorkerState]:
+    """Those not in `holders` whose pool holds `num_needed` tokens, lazily (a group can be
+    every worker; the first one is the usual answer)."""
     for worker in group:
-        if worker.peer_id not in holders:
+        if worker.peer_id not in holders and worker.pool_tokens >= num_needed:
             yield worker
 
 

@@ -610,6 +610,13 @@ class ClusterScheduler:
         needed = len(submit.prompt_token_ids) + submit.sampling.max_tokens
         if needed > capacity:
             return self._past_capacity(needed, capacity)
+        num_prefill = num_prefill_tokens(submit) + 1  # (with its first token)
+        if num_prefill > self.registry.largest_prefill_pool:  # refused by every one, for good
+            message = (
+                f"the prompt ({num_prefill} tokens with its first) can never fit the KV cache "
+                f"of a prefill worker (the largest holds {self.registry.largest_prefill_pool})"
+            )
+            return 400, message, None
         if submit.gateway_peer_id not in self.gateways:  # its tokens would have nowhere to go
             return 400, f"gateway {submit.gateway_peer_id!r} has not said HELLO", None
         if not submit.prompt_token_ids:  # (a prefill computes its last token's logits)
@@ -691,7 +698,7 @@ class ClusterScheduler:
         tokens): 400 when it is past every registered one's too, else 503, as when no worker is
         up: the one that could hold it is stalled and may move again (its request refused 400
         would fail for good, a resumed one too)."""
-        largest = max(w.num_total_blocks * w.block_size for w in self.registry.by_role("decode"))
+        largest = max(w.pool_tokens for w in self.registry.by_role("decode"))
         if needed <= largest:
             message = (
                 f"prompt plus max_tokens ({needed} tokens) fits only the KV cache of a decode "
@@ -939,17 +946,22 @@ class ClusterScheduler:
         takes_small, takes_big, takes_bulk = self.registry.prefill_kinds_taken(now)
         if not (takes_small or takes_big or takes_bulk):
             return NOTHING_PLACEABLE  # every window is full: the usual answer under load
+        # A prompt's room, on both workers: itself and its first token.
         max_tokens = self.registry.max_decode_tokens(now) - 1
         if max_tokens < 0:
             return NOTHING_PLACEABLE
+        # A prefill worker of each kind's largest cache (they differ only in mixed clusters).
+        small_pool, big_pool, bulk_pool = self.registry.prefill_pools_taking(now)
         interactive = []
         if takes_small:
-            interactive.append((0, min(half, max_tokens)))
-        if takes_big and max_tokens > half:
-            interactive.append((half + 1, max_tokens))
+            interactive.append((0, min(half, max_tokens, small_pool - 1)))
+        max_big = min(max_tokens, big_pool - 1)
+        if takes_big and max_big > half:
+            interactive.append((half + 1, max_big))
         bulk = []
         if takes_bulk and self.queue.holds_bulk():  # (no batch job: no question of its seats)
-            max_bulk_tokens = self.registry.max_decode_tokens(now, bulk=True) - 1
+            max_bulk_decode = self.registry.max_decode_tokens(now, bulk=True)
+            max_bulk_tokens = min(max_bulk_decode, bulk_pool) - 1
             bulk = [(0, max_bulk_tokens)] if max_bulk_tokens >= 0 else []
         return LengthRanges(tuple(interactive), tuple(bulk))
 

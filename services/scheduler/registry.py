@@ -60,10 +60,14 @@ class WorkerRegistry:
         # built when first asked (`_room`), so a cluster that runs no job keeps no second index.
         self.bulk_seat_share = bulk_seat_share
         self._bulk_decode_room: NativeOrPython | None = None
-        # The decode workers' KV pools, in tokens, and how many have each: a request past the
-        # smallest goes only to a worker whose pool holds its whole length (`pick_decode`).
-        self._decode_pools: dict[int, int] = {}
+        # Each role's KV pools, in tokens, and how many workers have each: a request past the
+        # smallest decode pool goes only to a worker whose pool holds its whole length
+        # (`pick_decode`), a prompt past the smallest prefill pool only to a prefill worker
+        # that holds it (a prefill worker refuses a prompt its cache cannot hold, for good).
+        self._pools: dict[str, dict[int, int]] = {"prefill": {}, "decode": {}}
         self.smallest_decode_pool = 0  # (0: no decode worker)
+        self.smallest_prefill_pool = 0  # (0: no prefill worker)
+        self.largest_prefill_pool = 0
         # The prefill workers' measured rates summed (the wait forecast's prior), kept as they
         # report, join and leave: no scan of a thousand workers per request.
         self.prefill_tokens_per_s = 0.0
@@ -76,6 +80,7 @@ class WorkerRegistry:
         if worker.role == "prefill":
             self.prefill_room.add(worker)
             self.prefill_tokens_per_s += worker.prefill_tokens_per_s
+            self._count_pool(worker, 1)
         elif worker.role == "decode":
             self.decode_room.add(worker)
             if self._bulk_decode_room is not None:
@@ -94,19 +99,25 @@ class WorkerRegistry:
                 self._count_pool(worker, -1)
             if worker.role == "prefill":
                 self._add_prefill_rate(-worker.prefill_tokens_per_s)
+                self._count_pool(worker, -1)
         return worker
 
     def get(self, peer_id: str) -> WorkerState | None:
         return self.workers.get(peer_id)
 
     def _count_pool(self, worker: WorkerState, change: int) -> None:
-        pool = worker.num_total_blocks * worker.block_size
-        left = self._decode_pools.get(pool, 0) + change
+        pools = self._pools[worker.role]
+        pool = worker.pool_tokens
+        left = pools.get(pool, 0) + change
         if left:
-            self._decode_pools[pool] = left
+            pools[pool] = left
         else:
-            del self._decode_pools[pool]
-        self.smallest_decode_pool = min(self._decode_pools, default=0)
+            del pools[pool]
+        if worker.role == "decode":
+            self.smallest_decode_pool = min(pools, default=0)
+        else:
+            self.smallest_prefill_pool = min(pools, default=0)
+            self.largest_prefill_pool = max(pools, default=0)
 
     # -- changes to a worker's load (the indexes follow) ---------------------------------------
 
@@ -242,6 +253,28 @@ class WorkerRegistry:
         window), a batch line."""
         return self.prefill_room.kinds_taken(now, self.progress_timeout_s)
 
+    def prefill_pools_taking(self, now: float) -> tuple[int, int, int]:
+        """The largest KV cache, in tokens, of a healthy prefill worker whose window takes a
+        small prompt, a big one, a batch line (0: none does). Workers of one pool size (the
+        usual cluster) answer at once: the kinds taken are `prefill_kinds_taken`'s."""
+        if self.smallest_prefill_pool == self.largest_prefill_pool:
+            pool = self.largest_prefill_pool
+            return pool, pool, pool
+        room = self.prefill_room
+        big = room.window_tokens // 2 + 1
+        small_pool = big_pool = bulk_pool = 0
+        for worker in self._by_role["prefill"].values():
+            if not self.is_healthy(worker, now):
+                continue
+            pool = worker.pool_tokens
+            if pool > small_pool and room.takes(worker.peer_id, 0, False):
+                small_pool = pool
+            if pool > big_pool and room.takes(worker.peer_id, big, False):
+                big_pool = pool
+            if pool > bulk_pool and room.takes(worker.peer_id, 0, True):
+                bulk_pool = pool
+        return small_pool, big_pool, bulk_pool
+
     def max_decode_tokens(self, now: float, bulk: bool = False) -> int:
         """The most tokens some healthy decode worker with a seat free (for a batch line if
         `bulk`) can hold now."""
@@ -334,7 +367,7 @@ class WorkerRegistry:
         room: NativeOrPython,
     ) -> bool:
         return (
-            worker.num_total_blocks * worker.block_size >= num_needed_tokens
+            worker.pool_tokens >= num_needed_tokens
             and worker.num_available_blocks >= worker.blocks_for(num_tokens)
             and room.has_seat(worker)
             and worker.making_progress(now, self.progress_timeout_s)

@@ -287,7 +287,7 @@ class DecodeRoom:
         self._capacities: list[tuple[int, int, str]] = []
 
     def add(self, worker: WorkerState) -> None:
-        capacity = worker.num_total_blocks * worker.block_size
+        capacity = worker.pool_tokens
         entry = (-capacity, worker.order, worker.peer_id)
         lazy_heap.push(self._capacities, entry, len(self._workers), self._registered)
         self.update(worker)

@@ -54,5 +54,10 @@ class WorkerState:
         return -(-num_tokens // self.block_size)
 
     @property
+    def pool_tokens(self) -> int:
+        """Its whole KV cache, in tokens."""
+        return self.num_total_blocks * self.block_size
+
+    @property
     def num_available_blocks(self) -> int:
         return self.num_free_blocks - self.num_promised_blocks

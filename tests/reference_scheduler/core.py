@@ -329,6 +329,16 @@ class ClusterScheduler:
         capacity = max(w.num_total_blocks * w.block_size for w in decode)
         if needed > capacity:
             return self._past_capacity(needed, capacity)
+        # A prompt past every prefill worker's cache, registered ones (a prefill worker refuses
+        # it for good; before December 2026 it was admitted and failed as a 500).
+        num_prefill = num_prefill_tokens(submit) + 1
+        largest = max(w.num_total_blocks * w.block_size for w in self.registry.by_role("prefill"))
+        if num_prefill > largest:
+            message = (
+                f"the prompt ({num_prefill} tokens with its first) can never fit the KV cache "
+                f"of a prefill worker (the largest holds {largest})"
+            )
+            return 400, message, None
         if submit.resumed_from is not None:
             return None  # admitted before its worker was lost: load does not refuse it now
         # Interactive requests are bounded by the interactive ones queued (queued batch lines
@@ -451,8 +461,9 @@ class ClusterScheduler:
             self.requests[item.request_id].num_charged_tokens = charged
             bulk = self._as_bulk(item, now)
             self.requests[item.request_id].placed_as_bulk = bulk
+            num_tokens = item.num_prompt_tokens
             prefill = self.placement.choose_prefill(
-                [w for w in prefills if windows[w.peer_id].takes(item.num_prompt_tokens, bulk)],
+                [w for w in prefills if _takes(windows[w.peer_id], w, num_tokens, bulk)],
                 self.requests[item.request_id].submit,
                 self._num_held_tokens,
                 lambda w, windows=windows: windows[w.peer_id].small_room,
@@ -474,7 +485,8 @@ class ClusterScheduler:
     ) -> bool:
         """Some prefill worker's window takes it, and some decode worker can hold it."""
         bulk = self._as_bulk(item, now)
-        if not any(window.takes(item.num_prompt_tokens, bulk) for window in windows.values()):
+        prefills = self.registry.healthy("prefill", now)
+        if not any(_takes(windows[w.peer_id], w, item.num_prompt_tokens, bulk) for w in prefills):
             return False
         num_tokens, seat_share = item.num_prompt_tokens + 1, self._seat_share(bulk)
         needed = num_needed_tokens(self.requests[item.request_id].submit)
@@ -732,3 +744,9 @@ class ClusterScheduler:
             num_prefix_query_tokens=worker.num_prefix_query_tokens,
             num_prefix_hit_tokens=worker.num_prefix_hit_tokens,
         )
+
+
+def _takes(window: PrefillWindow, worker: WorkerState, num_prompt_tokens: int, bulk: bool) -> bool:
+    """The worker's window takes the prompt, and its KV cache holds it with its first token."""
+    pool = worker.num_total_blocks * worker.block_size
+    return window.takes(num_prompt_tokens, bulk) and pool >= num_prompt_tokens + 1

@@ -161,6 +161,35 @@ def test_prompt_that_never_fits_answers_400(core):
     assert reply.status_code == 400 and "never fit" in reply.message
 
 
+def test_a_prompt_past_every_prefill_workers_cache_answers_400():
+    """A prefill worker refuses a prompt its KV cache cannot hold (and a job it refuses can
+    never run): admitted because a decode worker held it, the request failed as a 500 after
+    its wait in the queue. The client's request is what is wrong: 400 at once."""
+    c = ClusterScheduler(SchedulerLimits())
+    c.on_hello(b"G", hello("g", "gateway"), 0.0)
+    c.on_hello(b"P", hello("p", "prefill", blocks=4), 0.0)  # 64 tokens
+    c.on_hello(b"D", hello("d", "decode", blocks=100), 0.0)
+    reply = c.on_submit(b"G", submit("long", prompt_len=100, max_tokens=1), 0.0)[0].message
+    assert reply.status_code == 400 and "prefill" in reply.message and "64" in reply.message
+    assert c.on_submit(b"G", submit("fits", prompt_len=60, max_tokens=1), 0.0)[0].message.accepted
+
+
+def test_a_prompt_only_the_larger_prefill_workers_hold_goes_to_one_of_them():
+    """Prefill workers of two sizes: a prompt past the smaller's cache waits for a larger one,
+    never placed where it would be refused; a short one goes to the smaller meanwhile."""
+    c = ClusterScheduler(SchedulerLimits(prefill_window_tokens=128))
+    c.on_hello(b"G", hello("g", "gateway"), 0.0)
+    c.on_hello(b"S", hello("small", "prefill", blocks=4), 0.0)  # 64 tokens
+    c.on_hello(b"B", hello("big", "prefill", blocks=100), 0.0)
+    c.on_hello(b"D", hello("d", "decode", blocks=100, seats=8), 0.0)
+    c.on_submit(b"G", submit("first", prompt_len=100, max_tokens=1), 0.0)
+    assert c.requests["first"].prefill_peer_id == "big"
+    c.on_submit(b"G", submit("second", prompt_len=100, max_tokens=1), 0.0)
+    assert c.requests["second"].phase == Phase.QUEUED  # the big window is full, not the small
+    c.on_submit(b"G", submit("short", prompt_len=20, max_tokens=1), 0.0)
+    assert c.requests["short"].prefill_peer_id == "small"
+
+
 def test_refused_reservation_requeues_and_tries_later(core):
     core.on_submit(b"G", submit("r"), 0.0)
     out = core.on_reserve_reply(

@@ -23,7 +23,7 @@ def make_core(policy: str = "fair", window: int = 100) -> ClusterScheduler:
         )
     )
     core.on_hello(b"G", hello("g", "gateway"), 0.0)
-    core.on_hello(b"P", hello("p", "prefill"), 0.0)
+    core.on_hello(b"P", hello("p", "prefill", blocks=1000), 0.0)  # (a 5,000-token prompt)
     core.on_hello(b"D", hello("d", "decode", blocks=1000), 0.0)
     return core
 
