@@ -8,10 +8,18 @@ Each answer is one line in OpenAI's batch output format, keyed by `custom_id`:
 Successful lines go to the output file, failed ones (any other status, or `response: null` with
 an `error` such as `batch_expired`) to the error file. A line is appended and flushed to the
 operating system *before* its row in `lines` is marked answered, so a kill -9 between the two
-leaves an answer on disk that the database does not know. `recover` closes that gap when a job
-starts (again): it cuts a torn last line, then marks every custom_id found in the files as
-answered, which makes the database agree with the files. Whatever is still pending after that
-was never written, and runs again: every line is answered exactly once.
+leaves an answer on disk that the database does not know.
+
+A power cut (or an OS crash) opens the other gap: neither write is synced (an fsync per line
+would cap a job at the disk's syncs a second), so the disk may keep the record and lose the
+line, or keep the file's size and lose a block of it (zeros). The files are therefore the
+truth, both ways. `recover` makes the database agree with them when a job starts (again): it
+reads the files up to the first line that is no whole answer (a torn last line, zeros, bytes
+that are not JSON) and cuts them there, marks every custom_id found answered, makes every
+other line pending again, and sets the batch's counts to the files' (see
+`Store.reconcile_answers`). Whatever is pending after that has no answer anywhere, and runs
+again: every line is answered exactly once. The files are synced when the batch ends, before
+its status says so (`Store.add_file` registers them).
 
 The same gap opens without a kill when SQLite refuses the record (`database or disk is full`):
 the answer is on disk, its row pending. `Answers` then keeps it in `unrecorded`, for its writer
@@ -20,13 +28,15 @@ to `record` again (never to write again: the line would be answered twice).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from services.batch.store import Store
+from services.batch.store import AnswerCounts, Store, fsync_path
 
 
 def output_file_id(batch_id: str) -> str:
@@ -63,8 +73,8 @@ class Answers:
             if path.exists() and path.stat().st_size == 0:
                 path.unlink()
 
-    def recover(self) -> int:
-        """Marks every answer already in the files; the number that were unknown to SQLite."""
+    def recover(self) -> tuple[int, int]:
+        """Makes SQLite agree with the files (`recover`)."""
         return recover(self.store, self.batch_id)
 
     def response(self, custom_id: str, status: int, body: dict[str, Any]) -> None:
@@ -104,6 +114,13 @@ class Answers:
         self.unrecorded[line["custom_id"]] = (ok, _usage(line))
         self.record(line["custom_id"])
 
+    def sync(self) -> None:
+        """The answers to the disk, before the batch's end says they are there (a big job's
+        files take seconds: a worker thread's work, when no line is being answered)."""
+        for path in (self.output_path, self.error_path):
+            with contextlib.suppress(FileNotFoundError):  # (closed empty: removed)
+                fsync_path(path)
+
     def sizes(self) -> tuple[int, int]:
         return _size(self.output_path), _size(self.error_path)
 
@@ -122,20 +139,51 @@ def _write_whole(file: Any, data: bytes) -> None:
         raise
 
 
-def recover(store: Store, batch_id: str) -> int:
-    """Marks every answer already in the job's files answered in `store`; the number that were
-    unknown to it (see the module doc)."""
-    num_recovered = 0
+def recover(store: Store, batch_id: str) -> tuple[int, int]:
+    """Makes the lines and counts of `store` say what the job's answer files hold (see the module
+    doc); (the number of answers it had not recorded, the number of lines it had recorded
+    answered whose answer the files lost: pending again)."""
+    counts, answered_ids = AnswerCounts(), set()
     paths = store.path_of(output_file_id(batch_id)), store.path_of(error_file_id(batch_id))
     for path, ok in zip(paths, (True, False), strict=True):
-        if not path.exists():
-            continue
-        _cut_torn_tail(path)
-        with open(path, "rb") as file:
-            for raw in file:
-                line = json.loads(raw)
-                num_recovered += store.mark_answered(batch_id, line["custom_id"], ok, _usage(line))
-    return num_recovered
+        for custom_id, usage in _read_answers(path):
+            if custom_id not in answered_ids:  # (never twice; counted once if so)
+                answered_ids.add(custom_id)
+                counts.add(ok, usage)
+    return store.reconcile_answers(batch_id, answered_ids, counts)
+
+
+def _read_answers(path: Path) -> Iterator[tuple[str, dict[str, Any] | None]]:
+    """The custom_id and usage of each answer in the file, which is cut at its first line that
+    is no whole answer: what follows it (whole answers after a block a power cut zeroed) runs
+    again. Lazily: a 50,000-line job's answers are not all held at once."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as file:
+        offset = 0
+        for raw in file:
+            answer = _answer_of(raw)
+            if answer is None:
+                file.truncate(offset)
+                return
+            yield answer["custom_id"], _usage(answer)
+            offset += len(raw)
+
+
+def _answer_of(raw: bytes) -> dict[str, Any] | None:
+    """The answer a line of an answer file holds; None if it holds none (cut short, zeros,
+    other bytes)."""
+    if not raw.endswith(b"\n"):
+        return None
+    try:  # (decoded first: given bytes, json guesses UTF-16 or UTF-32 from zeros)
+        answer = json.loads(raw.decode())
+    except ValueError:  # (UnicodeDecodeError and JSONDecodeError both)
+        return None
+    if not isinstance(answer, dict) or not isinstance(answer.get("custom_id"), str):
+        return None
+    if not isinstance(answer.get("response"), dict | None):
+        return None
+    return answer
 
 
 def _usage(line: dict[str, Any]) -> dict[str, Any] | None:
@@ -159,25 +207,3 @@ def _usage(line: dict[str, Any]) -> dict[str, Any] | None:
 
 def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
-
-
-def _cut_torn_tail(path: Path) -> None:
-    """Drops a last line that a kill cut short (no final newline)."""
-    size = path.stat().st_size
-    if size == 0:
-        return
-    with open(path, "rb+") as file:
-        file.seek(-1, os.SEEK_END)
-        if file.read(1) == b"\n":
-            return
-        position = size
-        while position > 0:
-            step = min(65536, position)
-            file.seek(position - step)
-            chunk = file.read(step)
-            newline = chunk.rfind(b"\n")
-            if newline >= 0:
-                file.truncate(position - step + newline + 1)
-                return
-            position -= step
-        file.truncate(0)

@@ -13,6 +13,7 @@ rather than outgrow MAX_PAGE_BYTES (a failed batch carries up to 1,000 errors).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import secrets
@@ -25,7 +26,7 @@ from typing import Any
 from services.batch.answers import error_file_id, output_file_id
 from services.batch.jobs import UNFINISHED, JobManager
 from services.batch.runner import KINDS
-from services.batch.store import Store
+from services.batch.store import Store, fsync_path
 from services.batch.validation import TooManyBlankLines, has_lone_surrogate, num_requests
 
 Result = tuple[int, dict[str, Any], bytes | None]
@@ -159,6 +160,8 @@ class BatchApi:
         """`handle`, for the service's loop: a create first counts its file's requests in a
         worker thread (a 200 MB file of one line is read whole: most of a second, in which the
         loop answered no call)."""
+        if op == "file_upload_end":
+            await self._sync_upload(tenant, params)
         if op != "batch_create":
             return self.handle(op, tenant, params, data)
         try:
@@ -175,6 +178,18 @@ class BatchApi:
             return self.batch_create(tenant, params, data, num_lines)
         except ApiFailure as failure:
             return failure.status, failure.body, None
+
+    async def _sync_upload(self, tenant: str, params: dict) -> None:
+        """An upload's bytes to the disk in a worker thread, before its end registers them
+        (`Store.add_file` syncs them again, by then at once: 200 MB synced on the loop held
+        every call for seconds). An upload not found is the end's to answer."""
+        try:
+            path = self._upload(tenant, params).path
+        except ApiFailure:
+            return
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(FileNotFoundError):
+            await loop.run_in_executor(self._counting, fsync_path, path)
 
     # -- files --------------------------------------------------------------------------------
 

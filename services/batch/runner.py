@@ -32,7 +32,7 @@ would be in both files: its answer, then `batch_expired`, as a line left pending
 expiry and the batch's end state are made again likewise. Each waits, every ANSWER_RETRY_S,
 until the disk and SQLite take it (the batch cannot end without them); a cancel still aborts
 the lines, a stop still stops the job, and what a stop leaves written the restart's recovery
-records (`answers.recover`).
+records (`answers.recover`); what a power cut took from the answer files it runs again.
 """
 
 from __future__ import annotations
@@ -254,7 +254,9 @@ class JobRunner:
             answers.record(custom_id)
 
     async def _recover_apart(self) -> None:
-        await asyncio.to_thread(self.store.run_apart, recover, self.batch_id)
+        _, num_lost = await asyncio.to_thread(self.store.run_apart, recover, self.batch_id)
+        if num_lost:  # (the files lost them: a power cut, an OS crash)
+            self.log.warning("answers lost from the files, their lines run again", lines=num_lost)
 
     async def _mark_lines_expired(self) -> None:
         """Marks the batch as one whose lines never started are (being) answered `batch_expired`,
@@ -331,6 +333,7 @@ class JobRunner:
         in which the service answered no call). The batch has ended by then: a cancel
         meanwhile is refused as for any ended batch, and the rows a stop or a kill leaves the
         start-up tidy drops (`BatchApi._tidy_after_a_kill`)."""
+        await asyncio.to_thread(answers.sync)  # (`_end` syncs them again, by then at once)
         batch = await self._until_stored("batch not ended", self._end, answers, ended)
         self.log.info("batch finished", status=ended, **batch["request_counts"])
         # (the batch keeps their counts)

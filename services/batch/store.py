@@ -15,15 +15,30 @@ file) runs in a worker thread with a connection of its own (a connection is its 
 WAL lets write while the loop's reads go on. Every write commits at once, save the few that must
 go together, which `transaction` wraps (and rolls back on any exception); a write waits out the
 other connection's (short) write transaction, up to BUSY_TIMEOUT_S.
+
+Durability. A kill -9 loses nothing committed (the OS keeps what it was given); a power cut or
+an OS crash loses what was not synced to the disk. So what the service reports stored is synced
+first: a file's bytes and its name in files/ before its row (`add_file`), and the writes marked
+`@_synced` (files, batches, a batch's lines and total) commit with synchronous=FULL (the WAL
+synced, which makes every earlier commit durable too). The rest commit with synchronous=NORMAL,
+the connection's mode: above all the per-line record of an answer (`mark_answered`, thousands a
+second; switching the mode for each cost a third of its time). A power cut may lose such a
+record, or keep it while the answer file lost the line: the answer files are the truth, which
+`services.batch.answers.recover` makes the lines' states and the batch's counts agree with
+(`reconcile_answers`) when the job starts again. A new write that must outlive a power cut
+gets `@_synced`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,6 +78,20 @@ T = TypeVar("T")
 BUSY_TIMEOUT_S = 30.0  # (the other connection's transactions take milliseconds)
 
 
+def _synced(write: Callable[..., T]) -> Callable[..., T]:
+    """A `Store` write whose commits are synced (synchronous=FULL): durable once it returns."""
+
+    @functools.wraps(write)
+    def synced_write(self: Store, *args: Any, **kwargs: Any) -> T:
+        self.db.execute("PRAGMA synchronous=FULL")
+        try:
+            return write(self, *args, **kwargs)
+        finally:
+            self.db.execute("PRAGMA synchronous=NORMAL")
+
+    return synced_write
+
+
 class Store:
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
@@ -73,7 +102,7 @@ class Store:
         )
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: a kill -9 loses nothing committed
+        self.db.execute("PRAGMA synchronous=NORMAL")  # but `@_synced` writes (see the module doc)
         self.db.executescript(SCHEMA)
         for (table, column), statement in _MIGRATIONS.items():
             columns = {row["name"] for row in self.db.execute(f"PRAGMA table_info({table})")}
@@ -113,9 +142,23 @@ class Store:
     def path_of(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
+    def sync_file(self, file_id: str) -> None:
+        """Syncs the file's bytes and its name in files/ to the disk (after a power cut, a
+        file only written and renamed may have lost its tail, or be gone). A file not there
+        has nothing to sync (the service names none such; tests add rows alone)."""
+        try:
+            fsync_path(self.path_of(file_id))
+        except FileNotFoundError:
+            return
+        fsync_path(self.files_dir, os.O_DIRECTORY)
+
     # -- files --------------------------------------------------------------------------------
 
+    @_synced
     def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int) -> None:
+        """Adds the row of the bytes in files/<file_id>, synced first: a row never names bytes
+        that a power cut can take (an upload reported stored, a batch's answers)."""
+        self.sync_file(file_id)
         self.db.execute(
             "INSERT INTO files (id, tenant, purpose, filename, bytes, created_at) "
             "VALUES (?, ?, ?, ?, ?, ?)",
@@ -160,6 +203,7 @@ class Store:
                 removed.append(path.name)
         return removed
 
+    @_synced
     def delete_file(self, tenant: str, file_id: str) -> bool:
         cursor = self.db.execute(
             "UPDATE files SET deleted = 1 WHERE id = ? AND tenant = ? AND deleted = 0",
@@ -171,6 +215,7 @@ class Store:
 
     # -- batches ------------------------------------------------------------------------------
 
+    @_synced
     def add_batch(self, batch: dict[str, Any], tenant: str) -> None:
         self.db.execute(
             "INSERT INTO batches (id, tenant, status, body, created_at) VALUES (?, ?, ?, ?, ?)",
@@ -199,6 +244,7 @@ class Store:
         ).fetchall()
         return [_batch_of(row) for row in rows]
 
+    @_synced
     def update_batch(self, batch_id: str, **changes: Any) -> dict[str, Any]:
         """Sets fields of the batch object (status, timestamps, file ids, errors) at once."""
         batch = self.get_batch(batch_id)
@@ -214,6 +260,7 @@ class Store:
 
     # -- lines --------------------------------------------------------------------------------
 
+    @_synced
     def add_lines(self, batch_id: str, rows: list[tuple[int, str, int, int, str]]) -> list[int]:
         """Adds (line_no, custom_id, offset, length, prefix_key) rows; the line numbers whose
         custom_id was already taken (duplicates)."""
@@ -254,6 +301,7 @@ class Store:
         )
         return cursor.rowcount
 
+    @_synced
     def set_total(self, batch_id: str, total: int) -> None:
         self.db.execute("UPDATE batches SET total = ? WHERE id = ?", (total, batch_id))
 
@@ -279,7 +327,7 @@ class Store:
         self, batch_id: str, custom_id: str, ok: bool, usage: dict[str, int] | None = None
     ) -> bool:
         """Records a line's answer (once: False if it was already answered), with its count,
-        in one transaction."""
+        in one transaction, unsynced (see the module doc)."""
         with self.transaction():
             cursor = self.db.execute(
                 "UPDATE lines SET state = ? WHERE batch_id = ? AND custom_id = ? AND state = ?",
@@ -287,23 +335,75 @@ class Store:
             )
             if cursor.rowcount:
                 column = "completed" if ok else "failed"
-                usage = usage or {}
                 self.db.execute(
                     f"UPDATE batches SET {column} = {column} + 1, "
                     "input_tokens = input_tokens + ?, output_tokens = output_tokens + ?, "
                     "cached_tokens = cached_tokens + ? WHERE id = ?",
-                    (
-                        usage.get("prompt_tokens", 0),
-                        usage.get("completion_tokens", 0),
-                        _cached_tokens(usage),
-                        batch_id,
-                    ),
+                    (*token_counts(usage), batch_id),
                 )
         return bool(cursor.rowcount)
+
+    def answered_custom_ids(self, batch_id: str) -> set[str]:
+        rows = self.db.execute(
+            "SELECT custom_id FROM lines WHERE batch_id = ? AND state = ?", (batch_id, ANSWERED)
+        )
+        return {row[0] for row in rows}
+
+    def reconcile_answers(
+        self, batch_id: str, answered_ids: set[str], counts: AnswerCounts
+    ) -> tuple[int, int]:
+        """Makes the batch's lines and counts say what its answer files hold: `answered_ids`
+        answered, every other line pending (its answer lost: run again), the counts `counts`
+        (set, not added: a lost answer's usage is known nowhere else); (the number of lines
+        marked answered, the number made pending again). Each step can be made again: a kill
+        midway is mended by the next recovery."""
+        in_db = self.answered_custom_ids(batch_id)
+        num_marked = self._set_states(batch_id, answered_ids - in_db, ANSWERED)
+        num_reopened = self._set_states(batch_id, in_db - answered_ids, PENDING)
+        self._set_counts(batch_id, counts)  # (synced: the states set before it with it)
+        return num_marked, num_reopened
+
+    @_synced
+    def _set_counts(self, batch_id: str, counts: AnswerCounts) -> None:
+        self.db.execute(
+            "UPDATE batches SET completed = ?, failed = ?, input_tokens = ?, "
+            "output_tokens = ?, cached_tokens = ? WHERE id = ?",
+            (
+                counts.completed,
+                counts.failed,
+                counts.input_tokens,
+                counts.output_tokens,
+                counts.cached_tokens,
+                batch_id,
+            ),
+        )
+
+    def _set_states(self, batch_id: str, custom_ids: Iterable[str], state: int) -> int:
+        """Sets the lines' state, DROP_PAGE_LINES per write (see `drop_lines`); how many
+        changed."""
+        ids, num_changed = sorted(custom_ids), 0
+        for start in range(0, len(ids), DROP_PAGE_LINES):
+            with self.transaction():
+                for custom_id in ids[start : start + DROP_PAGE_LINES]:
+                    num_changed += self.db.execute(
+                        "UPDATE lines SET state = ? WHERE batch_id = ? AND custom_id = ? "
+                        "AND state != ?",
+                        (state, batch_id, custom_id, state),
+                    ).rowcount
+        return num_changed
 
     def count_by_state(self) -> dict[str, int]:
         rows = self.db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall()
         return {status: count for status, count in rows}
+
+
+def fsync_path(path: Path, flags: int = 0) -> None:
+    """Syncs the file (or, with os.O_DIRECTORY, the directory) at `path` to the disk."""
+    descriptor = os.open(path, os.O_RDONLY | flags)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _batch_of(row: sqlite3.Row) -> dict[str, Any]:
@@ -322,6 +422,33 @@ def _batch_of(row: sqlite3.Row) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
     }
     return batch
+
+
+@dataclass
+class AnswerCounts:
+    """A batch's counts of answers and their tokens, as its `batches` row keeps them."""
+
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0  # of the input tokens, those the prefix cache served
+
+    def add(self, ok: bool, usage: dict[str, Any] | None) -> None:
+        if ok:
+            self.completed += 1
+        else:
+            self.failed += 1
+        prompt, completion, cached = token_counts(usage)
+        self.input_tokens += prompt
+        self.output_tokens += completion
+        self.cached_tokens += cached
+
+
+def token_counts(usage: dict[str, Any] | None) -> tuple[int, int, int]:
+    """An answer's (prompt, completion, cached prompt) tokens, in a chat's usage terms."""
+    usage = usage or {}
+    return usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), _cached_tokens(usage)
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int:
