@@ -239,8 +239,10 @@ def test_bulk_prompts_never_raise_the_cap_and_take_the_budget_after_interactive_
     cap = dict(cap=128, budget=512, floor=16)
     assert raise_cap_for_short_prompts([100, 90, 80], **cap, bulk=[True] * 3) == 128
     assert raise_cap_for_short_prompts([120, 90], **cap, bulk=[False, True]) == 136
-    # Interactive before bulk in what is left after the floors, whatever the sizes.
-    assert shortest_first([100, 20], 64, floor=16, bulk=[False, True]) == [48, 16]
+    # Interactive prompts first, their floors and the rest; bulk ones from what they leave,
+    # whatever the sizes (a bulk line's floor beside an agent's long prompt slowed it).
+    assert shortest_first([100, 20], 64, floor=16, bulk=[False, True]) == [64, 0]
+    assert shortest_first([40, 20, 30], 64, floor=16, bulk=[False, True, True]) == [40, 16, 8]
     assert shortest_first([100, 20], 64, floor=16) == [44, 20]
 
 
@@ -281,6 +283,18 @@ def test_an_interactive_prompt_arriving_among_bulk_lines_finishes_in_a_light_ste
     assert step["chat"] == 40
     assert all(n == 1 for name, n in step.items() if name != "chat")  # decodes only
     assert sum(run_step(scheduler).values()) > 1  # then the bulk prompts go on
+
+
+def test_a_started_bulk_line_waits_while_an_interactive_prompt_takes_the_capped_step():
+    """A batch line part-way through its prompt gets nothing while an agent's long prompt
+    fills the capped steps (it had its floor, a quarter of a 64-token cap), and goes on after."""
+    scheduler = make_scheduler()
+    scheduler.prompt_token_cap = 64
+    scheduler.add(bulk_seq("line", 1000))
+    assert run_step(scheduler) == {"line": 64}
+    scheduler.add(seq("agent", 1000))
+    for _ in range(3):
+        assert run_step(scheduler) == {"agent": 64}
 
 
 def cached_scheduler(num_blocks: int, block_size: int = 2, mode: str = "recompute"):
