@@ -4,8 +4,10 @@ The compose file is read as compose reads it (YAML with merge keys, then `${VAR:
 default) and held against what each service accepts: every `TANDEM_*` variable must be a setting
 of the role's config dataclass and its value must pass that config's own validation; addresses
 must agree between the services; each long-running service's healthcheck must probe its own
-health endpoint; workers must stay scalable (no fixed name, no published port). `compose_problems`
-returns the problems as sentences, so the wrong-input tests can show that it names the mistake.
+health endpoint; workers must stay scalable (no fixed name, no published port); the gateway's
+`stop_grace_period` (docker's SIGKILL) must outlast its `shutdown_grace_s` and its exit.
+`compose_problems` returns the problems as sentences, so the wrong-input tests can show that it
+names the mistake.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import yaml
 
 from services.batch.service import BatchServiceConfig
 from services.commands.cli import SUBCOMMANDS
-from services.gateway.service import GatewayConfig
+from services.gateway.service import STREAM_END_S, GatewayConfig
 from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.config import ConfigError, config_from_args, env_name
@@ -57,6 +59,12 @@ WORKER_ROLES = ("prefill", "decode")
 ONE_SHOTS = ("prepare", "keys")  # run once and exit 0; the others wait for them
 MODEL_ROLES = ("prepare", "gateway", "prefill", "decode")  # these load the model from the cache
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# After the gateway's grace and its streams' end (STREAM_END_S): the cluster link's close and the
+# interpreter's exit, with room (tests/unit/test_gateway_shutdown.py allows a real one 5 s in all).
+GATEWAY_EXIT_MARGIN_S = 4.0
+DOCKER_STOP_GRACE_S = 10.0  # docker's SIGKILL after SIGTERM, when stop_grace_period is unsaid
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
+_DURATION_UNITS_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 _VARIABLE = re.compile(r"\$(?:\$|\{(?P<braced>[^}]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
 _WITH_DEFAULT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*:?-(?P<default>.*)", re.S)
@@ -284,12 +292,43 @@ def _check_gateway(name: str, config: GatewayConfig, service: dict, problems: li
         )
     elif _port(advertised) != _port(config.stream_address):
         problems.append(f"{name}: the advertised stream port differs from the bound one")
+    _check_stop_grace(name, config, service, problems)
     published = {_container_port(p) for p in service.get("ports") or []}
     wanted = {config.port} | ({_port(config.rpc_address)} if config.rpc_address else set())
     if not wanted <= published:
         problems.append(
             f"{name}: publishes {sorted(published)}, not the HTTP and RPC ports {sorted(wanted)}"
         )
+
+
+def _check_stop_grace(name: str, config: GatewayConfig, service: dict, problems: list[str]):
+    """`docker compose stop` sends SIGTERM, then SIGKILL after stop_grace_period: the gateway's
+    grace, its streams' 503s and its exit must fit in it, said where a reader sees both."""
+    period = service.get("stop_grace_period")
+    if period is None:
+        problems.append(
+            f"{name}: no stop_grace_period (docker's {DOCKER_STOP_GRACE_S:g} s, unsaid)"
+        )
+        return
+    killed_at = _duration_s(str(period))
+    if killed_at is None:
+        problems.append(f"{name}: stop_grace_period {period!r} is not a duration like 15s or 1m")
+        return
+    needed_s = config.shutdown_grace_s + STREAM_END_S + GATEWAY_EXIT_MARGIN_S
+    if needed_s > killed_at:
+        problems.append(
+            f"{name}: needs {needed_s:g} s to stop (shutdown_grace_s {config.shutdown_grace_s:g} "
+            f"s, {STREAM_END_S + GATEWAY_EXIT_MARGIN_S:g} s to exit), more than its "
+            f"stop_grace_period {period}"
+        )
+
+
+def _duration_s(text: str) -> float | None:
+    """Seconds in a compose duration (`15s`, `1m30s`, `500ms`); None if it is not one."""
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        return None
+    return sum(float(number) * _DURATION_UNITS_S[unit] for number, unit in parts)
 
 
 def _check_metrics(name: str, config: Any, service: dict, problems: list[str]) -> None:
@@ -524,6 +563,19 @@ WRONG = {
     "healthcheck on another service": (
         lambda c: _set_health_url(c, "gateway", "http://scheduler:9100/health"),
         "gateway: the healthcheck probes http://scheduler:9100/health",
+    ),
+    "gateway grace past docker's kill": (
+        lambda c: _env(c, "gateway").update(TANDEM_SHUTDOWN_GRACE_S="30"),
+        "gateway: needs 35 s to stop (shutdown_grace_s 30 s, 5 s to exit), more than its "
+        "stop_grace_period 15s",
+    ),
+    "gateway stop grace unsaid": (
+        lambda c: c["services"]["gateway"].pop("stop_grace_period"),
+        "gateway: no stop_grace_period (docker's 10 s, unsaid)",
+    ),
+    "stop grace not a duration": (
+        lambda c: c["services"]["gateway"].update(stop_grace_period="15 seconds"),
+        "gateway: stop_grace_period '15 seconds' is not a duration like 15s or 1m",
     ),
     "no healthcheck": (
         lambda c: c["services"]["prefill"].pop("healthcheck"),

@@ -3,7 +3,12 @@ test (`test_gateway_resume.FakeScheduler`) whose request never ends: the gateway
 connections at once, gives the stream its grace (`shutdown_grace_s`), then ends it as OpenAI's
 clients read an end (an error event, `data: [DONE]`, the chunked body closed), cancels its
 cluster request, and exits. Without a bound, uvicorn waited for the stream forever: the
-orchestrator's SIGKILL tore it (docker's 10 s, Kubernetes' 30 s, `tandem up`'s 10 s)."""
+orchestrator's SIGKILL tore it (docker's 10 s, Kubernetes' 30 s, `tandem up`'s 10 s).
+
+No request reaches the draining gateway, not even a probe over a connection kept alive from
+before: uvicorn closes idle ones at SIGTERM (busy ones after their answer, a pipelined request
+dropped). So /ready cannot announce the drain; Kubernetes' preStop sleep (compose/k8s/gateway.yaml)
+takes the pod out of the Service's endpoints before the SIGTERM instead."""
 
 from __future__ import annotations
 
@@ -82,6 +87,25 @@ async def refuses_connections(port: str) -> bool:
     return False
 
 
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def status_on(connection: Connection, path: str) -> int | None:
+    """The status of GET `path` over an open keep-alive connection, its body read; None if the
+    server closed the connection instead."""
+    reader, writer = connection
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: gateway\r\n\r\n".encode())
+    try:
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return None
+    status_line, *header_lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in header_lines if line)
+    await reader.readexactly(int(headers["content-length"]))
+    return int(status_line.split()[1])
+
+
 async def play_endless_requests(scheduler: FakeScheduler, num_requests: int) -> set[str]:
     """Accepts the gateway's requests and sends each one token, then nothing more (400 tokens
     to come from a slow worker): their ids."""
@@ -104,6 +128,8 @@ async def stopped_mid_stream(tmp_path) -> dict:
         async with asyncio.timeout(60):
             await scheduler.expect(wire.Hello)
         await accepting(port)
+        kept_alive = await asyncio.open_connection("127.0.0.1", int(port))
+        seen["ready before the drain"] = await status_on(kept_alive, "/ready")
         played = asyncio.create_task(play_endless_requests(scheduler, 2))
         body = {"model": "model", "prompt": "Hello", "max_tokens": 400, "stream": True}
         url = f"http://127.0.0.1:{port}/v1/completions"
@@ -120,6 +146,7 @@ async def stopped_mid_stream(tmp_path) -> dict:
             signalled_at = time.monotonic()
             await asyncio.sleep(0.3)
             seen["refused during the drain"] = await refuses_connections(port)
+            seen["ready during the drain"] = await status_on(kept_alive, "/ready")
             try:  # torn (no last chunk): httpx.RemoteProtocolError
                 async with asyncio.timeout(GRACE_S + EXIT_MARGIN_S):
                     seen["rest"] = [line async for line in lines if line]
@@ -148,6 +175,8 @@ async def stopped_mid_stream(tmp_path) -> dict:
 def test_sigterm_ends_an_endless_stream_cleanly_after_the_grace_and_exits(tmp_path):
     seen = asyncio.run(stopped_mid_stream(tmp_path))
     assert seen["refused during the drain"]
+    assert seen["ready before the drain"] in (200, 503)  # (503: the fake cluster has no workers)
+    assert seen["ready during the drain"] is None  # its kept-alive connection closed
     *events, last = seen["rest"]
     assert last == "data: [DONE]"
     error = json.loads(events[-1].removeprefix("data: "))["error"]

@@ -10,6 +10,9 @@ package, so nothing is fetched. Our own checks then read the manifests as tandem
 - every long-running container has liveness and readiness probes on the port and path its
   service answers them at, bound where the kubelet can reach it, and advertises addresses that
   other pods can reach;
+- the gateway stops before the kubelet's SIGKILL: its preStop sleep (the pod leaves the
+  Service's endpoints while it still serves), its `shutdown_grace_s` and its exit all fit in the
+  pod's terminationGracePeriodSeconds, which the preStop counts against too;
 - the HPAs scale the prefill and decode Deployments on metrics that the adapter rules map from
   gauges those roles export;
 - the kustomization lists every manifest.
@@ -35,7 +38,7 @@ import zmq
 from transformers import AutoConfig
 
 from services.batch.service import BatchServiceConfig
-from services.gateway.service import GatewayConfig
+from services.gateway.service import STREAM_END_S, GatewayConfig
 from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.config import ConfigError, config_from_args, env_name
@@ -71,6 +74,9 @@ DUMMY_SECRET_ENVS = {
     "tandem-curve": {"TANDEM_CURVE_SECRET_KEY": zmq.curve_keypair()[1].decode()},
 }
 WILDCARD_HOSTS = ("0.0.0.0", "::")
+# After the gateway's grace and its streams' end (STREAM_END_S): the cluster link's close and the
+# interpreter's exit, with room (tests/unit/test_gateway_shutdown.py allows a real one 5 s in all).
+GATEWAY_EXIT_MARGIN_S = 4.0
 # HPA -> (the role it scales, the Prometheus gauge it must be driven by).
 HPA_METRICS = {
     "tandem-prefill": ("prefill", "tandem:num_requests_waiting"),
@@ -138,6 +144,8 @@ def container_problems(manifests: Manifests) -> list[str]:
             problems += [f"{where}: {problem}" for problem in found]
             if config is not None and hasattr(config, "model"):
                 models[where] = config.model
+            if isinstance(config, GatewayConfig):
+                problems += [f"{where}: {p}" for p in shutdown_problems(pod, container, config)]
             if config is not None and container in pod["containers"]:
                 annotations = deployment["spec"]["template"]["metadata"].get("annotations", {})
                 problems += [f"{filename}: {p}" for p in scrape_problems(annotations, config)]
@@ -247,6 +255,44 @@ def probe_problems(role: str, container: dict, config) -> list[str]:
                 f"{kind} asks {asked[0]} on port {asked[1]}; the {role} answers {path} on {port}"
             )
     return problems
+
+
+def shutdown_problems(pod: dict, container: dict, config: GatewayConfig) -> list[str]:
+    """The kubelet runs the preStop hook, then sends SIGTERM, then SIGKILL at
+    terminationGracePeriodSeconds after the pod's deletion, the hook's time included. The
+    gateway's preStop sleep keeps it serving while the endpoints controller and every node's
+    proxy drop the pod (uvicorn closes its listening socket and keep-alive connections at
+    SIGTERM: no probe can tell a load balancer it is leaving); then its grace and its exit."""
+    problems = []
+    pre_stop_s = pre_stop_sleep_s(container)
+    if pre_stop_s is None:
+        problems.append("has no preStop sleep, so it closes its socket while still an endpoint")
+    if "terminationGracePeriodSeconds" not in pod:
+        problems.append("its pod sets no terminationGracePeriodSeconds (Kubernetes' 30 s, unsaid)")
+    killed_at = pod.get("terminationGracePeriodSeconds", 30)
+    grace_s = config.shutdown_grace_s
+    needed_s = (pre_stop_s or 0) + grace_s + STREAM_END_S + GATEWAY_EXIT_MARGIN_S
+    if needed_s > killed_at:
+        problems.append(
+            f"needs {needed_s:g} s to stop (preStop {pre_stop_s or 0:g} s, shutdown_grace_s "
+            f"{grace_s:g} s, {STREAM_END_S + GATEWAY_EXIT_MARGIN_S:g} s to exit), more than its "
+            f"pod's terminationGracePeriodSeconds {killed_at}"
+        )
+    return problems
+
+
+def pre_stop_sleep_s(container: dict) -> float | None:
+    """How long the container's preStop hook sleeps (`exec: sleep N` or the `sleep` action)."""
+    hook = container.get("lifecycle", {}).get("preStop", {})
+    if "sleep" in hook:
+        return float(hook["sleep"]["seconds"])
+    command = hook.get("exec", {}).get("command", [])
+    if len(command) == 2 and command[0] == "sleep":
+        try:
+            return float(command[1])
+        except ValueError:
+            return None
+    return None
 
 
 def scrape_problems(annotations: dict, config) -> list[str]:
@@ -550,6 +596,26 @@ MUTATIONS = {
             {"prometheus.io/port": "8000"}
         ),
         "decode.yaml: annotation prometheus.io/port is '8000', not '9100'",
+    ),
+    "gateway grace past the kill": (
+        lambda m: _configmap(m, "tandem-gateway").update(TANDEM_SHUTDOWN_GRACE_S="30"),
+        "gateway.yaml: container gateway: needs 40 s to stop (preStop 5 s, shutdown_grace_s 30 s,",
+    ),
+    "gateway pod killed at once": (
+        lambda m: m["gateway.yaml"][0]["spec"]["template"]["spec"].update(
+            terminationGracePeriodSeconds=5
+        ),
+        "more than its pod's terminationGracePeriodSeconds 5",
+    ),
+    "gateway grace period unsaid": (
+        lambda m: m["gateway.yaml"][0]["spec"]["template"]["spec"].pop(
+            "terminationGracePeriodSeconds"
+        ),
+        "its pod sets no terminationGracePeriodSeconds",
+    ),
+    "gateway without its preStop sleep": (
+        lambda m: _container(m, "gateway.yaml").pop("lifecycle"),
+        "has no preStop sleep, so it closes its socket while still an endpoint",
     ),
     "file not listed": (
         lambda m: m[KUSTOMIZATION][0]["resources"].remove("hpa.yaml"),
