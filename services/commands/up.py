@@ -30,11 +30,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.batch.service import BatchServiceConfig
 from services.commands.prepare import resolve_model
 from services.gateway.chat_prompt import read_chat_template
-from services.gateway.service import GatewayConfig
+from services.gateway.service import STREAM_END_S, GatewayConfig
 from services.scheduler.service import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.binding import check_tcp_port, host_port
@@ -58,6 +59,10 @@ PR_SET_PDEATHSIG = 1
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 MAX_RESTARTS = 5  # per child; past it the child is taken as broken and the cluster stops
 LOG_DRAIN_S = 5.0  # how long an exited child's last log lines may take to be echoed
+STOP_GRACE_S = 10.0  # the children's time to end, at least, before the stop kills them
+# A draining gateway's exit past its grace: its 503s sent (`STREAM_END_S`), its link closed,
+# the interpreter's exit (about 1.7 s measured).
+GATEWAY_EXIT_S = STREAM_END_S + 3.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,6 +153,8 @@ class LocalCluster:
     served_model: str | None = None
     echo_logs: bool = True
     interrupts: StartInterrupts = field(default_factory=lambda: StartInterrupts())
+    # How long `stop` lets the children end before killing them: the gateway's drain fits.
+    stop_grace_s: float = STOP_GRACE_S
 
     def address(self, name: str) -> str:
         return f"ipc://{self.run_dir}/{name}.sock"
@@ -250,7 +257,9 @@ class LocalCluster:
         if batch:
             services.append((batch_argv, batch_env))
         for argv, env in services:  # (the workers' were checked above)
-            _check_service_settings(argv, env)
+            config = _check_service_settings(argv, env)
+            if isinstance(config, GatewayConfig):
+                self.stop_grace_s = stop_grace_for(config)
         self._spawn("scheduler", scheduler)
         for i in range(self.args.prefill):
             self._spawn(f"prefill-{i}", ["prefill", "--peer-id", f"prefill-{i}", *worker])
@@ -399,7 +408,10 @@ class LocalCluster:
             and ready.get("decode_workers", 0) >= self.args.decode
         )
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stops the children: SIGTERM, then SIGKILL to those still running after `grace_s`
+        (default `stop_grace_s`)."""
+        grace_s = self.stop_grace_s if grace_s is None else grace_s
         for child in self.children:
             if child.process.poll() is None:
                 child.process.terminate()
@@ -430,7 +442,13 @@ SERVICE_CONFIGS = {
 }
 
 
-def _check_service_settings(argv: list[str], env: Mapping[str, str]) -> None:
+def stop_grace_for(gateway: GatewayConfig) -> float:
+    """The stop's grace for a gateway draining `shutdown_grace_s` (10 s at least): killed at
+    10 s, a gateway given a longer drain tore the streams it was letting finish."""
+    return max(STOP_GRACE_S, gateway.shutdown_grace_s + GATEWAY_EXIT_S)
+
+
+def _check_service_settings(argv: list[str], env: Mapping[str, str]) -> Any:
     """A service's settings, from its flags and the TANDEM_ variables it will read (this
     process's, and `env` beyond them), checked as the service checks them: each one refused
     its own after the workers had started loading the model, and the cluster stopped with
@@ -439,7 +457,7 @@ def _check_service_settings(argv: list[str], env: Mapping[str, str]) -> None:
     config_class = SERVICE_CONFIGS[role]
     parser = argparse.ArgumentParser()
     add_config_arguments(parser, config_class)
-    config_from_args(config_class, parser.parse_args(flags), {**os.environ, **env})
+    return config_from_args(config_class, parser.parse_args(flags), {**os.environ, **env})
 
 
 def _check_worker_settings(worker_argv: list[str]) -> None:
@@ -526,7 +544,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, cluster.interrupts.handler)
     signal.signal(signal.SIGTERM, cluster.interrupts.handler)
-    grace_s = 10.0
+    grace_s = None  # (the cluster's own: its gateway's drain fits)
     try:
         cluster.start()
         cluster.wait_ready(args.ready_timeout)

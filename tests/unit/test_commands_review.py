@@ -83,3 +83,31 @@ def test_up_shows_the_last_lines_of_a_child_that_exits_during_start_up(monkeypat
     with pytest.raises(RuntimeError, match="exited during start-up: scheduler"):
         cluster.wait_ready(timeout_s=5)
     assert stderr.lines[-1:] == ["[scheduler] the reason\n"]
+
+
+def test_up_lets_a_gateway_given_a_longer_drain_finish_it():
+    """`tandem up` killed its children 10 s after SIGTERM whatever the gateway's drain: one
+    given TANDEM_SHUTDOWN_GRACE_S=20 had its streams torn halfway through their grace."""
+    from services.commands import up
+
+    gateway = ["gateway", "--scheduler-address", "ipc:///tmp/s", "--stream-address", "ipc:///tmp/t"]
+    config = up._check_service_settings(gateway, {"TANDEM_SHUTDOWN_GRACE_S": "20"})
+    assert config.shutdown_grace_s == 20
+    assert up.stop_grace_for(config) == 20 + up.GATEWAY_EXIT_S
+    default = up._check_service_settings(gateway, {})
+    assert up.stop_grace_for(default) == up.STOP_GRACE_S  # (5 s of drain fits the 10 s)
+    assert default.shutdown_grace_s + up.GATEWAY_EXIT_S <= up.STOP_GRACE_S
+
+
+def test_up_stops_its_children_after_its_own_grace(monkeypatch):
+    from services.commands import cli, up
+
+    args = cli.build_parser(["up"]).parse_args(["up"])
+    cluster = up.LocalCluster(args, echo_logs=False, stop_grace_s=0.5)
+    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(30)"
+    process = subprocess.Popen([sys.executable, "-c", stubborn])
+    time.sleep(0.5)  # (its handler set)
+    cluster.children.append(up.Child("gateway", [], process))
+    start = time.monotonic()
+    cluster.stop()
+    assert time.monotonic() - start < 5 and process.returncode == -9
