@@ -418,15 +418,18 @@ def _heartbeat_timeout_ms(client_timeout_s: float) -> int:
 
 
 def _readable_call_id(frames: list) -> str | None:
-    """The call id in the header of an RPC_REQUEST the wire refused, if it holds a sound one."""
+    """The call id in the header of an RPC_REQUEST the wire refused, if it holds a sound one.
+    Strings are unpacked as bytes: a field that is no UTF-8 (a body, say) is a reason to refuse
+    the call, and must not hide the call id the refusal is sent to."""
     try:
         if len(frames) < 2 or wire.peek_type(frames) != wire.MessageType.RPC_REQUEST:
             return None
-        header = msgpack.unpackb(frames[1].buffer, raw=False)
+        header = msgpack.unpackb(frames[1].buffer, raw=True)
+        call_id = header.get(b"call_id") if isinstance(header, dict) else None
+        call_id = call_id.decode() if isinstance(call_id, bytes) else None
     except Exception:  # not even a header (whatever bytes came, the loop must not die of them)
         return None
-    call_id = header.get("call_id") if isinstance(header, dict) else None
-    sound = isinstance(call_id, str) and len(call_id) <= wire.MAX_REQUEST_ID_LEN
+    sound = call_id is not None and len(call_id) <= wire.MAX_REQUEST_ID_LEN
     return call_id if sound else None
 
 

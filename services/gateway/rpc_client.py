@@ -112,7 +112,7 @@ def _request(
     api_key: str | None,
     bulk: bool = False,
 ) -> wire.RpcRequest:
-    text = json.dumps(body)
+    text = _json_text(body)
     if len(text) > wire.MAX_JSON_LEN:  # the gateway would drop it as malformed, and we wait
         # Answered here as the HTTP API answers a body over its limit (nothing was sent).
         message = (
@@ -124,6 +124,20 @@ def _request(
     return wire.RpcRequest(
         call_id=call_id, kind=kind, body=text, stream=stream, api_key=api_key, bulk=bulk
     )
+
+
+def _json_text(body: dict[str, Any]) -> str:
+    """The body as JSON text, its characters as they are (as an HTTP client sends UTF-8): the
+    gateway bounds it in UTF-8 bytes, as HTTP does, and escaped (6 characters each, 12 past the
+    BMP) text of CJK or emoji was refused here at a half or a third of that. A body holding a
+    lone surrogate, which the wire cannot carry, travels escaped: the gateway refuses it with
+    HTTP's 400."""
+    text = json.dumps(body, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(body)
+    return text
 
 
 def _payload(event: wire.RpcEvent) -> dict[str, Any] | None:
@@ -515,17 +529,35 @@ class AsyncTandemClient:
         if self._socket.closed:  # (ZeroMQ said "Operation not supported", its readers died)
             raise ConnectionError(_CLIENT_CLOSED)
         self._run_readers()
+        deadline = asyncio.get_running_loop().time() + timeout_s
         if not await self._socket.poll(timeout_s * 1000, zmq.POLLOUT):  # (as long as it may take)
             raise TimeoutError(_unreachable(self.address, timeout_s))
         call_id = next(self._call_ids)
         request = _request(call_id, kind, body, stream, self.api_key, self.bulk)  # (may be 413)
         self._inbox[call_id] = asyncio.Queue()
         try:
-            await wire.async_send(self._socket, request)
+            await self._send_by(deadline, request)
         except BaseException:  # the caller left while the send waited (a full queue): perhaps
             await self._abandon(call_id)  # sent as it left, so it is called off either way
             raise
         return call_id
+
+    async def _send_by(self, deadline: float, request: wire.RpcRequest) -> None:
+        """Sends `request`, waiting for room in the pipe until `deadline` (the loop's clock) at
+        most. The pipe had room when the call polled, but other tasks' calls may fill it first:
+        to a gateway that reads none (stopped, its loop stuck) the send waited for good, past
+        the call's timeout."""
+        waiting = asyncio.timeout_at(deadline)
+        try:
+            async with waiting:
+                await wire.async_send(self._socket, request)
+        except TimeoutError:
+            if not waiting.expired():
+                raise
+            raise TimeoutError(
+                f"{self.address} took no call by the timeout (the pipe to it is full: is its "
+                "RPC door reading?); nothing was sent"
+            ) from None
 
     def _run_readers(self) -> None:
         """Starts the reader and the connection's watcher on the running loop, unless they run
