@@ -379,7 +379,8 @@ def _too_long(num_bytes: int) -> dict[str, Any]:
     service's one loop (a line of 170 MB of token ids: 4 s in which no call was answered; a
     worker thread is no help, json holds the GIL). The request is the line's body, serialized
     with a space after each comma and colon: only blanks or keys the line wastes around its
-    values could make it shorter than the line."""
+    values, or \\u escapes (sent as the characters they name), could make it shorter than the
+    line: such a line is refused here though its request would fit."""
     message = (
         f"the line is {num_bytes:,} bytes, more than one RPC call carries "
         f"({wire.MAX_JSON_LEN:,} characters of JSON); nothing was sent"
