@@ -163,11 +163,20 @@ def _budgets(text: str | None, default: int) -> list[int]:
         raise PlanError(f"--chunk-budgets takes token counts like 256,512; got {text!r}") from None
     if not budgets or any(b < 16 for b in budgets):
         raise PlanError(f"--chunk-budgets must be token counts of at least 16; got {text!r}")
+    # (A repeated budget was simulated twice, and the best listed as its own runner-up.)
+    repeated = next((b for i, b in enumerate(budgets) if b in budgets[:i]), None)
+    if repeated is not None:
+        raise PlanError(f"--chunk-budgets names {repeated} twice")
     return budgets
 
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def _target_ms(seconds: float) -> str:
+    """An objective's bound as given, not rounded to a whole ms (0.4 ms read as 0)."""
+    return f"{seconds * 1e3:.6f}".rstrip("0").rstrip(".")
 
 
 def describe(candidate: Candidate) -> str:
@@ -197,7 +206,7 @@ def report(
     jobs: int = 1,
     prefix_cache: bool = False,
 ) -> str:
-    objectives = ", ".join(f"{k} <= {_ms(v)} ms" for k, v in slo.items())
+    objectives = ", ".join(f"{k} <= {_target_ms(v)} ms" for k, v in slo.items())
     lines = []
     if plan.best is None:
         if plan.stalled is not None:  # (the search stopped short of max_workers)

@@ -58,17 +58,19 @@ def parse_slo(text: str) -> dict[str, float]:
 
 
 def check_measurable(slo: dict[str, float], requests: list[SimRequest]) -> None:
-    """Refuses a TTFT objective where no request is streamed: one sent for one response has no
-    TTFT (as the bench records it), so every configuration would fail it while serving every
-    request within it, up to --max-workers. (A TPOT objective with no figure is not judged:
-    all one-token outputs.)"""
+    """Refuses a TTFT or TPOT objective where no request is streamed: one sent for one response
+    has neither (as the bench records it), so every configuration would fail a TTFT objective
+    while serving every request within it, up to --max-workers, and meet a TPOT objective of
+    any bound, judged on nothing. (Streamed, a TPOT objective with no figure is not judged: all
+    one-token outputs.)"""
     if any(r.stream for r in requests):
         return
-    named = [key for key in slo if key.startswith("ttft_")]
+    named = [key for key in slo if key.startswith(("ttft_", "tpot_"))]
     if named:
+        figure = named[0].partition("_")[0].upper()
         raise PlanError(
             f"--slo {named[0]}: no request of the workload is streamed (each has "
-            '"stream": false), so none has a TTFT; name e2e objectives for them'
+            f'"stream": false), so none has a {figure}; name e2e objectives for them'
         )
 
 
