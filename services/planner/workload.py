@@ -75,7 +75,8 @@ def load_workload(spec: str) -> list[SimRequest]:
 
 def _read_jsonl(path: Path) -> list[SimRequest]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # (utf-8-sig: a file an editor saved with a byte-order mark reads as the same lines)
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as error:
         raise WorkloadError(f"cannot read workload {path}: {error}") from None
     requests = []
@@ -97,12 +98,12 @@ def _from_line(data: object) -> SimRequest:
         raise TypeError(f"a request is a JSON object, got {type(data).__name__}")
     token_ids = None
     if "prompt_token_ids" in data:
-        token_ids = tuple(int(t) for t in data["prompt_token_ids"])
+        token_ids = tuple(_whole(t, "a token id") for t in data["prompt_token_ids"])
         num_prompt_tokens = len(token_ids)
     elif "num_prompt_tokens" in data:
-        num_prompt_tokens = int(data["num_prompt_tokens"])
+        num_prompt_tokens = _whole(data["num_prompt_tokens"], "num_prompt_tokens")
     elif isinstance(data["prompt"], list):  # token ids, as the completions API (and the bench)
-        token_ids = tuple(int(t) for t in data["prompt"])
+        token_ids = tuple(_whole(t, "a token id") for t in data["prompt"])
         num_prompt_tokens = len(token_ids)
     elif isinstance(data["prompt"], str):
         num_prompt_tokens = max(1, len(data["prompt"]) // CHARS_PER_TOKEN)
@@ -111,7 +112,7 @@ def _from_line(data: object) -> SimRequest:
     request = SimRequest(
         arrival_time=float(data.get("arrival_time", 0.0)),
         num_prompt_tokens=num_prompt_tokens,
-        max_tokens=int(data["max_tokens"]),
+        max_tokens=_whole(data["max_tokens"], "max_tokens"),
         tenant=str(data.get("tenant", "default")),
         label=str(data.get("label", "")),
         prompt_token_ids=token_ids,
@@ -124,6 +125,14 @@ def _from_line(data: object) -> SimRequest:
     ):
         raise ValueError("prompt and max_tokens must be >= 1 and arrival_time a finite >= 0")
     return request
+
+
+def _whole(value: object, name: str) -> int:
+    """A count or token id as the API takes it: a JSON integer (2.7 was read as 2, true as 1,
+    "16" as 16, where the server refuses each)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a whole number, got {value!r}")
+    return value
 
 
 def _stream(data: dict) -> bool:

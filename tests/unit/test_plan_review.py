@@ -65,3 +65,30 @@ def test_a_plan_is_the_same_run_after_run_and_side_by_side(profile_path, tmp_pat
         data.pop("events_per_s")
         plans.append(data)
     assert plans[0] == plans[1] and plans[0]["best"]["cost"] == 3
+
+
+@pytest.mark.parametrize(
+    "line, named",
+    [
+        ('{"num_prompt_tokens": 32, "max_tokens": 2.7}', "max_tokens"),
+        ('{"num_prompt_tokens": 32, "max_tokens": true}', "max_tokens"),
+        ('{"num_prompt_tokens": "32", "max_tokens": 4}', "num_prompt_tokens"),
+        ('{"prompt": [1, 2.5], "max_tokens": 4}', "a token id"),
+    ],
+)
+def test_a_workload_count_that_is_no_whole_number_is_refused(tmp_path, line, named):
+    """Read as ints (2.7 as 2, true as 1), they planned for requests the server refuses."""
+    from services.planner.workload import WorkloadError, load_workload
+
+    path = tmp_path / "w.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(WorkloadError, match=f"w.jsonl:1: {named} must be a whole number"):
+        load_workload(str(path))
+
+
+def test_a_workload_saved_with_a_byte_order_mark_reads(tmp_path):
+    from services.planner.workload import load_workload
+
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"num_prompt_tokens": 32, "max_tokens": 4}\n', encoding="utf-8-sig")
+    assert [r.max_tokens for r in load_workload(str(path))] == [4]
