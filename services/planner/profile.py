@@ -76,6 +76,8 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+# The profile's fields of one number each (the lists are checked as axes and times).
+SCALAR_FIELDS = ("transfer_latency_s", "transfer_bytes_per_s", "prefill_s_per_context_pair")
 MIN_CHUNK_BUDGET = 16  # the least prompt-token budget a step may have (the simulator's too)
 
 
@@ -252,6 +254,9 @@ class WorkerProfile:
         # Before the fields' types are checked: compiled (`services/compiled.py`), the class
         # refuses a float there with a TypeError that names no field.
         _check_kv_bytes(data.get("kv_bytes_per_token"))
+        for name in SCALAR_FIELDS:  # (compared to numbers below: "fast" named no field)
+            if name in data and not _is_number(data[name]):
+                raise ProfileError(f"{name} must be a number, got {data[name]!r}")
         try:
             settings = WorkerSettings(**data.pop("settings", {}))
             return cls(settings=settings, **data)

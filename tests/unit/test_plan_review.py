@@ -1,4 +1,5 @@
-"""`tandem plan` under review: objectives it cannot judge, its headline, repeated budgets."""
+"""`tandem plan` under review: objectives it cannot judge, its headline, repeated budgets,
+workload and profile values of the wrong type."""
 
 from __future__ import annotations
 
@@ -92,3 +93,14 @@ def test_a_workload_saved_with_a_byte_order_mark_reads(tmp_path):
     path = tmp_path / "w.jsonl"
     path.write_text('{"num_prompt_tokens": 32, "max_tokens": 4}\n', encoding="utf-8-sig")
     assert [r.max_tokens for r in load_workload(str(path))] == [4]
+
+
+@pytest.mark.parametrize("name", ["transfer_latency_s", "transfer_bytes_per_s"])
+def test_a_profile_number_that_is_text_is_refused_by_name(name):
+    """ "fast" was refused as "'<' not supported between instances of 'int' and 'str'"."""
+    from services.planner.profile import ProfileError, WorkerProfile
+
+    data = cpu_like_profile().to_dict()
+    data[name] = "fast"
+    with pytest.raises(ProfileError, match=f"{name} must be a number, got 'fast'"):
+        WorkerProfile.from_dict(data)
