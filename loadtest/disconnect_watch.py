@@ -23,10 +23,12 @@ from fastapi.responses import Response
 
 from loadtest.served import free_port
 from services.gateway import app as gateway
+from services.gateway.drain import Drain
 
 
 def build_app() -> FastAPI:
     app = FastAPI()
+    app.state.drain = Drain()  # (as the gateway's: `_unless_gone` waits under its shutdown)
     never = asyncio.Event()
 
     @app.post("/wait")
