@@ -45,6 +45,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,16 @@ def check_settings(args: argparse.Namespace) -> None:
         raise BenchError(f"--url must be an http(s) URL; got {args.url!r}")
 
 
+def out_folder(path: str) -> Path:
+    """`--out`, made if missing; refused by name where it cannot be (a file of that name,
+    no permission), before any request is sent."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BenchError(f"--out {path!r} cannot be a folder of results: {error}") from None
+    return Path(path)
+
+
 def load_requests(args: argparse.Namespace) -> list[WorkloadRequest]:
     if args.workload:
         return read_workload(args.workload)
@@ -200,8 +211,7 @@ def bench(args: argparse.Namespace) -> int:
     check_settings(args)
     rates = rates_of(args)
     requests = load_requests(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args.out)
     warmup = warm_up(args, requests)
     runs = []
     for rate in rates:
@@ -388,11 +398,24 @@ class BatchSampler:
 def describe_run(run: dict[str, Any]) -> str:
     head = run["arrivals"] if run["rate"] is None else f"rate {run['rate']:g} req/s"
     lines = [f"== {head}", format_summary(Summary.from_dict(run["summary"]))]
+    failures = failure_line(run["records"])
+    lines += [failures] if failures else []
     if len(run["classes"]) > 1:
         for label, summary in run["classes"].items():
             text = format_summary(Summary.from_dict(summary))
             lines.append(f"-- {label}: " + text.replace("\n", "; "))
     return "\n".join(lines)
+
+
+def failure_line(records: list[dict[str, Any]]) -> str | None:
+    """The commonest cause of the run's failures; None if none failed. Without it a run
+    against an unreachable server said only "0/64 ok", its cause in result.json alone."""
+    causes = Counter(record["error"] for record in records if record["error"])
+    if not causes:
+        return None
+    error, count = causes.most_common(1)[0]
+    others = causes.total() - count
+    return f"{count} failed: {error}" + (f" ({others} more: see result.json)" if others else "")
 
 
 def plot_result(result: dict[str, Any], out: Path) -> list[Path]:
@@ -468,8 +491,7 @@ def compare(args: argparse.Namespace) -> int:
     columns = compared_runs([load_result(path) for path in args.compare])
     table = compare_table(columns)
     print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_folder(args.out)
     (out / "compare.txt").write_text(table + "\n")
     written = [out / "compare.txt"]
     if not args.no_plots:

@@ -176,8 +176,10 @@ async def send_one(
         check_counts(record, request)
     except TimeoutError:
         record.error = f"timed out after {timeout_s:g} s"
+        record.failure_time = clock()
     except Exception as error:  # recorded, not raised: the run goes on
         record.error = f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
+        record.failure_time = clock()
 
 
 def on_the_wire(record: RequestRecord, clock: Clock) -> Callable[[str, Any], Awaitable[None]]:
@@ -243,6 +245,7 @@ async def run_workload(
     for record in records:
         if record.error is None and record.finish_time is None:
             record.error = f"cancelled at the global deadline of {deadline_s:g} s"
+            record.failure_time = clock()
     summary = summarize(records, slo_ttft_s, slo_tpot_s)
     extra = {"url": url, "model": model, "honor_arrivals": honor_arrivals}
     return Result(name, summary, records, extra)

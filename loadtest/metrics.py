@@ -14,7 +14,10 @@ figure derives from those:
   (undefined for a one-token output);
 - inter-token latency (ITL): the gaps between streamed chunks (a chunk may carry several
   tokens; tandem sends one token a chunk);
-- output tokens/s = successful output tokens / (last finish - first send), the whole run's rate;
+- output tokens/s = successful output tokens / wall, the whole run's rate; the wall runs from the
+  first send to the last request's end, a failure's included (a request that timed out took the
+  run that long: ending the wall at the last success made a server that lets its slowest
+  requests time out look faster than one that serves them);
 - goodput = requests/s that succeeded and met every objective given (TTFT, TPOT, e2e), each
   per request: its own TTFT within the TTFT target, and so on.
 
@@ -71,6 +74,7 @@ class RequestRecord:
     scheduled_time: float | None = None  # when the workload said to send it
     cached_tokens: int | None = None  # prompt tokens served from the server's cache (usage)
     stream: bool = True  # streamed (TTFT, TPOT, ITL) or one response (e2e only)
+    failure_time: float | None = None  # when its failure was recorded; None: it did not fail
 
     @property
     def ok(self) -> bool:
@@ -138,7 +142,7 @@ class Summary:
     num_ok: int
     num_errors: int
     output_tokens: int  # over successful requests
-    wall_s: float  # first send to last finish
+    wall_s: float  # first send to the last request's end, a failure's included
     output_tokens_per_s: float
     ttft_p50: float | None
     ttft_p99: float | None
@@ -232,8 +236,8 @@ def summarize(
 ) -> Summary:
     ok = [r for r in records if r.ok]
     sends = _present([r.send_time for r in records])
-    finishes = _present([r.finish_time for r in ok])
-    wall = max(finishes) - min(sends) if sends and finishes else 0.0
+    ends = _present([r.finish_time for r in ok] + [r.failure_time for r in records if not r.ok])
+    wall = max(ends) - min(sends) if sends and ends else 0.0
     tokens = sum(r.completion_tokens or 0 for r in ok)
     samples = {
         "ttft": _present([r.ttft for r in ok]),

@@ -77,12 +77,13 @@ class WorkloadRequest:
         data = json.loads(line)
         if not isinstance(data, dict):
             raise TypeError(f"a request is a JSON object, got {type(data).__name__}")
-        ids = data.get("prompt_token_ids")
+        if not isinstance(data["prompt"], str):
+            raise TypeError(f"prompt must be a string, got {type(data['prompt']).__name__}")
         return cls(
             prompt=data["prompt"],
-            max_tokens=int(data["max_tokens"]),
+            max_tokens=_whole_number(data["max_tokens"], "max_tokens"),
             arrival_time=float(data.get("arrival_time", 0.0)),
-            prompt_token_ids=[int(t) for t in ids] if ids is not None else None,
+            prompt_token_ids=_token_ids(data.get("prompt_token_ids")),
             ignore_eos=_flag(data, "ignore_eos"),
             label=str(data.get("label", "")),
             stream=_flag(data, "stream"),
@@ -97,6 +98,27 @@ def _flag(data: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be true or false, got {value!r}")
     return value
+
+
+def _whole_number(value: Any, name: str) -> int:
+    """An integer given as one (`3`, `3.0`): `int` truncated 2.9 and took "3" and true."""
+    number = int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if number is None or number != value:
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return number
+
+
+def _token_ids(value: Any) -> list[int] | None:
+    """A non-empty list of token ids (integers >= 0), or None; a string was taken as its
+    digits."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise TypeError(f"prompt_token_ids must be a non-empty list, got {value!r:.80}")
+    ids = [_whole_number(t, "each of prompt_token_ids") for t in value]
+    if min(ids) < 0:
+        raise ValueError(f"prompt_token_ids must be >= 0, got {min(ids)}")
+    return ids
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
