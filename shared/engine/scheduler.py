@@ -26,14 +26,16 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    finishing ones' first tokens are not held up by a long prompt's big chunk (`lighten`). Bulk
    prompts (batch jobs' lines) never raise the cap, take the budget after interactive ones, and
    get nothing in a step that brings an interactive prompt to its first token.
-4. Swapped sequences come back first, most urgent first, when blocks are free for their KV and
+4. Swapped sequences come back, most urgent first, when blocks are free for their KV and
    next chunk (one token, or a step's prompt tokens for one swapped out mid-prompt) plus one
    growth block per sequence running before, blocks a worker does not promise to new arrivals
    (`blocks_to_resume`); the engine copies their KV back before the step runs. A sequence
    swapped in is never swapped out in the same step: should a more urgent one need its blocks
-   after all, its swap-in is undone before anything is copied. No waiting sequence is admitted
-   while any is swapped out, nor in a step that preempted: preempted sequences resume before
-   new ones are admitted.
+   after all, its swap-in is undone before anything is copied. Preempted sequences resume in
+   urgency order however each was preempted: a swapped one waits while a more urgent one
+   preempted for recompute does, and only such a one is admitted while any is swapped out.
+   No new sequence is admitted then, nor in a step that preempted: preempted sequences resume
+   before new ones are admitted.
 5. With a prefix cache, a newcomer first takes the cached blocks its tokens start with
    (`attach_cached_prefix`) and counts them computed, so its need, its share and its chunks
    cover only the uncached suffix; a newcomer not admitted after all gives them back, and so
@@ -271,10 +273,15 @@ class StepScheduler:
             if num_tokens == 0 or not self._reserve(seq, num_tokens):
                 continue
             scheduled.append(ScheduledChunk(seq, num_tokens))
-        if self.num_preemptions != num_preemptions or self.swapped or not self._pinning:
+        if self.num_preemptions != num_preemptions or not self._pinning:
             self._release_pins()
             return plan
-        self._admit(newcomers, share_of, scheduled)
+        # While a sequence is swapped out (one swapped in may have gone back in the loop, see
+        # `_undo_swap_in`) only the preempted sequences more urgent than it come in.
+        admissible = list(itertools.takewhile(self._goes_before_swapped, newcomers))
+        self._pinning = newcomers[len(admissible) :]
+        self._release_pins()
+        self._admit(admissible, share_of, scheduled)
         return plan
 
     def _admit(
@@ -348,7 +355,7 @@ class StepScheduler:
         while self.swapped and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             needed = self._resume_blocks(seq)
-            if needed > room:
+            if needed > room or self._waits_for_a_recompute(seq):
                 return
             room -= needed
             self.swapped.pop(0)
@@ -356,6 +363,21 @@ class StepScheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             plan.swap_in.append((seq, list(seq.block_ids)))
+
+    def _waits_for_a_recompute(self, swapped: Sequence) -> bool:
+        """Whether a more urgent sequence preempted for recompute waits: it comes back first
+        (preempted sequences resume in urgency order, however each was preempted; the head of
+        the waiting queue is the most urgent of them, `_requeue_preempted`)."""
+        head = self.waiting[0] if self.waiting else None
+        return head is not None and head.num_preemptions > 0 and _urgency(head) < _urgency(swapped)
+
+    def _goes_before_swapped(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence may be admitted beside the swapped ones: any when none is
+        swapped out; else only one preempted for recompute that is more urgent than all of them
+        (a new arrival waits, or arrivals could keep a swapped sequence out for good)."""
+        if not self.swapped:
+            return True
+        return seq.num_preemptions > 0 and _urgency(seq) < _urgency(self.swapped[0])
 
     def _resume_blocks(self, seq: Sequence) -> int:
         """Blocks a swapped sequence holds in the step it comes back: its KV and its next chunk,
