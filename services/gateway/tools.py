@@ -48,6 +48,7 @@ _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 # A parameterless tool's arguments: exactly {} (a bare {"type": "object"} would let the model
 # invent properties until max_tokens).
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+_NOT_AN_OBJECT = 'must describe an object ("type": "object"): a call\'s arguments are one'
 _JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
 
@@ -179,7 +180,9 @@ def _enforceable_parameters(function: Mapping[str, Any]) -> Any:
 
 def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
     """`tools` and `tool_choice` checked; None without tools. InvalidRequestError names the
-    field of any bad value, an unknown tool name in `tool_choice` included."""
+    field of any bad value, an unknown tool name in `tool_choice` included. (A tool result
+    answering no call in the history is let through, as vLLM and SGLang do: agents that trim
+    their histories send them, and OpenAI's 400 would fail them here only.)"""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -208,9 +211,7 @@ def _check_enforceable(parameters: Mapping[str, Any], where: str) -> None:
     `format` or a pattern beside a length, are not refused for it.)"""
     check_schema_keywords(parameters, where)
     if not admits_only_objects(parameters):
-        raise InvalidRequestError(
-            where, 'must describe an object ("type": "object"): a call\'s arguments are one'
-        )
+        raise InvalidRequestError(where, _NOT_AN_OBJECT)
     check_parses(Constraint("json_schema", json.dumps(parameters), where))
 
 
@@ -242,7 +243,16 @@ def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise InvalidRequestError(f"{where}.function.parameters", "must be a JSON schema")
+    if parameters is not None and _names_no_object(parameters):
+        # (Even a tool only shown: the model, writing to its schema, could never call it.)
+        raise InvalidRequestError(f"{where}.function.parameters", _NOT_AN_OBJECT)
     return function
+
+
+def _names_no_object(parameters: Mapping[str, Any]) -> bool:
+    """Whether the parameters' `type` rules an object out (`"string"`, `["array", "null"]`)."""
+    kind = parameters.get("type")
+    return kind is not None and "object" not in (kind if isinstance(kind, list) else [kind])
 
 
 def _parse_choice(choice: Any, names: list[str]) -> str | NamedTool:

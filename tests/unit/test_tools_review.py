@@ -1,0 +1,63 @@
+"""Tool calling's refusals of input the model cannot use: a tool whose arguments could never be
+an object; and what it lets through though OpenAI refuses it."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway.openai_protocol import ApiError, parse_chat_request
+from services.gateway.tool_output import extract_tool_calls
+
+MODEL = "smollm2"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+QUESTION = {"role": "user", "content": "Weather in Paris and Oslo?"}
+
+
+def chat(**fields):
+    return parse_chat_request({"model": MODEL, "messages": [QUESTION], **fields}, MODEL, 2048)
+
+
+def refused(param: str, match: str, **fields) -> None:
+    with pytest.raises(ApiError) as info:
+        chat(**fields)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert match in info.value.message
+
+
+def result(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
+
+
+def test_a_tool_result_answering_no_earlier_call_is_let_through():
+    """OpenAI answers 400; vLLM and SGLang take it, and agents that trim their histories send
+    it: refusing it would fail them here only."""
+    request = chat(messages=[QUESTION, result("call_1")], tools=[WEATHER])
+    assert request.messages[-1]["role"] == "tool"
+
+
+NO_OBJECTS = [{"type": "string"}, {"type": "array", "items": {}}, {"type": ["string", "null"]}]
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+@pytest.mark.parametrize("parameters", NO_OBJECTS)
+def test_a_shown_tool_whose_parameters_are_no_object_is_refused(parameters, choice):
+    """With `auto` (or `none`) a tool whose parameters name another type than an object was
+    taken, and could never be called: a call's arguments must be an object, so what the model
+    wrote to its schema (`"arguments": "Paris"`) came back as content, with no call."""
+    tool = {"type": "function", "function": {"name": "search", "parameters": parameters}}
+    refused("tools[1].function.parameters", '"type": "object"',
+            tools=[WEATHER, tool], tool_choice=choice)  # fmt: skip
+
+
+@pytest.mark.parametrize("parameters", [{"type": "object"}, {"type": ["object", "null"]}, {}])
+def test_a_shown_tool_whose_parameters_may_be_an_object_is_taken(parameters):
+    tool = {"type": "function", "function": {"name": "search", "parameters": parameters}}
+    setup = chat(tools=[tool]).tools
+    content, found = extract_tool_calls(setup, '<tool_call>{"name": "search"}</tool_call>')
+    assert content is None and found[0]["function"] == {"name": "search", "arguments": "{}"}
