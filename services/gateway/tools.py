@@ -189,7 +189,8 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSetup | None:
         raise InvalidRequestError("parallel_tool_calls", "must be true or false")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice", "names a tool, but `tools` is empty")
+            asks = "requires a call" if choice == "required" else "names a tool"
+            raise InvalidRequestError("tool_choice", f"{asks}, but `tools` is empty")
         return None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise InvalidRequestError("tools", f"must be a list of at most {MAX_TOOLS} tools")

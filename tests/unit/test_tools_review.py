@@ -61,3 +61,11 @@ def test_a_shown_tool_whose_parameters_may_be_an_object_is_taken(parameters):
     setup = chat(tools=[tool]).tools
     content, found = extract_tool_calls(setup, '<tool_call>{"name": "search"}</tool_call>')
     assert content is None and found[0]["function"] == {"name": "search", "arguments": "{}"}
+
+
+@pytest.mark.parametrize(
+    ("choice", "said"),
+    [("required", "requires a call"), ({"type": "function", "function": {"name": "f"}}, "names")],
+)
+def test_a_tool_choice_without_tools_says_what_it_asked_for(choice, said):
+    refused("tool_choice", f"{said}", tool_choice=choice)
