@@ -61,6 +61,9 @@ class Reservation:
     # that shares its cache between tenants sends none: its KV named by that would be missed by
     # the tenant's next turn and found by requests of no tenant.
     cache_salt: str | None = None
+    # The worker's registration with the scheduler that reserved it: its KV may arrive after
+    # the worker registered again, and the request is still the earlier scheduler's.
+    registration: int = 0
 
 
 @dataclass
@@ -160,7 +163,11 @@ class DecodeWorker(WorkerLoop):
                 num_new = self.blocks.num_blocks_for(reserve.num_tokens) - len(cached)
                 block_ids = cached + self.blocks.allocate(num_new)
                 self.reservations[reserve.request_id] = Reservation(
-                    block_ids, time.monotonic() + reserve.lease_s, len(cached), salt
+                    block_ids,
+                    time.monotonic() + reserve.lease_s,
+                    len(cached),
+                    salt,
+                    self._registration,
                 )
             except NoFreeBlocksError:
                 self.blocks.free(cached)
@@ -307,7 +314,7 @@ class DecodeWorker(WorkerLoop):
             0,
             num_output_before=len(transfer.output_token_ids),
             repeat=transfer.first_delta,
-            registration=self._registration,
+            registration=reservation.registration,
         )
         num_bytes = transfer.keys.numel() * transfer.keys.element_size() * 2
         self.events.kv_received(request_id, transfer.num_tokens, num_bytes)
@@ -380,6 +387,12 @@ class DecodeWorker(WorkerLoop):
             != len(transfer.prompt_token_ids) + len(transfer.output_token_ids) - 1
         ):
             return "num_tokens does not match the prompt and output"
+        # Before `_admit` reads max_tokens: under 1, it took the request for one at its end,
+        # acknowledged it as admitted, and ended its stream "length" as if served.
+        try:
+            sampling_params(transfer.sampling)
+        except InvalidRequestError as error:
+            return str(error)
         return _first_delta_error(transfer)
 
     def _answer_undecodable(self, frames: list, error: str) -> wire.Message | None:

@@ -438,6 +438,7 @@ class PrefillWorker(WorkerLoop):
         its decode worker acknowledged nothing since, its socket goes too, with what is queued
         in it (KV that socket would otherwise hold, and deliver stale should the worker come
         back); the next job naming the address opens a new one."""
+        self._read_acks_of_transfers_due(now)
         for request_id, transfer in list(self.transfers.items()):
             if now > transfer.deadline:
                 del self.transfers[request_id]
@@ -445,6 +446,16 @@ class PrefillWorker(WorkerLoop):
                 if self._silent_since(transfer):
                     self._drop_decode_socket(transfer.job.decode_address)
                 self._transfer_failed(transfer, "its KV transfer was not acknowledged in time")
+
+    def _read_acks_of_transfers_due(self, now: float) -> None:
+        """Reads the acks waiting on the sockets of transfers past their deadline before they
+        are given up on: the loop runs its timers after its step, and an ack that came in
+        while the step ran (mostly before the deadline) was left unread, its request taken
+        from the decode worker that had admitted it and resumed elsewhere."""
+        due = {t.job.decode_address for t in self.transfers.values() if now > t.deadline}
+        for address in due:
+            if address in self.decode_sockets and self.decode_sockets[address].poll(0):
+                self._drain(self.decode_sockets[address])
 
     def _transfer_failed(self, transfer: PendingTransfer, reason: str) -> None:
         self._handoff_failed(
