@@ -7,15 +7,8 @@ import pytest
 
 from services.gateway.openai_protocol import ApiError, parse_chat_request
 from services.gateway.tool_output import extract_tool_calls
+from tests.unit.test_tool_output import MODEL, WEATHER
 
-MODEL = "smollm2"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 QUESTION = {"role": "user", "content": "Weather in Paris and Oslo?"}
 
 
