@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.planner.workload import whole_number
+
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 DEFAULT_PROMPT_RANGE = (8, 1024)
 DEFAULT_OUTPUT_RANGE = (1, 256)
@@ -81,7 +83,7 @@ class WorkloadRequest:
             raise TypeError(f"prompt must be a string, got {type(data['prompt']).__name__}")
         return cls(
             prompt=data["prompt"],
-            max_tokens=_whole_number(data["max_tokens"], "max_tokens"),
+            max_tokens=whole_number(data["max_tokens"], "max_tokens"),
             arrival_time=float(data.get("arrival_time", 0.0)),
             prompt_token_ids=_token_ids(data.get("prompt_token_ids")),
             ignore_eos=_flag(data, "ignore_eos"),
@@ -100,14 +102,6 @@ def _flag(data: dict[str, Any], name: str) -> bool:
     return value
 
 
-def _whole_number(value: Any, name: str) -> int:
-    """An integer given as one (`3`, `3.0`): `int` truncated 2.9 and took "3" and true."""
-    number = int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-    if number is None or number != value:
-        raise ValueError(f"{name} must be a whole number, got {value!r}")
-    return number
-
-
 def _token_ids(value: Any) -> list[int] | None:
     """A non-empty list of token ids (integers >= 0), or None; a string was taken as its
     digits."""
@@ -115,7 +109,7 @@ def _token_ids(value: Any) -> list[int] | None:
         return None
     if not isinstance(value, list) or not value:
         raise TypeError(f"prompt_token_ids must be a non-empty list, got {value!r:.80}")
-    ids = [_whole_number(t, "each of prompt_token_ids") for t in value]
+    ids = [whole_number(t, "each of prompt_token_ids") for t in value]
     if min(ids) < 0:
         raise ValueError(f"prompt_token_ids must be >= 0, got {min(ids)}")
     return ids

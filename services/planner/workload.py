@@ -98,12 +98,12 @@ def _from_line(data: object) -> SimRequest:
         raise TypeError(f"a request is a JSON object, got {type(data).__name__}")
     token_ids = None
     if "prompt_token_ids" in data:
-        token_ids = tuple(_whole(t, "a token id") for t in data["prompt_token_ids"])
+        token_ids = tuple(whole_number(t, "a token id") for t in data["prompt_token_ids"])
         num_prompt_tokens = len(token_ids)
     elif "num_prompt_tokens" in data:
-        num_prompt_tokens = _whole(data["num_prompt_tokens"], "num_prompt_tokens")
+        num_prompt_tokens = whole_number(data["num_prompt_tokens"], "num_prompt_tokens")
     elif isinstance(data["prompt"], list):  # token ids, as the completions API (and the bench)
-        token_ids = tuple(_whole(t, "a token id") for t in data["prompt"])
+        token_ids = tuple(whole_number(t, "a token id") for t in data["prompt"])
         num_prompt_tokens = len(token_ids)
     elif isinstance(data["prompt"], str):
         num_prompt_tokens = max(1, len(data["prompt"]) // CHARS_PER_TOKEN)
@@ -112,7 +112,7 @@ def _from_line(data: object) -> SimRequest:
     request = SimRequest(
         arrival_time=float(data.get("arrival_time", 0.0)),
         num_prompt_tokens=num_prompt_tokens,
-        max_tokens=_whole(data["max_tokens"], "max_tokens"),
+        max_tokens=whole_number(data["max_tokens"], "max_tokens"),
         tenant=str(data.get("tenant", "default")),
         label=str(data.get("label", "")),
         prompt_token_ids=token_ids,
@@ -127,12 +127,15 @@ def _from_line(data: object) -> SimRequest:
     return request
 
 
-def _whole(value: object, name: str) -> int:
-    """A count or token id as the API takes it: a JSON integer (2.7 was read as 2, true as 1,
-    "16" as 16, where the server refuses each)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a whole number, got {value!r}")
-    return value
+def whole_number(value: object, name: str) -> int:
+    """A count or token id of a workload line (this reader's and `tandem bench`'s): a JSON
+    integer, or a number with no fraction (3.0). `int` read 2.7 as 2, true as 1 and "16" as 16,
+    each a value the server refuses."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    if isinstance(value, float) and not value.is_integer():  # (NaN and infinities too)
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
 
 
 def _stream(data: dict) -> bool:

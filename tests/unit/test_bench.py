@@ -216,7 +216,7 @@ def test_wrong_workload_files_name_the_line(tmp_path):
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
-        (b'{"prompt": "a", "max_tokens": 1e999}\n', ":1: OverflowError"),
+        (b'{"prompt": "a", "max_tokens": 1e999}\n', ":1: (ValueError: )?max_tokens.*inf"),
         (b'{"prompt": "a", "max_tokens": 2, "arrival_time": NaN}\n', "arrival_time a finite"),
         (b'{"prompt": "a", "max_tokens": 2, "arrival_time": Infinity}\n', "arrival_time a finite"),
         (b'{"prompt": "\xff\xfe"}\n', "cannot read workload"),  # not UTF-8
@@ -229,7 +229,7 @@ def test_workload_values_json_allows_but_no_request_has_are_named(tmp_path, cont
     path.write_bytes(content)
     with pytest.raises(WorkloadError, match=needle):
         read_workload(path)
-    with pytest.raises(PlannerWorkloadError, match=needle.split(" OverflowError")[0]):
+    with pytest.raises(PlannerWorkloadError, match=needle):
         load_workload(str(path))
 
 
