@@ -174,3 +174,13 @@ def test_a_batchs_end_is_durable_and_its_answers_too_but_not_each_record(store, 
     assert synced <= set(spy.paths) <= synced | {str(store.path_of(error_file_id("batch_x")))}
     assert watch.modes_of("UPDATE batches SET status") == {"FULL"}
     assert watch.modes_of("UPDATE lines SET state") == {"NORMAL"}
+
+
+def test_the_answer_appends_bench_times_real_answers_and_refuses_no_lines(tmp_path, capsys):
+    from loadtest import answer_appends
+
+    answer_appends.main(["--lines", "50", "--dir", str(tmp_path)])
+    assert "50 answers, synchronous=NORMAL:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        answer_appends.main(["--lines", "0"])
+    assert "--lines must be at least 1" in capsys.readouterr().err
