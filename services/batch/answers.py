@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from services.batch.ceding import ceding
 from services.batch.store import AnswerCounts, Store, fsync_path
 
 
@@ -161,7 +162,7 @@ def _read_answers(path: Path) -> Iterator[tuple[str, dict[str, Any] | None]]:
         return
     with open(path, "rb+") as file:
         offset = 0
-        for raw in file:
+        for raw in ceding(file):  # (read in a worker thread beside the loop)
             answer = _answer_of(raw)
             if answer is None:
                 file.truncate(offset)

@@ -31,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from services.batch.ceding import ceding
 from services.batch.store import Store
 from shared.wire_base import MAX_JSON_LEN
 
@@ -67,7 +68,7 @@ def raw_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
     TooManyBlankLines once more than MAX_BLANK_LINES were skipped."""
     offset = num_blank = 0
     with open(path, "rb") as file:
-        for line_no, raw in enumerate(file, 1):
+        for line_no, raw in enumerate(ceding(file), 1):  # (read in a worker thread)
             text = raw.rstrip(b"\r\n")
             if text.strip():
                 yield line_no, offset, text

@@ -377,7 +377,7 @@ def test_a_big_jobs_recovery_and_expiry_leave_the_loop_free(store):
     assert batch["status"] == "expired"
     counts = {"total": num_lines, "completed": num_lines // 2, "failed": num_lines // 2}
     assert batch["request_counts"] == counts
-    assert longest_gap < 0.5
+    assert longest_gap < 0.25, longest_gap
 
 
 def answered_lines(store: Store, num_lines: int) -> None:
