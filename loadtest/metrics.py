@@ -233,11 +233,12 @@ def summarize(
     slo_ttft_s: float | None = None,
     slo_tpot_s: float | None = None,
     slo_e2e_s: float | None = None,
+    wall_s: float | None = None,
 ) -> Summary:
+    """`wall_s`: the span the rates are over; the records' own (first send to last end) if
+    None."""
     ok = [r for r in records if r.ok]
-    sends = _present([r.send_time for r in records])
-    ends = _present([r.finish_time for r in ok] + [r.failure_time for r in records if not r.ok])
-    wall = max(ends) - min(sends) if sends and ends else 0.0
+    wall = span_of(records) if wall_s is None else wall_s
     tokens = sum(r.completion_tokens or 0 for r in ok)
     samples = {
         "ttft": _present([r.ttft for r in ok]),
@@ -282,6 +283,13 @@ def summarize(
     )
 
 
+def span_of(records: Sequence[RequestRecord]) -> float:
+    """From the first send to the last end (an answer or a failure); 0 if none."""
+    sends = _present([r.send_time for r in records])
+    ends = _present([r.finish_time if r.ok else r.failure_time for r in records])
+    return max(ends) - min(sends) if sends and ends else 0.0
+
+
 def _lateness(records: Sequence[RequestRecord]) -> dict[str, Any]:
     late = _present([r.lateness for r in records])
     return {
@@ -308,10 +316,15 @@ def summarize_by_label(
     slo_ttft_s: float | None = None,
     slo_tpot_s: float | None = None,
 ) -> dict[str, Summary]:
-    """One summary per request class (its label), in order of first appearance."""
+    """One summary per request class (its label), in order of first appearance. Each class's
+    rates are over the whole run's span, so they add up to the run's: over the class's own,
+    a rare class's one request of 0.5 s read 2 requests/s."""
     labels = list(dict.fromkeys(r.label for r in records))
+    wall = span_of(records)
     return {
-        label: summarize([r for r in records if r.label == label], slo_ttft_s, slo_tpot_s)
+        label: summarize(
+            [r for r in records if r.label == label], slo_ttft_s, slo_tpot_s, wall_s=wall
+        )
         for label in labels
     }
 

@@ -114,6 +114,8 @@ def to_records(result: SimResult) -> list[RequestRecord]:
             finish_time=r.finish_time,
             completion_tokens=r.completion_tokens,
             error=r.error,
+            # A failure's end: without it the run's span stopped at its last success.
+            failure_time=r.finish_time if r.error is not None else None,
             label=r.label,
             stream=r.stream,
         )

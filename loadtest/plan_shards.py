@@ -102,6 +102,7 @@ def on_workload_clock(records: list[RequestRecord], origin_s: float) -> list[Req
             send_time=moved(r.send_time),
             first_token_time=moved(r.first_token_time),
             finish_time=moved(r.finish_time),
+            failure_time=moved(r.failure_time),
         )
         for r in records
     ]

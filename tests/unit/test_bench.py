@@ -94,6 +94,22 @@ def test_summaries_per_class_keep_the_classes_apart():
     assert (by_class["long"].num_ok, by_class["long"].num_errors) == (1, 1)
 
 
+def test_each_classs_rates_are_over_the_whole_run_and_add_up_to_its_own():
+    """A rare class's one request of 0.5 s read 2 requests/s over its own span, in a run of
+    10 s where it made one."""
+    chats = [streamed(i, float(i), i + 0.1, i + 1.0, 10) for i in range(10)]  # 0 s to 10 s
+    rare = streamed(10, 4.0, 4.1, 4.5, 5, label="rare")
+    by_class = summarize_by_label([*chats, rare], slo_ttft_s=1.0)
+    whole = summarize([*chats, rare], slo_ttft_s=1.0)
+    assert whole.wall_s == pytest.approx(10.0)
+    assert by_class["rare"].wall_s == pytest.approx(10.0)
+    assert by_class["rare"].requests_per_s == pytest.approx(0.1)
+    assert by_class["rare"].output_tokens_per_s == pytest.approx(0.5)
+    for rate in ("requests_per_s", "output_tokens_per_s", "goodput_rps"):
+        parts = sum(getattr(summary, rate) for summary in by_class.values())
+        assert parts == pytest.approx(getattr(whole, rate))
+
+
 def test_token_timeline_spreads_tokens_over_chunks():
     records = [
         streamed(0, 0.0, 0.5, 2.5, 5),  # chunks at 0.5, 1.0, 1.5, 2.0, 2.5

@@ -109,6 +109,20 @@ def test_goodput_counts_the_requests_within_every_objective_the_slo_names(profil
     assert goodputs == sorted(goodputs, reverse=True) and goodputs[-1] > 0, runners_up
 
 
+def test_a_simulated_runs_span_reaches_its_last_failure():
+    """Simulated records that failed carried their end as `finish_time` only, which the span
+    of a summary ignores for a failure: a run whose last requests were cut unfinished read as
+    ending at its last success, and its rates (goodput) over too short a span."""
+    config = SimConfig(1, 1, SchedulerLimits(), drain_s=1.0)
+    result = Simulator(cpu_like_profile(), config).run(load_workload(BUSY))
+    records = to_records(result)
+    assert any(not r.ok for r in records) and any(r.ok for r in records)
+    last_success = max(r.finish_time for r in records if r.ok)
+    last_end = max(r.finish_time or r.failure_time for r in records)
+    assert last_end > last_success
+    assert summarize(records).wall_s == pytest.approx(last_end - min(r.send_time for r in records))
+
+
 def test_requests_not_streamed_are_judged_as_the_bench_judges_them(tmp_path):
     """A workload line with `"stream": false` (the bulk class of `generators mix`) is one the
     bench sends for one response: no first token before it, so no TTFT or TPOT, only e2e. The
