@@ -20,9 +20,13 @@ A kernel without IPv6 needs nothing more: libzmq, failing to make an IPv6 socket
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import os
 import secrets
 import socket
+import threading
+import time
 
 import zmq
 
@@ -49,10 +53,10 @@ def ip_version(host: str) -> int | None:
 def needs_ipv6(address: str) -> bool:
     """Whether a socket bound or connected to `address` needs ZeroMQ's IPv6 option: an IPv6
     host; `*`, every interface (with it, IPv6 ones too: an IPv4-only bind is unreachable in an
-    IPv6-only cluster; IPv4 peers still connect); a name with no IPv4 address (none yet: with
-    the option, libzmq still reaches one that later resolves to IPv4 only). Not an IPv4
-    address, a name with one, or an interface name (libzmq would take its IPv6 address, which
-    IPv4 peers could not reach)."""
+    IPv6-only cluster; IPv4 peers still connect); a name with no IPv4 address (none yet, or
+    none known within LOOKUP_TIMEOUT_S: with the option, libzmq still reaches one that later
+    resolves to IPv4 only). Not an IPv4 address, a name with one, or an interface name (libzmq
+    would take its IPv6 address, which IPv4 peers could not reach)."""
     host = tcp_host(address)
     if not host:
         return False
@@ -122,23 +126,80 @@ def _interface_names() -> set[str]:
         return set()
 
 
-# Names resolved, and whether to an IPv4 address: a worker opens a socket to a peer's name again
-# after closing it idle, in its loop, which a lookup each time would hold up as long as DNS took.
-# (A name that did not resolve is asked again: it may be one not yet published.)
-_resolved: dict[str, bool] = {}
+# A name's lookup never holds the caller long: a worker opens its socket to a peer's name (a
+# decode worker's KV address, a gateway's stream one) in its loop, and a lookup that waited out
+# a DNS timeout held every job of the worker for seconds. Invariants: at most one lookup of a
+# name in flight, in a thread of its own; only the caller that starts a name's first lookup
+# waits for it, at most LOOKUP_TIMEOUT_S; an answer is used for ANSWER_TTL_S, then asked again
+# (which finds a name published since), the last answer standing meanwhile. Until a name's
+# first answer comes it counts as one with no IPv4 address (IPv6 on: libzmq asks for
+# IPv4-mapped addresses, and so reaches one that turns out IPv4 only).
+LOOKUP_TIMEOUT_S = 0.25  # (a resolver that answers at all answers in milliseconds)
+ANSWER_TTL_S = 30.0
 MAX_NAMES_KEPT = 1024  # (names come from peers' addresses: bounded all the same)
+MAX_LOOKUPS_IN_FLIGHT = 32  # (threads waiting on a resolver that does not answer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    has_ipv4: bool
+    at: float  # time.monotonic() when it came
+
+
+_resolved: dict[str, _Answer] = {}  # by name, oldest first
+_lookups: dict[str, threading.Thread] = {}  # in flight, by name
+_lock = threading.Lock()  # (for both: connects come from more than one thread)
 
 
 def _has_ipv4_address(name: str) -> bool:
-    """Whether `name` resolves to an IPv4 address (a DNS lookup, the first time)."""
-    known = _resolved.get(name)
-    if known is not None:
-        return known
+    """Whether `name` resolves to an IPv4 address, as far as is known within
+    LOOKUP_TIMEOUT_S (a DNS lookup at most once per ANSWER_TTL_S)."""
+    with _lock:
+        known = _resolved.get(name)
+        if known is not None and time.monotonic() - known.at < ANSWER_TTL_S:
+            return known.has_ipv4
+        lookup = _start_lookup(name)
+        if known is not None:  # a refresh: the last answer stands meanwhile, at once
+            return known.has_ipv4
+    if lookup is not None:
+        lookup.join(LOOKUP_TIMEOUT_S)
+    with _lock:
+        known = _resolved.get(name)
+    return known is not None and known.has_ipv4
+
+
+def _start_lookup(name: str) -> threading.Thread | None:
+    """A new lookup of `name` (under `_lock`); None if one is in flight already, or too many."""
+    if name in _lookups or len(_lookups) >= MAX_LOOKUPS_IN_FLIGHT:
+        return None
+    lookup = threading.Thread(target=_look_up, args=(name,), name="dns-lookup", daemon=True)
+    _lookups[name] = lookup
+    lookup.start()
+    return lookup
+
+
+def _look_up(name: str) -> None:
+    found: list = []
     try:
         found = socket.getaddrinfo(name, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
-    except (OSError, UnicodeError):  # gaierror; a label too long for IDNA
-        return False
-    has_ipv4 = any(family == socket.AF_INET for family, *_ in found)
-    if len(_resolved) < MAX_NAMES_KEPT:
-        _resolved[name] = has_ipv4
-    return has_ipv4
+    except (OSError, UnicodeError, ValueError):  # gaierror; a label too long for IDNA; a NUL
+        pass
+    finally:  # (whatever it raised, the name is in flight no more: it is asked again later)
+        answer = _Answer(any(family == socket.AF_INET for family, *_ in found), time.monotonic())
+        with _lock:
+            _resolved.pop(name, None)  # (re-inserted last: the oldest answer is dropped first)
+            if len(_resolved) >= MAX_NAMES_KEPT:
+                del _resolved[next(iter(_resolved))]
+            _resolved[name] = answer
+            _lookups.pop(name, None)
+
+
+def _forget_lookups_after_fork() -> None:
+    """A forked child has none of its parent's threads: their lookups would stay 'in flight'
+    for good, and a lock one of them held, held."""
+    global _lock
+    _lock = threading.Lock()
+    _lookups.clear()
+
+
+os.register_at_fork(after_in_child=_forget_lookups_after_fork)

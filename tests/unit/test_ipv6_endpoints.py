@@ -78,6 +78,8 @@ def resolving(monkeypatch, addresses: dict[str, list[int]]) -> list[str]:
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     monkeypatch.setattr(endpoints, "_resolved", {})
+    monkeypatch.setattr(endpoints, "_lookups", {})
+    monkeypatch.setattr(endpoints, "LOOKUP_TIMEOUT_S", 10.0)  # (answers at once: wait for it)
     return asked
 
 
@@ -99,7 +101,8 @@ def test_a_name_not_resolving_yet_needs_ipv6(monkeypatch):
     address it gets; with it off, never an IPv6 one.)"""
     asked = resolving(monkeypatch, {})
     assert needs_ipv6("tcp://tandem-scheduler:5555")
-    assert needs_ipv6("tcp://tandem-scheduler:5555") and len(asked) == 2  # (asked again)
+    monkeypatch.setattr(endpoints, "ANSWER_TTL_S", 0.0)  # (asked again once its answer is old)
+    assert needs_ipv6("tcp://tandem-scheduler:5555") and len(asked) == 2
 
 
 def test_a_name_is_looked_up_once(monkeypatch):
