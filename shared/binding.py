@@ -7,7 +7,9 @@ use, an address not this machine's) is a `BindError` naming the setting, which t
 command prints as one line with exit status 2 instead of a traceback. An `ipc://` socket file
 is probed first (`refuse_served_ipc_path`): ZeroMQ's bind unlinks whatever is at the path and
 takes it, so a second scheduler on the same path took it from the live one, whose peers then
-reached the newcomer while it ran on, deaf. TCP ports that another
+reached the newcomer while it ran on, deaf. Probe and bind are one step per path
+(`ipc_path_lock`): two binds started at the same instant both found the file absent or stale,
+and both bound. TCP ports that another
 program binds for us (uvicorn, `tandem up`'s gateway) are checked beforehand with
 `check_tcp_port` (`check_address` for a ZeroMQ one): free now, or refused the same way (as is a
 host that resolves to no address).
@@ -15,11 +17,14 @@ host that resolves to no address).
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import socket
 import stat
 import time
+from collections.abc import Iterator
 
 import zmq
 
@@ -33,6 +38,9 @@ IPC_PROBE_TIMEOUT_S = 0.2  # (a local connect: answered at once, refused or acce
 # and a service restarted in-process on its own path was refused about one time in three.
 IPC_PROBE_ATTEMPTS = 3
 IPC_PROBE_INTERVAL_S = 0.02
+# A binder holds its path's lock through its probes and bind: well under a second.
+IPC_LOCK_TIMEOUT_S = 5.0
+IPC_LOCK_POLL_S = 0.005
 
 
 class BindError(ConfigError):
@@ -63,7 +71,7 @@ def refuse_served_ipc_path(address: str) -> None:
     file nobody listens on (its process was killed) passes, for the bind to replace. Abstract
     `ipc://@name` needs no probe (the kernel refuses a name in use), nor `ipc://*` (a fresh
     path). Two binds started at the same instant can still both pass: the probe narrows the
-    window to the moment between it and the bind, it does not lock the path."""
+    window to the moment between it and the bind: `bind` holds `ipc_path_lock` across both."""
     if not address.startswith(IPC_PREFIX):
         return
     path = address[len(IPC_PREFIX) :]
@@ -110,13 +118,87 @@ def ipc_listener_answers(path: str) -> bool:
     raise OSError(error, os.strerror(error))
 
 
+def ipc_lock_path(address: str) -> str | None:
+    """The lock file beside an `ipc://` address's socket file; None where there is no file to
+    race for (another transport, abstract `ipc://@name`, a fresh `ipc://*`)."""
+    if not address.startswith(IPC_PREFIX):
+        return None
+    path = address[len(IPC_PREFIX) :]
+    return None if path.startswith("@") or path == "*" else f"{path}.lock"
+
+
+@contextlib.contextmanager
+def ipc_path_lock(address: str) -> Iterator[None]:
+    """Held across a bind's probe and bind, so that of two binds of one path at once the second
+    probes after the first has bound (and is refused). Only for that moment, not the socket's
+    life: `bind` cannot see the socket closed, and the probe, not the lock, says whether the
+    path is served (by any process, an older tandem's too). An advisory lock (flock) on
+    `<path>.lock`, which the kernel releases when its holder dies; removed by its holder when
+    done, so none are left beside the socket files. OSError when it is not a plain file (it is
+    left alone) or another binder holds it for IPC_LOCK_TIMEOUT_S (stopped mid-bind)."""
+    lock_path = ipc_lock_path(address)
+    if lock_path is None:
+        yield
+        return
+    fd = _lock_file(lock_path)
+    try:
+        yield
+    finally:
+        # (Still holding it: a waiter that then gets the lock sees it gone.)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        os.close(fd)
+
+
+def _lock_file(lock_path: str) -> int:
+    """A descriptor holding the flock of the file now at `lock_path` (made if absent)."""
+    deadline = time.monotonic() + IPC_LOCK_TIMEOUT_S
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EEXIST, f"{lock_path} exists and is not a plain file")
+            if _try_flock(fd) and _is_at(fd, lock_path):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # held, or unlinked by its last holder after our open: try the new one
+        if time.monotonic() > deadline:
+            raise OSError(
+                errno.EADDRINUSE,
+                f"{os.strerror(errno.EADDRINUSE)} (another process is binding this socket file "
+                f"and holds {lock_path}: stopped?)",
+            )
+        time.sleep(IPC_LOCK_POLL_S)
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _is_at(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is still the one at `path`."""
+    try:
+        at_path = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (opened.st_dev, opened.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+
 def bind(sock: zmq.Socket, address: str, setting: str) -> None:
     """`sock.bind(address)`, the address being the value of the config field `setting`; IPv6
     enabled where the address needs it (`shared.endpoints`)."""
     try:
         ensure_ipc_dir(address)
-        refuse_served_ipc_path(address)
-        set_ipv6(sock, address).bind(address)
+        with ipc_path_lock(address):
+            refuse_served_ipc_path(address)
+            set_ipv6(sock, address).bind(address)
     except zmq.ZMQError as error:  # (its strerror repeats the address)
         raise BindError(
             f"{describe(setting)}: cannot bind {address}: {zmq.strerror(error.errno)}"
