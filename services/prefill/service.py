@@ -129,6 +129,7 @@ class PrefillWorker(WorkerLoop):
         # Per decode address with a socket (monotonic): when it was opened, and last acked.
         self._opened_at: dict[str, float] = {}
         self._last_ack_at: dict[str, float] = {}
+        self._reading_from: str | None = None  # the decode address whose socket `_drain` reads
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -418,11 +419,36 @@ class PrefillWorker(WorkerLoop):
         else:  # cancelled meanwhile, or finished at its first token
             self.log.debug("grant for a job not held", request_id=grant.request_id)
 
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Notes which decode worker's socket is read, if one is: an ack heard on it says the
+        worker is alive even when its transfer was given up on already (`_on_ack`)."""
+        self._reading_from = self._decode_address_of(sock)
+        try:
+            super()._drain(sock)
+        finally:
+            self._reading_from = None
+
+    def _decode_address_of(self, sock: zmq.Socket) -> str | None:
+        """The decode address `sock` is the open socket to; None for another socket. (Every
+        open decode socket's address is in `_opened_at`: `_check_decode` opens them.)"""
+        return next(
+            (
+                address
+                for address in self._opened_at
+                if address in self.decode_sockets and self.decode_sockets[address] is sock
+            ),
+            None,
+        )
+
     def _on_ack(self, ack: wire.KvAck) -> None:
+        # Any ack, late or for an id never sent, is a sign of life of the worker it came from:
+        # one whose acks all come past their deadlines is slow, not silent (`_silent_since`).
+        if self._reading_from is not None:
+            self._last_ack_at[self._reading_from] = time.monotonic()
         transfer = self.transfers.pop(ack.request_id, None)
-        if transfer is None:
+        if transfer is None:  # given up on (late: the scheduler re-routed it), or cancelled
+            self.log.debug("ack for a transfer not held", request_id=ack.request_id)
             return
-        self._last_ack_at[transfer.job.decode_address] = time.monotonic()
         if ack.ok:
             self.events.kv_acknowledged(ack.request_id, transfer.sent_at)
             self._report(transfer.job, None, transfer.num_output_tokens)
