@@ -61,7 +61,7 @@ class HostTier:
         self._touched: list[int] = []  # hashes stored or dropped since `take_touched`
         self.num_demoted_blocks = 0  # since start: blocks copied in from the device
         self.num_promoted_blocks = 0  # since start: blocks copied back to the device
-        self.num_dropped_blocks = 0  # since start: blocks dropped for good
+        self.num_dropped_blocks = 0  # since start: blocks dropped for good, or never taken in
 
     @property
     def num_bytes(self) -> int:
@@ -96,7 +96,8 @@ class HostTier:
             if block_hash in self._kv:  # computed again while held here: same KV, keep ours
                 self._order.add(block_hash, eviction.retain_until)
                 continue
-            if not self._make_room(self.bytes_per_block):
+            if not self._make_room(self.bytes_per_block):  # (room under a block: budget, or swap)
+                self.num_dropped_blocks += 1  # its id is being reused: the block is gone
                 continue
             try:
                 keys, values = self.kv_cache.read_blocks([eviction.block_id])

@@ -150,6 +150,24 @@ def test_a_copy_to_host_that_fails_loses_that_copy_not_the_blocks():
     assert bm.num_free_blocks == 4
 
 
+def test_an_evicted_block_that_cannot_fit_counts_as_dropped():
+    """The swap space's room all promised to a swapped sequence, evicted blocks find no room
+    in the tier: lost for good, as a copy that fails is, and they went uncounted (the count
+    told of fewer losses than there were)."""
+    bm, tier, kv, swap = tier_manager(num_blocks=4, tier_blocks=4, swap_blocks=4)
+    swap.reserve(4 * BPB)
+    computed(bm, kv, [10, 11, 12, 13])
+    taken = bm.allocate(3)  # evicts 10, 11, 12: no room for any of them
+    assert len(taken) == 3 and tier.num_blocks == 0
+    assert (tier.num_demoted_blocks, tier.num_dropped_blocks) == (0, 3)
+    # A tier with no room of its own drops what it is handed the same way.
+    empty = HostTier(0, BPB, kv)
+    empty.demote([Eviction(taken[0], 20), Eviction(taken[1], 21, retain_until=130.0)])
+    assert (empty.num_blocks, empty.num_dropped_blocks) == (0, 2)
+    tier.check_invariants()
+    empty.check_invariants()
+
+
 def test_the_tier_drops_least_recently_used_first_and_never_exceeds_its_budget():
     clock = FakeClock()
     bm, tier, kv, _ = tier_manager(num_blocks=2, tier_blocks=3, clock=clock)
