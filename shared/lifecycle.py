@@ -399,6 +399,13 @@ class WorkerEvents(_Events):
             "Unreferenced cached blocks in their think-time retention (evicted last)",
         )
         self._host_hits_seen = 0
+        self.host_blocks = self.counter(
+            "prefix_cache_host_blocks",
+            "Cached blocks through the host tier: copied in on eviction (demoted), copied back "
+            "(promoted), or lost to it (dropped: no room, or the copy failed)",
+            ("event",),
+        )
+        self._host_blocks_seen = {"demoted": 0, "promoted": 0, "dropped": 0}
 
     def refresh_host_tier(self, cache: PrefixCache | None, tier: HostTier | None) -> None:
         """The host tier's counters, read from the engine as the heartbeat goes out."""
@@ -408,6 +415,20 @@ class WorkerEvents(_Events):
         self._host_hits_seen = cache.num_host_hit_tokens
         self.host_bytes.set(tier.num_bytes if tier is not None else 0)
         self.retained_blocks.set(cache.num_retained)
+        if tier is not None:
+            self._count_host_blocks(tier)
+
+    def _count_host_blocks(self, tier: HostTier) -> None:
+        counts = {
+            "demoted": tier.num_demoted_blocks,
+            "promoted": tier.num_promoted_blocks,
+            "dropped": tier.num_dropped_blocks,
+        }
+        for event, count in counts.items():
+            seen = self._host_blocks_seen[event]
+            # (a count below the last seen is a tier made anew: all of it is new)
+            self.host_blocks.labels(event).inc(count - seen if count >= seen else count)
+            self._host_blocks_seen[event] = count
 
     def model_loaded(
         self,

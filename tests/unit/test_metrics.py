@@ -184,6 +184,15 @@ def test_host_tier_metrics_follow_the_engines_counters():
     assert value(events, "tandem:prefix_cache_host_hits_total") == 48
     assert value(events, "tandem:prefix_cache_host_bytes") == 2 * bpb
     assert value(events, "tandem:prefix_cache_retained_blocks") == 1
+    assert value(events, "tandem:prefix_cache_host_blocks_total", event="demoted") == 2
+    assert tier.promote(11, 3)
+    no_room = HostTier(0, bpb, KVCache(TINY_KV_CONFIG, 4, 4))
+    no_room.demote([Eviction(2, 13)])
+    events.refresh_host_tier(cache, tier)
+    assert value(events, "tandem:prefix_cache_host_blocks_total", event="promoted") == 1
+    events.refresh_host_tier(cache, no_room)  # a tier made anew: its counts from nothing
+    assert value(events, "tandem:prefix_cache_host_blocks_total", event="dropped") == 1
+    assert value(events, "tandem:prefix_cache_host_blocks_total", event="demoted") == 2
     events.refresh_host_tier(cache, None)  # the tier switched off
     assert value(events, "tandem:prefix_cache_host_bytes") == 0
 
