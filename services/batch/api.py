@@ -92,6 +92,15 @@ def file_object(row) -> dict[str, Any]:
     }
 
 
+def files_of(batch: dict[str, Any]) -> set[str]:
+    """The ids of the files an unfinished batch's job uses: its input, which it reads until it
+    ends (and again after a restart), and its answer files, which it writes. The answer files
+    are registered (listed, deletable) before the status that ends the batch is set: between
+    the two (SQLite refusing the status while the disk is full, a kill), a deleted one lost
+    the answers, and the batch ended `completed` naming no output file."""
+    return {batch["input_file_id"], output_file_id(batch["id"]), error_file_id(batch["id"])}
+
+
 def public(batch: dict[str, Any]) -> dict[str, Any]:
     """The batch object as clients see it: the service's own keys (leading `_`) left out."""
     return {key: value for key, value in batch.items() if not key.startswith("_")}
@@ -141,11 +150,7 @@ class BatchApi:
         registered when it ends)."""
         keep = set()
         for batch in self.store.batches_in(*UNFINISHED):
-            keep |= {
-                batch["input_file_id"],
-                output_file_id(batch["id"]),
-                error_file_id(batch["id"]),
-            }
+            keep |= files_of(batch)
         self.store.remove_unnamed_files(keep)
         self.store.drop_lines_of_batches_not_in(*UNFINISHED)
 
@@ -258,12 +263,12 @@ class BatchApi:
     def file_delete(self, tenant: str, params: dict, _: bytes | None) -> Result:
         row = self._file(tenant, params)
         unfinished = self.store.batches_in(*UNFINISHED)
-        using = [batch["id"] for batch in unfinished if batch["input_file_id"] == row["id"]]
-        if using:  # (its job reads lines from it until it ends, and again after a restart)
+        using = [batch["id"] for batch in unfinished if row["id"] in files_of(batch)]
+        if using:
             raise ApiFailure(
                 409,
-                f"the file is the input of {using[0]}, which has not finished: cancel it, or "
-                "delete the file once it has ended",
+                f"the file is read or written by {using[0]}, which has not finished: cancel "
+                "it, or delete the file once it has ended",
                 "file_id",
             )
         self.store.delete_file(tenant, row["id"])
