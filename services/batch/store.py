@@ -54,7 +54,6 @@ CREATE TABLE IF NOT EXISTS batches (
     input_tokens INTEGER NOT NULL DEFAULT 0, output_tokens INTEGER NOT NULL DEFAULT 0,
     cached_tokens INTEGER NOT NULL DEFAULT 0  -- of the input tokens, those the prefix cache served
 );
-CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, created_at);
 CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT NOT NULL,
     offset INTEGER NOT NULL, length INTEGER NOT NULL,
@@ -71,7 +70,15 @@ _MIGRATIONS = {
         "ALTER TABLE batches ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0"
     ),
 }
-_INDEXES = "CREATE INDEX IF NOT EXISTS lines_in_feed_order ON lines (batch_id, prefix_key, line_no)"
+# Made after the migrations (the feed order's column may be new). The tenant's batches and
+# files in rowid order (an index on the tenant alone holds them so): a page of a list sorted
+# all of the tenant's rows first, 0.55 s for `limit=1` over 10,000 batches on the loop.
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS lines_in_feed_order ON lines (batch_id, prefix_key, line_no);
+DROP INDEX IF EXISTS batches_by_tenant;  -- (tenant, created_at): no query's order
+CREATE INDEX IF NOT EXISTS batches_of_tenant ON batches (tenant);
+CREATE INDEX IF NOT EXISTS files_of_tenant ON files (tenant);
+"""
 PENDING, ANSWERED = 0, 1
 DROP_PAGE_LINES = 1000  # lines' rows deleted per write
 T = TypeVar("T")
@@ -108,7 +115,7 @@ class Store:
             columns = {row["name"] for row in self.db.execute(f"PRAGMA table_info({table})")}
             if column not in columns:
                 self.db.execute(statement)
-        self.db.execute(_INDEXES)
+        self.db.executescript(_INDEXES)
 
     def close(self) -> None:
         self.db.close()
