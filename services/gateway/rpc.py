@@ -10,9 +10,11 @@ Each call runs in its own task, keyed by (client identity, call id), and answers
 carrying the HTTP status and OpenAI's error object.
 
 Cancelling a call's task closes its generation iterator, which cancels its requests in the
-cluster (queue entry, prefill job, KV blocks). That happens on `RpcCancel`, and when a client has
-vanished: the socket is ROUTER_MANDATORY, so an event to a peer that disconnected fails at once
-and every call of that peer is cancelled. ZeroMQ does not tell a ROUTER when a peer leaves, so
+cluster (queue entry, prefill job, KV blocks). That happens on `RpcCancel`, on a second call
+under the id of one in flight (the id's call then ends with one 409: both calls' events would
+carry that id, and their client could not tell them apart), and when a client has vanished:
+the socket is ROUTER_MANDATORY, so an event to a peer that disconnected fails at once and every
+call of that peer is cancelled. ZeroMQ does not tell a ROUTER when a peer leaves, so
 a client whose calls wait with nothing sent to it for `PROBE_S` (queued, prefilling, or a whole
 answer being generated) is sent a `waiting` event, which fails so once it has gone; and ZMTP
 heartbeats close a connection whose peer answers none for `client_timeout_s` (a host gone
@@ -60,6 +62,10 @@ PROBE_S = 2.0  # a client with calls in flight and no event sent for this long i
 MAX_REPLIES_IN_LINE = 16 * MAX_CALLS_PER_CLIENT  # a client's refusals waiting to be sent; more
 # are dropped (a client flooding calls whose answers it never reads)
 SLOW_READER_RETRY_S = 0.01  # an event for a client whose pipe is full is tried again after
+# Events queued in ZeroMQ per client (SNDHWM; ZeroMQ's default, 1,000, counts messages, and an
+# event may be MiBs: a client reading none had GiBs held for it). Room for a chunk of each of
+# its streams at once (a decode step's), so that a client reading as they come waits in no line.
+MAX_EVENTS_IN_PIPE = MAX_CALLS_PER_CLIENT
 MAX_HEARTBEAT_TIMEOUT_MS = 2**31 - 1  # ZeroMQ's most (a C int)
 
 # Per call kind: the HTTP endpoint's parser and its response id prefix.
@@ -113,6 +119,7 @@ class RpcServer:
         self._last_sent: dict[bytes, float] = {}  # per client with calls: its last event's time
         self._send_lines: dict[bytes, _SendLine] = {}  # per client with events to send
         self._stalled: set[bytes] = set()  # clients dropped for reading nothing (`_route`)
+        self._superseded: set[CallKey] = set()  # calls cancelled by a second one under their id
         self._loop_task: asyncio.Task | None = None
         self._probe_task: asyncio.Task | None = None
         self._closing = False
@@ -125,6 +132,7 @@ class RpcServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, not silence
+        self.socket.setsockopt(zmq.SNDHWM, MAX_EVENTS_IN_PIPE)  # (a pipe takes it when made)
         timeout_ms = _heartbeat_timeout_ms(self.client_timeout_s)  # pings a few times in one
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(5_000, max(1, timeout_ms // 4)))
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
@@ -197,7 +205,9 @@ class RpcServer:
         key = (identity, request.call_id)
         refusal = None
         if key in self._calls:
-            refusal = ApiError(409, "a call with this call_id is in flight", param="call_id")
+            if self._supersede(key):
+                return
+            refusal = _in_flight_error()
         elif self._num_calls.get(identity, 0) >= MAX_CALLS_PER_CLIENT:
             refusal = ApiError(429, f"more than {MAX_CALLS_PER_CLIENT} calls in flight",
                                "rate_limit_error")  # fmt: skip
@@ -212,17 +222,35 @@ class RpcServer:
         self._num_calls[identity] = self._num_calls.get(identity, 0) + 1
         task.add_done_callback(functools.partial(self._call_done, key))
 
+    def _supersede(self, key: CallKey) -> bool:
+        """Cancels the call in flight under `key`, for a second call under its id; False when
+        it has ended already (its last event sent), and the second call is refused alone.
+
+        The events of both calls would carry the one id, so their client could not tell them
+        apart: the first call's events would end with the second's refusal, and the cluster go
+        on generating for a call its client no longer awaits. So the id's call ends, and with
+        one event: the 409 `_call_done` answers in place of the 499 of a cancel. Calls under
+        the id until then are answered by that one event too."""
+        task = self._calls[key]
+        if task.done():
+            return False
+        self._superseded.add(key)
+        task.cancel()
+        return True
+
     def _call_done(self, key: CallKey, task: asyncio.Task) -> None:
         if self._calls.pop(key, None) is not None:
             identity = key[0]
             self._num_calls[identity] -= 1
             if not self._num_calls[identity]:
                 del self._num_calls[identity]
+        superseded = key in self._superseded
+        self._superseded.discard(key)
         if task.cancelled() and not self._closing:
-            # RpcCancel or a vanished client (the task may never have started, so the answer
-            # is sent from here). It lets a caller still waiting on the call (another task of
-            # an async client) return; a vanished client just misses it.
-            self._reply(*key, ApiError(499, "the call was cancelled"))
+            # RpcCancel, a vanished client or a second call under its id (the task may never
+            # have started, so the answer is sent from here). It lets a caller still waiting on
+            # the call (another task of an async client) return; a vanished client misses it.
+            self._reply(*key, _superseded_error() if superseded else _cancelled_error())
 
     def _reply(self, identity: bytes, call_id: str, error: ApiError) -> None:
         num_replies = self._num_replies.get(identity, 0)
@@ -415,6 +443,20 @@ def _heartbeat_timeout_ms(client_timeout_s: float) -> int:
     """`client_timeout_s` as ZeroMQ's heartbeat timeout: a C int of ms, so at most 24.8 days (a
     longer one raised OverflowError at start-up), and at least 1 ms."""
     return max(1, min(MAX_HEARTBEAT_TIMEOUT_MS, round(client_timeout_s * 1000)))
+
+
+def _in_flight_error() -> ApiError:
+    return ApiError(409, "a call with this call_id is in flight", param="call_id")
+
+
+def _superseded_error() -> ApiError:
+    return ApiError(
+        409, "a second call reused this call_id while it was in flight: both ended", param="call_id"
+    )
+
+
+def _cancelled_error() -> ApiError:
+    return ApiError(499, "the call was cancelled")
 
 
 def _readable_call_id(frames: list) -> str | None:
