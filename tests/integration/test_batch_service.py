@@ -372,6 +372,38 @@ def test_the_service_answers_calls_while_a_create_counts_its_file(tmp_path, monk
     assert batch["status"] == "validating" and waited < 0.5
 
 
+def test_the_service_answers_calls_while_an_upload_syncs_its_bytes(tmp_path, monkeypatch):
+    """An upload's end syncs its bytes to the disk in a worker thread (a 200 MB upload: 0.4 s
+    and more), and the calls after it waited for it, in order. The sync is slowed down here, as
+    a slow disk would."""
+    from services.batch import api
+
+    sync = api.fsync_path
+
+    def slow_sync(path, flags: int = 0) -> None:
+        time.sleep(1.5)
+        sync(path, flags)
+
+    monkeypatch.setattr(api, "fsync_path", slow_sync)
+
+    async def list_while_ending_an_upload(link, _) -> tuple[dict, float]:
+        begin = {"purpose": "batch", "filename": "in.jsonl"}
+        _, upload, _ = await link.call("file_upload_begin", "t", begin)
+        await link.call("file_upload_chunk", "t", upload, b'{"custom_id": "a"}\n')
+        ending = asyncio.create_task(link.call("file_upload_end", "t", upload))
+        await asyncio.sleep(0.3)  # (the end is syncing)
+        started = time.monotonic()
+        status, _, _ = await link.call("file_list", "t", {})
+        waited = time.monotonic() - started
+        assert status == 200 and not ending.done()
+        status, file, _ = await ending
+        assert status == 200, file
+        return file, waited
+
+    file, waited = asyncio.run(serving_with_a_big_input(tmp_path, 10, list_while_ending_an_upload))
+    assert file["bytes"] == len(b'{"custom_id": "a"}\n') and waited < 0.5
+
+
 def test_a_kill_mid_validation_leaves_the_batch_validating_and_a_restart_validates_it(tmp_path):
     """Validation runs in a worker thread, its lines committed page by page on a connection of
     its own: a kill -9 midway still leaves the batch `validating`, and the restart validates it
