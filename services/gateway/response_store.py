@@ -17,6 +17,13 @@ another's. Nothing survives a restart of the gateway, and a cluster of several g
 its clients to stay on one (or to send the whole conversation, as the OpenAI Agents SDK does by
 default).
 
+The bound is shared fairly: to make room, the tenant holding the most bytes gives up its least
+recently used response (the turn being stored never leaves for itself), so a tenant storing
+many responses, as every request does by default, evicts its own and not another's
+conversation. (Until 2026-12-07 the least recently used of any tenant's left: one tenant's
+traffic broke every other tenant's `previous_response_id`.) A single tenant's responses leave
+least recently used first.
+
 A response and its messages are kept as their JSON text, so what `max_bytes` counts is what
 they hold: as Python objects they held up to ~20 times their JSON (an empty object is 3
 characters of JSON and 64 bytes of memory), and a tool's schema of them passed the bound.
@@ -27,7 +34,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.openai_protocol import ApiError
@@ -38,7 +45,6 @@ MAX_CHAIN = 10_000  # turns walked back at most (a chain is acyclic: ids are new
 
 @dataclass(frozen=True)
 class Stored:
-    tenant: str
     previous_id: str | None
     messages: str  # the chat messages this turn added, as JSON
     response: str  # the Response object, as answered, as JSON
@@ -49,20 +55,28 @@ class Stored:
         return len(self.messages) + len(self.response) + len(self.items)
 
 
+@dataclass
+class Holdings:
+    """One tenant's stored responses, by id, least recently used first, and what they count."""
+
+    entries: OrderedDict[str, Stored] = field(default_factory=OrderedDict)
+    num_bytes: int = 0
+
+
 class ResponseStore:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
-        self.num_bytes = 0
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self.num_bytes = 0  # (the sum of every tenant's)
+        self._tenants: dict[str, Holdings] = {}
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(holdings.entries) for holdings in self._tenants.values())
 
     def put(
         self,
@@ -80,29 +94,47 @@ class ResponseStore:
         that conversation's messages and items as they were when the turn began: kept with the
         turn if that chain lost a turn since); False when it alone is larger than the store.
         The chain it continues is used again: others leave before it to make room."""
-        stored = Stored(
-            tenant, previous_id, json.dumps(messages), json.dumps(response), json.dumps(items)
-        )
+        stored = Stored(previous_id, json.dumps(messages), json.dumps(response), json.dumps(items))
         if previous_id is not None:
             chain, at = self._walk(tenant, previous_id)
             if at is not None and earlier is not None:
                 stored = Stored(
-                    tenant,
                     None,
                     json.dumps([*earlier, *messages]),
                     stored.response,
                     json.dumps([*(earlier_items or ()), *items]),
                 )
-            for turn_id, _ in chain:
-                self._entries.move_to_end(turn_id)
+            self._touch(tenant, chain)
         if stored.num_bytes > self.max_bytes:
             return False
-        self._entries[response["id"]] = stored
+        while self.num_bytes + stored.num_bytes > self.max_bytes:
+            self._evict(self._fullest(tenant, stored.num_bytes))
+        holdings = self._tenants.setdefault(tenant, Holdings())
+        holdings.entries[response["id"]] = stored
+        holdings.num_bytes += stored.num_bytes
         self.num_bytes += stored.num_bytes
-        while self.num_bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.num_bytes -= evicted.num_bytes
         return True
+
+    def _fullest(self, tenant: str, num_incoming: int) -> str:
+        """The tenant to give up a response: the one holding the most bytes, counting the
+        `num_incoming` that `tenant` is storing (one holding any: the store is over its bound
+        only with the incoming turn, which fits alone)."""
+
+        def held(name: str) -> int:
+            return self._tenants[name].num_bytes + (num_incoming if name == tenant else 0)
+
+        return max((name for name, h in self._tenants.items() if h.entries), key=held)
+
+    def _evict(self, tenant: str) -> None:
+        _, evicted = self._tenants[tenant].entries.popitem(last=False)
+        self._drop_bytes(tenant, evicted.num_bytes)
+
+    def _drop_bytes(self, tenant: str, num_bytes: int) -> None:
+        holdings = self._tenants[tenant]
+        holdings.num_bytes -= num_bytes
+        self.num_bytes -= num_bytes
+        if not holdings.entries:  # (a tenant holding nothing is forgotten: keys come and go)
+            del self._tenants[tenant]
 
     def response(self, tenant: str, response_id: str) -> dict[str, Any]:
         """The stored Response (ApiError 404 if this tenant has none of that id)."""
@@ -138,7 +170,7 @@ class ResponseStore:
 
     def delete(self, tenant: str, response_id: str) -> None:
         self._get(tenant, response_id, "response_id")
-        self.num_bytes -= self._entries.pop(response_id).num_bytes
+        self._drop_bytes(tenant, self._tenants[tenant].entries.pop(response_id).num_bytes)
 
     def conversation(
         self, tenant: str, response_id: str, max_chars: int | None = None
@@ -174,26 +206,35 @@ class ResponseStore:
                 f" {max_chars} a request body may: start a new conversation",
                 param="previous_response_id",
             )
-        for turn_id, _ in chain:
-            self._entries.move_to_end(turn_id)
+        self._touch(tenant, chain)
         return [message for _, turn in reversed(chain) for message in json.loads(turn.messages)]
+
+    def _touch(self, tenant: str, chain: list[tuple[str, Stored]]) -> None:
+        """The chain's turns (`_walk`'s: the tenant's) used now: the last of theirs to leave."""
+        for turn_id, _ in chain:
+            self._tenants[tenant].entries.move_to_end(turn_id)
 
     def _walk(self, tenant: str, response_id: str) -> tuple[list[tuple[str, Stored]], str | None]:
         """The turns of `response_id`'s chain, last first, at most MAX_CHAIN of them, and the id
         the walk stopped at: None at the chain's start, else a turn gone (or another tenant's),
         or the one past MAX_CHAIN."""
+        entries = self._entries_of(tenant)
         chain: list[tuple[str, Stored]] = []
         at: str | None = response_id
         while at is not None and len(chain) < MAX_CHAIN:
-            stored = self._entries.get(at)
-            if stored is None or stored.tenant != tenant:
+            stored = entries.get(at)
+            if stored is None:
                 return chain, at
             chain.append((at, stored))
             at = stored.previous_id
         return chain, at
 
     def _get(self, tenant: str, response_id: str, param: str) -> Stored:
-        stored = self._entries.get(response_id)
-        if stored is None or stored.tenant != tenant:
+        stored = self._entries_of(tenant).get(response_id)
+        if stored is None:
             raise ApiError(404, f"no response {response_id} is stored here", param=param)
         return stored
+
+    def _entries_of(self, tenant: str) -> Mapping[str, Stored]:
+        holdings = self._tenants.get(tenant)
+        return holdings.entries if holdings is not None else {}

@@ -82,6 +82,7 @@ _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _FINISH_STATUS = {"length": ("incomplete", "max_output_tokens")}
 _ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
+_VERBOSITIES = (None, "low", "medium", "high")  # (echoed in the Response: typed as these)
 MAX_ITEMS_PAGE = 100  # OpenAI's bounds on `limit` of a list of input items, and its default
 DEFAULT_ITEMS_PAGE = 20
 
@@ -358,6 +359,8 @@ def _response_format(text: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
         raise _fail("text", 'must be {"format": {...}}')
+    if text.get("verbosity") not in _VERBOSITIES:
+        raise _fail("text.verbosity", 'must be "low", "medium" or "high"')
     format_ = text.get("format")
     if format_ is None:  # (`verbosity` alone, as the Agents SDK sends it: plain text)
         return None
