@@ -87,7 +87,7 @@ class StreamChunks:
             rest = parser.finish()
             out.content += rest.content
             out.calls += rest.calls
-            if parser.num_calls:
+            if parser.num_calls and finish != "length":  # (see `collect_response`)
                 finish = "tool_calls"
         return out.content or None, out.calls or None, finish
 
@@ -158,5 +158,9 @@ async def collect_response(
             content, calls = extract_tool_calls(req.tools, text, generation.tool_format)
             if calls:
                 choice["message"].update(content=content, tool_calls=calls)
-                choice["finish_reason"] = "tool_calls"
+                # A cut answer says so, calls or not: what followed its calls (a call being
+                # written) was lost, and "tool_calls" told the client the answer was whole
+                # (the Responses API said `completed`, with no `incomplete_details`).
+                if choice["finish_reason"] != "length":
+                    choice["finish_reason"] = "tool_calls"
     return response

@@ -343,3 +343,31 @@ def test_a_silent_scheduler_is_waited_for_no_longer_than_the_first_token_limit(
     assert cluster.waits[0] <= min(first_token_s, 0.5)
     if status == 504:
         assert "first_token_timeout_s" in info.value.message
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_an_answer_cut_after_a_call_finishes_length_not_tool_calls(tokenizer):
+    """`max_tokens` cut the answer while a second call was being written: the choice said
+    "tool_calls", as if whole, the half call left in its content with nothing to say it was
+    cut. It says "length", its whole calls kept; an answer that ended says "tool_calls"."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    cut = ids(tokenizer, call + '\n<tool_call>\n{"name": "get_we')
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL],
+            "max_tokens": len(cut)}  # fmt: skip
+    for finish, expected in (("length", "length"), ("stop", "tool_calls")):
+        deltas = {0: [delta(cut if finish == "length" else ids(tokenizer, call), finish=finish)]}
+        whole = asyncio.run(run(tokenizer, body, deltas, collect=True))
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] == expected
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+        chunks = asyncio.run(run(tokenizer, {**body, "stream": True}, deltas, collect=False))
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+        assert [f for f in finishes if f] == [expected]
