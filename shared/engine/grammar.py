@@ -190,7 +190,9 @@ def wait_compiled(future: Future, timeout_s: float, limit_s: float | None = None
     except FutureTimeout:
         limit_s = timeout_s if limit_s is None else limit_s
         raise GrammarError(
-            f"the grammar did not compile within {limit_s:.3g} s (the compile time limit)"
+            f"the grammar did not compile within {limit_s:.3g} s (the compile time limit); a"
+            " compile under way goes on, and the same spec sent again once it is done is served"
+            " from the worker's cache"
         ) from None
     except InvalidRequestError as error:
         raise GrammarError(error.message) from None

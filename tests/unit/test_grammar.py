@@ -511,6 +511,21 @@ def test_compile_past_the_time_limit_fails_with_a_clear_error():
         wait_compiled(Future(), 0.01)
 
 
+def test_a_compile_past_its_requests_limit_goes_on_and_serves_the_next_ask(cache, monkeypatch):
+    """A spec whose compile outlasts the time limit fails its request, as the error says, but
+    is compiled all the same: sent again, it is served from the cache (a heavy schema costs its
+    first request, not every one)."""
+    compile_now = cache._compile
+    monkeypatch.setattr(cache, "_compile", lambda c: (time.sleep(0.5), compile_now(c))[1])
+    constraint = Constraint("regex", "slow+")
+    with pytest.raises(GrammarError, match="a compile under way goes on"):
+        cache.get(constraint, timeout_s=0.1)
+    num_compiles = cache.num_compiles
+    cache.submit(constraint).result(timeout=30)
+    assert cache.get(constraint, timeout_s=0.1) is not None
+    assert cache.num_compiles == num_compiles
+
+
 def test_invalid_constraint_fails_in_the_cache_too(cache):
     with pytest.raises(GrammarError, match="invalid regex"):
         cache.get(Constraint("regex", "(("))
