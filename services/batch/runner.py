@@ -339,6 +339,11 @@ class JobRunner:
         meanwhile is refused as for any ended batch, and the rows a stop or a kill leaves the
         start-up tidy drops (`BatchApi._tidy_after_a_kill`)."""
         await asyncio.to_thread(answers.sync)  # (`_end` syncs them again, by then at once)
+        if ended == "completed" and self._cancelled.is_set():
+            # A cancel taken while the last lines' answers were synced (the batch said
+            # `cancelling` to it): it ends `cancelled`, as the cancel's answer promised, not
+            # `completed` (its lines all answered, as a cancelled batch's finished ones are).
+            ended = "cancelled"
         batch = await self._until_stored("batch not ended", self._end, answers, ended)
         self.log.info("batch finished", status=ended, **batch["request_counts"])
         # (the batch keeps their counts)

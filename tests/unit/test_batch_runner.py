@@ -18,6 +18,7 @@ import time
 import pytest
 
 from services.batch import answers, jobs, runner
+from services.batch.answers import Answers
 from services.batch.jobs import JobManager
 from services.batch.runner import JobRunner, RunLimits
 from services.batch.store import Store
@@ -470,6 +471,44 @@ def test_a_cancel_or_a_stop_while_a_batch_ends_leaves_it_ended(store, tmp_path, 
     assert restarted.batches_in(*jobs.UNFINISHED) == []
     assert restarted.db.execute("SELECT COUNT(*) FROM lines").fetchone()[0] == 0
     restarted.close()
+
+
+def test_a_cancel_taken_as_a_batch_ends_ends_it_cancelled(store, monkeypatch):
+    """A cancel that came while the last answers were synced (the batch still `in_progress`)
+    was answered `cancelling`, and the batch then ended `completed`: a client waiting for
+    `cancelled` never saw it. It ends `cancelled`, its lines all answered."""
+    from services.batch.api import BatchApi, Limits
+
+    validated_batch(store, [line("a", "ok"), line("b", "ok")])
+    syncing, cancelled = threading.Event(), threading.Event()
+    sync = Answers.sync
+
+    def sync_once_cancelled(self: Answers) -> None:
+        syncing.set()
+        cancelled.wait(10)
+        sync(self)
+
+    monkeypatch.setattr(Answers, "sync", sync_once_cancelled)
+
+    async def scenario() -> tuple[int, dict]:
+        manager = JobManager(store, PlayedClient(), RunLimits())
+        api = BatchApi(store, manager, Limits())
+        manager.start("batch_x")
+        while not syncing.is_set():
+            await asyncio.sleep(0.01)
+        status, body, _ = api.handle("batch_cancel", "t", {"batch_id": "batch_x"}, None)
+        cancelled.set()
+        while store.get_batch("batch_x")["status"] == "cancelling":
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(manager.close(), 5)
+        api.close()
+        return status, body
+
+    status, body = asyncio.run(scenario())
+    assert (status, body["status"]) == (200, "cancelling")
+    batch = store.get_batch("batch_x")
+    assert batch["status"] == "cancelled" and batch["cancelled_at"]
+    assert answered(store, batch) == {"a": 200, "b": 200}
 
 
 def test_a_line_too_long_for_one_call_is_answered_413_unread(store):
