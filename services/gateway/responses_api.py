@@ -456,11 +456,11 @@ def response_object(body: Mapping[str, Any], chat: Mapping[str, Any]) -> dict[st
     choice = chat["choices"][0]
     message = choice["message"]
     output = []
-    if message.get("content"):
-        output.append(_message_item(_new_id("msg"), message["content"], "completed"))
+    status, reason = _FINISH_STATUS.get(choice["finish_reason"], ("completed", None))
+    if message.get("content"):  # (cut: the text was, or a call written after it; see `end`)
+        output.append(_message_item(_new_id("msg"), message["content"], status))
     for call in message.get("tool_calls") or []:
         output.append(_call_item(call, "completed"))
-    status, reason = _FINISH_STATUS.get(choice["finish_reason"], ("completed", None))
     return _envelope(body, _new_id("resp"), status, reason, output, _usage(chat.get("usage")))
 
 
@@ -636,8 +636,10 @@ class ResponseEvents:
                 self._finish = choice["finish_reason"]
 
     def end(self) -> Iterator[dict[str, Any]]:
-        yield from self._close_message()
         status, reason = _FINISH_STATUS.get(self._finish or "stop", ("completed", None))
+        # A message still open when the answer was cut is an incomplete one (OpenAI's: it
+        # said `completed`, its text cut short by max_output_tokens).
+        yield from self._close_message(status)
         response = _envelope(
             self.body, self.response_id, status, reason, self._output, self._usage, self.created_at
         )

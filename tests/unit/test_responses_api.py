@@ -153,6 +153,7 @@ def test_a_chat_answer_becomes_a_response():
     cut = response_object(body, chat_answer("Hel", finish="length"))
     assert cut["status"] == "incomplete"
     assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert cut["output"][0]["status"] == "incomplete"  # (its text cut short)
 
 
 def chunk(content=None, calls=None, finish=None, usage=None):
@@ -203,6 +204,9 @@ def test_a_stream_cut_by_max_output_tokens_ends_incomplete():
     stream = [*events.start(), *events.chunk(chunk("Hel", finish="length")), *events.end()]
     assert stream[-1]["type"] == "response.incomplete"
     assert stream[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    done = [e["item"] for e in stream if e["type"] == "response.output_item.done"]
+    assert [item["status"] for item in done] == ["incomplete"]
+    assert stream[-1]["response"]["output"][0]["status"] == "incomplete"
     error = events.error({"error": {"message": "boom", "code": None, "param": None}})
     assert error["type"] == "error" and error["message"] == "boom"
     assert json.loads(sse(error).split(b"data: ")[1])["sequence_number"] == len(stream)
