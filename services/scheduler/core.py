@@ -76,6 +76,7 @@ from services.scheduler.worker_index import (  # PrefillWindow: its home was her
 from shared import wire
 
 MAX_ABANDONED = 65536  # request ids remembered as given up on, for the heartbeats' lease check
+MAX_DROPPED_WORKERS = 4096  # decode workers remembered with the reservations they were dropped with
 MAX_PARTIES_SHOWN = 256  # the status lists at most this many tenant/class accounts
 # A SUBMIT's priority: an int32, as the gateway's API takes it (the fair queue's C index keeps
 # it in 64 bits; the wire takes any int).
@@ -317,6 +318,14 @@ class ClusterScheduler:
     # that the oldest leaves in O(1): a plain dict's first key is found by a scan past every
     # slot its deletions left empty at the front, up to 65,536 of them (13 us a request).
     abandoned: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # Decode workers dropped while they held reservations of requests sent back to the queue,
+    # by peer id, with those requests, oldest first. The cancel sent at the drop may never have
+    # reached the worker (its link down past the service's hold of undelivered messages), and a
+    # decode worker that registers again keeps its reservations until their lease: asked again
+    # for the request, it refused it as a duplicate, and each refusal's requeue asked it again.
+    # Told again at its HELLO, before any new RESERVE (`on_hello`). The heartbeats' check
+    # (`abandoned`) misses these: the requests are still tracked.
+    dropped_reservations: OrderedDict[str, list[str]] = field(default_factory=OrderedDict)
     # Dispatches since the service last took them (`take_dispatched`).
     dispatched: list[Dispatched] = field(default_factory=list)
     # Messages built and not yet handed out: every message a handler makes goes here the
@@ -387,6 +396,8 @@ class ClusterScheduler:
                     dtype=hello.dtype,
                 )
             )
+            for request_id in self.dropped_reservations.pop(hello.peer_id, []):
+                self._send(identity, wire.Cancel(request_id=request_id, reason="lost"))
             self._dispatch(now)
         return self.take_outbox()
 
@@ -1151,9 +1162,17 @@ class ClusterScheduler:
                 # Alive after all (a stall), it would hold the reservation for its lease, and
                 # refuse the request as a duplicate when it rejoined and was asked again.
                 self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
+                self._remember_dropped_reservation(worker.peer_id, request_id)
             if request.prefill_peer_id == worker.peer_id:
                 request.prefill_peer_id = None
             self._requeue(request, now, cancel_reason=f"worker {worker.peer_id} left")
+
+    def _remember_dropped_reservation(self, peer_id: str, request_id: str) -> None:
+        """For `dropped_reservations` (a bounded memory: the workers dropped longest ago go)."""
+        self.dropped_reservations.setdefault(peer_id, []).append(request_id)
+        self.dropped_reservations.move_to_end(peer_id)
+        while len(self.dropped_reservations) > MAX_DROPPED_WORKERS:
+            self.dropped_reservations.popitem(last=False)
 
     # -- requests of an earlier life (`adopted.py`) ---------------------------------------------
 
