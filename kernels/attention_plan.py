@@ -130,6 +130,7 @@ def plan_attention(
     not grouped but listed (`AttentionPlan.decode_rows`), for a kernel that reads the cache
     through the block tables."""
     contexts = context_lens.tolist()
+    _check_max_context_len(contexts, max_context_len)
     # A pure decode step: query row i is sequence i's new token.
     if max_query_len == 1 and not paged_decode:
         buckets = bucket_by_padding(
@@ -168,6 +169,14 @@ def plan_attention(
         query_rows = query_start_loc[:-1].index_select(0, seq_ids).contiguous()
         rows = DecodeRows(seq_ids, query_rows, max(contexts[i] for i in decoding))
     return AttentionPlan(decode=(), prefill=groups(prefilling, min_waste), decode_rows=rows)
+
+
+def _check_max_context_len(contexts: list[int], max_context_len: int) -> None:
+    """A pure decode step is gathered `max_context_len` keys wide: below a real context, that
+    context would be cut short silently. The lengths are on the host here, so this costs nothing."""
+    longest = max(contexts, default=0)
+    if longest > max_context_len:
+        raise ValueError(f"max_context_len {max_context_len} is below a context of {longest}")
 
 
 def _member_group(

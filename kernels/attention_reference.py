@@ -14,6 +14,8 @@ lies instead (see `_attend_decode_16bit`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -118,19 +120,26 @@ def _attend_decode_16bit(
     here: decode attention is bound by memory, and any other arrangement of K and V for `bmm` is
     one more copy of the whole context per layer (seen as a permute copy, a sixth of a decode
     step at batch 8; this way attention ran 2x faster at 32 x 512 tokens, bit-identical).
+
+    The scores come out of `bmm` in the tensors' dtype, where unscaled (head_dim**0.5 times
+    larger) float16 scores reach infinity, hence NaN probabilities, at logits of a few thousand
+    (5,790 at head_dim 128). So the query is scaled first by the power of two nearest the scale,
+    which rounds nothing, and the scores by the rest in float32.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group_size = num_heads // num_kv_heads
+    exact_scale = 2.0 ** round(math.log2(scale))
     key, value = _gather_context(key_cache, value_cache, group)
     key = key.view(num_seqs, group.padded_len, num_kv_heads * head_dim)
     value = value.view(num_seqs, group.padded_len, num_kv_heads * head_dim)
     spread = query.new_zeros(num_seqs, num_kv_heads, group_size, num_kv_heads, head_dim)
     spread.diagonal(dim1=1, dim2=3).copy_(
-        query.view(num_seqs, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1)
+        (query * exact_scale).view(num_seqs, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1)
     )
     spread = spread.view(num_seqs, num_heads, num_kv_heads * head_dim)
-    scores = torch.bmm(spread, key.transpose(1, 2)).float() * scale + group.bias[:, 0]
+    scores = torch.bmm(spread, key.transpose(1, 2)).float() * (scale / exact_scale)
+    scores += group.bias[:, 0]
     probs = scores.softmax(-1).to(query.dtype)
     rows = torch.bmm(probs, value).view(num_seqs, num_kv_heads, group_size, num_kv_heads, head_dim)
     own = rows.diagonal(dim1=1, dim2=3)  # [seqs, group_size, head_dim, kv_heads]

@@ -16,6 +16,8 @@ table with an online softmax (running max and sum) accumulated in float32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kernels.attention_plan import AttentionPlan
@@ -62,6 +64,7 @@ def paged_attention(
         block_tables,
         context_lens,
         query_start_loc,
+        scale=scale,
         max_query_len=max_query_len,
         max_context_len=max_context_len,
     )
@@ -238,11 +241,14 @@ def _check_inputs(
     context_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     *,
+    scale: float,
     max_query_len: int,
     max_context_len: int,
 ) -> None:
-    """Raise ValueError naming the first problem. Only shapes, dtypes and layouts are checked:
-    reading the index tensors' values would cost a device sync on every layer."""
+    """Raise ValueError naming the first problem. Only the scale, shapes, dtypes and layouts are
+    checked: reading the index tensors' values would cost a device sync on every layer."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
     if query.dim() != 3:
         raise ValueError(
             f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
