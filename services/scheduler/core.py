@@ -522,6 +522,19 @@ class ClusterScheduler:
             self._dispatch(now)
         return self.take_outbox()
 
+    def on_gateway_gone(self, peer_id: str, now: float) -> list[Outgoing]:
+        """A gateway the service has not reached for a heartbeat timeout (its process died: a
+        ROUTER reaches a live peer within a reconnect). Its requests are called off where
+        they run, queued or placed: their tokens had nowhere to go, and they were prefilled and
+        decoded to `max_tokens` for nobody. It is forgotten: a SUBMIT of its needs a HELLO
+        again (its link, back after a long cut, says HELLO at once, and watches what was
+        decoding as orphans). A scan of the requests: rare, as gateways' deaths are."""
+        if self.gateways.pop(peer_id, None) is not None:
+            for request in [r for r in self.requests.values() if r.gateway_peer_id == peer_id]:
+                self._forget(request, cancel_reason="its gateway is gone")
+            self._dispatch(now)
+        return self.take_outbox()
+
     def tick(self, now: float) -> list[Outgoing]:
         """Takes silent workers out of rotation and re-routes requests whose phase timed out."""
         for worker in self.registry.expired(now):

@@ -320,6 +320,9 @@ class SchedulerService:
                 bulk_max_wait_s=config.fair_share().bulk_max_wait_s,
             )
         self.undelivered = Undelivered(keep_s=config.heartbeat_timeout_s)
+        # Peers a send found unreachable, since when (the first such send since one got
+        # through): a gateway unreachable past the heartbeat timeout is gone (`_forget_gone`).
+        self.unreachable_since: dict[bytes, float] = {}
         self.num_dropped_full = 0  # messages dropped on a peer's full queue (`_deliver`)
         self.events = SchedulerEvents(self.log)
         self.metrics_address: str | None = None
@@ -423,6 +426,7 @@ class SchedulerService:
             self._retry_undelivered(now)
             self._send(self.core.tick(now))
             self._broadcast_status(now)
+            self._forget_gone_gateways(now)
         except Exception as error:
             self._send(self.core.take_outbox())
             self.events.message_failed("tick", None, error)
@@ -609,9 +613,29 @@ class SchedulerService:
             self._dropped_full(identity, message)
         except zmq.ZMQError as error:
             if error.errno == errno.EHOSTUNREACH:
+                self.unreachable_since.setdefault(identity, time.monotonic())
                 return isinstance(message, wire.ClusterStatus)
             self.log.warning("send failed", error=str(error), peer=identity.hex())
+        self.unreachable_since.pop(identity, None)  # (a full queue is a connection too)
         return True
+
+    def _forget_gone_gateways(self, now: float) -> None:
+        """Each tick (after the status went to every gateway): a gateway unreachable for a
+        heartbeat timeout is gone, its requests called off (`ClusterScheduler.on_gateway_gone`:
+        until 2026-12-07 a dead gateway's requests ran to `max_tokens` for nobody). What else
+        was found unreachable (workers: their heartbeats tell) is not kept."""
+        gateways = {gateway.identity: gateway for gateway in self.core.gateways.values()}
+        for identity in [i for i in self.unreachable_since if i not in gateways]:
+            del self.unreachable_since[identity]
+        for identity, since in list(self.unreachable_since.items()):
+            if now - since > self.config.heartbeat_timeout_s:
+                del self.unreachable_since[identity]
+                gateway = gateways[identity]
+                cancelled = self.core.on_gateway_gone(gateway.peer_id, now)
+                self.log.warning("gateway unreachable; its requests called off",
+                                 peer_id=gateway.peer_id, silent_s=round(now - since, 1),
+                                 num_cancels=len(cancelled))  # fmt: skip
+                self._send(cancelled)
 
     def _dropped_full(self, identity: bytes, message: wire.Message) -> None:
         if isinstance(message, wire.ClusterStatus):
