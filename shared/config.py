@@ -56,6 +56,7 @@ def config_from_args(
     cls: type[C], args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
 ) -> C:
     environ = os.environ if environ is None else environ
+    _refuse_miscased_names(cls, environ)
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
@@ -75,6 +76,19 @@ def config_from_args(
         return cls(**values)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
+
+
+def _refuse_miscased_names(cls: type, environ: Mapping[str, str]) -> None:
+    """Environment names are case-sensitive: `tandem_curve_keys_dir` was never read, and the
+    service ran without it, unsaid (in clear, for that one). A name that is one of this
+    service's settings but for its case is meant as that setting: refused, naming the right one."""
+    names = {env_name(field.name) for field in dataclasses.fields(cls)}
+    for name in environ:
+        if name not in names and name.upper() in names:
+            raise ConfigError(
+                f"environment variable {name} is not read (names are upper case): "
+                f"set {name.upper()} instead"
+            )
 
 
 def parse_value(raw: Any, annotation: Any) -> Any:
@@ -155,6 +169,25 @@ def require_address(config: Any, *names: str) -> None:
                 f"{name} ({flag_name(name)} / {env_name(name)}) must be tcp://host:port with a "
                 f"port from 0 to 65535 (or *: any free one), got {value!r}"
             )
+
+
+def require_distinct_addresses(config: Any, *names: str) -> None:
+    """The addresses one service binds and connects to, each its own: one bound where the
+    service also connects reaches the service itself (a gateway's token stream bound at its
+    scheduler's address said "ready" and talked to itself), and a peer started after it could
+    not bind there. Only the same text is caught; tcp://0.0.0.0:N and tcp://host:N may be one."""
+    seen: dict[str, str] = {}
+    for name in names:
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if value in seen:
+            first = seen[value]
+            raise ConfigError(
+                f"{first} ({flag_name(first)} / {env_name(first)}) and {name} ({flag_name(name)} "
+                f"/ {env_name(name)}) are the same address {value!r}: each needs its own"
+            )
+        seen[value] = name
 
 
 def _is_tcp_host_port(host_port: str) -> bool:

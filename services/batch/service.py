@@ -36,6 +36,7 @@ from shared.config import (
     add_config_arguments,
     config_from_args,
     require_address,
+    require_distinct_addresses,
     require_port,
     require_positive,
     setting,
@@ -80,6 +81,7 @@ class BatchServiceConfig(CurveSettings):
 
     def __post_init__(self) -> None:
         require_address(self, "address", "gateway_rpc_address")
+        require_distinct_addresses(self, "address", "gateway_rpc_address")
         require_positive(
             self, "max_file_bytes", "max_lines", "max_in_flight", "line_timeout_s", "max_attempts"
         )

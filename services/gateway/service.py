@@ -30,6 +30,7 @@ from shared.config import (
     config_from_args,
     expand_host,
     require_address,
+    require_distinct_addresses,
     require_port,
     require_positive,
     setting,
@@ -116,6 +117,9 @@ class GatewayConfig(CurveSettings):
             "advertise_stream_address",
             "rpc_address",
             "batch_address",
+        )
+        require_distinct_addresses(
+            self, "stream_address", "rpc_address", "scheduler_address", "batch_address"
         )
         require_positive(
             self,

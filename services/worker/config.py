@@ -10,6 +10,7 @@ from shared.config import (
     ConfigError,
     CurveSettings,
     require_address,
+    require_distinct_addresses,
     require_port,
     require_positive,
     setting,
@@ -126,6 +127,7 @@ class WorkerConfig(CurveSettings):
                 f"got {self.device}"
             )
         require_address(self, "scheduler_address", "address", "advertise_address")
+        require_distinct_addresses(self, "address", "scheduler_address")
         require_port(self, "metrics_port")
         require_positive(
             self,
@@ -172,6 +174,18 @@ class WorkerConfig(CurveSettings):
         except (ValueError, OSError) as error:
             raise ConfigError(f"--model {self.model}: {error}") from None
         num_blocks_for_budget(model_config, self.block_size, self.torch_dtype, self.kv_cache_bytes)
+        self._check_kv_budget_fits_device()
+
+    def _check_kv_budget_fits_device(self) -> None:
+        """A budget past all the device's memory cannot be allocated: it was a traceback once the
+        model had loaded (torch's storage size overflowed, or its allocator ran out)."""
+        memory_bytes = device_memory_bytes(self.torch_device)
+        if memory_bytes is not None and self.kv_cache_bytes > memory_bytes:
+            raise ConfigError(
+                f"kv_cache_bytes (--kv-cache-bytes / TANDEM_KV_CACHE_BYTES) is "
+                f"{self.kv_cache_bytes} bytes, past the {memory_bytes} bytes of memory the "
+                f"{self.device} device has"
+            )
 
     def engine_config(self, **overrides) -> EngineConfig:
         return EngineConfig(
@@ -205,3 +219,12 @@ class WorkerConfig(CurveSettings):
 
     def resolved_peer_id(self, role: str) -> str:
         return self.peer_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def device_memory_bytes(device) -> int | None:
+    """This machine's RAM for the CPU; None for another device. (A GPU's would be asked of the
+    CUDA runtime, which `tandem up`, checking its workers' settings, would then hold for the
+    cluster's life: its worker's allocation refuses a budget past it.)"""
+    if device.type != "cpu":
+        return None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
