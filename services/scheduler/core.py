@@ -77,6 +77,8 @@ from shared import wire
 
 MAX_ABANDONED = 65536  # request ids remembered as given up on, for the heartbeats' lease check
 MAX_DROPPED_WORKERS = 4096  # decode workers remembered with the reservations they were dropped with
+MAX_GONE_GATEWAYS = 64  # gateways remembered with the requests called off when they were gone
+LOST_DELTAS_PER_MESSAGE = 1024  # (a gateway back is told of its requests lost in messages this big)
 MAX_PARTIES_SHOWN = 256  # the status lists at most this many tenant/class accounts
 # A SUBMIT's priority: an int32, as the gateway's API takes it (the fair queue's C index keeps
 # it in 64 bits; the wire takes any int).
@@ -326,6 +328,10 @@ class ClusterScheduler:
     # Told again at its HELLO, before any new RESERVE (`on_hello`). The heartbeats' check
     # (`abandoned`) misses these: the requests are still tracked.
     dropped_reservations: OrderedDict[str, list[str]] = field(default_factory=OrderedDict)
+    # Gateways taken for gone (`on_gateway_gone`), by peer id, with the requests called off
+    # then, oldest first: one that comes back under that id (a cut past the heartbeat timeout,
+    # not a death) is told they were lost, and resumes them (`_tell_lost_while_gone`).
+    gone_gateways: OrderedDict[str, list[str]] = field(default_factory=OrderedDict)
     # Dispatches since the service last took them (`take_dispatched`).
     dispatched: list[Dispatched] = field(default_factory=list)
     # Messages built and not yet handed out: every message a handler makes goes here the
@@ -374,6 +380,7 @@ class ClusterScheduler:
     def on_hello(self, identity: bytes, hello: wire.Hello, now: float) -> list[Outgoing]:
         if hello.role == "gateway":
             self.gateways[hello.peer_id] = GatewayState(hello.peer_id, identity, hello.address)
+            self._tell_lost_while_gone(identity, hello.peer_id)
         else:
             old = self.registry.remove(hello.peer_id)
             if old is not None:
@@ -527,13 +534,31 @@ class ClusterScheduler:
         ROUTER reaches a live peer within a reconnect). Its requests are called off where
         they run, queued or placed: their tokens had nowhere to go, and they were prefilled and
         decoded to `max_tokens` for nobody. It is forgotten: a SUBMIT of its needs a HELLO
-        again (its link, back after a long cut, says HELLO at once, and watches what was
-        decoding as orphans). A scan of the requests: rare, as gateways' deaths are."""
+        again, which its link, back after a long cut, says at once, and is then told the
+        requests called off were lost (`_tell_lost_while_gone`). A scan of the requests: rare,
+        as gateways' deaths are."""
         if self.gateways.pop(peer_id, None) is not None:
-            for request in [r for r in self.requests.values() if r.gateway_peer_id == peer_id]:
+            called_off = [r for r in self.requests.values() if r.gateway_peer_id == peer_id]
+            for request in called_off:
                 self._forget(request, cancel_reason="its gateway is gone")
+            if called_off:
+                self.gone_gateways[peer_id] = [r.request_id for r in called_off]
+                self.gone_gateways.move_to_end(peer_id)
+                while len(self.gone_gateways) > MAX_GONE_GATEWAYS:
+                    self.gone_gateways.popitem(last=False)
             self._dispatch(now)
         return self.take_outbox()
+
+    def _tell_lost_while_gone(self, identity: bytes, peer_id: str) -> None:
+        """A gateway back under the peer id it was taken for gone with: its requests called off
+        then are lost to it, and it resumes each from the tokens its clients have (a request it
+        had queued waited out its first-token limit, a 504, knowing nothing of it)."""
+        request_ids = self.gone_gateways.pop(peer_id, [])
+        error = "the scheduler could not reach this gateway for its heartbeat timeout"
+        for start in range(0, len(request_ids), LOST_DELTAS_PER_MESSAGE):
+            page = request_ids[start : start + LOST_DELTAS_PER_MESSAGE]
+            deltas = [ended_delta(request_id, "lost", error) for request_id in page]
+            self._send(identity, wire.Tokens(deltas=deltas))
 
     def tick(self, now: float) -> list[Outgoing]:
         """Takes silent workers out of rotation and re-routes requests whose phase timed out."""

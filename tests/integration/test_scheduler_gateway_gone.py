@@ -2,7 +2,8 @@
 heartbeat timeout (its process died: the ROUTER, ROUTER_MANDATORY, has no connection to it) is
 gone, and the workers are told to let its requests go. Until 2026-12-07 they were prefilled and
 decoded to `max_tokens` for nobody. A gateway that stays connected is kept however long it
-sends nothing (it need not: the status goes to it)."""
+sends nothing (it need not: the status goes to it); one back under its peer id (it was cut
+off, not dead) is told its requests were lost, and resumes them."""
 
 from __future__ import annotations
 
@@ -54,6 +55,13 @@ async def a_gateway_dies_while_its_request_reserves(tmp_path) -> tuple[wire.Canc
         cancel = await reply_to(peers["d"], wire.Cancel, seconds=10 * HEARTBEAT_TIMEOUT_S)
         await asyncio.sleep(2 * HEARTBEAT_TIMEOUT_S)  # ("h", silent but connected, stays)
         state = {"gateways": sorted(service.core.gateways), "requests": list(service.core.requests)}
+        # Not dead after all (a cut): back under its peer id, it hears that "r" was lost.
+        peers["g"] = context.socket(zmq.DEALER)
+        peers["g"].setsockopt(zmq.LINGER, 0)
+        peers["g"].connect(address)
+        await wire.async_send(peers["g"], hello("g", "gateway", address=f"ipc://{tmp_path}/g"))
+        told = await reply_to(peers["g"], wire.Tokens)
+        state["told"] = [(d.request_id, d.finish_reason) for d in told.deltas]
         return cancel, state
     finally:
         for task in (loop, beating):
@@ -72,4 +80,4 @@ async def a_gateway_dies_while_its_request_reserves(tmp_path) -> tuple[wire.Canc
 def test_a_dead_gateways_requests_are_called_off_on_their_workers(tmp_path):
     cancel, state = asyncio.run(a_gateway_dies_while_its_request_reserves(tmp_path))
     assert cancel == wire.Cancel(request_id="r", reason="its gateway is gone")
-    assert state == {"gateways": ["h"], "requests": []}
+    assert state == {"gateways": ["h"], "requests": [], "told": [("r", "lost")]}
