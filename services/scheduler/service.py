@@ -321,7 +321,8 @@ class SchedulerService:
             )
         self.undelivered = Undelivered(keep_s=config.heartbeat_timeout_s)
         # Peers a send found unreachable, since when (the first such send since one got
-        # through): a gateway unreachable past the heartbeat timeout is gone (`_forget_gone`).
+        # through): a gateway unreachable past the heartbeat timeout is gone
+        # (`_forget_gone_gateways`).
         self.unreachable_since: dict[bytes, float] = {}
         self.num_dropped_full = 0  # messages dropped on a peer's full queue (`_deliver`)
         self.events = SchedulerEvents(self.log)
@@ -631,11 +632,12 @@ class SchedulerService:
             if now - since > self.config.heartbeat_timeout_s:
                 del self.unreachable_since[identity]
                 gateway = gateways[identity]
-                cancelled = self.core.on_gateway_gone(gateway.peer_id, now)
+                outgoing = self.core.on_gateway_gone(gateway.peer_id, now)
+                cancels = [o for o in outgoing if isinstance(o.message, wire.Cancel)]
                 self.log.warning("gateway unreachable; its requests called off",
                                  peer_id=gateway.peer_id, silent_s=round(now - since, 1),
-                                 num_cancels=len(cancelled))  # fmt: skip
-                self._send(cancelled)
+                                 num_cancels=len(cancels))  # fmt: skip
+                self._send(outgoing)
 
     def _dropped_full(self, identity: bytes, message: wire.Message) -> None:
         if isinstance(message, wire.ClusterStatus):
