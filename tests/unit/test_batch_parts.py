@@ -579,6 +579,15 @@ def test_a_page_of_a_tenants_batches_or_files_is_read_in_order_not_sorted(store,
     listing.close()
 
 
+def test_the_batch_lists_bench_times_each_page_and_a_deletion(tmp_path, capsys):
+    from loadtest import batch_lists
+
+    batch_lists.main(["--batches", "30", "--failed", "3", "--repeats", "2", "--dir", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" ")[0] for line in lines] == ["batch_list"] * 4 + ["file_delete:"]
+    assert all(line.endswith(" ms") for line in lines)
+
+
 def test_a_create_without_a_file_id_or_with_long_metadata_keys_is_a_400_naming_it(store):
     """A missing `input_file_id` was a 404 "No such File object: None"; metadata keys were
     unbounded (OpenAI's are at most 64 characters, as its values 512)."""
