@@ -129,7 +129,7 @@ class PrefillWorker(WorkerLoop):
         # Per decode address with a socket (monotonic): when it was opened, and last acked.
         self._opened_at: dict[str, float] = {}
         self._last_ack_at: dict[str, float] = {}
-        self._reading_from: str | None = None  # the decode address whose socket `_drain` reads
+        self._reading: zmq.Socket | None = None  # the socket `_drain` reads
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -420,31 +420,20 @@ class PrefillWorker(WorkerLoop):
             self.log.debug("grant for a job not held", request_id=grant.request_id)
 
     def _drain(self, sock: zmq.Socket) -> None:
-        """Notes which decode worker's socket is read, if one is: an ack heard on it says the
-        worker is alive even when its transfer was given up on already (`_on_ack`)."""
-        self._reading_from = self._decode_address_of(sock)
+        """Notes the socket read: an ack heard on a decode worker's says the worker is alive
+        even when its transfer was given up on already (`_on_ack`)."""
+        self._reading = sock
         try:
             super()._drain(sock)
         finally:
-            self._reading_from = None
-
-    def _decode_address_of(self, sock: zmq.Socket) -> str | None:
-        """The decode address `sock` is the open socket to; None for another socket. (Every
-        open decode socket's address is in `_opened_at`: `_check_decode` opens them.)"""
-        return next(
-            (
-                address
-                for address in self._opened_at
-                if address in self.decode_sockets and self.decode_sockets[address] is sock
-            ),
-            None,
-        )
+            self._reading = None
 
     def _on_ack(self, ack: wire.KvAck) -> None:
         # Any ack, late or for an id never sent, is a sign of life of the worker it came from:
         # one whose acks all come past their deadlines is slow, not silent (`_silent_since`).
-        if self._reading_from is not None:
-            self._last_ack_at[self._reading_from] = time.monotonic()
+        address = self.decode_sockets.address_of(self._reading) if self._reading else None
+        if address is not None:
+            self._last_ack_at[address] = time.monotonic()
         transfer = self.transfers.pop(ack.request_id, None)
         if transfer is None:  # given up on (late: the scheduler re-routed it), or cancelled
             self.log.debug("ack for a transfer not held", request_id=ack.request_id)

@@ -33,6 +33,7 @@ class PeerSockets:
         self._poller = poller
         self._clock = clock
         self._sockets: dict[str, zmq.Socket] = {}
+        self._addresses: dict[zmq.Socket, str] = {}  # (the other way round)
         self._last_used: dict[str, float] = {}
 
     def __len__(self) -> int:
@@ -50,6 +51,7 @@ class PeerSockets:
             if refusal is not None:
                 return refusal
             self._sockets[address] = sock
+            self._addresses[sock] = address
             if self._poller is not None:
                 self._poller.register(sock, zmq.POLLIN)
         self._last_used[address] = self._clock()
@@ -58,6 +60,10 @@ class PeerSockets:
     def __getitem__(self, address: str) -> zmq.Socket:
         """The open socket to `address` (`check` it first: it may have been closed idle)."""
         return self._sockets[address]
+
+    def address_of(self, sock: zmq.Socket) -> str | None:
+        """The address `sock` is the open socket to; None for a socket not opened here."""
+        return self._addresses.get(sock)
 
     def close_idle(self, in_use: Collection[str] = ()) -> list[str]:
         """Closes the sockets unused for `idle_s` whose address is not `in_use` (a reply is
@@ -82,6 +88,7 @@ class PeerSockets:
 
     def _close(self, address: str) -> None:
         sock = self._sockets.pop(address)
+        del self._addresses[sock]
         del self._last_used[address]
         if self._poller is not None:
             self._poller.unregister(sock)

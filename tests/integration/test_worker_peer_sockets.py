@@ -108,10 +108,13 @@ def test_idle_peer_sockets_close_but_not_while_an_ack_is_awaited_and_open_again(
     idle_turns(worker)
     assert len(worker.streams) == 0  # idle gateway streams close whatever names them
     assert len(worker.decode_sockets) == 1  # r2's ack comes back on it
+    closing = worker.decode_sockets[addresses["decode"]]
+    assert worker.decode_sockets.address_of(closing) == addresses["decode"]
     wire.send_to(decode, identity, wire.KvAck(request_id="r2", ok=True, error=None))
     assert prefill_reports(worker, sockets["scheduler"], 1) == ["r2"]
     idle_turns(worker)
     assert len(worker.decode_sockets) == 0
+    assert worker.decode_sockets.address_of(closing) is None  # (closed: forgotten both ways)
     assert [sock for sock, _ in worker.poller.sockets] == [worker.link.socket]
 
     # The next job naming the same peers opens their sockets again, acks included.
