@@ -211,6 +211,18 @@ class TrackedRequest:
         return self.phase >= Phase.PREFILLING or self.speculative
 
 
+def remember(
+    memory: OrderedDict[str, list[str]], peer_id: str, request_ids: list[str], bound: int
+) -> None:
+    """Adds `request_ids` to what `memory` keeps for the peer, a bounded memory of peers gone
+    (`dropped_reservations`, `gone_gateways`): the peer's entry is its newest, and past `bound`
+    peers those gone longest ago are forgotten."""
+    memory.setdefault(peer_id, []).extend(request_ids)
+    memory.move_to_end(peer_id)
+    while len(memory) > bound:
+        memory.popitem(last=False)
+
+
 def ended_delta(request_id: str, finish_reason: str, error: str) -> wire.TokenDelta:
     """A delta with no tokens that ends a request's attempt so, with the error."""
     return wire.TokenDelta(
@@ -542,10 +554,8 @@ class ClusterScheduler:
             for request in called_off:
                 self._forget(request, cancel_reason="its gateway is gone")
             if called_off:
-                self.gone_gateways[peer_id] = [r.request_id for r in called_off]
-                self.gone_gateways.move_to_end(peer_id)
-                while len(self.gone_gateways) > MAX_GONE_GATEWAYS:
-                    self.gone_gateways.popitem(last=False)
+                request_ids = [r.request_id for r in called_off]
+                remember(self.gone_gateways, peer_id, request_ids, MAX_GONE_GATEWAYS)
             self._dispatch(now)
         return self.take_outbox()
 
@@ -1200,17 +1210,12 @@ class ClusterScheduler:
                 # Alive after all (a stall), it would hold the reservation for its lease, and
                 # refuse the request as a duplicate when it rejoined and was asked again.
                 self._send(worker.identity, wire.Cancel(request_id=request_id, reason="lost"))
-                self._remember_dropped_reservation(worker.peer_id, request_id)
+                remember(
+                    self.dropped_reservations, worker.peer_id, [request_id], MAX_DROPPED_WORKERS
+                )
             if request.prefill_peer_id == worker.peer_id:
                 request.prefill_peer_id = None
             self._requeue(request, now, cancel_reason=f"worker {worker.peer_id} left")
-
-    def _remember_dropped_reservation(self, peer_id: str, request_id: str) -> None:
-        """For `dropped_reservations` (a bounded memory: the workers dropped longest ago go)."""
-        self.dropped_reservations.setdefault(peer_id, []).append(request_id)
-        self.dropped_reservations.move_to_end(peer_id)
-        while len(self.dropped_reservations) > MAX_DROPPED_WORKERS:
-            self.dropped_reservations.popitem(last=False)
 
     # -- requests of an earlier life (`adopted.py`) ---------------------------------------------
 

@@ -5,9 +5,17 @@ decode worker keeps them across registrations until their lease, 300 s)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 
-from services.scheduler.core import MAX_DROPPED_WORKERS, ClusterScheduler, Phase, SchedulerLimits
+from services.scheduler.core import (
+    MAX_DROPPED_WORKERS,
+    ClusterScheduler,
+    Phase,
+    SchedulerLimits,
+    remember,
+)
 from shared import wire
 from tests.unit.test_scheduler_core import heartbeat, hello, sent, submit
 
@@ -59,9 +67,12 @@ def test_a_worker_dropped_with_nothing_reserved_is_not_remembered(core):
     assert not core.dropped_reservations
 
 
-def test_the_memory_of_dropped_workers_is_bounded(core):
+def test_a_memory_of_peers_gone_keeps_the_newest_within_its_bound():
+    memory: OrderedDict[str, list[str]] = OrderedDict()
     for i in range(MAX_DROPPED_WORKERS + 5):
-        core._remember_dropped_reservation(f"w{i}", f"r{i}")
-    core._remember_dropped_reservation("d", "r")
-    assert len(core.dropped_reservations) == MAX_DROPPED_WORKERS
-    assert "d" in core.dropped_reservations and "w0" not in core.dropped_reservations
+        remember(memory, f"w{i}", [f"r{i}"], MAX_DROPPED_WORKERS)
+    remember(memory, "w10", ["again"], MAX_DROPPED_WORKERS)  # (seen again: the newest)
+    remember(memory, "d", ["r"], MAX_DROPPED_WORKERS)
+    assert len(memory) == MAX_DROPPED_WORKERS
+    assert "w0" not in memory and "w10" in memory and memory["w10"] == ["r10", "again"]
+    assert list(memory)[-2:] == ["w10", "d"]
