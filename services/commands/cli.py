@@ -10,6 +10,7 @@ import sys
 from types import FrameType
 
 from shared.config import ConfigError
+from shared.env_names import unread_names, unread_warning
 from shared.errors import StartUpError
 
 # Subcommand name -> module with HELP, add_arguments(parser) and run(args). Imported lazily so that
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     args = build_parser(argv).parse_args(argv)
+    for name in unread_names(os.environ):
+        print(f"tandem {args.command}: warning: {unread_warning(name)}", file=sys.stderr)
     module = importlib.import_module(SUBCOMMANDS[args.command])
     try:
         return module.run(args) or 0

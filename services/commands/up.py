@@ -51,6 +51,7 @@ from shared.engine.loader import (
 )
 from shared.engine.model_files import DEFAULT_MODEL
 from shared.engine.sampling_defaults import model_sampling_defaults, parse_default_sampling
+from shared.env_names import unread_names
 from shared.logs import log_settings
 
 PR_SET_PDEATHSIG = 1
@@ -338,6 +339,8 @@ class LocalCluster:
         # Children write to a pipe, not a terminal: say which format the person at this end wants.
         fmt = os.environ.get("TANDEM_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
         env = dict(os.environ, TANDEM_LOG_FORMAT=fmt, **env_extra)
+        for name in unread_names(env):  # said once, by `tandem up` itself, not by every child
+            del env[name]
         return subprocess.Popen(
             [sys.executable, "-m", "services.commands.cli", *argv],
             stdout=subprocess.PIPE,
