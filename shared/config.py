@@ -70,12 +70,26 @@ def config_from_args(
             values[field.name] = parse_value(raw, hints[field.name])
         except ValueError as error:
             raise ConfigError(f"{source}: {error}") from None
+        _refuse_inproc(source, values[field.name])
         if values[field.name] is None and field.metadata.get("given_blank_refused"):
             raise ConfigError(f"{source} is given but empty ({raw!r}): leave it unset for none")
     try:
         return cls(**values)
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error)) from None
+
+
+def _refuse_inproc(source: str, value: Any) -> None:
+    """A flag or a variable configures a service run as its own process, which no peer reaches
+    at an inproc:// address (ZeroMQ's inproc joins the threads of one process): the service
+    bound it, said it was ready, and waited for peers that could never come (or connected
+    and waited for a service that was not there). Configs built in code may use it."""
+    for item in value if isinstance(value, tuple) else (value,):
+        if isinstance(item, str) and item.strip().lower().startswith("inproc://"):
+            raise ConfigError(
+                f"{source}: {item!r} reaches only threads of this one process; a service run "
+                f"as its own process is reached at a tcp:// or ipc:// address"
+            )
 
 
 def _refuse_miscased_names(cls: type, environ: Mapping[str, str]) -> None:

@@ -121,6 +121,11 @@ def test_host_tier_and_retention_settings_reach_the_engine():
         (GatewayConfig, [], {"TANDEM_BATCH_ADDRESS": "tcp://batch:99999"}, "--batch-address"),
         (WorkerConfig, ["--scheduler-address", "tcp://sched:-1"], {}, "tcp://host:port"),
         (WorkerConfig, ["--scheduler-address", "tcp://scheduler"], {}, "tcp://host:port"),
+        # A service run as its own process that binds or connects at inproc:// is reached by no
+        # peer, and reaches none: it said it was ready and waited for good.
+        (SchedulerConfig, ["--address", "inproc://scheduler"], {}, "--address: 'inproc://sched"),
+        (WorkerConfig, [], {"TANDEM_SCHEDULER_ADDRESS": "INPROC://s"}, "only threads of this"),
+        (GatewayConfig, ["--rpc-address", "inproc://rpc"], {}, "tcp:// or ipc:// address"),
     ],
 )
 def test_bad_values_name_the_setting(cls, argv, environ, needle):
