@@ -7,6 +7,10 @@ sent only over a live connection (IMMEDIATE), never queued for a service that is
 it ran once the service came back, after its client had been told 503 and had retried (two
 batches for one).
 
+A call the service took is answered 503 at once when the connection it went over drops (the
+service killed or stopped mid-call): its answer can never come, and the call waited out the
+whole timeout while the service, restarted, was back within a second.
+
 A reply no sound service sends (a status that is neither 200 nor an HTTP error, a body that is
 not a JSON object, a header the wire refuses but whose call id can be read) answers its call 502
 at once: until 2026-12-06 it raised in the call (the gateway's 500, or an ApiError with a status
@@ -24,6 +28,7 @@ from typing import Any
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from services.gateway.openai_protocol import ERROR_TYPES, ApiError
 from shared import wire_batch
@@ -33,6 +38,8 @@ from shared.logs import get_logger
 from shared.wire import WireError
 
 Reply = tuple[int, dict[str, Any], bytes | None]
+# How soon a client may retry a call the service's going cut off: a restart takes about a second.
+GONE_RETRY_AFTER_S = 1.0
 
 
 class BatchLink:
@@ -44,23 +51,34 @@ class BatchLink:
         self._socket: zmq.asyncio.Socket | None = None
         self._call_ids = (str(n) for n in itertools.count())
         self._waiting: dict[str, asyncio.Future] = {}
+        # The calls sent and not yet answered: those a dropped connection cuts off. (A call
+        # still waiting for a connection to send over is not one: it goes to the next service.)
+        self._sent: set[str] = set()
         self._reader: asyncio.Task | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def start(self) -> None:
         socket = self.security.client(zmq.asyncio.Context.instance().socket(zmq.DEALER))
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for a service not connected
         socket.setsockopt(zmq.MAXMSGSIZE, wire_batch.MAX_FRAME_BYTES)
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         connect(socket, self.address)
         self._socket = socket
         self._reader = asyncio.create_task(self._read())
+        self._watcher = asyncio.create_task(self._watch_connection())
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._socket is not None:
+            self._socket.disable_monitor()
             self._socket.close()
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
 
     async def call(
         self,
@@ -82,6 +100,7 @@ class BatchLink:
             # The send too: it waits for a link.
             async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
                 await wire_batch.async_send(self._socket, message, data)
+                self._sent.add(call_id)
                 reply, chunk = await future
         except TimeoutError:
             error = ApiError(503, "the batch service did not answer", "server_error")
@@ -89,6 +108,7 @@ class BatchLink:
             raise error from None
         finally:
             self._waiting.pop(call_id, None)
+            self._sent.discard(call_id)
         body = _body_of(reply)
         if reply.status != 200:
             raise _api_error(reply.status, body)
@@ -117,6 +137,27 @@ class BatchLink:
                 self._answer(_readable_call_id(frames), exception=_nonsense(str(error)[:200]))
                 continue
             self._answer(reply.call_id, result=(reply, chunk))
+
+    async def _watch_connection(self) -> None:
+        """Answers the calls sent over a connection that dropped: 503, retry in a second. (The
+        DEALER has one connection, to the one service. A call sent over the next connection
+        before the drop is read would be answered so too; the read takes a turn of the loop,
+        a service's restart a second.)"""
+        assert self._monitor is not None
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            for call_id in list(self._sent):
+                error = ApiError(
+                    503,
+                    "the batch service went away during the call (it may have done it: "
+                    "check before doing it again)",
+                    "server_error",
+                )
+                error.retry_after_s = GONE_RETRY_AFTER_S
+                self._answer(call_id, exception=error)
+            self._sent.clear()
 
     def _answer(self, call_id: str | None, result: Any = None, exception: Any = None) -> None:
         """Wakes the call waiting for `call_id` (if any: it may have timed out) with the reply,

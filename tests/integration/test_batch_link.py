@@ -10,9 +10,11 @@ import sys
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from services.gateway.batch_link import BatchLink
 from services.gateway.openai_protocol import ApiError
+from shared import wire_batch
 from tests.helpers import wait_for_line
 
 
@@ -176,3 +178,45 @@ def test_a_nonsense_reply_is_its_calls_502_and_the_link_goes_on(tmp_path, status
     assert "the batch service answered" in refused.message
     assert took_s < 5.0  # not the link's timeout
     assert answered == (200, {"id": "b"}, None)
+
+
+def test_a_call_in_flight_when_the_service_goes_is_a_503_at_once(tmp_path):
+    """The service took the call and died (killed, its container stopped): its answer will never
+    come, and the call waited out the link's whole timeout (30 s) for a 503 while the service,
+    restarted, was back within a second. The link sees the connection go and answers the calls
+    it had sent over it at once; a call sent after the service is back is answered by it."""
+    address = f"ipc://{tmp_path}/batch.sock"
+
+    async def call_as_the_service_dies() -> tuple[ApiError, float, int]:
+        link = BatchLink(address, timeout_s=30.0)
+        service = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        service.bind(address)
+        await link.start()
+        try:
+            call = asyncio.create_task(link.call("batch_create", "t", {"input_file_id": "f"}))
+            await service.recv_multipart()  # taken, never answered
+            started = asyncio.get_running_loop().time()
+            service.close(linger=0)
+            with pytest.raises(ApiError) as refused:
+                await call
+            waited = asyncio.get_running_loop().time() - started
+            back = zmq.asyncio.Context.instance().socket(zmq.ROUTER)  # the service, restarted
+            back.bind(address)
+            try:
+                answered = asyncio.create_task(link.call("file_list", "t", {}))
+                identity, *frames = await back.recv_multipart()
+                request, _ = wire_batch.decode(frames)
+                reply = wire_batch.BatchReply(call_id=request.call_id, status=200, body="{}")
+                await wire_batch.async_send_to(back, identity, reply)
+                status, _, _ = await answered
+            finally:
+                back.close(linger=0)
+        finally:
+            await link.close()
+        return refused.value, waited, status
+
+    refused, waited, status = asyncio.run(call_as_the_service_dies())
+    assert refused.status == 503 and "went away" in refused.message, refused.message
+    assert waited < 5.0, f"waited {waited:.1f} s for an answer that could not come"
+    assert refused.retry_after_s == 1.0
+    assert status == 200
