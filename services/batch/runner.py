@@ -6,9 +6,9 @@ reads each line's text
 from the input file by its offset, and sends it to a gateway's RPC door as a *bulk* request (the
 scheduler serves it only when no interactive request can be placed). At most `window` lines are
 in flight; the window follows the cluster's backpressure the way TCP follows loss: a 429 or 503
-halves it and the line waits the Retry-After before trying again, every success widens it by one,
-up to `max_in_flight`. So a job never dumps its file into the scheduler's queue, and its memory
-is the window, not the file.
+halves it, and every line waits the Retry-After before trying again (then as many at once as the
+window allows); every success widens it by one, up to `max_in_flight`. So a job never dumps its
+file into the scheduler's queue, and its memory is the window, not the file.
 
 A line's answer is final when the cluster answers 200 or a client error (400: over the context
 limit, a bad sampling value): it goes to the output or error file (`answers`). Cluster trouble
@@ -93,6 +93,11 @@ class JobRunner:
         self.limits = limits
         self.window = float(limits.max_in_flight)
         self.tasks: set[asyncio.Task] = set()  # the lines in flight
+        # The lines whose call is out now (not those waiting to try again): at most the window.
+        self._calling = 0
+        self._call_ended = asyncio.Event()
+        # Until when the cluster asked for no call (a refusal's Retry-After), on the loop's clock.
+        self._paused_until = 0.0
         self._cancelled = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._expiry_tried = False  # (`_expire_apart`)
@@ -174,6 +179,37 @@ class JobRunner:
                     ended = await self._wait_for_slot(batch, until_idle=True)
                     if ended is not None:
                         return ended
+
+    def _pause(self, seconds: float) -> None:
+        """The cluster refused a line and asked for `seconds` without calls: no line calls
+        until then. Each refused line waited its own Retry-After and tried again, whatever the
+        others had heard since: a restarted cluster, its workers not registered yet, refused
+        a whole window at once, then each line again every second (390 refusals in 4 s)."""
+        loop = asyncio.get_running_loop()
+        self._paused_until = max(self._paused_until, loop.time() + seconds)
+
+    async def _paused(self) -> None:
+        """Waits out the cluster's last Retry-After (a later refusal may lengthen it)."""
+        loop = asyncio.get_running_loop()
+        while (delay := self._paused_until - loop.time()) > 0:
+            await asyncio.sleep(delay)
+
+    async def _call_in_turn(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One try of a line's call, made after the cluster's last Retry-After and once fewer
+        lines than the window are calling: the window bounds the lines fed, and a refused
+        line trying again waits for it too (the halved window held back only new lines)."""
+        while True:
+            await self._paused()
+            if self._calling < max(1, int(self.window)):
+                break
+            self._call_ended.clear()
+            await self._call_ended.wait()
+        self._calling += 1
+        try:
+            return await self.client.call(kind, body, self.limits.line_timeout_s)
+        finally:
+            self._calling -= 1
+            self._call_ended.set()
 
     async def _wait_for_slot(self, batch: dict[str, Any], until_idle: bool = False) -> str | None:
         while len(self.tasks) >= (1 if until_idle else max(1, int(self.window))):
@@ -304,13 +340,14 @@ class JobRunner:
         failures = 0
         while True:
             try:
-                response = await self.client.call(kind, body, self.limits.line_timeout_s)
+                response = await self._call_in_turn(kind, body)
                 self.window = min(self.limits.max_in_flight, self.window + 1)
                 return 200, response
             except RpcError as error:
                 if error.status in RETRY_STATUSES:
                     self.window = max(1.0, self.window / 2)
-                    await asyncio.sleep(error.retry_after_s or 1.0)
+                    self._pause(error.retry_after_s or 1.0)
+                    await self._paused()
                     if time.time() >= batch["expires_at"]:  # (a cluster that stays full)
                         raise _WindowClosed from None
                     continue

@@ -866,3 +866,37 @@ def test_a_batch_stopped_after_its_lines_expired_still_ends_expired(store, monke
     assert batch["status"] == "expired" and batch["expired_at"] is not None
     assert answered(store, batch) == {"a": 0, "b": 0}
     assert batch["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+
+
+def test_lines_refused_together_retry_as_the_window_allows_not_all_at_once(store):
+    """A restarted cluster refuses every line (503, its workers not registered yet) for a
+    while: the whole window of lines in flight was refused, and each retried on its own every
+    Retry-After, the halved window holding back only new lines (a tester counted 390 refusals
+    in 4 s after a restart). Now a refusal's Retry-After holds every line, and a refused line's
+    next try waits for the window too."""
+
+    class Restarting(PlayedClient):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refusals = 0
+            self.up_at = time.monotonic() + 0.5
+
+        async def call(self, kind: str, body: dict, timeout_s: float | None = None) -> dict:
+            if time.monotonic() < self.up_at:
+                self.refusals += 1
+                raise FULL  # (Retry-After 0.02 s)
+            return await super().call(kind, body, timeout_s)
+
+    batch = validated_batch(store, [line(f"r{i}", "ok") for i in range(64)])
+    client = Restarting()
+
+    async def scenario() -> None:
+        job = JobRunner(store, client, "batch_x", RunLimits(max_in_flight=64))
+        await asyncio.wait_for(job.run(), 20)
+
+    asyncio.run(scenario())
+    batch = store.get_batch("batch_x")
+    assert set(answered(store, batch).values()) == {200} and len(answered(store, batch)) == 64
+    # 0.5 s of refusals 0.02 s apart: about one per Retry-After (23 here); each line for
+    # itself made 1,408 (64 lines x 25 pauses, less the first ones').
+    assert client.refusals < 64 + 100, client.refusals
