@@ -457,8 +457,7 @@ async def _sse(
         pending = [first] if first is not None else []
         async for event in _chain(pending, events):
             num_tokens += len(event.token_ids)
-            chunk = chunks.chunk(event)
-            if chunk is not None:
+            for chunk in chunks.chunks(event):
                 yield sse_event(chunk)
         if req.include_usage:
             yield sse_event(final_usage_chunk(generation, num_tokens))
@@ -513,9 +512,9 @@ async def _response_sse(
             yield sse(start)
         async for event in _chain([first] if first is not None else [], events):
             num_tokens += len(event.token_ids)
-            chunk = chunks.chunk(event)
-            for shaped_event in shaped.chunk(chunk) if chunk is not None else ():
-                yield sse(shaped_event)
+            for chunk in chunks.chunks(event):
+                for shaped_event in shaped.chunk(chunk):
+                    yield sse(shaped_event)
         for shaped_event in shaped.chunk(final_usage_chunk(generation, num_tokens)):
             yield sse(shaped_event)
         for end in shaped.end():

@@ -127,8 +127,8 @@ async def batched_chunks(
             if isinstance(item, BaseException):
                 raise item
             num_tokens += len(item.token_ids)
-            chunk = chunks[j].chunk(item)
-            if chunk is not None:  # one response's: the first prompt's id, every choice's index
+            for chunk in chunks[j].chunks(item):
+                # one response's: the first prompt's id, every choice's index
                 chunk.update(id=first.request_id, created=first.created)
                 chunk["choices"][0]["index"] += j * n
                 yield chunk

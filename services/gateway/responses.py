@@ -46,15 +46,17 @@ class StreamChunks:
         if tools is not None:
             self._parsers = [ToolCallParser(tools, generation.tool_format) for _ in range(n)]
 
-    def chunk(self, event: ChoiceEvent) -> dict[str, Any] | None:
-        """The event's chunk; None when it has nothing to send. Asked with include_usage,
-        every chunk carries `"usage": null` until the last one's (OpenAI's shape)."""
-        chunk = self._chunk(event)
-        if chunk is not None and self.generation.request.include_usage:
-            chunk["usage"] = None
-        return chunk
+    def chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]:
+        """The event's chunks: none when it has nothing to send, two when it ends a choice with
+        tool calls (below). Asked with include_usage, every chunk carries `"usage": null` until
+        the last one's (OpenAI's shape)."""
+        chunks = self._chunks(event)
+        if self.generation.request.include_usage:
+            for chunk in chunks:
+                chunk["usage"] = None
+        return chunks
 
-    def _chunk(self, event: ChoiceEvent) -> dict[str, Any] | None:
+    def _chunks(self, event: ChoiceEvent) -> list[dict[str, Any]]:
         generation, req = self.generation, self.generation.request
         if not req.chat:
             logprobs = None
@@ -62,10 +64,10 @@ class StreamChunks:
                 offset = self._text_offsets.get(event.index, 0)
                 logprobs = completion_logprobs(event.logprobs, offset)
                 self._text_offsets[event.index] = offset + sum(len(t.text) for t in event.logprobs)
-            return completion_chunk(
+            return [completion_chunk(
                 generation.request_id, req.model, generation.created,
                 event.index, event.text, event.finish_reason, logprobs,
-            )  # fmt: skip
+            )]  # fmt: skip
         logprobs = chat_logprobs(event.logprobs) if event.logprobs is not None else None
         first = event.index not in self._role_sent
         self._role_sent.add(event.index)
@@ -73,11 +75,22 @@ class StreamChunks:
         if self._parsers is not None:
             content, calls, finish = self._cut_calls(event)
             if not (content or calls or first or logprobs or finish):
-                return None
-        return chat_chunk(
+                return []
+        # Calls and the choice's end come apart, the end in a chunk of its own (as OpenAI ends
+        # every choice): the openai SDK's stream helper reads a chunk's finish reason before its
+        # calls, and never said a call's arguments were done (a forced call comes whole at the
+        # end, being judged there).
+        apart = calls is not None and finish is not None
+        shaped = [chat_chunk(
             generation.request_id, req.model, generation.created, event.index,
-            content, finish, logprobs, role_first=first, tool_calls=calls,
-        )  # fmt: skip
+            content, None if apart else finish, logprobs, role_first=first, tool_calls=calls,
+        )]  # fmt: skip
+        if apart:
+            shaped.append(chat_chunk(
+                generation.request_id, req.model, generation.created, event.index,
+                None, finish, None,
+            ))  # fmt: skip
+        return shaped
 
     def _cut_calls(self, event: ChoiceEvent) -> tuple[str | None, list | None, str | None]:
         parser = self._parsers[event.index]

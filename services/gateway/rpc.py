@@ -339,8 +339,7 @@ class RpcServer:
         num_tokens = 0
         async for event in events:
             num_tokens += len(event.token_ids)
-            chunk = chunks.chunk(event)
-            if chunk is not None:
+            for chunk in chunks.chunks(event):
                 await self._send(identity, call_id, "chunk", chunk)
         if req.include_usage:
             chunk = final_usage_chunk(generation, num_tokens)

@@ -80,7 +80,7 @@ async def run(tokenizer, body: dict, deltas_by_choice, collect: bool):
     if collect:
         return await collect_response(generation, events)
     chunks = StreamChunks(generation)
-    return [chunk async for event in events if (chunk := chunks.chunk(event)) is not None]
+    return [chunk async for event in events for chunk in chunks.chunks(event)]
 
 
 def test_what_workers_sent_after_a_stop_string_ended_a_choice_is_not_output(tokenizer):
@@ -349,7 +349,13 @@ WEATHER_TOOL = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "strict": True,  # (the SDK parses a strict function's arguments)
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
 }
 
@@ -371,3 +377,55 @@ def test_an_answer_cut_after_a_call_finishes_length_not_tool_calls(tokenizer):
         chunks = asyncio.run(run(tokenizer, {**body, "stream": True}, deltas, collect=False))
         finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         assert [f for f in finishes if f] == [expected]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "strict": True,  # (the SDK parses a strict function's arguments)
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+FORCED_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'  # the whole output
+
+
+@pytest.mark.parametrize("whole_call_in_one_delta", [True, False])
+@pytest.mark.parametrize(
+    "tool_choice,text",
+    [("required", FORCED_CALL), ("auto", f"<tool_call>{FORCED_CALL}</tool_call>")],
+)
+def test_a_streamed_call_ends_in_a_chunk_of_its_own_as_the_sdks_stream_helper_reads(
+    tokenizer, tool_choice, text, whole_call_in_one_delta
+):
+    """A forced call (the model's output constrained to it) came whole in the choice's last
+    chunk, its finish reason beside it; the openai SDK's stream helper reads a chunk's finish
+    reason before its tool calls, so its `tool_calls.function.arguments.done` event (which
+    carries the parsed arguments) never came. OpenAI ends a choice with a chunk of its own."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    token_ids = ids(tokenizer, text)
+    pieces = [token_ids] if whole_call_in_one_delta else [token_ids[:3], token_ids[3:]]
+    deltas = {0: [delta(piece) for piece in pieces[:-1]] + [delta(pieces[-1], finish="stop")]}
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [WEATHER],
+        "tool_choice": tool_choice,
+        "stream": True,
+    }
+    chunks = asyncio.run(run(tokenizer, body, deltas, collect=False))
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "tool_calls" and last["delta"] == {}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    state = ChatCompletionStreamState(input_tools=[WEATHER])
+    events = [e for c in chunks for e in state.handle_chunk(ChatCompletionChunk(**c))]
+    done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert [(e.name, e.parsed_arguments) for e in done] == [("get_weather", {"city": "Paris"})]
