@@ -60,8 +60,9 @@ JOBS_SHOWN = 8  # the newest batch jobs listed
 
 def fetch(client: httpx.Client, url: str, api_key: str | None = None) -> Snapshot:
     at = time.monotonic()
-    try:
-        response = client.get(url + "/ready")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:  # (with the key: /ready shows only the tenants a key may see)
+        response = client.get(url + "/ready", headers=headers)
         if response.status_code not in (200, 503):  # 503: not ready, same body
             return Snapshot(
                 at, error=f"/ready answered {response.status_code}; not a tandem gateway?"

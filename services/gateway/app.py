@@ -144,8 +144,9 @@ def build_app(
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready(request: Request) -> JSONResponse:
         view = generator.cluster.view
+        shown = keys.tenant_filter(request.headers.get("authorization"))
         body = {
             "ready": generator.cluster.ready,
             "prefill_workers": view.num_prefill,
@@ -171,6 +172,7 @@ def build_app(
                         "queued": party.num_queued,
                     }
                     for party in view.service
+                    if shown(party.tenant)
                 ],
             },
             "workers": [

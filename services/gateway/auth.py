@@ -6,7 +6,9 @@ every `/v1` call over HTTP (`Authorization: Bearer <key>`, as OpenAI's clients s
 every RPC call (its `api_key`) must present one, or is answered 401 in OpenAI's error shape. A
 key with a tenant charges its requests to that tenant whatever their `user` field says, so a
 client cannot spend another's fair share; a bare key leaves the tenant to `user`. Keys are
-compared in constant time. Health, readiness and metrics stay open for probes and scrapers.
+compared in constant time. Health, readiness and metrics stay open for probes and scrapers, but
+readiness names tenants (their fair-share accounts) only to a key that may see them
+(`tenant_filter`): a tenant's key its own, a bare key (which may charge any tenant) all.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +108,21 @@ class ApiKeys:
         if matched is None:
             raise _unauthorized("Incorrect API key provided.")
         return matched
+
+    def tenant_filter(self, authorization: str | None) -> Callable[[str], bool]:
+        """Whose accounts an open route (/ready) may show this caller. They named every tenant
+        to anyone: the keys' tenants, and the `user` values bare-key clients sent (often an end
+        user's email). With no keys set, everyone's, as every route is open; without a valid
+        key, no one's; a tenant's key, its own; a bare key, which may charge any tenant, all."""
+        if not self.enabled:
+            return lambda tenant: True
+        try:
+            caller = self.check_header(authorization)
+        except ApiError:  # a probe's answer still: not a 401
+            return lambda tenant: False
+        if caller.tenant is None:
+            return lambda tenant: True
+        return lambda tenant: tenant == caller.tenant
 
     def check_header(self, authorization: str | None) -> Caller:
         scheme, _, token = (authorization or "").partition(" ")

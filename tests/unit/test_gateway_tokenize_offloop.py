@@ -301,3 +301,35 @@ def test_ready_reports_a_non_finite_number_as_null():
     assert body["workers"][0]["heartbeat_age_s"] is None
     finite = TestClient(build_app(ReadyGenerator(ready_view()), 1 << 20)).get("/ready").json()
     assert finite["workers"][0]["heartbeat_age_s"] == 0.5
+
+
+def test_ready_shows_tenants_only_to_a_key_that_may_see_them():
+    """With API keys set, /ready stays open for probes (its status and the cluster's shape),
+    but showed every tenant's name and usage to anyone: the tenants of the keys, and the `user`
+    values bare-key clients sent (often an end user's email). Without a valid key no tenant is
+    shown; a tenant's key sees its own; a bare key (which may charge any tenant) sees all."""
+    from services.gateway.auth import ApiKeys
+
+    parties = [
+        wire.PartyService(tenant=name, class_name="c", served_tokens=1, virtual_tokens=1.0)
+        for name in ("alice", "bob", "carol@example.com")
+    ]
+    view = ClusterView(num_decode=1, service=parties, workers=[])
+    keys = ApiKeys.parse(["sk-alice-0123456789abcdef=alice", "sk-bare-0123456789abcdef"])
+    client = TestClient(build_app(ReadyGenerator(view), 1 << 20, keys=keys))
+
+    def tenants(key: str | None) -> tuple[int, list[str]]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        response = client.get("/ready", headers=headers)
+        return response.status_code, [p["tenant"] for p in response.json()["scheduler"]["service"]]
+
+    assert tenants(None) == (200, [])
+    assert tenants("sk-wrong-0123456789abcdef") == (200, [])  # a probe's answer, not a 401
+    assert tenants("sk-alice-0123456789abcdef") == (200, ["alice"])
+    assert tenants("sk-bare-0123456789abcdef") == (200, ["alice", "bob", "carol@example.com"])
+    open_door = TestClient(build_app(ReadyGenerator(view), 1 << 20))  # no keys: all, as before
+    assert [p["tenant"] for p in open_door.get("/ready").json()["scheduler"]["service"]] == [
+        "alice",
+        "bob",
+        "carol@example.com",
+    ]
