@@ -379,21 +379,6 @@ def test_an_answer_cut_after_a_call_finishes_length_not_tool_calls(tokenizer):
         assert [f for f in finishes if f] == [expected]
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "strict": True,  # (the SDK parses a strict function's arguments)
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-
-
 FORCED_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'  # the whole output
 
 
@@ -417,7 +402,7 @@ def test_a_streamed_call_ends_in_a_chunk_of_its_own_as_the_sdks_stream_helper_re
     deltas = {0: [delta(piece) for piece in pieces[:-1]] + [delta(pieces[-1], finish="stop")]}
     body = {
         "messages": [{"role": "user", "content": "Weather in Paris?"}],
-        "tools": [WEATHER],
+        "tools": [WEATHER_TOOL],
         "tool_choice": tool_choice,
         "stream": True,
     }
@@ -425,7 +410,7 @@ def test_a_streamed_call_ends_in_a_chunk_of_its_own_as_the_sdks_stream_helper_re
     last = chunks[-1]["choices"][0]
     assert last["finish_reason"] == "tool_calls" and last["delta"] == {}
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
-    state = ChatCompletionStreamState(input_tools=[WEATHER])
+    state = ChatCompletionStreamState(input_tools=[WEATHER_TOOL])
     events = [e for c in chunks for e in state.handle_chunk(ChatCompletionChunk(**c))]
     done = [e for e in events if e.type == "tool_calls.function.arguments.done"]
     assert [(e.name, e.parsed_arguments) for e in done] == [("get_weather", {"city": "Paris"})]
