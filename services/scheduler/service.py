@@ -291,6 +291,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, SchedulerConfig)
 
 
+def drain_deadline(next_tick: float, now: float) -> float:
+    """Until when a turn reads messages before the tick: when the tick is due (under a flood the
+    socket never empties, and the tick must not wait for it to). A turn that comes late by some
+    seconds (the process was stopped, or starved of the CPU) finds those seconds' heartbeats
+    unread, and a tick before reading them takes every worker for silent: after a 20 s SIGSTOP
+    the scheduler dropped its healthy workers and resumed their requests for nothing. Reading is
+    faster than the messages came, so the lateness bounds the reading."""
+    late_s = now - next_tick
+    return next_tick if late_s <= 0 else now + late_s
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging("scheduler")
     SchedulerService(config_from_args(SchedulerConfig, args)).serve_forever()
@@ -366,13 +377,13 @@ class SchedulerService:
         gc_timer = CollectionTimer(self.events.gc_paused)
         thaw_every_s = self.config.gc_thaw_every_s
         freezer = SurvivorFreezer(thaw_every_s) if thaw_every_s > 0 else None
-        next_tick = 0.0
+        next_tick = time.monotonic()  # (the first turn ticks at once)
         try:
             while not self._stopping:
                 # Whole milliseconds, rounded up: pyzmq truncates, which spins the last one.
                 timeout_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
                 if poller.poll(timeout_ms):
-                    self._drain(until=next_tick)
+                    self._drain(until=drain_deadline(next_tick, time.monotonic()))
                 now = self._last_turn = time.monotonic()
                 if now >= next_tick:
                     self._tick_guarded(now)
