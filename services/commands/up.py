@@ -3,10 +3,12 @@
 One scheduler, one gateway, N prefill and M decode workers, talking over ipc:// sockets in a
 private run directory. The cores it may run on are split between the workers (torch threads). Each
 child's log lines are streamed with its name in front. A child that dies is started again (it
-registers anew; the requests it held are resumed elsewhere), up to `MAX_RESTARTS` times each.
-Ctrl-C or SIGTERM stops the children
-(SIGTERM, then SIGKILL after a grace period) and removes the run directory; the children also get
-SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG), so no orphan survives it.
+registers anew; the requests it held are resumed elsewhere); one in a crash loop, dead
+`MAX_RESTARTS` times in a row each time within `STABLE_RUN_S` of its start, stops the cluster.
+Ctrl-C or SIGTERM stops the children in `STOP_FIRST`'s order (each stage SIGTERM, then SIGKILL
+after a grace period): the gateway drains its requests under way while the scheduler and workers
+still serve them. Then the run directory is removed; the children also get SIGTERM from the
+kernel if this process dies (PR_SET_PDEATHSIG), so no orphan survives it.
 """
 
 from __future__ import annotations
@@ -58,12 +60,23 @@ PR_SET_PDEATHSIG = 1
 # The ready check asks this machine's gateway itself: through `http_proxy`, as urllib's default
 # opener goes, it asked a proxy that cannot reach our loopback, until --ready-timeout ran out.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-MAX_RESTARTS = 5  # per child; past it the child is taken as broken and the cluster stops
+MAX_RESTARTS = 5  # per child, in a row; past it the child is taken as broken and the cluster stops
+# A child that ran this long since its start is not in a crash loop: its restarts count from 0
+# again. The loops seen died within seconds (a setting refused at start, a poison request
+# resumed onto the restarted worker as soon as it registered); a minute is far past those, and
+# far short of the time between unrelated deaths (a scheduler killed once a minute, a worker
+# crashing now and then over a week), which, counted over the cluster's life, stopped it.
+STABLE_RUN_S = 60.0
 LOG_DRAIN_S = 5.0  # how long an exited child's last log lines may take to be echoed
 STOP_GRACE_S = 10.0  # the children's time to end, at least, before the stop kills them
 # A draining gateway's exit past its grace: its 503s sent (`STREAM_END_S`), its link closed,
 # the interpreter's exit (about 1.7 s measured).
 GATEWAY_EXIT_S = STREAM_END_S + 3.0
+# Stopped one after the other, each waited for, before the rest (scheduler, workers) together:
+# the gateway's drain lets requests under way finish, which needs the scheduler and workers
+# (and the batch service, for the uploads and batch calls it relays). Stopped all at once, the
+# rest were gone in 0.1 s and every stream ended "ran past its grace" with no token more.
+STOP_FIRST = ("gateway", "batch")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,8 +151,9 @@ class Child:
     argv: list[str]
     process: subprocess.Popen
     log_thread: threading.Thread | None = None
-    restarts: int = 0
+    restarts: int = 0  # in a row, each soon after its start (`STABLE_RUN_S`)
     env: dict[str, str] = field(default_factory=dict)  # beyond this process's environment
+    started_at: float = field(default_factory=time.monotonic)  # its process's, time.monotonic
 
 
 @dataclass
@@ -354,12 +368,16 @@ class LocalCluster:
         child.log_thread.start()
 
     def restart_dead(self) -> list[str]:
-        """Starts every dead child again; returns the names of those past `MAX_RESTARTS`."""
+        """Starts every dead child again; returns the names of those past `MAX_RESTARTS`
+        (dead that many times in a row, each soon after its start)."""
         broken = []
         for child in self.children:
             code = child.process.poll()
             if code is None:
                 continue
+            # (Its death is seen within the caller's poll, 0.5 s: close enough to its run.)
+            if time.monotonic() - child.started_at >= STABLE_RUN_S:
+                child.restarts = 0
             if child.restarts >= MAX_RESTARTS:
                 broken.append(child.name)
                 continue
@@ -369,6 +387,7 @@ class LocalCluster:
                 f"({child.restarts}/{MAX_RESTARTS})\n"
             )
             child.process = self._popen(child.argv, child.env)
+            child.started_at = time.monotonic()
             self._pump_logs(child)
         return broken
 
@@ -412,20 +431,33 @@ class LocalCluster:
         )
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Stops the children: SIGTERM, then SIGKILL to those still running after `grace_s`
-        (default `stop_grace_s`)."""
+        """Stops the children stage by stage (`STOP_FIRST`, then the rest), each stage ended
+        before the next is signalled: SIGTERM, then SIGKILL to those still running `grace_s`
+        (default `stop_grace_s`) after it. Every child has the grace from its own SIGTERM, so
+        hung children take at most one grace per stage."""
         grace_s = self.stop_grace_s if grace_s is None else grace_s
-        for child in self.children:
-            if child.process.poll() is None:
-                child.process.terminate()
-        deadline = time.monotonic() + grace_s
-        for child in self.children:
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+        for stage in self._stop_stages():
+            _end(stage, grace_s)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _stop_stages(self) -> list[list[Child]]:
+        first = [[c for c in self.children if c.name == name] for name in STOP_FIRST]
+        rest = [c for c in self.children if c.name not in STOP_FIRST]
+        return [stage for stage in (*first, rest) if stage]
+
+
+def _end(children: list[Child], grace_s: float) -> None:
+    """SIGTERM to those of `children` still running, SIGKILL to those left after `grace_s`."""
+    for child in children:
+        if child.process.poll() is None:
+            child.process.terminate()
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
 
 
 def _check_host_resolves(host: str) -> None:
