@@ -5,16 +5,18 @@
 Against a running cluster (`--url`) or one started here (`tandem up`, on a free port). In one
 run, on the same prompts:
 
-1. `alone`: the interactive trickle on an idle cluster: its TTFT p50/p99.
+1. `alone`: the interactive trickle on an idle cluster: its TTFT p50/p99, and its time per
+   output token after the first (TPOT) p50/p99 (`--chat-max-tokens` tokens a chat, 8 by default).
 2. `burst`: the first `--burst-prompts` of the prompts (default 1,000: fewer than the
    scheduler's queue holds) fired at once at /v1/completions: the output tokens/s of a burst
    at these lengths, which the batch is compared with. The wait forecast refuses those it
    expects past its share of their first-token limit; the served ones' throughput is the
    reference (how many it admits moves it: see the README).
 3. `batch`: the prompts as one batch (Files + Batches API) while the trickle runs: drain time,
-   output tokens/s, the trickle's TTFT p50/p99, lines lost or duplicated in the output, and each
-   worker role's busy fraction from submission to drain (`tandem:engine_busy_seconds_total`,
-   the time inside engine steps, over the wall time) and the machine's: its cores' time busy
+   output tokens/s, the trickle's TTFT and TPOT p50/p99, lines lost or duplicated in the output,
+   and each worker role's busy fraction from submission to drain
+   (`tandem:engine_busy_seconds_total`, the time inside engine steps, over the wall time) and the
+   machine's: its cores' time busy
    (user, system, interrupts) over their time, from submission to drain, whatever ran on them,
    so it measures the hardware only for a cluster on this machine with nothing else running.
    With a cluster started here, the trickle's
@@ -26,8 +28,8 @@ run, on the same prompts:
    Retry-After, the drain time and output tokens/s. `--naive-only` runs just this phase.
 
 Prints one JSON object per phase, then the ratios the targets are stated in (the batch's output
-tokens/s over the burst's, its interactive TTFT p99 over alone's). Timing figures on a shared
-machine are noisy: compare phases of one run.
+tokens/s over the burst's, its interactive TTFT p99 and TPOT p50 over alone's). Timing figures
+on a shared machine are noisy: compare phases of one run.
 """
 
 from __future__ import annotations
@@ -71,44 +73,60 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def ttft(http: httpx.AsyncClient, model: str, prompt: str) -> float:
+async def chat_timing(
+    http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+) -> tuple[float, float | None]:
+    """A streamed chat's (TTFT, time per output token after the first; None under two events
+    with content)."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 8, "temperature": 0, "stream": True}  # fmt: skip
+            "max_tokens": max_tokens, "temperature": 0, "stream": True}  # fmt: skip
     started = time.monotonic()
-    first = None
+    first = last = None
+    num_events = 0
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():  # read to the end: the request completes
-            if first is None and line.startswith("data:") and '"content"' in line:
-                first = time.monotonic() - started
-    if first is None:
+            if line.startswith("data:") and '"content"' in line:
+                last = time.monotonic() - started
+                first = last if first is None else first
+                num_events += 1
+    if first is None or last is None:
         raise RuntimeError("the stream ended without content")
-    return first
+    return first, (last - first) / (num_events - 1) if num_events > 1 else None
 
 
-async def trickle(http: httpx.AsyncClient, model: str, stop: asyncio.Event, every_s: float):
-    """One interactive chat every `every_s` until `stop`; their TTFTs."""
-    ttfts: list[float] = []
+async def trickle(
+    http: httpx.AsyncClient, model: str, stop: asyncio.Event, every_s: float, max_tokens: int
+) -> list[tuple[float, float | None]]:
+    """One interactive chat every `every_s` until `stop`; their (TTFT, TPOT)s."""
+    timings: list[tuple[float, float | None]] = []
     tasks = []
     i = 0
     while not stop.is_set():
         prompt = TRICKLE_PROMPTS[i % len(TRICKLE_PROMPTS)]
-        tasks.append(asyncio.create_task(ttft(http, model, prompt)))
+        tasks.append(asyncio.create_task(chat_timing(http, model, prompt, max_tokens)))
         i += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every_s)
     for result in await asyncio.gather(*tasks, return_exceptions=True):
-        if isinstance(result, float):
-            ttfts.append(result)
+        if isinstance(result, tuple):
+            timings.append(result)
         else:
             print(f"interactive request failed: {result!r}", file=sys.stderr)
-    return ttfts
+    return timings
 
 
-def summary(ttfts: list[float]) -> dict[str, Any]:
-    p50, p99 = percentile(ttfts, 0.5), percentile(ttfts, 0.99)
-    return {"num_interactive": len(ttfts), "ttft_p50_s": p50 and round(p50, 3),
-            "ttft_p99_s": p99 and round(p99, 3)}  # fmt: skip
+def summary(timings: list[tuple[float, float | None]]) -> dict[str, Any]:
+    ttfts = [ttft for ttft, _ in timings]
+    tpots = [tpot for _, tpot in timings if tpot is not None]
+
+    def rounded(values: list[float], q: float) -> float | None:
+        value = percentile(values, q)
+        return value if value is None else round(value, 3)
+
+    return {"num_interactive": len(ttfts),
+            "ttft_p50_s": rounded(ttfts, 0.5), "ttft_p99_s": rounded(ttfts, 0.99),
+            "tpot_p50_s": rounded(tpots, 0.5), "tpot_p99_s": rounded(tpots, 0.99)}  # fmt: skip
 
 
 async def busy_seconds(http: httpx.AsyncClient) -> dict[str, tuple[str, float]]:
@@ -148,7 +166,9 @@ def machine_cpu_busy_fraction(before: Any, after: Any) -> float:
 
 async def phase_alone(http: httpx.AsyncClient, model: str, args) -> dict[str, Any]:
     stop = asyncio.Event()
-    task = asyncio.create_task(trickle(http, model, stop, args.trickle_every_s))
+    task = asyncio.create_task(
+        trickle(http, model, stop, args.trickle_every_s, args.chat_max_tokens)
+    )
     await asyncio.sleep(args.alone_s)
     stop.set()
     return {"phase": "alone", **summary(await task)}
@@ -183,7 +203,9 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
             "completion_window": "24h"}  # fmt: skip
     batch = (await http.post("/v1/batches", json=body)).json()
     stop = asyncio.Event()
-    task = asyncio.create_task(trickle(http, model, stop, args.trickle_every_s))
+    task = asyncio.create_task(
+        trickle(http, model, stop, args.trickle_every_s, args.chat_max_tokens)
+    )
     while batch["status"] not in ("completed", "failed", "cancelled", "expired"):
         await asyncio.sleep(0.5)
         batch = (await http.get(f"/v1/batches/{batch['id']}")).json()
@@ -192,7 +214,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
     busy = busy_fractions(busy_before, await busy_seconds(http), drain_s)
     busy["machine_cpu_busy_fraction"] = machine_cpu_busy_fraction(cpu_before, psutil.cpu_times())
     stop.set()
-    ttfts = await task
+    timings = await task
     output = (await http.get(f"/v1/files/{batch['output_file_id']}/content")).text.splitlines()
     custom_ids = [json.loads(x)["custom_id"] for x in output]
     expected = {f"p{i}" for i in range(args.num_prompts)}
@@ -205,7 +227,7 @@ async def phase_batch(http: httpx.AsyncClient, model: str, args) -> dict[str, An
         "lines_lost": len(expected - set(custom_ids)),
         "lines_duplicated": len(custom_ids) - len(set(custom_ids)),
         **busy,
-        **summary(ttfts),
+        **summary(timings),
     }  # fmt: skip
 
 
@@ -282,12 +304,19 @@ async def run_phases(url: str, args) -> list[dict[str, Any]]:
 
 
 def ratios(by_phase: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The batch against the burst (throughput) and against the trickle alone (TTFT p99)."""
+    """The batch against the burst (throughput) and against the trickle alone (TTFT p99, TPOT
+    p50)."""
     batch, burst, alone = by_phase["batch"], by_phase["burst"], by_phase["alone"]
     throughput = batch["output_tokens_per_s"] / burst["output_tokens_per_s"]
-    ttft = (batch["ttft_p99_s"] / alone["ttft_p99_s"]) if alone["ttft_p99_s"] else None
+
+    def against_alone(key: str) -> float | None:
+        if not alone.get(key) or batch.get(key) is None:
+            return None
+        return round(batch[key] / alone[key], 2)
+
     return {"phase": "ratios", "batch_throughput_vs_burst": round(throughput, 3),
-            "batch_ttft_p99_vs_alone": ttft and round(ttft, 2)}  # fmt: skip
+            "batch_ttft_p99_vs_alone": against_alone("ttft_p99_s"),
+            "batch_tpot_p50_vs_alone": against_alone("tpot_p50_s")}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=10_000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--trickle-every-s", type=float, default=2.0)
+    parser.add_argument(
+        "--chat-max-tokens", type=int, default=8, help="each interactive chat's max_tokens"
+    )
     parser.add_argument("--alone-s", type=float, default=20.0)
     parser.add_argument("--burst-prompts", type=int, default=1_000)
     parser.add_argument("--skip-naive", action="store_true", help="no naive phase at all")
@@ -306,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         "--skip-naive-retry", action="store_true", help="the naive burst once, without retries"
     )
     args = parser.parse_args(argv)
-    if min(args.num_prompts, args.max_tokens, args.burst_prompts) < 1 or args.trickle_every_s <= 0:
+    counts = (args.num_prompts, args.max_tokens, args.burst_prompts, args.chat_max_tokens)
+    if min(counts) < 1 or args.trickle_every_s <= 0:
         parser.error(
-            "--num-prompts, --max-tokens, --burst-prompts and --trickle-every-s must be positive"
+            "--num-prompts, --max-tokens, --burst-prompts, --chat-max-tokens and "
+            "--trickle-every-s must be positive"
         )
     if args.naive_only and args.skip_naive:
         parser.error("--naive-only and --skip-naive exclude each other")

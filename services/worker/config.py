@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -56,6 +57,11 @@ class WorkerConfig(CurveSettings):
         0.2,
         "prefill: how long a step with prompt chunks may take (a short prompt's wait for the step "
         "in progress); none: the token budget alone",
+    )
+    bulk_step_slack: float = setting(
+        0.25,
+        "how much slower bulk (batch job) decode rows may make a step beside interactive rows, "
+        "from the measured decode step times (0: none beside them; a large number: no bound)",
     )
     cuda_graphs: bool = setting(
         False,
@@ -151,6 +157,11 @@ class WorkerConfig(CurveSettings):
             raise ConfigError(
                 "host_cache_bytes (--host-cache-bytes / TANDEM_HOST_CACHE_BYTES) must be >= 0"
             )
+        if not 0 <= self.bulk_step_slack < math.inf:
+            raise ConfigError(
+                "bulk_step_slack (--bulk-step-slack / TANDEM_BULK_STEP_SLACK) must be >= 0 and "
+                f"finite, got {self.bulk_step_slack}"
+            )
         if not self.think_time_retention_s >= 0:
             raise ConfigError(
                 "think_time_retention_s (--think-time-retention-s / "
@@ -200,6 +211,7 @@ class WorkerConfig(CurveSettings):
             host_cache_bytes=self.host_cache_bytes,
             cache_model_id=self.model,
             cuda_graphs=self.cuda_graphs,
+            bulk_step_slack=self.bulk_step_slack,
             **overrides,
         )
 

@@ -13,6 +13,7 @@ raises out of the step: then the worker is at fault, not a request.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
@@ -24,6 +25,7 @@ import torch
 from kernels.paged_attention import triton_decodes
 from shared.engine import prompt_logprobs
 from shared.engine.block_manager import BlockManager
+from shared.engine.decode_cost import DecodeCost
 from shared.engine.decode_graphs import DecodeGraphs
 from shared.engine.grammar import GrammarBinding
 from shared.engine.host_tier import HostTier
@@ -71,6 +73,11 @@ class EngineConfig:
     # Time to first token under a long-prompt flood against prefill throughput; None: the token
     # budget alone (the most throughput).
     step_time_target_s: float | None = None
+    # Bulk decode rows (batch jobs' lines) beside interactive work: they join a step only while
+    # its predicted time (`decode_cost.py`, from the measured decode steps) stays within
+    # 1 + this of the step without them. A chat's tokens against a job's throughput; None: no
+    # bound (every bulk row in every step).
+    bulk_step_slack: float | None = None
     # Prefix cache: full blocks named by a chained hash are kept after their sequences finish
     # and shared by later sequences that start with the same tokens (only the uncached suffix
     # is computed). `prefix_cache_max_blocks` bounds the unreferenced blocks kept (None: the
@@ -112,6 +119,11 @@ class EngineConfig:
             raise ValueError(f"finished_retention_s must be >= 0, got {self.finished_retention_s}")
         if self.step_time_target_s is not None and not self.step_time_target_s > 0:
             raise ValueError(f"step_time_target_s must be > 0, got {self.step_time_target_s}")
+        if self.bulk_step_slack is not None and not 0 <= self.bulk_step_slack < math.inf:
+            raise ValueError(
+                f"bulk_step_slack must be >= 0 and finite (None: no bound), "
+                f"got {self.bulk_step_slack}"
+            )
         PreemptionCosts(self.preemption_mode)  # validates the mode
         if self.grammar_cache_bytes < 1 or not self.grammar_compile_timeout_s > 0:
             raise ValueError("grammar_cache_bytes and grammar_compile_timeout_s must be > 0")
@@ -204,12 +216,15 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, self.config.block_size, self.prefix_cache, self.host_tier
         )
+        self.decode_cost = DecodeCost()  # the decode-only steps' time by their rows
+        bounded = self.config.bulk_step_slack is not None
         self.scheduler = StepScheduler(
             self.block_manager,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
             choose_preemption=self._choose_preemption,
             hand_back_recomputed=self.config.hand_back_recomputed,
+            max_bulk_decode_rows=self._max_bulk_decode_rows if bounded else None,
         )
         self.sampler = Sampler()
         self.num_sampler_failures = 0  # rows the sampler raised on (`_sample`): bugs, each logged
@@ -426,13 +441,17 @@ class LLMEngine:
             self._built_matchers(plan.chunks), self.model.config.vocab_size
         )
         try:
+            started = time.perf_counter()
             with Stopwatch(self.model.device) as watch:
                 ran, logits, failed = self._forward(plan.chunks)
             if not failed:  # (a step run again chunk by chunk is no sample of the rate)
                 self._record_prefill_rate(ran, watch.seconds)
-            return [self._model_failed(c.sequence, e) for c, e in failed] + self._postprocess(
+            outputs = [self._model_failed(c.sequence, e) for c, e in failed] + self._postprocess(
                 ran, logits
             )
+            if not failed:  # (the sampling counts: a row's token waits for it too)
+                self._record_decode_step(ran, time.perf_counter() - started)
+            return outputs
         finally:
             self.sampler.settle_masks()
 
@@ -450,6 +469,18 @@ class LLMEngine:
         # (its decode tokens ride along and are counted in the time, not the tokens).
         num_prompt_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         self.preemption.record_prefill(num_prompt_tokens, seconds)
+
+    def _record_decode_step(self, chunks: list[ScheduledChunk], seconds: float) -> None:
+        if all(c.num_tokens == 1 for c in chunks):
+            self.decode_cost.record(len(chunks), seconds)
+
+    def _max_bulk_decode_rows(self, num_rows: int, num_prompt_tokens: int) -> int | None:
+        """The bulk decode rows that may join a step of `num_rows` other decode rows and
+        `num_prompt_tokens` prompt tokens (timed at the measured prefill rate), within the
+        slack of its time without them."""
+        prompt_s = num_prompt_tokens / self.preemption.prefill_tokens_per_s
+        slack = self.config.bulk_step_slack
+        return self.decode_cost.max_extra_rows(num_rows, slack, prompt_s)
 
     def _built_matchers(self, chunks: list[ScheduledChunk]) -> list[Any]:
         """The grammar matchers, already built, of the sequences this step will sample (those

@@ -48,6 +48,12 @@ token budget (`max_num_batched_tokens`) and a seat limit (`max_num_seqs`):
    step included, waits until the compile ends or its deadline passes. So the compile overlaps
    its prefill, and no step waits on it; the sequence keeps its blocks (and its seat) meanwhile,
    preemptible like any other. One waiting with nothing else to run is not admitted yet.
+7. Bulk decode rows (batch jobs' lines) take only the time interactive rows leave: beside any
+   interactive row or prompt chunk, they join the step only as many as `max_bulk_decode_rows`
+   allows (the engine's bound from its measured decode steps: the step within a slack of its
+   time without them). The oldest go first: each line's tokens are bounded, so they finish and
+   make way, and fewer lines hold KV at once than if every one advanced a little. Those left
+   out keep their blocks and seats; with no interactive row in the step, they all run.
 """
 
 from __future__ import annotations
@@ -176,6 +182,7 @@ class StepScheduler:
         max_num_batched_tokens: int,
         choose_preemption: Callable[[Sequence, int], str] | None = None,
         hand_back_recomputed: bool = False,
+        max_bulk_decode_rows: Callable[[int, int], int | None] | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -189,6 +196,9 @@ class StepScheduler:
         # instead of recomputing it here: it leaves through `evicted`.
         self.hand_back_recomputed = hand_back_recomputed
         self.evicted: list[Sequence] = []
+        # (the step's other decode rows, its prompt tokens) -> the bulk decode rows that may
+        # join them (None: all). Not given: all, always.
+        self.max_bulk_decode_rows = max_bulk_decode_rows
         self.num_preemptions = 0
         self.num_preemptions_by_mode = {"swap": 0, "recompute": 0}
         # Most prompt tokens in the next step, from a step time target (None: the budget alone).
@@ -263,12 +273,15 @@ class StepScheduler:
         needs = [runnable[id(seq)] for seq in sharers]
         shares = prompt_shares(needs, full_budget, cap, [seq.bulk for seq in sharers])
         share_of = {id(seq): share for seq, share in zip(sharers, shares, strict=True)}
+        held = self._held_bulk_rows(decoding, sharers, shares)
         scheduled = plan.chunks
         num_preemptions = self.num_preemptions
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older sequence
             decodes = seq.num_uncomputed_tokens == 1
+            if decodes and id(seq) in held:
+                continue  # a bulk row that would slow the interactive ones: it waits, seated
             num_tokens = runnable[id(seq)] if decodes else share_of.get(id(seq), 0)
             if num_tokens == 0 or not self._reserve(seq, num_tokens):
                 continue
@@ -283,6 +296,22 @@ class StepScheduler:
         self._release_pins()
         self._admit(admissible, share_of, scheduled)
         return plan
+
+    def _held_bulk_rows(
+        self, decoding: list[Sequence], sharers: list[Sequence], shares: list[int]
+    ) -> set[int]:
+        """The ids of the bulk decode rows this step leaves out: beside interactive work (a
+        decode row, or a prompt chunk), those past `max_bulk_decode_rows`, youngest first
+        (`decoding` is in urgency order); none when the step has no interactive work."""
+        bulk_rows = [seq for seq in decoding if seq.bulk]
+        if self.max_bulk_decode_rows is None or not bulk_rows:
+            return set()
+        num_rows = len(decoding) - len(bulk_rows)
+        interactive_prompt = any(s and not seq.bulk for seq, s in zip(sharers, shares, strict=True))
+        if not num_rows and not interactive_prompt:
+            return set()
+        limit = self.max_bulk_decode_rows(num_rows, sum(shares))
+        return set() if limit is None else {id(seq) for seq in bulk_rows[limit:]}
 
     def _admit(
         self, newcomers: list[Sequence], share_of: dict[int, int], scheduled: list[ScheduledChunk]

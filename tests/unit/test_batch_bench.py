@@ -46,15 +46,30 @@ def test_machine_cpu_busy_fraction_reads_this_machine():
 
 def test_ratios_compare_the_batch_with_the_burst_and_the_trickle_alone():
     phases = {
-        "alone": {"ttft_p99_s": 0.2},
+        "alone": {"ttft_p99_s": 0.2, "tpot_p50_s": 0.05},
         "burst": {"output_tokens_per_s": 100.0},
-        "batch": {"output_tokens_per_s": 93.0, "ttft_p99_s": 0.3},
+        "batch": {"output_tokens_per_s": 93.0, "ttft_p99_s": 0.3, "tpot_p50_s": 0.06},
     }
     assert batch_bench.ratios(phases) == {
         "phase": "ratios",
         "batch_throughput_vs_burst": 0.93,
         "batch_ttft_p99_vs_alone": 1.5,
+        "batch_tpot_p50_vs_alone": 1.2,
     }
+    phases["alone"]["tpot_p50_s"] = None  # (chats of one token: no time per token)
+    assert batch_bench.ratios(phases)["batch_tpot_p50_vs_alone"] is None
+
+
+def test_the_summary_gives_each_chats_ttft_and_time_per_token_percentiles():
+    timings = [(0.1, 0.05), (0.3, None), (0.2, 0.07)]
+    assert batch_bench.summary(timings) == {
+        "num_interactive": 3,
+        "ttft_p50_s": 0.2,
+        "ttft_p99_s": 0.3,
+        "tpot_p50_s": 0.07,
+        "tpot_p99_s": 0.07,
+    }
+    assert batch_bench.summary([])["tpot_p50_s"] is None
 
 
 @pytest.mark.parametrize(
@@ -64,6 +79,7 @@ def test_ratios_compare_the_batch_with_the_burst_and_the_trickle_alone():
         ["--max-tokens", "-1"],
         ["--burst-prompts", "0"],
         ["--trickle-every-s", "0"],
+        ["--chat-max-tokens", "0"],
         ["--naive-only", "--skip-naive"],
     ],
 )
