@@ -99,9 +99,9 @@ class GatewayConfig(CurveSettings):
         5.0,
         "on SIGTERM, how long requests under way may still run; then each ends with a 503 "
         "(a stream's error event and [DONE]) and the gateway exits, about 1 s later. Keep it "
-        "under the orchestrator's kill: `tandem up`'s 10 s, the shipped compose file's "
-        "stop_grace_period (15 s), the k8s pod's terminationGracePeriodSeconds (20 s, its "
-        "preStop sleep of 5 s included)",
+        "under the orchestrator's kill (`tandem up` waits the grace plus 4 s, 10 s at least), "
+        "the shipped compose file's stop_grace_period (15 s), the k8s pod's "
+        "terminationGracePeriodSeconds (20 s, its preStop sleep of 5 s included)",
     )
 
     def __post_init__(self) -> None:
