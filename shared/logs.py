@@ -8,6 +8,7 @@ text on stdout, every level) as it did when `get_logger` built it at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -64,10 +65,43 @@ def configure_logging(service: str, level: str | None = None) -> None:
             *renderers,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_number),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_LogOutput()),
         cache_logger_on_first_use=True,
     )
     _forward_standard_logging(level_number)
+
+
+class _LogOutput:
+    """stderr, for as long as someone reads it. A service whose log reader died (`tandem up`
+    killed with -9: its children get SIGTERM and log their stop into a pipe nobody reads) raised
+    BrokenPipeError out of whatever logged a line: the gateway's drain, which tore the streams
+    it was ending. Lines nobody can read are dropped, and stderr points at /dev/null from then
+    on, so Python's own last writes (a traceback, the flush at exit) do not raise either."""
+
+    def __init__(self) -> None:
+        self._reader_gone = False
+
+    def write(self, text: str) -> int:
+        if not self._reader_gone:
+            try:
+                return sys.stderr.write(text)
+            except BrokenPipeError:
+                self._drop_from_now_on()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._reader_gone:
+            try:
+                sys.stderr.flush()
+            except BrokenPipeError:
+                self._drop_from_now_on()
+
+    def _drop_from_now_on(self) -> None:
+        self._reader_gone = True
+        with contextlib.suppress(OSError, ValueError):  # (a stderr with no descriptor: a capture)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stderr.fileno())
+            os.close(devnull)
 
 
 class _ServiceName:

@@ -142,3 +142,35 @@ def test_the_web_servers_own_lines_are_json_lines_too():
     assert "RuntimeError: a bug in the app" in failed["exception"]
     assert not [line for line in lines if "HTTP Request" in line["event"]]
     assert all(line["service"] == "test" for line in lines)
+
+
+LOGS_AFTER_ITS_READER_LEFT = """
+import sys
+from shared.logs import configure_logging, get_logger
+configure_logging("test")
+log = get_logger()
+log.info("read")
+sys.stdin.readline()  # the reader of its logs is gone once this returns
+for n in range(3):
+    log.warning("nobody reads this", n=n)  # a drain's lines, after its parent died
+print("went on", flush=True, file=open(sys.argv[1], "w"))
+"""
+
+
+def test_a_service_whose_log_reader_is_gone_goes_on(tmp_path):
+    """`tandem up` killed with -9: its children get SIGTERM (PR_SET_PDEATHSIG) and their logs
+    go to a pipe nobody reads. A line logged then raised BrokenPipeError in whatever logged it:
+    the gateway's drain, which tore its streams instead of ending them with [DONE]."""
+    done = tmp_path / "done"
+    child = subprocess.Popen(
+        [sys.executable, "-c", LOGS_AFTER_ITS_READER_LEFT, str(done)],
+        stdin=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, TANDEM_LOG_FORMAT="json"),
+    )
+    assert b"read" in child.stderr.readline()
+    child.stderr.close()  # the reader dies
+    child.stdin.write(b"\n")
+    child.stdin.close()
+    assert child.wait(timeout=60) == 0
+    assert done.read_text() == "went on\n"
