@@ -18,6 +18,7 @@ from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import StepScheduler
 from shared.engine.sequence import Sequence, SequenceStatus
 from tests.helpers import our_model_from_hf, tiny_hf_model
+from tests.unit.test_step_scheduler import run_step
 
 # -- the step scheduler ------------------------------------------------------------------------
 
@@ -42,15 +43,6 @@ def make_scheduler(limit, num_blocks: int = 1000) -> tuple[StepScheduler, list]:
 
 def seq(name: str, prompt_len: int = 8, bulk: bool = False, max_tokens: int = 50) -> Sequence:
     return Sequence(name, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), bulk=bulk)
-
-
-def run_step(scheduler: StepScheduler) -> dict[str, int]:
-    chunks = scheduler.schedule().chunks
-    for chunk in chunks:  # what the engine does after the forward
-        chunk.sequence.num_computed_tokens += chunk.num_tokens
-        if chunk.sequence.num_uncomputed_tokens == 0:
-            chunk.sequence.output_token_ids.append(7)
-    return {c.sequence.request_id: c.num_tokens for c in chunks}
 
 
 def decoding_bulk(scheduler: StepScheduler, count: int) -> list[Sequence]:

@@ -7,15 +7,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.sampling_params import SamplingParams
 from shared.engine.scheduler import StepScheduler
 from shared.engine.sequence import Sequence, SequenceStatus
-
-
-def run_step(scheduler: StepScheduler) -> dict[str, int]:
-    chunks = scheduler.schedule().chunks
-    for chunk in chunks:  # what the engine does after the forward
-        chunk.sequence.num_computed_tokens += chunk.num_tokens
-        if chunk.sequence.num_uncomputed_tokens == 0:
-            chunk.sequence.output_token_ids.append(7)
-    return {c.sequence.request_id: c.num_tokens for c in chunks}
+from tests.unit.test_step_scheduler import run_step
 
 
 def test_a_preempted_bulk_line_sitting_out_a_step_does_not_hold_back_the_prompt_behind_it():
