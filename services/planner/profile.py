@@ -90,6 +90,9 @@ class WorkerSettings:
     max_num_batched_tokens: int = 512
     step_time_target_s: float | None = 0.2  # prefill: prompt tokens capped to about this long
     kv_cache_bytes: int = 512 << 20
+    # Decode: batch lines beside interactive work only while the step stays within 1 + this of
+    # its time without them (the worker's --bulk-step-slack; None: no bound).
+    bulk_step_slack: float | None = 0.25
 
     def __post_init__(self) -> None:
         # Read from a file: each was a division by zero or a refusal deep in a simulation.
@@ -101,6 +104,11 @@ class WorkerSettings:
         target = self.step_time_target_s
         if target is not None and not (isinstance(target, int | float) and 0 < target < math.inf):
             raise ProfileError(f"settings.step_time_target_s must be positive, got {target!r}")
+        slack = self.bulk_step_slack
+        if slack is not None and not (
+            isinstance(slack, int | float) and not isinstance(slack, bool) and 0 <= slack < math.inf
+        ):
+            raise ProfileError(f"settings.bulk_step_slack must be >= 0 and finite, got {slack!r}")
 
 
 @dataclass(frozen=True)

@@ -317,6 +317,7 @@ class _Sequence:
     # The leading blocks its reservation found in the prefix cache: its own too, but held by the
     # cache, so never taken from the pool (as the real worker's sequence shares them).
     num_cached_blocks: int = 0
+    bulk: bool = False  # a batch job's line: it sits out steps its row would slow (`_rows`)
 
     @property
     def num_table_blocks(self) -> int:
@@ -420,6 +421,7 @@ class SimDecodeWorker:
             job.sampling.max_tokens,
             num_blocks,
             num_cached_blocks=num_cached_blocks,
+            bulk=job.bulk,
         )
         self.waiting.append(sequence)
         self._maybe_step()
@@ -450,20 +452,45 @@ class SimDecodeWorker:
         if not self.running and not self.local_jobs:
             return
         profile = self.cluster.step_profile()
-        batch = list(self.running.values())
-        num_context_tokens = sum(s.num_tokens for s in batch)
-        duration = 0.0
-        if batch:
-            duration = profile.decode_time(len(batch), num_context_tokens / len(batch))
-        if swap_tokens:
-            duration += self.profile.transfer_time(swap_tokens)
         local, self.local_jobs = self.local_jobs, []
+        prefill_s = 0.0
         if local:  # the suffixes prefilled here lengthen the step by their prefill time
             pairs = sum(j.num_tokens * j.num_cached for j in local)
-            duration += profile.prefill_time(sum(j.num_tokens for j in local), pairs)
+            prefill_s = profile.prefill_time(sum(j.num_tokens for j in local), pairs)
+        batch = self._rows(profile, bool(local), prefill_s)
+        num_context_tokens = sum(s.num_tokens for s in batch)
+        duration = prefill_s
+        if batch:
+            duration += profile.decode_time(len(batch), num_context_tokens / len(batch))
+        if swap_tokens:
+            duration += self.profile.transfer_time(swap_tokens)
         self.stepping = True
         self.stats.record_step(duration, len(batch), num_context_tokens, self.cluster.now)
-        self.cluster.at(self.cluster.now + duration, self._end_step, local, duration)
+        self.cluster.at(self.cluster.now + duration, self._end_step, local, batch, duration)
+
+    def _rows(self, profile: WorkerProfile, prefills: bool, prefill_s: float) -> list[_Sequence]:
+        """The running sequences this step decodes: all of them, but that beside interactive
+        work (a row, a suffix prefilled here) the batch lines join only while the step's time
+        stays within `bulk_step_slack` of its time without them, the oldest first, as the real
+        engine does (`shared/engine/scheduler.py`; it predicts from its own steps, this from the
+        profile)."""
+        running = list(self.running.values())
+        slack = self.profile.settings.bulk_step_slack
+        interactive = [s for s in running if not s.bulk]
+        bulk = [s for s in running if s.bulk]
+        if slack is None or not bulk or not (interactive or prefills):
+            return running
+        context = sum(s.num_tokens for s in running) / len(running)
+        alone = prefill_s
+        if interactive:
+            alone += profile.decode_time(len(interactive), context)
+        bound = (1.0 + slack) * alone
+        joined = 0
+        while joined < len(bulk) and (
+            prefill_s + profile.decode_time(len(interactive) + joined + 1, context) <= bound
+        ):
+            joined += 1
+        return interactive + bulk[:joined]
 
     def _admit(self) -> int:
         """Swapped sequences first (returns the tokens copied back), then waiting ones, also
@@ -509,10 +536,14 @@ class SimDecodeWorker:
                 sequence.num_blocks += need
         return num_swapped_out
 
-    def _end_step(self, local: list[_LocalPrefill], duration: float) -> None:
+    def _end_step(
+        self, local: list[_LocalPrefill], batch: list[_Sequence], duration: float
+    ) -> None:
         self.stepping = False
         self.pace.stepped(duration, sum(j.num_tokens for j in local))
-        for sequence in list(self.running.values()):
+        for sequence in batch:
+            if self.running.get(sequence.request_id) is not sequence:
+                continue  # cancelled during the step
             sequence.num_generated += 1
             sequence.num_generated_here += 1
             sequence.num_tokens += 1
@@ -552,6 +583,7 @@ class SimDecodeWorker:
             job.sampling.max_tokens,
             num_blocks,
             num_cached_blocks=prefilled.num_cached_blocks,
+            bulk=job.bulk,
         )
         if len(self.running) < self.max_num_seqs:
             self.running[job.request_id] = sequence
