@@ -449,7 +449,8 @@ class LLMEngine:
             outputs = [self._model_failed(c.sequence, e) for c, e in failed] + self._postprocess(
                 ran, logits
             )
-            if not failed:  # (the sampling counts: a row's token waits for it too)
+            # (The sampling counts: a row's token waits for it too. Unbounded, nothing reads it.)
+            if not failed and self.scheduler.max_bulk_decode_rows is not None:
                 self._record_decode_step(ran, time.perf_counter() - started)
             return outputs
         finally:
