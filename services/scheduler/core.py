@@ -47,6 +47,7 @@ from typing import TypeVar
 
 from services.scheduler import lazy_heap
 from services.scheduler.adopted import AdoptedRequests
+from services.scheduler.awaiting_workers import SubmitsAwaitingWorkers
 from services.scheduler.cache_holders import CacheHolders
 from services.scheduler.cache_placement import CachePlacement, prefill_tokens
 from services.scheduler.cache_routing import RoutingWeights, routing_rate, routing_step_s
@@ -60,7 +61,7 @@ from services.scheduler.fair_share import (
     QueuedRequest,
 )
 from services.scheduler.native_indexes import check_choice
-from services.scheduler.registry import WorkerRegistry, WorkerState
+from services.scheduler.registry import DISCONNECT_GRACE_S, WorkerRegistry, WorkerState
 from services.scheduler.wait_forecast import (
     DEADLINE_SHARE,
     InHand,
@@ -106,6 +107,7 @@ SHARES = ("deadline_share", "bulk_window_share", "bulk_seat_share")
 # deadlines stopped the tick at it, and no reservation or prefill timed out again.
 DURATIONS = (
     "heartbeat_timeout_s",
+    "disconnect_grace_s",
     "progress_timeout_s",
     "reserve_timeout_s",
     "prefill_timeout_s",
@@ -120,6 +122,8 @@ class SchedulerLimits:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
     heartbeat_timeout_s: float = 10.0
+    # A worker's connection closed (its process exited): gone unless it beats again this soon.
+    disconnect_grace_s: float = DISCONNECT_GRACE_S
     progress_timeout_s: float = 60.0  # busy without completing a step: stuck (see registry)
     reserve_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0  # prompt compute plus KV transfer, on a CPU
@@ -363,6 +367,7 @@ class ClusterScheduler:
             self.limits.bulk_window_share,
             self.limits.bulk_seat_share,
             self.limits.indexes,
+            self.limits.disconnect_grace_s,
         )
         self.queue = FairQueue(self.limits.fair_share, self.limits.indexes)
         self.placement = CachePlacement(self.limits.routing, self.limits.local_prefill_max_tokens)
@@ -386,6 +391,7 @@ class ClusterScheduler:
         # Requests an earlier life of the scheduler placed, still on the decode workers that
         # list them (`adopted.py`): a worker's death is told to the gateways all the same.
         self.adopted = AdoptedRequests(UNLISTED_BEATS)
+        self.awaiting_workers = SubmitsAwaitingWorkers()
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -417,8 +423,16 @@ class ClusterScheduler:
             )
             for request_id in self.dropped_reservations.pop(hello.peer_id, []):
                 self._send(identity, wire.Cancel(request_id=request_id, reason="lost"))
+            self._admit_awaiting(now)
             self._dispatch(now)
         return self.take_outbox()
+
+    def on_connection_closed(self, identity: bytes, now: float) -> WorkerState | None:
+        """A peer's connection closed (the service's socket monitor saw it). A worker's leaves
+        rotation at the first tick past `disconnect_grace_s` unless it beats again first: a
+        killed worker's requests move on in a second or two, not after the heartbeat timeout.
+        The worker, or None for another peer's (a gateway's)."""
+        return self.registry.connection_closed(identity, now)
 
     def on_heartbeat(
         self, identity: bytes, heartbeat: wire.Heartbeat, now: float
@@ -434,6 +448,7 @@ class ClusterScheduler:
             self._send(identity, ack)
             return self.take_outbox()
         worker.last_heartbeat = now
+        worker.disconnected_at = None  # (beating, on whatever connection)
         worker.num_heartbeats += 1
         # Where the worker now listens: tandem's workers keep one routing id across reconnects
         # (shared.endpoints.routing_id), but a peer that sets none is a new ROUTER identity
@@ -577,6 +592,7 @@ class ClusterScheduler:
             self._drop_worker(worker, now)
         # (Every due one: their deadline entries are taken, so one left now is left for good.)
         each(self._due(now), lambda request: self._settle_due(request, now))
+        self._admit_awaiting(now)  # (refused, those still held when the wait is over)
         self._dispatch(now)
         return self.take_outbox()
 
@@ -623,6 +639,40 @@ class ClusterScheduler:
     # -- requests -----------------------------------------------------------------------------
 
     def on_submit(self, identity: bytes, submit: wire.Submit, now: float) -> list[Outgoing]:
+        if self._waits_for_workers(submit, now):
+            self.awaiting_workers.hold(identity, submit)
+            return self.take_outbox()
+        self._submit(identity, submit, now)
+        return self.take_outbox()
+
+    def _waits_for_workers(self, submit: wire.Submit, now: float) -> bool:
+        """A scheduler just started, with no worker back yet, holds the SUBMIT (a duplicate's
+        refusal is not held)."""
+        awaiting = self.awaiting_workers
+        if not awaiting.open(now) or self._workers_ready(now):
+            return False
+        return submit.request_id not in self.requests and not awaiting.holds(submit.request_id)
+
+    def await_workers_until(self, until: float) -> None:
+        """Until `until`, a SUBMIT that finds no prefill or no decode worker waits for them
+        instead of a 503: the service's start, when its workers may be on their way back."""
+        self.awaiting_workers.open_until(until)
+
+    def _admit_awaiting(self, now: float) -> None:
+        """The SUBMITs held for workers, admitted (or refused) once they are back or the wait
+        is over (`awaiting_workers.py`)."""
+        awaiting = self.awaiting_workers
+        if not len(awaiting) or (awaiting.open(now) and not self._workers_ready(now)):
+            return
+        for identity, submit in awaiting.take_all():
+            self._submit(identity, submit, now)
+
+    def _workers_ready(self, now: float) -> bool:
+        """A prefill and a decode worker are registered and making progress."""
+        ready = self.registry.max_decode_capacity(now) is not None
+        return ready and self.registry.any_healthy("prefill", now)
+
+    def _submit(self, identity: bytes, submit: wire.Submit, now: float) -> None:
         refusal = self._admission_refusal(submit, now)
         if refusal is not None:
             status, message, retry_after = refusal
@@ -634,7 +684,7 @@ class ClusterScheduler:
                 retry_after_s=retry_after,
             )
             self._send(identity, reply)
-            return self.take_outbox()
+            return
         party = self.queue.party_for(submit.tenant, num_prefill_tokens(submit), submit.bulk)
         request = TrackedRequest(
             submit, submit.gateway_peer_id, party, arrival=now, index=next(self._admissions)
@@ -652,7 +702,6 @@ class ClusterScheduler:
         )
         self._send(identity, accepted)
         self._dispatch(now)
-        return self.take_outbox()
 
     def _admission_refusal(
         self, submit: wire.Submit, now: float
@@ -771,6 +820,8 @@ class ClusterScheduler:
         return 400, message, None
 
     def on_cancel(self, cancel: wire.Cancel, now: float) -> list[Outgoing]:
+        if self.awaiting_workers.cancel(cancel.request_id):
+            return self.take_outbox()  # held for the workers, never admitted: nothing else knew
         request = self.requests.get(cancel.request_id)
         if request is not None:
             self._forget(request, cancel_reason=cancel.reason)

@@ -31,6 +31,10 @@ from services.scheduler.worker_index import (
 )
 from services.scheduler.worker_state import WorkerState
 
+# A worker whose connection closed is gone unless it beats again within this: three of the
+# default heartbeat intervals (a live one reconnects in a tenth of a second, then beats).
+DISCONNECT_GRACE_S = 1.5
+
 
 class WorkerRegistry:
     def __init__(
@@ -41,8 +45,10 @@ class WorkerRegistry:
         bulk_window_share: float = BULK_WINDOW_SHARE,
         bulk_seat_share: float = BULK_SEAT_SHARE,
         indexes: str = "auto",
+        disconnect_grace_s: float = DISCONNECT_GRACE_S,
     ):
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.disconnect_grace_s = disconnect_grace_s  # see `WorkerState.disconnected_at`
         # A worker that holds work and completes no step for this long is stuck: it answers
         # heartbeats but serves nothing, so it gets no new work and does not count as ready.
         self.progress_timeout_s = progress_timeout_s
@@ -220,9 +226,25 @@ class WorkerRegistry:
         return False
 
     def expired(self, now: float) -> list[WorkerState]:
-        return [
-            w for w in self.workers.values() if now - w.last_heartbeat > self.heartbeat_timeout_s
-        ]
+        """The workers out of rotation now: silent past the heartbeat timeout, or their
+        connection closed and no heartbeat since, for the grace a reconnect takes."""
+        return [w for w in self.workers.values() if self._gone(w, now)]
+
+    def _gone(self, worker: WorkerState, now: float) -> bool:
+        if now - worker.last_heartbeat > self.heartbeat_timeout_s:
+            return True
+        closed_at = worker.disconnected_at
+        return closed_at is not None and now - closed_at > self.disconnect_grace_s
+
+    def connection_closed(self, identity: bytes, now: float) -> WorkerState | None:
+        """The worker whose connection (ROUTER identity) closed, marked so (None: no worker's,
+        a gateway's say). A scan: connections close rarely, and only a worker's own
+        heartbeat, on its next connection, clears the mark."""
+        for worker in self.workers.values():
+            if worker.identity == identity:
+                worker.disconnected_at = now
+                return worker
+        return None
 
     # A prefill worker's window (`PrefillWindow`): what it holds, and whether it takes more.
     def held_tokens(self, worker: WorkerState) -> int:

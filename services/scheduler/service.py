@@ -39,6 +39,7 @@ import zmq
 from services import compiled
 from services.scheduler import core as core_module
 from services.scheduler.cache_routing import RoutingWeights
+from services.scheduler.connections import ConnectionWatch
 from services.scheduler.core import SHARES, ClusterScheduler, Outgoing, SchedulerLimits
 from services.scheduler.fair_share import FairShareConfig
 from services.scheduler.wait_forecast import DEADLINE_SHARE
@@ -245,6 +246,8 @@ class SchedulerConfig(CurveSettings):
             max_queued_requests=self.max_queued_requests,
             max_queued_tokens=self.max_queued_tokens,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
+            # Three beats: a live worker whose connection blipped is back and beating by then.
+            disconnect_grace_s=min(self.heartbeat_timeout_s, 3 * self.heartbeat_interval_s),
             reserve_timeout_s=self.reserve_timeout_s,
             prefill_timeout_s=self.prefill_timeout_s,
             progress_timeout_s=self.progress_timeout_s,
@@ -324,6 +327,10 @@ class SchedulerService:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         bind(self.socket, config.address, "address")
+        self.connections = ConnectionWatch(self.socket)  # a killed worker's, closed at once
+        # Restarted under a running cluster, it waits the rejoin grace for its workers' HELLOs
+        # before it refuses a SUBMIT for want of one (`awaiting_workers.py`).
+        self.core.await_workers_until(time.monotonic() + self.core.limits.disconnect_grace_s)
         if (warning := config.queue_time_warning()) is not None:
             self.log.warning(
                 warning,
@@ -374,6 +381,8 @@ class SchedulerService:
         )
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        monitor = self.connections.start()
+        poller.register(monitor, zmq.POLLIN)
         gc_timer = CollectionTimer(self.events.gc_paused)
         thaw_every_s = self.config.gc_thaw_every_s
         freezer = SurvivorFreezer(thaw_every_s) if thaw_every_s > 0 else None
@@ -382,8 +391,11 @@ class SchedulerService:
             while not self._stopping:
                 # Whole milliseconds, rounded up: pyzmq truncates, which spins the last one.
                 timeout_ms = math.ceil(max(0.0, next_tick - time.monotonic()) * 1000)
-                if poller.poll(timeout_ms):
+                ready = dict(poller.poll(timeout_ms))
+                if self.socket in ready:
                     self._drain(until=drain_deadline(next_tick, time.monotonic()))
+                if monitor in ready:
+                    self._connections_closed(next_tick)
                 now = self._last_turn = time.monotonic()
                 if now >= next_tick:
                     self._tick_guarded(now)
@@ -394,6 +406,7 @@ class SchedulerService:
             gc_timer.close()
             if freezer is not None:
                 freezer.close()
+            self.connections.close()
             self.socket.close(linger=0)
             self.security.stop()
             self.log.info("scheduler stopped")
@@ -411,6 +424,19 @@ class SchedulerService:
             if time.monotonic() >= until:
                 return
 
+    def _connections_closed(self, next_tick: float) -> None:
+        """Marks the workers whose connections closed (`connections.py`), after reading what
+        arrived before: a closed connection's last heartbeat must not clear its own mark."""
+        closed = self.connections.closed()
+        if not closed:
+            return
+        self._drain(until=drain_deadline(next_tick, time.monotonic()))
+        now = time.monotonic()
+        for identity in closed:
+            worker = self.core.on_connection_closed(identity, now)
+            if worker is not None:
+                self.log.info("worker connection closed", peer_id=worker.peer_id)
+
     def _receive(self, frames: list[zmq.Frame]) -> None:
         """One message off the socket: decoded and handled, or logged and dropped."""
         identity, body = frames[0].bytes, frames[1:]
@@ -421,6 +447,8 @@ class SchedulerService:
         except wire.WireError as error:
             self.log.warning("dropped malformed message", error=str(error), peer=identity.hex())
             return
+        if isinstance(message, (wire.Heartbeat, wire.Hello)):
+            self.connections.saw(frames[0], identity)
         self._send(self._handle_guarded(identity, message, time.monotonic()))
 
     def _tick_guarded(self, now: float) -> None:
@@ -434,6 +462,7 @@ class SchedulerService:
                     "worker left rotation",
                     peer_id=worker.peer_id,
                     silent_s=round(now - worker.last_heartbeat, 1),
+                    connection_closed=worker.disconnected_at is not None,
                 )
             self._retry_undelivered(now)
             self._send(self.core.tick(now))
@@ -482,9 +511,9 @@ class SchedulerService:
             message=message,
             retry_after_s=None,
         )
-        self.events.refused(submit.request_id, 500, message)
-        # The core may have dispatched it before the handler raised: not logged nor timed as
-        # dispatched (the others it dispatched are, and their reservations go out).
+        # (Counted and logged as it goes out: `_record_answer`.) The core may have dispatched
+        # it before the handler raised: not logged nor timed as dispatched (the others it
+        # dispatched are, and their reservations go out).
         self.core.forget_dispatch(submit.request_id)
         cancel = wire.Cancel(request_id=submit.request_id, reason="the scheduler failed on it")
         return [Outgoing(identity, refusal)] + self._handle_guarded(identity, cancel, now)
@@ -514,12 +543,18 @@ class SchedulerService:
 
     def _submit(self, identity: bytes, submit: wire.Submit, now: float) -> list[Outgoing]:
         out = self.core.on_submit(identity, submit, now)
-        reply = next(o.message for o in out if isinstance(o.message, wire.SubmitReply))
-        if reply.accepted:
-            self.events.queued(submit.request_id, len(submit.prompt_token_ids), submit.tenant)
-        else:
-            self.events.refused(submit.request_id, reply.status_code, reply.message or "")
+        if self.core.awaiting_workers.holds(submit.request_id):  # answered when workers are back
+            self.log.info("request awaits workers", request_id=submit.request_id)
         return out
+
+    def _record_answer(self, reply: wire.SubmitReply) -> None:
+        """A SUBMIT's answer, logged and counted as it goes out: now, or once the workers a
+        scheduler just started waits for are back (`awaiting_workers.py`)."""
+        if not reply.accepted:
+            self.events.refused(reply.request_id, reply.status_code, reply.message or "")
+        elif (request := self.core.requests.get(reply.request_id)) is not None:
+            submit = request.submit
+            self.events.queued(submit.request_id, len(submit.prompt_token_ids), submit.tenant)
 
     def _address_refusal(self, hello: wire.Hello) -> str | None:
         """Why others could not connect to the address a gateway or decode worker gives (the
@@ -603,6 +638,8 @@ class SchedulerService:
             )
         now = time.monotonic()
         for item in outgoing:
+            if type(item.message) is wire.SubmitReply:
+                self._record_answer(item.message)
             if self.undelivered.holds(item.identity):
                 self.undelivered.hold(item.identity, item.message, now)  # (behind, in order)
             elif not self._deliver(item.identity, item.message):

@@ -17,6 +17,10 @@ class WorkerState:
     block_size: int
     max_num_seqs: int
     last_heartbeat: float
+    # When its connection to the scheduler closed, unless a heartbeat came since (then None):
+    # a worker whose process died is out of rotation `disconnect_grace_s` later, not after the
+    # whole heartbeat timeout; one whose connection only blipped beats again on a new one.
+    disconnected_at: float | None = None
     num_free_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0

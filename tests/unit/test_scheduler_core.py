@@ -228,6 +228,61 @@ def test_silent_prefill_worker_gives_its_requests_back_to_the_gateway(core):
     assert sent(out, wire.Reserve) and core.requests["r~1"].phase == Phase.RESERVING
 
 
+def test_a_worker_whose_connection_closed_leaves_within_the_grace_unless_it_beats(core):
+    grace = core.limits.disconnect_grace_s
+    assert grace < core.limits.heartbeat_timeout_s
+    run_to_decoding(core, "r")
+    core.on_hello(b"D2", hello("d2", "decode"), 0.0)
+    assert core.on_connection_closed(b"G", 0.1) is None  # a gateway's: no worker marked
+    assert core.on_connection_closed(b"D2", 0.1).peer_id == "d2"
+    core.on_heartbeat(b"D2", heartbeat("d2"), 0.2)  # back on a new connection: forgiven
+    assert core.on_connection_closed(b"D", 0.3).peer_id == "d"
+    for peer in (b"P", b"D2"):
+        core.on_heartbeat(peer, heartbeat(peer.decode().lower()), 0.3 + grace)
+    core.tick(0.3 + grace)  # not yet past the grace
+    assert core.registry.get("d") is not None
+    out = core.tick(0.31 + grace)  # long before the heartbeat timeout
+    assert core.registry.get("d") is None and core.registry.get("d2") is not None
+    (delta,) = lost_deltas(out)  # what it held goes back to its gateway
+    assert delta.request_id == "r" and delta.finish_reason == "lost"
+
+
+def test_a_scheduler_just_started_holds_submits_until_its_workers_are_back():
+    core = ClusterScheduler(SchedulerLimits(heartbeat_timeout_s=3.0))
+    core.await_workers_until(1.5)
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    assert core.on_submit(b"G", submit("a"), 0.1) == []  # no worker yet: no 503 either
+    assert core.on_submit(b"G", submit("b"), 0.2) == []
+    assert core.on_submit(b"G", submit("c"), 0.2) == []
+    core.on_cancel(wire.Cancel(request_id="b", reason="client gone"), 0.3)
+    assert core.on_hello(b"P", hello("p", "prefill"), 0.4) == [] and core.tick(0.45) == []
+    out = core.on_hello(b"D", hello("d", "decode"), 0.5)  # both back: admitted, in order
+    replies = [o.message for o in sent(out, wire.SubmitReply)]
+    assert [(r.request_id, r.accepted) for r in replies] == [("a", True), ("c", True)]
+    assert {o.message.request_id for o in sent(out, wire.Reserve)} == {"a", "c"}
+    assert len(core.awaiting_workers) == 0 and "b" not in core.requests
+
+
+def test_submits_held_for_workers_that_never_come_are_refused_when_the_wait_ends():
+    core = ClusterScheduler(SchedulerLimits(heartbeat_timeout_s=3.0))
+    core.await_workers_until(1.5)
+    core.on_hello(b"G", hello("g", "gateway"), 0.0)
+    core.on_hello(b"P", hello("p", "prefill"), 0.0)  # (a prefill worker alone serves nothing)
+    assert core.on_submit(b"G", submit("a"), 0.1) == []
+    assert core.tick(1.4) == []
+    (reply,) = sent(core.tick(1.5), wire.SubmitReply)
+    assert reply.message.status_code == 503 and "no prefill or no decode" in reply.message.message
+    (late,) = sent(core.on_submit(b"G", submit("b"), 1.6), wire.SubmitReply)  # not held now
+    assert late.message.status_code == 503
+
+
+def test_a_core_never_told_to_wait_refuses_at_once():
+    bare = ClusterScheduler(SchedulerLimits())
+    bare.on_hello(b"G", hello("g", "gateway"), 0.0)
+    (reply,) = sent(bare.on_submit(b"G", submit("a"), 0.0), wire.SubmitReply)
+    assert reply.message.status_code == 503  # (the simulator's, and the tests')
+
+
 def test_a_resumed_request_is_not_refused_for_load(core):
     core.on_hello(b"D", hello("d", "decode", seats=1), 0.0)  # one in RESERVING, the rest queue
     replies = [core.on_submit(b"G", submit(f"q{i}"), 0.0)[0].message for i in range(6)]
