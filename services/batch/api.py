@@ -68,6 +68,16 @@ class Limits:
     max_uploads_per_tenant: int = 16
 
 
+# A file's expiry, as OpenAI's: an upload's `expires_after`, a batch's `output_expires_after`
+# (its output and error files), each {"anchor": "created_at", "seconds": N} with N from an hour
+# to thirty days. Its `expires_at` says when; the service's timer deletes it then
+# (`drop_expired_files`), unless a batch that has not ended reads or writes it (then at the
+# first turn after it ends). Without one a file stays until deleted: a service that ran job
+# after job grew its disk by every job's answers, with no way to say "keep them a week".
+MIN_EXPIRES_AFTER_S = 3600
+MAX_EXPIRES_AFTER_S = 30 * 24 * 3600
+
+
 @dataclass
 class _Upload:
     tenant: str
@@ -76,6 +86,7 @@ class _Upload:
     path: Path
     touched_at: float  # (time.monotonic) when it began, or its last chunk came
     size: int = 0
+    expires_after_s: int | None = None  # (None: never)
 
 
 def file_object(row) -> dict[str, Any]:
@@ -87,7 +98,7 @@ def file_object(row) -> dict[str, Any]:
         "filename": row["filename"],
         "purpose": row["purpose"],
         "status": "processed",
-        "expires_at": None,
+        "expires_at": row["expires_at"],
         "status_details": None,
     }
 
@@ -202,6 +213,7 @@ class BatchApi:
         if params.get("purpose") != "batch":
             raise ApiFailure(400, "purpose must be 'batch'", "purpose")
         filename = str(params.get("filename") or "upload.jsonl")[:256]
+        expires_after_s = _expires_after_seconds(params.get("expires_after"), "expires_after")
         self.drop_idle_uploads()
         in_progress = sum(upload.tenant == tenant for upload in self._uploads.values())
         if in_progress >= self.limits.max_uploads_per_tenant:
@@ -211,7 +223,9 @@ class BatchApi:
         upload_id = secrets.token_hex(12)
         path = self.uploads_dir / upload_id
         path.touch()
-        self._uploads[upload_id] = _Upload(tenant, "batch", filename, path, time.monotonic())
+        self._uploads[upload_id] = _Upload(
+            tenant, "batch", filename, path, time.monotonic(), expires_after_s=expires_after_s
+        )
         return 200, {"upload_id": upload_id}, None
 
     def file_upload_chunk(self, tenant: str, params: dict, data: bytes | None) -> Result:
@@ -236,7 +250,14 @@ class BatchApi:
         file_id = f"file-{secrets.token_hex(12)}"
         upload.path.rename(self.store.path_of(file_id))
         try:
-            self.store.add_file(file_id, tenant, upload.purpose, upload.filename, upload.size)
+            self.store.add_file(
+                file_id,
+                tenant,
+                upload.purpose,
+                upload.filename,
+                upload.size,
+                upload.expires_after_s,
+            )
         except Exception:  # (SQLite refused it: full) no row names the bytes, which stayed
             self.store.path_of(file_id).unlink(missing_ok=True)  # until the service restarted
             raise
@@ -294,6 +315,8 @@ class BatchApi:
         """Creates the batch, its file's requests counted here unless `num_lines` says how many
         there are (`answer` counts them in a worker thread)."""
         endpoint, window_s, metadata = _create_options(params)
+        output_expiry = params.get("output_expires_after")
+        output_expires_after_s = _expires_after_seconds(output_expiry, "output_expires_after")
         row = self._input_file(tenant, params)
         if num_lines is None:
             num_lines = self._num_requests(self.store.path_of(row["id"]))
@@ -327,6 +350,7 @@ class BatchApi:
             "metadata": metadata,
             "_tenant": tenant,
             "_models": list(params.get("models") or []),
+            "_output_expires_after_s": output_expires_after_s,  # (its answer files')
         }
         self.store.add_batch(batch, tenant)
         self.jobs.start(batch["id"])
@@ -401,6 +425,18 @@ class BatchApi:
             raise ApiFailure(404, "no such upload in progress", "upload_id")
         return upload
 
+    def drop_expired_files(self, now: float | None = None) -> list[str]:
+        """Deletes the files whose `expires_at` has come (now, or `now`), save those a batch
+        that has not ended reads or writes; their ids."""
+        keep = set()
+        for batch in self.store.batches_in(*UNFINISHED):
+            keep |= files_of(batch)
+        expired = []
+        for tenant, file_id in self.store.expired_files(int(time.time() if now is None else now)):
+            if file_id not in keep and self.store.delete_file(tenant, file_id):
+                expired.append(file_id)
+        return expired
+
     def drop_idle_uploads(self) -> None:
         """Drops the uploads idle past `upload_idle_s`, bytes and all: when one begins, and on
         the service's timer (an abandoned upload kept its bytes until another began)."""
@@ -464,6 +500,29 @@ def _is_metadata(metadata: Any) -> bool:
             for value in metadata.values()
         )
     )
+
+
+def _expires_after_seconds(policy: Any, param: str) -> int | None:
+    """The seconds after its creation at which a file expires (None: never), from an expiry
+    policy; 400 for one that is not {"anchor": "created_at", "seconds": N} with N in bounds.
+    `seconds` may be a string of digits: a multipart form's fields are strings."""
+    if policy is None:
+        return None
+    if not isinstance(policy, dict) or set(policy) != {"anchor", "seconds"}:
+        raise ApiFailure(400, f"{param} must be an object of anchor and seconds", param)
+    if policy["anchor"] != "created_at":
+        raise ApiFailure(400, f"{param}.anchor must be 'created_at'", f"{param}.anchor")
+    seconds = policy["seconds"]
+    if isinstance(seconds, str) and seconds.isascii() and seconds.isdigit():
+        seconds = int(seconds)
+    if type(seconds) is not int or not MIN_EXPIRES_AFTER_S <= seconds <= MAX_EXPIRES_AFTER_S:
+        raise ApiFailure(
+            400,
+            f"{param}.seconds must be an integer from {MIN_EXPIRES_AFTER_S} (an hour) to "
+            f"{MAX_EXPIRES_AFTER_S} (30 days)",
+            f"{param}.seconds",
+        )
+    return seconds
 
 
 def _window_seconds(window: Any) -> int:

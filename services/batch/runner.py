@@ -397,17 +397,21 @@ class JobRunner:
         changes: dict[str, Any] = {"status": ended, f"{ended}_at": now}
         batch = self.store.get_batch(self.batch_id, None)
         tenant = batch["_tenant"]
+        expires_after_s = batch.get("_output_expires_after_s")  # (its `output_expires_after`)
         if output_bytes:
-            self._register(output_file_id(self.batch_id), tenant, "batch_output", output_bytes)
-            changes["output_file_id"] = output_file_id(self.batch_id)
+            file_id = output_file_id(self.batch_id)
+            self._register(file_id, tenant, output_bytes, expires_after_s)
+            changes["output_file_id"] = file_id
         if error_bytes:
-            self._register(error_file_id(self.batch_id), tenant, "batch_output", error_bytes)
-            changes["error_file_id"] = error_file_id(self.batch_id)
+            file_id = error_file_id(self.batch_id)
+            self._register(file_id, tenant, error_bytes, expires_after_s)
+            changes["error_file_id"] = file_id
         return self.store.update_batch(self.batch_id, **changes)
 
-    def _register(self, file_id: str, tenant: str, purpose: str, size: int) -> None:
+    def _register(self, file_id: str, tenant: str, size: int, expires_after_s: int | None) -> None:
         if self.store.get_file(tenant, file_id) is None:
-            self.store.add_file(file_id, tenant, purpose, f"{file_id}.jsonl", size)
+            name = f"{file_id}.jsonl"
+            self.store.add_file(file_id, tenant, "batch_output", name, size, expires_after_s)
 
 
 def _answered_whole(body: dict[str, Any]) -> dict[str, Any]:

@@ -266,6 +266,8 @@ class BatchService:
         while True:
             self.metrics.update(self.store, self.jobs)
             self.api.drop_idle_uploads()
+            for file_id in self.api.drop_expired_files():
+                self.log.info("file expired", file_id=file_id)
             await asyncio.sleep(METRICS_INTERVAL_S)
 
 

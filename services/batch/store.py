@@ -45,7 +45,8 @@ from typing import Any, TypeVar
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, deleted INTEGER NOT NULL DEFAULT 0,
+    expires_at INTEGER  -- when the service deletes it (NULL: never)
 );
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, status TEXT NOT NULL, body TEXT NOT NULL,
@@ -65,6 +66,7 @@ CREATE TABLE IF NOT EXISTS lines (
 # Databases made before lines had a prefix key, or batches a count of cached tokens, gain the
 # column ('' keeps line order; 0 for the lines answered before).
 _MIGRATIONS = {
+    ("files", "expires_at"): "ALTER TABLE files ADD COLUMN expires_at INTEGER",
     ("lines", "prefix_key"): "ALTER TABLE lines ADD COLUMN prefix_key TEXT NOT NULL DEFAULT ''",
     ("batches", "cached_tokens"): (
         "ALTER TABLE batches ADD COLUMN cached_tokens INTEGER NOT NULL DEFAULT 0"
@@ -162,15 +164,32 @@ class Store:
     # -- files --------------------------------------------------------------------------------
 
     @_synced
-    def add_file(self, file_id: str, tenant: str, purpose: str, filename: str, size: int) -> None:
+    def add_file(
+        self,
+        file_id: str,
+        tenant: str,
+        purpose: str,
+        filename: str,
+        size: int,
+        expires_after_s: int | None = None,
+    ) -> None:
         """Adds the row of the bytes in files/<file_id>, synced first: a row never names bytes
-        that a power cut can take (an upload reported stored, a batch's answers)."""
+        that a power cut can take (an upload reported stored, a batch's answers). It expires
+        `expires_after_s` after now (None: never)."""
         self.sync_file(file_id)
+        created_at = int(time.time())
+        expires_at = None if expires_after_s is None else created_at + expires_after_s
         self.db.execute(
-            "INSERT INTO files (id, tenant, purpose, filename, bytes, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
-            (file_id, tenant, purpose, filename, size, int(time.time())),
+            "INSERT INTO files (id, tenant, purpose, filename, bytes, created_at, expires_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (file_id, tenant, purpose, filename, size, created_at, expires_at),
         )
+
+    def expired_files(self, now: int) -> list[tuple[str, str]]:
+        """The (tenant, id) of every live file whose `expires_at` is at or before `now`."""
+        return self.db.execute(
+            "SELECT tenant, id FROM files WHERE deleted = 0 AND expires_at <= ?", (now,)
+        ).fetchall()
 
     def get_file(self, tenant: str, file_id: str) -> sqlite3.Row | None:
         return self.db.execute(
@@ -415,6 +434,8 @@ def fsync_path(path: Path, flags: int = 0) -> None:
 
 def _batch_of(row: sqlite3.Row) -> dict[str, Any]:
     batch = json.loads(row["body"])
+    # The model its lines run on, which validation holds them to: the relaying gateway's.
+    batch["model"] = next(iter(batch.get("_models") or []), None)
     batch["status"] = row["status"]
     batch["request_counts"] = {
         "total": row["total"],

@@ -90,6 +90,10 @@ def add_batch_routes(
             if not isinstance(upload, UploadFile):
                 raise ApiError(400, "a multipart field `file` is required", param="file")
             begin = {"purpose": purpose, "filename": upload.filename}
+            # An expiry policy, as the openai client's form sends one (`expires_after`).
+            expiry = {key: form.get(f"expires_after[{key}]") for key in ("anchor", "seconds")}
+            if any(value is not None for value in expiry.values()):
+                begin["expires_after"] = expiry
             _, body, _ = await link.call("file_upload_begin", owner, begin)
             params = {"upload_id": field(body, "upload_id", str)}
             while chunk := await upload.read(UPLOAD_CHUNK_BYTES):

@@ -93,6 +93,7 @@ def test_a_job_completes_with_the_answers_of_direct_calls(batch_cluster):
     prompts = [f"The number {i} is" for i in range(5)]
     batch = submit(api, [line(f"id-{i}", p) for i, p in enumerate(prompts)])
     assert batch.status == "validating" and batch.metadata == {"test": "yes"}
+    assert batch.model == "smollm2"  # (the openai client's Batch has it; it was null)
     batch = wait(api, batch.id)
     assert batch.status == "completed", batch
     assert (batch.request_counts.total, batch.request_counts.completed) == (5, 5)
@@ -200,6 +201,29 @@ def test_limits_and_wrong_values_get_clear_errors(batch_cluster):
         api.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
     with pytest.raises(openai.NotFoundError):
         api.batches.retrieve("batch_nope")
+
+
+def test_expiry_policies_date_the_upload_and_the_answers(batch_cluster):
+    """`expires_after` and `output_expires_after` were ignored (every file's `expires_at` was
+    null); the deletion when they come is `tests/unit/test_batch_parts.py`'s to see."""
+    api = client(batch_cluster)
+    text = (json.dumps(line("e", "Paris is")) + "\n").encode()
+    hour = {"anchor": "created_at", "seconds": 3600}
+    uploaded = api.files.create(file=("in.jsonl", io.BytesIO(text)), purpose="batch",
+                                expires_after=hour)  # fmt: skip
+    assert uploaded.expires_at == uploaded.created_at + 3600
+    assert api.files.retrieve(uploaded.id).expires_at == uploaded.expires_at
+    with pytest.raises(openai.BadRequestError, match="anchor"):
+        api.files.create(file=("in.jsonl", io.BytesIO(text)), purpose="batch",
+                         expires_after={"anchor": "last_active_at", "seconds": 3600})  # fmt: skip
+    args = {"input_file_id": uploaded.id, "endpoint": "/v1/completions", "completion_window": "24h"}
+    with pytest.raises(openai.BadRequestError, match="seconds"):
+        api.batches.create(**args, output_expires_after={"anchor": "created_at", "seconds": 60})
+    two_hours = {"anchor": "created_at", "seconds": 7200}
+    batch = wait(api, api.batches.create(**args, output_expires_after=two_hours).id)
+    assert batch.status == "completed", batch
+    output = api.files.retrieve(batch.output_file_id)
+    assert output.expires_at == output.created_at + 7200
 
 
 def served_bulk_tokens(cluster) -> dict[str, float]:

@@ -170,7 +170,7 @@ def test_prefix_keys_of_long_prompts_are_their_start():
     )
 
 
-def test_an_old_database_gains_the_prefix_key(tmp_path):
+def test_an_old_database_gains_the_prefix_key_and_the_files_expiry(tmp_path):
     import sqlite3
 
     old = sqlite3.connect(tmp_path / "batch.sqlite3")
@@ -179,11 +179,19 @@ def test_an_old_database_gains_the_prefix_key(tmp_path):
         "NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL, state INTEGER NOT NULL "
         "DEFAULT 0, PRIMARY KEY (batch_id, line_no), UNIQUE (batch_id, custom_id))"
     )
+    old.execute(
+        "CREATE TABLE files (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, purpose TEXT NOT NULL, "
+        "filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, deleted "
+        "INTEGER NOT NULL DEFAULT 0)"
+    )
     old.execute("INSERT INTO lines VALUES ('batch_x', 1, 'a', 0, 10, 0)")
+    old.execute("INSERT INTO files VALUES ('file-a', 't', 'batch', 'a.jsonl', 1, 0, 0)")
     old.commit()
     old.close()
     store = Store(tmp_path)
     assert [row["prefix_key"] for row in store.pending_lines("batch_x")] == [""]
+    assert store.get_file("t", "file-a")["expires_at"] is None  # (never, as before)
+    assert store.expired_files(1 << 40) == []
     store.close()
 
 
@@ -304,6 +312,55 @@ def test_a_file_an_unfinished_batch_reads_cannot_be_deleted_until_it_ends(store)
     store.update_batch("batch_x", status="completed")
     assert api.handle("file_delete", "alice", {"file_id": "file-in"}, None)[0] == 200
     assert not store.path_of("file-in").exists()
+
+
+def upload(api: BatchApi, tenant: str, data: bytes, **begin) -> tuple[int, dict]:
+    status, begun, _ = api.handle("file_upload_begin", tenant, {"purpose": "batch", **begin}, None)
+    if status != 200:
+        return status, begun
+    api.handle("file_upload_chunk", tenant, begun, data)
+    return api.handle("file_upload_end", tenant, begun, None)[:2]
+
+
+@pytest.mark.parametrize(
+    ("policy", "param"),
+    [
+        ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+        ({"anchor": "created_at", "seconds": 3599}, "expires_after.seconds"),
+        ({"anchor": "created_at", "seconds": 30 * 86400 + 1}, "expires_after.seconds"),
+        ({"anchor": "created_at", "seconds": "1e4"}, "expires_after.seconds"),
+        ({"anchor": "created_at", "seconds": True}, "expires_after.seconds"),
+        ({"anchor": "created_at"}, "expires_after"),
+        ("3600", "expires_after"),
+    ],
+)
+def test_a_wrong_expiry_policy_is_refused_naming_its_part(store, policy, param):
+    api = BatchApi(store, jobs=None, limits=Limits())
+    status, body = upload(api, "alice", b"x", expires_after=policy)
+    assert status == 400 and body["error"]["param"] == param, body
+    assert api.handle("file_list", "alice", {}, None)[1]["data"] == []
+
+
+def test_files_expire_when_their_policy_says_unless_a_running_batch_uses_them(store):
+    """`expires_after` was ignored: every file stayed until deleted by hand, and a service
+    running job after job grew its disk by every job's answers."""
+    api = BatchApi(store, jobs=None, limits=Limits())
+    policy = {"anchor": "created_at", "seconds": "3600"}  # (a form's field: a string)
+    _, doomed = upload(api, "alice", b"old", expires_after=policy)
+    _, in_use = upload(api, "alice", good() + b"\n", expires_after=policy)
+    _, kept = upload(api, "alice", b"forever")
+    assert doomed["expires_at"] == doomed["created_at"] + 3600 and kept["expires_at"] is None
+    batch = {"id": "batch_x", "status": "in_progress", "created_at": 0, "endpoint":
+             "/v1/completions", "input_file_id": in_use["id"]}  # fmt: skip
+    store.add_batch(batch, "alice")
+    assert api.drop_expired_files(now=doomed["created_at"] + 3599) == []
+    assert api.drop_expired_files(now=doomed["created_at"] + 3600) == [doomed["id"]]
+    assert api.handle("file_get", "alice", {"file_id": doomed["id"]}, None)[0] == 404
+    assert not store.path_of(doomed["id"]).exists() and store.path_of(in_use["id"]).exists()
+    store.update_batch("batch_x", status="completed")  # its job over: the input goes too
+    assert api.drop_expired_files(now=doomed["created_at"] + 3600) == [in_use["id"]]
+    listed = api.handle("file_list", "alice", {}, None)[1]["data"]
+    assert [f["id"] for f in listed] == [kept["id"]]
 
 
 def test_uploads_left_idle_are_dropped_and_a_tenant_has_few_in_progress(store, monkeypatch):
