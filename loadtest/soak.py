@@ -55,6 +55,7 @@ from loadtest.soak_measures import (
     memory_rows,
     memory_snapshot,
     metric_total,
+    pauses_across,
     service_pids,
     tally,
     throughput,
@@ -217,6 +218,7 @@ async def soak(url: str, parent: int, rate: float, args: argparse.Namespace) -> 
         "outcomes": tally(attempts, args.max_tokens),
         "kill": vars(kill),
         "throughput": {name: throughput(done, span) for name, span in spans.items()},
+        "pauses": pauses_across(done, kill.kill_s or args.duration),
         "drained_s": drained_s,
         "requests_resumed": resumed - resumed_before,
     }
@@ -280,6 +282,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"kill: {k['victim']} (pid {k['old_pid']}) at {_f(k['kill_s'], 1)} s, {rejoin} "
         f"(pid {k['new_pid']}); requests resumed: {report['requests_resumed']:g}; "
         f"drained at {report['drained_s']:.1f} s"
+    )
+    pauses = report["pauses"]
+    lines.append(
+        f"streams across the kill: {pauses['streams']}, their longest pause p50 "
+        f"{_f(pauses['p50_s'], 2)} s, max {_f(pauses['max_s'], 2)} s"
     )
     lines.append(f"{'window':<8} {'from s':>7} {'to s':>7} {'req/s':>7} {'tok/s':>8}")
     for name, t in report["throughput"].items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -136,6 +137,24 @@ def throughput(completions: Sequence[Completion], span: tuple[float, float]) -> 
         "tokens": round(num_tokens, 3),
         "requests_per_s": num_requests / wall,
         "tokens_per_s": num_tokens / wall,
+    }
+
+
+def pauses_across(completions: Sequence[Completion], kill_s: float) -> dict[str, Any]:
+    """The streams the kill cut: completed requests with a chunk before the kill and one after
+    it (resumed elsewhere, or served on by the survivor), each one's longest pause between two
+    chunks, in seconds: their count, median and longest. A killed worker's streams stood still
+    until the scheduler took it out of rotation (the whole heartbeat timeout before its
+    connection was watched)."""
+    longest = sorted(
+        max(b - a for a, b in zip(done.chunk_times, done.chunk_times[1:], strict=False))
+        for done in completions
+        if done.chunk_times and done.chunk_times[0] < kill_s < done.chunk_times[-1]
+    )
+    return {
+        "streams": len(longest),
+        "p50_s": statistics.median(longest) if longest else None,
+        "max_s": longest[-1] if longest else None,
     }
 
 

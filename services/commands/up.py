@@ -4,11 +4,13 @@ One scheduler, one gateway, N prefill and M decode workers, talking over ipc:// 
 private run directory. The cores it may run on are split between the workers (torch threads). Each
 child's log lines are streamed with its name in front. A child that dies is started again (it
 registers anew; the requests it held are resumed elsewhere); one in a crash loop, dead
-`MAX_RESTARTS` times in a row each time within `STABLE_RUN_S` of its start, stops the cluster.
+`MAX_RESTARTS` times in a row each time within `STABLE_RUN_S` of its start, is left stopped if
+it is a worker with a peer of its role still running, and stops the cluster otherwise.
 Ctrl-C or SIGTERM stops the children in `STOP_FIRST`'s order (each stage SIGTERM, then SIGKILL
 after a grace period): the gateway drains its requests under way while the scheduler and workers
-still serve them. Then the run directory is removed; the children also get SIGTERM from the
-kernel if this process dies (PR_SET_PDEATHSIG), so no orphan survives it.
+still serve them. Then the run directory is removed (one a SIGKILL left behind goes at the next
+start: `make_run_dir`); the children also get SIGTERM from the kernel if this process dies
+(PR_SET_PDEATHSIG), so no orphan survives it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.batch.service import BatchServiceConfig
@@ -60,7 +63,7 @@ PR_SET_PDEATHSIG = 1
 # The ready check asks this machine's gateway itself: through `http_proxy`, as urllib's default
 # opener goes, it asked a proxy that cannot reach our loopback, until --ready-timeout ran out.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-MAX_RESTARTS = 5  # per child, in a row; past it the child is taken as broken and the cluster stops
+MAX_RESTARTS = 5  # per child, in a row; past it the child is broken (`LocalCluster.leave_stopped`)
 # A child that ran this long since its start is not in a crash loop: its restarts count from 0
 # again. The loops seen died within seconds (a setting refused at start, a poison request
 # resumed onto the restarted worker as soon as it registered); a minute is far past those, and
@@ -145,6 +148,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+RUN_DIR_PREFIX = "tandem-"
+OWNER_FILE = "owner.pid"  # in a run directory: the process that made it, which removes it
+
+
+def make_run_dir() -> str:
+    """A private run directory (the sockets; the batch service's data unless --batch-dir), its
+    owner's pid in it. A `tandem up` killed with SIGKILL cannot remove its own: they stayed in
+    the temporary directory for good, so each start removes those whose owner is dead."""
+    remove_dead_run_dirs(Path(tempfile.gettempdir()))
+    run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
+    Path(run_dir, OWNER_FILE).write_text(str(os.getpid()))
+    return run_dir
+
+
+def remove_dead_run_dirs(parent: Path) -> list[Path]:
+    """Removes this user's run directories under `parent` whose owner is dead; those removed.
+    One without an owner file (not made by `make_run_dir`) is left alone."""
+    removed = []
+    for path in parent.glob(f"{RUN_DIR_PREFIX}*"):
+        try:
+            mine = path.stat().st_uid == os.getuid()
+            pid = int((path / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if mine and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's: alive)
+        return True
+    return True
+
+
 @dataclass
 class Child:
     name: str
@@ -154,6 +197,7 @@ class Child:
     restarts: int = 0  # in a row, each soon after its start (`STABLE_RUN_S`)
     env: dict[str, str] = field(default_factory=dict)  # beyond this process's environment
     started_at: float = field(default_factory=time.monotonic)  # its process's, time.monotonic
+    given_up: bool = False  # past its restarts, left stopped: the cluster serves without it
 
 
 @dataclass
@@ -161,7 +205,7 @@ class LocalCluster:
     """The children of one `tandem up`; also used by the end-to-end tests."""
 
     args: argparse.Namespace
-    run_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tandem-"))
+    run_dir: str = field(default_factory=make_run_dir)
     children: list[Child] = field(default_factory=list)
     # What clients name in `model`: the gateway serves a directory by its last part, a .gguf
     # by its stem (the banner's example named the --model path, which the gateway refused).
@@ -373,7 +417,7 @@ class LocalCluster:
         broken = []
         for child in self.children:
             code = child.process.poll()
-            if code is None:
+            if code is None or child.given_up:
                 continue
             # (Its death is seen within the caller's poll, 0.5 s: close enough to its run.)
             if time.monotonic() - child.started_at >= STABLE_RUN_S:
@@ -390,6 +434,26 @@ class LocalCluster:
             child.started_at = time.monotonic()
             self._pump_logs(child)
         return broken
+
+    def leave_stopped(self, broken: list[str]) -> str | None:
+        """Leaves the children past their restarts (`restart_dead`) stopped while the cluster
+        serves without them: each a worker, and another of its role not broken. Else why it
+        cannot (the cluster stops): one crash-looping worker of two (a bad device, say) took
+        the whole cluster down with it, its healthy peer serving nothing more."""
+        for name in broken:
+            role = name.partition("-")[0]
+            if role not in ("prefill", "decode"):
+                return f"{name} kept exiting"
+            others = [
+                c
+                for c in self.children
+                if c.name.startswith(f"{role}-") and c.name not in broken and not c.given_up
+            ]
+            if not others:
+                return f"{name} kept exiting, and no other {role} worker is left"
+        for child in self.children:
+            child.given_up = child.given_up or child.name in broken
+        return None
 
     def _pump(self, child: Child) -> None:
         assert child.process.stdout is not None
@@ -588,12 +652,17 @@ def run(args: argparse.Namespace) -> int:
         print(_banner(cluster), flush=True)
         while not stopping.wait(0.5):
             broken = cluster.restart_dead()
-            if broken:
-                print(
-                    f"tandem up: {', '.join(broken)} kept exiting; stopping the cluster",
-                    file=sys.stderr,
-                )
+            if not broken:
+                continue
+            reason = cluster.leave_stopped(broken)
+            if reason is not None:
+                print(f"tandem up: {reason}; stopping the cluster", file=sys.stderr)
                 return 1
+            print(
+                f"tandem up: {', '.join(broken)} kept exiting; left stopped, the cluster "
+                "serves on without it (its log says why it exits)",
+                file=sys.stderr,
+            )
         return 0
     except (RuntimeError, TimeoutError) as error:
         print(f"tandem up: {error}", file=sys.stderr)

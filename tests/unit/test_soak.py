@@ -18,6 +18,7 @@ from loadtest.soak_measures import (
     memory_rows,
     metric_total,
     parse_vmrss,
+    pauses_across,
     reason_key,
     service_name,
     tally,
@@ -304,6 +305,7 @@ def report(lost: int = 0, rejoin_s: float | None = 31.0) -> dict:
             "before": throughput([Completion(5.0, 16, [4.0, 5.0])], (0.0, 24.0)),
             "during": throughput([Completion(30.0, 16, [30.0])], (24.0, 36.0)),
         },
+        "pauses": pauses_across([Completion(30.0, 16, [20.0, 21.0, 27.5, 30.0])], 24.0),
         "drained_s": 70.2,
         "requests_resumed": 4.0,
         "memory": memory_rows(
@@ -320,10 +322,22 @@ def test_the_report_names_counts_reasons_windows_and_restarts():
     assert "HTTP 503: no decode worker" in text
     assert "decode-0 (pid 10) at 24.0 s, rejoined at 31.0 s (pid 20)" in text
     assert "requests resumed: 4" in text
+    assert "streams across the kill: 1, their longest pause p50 6.50 s, max 6.50 s" in text
     assert "before" in text and "during" in text and "after" not in text
     assert "restarted (new pid)" in text and "500" in text and "480" in text
     assert "FAIL" not in text
     assert passed(report())
+
+
+def test_the_pauses_are_those_of_the_streams_the_kill_cut():
+    cut = [Completion(9.0, 4, [1.0, 2.0, 6.0, 9.0]), Completion(8.0, 4, [3.0, 3.5, 8.0])]
+    untouched = [
+        Completion(4.0, 4, [1.0, 4.0]),
+        Completion(9.0, 4, [6.0, 9.0]),
+        Completion(5, 4, []),
+    ]
+    assert pauses_across(cut + untouched, kill_s=5.0) == {"streams": 2, "p50_s": 4.25, "max_s": 4.5}
+    assert pauses_across(untouched, kill_s=5.0) == {"streams": 0, "p50_s": None, "max_s": None}
 
 
 def test_a_lost_request_or_a_worker_that_never_rejoined_fails_the_soak():

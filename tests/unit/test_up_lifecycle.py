@@ -5,6 +5,7 @@ real signals, real exits, no model."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -107,6 +108,30 @@ def test_a_child_in_a_crash_loop_still_stops_the_cluster_after_a_stable_run(tmp_
         cluster.stop(grace_s=1)
 
 
+def test_a_worker_in_a_crash_loop_is_left_stopped_while_a_peer_of_its_role_serves(
+    tmp_path, monkeypatch
+):
+    """One crash-looping worker of two stopped the whole cluster, its healthy peer with it."""
+    children = _ShortLivedChildren([0.0])
+    monkeypatch.setattr(up.LocalCluster, "_popen", lambda self, argv, env: children(argv, env))
+    cluster = _cluster(tmp_path)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cluster.children.append(up.Child("decode-1", ["decode"], peer))
+        cluster._spawn("decode-0", ["decode"])
+        assert _watch(cluster, children, num_starts=100) == ["decode-0"]
+        assert cluster.leave_stopped(["decode-0"]) is None
+        num_started = children.num_started
+        time.sleep(0.1)
+        assert cluster.restart_dead() == [] and children.num_started == num_started  # left be
+        assert peer.poll() is None
+        # The last of a role, or a service, stops the cluster (it would serve nothing).
+        assert "no other decode worker" in cluster.leave_stopped(["decode-1"])
+        assert cluster.leave_stopped(["scheduler"]) == "scheduler kept exiting"
+    finally:
+        cluster.stop(grace_s=1)
+
+
 STOP_ORDER = ["gateway", "batch", "scheduler", "prefill-0", "decode-0"]
 
 
@@ -183,3 +208,22 @@ def test_a_stop_without_grace_kills_a_draining_gateway_at_once(tmp_path):
     cluster.stop(grace_s=0.0)
     assert time.monotonic() - start < 3
     assert {c.name: c.process.returncode for c in cluster.children}["gateway"] == -9
+
+
+def test_a_start_removes_the_run_directories_of_dead_tandem_ups_only(tmp_path, monkeypatch):
+    """A `tandem up` killed with SIGKILL left its run directory (sockets, the batch data it
+    kept there) in /tmp for good."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # (its pid names no process now)
+    for name, owner in (("tandem-dead", dead.pid), ("tandem-live", 1), ("tandem-self", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / up.OWNER_FILE).write_text(str(owner or os.getpid()))
+    (tmp_path / "tandem-unowned").mkdir()  # not made by `make_run_dir`: not ours to judge
+    (tmp_path / "other-dead").mkdir()
+    (tmp_path / "other-dead" / up.OWNER_FILE).write_text(str(dead.pid))
+    monkeypatch.setattr(up.tempfile, "tempdir", str(tmp_path))
+    run_dir = Path(up.make_run_dir())
+    assert run_dir.parent == tmp_path and run_dir.name.startswith(up.RUN_DIR_PREFIX)
+    assert int((run_dir / up.OWNER_FILE).read_text()) == os.getpid()
+    left = sorted(p.name for p in tmp_path.iterdir() if p != run_dir)
+    assert left == ["other-dead", "tandem-live", "tandem-self", "tandem-unowned"]
