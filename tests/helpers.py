@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -146,3 +147,13 @@ def wait_for_line(process: subprocess.Popen, needle: bytes, what: str) -> None:
         if needle in line:
             return
     raise AssertionError(f"{what} exited before saying {needle.decode()!r}")
+
+
+def scheduler_process(address: str, *flags: str) -> subprocess.Popen:
+    """`tandem scheduler` (model "m") at `address` as a child, its JSON log on its stdout."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.commands.cli", "scheduler", "--address", address,
+         "--model", "m", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "TANDEM_LOG_FORMAT": "json"},
+    )  # fmt: skip

@@ -6,15 +6,12 @@ The real process, on real sockets: the gateway and the two workers are DEALERs t
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import zmq
 import zmq.asyncio
 
 from shared import wire
-from tests.helpers import wait_for_line
+from tests.helpers import scheduler_process, wait_for_line
 from tests.integration.test_scheduler_restart_adoption import reply_to
 from tests.unit.test_scheduler_core import hello, submit
 
@@ -26,7 +23,7 @@ async def submit_before_the_workers(address: str) -> tuple[bool, wire.SubmitRepl
     context = zmq.asyncio.Context()
     sockets = {name: context.socket(zmq.DEALER) for name in ("g", "p", "d")}
     try:
-        for name, socket in sockets.items():
+        for socket in sockets.values():
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(address)
         gateway = sockets["g"]
@@ -50,12 +47,7 @@ async def submit_before_the_workers(address: str) -> tuple[bool, wire.SubmitRepl
 
 def test_a_scheduler_just_started_admits_what_came_before_its_workers(tmp_path):
     address = f"ipc://{tmp_path}/scheduler"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.commands.cli", "scheduler", "--address", address,
-         "--model", "m", "--heartbeat-interval-s", str(INTERVAL_S)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "TANDEM_LOG_FORMAT": "json"},
-    )  # fmt: skip
+    process = scheduler_process(address, "--heartbeat-interval-s", str(INTERVAL_S))
     try:
         wait_for_line(process, b"scheduler listening", "the scheduler")
         answered_early, reply = asyncio.run(submit_before_the_workers(address))

@@ -6,17 +6,14 @@ heartbeats unread in its own socket, and the requests they held were resumed for
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import zmq
 import zmq.asyncio
 
 from shared import wire
-from tests.helpers import wait_for_line
+from tests.helpers import scheduler_process, wait_for_line
 from tests.integration.test_scheduler_restart_adoption import reply_to
 from tests.unit.test_scheduler_core import heartbeat, hello
 
@@ -26,13 +23,9 @@ STALL_S = 3 * TIMEOUT_S
 
 def test_a_stalled_scheduler_reads_its_heartbeats_before_judging_silence(tmp_path):
     address = f"ipc://{tmp_path}/scheduler"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "services.commands.cli", "scheduler", "--address", address,
-         "--model", "m", "--heartbeat-interval-s", str(INTERVAL_S),
-         "--heartbeat-timeout-s", str(TIMEOUT_S)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "TANDEM_LOG_FORMAT": "json"},
-    )  # fmt: skip
+    process = scheduler_process(
+        address, "--heartbeat-interval-s", str(INTERVAL_S), "--heartbeat-timeout-s", str(TIMEOUT_S)
+    )
 
     async def beat_through_a_stall() -> list[wire.HelloAck]:
         context = zmq.asyncio.Context()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from shared import wire
-from tests.helpers import wait_for_line
+from tests.helpers import scheduler_process, wait_for_line
 from tests.integration.test_scheduler_restart_adoption import reply_to
 from tests.unit.test_scheduler_core import heartbeat, hello
 
@@ -40,16 +39,6 @@ while True:
     wire.send(socket, heartbeat("doomed"))
     time.sleep(interval_s)
 """
-
-
-def start_scheduler(address: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.commands.cli", "scheduler", "--address", address,
-         "--model", "m", "--heartbeat-interval-s", str(INTERVAL_S),
-         "--heartbeat-timeout-s", str(TIMEOUT_S)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "TANDEM_LOG_FORMAT": "json"},
-    )  # fmt: skip
 
 
 async def beat_through_a_blip_and_a_kill(address: str, doomed: subprocess.Popen) -> float:
@@ -87,7 +76,9 @@ async def beat_through_a_blip_and_a_kill(address: str, doomed: subprocess.Popen)
 
 def test_a_killed_worker_leaves_rotation_at_once_and_a_blipped_one_stays(tmp_path):
     address = f"ipc://{tmp_path}/scheduler"
-    scheduler = start_scheduler(address)
+    scheduler = scheduler_process(
+        address, "--heartbeat-interval-s", str(INTERVAL_S), "--heartbeat-timeout-s", str(TIMEOUT_S)
+    )
     doomed = None
     try:
         wait_for_line(scheduler, b"scheduler listening", "the scheduler")
