@@ -28,6 +28,7 @@ from shared.metrics import (
     KV_BYTES_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     STEP_BUCKETS,
+    TENANT_LABEL,
     TRANSFER_BUCKETS,
     TTFT_BUCKETS,
     batch_range,
@@ -238,10 +239,12 @@ class SchedulerEvents(_Events):
         self.party_served = self.gauge(
             "party_served_tokens",
             "Tokens served per fair-share account (prompt plus generated; refunds lower it)",
-            ("tenant", "class"),
+            (TENANT_LABEL, "class"),
         )
         self.party_queued = self.gauge(
-            "party_queued_requests", "Queued requests per fair-share account", ("tenant", "class")
+            "party_queued_requests",
+            "Queued requests per fair-share account",
+            (TENANT_LABEL, "class"),
         )
         self.heartbeat_age = self.gauge(
             "worker_heartbeat_age_seconds", "Since each worker's last heartbeat", ("worker", "role")

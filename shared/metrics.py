@@ -37,6 +37,7 @@ disable_created_metrics()
 
 PREFIX = "tandem:"
 PEER_LABEL = "peer"
+TENANT_LABEL = "tenant"  # fair-share accounts' samples: shown only to callers who may see them
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 METRICS_SETTINGS = ("metrics_host", "metrics_port")  # every service's names for serve_metrics's
 
@@ -137,9 +138,13 @@ class _QuietHandler(WSGIRequestHandler):
         """Scrapes every few seconds would flood the service's log."""
 
 
-def federate(expositions: list[tuple[str, str]]) -> bytes:
+def federate(
+    expositions: list[tuple[str, str]], tenant_shown: Callable[[str], bool] = lambda _: True
+) -> bytes:
     """One exposition from several: (peer, text) pairs, every sample labelled with its peer.
-    Families of one name merge; the first peer's type and help win (peers run the same code)."""
+    Families of one name merge; the first peer's type and help win (peers run the same code).
+    A sample labelled with a `tenant` that `tenant_shown` refuses is left out (a tenant's name
+    is often an end user's email: the gateway's /metrics shows them as its /ready does)."""
     merged: dict[str, Metric] = {}
     for peer, text in expositions:
         for family in text_string_to_metric_families(text):
@@ -150,6 +155,9 @@ def federate(expositions: list[tuple[str, str]]) -> bytes:
             elif target.type != family.type:
                 continue
             for sample in family.samples:
+                tenant = sample.labels.get(TENANT_LABEL)
+                if tenant is not None and not tenant_shown(tenant):
+                    continue
                 labels = {**sample.labels, PEER_LABEL: peer}
                 target.add_sample(sample.name, labels, sample.value, sample.timestamp)
     registry = CollectorRegistry(auto_describe=False)

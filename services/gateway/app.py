@@ -201,10 +201,15 @@ def build_app(
         return JSONResponse(_finite_or_null(body), status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        """This gateway's metrics and every peer's, each sample labelled with its `peer`."""
+    async def metrics(request: Request) -> Response:
+        """This gateway's metrics and every peer's, each sample labelled with its `peer`; the
+        fair-share accounts' only of the tenants the caller may see, as /ready's (a scraper
+        sends a bare key: Prometheus's `authorization: {credentials: ...}`)."""
         cluster = generator.cluster
-        body = await cluster_metrics(cluster.peer_id, generator.telemetry, cluster.view, batch)
+        shown = keys.tenant_filter(request.headers.get("authorization"))
+        body = await cluster_metrics(
+            cluster.peer_id, generator.telemetry, cluster.view, batch, tenant_shown=shown
+        )
         return Response(body, media_type=CONTENT_TYPE)
 
     def model_card() -> dict[str, Any]:

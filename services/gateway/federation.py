@@ -11,7 +11,7 @@ sum.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 import httpx
 from prometheus_client import generate_latest
@@ -40,11 +40,16 @@ def scrape_targets(view: ClusterView) -> list[tuple[str, str]]:
 
 
 async def cluster_metrics(
-    peer_id: str, telemetry: GatewayEvents, view: ClusterView, batch: BatchLink | None = None
+    peer_id: str,
+    telemetry: GatewayEvents,
+    view: ClusterView,
+    batch: BatchLink | None = None,
+    tenant_shown: Callable[[str], bool] = lambda _: True,
 ) -> bytes:
     """With `batch`, the batch service's too (peer `batch`), asked over the gateway's link to
     it: it is no peer of the scheduler's, and its own --metrics-port is a free one under
-    `tandem up`, which nobody was told."""
+    `tandem up`, which nobody was told. Samples of the tenants `tenant_shown` refuses are left
+    out, whichever peer's they are."""
     targets = scrape_targets(view)
     # Read as the peers are asked, as theirs are: read once they all answered, up to the scrape
     # timeout later, the gateway's counters made each rate across a slow scrape's edges wrong
@@ -67,7 +72,8 @@ async def cluster_metrics(
     # Parsing and merging every peer's text takes a while in a large cluster (over half a
     # second for 64 workers on a 2-core machine): off the event loop, where every stream the
     # gateway serves waited for it, each scrape (each second under `tandem top`).
-    return await asyncio.to_thread(federate, [(peer_id, own), (peer_id, scrape_up), *scraped])
+    expositions = [(peer_id, own), (peer_id, scrape_up), *scraped]
+    return await asyncio.to_thread(federate, expositions, tenant_shown)
 
 
 async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:

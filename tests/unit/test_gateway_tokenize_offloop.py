@@ -16,6 +16,7 @@ import threading
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.app import build_app
 from services.gateway.chat_prompt import chat_prompt_ids
@@ -287,7 +288,8 @@ class ReadyGenerator:
     model_name = MODEL
 
     def __init__(self, view: ClusterView) -> None:
-        self.cluster = type("Cluster", (), {"view": view, "ready": True})()
+        self.cluster = type("Cluster", (), {"view": view, "ready": True, "peer_id": "gw"})()
+        self.telemetry = GatewayEvents(get_logger())
 
 
 def test_ready_reports_a_non_finite_number_as_null():
@@ -333,3 +335,45 @@ def test_ready_shows_tenants_only_to_a_key_that_may_see_them():
         "bob",
         "carol@example.com",
     ]
+
+
+def test_metrics_shows_tenants_only_to_a_key_that_may_see_them():
+    """/metrics labelled the fair-share gauges (the scheduler's, which it federates) with every
+    tenant's name to anyone who could reach the gateway's port, the `user` values of bare-key
+    clients (emails) among them. Now it shows them as /ready does, whichever peer's they are;
+    the rest of the metrics stay open to every scraper."""
+    from services.gateway.auth import ApiKeys
+    from shared.lifecycle import SchedulerEvents
+    from shared.metrics import serve_metrics
+
+    parties = [
+        wire.PartyService(tenant=name, class_name="c", served_tokens=1, virtual_tokens=1.0)
+        for name in ("alice", "bob", "carol@example.com")
+    ]
+    scheduler = SchedulerEvents(get_logger())
+    scheduler.refresh(
+        wire.ClusterStatus(
+            num_prefill=1, num_decode=1, num_queued=2, num_in_flight=0, service=parties
+        )
+    )
+    address = serve_metrics(scheduler.registry, "127.0.0.1", 0)
+    view = ClusterView(num_decode=1, service=parties, workers=[], scheduler_metrics_address=address)
+    keys = ApiKeys.parse(["sk-alice-0123456789abcdef=alice", "sk-bare-0123456789abcdef"])
+    client = TestClient(build_app(ReadyGenerator(view), 1 << 20, keys=keys))
+
+    def scraped(key: str | None, client: TestClient = client) -> tuple[set[str], float]:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        response = client.get("/metrics", headers=headers)
+        assert response.status_code == 200, response.text
+        found = list(text_string_to_metric_families(response.text))
+        tenants = {s.labels["tenant"] for f in found for s in f.samples if "tenant" in s.labels}
+        waiting = [s.value for f in found for s in f.samples if s.name.endswith("waiting")]
+        return tenants, waiting[0]
+
+    everyone = {"alice", "bob", "carol@example.com"}
+    assert scraped(None) == (set(), 2.0)
+    assert scraped("sk-wrong-0123456789abcdef") == (set(), 2.0)
+    assert scraped("sk-alice-0123456789abcdef") == ({"alice"}, 2.0)
+    assert scraped("sk-bare-0123456789abcdef") == (everyone, 2.0)
+    open_door = TestClient(build_app(ReadyGenerator(view), 1 << 20))  # no keys: all, as before
+    assert scraped(None, open_door) == (everyone, 2.0)
