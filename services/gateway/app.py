@@ -31,6 +31,7 @@ from services.gateway.batched_prompts import (
     first_events,
     split_prompts,
 )
+from services.gateway.body_encoding import ContentDecoding
 from services.gateway.drain import Drain, until_drained
 from services.gateway.federation import cluster_metrics
 from services.gateway.generation import ChoiceEvent, Generation, Generator, tokenizes_off_loop
@@ -117,6 +118,7 @@ def build_app(
     """The HTTP API; `batch`, the link to the batch service, adds its metrics to /metrics (its
     routes are `batch_routes`'); `drain`, the server's shutdown (default: one never begun)."""
     app = FastAPI(title="tandem", lifespan=lifespan)
+    app.add_middleware(ContentDecoding)  # (gzip and deflate bodies; other encodings 415)
     app.state.drain = drain or Drain()
     model = generator.model_name
     keys = keys or ApiKeys({})

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import math
 import random
 import subprocess
 import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -240,6 +242,36 @@ def test_body_that_is_not_json(cluster):
         headers={"content-type": "application/json"},
     )
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+def test_a_compressed_body_is_served_as_the_plain_one(cluster):
+    """A gzip or deflate body was read as JSON bytes: a 400 saying the JSON was wrong. Now it
+    is decoded (the same greedy answer as the plain body's); an encoding nobody decodes is a
+    415 naming it, a corrupt stream a 400 naming the encoding."""
+    body = json.dumps(
+        {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    )
+
+    def post(content: bytes, encoding: str | None) -> httpx.Response:
+        headers = {"content-type": "application/json"}
+        if encoding is not None:
+            headers["content-encoding"] = encoding
+        return httpx.post(cluster.url + "/v1/completions", content=content, headers=headers,
+                          timeout=60)  # fmt: skip
+
+    plain = post(body.encode(), None)
+    assert plain.status_code == 200, plain.text
+    text = plain.json()["choices"][0]["text"]
+    for content, encoding in ((gzip.compress(body.encode()), "gzip"),
+                              (zlib.compress(body.encode()), "deflate")):  # fmt: skip
+        answer = post(content, encoding)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == text
+    refused = post(body.encode(), "br")
+    assert refused.status_code == 415 and "'br'" in refused.json()["error"]["message"]
+    corrupt = post(gzip.compress(body.encode())[:-12], "gzip")
+    assert corrupt.status_code == 400, corrupt.text
+    assert "not valid gzip" in corrupt.json()["error"]["message"]
 
 
 def test_paths_and_methods_no_route_serves_answer_in_openais_shape(cluster):
