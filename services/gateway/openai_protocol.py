@@ -78,6 +78,9 @@ _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logpr
 _CHAT_FIELDS |= {"tools", "tool_choice"}  # see services.gateway.tools (refused on completions)
 # Fields that change nothing tandem produces: accepted and ignored. (`parallel_tool_calls` is
 # read by chat's tools, `services.gateway.tools`, and changes nothing else.)
+MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, and characters of a key and a value
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 _IGNORED_FIELDS = frozenset(
     {"store", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier"}
     | {"prompt_cache_key", "prompt_cache_options", "prompt_cache_retention"}
@@ -351,10 +354,29 @@ def _asks_for_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
     return value is None or any(type(value) is type(h) and value == h for h in harmless)
 
 
+def check_metadata(metadata: Any) -> None:
+    """OpenAI's bounds on `metadata` (it is echoed in a Response, and kept with it; chat and
+    completions ignore it, but it took any value: a client's bug went unseen)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
+        _fail("metadata", f"`metadata` must be an object of at most {MAX_METADATA} pairs")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(value, str):
+            _fail(
+                "metadata",
+                f"`metadata` keys are at most {MAX_METADATA_KEY} characters, values strings",
+            )
+        if len(value) > MAX_METADATA_VALUE:
+            _fail("metadata", f"`metadata` values are at most {MAX_METADATA_VALUE} characters")
+
+
 def _check_fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         _fail(None, "the request body must be a JSON object")
     for name, value in body.items():
+        if name == "metadata":
+            check_metadata(value)
         if name in allowed or name in _IGNORED_FIELDS:
             continue
         if name in _UNSUPPORTED_FIELDS:

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from services.gateway.openai_protocol import MAX_USER_CHARS, ApiError
+from services.gateway.openai_protocol import MAX_USER_CHARS, ApiError, check_metadata
 from services.gateway.response_store import ResponseStore
 
 _FIELDS = frozenset(
@@ -75,9 +75,6 @@ _ONLY = {
     "background": ((None, False), "only false is served"),
     "top_logprobs": ((None,), "log probabilities are not served here: use /v1/chat/completions"),
 }
-MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, and characters of a key and a value
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _FINISH_STATUS = {"length": ("incomplete", "max_output_tokens")}
@@ -112,7 +109,7 @@ def check_body(body: Any) -> dict[str, Any]:
     calls = body.get("max_tool_calls")
     if calls is not None and (type(calls) is not int or calls < 1):
         raise _fail("max_tool_calls", "must be a positive integer")
-    _check_metadata(body.get("metadata"))
+    check_metadata(body.get("metadata"))
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _fail("previous_response_id", "must be a response's id")
@@ -127,21 +124,6 @@ def _check_identifier(body: Mapping[str, Any], field: str) -> None:
     value = body.get(field)
     if value is not None and (not isinstance(value, str) or len(value) > MAX_USER_CHARS):
         raise _fail(field, f"`{field}` must be a string of at most {MAX_USER_CHARS} characters")
-
-
-def _check_metadata(metadata: Any) -> None:
-    """OpenAI's bounds: it is echoed in the Response, and kept with it."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
-        raise _fail("metadata", f"must be an object of at most {MAX_METADATA} pairs")
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY or not isinstance(value, str):
-            raise _fail(
-                "metadata", f"keys are at most {MAX_METADATA_KEY} characters, values strings"
-            )
-        if len(value) > MAX_METADATA_VALUE:
-            raise _fail("metadata", f"values are at most {MAX_METADATA_VALUE} characters")
 
 
 def chat_body(body: Any, earlier: list[dict[str, Any]] | None = None) -> dict[str, Any]:

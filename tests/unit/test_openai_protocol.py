@@ -148,6 +148,26 @@ class TestEnvelope:
         }
         assert parse({**base, **harmless}, MODEL, MAX_LEN) == parse(base, MODEL, MAX_LEN)
 
+    @pytest.mark.parametrize(
+        "metadata",
+        [
+            "tag",
+            ["k", "v"],
+            {"k": 1},
+            {"k": None},
+            {"k" * 65: "v"},
+            {"k": "v" * 513},
+            {f"k{i}": "v" for i in range(17)},
+        ],
+    )
+    def test_metadata_outside_openais_bounds_is_refused(self, parse, base, metadata):
+        """Ignored, it took any value: a client's wrong metadata went unseen until it sent the
+        same to OpenAI (or to the Responses API here, which keeps it)."""
+        error = assert_bad(parse, base, {"metadata": metadata}, "metadata")
+        assert "`metadata`" in error.message
+        bounds = {"k" * 64: "v" * 512} | {f"k{i}": "" for i in range(15)}
+        assert parse({**base, "metadata": bounds}, MODEL, MAX_LEN) == parse(base, MODEL, MAX_LEN)
+
 
 def _sdk_fields(parse) -> list[str]:
     """The request fields the `openai` package knows for the endpoint, but the required ones."""
