@@ -17,8 +17,10 @@ from tests.helpers import scheduler_process, wait_for_line
 from tests.integration.test_scheduler_restart_adoption import reply_to
 from tests.unit.test_scheduler_core import heartbeat, hello
 
-INTERVAL_S, TIMEOUT_S = 0.2, 1.0
-STALL_S = 3 * TIMEOUT_S
+# (A 1 s timeout failed once on a loaded machine: this test's own beats came late, a true
+# silence the scheduler was right to judge. Five intervals of slack became ten.)
+INTERVAL_S, TIMEOUT_S = 0.2, 2.0
+STALL_S = 2 * TIMEOUT_S
 
 
 def test_a_stalled_scheduler_reads_its_heartbeats_before_judging_silence(tmp_path):
@@ -39,7 +41,7 @@ def test_a_stalled_scheduler_reads_its_heartbeats_before_judging_silence(tmp_pat
                 assert (await reply_to(workers[name], wire.HelloAck, seconds=30)).accepted
             stop_at = time.monotonic() + 2 * TIMEOUT_S
             resume_at = stop_at + STALL_S
-            end_at = resume_at + 3 * TIMEOUT_S
+            end_at = resume_at + 2 * TIMEOUT_S
             stopped = resumed = False
             while time.monotonic() < end_at:
                 if not stopped and time.monotonic() >= stop_at:
