@@ -184,6 +184,9 @@ def check_settings(args: argparse.Namespace) -> None:
         raise BenchError(f"--warmup must be >= 0; got {args.warmup}")
     if not args.url.startswith(("http://", "https://")):
         raise BenchError(f"--url must be an http(s) URL; got {args.url!r}")
+    # The server's root, as OpenAI clients' base URL also reads it (`.../v1`): every request
+    # went to /v1/v1/completions, a 404 each.
+    args.url = args.url.rstrip("/").removesuffix("/v1")
 
 
 def out_folder(path: str) -> Path:

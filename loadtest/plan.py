@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 from loadtest.plan_search import (
@@ -138,20 +139,28 @@ def context_note(
     if not (prefix_cache or any(chunked(r.num_prompt_tokens) for r in requests)):
         return None
     return (
-        "the profile has no prefill context cost (measured before `tandem profile` timed it): "
-        "prompt chunks after a cached prefix or after their prompt's earlier chunks are timed "
-        "as if alone, so prefills come out short; a profile measured now has it"
+        "the profile's prefill context cost is 0 (measured before `tandem profile` timed it, "
+        "or timed as nothing on a busy machine): prompt chunks after a cached prefix or after "
+        "their prompt's earlier chunks are timed as if alone, so prefills come out short; "
+        "measure the profile again"
     )
 
 
 def _check_out(out: Path) -> None:
-    """Refuses an `--out` the plan could not be written to: found only after the whole search,
-    when the plan was written."""
+    """Makes the `--out` folder and tries a file in it, or refuses it: a folder the plan cannot
+    be written to was found only after the whole search, when the plan was written (a bare
+    `[Errno 2]` for `/proc/x`)."""
     if out.exists() and not out.is_dir():
         raise PlanError(f"--out {out} is a file; it names the folder the plan goes in")
     existing = next(folder for folder in out.parents if folder.exists())
     if not existing.is_dir():
         raise PlanError(f"--out {out} is under {existing}, which is a file")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise PlanError(f"--out {out} cannot be written to: {error.strerror or error}") from None
 
 
 def _budgets(text: str | None, default: int) -> list[int]:

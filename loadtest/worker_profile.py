@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.out)
     print(describe(profile))
+    if profile.prefill_s_per_context_pair == 0:
+        print(NO_CONTEXT_COST, file=sys.stderr)
     print(f"wrote {args.out}")
     return 0
 
@@ -222,6 +224,13 @@ def measure_context_cost(
     ]
     alone, *after = paired_medians(steps, repeats, device)
     return context_cost([num_tokens * c for c in contexts], [t - alone for t in after])
+
+
+NO_CONTEXT_COST = (
+    "tandem profile: warning: the prefill context cost came out 0 (the machine timed prompts "
+    "after a context no slower than alone: busy, or no context fits the model's positions); "
+    "plans will time chunks after context as if alone: measure again on a quieter machine"
+)
 
 
 def context_cost(pairs: list[int], extra_seconds: list[float]) -> float:

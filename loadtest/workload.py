@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.planner.workload import whole_number
+from services.planner.workload import MAX_ARRIVAL_TIME_S, whole_number
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 DEFAULT_PROMPT_RANGE = (8, 1024)
@@ -145,9 +145,11 @@ def read_workload(path: str | Path) -> list[WorkloadRequest]:
             request = WorkloadRequest.from_json(line)
         except (ValueError, KeyError, TypeError, OverflowError) as error:
             raise WorkloadError(f"{path}:{number}: {type(error).__name__}: {error}") from None
-        if request.max_tokens < 1 or not 0 <= request.arrival_time < math.inf:
+        # (The planner's bound: a replay of an arrival at 1e300 s waited for ever.)
+        if request.max_tokens < 1 or not 0 <= request.arrival_time <= MAX_ARRIVAL_TIME_S:
             raise WorkloadError(
-                f"{path}:{number}: max_tokens must be >= 1, arrival_time a finite >= 0"
+                f"{path}:{number}: max_tokens must be >= 1, arrival_time seconds in "
+                f"[0, {MAX_ARRIVAL_TIME_S:.0e}]"
             )
         requests.append(request)
     if not requests:

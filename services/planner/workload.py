@@ -28,6 +28,12 @@ from pathlib import Path
 
 Z_99 = 2.326  # the standard normal's 99th percentile
 CHARS_PER_TOKEN = 4  # for a JSONL line that has only the prompt text
+# Arrival times are seconds from any origin (Unix seconds: 1.7e9); past 1e11 (milliseconds, or
+# a float past any calendar) the simulated clock, a float, steps by more than its ticks, and a
+# run never ended (1e300), or the clock's origin overflowed (1e308).
+MAX_ARRIVAL_TIME_S = 1e11
+MAX_SPAN_S = 366 * 86_400.0  # first arrival to last: a year of traffic is simulated in days
+MAX_GENERATED_REQUESTS = 10_000_000  # a generated process's `n` (some 300 bytes each)
 
 
 class WorkloadError(ValueError):
@@ -70,7 +76,14 @@ def load_workload(spec: str) -> list[SimRequest]:
     requests = _generate(spec) if spec.startswith("poisson:") else _read_jsonl(Path(spec))
     if not requests:
         raise WorkloadError(f"workload {spec!r} has no requests")
-    return sorted(requests, key=lambda r: r.arrival_time)
+    requests.sort(key=lambda r: r.arrival_time)
+    span_s = requests[-1].arrival_time - requests[0].arrival_time
+    if span_s > MAX_SPAN_S:
+        raise WorkloadError(
+            f"workload {spec!r} spans {span_s:.3g} s from its first arrival to its last, more "
+            f"than a year ({MAX_SPAN_S:.0f} s): are its arrival times seconds?"
+        )
+    return requests
 
 
 def _read_jsonl(path: Path) -> list[SimRequest]:
@@ -121,9 +134,12 @@ def _from_line(data: object) -> SimRequest:
     if (
         request.num_prompt_tokens < 1
         or request.max_tokens < 1
-        or not 0 <= request.arrival_time < math.inf  # (NaN compares false)
+        or not 0 <= request.arrival_time <= MAX_ARRIVAL_TIME_S  # (NaN compares false)
     ):
-        raise ValueError("prompt and max_tokens must be >= 1 and arrival_time a finite >= 0")
+        raise ValueError(
+            "prompt and max_tokens must be >= 1, and arrival_time seconds in "
+            f"[0, {MAX_ARRIVAL_TIME_S:.0e}] (Unix seconds are 1.7e9; milliseconds are not read)"
+        )
     return request
 
 
@@ -160,11 +176,15 @@ def _parse_range(name: str, text: str) -> tuple[int, int]:
 def _generate(spec: str) -> list[SimRequest]:
     fields = {"rate": "1", "n": "100", "prompt": "8-1024", "output": "1-256", "tenants": "1"}
     fields.update(prefix="0", seed="0")
+    given: set[str] = set()
     for part in spec.removeprefix("poisson:").split(","):
         key, sep, value = part.partition("=")
         if not sep or key not in fields:
             known = ", ".join(fields)
             raise WorkloadError(f"workload field {part!r} is not key=value with a key of {known}")
+        if key in given:  # (the last one won, unsaid)
+            raise WorkloadError(f"workload field {key!r} is given twice")
+        given.add(key)
         fields[key] = value
     try:
         rate, num_requests = float(fields["rate"]), int(fields["n"])
@@ -174,6 +194,8 @@ def _generate(spec: str) -> list[SimRequest]:
         raise WorkloadError(f"workload {spec!r}: {error}") from None
     if not (rate > 0 and num_requests > 0 and num_tenants > 0):
         raise WorkloadError("rate, n and tenants must be positive")
+    if num_requests > MAX_GENERATED_REQUESTS:  # (it ran until the memory ran out)
+        raise WorkloadError(f"n must be at most {MAX_GENERATED_REQUESTS:,}, got {num_requests:,}")
     if num_shared < 0:
         raise WorkloadError(f"prefix must be >= 0 tokens, got {num_shared}")
     prompts = _parse_range("prompt", fields["prompt"])
@@ -182,8 +204,10 @@ def _generate(spec: str) -> list[SimRequest]:
     requests, now = [], 0.0
     for index in range(num_requests):
         now += rng.expovariate(rate)
-        if now == math.inf:  # (the simulation would tick towards it forever)
-            raise WorkloadError(f"rate={fields['rate']} is too low: arrival times overflow")
+        if now > MAX_SPAN_S:  # (past it the simulation ticked towards 1e300 forever)
+            raise WorkloadError(
+                f"rate={fields['rate']} is too low: the arrivals would span more than a year"
+            )
         requests.append(
             SimRequest(
                 arrival_time=now,

@@ -194,6 +194,17 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1/"]
+)
+def test_the_openai_base_url_is_read_as_the_servers(url):
+    """`--url http://host/v1`, the base URL an OpenAI client takes, sent every request to
+    /v1/v1/completions (a 404 each)."""
+    args = parse("--url", url)
+    bench.check_settings(args)
+    assert args.url == "http://127.0.0.1:8000"
+
+
+@pytest.mark.parametrize(
     "argv,needle",
     [
         (["--sweep", "1,x"], "--sweep takes rates"),
@@ -233,8 +244,11 @@ def test_wrong_workload_files_name_the_line(tmp_path):
     ("content", "needle"),
     [
         (b'{"prompt": "a", "max_tokens": 1e999}\n', ":1: (ValueError: )?max_tokens.*inf"),
-        (b'{"prompt": "a", "max_tokens": 2, "arrival_time": NaN}\n', "arrival_time a finite"),
-        (b'{"prompt": "a", "max_tokens": 2, "arrival_time": Infinity}\n', "arrival_time a finite"),
+        (b'{"prompt": "a", "max_tokens": 2, "arrival_time": NaN}\n', "arrival_time seconds in"),
+        (
+            b'{"prompt": "a", "max_tokens": 2, "arrival_time": Infinity}\n',
+            "arrival_time seconds in",
+        ),
         (b'{"prompt": "\xff\xfe"}\n', "cannot read workload"),  # not UTF-8
     ],
 )

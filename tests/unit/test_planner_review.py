@@ -61,6 +61,47 @@ def test_a_rate_so_low_that_arrivals_overflow_is_refused():
         load_workload("poisson:rate=1e-320,n=3")
 
 
+@pytest.mark.parametrize("rate", ["1e-300", "1e-15", "1e-8"])
+def test_a_rate_whose_arrivals_span_more_than_a_year_is_refused(rate):
+    """A finite but huge arrival time (1e300) was past the float clock's steps: the simulated
+    time stopped moving, and `tandem plan` ran at full CPU forever."""
+    with pytest.raises(WorkloadError, match=f"rate={rate} is too low"):
+        load_workload(f"poisson:rate={rate},n=10")
+    assert len(load_workload("poisson:rate=1e-6,n=10")) == 10  # (some 4 months)
+
+
+def test_a_generated_process_is_bounded_and_names_each_field_once():
+    """n=10^10 ran until the memory ran out; `rate=1,rate=2` took the last, unsaid."""
+    with pytest.raises(WorkloadError, match="n must be at most 10,000,000"):
+        load_workload("poisson:n=10000000000")
+    with pytest.raises(WorkloadError, match="'rate' is given twice"):
+        load_workload("poisson:rate=1,rate=2")
+
+
+@pytest.mark.parametrize(
+    ("times", "words"),
+    [
+        ([1e308], "arrival_time seconds in"),  # its clock origin overflowed (a traceback)
+        ([1e300, 0.0], "arrival_time seconds in"),
+        ([1.7e12], "milliseconds are not read"),
+        ([0.0, 4e7], "spans 4e\\+07 s"),
+    ],
+)
+def test_arrival_times_the_clock_cannot_step_through_are_refused(tmp_path, times, words):
+    path = tmp_path / "w.jsonl"
+    lines = [{"prompt": "hi", "max_tokens": 8, "arrival_time": t} for t in times]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(WorkloadError, match=words):
+        load_workload(str(path))
+
+
+def test_a_logs_unix_seconds_are_read(tmp_path):
+    path = tmp_path / "w.jsonl"
+    lines = [{"prompt": "hi", "max_tokens": 8, "arrival_time": 1.7e9 + i} for i in range(3)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [r.arrival_time for r in load_workload(str(path))] == [1.7e9, 1.7e9 + 1, 1.7e9 + 2]
+
+
 def test_a_ttft_objective_without_a_streamed_request_is_refused(profile_path, tmp_path, capsys):
     """Requests sent for one response have no TTFT (as the bench records them): an objective on
     it could never be judged, so every configuration 'failed' while serving every request within
