@@ -33,7 +33,6 @@ from shared.errors import InvalidRequestError
 ERROR_TYPES = frozenset(
     {
         "invalid_request_error",
-        "not_found_error",
         "rate_limit_error",
         "service_unavailable",
         "authentication_error",
@@ -164,7 +163,8 @@ def model_not_found(model: str, served_model: str) -> ApiError:
     """A 404 that names the model served: a client given a `--model` path named the path, or
     another model, and learnt nothing from OpenAI's words alone."""
     message = f"The model `{model}` does not exist; this server serves `{served_model}`."
-    return ApiError(404, message, "not_found_error", "model", "model_not_found")
+    # (OpenAI's type for it; it was `not_found_error`, which OpenAI never sends)
+    return ApiError(404, message, "invalid_request_error", "model", "model_not_found")
 
 
 def from_invalid_request(error: InvalidRequestError) -> ApiError:
@@ -458,7 +458,11 @@ def _parse_message(message: Any, where: str) -> dict[str, Any]:
     # Open models' chat templates know system/user/assistant/tool; for OpenAI, `developer` is
     # the new name of `system`.
     parsed = {"role": "system" if role == "developer" else role, "content": content}
-    if role == "tool" and message.get("tool_call_id") is not None:
+    if role == "tool":
+        # Required, as OpenAI's: without it the result was shown as no call's (a framework's
+        # bug answered 200). One naming no earlier call is taken: trimmed histories send those.
+        if not message.get("tool_call_id"):
+            _fail(f"{where}.tool_call_id", "a tool message must name the call it answers")
         parsed["tool_call_id"] = message["tool_call_id"]
     return parsed
 

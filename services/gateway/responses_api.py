@@ -307,6 +307,8 @@ def _function_call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     for field in ("call_id", "name", "arguments"):
         if not isinstance(item.get(field), str):
             raise _fail(f"{where}.{field}", "must be a string")
+    if not item["call_id"]:  # (the chat call's id, which its output names)
+        raise _fail(f"{where}.call_id", "must be a non-empty string")
     function = {"name": item["name"], "arguments": item["arguments"]}
     return {"id": item["call_id"], "type": "function", "function": function}
 

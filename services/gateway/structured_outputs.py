@@ -17,6 +17,7 @@ against the vocabulary happens on the workers.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,8 @@ from shared.engine.constraint import (
 from shared.errors import InvalidRequestError
 
 _JSON_SCHEMA_FIELDS = frozenset({"name", "schema", "strict", "description"})
+OPENAI_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function's or a response format's name
+NAME_RULE = "must be 1 to 64 letters, digits, _ or -"
 _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _STRUCTURED_FIELDS = frozenset(_STRUCTURED_KINDS)
 
@@ -90,8 +93,9 @@ def _parse_response_format(value: Any) -> Constraint | None:
     for name in spec:
         if name not in _JSON_SCHEMA_FIELDS:
             _fail(f"{where}.{name}", f"unknown field `{name}`")
-    if not isinstance(spec.get("name"), str) or not spec["name"]:
-        _fail(f"{where}.name", "is required and must be a non-empty string")
+    if not isinstance(spec.get("name"), str) or not OPENAI_NAME.fullmatch(spec["name"]):
+        # (OpenAI's rule, as for a tool's name: "a b/c!" and 65 characters passed)
+        _fail(f"{where}.name", f"is required and {NAME_RULE}")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         _fail(f"{where}.strict", "must be a boolean")
     if spec.get("description") is not None and not isinstance(spec["description"], str):

@@ -24,12 +24,11 @@ services.gateway.tool_output, for streamed and whole responses alike.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.structured_outputs import check_parses
+from services.gateway.structured_outputs import NAME_RULE, OPENAI_NAME, check_parses
 from shared.engine import call_grammar
 from shared.engine.constraint import (
     MAX_SPEC_CHARS,
@@ -42,8 +41,6 @@ from shared.engine.constraint import (
 from shared.errors import InvalidRequestError
 
 MAX_TOOLS = 64
-MAX_TOOL_NAME = 64
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _FUNCTION_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 # A parameterless tool's arguments: exactly {} (a bare {"type": "object"} would let the model
 # invent properties until max_tokens).
@@ -233,10 +230,8 @@ def _parse_tool(tool: Any, where: str) -> Mapping[str, Any]:
     for name in function:
         if name not in _FUNCTION_FIELDS:
             raise InvalidRequestError(f"{where}.function.{name}", f"unknown field `{name}`")
-    if not isinstance(function.get("name"), str) or not _NAME.fullmatch(function["name"]):
-        raise InvalidRequestError(
-            f"{where}.function.name", "must be 1 to 64 letters, digits, _ or -"
-        )
+    if not isinstance(function.get("name"), str) or not OPENAI_NAME.fullmatch(function["name"]):
+        raise InvalidRequestError(f"{where}.function.name", NAME_RULE)
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise InvalidRequestError(f"{where}.function.description", "must be a string")
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
@@ -277,7 +272,7 @@ def _parse_choice(choice: Any, names: list[str]) -> str | NamedTool:
 
 def parse_history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls` checked, in the form chat templates take:
-    [{"type": "function", "function": {"name", "arguments": <parsed JSON>}, "id"?}]."""
+    [{"type": "function", "function": {"name", "arguments": <parsed JSON>}, "id"}]."""
     if not isinstance(calls, list):
         raise InvalidRequestError(where, "must be a list of tool calls")
     parsed_calls = []
@@ -287,10 +282,11 @@ def parse_history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise InvalidRequestError(f"{where}[{i}]", "must have `function.name`")
         arguments = _history_arguments(function.get("arguments"), f"{where}[{i}].function")
         named = {"name": function["name"], "arguments": arguments}
-        parsed_call: dict[str, Any] = {"type": "function", "function": named}
-        if isinstance(call.get("id"), str):  # some templates show it (Mistral's require it)
-            parsed_call["id"] = call["id"]
-        parsed_calls.append(parsed_call)
+        # Required, as OpenAI's: the tool messages answer it by it (some templates show it too;
+        # Mistral's require it).
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise InvalidRequestError(f"{where}[{i}].id", "must be the call's id, a string")
+        parsed_calls.append({"type": "function", "function": named, "id": call["id"]})
     return parsed_calls
 
 

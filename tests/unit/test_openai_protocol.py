@@ -107,7 +107,7 @@ class TestEnvelope:
 
     def test_another_model_is_not_found(self, parse, base):
         error = refused(parse, {**base, "model": "gpt-4o"}, status=404)
-        assert (error.type, error.param) == ("not_found_error", "model")
+        assert (error.type, error.param) == ("invalid_request_error", "model")  # OpenAI's
         assert error.code == "model_not_found"
         assert "gpt-4o" in error.message
 

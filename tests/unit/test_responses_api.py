@@ -104,6 +104,8 @@ def test_a_string_input_is_a_user_message_and_a_stream_asks_for_usage():
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "reasoning"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
          "input[0].call_id", "string"),
+        ({"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]},
+         "input[0].call_id", "non-empty"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]},
          "input[0].output", "string"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),

@@ -74,6 +74,20 @@ def test_each_spelling_maps_to_its_constraint():
             "response_format.json_schema.name",
             "required",
         ),
+        # OpenAI's rule for the name, as for a tool's (these passed)
+        *(
+            (
+                {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": name, "schema": SCHEMA},
+                    }
+                },
+                "response_format.json_schema.name",
+                "1 to 64 letters, digits, _ or -",
+            )  # fmt: skip
+            for name in ("a b/c!", "n" * 65, "")
+        ),
         (
             {
                 "response_format": {

@@ -34,6 +34,28 @@ def test_a_tool_result_answering_no_earlier_call_is_let_through():
     assert request.messages[-1]["role"] == "tool"
 
 
+@pytest.mark.parametrize("call_id", [None, ""])
+def test_a_tool_result_must_name_the_call_it_answers(call_id):
+    """Left out, it was taken and shown as no call's result (a framework's bug answered 200,
+    the prompt broken). OpenAI refuses it too; one naming no earlier call is let through."""
+    message = {"role": "tool", "content": "sunny"}
+    if call_id is not None:
+        message["tool_call_id"] = call_id
+    refused("messages[1].tool_call_id", "must name the call it answers",
+            messages=[QUESTION, message], tools=[WEATHER])  # fmt: skip
+
+
+@pytest.mark.parametrize("call_id", [None, "", 7])
+def test_a_history_call_must_have_its_id(call_id):
+    """The id tool messages answer it by: a call without one was taken (OpenAI refuses it)."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    if call_id is not None:
+        call["id"] = call_id
+    calls = {"role": "assistant", "content": None, "tool_calls": [call]}
+    refused("messages[1].tool_calls[0].id", "the call's id",
+            messages=[QUESTION, calls, result("call_1")], tools=[WEATHER])  # fmt: skip
+
+
 NO_OBJECTS = [{"type": "string"}, {"type": "array", "items": {}}, {"type": ["string", "null"]}]
 
 
