@@ -28,9 +28,10 @@ from pathlib import Path
 
 Z_99 = 2.326  # the standard normal's 99th percentile
 CHARS_PER_TOKEN = 4  # for a JSONL line that has only the prompt text
-# Arrival times are seconds from any origin (Unix seconds: 1.7e9); past 1e11 (milliseconds, or
-# a float past any calendar) the simulated clock, a float, steps by more than its ticks, and a
-# run never ended (1e300), or the clock's origin overflowed (1e308).
+# Arrival times are seconds from any origin (Unix seconds: 1.7e9); past 1e11 they are no log's
+# seconds (milliseconds, or a float past any calendar), and far past it the simulated clock, a
+# float, steps by more than its ticks (1e300: a run that never ended) or its origin overflows
+# (1e308).
 MAX_ARRIVAL_TIME_S = 1e11
 MAX_SPAN_S = 366 * 86_400.0  # first arrival to last: a year of traffic is simulated in days
 MAX_GENERATED_REQUESTS = 10_000_000  # a generated process's `n` (some 300 bytes each)
