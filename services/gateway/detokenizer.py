@@ -40,6 +40,7 @@ but no stop string may end inside it: one that begins there and ends later still
 
 from __future__ import annotations
 
+import codecs
 import functools
 import os
 import re
@@ -101,8 +102,19 @@ class IncrementalDetokenizer:
         return self._advance(final=False, overdue=overdue)
 
     def flush(self) -> str:
-        """Whatever is held back, a partial character included; call it at the end."""
-        return self._advance(final=True)
+        """Whatever is held back; call it at the end. But a character the output cut off (its
+        last bytes never came: `max_tokens` ended it mid-emoji), which decoding shows as U+FFFD,
+        is dropped, as vLLM drops it: it ended chat, completions and stored Responses in a "�"
+        their tokens' texts did not add up to. (A U+FFFD the model wrote whole stays.)"""
+        held = self._token_ids[self._read_offset :]
+        text = self._advance(final=True)
+        if text.endswith(_PARTIAL) and _ends_inside_a_character(self._tokenizer, held):
+            text = text[:-1]
+            if text:
+                self._pieces[-1] = text
+            else:
+                self._pieces.pop()
+        return text
 
     def _decode(self, start: int, end: int) -> str:
         window = self._token_ids[start:end]  # (no negative id: the cluster link refuses one)
@@ -132,6 +144,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         self._pieces.append(new_text)
         return new_text
+
+
+def _ends_inside_a_character(tokenizer: Any, token_ids: Sequence[int]) -> bool:
+    """Whether the tokens' bytes end with an incomplete UTF-8 sequence (bytes a character
+    began with, the rest never written); stray bytes before it do not matter."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder.decode(b"".join(token_bytes(tokenizer, token_id) for token_id in token_ids))
+    return bool(decoder.getstate()[0])  # (the bytes it holds for the character's rest)
 
 
 def _common_prefix_len(context: str, window: str) -> int:
@@ -193,8 +213,9 @@ def token_text(tokenizer: Any, token_id: int, context: Sequence[int] = ()) -> st
     decoding, unless that holds part of a character (U+FFFD). Then the characters it completes,
     the bytes before them in earlier tokens included, as incremental detokenization shows them:
     SmolLM2's tokens of " 😀" (bytes 20 F0 9F 98, then 80), each U+FFFD decoded alone, read " "
-    and "😀". So a sequence's token texts add up to its text (but for a character cut off at
-    its end), and completions' `text_offset`s point where each token's text is. (vLLM's
+    and "😀". So a sequence's token texts add up to its text (a character cut off at its end
+    shows in neither: `IncrementalDetokenizer.flush`), and completions' `text_offset`s point
+    where each token's text is. (vLLM's
     `_correct_decoded_token` reads "" and " 😀" there.) A tokenizer whose decoding of a token
     depends on its neighbours (SentencePiece drops a text's leading space) reads every token
     after its context: `▁Paris` after "is" reads " Paris", as the text shows it, not "Paris"."""

@@ -173,6 +173,26 @@ def test_non_ascii_prompt_and_output(openai_client):
     assert text and "\ufffd" not in text
 
 
+def test_an_output_cut_mid_character_ends_before_it(openai_client):
+    """`max_tokens` ending the output inside a character (here a CJK one, split over byte
+    tokens) left a final "�" that no token's text held; now the text stops before it, and the
+    tokens' texts add up to the text."""
+
+    def complete(max_tokens: int):
+        return openai_client.completions.create(
+            model=MODEL, prompt="日本の首都は", max_tokens=max_tokens, temperature=0, logprobs=1
+        ).choices[0]
+
+    whole = complete(24)
+    # Greedy: a shorter answer is a prefix of the longer one. A token whose text is "" begins
+    # a character a later token completes: cut right after it.
+    cut = next(i + 1 for i, token in enumerate(whole.logprobs.tokens[:-1]) if token == "")
+    choice = complete(cut)
+    assert choice.finish_reason == "length" and "\ufffd" not in choice.text
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert whole.text.startswith(choice.text)
+
+
 def test_n_equals_two(openai_client):
     response = openai_client.completions.create(
         model=MODEL,

@@ -121,14 +121,24 @@ def test_split_characters_are_held_back_until_complete(tokenizer):
     assert detokenizer.push(ids[-1:]) == "🎉"
 
 
-def test_flush_releases_a_partial_character(tokenizer):
+def test_flush_drops_a_character_the_output_cut_off(tokenizer):
+    """`max_tokens` ending the output mid-emoji: its bytes so far showed as a final "�" (in
+    chat, completions and stored Responses) that no token's text held. Dropped, as vLLM does."""
     ids = tokenizer.encode("ok 🎉")
     detokenizer = IncrementalDetokenizer(tokenizer)
     emitted = detokenizer.push(ids[:-1])
     assert "\ufffd" not in emitted
     rest = detokenizer.flush()
-    assert rest.endswith("\ufffd") and emitted + rest == tokenizer.decode(ids[:-1])
-    assert detokenizer.flush() == ""
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd")
+    assert emitted + rest == tokenizer.decode(ids[:-1]).removesuffix("\ufffd") == "ok "
+    assert detokenizer.text == "ok " and detokenizer.flush() == ""
+
+
+def test_flush_keeps_a_replacement_character_the_model_wrote_whole(tokenizer):
+    ids = tokenizer.encode("ok \ufffd")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    text = "".join(detokenizer.push([i]) for i in ids) + detokenizer.flush()
+    assert text == detokenizer.text == "ok \ufffd"
 
 
 def test_special_tokens_skipped_or_kept(tokenizer):
