@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from services.gateway.auth import ApiKeys, tenant_of
 from services.gateway.batch_link import BatchLink
@@ -131,6 +132,12 @@ def build_app(
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, error: ApiError) -> JSONResponse:
         return error_response(error)
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_left_while_sending(_: Request, __: ClientDisconnect) -> Response:
+        # The client left before its body was whole: nobody to answer, nothing to log (it was
+        # an ERROR traceback, "Exception in ASGI application", at every dropped upload).
+        return Response(status_code=499)
 
     @app.exception_handler(HTTPException)
     async def on_routing_error(request: Request, error: HTTPException) -> JSONResponse:

@@ -162,3 +162,30 @@ def test_once_the_body_is_read_the_app_waits_on_the_client():
                 return num_bytes, await inflater.receive()
 
     assert asyncio.run(read_all()) == (len(BODY), {"type": "http.disconnect"})
+
+
+@pytest.mark.parametrize("encoding", [None, "gzip"])
+def test_a_client_that_leaves_mid_body_is_not_an_error(encoding):
+    """A client that closed its connection while sending its body made the route raise
+    ClientDisconnect out of the app: an ERROR traceback in the gateway's log at every one."""
+    app = build_app(NoGenerator(), 1 << 20)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"500")]
+    if encoding is not None:
+        headers.append((b"content-encoding", encoding.encode()))
+    first = gzip.compress(b'{"model": "m", "prompt": "' + b"x" * 400)[:18]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"",
+             "query_string": b"", "root_path": "", "headers": headers,
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}  # fmt: skip
+    arrivals = [{"type": "http.request", "body": first, "more_body": True},
+                {"type": "http.disconnect"}]  # fmt: skip
+    sent = []
+
+    async def receive() -> dict:
+        return arrivals.pop(0) if arrivals else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
