@@ -590,6 +590,11 @@ def _build(
     if is_number and not 0 <= temperature <= MAX_TEMPERATURE:
         _fail("temperature", f"must be in [0, {MAX_TEMPERATURE}], got {temperature}")
     sampling_kwargs = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    seed = sampling_kwargs.get("seed")
+    if is_int(seed) and seed < 0:  # OpenAI's seeds are int64s; the engine's, their 64 bits
+        if seed < -(2**63):
+            _fail("seed", f"must be in [-2**63, 2**64), got {seed}")
+        sampling_kwargs["seed"] = seed + 2**64  # (two's complement: -1 is 2**64 - 1)
     logit_bias = _parse_logit_bias(body.get("logit_bias"))
     if logit_bias:
         sampling_kwargs["logit_bias"] = logit_bias

@@ -220,7 +220,7 @@ INVALID_COMMON = [
     ({"top_p": False}, "top_p"),
     ({"seed": 1.5}, "seed"),
     ({"seed": True}, "seed"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"stop": ""}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"stop": 3}, "stop"),
@@ -298,6 +298,13 @@ def test_null_means_not_given():
     nulls = dict.fromkeys(["max_tokens", "temperature", "top_p", "seed", "stop", "n", "user"])
     nulls |= dict.fromkeys(["stream", "stream_options", "logprobs", "top_k", "priority"])
     assert completion(**nulls) == completion()
+
+
+def test_a_negative_seed_is_taken_as_openais_int64_is():
+    """OpenAI's (and vLLM's) seeds are int64s: -1 was a 400. Its 64 bits seed the engine, so
+    distinct seeds stay distinct."""
+    for seed, engine_seed in ((-1, 2**64 - 1), (-(2**63), 2**63), (5, 5)):
+        assert completion(seed=seed).sampling_params(10, MAX_LEN).seed == engine_seed
 
 
 def test_sampling_fields_reach_sampling_params():
