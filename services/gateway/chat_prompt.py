@@ -18,11 +18,15 @@ from services.gateway.openai_protocol import GenerationRequest, bad_request
 from shared.config import ConfigError
 
 
-def chat_prompt_ids(tokenizer, request: GenerationRequest, template_tools: bool) -> list[int]:
+def chat_prompt_ids(
+    tokenizer, request: GenerationRequest, template_tools: bool, add_generation_prompt: bool = True
+) -> list[int]:
     """The prompt of a chat request; `template_tools`: the template renders tools in a format
-    we parse (tool_formats.template_tool_format). A conversation the template refuses (its
-    `raise_exception`, e.g. Mistral's call ids of nine characters) is the client's error."""
-    return list(_applied_template(tokenizer, request, template_tools, tokenize=True))
+    we parse (tool_formats.template_tool_format); `add_generation_prompt`: the assistant turn's
+    opening after the messages (always, to generate; /tokenize may leave it out). A
+    conversation the template refuses (its `raise_exception`, e.g. Mistral's call ids of nine
+    characters) is the client's error."""
+    return list(_applied_template(tokenizer, request, template_tools, True, add_generation_prompt))
 
 
 def chat_prompt_text(tokenizer, request: GenerationRequest, template_tools: bool) -> str:
@@ -30,7 +34,13 @@ def chat_prompt_text(tokenizer, request: GenerationRequest, template_tools: bool
     return _applied_template(tokenizer, request, template_tools, tokenize=False)
 
 
-def _applied_template(tokenizer, request: GenerationRequest, template_tools: bool, tokenize: bool):
+def _applied_template(
+    tokenizer,
+    request: GenerationRequest,
+    template_tools: bool,
+    tokenize: bool,
+    add_generation_prompt: bool = True,
+):
     if getattr(tokenizer, "chat_template", None) is None:
         # (transformers raises a ValueError, which was a 500 on every chat with a base model)
         raise bad_request(
@@ -42,11 +52,14 @@ def _applied_template(tokenizer, request: GenerationRequest, template_tools: boo
         if template_tools:
             tools = request.tools.template_tools() if request.tools is not None else None
             return tokenizer.apply_chat_template(
-                request.template_messages, tools=tools, add_generation_prompt=True,
-                tokenize=tokenize, return_dict=False,
+                request.template_messages, tools=tools,
+                add_generation_prompt=add_generation_prompt, tokenize=tokenize, return_dict=False,
             )  # fmt: skip
         return tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=True, tokenize=tokenize, return_dict=False
+            request.messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize,
+            return_dict=False,
         )
     except TemplateError as error:
         raise bad_request("messages", f"the model's chat template refused them: {error}") from None

@@ -222,15 +222,25 @@ class Generator:
                 f"names token id {outside[0]}; token ids must be in [0, {self.vocab_size})",
             )
 
-    def tokenize(self, request: GenerationRequest) -> list[int]:
+    def tokenize(
+        self,
+        request: GenerationRequest,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The prompt's ids; the two flags, vLLM's /tokenize's, change a text prompt's special
+        tokens and a chat's assistant opening (a generation keeps both)."""
         if request.messages is not None:
-            ids = chat_prompt_ids(self.tokenizer, request, self.template_tool_format is not None)
+            template_tools = self.template_tool_format is not None
+            ids = chat_prompt_ids(self.tokenizer, request, template_tools, add_generation_prompt)
         elif request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise bad_request("prompt", f"token ids must be in [0, {self.vocab_size})")
         else:
-            ids = self.tokenizer(request.prompt_text).input_ids
+            ids = self.tokenizer(
+                request.prompt_text, add_special_tokens=add_special_tokens
+            ).input_ids
         if not ids:
             raise bad_request(request.prompt_param, "the prompt is empty")
         return list(ids)

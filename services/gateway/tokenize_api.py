@@ -9,6 +9,10 @@ report. Its other fields (sampling, `max_tokens`) are validated as those endpoin
 change nothing; `model` may be left out. A text or chat prompt longer than the context is
 counted, not refused: `max_model_len` in the answer tells the caller whether it fits.
 `return_token_strs: true` adds each token's string as the tokenizer's vocabulary writes it.
+vLLM's `add_special_tokens` (a text prompt's, default true) and `add_generation_prompt` (a
+chat's assistant opening, default true) are taken too; left at their defaults, `count` is then
+no longer the usage's. A chat's special tokens are its template's: `add_special_tokens: true`
+beside `messages` is refused, as is `add_generation_prompt` beside `prompt`.
 
 `/detokenize` takes `tokens` (ids) and answers their text, special tokens included: the exact
 text those ids stand for, where a completion's text leaves special tokens out.
@@ -20,6 +24,7 @@ event loop, as a generation's tokenization is (`tokenize_async`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from services.gateway.generation import Generator, tokenizes_off_loop
@@ -33,8 +38,17 @@ from services.gateway.openai_protocol import (
     parse_completion_request,
 )
 
-TOKENIZE_ONLY_FIELDS = ("return_token_strs",)
+TOKENIZE_ONLY_FIELDS = ("return_token_strs", "add_special_tokens", "add_generation_prompt")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """What /tokenize's own fields ask for."""
+
+    return_token_strs: bool = False
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
 def tokenize(generator: Generator, body: Any) -> dict[str, Any]:
@@ -47,19 +61,20 @@ async def tokenize_async(
 ) -> T | dict[str, Any]:
     """`tokenize`'s answer, or `render` of it (e.g. its JSON), computed off the event loop for
     a long prompt: the answer may hold millions of tokens and their strings."""
-    request, return_token_strs = _parse(generator, body)
-    work = (generator, request, return_token_strs, render)
+    request, options = _parse(generator, body)
+    work = (generator, request, options, render)
     if not tokenizes_off_loop(request):
         return _rendered(*work)
     return await generator.off_loop(_rendered, *work)
 
 
-def _parse(generator: Generator, body: Any) -> tuple[GenerationRequest, bool]:
-    """The request `body` holds, and whether it asks for the tokens' strings."""
+def _parse(generator: Generator, body: Any) -> tuple[GenerationRequest, TokenizeOptions]:
+    """The request `body` holds, and what its /tokenize fields ask for."""
     body = _with_model(body, generator.model_name)
-    return_token_strs = body.pop("return_token_strs", None)
-    if return_token_strs is not None and not isinstance(return_token_strs, bool):
-        raise bad_request("return_token_strs", "must be true or false")
+    flags = {name: body.pop(name, None) for name in TOKENIZE_ONLY_FIELDS}
+    for name, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(name, "must be true or false")
     # (JSON null is "not given": the field is left out of what the endpoint's parser reads.)
     given = [name for name in ("prompt", "messages") if body.get(name) is not None]
     if len(given) == 2:
@@ -67,31 +82,40 @@ def _parse(generator: Generator, body: Any) -> tuple[GenerationRequest, bool]:
     if not given:
         raise bad_request(None, "`prompt` (a completion's) or `messages` (a chat's) is required")
     chat = given == ["messages"]
+    if chat and flags["add_special_tokens"]:
+        raise bad_request(
+            "add_special_tokens", "a chat's special tokens are its template's: only false here"
+        )
+    if not chat and flags["add_generation_prompt"] is not None:
+        raise bad_request("add_generation_prompt", "applies to `messages`, not to `prompt`")
     body.pop("prompt" if chat else "messages", None)
     parse = parse_chat_request if chat else parse_completion_request
-    return parse(body, generator.model_name, generator.max_model_len), bool(return_token_strs)
+    options = TokenizeOptions(**{name: value for name, value in flags.items() if value is not None})
+    return parse(body, generator.model_name, generator.max_model_len), options
 
 
 def _rendered(
     generator: Generator,
     request: GenerationRequest,
-    return_token_strs: bool,
+    options: TokenizeOptions,
     render: Callable[[dict[str, Any]], T] | None,
 ) -> T | dict[str, Any]:
-    answer = _answer(generator, request, return_token_strs)
+    answer = _answer(generator, request, options)
     return answer if render is None else render(answer)
 
 
 def _answer(
-    generator: Generator, request: GenerationRequest, return_token_strs: bool
+    generator: Generator, request: GenerationRequest, options: TokenizeOptions
 ) -> dict[str, Any]:
-    token_ids = generator.tokenize(request)
+    token_ids = generator.tokenize(
+        request, options.add_special_tokens, options.add_generation_prompt
+    )
     answer: dict[str, Any] = {
         "count": len(token_ids),
         "max_model_len": generator.max_model_len,
         "tokens": token_ids,
     }
-    if return_token_strs:
+    if options.return_token_strs:
         answer["token_strs"] = generator.tokenizer.convert_ids_to_tokens(token_ids)
     return answer
 

@@ -57,6 +57,20 @@ def test_tokenize_counts_a_prompt_longer_than_the_context(cluster):
     assert refused.status_code == 400
 
 
+def test_vllms_tokenize_flags_are_taken(cluster, smollm2):
+    """vLLM's `add_special_tokens` and `add_generation_prompt` were "unknown field" 400s,
+    though the endpoint has vLLM's shape (frameworks send them to count a history)."""
+    plain = post(cluster, "/tokenize", {"prompt": "Hi there", "add_special_tokens": False})
+    assert (
+        plain.json()["tokens"] == smollm2.tokenizer("Hi there", add_special_tokens=False).input_ids
+    )
+    chat = post(cluster, "/tokenize", {"messages": [USER_X]}).json()["tokens"]
+    body = {"messages": [USER_X], "add_generation_prompt": False, "add_special_tokens": False}
+    history = post(cluster, "/tokenize", body).json()["tokens"]
+    opening = smollm2.tokenizer("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    assert chat == history + opening  # the assistant turn's opening alone left out
+
+
 def test_token_strs_are_the_vocabularys_pieces(cluster, smollm2):
     body = {"prompt": "Hello world, héllo", "return_token_strs": True}
     answer = post(cluster, "/tokenize", body).json()
@@ -87,7 +101,19 @@ def test_detokenize_keeps_special_tokens(cluster, smollm2):
         ("/tokenize", {"prompt": "x", "model": "gpt-4o"}, 404, "model"),
         ("/tokenize", {"prompt": "x", "model": 7}, 400, "model"),
         ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, 400, "return_token_strs"),
-        ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "no"}, 400, "add_special_tokens"),
+        (
+            "/tokenize",
+            {"messages": [USER_X], "add_special_tokens": True},
+            400,
+            "add_special_tokens",
+        ),  # fmt: skip
+        (
+            "/tokenize",
+            {"prompt": "x", "add_generation_prompt": False},
+            400,
+            "add_generation_prompt",
+        ),  # fmt: skip
         ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
         ("/tokenize", {"messages": [USER_X], "tools": 3}, 400, "tools"),
         ("/tokenize", {"prompt": "x", "temperature": -1}, 400, "temperature"),

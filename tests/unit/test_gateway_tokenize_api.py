@@ -29,7 +29,7 @@ def _generator():
         max_model_len=64,
         vocab_size=100,
         tokenizer=_Tokenizer(),
-        tokenize=lambda request: request.prompt_token_ids or [7, 8, 9],
+        tokenize=lambda request, *flags: request.prompt_token_ids or [7, 8, 9],
     )
 
 
