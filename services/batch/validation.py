@@ -200,13 +200,10 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
     problems = []
     custom_id = line.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
-        problems.append(
-            error(
-                "missing_required_parameter",
-                "custom_id must be a non-empty string of at most 512 characters",
-                param="custom_id",
-            )
-        )
+        # (A given one that is no such string is an invalid value, not a missing one.)
+        code = "missing_required_parameter" if custom_id in (None, "") else "invalid_value"
+        message = "custom_id must be a non-empty string of at most 512 characters"
+        problems.append(error(code, message, param="custom_id"))
         custom_id = None
     if line.get("method") != "POST":
         problems.append(error("invalid_value", "method must be POST", param="method"))
@@ -222,6 +219,9 @@ def check_line(text: bytes, endpoint: str, models: list[str]) -> tuple[str | Non
     key = prefix_key(body) if isinstance(body, dict) else ""
     if not isinstance(body, dict):
         problems.append(error("invalid_value", "body must be a JSON object", param="body"))
+    elif body.get("model") is None:  # ("the model None is not served here" said it)
+        message = "body.model is required (served: " + ", ".join(models) + ")"
+        problems.append(error("missing_required_parameter", message, param="body.model"))
     elif body.get("model") not in models:
         served = ", ".join(models)
         problems.append(

@@ -87,6 +87,12 @@ def test_check_line_names_each_problem():
     assert codes(good(url="/v1/chat/completions")) == ["mismatched_url"]
     assert codes(good(model="other")) == ["model_not_found"]
     assert codes(good(custom_id="")) == ["missing_required_parameter"]
+    # Given, but no such string: an invalid value (it was "missing"), and a body with no model
+    # a missing parameter (it was "model_not_found": "the model None is not served here").
+    assert codes(good(custom_id="c" * 513)) == ["invalid_value"]
+    no_model = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}
+    (problem,) = check_line(json.dumps(no_model).encode(), "/v1/completions", ["m"])[2]
+    assert problem["code"] == "missing_required_parameter" and "None" not in problem["message"]
 
 
 @pytest.fixture
