@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import zmq
 
-SCHEMA_VERSION = 17  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
+SCHEMA_VERSION = 18  # 3: prefix cache fields, bulk submits; 4: structured-output constraints;
 # 5: the heartbeat's step time, bulk prefill jobs and transfers, speculative prefill; 6: the
 # submit's first-token deadline; 7: the status's prompt-token pace; 8: token positions, and the
 # first token carried with the KV; 9: where a stream ended, told its gateway by the scheduler;
@@ -26,7 +26,8 @@ SCHEMA_VERSION = 17  # 3: prefix cache fields, bulk submits; 4: structured-outpu
 # a batch service older than its gateway drops the call, and shows as not scraped); a tensor
 # over several frames (`TensorRef.num_frames`: a long prompt's KV on a big model); the attempt a
 # RESERVE and its reply name; 17: the constraint `answer_or_calls` (a response format or tool
-# calls: a worker of 16 would refuse it)
+# calls: a worker of 16 would refuse it); 18: the status's largest decode pool (a default
+# max_tokens the gateway caps to it)
 MAX_MESSAGE_BYTES = 256 << 20  # per frame; services set it as zmq.MAXMSGSIZE on their sockets
 # A tensor larger than a frame travels in consecutive frames (a long prompt's KV: Llama-3-8B's
 # keys in bfloat16 are 128 KiB a token, one frame's worth at 2,048 tokens).

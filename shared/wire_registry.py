@@ -114,6 +114,9 @@ class ClusterStatus(Message):
     num_in_flight: int  # requests admitted and not yet finished
     num_decode_free_blocks: int = 0  # free KV blocks over all decode workers (last heartbeats)
     num_decode_total_blocks: int = 0  # KV blocks over all decode workers
+    # The largest decode worker's KV pool, in tokens (0: none): a request's prompt plus its
+    # max_tokens fit no more, and a gateway caps a max_tokens the client left out to it.
+    max_decode_pool_tokens: int = 0
     num_swap_preemptions: int = 0  # over the decode workers, since each started
     num_recompute_preemptions: int = 0
     policy: Literal["fair", "fcfs"] = "fair"  # the queue's order

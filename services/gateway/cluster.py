@@ -177,6 +177,7 @@ class ClusterView:
     num_in_flight: int = 0
     num_decode_free_blocks: int = 0
     num_decode_total_blocks: int = 0
+    max_decode_pool_tokens: int = 0  # (0: not known)
     num_swap_preemptions: int = 0
     num_recompute_preemptions: int = 0
     policy: str = ""
@@ -615,6 +616,7 @@ class ClusterClient:
                         num_in_flight=message.num_in_flight,
                         num_decode_free_blocks=message.num_decode_free_blocks,
                         num_decode_total_blocks=message.num_decode_total_blocks,
+                        max_decode_pool_tokens=message.max_decode_pool_tokens,
                         num_swap_preemptions=message.num_swap_preemptions,
                         num_recompute_preemptions=message.num_recompute_preemptions,
                         policy=message.policy,

@@ -198,8 +198,13 @@ class Generator:
         template_tools = self.template_tool_format is not None
         refuse_far_past_context(self.tokenizer, request, self.max_model_len, template_tools)
         prompt_ids = self.tokenize(request)
+        pool = self.cluster.view.max_decode_pool_tokens
         params = request.sampling_params(
-            len(prompt_ids), self.max_model_len, self.sampling_defaults, self.tool_format.name
+            len(prompt_ids),
+            self.max_model_len,
+            self.sampling_defaults,
+            self.tool_format.name,
+            cache_room=pool - len(prompt_ids) if pool else None,
         )
         if any(not 0 <= t < self.vocab_size for t in params.stop_token_ids):
             raise bad_request("stop_token_ids", f"ids must be in [0, {self.vocab_size})")

@@ -235,12 +235,17 @@ class GenerationRequest:
         max_model_len: int,
         defaults: Mapping[str, Any] | None = None,
         tool_format: str = "tagged",
+        cache_room: int | None = None,
     ) -> SamplingParams:
         """The final parameters once the prompt is tokenized; the fields the client left unset
         take `defaults` (the served model's, see shared.engine.sampling_defaults). Without
         `max_tokens` the output may fill the context, up to the endpoint's default; an explicit
         one that does not fit beside the prompt is refused, as is a prompt that leaves no room
-        at all. `tool_format` names how the model writes tool calls (`CALL_FORMATS`)."""
+        at all. `tool_format` names how the model writes tool calls (`CALL_FORMATS`).
+        `cache_room`: the output tokens the largest decode worker's KV cache holds after the
+        prompt (None: not known); the default is capped to it too, where it leaves any (chat's
+        1,024 made every chat without `max_tokens` a 400 on a cluster of small caches, naming a
+        max_tokens the client never sent). An explicit max_tokens is the client's to lower."""
         room = max_model_len - num_prompt_tokens
         if self.echo and self.logprobs is not None:
             entries = num_prompt_tokens * (1 + self.logprobs)
@@ -262,6 +267,8 @@ class GenerationRequest:
         if self.max_tokens is None:
             default = CHAT_DEFAULT_MAX_TOKENS if self.chat else COMPLETION_DEFAULT_MAX_TOKENS
             max_tokens = min(default, room)
+            if cache_room is not None and cache_room >= 1:
+                max_tokens = min(max_tokens, cache_room)
         elif self.max_tokens > room:
             _fail(
                 self.max_tokens_param,

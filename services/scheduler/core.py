@@ -1403,6 +1403,7 @@ class ClusterScheduler:
             num_decode=len(decode),
             num_decode_free_blocks=sum(w.num_free_blocks for w in decode),
             num_decode_total_blocks=sum(w.num_total_blocks for w in decode),
+            max_decode_pool_tokens=max((w.pool_tokens for w in decode), default=0),
             num_queued=len(self.queue),
             # (An adopted request is in flight too: its worker holds it, its client waits.)
             num_in_flight=len(self.requests) + len(self.adopted),

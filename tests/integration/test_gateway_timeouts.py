@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from services.gateway.cluster import ClusterClient, SubmitRefused
+from services.gateway.cluster import ClusterClient, ClusterView, SubmitRefused
 from services.gateway.generation import Generator, Timeouts
 from services.gateway.openai_protocol import ApiError, parse_completion_request
 from shared import wire
@@ -89,6 +89,8 @@ def test_no_end_in_time_is_a_504_after_the_tokens_so_far(tmp_path, tokenizer):
 
 class PlayedCluster:
     """A gateway's cluster link to a scheduler the test plays, open within `async with`."""
+
+    view = ClusterView()  # (the gateway reads the largest decode pool from it)
 
     def __init__(self, tmp_path, **client_args) -> None:
         self.context = zmq.asyncio.Context()

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from structlog.testing import capture_logs
 
-from services.gateway.cluster import SubmitRefused
+from services.gateway.cluster import ClusterView, SubmitRefused
 from services.gateway.generation import Generator
 from services.gateway.openai_protocol import (
     ApiError,
@@ -36,6 +36,7 @@ def tokenizer():
 class PlayedCluster:
     """Each choice's deltas (by its index) are in its queue when it is submitted."""
 
+    view = ClusterView()  # (the gateway reads the largest decode pool from it)
     peer_id = "g"
 
     def __init__(self, deltas_by_choice: dict[int, list[wire.TokenDelta]]):
@@ -118,6 +119,25 @@ def test_echoed_candidates_are_ranked_by_their_own_tokens_logprobs(tokenizer):
     (choice,) = whole["choices"]
     assert choice["text"] == "Say: a b c" and choice["logprobs"] is None
     assert whole["usage"]["completion_tokens"] == 6  # both candidates are billed
+
+
+def test_a_default_max_tokens_is_capped_to_the_largest_decode_pool(tokenizer):
+    """Chat's default (1,024, capped by the context) was not capped by the decode workers' KV
+    caches: on a cluster of small caches every chat without `max_tokens` was a 400 naming a
+    max_tokens the client never sent. Now the status's largest pool caps it; an explicit
+    max_tokens stays the client's (and the scheduler's 400 its answer)."""
+    cluster = PlayedCluster({})
+    cluster.view = ClusterView(max_decode_pool_tokens=100)
+    generator = Generator(cluster, tokenizer, MODEL, 8192, GatewayEvents(get_logger()))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}]}
+    generation = generator.prepare(parse_chat_request(body, MODEL, 8192), "chatcmpl")
+    num_prompt_tokens = len(generation.prompt_token_ids)
+    assert generation.params.max_tokens == 100 - num_prompt_tokens
+    asked = parse_chat_request({**body, "max_tokens": 500}, MODEL, 8192)
+    assert generator.prepare(asked, "chatcmpl").params.max_tokens == 500
+    cluster.view = ClusterView()  # (no status yet: the context's room and the default alone)
+    generation = generator.prepare(parse_chat_request(body, MODEL, 8192), "chatcmpl")
+    assert generation.params.max_tokens == 1024
 
 
 def test_cached_tokens_in_the_usage_never_exceed_the_prompt(tokenizer):

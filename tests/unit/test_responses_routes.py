@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.gateway.app import build_app
+from services.gateway.cluster import ClusterView
 from services.gateway.generation import Generator
 from services.gateway.response_store import ResponseStore
 from shared import wire
@@ -32,6 +33,7 @@ WEATHER = {
 class TextCluster:
     """Answers every request with `text`, one token a delta; `on_submit` runs as it arrives."""
 
+    view = ClusterView()  # (the gateway reads the largest decode pool from it)
     peer_id = "g"
 
     def __init__(self, tokenizer, text: str, on_submit=None) -> None:  # noqa: F811

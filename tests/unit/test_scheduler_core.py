@@ -557,6 +557,19 @@ def test_worker_busy_without_progress_is_unhealthy_until_it_moves_again():
     assert c.on_submit(b"G", submit("r"), 8.0)[0].message.accepted
 
 
+def test_the_status_names_the_largest_decode_pool_of_the_workers_in_rotation():
+    """The gateway caps a default max_tokens to it (a request past it is refused 400)."""
+    c = ClusterScheduler(SchedulerLimits(progress_timeout_s=5.0, heartbeat_timeout_s=100.0))
+    assert c.cluster_status(0.0).max_decode_pool_tokens == 0  # none yet
+    c.on_hello(b"D", hello("d", "decode", blocks=100), 0.0)
+    c.on_hello(b"E", hello("e", "decode", blocks=40), 0.0)
+    assert c.cluster_status(0.5).max_decode_pool_tokens == 100 * 16
+    for t in (1.0, 2.0, 7.0):  # d stalls: out of rotation, its pool no longer counts
+        c.on_heartbeat(b"D", busy_heartbeat("d", steps=10), t)
+        c.on_heartbeat(b"E", busy_heartbeat("e", steps=int(t)), t)
+    assert c.cluster_status(7.0).max_decode_pool_tokens == 40 * 16
+
+
 def test_a_request_only_a_stalled_decode_worker_can_hold_answers_503_not_400():
     """The big decode worker stalls: a request only it can hold was answered 400, "can never
     fit", a client error no client retries, for a worker that moves again a moment later (and a
