@@ -227,8 +227,10 @@ def test_expiry_policies_date_the_upload_and_the_answers(batch_cluster):
 
 
 def served_bulk_tokens(cluster) -> dict[str, float]:
-    """Tokens the scheduler charged to each tenant's bulk account (the gateway's federation)."""
-    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    """Tokens the scheduler charged to each tenant's bulk account (the gateway's federation;
+    scraped with a bare key, as /metrics shows tenants only to a key that may see them all)."""
+    headers = {"Authorization": f"Bearer {SERVICE}"}
+    text = httpx.get(cluster.url + "/metrics", headers=headers, timeout=10).text
     return {
         sample.labels["tenant"]: sample.value
         for family in text_string_to_metric_families(text)
