@@ -4,6 +4,7 @@ bad value answered with a 400 naming the field before any work."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -448,6 +449,7 @@ def generator():
     """The gateway's request preparation on the real model's tokenizer (49,152 tokens)."""
     from transformers import AutoTokenizer
 
+    from services.gateway.cluster import ClusterView
     from services.gateway.generation import Generator
     from shared.engine.model_files import resolve_model_dir
     from shared.lifecycle import GatewayEvents
@@ -455,7 +457,8 @@ def generator():
 
     directory, _ = resolve_model_dir(None)
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    return Generator(None, tokenizer, MODEL, MAX_LEN, GatewayEvents(get_logger()))
+    no_status = SimpleNamespace(view=ClusterView())  # (prepare reads the largest decode pool)
+    return Generator(no_status, tokenizer, MODEL, MAX_LEN, GatewayEvents(get_logger()))
 
 
 @pytest.mark.parametrize(
