@@ -10,8 +10,8 @@ change nothing; `model` may be left out. A text or chat prompt longer than the c
 counted, not refused: `max_model_len` in the answer tells the caller whether it fits.
 `return_token_strs: true` adds each token's string as the tokenizer's vocabulary writes it.
 vLLM's `add_special_tokens` (a text prompt's, default true) and `add_generation_prompt` (a
-chat's assistant opening, default true) are taken too; left at their defaults, `count` is then
-no longer the usage's. A chat's special tokens are its template's: `add_special_tokens: true`
+chat's assistant opening, default true) are taken too; set false, `count` is no longer the
+usage's. A chat's special tokens are its template's: `add_special_tokens: true`
 beside `messages` is refused, as is `add_generation_prompt` beside `prompt`.
 
 `/detokenize` takes `tokens` (ids) and answers their text, special tokens included: the exact
