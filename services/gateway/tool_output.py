@@ -13,7 +13,8 @@ schema, whatever the format.
 - Text that could still be the start of an opener is held back until it is not (as stop strings
   are).
 - With `parallel_tool_calls: false` the first call alone is kept: later blocks that parse as
-  calls are dropped, neither calls nor content.
+  calls are dropped, neither calls nor content, and so is a block the choice's end cuts after
+  it (`length`: a second call being written, which would be dropped whole).
 - A block that does not parse, or names an unknown tool, stays in the content verbatim, as does
   an unclosed tagged block when the choice ends (`length`), and a forced call that is incomplete.
 - Content is the text as written, but for the whitespace that calls leave (the newlines models
@@ -84,6 +85,8 @@ class ToolCallParser:
             if calls is not None:
                 out.calls += calls
                 block, self._after_call = "", True
+            elif self._only_call_made():  # cut inside a second call, which goes whole
+                block = ""
             rest = block
         self._add_content(out, rest, final=True)
         return out
@@ -166,6 +169,10 @@ class ToolCallParser:
             shown = text  # the content's own trailing whitespace: no call follows it
         self._held_space = "" if final else text[len(shown) :]
         out.content += shown
+
+    def _only_call_made(self) -> bool:
+        """The choice holds the one call `parallel_tool_calls: false` allows."""
+        return not self.setup.parallel and self.num_calls > 0
 
     def _calls(self, found: list[Call] | None) -> list[dict[str, Any]] | None:
         """Found calls in OpenAI's streamed shape; None if there are none or one names an

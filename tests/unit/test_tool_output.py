@@ -133,6 +133,18 @@ def test_without_parallel_calls_a_choice_keeps_its_first_call_alone(tool_format,
     assert [c["index"] for c in calls] == list(range(len(calls)))
 
 
+@pytest.mark.parametrize("cut", [len("<tool_call>"), 30, len(OSLO) - 1])
+def test_without_parallel_calls_a_second_call_cut_by_the_end_is_dropped(cut):
+    """`length` inside a second call: it would have been dropped whole, so its start is not
+    left in the content either (with parallel calls an unclosed block stays content)."""
+    text = "Sure. " + OSLO + "\n" + OSLO[:cut]
+    pieces = [text[:10], text[10:40], text[40:]]
+    content, calls = streamed(setup(parallel_tool_calls=False), pieces)
+    assert content == "Sure." and names_and_arguments(calls) == [("get_weather", {"city": "Oslo"})]
+    assert extract_tool_calls(setup(parallel_tool_calls=False), text)[0] == "Sure."
+    assert extract_tool_calls(setup(), text)[0] == "Sure. \n" + OSLO[:cut]
+
+
 def test_parallel_calls_are_the_default():
     assert setup().parallel and setup(parallel_tool_calls=True).parallel
     assert not setup(parallel_tool_calls=False).parallel
