@@ -306,7 +306,10 @@ class DecodeWorker(WorkerLoop):
             self.reservations.pop(request_id, None)
             if reservation is not None and request_id not in self.routes:
                 self.blocks.free(reservation.block_ids)
-            self.log.warning("kv refused", request_id=request_id, error=error)
+            # No reservation is the usual end of a request cancelled while it prefilled (a stop
+            # string in its first token, a client gone): no fault anywhere, so no warning.
+            log = self.log.warning if reservation is not None else self.log.info
+            log("kv refused", request_id=request_id, error=error)
             return wire.KvAck(request_id=request_id, ok=False, error=error)
         self.routes[request_id] = Route(
             transfer.gateway_address,

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import zmq
+from structlog.testing import capture_logs
 
 from services.decode.service import DecodeWorker
 from shared import wire
@@ -57,3 +58,24 @@ def test_first_deltas_with_prompt_logprobs_each_go_in_a_message_of_their_own(dec
         received.update((delta.request_id, delta) for delta in deltas)
     assert set(received) == {"a", "b"}
     assert all(d.prompt_logprobs == scores and len(d.token_ids) == 2 for d in received.values())
+
+
+def test_a_kv_whose_reservation_was_cancelled_is_refused_without_a_warning(decode):
+    """A stop string in the first token (or a client gone during the prefill) cancels the
+    request before its KV arrives: the refusal is the usual end, logged at info, and its blocks
+    are free. A KV refused for a fault (here a reservation too small) still warns."""
+    worker, _, gateway_address, model_dir = decode
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    num_free = worker.blocks.num_free_blocks
+    transfer, _ = prefilled_transfer(model_dir, "cut", gateway_address, params)
+    worker._handle(wire.Reserve(request_id="cut", num_tokens=len(PROMPT) + 1, lease_s=30), None)
+    worker._handle(wire.Cancel(request_id="cut", reason="stopped at its first token"), None)
+    with capture_logs() as logs:
+        assert not worker._admit(transfer).ok
+    assert [(e["event"], e["log_level"]) for e in logs] == [("kv refused", "info")]
+    assert worker.blocks.num_free_blocks == num_free
+    small, _ = prefilled_transfer(model_dir, "small", gateway_address, params)
+    worker._handle(wire.Reserve(request_id="small", num_tokens=1, lease_s=30), None)
+    with capture_logs() as logs:
+        assert not worker._admit(small).ok
+    assert [(e["event"], e["log_level"]) for e in logs] == [("kv refused", "warning")]
