@@ -59,31 +59,47 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
     """The legacy completions shape. `text_offset` is where the first token starts in the
-    choice's text (non-zero for later stream chunks); offsets add up the tokens' texts. When two
-    alternatives share a text (two halves of different characters), the better one is kept.
+    choice's text (non-zero for later stream chunks); offsets add up the tokens' texts.
     Each position's `top_logprobs` holds its own token too, as OpenAI's ("the API will always
     return the logprob of the sampled token, so there may be up to logprobs+1 elements") and
-    vLLM's do: a client reads `top_logprobs[i][tokens[i]]`."""
+    vLLM's do: a client reads `top_logprobs[i][tokens[i]]` (`_top_logprobs`)."""
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token.text)
-    top_logprobs: list[dict[str, float] | None] = []
-    for token in tokens:
-        top: dict[str, float] = {}
-        for alternative in token.top:
-            top.setdefault(alternative.text, _logprob(alternative.logprob))
-        if token.logprob is None:  # an echoed prompt's first token
-            top_logprobs.append(None)
-            continue
-        top.setdefault(token.text, _logprob(token.logprob))
-        top_logprobs.append(top)
     return {
         "tokens": [token.text for token in tokens],
         "token_logprobs": [_logprob(token.logprob) for token in tokens],
-        "top_logprobs": top_logprobs,
+        # (None: an echoed prompt's first token, which nothing predicted)
+        "top_logprobs": [None if t.logprob is None else _top_logprobs(t) for t in tokens],
         "text_offset": offsets,
     }
+
+
+def _top_logprobs(token: TokenLogprob) -> dict[str, float]:
+    """A position's alternatives keyed by text, best first, its own token among them under its
+    own text. Texts can repeat: tokens that hold part of a character read as the characters they
+    complete, often none (""), so the halves of different characters meet. The sampled token
+    keeps its text; an alternative whose text is taken is keyed by its bytes, as OpenAI keys
+    tokens that are no whole characters (`bytes:\\xe4\\xbd`); one equal to another in both is
+    the same token, its first (best) entry kept."""
+    own = (token.text, token.token_bytes)
+    top: dict[str, float] = {}
+    for alternative in token.top:
+        if (alternative.text, alternative.token_bytes) == own:
+            top[token.text] = _logprob(token.logprob)  # (its place in the ranking)
+            continue
+        key = alternative.text
+        if key == token.text or key in top:
+            key = _bytes_key(alternative.token_bytes)
+        top.setdefault(key, _logprob(alternative.logprob))
+    top.setdefault(token.text, _logprob(token.logprob))
+    return top
+
+
+def _bytes_key(token_bytes: bytes) -> str:
+    """OpenAI's text for a token that is no whole character: `bytes:` and its bytes escaped."""
+    return "bytes:" + "".join(f"\\x{byte:02x}" for byte in token_bytes)
 
 
 def _chat_token(token: TokenLogprob) -> dict[str, Any]:

@@ -193,6 +193,23 @@ def test_an_output_cut_mid_character_ends_before_it(openai_client):
     assert whole.text.startswith(choice.text)
 
 
+def test_each_position_keeps_n_alternatives_and_its_own_logprob_inside_characters(openai_client):
+    """Tokens holding part of a CJK character read "" (they complete none yet): several met
+    under one key of `top_logprobs`, so a position had fewer than n alternatives and
+    `top_logprobs[i][tokens[i]]` could be another token's logprob. Those sharing a text are
+    now keyed by their bytes (OpenAI's `bytes:\\x..`)."""
+    choice = openai_client.completions.create(
+        model=MODEL, prompt="中文翻译：你好世界，今天", max_tokens=12, temperature=0, logprobs=5
+    ).choices[0]
+    logprobs = choice.logprobs
+    assert "" in logprobs.tokens  # the case in question: a token inside a character
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert len(top) >= 5 and top[token] == logprob
+        assert logprob == max(top.values())  # greedy
+
+
 def test_n_equals_two(openai_client):
     response = openai_client.completions.create(
         model=MODEL,

@@ -768,11 +768,26 @@ def test_an_echoed_prompts_first_token_has_null_logprobs():
     assert result["top_logprobs"] == [None, {" world": -0.25, " there": -2.0}]
 
 
-def test_completion_logprobs_keep_the_best_of_equal_texts_and_clamp_infinity():
-    halves = [TokenLogprob("\ufffd", b"\xf0", -1.0), TokenLogprob("\ufffd", b"\xe4", -2.0)]
-    result = completion_logprobs([TokenLogprob("\ufffd", b"\xf0", float("-inf"), tuple(halves))])
-    assert result["top_logprobs"] == [{"\ufffd": -1.0}]
-    assert result["token_logprobs"] == [-9999.0]
+def test_completion_logprobs_clamp_infinity():
+    result = completion_logprobs([TokenLogprob("a", b"a", float("-inf"))])
+    assert result["token_logprobs"] == [-9999.0] and result["top_logprobs"] == [{"a": -9999.0}]
+
+
+def test_alternatives_sharing_a_text_are_keyed_by_their_bytes_and_the_sampled_one_by_its_own():
+    """Tokens holding part of a character read "" (they complete none yet): the halves of
+    different characters met under one key, the best kept, so `top_logprobs[i][tokens[i]]` read
+    another token's logprob and fewer than n alternatives came. The sampled token keeps its
+    text; the others sharing it go by OpenAI's `bytes:` keys (as OpenAI's own answers do)."""
+    halves = (TokenLogprob("", b"\xe4\xbd", -0.5), TokenLogprob("", b"\xe6", -1.0))
+    whole = TokenLogprob(" a", b" a", -2.0)
+    drawn = TokenLogprob("", b"\xe6", -1.0, (*halves, whole))
+    assert completion_logprobs([drawn])["top_logprobs"] == [
+        {"bytes:\\xe4\\xbd": -0.5, "": -1.0, " a": -2.0}
+    ]
+    outside = TokenLogprob("", b"\xf0\x9f", -3.0, (*halves, whole))  # drawn outside the top
+    top = completion_logprobs([outside])["top_logprobs"][0]
+    assert top == {"bytes:\\xe4\\xbd": -0.5, "bytes:\\xe6": -1.0, " a": -2.0, "": -3.0}
+    assert list(top.values()) == sorted(top.values(), reverse=True)
 
 
 def test_chat_logprobs_shape():
