@@ -74,15 +74,14 @@ _COMMON_FIELDS = frozenset(
 )
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
-_CHAT_FIELDS |= {"tools", "tool_choice"}  # see services.gateway.tools (refused on completions)
+# (see services.gateway.tools; refused on completions, `parallel_tool_calls` as unknown there)
+_CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"}
 MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, and characters of a key and a value
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
 # Fields that change nothing tandem produces: accepted and ignored (`metadata` checked first).
-# (`parallel_tool_calls` is read by chat's tools, `services.gateway.tools`, and changes nothing
-# else.)
 _IGNORED_FIELDS = frozenset(
-    {"store", "metadata", "service_tier", "parallel_tool_calls", "safety_identifier"}
+    {"store", "metadata", "service_tier", "safety_identifier"}
     | {"prompt_cache_key", "prompt_cache_options", "prompt_cache_retention"}
 )
 # Known OpenAI fields tandem does not implement, each with the values that ask for nothing

@@ -144,9 +144,17 @@ class TestEnvelope:
             "store": True,
             "metadata": {"k": "v"},
             "service_tier": "auto",
-            "parallel_tool_calls": False,
         }
         assert parse({**base, **harmless}, MODEL, MAX_LEN) == parse(base, MODEL, MAX_LEN)
+
+
+def test_parallel_tool_calls_belongs_to_chat():
+    """Read by chat's tools; completions, which have none, refuse it as OpenAI does (it was
+    ignored there)."""
+    fields = {"parallel_tool_calls": False}
+    error = assert_bad(parse_completion_request, COMPLETION, fields, "parallel_tool_calls")
+    assert "unknown" in error.message
+    assert parse_chat_request({**CHAT, "parallel_tool_calls": False}, MODEL, MAX_LEN)
 
     @pytest.mark.parametrize(
         "metadata",
