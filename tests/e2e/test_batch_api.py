@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -111,6 +112,29 @@ def test_a_job_completes_with_the_answers_of_direct_calls(batch_cluster):
     assert batch.id in [b.id for b in listed.data]
     file_ids = [f.id for f in api.files.list()]
     assert batch.input_file_id in file_ids and batch.output_file_id in file_ids
+
+
+def readme_example(heading: str) -> str:
+    """The first Python block of the README section under `heading`."""
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    section = text[text.index(heading) :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
+def test_the_readmes_python_example_runs_as_written(batch_cluster, tmp_path, monkeypatch, capsys):
+    """What a new user copies first: it read the output file straight after the create, while
+    the job was still in progress (`files.content(None)` raised)."""
+    chat = {"model": "smollm2", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hi"}]}  # fmt: skip
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions", "body": chat}
+             for i in range(3)]  # fmt: skip
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    monkeypatch.chdir(tmp_path)
+    exec(readme_example("### Bulk jobs"), {"client": client(batch_cluster)})
+    answers = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.strip()]
+    assert sorted(a["custom_id"] for a in answers) == ["c0", "c1", "c2"]
+    assert all(a["response"]["status_code"] == 200 for a in answers)
 
 
 def test_malformed_lines_fail_the_batch_in_validating_with_every_line_number(batch_cluster):
