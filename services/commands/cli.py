@@ -7,6 +7,7 @@ import importlib
 import os
 import signal
 import sys
+import textwrap
 from types import FrameType
 
 from shared.config import ConfigError
@@ -49,11 +50,26 @@ HELPS = {
 }
 
 
+class DocstringFormatter(argparse.HelpFormatter):
+    """A subcommand's description is its module's docstring: paragraphs are filled to the
+    terminal as argparse fills them, but an indented block (the example command lines) keeps
+    its lines. (argparse's default ran the examples together into one paragraph.)"""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = textwrap.dedent(text).strip().split("\n\n")
+        return "\n\n".join(
+            textwrap.indent(paragraph, indent)
+            if paragraph.startswith(" ")
+            else super(DocstringFormatter, self)._fill_text(paragraph, width, indent)
+            for paragraph in paragraphs
+        )
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in SUBCOMMANDS.items():
-        subparser = sub.add_parser(name, help=HELPS[name])
+        subparser = sub.add_parser(name, help=HELPS[name], formatter_class=DocstringFormatter)
         if name in argv:  # only the chosen subcommand's module is imported
             module = importlib.import_module(module_name)
             subparser.description = module.__doc__

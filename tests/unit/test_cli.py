@@ -1,5 +1,6 @@
 """The `tandem` command refuses wrong input with a clear message and exit status 2."""
 
+import argparse
 import json
 import os
 import re
@@ -498,3 +499,23 @@ def test_a_command_whose_reader_leaves_or_is_interrupted_ends_without_a_tracebac
     monkeypatch.setattr(keys, "run", interrupted)
     assert cli.main(["keys", "--dir", str(tmp_path)]) == 130
     assert "tandem keys: interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "batch", "keys"])
+def test_a_subcommands_help_keeps_its_example_lines(command, monkeypatch):
+    """The examples in a subcommand's docstring (an indented block) print one per line, as
+    written; argparse's filling ran them together into the paragraph around them. The prose
+    is still filled to the terminal's width."""
+    from services.commands import cli
+
+    parser = cli.build_parser([command])
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    subparser = subparsers.choices[command]
+    monkeypatch.setenv("COLUMNS", "80")  # (argparse reads it as it formats)
+    help_text = subparser.format_help()
+    examples = [line for line in subparser.description.splitlines() if line.startswith("    ")]
+    assert examples
+    for example in examples:
+        assert example in help_text.splitlines()
+    prose = [line for line in help_text.splitlines() if not line.startswith(" ")]
+    assert max(map(len, prose)) <= 80
