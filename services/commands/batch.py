@@ -69,7 +69,7 @@ class Api:
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._request(method, path, **kwargs)
-        _check(method, path, response)
+        _check(method, response)
         return response
 
     def get_patiently(self, path: str, max_refused_s: float = MAX_REFUSED_S) -> Any:
@@ -88,14 +88,18 @@ class Api:
                 break
             time.sleep(wait_s)
             backoff_s = min(MAX_BACKOFF_S, backoff_s * 2)
-        _check("GET", path, response)
+        _check("GET", response)
         return response
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             return self.http.request(method, path, **kwargs)
         except httpx.HTTPError as error:  # the server is not there, or went away
-            raise SystemExit(f"tandem batch: {method} {path}: {error}") from None
+            raise SystemExit(f"tandem batch: {method} {self.sent_path(path)}: {error}") from None
+
+    def sent_path(self, path: str) -> str:
+        """`path` as the request goes: under the base URL's `/v1`."""
+        return self.http.base_url.path.rstrip("/") + path
 
 
 def is_loopback(url: str) -> bool:
@@ -176,17 +180,30 @@ def follow(api: Api, batch_id: str, interval_s: float = 1.0) -> dict[str, Any]:
         if first_tokens is None and output_tokens:
             first_tokens = (now, output_tokens)
         rate, token_rate = _rate(first_done, done, now), _rate(first_tokens, output_tokens, now)
-        eta = f"{(counts['total'] - done) / rate:.0f} s" if rate else "?"
+        ended = batch["status"] in ENDED
+        if ended:  # the batch's own rate, when it says when it ran: no ETA, nor a 0.0 lines/s
+            rate, eta = _run_rate(batch, done) or rate, ""
+        else:
+            eta = f"  ETA {(counts['total'] - done) / rate:.0f} s" if rate else "  ETA ?"
         tokens = f"  {token_rate:.0f} tokens/s" if token_rate else ""
         sys.stderr.write(
             f"\r{batch['status']:<11} {done}/{counts['total']} done ({counts['failed']} failed)"
-            f"  {rate:.1f} lines/s{tokens}  ETA {eta}   "
+            f"  {rate:.1f} lines/s{tokens}{eta}   "
         )
         sys.stderr.flush()
-        if batch["status"] in ENDED:
+        if ended:
             sys.stderr.write("\n")
             return batch
         time.sleep(interval_s)
+
+
+def _run_rate(batch: dict[str, Any], done: int) -> float | None:
+    """Lines per second over the ended batch's run (`in_progress_at` to its end's stamp, whole
+    seconds), if it took one or more: a short job ends before a second poll measures one."""
+    start, end = batch.get("in_progress_at"), batch.get(f"{batch['status']}_at")
+    if not isinstance(start, int) or not isinstance(end, int) or end <= start:
+        return None
+    return done / (end - start)
 
 
 def _rate(first: tuple[float, int] | None, count: int, now: float) -> float:
@@ -209,7 +226,7 @@ def download(api: Api, args: argparse.Namespace) -> int:
         with api.http.stream("GET", path) as response:
             if response.status_code != 200:
                 response.read()
-                _check("GET", path, response)  # an error body is no batch's output
+                _check("GET", response)  # an error body is no batch's output
             out = open(args.out, "wb") if args.out else sys.stdout.buffer  # noqa: SIM115
             try:
                 for chunk in response.iter_bytes():
@@ -218,11 +235,11 @@ def download(api: Api, args: argparse.Namespace) -> int:
                 if args.out:
                     out.close()
     except httpx.HTTPError as error:
-        raise SystemExit(f"tandem batch: GET {path}: {error}") from None
+        raise SystemExit(f"tandem batch: GET {api.sent_path(path)}: {error}") from None
     return 0
 
 
-def _check(method: str, path: str, response: httpx.Response) -> None:
+def _check(method: str, response: httpx.Response) -> None:
     """Exits with the server's message when it did not answer 200."""
     if response.status_code == 200:
         return
@@ -230,7 +247,8 @@ def _check(method: str, path: str, response: httpx.Response) -> None:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text
-    raise SystemExit(f"tandem batch: {method} {path}: {response.status_code} {message}")
+    where = response.request.url.path  # (as sent: /v1/...)
+    raise SystemExit(f"tandem batch: {method} {where}: {response.status_code} {message}")
 
 
 def _retry_after_s(response: httpx.Response) -> float | None:

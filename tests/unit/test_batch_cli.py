@@ -69,11 +69,23 @@ def test_following_a_batch_midway_counts_its_rates_from_the_first_poll(monkeypat
     lines = capsys.readouterr().err.split("\r")
     assert "100/200 done" in lines[1] and "0.0 lines/s" in lines[1] and "tokens/s" not in lines[1]
     assert "10.0 lines/s  400 tokens/s  ETA 9 s" in lines[2]
-    assert "10.0 lines/s  400 tokens/s  ETA 8 s" in lines[3]
+    assert "10.0 lines/s  400 tokens/s   " in lines[3] and "ETA" not in lines[3]  # it ended
+
+
+def test_an_ended_batch_shows_its_own_rate_not_an_eta(monkeypatch, capsys):
+    """A job that ended before a second poll said `0.0 lines/s  ETA ?` on its last line; it
+    now says its rate over its run, by its own timestamps."""
+    counts = {"total": 4, "completed": 4, "failed": 0}
+    ended = {"status": "completed", "request_counts": counts, "in_progress_at": 1_000,
+             "completed_at": 1_002}  # fmt: skip
+    batch_command, api, _ = played_api([httpx.Response(200, json=ended)], monkeypatch)
+    batch_command.follow(api, "batch_1")
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert "completed   4/4 done (0 failed)  2.0 lines/s" in last and "ETA" not in last
 
 
 def test_a_server_that_is_not_there_is_an_error_not_a_traceback():
-    with pytest.raises(SystemExit, match="tandem batch: GET /batches"):
+    with pytest.raises(SystemExit, match="tandem batch: GET /v1/batches"):
         main(["batch", "--url", "http://127.0.0.1:9", "list"])
 
 
