@@ -23,6 +23,7 @@ from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.panel import Panel
+from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
@@ -250,11 +251,17 @@ def render_batches(
 
 
 ACTIVE_JOBS = ("validating", "in_progress", "finalizing", "cancelling")
+BAR_WIDTH = 20  # a job's progress bar at its widest
 
 
 def render_jobs(jobs: Sequence[Mapping[str, Any]] | None, note: str | None, now: float) -> Table:
-    table = _table("batch jobs", ("id", "status"), ("done", "failed", "total", "age"))
-    table.add_column("progress", no_wrap=True)
+    """The key's newest jobs. Every column but the bar is kept whole (`no_wrap`): on a narrow
+    terminal the bar shrinks, then goes, before a figure is cut (at 80 columns the figures
+    read "…" beside a full bar)."""
+    table = _table("batch jobs", ("id", "status"), ())
+    for name in ("done", "failed", "total", "age", "%"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("progress", max_width=BAR_WIDTH)
     for job in jobs or ():
         counts = job.get("request_counts")
         counts = counts if isinstance(counts, dict) else {}  # (another server's shape: dashes)
@@ -266,7 +273,7 @@ def render_jobs(jobs: Sequence[Mapping[str, Any]] | None, note: str | None, now:
             Text(_value(job.get("id"))),
             Text(status, "bold green" if status in ACTIVE_JOBS else "dim"),
             _value(done), _value(failed), _value(total), age,
-            progress_bar(done, failed, total),
+            *progress(done, failed, total),
         )  # fmt: skip
     if note is not None:
         table.caption = note
@@ -275,13 +282,14 @@ def render_jobs(jobs: Sequence[Mapping[str, Any]] | None, note: str | None, now:
     return table
 
 
-def progress_bar(done: Any, failed: Any, total: Any, width: int = 20) -> Text:
+def progress(done: Any, failed: Any, total: Any) -> tuple[RenderableType, RenderableType]:
+    """A job's share of lines ended, and a bar of it as wide as the table leaves room for."""
     counts = (done, failed, total)
     if not all(isinstance(c, int) and c >= 0 for c in counts) or not total:
-        return Text(MISSING)
-    share = min(1.0, (done + failed) / total)
-    filled = round(share * width)
-    return Text.assemble(("█" * filled, "cyan"), ("░" * (width - filled), "dim"), f" {share:.0%}")
+        return MISSING, ""
+    ended = min(total, done + failed)
+    bar = ProgressBar(total=total, completed=ended, complete_style="cyan", finished_style="cyan")
+    return f"{ended / total:.0%}", bar
 
 
 def render_unreachable(url: str, error: str, interval: float | None = None) -> Panel:

@@ -263,6 +263,20 @@ def test_a_frame_shows_batch_jobs_with_their_progress(monkeypatch):
     assert "wants an API key" in render(Top(URL).frame(noted))
 
 
+def test_on_an_80_column_terminal_the_bar_gives_way_to_the_figures(monkeypatch):
+    """The bar kept its 20 columns and the figures read "…" (`tandem top --once` in a default
+    terminal); now the bar takes what the figures leave."""
+    monkeypatch.setattr(top.time, "time", lambda: 5030.0)
+    jobs = [{"id": "batch_6f1c2a9e0b7d4c3e8a5f1b2c", "status": "in_progress", "created_at": 1000,
+             "request_counts": {"total": 10000, "completed": 1234, "failed": 5}}]  # fmt: skip
+    for width in (80, 120):
+        text = render(Top(URL).frame(Snapshot(0.0, ready=ready_body(), jobs=jobs)), width=width)
+        row = next(line for line in text.splitlines() if "batch_6f1c" in line)
+        assert "1234" in row and "10000" in row and "4030 s" in row and "12%" in row, row
+        assert "…" not in row
+    assert "━" in row  # the bar, where there is room
+
+
 def test_fetch_names_what_went_wrong():
     assert "/ready answered 404" in top.fetch(mock_gateway(404), URL).error
     assert "not an object" in top.fetch(mock_gateway(body=[]), URL).error
