@@ -266,7 +266,14 @@ class GenerationRequest:
         if self.max_tokens is None:
             default = CHAT_DEFAULT_MAX_TOKENS if self.chat else COMPLETION_DEFAULT_MAX_TOKENS
             max_tokens = min(default, room)
-            if cache_room is not None and cache_room >= 1:
+            if cache_room is not None and cache_room < 1:  # (named so: no max_tokens was sent)
+                _fail(
+                    self.prompt_param,
+                    f"the prompt is {num_prompt_tokens} tokens, which leaves no room for output "
+                    f"in the largest decode worker's KV cache ({num_prompt_tokens + cache_room} "
+                    "tokens)",
+                )
+            if cache_room is not None:
                 max_tokens = min(max_tokens, cache_room)
         elif self.max_tokens > room:
             _fail(

@@ -140,6 +140,27 @@ def test_a_default_max_tokens_is_capped_to_the_largest_decode_pool(tokenizer):
     assert generation.params.max_tokens == 1024
 
 
+def test_a_prompt_past_the_largest_decode_pool_without_max_tokens_is_named_alone(tokenizer):
+    """Without `max_tokens`, a prompt that fills the largest decode worker's KV cache was the
+    scheduler's 400 "prompt plus max_tokens (2625 tokens)", the chat default the client never
+    sent counted in; the prompt alone is named now. With `max_tokens` the scheduler's answer
+    stands (the sum is what was asked)."""
+    cluster = PlayedCluster({})
+    generator = Generator(cluster, tokenizer, MODEL, 8192, GatewayEvents(get_logger()))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi " * 20}]}
+    num_prompt_tokens = len(
+        generator.prepare(parse_chat_request(body, MODEL, 8192), "c").prompt_token_ids
+    )
+    cluster.view = ClusterView(max_decode_pool_tokens=num_prompt_tokens)
+    with pytest.raises(ApiError) as refused:
+        generator.prepare(parse_chat_request(body, MODEL, 8192), "chatcmpl")
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert f"the prompt is {num_prompt_tokens} tokens" in refused.value.message
+    assert f"KV cache ({num_prompt_tokens} tokens)" in refused.value.message
+    asked = parse_chat_request({**body, "max_tokens": 5}, MODEL, 8192)
+    assert generator.prepare(asked, "chatcmpl").params.max_tokens == 5
+
+
 def test_cached_tokens_in_the_usage_never_exceed_the_prompt(tokenizer):
     """A resumed attempt's prefill counts the cached part of its prompt and the output it was
     given: usage reported more cached prompt tokens than the prompt had."""
