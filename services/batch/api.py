@@ -28,13 +28,11 @@ from services.batch.jobs import UNFINISHED, JobManager
 from services.batch.runner import KINDS
 from services.batch.store import Store, fsync_path
 from services.batch.validation import TooManyBlankLines, has_lone_surrogate, num_requests
+from shared.openai_metadata import metadata_problem
 
 Result = tuple[int, dict[str, Any], bytes | None]
 _WINDOW = re.compile(r"(\d{1,9})([hms])")  # (int() refuses over 4,300 digits)
 _SECONDS = {"h": 3600, "m": 60, "s": 1}
-MAX_METADATA_KEYS = 16  # OpenAI's: at most 16 pairs, keys of 64 characters, values of 512
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 CONTENT_CHUNK_BYTES = 1 << 20
 MAX_PAGE_BYTES = 4 << 20  # of a list's objects as JSON (one batch object is ~200 KB at most)
 COUNTING_THREADS = 2  # creates counting their files at once (each a second at most)
@@ -482,27 +480,10 @@ def _create_options(params: dict) -> tuple[str, int, dict | None]:
         raise ApiFailure(400, f"endpoint must be one of {', '.join(KINDS)}", "endpoint")
     window_s = _window_seconds(params.get("completion_window"))
     metadata = params.get("metadata")
-    if metadata is not None and not _is_metadata(metadata):
-        raise ApiFailure(
-            400,
-            f"metadata must be a map of at most {MAX_METADATA_KEYS} keys of at most "
-            f"{MAX_METADATA_KEY_CHARS} characters to strings of at most "
-            f"{MAX_METADATA_VALUE_CHARS}",
-            "metadata",
-        )
+    problem = metadata_problem(metadata)
+    if problem is not None:
+        raise ApiFailure(400, problem, "metadata")
     return endpoint, window_s, metadata
-
-
-def _is_metadata(metadata: Any) -> bool:
-    return (
-        isinstance(metadata, dict)
-        and len(metadata) <= MAX_METADATA_KEYS
-        and all(len(key) <= MAX_METADATA_KEY_CHARS for key in metadata)
-        and all(
-            isinstance(value, str) and len(value) <= MAX_METADATA_VALUE_CHARS
-            for value in metadata.values()
-        )
-    )
 
 
 def _expires_after_seconds(policy: Any, param: str) -> int | None:

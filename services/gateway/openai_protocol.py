@@ -29,6 +29,7 @@ from services.gateway.structured_outputs import check_parses, parse_constraint
 from services.gateway.tools import ToolSetup, fallback_messages, parse_history_calls, parse_tools
 from shared.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from shared.errors import InvalidRequestError
+from shared.openai_metadata import metadata_problem
 
 ERROR_TYPES = frozenset(
     {
@@ -76,9 +77,6 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 # (see services.gateway.tools; refused on completions, `parallel_tool_calls` as unknown there)
 _CHAT_FIELDS |= {"tools", "tool_choice", "parallel_tool_calls"}
-MAX_METADATA = 16  # OpenAI's bounds on `metadata`: pairs, and characters of a key and a value
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 # Fields that change nothing tandem produces: accepted and ignored (`metadata` checked first).
 _IGNORED_FIELDS = frozenset(
     {"store", "metadata", "service_tier", "safety_identifier"}
@@ -371,18 +369,9 @@ def _asks_for_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
 def check_metadata(metadata: Any) -> None:
     """OpenAI's bounds on `metadata` (it is echoed in a Response, and kept with it; chat and
     completions ignore it, but it took any value: a client's bug went unseen)."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA:
-        _fail("metadata", f"`metadata` must be an object of at most {MAX_METADATA} pairs")
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY or not isinstance(value, str):
-            _fail(
-                "metadata",
-                f"`metadata` keys are at most {MAX_METADATA_KEY} characters, values strings",
-            )
-        if len(value) > MAX_METADATA_VALUE:
-            _fail("metadata", f"`metadata` values are at most {MAX_METADATA_VALUE} characters")
+    problem = metadata_problem(metadata)
+    if problem is not None:
+        _fail("metadata", problem)
 
 
 def _check_fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from services.batch.api import BatchApi, Limits
 from services.batch.store import Store
 from services.batch.validation import PREFIX_KEY_CHARS, check_line, prefix_key, validate
 from shared import wire_batch
+from shared.openai_metadata import metadata_problem
 from shared.wire import WireError
 
 
@@ -663,10 +664,12 @@ def test_a_create_without_a_file_id_or_with_long_metadata_keys_is_a_400_naming_i
     store.path_of("file-in").write_bytes(good() + b"\n")
     store.add_file("file-in", "alice", "batch", "in.jsonl", len(good()) + 1)
     params["input_file_id"] = "file-in"
-    status, body, _ = api.handle(
-        "batch_create", "alice", {**params, "metadata": {"k" * 65: "v"}}, None
-    )
-    assert (status, body["error"]["param"]) == (400, "metadata")
+    too_many = {f"k{i}": "v" for i in range(17)}
+    for metadata in ({"k" * 65: "v"}, {"k": 1}, {"k": "v" * 513}, too_many):
+        create = {**params, "metadata": metadata}
+        status, body, _ = api.handle("batch_create", "alice", create, None)
+        assert (status, body["error"]["param"]) == (400, "metadata")
+        assert body["error"]["message"] == metadata_problem(metadata)  # the gateway's words too
     status, body, _ = api.handle(
         "batch_create", "alice", {**params, "metadata": {"k" * 64: "v"}}, None
     )
