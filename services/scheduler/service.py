@@ -305,6 +305,27 @@ def drain_deadline(next_tick: float, now: float) -> float:
     return next_tick if late_s <= 0 else now + late_s
 
 
+class CatchUp:
+    """Whether a due tick may judge silence now. A turn that comes late by more than a
+    heartbeat interval (the process was stopped, or starved of the CPU) reads what arrived
+    meanwhile first (`drain_deadline`), but not what the sockets still hold: ZeroMQ's own
+    thread, stopped too, is still moving those seconds' messages from the kernel, and a tick
+    then took a worker whose heartbeats were on their way for silent (1 in 8 runs of
+    `test_scheduler_stall.py` under load). Such a tick waits one interval, once: a scheduler
+    late at every turn (overloaded) still ticks every other one."""
+
+    def __init__(self, heartbeat_interval_s: float) -> None:
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.waited = False
+
+    def caught_up(self, now: float, due: float) -> bool:
+        if now - due <= self.heartbeat_interval_s or self.waited:
+            self.waited = False
+            return True
+        self.waited = True
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging("scheduler")
     SchedulerService(config_from_args(SchedulerConfig, args)).serve_forever()
@@ -387,6 +408,7 @@ class SchedulerService:
         thaw_every_s = self.config.gc_thaw_every_s
         freezer = SurvivorFreezer(thaw_every_s) if thaw_every_s > 0 else None
         next_tick = time.monotonic()  # (the first turn ticks at once)
+        hearing = CatchUp(self.config.heartbeat_interval_s)
         try:
             while not self._stopping:
                 # Whole milliseconds, rounded up: pyzmq truncates, which spins the last one.
@@ -397,11 +419,13 @@ class SchedulerService:
                 if monitor in ready:
                     self._connections_closed(next_tick)
                 now = self._last_turn = time.monotonic()
-                if now >= next_tick:
+                if now >= next_tick and hearing.caught_up(now, next_tick):
                     self._tick_guarded(now)
                     if freezer is not None:
                         freezer.after_collections()
                     next_tick = now + self.config.heartbeat_interval_s / 2
+                elif now >= next_tick:  # a stalled turn: the tick waits for what was sent
+                    next_tick = now + self.config.heartbeat_interval_s
         finally:
             gc_timer.close()
             if freezer is not None:
