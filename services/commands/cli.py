@@ -56,12 +56,11 @@ class DocstringFormatter(argparse.HelpFormatter):
     its lines. (argparse's default ran the examples together into one paragraph.)"""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
+        fill = super()._fill_text
         paragraphs = textwrap.dedent(text).strip().split("\n\n")
         return "\n\n".join(
-            textwrap.indent(paragraph, indent)
-            if paragraph.startswith(" ")
-            else super(DocstringFormatter, self)._fill_text(paragraph, width, indent)
-            for paragraph in paragraphs
+            textwrap.indent(p, indent) if p.startswith(" ") else fill(p, width, indent)
+            for p in paragraphs
         )
 
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from services.commands.arguments import positive
 from services.gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from services.gateway.generation import ChoiceText
 from shared.engine.engine import EngineConfig, GenerationResult, LLMEngine
@@ -83,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON object with token ids")
     parser.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive(int),
         default=None,
         help="torch threads (default: torch's choice, one per core: on a machine other work "
         "shares, fewer can be several times faster)",
@@ -102,16 +103,6 @@ def _token_ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _stop_string(text: str) -> str:

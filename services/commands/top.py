@@ -11,7 +11,6 @@ rates, batch history) is `services.commands.top_data`.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from services.commands.arguments import positive
 from services.commands.top_data import (  # noqa: F401 - re-exported for tests and callers
     GENERATED,
     HISTORY_STEPS,
@@ -43,22 +43,6 @@ from services.commands.top_data import (  # noqa: F401 - re-exported for tests a
 
 BARS = "▁▂▃▄▅▆▇█"
 MISSING = "–"
-
-
-def positive(convert: Callable[[str], float]) -> Callable[[str], float]:
-    """An argparse type: `convert`, then refuse anything but a finite number above 0."""
-
-    def parse(text: str) -> float:
-        try:
-            value = convert(text)
-        except ValueError:
-            kind = "an integer" if convert is int else "a number"
-            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-        return value
-
-    return parse
 
 
 def gateway_url(text: str) -> str:

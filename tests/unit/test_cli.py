@@ -32,8 +32,8 @@ WRONG_INPUTS = [
     (["generate", "--prompt", "hi", "--min-tokens", "65"], "min_tokens"),
     (["generate", "--prompt", "hi", "--min-tokens", "x"], "--min-tokens"),
     (["generate", "--prompt", "hi", "--stop-token-ids", "1,b"], "--stop-token-ids"),
-    (["generate", "--prompt", "hi", "--threads", "0"], "--threads: expected a positive integer"),
-    (["generate", "--prompt", "hi", "--threads", "two"], "--threads: expected a positive"),
+    (["generate", "--prompt", "hi", "--threads", "0"], "--threads: must be greater than 0"),
+    (["generate", "--prompt", "hi", "--threads", "two"], "--threads: expected an integer"),
     # (The gateway refuses it in a request; here it was a traceback once the text was made.)
     (["generate", "--prompt", "hi", "--stop", ""], "--stop: a stop string must not be empty"),
     (["generate", "--prompt", "hi", "--default-sampling", "heat=1"], "'heat' is not"),
